@@ -1,0 +1,111 @@
+"""Expert banks: the runtime layout of a model's routed experts (DESIGN §1).
+
+Every bank is one tensor whose first dimension is ``flat_id = layer_index * num_experts + expert``
+(``layer_index`` counts MoE layers only). The host pool, the slot cache and the CPU executor all
+address experts by that id, whatever the checkpoint's layout was.
+
+Shapes (bf16 or fp32; quantised formats add their own scale banks, see ``formats.py``):
+    gate_up      [N, 2 * I, H]   rows [0, I) are the gate projection, rows [I, 2I) the up projection
+                                 (GPT-OSS's interleaved gate/up is de-interleaved at load time)
+    down         [N, H, I]
+    gate_up_bias [N, 2 * I]      optional (GPT-OSS)
+    down_bias    [N, H]          optional (GPT-OSS)
+where N = num_moe_layers * num_experts, H = hidden size, I = moe intermediate size.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Activation(enum.IntEnum):
+    """The expert activation. The integer value is what the native executor receives."""
+
+    SILU = 0  # silu(gate) * up
+    GPTOSS = 1  # clamped SwiGLU of GPT-OSS: see `activate`
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    kind: Activation = Activation.SILU
+    alpha: float = 1.702  # GPT-OSS only
+    limit: float = 7.0  # GPT-OSS only
+
+
+@dataclass
+class ExpertBanks:
+    """All routed experts of one model, flat_id-major."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    @property
+    def num_flat(self) -> int:
+        return int(self.gate_up.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.gate_up.shape[2])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.down.shape[2])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"gate_up": self.gate_up, "down": self.down}
+        if self.gate_up_bias is not None:
+            out["gate_up_bias"] = self.gate_up_bias
+        if self.down_bias is not None:
+            out["down_bias"] = self.down_bias
+        return out
+
+    def nbytes_per_expert(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors().values())
+
+
+def activate(gate_up: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """[T, 2I] -> [T, I], in the dtype of the input (callers pass fp32)."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if spec.kind == Activation.SILU:
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=spec.limit)
+    up = up.clamp(min=-spec.limit, max=spec.limit)
+    glu = gate * torch.sigmoid(gate * spec.alpha)
+    return (up + 1) * glu
+
+
+def moe_reference(
+    x: torch.Tensor,
+    flat_ids: torch.Tensor,
+    weights: torch.Tensor,
+    banks: ExpertBanks,
+    act: ActivationSpec,
+) -> torch.Tensor:
+    """Plain-torch reference of the routed-expert sum, computed in fp32.
+
+    x        [T, H]  activations
+    flat_ids [T, K]  int, flat expert ids; -1 means "skip this route"
+    weights  [T, K]  gate weights (already normalised as the family wants)
+    returns  [T, H]  fp32: sum_k weights[t, k] * expert_{flat_ids[t, k]}(x[t])
+    """
+    xf = x.float()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    ids = flat_ids.long()
+    for fid in torch.unique(ids).tolist():
+        if fid < 0:
+            continue
+        tok, slot = torch.nonzero(ids == fid, as_tuple=True)
+        h = xf[tok] @ banks.gate_up[fid].float().t()
+        if banks.gate_up_bias is not None:
+            h = h + banks.gate_up_bias[fid].float()
+        y = activate(h, act) @ banks.down[fid].float().t()
+        if banks.down_bias is not None:
+            y = y + banks.down_bias[fid].float()
+        out.index_add_(0, tok, y * weights[tok, slot].float().unsqueeze(-1))
+    return out

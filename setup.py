@@ -1,0 +1,33 @@
+"""Package layout: the import names differ from the folder names (DESIGN §6).
+
+`freetokend` lives in `daemon/`, `ftctl` in `ctl/`, `ftkernels` in `kernels/`; the native CPU
+executor (`ftnative`) is built from `native/` by `native/build.py` when that folder provides one.
+"""
+
+from setuptools import find_packages, setup
+
+_ROOTS = {"freetokend": "daemon", "ftctl": "ctl", "ftkernels": "kernels"}
+
+
+def _packages() -> list[str]:
+    out: list[str] = []
+    for name, folder in _ROOTS.items():
+        out.append(name)
+        out.extend(f"{name}.{sub}" for sub in find_packages(folder))
+    return out
+
+
+def _ext_modules() -> list:
+    try:
+        from native.build import extensions  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    return extensions()
+
+
+setup(
+    packages=_packages(),
+    package_dir=dict(_ROOTS),
+    package_data={"freetokend": ["py.typed"], "ftctl": ["py.typed"]},
+    ext_modules=_ext_modules(),
+)
