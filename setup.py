@@ -4,7 +4,13 @@
 executor (`ftnative`) is built from `native/` by `native/build.py` when that folder provides one.
 """
 
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+# build_meta does not put the project root on sys.path; native/build.py lives there.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _ROOTS = {"freetokend": "daemon", "ftctl": "ctl", "ftkernels": "kernels"}
 
