@@ -1,0 +1,37 @@
+"""Typed contract between the scheduler/runner and the model: one flat forward batch.
+
+Tokens of all sequences in a step are concatenated along one dimension N (prefill chunks and
+decode tokens alike). Dense projections and the MoE run over all N rows at once; attention and
+linear attention run per sequence chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kv.pool import KVPool
+from ..kv.seq_state import SeqState
+
+if TYPE_CHECKING:
+    from ..experts.backend import MoEBackend
+
+
+@dataclass
+class SeqChunk:
+    start: int  # first row of this sequence in the flat batch
+    length: int  # rows of this sequence in the batch
+    context_len: int  # tokens already cached before this chunk (= position of the first row)
+    state: SeqState
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    chunks: list[SeqChunk]
+    kv: KVPool
+    moe: MoEBackend
+    logits_rows: torch.Tensor  # [B] rows whose logits are wanted (usually each chunk's last)

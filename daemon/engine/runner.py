@@ -1,0 +1,78 @@
+"""ModelRunner: owns the model, the KV pool and the MoE backend; runs one flat forward batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..experts.backend import MoEBackend
+from ..kv.pool import KVPool
+from ..kv.seq_state import SeqState
+from ..models.layers.deltanet import GatedDeltaNet
+from ..models.model import CausalLM
+from .batch import ForwardBatch, SeqChunk
+
+
+@dataclass
+class Work:
+    """One sequence's share of a step: feed ``tokens`` after what is cached in ``state``."""
+
+    state: SeqState
+    tokens: list[int]
+    want_logits: bool = True
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, moe: MoEBackend, kv_tokens: int, page_size: int = 16) -> None:
+        cfg = model.cfg
+        self.model, self.cfg, self.moe = model, cfg, moe
+        self.page_size = page_size
+        num_pages = max(1, -(-kv_tokens // page_size))
+        self.kv = KVPool(model.num_attention_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+
+    def new_state(self) -> SeqState:
+        st = SeqState()
+        if self.model.num_linear_layers:
+            st.recurrent = GatedDeltaNet.new_state(self.cfg, self.model.num_linear_layers)
+        return st
+
+    def pages_missing(self, state: SeqState, total_tokens: int) -> int:
+        return max(0, self.kv.pages_for(total_tokens) - len(state.pages))
+
+    def reserve(self, state: SeqState, total_tokens: int) -> None:
+        """Make room for ``total_tokens`` cached tokens (raises KVPoolFull)."""
+        need = self.pages_missing(state, total_tokens)
+        if need:
+            state.pages.extend(self.kv.alloc(need))
+
+    def release(self, state: SeqState) -> None:
+        self.kv.free(state.pages)
+        state.pages = []
+        state.num_tokens = 0
+
+    def forward(self, work: list[Work]) -> torch.Tensor:
+        """Runs all work items as one batch; returns logits [num items with want_logits, vocab]."""
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        chunks, rows = [], []
+        for w in work:
+            n = len(w.tokens)
+            self.reserve(w.state, w.state.num_tokens + n)
+            chunks.append(SeqChunk(len(ids), n, w.state.num_tokens, w.state))
+            pos.append(torch.arange(w.state.num_tokens, w.state.num_tokens + n))
+            ids.extend(w.tokens)
+            if w.want_logits:
+                rows.append(len(ids) - 1)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.cat(pos),
+            chunks=chunks,
+            kv=self.kv,
+            moe=self.moe,
+            logits_rows=torch.tensor(rows, dtype=torch.long),
+        )
+        logits = self.model(batch)
+        for w in work:
+            w.state.num_tokens += len(w.tokens)
+        return logits

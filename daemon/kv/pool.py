@@ -1,0 +1,72 @@
+"""Paged KV pool for the full- and sliding-attention layers.
+
+Storage per attention layer: K and V of shape [num_pages, page_size, kv_heads, head_dim]. A
+sequence owns a list of pages (its page table); token position p lives in page
+``pages[p // page_size]`` at row ``p % page_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPoolFull(RuntimeError):
+    """Not enough free pages for the request."""
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (max(num_layers, 1), num_pages, page_size, kv_heads, head_dim)
+        # Not zeroed: a page is always written before it is read.
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVPoolFull(f"need {n} KV pages, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def _rows(self, pages: list[int], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + n)
+        table = torch.tensor(pages, dtype=torch.long)
+        return table[pos // self.page_size], pos % self.page_size
+
+    def write(self, layer: int, pages: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, kv_heads, head_dim] at positions [start, start + n)."""
+        page, row = self._rows(pages, start, k.shape[0])
+        self.k[layer, page, row] = k.to(self.k.dtype)
+        self.v[layer, page, row] = v.to(self.v.dtype)
+
+    def read(self, layer: int, pages: list[int], length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [start, length) as [length - start, kv_heads, head_dim]."""
+        first, last = start // self.page_size, self.pages_for(length)
+        table = torch.tensor(pages[first:last], dtype=torch.long)
+        lo = start - first * self.page_size
+        k = self.k[layer, table].flatten(0, 1)[lo : lo + length - start]
+        v = self.v[layer, table].flatten(0, 1)[lo : lo + length - start]
+        return k, v

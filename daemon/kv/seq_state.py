@@ -1,0 +1,33 @@
+"""Per-sequence cache state: the KV page table and the recurrent state of linear-attention layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RecurrentState:
+    """Gated-DeltaNet state of one sequence, for every linear-attention layer.
+
+    conv [num_linear_layers, conv_dim, kernel - 1]   the last inputs of the causal conv
+    ssm  [num_linear_layers, v_heads, k_dim, v_dim]  the delta-rule state matrix
+    """
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def clone(self) -> RecurrentState:
+        return RecurrentState(self.conv.clone(), self.ssm.clone())
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+
+
+@dataclass
+class SeqState:
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose KV / state is in the cache
+    recurrent: RecurrentState | None = None

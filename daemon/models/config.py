@@ -1,0 +1,324 @@
+"""ModelConfig: the one place that reads a Hugging Face ``config.json``.
+
+Every family's spelling of the same idea is normalised here (``num_experts`` vs
+``num_local_experts``, ``rope_theta`` vs ``rope_parameters``, a multimodal wrapper's nested
+``text_config``, ...). Model code reads only the fields of :class:`ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF `architectures` entry -> our family name. The family modules are imported lazily by
+# `freetokend.models.registry`.
+ARCHITECTURES: dict[str, str] = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json we cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rotary_dim: int = 0  # dims of each head that rotate (partial rotary); 0 = none
+    kind: str = "default"  # "default" | "yarn"
+    # YaRN (GPT-OSS)
+    factor: float = 1.0
+    original_max_position: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # cos/sin scale (YaRN's mscale)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    # per-layer token mixer: "full_attention" | "sliding_attention" | "linear_attention"
+    layer_types: tuple[str, ...]
+    # per-layer: True when the layer's FFN is a routed MoE block (False = dense MLP)
+    moe_layers: tuple[bool, ...]
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    intermediate_size: int = 0  # dense MLP layers
+    shared_expert_intermediate_size: int = 0
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    attention_sinks: bool = False
+    attention_output_gate: bool = False  # Qwen3.5 gated attention
+    qk_norm: str = "none"  # "none" | "head" (per head) | "full" (over all heads, OLMoE)
+    norm_offset: bool = False  # (1 + w) RMSNorm (Qwen3.5 / Qwen3-Next)
+    clip_qkv: float | None = None
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # "silu" | "gptoss"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    tie_word_embeddings: bool = False
+    # Gated DeltaNet (linear attention)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    # the weight-name prefix of the text model inside the checkpoint ("model" or
+    # "model.language_model" for multimodal wrappers)
+    weight_prefix: str = "model"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @property
+    def moe_layer_index(self) -> tuple[int, ...]:
+        """layer -> index among MoE layers (-1 for dense layers): the flat_id's layer part."""
+        out, n = [], 0
+        for is_moe in self.moe_layers:
+            out.append(n if is_moe else -1)
+            n += int(is_moe)
+        return tuple(out)
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no config.json in the model folder") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return from_dict(raw, source=str(path))
+
+
+def _get(d: dict[str, Any], key: str, typ: type | tuple[type, ...], source: str, default: Any = ...) -> Any:
+    if key not in d or d[key] is None:
+        if default is ...:
+            raise ConfigError(f"{source}: missing field '{key}'")
+        return default
+    val = d[key]
+    if typ is float and isinstance(val, int) and not isinstance(val, bool):
+        val = float(val)
+    if not isinstance(val, typ) or (typ is int and isinstance(val, bool)):
+        raise ConfigError(f"{source}: field '{key}' must be {typ}, got {type(val).__name__}")
+    return val
+
+
+def _first(d: dict[str, Any], keys: tuple[str, ...], source: str, default: Any = ...) -> Any:
+    for k in keys:
+        if d.get(k) is not None:
+            return _get(d, k, int, source)
+    if default is ...:
+        raise ConfigError(f"{source}: missing field '{keys[0]}' (or {', '.join(keys[1:])})")
+    return default
+
+
+def _eos_ids(raw: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for d in (raw, text):
+        v = d.get("eos_token_id")
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, list):
+            ids.extend(int(x) for x in v)
+    return tuple(dict.fromkeys(ids))
+
+
+def _rope(text: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
+    params = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: field 'rope_parameters' must be an object")
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", text.get("rope_theta", 10000.0))
+    partial = merged.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind not in ("default", "yarn"):
+        raise ConfigError(f"{source}: field 'rope_parameters.rope_type' = {kind!r} is not supported")
+    rotary_dim = int(head_dim * float(partial))
+    if rotary_dim % 2:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' gives an odd rotary dim")
+    factor = float(merged.get("factor", 1.0) or 1.0)
+    attn_factor = merged.get("attention_factor")
+    if attn_factor is None and kind == "yarn":
+        attn_factor = _yarn_mscale(factor, merged.get("mscale"), merged.get("mscale_all_dim"))
+    return RopeConfig(
+        theta=float(theta),
+        rotary_dim=rotary_dim,
+        kind=kind,
+        factor=factor,
+        attention_factor=float(attn_factor or 1.0),
+        original_max_position=int(merged.get("original_max_position_embeddings", 0) or 0),
+        beta_fast=float(merged.get("beta_fast", 32.0)),
+        beta_slow=float(merged.get("beta_slow", 1.0)),
+        truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _yarn_mscale(factor: float, mscale: Any, mscale_all_dim: Any) -> float:
+    def m(scale: float, k: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return m(factor, float(mscale)) / m(factor, float(mscale_all_dim))
+    return m(factor)
+
+
+def _layer_types(text: dict[str, Any], family: str, n: int, source: str) -> tuple[str, ...]:
+    lt = text.get("layer_types")
+    if lt is None:
+        if family == "qwen3_5_moe":
+            interval = int(text.get("full_attention_interval", 4))
+            lt = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+        elif family == "gpt_oss":
+            lt = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        elif text.get("sliding_window") and text.get("use_sliding_window", family == "mixtral"):
+            lt = ["sliding_attention"] * n
+        else:
+            lt = ["full_attention"] * n
+    if not isinstance(lt, list) or len(lt) != n:
+        raise ConfigError(f"{source}: field 'layer_types' must list {n} entries")
+    allowed = {"full_attention", "sliding_attention", "linear_attention"}
+    for t in lt:
+        if t not in allowed:
+            raise ConfigError(f"{source}: field 'layer_types' has unsupported entry {t!r}")
+    return tuple(lt)
+
+
+def _moe_layers(text: dict[str, Any], family: str, n: int) -> tuple[bool, ...]:
+    if family != "qwen3_moe":
+        return (True,) * n
+    step = int(text.get("decoder_sparse_step", 1) or 1)
+    dense = set(text.get("mlp_only_layers") or [])
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise ConfigError(f"{source}: missing field 'architectures'")
+    arch = archs[0]
+    family = ARCHITECTURES.get(arch)
+    if family is None:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise ConfigError(f"{source}: field 'architectures' = {arch!r} is not supported (known: {known})")
+    text = raw
+    prefix = "model"
+    if isinstance(raw.get("text_config"), dict):  # multimodal wrapper, served text-only
+        text = {**raw["text_config"]}
+        prefix = "model.language_model"
+    hidden = _get(text, "hidden_size", int, source)
+    heads = _get(text, "num_attention_heads", int, source)
+    n = _get(text, "num_hidden_layers", int, source)
+    head_dim = _get(text, "head_dim", int, source, hidden // heads)
+    num_experts = _first(text, ("num_experts", "num_local_experts"), source)
+    top_k = _get(text, "num_experts_per_tok", int, source)
+    if not 0 < top_k <= num_experts:
+        raise ConfigError(f"{source}: field 'num_experts_per_tok' = {top_k} must be in [1, {num_experts}]")
+    inter = _get(text, "intermediate_size", int, source, 0)
+    moe_inter = _get(text, "moe_intermediate_size", int, source, inter)
+    if moe_inter <= 0:
+        raise ConfigError(f"{source}: missing field 'moe_intermediate_size' (or 'intermediate_size')")
+    # Qwen3.5 renormalises the top-k weights unconditionally; Mixtral too; GPT-OSS takes the
+    # softmax over the top-k logits, which is the same thing.
+    norm_default = family in ("qwen3_5_moe", "mixtral", "gpt_oss")
+    norm_topk = bool(text.get("norm_topk_prob", norm_default))
+    if family in ("mixtral", "gpt_oss"):
+        norm_topk = True
+    is_gptoss = family == "gpt_oss"
+    is_q35 = family == "qwen3_5_moe"
+    cfg = ModelConfig(
+        family=family,
+        architecture=arch,
+        vocab_size=_get(text, "vocab_size", int, source),
+        hidden_size=hidden,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=_get(text, "num_key_value_heads", int, source, heads),
+        head_dim=head_dim,
+        rms_norm_eps=_get(text, "rms_norm_eps", float, source, 1e-6),
+        max_position_embeddings=_get(text, "max_position_embeddings", int, source, 4096),
+        rope=_rope(text, head_dim, source),
+        layer_types=_layer_types(text, family, n, source),
+        moe_layers=_moe_layers(text, family, n),
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=norm_topk,
+        intermediate_size=inter,
+        shared_expert_intermediate_size=_get(text, "shared_expert_intermediate_size", int, source, 0)
+        if is_q35
+        else 0,
+        sliding_window=_get(text, "sliding_window", int, source, None),
+        attention_bias=bool(text.get("attention_bias", is_gptoss)),
+        attention_sinks=is_gptoss,
+        attention_output_gate=is_q35,
+        qk_norm={"qwen3_moe": "head", "qwen3_5_moe": "head", "olmoe": "full"}.get(family, "none"),
+        norm_offset=is_q35,
+        clip_qkv=_get(text, "clip_qkv", float, source, None),
+        router_bias=is_gptoss,
+        expert_bias=is_gptoss,
+        activation="gptoss" if is_gptoss else "silu",
+        swiglu_alpha=float(text.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(text.get("swiglu_limit", 7.0)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        linear_num_key_heads=_get(text, "linear_num_key_heads", int, source, 0),
+        linear_num_value_heads=_get(text, "linear_num_value_heads", int, source, 0),
+        linear_key_head_dim=_get(text, "linear_key_head_dim", int, source, 0),
+        linear_value_head_dim=_get(text, "linear_value_head_dim", int, source, 0),
+        linear_conv_kernel=_get(text, "linear_conv_kernel_dim", int, source, 0),
+        eos_token_ids=_eos_ids(raw, text),
+        torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        weight_prefix=prefix,
+        raw=raw,
+    )
+    _validate(cfg, source)
+    return cfg
+
+
+def _validate(cfg: ModelConfig, source: str) -> None:
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(f"{source}: field 'num_key_value_heads' must divide num_attention_heads")
+    if cfg.has_linear_attention:
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel"):
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(f"{source}: linear attention needs field '{name}' > 0")
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise ConfigError(f"{source}: field 'linear_num_key_heads' must divide linear_num_value_heads")
+    if "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
+        raise ConfigError(f"{source}: sliding attention layers need field 'sliding_window'")
+    if cfg.torch_dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"{source}: field 'torch_dtype' = {cfg.torch_dtype!r} is not supported")

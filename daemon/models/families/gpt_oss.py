@@ -1,0 +1,6 @@
+"""GPT-OSS: attention sinks, alternating sliding-window layers, q/k/v/o and expert biases,
+YaRN rope, softmax over the top-k router logits, clamped SwiGLU with interleaved gate/up."""
+
+from .spec import FamilySpec
+
+SPEC = FamilySpec(experts_transposed_interleaved=True)

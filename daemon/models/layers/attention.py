@@ -1,0 +1,128 @@
+"""Softmax attention over the paged KV pool.
+
+Covers every family we serve: GQA, optional per-head or full q/k RMSNorm (Qwen3 / OLMoE),
+q/k/v/o biases and attention sinks (GPT-OSS), sliding windows, QKV clipping (OLMoE) and the
+sigmoid output gate of Qwen3.5 (q_proj emits [q_h, gate_h] per head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...engine.batch import ForwardBatch
+from ..config import ModelConfig
+from .common import Linear, RMSNorm, param
+from .rope import Rope
+
+# Queries per attention block in prefill: bounds the [heads, block, context] score tensor.
+_Q_BLOCK = 512
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of queries at positions [q_start, q_start + n) over keys [0, c).
+
+    q [n, heads, d], k/v [c, kv_heads, d] (fp32) -> [n, heads, d]. With ``window`` a query at
+    position i sees keys j with i - window < j <= i. ``sinks`` [heads] adds one learned logit per
+    head to the softmax denominator (GPT-OSS).
+    """
+    n, heads, _ = q.shape
+    c = k.shape[0]
+    groups = heads // k.shape[1]
+    kh = k.repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, c, d]
+    vh = v.repeat_interleave(groups, dim=1).transpose(0, 1)
+    qh = q.transpose(0, 1)  # [heads, n, d]
+    qpos = torch.arange(q_start, q_start + n).unsqueeze(1)
+    kpos = torch.arange(c).unsqueeze(0)
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+        return out.transpose(0, 1)
+    scores = (qh @ kh.transpose(1, 2)) * scale  # [heads, n, c]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.float().view(heads, 1, 1).expand(heads, n, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return (probs @ vh).transpose(0, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, kv_layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, kvh, d, hid = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.heads, self.kv_heads, self.head_dim = h, kvh, d
+        self.kv_layer = kv_layer
+        self.gated = cfg.attention_output_gate
+        bias = cfg.attention_bias
+        self.q_proj = Linear(hid, h * d * (2 if self.gated else 1), dtype, bias)
+        self.k_proj = Linear(hid, kvh * d, dtype, bias)
+        self.v_proj = Linear(hid, kvh * d, dtype, bias)
+        self.o_proj = Linear(h * d, hid, dtype, bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(h * d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(kvh * d, cfg.rms_norm_eps, dtype)
+        self.sinks = param(h, dtype=dtype) if cfg.attention_sinks else None
+        self.window = cfg.sliding_window if cfg.layer_types[layer] == "sliding_attention" else None
+        self.clip = cfg.clip_qkv
+        self.scale = d**-0.5
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        n = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.gated:  # per head: [q_h (d), gate_h (d)]
+            qg = q.view(n, self.heads, 2 * self.head_dim)
+            q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(n, -1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.reshape(n, self.heads, self.head_dim)
+        k = k.reshape(n, self.kv_heads, self.head_dim)
+        v = v.reshape(n, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v, gate
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v, gate = self._qkv(x)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        out = torch.empty_like(q)
+        for ch in batch.chunks:
+            rows = slice(ch.start, ch.start + ch.length)
+            end = ch.context_len + ch.length
+            batch.kv.write(self.kv_layer, ch.state.pages, ch.context_len, k[rows], v[rows])
+            first = 0 if self.window is None else max(0, ch.context_len - self.window + 1)
+            kc, vc = batch.kv.read(self.kv_layer, ch.state.pages, end, start=first)
+            kc, vc = kc.float(), vc.float()
+            for b0 in range(0, ch.length, _Q_BLOCK):
+                b1 = min(ch.length, b0 + _Q_BLOCK)
+                out[ch.start + b0 : ch.start + b1] = attend(
+                    q[ch.start + b0 : ch.start + b1],
+                    kc,
+                    vc,
+                    ch.context_len + b0 - first,
+                    self.scale,
+                    self.window,
+                    self.sinks,
+                )
+        o = out.reshape(x.shape[0], -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)

@@ -1,0 +1,61 @@
+"""Small shared pieces: parameters allocated without initialisation, linear, RMSNorm.
+
+The residual stream is fp32; weights stay in the checkpoint's dtype and each projection casts its
+input to that dtype (the loader fills every parameter, so `torch.empty` never leaks garbage).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); output fp32."""
+
+    def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = param(d_out, d_in, dtype=dtype)
+        self.bias = param(d_out, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return F.linear(x.to(w.dtype), w, self.bias).float()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32; ``offset`` selects the (1 + w) form of Qwen3.5 / Qwen3-Next."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, offset: bool = False) -> None:
+        super().__init__()
+        self.weight = param(dim, dtype=dtype)
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        return y * (1.0 + w if self.offset else w)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, dtype)
+        self.up_proj = Linear(hidden, inter, dtype)
+        self.down_proj = Linear(inter, hidden, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -1,0 +1,54 @@
+"""Rotary position embedding: default and YaRN, full or partial rotary dims (half-split form)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import RopeConfig
+
+
+def inv_frequencies(rope: RopeConfig) -> torch.Tensor:
+    """[rotary_dim / 2] inverse frequencies, fp32."""
+    dim = rope.rotary_dim
+    exps = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    base = rope.theta**exps
+    if rope.kind != "yarn":
+        return 1.0 / base
+    extra, inter = 1.0 / base, 1.0 / (rope.factor * base)
+
+    def corr(rot: float) -> float:
+        return dim * math.log(rope.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = corr(rope.beta_fast), corr(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep_extra = 1 - ramp  # 1 where the dimension extrapolates (high frequency)
+    return inter * (1 - keep_extra) + extra * keep_extra
+
+
+class Rope:
+    def __init__(self, rope: RopeConfig) -> None:
+        self.cfg = rope
+        self.inv_freq = inv_frequencies(rope) if rope.rotary_dim else torch.empty(0)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos, sin [N, rotary_dim / 2] (fp32, scaled by the attention factor)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        s = self.cfg.attention_factor
+        return freqs.cos() * s, freqs.sin() * s
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim] fp32; rotates the first rotary_dim dims."""
+        r = self.cfg.rotary_dim
+        if r == 0:
+            return x
+        half = r // 2
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)

@@ -1,0 +1,220 @@
+"""One table-driven loader from HF safetensors into dense parameters plus expert banks.
+
+Reads a single ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Each tensor
+is read once and copied into its final, pre-allocated home (a parameter of the model, or a
+flat_id-major slice of the expert banks), so loading never holds two copies of the weights.
+Per-expert tensors (``experts.<e>.gate_proj``) and fused ones (``experts.gate_up_proj``) are
+both accepted; the family's FamilySpec says how names and layouts map.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..experts.banks import ExpertBanks
+from .config import ModelConfig
+from .families.spec import FamilySpec
+from .layers.common import dtype_of
+from .model import CausalLM
+from .registry import family_spec
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot load; the message names the tensor and the file."""
+
+
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
+_PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+_ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).exists()]
+        if missing:
+            raise CheckpointError(f"{index}: shard file {missing[0]} is missing")
+        return [model_dir / f for f in files]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if found:
+        return found
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    try:
+        f = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from None
+    with f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+
+            def get(name: str = name) -> torch.Tensor:
+                try:
+                    return f.get_tensor(name)
+                except (SafetensorError, OSError, RuntimeError) as e:
+                    raise CheckpointError(f"{path}: tensor '{name}' cannot be read ({e})") from None
+
+            yield name, get
+
+
+class _Filler:
+    """Knows every destination and what has been filled."""
+
+    def __init__(self, cfg: ModelConfig, spec: FamilySpec, model: CausalLM, banks: ExpertBanks) -> None:
+        self.cfg, self.spec, self.banks = cfg, spec, banks
+        self.params = dict(model.named_parameters())
+        self.filled: set[str] = set()
+        self.expert_filled: set[tuple[int, str, int]] = set()  # (layer, part, expert)
+
+    def canonical(self, name: str) -> str | None:
+        prefix = self.cfg.weight_prefix + "."
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+        elif not name.startswith("lm_head."):
+            return None
+        for pat, repl in self.spec.renames:
+            name = re.sub(pat, repl, name)
+        return name
+
+    def ignored(self, name: str) -> bool:
+        pats = self.spec.ignore + _ALWAYS_IGNORED
+        if any(re.search(p, name) for p in pats):
+            return True
+        # a tied checkpoint may still carry lm_head.weight
+        return self.cfg.tie_word_embeddings and name == "lm_head.weight"
+
+    def put(self, name: str, canon: str, get: Callable[[], torch.Tensor], path: Path) -> None:
+        if m := _FUSED.match(canon):
+            self._fused(int(m.group(1)), m.group(2), get(), name, path)
+        elif m := _PER_EXPERT.match(canon):
+            self._per_expert(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), get(), name, path)
+        elif canon in self.params:
+            self._dense(canon, get(), name, path)
+        else:
+            raise CheckpointError(f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)")
+
+    def _check(self, t: torch.Tensor, shape: tuple[int, ...], name: str, path: Path) -> None:
+        if t.dtype not in _FLOAT:
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {t.dtype}; expected a float dtype")
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}; expected {shape}")
+
+    def _dense(self, canon: str, t: torch.Tensor, name: str, path: Path) -> None:
+        p = self.params[canon]
+        self._check(t, tuple(p.shape), name, path)
+        p.data.copy_(t)
+        self.filled.add(canon)
+
+    def _moe_base(self, layer: int, name: str, path: Path) -> int:
+        if layer >= self.cfg.num_layers or self.cfg.moe_layer_index[layer] < 0:
+            raise CheckpointError(f"{path}: unexpected tensor '{name}' (layer {layer} has no experts)")
+        return self.cfg.moe_layer_index[layer] * self.cfg.num_experts
+
+    def _fused(self, layer: int, part: str, t: torch.Tensor, name: str, path: Path) -> None:
+        base, e, i, h = self._moe_base(layer, name, path), self.cfg.num_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        gptoss = self.spec.experts_transposed_interleaved
+        if part == "gate_up_proj":
+            self._check(t, (e, h, 2 * i) if gptoss else (e, 2 * i, h), name, path)
+            if gptoss:  # [E, H, 2I] interleaved -> [E, 2I, H] gate rows then up rows
+                t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1).transpose(1, 2)
+            dest = self.banks.gate_up
+        elif part == "down_proj":
+            self._check(t, (e, i, h) if gptoss else (e, h, i), name, path)
+            dest = self.banks.down
+            t = t.transpose(1, 2) if gptoss else t
+        elif part == "gate_up_proj_bias":
+            self._check(t, (e, 2 * i), name, path)
+            t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) if gptoss else t
+            dest = self._bias(self.banks.gate_up_bias, name, path)
+        else:
+            self._check(t, (e, h), name, path)
+            dest = self._bias(self.banks.down_bias, name, path)
+        dest[base : base + e].copy_(t)
+        self.expert_filled.update((layer, part, x) for x in range(e))
+
+    def _bias(self, bank: torch.Tensor | None, name: str, path: Path) -> torch.Tensor:
+        if bank is None:
+            raise CheckpointError(f"{path}: unexpected tensor '{name}' (this model has no expert biases)")
+        return bank
+
+    def _per_expert(self, layer: int, x: int, proj: str, kind: str, t: torch.Tensor, name: str, path: Path) -> None:
+        base, i, h = self._moe_base(layer, name, path), self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        if x >= self.cfg.num_experts or kind != "weight":
+            raise CheckpointError(f"{path}: unexpected tensor '{name}'")
+        fid = base + x
+        if proj == "down_proj":
+            self._check(t, (h, i), name, path)
+            self.banks.down[fid].copy_(t)
+            self.expert_filled.add((layer, "down_proj", x))
+            return
+        self._check(t, (i, h), name, path)
+        rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
+        self.banks.gate_up[fid, rows].copy_(t)
+        self.expert_filled.add((layer, proj, x))
+
+    def verify(self) -> None:
+        missing = [n for n in self.params if n not in self.filled]
+        if missing:
+            raise CheckpointError(f"missing tensor '{missing[0]}' ({len(missing)} missing in all)")
+        for layer, moe in enumerate(self.cfg.moe_layer_index):
+            if moe < 0:
+                continue
+            for x in range(self.cfg.num_experts):
+                gu = (layer, "gate_up_proj", x) in self.expert_filled or {
+                    (layer, "gate_proj", x),
+                    (layer, "up_proj", x),
+                } <= self.expert_filled
+                parts = [("gate_up_proj", gu), ("down_proj", (layer, "down_proj", x) in self.expert_filled)]
+                if self.cfg.expert_bias:
+                    parts += [(p, (layer, p, x) in self.expert_filled) for p in ("gate_up_proj_bias", "down_proj_bias")]
+                for part, ok in parts:
+                    if not ok:
+                        raise CheckpointError(f"missing tensor for layer {layer} expert {x} ({part})")
+
+
+def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
+    """Exact-size, uninitialised banks for all routed experts (filled by the loader)."""
+    n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    dt = dtype_of(cfg.torch_dtype)
+    return ExpertBanks(
+        gate_up=torch.empty(n, 2 * i, h, dtype=dt),
+        down=torch.empty(n, h, i, dtype=dt),
+        gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
+        down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
+    )
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalLM, ExpertBanks]:
+    model_dir = Path(model_dir)
+    cfg = cfg or ModelConfig.from_hf(model_dir)
+    spec = family_spec(cfg.family)
+    model = CausalLM(cfg)
+    banks = allocate_banks(cfg)
+    filler = _Filler(cfg, spec, model, banks)
+    for path in checkpoint_files(model_dir):
+        for name, get in _tensors(path):
+            if filler.ignored(name):
+                continue
+            canon = filler.canonical(name)
+            if canon is None:
+                raise CheckpointError(f"{path}: unexpected tensor '{name}'")
+            filler.put(name, canon, get, path)
+    filler.verify()
+    model.eval()
+    return model, banks

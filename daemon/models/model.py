@@ -1,0 +1,85 @@
+"""The decoder-only MoE language model assembled from shared layers.
+
+Every family we serve has the same skeleton (pre-norm mixer, pre-norm FFN, residuals); the
+differences are ModelConfig fields (token mixer per layer, qk-norm kind, sinks, gates, biases,
+router kind, shared expert). Routed experts are not parameters of this module: they live in
+ExpertBanks behind the MoE backend, addressed by flat id.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..engine.batch import ForwardBatch
+from .config import ModelConfig
+from .layers.attention import Attention
+from .layers.common import DenseMLP, Linear, RMSNorm, dtype_of, param
+from .layers.deltanet import GatedDeltaNet
+from .layers.moe import SparseMoE
+from .layers.rope import Rope
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, mixer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
+        self.kind = cfg.layer_types[i]
+        self.self_attn: Attention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype)
+        else:
+            self.self_attn = Attention(cfg, i, mixer_index, dtype)
+        moe_index = cfg.moe_layer_index[i]
+        self.mlp: nn.Module = (
+            SparseMoE(cfg, moe_index, dtype) if moe_index >= 0 else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        )
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.linear_attn is not None:
+            h = h + self.linear_attn(x, batch)
+        else:
+            assert self.self_attn is not None
+            h = h + self.self_attn(x, batch, rope, cos, sin)
+        x = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, SparseMoE):
+            return h + self.mlp(x, batch)
+        return h + self.mlp(x)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dtype = dtype_of(cfg.torch_dtype)
+        self.dtype = dtype
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        counters = {"linear": 0, "attn": 0}
+        layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            key = "linear" if kind == "linear_attention" else "attn"
+            layers.append(DecoderLayer(cfg, i, counters[key], dtype))
+            counters[key] += 1
+        self.layers = nn.ModuleList(layers)
+        self.num_linear_layers = counters["linear"]
+        self.num_attention_layers = counters["attn"]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = Rope(cfg.rope)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> logits [len(batch.logits_rows), vocab] fp32."""
+        h = self.embed_tokens.weight[batch.token_ids].float()
+        cos, sin = self.rope.cos_sin(batch.positions)
+        for layer in self.layers:
+            h = layer(h, batch, self.rope, cos, sin)
+        h = self.norm(h[batch.logits_rows])
+        return self.lm_head(h)

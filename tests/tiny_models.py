@@ -1,0 +1,98 @@
+"""Tiny random checkpoints of every family we serve, in the real HF format (written by transformers).
+
+Weights are drawn with a raised initializer range, and norms and biases are perturbed, so router
+decisions are not near ties and a wrong wiring shows in the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "mixtral", "olmoe")
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+    eos_token_id=1,
+    bos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def hf_config(family: str, **over: Any) -> Any:
+    import transformers as tf
+
+    c = dict(_COMMON)
+    if family == "qwen3_moe":
+        c.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=10000.0)
+        cls = tf.Qwen3MoeConfig
+    elif family == "qwen3_5_moe":
+        c.update(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=24, layer_types=["linear_attention", "full_attention"] * 2,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                 linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        cls = tf.Qwen3_5MoeTextConfig
+    elif family == "gpt_oss":
+        c.update(num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                 sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False})
+        cls = tf.GptOssConfig
+    elif family == "mixtral":
+        c.update(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                 rope_theta=10000.0)
+        cls = tf.MixtralConfig
+    elif family == "olmoe":
+        c.update(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                 clip_qkv=3.0, rope_theta=10000.0)
+        c.pop("head_dim")
+        cls = tf.OlmoeConfig
+    else:
+        raise ValueError(family)
+    c.update(over)
+    return cls(**c)
+
+
+def hf_model_class(family: str) -> Any:
+    import transformers as tf
+
+    return {
+        "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
+        "gpt_oss": tf.GptOssForCausalLM,
+        "mixtral": tf.MixtralForCausalLM,
+        "olmoe": tf.OlmoeForCausalLM,
+    }[family]
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("bias") or "sinks" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+            if "A_log" in name:
+                p.copy_(torch.rand(p.shape, generator=g).mul(2.0).add(0.1).log())
+
+
+def make_tiny(family: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **over: Any) -> tuple[Path, Any]:
+    """Writes a tiny checkpoint of ``family`` to ``out``; returns (out, the HF model in eval mode)."""
+    torch.manual_seed(seed)
+    cfg = hf_config(family, **over)
+    model = hf_model_class(family)(cfg).eval()
+    perturb(model, seed + 1)
+    model = model.to(dtype)
+    model.save_pretrained(out)
+    return out, model
