@@ -1,0 +1,265 @@
+"""EngineCore: continuous batching over the ModelRunner.
+
+Requests share forward steps: each `step()` feeds one token of every decoding request plus
+chunks of waiting prompts (up to a token budget), samples where a sequence reached its end, and
+reports one StepOutput per sampled token. KV pages are taken lazily; when the pool runs dry the
+most recently admitted request is preempted (its cache dropped, recomputed later from its
+prompt and the tokens it already produced).
+
+Thread model: `step()` runs in one engine thread. `add_request` and `abort` may be called from
+any thread; they validate at once and hand the request over through a locked inbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import torch
+
+from ..kv.pool import KVPoolFull
+from ..kv.seq_state import SeqState
+from .runner import ModelRunner, Work
+from .sampler import SamplingParams, logprobs_of, sample
+
+
+class Constraint(Protocol):
+    def fill_mask(self, logits: torch.Tensor) -> None:
+        """In place on logits [V]: disallowed tokens -> -inf."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+class StepOutput(msgspec.Struct):
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class EngineStats(msgspec.Struct):
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    expert_hits: int = 0
+    expert_misses: int = 0
+    prompt_tokens_cached_total: int = 0
+    generated_tokens_total: int = 0
+    preemptions_total: int = 0
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    constraint: Constraint | None
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    state: SeqState | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        eos_token_ids: frozenset[int] | set[int],
+        max_model_len: int,
+        max_batch: int = 32,
+        max_step_tokens: int = 512,
+    ) -> None:
+        self.runner = runner
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._generated = 0
+        self._preemptions = 0
+
+    # ---- called from any thread -------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: Constraint | None = None,
+    ) -> None:
+        params.validate()
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.runner.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context ({self.max_model_len})"
+            )
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        req = _Request(request_id, list(prompt_ids), params, constraint, gen)
+        with self._lock:
+            self._inbox.append(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._waiting or self._running)
+
+    def stats(self) -> EngineStats:
+        kv = self.runner.kv
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_pages_used=kv.num_used,
+            kv_pages_total=kv.num_pages,
+            generated_tokens_total=self._generated,
+            preemptions_total=self._preemptions,
+        )
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, item in items:
+            if kind == "add":
+                assert isinstance(item, _Request)
+                self._waiting.append(item)
+            else:
+                self._drop(str(item))
+
+    def _drop(self, rid: str) -> None:
+        for req in list(self._running):
+            if req.rid == rid:
+                self._running.remove(req)
+                self._free(req)
+        self._waiting = collections.deque(r for r in self._waiting if r.rid != rid)
+
+    def _free(self, req: _Request) -> None:
+        if req.state is not None:
+            self.runner.release(req.state)
+            req.state = None
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            req = self._waiting.popleft()
+            req.state = self.runner.new_state()
+            self._running.append(req)
+
+    def _plan(self) -> list[tuple[_Request, list[int], bool]]:
+        """Decode rows first (one token each), then prompt chunks within the token budget."""
+        plan, budget = [], self.max_step_tokens
+        for req in self._running:
+            assert req.state is not None
+            toks = req.tokens
+            fed = req.state.num_tokens
+            if len(toks) - fed == 1:
+                plan.append((req, toks[fed:], True))
+                budget -= 1
+        for req in self._running:
+            assert req.state is not None
+            toks, fed = req.tokens, req.state.num_tokens
+            if len(toks) - fed > 1 and budget > 0:
+                take = min(budget, len(toks) - fed)
+                plan.append((req, toks[fed : fed + take], fed + take == len(toks)))
+                budget -= take
+        return plan
+
+    def _reserve(self, plan: list[tuple[_Request, list[int], bool]]) -> list[tuple[_Request, list[int], bool]]:
+        """Takes KV pages for the plan, preempting the newest requests while the pool is short."""
+        while True:
+            need = sum(self.runner.pages_missing(r.state, r.state.num_tokens + len(t)) for r, t, _ in plan)  # type: ignore[arg-type]
+            if need <= self.runner.kv.num_free:
+                for r, t, _ in plan:
+                    self.runner.reserve(r.state, r.state.num_tokens + len(t))  # type: ignore[arg-type]
+                return plan
+            if len(self._running) <= 1:
+                raise KVPoolFull("the KV pool cannot hold a single request of this length")
+            victim = self._running.pop()
+            self._free(victim)
+            self._waiting.appendleft(victim)
+            self._preemptions += 1
+            plan = [p for p in plan if p[0] is not victim]
+
+    def step(self) -> list[StepOutput]:
+        self._drain_inbox()
+        self._admit()
+        if not self._running:
+            return []
+        try:
+            plan = self._reserve(self._plan())
+        except KVPoolFull:
+            return [self._finish_now(self._running[0], "length")]
+        if not plan:
+            return []
+        logits = self.runner.forward([Work(r.state, t, w) for r, t, w in plan])  # type: ignore[arg-type]
+        sampled = [r for r, _, w in plan if w]
+        return self._sample(sampled, logits)
+
+    def _finish_now(self, req: _Request, reason: str) -> StepOutput:
+        self._running.remove(req)
+        self._free(req)
+        last = req.output[-1] if req.output else (req.prompt[-1] if req.prompt else 0)
+        return StepOutput(req.rid, last, None, None, True, reason, len(req.prompt), 0)
+
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
+        for i, req in enumerate(reqs):
+            if req.constraint is not None:
+                req.constraint.fill_mask(logits[i])
+        ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        lp: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        if want_lp:
+            top_n = max(int(reqs[i].params.logprobs or 0) for i in want_lp)
+            rows = torch.tensor(want_lp)
+            chosen, top_ids, top_lp = logprobs_of(logits[rows], torch.tensor([ids[i] for i in want_lp]), top_n)
+            for j, i in enumerate(want_lp):
+                n = int(reqs[i].params.logprobs or 0)
+                pairs = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))
+                lp[i] = (float(chosen[j]), pairs)
+        outs = []
+        for i, (req, tok) in enumerate(zip(reqs, ids, strict=True)):
+            req.output.append(tok)
+            self._generated += 1
+            if req.constraint is not None:
+                req.constraint.accept(tok)
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                self._running.remove(req)
+                self._free(req)
+            chosen_lp, top = lp.get(i, (None, None))
+            outs.append(
+                StepOutput(req.rid, tok, chosen_lp, top, reason is not None, reason, len(req.prompt), 0)
+            )
+        return outs
+
+    def _finish_reason(self, req: _Request, tok: int) -> str | None:
+        p = req.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if req.constraint is not None and req.constraint.is_terminated():
+            return "stop"
+        if len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            return "length"
+        return None

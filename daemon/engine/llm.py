@@ -1,0 +1,135 @@
+"""The offline API: ``LLM(model_dir).generate(...)`` and ``.chat(...)``.
+
+The daemon builds the same object and drives its ``engine`` (an EngineCore) from a thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Any, overload
+
+from ..experts.backend import BACKENDS, create_backend
+from ..experts.banks import Activation, ActivationSpec
+from ..models.config import ModelConfig
+from ..models.loader import load_model
+from .core import EngineCore
+from .runner import ModelRunner
+from .sampler import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_MAX_LEN = 32768
+
+
+class LLM:
+    """A loaded model with its tokenizer, chat template and engine.
+
+    model_dir    HF checkpoint folder (config.json, safetensors, tokenizer files)
+    moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1)
+    max_model_len  context limit (default: the model's, capped at 32768)
+    kv_tokens    KV pool size in tokens over all sequences (default: 4 x max_model_len, <= 131072)
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        moe_backend: str = "cpu",
+        *,
+        max_model_len: int | None = None,
+        kv_tokens: int | None = None,
+        page_size: int = 16,
+        max_batch: int = 32,
+        max_step_tokens: int = 512,
+        threads: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        if moe_backend not in BACKENDS:
+            raise ValueError(f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.model_dir = Path(model_dir)
+        self.name = name or self.model_dir.name
+        self.config = ModelConfig.from_hf(self.model_dir)
+        cfg = self.config
+        self.model, self.banks = load_model(self.model_dir, cfg)
+        act = ActivationSpec(
+            Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU, cfg.swiglu_alpha, cfg.swiglu_limit
+        )
+        self.moe = create_backend(moe_backend, self.banks, cfg.num_experts, act, threads=threads)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_model_len is None:
+            self.max_model_len = min(self.max_model_len, _DEFAULT_MAX_LEN)
+        kv = kv_tokens or min(4 * self.max_model_len, 131072)
+        self.runner = ModelRunner(self.model, self.moe, kv, page_size)
+        self._tokenizer: Any = None
+        self._chat_template: Any = None
+        self.engine = EngineCore(self.runner, self._eos_ids(), self.max_model_len, max_batch, max_step_tokens)
+        self._ids = itertools.count()
+
+    # ---- tokenizer / template, loaded on first use ------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_dir(self.model_dir)
+        return self._tokenizer
+
+    @property
+    def chat_template(self) -> Any:
+        if self._chat_template is None:
+            from .chat_template import ChatTemplate
+
+            self._chat_template = ChatTemplate.from_dir(self.model_dir)
+        return self._chat_template
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids)
+        if (self.model_dir / "tokenizer.json").exists():
+            ids |= set(self.tokenizer.eos_token_ids)
+        return ids
+
+    # ---- generation -------------------------------------------------------------------------
+    @overload
+    def generate(self, prompt_token_ids: list[int], max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False, **kw: Any) -> list[int]: ...
+
+    @overload
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False, **kw: Any) -> list[list[int]]: ...
+
+    def generate(self, prompt_token_ids, max_tokens, temperature=0.0, ignore_eos=False, **kw):  # type: ignore[no-untyped-def]
+        """Generated ids only (the prompt excluded; an end-of-sequence token is included).
+
+        Pass one prompt (a list of ints) or a batch (a list of lists): the batch runs with
+        continuous batching and returns one list per prompt, in order.
+        """
+        single = bool(prompt_token_ids) and isinstance(prompt_token_ids[0], int)
+        prompts = [prompt_token_ids] if single else list(prompt_token_ids)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, **kw)
+        outs = self._run(prompts, params)
+        return outs[0] if single else outs
+
+    def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        if self.engine.has_unfinished():
+            raise RuntimeError("the engine is serving other requests; use the daemon's API")
+        rids = [f"offline-{next(self._ids)}" for _ in prompts]
+        results: dict[str, list[int]] = {r: [] for r in rids}
+        for rid, p in zip(rids, prompts, strict=True):
+            self.engine.add_request(rid, list(p), params)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                results[out.request_id].append(out.token_id)
+        return [results[r] for r in rids]
+
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **sampling: Any) -> str:
+        """Renders the chat template, generates, returns the decoded text (special tokens dropped)."""
+        prompt = self.chat_template.render(messages, tools=tools, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt)
+        params = SamplingParams(**{"max_tokens": 256, **sampling})
+        out = self._run([ids], params)[0]
+        if out and out[-1] in self.engine.eos and not params.ignore_eos:
+            out = out[:-1]
+        return self.tokenizer.decode(out, skip_special_tokens=True)
+
+
+
+
