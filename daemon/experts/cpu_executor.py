@@ -1,0 +1,177 @@
+"""The native CPU expert executor (extension module `ftnative`, built from native/).
+
+Computes one MoE layer's routed-expert sum on the CPU, straight from the host banks:
+
+    out[t] = sum_k weights[t, k] * expert_{flat_ids[t, k]}(x[t])      (routes with id -1 skipped)
+
+with the same math as `freetokend.experts.banks.moe_reference` (fp32 accumulation). Each distinct
+expert's weights are streamed once per call by a persistent pool of pinned worker threads; the
+kernels are AVX-512, AVX2 or scalar, picked at run time.
+
+Tensors cross into C++ as raw addresses (`Tensor.data_ptr()`) plus shapes: nothing is copied, so
+this wrapper checks dtype, shape, device and contiguity first and keeps the bank tensors alive for
+the executor's lifetime.
+
+When the extension is not built, constructing a `CpuExecutor` raises ImportError; callers fall
+back to `moe_reference`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .banks import ExpertBanks
+from .banks import ActivationSpec
+
+_native: Any
+_import_error: ImportError | None
+try:
+    import ftnative as _native  # type: ignore[import-not-found,no-redef]
+
+    _import_error = None
+except ImportError as e:  # extension not built: callers use the torch reference
+    _native = None
+    _import_error = e
+
+ISAS = ("auto", "avx512", "avx2", "scalar")
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    """True when the `ftnative` extension is importable."""
+    return _native is not None
+
+
+def supported_isas() -> list[str]:
+    """ISA paths this CPU can run, best first (empty when the extension is not built)."""
+    return list(_native.supported_isas()) if _native is not None else []
+
+
+def _require_native() -> None:
+    if _native is None:
+        raise ImportError(
+            "the native CPU expert executor (extension module `ftnative`) is not built; "
+            "build it with `pip install -e .` (needs a C++17 compiler and pybind11), or use "
+            "freetokend.experts.banks.moe_reference"
+        ) from _import_error
+
+
+def _check_bank(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if t.dtype not in _DTYPE_CODE:
+        raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_input(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype:
+        raise TypeError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+class CpuExecutor:
+    """Routed-expert sum of one MoE layer on the CPU, over all experts in `banks`.
+
+    banks    gate_up [N, 2I, H], down [N, H, I] (fp32 or bf16, same dtype), optional
+             gate_up_bias [N, 2I] and down_bias [N, H] (fp32 or bf16, same dtype); CPU, contiguous
+    act      the expert activation (SILU or GPT-OSS clamped SwiGLU), fused before `down`
+    threads  worker threads, each pinned to its own physical core; None = one per physical core
+    isa      "auto" (best available), or force "avx512", "avx2" or "scalar"; forcing a path this
+             CPU lacks raises RuntimeError
+    tile_min_tokens  experts with at least this many routes in a call use the tiled (prefill)
+             kernel, fewer use the streaming matrix-vector kernel (decode)
+    spin_us  how long idle workers spin for the next call before sleeping
+    """
+
+    def __init__(
+        self,
+        banks: ExpertBanks,
+        act: ActivationSpec,
+        threads: int | None = None,
+        isa: str = "auto",
+        *,
+        tile_min_tokens: int = 6,
+        spin_us: int = 100,
+    ) -> None:
+        _require_native()
+        if isa not in ISAS:
+            raise ValueError(f"isa must be one of {', '.join(ISAS)}; got {isa!r}")
+        if isa != "auto" and isa not in supported_isas():
+            raise RuntimeError(
+                f"this CPU cannot run the {isa!r} path; it supports {', '.join(supported_isas())}"
+            )
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        if tile_min_tokens < 1:
+            raise ValueError(f"tile_min_tokens must be >= 1, got {tile_min_tokens}")
+        n, two_i, h = banks.gate_up.shape
+        inter = two_i // 2
+        _check_bank("gate_up", banks.gate_up, (n, 2 * inter, h))
+        _check_bank("down", banks.down, (n, h, inter))
+        if banks.down.dtype != banks.gate_up.dtype:
+            raise TypeError("gate_up and down must have the same dtype")
+        bias_dtype = torch.float32
+        if banks.gate_up_bias is not None:
+            _check_bank("gate_up_bias", banks.gate_up_bias, (n, 2 * inter))
+            bias_dtype = banks.gate_up_bias.dtype
+        if banks.down_bias is not None:
+            _check_bank("down_bias", banks.down_bias, (n, h))
+            if banks.gate_up_bias is not None and banks.down_bias.dtype != bias_dtype:
+                raise TypeError("gate_up_bias and down_bias must have the same dtype")
+            bias_dtype = banks.down_bias.dtype
+        self.banks = banks  # keeps the tensors alive: the executor holds their addresses
+        self.act = act
+        self.hidden_size = int(h)
+        self._exec = _native.Executor(
+            gate_up=banks.gate_up.data_ptr(),
+            down=banks.down.data_ptr(),
+            gate_up_bias=0 if banks.gate_up_bias is None else banks.gate_up_bias.data_ptr(),
+            down_bias=0 if banks.down_bias is None else banks.down_bias.data_ptr(),
+            weight_dtype=_DTYPE_CODE[banks.gate_up.dtype],
+            bias_dtype=_DTYPE_CODE[bias_dtype],
+            num_flat=int(n),
+            hidden=int(h),
+            inter=int(inter),
+            act=int(act.kind),
+            alpha=float(act.alpha),
+            limit=float(act.limit),
+            threads=threads or 0,
+            isa=isa,
+            tile_min_tokens=tile_min_tokens,
+            spin_us=spin_us,
+        )
+
+    @property
+    def isa(self) -> str:
+        """The ISA path in use ("avx512", "avx2" or "scalar")."""
+        return str(self._exec.isa)
+
+    @property
+    def threads(self) -> int:
+        return int(self._exec.threads)
+
+    def forward(
+        self, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H] fp32, flat_ids [T, K] int32 (-1 = skip), weights [T, K] fp32 -> [T, H] fp32.
+
+        Releases the GIL while the workers run. Raises IndexError for ids outside [-1, N).
+        """
+        if x.dim() != 2 or flat_ids.dim() != 2:
+            raise ValueError("x must be [T, H] and flat_ids [T, K]")
+        t, k = flat_ids.shape
+        _check_input("x", x, torch.float32, (t, self.hidden_size))
+        _check_input("flat_ids", flat_ids, torch.int32, (t, k))
+        _check_input("weights", weights, torch.float32, (t, k))
+        out = torch.empty(t, self.hidden_size, dtype=torch.float32)
+        self._exec.forward(x.data_ptr(), flat_ids.data_ptr(), weights.data_ptr(), out.data_ptr(), t, k)
+        return out

@@ -1,0 +1,19 @@
+// What this CPU can run, and where the worker threads go.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ftnative {
+
+// ISA paths the running CPU (and OS) supports, best first; always ends with "scalar".
+std::vector<std::string> supported_isas();
+
+bool isa_supported(const std::string& isa);
+
+// One logical CPU per physical core among the CPUs this process may run on (sched_getaffinity),
+// so that SMT siblings do not share a core's load ports. Falls back to every allowed CPU when
+// the topology is unreadable.
+std::vector<int> physical_core_cpus();
+
+}  // namespace ftnative

@@ -1,0 +1,331 @@
+#include "executor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "cpu_features.h"
+
+namespace ftnative {
+
+namespace {
+
+const KernelSet* kernel_set(const std::string& isa, WDtype dt) {
+  const bool bf16 = dt == WDtype::BF16;
+#ifndef FTNATIVE_NO_X86
+  if (isa == "avx512") return bf16 ? &kAvx512Bf16 : &kAvx512F32;
+  if (isa == "avx2") return bf16 ? &kAvx2Bf16 : &kAvx2F32;
+#else
+  (void)isa;
+#endif
+  return bf16 ? &kScalarBf16 : &kScalarF32;
+}
+
+std::string resolve_isa(const std::string& requested) {
+  if (requested == "auto") return supported_isas().front();
+  if (requested != "avx512" && requested != "avx2" && requested != "scalar")
+    throw std::invalid_argument("isa must be one of auto, avx512, avx2, scalar; got '" +
+                                requested + "'");
+  if (!isa_supported(requested))
+    throw std::runtime_error("this CPU does not support the '" + requested +
+                             "' path (supported here: avx512/avx2 as detected, scalar)");
+  return requested;
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// dst = src with every full chunk de-interleaved (even inputs, then odd ones); see kernels.h.
+void deinterleave(const float* src, float* dst, int64_t k, int chunk) {
+  const int64_t full = chunk ? k - k % chunk : 0;
+  const int half = chunk / 2;
+  for (int64_t c = 0; c < full; c += chunk)
+    for (int i = 0; i < half; ++i) {
+      dst[c + i] = src[c + 2 * i];
+      dst[c + half + i] = src[c + 2 * i + 1];
+    }
+  for (int64_t j = full; j < k; ++j) dst[j] = src[j];
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+constexpr int kUpRows = 64;  // rows of I per up-phase task (gate and up rows each)
+
+}  // namespace
+
+Executor::Executor(const BankSpec& banks, const ActSpec& act, const ExecutorOptions& opts)
+    : banks_(banks), act_(act), opts_(opts), isa_(resolve_isa(opts.isa)) {
+  if (!banks.gate_up || !banks.down) throw std::invalid_argument("gate_up and down are required");
+  if (banks.num_flat <= 0 || banks.hidden <= 0 || banks.inter <= 0)
+    throw std::invalid_argument("bank shapes must be positive");
+  if (opts.tile_min_tokens < 1) throw std::invalid_argument("tile_min_tokens must be >= 1");
+  kern_ = kernel_set(isa_, banks.weight_dtype);
+  esize_ = banks.weight_dtype == WDtype::BF16 ? 2 : 4;
+  const std::vector<int> cpus = physical_core_cpus();
+  int threads = opts.threads;
+  if (threads <= 0) threads = std::max<int>(1, static_cast<int>(cpus.size()));
+  for (auto& d : done_) d.store(0);
+  scratch_.resize(threads);
+  pool_ = std::make_unique<ThreadPool>(threads, opts.pin ? cpus : std::vector<int>{},
+                                       std::max(0, opts.spin_us));
+}
+
+void Executor::forward(const float* x, const int32_t* ids, const float* weights, float* out,
+                       int T, int K) {
+  std::lock_guard<std::mutex> lock(call_mu_);
+  const int64_t H = banks_.hidden;
+  if (T <= 0) return;
+  x_ = x;
+  out_ = out;
+  T_ = T;
+  plan(ids, weights, T, K);
+  if (groups_.empty()) {
+    std::memset(out, 0, sizeof(float) * T * H);
+    return;
+  }
+  build_tasks(T);
+  next_.store(0);
+  for (auto& d : done_) d.store(0);
+  pool_->run(*this);
+}
+
+void Executor::plan(const int32_t* ids, const float* weights, int T, int K) {
+  const int64_t H = banks_.hidden, I = banks_.inter;
+  // Sort routes by (expert, route index): one group per distinct expert, tokens in order.
+  keys_.clear();
+  for (int64_t r = 0; r < static_cast<int64_t>(T) * K; ++r) {
+    const int32_t id = ids[r];
+    if (id == -1) continue;
+    if (id < -1 || id >= banks_.num_flat)
+      throw std::out_of_range("flat expert id " + std::to_string(id) + " outside [-1, " +
+                              std::to_string(banks_.num_flat) + ")");
+    keys_.push_back(static_cast<uint64_t>(id) << 32 | static_cast<uint32_t>(r));
+  }
+  std::sort(keys_.begin(), keys_.end());
+  const int nroutes = static_cast<int>(keys_.size());
+  rtok_.resize(nroutes);
+  rw_.resize(nroutes);
+  groups_.clear();
+  int64_t a_total = 0, p_total = 0;
+  for (int i = 0; i < nroutes; ++i) {
+    const uint32_t r = static_cast<uint32_t>(keys_[i]);
+    rtok_[i] = static_cast<int>(r / K);
+    rw_[i] = weights[r];
+    const int64_t fid = static_cast<int64_t>(keys_[i] >> 32);
+    if (groups_.empty() || groups_.back().fid != fid) groups_.push_back({fid, i, 0, false, 0, 0, 0});
+    groups_.back().n++;
+  }
+  bool any_small = false;
+  for (Group& g : groups_) {
+    g.tiled = g.n >= opts_.tile_min_tokens;
+    g.nb = g.tiled ? (g.n + kTileLanes - 1) / kTileLanes : 0;
+    g.a_off = a_total;
+    g.p_off = p_total;
+    a_total += (g.tiled ? int64_t{g.nb} * kTileLanes : g.n) * I;
+    p_total += int64_t{g.nb} * kTileLanes * H;
+    any_small |= !g.tiled;
+  }
+  if (static_cast<int64_t>(act_buf_.size()) < a_total) act_buf_.resize(a_total);
+  if (static_cast<int64_t>(panel_buf_.size()) < p_total) panel_buf_.resize(p_total);
+
+  // Inputs of small groups: x rows, de-interleaved when the gemv kernel wants it.
+  const bool shuffle = any_small && kern_->chunk > 0;
+  if (shuffle && static_cast<int64_t>(xs_.size()) < T * H) xs_.resize(T * H);
+  const float* xsrc = shuffle ? xs_.data() : x_;
+  shuffle_async_ = shuffle && T * H > (1 << 16);
+  if (shuffle && !shuffle_async_) shuffle_rows(0, T);
+  xin_.resize(nroutes);
+  ain_.resize(nroutes);
+  for (const Group& g : groups_) {
+    if (g.tiled) continue;
+    for (int s = 0; s < g.n; ++s) {
+      xin_[g.begin + s] = xsrc + rtok_[g.begin + s] * H;
+      ain_[g.begin + s] = act_buf_.data() + g.a_off + s * I;
+    }
+  }
+}
+
+void Executor::build_tasks(int T) {
+  const int H = banks_.hidden, I = banks_.inter;
+  const int threads = pool_->size();
+  tasks_.clear();
+  if (shuffle_async_)
+    for (int t0 = 0; t0 < T; t0 += 16) tasks_.push_back({0, -1, t0, std::min(T, t0 + 16)});
+  for (int gi = 0; gi < static_cast<int>(groups_.size()); ++gi)
+    for (int b = 0; b < groups_[gi].nb; ++b) tasks_.push_back({0, gi, b, b + 1});
+  phase_end_[0] = static_cast<int>(tasks_.size());
+
+  jb_ = kUpRows;
+  for (int gi = 0; gi < static_cast<int>(groups_.size()); ++gi)
+    for (int j0 = 0; j0 < I; j0 += jb_) tasks_.push_back({1, gi, j0, std::min(I, j0 + jb_)});
+  phase_end_[1] = static_cast<int>(tasks_.size());
+
+  // About 8 down tasks per thread so a late or preempted worker costs little; rows in 16s.
+  hb_ = (H + 8 * threads - 1) / (8 * threads);
+  hb_ = std::clamp((hb_ + 15) / 16 * 16, 16, 256);
+  for (int h0 = 0; h0 < H; h0 += hb_) tasks_.push_back({2, -1, h0, std::min(H, h0 + hb_)});
+  phase_end_[2] = static_cast<int>(tasks_.size());
+
+  int64_t m = 0;  // widest group in tokens (tiled groups count their padded panel)
+  for (const Group& g : groups_) m = std::max<int64_t>(m, g.tiled ? g.nb * kTileLanes : g.n);
+  const int64_t need = std::max<int64_t>(2 * jb_, hb_) * m;
+  for (auto& s : scratch_)
+    if (static_cast<int64_t>(s.size()) < need) s.resize(need);
+}
+
+bool Executor::finished() const {
+  return done_[0].load() == phase_end_[0] && done_[1].load() == phase_end_[1] - phase_end_[0] &&
+         done_[2].load() == phase_end_[2] - phase_end_[1];
+}
+
+void Executor::work(int worker) {
+  const int total = phase_end_[2];
+  for (;;) {
+    const int i = next_.fetch_add(1);
+    if (i >= total) return;
+    const Task& t = tasks_[i];
+    // Tasks are handed out in phase order, so only completion of earlier phases is awaited.
+    for (int q = 0; q < t.phase; ++q) {
+      const int count = phase_end_[q] - (q ? phase_end_[q - 1] : 0);
+      for (int spins = 0; done_[q].load(std::memory_order_acquire) < count; ++spins) {
+        if (spins < 4096) cpu_relax();
+        else std::this_thread::yield();  // the straggler may be waiting for this core
+      }
+    }
+    run_task(t, worker);
+    done_[t.phase].fetch_add(1, std::memory_order_release);
+  }
+}
+
+void Executor::run_task(const Task& t, int worker) {
+  float* scratch = scratch_[worker].data();
+  switch (t.phase) {
+    case 0:
+      if (t.group < 0) shuffle_rows(t.r0, t.r1);
+      else pack_panel(groups_[t.group], t.r0);
+      break;
+    case 1:
+      if (groups_[t.group].tiled) up_tiled(groups_[t.group], t.r0, t.r1, scratch);
+      else up_small(groups_[t.group], t.r0, t.r1, scratch);
+      break;
+    default:
+      down_block(t.r0, t.r1, scratch);
+  }
+}
+
+void Executor::shuffle_rows(int t0, int t1) {
+  const int64_t H = banks_.hidden;
+  for (int64_t t = t0; t < t1; ++t) deinterleave(x_ + t * H, xs_.data() + t * H, H, kern_->chunk);
+}
+
+// Panel block b of a tiled group: [H][16] with the inputs of routes 16b .. 16b+15 in the lanes.
+void Executor::pack_panel(const Group& g, int b) {
+  const int64_t H = banks_.hidden;
+  float* p = panel_buf_.data() + g.p_off + b * H * kTileLanes;
+  const float* rows[kTileLanes];
+  int lanes = 0;
+  for (; lanes < kTileLanes && b * kTileLanes + lanes < g.n; ++lanes)
+    rows[lanes] = x_ + rtok_[g.begin + b * kTileLanes + lanes] * H;
+  for (int64_t j = 0; j < H; ++j) {
+    float* dst = p + j * kTileLanes;
+    for (int l = 0; l < lanes; ++l) dst[l] = rows[l][j];
+    for (int l = lanes; l < kTileLanes; ++l) dst[l] = 0.f;
+  }
+}
+
+float Executor::bias(const void* base, int64_t i) const {
+  if (!base) return 0.f;
+  if (banks_.bias_dtype == WDtype::BF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  return static_cast<const float*>(base)[i];
+}
+
+float Executor::activate(float gate, float up) const {
+  if (act_.kind == ActKind::Silu) return gate / (1.f + std::exp(-gate)) * up;
+  const float g = std::min(gate, act_.limit);
+  const float u = std::clamp(up, -act_.limit, act_.limit);
+  return (u + 1.f) * (g / (1.f + std::exp(-act_.alpha * g)));
+}
+
+// Up phase, few routes: act[s][perm(j)] for j in [j0, j1); gemv scratch is [n][jb] twice.
+void Executor::up_small(const Group& g, int j0, int j1, float* scratch) {
+  const int64_t H = banks_.hidden, I = banks_.inter;
+  const int jb = j1 - j0;
+  const char* base = static_cast<const char*>(banks_.gate_up);
+  const char* gate_w = base + (g.fid * 2 * I + j0) * H * esize_;
+  const char* up_w = base + (g.fid * 2 * I + I + j0) * H * esize_;
+  float* gbuf = scratch;
+  float* ubuf = scratch + g.n * jb;
+  kern_->gemv(gate_w, H, jb, H, &xin_[g.begin], g.n, gbuf, jb);
+  kern_->gemv(up_w, H, jb, H, &xin_[g.begin], g.n, ubuf, jb);
+  const int64_t bias_row = g.fid * 2 * I;
+  for (int s = 0; s < g.n; ++s) {
+    float* a = act_buf_.data() + g.a_off + s * I;
+    for (int j = 0; j < jb; ++j) {
+      const int64_t jj = j0 + j;
+      const float gv = gbuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + jj);
+      const float uv = ubuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + I + jj);
+      a[shuffle_index(jj, I, kern_->chunk)] = activate(gv, uv);
+    }
+  }
+}
+
+// Up phase, many routes: act panel [nb][I][16]; tile scratch is [nb][jb][16] twice.
+void Executor::up_tiled(const Group& g, int j0, int j1, float* scratch) {
+  const int64_t H = banks_.hidden, I = banks_.inter;
+  const int jb = j1 - j0;
+  const char* base = static_cast<const char*>(banks_.gate_up);
+  const char* gate_w = base + (g.fid * 2 * I + j0) * H * esize_;
+  const char* up_w = base + (g.fid * 2 * I + I + j0) * H * esize_;
+  const float* panel = panel_buf_.data() + g.p_off;
+  float* gbuf = scratch;
+  float* ubuf = scratch + int64_t{g.nb} * jb * kTileLanes;
+  kern_->tile(gate_w, H, jb, H, panel, g.nb, gbuf);
+  kern_->tile(up_w, H, jb, H, panel, g.nb, ubuf);
+  const int64_t bias_row = g.fid * 2 * I;
+  float* act = act_buf_.data() + g.a_off;
+  for (int b = 0; b < g.nb; ++b)
+    for (int j = 0; j < jb; ++j) {
+      const float bg = bias(banks_.gate_up_bias, bias_row + j0 + j);
+      const float bu = bias(banks_.gate_up_bias, bias_row + I + j0 + j);
+      const float* gs = gbuf + (int64_t{b} * jb + j) * kTileLanes;
+      const float* us = ubuf + (int64_t{b} * jb + j) * kTileLanes;
+      float* dst = act + (b * I + j0 + j) * kTileLanes;
+      for (int l = 0; l < kTileLanes; ++l) dst[l] = activate(gs[l] + bg, us[l] + bu);
+    }
+}
+
+// Down phase for out[:, h0:h1]: this task owns those columns for every token, so it zeroes them
+// and accumulates every expert's contribution without synchronisation.
+void Executor::down_block(int h0, int h1, float* scratch) {
+  const int64_t H = banks_.hidden, I = banks_.inter;
+  const int hb = h1 - h0;
+  for (int64_t t = 0; t < T_; ++t) std::memset(out_ + t * H + h0, 0, sizeof(float) * hb);
+  const char* base = static_cast<const char*>(banks_.down);
+  for (const Group& g : groups_) {
+    const char* w = base + (g.fid * H + h0) * I * esize_;
+    const int64_t bias_row = g.fid * H + h0;
+    if (g.tiled) kern_->tile(w, I, hb, I, act_buf_.data() + g.a_off, g.nb, scratch);
+    else kern_->gemv(w, I, hb, I, &ain_[g.begin], g.n, scratch, hb);
+    for (int s = 0; s < g.n; ++s) {
+      float* o = out_ + rtok_[g.begin + s] * H + h0;
+      const float wt = rw_[g.begin + s];
+      // small: scratch[s][h]; tiled: scratch[b][h][lane] with s = 16 b + lane
+      const float* y = g.tiled ? scratch + (s / kTileLanes) * hb * kTileLanes + s % kTileLanes
+                               : scratch + s * hb;
+      const int64_t stride = g.tiled ? kTileLanes : 1;
+      for (int h = 0; h < hb; ++h) o[h] += wt * (y[h * stride] + bias(banks_.down_bias, bias_row + h));
+    }
+  }
+}
+
+}  // namespace ftnative

@@ -1,0 +1,133 @@
+// The MoE expert executor: one call computes the routed-expert sum of one MoE layer for a batch.
+//
+//   out[t, :] = sum_k w[t, k] * (down_e @ act(gate_up_e @ x[t] + gate_up_bias_e) + down_bias_e)
+//   e = flat_ids[t, k]; routes with e == -1 are skipped.
+//
+// Banks (flat_id-major, see daemon/experts/banks.py): gate_up [N, 2I, H] (gate rows [0, I),
+// up rows [I, 2I)), down [N, H, I], optional gate_up_bias [N, 2I] and down_bias [N, H]; weights
+// and biases fp32 or bf16, all C-contiguous. The executor only borrows these pointers.
+//
+// A call runs in up to three phases on the pool; tasks are handed out in order from one atomic
+// counter and a task starts only after every task of the previous phase has completed:
+//   0 pack    copy the inputs of many-token experts into 16-token panels (prefill only)
+//   1 up      per (expert, block of I rows): gate and up projections, bias, activation -> act
+//   2 down    per block of H rows: for every expert, down projection, bias, gate weight, and
+//             accumulate into out[:, block]. A block of out is owned by one task, so no atomics.
+// Each distinct expert's weights are therefore streamed once per call, and concurrent workers
+// stream disjoint row blocks.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace ftnative {
+
+enum class ActKind : int { Silu = 0, GptOss = 1 };
+
+struct BankSpec {
+  const void* gate_up = nullptr;
+  const void* down = nullptr;
+  const void* gate_up_bias = nullptr;  // nullable
+  const void* down_bias = nullptr;     // nullable
+  WDtype weight_dtype = WDtype::BF16;
+  WDtype bias_dtype = WDtype::F32;
+  int64_t num_flat = 0;  // N
+  int hidden = 0;        // H
+  int inter = 0;         // I
+};
+
+struct ActSpec {
+  ActKind kind = ActKind::Silu;
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
+
+struct ExecutorOptions {
+  int threads = 0;          // 0: one per physical core
+  std::string isa = "auto";
+  int tile_min_tokens = 6;  // experts with at least this many routes use the tiled path
+  int spin_us = 100;        // how long idle threads spin before sleeping
+  bool pin = true;
+};
+
+class Executor final : public PoolJob {
+ public:
+  Executor(const BankSpec& banks, const ActSpec& act, const ExecutorOptions& opts);
+
+  // x [T, H] fp32, flat_ids [T, K] int32, weights [T, K] fp32, out [T, H] fp32 (overwritten).
+  // Throws std::out_of_range on an id outside [-1, N). Thread-safe (calls are serialised).
+  void forward(const float* x, const int32_t* flat_ids, const float* weights, float* out, int T,
+               int K);
+
+  const std::string& isa() const { return isa_; }
+  int threads() const { return pool_->size(); }
+
+  void work(int worker) override;
+  bool finished() const override;
+
+ private:
+  struct Group {
+    int64_t fid;
+    int begin, n;   // routes [begin, begin + n) of the sorted route arrays
+    bool tiled;
+    int nb;         // 16-token panel blocks (tiled only)
+    int64_t a_off;  // act buffer: [n][I] small (de-interleaved), [nb][I][16] tiled
+    int64_t p_off;  // input panel [nb][H][16] (tiled only)
+  };
+  struct Task {
+    int phase;
+    int group;   // -1 for down-phase and x-shuffle tasks
+    int r0, r1;  // row range (pack: panel block b = r0)
+  };
+
+  void plan(const int32_t* ids, const float* weights, int T, int K);
+  void build_tasks(int T);
+  void run_task(const Task& t, int worker);
+  void pack_panel(const Group& g, int b);
+  void shuffle_rows(int t0, int t1);
+  void up_small(const Group& g, int j0, int j1, float* scratch);
+  void up_tiled(const Group& g, int j0, int j1, float* scratch);
+  void down_block(int h0, int h1, float* scratch);
+  float bias(const void* base, int64_t i) const;
+  float activate(float gate, float up) const;
+
+  BankSpec banks_;
+  ActSpec act_;
+  ExecutorOptions opts_;
+  std::string isa_;
+  const KernelSet* kern_;
+  int64_t esize_;  // bytes per weight element
+
+  // Per-call state (valid during forward).
+  const float* x_ = nullptr;
+  float* out_ = nullptr;
+  int T_ = 0;
+  std::vector<uint64_t> keys_;
+  std::vector<int> rtok_;        // token of each sorted route
+  std::vector<float> rw_;        // gate weight of each sorted route
+  std::vector<Group> groups_;
+  std::vector<const float*> xin_;  // small groups: per route, its (de-interleaved) input row
+  std::vector<const float*> ain_;  // small groups: per route, its act row
+  std::vector<float> xs_;        // de-interleaved copy of x when gemv needs it
+  std::vector<float> act_buf_, panel_buf_;
+  std::vector<std::vector<float>> scratch_;  // per worker
+  std::vector<Task> tasks_;
+  int phase_end_[3] = {0, 0, 0};  // tasks_[phase_end_[p-1], phase_end_[p]) belong to phase p
+  int jb_ = 64, hb_ = 64;
+  bool shuffle_async_ = false;
+
+  std::atomic<int> next_{0};
+  std::atomic<int> done_[3];
+
+  std::mutex call_mu_;
+  std::unique_ptr<ThreadPool> pool_;  // last: its threads stop before the state above dies
+};
+
+}  // namespace ftnative
