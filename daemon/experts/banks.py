@@ -16,7 +16,7 @@ where N = num_moe_layers * num_experts, H = hidden size, I = moe intermediate si
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,12 +37,20 @@ class ActivationSpec:
 
 @dataclass
 class ExpertBanks:
-    """All routed experts of one model, flat_id-major."""
+    """All routed experts of one model, flat_id-major.
+
+    ``format`` names the expert format (``formats.FORMATS``); for a quantised one ``gate_up`` and
+    ``down`` hold the packed/quantised weights and ``extra`` its scale banks, flat_id-major too.
+    The shape properties below read ``gate_up``/``down`` as float banks: for a packed format use
+    ``formats.get_format(banks.format)`` instead.
+    """
 
     gate_up: torch.Tensor
     down: torch.Tensor
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    format: str = "bf16"
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_flat(self) -> int:
@@ -63,6 +71,10 @@ class ExpertBanks:
         if self.down_bias is not None:
             out["down_bias"] = self.down_bias
         return out
+
+    def all_tensors(self) -> dict[str, torch.Tensor]:
+        """``tensors()`` plus the format's scale banks (``extra``)."""
+        return {**self.tensors(), **self.extra}
 
     def nbytes_per_expert(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.tensors().values())

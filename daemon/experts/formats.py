@@ -1,0 +1,392 @@
+"""Expert weight formats: one schema per format, in one table (``FORMATS``).
+
+A format lists the bank tensors each expert has (name, per-expert shape as a function of the hidden
+size H and the moe intermediate size I, dtype) and gives plain-torch ``quantize`` / ``dequantize``
+of one expert. Allocation, FTW files, conversion and the reference MoE derive from the schema, so
+a new kernel keys on ``ExpertBanks.format`` and adding a format touches ``FORMATS`` alone.
+
+Weights are stored as the model computes ``W x``: rows are output features, the packed / blocked
+dim is the input dim. ``gate_up`` is [2I, H] (gate rows then up rows), ``down`` is [H, I]. Biases
+(GPT-OSS) stay in the model's float dtype in every format and are not part of a schema.
+
+Bit layouts (tested on hand-made values in tests/test_expert_formats.py):
+  e2m1 (FP4) code, 4 bits: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa; codes 0..7
+      are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes 8..15 the same negated (8 is -0).
+  packing: two codes per uint8 along the input dim, element 2j in the LOW nibble and element
+      2j+1 in the high nibble (the GPT-OSS / ModelOpt order).
+  e8m0 (MX scale): uint8 e means 2^(e - 127); 255 is NaN and never written here.
+  fp8: torch.float8_e4m3fn (bias 7, 3 mantissa bits, max 448, no infinities).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .banks import ExpertBanks
+
+Tensor = torch.Tensor
+
+# ---- bit-level codecs -------------------------------------------------------------------------
+
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+E2M1_MAX = 6.0
+FP8_MAX = 448.0
+E8M0_BIAS = 127
+# Midpoints between neighbouring e2m1 magnitudes; a value on a midpoint rounds to the code with
+# an even mantissa bit (round half to even): down at 0.25, 1.25, 2.5, 5; up at 0.75, 1.75, 3.5.
+_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_TIES_UP = (0.75, 1.75, 3.5)
+
+
+def e2m1_encode(x: Tensor) -> Tensor:
+    """fp32 values (already divided by their scale) -> uint8 codes 0..15, nearest, ties to even,
+    saturating at +-6."""
+    mag = x.float().abs().clamp(max=E2M1_MAX)
+    code = torch.bucketize(mag, _MIDS.to(x.device), right=False)  # on a midpoint: the lower code
+    for tie in _TIES_UP:
+        code = code + (mag == tie).long()
+    return (code | (torch.signbit(x).long() << 3)).to(torch.uint8)
+
+
+def e2m1_decode(codes: Tensor) -> Tensor:
+    """uint8 codes 0..15 -> fp32 values."""
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """[..., C] codes -> [..., C/2] uint8; element 2j in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """[..., C/2] uint8 -> [..., C] codes; inverse of ``pack_nibbles``."""
+    both = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def e8m0_decode(e: Tensor) -> Tensor:
+    """uint8 biased exponents -> fp32 powers of two 2^(e - 127)."""
+    return torch.exp2(e.float() - E8M0_BIAS)
+
+
+# ---- per-matrix block quantisers ([R, C] fp32, blocks along C, the input dim) -----------------
+
+
+def _mx_quant(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+    """[R, C] -> (packed [R, C/2] uint8, e8m0 scales [R, C/block] uint8).
+
+    The scale is the smallest power of two with amax / scale <= 6, so nothing saturates."""
+    r, c = w.shape
+    blocks = w.float().reshape(r, c // block, block)
+    amax = blocks.abs().amax(-1)
+    mant, exp = torch.frexp(amax / E2M1_MAX)  # amax/6 = mant * 2^exp, mant in [0.5, 1)
+    exp = torch.where(mant == 0.5, exp - 1, exp)  # exact powers of two: ceil(log2) = exp - 1
+    exp = torch.where(amax == 0, torch.full_like(exp, -E8M0_BIAS), exp)
+    exp = exp + (amax / torch.exp2(exp.float()) > E2M1_MAX).int()  # guard the division's rounding
+    exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS)
+    codes = e2m1_encode(blocks / torch.exp2(exp.float()).unsqueeze(-1)).reshape(r, c)
+    return pack_nibbles(codes), (exp + E8M0_BIAS).to(torch.uint8)
+
+
+def _mx_dequant(packed: Tensor, scales: Tensor, block: int = 32) -> Tensor:
+    vals = e2m1_decode(unpack_nibbles(packed))
+    return vals * e8m0_decode(scales).repeat_interleave(block, dim=-1)
+
+
+def _nv_quant(w: Tensor, glob: float, block: int = 16) -> tuple[Tensor, Tensor]:
+    """[R, C] with the tensor's global scale -> (packed [R, C/2] uint8, fp8 scales [R, C/block])."""
+    r, c = w.shape
+    blocks = w.float().reshape(r, c // block, block)
+    bs = (blocks.abs().amax(-1) / E2M1_MAX / glob).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    eff = (bs.float() * glob).unsqueeze(-1)  # the block's effective scale
+    q = torch.where(eff > 0, blocks / torch.where(eff > 0, eff, 1.0), 0.0)
+    return pack_nibbles(e2m1_encode(q).reshape(r, c)), bs
+
+
+def _nv_dequant(packed: Tensor, scales: Tensor, glob: Tensor, block: int = 16) -> Tensor:
+    vals = e2m1_decode(unpack_nibbles(packed))
+    return vals * scales.float().repeat_interleave(block, dim=-1) * glob.float()
+
+
+def _nv_global(w: Tensor) -> float:
+    """Per-tensor scale so the largest block scale lands on fp8's max: amax / (6 * 448)."""
+    amax = float(w.float().abs().max())
+    return amax / (E2M1_MAX * FP8_MAX) if amax > 0 else 1.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fp8_quant(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
+    """[R, C] -> (fp8 e4m3 [R, C], fp32 scales [ceil(R/128), ceil(C/128)]); w = q * scale."""
+    r, c = w.shape
+    rb, cb = _cdiv(r, block), _cdiv(c, block)
+    padded = torch.zeros(rb * block, cb * block)
+    padded[:r, :c] = w.float()
+    amax = padded.reshape(rb, block, cb, block).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = (w.float() / _expand(scale, r, c, block)).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def _expand(scale: Tensor, r: int, c: int, block: int) -> Tensor:
+    """[Rb, Cb] block scales -> [r, c] per element."""
+    return scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:r, :c]
+
+
+def _fp8_dequant(q: Tensor, scale: Tensor, block: int = 128) -> Tensor:
+    return q.float() * _expand(scale.float(), q.shape[0], q.shape[1], block)
+
+
+# ---- the formats ------------------------------------------------------------------------------
+
+
+def _halves(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    inter = gate_up.shape[0] // 2
+    return gate_up[:inter], gate_up[inter:]
+
+
+def _bf16_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
+    return {"gate_up": gate_up.to(float_dtype), "down": down.to(float_dtype)}
+
+
+def _bf16_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    return t["gate_up"].float(), t["down"].float()
+
+
+def _fp8_block_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
+    # gate and up are blocked separately (as the checkpoints store them), so I need not be a
+    # multiple of 128: scale rows [0, ceil(I/128)) cover gate, the rest cover up.
+    (gq, gs), (uq, us) = (_fp8_quant(h) for h in _halves(gate_up))
+    dq, ds = _fp8_quant(down)
+    return {
+        "gate_up": torch.cat([gq, uq]),
+        "down": dq,
+        "gate_up_scale": torch.cat([gs, us]),
+        "down_scale": ds,
+    }
+
+
+def _fp8_block_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    g, u = _halves(t["gate_up"])
+    gs, us = _halves(t["gate_up_scale"])
+    gate_up = torch.cat([_fp8_dequant(g, gs), _fp8_dequant(u, us)])
+    return gate_up, _fp8_dequant(t["down"], t["down_scale"])
+
+
+def _mxfp4_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
+    gq, gs = _mx_quant(gate_up)
+    dq, ds = _mx_quant(down)
+    return {"gate_up": gq, "down": dq, "gate_up_scale": gs, "down_scale": ds}
+
+
+def _mxfp4_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    return _mx_dequant(t["gate_up"], t["gate_up_scale"]), _mx_dequant(t["down"], t["down_scale"])
+
+
+def _nvfp4_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
+    # gate and up keep separate global scales, as NVFP4 checkpoints store them per projection.
+    halves = _halves(gate_up)
+    globs = [_nv_global(h) for h in halves]
+    (gq, gs), (uq, us) = (_nv_quant(h, g) for h, g in zip(halves, globs, strict=True))
+    dglob = _nv_global(down)
+    dq, ds = _nv_quant(down, dglob)
+    return {
+        "gate_up": torch.cat([gq, uq]),
+        "down": dq,
+        "gate_up_scale": torch.cat([gs, us]),
+        "down_scale": ds,
+        "gate_up_global": torch.tensor(globs, dtype=torch.float32),
+        "down_global": torch.tensor([dglob], dtype=torch.float32),
+    }
+
+
+def _nvfp4_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    (g, u), (gs, us) = _halves(t["gate_up"]), _halves(t["gate_up_scale"])
+    glob = t["gate_up_global"]
+    gate_up = torch.cat([_nv_dequant(g, gs, glob[0]), _nv_dequant(u, us, glob[1])])
+    return gate_up, _nv_dequant(t["down"], t["down_scale"], t["down_global"][0])
+
+
+Shape = Callable[[int, int], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class BankSpec:
+    """One bank tensor of a format. ``dtype`` None means the model's float dtype (bf16/fp16/fp32)."""
+
+    name: str
+    shape: Shape  # (H, I) -> per-expert shape
+    dtype: torch.dtype | None
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """The schema of one expert format. ``gate_up``/``down`` banks go to the ExpertBanks fields of
+    those names, every other bank to ``ExpertBanks.extra``."""
+
+    name: str
+    doc: str
+    banks: tuple[BankSpec, ...]
+    # (gate_up fp32 [2I, H], down fp32 [H, I], model float dtype) -> {bank name: per-expert tensor}
+    quantize: Callable[[Tensor, Tensor, torch.dtype], dict[str, Tensor]]
+    # {bank name: per-expert tensor} -> (gate_up fp32 [2I, H], down fp32 [H, I])
+    dequantize: Callable[[Mapping[str, Tensor]], tuple[Tensor, Tensor]]
+    dim_multiple: int = 1  # H and I must be multiples of this (the packing / scale block)
+
+    def check_dims(self, hidden: int, inter: int) -> None:
+        if hidden % self.dim_multiple or inter % self.dim_multiple:
+            raise ValueError(
+                f"expert format {self.name!r} needs hidden and moe intermediate sizes that are "
+                f"multiples of {self.dim_multiple}; got H={hidden}, I={inter}"
+            )
+
+    def specs(
+        self, hidden: int, inter: int, float_dtype: torch.dtype
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{bank name: (per-expert shape, dtype)}."""
+        self.check_dims(hidden, inter)
+        return {b.name: (b.shape(hidden, inter), b.dtype or float_dtype) for b in self.banks}
+
+    def nbytes_per_expert(self, hidden: int, inter: int, float_dtype: torch.dtype) -> int:
+        total = 0
+        for shape, dt in self.specs(hidden, inter, float_dtype).values():
+            total += torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+        return total
+
+
+_U8, _F32, _FP8 = torch.uint8, torch.float32, torch.float8_e4m3fn
+
+FORMATS: dict[str, ExpertFormat] = {
+    f.name: f
+    for f in (
+        ExpertFormat(
+            "bf16",
+            "unquantised weights in the model's float dtype (bf16, fp16 or fp32)",
+            (
+                BankSpec("gate_up", lambda h, i: (2 * i, h), None),
+                BankSpec("down", lambda h, i: (h, i), None),
+            ),
+            _bf16_quant,
+            _bf16_dequant,
+        ),
+        ExpertFormat(
+            "fp8_block",
+            "fp8 e4m3 weights, one fp32 scale per 128x128 block (gate and up blocked separately)",
+            (
+                BankSpec("gate_up", lambda h, i: (2 * i, h), _FP8),
+                BankSpec("down", lambda h, i: (h, i), _FP8),
+                BankSpec("gate_up_scale", lambda h, i: (2 * _cdiv(i, 128), _cdiv(h, 128)), _F32),
+                BankSpec("down_scale", lambda h, i: (_cdiv(h, 128), _cdiv(i, 128)), _F32),
+            ),
+            _fp8_block_quant,
+            _fp8_block_dequant,
+        ),
+        ExpertFormat(
+            "mxfp4",
+            "OCP MXFP4 (GPT-OSS): packed e2m1, one e8m0 scale per 32 inputs",
+            (
+                BankSpec("gate_up", lambda h, i: (2 * i, h // 2), _U8),
+                BankSpec("down", lambda h, i: (h, i // 2), _U8),
+                BankSpec("gate_up_scale", lambda h, i: (2 * i, h // 32), _U8),
+                BankSpec("down_scale", lambda h, i: (h, i // 32), _U8),
+            ),
+            _mxfp4_quant,
+            _mxfp4_dequant,
+            dim_multiple=32,
+        ),
+        ExpertFormat(
+            "nvfp4",
+            "NVFP4: packed e2m1, one fp8 e4m3 scale per 16 inputs, fp32 global scale per projection",
+            (
+                BankSpec("gate_up", lambda h, i: (2 * i, h // 2), _U8),
+                BankSpec("down", lambda h, i: (h, i // 2), _U8),
+                BankSpec("gate_up_scale", lambda h, i: (2 * i, h // 16), _FP8),
+                BankSpec("down_scale", lambda h, i: (h, i // 16), _FP8),
+                BankSpec("gate_up_global", lambda h, i: (2,), _F32),  # [gate, up]
+                BankSpec("down_global", lambda h, i: (1,), _F32),
+            ),
+            _nvfp4_quant,
+            _nvfp4_dequant,
+            dim_multiple=16,
+        ),
+    )
+}
+
+
+def get_format(name: str) -> ExpertFormat:
+    """The schema of ``name``; the error lists the known formats."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown expert format {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+# ---- bank-level helpers -----------------------------------------------------------------------
+
+
+def allocate(
+    name: str, num_flat: int, hidden: int, inter: int, float_dtype: torch.dtype, bias: bool = False
+) -> ExpertBanks:
+    """Exact-size, uninitialised banks of format ``name`` for ``num_flat`` experts."""
+    fmt = get_format(name)
+    t = {
+        n: torch.empty(num_flat, *s, dtype=dt)
+        for n, (s, dt) in fmt.specs(hidden, inter, float_dtype).items()
+    }
+    return ExpertBanks(
+        gate_up=t.pop("gate_up"),
+        down=t.pop("down"),
+        gate_up_bias=torch.empty(num_flat, 2 * inter, dtype=float_dtype) if bias else None,
+        down_bias=torch.empty(num_flat, hidden, dtype=float_dtype) if bias else None,
+        format=name,
+        extra=t,
+    )
+
+
+def expert_tensors(banks: ExpertBanks, fid: int) -> dict[str, Tensor]:
+    """The weight tensors (no biases) of expert ``fid``, named as in the format's schema."""
+    return {
+        "gate_up": banks.gate_up[fid],
+        "down": banks.down[fid],
+        **{n: t[fid] for n, t in banks.extra.items()},
+    }
+
+
+def dequantize_expert(banks: ExpertBanks, fid: int) -> tuple[Tensor, Tensor]:
+    """Expert ``fid`` as fp32 (gate_up [2I, H], down [H, I])."""
+    return get_format(banks.format).dequantize(expert_tensors(banks, fid))
+
+
+def quantize_banks(banks: ExpertBanks, name: str) -> ExpertBanks:
+    """Float banks (format bf16) -> banks of format ``name``; biases are kept as they are."""
+    if banks.format != "bf16":
+        raise ValueError(f"quantize_banks needs float (bf16-format) banks, got {banks.format!r}")
+    n, two_i, h = banks.gate_up.shape
+    quantize = get_format(name).quantize
+    out = allocate(name, n, h, two_i // 2, banks.gate_up.dtype)
+    dest = out.all_tensors()
+    for fid in range(n):
+        q = quantize(banks.gate_up[fid].float(), banks.down[fid].float(), banks.gate_up.dtype)
+        for k, v in q.items():
+            dest[k][fid].copy_(v)
+    out.gate_up_bias, out.down_bias = banks.gate_up_bias, banks.down_bias
+    return out
+
+
+def dequantize_banks(banks: ExpertBanks) -> ExpertBanks:
+    """Any format -> fp32 bf16-format banks (what ``moe_reference`` reads)."""
+    n = banks.gate_up.shape[0]
+    pairs = [dequantize_expert(banks, fid) for fid in range(n)]
+    return ExpertBanks(
+        gate_up=torch.stack([p[0] for p in pairs]),
+        down=torch.stack([p[1] for p in pairs]),
+        gate_up_bias=banks.gate_up_bias,
+        down_bias=banks.down_bias,
+    )
