@@ -1,0 +1,108 @@
+"""``freetokend``: the inference daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .server.config import MOE_BACKENDS, ConfigError, resolve
+
+DESCRIPTION = """\
+Serve a Mixture-of-Experts model over HTTP: OpenAI (/v1/chat/completions, /v1/completions,
+/v1/responses, /v1/models), Anthropic (/v1/messages, /v1/messages/count_tokens), /health and
+/metrics (Prometheus).
+
+Settings come from, highest first: these flags, FREETOKEN_<KEY> environment variables
+(e.g. FREETOKEN_PORT=8080), the --config TOML file (keys mirror the flags: port = 8080,
+max_queue = 16), then the defaults shown below.
+"""
+
+EPILOG = """\
+examples:
+  freetokend                                 # the built-in tiny model on 127.0.0.1:1919
+  freetokend --model ~/models/Qwen3-30B-A3B --port 8000
+  freetokend --config /etc/freetoken/daemon.toml
+
+SIGTERM drains: new requests get 503, requests in flight finish (up to --drain-timeout
+seconds), then the daemon exits 0.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="freetokend",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=None,  # None = not given, so lower layers can fill it
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="HF model folder (default: the built-in tiny model, generated on first use)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="model id clients send (default: the folder name)",
+    )
+    p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port; 0 picks a free one (default: 1919)")
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="state folder: built-in model, databases (default: $FREETOKEN_STATE_DIR, else "
+        "$XDG_STATE_HOME/freetoken, else ~/.local/state/freetoken)",
+    )
+    p.add_argument(
+        "--admin-socket",
+        metavar="PATH",
+        help="admin gRPC unix socket (accepted; admin API not yet available)",
+    )
+    p.add_argument(
+        "--moe-backend",
+        choices=MOE_BACKENDS,
+        help="where experts run (default: auto: cpu without a GPU)",
+    )
+    p.add_argument(
+        "--max-batch", type=int, metavar="N", help="requests decoded together (default: 32)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        metavar="N",
+        help="requests waiting beyond the batch before 429/529 (default: 64)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="context limit in tokens (default: the model's, at most 32768)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help="seconds SIGTERM waits for requests in flight (default: 30)",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML settings file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    config_file = args.pop("config")
+    try:
+        cfg = resolve(args, config_file)
+    except ConfigError as e:
+        print(f"freetokend: {e}", file=sys.stderr)
+        return 2
+    from .server.logs import configure_logging
+    from .server.run import serve
+
+    configure_logging()
+    return serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The daemon's settings: defaults < TOML file < environment < command line.
+
+Keys are the long flag names with ``_`` (``--max-queue`` -> ``max_queue``; a TOML file may
+also spell them with ``-``). Environment variables are ``FREETOKEN_`` + the key in capitals
+(``FREETOKEN_PORT``, ``FREETOKEN_STATE_DIR``). An unknown key in the file is an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
+ENV_PREFIX = "FREETOKEN_"
+
+
+class ConfigError(ValueError):
+    """A setting we cannot use; the message names the key and where it came from."""
+
+
+class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None  # model folder; None = the built-in tiny model
+    served_model_name: str | None = None  # the id clients send; default: the folder name
+    host: str = "127.0.0.1"
+    port: int = 1919
+    state_dir: str | None = None  # default: $XDG_STATE_HOME/freetoken or ~/.local/state/freetoken
+    admin_socket: str | None = None  # accepted; the admin API comes later
+    moe_backend: str = "auto"
+    max_batch: int = 32  # requests decoded together (the continuous batch)
+    max_queue: int = 64  # requests waiting beyond the batch before 429/529
+    max_model_len: int | None = None  # context limit; default: the model's (capped)
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+
+    def check(self) -> DaemonConfig:
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ConfigError(
+                f"moe_backend: {self.moe_backend!r} is not one of {', '.join(MOE_BACKENDS)}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: {self.port} is not a TCP port")
+        for name in ("max_batch",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"drain_timeout: must be >= 0, got {self.drain_timeout}")
+        return self
+
+
+FIELDS: tuple[str, ...] = DaemonConfig.__struct_fields__
+
+
+def default_state_dir(env: dict[str, str]) -> Path:
+    if env.get("FREETOKEN_STATE_DIR"):
+        return Path(env["FREETOKEN_STATE_DIR"]).expanduser()
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base).expanduser() / "freetoken"
+
+
+def _convert(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Type-check a partial config; errors name the key and the source."""
+    try:
+        msgspec.convert(values, DaemonConfig, strict=False)
+    except msgspec.ValidationError as e:
+        text = str(e).replace("Object contains unknown field", "unknown key")
+        raise ConfigError(f"{source}: {text}") from None
+    return values
+
+
+def from_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    values = {k.replace("-", "_"): v for k, v in raw.items()}
+    return _convert(values, str(path))
+
+
+def from_env(env: dict[str, str]) -> dict[str, Any]:
+    values = {
+        name: env[ENV_PREFIX + name.upper()]
+        for name in FIELDS
+        if env.get(ENV_PREFIX + name.upper())
+    }
+    return _convert(values, "environment")
+
+
+def resolve(
+    cli: dict[str, Any], config_file: str | None, env: dict[str, str] | None = None
+) -> DaemonConfig:
+    """Merge the layers; ``cli`` holds only the flags given on the command line."""
+    env = dict(os.environ if env is None else env)
+    merged: dict[str, Any] = {}
+    if config_file:
+        merged.update(from_file(Path(config_file)))
+    merged.update(from_env(env))
+    merged.update({k: v for k, v in cli.items() if v is not None})
+    try:
+        cfg = msgspec.convert(merged, DaemonConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.state_dir is None:
+        cfg.state_dir = str(default_state_dir(env))
+    return cfg.check()

@@ -1,0 +1,84 @@
+"""Grammar-constrained decoding with xgrammar, behind the engine's ``Constraint`` protocol.
+
+One :class:`GrammarFactory` per loaded model compiles grammars (JSON object, JSON schema,
+forced tool call); each request gets its own :class:`GrammarConstraint` (a matcher holding
+that request's grammar state). The engine thread calls ``fill_mask`` before sampling and
+``accept`` after, for that request only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from ..parsers.registry import ToolSyntax
+from .formats import forced_tool_call
+from .vocab import load_tokenizer_info
+
+
+class GrammarConstraint:
+    """Masks disallowed tokens to -inf; terminates once the grammar and a stop token are done."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
+        self._dead = False
+
+    def fill_mask(self, logits: torch.Tensor) -> None:
+        """``logits``: [V'] for this request (V' may exceed the tokenizer's V: padding)."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        width = logits.shape[-1]
+        n = min(width, self._vocab_size)
+        view = logits.view(1, width)
+        mask = self._bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(view, mask, vocab_size=n)
+        if width > n:
+            logits[n:] = float("-inf")
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.accept_token(token_id):
+            # The sampler picked a masked token (should not happen); stop rather than loop.
+            self._dead = True
+
+    def is_terminated(self) -> bool:
+        return self._dead or self._matcher.is_terminated()
+
+
+class GrammarFactory:
+    """Compiles grammars against one model's vocabulary (compiled grammars are cached)."""
+
+    def __init__(
+        self, tokenizer_json: Path, vocab_size: int, stop_token_ids: list[int], threads: int = 2
+    ) -> None:
+        self.info = load_tokenizer_info(tokenizer_json, vocab_size, stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+
+    def _wrap(self, compiled: xgr.CompiledGrammar) -> GrammarConstraint:
+        return GrammarConstraint(compiled, self.info.vocab_size)
+
+    def json_object(self) -> GrammarConstraint:
+        return self._wrap(self._compiler.compile_builtin_json_grammar())
+
+    def json_schema(self, schema: dict[str, Any]) -> GrammarConstraint:
+        """Raises ValueError when xgrammar cannot use the schema."""
+        try:
+            compiled = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"unsupported JSON schema: {e}") from None
+        return self._wrap(compiled)
+
+    def forced_tool_call(
+        self, syntax: ToolSyntax, tools: list[tuple[str, dict[str, Any] | None]]
+    ) -> GrammarConstraint:
+        """One call to one of ``tools`` in the model's syntax; ValueError on a bad schema."""
+        tag = forced_tool_call(syntax, tools)
+        try:
+            compiled = self._compiler.compile_structural_tag(tag)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"cannot constrain this tool call: {e}") from None
+        return self._wrap(compiled)

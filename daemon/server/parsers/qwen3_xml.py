@@ -1,0 +1,72 @@
+"""Qwen3.5 / Qwen3.6 / Qwen3-Coder XML tool calls::
+
+    <tool_call>
+    <function=NAME>
+    <parameter=P>
+    value
+    </parameter>
+    </function>
+    </tool_call>
+
+Values are raw text; the tool's JSON schema says which are strings (kept verbatim) and which
+are numbers, booleans, arrays or objects (decoded as JSON, falling back to the text).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .base import ToolSchemas
+from .tagged import TaggedToolParser
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+def _strip_one_newline(value: str) -> str:
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _schema_types(schema: dict[str, Any] | None, param: str) -> set[str]:
+    if not schema:
+        return set()
+    prop = (schema.get("properties") or {}).get(param) or {}
+    kind = prop.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    return set()
+
+
+def convert_value(raw: str, types: set[str]) -> Any:
+    """A parameter's text as the JSON value its schema asks for."""
+    if types == {"string"} or (not types and not raw.strip()):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def decode_xml_body(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
+    match = _FUNCTION.search(body)
+    if match is None:
+        return None
+    name = match.group(1).strip()
+    schema = tools.get(name)
+    args: dict[str, Any] = {}
+    for pm in _PARAMETER.finditer(match.group(2)):
+        key = pm.group(1).strip()
+        args[key] = convert_value(_strip_one_newline(pm.group(2)), _schema_types(schema, key))
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def make_parser(tools: ToolSchemas) -> TaggedToolParser:
+    return TaggedToolParser(lambda body: decode_xml_body(body, tools))

@@ -1,0 +1,93 @@
+"""Which output syntax a model speaks, and the parser for it.
+
+The tool-call syntax is chosen per model:
+1. by inspecting the model's chat template for the syntax it instructs the model to use
+   (``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
+   because one family can ship different templates (the built-in tiny model is family
+   ``qwen3_5_moe`` but its template asks for JSON ``<tool_call>``);
+2. falling back to the family default (``FAMILY_DEFAULTS``) when the template says nothing.
+Never from path or model-name substrings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from . import harmony, qwen3_json, qwen3_xml
+from .base import OutputParser, PassThrough, ToolSchemas
+from .chain import Chain
+from .think import ThinkParser
+
+
+class ToolSyntax(StrEnum):
+    NONE = "none"
+    QWEN3_JSON = "qwen3_json"
+    QWEN3_XML = "qwen3_xml"
+    HARMONY = "harmony"
+
+
+class ReasoningSyntax(StrEnum):
+    NONE = "none"
+    THINK = "think"
+    HARMONY = "harmony"
+
+
+@dataclass(frozen=True)
+class OutputSyntax:
+    tools: ToolSyntax
+    reasoning: ReasoningSyntax
+
+
+FAMILY_DEFAULTS: dict[str, OutputSyntax] = {
+    "qwen3_moe": OutputSyntax(ToolSyntax.QWEN3_JSON, ReasoningSyntax.THINK),
+    "qwen3_5_moe": OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK),
+    "qwen3_next": OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK),
+    "gpt_oss": OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY),
+    "mixtral": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
+    "olmoe": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
+}
+
+
+def detect_syntax(family: str, template_source: str) -> OutputSyntax:
+    """The syntax the chat template instructs, else the family default."""
+    default = FAMILY_DEFAULTS.get(family, OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE))
+    src = template_source or ""
+    if "<|channel|>" in src:
+        return OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
+    if "<function=" in src:
+        tools = ToolSyntax.QWEN3_XML
+    elif "<tool_call>" in src:
+        tools = ToolSyntax.QWEN3_JSON
+    else:
+        tools = default.tools
+    reasoning = ReasoningSyntax.THINK if "<think>" in src else default.reasoning
+    if reasoning is ReasoningSyntax.HARMONY:
+        reasoning = ReasoningSyntax.NONE  # harmony reasoning needs a harmony template
+    return OutputSyntax(tools, reasoning)
+
+
+_TOOL_PARSERS = {
+    ToolSyntax.QWEN3_JSON: qwen3_json.make_parser,
+    ToolSyntax.QWEN3_XML: qwen3_xml.make_parser,
+}
+
+
+def make_output_parser(
+    syntax: OutputSyntax, tools: ToolSchemas, start_in_reasoning: bool = False
+) -> OutputParser:
+    """A fresh incremental parser for one generation."""
+    if syntax.tools is ToolSyntax.HARMONY:
+        return harmony.make_parser(tools)
+    tool_parser: OutputParser = (
+        _TOOL_PARSERS[syntax.tools](tools) if syntax.tools in _TOOL_PARSERS else PassThrough()
+    )
+    if syntax.reasoning is ReasoningSyntax.THINK:
+        return Chain(ThinkParser(start_in_reasoning), tool_parser)
+    return Chain(PassThrough(), tool_parser)
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt leaves a ``<think>`` block open (the template already
+    started the model's reasoning)."""
+    return prompt_text.rfind("<think>") > prompt_text.rfind("</think>")

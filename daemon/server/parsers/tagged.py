@@ -1,0 +1,68 @@
+"""Framing shared by the Qwen tool-call syntaxes: a call is ``<tool_call>BODY</tool_call>``.
+
+Content outside the tags streams; the body is buffered until the closing tag and handed to
+the syntax's ``decode_body``. A body that does not decode is given back as plain content, so
+nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .base import Content, ParsedEvent, ToolCall, partial_suffix
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+
+# body text -> (name, arguments as a JSON object text), or None when it is not a call
+BodyDecoder = Callable[[str], tuple[str, str] | None]
+
+
+class TaggedToolParser:
+    def __init__(self, decode_body: BodyDecoder) -> None:
+        self._decode = decode_body
+        self._buf = ""
+        self._in_call = False
+        self._count = 0
+
+    def feed(self, text: str) -> list[ParsedEvent]:
+        self._buf += text
+        out: list[ParsedEvent] = []
+        while True:
+            marker = CLOSE if self._in_call else OPEN
+            pos = self._buf.find(marker)
+            if pos < 0:
+                break
+            if self._in_call:
+                self._close_call(self._buf[:pos], out)
+            elif pos:
+                out.append(Content(self._buf[:pos]))
+            self._buf = self._buf[pos + len(marker) :]
+            self._in_call = not self._in_call
+        if not self._in_call:
+            hold = partial_suffix(self._buf, (OPEN,))
+            if len(self._buf) > hold:
+                out.append(Content(self._buf[: len(self._buf) - hold]))
+                self._buf = self._buf[len(self._buf) - hold :]
+        return out
+
+    def finish(self) -> list[ParsedEvent]:
+        out: list[ParsedEvent] = []
+        if self._in_call:
+            # Generation stopped inside a call (a stop string or the length limit): keep it
+            # if the body is already complete, else give the text back.
+            self._close_call(self._buf, out)
+        elif self._buf:
+            out.append(Content(self._buf))
+        self._buf = ""
+        self._in_call = False
+        return out
+
+    def _close_call(self, body: str, out: list[ParsedEvent]) -> None:
+        decoded = self._decode(body)
+        if decoded is None:
+            out.append(Content(OPEN + body + CLOSE))
+            return
+        name, arguments = decoded
+        out.append(ToolCall(self._count, name, arguments))
+        self._count += 1

@@ -1,0 +1,60 @@
+"""Helpers every inference route uses: decoding the body, ids, the per-request log line."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+from litestar import Request
+
+from ..errors import InvalidRequest, from_validation_error
+from ..generation import Generation
+
+log = structlog.get_logger("freetokend.request")
+
+T = TypeVar("T")
+
+
+async def decode_body(request: Request[Any, Any, Any], kind: type[T]) -> T:
+    """The body as ``kind``; any malformed input becomes a 400 naming what is wrong.
+    (Bodies over the size limit are refused by Litestar with 413 before this.)"""
+    raw = await request.body()
+    if not raw.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation_error(e) from None
+    except UnicodeDecodeError:
+        raise InvalidRequest("The request body is not valid UTF-8.") from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def log_request(
+    metrics: Any, api: str, gen: Generation, started: float, stream: bool, status: int = 200
+) -> None:
+    """One structured line per finished request, with its timings; counts it in /metrics."""
+    metrics.record_request(api, status)
+    total = time.monotonic() - started
+    u = gen.usage
+    decode_s = total - (gen.ttft or 0.0)
+    log.info(
+        "request",
+        api=api,
+        request_id=gen.request_id,
+        status=status,
+        stream=stream,
+        prompt_tokens=u.prompt_tokens,
+        cached_tokens=u.cached_tokens,
+        completion_tokens=u.completion_tokens,
+        finish_reason=gen.finish_reason,
+        ttft_ms=round((gen.ttft or 0.0) * 1000, 1),
+        total_ms=round(total * 1000, 1),
+        decode_tok_s=round(u.completion_tokens / decode_s, 1) if decode_s > 0 else None,
+    )

@@ -1,0 +1,124 @@
+"""Run the daemon: load the model, build the app, serve it with uvicorn in this process.
+
+SIGTERM (or a first Ctrl-C) starts a drain: new inference requests get 503, requests in
+flight run to completion for up to ``drain_timeout`` seconds, then the server stops and the
+process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import structlog
+import uvicorn
+
+from .app import create_app
+from .bridge import EngineBridge
+from .config import DaemonConfig
+from .metrics import Metrics
+from .service import ModelService
+from .state import ServerState
+
+log = structlog.get_logger("freetokend")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._deadline = 0.0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not calling super(): uvicorn would re-raise the signal after shutdown (exit 143).
+        if self.state.draining:
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        self.state.draining = True
+        self._deadline = time.monotonic() + self.drain_timeout
+        log.info("draining", in_flight=self.state.bridge.in_flight, timeout_s=self.drain_timeout)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.draining:
+            if self.state.bridge.in_flight == 0 or time.monotonic() > self._deadline:
+                return True
+        return await super().on_tick(counter)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                # stdout, flushed: scripts and tests read the bound port from this line
+                print(
+                    f"freetokend: serving {self.state.service.name} on http://{host}:{port}",
+                    flush=True,
+                )
+
+
+def load_llm(cfg: DaemonConfig) -> Any:
+    from ..engine.llm import LLM
+
+    if cfg.model:
+        model_dir = Path(cfg.model).expanduser()
+    else:
+        from ..models.builtin import ensure_builtin_model
+
+        model_dir = ensure_builtin_model(Path(cfg.state_dir or "."))
+    log.info("loading model", model_dir=str(model_dir), moe_backend=cfg.moe_backend)
+    started = time.monotonic()
+    llm = LLM(
+        model_dir,
+        moe_backend=cfg.moe_backend,
+        max_batch=cfg.max_batch,
+        max_model_len=cfg.max_model_len,
+        name=cfg.served_model_name,
+    )
+    log.info(
+        "model loaded",
+        name=llm.name,
+        family=llm.config.family,
+        seconds=round(time.monotonic() - started, 2),
+    )
+    return llm
+
+
+def build_state(llm: Any, cfg: DaemonConfig) -> ServerState:
+    metrics = Metrics()
+    bridge = EngineBridge(llm.engine, cfg.max_batch, cfg.max_queue, metrics)
+    return ServerState(service=ModelService(llm, bridge, metrics), bridge=bridge, metrics=metrics)
+
+
+def serve(cfg: DaemonConfig) -> int:
+    if cfg.admin_socket:
+        log.warning(
+            "the admin API is not available yet; --admin-socket is ignored", path=cfg.admin_socket
+        )
+    state = build_state(load_llm(cfg), cfg)
+    app = create_app(state)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        lifespan="on",
+    )
+    server = DrainingServer(config, state, cfg.drain_timeout)
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        return 130
+    if not server.started:
+        print(f"freetokend: could not listen on {cfg.host}:{cfg.port}", file=sys.stderr)
+        return 1
+    return 0

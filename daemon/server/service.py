@@ -1,0 +1,264 @@
+"""The served model, as the routes use it: render, tokenize, constrain, submit.
+
+Every API route builds a :class:`ChatRequest` (or prompt ids for /v1/completions) and calls
+:meth:`ModelService.start_chat` / :meth:`start_ids`, which return a running
+:class:`Generation`. Rendering and grammar compilation are CPU work and run in a worker
+thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from ..engine.sampler import SamplingParams
+from .bridge import EngineBridge, Submission
+from .chat import ChatRequest, Sampling, check_sampling
+from .errors import InvalidRequest, ModelNotFound
+from .generation import Generation
+from .parsers.base import PassThrough
+from .parsers.registry import (
+    ReasoningSyntax,
+    ToolSyntax,
+    detect_syntax,
+    make_output_parser,
+    prompt_opens_reasoning,
+)
+
+
+@dataclass
+class Rendered:
+    text: str
+    ids: list[int]
+
+
+def template_source(llm: Any) -> str:
+    """The chat template's Jinja text (to see which tool syntax it instructs)."""
+    sources = getattr(llm.chat_template, "sources", None)
+    if isinstance(sources, dict):
+        return "\n".join(str(v) for v in sources.values())
+    model_dir = Path(llm.model_dir)
+    for name in ("chat_template.jinja",):
+        if (model_dir / name).is_file():
+            return (model_dir / name).read_text(encoding="utf-8")
+    try:
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # named templates: [{"name": ..., "template": ...}]
+        return "\n".join(t.get("template", "") for t in tpl if isinstance(t, dict))
+    return tpl if isinstance(tpl, str) else ""
+
+
+def sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """The model's recommended sampling (generation_config.json) for knobs a client omits;
+    temperature 1.0 (the OpenAI and Anthropic default) when the model names none."""
+    try:
+        gen = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        gen = {}
+    out: dict[str, Any] = {"temperature": 1.0}
+    if not isinstance(gen, dict):
+        return out
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float)):
+        value = gen.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = kind(value)
+    return out
+
+
+class ModelService:
+    def __init__(self, llm: Any, bridge: EngineBridge, metrics: Any) -> None:
+        self.llm = llm
+        self.name: str = llm.name
+        self.bridge = bridge
+        self.metrics = metrics
+        self.tokenizer = llm.tokenizer
+        self.template = llm.chat_template
+        self.syntax = detect_syntax(llm.config.family, template_source(llm))
+        self.max_model_len: int = llm.engine.max_model_len
+        self.eos_ids: set[int] = set(llm.engine.eos)
+        self.defaults = sampling_defaults(Path(llm.model_dir))
+        self._grammars: Any = None
+        self._ids = itertools.count()
+        self._id_prefix = os.urandom(4).hex()
+
+    # --- checks ------------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise ModelNotFound(
+                f"The model {name!r} does not exist; this daemon serves {self.name!r}.",
+                param="model",
+            )
+
+    def new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):08x}"
+
+    # --- rendering ---------------------------------------------------------------------------
+
+    def render(self, req: ChatRequest) -> Rendered:
+        """Chat template -> text -> ids. Raises InvalidRequest for what the template refuses."""
+        kwargs: dict[str, Any] = {}
+        thinking = False if req.constrained else req.thinking
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+        tools = [t.as_openai() for t in req.tools] if req.tools else None
+        try:
+            text = self._render_messages(req.messages, tools, kwargs)
+        except (jinja2.TemplateError, ValueError) as e:  # ChatTemplateError is a ValueError
+            raise InvalidRequest(f"The chat template cannot render these messages: {e}") from None
+        return Rendered(text, self.tokenizer.encode(text))
+
+    def _render_messages(
+        self, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
+    ) -> str:
+        try:
+            return str(
+                self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+            )
+        except (jinja2.TemplateError, ValueError):
+            # Many templates refuse a system message after the first one (Claude Code sends
+            # them mid-conversation). Retry with those as user turns before giving up.
+            demoted = [
+                {**m, "role": "user"} if i > 0 and m.get("role") == "system" else m
+                for i, m in enumerate(messages)
+            ]
+            if demoted == messages:
+                raise
+            return str(
+                self.template.render(demoted, tools=tools, add_generation_prompt=True, **kwargs)
+            )
+
+    async def count_tokens(self, req: ChatRequest) -> int:
+        rendered = await asyncio.to_thread(self.render, req)
+        return len(rendered.ids)
+
+    # --- constraints -------------------------------------------------------------------------
+
+    def _grammar_factory(self) -> Any:
+        if self._grammars is None:
+            from .constrained.constraint import GrammarFactory
+
+            self._grammars = GrammarFactory(
+                Path(self.llm.model_dir) / "tokenizer.json",
+                self.llm.config.vocab_size,
+                sorted(self.eos_ids),
+            )
+        return self._grammars
+
+    def constraint_for(self, req: ChatRequest) -> Any:
+        """The grammar this request needs, or None. ValueError names what was refused."""
+        if req.tool_choice in ("required", "function"):
+            if self.syntax.tools is ToolSyntax.NONE:
+                raise InvalidRequest(
+                    "tool_choice: this model has no tool-call syntax", param="tool_choice"
+                )
+            tools = [t for t in req.tools if req.forced_tool in (None, t.name)]
+            return self._grammar_factory().forced_tool_call(
+                self.syntax.tools, [(t.name, t.parameters) for t in tools]
+            )
+        if req.output_format == "json_object":
+            return self._grammar_factory().json_object()
+        if req.output_format == "json_schema":
+            return self._grammar_factory().json_schema(req.output_schema or {})
+        return None
+
+    # --- generation --------------------------------------------------------------------------
+
+    def sampling_params(self, s: Sampling) -> SamplingParams:
+        kw: dict[str, Any] = {
+            **self.defaults,
+            "max_tokens": s.max_tokens,
+            "stop_token_ids": tuple(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+            "logprobs": s.logprobs,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            value = getattr(s, name)
+            if value is not None:
+                kw[name] = max(value, 0) if name == "top_k" else value  # -1 = off = 0
+        params = SamplingParams(**kw)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        return params
+
+    async def start_chat(self, req: ChatRequest) -> tuple[Generation, Rendered]:
+        rendered, params, constraint = await asyncio.to_thread(self._prepare_chat, req)
+        schemas = {t.name: t.parameters for t in req.tools}
+        opens = self.syntax.reasoning is ReasoningSyntax.THINK and prompt_opens_reasoning(
+            rendered.text
+        )
+        parser = make_output_parser(self.syntax, schemas, start_in_reasoning=opens)
+        gen = self._submit(rendered.ids, params, constraint, parser, req.sampling)
+        return gen, rendered
+
+    def _prepare_chat(self, req: ChatRequest) -> tuple[Rendered, SamplingParams, Any]:
+        """Worker thread: render, check sizes and sampling, compile the grammar."""
+        check_sampling(req.sampling, self.max_model_len)  # cheap field errors first
+        rendered = self.render(req)
+        params = self._params_for(len(rendered.ids), req.sampling)
+        try:
+            constraint = self.constraint_for(req)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=_format_param(req)) from None
+        return rendered, params, constraint
+
+    async def start_ids(self, ids: list[int], sampling: Sampling) -> Generation:
+        """Raw completion: no template, no parser (text is all content)."""
+        check_sampling(sampling, self.max_model_len)
+        params = self._params_for(len(ids), sampling)
+        return self._submit(ids, params, None, PassThrough(), sampling)
+
+    def _params_for(self, n_prompt: int, s: Sampling) -> SamplingParams:
+        """Resolve an omitted max_tokens to the rest of the context, then check the total."""
+        if s.max_tokens is None:
+            s.max_tokens = max(1, self.max_model_len - n_prompt)
+        self._check_context(n_prompt, s.max_tokens)
+        return self.sampling_params(s)
+
+    def _check_context(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"This model's context is {self.max_model_len} tokens; the prompt has "
+                f"{n_prompt} tokens and max_tokens is {max_tokens} "
+                f"({n_prompt + max_tokens} in all). Shorten the prompt or lower max_tokens.",
+                param="max_tokens",
+            )
+
+    def _submit(
+        self, ids: list[int], params: Any, constraint: Any, parser: Any, s: Sampling
+    ) -> Generation:
+        rid = self.new_id()
+        handle = self.bridge.submit(Submission(rid, ids, params, constraint))
+        harmony = self.syntax.tools is ToolSyntax.HARMONY
+        return Generation(
+            bridge=self.bridge,
+            handle=handle,
+            tokenizer=self.tokenizer,
+            parser=parser,
+            stop=s.stop,
+            stop_token_ids=self.eos_ids | set(s.stop_token_ids),
+            # harmony's parser reads its special tokens (<|channel|>, ...) from the text
+            skip_special_tokens=not harmony,
+            want_logprobs=s.logprobs is not None,
+            metrics=self.metrics,
+        )
+
+
+def _format_param(req: ChatRequest) -> str:
+    if req.tool_choice in ("required", "function"):
+        return "tools"
+    return "response_format"
