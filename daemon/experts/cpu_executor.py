@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from .banks import ExpertBanks
-from .banks import ActivationSpec
+from .banks import ActivationSpec, ExpertBanks
 
 _native: Any
 _import_error: ImportError | None
@@ -173,5 +172,7 @@ class CpuExecutor:
         _check_input("flat_ids", flat_ids, torch.int32, (t, k))
         _check_input("weights", weights, torch.float32, (t, k))
         out = torch.empty(t, self.hidden_size, dtype=torch.float32)
-        self._exec.forward(x.data_ptr(), flat_ids.data_ptr(), weights.data_ptr(), out.data_ptr(), t, k)
+        self._exec.forward(
+            x.data_ptr(), flat_ids.data_ptr(), weights.data_ptr(), out.data_ptr(), t, k
+        )
         return out
