@@ -201,7 +201,9 @@ class ModelService:
         opens = self.syntax.reasoning is ReasoningSyntax.THINK and prompt_opens_reasoning(
             rendered.text
         )
-        parser = make_output_parser(self.syntax, schemas, start_in_reasoning=opens)
+        parser = make_output_parser(
+            self.syntax, schemas, start_in_reasoning=opens, parse_tools=req.tool_choice != "none"
+        )
         gen = self._submit(rendered.ids, params, constraint, parser, req.sampling)
         return gen, rendered
 

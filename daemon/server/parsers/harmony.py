@@ -92,7 +92,7 @@ class HarmonyParser:
         if self._recipient is not None:
             name = self._recipient.removeprefix("functions.")
             try:
-                args = json.loads(self._call_body or "{}")
+                args = json.loads(self._call_body or "{}", strict=False)
             except ValueError:
                 args = None
             if isinstance(args, dict):

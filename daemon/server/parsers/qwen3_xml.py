@@ -50,7 +50,7 @@ def convert_value(raw: str, types: set[str]) -> Any:
     if types == {"string"} or (not types and not raw.strip()):
         return raw
     try:
-        return json.loads(raw)
+        return json.loads(raw, strict=False)
     except ValueError:
         return raw
 

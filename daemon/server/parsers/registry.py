@@ -74,14 +74,18 @@ _TOOL_PARSERS = {
 
 
 def make_output_parser(
-    syntax: OutputSyntax, tools: ToolSchemas, start_in_reasoning: bool = False
+    syntax: OutputSyntax,
+    tools: ToolSchemas,
+    start_in_reasoning: bool = False,
+    parse_tools: bool = True,
 ) -> OutputParser:
-    """A fresh incremental parser for one generation."""
+    """A fresh incremental parser for one generation (``parse_tools=False``: tool_choice
+    none, any tool-call markup stays content)."""
     if syntax.tools is ToolSyntax.HARMONY:
         return harmony.make_parser(tools)
-    tool_parser: OutputParser = (
-        _TOOL_PARSERS[syntax.tools](tools) if syntax.tools in _TOOL_PARSERS else PassThrough()
-    )
+    tool_parser: OutputParser = PassThrough()
+    if parse_tools and syntax.tools in _TOOL_PARSERS:
+        tool_parser = _TOOL_PARSERS[syntax.tools](tools)
     if syntax.reasoning is ReasoningSyntax.THINK:
         return Chain(ThinkParser(start_in_reasoning), tool_parser)
     return Chain(PassThrough(), tool_parser)

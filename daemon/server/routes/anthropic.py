@@ -142,7 +142,7 @@ def to_chat_request(body: CountTokensRequest, sampling: Sampling) -> ChatRequest
     return ChatRequest(
         messages=convert_messages(body),
         sampling=sampling,
-        tools=[] if choice == "none" else tools,
+        tools=tools,  # "none" keeps them in the prompt (same prefix as other turns)
         tool_choice=choice,
         forced_tool=forced,
         parallel_tool_calls=parallel,

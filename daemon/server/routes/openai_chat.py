@@ -129,7 +129,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
             ignore_eos=body.ignore_eos,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         ),
-        tools=[] if choice == "none" else tools,
+        tools=tools,  # "none" keeps them in the prompt (same prefix as other turns)
         tool_choice=choice,
         forced_tool=forced,
         parallel_tool_calls=body.parallel_tool_calls is not False,

@@ -143,7 +143,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatRequest:
             seed=body.seed,
             logprobs=body.top_logprobs,
         ),
-        tools=[] if choice == "none" else tools,
+        tools=tools,  # "none" keeps them in the prompt (same prefix as other turns)
         tool_choice=choice,
         forced_tool=forced,
         parallel_tool_calls=body.parallel_tool_calls is not False,

@@ -1,0 +1,1 @@
+"""Helpers for the server tests: start the real daemon process and talk to it."""
