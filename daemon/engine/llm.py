@@ -30,6 +30,9 @@ class LLM:
     moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1)
     max_model_len  context limit (default: the model's, capped at 32768)
     kv_tokens    KV pool size in tokens over all sequences (default: 4 x max_model_len, <= 131072)
+    moe_slots    expert slots on the accelerator (offload / hybrid; default half of all experts)
+    accelerator  auto | standin (CPU stand-in, for tests) | cuda
+    bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
     """
 
     def __init__(
@@ -43,6 +46,9 @@ class LLM:
         max_batch: int = 32,
         max_step_tokens: int = 512,
         threads: int | None = None,
+        moe_slots: int | None = None,
+        accelerator: str = "auto",
+        bandwidth: tuple[float, float] | None = None,
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
@@ -55,7 +61,17 @@ class LLM:
         act = ActivationSpec(
             Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU, cfg.swiglu_alpha, cfg.swiglu_limit
         )
-        self.moe = create_backend(moe_backend, self.banks, cfg.num_experts, act, threads=threads)
+        self.moe = create_backend(
+            moe_backend,
+            self.banks,
+            cfg.num_moe_layers,
+            cfg.num_experts,
+            act,
+            accelerator=accelerator,
+            moe_slots=moe_slots,
+            bandwidth=bandwidth,
+            threads=threads,
+        )
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, _DEFAULT_MAX_LEN)

@@ -72,7 +72,11 @@ class ModelRunner:
             moe=self.moe,
             logits_rows=torch.tensor(rows, dtype=torch.long),
         )
-        logits = self.model(batch)
+        self.moe.begin_step(len(ids))
+        try:
+            logits = self.model(batch)
+        finally:
+            self.moe.end_step()
         for w in work:
             w.state.num_tokens += len(w.tokens)
         return logits

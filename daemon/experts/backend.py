@@ -26,6 +26,14 @@ class MoEBackend(Protocol):
         """x [T, H]; expert_ids [T, K] (ids within the layer); weights [T, K] -> [T, H] fp32."""
         ...
 
+    def begin_step(self, num_tokens: int) -> None:
+        """Called before a forward step of ``num_tokens`` tokens (prefill streaming starts here)."""
+        ...
+
+    def end_step(self) -> None:
+        """Called after the step's last layer."""
+        ...
+
 
 class RoutingRecorder:
     """Collects routed ids per (step, layer) for cache-policy replay (see experts/replay.py)."""
@@ -55,19 +63,74 @@ class CpuBackend:
         except (ImportError, ModuleNotFoundError) as e:
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
 
+    def begin_step(self, num_tokens: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
     def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.recorder is not None:
             self.recorder.record(moe_layer, expert_ids)
-        flat = (expert_ids.to(torch.int32) + moe_layer * self.num_experts).contiguous()
+        return self.forward_flat(x, expert_ids.to(torch.int32) + moe_layer * self.num_experts, weights)
+
+    def forward_flat(self, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed-expert sum by flat ids [T, K] (-1 = skip the route)."""
         if self.executor is not None:
-            return self.executor.forward(x.float().contiguous(), flat, weights.float().contiguous())
-        return moe_reference(x, flat, weights, self.banks, self.act)
+            return self.executor.forward(
+                x.float().contiguous(), flat_ids.to(torch.int32).contiguous(), weights.float().contiguous()
+            )
+        return moe_reference(x, flat_ids, weights, self.banks, self.act)
 
 
-def create_backend(name: str, banks: ExpertBanks, num_experts: int, act: ActivationSpec, **kw: object) -> MoEBackend:
+def create_backend(
+    name: str,
+    banks: ExpertBanks,
+    num_layers: int,
+    num_experts: int,
+    act: ActivationSpec,
+    *,
+    accelerator: str = "auto",
+    moe_slots: int | None = None,
+    bandwidth: tuple[float, float] | None = None,
+    threads: int | None = None,
+) -> MoEBackend:
+    """Builds the MoE backend named at the CLI/config boundary.
+
+    auto: no accelerator -> cpu; with one -> offload, upgraded to hybrid when a bandwidth profile
+    (B_P, B_H) says the CPU branch pays (B_H > B_P).
+    """
+    from .accelerator import StandinAccelerator, create_accelerator
+
     if name not in BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name in ("cpu", "auto"):
-        # No accelerator backends yet: `auto` resolves to `cpu` (the serving backend without a GPU).
-        return CpuBackend(banks, num_experts, act, threads=kw.get("threads"))  # type: ignore[arg-type]
-    raise NotImplementedError(f"MoE backend {name!r} needs the expert-hierarchy work (not built yet)")
+    if name == "auto":
+        if accelerator == "standin" or (accelerator == "auto" and not torch.cuda.is_available()):
+            name = "cpu"
+        elif bandwidth is not None and bandwidth[1] > bandwidth[0]:
+            name = "hybrid"
+        else:
+            name = "offload"
+            if bandwidth is None:
+                log.info("moe_backend auto: no bandwidth profile stored; using offload (run `ftctl bench bw`)")
+    if name == "cpu":
+        return CpuBackend(banks, num_experts, act, threads=threads)
+    from .device_backends import FusedBackend, OffloadBackend
+
+    acc = create_accelerator(accelerator)
+    if name == "fused":
+        return FusedBackend(banks, num_experts, act, acc)
+    slots = moe_slots if moe_slots is not None else _default_slots(banks, acc)
+    cpu = CpuBackend(banks, num_experts, act, threads=threads) if name == "hybrid" else None
+    if name == "hybrid" and bandwidth is None:
+        log.info("hybrid: no bandwidth profile stored; q* assumes B_P = B_H until `ftctl bench bw` runs")
+    if isinstance(acc, StandinAccelerator):
+        log.info("accelerator: CPU stand-in (no GPU): the %s mechanism runs, not for speed", name)
+    return OffloadBackend(
+        banks, num_layers, num_experts, act, acc, slots, cpu=cpu, hybrid=name == "hybrid", bandwidth=bandwidth
+    )
+
+
+def _default_slots(banks: ExpertBanks, acc: object) -> int:
+    """Half of all experts, at least two full layers when the model has them."""
+    return max(1, banks.num_flat // 2)

@@ -1,0 +1,154 @@
+"""Accelerator interface: device memory, an asynchronous host->device transfer path, and events.
+
+Two implementations:
+- ``CudaAccelerator``: a dedicated transfer stream; copies come from pinned host memory with
+  ``non_blocking=True``; the compute stream waits on an event recorded after the copies.
+- ``StandinAccelerator``: a CPU stand-in for CI. Its "device" tensors are separate CPU tensors
+  and a single copy worker thread plays the transfer stream, so every mechanism built on this
+  interface (slot fills, double-buffered prefill, the hybrid split) runs and is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+ACCELERATORS = ("auto", "standin", "cuda")
+
+
+@dataclass
+class TransferStats:
+    copies: int = 0
+    bytes: int = 0
+    # copies whose worker was still busy when the caller went on (observed overlap, stand-in only)
+    overlapped: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class Transfer(ABC):
+    """A handle on copies in flight."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Make subsequent compute see the copied data."""
+
+
+class Accelerator(ABC):
+    name: str
+    device: torch.device
+
+    def __init__(self) -> None:
+        self.stats = TransferStats()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, copy=True)
+
+    @abstractmethod
+    def copy_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> Transfer:
+        """Asynchronously copy rows: for each (dst, src, dst_rows, src_rows), dst[d] <- src[s].
+
+        ``dst`` lives on the device, ``src`` in (pinned) host memory; rows are whole experts.
+        """
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-lock a filled host tensor in place where the platform supports it."""
+        return t
+
+    def synchronize(self) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    def _count(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> None:
+        n = sum(len(d) for _, _, d, _ in pairs)
+        b = sum(src[0].numel() * src.element_size() * len(s) for _, src, _, s in pairs if len(s))
+        with self.stats.lock:
+            self.stats.copies += n
+            self.stats.bytes += b
+
+
+class _FutureTransfer(Transfer):
+    def __init__(self, fut: Future[None], stats: TransferStats) -> None:
+        self.fut = fut
+        self.stats = stats
+
+    def wait(self) -> None:
+        if not self.fut.done():
+            with self.stats.lock:
+                self.stats.overlapped += 1
+        self.fut.result()
+
+
+def _do_copies(pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> None:
+    for dst, src, drows, srows in pairs:
+        for d, s in zip(drows, srows, strict=True):
+            dst[d].copy_(src[s])
+
+
+class StandinAccelerator(Accelerator):
+    name = "standin"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-standin-copy")
+
+    def copy_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> Transfer:
+        self._count(pairs)
+        return _FutureTransfer(self._worker.submit(_do_copies, pairs), self.stats)
+
+
+class _CudaTransfer(Transfer):
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class CudaAccelerator(Accelerator):
+    name = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__()
+        if not torch.cuda.is_available():
+            raise RuntimeError("accelerator 'cuda' requested but no CUDA device is available")
+        self.device = torch.device("cuda", index)
+        self.copy_stream = torch.cuda.Stream(self.device)
+
+    def copy_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> Transfer:
+        self._count(pairs)
+        # The destination slots may still be read by compute queued before this call.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for dst, src, drows, srows in pairs:
+                for d, s in zip(drows, srows, strict=True):
+                    dst[d].copy_(src[s], non_blocking=True)  # src[s] is a view of pinned memory
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        return _CudaTransfer(ev)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_pinned() or t.numel() == 0:
+            return t
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed ({err}); raise LimitMEMLOCK")
+        return t
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def create_accelerator(name: str) -> Accelerator:
+    if name not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {name!r}; choose one of {', '.join(ACCELERATORS)}")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return CudaAccelerator()
+    return StandinAccelerator()

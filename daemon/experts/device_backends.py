@@ -1,0 +1,191 @@
+"""Accelerator MoE backends: ``fused``, ``offload`` and ``hybrid`` (DESIGN §1).
+
+fused    every bank copied to the accelerator once; experts computed there.
+offload  the accelerator holds a SlotCache of expert slots (one pool for all layers); every miss
+         is filled over the transfer path before the layer computes on the accelerator.
+hybrid   the same cache, but only q = clamp(round(m * B_P / B_H), 1, m) of the m misses are
+         filled; the other routes run on the CPU executor concurrently (submitted first), and the
+         two partial sums are added. Every route is computed exactly once, so the MoE output is the
+         same math as a fully resident model.
+
+Prefill (a step with at least ``prefill_min_tokens`` tokens): two full-layer buffers borrowed
+from the slot pool; while layer l computes from one buffer, all experts of the next MoE layer are
+copied into the other. With fewer than 2 x num_experts slots the step runs on demand through the
+decode path instead (logged once). Buffers left at the end become cache entries for decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .accelerator import Accelerator, Transfer
+from .banks import ActivationSpec, ExpertBanks, moe_reference
+from .slot_cache import EvictionPolicy, SlotCache
+
+log = logging.getLogger(__name__)
+
+
+def _device_banks(acc: Accelerator, host: ExpertBanks, rows: int) -> ExpertBanks:
+    def like(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else acc.empty((rows, *t.shape[1:]), t.dtype)
+
+    gu, dn = like(host.gate_up), like(host.down)
+    assert gu is not None and dn is not None
+    return ExpertBanks(gu, dn, like(host.gate_up_bias), like(host.down_bias))
+
+
+def _bank_pairs(dst: ExpertBanks, src: ExpertBanks, drows: list[int], srows: list[int]):  # type: ignore[no-untyped-def]
+    d, s = dst.tensors(), src.tensors()
+    return [(d[k], s[k], drows, srows) for k in d]
+
+
+class FusedBackend:
+    """All experts resident on the accelerator."""
+
+    def __init__(self, banks: ExpertBanks, num_experts: int, act: ActivationSpec, acc: Accelerator) -> None:
+        self.acc, self.num_experts, self.act = acc, num_experts, act
+        self.dev = _device_banks(acc, banks, banks.num_flat)
+        rows = list(range(banks.num_flat))
+        acc.copy_rows(_bank_pairs(self.dev, banks, rows, rows)).wait()
+
+    def begin_step(self, num_tokens: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        flat = expert_ids.long() + moe_layer * self.num_experts
+        return moe_reference(x.to(self.acc.device), flat, weights, self.dev, self.act)
+
+
+class OffloadBackend:
+    """Slot cache on the accelerator; ``hybrid=True`` splits misses with the CPU executor."""
+
+    def __init__(
+        self,
+        banks: ExpertBanks,
+        num_layers: int,
+        num_experts: int,
+        act: ActivationSpec,
+        acc: Accelerator,
+        num_slots: int,
+        cpu: object | None = None,
+        hybrid: bool = False,
+        bandwidth: tuple[float, float] | None = None,
+        policy: EvictionPolicy = EvictionPolicy.LRU,
+        prefill_min_tokens: int = 32,
+        prefill_overlap: bool = True,
+    ) -> None:
+        if not 1 <= num_slots <= banks.num_flat:
+            raise ValueError(f"moe_slots must be in [1, {banks.num_flat}], got {num_slots}")
+        self.host, self.acc, self.act = banks, acc, act
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.cpu = cpu  # a CpuBackend-like object with .forward_flat(x, flat_ids, weights)
+        self.hybrid = hybrid
+        self.cache = SlotCache(num_layers, num_experts, num_slots, policy, device=acc.device)
+        b_p, b_h = bandwidth or (1.0, 1.0)
+        self.cache.set_fill_policy(b_p, b_h, fill_all=not hybrid)
+        self.slots = _device_banks(acc, banks, num_slots)
+        self.prefill_min_tokens = prefill_min_tokens
+        self.prefill_overlap = prefill_overlap
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-branch")
+        self._prefill: _PrefillStream | None = None
+        self._warned_fallback = False
+        self.counters = {"cpu_routes": 0, "gpu_routes": 0, "prefill_layers_streamed": 0, "prefill_on_demand": 0}
+
+    # ---- step hooks (called by the runner) ----------------------------------------------------
+    def begin_step(self, num_tokens: int) -> None:
+        if num_tokens < self.prefill_min_tokens:
+            return
+        lease = self.cache.borrow_prefill()
+        if lease is None:
+            if not self._warned_fallback:
+                log.warning(
+                    "prefill: %d slots < 2 x %d experts; loading experts on demand",
+                    self.cache.num_slots,
+                    self.num_experts,
+                )
+                self._warned_fallback = True
+            return
+        self._prefill = _PrefillStream(self, lease.buffer)
+
+    def end_step(self) -> None:
+        if self._prefill is not None:
+            self._prefill.finish()
+            self._prefill = None
+            self.cache.release_prefill()
+
+    # ---- the layer call -------------------------------------------------------------------------
+    def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
+        if self._prefill is not None:
+            self.counters["prefill_layers_streamed"] += 1
+            slots = self._prefill.slots_for(moe_layer)
+            return moe_reference(x, slots[expert_ids.long()], weights, self.slots, self.act)
+        if x.shape[0] >= self.prefill_min_tokens:
+            self.counters["prefill_on_demand"] += 1
+        return self._decode(moe_layer, x, flat, weights)
+
+    def _decode(self, layer: int, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        plan = self.cache.decode_step(flat.to(self.acc.device), layer)
+        cpu_ids = plan.cpu_ids.cpu()
+        n_cpu = int((cpu_ids >= 0).sum())
+        cpu_future: Future[torch.Tensor] | None = None
+        if n_cpu:  # submitted first: it runs while the fills and the device compute proceed
+            cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
+        n = int(plan.num_copies.item())  # TODO(cuda): a device-side copy kernel removes this sync
+        if n:
+            src = plan.copy_src_flat[:n].tolist()
+            dst = plan.copy_dst_slot[:n].tolist()
+            self.acc.copy_rows(_bank_pairs(self.slots, self.host, dst, src)).wait()
+        out = moe_reference(x.to(self.acc.device), plan.slot_ids.long(), weights, self.slots, self.act)
+        self.counters["gpu_routes"] += int((plan.slot_ids >= 0).sum())
+        if cpu_future is not None:
+            self.counters["cpu_routes"] += n_cpu
+            out = out + cpu_future.result().to(out.device)
+        return out
+
+    def _cpu_part(self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.cpu is not None:
+            return self.cpu.forward_flat(x, cpu_ids, weights)  # type: ignore[attr-defined]
+        return moe_reference(x, cpu_ids.long(), weights, self.host, self.act)
+
+
+class _PrefillStream:
+    """Double buffering over the lent slots: layer l computes from buffer l % 2 while the next
+    layer's experts are copied into the other buffer."""
+
+    def __init__(self, be: OffloadBackend, buffer_of) -> None:  # type: ignore[no-untyped-def]
+        self.be = be
+        self.buffer_of = buffer_of
+        self.pending: dict[int, Transfer] = {}
+        self.done: list[int] = []
+
+    def _issue(self, layer: int) -> None:
+        if layer >= self.be.num_layers or layer in self.pending:
+            return
+        e = self.be.num_experts
+        dst = self.buffer_of(layer).tolist()
+        src = list(range(layer * e, (layer + 1) * e))
+        self.pending[layer] = self.be.acc.copy_rows(_bank_pairs(self.be.slots, self.be.host, dst, src))
+
+    def slots_for(self, layer: int) -> torch.Tensor:
+        self._issue(layer)
+        self.pending.pop(layer).wait()
+        # The other buffer held layer - 1, whose compute has finished (layers run in order).
+        if self.be.prefill_overlap:
+            self._issue(layer + 1)
+        self.done.append(layer)
+        return self.buffer_of(layer)
+
+    def finish(self) -> None:
+        for t in self.pending.values():
+            t.wait()
+        self.pending.clear()
+        # The last two layers' experts stay in the buffers: hand them to the decode cache.
+        for layer in self.done[-2:]:
+            self.be.cache.seed(layer, self.buffer_of(layer))

@@ -1,0 +1,75 @@
+"""fused / offload / hybrid on the CPU stand-in accelerator give the cpu backend's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.experts.device_backends import OffloadBackend
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "gpt_oss", "qwen3_moe"])
+def model_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    make_tiny(request.param, d, seed=7)
+    return d
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(2, 97, (n,), generator=g).tolist() for n in (40, 5, 21)]
+
+
+def _run(model_dir, **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model_dir, max_model_len=256, kv_tokens=1024, accelerator="standin", **kw)
+    return llm.generate(_prompts(), max_tokens=8, ignore_eos=True), llm
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return _run(model_dir, moe_backend="cpu")[0]
+
+
+def test_fused_matches_cpu(model_dir, reference):
+    assert _run(model_dir, moe_backend="fused")[0] == reference
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_slot_counts_from_one_to_all(model_dir, reference, backend):
+    total = LLM(model_dir, max_model_len=64, kv_tokens=64).banks.num_flat
+    for slots in sorted({1, total // 2, total}):
+        out, llm = _run(model_dir, moe_backend=backend, moe_slots=slots)
+        assert out == reference, (backend, slots)
+        be = llm.moe
+        assert isinstance(be, OffloadBackend)
+        assert be.counters["gpu_routes"] > 0
+
+
+def test_hybrid_runs_both_branches_with_q_between(model_dir, reference):
+    # B_P / B_H = 0.5: about half of each layer's misses are filled, the rest go to the CPU.
+    out, llm = _run(model_dir, moe_backend="hybrid", moe_slots=8, bandwidth=(1.0, 2.0))
+    assert out == reference
+    be = llm.moe
+    st = be.cache.stats()
+    assert st["fills"] > 0 and st["cpu_routes"] > 0
+    assert be.counters["cpu_routes"] > 0 and be.counters["gpu_routes"] > 0
+
+
+def test_prefill_double_buffer_overlap_on_off_and_fallback(model_dir, reference):
+    probe = LLM(model_dir, max_model_len=64, kv_tokens=64)
+    total_experts, num_flat = probe.config.num_experts, probe.banks.num_flat
+    for overlap in (True, False):
+        llm = LLM(model_dir, moe_backend="offload", moe_slots=min(2 * total_experts + 1, num_flat), max_model_len=256,
+                  kv_tokens=1024, accelerator="standin")
+        llm.moe.prefill_overlap = overlap
+        assert llm.generate(_prompts(), max_tokens=8, ignore_eos=True) == reference
+        assert llm.moe.counters["prefill_layers_streamed"] > 0
+        if overlap:
+            assert llm.moe.acc.stats.copies > 0
+    # too few slots for two full-layer buffers: on-demand prefill, same tokens
+    out, llm = _run(model_dir, moe_backend="offload", moe_slots=2 * total_experts - 1)
+    assert out == reference
+    assert llm.moe.counters["prefill_layers_streamed"] == 0
+    assert llm.moe.counters["prefill_on_demand"] > 0
