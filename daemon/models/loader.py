@@ -202,6 +202,10 @@ def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalLM, ExpertBanks]:
     model_dir = Path(model_dir)
+    if (model_dir / "ftw.json").exists():  # pre-laid-out FTW folder (DESIGN §4)
+        from ..checkpoint.ftw import load_ftw
+
+        return load_ftw(model_dir, cfg)
     cfg = cfg or ModelConfig.from_hf(model_dir)
     spec = family_spec(cfg.family)
     model = CausalLM(cfg)
