@@ -234,3 +234,29 @@ def test_killed_conversion_is_not_loadable_and_cleaned_up(qwen, tmp_path):
     convert(qwen[0], out)  # the dead writer's folder is removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     load_ftw(out)
+
+
+# ---- ftctl checkpoint -------------------------------------------------------------------------
+
+
+def _ftctl(*argv: str) -> int:
+    import argparse
+
+    from ftctl import checkpoint
+
+    parser = argparse.ArgumentParser()
+    checkpoint.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["checkpoint", *argv])
+    return args.run(args)
+
+
+def test_ftctl_checkpoint(qwen, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _ftctl("--model", str(qwen[0]), "--out", str(out)) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    _assert_same_weights(load_model(qwen[0]), load_ftw(out))
+    assert _ftctl("--model", str(qwen[0]), "--out", str(out)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists" in err
+    assert _ftctl("--model", str(tmp_path / "nope"), "--out", str(out)) == 1
+    assert _ftctl("--model", str(qwen[0]), "--out", str(out), "--force") == 0
