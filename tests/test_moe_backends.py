@@ -73,3 +73,21 @@ def test_prefill_double_buffer_overlap_on_off_and_fallback(model_dir, reference)
     assert out == reference
     assert llm.moe.counters["prefill_layers_streamed"] == 0
     assert llm.moe.counters["prefill_on_demand"] > 0
+
+
+def test_bandwidth_profile_and_routing_record(model_dir, reference, tmp_path):
+    import json
+
+    from freetokend.experts.accelerator import StandinAccelerator
+    from freetokend.experts.bandwidth import measure
+
+    llm = LLM(model_dir, max_model_len=256, kv_tokens=1024, record_routing=tmp_path / "trace.jsonl")
+    assert llm.generate(_prompts(), max_tokens=8, ignore_eos=True) == reference
+    prof = measure(llm.banks, StandinAccelerator(), llm.moe, top_k=llm.config.top_k)
+    assert prof.b_p > 0 and prof.b_h > 0 and prof.expert_bytes == llm.banks.nbytes_per_expert()
+    lines = [json.loads(s) for s in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    cfg = llm.config
+    assert {r["phase"] for r in lines} == {"prefill", "decode"}
+    assert {r["layer"] for r in lines} == set(range(cfg.num_moe_layers))
+    decode = [r for r in lines if r["phase"] == "decode"]
+    assert all(len(row) == cfg.top_k and all(0 <= e < cfg.num_experts for e in row) for r in decode for row in r["ids"])

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any, overload
 
-from ..experts.backend import BACKENDS, create_backend
+from ..experts.backend import BACKENDS, RoutingRecorder, create_backend
 from ..experts.banks import Activation, ActivationSpec
 from ..models.config import ModelConfig
 from ..models.loader import load_model
@@ -33,6 +33,7 @@ class LLM:
     moe_slots    expert slots on the accelerator (offload / hybrid; default half of all experts)
     accelerator  auto | standin (CPU stand-in, for tests) | cuda
     bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
+    record_routing  append every step's routed expert ids to this JSONL file (cache replay)
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class LLM:
         moe_slots: int | None = None,
         accelerator: str = "auto",
         bandwidth: tuple[float, float] | None = None,
+        record_routing: str | Path | None = None,
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
@@ -72,6 +74,8 @@ class LLM:
             bandwidth=bandwidth,
             threads=threads,
         )
+        if record_routing is not None:
+            self.moe = RoutingRecorder(self.moe, record_routing)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, _DEFAULT_MAX_LEN)

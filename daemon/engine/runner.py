@@ -72,7 +72,7 @@ class ModelRunner:
             moe=self.moe,
             logits_rows=torch.tensor(rows, dtype=torch.long),
         )
-        self.moe.begin_step(len(ids))
+        self.moe.begin_step(len(ids), prefill=any(len(w.tokens) > 1 for w in work))
         try:
             logits = self.model(batch)
         finally:

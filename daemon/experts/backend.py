@@ -7,7 +7,9 @@ tokens, returned in fp32. Backends are chosen by name only at the CLI/config bou
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -26,7 +28,7 @@ class MoEBackend(Protocol):
         """x [T, H]; expert_ids [T, K] (ids within the layer); weights [T, K] -> [T, H] fp32."""
         ...
 
-    def begin_step(self, num_tokens: int) -> None:
+    def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
         """Called before a forward step of ``num_tokens`` tokens (prefill streaming starts here)."""
         ...
 
@@ -36,14 +38,34 @@ class MoEBackend(Protocol):
 
 
 class RoutingRecorder:
-    """Collects routed ids per (step, layer) for cache-policy replay (see experts/replay.py)."""
+    """Wraps a backend and appends the routed ids of every (step, MoE layer) to a JSONL file, in
+    the format `freetokend.experts.replay` reads: {"phase": "prefill"|"decode", "layer": L,
+    "ids": [[expert ids of token 0], ...]}. A step that feeds any prompt chunk counts as prefill."""
 
-    def __init__(self) -> None:
-        self.records: list[dict] = []
+    def __init__(self, inner: MoEBackend, path: str | Path) -> None:
+        self.inner = inner
+        self.path = Path(path)
+        self._f = self.path.open("a", encoding="utf-8")
         self.phase = "prefill"
 
-    def record(self, moe_layer: int, expert_ids: torch.Tensor) -> None:
-        self.records.append({"phase": self.phase, "layer": moe_layer, "ids": expert_ids.tolist()})
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
+        self.phase = "prefill" if prefill else "decode"
+        self.inner.begin_step(num_tokens, prefill)
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+        self._f.flush()
+
+    def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rec = {"phase": self.phase, "layer": moe_layer, "ids": expert_ids.tolist()}
+        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        return self.inner.forward(moe_layer, x, expert_ids, weights)
+
+    def close(self) -> None:
+        self._f.close()
 
 
 class CpuBackend:
@@ -54,7 +76,6 @@ class CpuBackend:
         self.banks = banks
         self.num_experts = num_experts
         self.act = act
-        self.recorder: RoutingRecorder | None = None
         self.executor = None
         try:
             from .cpu_executor import CpuExecutor
@@ -63,15 +84,13 @@ class CpuBackend:
         except (ImportError, ModuleNotFoundError) as e:
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
 
-    def begin_step(self, num_tokens: int) -> None:
+    def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
         pass
 
     def end_step(self) -> None:
         pass
 
     def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.recorder is not None:
-            self.recorder.record(moe_layer, expert_ids)
         return self.forward_flat(x, expert_ids.to(torch.int32) + moe_layer * self.num_experts, weights)
 
     def forward_flat(self, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class FusedBackend:
         rows = list(range(banks.num_flat))
         acc.copy_rows(_bank_pairs(self.dev, banks, rows, rows)).wait()
 
-    def begin_step(self, num_tokens: int) -> None:
+    def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
         pass
 
     def end_step(self) -> None:
@@ -59,7 +59,7 @@ class FusedBackend:
 
     def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         flat = expert_ids.long() + moe_layer * self.num_experts
-        return moe_reference(x.to(self.acc.device), flat, weights, self.dev, self.act)
+        return moe_reference(x.to(self.acc.device), flat, weights, self.dev, self.act).to(x.device)
 
 
 class OffloadBackend:
@@ -98,7 +98,7 @@ class OffloadBackend:
         self.counters = {"cpu_routes": 0, "gpu_routes": 0, "prefill_layers_streamed": 0, "prefill_on_demand": 0}
 
     # ---- step hooks (called by the runner) ----------------------------------------------------
-    def begin_step(self, num_tokens: int) -> None:
+    def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
         if num_tokens < self.prefill_min_tokens:
             return
         lease = self.cache.borrow_prefill()
@@ -124,8 +124,9 @@ class OffloadBackend:
         flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
         if self._prefill is not None:
             self.counters["prefill_layers_streamed"] += 1
-            slots = self._prefill.slots_for(moe_layer)
-            return moe_reference(x, slots[expert_ids.long()], weights, self.slots, self.act)
+            slots = self._prefill.slots_for(moe_layer).to(self.acc.device)
+            ids = slots[expert_ids.long().to(self.acc.device)]
+            return moe_reference(x.to(self.acc.device), ids, weights, self.slots, self.act).to(x.device)
         if x.shape[0] >= self.prefill_min_tokens:
             self.counters["prefill_on_demand"] += 1
         return self._decode(moe_layer, x, flat, weights)
@@ -144,9 +145,10 @@ class OffloadBackend:
             self.acc.copy_rows(_bank_pairs(self.slots, self.host, dst, src)).wait()
         out = moe_reference(x.to(self.acc.device), plan.slot_ids.long(), weights, self.slots, self.act)
         self.counters["gpu_routes"] += int((plan.slot_ids >= 0).sum())
+        out = out.to(x.device)
         if cpu_future is not None:
             self.counters["cpu_routes"] += n_cpu
-            out = out + cpu_future.result().to(out.device)
+            out = out + cpu_future.result()
         return out
 
     def _cpu_part(self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

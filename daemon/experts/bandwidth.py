@@ -1,0 +1,71 @@
+"""Bandwidth measurement for the q* split: B_P (host -> accelerator expert copies) and B_H (the
+CPU executor's expert bandwidth), both through the real code paths. `ftctl bench bw` stores the
+result in the state store; the hybrid backend reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .accelerator import Accelerator
+from .banks import ExpertBanks
+
+
+@dataclass(frozen=True)
+class BandwidthProfile:
+    b_p: float  # bytes/s, pinned host -> accelerator, whole experts through Accelerator.copy_rows
+    b_h: float  # bytes/s of expert weights streamed by the CPU executor at batch 1
+    expert_format: str
+    accelerator: str
+    expert_bytes: int
+
+
+def _distinct_experts(banks: ExpertBanks, n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(banks.num_flat, generator=g)[: min(n, banks.num_flat)].tolist()
+
+
+def measure_copy_bandwidth(banks: ExpertBanks, acc: Accelerator, experts: int = 64, repeats: int = 3) -> float:
+    ids = _distinct_experts(banks, experts)
+    host = banks.tensors()
+    dev = {k: acc.empty((len(ids), *t.shape[1:]), t.dtype) for k, t in host.items()}
+    rows = list(range(len(ids)))
+    pairs = [(dev[k], host[k], rows, ids) for k in host]
+    acc.copy_rows(pairs).wait()  # warm-up
+    acc.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        acc.copy_rows(pairs).wait()
+        acc.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return len(ids) * banks.nbytes_per_expert() / best
+
+
+def measure_cpu_bandwidth(banks: ExpertBanks, cpu_backend: object, top_k: int = 8, steps: int = 16) -> float:
+    """Batch-1 decode over distinct experts (cold in cache as far as possible)."""
+    ids = _distinct_experts(banks, top_k * steps, seed=1)
+    x = torch.randn(1, banks.hidden_size)
+    w = torch.full((1, top_k), 1.0 / top_k)
+    fwd = cpu_backend.forward_flat  # type: ignore[attr-defined]
+    fwd(x, torch.tensor([ids[:top_k]], dtype=torch.int32), w)  # warm-up
+    chunks = [ids[i : i + top_k] for i in range(0, len(ids) - top_k + 1, top_k)]
+    t0 = time.perf_counter()
+    for c in chunks:
+        fwd(x, torch.tensor([c], dtype=torch.int32), w[:, : len(c)])
+    dt = time.perf_counter() - t0
+    return sum(len(c) for c in chunks) * banks.nbytes_per_expert() / dt
+
+
+def measure(banks: ExpertBanks, acc: Accelerator, cpu_backend: object, top_k: int = 8) -> BandwidthProfile:
+    fmt = str(banks.gate_up.dtype).removeprefix("torch.")
+    return BandwidthProfile(
+        b_p=measure_copy_bandwidth(banks, acc),
+        b_h=measure_cpu_bandwidth(banks, cpu_backend, top_k),
+        expert_format=fmt,
+        accelerator=acc.name,
+        expert_bytes=banks.nbytes_per_expert(),
+    )
