@@ -52,7 +52,7 @@ struct ActSpec {
 struct ExecutorOptions {
   int threads = 0;          // 0: one per physical core
   std::string isa = "auto";
-  int tile_min_tokens = 6;  // experts with at least this many routes use the tiled path
+  int tile_min_tokens = 12;  // experts with at least this many routes use the tiled path
   int spin_us = 100;        // how long idle threads spin before sleeping
   bool pin = true;
 };

@@ -5,7 +5,7 @@
 //
 //   gemv  small batches (decode): y[s * ldy + r] = dot(W[r, :k], xs[s][:k])
 //         r < rows, s < n; W rows are `ldw` elements apart. Weight bytes are streamed once per
-//         group of up to 4 tokens. When `chunk` > 0 the kernel reads every full chunk of
+//         pair of tokens. When `chunk` > 0 the kernel reads every full chunk of
 //         `chunk` inputs de-interleaved: even-indexed inputs first, then odd-indexed ones (see
 //         shuffle_index); this lets bf16 pairs widen to fp32 with one shift and one mask.
 //   tile  many tokens per expert (prefill): the inputs come as a panel of nb blocks of 16 tokens,

@@ -1,0 +1,141 @@
+"""Micro-benchmark of the native CPU expert executor (not collected by pytest).
+
+Qwen3-30B-A3B expert geometry, one MoE layer: H = 2048, I = 768, 128 experts, top-8, bf16
+(1.21 GB of expert weights). Prints, in one run:
+  - plain memory read: numpy sum (1 thread) and torch sum (all threads) over the bank bytes
+  - decode (T = 1): GiB/s of expert weights streamed, for the native executor (1 and all threads)
+    and for a torch bf16 reference (per-expert F.linear in bf16, torch's own threads)
+  - prefill (T = 512): time per layer, GiB/s of weights and GFLOP/s of the native executor
+
+Usage: PYTHONPATH=... python tests/bench/bench_native_executor.py [--iters N] [--threads N]
+Every decode call routes to 8 fresh random experts, so weights come from DRAM, not cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from freetokend.experts.banks import ActivationSpec, ExpertBanks
+from freetokend.experts.cpu_executor import CpuExecutor
+
+H, INTER, E, K = 2048, 768, 128, 8
+GIB = 1024**3
+
+
+def make_banks() -> ExpertBanks:
+    gate_up = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16).uniform_(-0.03, 0.03)
+    down = torch.empty(E, H, INTER, dtype=torch.bfloat16).uniform_(-0.03, 0.03)
+    return ExpertBanks(gate_up, down)
+
+
+def routes(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(t, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(t)]).to(torch.int32)
+    w = torch.rand(t, K, generator=gen)
+    return x, ids, w
+
+
+def expert_bytes(banks: ExpertBanks) -> int:
+    return banks.nbytes_per_expert()
+
+
+def timed(fn: Callable[[], object], iters: int) -> tuple[float, float]:
+    """(min, median) seconds per call after one warm-up call. On a shared machine the minimum is
+    the undisturbed figure (a call is shorter than a scheduler time slice)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), float(np.median(times))
+
+
+def report(label: str, nbytes: float, t: tuple[float, float]) -> None:
+    best, med = t
+    print(
+        f"{label:46s} {nbytes / best / GIB:6.1f} GiB/s best, {nbytes / med / GIB:6.1f} median"
+        f"  ({best * 1e3:.2f} ms best)"
+    )
+
+
+def torch_bf16_moe(
+    x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, banks: ExpertBanks
+) -> torch.Tensor:
+    """What a torch-only CPU path does: per expert, bf16 GEMV/GEMM, fp32 accumulation of outputs."""
+    out = torch.zeros(x.shape[0], H)
+    xb = x.bfloat16()
+    for fid in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == fid, as_tuple=True)
+        h = F.linear(xb[tok], banks.gate_up[fid])
+        a = F.silu(h[:, :INTER]) * h[:, INTER:]
+        y = F.linear(a, banks.down[fid]).float()
+        out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))
+    return out
+
+
+def bench_read(banks: ExpertBanks, iters: int) -> None:
+    """Sum the bank bytes in slices as large as one decode call reads (8 experts)."""
+    flat = banks.gate_up.view(-1).view(torch.int32)  # reinterpret the bank bytes
+    words = K * expert_bytes(banks) // 4
+    slices = [flat[i * words : (i + 1) * words] for i in range(flat.numel() // words)]
+    arrays = [s.numpy() for s in slices]
+    n = iter(range(1 << 30))
+    t = timed(lambda: np.add.reduce(arrays[next(n) % len(arrays)], dtype=np.int64), iters)
+    report("plain read  numpy sum, 1 thread", words * 4, t)
+    t = timed(lambda: slices[next(n) % len(slices)].sum(dtype=torch.int64), iters)
+    report(f"plain read  torch sum, {torch.get_num_threads()} threads", words * 4, t)
+
+
+def bench_decode(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batches = [routes(1, gen) for _ in range(iters + 1)]
+    it = iter(batches)
+    report(
+        f"decode T=1  {label}", K * expert_bytes(banks), timed(lambda: ex.forward(*next(it)), iters)
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=40, help="decode calls per measurement")
+    ap.add_argument("--threads", type=int, default=None, help="executor threads (default: cores)")
+    ap.add_argument("--prefill-iters", type=int, default=2)
+    args = ap.parse_args()
+
+    banks = make_banks()
+    print(f"Qwen3-30B-A3B layer: {E} experts x {expert_bytes(banks) / 2**20:.1f} MiB bf16, top-{K}")
+    bench_read(banks, args.iters)
+
+    act = ActivationSpec()
+    ex1 = CpuExecutor(banks, act, threads=1)
+    exn = CpuExecutor(banks, act, threads=args.threads)
+    bench_decode(banks, ex1, f"native {ex1.isa}, 1 thread", args.iters)
+    bench_decode(banks, exn, f"native {exn.isa}, {exn.threads} threads", args.iters)
+    del ex1
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [routes(1, gen) for _ in range(max(3, args.iters // 4) + 1)]
+    it = iter(batches)
+    t = timed(lambda: torch_bf16_moe(*next(it), banks), max(3, args.iters // 4))
+    threads = torch.get_num_threads()
+    report(f"decode T=1  torch bf16 F.linear, {threads} threads", K * expert_bytes(banks), t)
+
+    x, ids, w = routes(512, torch.Generator().manual_seed(2))
+    distinct = int(torch.unique(ids).numel())
+    t, _ = timed(lambda: exn.forward(x, ids, w), args.prefill_iters)
+    flops = 2 * 3 * H * INTER * ids.numel()
+    print(
+        f"prefill T=512 native {exn.isa}, {exn.threads} threads: {t * 1e3:.0f} ms/layer, "
+        f"{distinct * expert_bytes(banks) / t / GIB:.1f} GiB/s of weights, {flops / t / 1e9:.1f} GFLOP/s, "
+        f"{512 / t:.0f} tokens/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
