@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.experts.device_backends import OffloadBackend
+
+# tests/gpu/check.sh runs this file with FT_TEST_ACCELERATOR=cuda on a GPU machine.
+ACCEL = os.environ.get("FT_TEST_ACCELERATOR", "standin")
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe", "gpt_oss", "qwen3_moe"])
@@ -23,7 +28,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(model_dir, **kw) -> tuple[list[list[int]], LLM]:
-    llm = LLM(model_dir, max_model_len=256, kv_tokens=1024, accelerator="standin", **kw)
+    llm = LLM(model_dir, max_model_len=256, kv_tokens=1024, accelerator=ACCEL, **kw)
     return llm.generate(_prompts(), max_tokens=8, ignore_eos=True), llm
 
 
@@ -62,7 +67,7 @@ def test_prefill_double_buffer_overlap_on_off_and_fallback(model_dir, reference)
     total_experts, num_flat = probe.config.num_experts, probe.banks.num_flat
     for overlap in (True, False):
         llm = LLM(model_dir, moe_backend="offload", moe_slots=min(2 * total_experts + 1, num_flat), max_model_len=256,
-                  kv_tokens=1024, accelerator="standin")
+                  kv_tokens=1024, accelerator=ACCEL)
         llm.moe.prefill_overlap = overlap
         assert llm.generate(_prompts(), max_tokens=8, ignore_eos=True) == reference
         assert llm.moe.counters["prefill_layers_streamed"] > 0
