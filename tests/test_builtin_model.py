@@ -44,6 +44,8 @@ def test_second_call_reuses_and_leaves_no_temp_dirs(builtin_model_dir: Path) -> 
     assert ensure_builtin_model(builtin_model_dir.parent.parent) == builtin_model_dir
     assert weights.stat().st_mtime_ns == mtime
     assert [p.name for p in builtin_model_dir.parent.iterdir()] == [BUILTIN_NAME]
+    assert builtin_model_dir.stat().st_mode & 0o777 == 0o755  # not mkdtemp's 0700
+    assert weights.stat().st_mode & 0o777 == 0o644
 
 
 def test_interrupted_generation_leaves_nothing_loadable(

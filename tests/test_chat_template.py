@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from freetokend.engine.chat_template import ChatTemplate, ChatTemplateError
 from transformers import AutoTokenizer
@@ -124,6 +125,34 @@ def test_builtin_template_content(ours: ChatTemplate) -> None:
     assert "<think>\ntwo plus two\n</think>\n\n4<|im_end|>" in reasoning
     assert "<think>\nold name for reasoning\n</think>" in reasoning
     assert "and 3+3?<|im_end|>" in reasoning
+
+
+class Fn(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class Call(msgspec.Struct):
+    function: Fn
+    id: str | None = None
+
+
+class Msg(msgspec.Struct):
+    role: str
+    content: str | None = None
+    tool_calls: list[Call] | None = None
+
+
+def test_msgspec_messages_render_like_dicts(ours: ChatTemplate) -> None:
+    structs = [
+        Msg("user", "hi"),
+        Msg("assistant", None, [Call(Fn("get_weather", '{"city": "Köln"}'))]),
+    ]
+    dicts: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"function": CALL_STR["function"], "id": None}]},
+    ]
+    assert ours.render(structs) == ours.render(dicts)
 
 
 # --- other templates: features of the transformers environment -----------------------------

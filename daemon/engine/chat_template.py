@@ -19,6 +19,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import msgspec
 from freetokend.engine.tokenizer import named_special_tokens, read_json
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -147,7 +148,7 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, Any] | msgspec.Struct],
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
@@ -203,7 +204,10 @@ def _templates_in(model_dir: Path) -> dict[str, str]:
 
 
 def _plain(value: Any) -> Any:
-    """Mappings and sequences rebuilt as dicts and lists (templates see only plain data)."""
+    """Mappings, sequences and msgspec Structs rebuilt as dicts and lists (templates see only
+    plain data)."""
+    if isinstance(value, msgspec.Struct):
+        return _plain(msgspec.to_builtins(value))
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -211,9 +215,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def _normalize_message(message: Mapping[str, Any] | msgspec.Struct) -> dict[str, Any]:
     """Drop None-valued keys (APIs send content=None, templates expect the key absent) and
     expose reasoning under every name templates read, as transformers does."""
+    if isinstance(message, msgspec.Struct):
+        message = msgspec.to_builtins(message)
     if not isinstance(message, Mapping):
         raise ChatTemplateError(f"chat messages must be mappings, got {type(message).__name__}")
     out = {k: _plain(v) for k, v in message.items() if v is not None}
