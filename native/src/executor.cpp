@@ -100,8 +100,13 @@ void Executor::forward(const float* x, const int32_t* ids, const float* weights,
 }
 
 void Executor::plan(const int32_t* ids, const float* weights, int T, int K) {
-  const int64_t H = banks_.hidden, I = banks_.inter;
-  // Sort routes by (expert, route index): one group per distinct expert, tokens in order.
+  sort_routes(ids, weights, T, K);
+  make_groups();
+  layout(T);
+}
+
+// Routes sorted by (expert, route index) -> rtok_, rw_; keys_ keeps the expert ids.
+void Executor::sort_routes(const int32_t* ids, const float* weights, int T, int K) {
   keys_.clear();
   for (int64_t r = 0; r < static_cast<int64_t>(T) * K; ++r) {
     const int32_t id = ids[r];
@@ -115,19 +120,38 @@ void Executor::plan(const int32_t* ids, const float* weights, int T, int K) {
   const int nroutes = static_cast<int>(keys_.size());
   rtok_.resize(nroutes);
   rw_.resize(nroutes);
-  groups_.clear();
-  int64_t a_total = 0, p_total = 0;
   for (int i = 0; i < nroutes; ++i) {
     const uint32_t r = static_cast<uint32_t>(keys_[i]);
     rtok_[i] = static_cast<int>(r / K);
     rw_[i] = weights[r];
-    const int64_t fid = static_cast<int64_t>(keys_[i] >> 32);
-    if (groups_.empty() || groups_.back().fid != fid) groups_.push_back({fid, i, 0, false, 0, 0, 0});
-    groups_.back().n++;
   }
+}
+
+// One group per distinct expert, except that an expert with enough routes for the tiled kernel
+// gives its last few routes (fewer than tile_min, which would mostly be padding in a 16-token
+// block) to a second, small group. Groups of one expert are adjacent.
+void Executor::make_groups() {
+  groups_.clear();
+  const int nroutes = static_cast<int>(keys_.size());
+  const int tmin = opts_.tile_min_tokens;
+  for (int i = 0; i < nroutes;) {
+    const int64_t fid = static_cast<int64_t>(keys_[i] >> 32);
+    int j = i;
+    while (j < nroutes && static_cast<int64_t>(keys_[j] >> 32) == fid) ++j;
+    const int n = j - i, rem = n % kTileLanes;
+    const int n_tiled = n < tmin ? 0 : (rem == 0 || rem >= tmin) ? n : n - rem;
+    if (n_tiled > 0) groups_.push_back({fid, i, n_tiled, true, 0, 0, 0});
+    if (n_tiled < n) groups_.push_back({fid, i + n_tiled, n - n_tiled, false, 0, 0, 0});
+    i = j;
+  }
+}
+
+// Offsets into the act and panel buffers, and the input/act row pointers of small groups.
+void Executor::layout(int T) {
+  const int64_t H = banks_.hidden, I = banks_.inter;
+  int64_t a_total = 0, p_total = 0;
   bool any_small = false;
   for (Group& g : groups_) {
-    g.tiled = g.n >= opts_.tile_min_tokens;
     g.nb = g.tiled ? (g.n + kTileLanes - 1) / kTileLanes : 0;
     g.a_off = a_total;
     g.p_off = p_total;
@@ -144,6 +168,7 @@ void Executor::plan(const int32_t* ids, const float* weights, int T, int K) {
   const float* xsrc = shuffle ? xs_.data() : x_;
   shuffle_async_ = shuffle && T * H > (1 << 16);
   if (shuffle && !shuffle_async_) shuffle_rows(0, T);
+  const int nroutes = static_cast<int>(keys_.size());
   xin_.resize(nroutes);
   ain_.resize(nroutes);
   for (const Group& g : groups_) {
@@ -165,9 +190,14 @@ void Executor::build_tasks(int T) {
     for (int b = 0; b < groups_[gi].nb; ++b) tasks_.push_back({0, gi, b, b + 1});
   phase_end_[0] = static_cast<int>(tasks_.size());
 
+  // Row blocks outer, an expert's groups inner: its second group re-reads the block from cache.
   jb_ = kUpRows;
-  for (int gi = 0; gi < static_cast<int>(groups_.size()); ++gi)
-    for (int j0 = 0; j0 < I; j0 += jb_) tasks_.push_back({1, gi, j0, std::min(I, j0 + jb_)});
+  const int ngroups = static_cast<int>(groups_.size());
+  for (int g0 = 0, g1 = 0; g0 < ngroups; g0 = g1) {
+    while (g1 < ngroups && groups_[g1].fid == groups_[g0].fid) ++g1;
+    for (int j0 = 0; j0 < I; j0 += jb_)
+      for (int gi = g0; gi < g1; ++gi) tasks_.push_back({1, gi, j0, std::min(I, j0 + jb_)});
+  }
   phase_end_[1] = static_cast<int>(tasks_.size());
 
   // About 8 down tasks per thread so a late or preempted worker costs little; rows in 16s.

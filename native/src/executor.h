@@ -88,6 +88,9 @@ class Executor final : public PoolJob {
   };
 
   void plan(const int32_t* ids, const float* weights, int T, int K);
+  void sort_routes(const int32_t* ids, const float* weights, int T, int K);
+  void make_groups();
+  void layout(int T);
   void build_tasks(int T);
   void run_task(const Task& t, int worker);
   void pack_panel(const Group& g, int b);
@@ -109,7 +112,7 @@ class Executor final : public PoolJob {
   const float* x_ = nullptr;
   float* out_ = nullptr;
   int T_ = 0;
-  std::vector<uint64_t> keys_;
+  std::vector<uint64_t> keys_;   // (expert << 32 | route index), sorted
   std::vector<int> rtok_;        // token of each sorted route
   std::vector<float> rw_;        // gate weight of each sorted route
   std::vector<Group> groups_;

@@ -1,5 +1,6 @@
 #include "thread_pool.h"
 
+#include <algorithm>
 #include <chrono>
 
 #ifdef __linux__
@@ -12,6 +13,7 @@ namespace ftnative {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr int kCallerSpinUs = 5;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -67,7 +69,9 @@ void ThreadPool::run(PoolJob& job) {
 
 void ThreadPool::wait_done(const PoolJob& job) {
   auto done = [&] { return job.finished() && active_.load() == 0; };
-  const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us_);
+  // The caller is not pinned and may share a core with a worker, so it spins only briefly: a
+  // long spin there would delay the very work it waits for.
+  const auto spin_until = Clock::now() + std::chrono::microseconds(std::min(spin_us_, kCallerSpinUs));
   while (!done()) {
     if (Clock::now() >= spin_until) {
       std::unique_lock<std::mutex> lock(mu_);
