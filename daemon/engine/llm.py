@@ -5,6 +5,7 @@ The daemon builds the same object and drives its ``engine`` (an EngineCore) from
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -34,6 +35,7 @@ class LLM:
     accelerator  auto | standin (CPU stand-in, for tests) | cuda
     bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
     record_routing  append every step's routed expert ids to this JSONL file (cache replay)
+    dtype        weights' dtype in memory (default: the checkpoint's); float32 upcasts a bf16 model
     """
 
     def __init__(
@@ -51,14 +53,19 @@ class LLM:
         accelerator: str = "auto",
         bandwidth: tuple[float, float] | None = None,
         record_routing: str | Path | None = None,
+        dtype: str | None = None,
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
             raise ValueError(f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(BACKENDS)}")
         self.model_dir = Path(model_dir)
         self.name = name or self.model_dir.name
-        self.config = ModelConfig.from_hf(self.model_dir)
-        cfg = self.config
+        cfg = ModelConfig.from_hf(self.model_dir)
+        if dtype is not None and dtype != cfg.torch_dtype:
+            if dtype not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+            cfg = dataclasses.replace(cfg, torch_dtype=dtype)
+        self.config = cfg
         self.model, self.banks = load_model(self.model_dir, cfg)
         act = ActivationSpec(
             Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU, cfg.swiglu_alpha, cfg.swiglu_limit

@@ -205,6 +205,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[C
     if (model_dir / "ftw.json").exists():  # pre-laid-out FTW folder (DESIGN §4)
         from ..checkpoint.ftw import load_ftw
 
+        stored = ModelConfig.from_hf(model_dir).torch_dtype
+        if cfg is not None and cfg.torch_dtype != stored:
+            raise CheckpointError(f"{model_dir}: an FTW folder loads in its stored dtype ({stored})")
+
         return load_ftw(model_dir, cfg)
     cfg = cfg or ModelConfig.from_hf(model_dir)
     spec = family_spec(cfg.family)
