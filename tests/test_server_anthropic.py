@@ -1,5 +1,7 @@
 """The daemon's Anthropic Messages API, driven by the anthropic SDK against the real daemon."""
 
+# ruff: noqa: F811  (pytest fixtures imported by name are redefined as parameters)
+
 from __future__ import annotations
 
 import anthropic
@@ -23,7 +25,9 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 
 def test_message_non_stream(anthropic_client, daemon):
-    m = anthropic_client.messages.create(model=daemon.model, max_tokens=6, messages=HELLO, extra_body={"temperature": 0})
+    m = anthropic_client.messages.create(
+        model=daemon.model, max_tokens=6, messages=HELLO, extra_body={"temperature": 0}
+    )
     assert m.role == "assistant" and m.type == "message"
     assert m.stop_reason in ("max_tokens", "end_turn", "tool_use")
     assert 1 <= m.usage.output_tokens <= 6
@@ -65,10 +69,20 @@ def test_beta_query_mid_conversation_system_and_unknown_fields(anthropic_client,
         max_tokens=4,
         messages=[
             {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "x"},
-                                              {"type": "text", "text": "Hello"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                    {"type": "text", "text": "Hello"},
+                ],
+            },
             {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Again", "cache_control": {"type": "ephemeral"}}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Again", "cache_control": {"type": "ephemeral"}}
+                ],
+            },
         ],
         thinking={"type": "enabled", "budget_tokens": 1024},
         metadata={"user_id": "u1"},
@@ -101,14 +115,22 @@ def test_forced_tool_use_round_trip(anthropic_client, daemon):
             {
                 "role": "user",
                 "content": [
-                    {"type": "tool_result", "tool_use_id": use.id, "content": "sunny", "is_error": False,
-                     "cache_control": {"type": "ephemeral"}},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": use.id,
+                        "content": "sunny",
+                        "is_error": False,
+                        "cache_control": {"type": "ephemeral"},
+                    },
                     {"type": "text", "text": "Thanks"},
                 ],
             },
         ],
     )
-    assert follow.usage.input_tokens + (follow.usage.cache_read_input_tokens or 0) > m.usage.input_tokens
+    assert (
+        follow.usage.input_tokens + (follow.usage.cache_read_input_tokens or 0)
+        > m.usage.input_tokens
+    )
 
 
 def test_forced_tool_use_streams_input_json(anthropic_client, daemon):
@@ -126,20 +148,28 @@ def test_forced_tool_use_streams_input_json(anthropic_client, daemon):
 
 
 def test_stop_sequences(anthropic_client, daemon):
-    base = anthropic_client.messages.create(model=daemon.model, max_tokens=12, messages=HELLO, extra_body={"temperature": 0})
+    base = anthropic_client.messages.create(
+        model=daemon.model, max_tokens=12, messages=HELLO, extra_body={"temperature": 0}
+    )
     text = "".join(b.text for b in base.content if b.type == "text").strip()
     if len(text) < 3:
         pytest.skip("the random model produced too little text")
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     m = anthropic_client.messages.create(
-        model=daemon.model, max_tokens=12, messages=HELLO, extra_body={"temperature": 0}, stop_sequences=[stop]
+        model=daemon.model,
+        max_tokens=12,
+        messages=HELLO,
+        extra_body={"temperature": 0},
+        stop_sequences=[stop],
     )
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
 
 
 def test_count_tokens(anthropic_client, daemon):
     small = anthropic_client.messages.count_tokens(model=daemon.model, messages=HELLO)
-    big = anthropic_client.messages.count_tokens(model=daemon.model, messages=HELLO, tools=[WEATHER], system="Be nice.")
+    big = anthropic_client.messages.count_tokens(
+        model=daemon.model, messages=HELLO, tools=[WEATHER], system="Be nice."
+    )
     assert 0 < small.input_tokens < big.input_tokens
     m = anthropic_client.messages.create(model=daemon.model, max_tokens=1, messages=HELLO)
     assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == small.input_tokens
@@ -150,5 +180,7 @@ def test_errors_use_the_anthropic_shape(anthropic_client, daemon):
         anthropic_client.messages.create(model="claude-nope", max_tokens=2, messages=HELLO)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
-        anthropic_client.messages.create(model=daemon.model, max_tokens=2, messages=[{"role": "robot", "content": "x"}])
+        anthropic_client.messages.create(
+            model=daemon.model, max_tokens=2, messages=[{"role": "robot", "content": "x"}]
+        )
     assert "role" in e.value.body["error"]["message"]

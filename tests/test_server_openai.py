@@ -1,6 +1,8 @@
 """The daemon's OpenAI Chat Completions / Completions / Models API, driven by the openai SDK
 against the real daemon process serving the built-in tiny (random-weight) model."""
 
+# ruff: noqa: F811  (pytest fixtures imported by name are redefined as parameters)
+
 from __future__ import annotations
 
 import json
@@ -56,7 +58,9 @@ def test_models_lists_the_served_model(openai_client, daemon):
 
 
 def test_chat_non_stream_reports_usage(openai_client, daemon):
-    r = openai_client.chat.completions.create(model=daemon.model, messages=HELLO, max_tokens=6, temperature=0)
+    r = openai_client.chat.completions.create(
+        model=daemon.model, messages=HELLO, max_tokens=6, temperature=0
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant"
     assert choice.finish_reason in ("length", "stop", "tool_calls")
@@ -123,7 +127,11 @@ def test_forced_tool_call_round_trip(openai_client, daemon):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
     ]
     answer = openai_client.chat.completions.create(
-        model=daemon.model, messages=messages, tools=[WEATHER, TIME], tool_choice="none", max_tokens=8
+        model=daemon.model,
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice="none",
+        max_tokens=8,
     )
     assert answer.choices[0].finish_reason in ("stop", "length")  # "none": never tool_calls
     assert not answer.choices[0].message.tool_calls
@@ -165,7 +173,10 @@ def test_json_schema_response_format(openai_client, daemon):
     r = openai_client.chat.completions.create(
         model=daemon.model,
         messages=HELLO,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
         max_tokens=60,
         seed=1,
     )
@@ -191,7 +202,12 @@ def test_json_object_response_format(openai_client, daemon):
 
 def test_logprobs(openai_client, daemon):
     r = openai_client.chat.completions.create(
-        model=daemon.model, messages=HELLO, max_tokens=4, logprobs=True, top_logprobs=3, temperature=0
+        model=daemon.model,
+        messages=HELLO,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0,
     )
     entries = r.choices[0].logprobs.content
     assert 1 <= len(entries) <= 4
@@ -202,10 +218,14 @@ def test_logprobs(openai_client, daemon):
 
 
 def test_completions_text_and_token_ids(openai_client, daemon):
-    r = openai_client.completions.create(model=daemon.model, prompt="Hello the", max_tokens=5, temperature=0)
+    r = openai_client.completions.create(
+        model=daemon.model, prompt="Hello the", max_tokens=5, temperature=0
+    )
     assert r.choices[0].finish_reason in ("length", "stop")
     assert r.usage.prompt_tokens >= 2
-    ids = openai_client.completions.create(model=daemon.model, prompt=[40, 41, 42], max_tokens=3, temperature=0)
+    ids = openai_client.completions.create(
+        model=daemon.model, prompt=[40, 41, 42], max_tokens=3, temperature=0
+    )
     assert ids.usage.prompt_tokens == 3
     streamed = "".join(
         c.choices[0].text

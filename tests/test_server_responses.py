@@ -1,5 +1,7 @@
 """The daemon's Responses API (what Codex speaks), driven by the openai SDK."""
 
+# ruff: noqa: F811  (pytest fixtures imported by name are redefined as parameters)
+
 from __future__ import annotations
 
 import json
@@ -13,13 +15,24 @@ SHELL = {
     "strict": False,
     "parameters": {
         "type": "object",
-        "properties": {"command": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}},
+        "properties": {
+            "command": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 10},
+                "maxItems": 3,
+            }
+        },
         "required": ["command"],
         "additionalProperties": False,
     },
 }
 # Tool kinds Codex sends that we cannot run: accepted and dropped, never a 400.
-NAMESPACE = {"type": "namespace", "name": "mcp", "description": "x", "tools": [dict(SHELL, name="inner")]}
+NAMESPACE = {
+    "type": "namespace",
+    "name": "mcp",
+    "description": "x",
+    "tools": [dict(SHELL, name="inner")],
+}
 WEB = {"type": "web_search", "external_web_access": False}
 CODEX_EXTRAS = {
     "store": False,
@@ -34,9 +47,17 @@ def test_stream_event_order_and_completed_usage(openai_client, daemon):
     stream = openai_client.responses.create(
         model=daemon.model,
         input=[
-            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be terse."}]},
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Be terse."}],
+            },
             {"role": "system", "content": "Also kind."},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Hello"}],
+            },
         ],
         instructions="You are a test.",
         max_output_tokens=8,

@@ -47,6 +47,7 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n: the chosen token's + top n
+    max_tokens_field: str = "max_tokens"  # the API's name for it, for error messages
 
 
 @dataclass
@@ -135,10 +136,11 @@ def check_sampling(s: Sampling, max_context: int) -> None:
     def bad(name: str, why: str) -> InvalidRequest:
         return InvalidRequest(f"{name} {why}", param=name)
 
+    field_ = s.max_tokens_field
     if s.max_tokens is not None and s.max_tokens < 1:
-        raise bad("max_tokens", f"must be at least 1, got {s.max_tokens}")
+        raise bad(field_, f"must be at least 1, got {s.max_tokens}")
     if s.max_tokens is not None and s.max_tokens > max_context:
-        raise bad("max_tokens", f"is {s.max_tokens}, more than the context ({max_context})")
+        raise bad(field_, f"is {s.max_tokens}, more than the context ({max_context})")
     if s.temperature is not None and not 0.0 <= s.temperature <= 2.0:
         raise bad("temperature", f"must be in [0, 2], got {s.temperature}")
     if s.top_p is not None and not 0.0 < s.top_p <= 1.0:

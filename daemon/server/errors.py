@@ -120,6 +120,7 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
     marker = " - at `$."
     if marker in text:
         param = text.split(marker, 1)[1].rstrip("`")
-    if isinstance(exc, msgspec.DecodeError):
-        return InvalidRequest(f"The request body is not valid JSON: {text}")
-    return InvalidRequest(f"Invalid request: {text}", param=param)
+    # ValidationError subclasses DecodeError: test it first
+    if isinstance(exc, msgspec.ValidationError):
+        return InvalidRequest(f"Invalid request: {text}", param=param)
+    return InvalidRequest(f"The request body is not valid JSON: {text}")

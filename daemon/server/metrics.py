@@ -109,6 +109,12 @@ class Metrics:
             f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.",
             [("", self.tokens_per_second())],
         )
+        metric(
+            "freetoken_requests_aborted_total",
+            "counter",
+            "Requests whose client went away before the end.",
+            [("", self.aborted)],
+        )
         self._ttft_lines(lines)
         metric(
             "freetoken_requests_in_flight",

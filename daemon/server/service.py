@@ -228,16 +228,16 @@ class ModelService:
         """Resolve an omitted max_tokens to the rest of the context, then check the total."""
         if s.max_tokens is None:
             s.max_tokens = max(1, self.max_model_len - n_prompt)
-        self._check_context(n_prompt, s.max_tokens)
+        self._check_context(n_prompt, s.max_tokens, s.max_tokens_field)
         return self.sampling_params(s)
 
-    def _check_context(self, n_prompt: int, max_tokens: int) -> None:
+    def _check_context(self, n_prompt: int, max_tokens: int, field: str = "max_tokens") -> None:
         if n_prompt + max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"This model's context is {self.max_model_len} tokens; the prompt has "
-                f"{n_prompt} tokens and max_tokens is {max_tokens} "
-                f"({n_prompt + max_tokens} in all). Shorten the prompt or lower max_tokens.",
-                param="max_tokens",
+                f"{n_prompt} tokens and {field} is {max_tokens} "
+                f"({n_prompt + max_tokens} in all). Shorten the prompt or lower {field}.",
+                param=field,
             )
 
     def _submit(

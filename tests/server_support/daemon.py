@@ -43,7 +43,9 @@ def _pythonpath() -> str:
 
 def state_dir() -> Path:
     """One state folder per test session, so the built-in model is generated once."""
-    path = Path(os.environ.get("FT_TEST_STATE_DIR") or Path(tempfile.gettempdir()) / "ft-server-tests")
+    path = Path(
+        os.environ.get("FT_TEST_STATE_DIR") or Path(tempfile.gettempdir()) / "ft-server-tests"
+    )
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -62,10 +64,14 @@ class Daemon:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    def post(self, path: str, body: bytes | dict, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+    def post(
+        self, path: str, body: bytes | dict, headers: dict | None = None, timeout: float = 60
+    ) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(
-            self.url + path, data=data, headers={"content-type": "application/json", **(headers or {})}
+            self.url + path,
+            data=data,
+            headers={"content-type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -9,6 +9,7 @@ that request's grammar state). The engine thread calls ``fill_mask`` before samp
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,12 @@ import xgrammar as xgr
 from ..parsers.registry import ToolSyntax
 from .formats import forced_tool_call
 from .vocab import load_tokenizer_info
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:123: ...")."""
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
 
 
 class GrammarConstraint:
@@ -69,7 +76,7 @@ class GrammarFactory:
         try:
             compiled = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"unsupported JSON schema: {e}") from None
+            raise ValueError(f"unsupported JSON schema: {_reason(e)}") from None
         return self._wrap(compiled)
 
     def forced_tool_call(
@@ -80,5 +87,5 @@ class GrammarFactory:
         try:
             compiled = self._compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"cannot constrain this tool call: {e}") from None
+            raise ValueError(f"cannot constrain this tool call: {_reason(e)}") from None
         return self._wrap(compiled)

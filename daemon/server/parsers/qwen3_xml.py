@@ -25,10 +25,15 @@ _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
 
-def _strip_one_newline(value: str) -> str:
-    if value.startswith("\n"):
+_PAD = " \t\r\n"
+
+
+def _strip_padding(value: str) -> str:
+    """Drop ONE whitespace character on each side: models write ``>\nvalue\n<``, and the
+    forced-call grammar allows one padding character there; more is part of the value."""
+    if value[:1] in _PAD and value:
         value = value[1:]
-    if value.endswith("\n"):
+    if value[-1:] in _PAD and value:
         value = value[:-1]
     return value
 
@@ -64,7 +69,7 @@ def decode_xml_body(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
     args: dict[str, Any] = {}
     for pm in _PARAMETER.finditer(match.group(2)):
         key = pm.group(1).strip()
-        args[key] = convert_value(_strip_one_newline(pm.group(2)), _schema_types(schema, key))
+        args[key] = convert_value(_strip_padding(pm.group(2)), _schema_types(schema, key))
     return name, json.dumps(args, ensure_ascii=False)
 
 

@@ -142,6 +142,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatRequest:
             top_k=body.top_k,
             seed=body.seed,
             logprobs=body.top_logprobs,
+            max_tokens_field="max_output_tokens",
         ),
         tools=tools,  # "none" keeps them in the prompt (same prefix as other turns)
         tool_choice=choice,

@@ -1,0 +1,191 @@
+"""Output parsers (streamed in every possible split), syntax selection, and forced tool-call
+grammars: a call sampled from RANDOM logits under the grammar always parses and satisfies
+the tool's schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from freetokend.models.builtin import CHAT_TEMPLATE, ensure_builtin_model
+from freetokend.server.parsers.base import Content, Reasoning, ToolCall, merge
+from freetokend.server.parsers.registry import (
+    OutputSyntax,
+    ReasoningSyntax,
+    ToolSyntax,
+    detect_syntax,
+    make_output_parser,
+    prompt_opens_reasoning,
+)
+from server_support.daemon import state_dir
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 5},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    },
+    "required": ["city", "days"],
+}
+JSON_THINK = OutputSyntax(ToolSyntax.QWEN3_JSON, ReasoningSyntax.THINK)
+XML_THINK = OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK)
+HARMONY = OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
+
+
+def run(syntax, text: str, pieces: list[str], opens: bool = False):
+    parser = make_output_parser(syntax, {"get_weather": SCHEMA}, start_in_reasoning=opens)
+    events = []
+    for p in pieces:
+        events += parser.feed(p)
+    events += parser.finish()
+    return merge(events)
+
+
+def splits(text: str):
+    """The text in one piece, char by char, and cut at every single position."""
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+
+
+def check_all_splits(syntax, text: str, expected, opens: bool = False) -> None:
+    for pieces in splits(text):
+        assert run(syntax, text, pieces, opens) == expected, pieces
+
+
+def test_think_then_content_then_json_call():
+    text = (
+        '<think>\nplan it\n</think>\n\nSure.<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    )
+    expected = [
+        Reasoning("plan it\n"),
+        Content("Sure."),
+        ToolCall(0, "get_weather", json.dumps({"city": "Oslo", "days": 2})),
+    ]
+    check_all_splits(JSON_THINK, text, expected)
+
+
+def test_reasoning_opened_by_the_prompt():
+    check_all_splits(
+        JSON_THINK, "\nhmm</think>\n\nHi", [Reasoning("hmm"), Content("Hi")], opens=True
+    )
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<think>\n\n</think>\n\n")
+
+
+def test_broken_json_call_is_given_back_as_content():
+    text = "a<tool_call>{oops</tool_call>b"
+    check_all_splits(JSON_THINK, text, [Content("a<tool_call>{oops</tool_call>b")])
+
+
+def test_two_calls_and_text_that_only_looks_like_a_tag():
+    call = '<tool_call>{"name": "x", "arguments": {}}</tool_call>'
+    expected = [Content("<tool "), ToolCall(0, "x", "{}"), ToolCall(1, "x", "{}"), Content("<")]
+    check_all_splits(JSON_THINK, "<tool " + call + call + "<", expected)
+
+
+def test_xml_call_converts_values_by_schema():
+    text = (
+        "ok\n<tool_call>\n<function=get_weather>\n<parameter=city>\n12 Main\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=tags>\n[true]\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    args = {"city": "12 Main", "days": 3, "tags": [True]}
+    check_all_splits(
+        XML_THINK, text, [Content("ok\n"), ToolCall(0, "get_weather", json.dumps(args))]
+    )
+
+
+def test_harmony_channels():
+    text = (
+        "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 1}<|call|>'
+    )
+    expected = [
+        Reasoning("think"),
+        ToolCall(0, "get_weather", json.dumps({"city": "Rome", "days": 1})),
+    ]
+    check_all_splits(HARMONY, text, expected)
+    final = "<|channel|>final<|message|>Hello there"  # <|return|> is EOS: not in the text
+    check_all_splits(HARMONY, final, [Content("Hello there")])
+
+
+def test_syntax_comes_from_the_template_then_the_family():
+    # the built-in model is family qwen3_5_moe (default XML) but its template asks for JSON
+    assert detect_syntax("qwen3_5_moe", CHAT_TEMPLATE).tools is ToolSyntax.QWEN3_JSON
+    xml_template = "... <tool_call>\n<function=example_function_name>\n<parameter=x> ... <think>"
+    assert detect_syntax("qwen3_moe", xml_template) == XML_THINK
+    assert detect_syntax("gpt_oss", "{{ '<|channel|>' }}") == HARMONY
+    assert detect_syntax("qwen3_next", "") == XML_THINK
+    assert detect_syntax("mixtral", "{{ messages }}").tools is ToolSyntax.NONE
+    assert detect_syntax("unknown_family", "").tools is ToolSyntax.NONE
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from freetokend.server.constrained.constraint import GrammarFactory
+    from tokenizers import Tokenizer
+
+    model = ensure_builtin_model(state_dir())
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    eos = tok.token_to_id("<|im_end|>")
+    return GrammarFactory(model / "tokenizer.json", vocab, [eos]), tok, vocab, eos
+
+
+def sample_under(constraint, vocab: int, seed: int, limit: int = 400) -> list[int]:
+    """Random logits, masked by the grammar, sampled until the grammar terminates."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = []
+    for _ in range(limit):
+        logits = torch.randn(vocab, generator=gen) * 3
+        constraint.fill_mask(logits)
+        tid = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        constraint.accept(tid)
+        ids.append(tid)
+        if constraint.is_terminated():
+            return ids
+    raise AssertionError("the grammar did not terminate")
+
+
+@pytest.mark.parametrize(
+    "syntax", [ToolSyntax.QWEN3_JSON, ToolSyntax.QWEN3_XML, ToolSyntax.HARMONY]
+)
+@pytest.mark.parametrize("seed", range(6))
+def test_forced_call_from_random_logits_is_valid(grammars, syntax, seed):
+    factory, tok, vocab, eos = grammars
+    tools = [("get_weather", SCHEMA), ("noop", None)]
+    ids = sample_under(factory.forced_tool_call(syntax, tools), vocab, seed)
+    assert ids[-1] == eos
+    text = tok.decode(ids[:-1], skip_special_tokens=False)
+    reasoning = ReasoningSyntax.HARMONY if syntax is ToolSyntax.HARMONY else ReasoningSyntax.THINK
+    events = run(OutputSyntax(syntax, reasoning), text, [text])
+    (call,) = events
+    assert isinstance(call, ToolCall), events
+    args = json.loads(call.arguments)
+    if call.name == "noop":
+        assert args == {}
+        return
+    assert call.name == "get_weather"
+    assert {"city", "days"} <= set(args) <= {"city", "days", "tags"}
+    assert isinstance(args["city"], str) and len(args["city"]) <= 8
+    assert isinstance(args["days"], int) and 1 <= args["days"] <= 5
+    assert all(isinstance(t, bool) for t in args.get("tags", []))
+
+
+def test_json_schema_constraint_from_random_logits(grammars):
+    factory, tok, vocab, eos = grammars
+    ids = sample_under(factory.json_schema(SCHEMA), vocab, seed=5)
+    value = json.loads(tok.decode(ids[:-1]), strict=False)
+    assert {"city", "days"} <= set(value) and 1 <= value["days"] <= 5
+
+
+def test_unsupported_schema_is_a_value_error(grammars):
+    factory = grammars[0]
+    with pytest.raises(ValueError, match="bogus"):
+        factory.json_schema({"type": "bogus"})
