@@ -94,7 +94,7 @@ def test_beta_query_mid_conversation_system_and_unknown_fields(anthropic_client,
 def test_forced_tool_use_round_trip(anthropic_client, daemon):
     m = anthropic_client.messages.create(
         model=daemon.model,
-        max_tokens=100,
+        max_tokens=300,
         tools=[WEATHER],
         tool_choice={"type": "tool", "name": "get_weather"},
         messages=[{"role": "user", "content": "Weather in Rome?"}],
@@ -136,7 +136,7 @@ def test_forced_tool_use_round_trip(anthropic_client, daemon):
 def test_forced_tool_use_streams_input_json(anthropic_client, daemon):
     with anthropic_client.messages.stream(
         model=daemon.model,
-        max_tokens=100,
+        max_tokens=300,
         tools=[WEATHER],
         tool_choice={"type": "any"},
         messages=[{"role": "user", "content": "Weather?"}],

@@ -91,7 +91,7 @@ def test_admission_limit_then_sigterm_drain():
         long = dict(
             model=d.model,
             messages=HELLO,
-            max_tokens=150,
+            max_tokens=80,
             stream=True,
             extra_body={"ignore_eos": True},
         )

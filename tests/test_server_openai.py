@@ -113,7 +113,7 @@ def test_forced_tool_call_round_trip(openai_client, daemon):
         messages=messages,
         tools=[WEATHER, TIME],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=120,
+        max_tokens=300,
         temperature=0.8,
         seed=7,
     )
@@ -145,7 +145,7 @@ def test_required_tool_choice_streams_a_valid_call(openai_client, daemon):
         messages=[{"role": "user", "content": "time?"}],
         tools=[WEATHER, TIME],
         tool_choice="required",
-        max_tokens=120,
+        max_tokens=300,
         stream=True,
         seed=3,
         temperature=1.0,
@@ -167,7 +167,7 @@ def test_required_tool_choice_streams_a_valid_call(openai_client, daemon):
 def test_json_schema_response_format(openai_client, daemon):
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
         "required": ["name", "age"],
     }
     r = openai_client.chat.completions.create(
@@ -177,7 +177,7 @@ def test_json_schema_response_format(openai_client, daemon):
             "type": "json_schema",
             "json_schema": {"name": "person", "schema": schema},
         },
-        max_tokens=60,
+        max_tokens=200,
         seed=1,
     )
     assert r.choices[0].finish_reason == "stop"

@@ -98,7 +98,7 @@ def test_function_call_round_trip(openai_client, daemon):
         input=[{"role": "user", "content": "list files"}],
         tools=[SHELL, NAMESPACE, WEB],
         tool_choice={"type": "function", "name": "shell"},
-        max_output_tokens=150,
+        max_output_tokens=300,
         stream=True,
         extra_body=CODEX_EXTRAS,
     )

@@ -1,0 +1,46 @@
+"""Root, health and Prometheus metrics endpoints."""
+
+# ruff: noqa: F811  (pytest fixtures imported by name are redefined as parameters)
+
+from __future__ import annotations
+
+import urllib.request
+
+from server_support.fixtures import daemon  # noqa: F401
+
+
+def test_head_and_get_root(daemon):
+    req = urllib.request.Request(daemon.url + "/?beta=true", method="HEAD")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200 and r.read() == b""
+    status, body = daemon.get("/")
+    assert status == 200 and b"freetokend" in body
+
+
+def test_health(daemon):
+    status, body = daemon.get("/health")
+    assert status == 200 and b'"ok"' in body
+
+
+def test_metrics_exposition(daemon):
+    daemon.post(
+        "/v1/chat/completions",
+        {"model": daemon.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    )
+    status, raw = daemon.get("/metrics")
+    assert status == 200
+    text = raw.decode()
+    for name in (
+        "freetoken_generation_tokens_per_second",
+        "freetoken_time_to_first_token_seconds_bucket",
+        "freetoken_queue_depth",
+        "freetoken_expert_cache_hit_ratio",
+        "freetoken_kv_pages_used",
+        "freetoken_kv_usage_ratio",
+    ):
+        assert f"# TYPE {name.removesuffix('_bucket')}" in text, name
+    m = daemon.metrics()
+    assert m["freetoken_generation_tokens_total"] >= 3
+    assert m["freetoken_time_to_first_token_seconds_count"] >= 1
+    assert m["freetoken_kv_pages_total"] > 0
+    assert 'freetoken_requests_total{api="chat",status="200"}' in text
