@@ -174,6 +174,12 @@ class Metrics:
             "KV cache pages in the pool.",
             [("", stats.kv_pages_total)],
         )
+        metric(
+            "freetoken_kv_pages_cached",
+            "gauge",
+            "KV pages held only by the prefix cache (reusable, evictable).",
+            [("", getattr(stats, "kv_pages_cached", 0))],
+        )
         used = stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
         metric("freetoken_kv_usage_ratio", "gauge", "Fraction of KV pages in use.", [("", used)])
         metric(
