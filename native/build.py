@@ -14,7 +14,13 @@ from pathlib import Path
 from setuptools import Extension
 
 _SRC = Path(__file__).resolve().parent / "src"
-_COMMON = ["executor.cpp", "thread_pool.cpp", "cpu_features.cpp", "kernels_scalar.cpp"]
+_COMMON = [
+    "executor.cpp",
+    "thread_pool.cpp",
+    "cpu_features.cpp",
+    "kernels_scalar.cpp",
+    "kernels_emu512.cpp",
+]
 _X86 = ["kernels_avx2.cpp", "kernels_avx512.cpp"]
 
 

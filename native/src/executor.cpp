@@ -14,6 +14,7 @@ namespace {
 
 const KernelSet* kernel_set(const std::string& isa, WDtype dt) {
   const bool bf16 = dt == WDtype::BF16;
+  if (isa == "emu512") return bf16 ? &kEmu512Bf16 : &kEmu512F32;
 #ifndef FTNATIVE_NO_X86
   if (isa == "avx512") return bf16 ? &kAvx512Bf16 : &kAvx512F32;
   if (isa == "avx2") return bf16 ? &kAvx2Bf16 : &kAvx2F32;
@@ -25,9 +26,10 @@ const KernelSet* kernel_set(const std::string& isa, WDtype dt) {
 
 std::string resolve_isa(const std::string& requested) {
   if (requested == "auto") return supported_isas().front();
+  if (requested == "emu512") return requested;  // test-only, portable
   if (requested != "avx512" && requested != "avx2" && requested != "scalar")
-    throw std::invalid_argument("isa must be one of auto, avx512, avx2, scalar; got '" +
-                                requested + "'");
+    throw std::invalid_argument("isa must be one of auto, avx512, avx2, scalar (or emu512 for "
+                                "tests); got '" + requested + "'");
   if (!isa_supported(requested))
     throw std::runtime_error("this CPU does not support the '" + requested +
                              "' path (supported here: avx512/avx2 as detected, scalar)");

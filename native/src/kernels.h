@@ -47,5 +47,7 @@ inline int64_t shuffle_index(int64_t j, int64_t k, int chunk) {
 extern const KernelSet kScalarF32, kScalarBf16;
 extern const KernelSet kAvx2F32, kAvx2Bf16;
 extern const KernelSet kAvx512F32, kAvx512Bf16;
+// The AVX-512 bodies on emulated 16-lane vectors, for tests on any CPU (isa "emu512").
+extern const KernelSet kEmu512F32, kEmu512Bf16;
 
 }  // namespace ftnative

@@ -1,7 +1,7 @@
 // ISA-generic bodies of the SIMD kernels (see kernels.h for what gemv and tile compute).
 //
-// Included by kernels_avx2.cpp and kernels_avx512.cpp only, inside an anonymous namespace, after
-// they define:
+// Included by kernels_avx2.cpp, kernels_avx512.cpp and kernels_emu512.cpp only, inside an
+// anonymous namespace, after they define:
 //   FT_TARGET  the function attribute carrying the ISA (target("...")),
 //   FT_INLINE  FT_TARGET plus always_inline,
 //   V          vector traits: T, kLanes, zero, load, store, fma, set1, hsum,
