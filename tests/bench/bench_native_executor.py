@@ -122,13 +122,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     batches = [routes(1, gen) for _ in range(max(3, args.iters // 4) + 1)]
     it = iter(batches)
-    t = timed(lambda: torch_bf16_moe(*next(it), banks), max(3, args.iters // 4))
+    t_ref = timed(lambda: torch_bf16_moe(*next(it), banks), max(3, args.iters // 4))
     threads = torch.get_num_threads()
-    report(f"decode T=1  torch bf16 F.linear, {threads} threads", K * expert_bytes(banks), t)
+    report(f"decode T=1  torch bf16 F.linear, {threads} threads", K * expert_bytes(banks), t_ref)
 
     x, ids, w = routes(512, torch.Generator().manual_seed(2))
     distinct = int(torch.unique(ids).numel())
-    t, _ = timed(lambda: exn.forward(x, ids, w), args.prefill_iters)
+    t, _median = timed(lambda: exn.forward(x, ids, w), args.prefill_iters)
     flops = 2 * 3 * H * INTER * ids.numel()
     print(
         f"prefill T=512 native {exn.isa}, {exn.threads} threads: {t * 1e3:.0f} ms/layer, "
