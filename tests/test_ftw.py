@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import subprocess
@@ -90,6 +92,23 @@ def test_quantized_banks_round_trip(qwen, tmp_path, fmt):
 
 def test_direct_and_buffered_reads_agree(qwen):
     _assert_same_weights(load_ftw(qwen[1], direct=True), load_ftw(qwen[1], direct=False, threads=1))
+
+
+def test_refused_direct_reads_fall_back_to_buffered(qwen, monkeypatch):
+    """Some filesystems accept O_DIRECT at open and fail the reads with EINVAL."""
+    from freetokend.checkpoint import ftw_io
+
+    real, refused = ftw_io._pread_full, []
+
+    def pread(fd: int, buf: memoryview, offset: int, path: object) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd, buf, offset, path)
+
+    monkeypatch.setattr(ftw_io, "_pread_full", pread)
+    _assert_same_weights(load_model(qwen[0]), load_ftw(qwen[1], threads=3))
+    assert refused
 
 
 # ---- layout -----------------------------------------------------------------------------------

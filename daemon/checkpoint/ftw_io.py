@@ -60,6 +60,7 @@ class _Files:
     def __init__(self, paths: set[Path], direct: bool) -> None:
         self.buffered: dict[Path, int] = {}
         self.direct: dict[Path, int] = {}
+        self.retired: list[int] = []
         self.lock = threading.Lock()
         for p in paths:
             try:
@@ -74,16 +75,19 @@ class _Files:
                     log.info("%s: O_DIRECT not supported here; buffered reads", p)
 
     def drop_direct(self, p: Path) -> None:
+        # Not closed here: another thread may be reading through it, and a closed number could
+        # be reused by an unrelated open before that read starts.
         with self.lock:
             fd = self.direct.pop(p, None)
-        if fd is not None:
-            os.close(fd)
+            if fd is not None:
+                self.retired.append(fd)
 
     def close(self) -> None:
-        for fd in [*self.buffered.values(), *self.direct.values()]:
+        for fd in [*self.buffered.values(), *self.direct.values(), *self.retired]:
             os.close(fd)
         self.buffered.clear()
         self.direct.clear()
+        self.retired.clear()
 
 
 def _pread_full(fd: int, buf: memoryview, offset: int, path: Path) -> None:
