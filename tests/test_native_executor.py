@@ -9,6 +9,7 @@ results by >= 1e-2).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 
@@ -203,6 +204,24 @@ def test_validation_errors() -> None:
         ex.forward(x, torch.tensor([[0, 4]] * 3, dtype=torch.int32), w)
     with pytest.raises(IndexError, match="outside"):
         ex.forward(x, torch.tensor([[0, -2]] * 3, dtype=torch.int32), w)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_raises() -> None:
+    """The workers stay in the parent; a child must get an error, not a hang."""
+    ex = CpuExecutor(make_banks(2, 16, 8, torch.float32, False), ACTS["silu"])
+    batch = make_routes(2, 1, 2, 16)
+    ex.forward(*batch)
+    pid = os.fork()
+    if pid == 0:  # child: exit 0 only if the call raised the fork error
+        try:
+            ex.forward(*batch)
+        except RuntimeError as e:
+            os._exit(0 if "forked" in str(e) else 2)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    check(ex, *batch)  # the parent is unaffected
 
 
 def test_missing_extension_raises_import_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <chrono>
 
+#include <stdexcept>
+
 #ifdef __linux__
 #include <pthread.h>
 #include <sched.h>
 #endif
+#include <unistd.h>
 
 namespace ftnative {
 
@@ -35,7 +38,8 @@ void pin_current_thread(int cpu) {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int threads, std::vector<int> cpus, int spin_us) : spin_us_(spin_us) {
+ThreadPool::ThreadPool(int threads, std::vector<int> cpus, int spin_us)
+    : spin_us_(spin_us), owner_pid_(static_cast<long>(getpid())) {
   for (int i = 0; i < threads; ++i) {
     const int cpu = cpus.empty() ? -1 : cpus[i % cpus.size()];
     workers_.emplace_back([this, i, cpu] { worker_main(i, cpu); });
@@ -53,6 +57,9 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::run(PoolJob& job) {
+  if (static_cast<long>(getpid()) != owner_pid_)
+    throw std::runtime_error("CPU executor used in a forked child process (its worker threads "
+                             "stayed in the parent); create the executor after forking");
   job_.store(&job);
   open_.store(true);
   {

@@ -37,6 +37,7 @@ class ThreadPool {
   int size() const { return static_cast<int>(workers_.size()); }
 
   // Runs `job` on the workers and blocks until it is finished. Not re-entrant: callers serialise.
+  // Throws std::runtime_error in a forked child, which has no workers.
   void run(PoolJob& job);
 
  private:
@@ -46,6 +47,7 @@ class ThreadPool {
 
   std::vector<std::thread> workers_;
   const int spin_us_;
+  const long owner_pid_;
 
   std::atomic<PoolJob*> job_{nullptr};
   std::atomic<uint64_t> generation_{0};
