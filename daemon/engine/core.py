@@ -22,6 +22,7 @@ import torch
 
 from ..kv.pool import KVPoolFull
 from ..kv.seq_state import SeqState
+from .prefix import PrefixReuse
 from .runner import ModelRunner, Work
 from .sampler import SamplingParams, logprobs_of, sample
 
@@ -49,8 +50,9 @@ class StepOutput(msgspec.Struct):
 class EngineStats(msgspec.Struct):
     running: int
     waiting: int
-    kv_pages_used: int
+    kv_pages_used: int  # pages held by requests in flight
     kv_pages_total: int
+    kv_pages_cached: int = 0  # pages held only by the prefix cache (reusable, evictable)
     expert_hits: int = 0
     expert_misses: int = 0
     prompt_tokens_cached_total: int = 0
@@ -67,6 +69,7 @@ class _Request:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     state: SeqState | None = None
+    cached: int = 0  # prompt tokens restored from the prefix cache at admission
 
     @property
     def tokens(self) -> list[int]:
@@ -81,8 +84,10 @@ class EngineCore:
         max_model_len: int,
         max_batch: int = 32,
         max_step_tokens: int = 512,
+        prefix: PrefixReuse | None = None,
     ) -> None:
         self.runner = runner
+        self.prefix = prefix
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_batch = max_batch
@@ -93,6 +98,7 @@ class EngineCore:
         self._running: list[_Request] = []
         self._generated = 0
         self._preemptions = 0
+        self._cached_total = 0
 
     # ---- called from any thread -------------------------------------------------------------
     def add_request(
@@ -128,11 +134,15 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.runner.kv
+        cached = self.prefix.radix.cached_pages() if self.prefix is not None else 0
+        active = {p for r in list(self._running) if r.state is not None for p in r.state.pages}
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_pages_used=kv.num_used,
+            kv_pages_used=len(active),
             kv_pages_total=kv.num_pages,
+            kv_pages_cached=cached,
+            prompt_tokens_cached_total=self._cached_total,
             generated_tokens_total=self._generated,
             preemptions_total=self._preemptions,
         )
@@ -158,6 +168,8 @@ class EngineCore:
 
     def _free(self, req: _Request) -> None:
         if req.state is not None:
+            if self.prefix is not None:
+                self.prefix.release(req.tokens, req.state)
             self.runner.release(req.state)
             req.state = None
 
@@ -165,6 +177,13 @@ class EngineCore:
         while self._waiting and len(self._running) < self.max_batch:
             req = self._waiting.popleft()
             req.state = self.runner.new_state()
+            if self.prefix is not None:
+                try:
+                    req.cached = self.prefix.restore(req.tokens, req.state)
+                except KVPoolFull:
+                    req.cached = 0
+                if not req.output:
+                    self._cached_total += req.cached
             self._running.append(req)
 
     def _plan(self) -> list[tuple[_Request, list[int], bool]]:
@@ -181,15 +200,19 @@ class EngineCore:
             assert req.state is not None
             toks, fed = req.tokens, req.state.num_tokens
             if len(toks) - fed > 1 and budget > 0:
-                take = min(budget, len(toks) - fed)
-                plan.append((req, toks[fed : fed + take], fed + take == len(toks)))
-                budget -= take
+                end = fed + min(budget, len(toks) - fed)
+                if self.prefix is not None:  # stop at a snapshot point to capture the state there
+                    end = self.prefix.chunk_end(toks, fed, end)
+                plan.append((req, toks[fed:end], end == len(toks)))
+                budget -= end - fed
         return plan
 
     def _reserve(self, plan: list[tuple[_Request, list[int], bool]]) -> list[tuple[_Request, list[int], bool]]:
         """Takes KV pages for the plan, preempting the newest requests while the pool is short."""
         while True:
             need = sum(self.runner.pages_missing(r.state, r.state.num_tokens + len(t)) for r, t, _ in plan)  # type: ignore[arg-type]
+            if need > self.runner.kv.num_free and self.prefix is not None:
+                self.prefix.evict(need - self.runner.kv.num_free)
             if need <= self.runner.kv.num_free:
                 for r, t, _ in plan:
                     self.runner.reserve(r.state, r.state.num_tokens + len(t))  # type: ignore[arg-type]
@@ -214,6 +237,9 @@ class EngineCore:
         if not plan:
             return []
         logits = self.runner.forward([Work(r.state, t, w) for r, t, w in plan])  # type: ignore[arg-type]
+        if self.prefix is not None:
+            for r, _, _ in plan:
+                self.prefix.after_forward(r.tokens, r.state)  # type: ignore[arg-type]
         sampled = [r for r, _, w in plan if w]
         return self._sample(sampled, logits)
 
@@ -221,7 +247,7 @@ class EngineCore:
         self._running.remove(req)
         self._free(req)
         last = req.output[-1] if req.output else (req.prompt[-1] if req.prompt else 0)
-        return StepOutput(req.rid, last, None, None, True, reason, len(req.prompt), 0)
+        return StepOutput(req.rid, last, None, None, True, reason, len(req.prompt), req.cached)
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
         for i, req in enumerate(reqs):
@@ -250,7 +276,7 @@ class EngineCore:
                 self._free(req)
             chosen_lp, top = lp.get(i, (None, None))
             outs.append(
-                StepOutput(req.rid, tok, chosen_lp, top, reason is not None, reason, len(req.prompt), 0)
+                StepOutput(req.rid, tok, chosen_lp, top, reason is not None, reason, len(req.prompt), req.cached)
             )
         return outs
 

@@ -15,7 +15,9 @@ from ..experts.backend import BACKENDS, RoutingRecorder, create_backend
 from ..experts.banks import Activation, ActivationSpec
 from ..models.config import ModelConfig
 from ..models.loader import load_model
+from ..models.registry import family_spec
 from .core import EngineCore
+from .prefix import PrefixReuse, SnapshotPolicy
 from .runner import ModelRunner
 from .sampler import SamplingParams
 
@@ -36,6 +38,9 @@ class LLM:
     bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
     record_routing  append every step's routed expert ids to this JSONL file (cache replay)
     dtype        weights' dtype in memory (default: the checkpoint's); float32 upcasts a bf16 model
+    prefix_cache reuse KV (radix tree) and recurrent-state snapshots across requests
+    snapshot_policy  anchors | interval:N | none (hybrid models: where recurrent state is saved)
+    snapshot_budget_mb  memory for recurrent-state snapshots (own LRU, apart from the KV pool)
     """
 
     def __init__(
@@ -54,6 +59,9 @@ class LLM:
         bandwidth: tuple[float, float] | None = None,
         record_routing: str | Path | None = None,
         dtype: str | None = None,
+        prefix_cache: bool = True,
+        snapshot_policy: str = "anchors",
+        snapshot_budget_mb: int = 256,
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
@@ -90,7 +98,13 @@ class LLM:
         self.runner = ModelRunner(self.model, self.moe, kv, page_size)
         self._tokenizer: Any = None
         self._chat_template: Any = None
-        self.engine = EngineCore(self.runner, self._eos_ids(), self.max_model_len, max_batch, max_step_tokens)
+        prefix = None
+        if prefix_cache:
+            policy = SnapshotPolicy.parse(snapshot_policy, self._anchor_ids() if snapshot_policy == "anchors" else {})
+            prefix = PrefixReuse(self.runner.kv, self.model.num_linear_layers > 0, policy, snapshot_budget_mb << 20)
+        self.engine = EngineCore(
+            self.runner, self._eos_ids(), self.max_model_len, max_batch, max_step_tokens, prefix=prefix
+        )
         self._ids = itertools.count()
 
     # ---- tokenizer / template, loaded on first use ------------------------------------------
@@ -109,6 +123,17 @@ class LLM:
 
             self._chat_template = ChatTemplate.from_dir(self.model_dir)
         return self._chat_template
+
+    def _anchor_ids(self) -> dict[int, str]:
+        """The family's anchor tokens that this tokenizer has (DESIGN §2)."""
+        if not (self.model_dir / "tokenizer.json").exists():
+            return {}
+        out = {}
+        for text, kind in family_spec(self.config.family).anchors:
+            tid = self.tokenizer.token_to_id(text)
+            if tid is not None:
+                out[tid] = kind
+        return out
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids)

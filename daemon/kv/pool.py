@@ -31,6 +31,7 @@ class KVPool:
         self.k = torch.empty(shape, dtype=dtype)
         self.v = torch.empty(shape, dtype=dtype)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._ref = [0] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -46,10 +47,31 @@ class KVPool:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise KVPoolFull(f"need {n} KV pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        for pg in out:
+            self._ref[pg] = 1
+        return out
+
+    def retain(self, pages: list[int]) -> None:
+        for pg in pages:
+            assert self._ref[pg] > 0, f"page {pg} is free"
+            self._ref[pg] += 1
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """Drop one reference to each page."""
+        for pg in reversed(pages):
+            assert self._ref[pg] > 0, f"page {pg} freed twice"
+            self._ref[pg] -= 1
+            if self._ref[pg] == 0:
+                self._free.append(pg)
+
+    def refcount(self, page: int) -> int:
+        return self._ref[page]
+
+    def copy_page(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first ``rows`` token rows of page ``src`` into page ``dst`` (all layers)."""
+        self.k[:, dst, :rows] = self.k[:, src, :rows]
+        self.v[:, dst, :rows] = self.v[:, src, :rows]
 
     def _rows(self, pages: list[int], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n)

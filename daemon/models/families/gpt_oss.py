@@ -3,4 +3,7 @@ YaRN rope, softmax over the top-k router logits, clamped SwiGLU with interleaved
 
 from .spec import FamilySpec
 
-SPEC = FamilySpec(experts_transposed_interleaved=True)
+SPEC = FamilySpec(
+    experts_transposed_interleaved=True,
+    anchors=(("<|end|>", "end_of_turn"), ("<|call|>", "tool_call_end"), ("<|return|>", "end_of_turn")),
+)

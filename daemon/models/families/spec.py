@@ -15,3 +15,17 @@ class FamilySpec:
     # fused expert tensors stored as x @ W ([E, H, 2I] with gate/up interleaved, down [E, I, H]),
     # as GPT-OSS does; otherwise as W x ([E, 2I, H] gate rows then up rows, down [E, H, I]).
     experts_transposed_interleaved: bool = False
+    # semantic anchors (DESIGN §2): token string -> kind. A recurrent-state snapshot is taken right
+    # after each such token; tokens the tokenizer does not have are ignored.
+    anchors: tuple[tuple[str, str], ...] = ()
+
+
+# The ChatML markers of the Qwen families (and of the built-in model).
+CHATML_ANCHORS = (
+    ("<|im_end|>", "end_of_turn"),
+    ("</think>", "end_of_thinking"),
+    ("<tool_call>", "tool_call_start"),
+    ("</tool_call>", "tool_call_end"),
+    ("<tool_response>", "tool_output_start"),
+    ("</tool_response>", "tool_output_end"),
+)

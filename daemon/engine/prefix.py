@@ -1,0 +1,119 @@
+"""Prefix reuse for new requests: KV pages from the radix tree, recurrent state from snapshots.
+
+The engine core calls four hooks:
+  restore(tokens, state)      on admission: fill ``state`` with the deepest reusable prefix,
+                              return the number of prompt tokens it covers (cached tokens)
+  chunk_end(tokens, fed, end) while planning prefill: stop a chunk at the next snapshot point so
+                              the state there can be captured
+  after_forward(tokens, state) after a step: snapshot the state if it sits on a snapshot point
+  release(tokens, state)      when a request ends: its full pages go into the radix tree
+
+Models without linear attention (Qwen3-MoE, GPT-OSS, Mixtral, OLMoE) reuse KV at any position:
+all positions are kept in the pool, so sliding-window layers restore from it too. Hybrid models
+(Gated DeltaNet) can resume only where a snapshot of the recurrent state exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..kv.pool import KVPool
+from ..kv.radix import RadixCache
+from ..kv.seq_state import SeqState
+from ..kv.snapshots import Snapshot, SnapshotStore
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    """Where snapshots are taken: after anchor tokens, every ``interval`` tokens, or nowhere."""
+
+    anchor_ids: dict[int, str]
+    interval: int = 0  # > 0: fixed-interval baseline instead of anchors
+    enabled: bool = True
+
+    @classmethod
+    def parse(cls, spec: str, anchor_ids: dict[int, str]) -> SnapshotPolicy:
+        if spec == "anchors":
+            return cls(anchor_ids)
+        if spec == "none":
+            return cls({}, enabled=False)
+        if spec.startswith("interval:") and spec[9:].isdigit() and int(spec[9:]) > 0:
+            return cls({}, interval=int(spec[9:]))
+        raise ValueError(f"snapshot policy must be 'anchors', 'interval:N' or 'none', got {spec!r}")
+
+    def kind_at(self, tokens: list[int], pos: int) -> str | None:
+        """The snapshot kind after tokens[:pos], or None."""
+        if not self.enabled or pos <= 0:
+            return None
+        if self.interval:
+            return "interval" if pos % self.interval == 0 else None
+        return self.anchor_ids.get(tokens[pos - 1])
+
+
+class PrefixReuse:
+    def __init__(
+        self,
+        pool: KVPool,
+        hybrid: bool,
+        policy: SnapshotPolicy,
+        snapshot_budget: int,
+    ) -> None:
+        self.pool = pool
+        self.radix = RadixCache(pool)
+        self.hybrid = hybrid
+        self.policy = policy
+        self.snapshots = SnapshotStore(snapshot_budget) if hybrid else None
+
+    # ---- admission ----------------------------------------------------------------------------
+    def restore(self, tokens: list[int], state: SeqState) -> int:
+        pages = self.radix.match(tokens)
+        limit = min(len(pages) * self.pool.page_size, len(tokens) - 1)  # feed >= 1 token
+        pos, snap = self._resume_point(tokens, limit)
+        if pos <= 0:
+            return 0
+        if snap is not None:
+            assert state.recurrent is not None and self.snapshots is not None
+            state.recurrent.conv.copy_(snap.state.conv)
+            state.recurrent.ssm.copy_(snap.state.ssm)
+            self.snapshots.restored += 1
+        ps = self.pool.page_size
+        full, rest = divmod(pos, ps)
+        self.pool.retain(pages[:full])
+        state.pages = pages[:full]
+        if rest:  # copy-on-write of the partial page: the request will write after `pos`
+            (fresh,) = self.pool.alloc(1)
+            self.pool.copy_page(pages[full], fresh, rest)
+            state.pages.append(fresh)
+        state.num_tokens = pos
+        return pos
+
+    def _resume_point(self, tokens: list[int], limit: int) -> tuple[int, Snapshot | None]:
+        if not self.hybrid:
+            return limit, None
+        assert self.snapshots is not None
+        for pos in sorted(self.snapshots.positions(), reverse=True):
+            if pos <= limit and (snap := self.snapshots.get(tokens, pos)) is not None:
+                return pos, snap
+        return 0, None
+
+    # ---- planning and after a step ------------------------------------------------------------
+    def chunk_end(self, tokens: list[int], fed: int, end: int) -> int:
+        if self.snapshots is None or not self.policy.enabled:
+            return end
+        for pos in range(fed + 1, end):
+            if self.policy.kind_at(tokens, pos):
+                return pos
+        return end
+
+    def after_forward(self, tokens: list[int], state: SeqState) -> None:
+        if self.snapshots is None or state.recurrent is None:
+            return
+        kind = self.policy.kind_at(tokens, state.num_tokens)
+        if kind is not None:
+            self.snapshots.put(tokens, state.num_tokens, state.recurrent, kind)
+
+    def release(self, tokens: list[int], state: SeqState) -> None:
+        self.radix.insert(tokens[: state.num_tokens], state.pages)
+
+    def evict(self, pages: int) -> int:
+        return self.radix.evict(pages)
