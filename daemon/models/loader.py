@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..experts.banks import ExpertBanks
 from .config import ModelConfig
@@ -23,6 +22,7 @@ from .families.spec import FamilySpec
 from .layers.common import dtype_of
 from .model import CausalLM
 from .registry import family_spec
+from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 
 
 class CheckpointError(ValueError):
@@ -56,21 +56,37 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def _tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+class _Source:
+    """One checkpoint tensor, read on demand: straight into a destination when layouts agree."""
+
+    def __init__(self, f: SafetensorsFile, info: TensorInfo) -> None:
+        self.f, self.info = f, info
+        self.shape, self.dtype = info.shape, info.dtype
+
+    def read(self) -> torch.Tensor:
+        try:
+            return self.f.read(self.info)
+        except (SafetensorsFormatError, OSError) as e:
+            raise CheckpointError(f"{self.f.path}: tensor '{self.info.name}' cannot be read ({e})") from None
+
+    def into(self, dest: torch.Tensor) -> None:
+        if dest.is_contiguous() and dest.dtype == self.dtype:
+            try:
+                self.f.read_into(self.info, dest)
+                return
+            except (SafetensorsFormatError, OSError) as e:
+                raise CheckpointError(f"{self.f.path}: tensor '{self.info.name}' cannot be read ({e})") from None
+        dest.copy_(self.read())
+
+
+def _tensors(path: Path) -> Iterator[tuple[str, _Source]]:
     try:
-        f = safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        f = SafetensorsFile(path)
+    except (SafetensorsFormatError, OSError) as e:
         raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from None
     with f:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-
-            def get(name: str = name) -> torch.Tensor:
-                try:
-                    return f.get_tensor(name)
-                except (SafetensorError, OSError, RuntimeError) as e:
-                    raise CheckpointError(f"{path}: tensor '{name}' cannot be read ({e})") from None
-
-            yield name, get
+        for name, info in f.tensors.items():
+            yield name, _Source(f, info)
 
 
 class _Filler:
@@ -99,26 +115,26 @@ class _Filler:
         # a tied checkpoint may still carry lm_head.weight
         return self.cfg.tie_word_embeddings and name == "lm_head.weight"
 
-    def put(self, name: str, canon: str, get: Callable[[], torch.Tensor], path: Path) -> None:
+    def put(self, name: str, canon: str, src: _Source, path: Path) -> None:
         if m := _FUSED.match(canon):
-            self._fused(int(m.group(1)), m.group(2), get(), name, path)
+            self._fused(int(m.group(1)), m.group(2), src, name, path)
         elif m := _PER_EXPERT.match(canon):
-            self._per_expert(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), get(), name, path)
+            self._per_expert(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), src, name, path)
         elif canon in self.params:
-            self._dense(canon, get(), name, path)
+            self._dense(canon, src, name, path)
         else:
             raise CheckpointError(f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)")
 
-    def _check(self, t: torch.Tensor, shape: tuple[int, ...], name: str, path: Path) -> None:
+    def _check(self, t: _Source, shape: tuple[int, ...], name: str, path: Path) -> None:
         if t.dtype not in _FLOAT:
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {t.dtype}; expected a float dtype")
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}; expected {shape}")
 
-    def _dense(self, canon: str, t: torch.Tensor, name: str, path: Path) -> None:
+    def _dense(self, canon: str, src: _Source, name: str, path: Path) -> None:
         p = self.params[canon]
-        self._check(t, tuple(p.shape), name, path)
-        p.data.copy_(t)
+        self._check(src, tuple(p.shape), name, path)
+        src.into(p.data)
         self.filled.add(canon)
 
     def _moe_base(self, layer: int, name: str, path: Path) -> int:
@@ -126,26 +142,30 @@ class _Filler:
             raise CheckpointError(f"{path}: unexpected tensor '{name}' (layer {layer} has no experts)")
         return self.cfg.moe_layer_index[layer] * self.cfg.num_experts
 
-    def _fused(self, layer: int, part: str, t: torch.Tensor, name: str, path: Path) -> None:
+    def _fused(self, layer: int, part: str, src: _Source, name: str, path: Path) -> None:
         base, e, i, h = self._moe_base(layer, name, path), self.cfg.num_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
         gptoss = self.spec.experts_transposed_interleaved
         if part == "gate_up_proj":
-            self._check(t, (e, h, 2 * i) if gptoss else (e, 2 * i, h), name, path)
-            if gptoss:  # [E, H, 2I] interleaved -> [E, 2I, H] gate rows then up rows
-                t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1).transpose(1, 2)
+            self._check(src, (e, h, 2 * i) if gptoss else (e, 2 * i, h), name, path)
             dest = self.banks.gate_up
         elif part == "down_proj":
-            self._check(t, (e, i, h) if gptoss else (e, h, i), name, path)
+            self._check(src, (e, i, h) if gptoss else (e, h, i), name, path)
             dest = self.banks.down
-            t = t.transpose(1, 2) if gptoss else t
         elif part == "gate_up_proj_bias":
-            self._check(t, (e, 2 * i), name, path)
-            t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) if gptoss else t
+            self._check(src, (e, 2 * i), name, path)
             dest = self._bias(self.banks.gate_up_bias, name, path)
         else:
-            self._check(t, (e, h), name, path)
+            self._check(src, (e, h), name, path)
             dest = self._bias(self.banks.down_bias, name, path)
-        dest[base : base + e].copy_(t)
+        if gptoss and part != "down_proj_bias":
+            t = src.read()
+            if part in ("gate_up_proj", "gate_up_proj_bias"):  # interleaved -> gate rows, up rows
+                t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+            if part in ("gate_up_proj", "down_proj"):  # x @ W layout -> W x layout
+                t = t.transpose(1, 2)
+            dest[base : base + e].copy_(t)
+        else:
+            src.into(dest[base : base + e])
         self.expert_filled.update((layer, part, x) for x in range(e))
 
     def _bias(self, bank: torch.Tensor | None, name: str, path: Path) -> torch.Tensor:
@@ -153,19 +173,19 @@ class _Filler:
             raise CheckpointError(f"{path}: unexpected tensor '{name}' (this model has no expert biases)")
         return bank
 
-    def _per_expert(self, layer: int, x: int, proj: str, kind: str, t: torch.Tensor, name: str, path: Path) -> None:
+    def _per_expert(self, layer: int, x: int, proj: str, kind: str, t: _Source, name: str, path: Path) -> None:
         base, i, h = self._moe_base(layer, name, path), self.cfg.moe_intermediate_size, self.cfg.hidden_size
         if x >= self.cfg.num_experts or kind != "weight":
             raise CheckpointError(f"{path}: unexpected tensor '{name}'")
         fid = base + x
         if proj == "down_proj":
             self._check(t, (h, i), name, path)
-            self.banks.down[fid].copy_(t)
+            t.into(self.banks.down[fid])
             self.expert_filled.add((layer, "down_proj", x))
             return
         self._check(t, (i, h), name, path)
         rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
-        self.banks.gate_up[fid, rows].copy_(t)
+        t.into(self.banks.gate_up[fid, rows])
         self.expert_filled.add((layer, proj, x))
 
     def verify(self) -> None:
@@ -216,13 +236,13 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[C
     banks = allocate_banks(cfg)
     filler = _Filler(cfg, spec, model, banks)
     for path in checkpoint_files(model_dir):
-        for name, get in _tensors(path):
+        for name, src in _tensors(path):
             if filler.ignored(name):
                 continue
             canon = filler.canonical(name)
             if canon is None:
                 raise CheckpointError(f"{path}: unexpected tensor '{name}'")
-            filler.put(name, canon, get, path)
+            filler.put(name, canon, src, path)
     filler.verify()
     model.eval()
     return model, banks
