@@ -71,7 +71,7 @@ PYBIND11_MODULE(ftnative, m) {
            py::arg("down_bias"), py::arg("weight_dtype"), py::arg("bias_dtype"),
            py::arg("num_flat"), py::arg("hidden"), py::arg("inter"), py::arg("act"),
            py::arg("alpha"), py::arg("limit"), py::arg("threads") = 0, py::arg("isa") = "auto",
-           py::arg("tile_min_tokens") = 12, py::arg("spin_us") = 100, py::arg("pin") = true,
+           py::arg("tile_min_tokens") = 12, py::arg("spin_us") = 20, py::arg("pin") = true,
            "Bank addresses (0 = no bias), dtype codes 0 fp32 / 1 bf16, shapes N, H, I.")
       .def(
           "forward",

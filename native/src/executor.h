@@ -53,7 +53,7 @@ struct ExecutorOptions {
   int threads = 0;          // 0: one per physical core
   std::string isa = "auto";
   int tile_min_tokens = 12;  // experts with at least this many routes use the tiled path
-  int spin_us = 100;        // how long idle threads spin before sleeping
+  int spin_us = 20;         // how long idle workers spin for the next call before sleeping
   bool pin = true;
 };
 
