@@ -13,8 +13,13 @@
 //   1 up      per (expert, block of I rows): gate and up projections, bias, activation -> act
 //   2 down    per block of H rows: for every expert, down projection, bias, gate weight, and
 //             accumulate into out[:, block]. A block of out is owned by one task, so no atomics.
-// Each distinct expert's weights are therefore streamed once per call, and concurrent workers
-// stream disjoint row blocks.
+// Each distinct expert's weights are therefore streamed from memory once per call, and
+// concurrent workers stream disjoint row blocks.
+//
+// Per expert, routes are computed by one of two kernels (kernels.h): `gemv` for fewer than
+// tile_min_tokens routes (decode), `tile` on 16-token panels otherwise (prefill). A tiled
+// expert whose last block would be mostly padding hands those routes to a second, gemv group;
+// its tasks run right after the tiled ones on the same row block, which is then still cached.
 #pragma once
 
 #include <atomic>
