@@ -118,6 +118,8 @@ class CpuExecutor:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         if tile_min_tokens < 1:
             raise ValueError(f"tile_min_tokens must be >= 1, got {tile_min_tokens}")
+        if banks.gate_up.dim() != 3 or banks.down.dim() != 3:
+            raise ValueError("gate_up must be [N, 2I, H] and down [N, H, I]")
         n, two_i, h = banks.gate_up.shape
         inter = two_i // 2
         _check_bank("gate_up", banks.gate_up, (n, 2 * inter, h))
