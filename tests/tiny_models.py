@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "mixtral", "olmoe")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=97,
@@ -43,6 +43,14 @@ def hf_config(family: str, **over: Any) -> Any:
                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
         cls = tf.Qwen3_5MoeTextConfig
+    elif family == "qwen3_next":
+        c.update(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 intermediate_size=40, shared_expert_intermediate_size=24, mlp_only_layers=[2],
+                 layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                 linear_value_head_dim=8, linear_conv_kernel_dim=4, norm_topk_prob=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        cls = tf.Qwen3NextConfig
     elif family == "gpt_oss":
         c.update(num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                  sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -71,6 +79,7 @@ def hf_model_class(family: str) -> Any:
     return {
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
+        "qwen3_next": tf.Qwen3NextForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
         "mixtral": tf.MixtralForCausalLM,
         "olmoe": tf.OlmoeForCausalLM,

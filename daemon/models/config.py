@@ -19,6 +19,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
     "GptOssForCausalLM": "gpt_oss",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
@@ -199,7 +200,7 @@ def _yarn_mscale(factor: float, mscale: Any, mscale_all_dim: Any) -> float:
 def _layer_types(text: dict[str, Any], family: str, n: int, source: str) -> tuple[str, ...]:
     lt = text.get("layer_types")
     if lt is None:
-        if family == "qwen3_5_moe":
+        if family in ("qwen3_5_moe", "qwen3_next"):
             interval = int(text.get("full_attention_interval", 4))
             lt = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
         elif family == "gpt_oss":
@@ -218,7 +219,7 @@ def _layer_types(text: dict[str, Any], family: str, n: int, source: str) -> tupl
 
 
 def _moe_layers(text: dict[str, Any], family: str, n: int) -> tuple[bool, ...]:
-    if family != "qwen3_moe":
+    if family not in ("qwen3_moe", "qwen3_next"):
         return (True,) * n
     step = int(text.get("decoder_sparse_step", 1) or 1)
     dense = set(text.get("mlp_only_layers") or [])
@@ -253,12 +254,12 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{source}: missing field 'moe_intermediate_size' (or 'intermediate_size')")
     # Qwen3.5 renormalises the top-k weights unconditionally; Mixtral too; GPT-OSS takes the
     # softmax over the top-k logits, which is the same thing.
-    norm_default = family in ("qwen3_5_moe", "mixtral", "gpt_oss")
+    norm_default = family in ("qwen3_5_moe", "qwen3_next", "mixtral", "gpt_oss")
     norm_topk = bool(text.get("norm_topk_prob", norm_default))
     if family in ("mixtral", "gpt_oss"):
         norm_topk = True
     is_gptoss = family == "gpt_oss"
-    is_q35 = family == "qwen3_5_moe"
+    is_q35 = family in ("qwen3_5_moe", "qwen3_next")  # the gated-attention / DeltaNet hybrids
     cfg = ModelConfig(
         family=family,
         architecture=arch,
@@ -285,7 +286,7 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         attention_bias=bool(text.get("attention_bias", is_gptoss)),
         attention_sinks=is_gptoss,
         attention_output_gate=is_q35,
-        qk_norm={"qwen3_moe": "head", "qwen3_5_moe": "head", "olmoe": "full"}.get(family, "none"),
+        qk_norm={"qwen3_moe": "head", "qwen3_5_moe": "head", "qwen3_next": "head", "olmoe": "full"}.get(family, "none"),
         norm_offset=is_q35,
         clip_qkv=_get(text, "clip_qkv", float, source, None),
         router_bias=is_gptoss,

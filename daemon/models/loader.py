@@ -79,6 +79,19 @@ class _Source:
         dest.copy_(self.read())
 
 
+class _Loaded:
+    """A tensor already in memory (the output of a family converter), with _Source's interface."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
+
+    def read(self) -> torch.Tensor:
+        return self.t
+
+    def into(self, dest: torch.Tensor) -> None:
+        dest.copy_(self.t)
+
+
 def _tensors(path: Path) -> Iterator[tuple[str, _Source]]:
     try:
         f = SafetensorsFile(path)
@@ -116,6 +129,13 @@ class _Filler:
         return self.cfg.tie_word_embeddings and name == "lm_head.weight"
 
     def put(self, name: str, canon: str, src: _Source, path: Path) -> None:
+        for pat, convert in self.spec.converters:
+            if re.search(pat, canon):
+                for out_name, t in convert(self.cfg, canon, src.read()):
+                    if out_name not in self.params:
+                        raise CheckpointError(f"{path}: tensor '{name}' converts to unknown '{out_name}'")
+                    self._dense(out_name, _Loaded(t), name, path)
+                return
         if m := _FUSED.match(canon):
             self._fused(int(m.group(1)), m.group(2), src, name, path)
         elif m := _PER_EXPERT.match(canon):
@@ -125,13 +145,13 @@ class _Filler:
         else:
             raise CheckpointError(f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)")
 
-    def _check(self, t: _Source, shape: tuple[int, ...], name: str, path: Path) -> None:
+    def _check(self, t: _Source | _Loaded, shape: tuple[int, ...], name: str, path: Path) -> None:
         if t.dtype not in _FLOAT:
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {t.dtype}; expected a float dtype")
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}; expected {shape}")
 
-    def _dense(self, canon: str, src: _Source, name: str, path: Path) -> None:
+    def _dense(self, canon: str, src: _Source | _Loaded, name: str, path: Path) -> None:
         p = self.params[canon]
         self._check(src, tuple(p.shape), name, path)
         src.into(p.data)

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import ModelConfig
+
+# (config, our parameter name after renames, tensor) -> [(our parameter name, tensor), ...]
+Converter = Callable[["ModelConfig", str, "torch.Tensor"], list[tuple[str, "torch.Tensor"]]]
 
 
 @dataclass(frozen=True)
@@ -15,6 +25,8 @@ class FamilySpec:
     # fused expert tensors stored as x @ W ([E, H, 2I] with gate/up interleaved, down [E, I, H]),
     # as GPT-OSS does; otherwise as W x ([E, 2I, H] gate rows then up rows, down [E, H, I]).
     experts_transposed_interleaved: bool = False
+    # (regex on our name, converter): checkpoint tensors that split or reorder into our parameters
+    converters: tuple[tuple[str, Converter], ...] = ()
     # semantic anchors (DESIGN §2): token string -> kind. A recurrent-state snapshot is taken right
     # after each such token; tokens the tokenizer does not have are ignored.
     anchors: tuple[tuple[str, str], ...] = ()
