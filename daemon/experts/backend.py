@@ -139,6 +139,8 @@ def create_backend(
     acc = create_accelerator(accelerator)
     if name == "fused":
         return FusedBackend(banks, num_experts, act, acc)
+    for t in banks.tensors().values():  # host pool filled first, registered (pinned) after
+        acc.pin(t)
     slots = moe_slots if moe_slots is not None else _default_slots(banks, acc)
     cpu = CpuBackend(banks, num_experts, act, threads=threads) if name == "hybrid" else None
     if name == "hybrid" and bandwidth is None:
