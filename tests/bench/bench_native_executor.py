@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -80,16 +81,26 @@ def torch_bf16_moe(
 
 
 def bench_read(banks: ExpertBanks, iters: int) -> None:
-    """Sum the bank bytes in slices as large as one decode call reads (8 experts)."""
-    flat = banks.gate_up.view(-1).view(torch.int32)  # reinterpret the bank bytes
+    """Sum the bank bytes (viewed as fp32: finite, no denormals for these weights) in slices as
+    large as one decode call reads (8 experts): numpy on one core, and torch's vectorised sum on
+    one core and on two (two Python threads, one half each; torch releases the GIL)."""
+    flat = banks.gate_up.view(-1).view(torch.float32)
     words = K * expert_bytes(banks) // 4
     slices = [flat[i * words : (i + 1) * words] for i in range(flat.numel() // words)]
-    arrays = [s.numpy() for s in slices]
     n = iter(range(1 << 30))
-    t = timed(lambda: np.add.reduce(arrays[next(n) % len(arrays)], dtype=np.int64), iters)
+    arrays = [s.numpy() for s in slices]
+    t = timed(lambda: arrays[next(n) % len(arrays)].sum(), iters)
     report("plain read  numpy sum, 1 thread", words * 4, t)
-    t = timed(lambda: slices[next(n) % len(slices)].sum(dtype=torch.int64), iters)
-    report(f"plain read  torch sum, {torch.get_num_threads()} threads", words * 4, t)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t = timed(lambda: slices[next(n) % len(slices)].sum(), iters)
+    report("plain read  torch sum, 1 thread", words * 4, t)
+    pool = ThreadPoolExecutor(2)
+    halves = [(s[: words // 2], s[words // 2 :]) for s in slices]
+    t = timed(lambda: list(pool.map(torch.sum, halves[next(n) % len(halves)])), iters)
+    report("plain read  torch sum, 2 threads", words * 4, t)
+    pool.shutdown()
+    torch.set_num_threads(threads)
 
 
 def bench_decode(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) -> None:
