@@ -13,7 +13,7 @@
 //                      of the (possibly de-interleaved) input
 //   bcast2(w, lo, hi)  w[0] and w[1] broadcast to all lanes
 //   scalar(w)          w[0] as fp32
-// Everything here has internal linkage, so the two ISA copies never merge at link time.
+// Everything here has internal linkage, so the per-ISA copies never merge at link time.
 
 #ifndef FT_TARGET
 #error "define FT_TARGET, FT_INLINE, V, kTileRows and the weight policies before including"
