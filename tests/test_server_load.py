@@ -9,13 +9,14 @@ import threading
 import time
 
 import openai
+import pytest
 from server_support.daemon import start_daemon
 from server_support.fixtures import daemon  # noqa: F401
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-def wait_idle(d, timeout: float = 15.0) -> dict[str, float]:
+def wait_idle(d, timeout: float = 60.0) -> dict[str, float]:
     """/metrics once no request is in flight and no KV page is in use."""
     deadline = time.monotonic() + timeout
     while True:
@@ -81,13 +82,28 @@ def test_sixteen_streams_with_a_third_disconnecting(daemon):
     assert daemon.get("/health")[0] == 200
 
 
+def test_non_stream_client_leaving_stops_its_generation(daemon):
+    before = wait_idle(daemon)
+    body = {"model": daemon.model, "messages": HELLO, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(TimeoutError):
+        daemon.post("/v1/chat/completions", body, timeout=1.0)  # gives up, closes the socket
+    after = wait_idle(daemon)
+    assert (
+        after["freetoken_requests_aborted_total"] == before["freetoken_requests_aborted_total"] + 1
+    )
+    assert (
+        after["freetoken_generation_tokens_total"] - before["freetoken_generation_tokens_total"]
+        < 300
+    )
+
+
 def test_admission_limit_then_sigterm_drain():
     """capacity = max_batch + max_queue = 2: a third request gets 429 (OpenAI) / 529
     (Anthropic) with Retry-After. Then SIGTERM: new requests get 503, the request in flight
     completes, the process exits 0."""
-    d = start_daemon("--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60")
+    d = start_daemon("--max-batch", "1", "--max-queue", "1", "--drain-timeout", "120")
     try:
-        c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=150)
         long = dict(
             model=d.model,
             messages=HELLO,
@@ -124,6 +140,6 @@ def test_admission_limit_then_sigterm_drain():
         assert d.get("/health")[0] == 503
         chunks = list(first)  # the request in flight still runs to its end
         assert [x.choices[0].finish_reason for x in chunks if x.choices][-1] == "length"
-        assert d.proc.wait(30) == 0
+        assert d.proc.wait(120) == 0
     finally:
         d.stop(signal.SIGKILL)

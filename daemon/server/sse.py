@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 _encoder = msgspec.json.Encoder()
@@ -29,18 +30,31 @@ DONE = b"data: [DONE]\n\n"
 def stream_response(
     body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str] | None = None
 ) -> Stream:
-    """Wrap an event generator; ``on_close`` runs however the stream ends (completed, client
-    disconnected, server shutdown), so the request's KV is always freed."""
+    """Wrap an event generator; ``on_close`` runs exactly once however the stream ends
+    (completed, client disconnected, server shutdown), so the request's KV is always freed.
+
+    Two hooks, because a disconnect cancels the sender while the generator may be parked at
+    a ``yield`` (then only the generator's finalizer would run its ``finally``): the
+    response's background task runs right after the body ends, disconnect included.
+    """
+    closed = False
+
+    def close_once() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            on_close()
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
             async for chunk in body:
                 yield chunk
         finally:
-            on_close()
+            close_once()
 
     return Stream(
         guarded(),
         media_type="text/event-stream",
         headers={**SSE_HEADERS, **(headers or {})},
+        background=BackgroundTask(close_once),
     )

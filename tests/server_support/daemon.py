@@ -56,6 +56,7 @@ class Daemon:
     url: str = ""
     model: str = MODEL_NAME
     log: list[str] = field(default_factory=list)
+    log_path: Path | None = None  # the whole stderr+stdout of the process
 
     def get(self, path: str, timeout: float = 10) -> tuple[int, bytes]:
         try:
@@ -112,7 +113,12 @@ def start_daemon(*args: str, timeout: float = 120) -> Daemon:
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     daemon = Daemon(proc)
-    threading.Thread(target=_drain, args=(proc.stderr, daemon.log), daemon=True).start()
+    logs = state_dir() / "logs"
+    logs.mkdir(exist_ok=True)
+    daemon.log_path = logs / f"daemon-{proc.pid}.log"
+    threading.Thread(
+        target=_drain, args=(proc.stderr, daemon.log, daemon.log_path), daemon=True
+    ).start()
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -126,14 +132,20 @@ def start_daemon(*args: str, timeout: float = 120) -> Daemon:
     if not daemon.url:
         daemon.stop(signal.SIGKILL)
         raise RuntimeError("the daemon did not start:\n" + "".join(daemon.log[-40:]))
-    threading.Thread(target=_drain, args=(proc.stdout, daemon.log), daemon=True).start()
+    threading.Thread(
+        target=_drain, args=(proc.stdout, daemon.log, daemon.log_path), daemon=True
+    ).start()
     return daemon
 
 
-def _drain(stream, sink: list[str]) -> None:  # type: ignore[no-untyped-def]
-    for line in stream:
-        sink.append(line)
-        del sink[:-500]  # keep the tail only
+def _drain(stream, sink: list[str], path: Path | None = None) -> None:  # type: ignore[no-untyped-def]
+    """Keep the output's tail in memory and all of it in ``path`` (for failure reports)."""
+    with open(path or os.devnull, "a", encoding="utf-8") as f:
+        for line in stream:
+            f.write(line)
+            f.flush()
+            sink.append(line)
+            del sink[:-500]
 
 
 _shared: Daemon | None = None

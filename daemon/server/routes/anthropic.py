@@ -20,7 +20,7 @@ from ..schemas.anthropic import Block, CountTokensRequest, Message, MessagesRequ
 from ..sse import stream_response
 from ..state import server_state
 from .anthropic_out import MessagesOutput
-from .common import decode_body, log_request
+from .common import decode_body, log_request, unless_disconnected
 
 BILLING_PREFIX = "x-anthropic-billing-header"
 
@@ -179,7 +179,7 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     if body.stream:
         return stream_response(out.stream(), close)
     try:
-        payload = await out.complete()
+        payload = await unless_disconnected(request, out.complete())
     finally:
         close()
     return Response(payload)

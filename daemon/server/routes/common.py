@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import msgspec
 import structlog
 from litestar import Request
 
-from ..errors import InvalidRequest, from_validation_error
+from ..errors import APIError, InvalidRequest, from_validation_error
 from ..generation import Generation
 
 log = structlog.get_logger("freetokend.request")
@@ -30,6 +32,32 @@ async def decode_body(request: Request[Any, Any, Any], kind: type[T]) -> T:
         raise from_validation_error(e) from None
     except UnicodeDecodeError:
         raise InvalidRequest("The request body is not valid UTF-8.") from None
+
+
+class ClientGone(APIError):
+    """The client closed the connection before the answer was ready (nginx's 499)."""
+
+    status = 499
+
+
+async def unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """Await ``work`` (a non-streaming generation) but give up as soon as the client
+    disconnects, so its tokens stop being generated. (Streams get this from Litestar.)"""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientGone("The client disconnected.")
+    return task.result()
 
 
 def new_id(prefix: str) -> str:

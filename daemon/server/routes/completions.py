@@ -16,7 +16,7 @@ from ..schemas.openai import CompletionRequest
 from ..service import ModelService
 from ..sse import stream_response
 from ..state import server_state
-from .common import decode_body, log_request, new_id
+from .common import decode_body, log_request, new_id, unless_disconnected
 from .openai_chat_out import usage_dict
 
 
@@ -154,7 +154,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     if body.stream:
         return stream_response(out.stream(), close)
     try:
-        payload = await out.complete()
+        payload = await unless_disconnected(request, out.complete())
     finally:
         close()
     return Response(payload)

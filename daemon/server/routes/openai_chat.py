@@ -19,7 +19,7 @@ from ..errors import InvalidRequest
 from ..schemas.openai import ChatCompletionRequest, ChatMessage, ContentPart
 from ..sse import stream_response
 from ..state import server_state
-from .common import decode_body, log_request
+from .common import decode_body, log_request, unless_disconnected
 from .openai_chat_out import ChatOutput
 
 
@@ -160,7 +160,7 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     if body.stream:
         return stream_response(out.stream(), close)
     try:
-        payload = await out.complete()
+        payload = await unless_disconnected(request, out.complete())
     finally:
         close()
     return Response(payload)

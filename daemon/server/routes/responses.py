@@ -16,7 +16,7 @@ from ..errors import InvalidRequest
 from ..schemas.responses import InputItem, InputPart, ResponsesRequest
 from ..sse import stream_response
 from ..state import server_state
-from .common import decode_body, log_request
+from .common import decode_body, log_request, unless_disconnected
 from .responses_out import ResponsesOutput
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -173,7 +173,7 @@ async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
     if body.stream:
         return stream_response(out.stream(), close)
     try:
-        payload = await out.complete()
+        payload = await unless_disconnected(request, out.complete())
     finally:
         close()
     return Response(payload)
