@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from freetokend.cli import build_parser, main
 from freetokend.server.config import ConfigError, default_state_dir, resolve
 

@@ -167,7 +167,10 @@ def test_required_tool_choice_streams_a_valid_call(openai_client, daemon):
 def test_json_schema_response_format(openai_client, daemon):
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
     }
     r = openai_client.chat.completions.create(

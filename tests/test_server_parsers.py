@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_support.daemon import state_dir
+
 from freetokend.models.builtin import CHAT_TEMPLATE, ensure_builtin_model
 from freetokend.server.parsers.base import Content, Reasoning, ToolCall, merge
 from freetokend.server.parsers.registry import (
@@ -19,7 +21,6 @@ from freetokend.server.parsers.registry import (
     make_output_parser,
     prompt_opens_reasoning,
 )
-from server_support.daemon import state_dir
 
 SCHEMA = {
     "type": "object",
@@ -128,8 +129,9 @@ def test_syntax_comes_from_the_template_then_the_family():
 
 @pytest.fixture(scope="module")
 def grammars():
-    from freetokend.server.constrained.constraint import GrammarFactory
     from tokenizers import Tokenizer
+
+    from freetokend.server.constrained.constraint import GrammarFactory
 
     model = ensure_builtin_model(state_dir())
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
