@@ -25,7 +25,7 @@ def model_card(request: Request[Any, Any, Any]) -> dict[str, Any]:
     }
 
 
-@get("/v1/models")
+@get("/v1/models", sync_to_thread=False)
 def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     card = model_card(request)
     return {
@@ -37,13 +37,13 @@ def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     }
 
 
-@get("/v1/models/{model_id:str}")
+@get("/v1/models/{model_id:str}", sync_to_thread=False)
 def get_model(request: Request[Any, Any, Any], model_id: str) -> dict[str, Any]:
     server_state(request).service.check_model(model_id)
     return model_card(request)
 
 
-@get("/health")
+@get("/health", sync_to_thread=False)
 def health(request: Request[Any, Any, Any]) -> Response[Any]:
     state = server_state(request)
     body = {
@@ -54,17 +54,17 @@ def health(request: Request[Any, Any, Any]) -> Response[Any]:
     return Response(body, status_code=503 if state.draining else 200)
 
 
-@get("/")
+@get("/", sync_to_thread=False)
 def root(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return {"name": "freetokend", "model": server_state(request).service.name, "status": "ok"}
 
 
-@head("/")
+@head("/", sync_to_thread=False)
 def root_head() -> None:
     return None
 
 
-@get("/metrics", media_type="text/plain; version=0.0.4")
+@get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
 def metrics(request: Request[Any, Any, Any]) -> PlainResponse[str]:
     state = server_state(request)
     text = state.metrics.render(state.bridge.stats, state.bridge.in_flight, state.draining)
