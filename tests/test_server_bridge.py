@@ -58,7 +58,7 @@ def test_text_usage_and_eos_not_in_text(tok):
     engine = FakeEngine({"1": [*ids, eos]}, eos)
 
     async def main():
-        bridge, metrics = await start(engine, tok, 1)
+        bridge, metrics = await start(engine)
         gen = generation(bridge, metrics, tok, "a", 1)
         text, events, lps = await gen.collect()
         gen.close()
@@ -79,7 +79,7 @@ def test_stop_string_across_tokens_aborts_the_engine_request(tok):
     engine = FakeEngine({"1": tok.encode("one two STOP three four")}, eos)
 
     async def main():
-        bridge, metrics = await start(engine, tok, 1)
+        bridge, metrics = await start(engine)
         gen = generation(bridge, metrics, tok, "a", 1, stop=["ST", "OP th"])
         text, _, _ = await gen.collect()
         gen.close()
@@ -96,7 +96,7 @@ def test_concurrent_requests_and_abort_of_one(tok):
     engine = FakeEngine({"1": tok.encode("aaaa bbbb"), "2": tok.encode("cccc dddd eeee")}, eos)
 
     async def main():
-        bridge, metrics = await start(engine, tok, 1)
+        bridge, metrics = await start(engine)
         g1 = generation(bridge, metrics, tok, "a", 1)
         g2 = generation(bridge, metrics, tok, "b", 2)
         first = await g2.chunks().__anext__()
@@ -116,7 +116,7 @@ def test_engine_failure_fails_the_request_not_the_thread(tok):
     engine = FakeEngine({"1": tok.encode("xyz"), "2": tok.encode("ok")}, eos)
 
     async def main():
-        bridge, metrics = await start(engine, tok, 1)
+        bridge, metrics = await start(engine)
         engine.fail_next_step = True
         g = generation(bridge, metrics, tok, "a", 1)
         with pytest.raises(RuntimeError, match="boom"):
@@ -137,7 +137,7 @@ def test_capacity_and_context_errors(tok):
     engine.step_delay.clear()  # hold the engine so requests stay in flight
 
     async def main():
-        bridge, metrics = await start(engine, tok, 1, cap=(1, 1))
+        bridge, metrics = await start(engine, cap=(1, 1))
         with pytest.raises(InvalidRequest, match="exceeds the context"):
             generation(bridge, metrics, tok, "big", 1, max_tokens=30)
         g1 = generation(bridge, metrics, tok, "a", 1, max_tokens=8)
