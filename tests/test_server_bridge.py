@@ -28,9 +28,7 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
-async def start(
-    engine: FakeEngine, tok: Tokenizer, prompt: int, stop=(), max_tokens=32, cap=(4, 4)
-):
+async def start(engine: FakeEngine, cap: tuple[int, int] = (4, 4)):
     metrics = Metrics()
     bridge = EngineBridge(engine, cap[0], cap[1], metrics)
     bridge.start(asyncio.get_running_loop())
