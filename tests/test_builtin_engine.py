@@ -59,12 +59,17 @@ def test_agrees_with_transformers(llm32, builtin_model_dir):
     assert (ours - ref[-5:]).abs().max().item() < 2e-4
     greedy = llm32.generate(ids, max_tokens=16, ignore_eos=True)
     with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+        hf_out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+        )
     assert greedy == hf_out[0, len(ids) :].tolist()
 
 
 def test_chat_renders_generates_and_decodes(llm):
     text = llm.chat([{"role": "user", "content": "hello"}], max_tokens=12, ignore_eos=True)
     assert isinstance(text, str) and len(text) > 0
-    seeded = [llm.chat([{"role": "user", "content": "hi"}], max_tokens=8, temperature=1.0, seed=s) for s in (1, 1)]
+    seeded = [
+        llm.chat([{"role": "user", "content": "hi"}], max_tokens=8, temperature=1.0, seed=s)
+        for s in (1, 1)
+    ]
     assert seeded[0] == seeded[1]

@@ -88,14 +88,20 @@ def test_missing_expert_tensor(ckpt):
 
 
 def test_unexpected_tensor(ckpt):
-    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2)))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.extra\.weight'.*"):
+    _edit_tensors(
+        ckpt, lambda t: t.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2))
+    )
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.extra\.weight'.*"
+    ):
         load_model(ckpt)
 
 
 def test_shape_mismatch(ckpt):
     def shrink(t):
-        t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"][:-1]
+        t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"][
+            :-1
+        ]
 
     _edit_tensors(ckpt, shrink)
     with pytest.raises(CheckpointError, match=r"q_proj\.weight' has shape .* expected"):
@@ -128,7 +134,10 @@ def test_truncated_file(ckpt):
 
 
 def test_missing_shard(ckpt):
-    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"},
+    }
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
         load_model(ckpt)
@@ -162,9 +171,13 @@ def test_sharded_and_fused_layout_loads_identically(ckpt, tmp_path):
     weight_map = {}
     for i, part in enumerate((names[:half], names[half:])):
         fname = f"model-0000{i + 1}-of-00002.safetensors"
-        save_file({n: fused[n].contiguous() for n in part}, str(out / fname), metadata={"format": "pt"})
+        save_file(
+            {n: fused[n].contiguous() for n in part}, str(out / fname), metadata={"format": "pt"}
+        )
         weight_map.update(dict.fromkeys(part, fname))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     assert not (out / "model.safetensors").exists()
     model, banks = load_model(out)
     assert torch.equal(banks.gate_up, ref_banks.gate_up)

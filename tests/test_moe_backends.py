@@ -66,8 +66,14 @@ def test_prefill_double_buffer_overlap_on_off_and_fallback(model_dir, reference)
     probe = LLM(model_dir, max_model_len=64, kv_tokens=64)
     total_experts, num_flat = probe.config.num_experts, probe.banks.num_flat
     for overlap in (True, False):
-        llm = LLM(model_dir, moe_backend="offload", moe_slots=min(2 * total_experts + 1, num_flat), max_model_len=256,
-                  kv_tokens=1024, accelerator=ACCEL)
+        llm = LLM(
+            model_dir,
+            moe_backend="offload",
+            moe_slots=min(2 * total_experts + 1, num_flat),
+            max_model_len=256,
+            kv_tokens=1024,
+            accelerator=ACCEL,
+        )
         llm.moe.prefill_overlap = overlap
         assert llm.generate(_prompts(), max_tokens=8, ignore_eos=True) == reference
         assert llm.moe.counters["prefill_layers_streamed"] > 0
@@ -95,4 +101,8 @@ def test_bandwidth_profile_and_routing_record(model_dir, reference, tmp_path):
     assert {r["phase"] for r in lines} == {"prefill", "decode"}
     assert {r["layer"] for r in lines} == set(range(cfg.num_moe_layers))
     decode = [r for r in lines if r["phase"] == "decode"]
-    assert all(len(row) == cfg.top_k and all(0 <= e < cfg.num_experts for e in row) for r in decode for row in r["ids"])
+    assert all(
+        len(row) == cfg.top_k and all(0 <= e < cfg.num_experts for e in row)
+        for r in decode
+        for row in r["ids"]
+    )

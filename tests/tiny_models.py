@@ -33,38 +33,102 @@ def hf_config(family: str, **over: Any) -> Any:
 
     c = dict(_COMMON)
     if family == "qwen3_moe":
-        c.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                 intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=10000.0)
+        c.update(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            rope_theta=10000.0,
+        )
         cls = tf.Qwen3MoeConfig
     elif family == "qwen3_5_moe":
-        c.update(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                 shared_expert_intermediate_size=24, layer_types=["linear_attention", "full_attention"] * 2,
-                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                 linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        c.update(
+            num_hidden_layers=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=24,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        )
         cls = tf.Qwen3_5MoeTextConfig
     elif family == "qwen3_next":
-        c.update(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                 intermediate_size=40, shared_expert_intermediate_size=24, mlp_only_layers=[2],
-                 layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                 linear_value_head_dim=8, linear_conv_kernel_dim=4, norm_topk_prob=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        c.update(
+            num_hidden_layers=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=40,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[2],
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            norm_topk_prob=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        )
         cls = tf.Qwen3NextConfig
     elif family == "gpt_oss":
-        c.update(num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                 sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                                  "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
-                                  "truncate": False})
+        c.update(
+            num_hidden_layers=3,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        )
         cls = tf.GptOssConfig
     elif family == "mixtral":
-        c.update(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
-                 rope_theta=10000.0)
+        c.update(
+            num_hidden_layers=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rope_theta=10000.0,
+        )
         cls = tf.MixtralConfig
     elif family == "olmoe":
-        c.update(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                 clip_qkv=3.0, rope_theta=10000.0)
+        c.update(
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            clip_qkv=3.0,
+            rope_theta=10000.0,
+        )
         c.pop("head_dim")
         cls = tf.OlmoeConfig
     else:
@@ -96,7 +160,9 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.rand(p.shape, generator=g).mul(2.0).add(0.1).log())
 
 
-def make_tiny(family: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **over: Any) -> tuple[Path, Any]:
+def make_tiny(
+    family: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **over: Any
+) -> tuple[Path, Any]:
     """Writes a tiny checkpoint of ``family`` to ``out``; returns (out, the HF model in eval mode)."""
     torch.manual_seed(seed)
     cfg = hf_config(family, **over)

@@ -24,12 +24,21 @@ class Work:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, moe: MoEBackend, kv_tokens: int, page_size: int = 16) -> None:
+    def __init__(
+        self, model: CausalLM, moe: MoEBackend, kv_tokens: int, page_size: int = 16
+    ) -> None:
         cfg = model.cfg
         self.model, self.cfg, self.moe = model, cfg, moe
         self.page_size = page_size
         num_pages = max(1, -(-kv_tokens // page_size))
-        self.kv = KVPool(model.num_attention_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        self.kv = KVPool(
+            model.num_attention_layers,
+            num_pages,
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            model.dtype,
+        )
 
     def new_state(self) -> SeqState:
         st = SeqState()

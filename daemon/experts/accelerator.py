@@ -51,7 +51,9 @@ class Accelerator(ABC):
         return t.to(self.device, copy=True)
 
     @abstractmethod
-    def copy_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> Transfer:
+    def copy_rows(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
+    ) -> Transfer:
         """Asynchronously copy rows: for each (dst, src, dst_rows, src_rows), dst[d] <- src[s].
 
         ``dst`` lives on the device, ``src`` in (pinned) host memory; rows are whole experts.
@@ -98,7 +100,9 @@ class StandinAccelerator(Accelerator):
         self.device = torch.device("cpu")
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-standin-copy")
 
-    def copy_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> Transfer:
+    def copy_rows(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
+    ) -> Transfer:
         self._count(pairs)
         return _FutureTransfer(self._worker.submit(_do_copies, pairs), self.stats)
 
@@ -121,7 +125,9 @@ class CudaAccelerator(Accelerator):
         self.device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.device)
 
-    def copy_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> Transfer:
+    def copy_rows(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
+    ) -> Transfer:
         self._count(pairs)
         # The destination slots may still be read by compute queued before this call.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))

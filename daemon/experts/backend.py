@@ -59,7 +59,9 @@ class RoutingRecorder:
         self.inner.end_step()
         self._f.flush()
 
-    def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         rec = {"phase": self.phase, "layer": moe_layer, "ids": expert_ids.tolist()}
         self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
         return self.inner.forward(moe_layer, x, expert_ids, weights)
@@ -72,7 +74,9 @@ class CpuBackend:
     """Experts never leave host RAM; the native executor computes them (torch reference when the
     extension is not built)."""
 
-    def __init__(self, banks: ExpertBanks, num_experts: int, act: ActivationSpec, threads: int | None = None) -> None:
+    def __init__(
+        self, banks: ExpertBanks, num_experts: int, act: ActivationSpec, threads: int | None = None
+    ) -> None:
         self.banks = banks
         self.num_experts = num_experts
         self.act = act
@@ -90,14 +94,22 @@ class CpuBackend:
     def end_step(self) -> None:
         pass
 
-    def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.forward_flat(x, expert_ids.to(torch.int32) + moe_layer * self.num_experts, weights)
+    def forward(
+        self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        return self.forward_flat(
+            x, expert_ids.to(torch.int32) + moe_layer * self.num_experts, weights
+        )
 
-    def forward_flat(self, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward_flat(
+        self, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Routed-expert sum by flat ids [T, K] (-1 = skip the route)."""
         if self.executor is not None:
             return self.executor.forward(
-                x.float().contiguous(), flat_ids.to(torch.int32).contiguous(), weights.float().contiguous()
+                x.float().contiguous(),
+                flat_ids.to(torch.int32).contiguous(),
+                weights.float().contiguous(),
             )
         return moe_reference(x, flat_ids, weights, self.banks, self.act)
 
@@ -131,7 +143,9 @@ def create_backend(
         else:
             name = "offload"
             if bandwidth is None:
-                log.info("moe_backend auto: no bandwidth profile stored; using offload (run `ftctl bench bw`)")
+                log.info(
+                    "moe_backend auto: no bandwidth profile stored; using offload (run `ftctl bench bw`)"
+                )
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads)
     from .device_backends import FusedBackend, OffloadBackend
@@ -144,11 +158,21 @@ def create_backend(
     slots = moe_slots if moe_slots is not None else _default_slots(banks, acc)
     cpu = CpuBackend(banks, num_experts, act, threads=threads) if name == "hybrid" else None
     if name == "hybrid" and bandwidth is None:
-        log.info("hybrid: no bandwidth profile stored; q* assumes B_P = B_H until `ftctl bench bw` runs")
+        log.info(
+            "hybrid: no bandwidth profile stored; q* assumes B_P = B_H until `ftctl bench bw` runs"
+        )
     if isinstance(acc, StandinAccelerator):
         log.info("accelerator: CPU stand-in (no GPU): the %s mechanism runs, not for speed", name)
     return OffloadBackend(
-        banks, num_layers, num_experts, act, acc, slots, cpu=cpu, hybrid=name == "hybrid", bandwidth=bandwidth
+        banks,
+        num_layers,
+        num_experts,
+        act,
+        acc,
+        slots,
+        cpu=cpu,
+        hybrid=name == "hybrid",
+        bandwidth=bandwidth,
     )
 
 

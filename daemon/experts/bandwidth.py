@@ -28,7 +28,9 @@ def _distinct_experts(banks: ExpertBanks, n: int, seed: int = 0) -> list[int]:
     return torch.randperm(banks.num_flat, generator=g)[: min(n, banks.num_flat)].tolist()
 
 
-def measure_copy_bandwidth(banks: ExpertBanks, acc: Accelerator, experts: int = 64, repeats: int = 3) -> float:
+def measure_copy_bandwidth(
+    banks: ExpertBanks, acc: Accelerator, experts: int = 64, repeats: int = 3
+) -> float:
     ids = _distinct_experts(banks, experts)
     host = banks.tensors()
     dev = {k: acc.empty((len(ids), *t.shape[1:]), t.dtype) for k, t in host.items()}
@@ -45,7 +47,9 @@ def measure_copy_bandwidth(banks: ExpertBanks, acc: Accelerator, experts: int = 
     return len(ids) * banks.nbytes_per_expert() / best
 
 
-def measure_cpu_bandwidth(banks: ExpertBanks, cpu_backend: object, top_k: int = 8, steps: int = 16) -> float:
+def measure_cpu_bandwidth(
+    banks: ExpertBanks, cpu_backend: object, top_k: int = 8, steps: int = 16
+) -> float:
     """Batch-1 decode over distinct experts (cold in cache as far as possible)."""
     ids = _distinct_experts(banks, top_k * steps, seed=1)
     x = torch.randn(1, banks.hidden_size)
@@ -60,7 +64,9 @@ def measure_cpu_bandwidth(banks: ExpertBanks, cpu_backend: object, top_k: int = 
     return sum(len(c) for c in chunks) * banks.nbytes_per_expert() / dt
 
 
-def measure(banks: ExpertBanks, acc: Accelerator, cpu_backend: object, top_k: int = 8) -> BandwidthProfile:
+def measure(
+    banks: ExpertBanks, acc: Accelerator, cpu_backend: object, top_k: int = 8
+) -> BandwidthProfile:
     fmt = str(banks.gate_up.dtype).removeprefix("torch.")
     return BandwidthProfile(
         b_p=measure_copy_bandwidth(banks, acc),

@@ -45,7 +45,9 @@ def _bank_pairs(dst: ExpertBanks, src: ExpertBanks, drows: list[int], srows: lis
 class FusedBackend:
     """All experts resident on the accelerator."""
 
-    def __init__(self, banks: ExpertBanks, num_experts: int, act: ActivationSpec, acc: Accelerator) -> None:
+    def __init__(
+        self, banks: ExpertBanks, num_experts: int, act: ActivationSpec, acc: Accelerator
+    ) -> None:
         self.acc, self.num_experts, self.act = acc, num_experts, act
         self.dev = _device_banks(acc, banks, banks.num_flat)
         rows = list(range(banks.num_flat))
@@ -57,7 +59,9 @@ class FusedBackend:
     def end_step(self) -> None:
         pass
 
-    def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         flat = expert_ids.long() + moe_layer * self.num_experts
         return moe_reference(x.to(self.acc.device), flat, weights, self.dev, self.act).to(x.device)
 
@@ -95,7 +99,12 @@ class OffloadBackend:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-branch")
         self._prefill: _PrefillStream | None = None
         self._warned_fallback = False
-        self.counters = {"cpu_routes": 0, "gpu_routes": 0, "prefill_layers_streamed": 0, "prefill_on_demand": 0}
+        self.counters = {
+            "cpu_routes": 0,
+            "gpu_routes": 0,
+            "prefill_layers_streamed": 0,
+            "prefill_on_demand": 0,
+        }
 
     # ---- step hooks (called by the runner) ----------------------------------------------------
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
@@ -120,18 +129,24 @@ class OffloadBackend:
             self.cache.release_prefill()
 
     # ---- the layer call -------------------------------------------------------------------------
-    def forward(self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
         if self._prefill is not None:
             self.counters["prefill_layers_streamed"] += 1
             slots = self._prefill.slots_for(moe_layer).to(self.acc.device)
             ids = slots[expert_ids.long().to(self.acc.device)]
-            return moe_reference(x.to(self.acc.device), ids, weights, self.slots, self.act).to(x.device)
+            return moe_reference(x.to(self.acc.device), ids, weights, self.slots, self.act).to(
+                x.device
+            )
         if x.shape[0] >= self.prefill_min_tokens:
             self.counters["prefill_on_demand"] += 1
         return self._decode(moe_layer, x, flat, weights)
 
-    def _decode(self, layer: int, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _decode(
+        self, layer: int, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         plan = self.cache.decode_step(flat.to(self.acc.device), layer)
         cpu_ids = plan.cpu_ids.cpu()
         n_cpu = int((cpu_ids >= 0).sum())
@@ -143,7 +158,9 @@ class OffloadBackend:
             src = plan.copy_src_flat[:n].tolist()
             dst = plan.copy_dst_slot[:n].tolist()
             self.acc.copy_rows(_bank_pairs(self.slots, self.host, dst, src)).wait()
-        out = moe_reference(x.to(self.acc.device), plan.slot_ids.long(), weights, self.slots, self.act)
+        out = moe_reference(
+            x.to(self.acc.device), plan.slot_ids.long(), weights, self.slots, self.act
+        )
         self.counters["gpu_routes"] += int((plan.slot_ids >= 0).sum())
         out = out.to(x.device)
         if cpu_future is not None:
@@ -151,7 +168,9 @@ class OffloadBackend:
             out = out + cpu_future.result()
         return out
 
-    def _cpu_part(self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _cpu_part(
+        self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         if self.cpu is not None:
             return self.cpu.forward_flat(x, cpu_ids, weights)  # type: ignore[attr-defined]
         return moe_reference(x, cpu_ids.long(), weights, self.host, self.act)
@@ -173,7 +192,9 @@ class _PrefillStream:
         e = self.be.num_experts
         dst = self.buffer_of(layer).tolist()
         src = list(range(layer * e, (layer + 1) * e))
-        self.pending[layer] = self.be.acc.copy_rows(_bank_pairs(self.be.slots, self.be.host, dst, src))
+        self.pending[layer] = self.be.acc.copy_rows(
+            _bank_pairs(self.be.slots, self.be.host, dst, src)
+        )
 
     def slots_for(self, layer: int) -> torch.Tensor:
         self._issue(layer)

@@ -124,7 +124,9 @@ class ModelConfig:
         return from_dict(raw, source=str(path))
 
 
-def _get(d: dict[str, Any], key: str, typ: type | tuple[type, ...], source: str, default: Any = ...) -> Any:
+def _get(
+    d: dict[str, Any], key: str, typ: type | tuple[type, ...], source: str, default: Any = ...
+) -> Any:
     if key not in d or d[key] is None:
         if default is ...:
             raise ConfigError(f"{source}: missing field '{key}'")
@@ -167,7 +169,9 @@ def _rope(text: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
     partial = merged.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind not in ("default", "yarn"):
-        raise ConfigError(f"{source}: field 'rope_parameters.rope_type' = {kind!r} is not supported")
+        raise ConfigError(
+            f"{source}: field 'rope_parameters.rope_type' = {kind!r} is not supported"
+        )
     rotary_dim = int(head_dim * float(partial))
     if rotary_dim % 2:
         raise ConfigError(f"{source}: field 'partial_rotary_factor' gives an odd rotary dim")
@@ -234,7 +238,9 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     family = ARCHITECTURES.get(arch)
     if family is None:
         known = ", ".join(sorted(ARCHITECTURES))
-        raise ConfigError(f"{source}: field 'architectures' = {arch!r} is not supported (known: {known})")
+        raise ConfigError(
+            f"{source}: field 'architectures' = {arch!r} is not supported (known: {known})"
+        )
     text = raw
     prefix = "model"
     if isinstance(raw.get("text_config"), dict):  # multimodal wrapper, served text-only
@@ -247,11 +253,15 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     num_experts = _first(text, ("num_experts", "num_local_experts"), source)
     top_k = _get(text, "num_experts_per_tok", int, source)
     if not 0 < top_k <= num_experts:
-        raise ConfigError(f"{source}: field 'num_experts_per_tok' = {top_k} must be in [1, {num_experts}]")
+        raise ConfigError(
+            f"{source}: field 'num_experts_per_tok' = {top_k} must be in [1, {num_experts}]"
+        )
     inter = _get(text, "intermediate_size", int, source, 0)
     moe_inter = _get(text, "moe_intermediate_size", int, source, inter)
     if moe_inter <= 0:
-        raise ConfigError(f"{source}: missing field 'moe_intermediate_size' (or 'intermediate_size')")
+        raise ConfigError(
+            f"{source}: missing field 'moe_intermediate_size' (or 'intermediate_size')"
+        )
     # Qwen3.5 renormalises the top-k weights unconditionally; Mixtral too; GPT-OSS takes the
     # softmax over the top-k logits, which is the same thing.
     norm_default = family in ("qwen3_5_moe", "qwen3_next", "mixtral", "gpt_oss")
@@ -279,14 +289,21 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         moe_intermediate_size=moe_inter,
         norm_topk_prob=norm_topk,
         intermediate_size=inter,
-        shared_expert_intermediate_size=_get(text, "shared_expert_intermediate_size", int, source, 0)
+        shared_expert_intermediate_size=_get(
+            text, "shared_expert_intermediate_size", int, source, 0
+        )
         if is_q35
         else 0,
         sliding_window=_get(text, "sliding_window", int, source, None),
         attention_bias=bool(text.get("attention_bias", is_gptoss)),
         attention_sinks=is_gptoss,
         attention_output_gate=is_q35,
-        qk_norm={"qwen3_moe": "head", "qwen3_5_moe": "head", "qwen3_next": "head", "olmoe": "full"}.get(family, "none"),
+        qk_norm={
+            "qwen3_moe": "head",
+            "qwen3_5_moe": "head",
+            "qwen3_next": "head",
+            "olmoe": "full",
+        }.get(family, "none"),
         norm_offset=is_q35,
         clip_qkv=_get(text, "clip_qkv", float, source, None),
         router_bias=is_gptoss,
@@ -294,14 +311,22 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         activation="gptoss" if is_gptoss else "silu",
         swiglu_alpha=float(text.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(text.get("swiglu_limit", 7.0)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        tie_word_embeddings=bool(
+            raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        ),
         linear_num_key_heads=_get(text, "linear_num_key_heads", int, source, 0),
         linear_num_value_heads=_get(text, "linear_num_value_heads", int, source, 0),
         linear_key_head_dim=_get(text, "linear_key_head_dim", int, source, 0),
         linear_value_head_dim=_get(text, "linear_value_head_dim", int, source, 0),
         linear_conv_kernel=_get(text, "linear_conv_kernel_dim", int, source, 0),
         eos_token_ids=_eos_ids(raw, text),
-        torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        torch_dtype=str(
+            text.get("torch_dtype")
+            or text.get("dtype")
+            or raw.get("torch_dtype")
+            or raw.get("dtype")
+            or "float32"
+        ),
         weight_prefix=prefix,
         raw=raw,
     )
@@ -313,12 +338,19 @@ def _validate(cfg: ModelConfig, source: str) -> None:
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f"{source}: field 'num_key_value_heads' must divide num_attention_heads")
     if cfg.has_linear_attention:
-        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel"):
+        for name in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel",
+        ):
             if getattr(cfg, name) <= 0:
                 raise ConfigError(f"{source}: linear attention needs field '{name}' > 0")
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
-            raise ConfigError(f"{source}: field 'linear_num_key_heads' must divide linear_num_value_heads")
+            raise ConfigError(
+                f"{source}: field 'linear_num_key_heads' must divide linear_num_value_heads"
+            )
     if "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
         raise ConfigError(f"{source}: sliding attention layers need field 'sliding_window'")
     if cfg.torch_dtype not in ("float32", "bfloat16", "float16"):

@@ -30,8 +30,12 @@ class CheckpointError(ValueError):
 
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
-_FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
-_PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+_FUSED = re.compile(
+    r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$"
+)
+_PER_EXPERT = re.compile(
+    r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
+)
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
 
 
@@ -67,7 +71,9 @@ class _Source:
         try:
             return self.f.read(self.info)
         except (SafetensorsFormatError, OSError) as e:
-            raise CheckpointError(f"{self.f.path}: tensor '{self.info.name}' cannot be read ({e})") from None
+            raise CheckpointError(
+                f"{self.f.path}: tensor '{self.info.name}' cannot be read ({e})"
+            ) from None
 
     def into(self, dest: torch.Tensor) -> None:
         if dest.is_contiguous() and dest.dtype == self.dtype:
@@ -75,7 +81,9 @@ class _Source:
                 self.f.read_into(self.info, dest)
                 return
             except (SafetensorsFormatError, OSError) as e:
-                raise CheckpointError(f"{self.f.path}: tensor '{self.info.name}' cannot be read ({e})") from None
+                raise CheckpointError(
+                    f"{self.f.path}: tensor '{self.info.name}' cannot be read ({e})"
+                ) from None
         dest.copy_(self.read())
 
 
@@ -105,7 +113,9 @@ def _tensors(path: Path) -> Iterator[tuple[str, _Source]]:
 class _Filler:
     """Knows every destination and what has been filled."""
 
-    def __init__(self, cfg: ModelConfig, spec: FamilySpec, model: CausalLM, banks: ExpertBanks) -> None:
+    def __init__(
+        self, cfg: ModelConfig, spec: FamilySpec, model: CausalLM, banks: ExpertBanks
+    ) -> None:
         self.cfg, self.spec, self.banks = cfg, spec, banks
         self.params = dict(model.named_parameters())
         self.filled: set[str] = set()
@@ -133,23 +143,33 @@ class _Filler:
             if re.search(pat, canon):
                 for out_name, t in convert(self.cfg, canon, src.read()):
                     if out_name not in self.params:
-                        raise CheckpointError(f"{path}: tensor '{name}' converts to unknown '{out_name}'")
+                        raise CheckpointError(
+                            f"{path}: tensor '{name}' converts to unknown '{out_name}'"
+                        )
                     self._dense(out_name, _Loaded(t), name, path)
                 return
         if m := _FUSED.match(canon):
             self._fused(int(m.group(1)), m.group(2), src, name, path)
         elif m := _PER_EXPERT.match(canon):
-            self._per_expert(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), src, name, path)
+            self._per_expert(
+                int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), src, name, path
+            )
         elif canon in self.params:
             self._dense(canon, src, name, path)
         else:
-            raise CheckpointError(f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)")
+            raise CheckpointError(
+                f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)"
+            )
 
     def _check(self, t: _Source | _Loaded, shape: tuple[int, ...], name: str, path: Path) -> None:
         if t.dtype not in _FLOAT:
-            raise CheckpointError(f"{path}: tensor '{name}' has dtype {t.dtype}; expected a float dtype")
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has dtype {t.dtype}; expected a float dtype"
+            )
         if tuple(t.shape) != shape:
-            raise CheckpointError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}; expected {shape}")
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has shape {tuple(t.shape)}; expected {shape}"
+            )
 
     def _dense(self, canon: str, src: _Source | _Loaded, name: str, path: Path) -> None:
         p = self.params[canon]
@@ -159,11 +179,18 @@ class _Filler:
 
     def _moe_base(self, layer: int, name: str, path: Path) -> int:
         if layer >= self.cfg.num_layers or self.cfg.moe_layer_index[layer] < 0:
-            raise CheckpointError(f"{path}: unexpected tensor '{name}' (layer {layer} has no experts)")
+            raise CheckpointError(
+                f"{path}: unexpected tensor '{name}' (layer {layer} has no experts)"
+            )
         return self.cfg.moe_layer_index[layer] * self.cfg.num_experts
 
     def _fused(self, layer: int, part: str, src: _Source, name: str, path: Path) -> None:
-        base, e, i, h = self._moe_base(layer, name, path), self.cfg.num_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        base, e, i, h = (
+            self._moe_base(layer, name, path),
+            self.cfg.num_experts,
+            self.cfg.moe_intermediate_size,
+            self.cfg.hidden_size,
+        )
         gptoss = self.spec.experts_transposed_interleaved
         if part == "gate_up_proj":
             self._check(src, (e, h, 2 * i) if gptoss else (e, 2 * i, h), name, path)
@@ -190,11 +217,19 @@ class _Filler:
 
     def _bias(self, bank: torch.Tensor | None, name: str, path: Path) -> torch.Tensor:
         if bank is None:
-            raise CheckpointError(f"{path}: unexpected tensor '{name}' (this model has no expert biases)")
+            raise CheckpointError(
+                f"{path}: unexpected tensor '{name}' (this model has no expert biases)"
+            )
         return bank
 
-    def _per_expert(self, layer: int, x: int, proj: str, kind: str, t: _Source, name: str, path: Path) -> None:
-        base, i, h = self._moe_base(layer, name, path), self.cfg.moe_intermediate_size, self.cfg.hidden_size
+    def _per_expert(
+        self, layer: int, x: int, proj: str, kind: str, t: _Source, name: str, path: Path
+    ) -> None:
+        base, i, h = (
+            self._moe_base(layer, name, path),
+            self.cfg.moe_intermediate_size,
+            self.cfg.hidden_size,
+        )
         if x >= self.cfg.num_experts or kind != "weight":
             raise CheckpointError(f"{path}: unexpected tensor '{name}'")
         fid = base + x
@@ -220,12 +255,20 @@ class _Filler:
                     (layer, "gate_proj", x),
                     (layer, "up_proj", x),
                 } <= self.expert_filled
-                parts = [("gate_up_proj", gu), ("down_proj", (layer, "down_proj", x) in self.expert_filled)]
+                parts = [
+                    ("gate_up_proj", gu),
+                    ("down_proj", (layer, "down_proj", x) in self.expert_filled),
+                ]
                 if self.cfg.expert_bias:
-                    parts += [(p, (layer, p, x) in self.expert_filled) for p in ("gate_up_proj_bias", "down_proj_bias")]
+                    parts += [
+                        (p, (layer, p, x) in self.expert_filled)
+                        for p in ("gate_up_proj_bias", "down_proj_bias")
+                    ]
                 for part, ok in parts:
                     if not ok:
-                        raise CheckpointError(f"missing tensor for layer {layer} expert {x} ({part})")
+                        raise CheckpointError(
+                            f"missing tensor for layer {layer} expert {x} ({part})"
+                        )
 
 
 def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
@@ -240,14 +283,18 @@ def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
     )
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalLM, ExpertBanks]:
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig | None = None
+) -> tuple[CausalLM, ExpertBanks]:
     model_dir = Path(model_dir)
     if (model_dir / "ftw.json").exists():  # pre-laid-out FTW folder (DESIGN §4)
         from ..checkpoint.ftw import load_ftw
 
         stored = ModelConfig.from_hf(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:
-            raise CheckpointError(f"{model_dir}: an FTW folder loads in its stored dtype ({stored})")
+            raise CheckpointError(
+                f"{model_dir}: an FTW folder loads in its stored dtype ({stored})"
+            )
 
         return load_ftw(model_dir, cfg)
     cfg = cfg or ModelConfig.from_hf(model_dir)

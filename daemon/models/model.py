@@ -14,7 +14,7 @@ from torch import nn
 from ..engine.batch import ForwardBatch
 from .config import ModelConfig
 from .layers.attention import Attention
-from .layers.common import DenseMLP, Linear, RMSNorm, dtype_of, param
+from .layers.common import DenseMLP, Linear, RMSNorm, Weight, dtype_of
 from .layers.deltanet import GatedDeltaNet
 from .layers.moe import SparseMoE
 from .layers.rope import Rope
@@ -35,10 +35,14 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(cfg, i, mixer_index, dtype)
         moe_index = cfg.moe_layer_index[i]
         self.mlp: nn.Module = (
-            SparseMoE(cfg, moe_index, dtype) if moe_index >= 0 else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            SparseMoE(cfg, moe_index, dtype)
+            if moe_index >= 0
+            else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         )
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.linear_attn is not None:
             h = h + self.linear_attn(x, batch)
@@ -57,8 +61,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         dtype = dtype_of(cfg.torch_dtype)
         self.dtype = dtype
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         counters = {"linear": 0, "attn": 0}
         layers = []
         for i, kind in enumerate(cfg.layer_types):

@@ -97,7 +97,9 @@ class SafetensorsFile:
             shape = tuple(int(s) for s in info["shape"])  # type: ignore[index]
             begin, end = (int(x) for x in info["data_offsets"])  # type: ignore[index]
         except (KeyError, TypeError, ValueError):
-            raise SafetensorsFormatError(f"tensor '{name}': malformed header entry {info!r}") from None
+            raise SafetensorsFormatError(
+                f"tensor '{name}': malformed header entry {info!r}"
+            ) from None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if end - begin != nbytes or begin < 0 or base + end > size:
             raise SafetensorsFormatError(
@@ -107,8 +109,12 @@ class SafetensorsFile:
 
     def read_into(self, info: TensorInfo, dest: torch.Tensor) -> None:
         """Reads the tensor's bytes into ``dest`` (contiguous, same dtype and element count)."""
-        assert dest.is_contiguous() and dest.dtype == info.dtype and dest.numel() == math.prod(info.shape)
-        view = memoryview(dest.view(torch.uint8).numpy()) if dest.numel() else memoryview(b"")
+        assert (
+            dest.is_contiguous()
+            and dest.dtype == info.dtype
+            and dest.numel() == math.prod(info.shape)
+        )
+        view = dest.view(torch.uint8).numpy().data if dest.numel() else memoryview(b"")
         done = 0
         while done < info.nbytes:
             got = os.preadv(self.fd, [view[done:]], info.offset + done)

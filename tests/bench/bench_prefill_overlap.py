@@ -27,9 +27,19 @@ def checkpoint(path: Path) -> Path:
     import transformers as tf
 
     cfg = tf.Qwen3MoeConfig(
-        vocab_size=4096, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, intermediate_size=2048,
-        max_position_embeddings=4096, initializer_range=0.05, norm_topk_prob=True,
+        vocab_size=4096,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        intermediate_size=2048,
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+        norm_topk_prob=True,
     )
     torch.manual_seed(0)
     model = tf.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
@@ -38,7 +48,9 @@ def checkpoint(path: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--accelerator", default="standin", choices=["standin", "cuda"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--model", type=Path, default=Path("/tmp/ft-bench-prefill-qwen3moe"))
@@ -46,7 +58,9 @@ def main() -> None:
     from freetokend import LLM
 
     d = checkpoint(args.model)
-    prompt = torch.randint(0, 4096, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(
+        0, 4096, (args.tokens,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     rows = []
     probe = LLM(d, max_model_len=args.tokens + 8, kv_tokens=args.tokens + 16)
     e = probe.config.num_experts
@@ -59,7 +73,13 @@ def main() -> None:
     ]
     ref = None
     for name, kw, overlap in cases:
-        llm = LLM(d, max_model_len=args.tokens + 8, kv_tokens=args.tokens + 16, accelerator=args.accelerator, **kw)
+        llm = LLM(
+            d,
+            max_model_len=args.tokens + 8,
+            kv_tokens=args.tokens + 16,
+            accelerator=args.accelerator,
+            **kw,
+        )
         if overlap is not None:
             llm.moe.prefill_overlap = overlap
         llm.generate(prompt[:64], max_tokens=1)  # warm-up

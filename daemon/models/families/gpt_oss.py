@@ -5,5 +5,9 @@ from .spec import FamilySpec
 
 SPEC = FamilySpec(
     experts_transposed_interleaved=True,
-    anchors=(("<|end|>", "end_of_turn"), ("<|call|>", "tool_call_end"), ("<|return|>", "end_of_turn")),
+    anchors=(
+        ("<|end|>", "end_of_turn"),
+        ("<|call|>", "tool_call_end"),
+        ("<|return|>", "end_of_turn"),
+    ),
 )

@@ -19,7 +19,10 @@ def _split_qkvz(cfg: ModelConfig, name: str, w: torch.Tensor) -> list[tuple[str,
     q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
     prefix = name.removesuffix("in_proj_qkvz.weight")
     qkv = torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v)])
-    return [(prefix + "in_proj_qkv.weight", qkv), (prefix + "in_proj_z.weight", z.reshape(-1, w.shape[-1]))]
+    return [
+        (prefix + "in_proj_qkv.weight", qkv),
+        (prefix + "in_proj_z.weight", z.reshape(-1, w.shape[-1])),
+    ]
 
 
 def _split_ba(cfg: ModelConfig, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -38,5 +41,8 @@ SPEC = FamilySpec(
     renames=((r"\.mlp\.gate\.weight$", ".mlp.router.weight"),),
     ignore=(r"^mtp\.",),
     anchors=CHATML_ANCHORS,
-    converters=((r"linear_attn\.in_proj_qkvz\.weight$", _split_qkvz), (r"linear_attn\.in_proj_ba\.weight$", _split_ba)),
+    converters=(
+        (r"linear_attn\.in_proj_qkvz\.weight$", _split_qkvz),
+        (r"linear_attn\.in_proj_ba\.weight$", _split_ba),
+    ),
 )

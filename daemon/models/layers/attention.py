@@ -82,7 +82,9 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.scale = d**-0.5
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _qkv(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         n = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
@@ -100,7 +102,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v, gate
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         q, k, v, gate = self._qkv(x)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         out = torch.empty_like(q)

@@ -15,6 +15,15 @@ def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+class Weight(nn.Module):
+    """A module holding one parameter named ``weight`` (keeps checkpoint names: ``conv1d.weight``,
+    ``embed_tokens.weight``)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = param(*shape, dtype=dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b); output fp32."""
 

@@ -16,7 +16,7 @@ from torch import nn
 from ...engine.batch import ForwardBatch
 from ...kv.seq_state import RecurrentState
 from ..config import ModelConfig
-from .common import Linear, param
+from .common import Linear, Weight, param
 
 _CHUNK = 64
 
@@ -60,8 +60,12 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = _CHUNK):  # type: i
     decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
     kb = k * beta.unsqueeze(-1)
     system = (kb @ k.transpose(-1, -2)) * decay  # diag ignored by unitriangular
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(
+        system, v * beta.unsqueeze(-1), upper=False, unitriangular=True
+    )
+    w = torch.linalg.solve_triangular(
+        system, kb * c.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
     attn = (q @ k.transpose(-1, -2)) * decay
     q_dec = q * c.exp().unsqueeze(-1)
     k_dec = k * (c[..., -1:] - c).exp().unsqueeze(-1)
@@ -89,12 +93,12 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(hid, self.value_dim, dtype)
         self.in_proj_b = Linear(hid, self.vh, dtype)
         self.in_proj_a = Linear(hid, self.vh, dtype)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = param(self.conv_dim, 1, self.kernel, dtype=dtype)
+        self.conv1d = Weight(self.conv_dim, 1, self.kernel, dtype=dtype)
         self.dt_bias = param(self.vh, dtype=dtype)
         self.A_log = param(self.vh, dtype=dtype)
-        self.norm = nn.Module()  # gated RMSNorm over each value head (plain w, not 1 + w)
-        self.norm.weight = param(self.dv, dtype=dtype)
+        self.norm = Weight(
+            self.dv, dtype=dtype
+        )  # gated RMSNorm per value head (plain w, not 1 + w)
         self.eps = cfg.rms_norm_eps
         self.out_proj = Linear(self.value_dim, hid, dtype)
 
@@ -104,7 +108,10 @@ class GatedDeltaNet(nn.Module):
         conv_dim = 2 * kd + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         conv = torch.zeros(num_linear_layers, conv_dim, cfg.linear_conv_kernel - 1)
         ssm = torch.zeros(
-            num_linear_layers, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            num_linear_layers,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
         )
         return RecurrentState(conv, ssm)
 
@@ -116,7 +123,9 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight.float()
         return F.silu(F.conv1d(xc.unsqueeze(0), w, groups=self.conv_dim)[0]).t()  # [n, C]
 
-    def _mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, st: RecurrentState) -> torch.Tensor:
+    def _mix(
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, st: RecurrentState
+    ) -> torch.Tensor:
         n = qkv.shape[0]
         mixed = self._conv(qkv, st)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)

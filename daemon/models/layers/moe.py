@@ -10,7 +10,9 @@ from ..config import ModelConfig
 from .common import DenseMLP, Linear
 
 
-def route(logits: torch.Tensor, top_k: int, softmax_first: bool, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, softmax_first: bool, renorm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (expert ids [T, K], weights [T, K] fp32).
 
     softmax_first: softmax over all experts, take the top k, optionally renormalise (Qwen, Mixtral,
@@ -37,7 +39,9 @@ class SparseMoE(nn.Module):
         self.router = Linear(cfg.hidden_size, cfg.num_experts, dtype, bias=cfg.router_bias)
         self.shared_expert: DenseMLP | None = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype)
+            self.shared_expert = DenseMLP(
+                cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype
+            )
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -19,7 +19,11 @@ def inv_frequencies(rope: RopeConfig) -> torch.Tensor:
     extra, inter = 1.0 / base, 1.0 / (rope.factor * base)
 
     def corr(rot: float) -> float:
-        return dim * math.log(rope.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (
+            dim
+            * math.log(rope.original_max_position / (rot * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low, high = corr(rope.beta_fast), corr(rope.beta_slow)
     if rope.truncate:
