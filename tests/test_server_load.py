@@ -10,13 +10,13 @@ import time
 
 import openai
 import pytest
-from server_support.daemon import start_daemon
+from server_support.daemon import CLIENT_TIMEOUT, start_daemon
 from server_support.fixtures import daemon  # noqa: F401
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-def wait_idle(d, timeout: float = 60.0) -> dict[str, float]:
+def wait_idle(d, timeout: float = 120.0) -> dict[str, float]:
     """/metrics once no request is in flight and no KV page is in use."""
     deadline = time.monotonic() + timeout
     while True:
@@ -34,7 +34,9 @@ def test_sixteen_streams_with_a_third_disconnecting(daemon):
     barrier = threading.Barrier(n)
 
     def client(i: int) -> None:
-        c = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        c = openai.OpenAI(
+            base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=CLIENT_TIMEOUT
+        )
         barrier.wait()
         try:
             stream = c.chat.completions.create(
@@ -61,7 +63,7 @@ def test_sixteen_streams_with_a_third_disconnecting(daemon):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(CLIENT_TIMEOUT)
     for i in range(n):
         if i in quitters:
             assert results[i] == "left"
@@ -103,7 +105,9 @@ def test_admission_limit_then_sigterm_drain():
     completes, the process exits 0."""
     d = start_daemon("--max-batch", "1", "--max-queue", "1", "--drain-timeout", "120")
     try:
-        c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=150)
+        c = openai.OpenAI(
+            base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=CLIENT_TIMEOUT
+        )
         long = dict(
             model=d.model,
             messages=HELLO,

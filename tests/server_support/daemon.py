@@ -24,6 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "builtin-qwen35moe-tiny"
+# Per-request client timeout: generous, because a 2-core machine shared with other jobs can
+# run the tiny model 10x slower than when idle; a hung daemon still fails the test.
+CLIENT_TIMEOUT = 300.0
 _LISTEN = re.compile(r"serving (\S+) on (http://\S+)")
 
 
@@ -66,7 +69,11 @@ class Daemon:
             return e.code, e.read()
 
     def post(
-        self, path: str, body: bytes | dict, headers: dict | None = None, timeout: float = 60
+        self,
+        path: str,
+        body: bytes | dict,
+        headers: dict | None = None,
+        timeout: float = CLIENT_TIMEOUT,
     ) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(

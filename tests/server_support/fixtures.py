@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .daemon import Daemon, shared_daemon
+from .daemon import CLIENT_TIMEOUT, Daemon, shared_daemon
 
 
 @pytest.fixture(scope="session")
@@ -21,11 +21,15 @@ def daemon() -> Iterator[Daemon]:
 def openai_client(daemon: Daemon):  # type: ignore[no-untyped-def]
     import openai
 
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT
+    )
 
 
 @pytest.fixture()
 def anthropic_client(daemon: Daemon):  # type: ignore[no-untyped-def]
     import anthropic
 
-    return anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60)
+    return anthropic.Anthropic(
+        base_url=daemon.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT
+    )
