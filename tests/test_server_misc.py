@@ -44,3 +44,39 @@ def test_metrics_exposition(daemon):
     assert m["freetoken_time_to_first_token_seconds_count"] >= 1
     assert m["freetoken_kv_pages_total"] > 0
     assert 'freetoken_requests_total{api="chat",status="200"}' in text
+
+
+def test_cached_prompt_tokens_are_reported(daemon):
+    """The engine's prefix cache shows in each API's usage; Claude Code's per-prompt billing
+    line is dropped from the system prompt, so it does not defeat the cache."""
+    system = "You are a careful assistant. " * 12
+    chat = {
+        "model": daemon.model,
+        "max_tokens": 1,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+    }
+    daemon.post("/v1/chat/completions", chat)
+    _, body = daemon.post("/v1/chat/completions", chat)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+
+    def anthropic(billing: str) -> dict:
+        blocks = [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version={billing};"},
+            {"type": "text", "text": system + "(claude)", "cache_control": {"type": "ephemeral"}},
+        ]
+        _, out = daemon.post(
+            "/v1/messages?beta=true",
+            {
+                "model": daemon.model,
+                "max_tokens": 1,
+                "system": blocks,
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        )
+        return out["usage"]
+
+    first = anthropic("1.0.1.abc")
+    second = anthropic("1.0.1.def")  # another prompt's billing suffix
+    assert second["cache_read_input_tokens"] > 100
+    total = second["input_tokens"] + second["cache_read_input_tokens"]
+    assert total == first["input_tokens"] + first["cache_read_input_tokens"]
