@@ -29,7 +29,7 @@ def _is_x86() -> bool:
 
 
 def extensions() -> list[Extension]:
-    """The extension modules of the project (only `ftnative`)."""
+    """The extension modules of the project: `ftnative` and `ftdense` (native/dense_build.py)."""
     from pybind11.setup_helpers import Pybind11Extension
 
     names = ["bindings.cpp", *_COMMON, *(_X86 if _is_x86() else [])]
@@ -45,4 +45,6 @@ def extensions() -> list[Extension]:
         extra_link_args=["-pthread"],
         define_macros=[] if _is_x86() else [("FTNATIVE_NO_X86", "1")],
     )
-    return [ext]
+    from native.dense_build import dense_extension  # type: ignore[import-not-found]
+
+    return [ext, dense_extension()]

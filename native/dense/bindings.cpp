@@ -1,0 +1,63 @@
+// Python module `ftdense`: dense projections on the CPU (see dense_linear.h). Tensors cross as raw
+// addresses plus shapes; freetokend.models.layers.dense_native checks them first.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dense_linear.h"
+#include "pool.h"
+
+namespace py = pybind11;
+
+namespace {
+
+struct State {
+  std::unique_ptr<ftdense::Pool> pool;
+  std::string isa = "auto";
+  const ftnative::KernelSet* bf16 = nullptr;
+  const ftnative::KernelSet* f32 = nullptr;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+void configure(int threads, int spin_us, const std::string& isa) {
+  if (threads < 1) throw py::value_error("threads must be >= 1");
+  State& s = state();
+  const auto* bf16 = &ftdense::kernel_set(isa, true);  // throws before anything changes
+  const auto* f32 = &ftdense::kernel_set(isa, false);
+  s.pool.reset();
+  s.pool = std::make_unique<ftdense::Pool>(threads, spin_us);
+  s.bf16 = bf16;
+  s.f32 = f32;
+  s.isa = bf16->isa;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(ftdense, m) {
+  m.doc() = "freetoken dense CPU projections y = x W^T (bf16/fp32 weights, fp32 in and out)";
+  m.def("configure", &configure, py::arg("threads"), py::arg("spin_us") = 50,
+        py::arg("isa") = "auto", "(Re)creates the thread pool (the caller counts as one thread).");
+  m.def("configured", [] { return static_cast<bool>(state().pool); });
+  m.def("isa", [] { return state().isa; });
+  m.def("threads", [] { return state().pool ? state().pool->threads() : 0; });
+  m.def(
+      "linear",
+      [](uintptr_t x, int T, int K, uintptr_t w, bool bf16, int N, uintptr_t y, bool round_input) {
+        State& s = state();
+        if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
+        ftdense::LinearArgs a{reinterpret_cast<const float*>(x), T, K,
+                              reinterpret_cast<const void*>(w), bf16, N,
+                              reinterpret_cast<float*>(y), round_input};
+        py::gil_scoped_release release;
+        ftdense::linear(*s.pool, bf16 ? *s.bf16 : *s.f32, a);
+      },
+      py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("bf16"), py::arg("N"),
+      py::arg("y"), py::arg("round_input"),
+      "x [T,K] fp32, w [N,K] bf16|fp32, y [T,N] fp32 addresses.");
+}

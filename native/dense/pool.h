@@ -1,0 +1,57 @@
+// A small persistent thread pool in which the CALLING thread takes part in every job.
+//
+// Dense projections run between torch ops on the Python thread; that thread is already awake,
+// so it does a share of the work itself and only `threads - 1` workers are woken. Work is handed
+// out by an atomic task counter, so a worker that wakes late (or was descheduled on a shared
+// machine) just finds less left to do and nobody waits for it. After a job, workers spin for
+// `spin_us` before sleeping: back-to-back projections then start without a futex wake-up.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ftdense {
+
+class Pool {
+ public:
+  // Runs task(ctx, i) for every i in [0, tasks); any participant may run any task.
+  using TaskFn = void (*)(void* ctx, int64_t task);
+
+  Pool(int threads, int spin_us);
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Blocks until every task ran. Not re-entrant: callers serialise (the Python GIL does).
+  void run(TaskFn fn, void* ctx, int64_t tasks);
+
+ private:
+  void worker_main();
+  void drain();
+
+  std::vector<std::thread> workers_;
+  const int spin_us_;
+  const long owner_pid_;
+
+  // The current job; written before open_ is set, read by workers only while open_.
+  TaskFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  int64_t tasks_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<bool> open_{false};
+  std::atomic<int> active_{0};  // workers inside drain()
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+
+  std::mutex mu_;
+  std::condition_variable wake_cv_;
+};
+
+}  // namespace ftdense

@@ -1,0 +1,36 @@
+"""Build description of the `ftdense` extension (dense CPU projections, native/dense/).
+
+It reuses the expert executor's SIMD kernels and CPU-feature detection (native/src/kernels*.cpp,
+cpu_features.cpp; contract in kernels.h) rather than carrying a second copy: one set of kernels
+to tune. Like `ftnative`, no -march flag: the ISA is picked at run time from cpuid.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+from setuptools import Extension
+
+_NATIVE = Path(__file__).resolve().parent
+_KERNELS = ["cpu_features.cpp", "kernels_scalar.cpp", "kernels_emu512.cpp"]
+_X86 = ["kernels_avx2.cpp", "kernels_avx512.cpp"]
+
+
+def dense_extension() -> Extension:
+    """The `ftdense` extension module."""
+    from pybind11.setup_helpers import Pybind11Extension
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    root = _NATIVE.parent
+    own = [_NATIVE / "dense" / n for n in ("bindings.cpp", "pool.cpp", "dense_linear.cpp")]
+    shared = [_NATIVE / "src" / n for n in (*_KERNELS, *(_X86 if x86 else []))]
+    return Pybind11Extension(
+        "ftdense",
+        [str(p.relative_to(root)) for p in (*own, *shared)],  # setuptools wants relative paths
+        include_dirs=[str((_NATIVE / d).relative_to(root)) for d in ("dense", "src")],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-Wall", "-Wextra", "-fvisibility=hidden"],
+        extra_link_args=["-pthread"],
+        define_macros=[] if x86 else [("FTNATIVE_NO_X86", "1")],
+    )

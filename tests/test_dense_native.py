@@ -1,0 +1,138 @@
+"""The native dense projection (`ftdense`) against its plain-torch reference, and Linear's dispatch.
+
+Tolerance: both sides compute in fp32 on the same bf16-rounded inputs, in a different summation
+order; with weights scaled so outputs are of order 1 and at most a few thousand terms per dot
+product, differences are ~1e-6, so rtol = atol = 1e-4 (a wrong row, token, lane or tail shifts
+results by >= 1e-2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freetokend.models.layers import dense_native
+from freetokend.models.layers.common import Linear
+
+pytestmark = pytest.mark.skipif(
+    not dense_native.available(), reason="ftdense extension not built (pip install -e .)"
+)
+
+RTOL = ATOL = 1e-4
+# emu512 runs the AVX-512 kernel bodies on emulated vectors (any CPU): covers their geometry.
+ISAS = ["avx512", "avx2", "scalar", "emu512"]
+# T < 8 takes the gemv kernel (tokens in pairs, then a lone one); T >= 8 the 16-token tiles.
+TOKENS = [1, 2, 3, 7, 8, 17, 40]
+
+
+@pytest.fixture(autouse=True)
+def _restore_pool() -> Iterator[None]:
+    yield
+    dense_native.configure(2)
+
+
+def _need(isa: str) -> None:
+    import ftdense  # type: ignore[import-not-found]
+
+    if isa != "emu512":
+        try:
+            dense_native.configure(2, isa=isa)
+        except ValueError:
+            pytest.skip(f"this CPU lacks {isa}")
+    else:
+        dense_native.configure(2, isa=isa)
+    assert ftdense.isa() == isa
+
+
+def _case(t: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", TOKENS)
+def test_matches_reference(isa: str, t: int) -> None:
+    _need(isa)
+    # 300 rows: several gemv tasks (256 rows) and tile tasks (64 rows) plus partial ones;
+    # K = 100 leaves a tail after the 16/32-wide gemv steps, K = 33 an odd input in the tiles.
+    for n, k in [(300, 100), (5, 2048), (1, 33)]:
+        x, w = _case(t, n, k)
+        y = dense_native.linear(x, w)
+        assert y.dtype == torch.float32 and y.shape == (t, n)
+        torch.testing.assert_close(y, dense_native.linear_reference(x, w), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_agree(threads: int) -> None:
+    dense_native.configure(threads)
+    x, w = _case(9, 1000, 256, seed=3)
+    ref = dense_native.linear_reference(x, w)
+    for rows in (1, 9):  # gemv and tile paths
+        torch.testing.assert_close(
+            dense_native.linear(x[:rows], w), ref[:rows], rtol=RTOL, atol=ATOL
+        )
+
+
+def test_input_is_rounded_to_bf16_like_torch() -> None:
+    """x.to(bf16) happens before the product, as in F.linear(x.bfloat16(), w)."""
+    x = torch.full((1, 64), 1.0 + 2.0**-10)  # rounds to 1.0 in bf16
+    w = torch.ones(1, 64, dtype=torch.bfloat16)
+    assert dense_native.linear(x, w).item() == 64.0
+
+
+def test_bias_and_bf16_input() -> None:
+    x, w = _case(3, 70, 64, seed=5)
+    b = torch.randn(70).to(torch.bfloat16)
+    y = dense_native.linear(x.to(torch.bfloat16), w, b)
+    torch.testing.assert_close(y, dense_native.linear_reference(x, w, b), rtol=RTOL, atol=ATOL)
+
+
+def test_shape_mismatch_raises() -> None:
+    x, w = _case(1, 4, 32)
+    with pytest.raises(ValueError):
+        dense_native.linear(x[:, :16], w)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    t=st.integers(1, 20),
+    n=st.integers(1, 70),
+    k=st.integers(1, 200),
+    seed=st.integers(0, 1000),
+)
+def test_random_shapes(t: int, n: int, k: int, seed: int) -> None:
+    x, w = _case(t, n, k, seed)
+    torch.testing.assert_close(
+        dense_native.linear(x, w), dense_native.linear_reference(x, w), rtol=RTOL, atol=ATOL
+    )
+
+
+@pytest.mark.parametrize("t", [1, 12])
+def test_linear_module_dispatch(t: int) -> None:
+    """Linear with a bf16 weight takes the native path; its result matches torch's bf16 linear up
+    to torch's bf16 output rounding (2^-8 relative)."""
+    lin = Linear(96, 48, torch.bfloat16, bias=True)
+    x, w = _case(t, 48, 96, seed=7)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(torch.linspace(-1, 1, 48))  # type: ignore[union-attr]
+    assert dense_native.usable(x, lin.weight)
+    y = lin(x)
+    torch_path = F.linear(x.to(torch.bfloat16), w, lin.bias).float()
+    torch.testing.assert_close(y, torch_path, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(
+        y, dense_native.linear_reference(x, w, lin.bias), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_fp32_weights_stay_on_torch() -> None:
+    x = torch.randn(2, 16)
+    assert not dense_native.usable(x, torch.randn(4, 16))
+    assert not dense_native.usable(x.unsqueeze(0), torch.randn(4, 16).bfloat16())
