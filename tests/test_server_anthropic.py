@@ -15,7 +15,7 @@ WEATHER = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "type": "object",
         "properties": {
-            "city": {"type": "string", "maxLength": 12},
+            "city": {"type": "string", "maxLength": 6},
             "days": {"type": "integer", "minimum": 1, "maximum": 7},
         },
         "required": ["city", "days"],
@@ -104,7 +104,7 @@ def test_forced_tool_use_round_trip(anthropic_client, daemon):
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     assert set(use.input) == {"city", "days"} and 1 <= use.input["days"] <= 7
-    assert isinstance(use.input["city"], str) and len(use.input["city"]) <= 12
+    assert isinstance(use.input["city"], str) and len(use.input["city"]) <= 6
     follow = anthropic_client.messages.create(
         model=daemon.model,
         max_tokens=5,

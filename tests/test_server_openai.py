@@ -19,7 +19,7 @@ WEATHER = {
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string", "maxLength": 12},
+                "city": {"type": "string", "maxLength": 6},
                 "days": {"type": "integer", "minimum": 1, "maximum": 7},
                 "unit": {"type": "string", "enum": ["C", "F"]},
             },
@@ -33,7 +33,7 @@ TIME = {
         "name": "get_time",
         "parameters": {
             "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 8}},
+            "properties": {"zone": {"type": "string", "maxLength": 5}},
             "required": ["zone"],
         },
     },
@@ -45,7 +45,7 @@ def check_weather_args(arguments: str) -> dict:
     """Arguments valid under WEATHER's schema."""
     args = json.loads(arguments)
     assert set(args) == {"city", "days", "unit"}
-    assert isinstance(args["city"], str) and len(args["city"]) <= 12
+    assert isinstance(args["city"], str) and len(args["city"]) <= 6
     assert isinstance(args["days"], int) and 1 <= args["days"] <= 7
     assert args["unit"] in ("C", "F")
     return args

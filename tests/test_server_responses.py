@@ -18,8 +18,8 @@ SHELL = {
         "properties": {
             "command": {
                 "type": "array",
-                "items": {"type": "string", "maxLength": 10},
-                "maxItems": 3,
+                "items": {"type": "string", "maxLength": 5},
+                "maxItems": 2,
             }
         },
         "required": ["command"],
