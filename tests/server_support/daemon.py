@@ -9,6 +9,7 @@ the process start their own.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import re
@@ -31,8 +32,10 @@ _LISTEN = re.compile(r"serving (\S+) on (http://\S+)")
 
 
 def _pythonpath() -> str:
-    """freetokend importable without installing: the same symlink farm the house rules use."""
-    farm = Path(tempfile.gettempdir()) / "ftpath"
+    """freetokend importable from THIS checkout without installing: a symlink farm (import
+    name -> folder) private to this checkout, first on the daemon's PYTHONPATH."""
+    tag = hashlib.sha1(str(REPO).encode()).hexdigest()[:10]
+    farm = Path(tempfile.gettempdir()) / f"ftpath-{tag}"
     farm.mkdir(exist_ok=True)
     for name, folder in (("freetokend", "daemon"), ("ftctl", "ctl"), ("ftkernels", "kernels")):
         link = farm / name
