@@ -36,9 +36,12 @@ class Constraint(Protocol):
     def is_terminated(self) -> bool: ...
 
 
+NO_TOKEN = -1  # StepOutput.token_id of a finish notice that carries no token
+
+
 class StepOutput(msgspec.Struct):
     request_id: str
-    token_id: int
+    token_id: int  # the sampled token, or NO_TOKEN
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
     finished: bool
@@ -246,8 +249,8 @@ class EngineCore:
     def _finish_now(self, req: _Request, reason: str) -> StepOutput:
         self._running.remove(req)
         self._free(req)
-        last = req.output[-1] if req.output else (req.prompt[-1] if req.prompt else 0)
-        return StepOutput(req.rid, last, None, None, True, reason, len(req.prompt), req.cached)
+        # NO_TOKEN: the request ends without a new token (its KV no longer fits).
+        return StepOutput(req.rid, NO_TOKEN, None, None, True, reason, len(req.prompt), req.cached)
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
         for i, req in enumerate(reqs):

@@ -16,14 +16,14 @@ from ..experts.banks import Activation, ActivationSpec
 from ..models.config import ModelConfig
 from ..models.loader import load_model
 from ..models.registry import family_spec
-from .core import EngineCore
+from .core import NO_TOKEN, EngineCore
 from .prefix import PrefixReuse, SnapshotPolicy
 from .runner import ModelRunner
 from .sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_MAX_LEN = 32768
+_DEFAULT_KV_TOKENS = 131072
 
 
 class LLM:
@@ -31,8 +31,8 @@ class LLM:
 
     model_dir    HF checkpoint folder (config.json, safetensors, tokenizer files)
     moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1)
-    max_model_len  context limit (default: the model's, capped at 32768)
-    kv_tokens    KV pool size in tokens over all sequences (default: 4 x max_model_len, <= 131072)
+    max_model_len  context limit (default: the model's, at most kv_tokens)
+    kv_tokens    KV pool size in tokens over all sequences (default 131072)
     moe_slots    expert slots on the accelerator (offload / hybrid; default half of all experts)
     accelerator  auto | standin (CPU stand-in, for tests) | cuda
     bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
@@ -91,10 +91,12 @@ class LLM:
         )
         if record_routing is not None:
             self.moe = RoutingRecorder(self.moe, record_routing)
+        # Default context: the model's, bounded by the KV pool (default 131072 tokens; pages are
+        # committed only when written). Agents ask for max_tokens 32000 on top of long prompts.
+        kv = kv_tokens or _DEFAULT_KV_TOKENS
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if max_model_len is None:
-            self.max_model_len = min(self.max_model_len, _DEFAULT_MAX_LEN)
-        kv = kv_tokens or min(4 * self.max_model_len, 131072)
+            self.max_model_len = min(self.max_model_len, kv)
         self.runner = ModelRunner(self.model, self.moe, kv, page_size)
         self._tokenizer: Any = None
         self._chat_template: Any = None
@@ -169,7 +171,8 @@ class LLM:
             self.engine.add_request(rid, list(p), params)
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                results[out.request_id].append(out.token_id)
+                if out.token_id != NO_TOKEN:
+                    results[out.request_id].append(out.token_id)
         return [results[r] for r in rids]
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **sampling: Any) -> str:

@@ -118,8 +118,9 @@ class Generation:
             self._metrics.record_ttft(self.ttft)
         self.usage.prompt_tokens = out.num_prompt_tokens
         self.usage.cached_tokens = out.num_cached_tokens
-        self.usage.completion_tokens += 1
-        is_stop_token = (
+        no_token = out.token_id < 0  # a finish notice without a new token (engine NO_TOKEN)
+        self.usage.completion_tokens += 0 if no_token else 1
+        is_stop_token = no_token or (
             out.finished and out.finish_reason == "stop" and out.token_id in self._stop_ids
         )
         delta = "" if is_stop_token else self._detok.push(out.token_id)
