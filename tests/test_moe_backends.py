@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import make_tiny
+from tiny_models import FAMILIES, make_tiny
 
 from freetokend import LLM
 from freetokend.experts.device_backends import OffloadBackend
@@ -106,3 +106,24 @@ def test_bandwidth_profile_and_routing_record(model_dir, reference, tmp_path):
         for r in decode
         for row in r["ids"]
     )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_fused_and_hybrid_match_cpu(family, tmp_path):
+    """All six families through the accelerator backends (a light version of the sweep above)."""
+    make_tiny(family, tmp_path, seed=11)
+    prompts = _prompts()[:2]
+
+    def run(**kw):
+        llm = LLM(tmp_path, max_model_len=128, kv_tokens=512, accelerator=ACCEL, **kw)
+        return llm.generate(prompts, max_tokens=6, ignore_eos=True), llm
+
+    ref, _ = run(moe_backend="cpu")
+    assert run(moe_backend="fused")[0] == ref
+    out, llm = run(moe_backend="hybrid", moe_slots=llm_half(tmp_path), bandwidth=(1.0, 2.0))
+    assert out == ref
+    assert llm.moe.counters["cpu_routes"] > 0 and llm.moe.counters["gpu_routes"] > 0
+
+
+def llm_half(model_dir) -> int:
+    return max(1, LLM(model_dir, max_model_len=64, kv_tokens=64).banks.num_flat // 2)
