@@ -72,7 +72,8 @@ class _Request:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     state: SeqState | None = None
-    cached: int = 0  # prompt tokens restored from the prefix cache at admission
+    cached: int = 0  # prompt tokens restored from the prefix cache at the first admission
+    admitted: bool = False  # re-admitted after a preemption: its own pages do not count as cached
 
     @property
     def tokens(self) -> list[int]:
@@ -181,12 +182,11 @@ class EngineCore:
             req = self._waiting.popleft()
             req.state = self.runner.new_state()
             if self.prefix is not None:
-                try:
-                    req.cached = self.prefix.restore(req.tokens, req.state)
-                except KVPoolFull:
-                    req.cached = 0
-                if not req.output:
-                    self._cached_total += req.cached
+                cached = self.prefix.restore(req.tokens, req.state)
+                if not req.admitted:
+                    req.cached = cached
+                    self._cached_total += cached
+            req.admitted = True
             self._running.append(req)
 
     def _plan(self) -> list[tuple[_Request, list[int], bool]]:
@@ -242,7 +242,7 @@ class EngineCore:
         logits = self.runner.forward([Work(r.state, t, w) for r, t, w in plan])  # type: ignore[arg-type]
         if self.prefix is not None:
             for r, _, _ in plan:
-                self.prefix.after_forward(r.tokens, r.state)  # type: ignore[arg-type]
+                self.prefix.after_forward(r.tokens, r.state, len(r.prompt))  # type: ignore[arg-type]
         sampled = [r for r, _, w in plan if w]
         return self._sample(sampled, logits)
 

@@ -61,7 +61,7 @@ class LLM:
         dtype: str | None = None,
         prefix_cache: bool = True,
         snapshot_policy: str = "anchors",
-        snapshot_budget_mb: int = 256,
+        snapshot_budget_mb: float = 256,
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
@@ -103,7 +103,7 @@ class LLM:
         prefix = None
         if prefix_cache:
             policy = SnapshotPolicy.parse(snapshot_policy, self._anchor_ids() if snapshot_policy == "anchors" else {})
-            prefix = PrefixReuse(self.runner.kv, self.model.num_linear_layers > 0, policy, snapshot_budget_mb << 20)
+            prefix = PrefixReuse(self.runner.kv, self.model.num_linear_layers > 0, policy, int(snapshot_budget_mb * 2**20))
         self.engine = EngineCore(
             self.runner, self._eos_ids(), self.max_model_len, max_batch, max_step_tokens, prefix=prefix
         )
@@ -184,7 +184,3 @@ class LLM:
         if out and out[-1] in self.engine.eos and not params.ignore_eos:
             out = out[:-1]
         return self.tokenizer.decode(out, skip_special_tokens=True)
-
-
-
-

@@ -66,26 +66,40 @@ class PrefixReuse:
 
     # ---- admission ----------------------------------------------------------------------------
     def restore(self, tokens: list[int], state: SeqState) -> int:
-        pages = self.radix.match(tokens)
-        limit = min(len(pages) * self.pool.page_size, len(tokens) - 1)  # feed >= 1 token
-        pos, snap = self._resume_point(tokens, limit)
+        """Fills the fresh ``state`` with the deepest reusable prefix of ``tokens``; returns its
+        length (0: nothing reused, ``state`` untouched). At least one token is left to feed."""
+        pages, matched = self.radix.match_prefix(tokens)
+        pos, snap = self._resume_point(tokens, min(matched, len(tokens) - 1))
         if pos <= 0:
             return 0
+        full, rest = divmod(pos, self.pool.page_size)
+        held = pages[: full + (1 if rest else 0)]
+        # Hold the pages first: making room for the copy-on-write page may evict tree leaves.
+        self.pool.retain(held)
+        if rest:  # copy-on-write of the partial page: the request will write after `pos`
+            fresh = self._alloc_page()
+            if fresh is None:
+                self.pool.free(held)
+                return 0
+            self.pool.copy_page(pages[full], fresh, rest)
+            self.pool.free([pages[full]])
+            state.pages = pages[:full] + [fresh]
+        else:
+            state.pages = list(held)
         if snap is not None:
             assert state.recurrent is not None and self.snapshots is not None
             state.recurrent.conv.copy_(snap.state.conv)
             state.recurrent.ssm.copy_(snap.state.ssm)
             self.snapshots.restored += 1
-        ps = self.pool.page_size
-        full, rest = divmod(pos, ps)
-        self.pool.retain(pages[:full])
-        state.pages = pages[:full]
-        if rest:  # copy-on-write of the partial page: the request will write after `pos`
-            (fresh,) = self.pool.alloc(1)
-            self.pool.copy_page(pages[full], fresh, rest)
-            state.pages.append(fresh)
         state.num_tokens = pos
         return pos
+
+    def _alloc_page(self) -> int | None:
+        if self.pool.num_free == 0:
+            self.radix.evict(1)
+        if self.pool.num_free == 0:
+            return None
+        return self.pool.alloc(1)[0]
 
     def _resume_point(self, tokens: list[int], limit: int) -> tuple[int, Snapshot | None]:
         if not self.hybrid:
@@ -105,12 +119,18 @@ class PrefixReuse:
                 return pos
         return end
 
-    def after_forward(self, tokens: list[int], state: SeqState) -> None:
+    def after_forward(self, tokens: list[int], state: SeqState, prompt_len: int = 0) -> None:
+        """Snapshots the recurrent state if it now sits on a snapshot point. With anchors, the end
+        of the prompt is one too: an agent's next request extends this prompt (the generation
+        prompt ``<|im_start|>assistant\n`` is always kept), so that is where it resumes."""
         if self.snapshots is None or state.recurrent is None:
             return
-        kind = self.policy.kind_at(tokens, state.num_tokens)
+        pos = state.num_tokens
+        kind = self.policy.kind_at(tokens, pos)
+        if kind is None and pos == prompt_len and self.policy.anchor_ids:
+            kind = "prompt_end"
         if kind is not None:
-            self.snapshots.put(tokens, state.num_tokens, state.recurrent, kind)
+            self.snapshots.put(tokens, pos, state.recurrent, kind)
 
     def release(self, tokens: list[int], state: SeqState) -> None:
         self.radix.insert(tokens[: state.num_tokens], state.pages)

@@ -32,6 +32,7 @@ class RadixCache:
         self.root = _Node((), -1, None)
         self._clock = itertools.count(1)
         self.num_nodes = 0
+        self.evicted = 0  # pages freed by eviction, ever (a metric)
 
     def _pages_of(self, tokens: list[int], n_pages: int) -> list[tuple[int, ...]]:
         return [tuple(tokens[i * self.ps : (i + 1) * self.ps]) for i in range(n_pages)]
@@ -47,6 +48,34 @@ class RadixCache:
             pages.append(child.page)
             node = child
         return pages
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
+        """Pages and exact length of the longest cached prefix of ``tokens``, NOT retained.
+
+        The full pages come first; where the prompt leaves the tree inside a page, the child page
+        sharing the most leading tokens is appended too (only its first rows hold the prompt's
+        KV). Without that page, a resume point inside it (an anchor a few tokens before an edit)
+        would fall back to the previous snapshot, possibly a whole turn earlier.
+        """
+        node, pages, now = self.root, [], next(self._clock)
+        ps = self.ps
+        for i in range(-(-len(tokens) // ps)):
+            want = tuple(tokens[i * ps : (i + 1) * ps])
+            child = node.children.get(want) if len(want) == ps else None
+            if child is None:
+                best, rows = None, 0
+                for key, cand in node.children.items():
+                    n = _common(key, want)
+                    if n > rows:
+                        best, rows = cand, n
+                if best is not None:
+                    best.last_access = now
+                    pages.append(best.page)
+                return pages, i * ps + rows
+            child.last_access = now
+            pages.append(child.page)
+            node = child
+        return pages, len(pages) * ps
 
     def insert(self, tokens: list[int], pages: list[int]) -> None:
         """Adds the full pages of a sequence (``pages[i]`` holds tokens of page i). Pages the tree
@@ -79,6 +108,7 @@ class RadixCache:
                 del leaf.parent.children[leaf.key]
                 self.pool.free([leaf.page])
                 self.num_nodes -= 1
+                self.evicted += 1
                 freed += 1
         return freed
 
@@ -95,3 +125,13 @@ class RadixCache:
 
     def clear(self) -> None:
         self.evict(self.num_nodes)
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common leading run of two token tuples."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
