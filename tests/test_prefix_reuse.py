@@ -1,0 +1,298 @@
+"""Prefix reuse (DESIGN §2): outputs with reuse equal outputs without, across agent sessions in the
+three context-editing styles; cached-token accounting against an independent oracle; no leaked
+or corrupted KV pages; eviction under a small pool; the snapshot budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from agent_sessions import MARKER_ANCHORS, STYLES, TOOLS, make_session, render_tokens
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.engine.prefix import PrefixReuse, SnapshotPolicy
+from freetokend.engine.sampler import SamplingParams
+from freetokend.kv.pool import KVPool
+from freetokend.kv.radix import RadixCache
+from freetokend.kv.seq_state import RecurrentState, SeqState
+from freetokend.kv.snapshots import SnapshotStore
+
+GEN = 5  # tokens generated per turn
+TURNS = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core box OpenMP threads spin against each other (15x)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def serve(llm: LLM, prompts: list[list[int]], gen: int = GEN) -> list[tuple[list[int], int]]:
+    """Runs prompts together through the engine: (generated ids, num_cached_tokens) for each."""
+    eng = llm.engine
+    rids = [f"r{id(p)}-{i}" for i, p in enumerate(prompts)]
+    for rid, p in zip(rids, prompts, strict=True):
+        eng.add_request(rid, p, SamplingParams(max_tokens=gen, ignore_eos=True))
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    cached: dict[str, int] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id].append(o.token_id)
+            cached[o.request_id] = o.num_cached_tokens
+    return [(out[r], cached[r]) for r in rids]
+
+
+class Oracle:
+    """Expected cached tokens, from the token sequences alone (no cache code involved).
+
+    The radix tree holds the full pages of every finished request's fed tokens (prompt plus all
+    generated tokens but the last); a hybrid model resumes only at a snapshot point of a
+    request that shared that prefix: an anchor token, the end of its prompt, or an interval.
+    Valid while nothing is evicted (large pool and snapshot budget).
+    """
+
+    def __init__(self, page: int, hybrid: bool, anchors: set[int], interval: int = 0) -> None:
+        self.page, self.hybrid, self.anchors, self.interval = page, hybrid, anchors, interval
+        self.done: list[tuple[list[int], int]] = []  # (fed tokens, prompt length)
+
+    def expect(self, tokens: list[int]) -> int:
+        def lcp(a: list[int], b: list[int]) -> int:
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            return n
+
+        shared = [(lcp(tokens, fed), fed, plen) for fed, plen in self.done]
+        limit = min(
+            max([min(n, len(fed) // self.page * self.page) for n, fed, _ in shared], default=0),
+            len(tokens) - 1,
+        )
+        if not self.hybrid:
+            return limit
+        for p in range(limit, 0, -1):
+            for n, _, plen in shared:
+                if n >= p and self._point(tokens, p, plen):
+                    return p
+        return 0
+
+    def _point(self, tokens: list[int], p: int, plen: int) -> bool:
+        if self.interval:
+            return p % self.interval == 0
+        return tokens[p - 1] in self.anchors or p == plen
+
+    def record(self, prompt: list[int], output: list[int]) -> None:
+        self.done.append((prompt + output[:-1], len(prompt)))
+
+
+def run_sessions(llm: LLM, prompts_of, oracle: Oracle | None, ref: LLM) -> int:
+    """Serves every style's session turn by turn on ``llm`` and on the no-reuse ``ref``; asserts
+    identical outputs and (with an oracle) exact cached counts. Returns total cached tokens."""
+    total = 0
+    for style in STYLES:
+        for t, prompt in enumerate(prompts_of(style)):
+            [(out, cached)] = serve(llm, [prompt])
+            [(want, none)] = serve(ref, [prompt])
+            assert none == 0
+            assert out == want, f"{style} turn {t}: output differs with reuse"
+            if oracle is not None:
+                assert cached == oracle.expect(prompt), f"{style} turn {t}"
+                oracle.record(prompt, out)
+            total += cached
+    assert llm.engine.stats().kv_pages_used == 0
+    return total
+
+
+def assert_no_leak(llm: LLM) -> None:
+    prefix = llm.engine.prefix
+    assert prefix is not None
+    prefix.radix.clear()
+    assert prefix.radix.cached_pages() == 0
+    assert llm.runner.kv.num_used == 0, "pages leaked: held by no request and not by the tree"
+
+
+def token_sessions(vocab: int, turns: int = TURNS):
+    sessions = {
+        s: make_session(s, turns, seed=7 + i, output_lines=3, keep=2, every=3)
+        for i, s in enumerate(STYLES)
+    }
+    return lambda style: [
+        render_tokens(sessions[style].messages(t), vocab) for t in range(turns + 1)
+    ]
+
+
+# ---- the built-in hybrid model, through its chat template ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builtin_pair(builtin_model_dir):
+    kw = dict(max_model_len=4096, kv_tokens=16384, dtype="float32")
+    return LLM(builtin_model_dir, **kw), LLM(builtin_model_dir, prefix_cache=False, **kw)
+
+
+def test_builtin_sessions_identical_with_exact_accounting(builtin_pair):
+    llm, ref = builtin_pair
+    sessions = {
+        s: make_session(s, TURNS, seed=1 + i, output_lines=4, keep=2, every=3)
+        for i, s in enumerate(STYLES)
+    }
+
+    def prompts_of(style: str) -> list[list[int]]:
+        render = llm.chat_template.render
+        return [
+            llm.tokenizer.encode(
+                render(sessions[style].messages(t), tools=TOOLS, add_generation_prompt=True)
+            )
+            for t in range(TURNS + 1)
+        ]
+
+    anchors = set(llm.engine.prefix.policy.anchor_ids)
+    assert len(anchors) == 6  # the ChatML markers all resolve through the tokenizer
+    total = run_sessions(llm, prompts_of, Oracle(llm.runner.kv.page_size, True, anchors), ref)
+    assert total > 0
+    assert llm.engine.stats().prompt_tokens_cached_total == total
+    assert_no_leak(llm)
+
+
+# ---- tiny models, token-level sessions ---------------------------------------------------------
+
+
+def _tiny_pair(tmp_path_factory, family: str, **kw):
+    d = tmp_path_factory.mktemp(family)
+    make_tiny(family, d, seed=3)
+    args = dict(moe_backend="cpu", max_model_len=512, **kw)
+    return LLM(d, **args), LLM(d, prefix_cache=False, **args)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_non_hybrid_sessions_identical(tmp_path_factory, family):
+    """Full-attention and sliding-window models reuse KV at any position (page COW included)."""
+    llm, ref = _tiny_pair(tmp_path_factory, family, kv_tokens=8192)
+    oracle = Oracle(llm.runner.kv.page_size, False, set())
+    total = run_sessions(llm, token_sessions(97), oracle, ref)
+    assert total > 0
+    assert_no_leak(llm)
+
+
+def _with_marker_policy(llm: LLM, spec: str = "anchors", budget: int = 64 << 20) -> PrefixReuse:
+    """The tiny models have no tokenizer: anchors are the marker ids of the token-level render."""
+    policy = SnapshotPolicy.parse(spec, dict(MARKER_ANCHORS) if spec == "anchors" else {})
+    llm.engine.prefix = PrefixReuse(llm.runner.kv, True, policy, budget)
+    return llm.engine.prefix
+
+
+@pytest.mark.parametrize("spec", ["anchors", "interval:16"])
+def test_tiny_hybrid_sessions_identical(tmp_path_factory, spec):
+    llm, ref = _tiny_pair(tmp_path_factory, "qwen3_5_moe", kv_tokens=8192)
+    _with_marker_policy(llm, spec)
+    interval = int(spec.split(":")[1]) if ":" in spec else 0
+    oracle = Oracle(llm.runner.kv.page_size, True, set(MARKER_ANCHORS), interval)
+    assert run_sessions(llm, token_sessions(97), oracle, ref) > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_eviction_under_small_pool_keeps_outputs(tmp_path_factory, family):
+    """A pool of ~2.5 prompts: the tree is evicted constantly, outputs stay identical."""
+    llm, ref = _tiny_pair(tmp_path_factory, family, kv_tokens=1024)
+    if family == "qwen3_5_moe":
+        _with_marker_policy(llm)
+    run_sessions(llm, token_sessions(97, turns=6), None, ref)
+    assert llm.engine.prefix.radix.evicted > 0
+    assert_no_leak(llm)
+
+
+# ---- copy-on-write, preemption, pool exhaustion ---------------------------------------------------
+
+
+def test_cow_of_a_shared_partial_page_never_corrupts(tmp_path_factory):
+    llm, ref = _tiny_pair(tmp_path_factory, "qwen3_moe", kv_tokens=4096)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(10, 97, (37,), generator=g).tolist()  # 2 full pages + 5 rows
+    a = base + torch.randint(10, 97, (20,), generator=g).tolist()
+    b = base + torch.randint(10, 97, (20,), generator=g).tolist()
+    c = a[:42] + torch.randint(10, 97, (20,), generator=g).tolist()
+    want = [o for o, _ in serve(ref, [a, b, c])]
+    [(out_a, _)] = serve(llm, [a])
+    kv = llm.runner.kv
+    tree = [n.page for n in llm.engine.prefix.radix._nodes()]
+    before = kv.k[:, tree].clone(), kv.v[:, tree].clone()
+    # b leaves the tree 5 rows into page 2, c 10 rows in: both copy page 2 in the same step.
+    res = serve(llm, [b, c])
+    assert [out_a] + [o for o, _ in res] == want
+    assert [n for _, n in res] == [37, 42]
+    assert torch.equal(kv.k[:, tree], before[0]) and torch.equal(kv.v[:, tree], before[1])
+    assert_no_leak(llm)
+
+
+def test_preempted_request_counts_its_cached_prompt_once(tmp_path_factory):
+    """8 pages: the tree's 3 shared pages plus 3 + 3 of two requests do not fit; one is preempted
+    (its pages go to the tree) and re-admitted (restoring them): still 48 cached tokens each."""
+    llm, ref = _tiny_pair(tmp_path_factory, "qwen3_moe", kv_tokens=128, max_batch=2)
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(10, 97, (48,), generator=g).tolist()
+    serve(llm, [base])  # the tree gets the 3 full pages of the prompt
+    prompts = [base + torch.randint(10, 97, (8,), generator=g).tolist() for _ in range(2)]
+    got = serve(llm, prompts, gen=40)
+    assert llm.engine.stats().preemptions_total > 0
+    assert [o for o, _ in got] == [o for o, _ in serve(ref, prompts, gen=40)]
+    assert [c for _, c in got] == [48, 48]
+    assert llm.engine.stats().prompt_tokens_cached_total == 96
+    assert_no_leak(llm)
+
+
+def test_restore_with_a_dry_pool_leaves_state_untouched():
+    pool = KVPool(1, 4, 4, 1, 2)
+    reuse = PrefixReuse(pool, False, SnapshotPolicy.parse("none", {}), 0)
+    pages = pool.alloc(2)
+    reuse.radix.insert(list(range(8)), pages)  # the tree and a "running request" hold both pages
+    pool.alloc(2)  # nothing free, nothing evictable
+    refs = [pool.refcount(p) for p in range(4)]
+    st = SeqState()
+    assert reuse.restore(list(range(6)) + [99, 98], st) == 0  # needs a COW page for rows 4..5
+    assert (st.pages, st.num_tokens) == ([], 0)
+    assert [pool.refcount(p) for p in range(4)] == refs
+    assert reuse.restore(list(range(4)) + [99, 98], st) == 4  # page-aligned: no copy needed
+    assert st.pages == pages[:1] and pool.refcount(pages[0]) == refs[pages[0]] + 1
+
+
+# ---- radix tree and snapshot store units --------------------------------------------------------
+
+
+def test_radix_match_prefix_enters_a_partial_page():
+    pool = KVPool(1, 8, 4, 1, 2)
+    radix = RadixCache(pool)
+    seq = list(range(10, 22))
+    pages = pool.alloc(3)
+    radix.insert(seq, pages)
+    assert radix.match_prefix(seq) == (pages, 12)
+    assert radix.match_prefix(seq[:6] + [0, 0]) == (pages[:2], 6)
+    assert radix.match_prefix(seq[:9]) == (pages, 9)  # the prompt ends inside page 2
+    assert radix.match_prefix([0] + seq) == ([], 0)
+    pool.free(pages)
+    assert radix.evict(3) == 3 and pool.num_used == 0
+
+
+def _state(nbytes_per: int = 64) -> RecurrentState:
+    n = nbytes_per // 4 // 2
+    return RecurrentState(torch.zeros(1, n, 1), torch.zeros(1, 1, n, 1))
+
+
+def test_snapshot_budget_evicts_least_recently_used():
+    st = _state()
+    store = SnapshotStore(3 * st.nbytes)
+    toks = list(range(100))
+    for p in (10, 20, 30):
+        assert store.put(toks, p, st, "end_of_turn")
+    assert store.get(toks, 10) is not None  # 10 is now the most recently used
+    assert store.put(toks, 40, st, "end_of_turn")
+    assert sorted(store.positions()) == [10, 30, 40] and store.used == 3 * st.nbytes
+    assert store.get(toks[:19] + [7] + toks[20:], 30) is None  # another prefix, same position
+    assert not SnapshotStore(st.nbytes - 1).put(
+        toks, 5, st, "end_of_turn"
+    )  # larger than the budget
