@@ -1,0 +1,98 @@
+"""How the HTTP server reaches the managed models without knowing there are several.
+
+``ServiceRouter`` stands where the server expects its ModelService (``ServerState.service``):
+every attribute is the active model's service, and ``check_model`` / ``start_*`` add
+auto-switch: a request naming a resident, inactive model switches to it first when
+``auto_switch`` is on (the old model's requests finish first), else it is a 404 that names the
+active model. The model a request named is carried from ``check_model`` to ``start_*`` in a
+context variable (each HTTP request runs in its own task).
+
+``LaneBridge`` is the bridge a model's ModelService submits through: it tells the engine hub
+which model's engine the next request belongs to, then hands over to the shared bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from typing import Any
+
+from ..server.errors import ModelNotFound
+from .hub import EngineHub
+from .lane import Lane
+from .models import ModelManager
+
+_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("ft_model", default=None)
+
+
+class LaneBridge:
+    def __init__(self, bridge: Any, hub: EngineHub, lane: Lane) -> None:
+        self._bridge, self._hub, self._lane = bridge, hub, lane
+
+    def submit(self, sub: Any) -> Any:
+        self._hub.route(sub.request_id, self._lane)
+        try:
+            return self._bridge.submit(sub)
+        finally:
+            self._hub.unroute(sub.request_id)  # no-op once the hub took it
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bridge, name)
+
+
+class ServiceRouter:
+    def __init__(self, manager: ModelManager, switch_timeout: float = 600.0) -> None:
+        self._manager = manager
+        self._switch_timeout = switch_timeout
+
+    def _active(self) -> Any:
+        return self._manager.desired.service
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._active(), name)
+
+    @property
+    def name(self) -> str:
+        return str(self._active().name)
+
+    def check_model(self, name: str) -> None:
+        _target.set(None)
+        current = self._manager.desired.name
+        if name == current:
+            return
+        resident = self._manager.models.get(name)
+        if resident is not None and self._manager.auto_switch:
+            _target.set(name)
+            return
+        hint = (
+            f"; it is resident: switch with `ftctl models switch {name}`"
+            if resident is not None
+            else ""
+        )
+        raise ModelNotFound(
+            f"The model {name!r} is not active; this daemon serves {current!r}{hint}.",
+            param="model",
+        )
+
+    async def _service(self) -> Any:
+        name = _target.get()
+        if name is None or name == self._manager.desired.name:
+            return self._active()
+        manager = self._manager
+
+        def switch() -> None:
+            manager.finish_switch(manager.switch(name, load_if_missing=False), self._switch_timeout)
+
+        await asyncio.to_thread(switch)
+        return manager.get(name).service
+
+    async def start_chat(self, req: Any) -> Any:
+        return await (await self._service()).start_chat(req)
+
+    async def start_ids(self, ids: list[int], sampling: Any) -> Any:
+        return await (await self._service()).start_ids(ids, sampling)
+
+    async def count_tokens(self, req: Any) -> Any:
+        name = _target.get()
+        svc = self._manager.get(name).service if name else self._active()
+        return await svc.count_tokens(req)
