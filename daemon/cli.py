@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .manager.flags import add_control_flags
 from .server.config import MOE_BACKENDS, ConfigError, resolve
 
 DESCRIPTION = """\
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-socket",
         metavar="PATH",
-        help="admin gRPC unix socket (accepted; admin API not yet available)",
+        help="admin gRPC unix socket for ftctl (default: $RUNTIME_DIRECTORY/admin.sock under "
+        "systemd, else a per-user runtime path; off = none)",
     )
     p.add_argument(
         "--moe-backend",
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds SIGTERM waits for requests in flight (default: 30)",
     )
+    add_control_flags(p)
     p.add_argument("--config", metavar="FILE", help="TOML settings file")
     return p
 

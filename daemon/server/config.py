@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
+ACCELERATORS = ("auto", "cuda", "standin")
 ENV_PREFIX = "FREETOKEN_"
 
 
@@ -23,17 +24,31 @@ class ConfigError(ValueError):
 
 
 class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every knob; config/freetokend.toml documents each one with its default."""
+
     model: str | None = None  # model folder; None = the built-in tiny model
     served_model_name: str | None = None  # the id clients send; default: the folder name
     host: str = "127.0.0.1"
     port: int = 1919
-    state_dir: str | None = None  # default: $XDG_STATE_HOME/freetoken or ~/.local/state/freetoken
-    admin_socket: str | None = None  # accepted; the admin API comes later
+    state_dir: str | None = None  # default: $STATE_DIRECTORY (systemd), else XDG state home
+    # admin gRPC socket; default: $RUNTIME_DIRECTORY/admin.sock (systemd), else a per-user
+    # runtime path; "off" = no admin socket
+    admin_socket: str | None = None
     moe_backend: str = "auto"
     max_batch: int = 32  # requests decoded together (the continuous batch)
     max_queue: int = 64  # requests waiting beyond the batch before 429/529
     max_model_len: int | None = None  # context limit; default: the model's (capped)
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    # ---- control plane (models, elastic caches, VRAM watcher) ----
+    accelerator: str = "auto"  # auto | cuda | standin (CPU stand-in, for tests)
+    moe_slots: int | None = None  # expert slots on the accelerator; default: half of all experts
+    kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
+    auto_switch: bool = False  # a request naming a resident, inactive model switches to it
+    host_pool_budget_gb: float = 0.0  # host RAM for resident models' weights; 0 = 3/4 of RAM
+    vram_watch: bool = True  # shrink the expert cache under VRAM pressure (NVML), grow it back
+    vram_low_mb: int = 1024  # free VRAM below this: shrink the expert cache at a safe point
+    vram_high_mb: int = 3072  # free VRAM above this: grow it back towards its target size
+    vram_poll_s: float = 2.0  # seconds between NVML readings
 
     def check(self) -> DaemonConfig:
         if self.moe_backend not in MOE_BACKENDS:
@@ -49,15 +64,38 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"max_queue: must be >= 0, got {self.max_queue}")
         if self.drain_timeout < 0:
             raise ConfigError(f"drain_timeout: must be >= 0, got {self.drain_timeout}")
+        check_control(self)
         return self
 
 
 FIELDS: tuple[str, ...] = DaemonConfig.__struct_fields__
 
 
+def check_control(cfg: DaemonConfig) -> None:
+    """Range checks of the control-plane knobs (ConfigError names the key)."""
+    if cfg.accelerator not in ACCELERATORS:
+        raise ConfigError(
+            f"accelerator: {cfg.accelerator!r} is not one of {', '.join(ACCELERATORS)}"
+        )
+    for name in ("moe_slots", "kv_tokens"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}: must be at least 1, got {value}")
+    if cfg.host_pool_budget_gb < 0:
+        raise ConfigError(f"host_pool_budget_gb: must be >= 0, got {cfg.host_pool_budget_gb}")
+    if not 0 <= cfg.vram_low_mb <= cfg.vram_high_mb:
+        raise ConfigError(
+            f"vram_low_mb ({cfg.vram_low_mb}) must be >= 0 and <= vram_high_mb ({cfg.vram_high_mb})"
+        )
+    if cfg.vram_poll_s <= 0:
+        raise ConfigError(f"vram_poll_s: must be > 0, got {cfg.vram_poll_s}")
+
+
 def default_state_dir(env: dict[str, str]) -> Path:
     if env.get("FREETOKEN_STATE_DIR"):
         return Path(env["FREETOKEN_STATE_DIR"]).expanduser()
+    if env.get("STATE_DIRECTORY"):  # systemd's StateDirectory= (first entry)
+        return Path(env["STATE_DIRECTORY"].split(":")[0])
     base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base).expanduser() / "freetoken"
 

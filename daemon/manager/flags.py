@@ -1,0 +1,45 @@
+"""``freetokend`` command-line flags of the control plane (models, elastic caches, VRAM)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_control_flags(p: argparse.ArgumentParser) -> None:
+    """Flags mirror DaemonConfig fields (None = not given, so lower layers can fill them)."""
+    g = p.add_argument_group("control plane (also settable at run time with ftctl)")
+    g.add_argument(
+        "--accelerator", choices=("auto", "cuda", "standin"), help="expert device (default: auto)"
+    )
+    g.add_argument("--moe-slots", type=int, metavar="N", help="expert slots on the accelerator")
+    g.add_argument("--kv-tokens", type=int, metavar="N", help="KV pool size in tokens")
+    g.add_argument(
+        "--auto-switch",
+        type=_bool,
+        metavar="BOOL",
+        help="a request naming a resident, inactive model switches to it (default: false)",
+    )
+    g.add_argument(
+        "--host-pool-budget-gb",
+        type=float,
+        metavar="GB",
+        help="host RAM for resident models' weights (default: 0 = 3/4 of RAM)",
+    )
+    g.add_argument(
+        "--vram-watch",
+        type=_bool,
+        metavar="BOOL",
+        help="shrink the expert cache under VRAM pressure, grow it back (default: true)",
+    )
+    g.add_argument("--vram-low-mb", type=int, metavar="MB", help="shrink below this (1024)")
+    g.add_argument("--vram-high-mb", type=int, metavar="MB", help="grow above this (3072)")
+    g.add_argument("--vram-poll-s", type=float, metavar="S", help="NVML polling period (2)")
