@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "mixtral", "olmoe", "deepseek_v3")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=97,
@@ -32,6 +32,7 @@ def hf_config(family: str, **over: Any) -> Any:
     import transformers as tf
 
     c = dict(_COMMON)
+    cls: Any
     if family == "qwen3_moe":
         c.update(
             num_hidden_layers=3,
@@ -111,6 +112,29 @@ def hf_config(family: str, **over: Any) -> Any:
             },
         )
         cls = tf.GptOssConfig
+    elif family == "deepseek_v3":
+        c.update(
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=48,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            num_key_value_heads=4,
+            rope_interleave=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        c.pop("head_dim")
+        cls = tf.DeepseekV3Config
     elif family == "mixtral":
         c.update(
             num_hidden_layers=2,
@@ -146,6 +170,7 @@ def hf_model_class(family: str) -> Any:
         "qwen3_next": tf.Qwen3NextForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
         "mixtral": tf.MixtralForCausalLM,
+        "deepseek_v3": tf.DeepseekV3ForCausalLM,
         "olmoe": tf.OlmoeForCausalLM,
     }[family]
 
@@ -153,6 +178,9 @@ def hf_model_class(family: str) -> Any:
 def perturb(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in model.named_buffers():  # DeepSeek's router bias (not rope tables)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("bias") or "sinks" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)

@@ -35,8 +35,7 @@ class ModelRunner:
             model.num_attention_layers,
             num_pages,
             page_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+            *model.kv_geometry,
             model.dtype,
         )
 

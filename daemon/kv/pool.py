@@ -78,11 +78,16 @@ class KVPool:
         table = torch.tensor(pages, dtype=torch.long)
         return table[pos // self.page_size], pos % self.page_size
 
-    def write(self, layer: int, pages: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [n, kv_heads, head_dim] at positions [start, start + n)."""
+    def write(
+        self, layer: int, pages: list[int], start: int, k: torch.Tensor, v: torch.Tensor | None
+    ) -> None:
+        """Store k, v [n, kv_heads, head_dim] at positions [start, start + n). ``v=None`` stores
+        K alone (MLA keeps its whole compressed latent there; V's pages are then never touched,
+        so never committed)."""
         page, row = self._rows(pages, start, k.shape[0])
         self.k[layer, page, row] = k.to(self.k.dtype)
-        self.v[layer, page, row] = v.to(self.v.dtype)
+        if v is not None:
+            self.v[layer, page, row] = v.to(self.v.dtype)
 
     def read(self, layer: int, pages: list[int], length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [start, length) as [length - start, kv_heads, head_dim]."""

@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
@@ -42,6 +43,8 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0  # cos/sin scale (YaRN's mscale)
+    interleaved: bool = False  # rotate pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
+    mscale_all_dim: float = 0.0  # DeepSeek YaRN: the softmax scale gets mscale(factor, this)^2
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,19 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # DeepSeek-V3: multi-head latent attention and the grouped sigmoid router
+    q_lora_rank: int = 0  # 0 = q_proj; > 0 = q_a_proj -> RMSNorm -> q_b_proj
+    kv_lora_rank: int = 0  # > 0 selects MLA
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    router_kind: str = (
+        "softmax"  # "softmax" (softmax, top-k) | "topk_softmax" (GPT-OSS) | "sigmoid_group"
+    )
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen); DeepSeek has none
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     # the weight-name prefix of the text model inside the checkpoint ("model" or
@@ -105,6 +121,10 @@ class ModelConfig:
             out.append(n if is_moe else -1)
             n += int(is_moe)
         return tuple(out)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def has_linear_attention(self) -> bool:
@@ -160,6 +180,8 @@ def _eos_ids(raw: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _rope(text: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
+    if text.get("qk_rope_head_dim"):  # MLA: only the rope part of each head rotates
+        head_dim = int(text["qk_rope_head_dim"])
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
@@ -185,6 +207,8 @@ def _rope(text: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
         kind=kind,
         factor=factor,
         attention_factor=float(attn_factor or 1.0),
+        interleaved=bool(text.get("rope_interleave", False)),
+        mscale_all_dim=float(merged.get("mscale_all_dim", 0) or 0),
         original_max_position=int(merged.get("original_max_position_embeddings", 0) or 0),
         beta_fast=float(merged.get("beta_fast", 32.0)),
         beta_slow=float(merged.get("beta_slow", 1.0)),
@@ -222,7 +246,18 @@ def _layer_types(text: dict[str, Any], family: str, n: int, source: str) -> tupl
     return tuple(lt)
 
 
+def _shared_size(text: dict[str, Any], family: str, moe_inter: int, source: str) -> int:
+    if family in ("qwen3_5_moe", "qwen3_next"):
+        return int(_get(text, "shared_expert_intermediate_size", int, source, 0))
+    if family == "deepseek_v3":  # n_shared_experts experts fused into one MLP
+        return moe_inter * int(_get(text, "n_shared_experts", int, source, 0))
+    return 0
+
+
 def _moe_layers(text: dict[str, Any], family: str, n: int) -> tuple[bool, ...]:
+    if family == "deepseek_v3":
+        first_dense = int(text.get("first_k_dense_replace") or 0)
+        return tuple(i >= first_dense for i in range(n))
     if family not in ("qwen3_moe", "qwen3_next"):
         return (True,) * n
     step = int(text.get("decoder_sparse_step", 1) or 1)
@@ -250,7 +285,7 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     heads = _get(text, "num_attention_heads", int, source)
     n = _get(text, "num_hidden_layers", int, source)
     head_dim = _get(text, "head_dim", int, source, hidden // heads)
-    num_experts = _first(text, ("num_experts", "num_local_experts"), source)
+    num_experts = _first(text, ("num_experts", "num_local_experts", "n_routed_experts"), source)
     top_k = _get(text, "num_experts_per_tok", int, source)
     if not 0 < top_k <= num_experts:
         raise ConfigError(
@@ -264,12 +299,17 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         )
     # Qwen3.5 renormalises the top-k weights unconditionally; Mixtral too; GPT-OSS takes the
     # softmax over the top-k logits, which is the same thing.
-    norm_default = family in ("qwen3_5_moe", "qwen3_next", "mixtral", "gpt_oss")
+    norm_default = family in ("qwen3_5_moe", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3")
     norm_topk = bool(text.get("norm_topk_prob", norm_default))
     if family in ("mixtral", "gpt_oss"):
         norm_topk = True
     is_gptoss = family == "gpt_oss"
     is_q35 = family in ("qwen3_5_moe", "qwen3_next")  # the gated-attention / DeltaNet hybrids
+    is_ds = family == "deepseek_v3"
+    if is_ds:
+        head_dim = _get(text, "qk_nope_head_dim", int, source) + _get(
+            text, "qk_rope_head_dim", int, source
+        )
     cfg = ModelConfig(
         family=family,
         architecture=arch,
@@ -289,11 +329,7 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         moe_intermediate_size=moe_inter,
         norm_topk_prob=norm_topk,
         intermediate_size=inter,
-        shared_expert_intermediate_size=_get(
-            text, "shared_expert_intermediate_size", int, source, 0
-        )
-        if is_q35
-        else 0,
+        shared_expert_intermediate_size=_shared_size(text, family, moe_inter, source),
         sliding_window=_get(text, "sliding_window", int, source, None),
         attention_bias=bool(text.get("attention_bias", is_gptoss)),
         attention_sinks=is_gptoss,
@@ -319,6 +355,18 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         linear_key_head_dim=_get(text, "linear_key_head_dim", int, source, 0),
         linear_value_head_dim=_get(text, "linear_value_head_dim", int, source, 0),
         linear_conv_kernel=_get(text, "linear_conv_kernel_dim", int, source, 0),
+        q_lora_rank=_get(text, "q_lora_rank", int, source, 0) if is_ds else 0,
+        kv_lora_rank=_get(text, "kv_lora_rank", int, source) if is_ds else 0,
+        qk_nope_head_dim=_get(text, "qk_nope_head_dim", int, source, 0) if is_ds else 0,
+        qk_rope_head_dim=_get(text, "qk_rope_head_dim", int, source, 0) if is_ds else 0,
+        v_head_dim=_get(text, "v_head_dim", int, source, 0) if is_ds else 0,
+        router_kind="sigmoid_group" if is_ds else "topk_softmax" if is_gptoss else "softmax",
+        n_group=_get(text, "n_group", int, source, 1) if is_ds else 1,
+        topk_group=_get(text, "topk_group", int, source, 1) if is_ds else 1,
+        routed_scaling_factor=_get(text, "routed_scaling_factor", float, source, 1.0)
+        if is_ds
+        else 1.0,
+        shared_expert_gated=not is_ds,
         eos_token_ids=_eos_ids(raw, text),
         torch_dtype=str(
             text.get("torch_dtype")
@@ -353,5 +401,9 @@ def _validate(cfg: ModelConfig, source: str) -> None:
             )
     if "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
         raise ConfigError(f"{source}: sliding attention layers need field 'sliding_window'")
+    if cfg.is_mla and cfg.num_experts % cfg.n_group:
+        raise ConfigError(f"{source}: field 'n_group' must divide n_routed_experts")
+    if cfg.is_mla and not 0 < cfg.topk_group <= cfg.n_group:
+        raise ConfigError(f"{source}: field 'topk_group' must be in [1, n_group]")
     if cfg.torch_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{source}: field 'torch_dtype' = {cfg.torch_dtype!r} is not supported")

@@ -16,6 +16,7 @@ from .config import ModelConfig
 from .layers.attention import Attention
 from .layers.common import DenseMLP, Linear, RMSNorm, Weight, dtype_of
 from .layers.deltanet import GatedDeltaNet
+from .layers.mla import MLAttention
 from .layers.moe import SparseMoE
 from .layers.rope import Rope
 
@@ -27,10 +28,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
         self.kind = cfg.layer_types[i]
-        self.self_attn: Attention | None = None
+        self.self_attn: Attention | MLAttention | None = None
         self.linear_attn: GatedDeltaNet | None = None
         if self.kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype)
+        elif cfg.is_mla:
+            self.self_attn = MLAttention(cfg, mixer_index, dtype)
         else:
             self.self_attn = Attention(cfg, i, mixer_index, dtype)
         moe_index = cfg.moe_layer_index[i]
@@ -73,6 +76,12 @@ class CausalLM(nn.Module):
         self.num_attention_layers = counters["attn"]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        # KV pool geometry per token and attention layer: (heads, head_dim) of K (= of V)
+        self.kv_geometry = (
+            (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            if cfg.is_mla
+            else (cfg.num_kv_heads, cfg.head_dim)
+        )
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.rope)

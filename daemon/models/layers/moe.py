@@ -7,7 +7,7 @@ from torch import nn
 
 from ...engine.batch import ForwardBatch
 from ..config import ModelConfig
-from .common import DenseMLP, Linear
+from .common import DenseMLP, Linear, param
 
 
 def route(
@@ -29,24 +29,65 @@ def route(
     return ids, torch.softmax(top, dim=-1)
 
 
+def route_sigmoid_group(
+    logits: torch.Tensor,
+    score_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renorm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: sigmoid scores; experts are chosen on score + correction bias, only inside the
+    ``topk_group`` groups whose two best biased scores sum highest; weights are the unbiased
+    scores of the chosen experts (optionally renormalised) times ``scale``."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + score_bias.float()
+    t, e = choice.shape
+    groups = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if renorm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scale
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_index: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.moe_index = moe_index
         self.top_k = cfg.top_k
-        self.softmax_first = cfg.family != "gpt_oss"
+        self.kind = cfg.router_kind
         self.renorm = cfg.norm_topk_prob
         self.router = Linear(cfg.hidden_size, cfg.num_experts, dtype, bias=cfg.router_bias)
+        self.group = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+        if self.kind == "sigmoid_group":
+            self.score_bias = param(cfg.num_experts, dtype=torch.float32)
         self.shared_expert: DenseMLP | None = None
+        self.shared_expert_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(
                 cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype
             )
-            self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        ids, w = route(self.router(x), self.top_k, self.softmax_first, self.renorm)
+        logits = self.router(x)
+        if self.kind == "sigmoid_group":
+            n_group, topk_group, scale = self.group
+            ids, w = route_sigmoid_group(
+                logits, self.score_bias, self.top_k, n_group, topk_group, self.renorm, scale
+            )
+        else:
+            ids, w = route(logits, self.top_k, self.kind == "softmax", self.renorm)
         out = batch.moe.forward(self.moe_index, x, ids, w)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out

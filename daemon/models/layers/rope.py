@@ -54,5 +54,8 @@ class Rope:
             return x
         half = r // 2
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
+        if self.cfg.interleaved:  # pairs (x0, x1), (x2, x3), ...; output in half-split order
+            x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+        else:
+            x1, x2 = x[..., :half], x[..., half:r]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., r:]), dim=-1)

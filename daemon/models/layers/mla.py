@@ -1,0 +1,92 @@
+"""Multi-head latent attention (DeepSeek-V2/V3).
+
+Keys and values are stored compressed: per token one latent [kv_lora_rank] (after its RMSNorm)
+plus one shared rotated key part [qk_rope_head_dim], kept together in the K half of the KV pool
+(one "head" of kv_lora_rank + qk_rope_head_dim). At attention time the latents of the context
+are expanded by kv_b_proj into per-head k_nope [qk_nope_head_dim] and v [v_head_dim].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...engine.batch import ForwardBatch
+from ..config import ModelConfig
+from .common import Linear, RMSNorm
+from .rope import Rope
+
+
+def _causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float
+) -> torch.Tensor:
+    """q [n, h, dqk], k [c, h, dqk], v [c, h, dv] -> [n, h, dv]; query i sits at q_start + i."""
+    n, c = q.shape[0], k.shape[0]
+    allowed = torch.arange(c).unsqueeze(0) <= torch.arange(q_start, q_start + n).unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def mla_scale(cfg: ModelConfig) -> float:
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    r = cfg.rope
+    if r.kind != "default" and r.mscale_all_dim and r.factor > 1:
+        m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kv_layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, hid = cfg.num_heads, cfg.hidden_size
+        self.heads, self.kv_layer = h, kv_layer
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kvr = cfg.kv_lora_rank
+        dqk, bias, eps = self.dn + self.dr, cfg.attention_bias, cfg.rms_norm_eps
+        self.q_proj: Linear | None = None
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(hid, cfg.q_lora_rank, dtype, bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * dqk, dtype)
+        else:
+            self.q_proj = Linear(hid, h * dqk, dtype)
+        self.kv_a_proj_with_mqa = Linear(hid, self.kvr + self.dr, dtype, bias)
+        self.kv_a_layernorm = RMSNorm(self.kvr, eps, dtype)
+        self.kv_b_proj = Linear(self.kvr, h * (self.dn + self.dv), dtype)
+        self.o_proj = Linear(h * self.dv, hid, dtype, bias)
+        self.scale = mla_scale(cfg)
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_proj is not None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self._q(x).view(n, self.heads, self.dn + self.dr)
+        q = torch.cat([q[..., : self.dn], rope.apply(q[..., self.dn :], cos, sin)], dim=-1)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[:, : self.kvr])
+        k_rot = rope.apply(ckv[:, self.kvr :].view(n, 1, self.dr), cos, sin)
+        packed = torch.cat([latent.unsqueeze(1), k_rot], dim=-1)  # [n, 1, kvr + dr]
+        out = torch.empty(n, self.heads, self.dv)
+        for ch in batch.chunks:
+            rows = slice(ch.start, ch.start + ch.length)
+            end = ch.context_len + ch.length
+            batch.kv.write(self.kv_layer, ch.state.pages, ch.context_len, packed[rows], None)
+            kc, _ = batch.kv.read(self.kv_layer, ch.state.pages, end)
+            kc = kc[:, 0].float()  # [c, kvr + dr]
+            kv = self.kv_b_proj(kc[:, : self.kvr]).view(end, self.heads, self.dn + self.dv)
+            k = torch.cat(
+                [kv[..., : self.dn], kc[:, None, self.kvr :].expand(end, self.heads, self.dr)], -1
+            )
+            out[rows] = _causal(q[rows], k, kv[..., self.dn :], ch.context_len, self.scale)
+        return self.o_proj(out.reshape(n, -1))
