@@ -22,6 +22,8 @@ try:
 except ImportError:  # not built: Linear keeps its torch path
     _native = None
 
+# Captured at import, before any decode step narrows torch's threads (engine/runner.py).
+_DEFAULT_THREADS = torch.get_num_threads()
 _DTYPES = (torch.bfloat16,)  # fp32 weights stay on torch: its fp32 gemv is near bandwidth already
 
 
@@ -32,11 +34,11 @@ def available() -> bool:
 
 def configure(threads: int | None = None, isa: str = "auto", spin_us: int = 50) -> None:
     """(Re)creates the pool: `threads` participants including the caller (default: torch's
-    intra-op thread count), the kernels of `isa` ("auto", "avx512", "avx2", "scalar", or
+    intra-op thread count at import), the kernels of `isa` ("auto", "avx512", "avx2", "scalar", or
     "emu512" in tests)."""
     if _native is None:
         raise ImportError("the native dense projection (extension module `ftdense`) is not built")
-    _native.configure(threads or torch.get_num_threads(), spin_us, isa)
+    _native.configure(threads or _DEFAULT_THREADS, spin_us, isa)
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
