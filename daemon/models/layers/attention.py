@@ -37,6 +37,8 @@ def attend(
     """
     n, heads, _ = q.shape
     c = k.shape[0]
+    if n == 1 and q_start == c - 1 and sinks is None and (window is None or c <= window):
+        return _attend_last(q, k, v, scale)
     groups = heads // k.shape[1]
     kh = k.repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, c, d]
     vh = v.repeat_interleave(groups, dim=1).transpose(0, 1)
@@ -56,6 +58,21 @@ def attend(
     logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = torch.softmax(logits, dim=-1)[..., :-1]
     return (probs @ vh).transpose(0, 1)
+
+
+def _attend_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend` for one query that sees every key (decode): q [1, heads, d], k/v [c, kv_heads, d].
+
+    The query heads of a KV group share one matmul against that group's keys, so nothing is
+    repeated per head and no mask is built: 4 small ops instead of SDPA's masked math path
+    (measured 0.14 vs 5.1 ms at c = 300, one thread).
+    """
+    _, heads, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.view(kv_heads, heads // kv_heads, d)  # heads h = group * (heads / kv_heads) + j
+    scores = torch.bmm(qg, k.permute(1, 2, 0)) * scale  # [kv_heads, group, c]
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v.transpose(0, 1)).view(1, heads, d)
 
 
 class Attention(nn.Module):

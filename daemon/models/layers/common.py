@@ -53,12 +53,25 @@ class RMSNorm(nn.Module):
         self.weight = param(dim, dtype=dtype)
         self.eps = eps
         self.offset = offset
+        self._scale: torch.Tensor | None = None  # fp32 (1 +) w, rebuilt when the weight changes
+        self._scale_key: tuple[int, int, torch.device] | None = None
+
+    def _fp32_scale(self) -> torch.Tensor:
+        """The fp32 multiplier, cached: converting it every call costs an op per norm per layer."""
+        w = self.weight
+        try:
+            key = (w.data_ptr(), w._version, w.device)
+        except RuntimeError:  # an inference tensor has no version counter: do not cache
+            key = None
+        if key is None or key != self._scale_key or self._scale is None:
+            scale = w.float()
+            self._scale = 1.0 + scale if self.offset else scale
+            self._scale_key = key
+        return self._scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
-        return y * (1.0 + w if self.offset else w)
+        # One fused op: x * rsqrt(mean(x^2) + eps) * scale, in fp32.
+        return F.rms_norm(x.float(), (x.shape[-1],), self._fp32_scale(), self.eps)
 
 
 class DenseMLP(nn.Module):
