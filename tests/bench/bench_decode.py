@@ -1,0 +1,183 @@
+"""CPU decode benchmark: freetoken's `cpu` MoE backend vs HF transformers vs llama.cpp.
+
+    PYTHONPATH=/tmp/ftpath .venv/bin/python tests/bench/bench_decode.py [--engines ...] [--threads 2]
+
+In one run: builds (cached under /tmp/ftbench_decode) a random bf16 Qwen3MoeForCausalLM with
+Qwen3-30B-A3B layer geometry (decode_ckpt.py), converts it to GGUF BF16 with the converter from
+the installed llama-cpp-python's source distribution (decode_llama.py), measures the machine's
+memory-read bandwidth, then each engine's batch-1 decode and 512-token prefill speed, each in a
+fresh subprocess with the same thread count (decode_workers.py), and prints one table with each
+engine's fraction of the decode roofline (read bandwidth / weight bytes read per token).
+
+Peers that are not installed (transformers, llama-cpp-python) are skipped. From other code:
+`run_decode_benchmark(...)` returns the rows and prints nothing unless asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the helpers beside this script, also when imported as a module
+    sys.path.insert(0, str(HERE))
+
+from decode_ckpt import Geometry, build_checkpoint  # noqa: E402
+from decode_llama import convert_to_gguf, gpt2_vocab, installed_version, llama_source  # noqa: E402
+
+CACHE = Path("/tmp/ftbench_decode")
+ENGINES = ("freetoken", "hf", "llama.cpp")
+_PEER_MODULE = {"hf": "transformers", "llama.cpp": "llama_cpp"}
+
+
+@dataclass
+class Row:
+    engine: str
+    decode_tok_s: float | None = None
+    prefill_tok_s: float | None = None
+    note: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    read_bytes_s: float
+    bytes_per_token: int
+    threads: int
+    rows: list[Row]
+
+    @property
+    def roofline_tok_s(self) -> float:
+        return self.read_bytes_s / self.bytes_per_token
+
+    def table(self) -> str:
+        gb = 1e9
+        lines = [
+            f"memory read bandwidth ({self.threads} threads): {self.read_bytes_s / gb:.1f} GB/s;"
+            f" weights read per decoded token: {self.bytes_per_token / 1e6:.0f} MB;"
+            f" decode roofline: {self.roofline_tok_s:.1f} tok/s",
+            f"{'engine':<12} {'decode tok/s':>12} {'ms/token':>9} {'GB/s':>6} {'roofline':>9}"
+            f" {'prefill tok/s':>14}  note",
+        ]
+        for r in self.rows:
+            if r.decode_tok_s is None:
+                lines.append(
+                    f"{r.engine:<12} {'-':>12} {'-':>9} {'-':>6} {'-':>9} {'-':>14}  {r.note}"
+                )
+                continue
+            frac = r.decode_tok_s / self.roofline_tok_s
+            lines.append(
+                f"{r.engine:<12} {r.decode_tok_s:12.1f} {1e3 / r.decode_tok_s:9.1f}"
+                f" {r.decode_tok_s * self.bytes_per_token / gb:6.1f} {frac:9.0%}"
+                f" {r.prefill_tok_s or 0:14.1f}  {r.note}"
+            )
+        lines.append(
+            f"(best of the rounds; load = 1-min load average while the engine ran, on"
+            f" {os.cpu_count()} CPUs: a shared machine slows every engine)"
+        )
+        return "\n".join(lines)
+
+
+def _worker(kind: str, args: dict[str, object], threads: int, timeout: float) -> dict[str, object]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "decode_workers.py"), kind, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    raise RuntimeError(f"{kind} worker failed (rc {proc.returncode}): {' | '.join(tail)}")
+
+
+def _available(engine: str) -> bool:
+    mod = _PEER_MODULE.get(engine)
+    return mod is None or importlib.util.find_spec(mod) is not None
+
+
+def run_decode_benchmark(
+    engines: tuple[str, ...] = ENGINES,
+    threads: int = 2,
+    decode_tokens: int = 64,
+    prompt_tokens: int = 16,
+    prefill_tokens: int = 512,
+    repeats: int = 3,
+    cache: Path = CACHE,
+    verbose: bool = False,
+) -> Report:
+    """Builds what is missing, measures, returns the report (prints progress when `verbose`)."""
+    say = print if verbose else (lambda *_: None)
+    want_llama = "llama.cpp" in engines and installed_version() is not None
+    src = llama_source(cache) if want_llama else None
+    g = Geometry()
+    say("checkpoint ...")
+    model = build_checkpoint(cache / "mid", gpt2_vocab(src), g)
+    gguf = None
+    if want_llama and src is not None:
+        say("GGUF conversion ...")
+        gguf = convert_to_gguf(model, src, cache / "mid-bf16.gguf")
+    common = {
+        "model": str(model),
+        "threads": threads,
+        "vocab": g.vocab,
+        "repeats": repeats,
+        "decode_tokens": decode_tokens,
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens": prefill_tokens,
+        "gguf": str(gguf) if gguf else None,
+    }
+    say("memory bandwidth ...")
+    bw = float(_worker("membw", {"threads": threads}, threads, 300)["read_bytes_s"])  # type: ignore[arg-type]
+    rows = []
+    for engine in engines:
+        if not _available(engine) or (engine == "llama.cpp" and gguf is None):
+            rows.append(Row(engine, note="not installed: skipped"))
+            continue
+        say(f"{engine} ...")
+        try:
+            res = _worker(engine, common, threads, 1800)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            rows.append(Row(engine, note=str(e)[:200]))
+            continue
+        note = f"load {float(res['load']):.1f}" + (f", isa {res['isa']}" if "isa" in res else "")  # type: ignore[arg-type]
+        rows.append(Row(engine, float(res["decode_tok_s"]), float(res["prefill_tok_s"]), note, res))  # type: ignore[arg-type]
+    return Report(bw, g.bytes_per_token(), threads, rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    a = ap.parse_args()
+    report = run_decode_benchmark(
+        tuple(a.engines),
+        a.threads,
+        a.decode_tokens,
+        a.prompt_tokens,
+        a.prefill_tokens,
+        a.repeats,
+        a.cache,
+        verbose=True,
+    )
+    print(report.table())
+
+
+if __name__ == "__main__":
+    main()

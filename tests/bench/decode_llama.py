@@ -1,0 +1,106 @@
+"""llama.cpp side of the decode benchmark: its sources (for the converter) and the GGUF conversion.
+
+The converter and GPT-2's test vocabulary come from the llama-cpp-python source distribution of
+the INSTALLED version (so converter and library agree on the GGUF format): found unpacked in the
+cache, or fetched with `pip download --no-binary :all: --no-deps llama-cpp-python==VERSION`, of
+which only the converter, its `conversion` and `gguf-py` packages and the GPT-2 vocabulary are
+extracted. `FT_LLAMA_CPP_SRC` may point at an unpacked `vendor/llama.cpp` folder instead.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-gpt-2.gguf")
+
+
+def installed_version() -> str | None:
+    """The installed llama-cpp-python version, or None."""
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _extract(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist) as tar:
+        members = []
+        for m in tar.getmembers():
+            parts = m.name.split("/vendor/llama.cpp/", 1)
+            if len(parts) == 2 and any(parts[1] == w or parts[1].startswith(w) for w in _WANTED):
+                m.name = parts[1]
+                members.append(m)
+        tar.extractall(dest, members=members, filter="data")
+
+
+def llama_source(cache: Path) -> Path | None:
+    """Folder holding convert_hf_to_gguf.py for the installed llama-cpp-python, or None."""
+    env = os.environ.get("FT_LLAMA_CPP_SRC")
+    if env:
+        return Path(env)
+    version = installed_version()
+    if version is None:
+        return None
+    src = cache / f"llama_cpp_src-{version}"
+    if (src / "convert_hf_to_gguf.py").exists():
+        return src
+    dl = cache / "sdist"
+    dl.mkdir(parents=True, exist_ok=True)
+    sdist = dl / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                "-d",
+                str(dl),
+                f"llama-cpp-python=={version}",
+            ],
+            check=True,
+        )
+    tmp = src.with_name(src.name + ".tmp")
+    _extract(sdist, tmp)
+    tmp.rename(src)
+    return src
+
+
+def gpt2_vocab(src: Path | None) -> Path | None:
+    """GPT-2's vocabulary file in the llama.cpp sources (the tokenizer the converter accepts)."""
+    if src is None:
+        return None
+    path = src / "models" / "ggml-vocab-gpt-2.gguf"
+    return path if path.exists() else None
+
+
+def convert_to_gguf(model_dir: Path, src: Path, out: Path) -> Path:
+    """model_dir -> GGUF BF16 with the shipped converter (cached; redone when the checkpoint or
+    the converter's version changed)."""
+    stamp = {
+        "checkpoint": (model_dir / "ft_bench_build.json").read_text(),
+        "tokenizer": (model_dir / "tokenizer.json").stat().st_mtime,
+        "src": str(src),
+    }
+    stamp_path = out.with_suffix(".stamp.json")
+    if out.exists() and stamp_path.exists() and json.loads(stamp_path.read_text()) == stamp:
+        return out
+    tmp = out.with_suffix(".tmp.gguf")
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir)]
+    cmd += ["--outtype", "bf16", "--outfile", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (rc {proc.returncode}):\n{tail}")
+    tmp.rename(out)
+    stamp_path.write_text(json.dumps(stamp))
+    return out

@@ -1,0 +1,201 @@
+"""One measurement per process: memory-read bandwidth, or one engine's prefill and decode speed.
+
+    python decode_workers.py KIND '{"model": ..., "threads": 2, ...}'
+
+KIND is membw, freetoken, hf or llama.cpp. Prints one line `RESULT {json}`. Every engine gets
+the same treatment: a warm-up generation (page faults, allocator, thread pools), then `repeats`
+rounds of (a) a prefill of `prefill_tokens` prompt tokens producing one token and (b) a decode of
+`decode_tokens` tokens after a `prompt_tokens` prompt, each with a fresh random prompt so no
+prompt cache helps. Decode speed is (tokens - 1) / (time of last token - time of first token):
+pure decode steps, the prefill that produced the first token left out. The best round counts
+(the machine is shared; a disturbed round is slower, never faster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# Stamps of each produced token, for one generation: prefill ends at the first.
+GenFn = Callable[[list[int], int], list[float]]
+
+
+def _prompts(vocab: int, seed: int) -> Iterator[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    while True:
+        yield [rng.randrange(vocab - 1) for _ in range(4096)]
+
+
+def _measure(
+    gen: GenFn, prefill_fn: Callable[[list[int]], float], a: dict[str, Any]
+) -> dict[str, Any]:
+    prompts = _prompts(int(a["vocab"]), 7)
+    gen(next(prompts)[: a["prompt_tokens"]], 4)  # warm-up
+    prefill_fn(next(prompts)[: a["prefill_tokens"]])
+    load = os.getloadavg()[0]  # the machine may be shared: reported beside the figures
+    decode, prefill = [], []
+    for _ in range(a["repeats"]):
+        secs = prefill_fn(next(prompts)[: a["prefill_tokens"]])
+        prefill.append(a["prefill_tokens"] / secs)
+        stamps = gen(next(prompts)[: a["prompt_tokens"]], a["decode_tokens"])
+        assert len(stamps) == a["decode_tokens"], (len(stamps), a["decode_tokens"])
+        decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    return {
+        "decode_tok_s": max(decode),
+        "prefill_tok_s": max(prefill),
+        "decode_all": decode,
+        "prefill_all": prefill,
+        "load": max(load, os.getloadavg()[0]),
+    }
+
+
+# ---- memory bandwidth ---------------------------------------------------------------------------
+def membw(a: dict[str, Any]) -> dict[str, Any]:
+    """Read bandwidth of fp32 sums over 64 MiB slices of a 1 GiB tensor with `threads` torch
+    threads, best slice of 4 passes: short reads, so some run undisturbed on a shared machine
+    (one long sum never does), each from DRAM (a slice comes back after 960 MiB of others)."""
+    import torch
+
+    torch.set_num_threads(a["threads"])
+    x = torch.ones(256 << 20, dtype=torch.float32)
+    n = 16 << 20  # fp32 elements per 64 MiB slice
+    slices = [x[i : i + n] for i in range(0, x.numel(), n)]
+    best = float("inf")
+    for _ in range(4):
+        for s in slices:
+            t0 = time.perf_counter()
+            s.sum()
+            best = min(best, time.perf_counter() - t0)
+    return {"read_bytes_s": n * 4 / best}
+
+
+# ---- freetoken ----------------------------------------------------------------------------------
+def freetoken(a: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from freetokend import LLM
+    from freetokend.engine.sampler import SamplingParams
+
+    torch.set_num_threads(a["threads"])
+    llm = LLM(a["model"], moe_backend="cpu", threads=a["threads"], max_model_len=4096)
+    ids = iter(range(1 << 30))
+
+    def gen(prompt: list[int], n: int) -> list[float]:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        llm.engine.add_request(f"bench-{next(ids)}", prompt, params)
+        stamps = []
+        while llm.engine.has_unfinished():
+            for _ in llm.engine.step():
+                stamps.append(time.perf_counter())
+        return stamps
+
+    def prefill(prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        stamps = gen(prompt, 1)
+        return stamps[0] - t0
+
+    out = _measure(gen, prefill, a)
+    out["isa"] = getattr(getattr(llm.moe, "executor", None), "isa", "torch")
+    return out
+
+
+# ---- HF transformers ----------------------------------------------------------------------------
+def hf(a: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_num_threads(a["threads"])
+    model = AutoModelForCausalLM.from_pretrained(a["model"], dtype=torch.bfloat16)
+    model.eval()
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.t.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    @torch.inference_mode()
+    def gen(prompt: list[int], n: int) -> list[float]:
+        s = Stamps()
+        ids = torch.tensor([prompt])
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            streamer=s,
+            pad_token_id=0,
+        )
+        return s.t[1:]  # the first put is the prompt
+
+    @torch.inference_mode()
+    def prefill(prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    return _measure(gen, prefill, a)
+
+
+# ---- llama.cpp ----------------------------------------------------------------------------------
+def llama_cpp(a: dict[str, Any]) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    n_ctx = max(a["prefill_tokens"], a["prompt_tokens"] + a["decode_tokens"]) + 16
+    llm = Llama(
+        model_path=a["gguf"],
+        n_ctx=n_ctx,
+        n_batch=a["prefill_tokens"],
+        n_ubatch=a["prefill_tokens"],
+        n_threads=a["threads"],
+        n_threads_batch=a["threads"],
+        verbose=False,
+    )
+
+    def gen(prompt: list[int], n: int) -> list[float]:
+        llm.reset()
+        stamps = []
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == n:
+                break
+        return stamps
+
+    def prefill(prompt: list[int]) -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - t0
+
+    return _measure(gen, prefill, a)
+
+
+WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "membw": membw,
+    "freetoken": freetoken,
+    "hf": hf,
+    "llama.cpp": llama_cpp,
+}
+
+
+def main() -> None:
+    kind, args = sys.argv[1], json.loads(sys.argv[2])
+    os.environ.setdefault("OMP_NUM_THREADS", str(args["threads"]))
+    result = WORKERS[kind](args)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
