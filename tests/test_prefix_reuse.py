@@ -12,6 +12,7 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.engine.prefix import PrefixReuse, SnapshotPolicy
 from freetokend.engine.sampler import SamplingParams
+from freetokend.kv.edits import EditModel
 from freetokend.kv.pool import KVPool
 from freetokend.kv.radix import RadixCache
 from freetokend.kv.seq_state import RecurrentState, SeqState
@@ -51,14 +52,14 @@ def serve(llm: LLM, prompts: list[list[int]], gen: int = GEN) -> list[tuple[list
 class Oracle:
     """Expected cached tokens, from the token sequences alone (no cache code involved).
 
-    The radix tree holds the full pages of every finished request's fed tokens (prompt plus all
-    generated tokens but the last); a hybrid model resumes only at a snapshot point of a
+    The radix tree holds the KV of every finished request's fed tokens (prompt plus all
+    generated tokens but the last, partial last page included); a hybrid model resumes only at a snapshot point of a
     request that shared that prefix: an anchor token, the end of its prompt, or an interval.
     Valid while nothing is evicted (large pool and snapshot budget).
     """
 
-    def __init__(self, page: int, hybrid: bool, anchors: set[int], interval: int = 0) -> None:
-        self.page, self.hybrid, self.anchors, self.interval = page, hybrid, anchors, interval
+    def __init__(self, hybrid: bool, anchors: set[int], interval: int = 0) -> None:
+        self.hybrid, self.anchors, self.interval = hybrid, anchors, interval
         self.done: list[tuple[list[int], int]] = []  # (fed tokens, prompt length)
 
     def expect(self, tokens: list[int]) -> int:
@@ -69,10 +70,7 @@ class Oracle:
             return n
 
         shared = [(lcp(tokens, fed), fed, plen) for fed, plen in self.done]
-        limit = min(
-            max([min(n, len(fed) // self.page * self.page) for n, fed, _ in shared], default=0),
-            len(tokens) - 1,
-        )
+        limit = min(max([n for n, _, _ in shared], default=0), len(tokens) - 1)
         if not self.hybrid:
             return limit
         for p in range(limit, 0, -1):
@@ -153,7 +151,7 @@ def test_builtin_sessions_identical_with_exact_accounting(builtin_pair):
 
     anchors = set(llm.engine.prefix.policy.anchor_ids)
     assert len(anchors) == 6  # the ChatML markers all resolve through the tokenizer
-    total = run_sessions(llm, prompts_of, Oracle(llm.runner.kv.page_size, True, anchors), ref)
+    total = run_sessions(llm, prompts_of, Oracle(True, anchors), ref)
     assert total > 0
     assert llm.engine.stats().prompt_tokens_cached_total == total
     assert_no_leak(llm)
@@ -173,7 +171,7 @@ def _tiny_pair(tmp_path_factory, family: str, **kw):
 def test_non_hybrid_sessions_identical(tmp_path_factory, family):
     """Full-attention and sliding-window models reuse KV at any position (page COW included)."""
     llm, ref = _tiny_pair(tmp_path_factory, family, kv_tokens=8192)
-    oracle = Oracle(llm.runner.kv.page_size, False, set())
+    oracle = Oracle(False, set())
     total = run_sessions(llm, token_sessions(97), oracle, ref)
     assert total > 0
     assert_no_leak(llm)
@@ -181,6 +179,9 @@ def test_non_hybrid_sessions_identical(tmp_path_factory, family):
 
 def _with_marker_policy(llm: LLM, spec: str = "anchors", budget: int = 64 << 20) -> PrefixReuse:
     """The tiny models have no tokenizer: anchors are the marker ids of the token-level render."""
+    if llm.engine.prefix is not None:
+        llm.engine.prefix.radix.clear()  # return the old tree's pages to the pool
+    assert llm.runner.kv.num_used == 0
     policy = SnapshotPolicy.parse(spec, dict(MARKER_ANCHORS) if spec == "anchors" else {})
     llm.engine.prefix = PrefixReuse(llm.runner.kv, True, policy, budget)
     return llm.engine.prefix
@@ -191,7 +192,7 @@ def test_tiny_hybrid_sessions_identical(tmp_path_factory, spec):
     llm, ref = _tiny_pair(tmp_path_factory, "qwen3_5_moe", kv_tokens=8192)
     _with_marker_policy(llm, spec)
     interval = int(spec.split(":")[1]) if ":" in spec else 0
-    oracle = Oracle(llm.runner.kv.page_size, True, set(MARKER_ANCHORS), interval)
+    oracle = Oracle(True, set(MARKER_ANCHORS), interval)
     assert run_sessions(llm, token_sessions(97), oracle, ref) > 0
     assert_no_leak(llm)
 
@@ -236,7 +237,7 @@ def test_preempted_request_counts_its_cached_prompt_once(tmp_path_factory):
     llm, ref = _tiny_pair(tmp_path_factory, "qwen3_moe", kv_tokens=128, max_batch=2)
     g = torch.Generator().manual_seed(1)
     base = torch.randint(10, 97, (48,), generator=g).tolist()
-    serve(llm, [base])  # the tree gets the 3 full pages of the prompt
+    serve(llm, [base], gen=1)  # the tree gets the 3 pages of the prompt (no generated token fed)
     prompts = [base + torch.randint(10, 97, (8,), generator=g).tolist() for _ in range(2)]
     got = serve(llm, prompts, gen=40)
     assert llm.engine.stats().preemptions_total > 0
@@ -296,3 +297,101 @@ def test_snapshot_budget_evicts_least_recently_used():
     assert not SnapshotStore(st.nbytes - 1).put(
         toks, 5, st, "end_of_turn"
     )  # larger than the budget
+
+
+# ---- retention under a tight snapshot budget -----------------------------------------------------
+
+
+def _replay(llm: LLM, prompts: list[list[int]]) -> tuple[int, list[list[int]]]:
+    """Re-prefilled tokens over turns 1.. (turn 0 reuses nothing anywhere) and the outputs."""
+    prefilled, outs = 0, []
+    for t, p in enumerate(prompts):
+        [(out, cached)] = serve(llm, [p], gen=2)
+        prefilled += (len(p) - cached) * (t > 0)
+        outs.append(out)
+    return prefilled, outs
+
+
+def test_tight_budget_anchors_beat_interval_and_no_snapshots(tmp_path_factory):
+    """A budget of 4 snapshots and 8-turn sessions: anchors (tiered retention: session heads and
+    edit frontiers protected) re-prefill less than snapshots every 16 tokens and than none, in
+    every edit style, and less than anchors under plain LRU; outputs stay identical."""
+    d = tmp_path_factory.mktemp("tight")
+    make_tiny("qwen3_5_moe", d, seed=3)
+    llm = LLM(d, moe_backend="cpu", max_model_len=512, kv_tokens=8192)
+    budget = 4 * llm.runner.new_state().recurrent.nbytes
+    prompts_of = token_sessions(97, turns=8)
+    for style in STYLES:
+        prompts = prompts_of(style)
+        got = {}
+        for spec, retention in (
+            ("none", "tiered"),
+            ("interval:16", "tiered"),
+            ("anchors", "lru"),
+            ("anchors", "tiered"),
+        ):
+            reuse = _with_marker_policy(llm, spec, budget)
+            reuse.snapshots.retention = retention
+            got[spec, retention] = _replay(llm, prompts)
+        outs = {str(o) for _, o in got.values()}
+        assert len(outs) == 1, f"{style}: outputs differ between strategies"
+        best = got["anchors", "tiered"][0]
+        others = {k: v[0] for k, v in got.items() if k != ("anchors", "tiered")}
+        assert all(best < v for v in others.values()), (style, best, others)
+
+
+def test_tiered_store_keeps_protected_snapshots():
+    st = _state()
+    store = SnapshotStore(3 * st.nbytes)
+    toks = list(range(100))
+    head = store.put(toks, 10, st, "end_of_turn", head=True)
+    front = store.put(toks, 20, st, "tool_output_start", frontier=True)
+    for p in (30, 40, 50):  # unprotected ones evict each other, never the protected two
+        assert store.put(toks, p, st, "tool_call_end")
+    assert sorted(store.positions()) == [10, 20, 50]
+    assert head is not None and front is not None
+    store.mark(head, head=False, frontier=False)  # demoted: unprotected, most recently used
+    assert store.put(toks, 60, st, "end_of_turn", head=True)
+    assert sorted(store.positions()) == [10, 20, 60]  # 50 was the older unprotected one
+    assert store.put(toks, 70, st, "end_of_turn", head=True)
+    assert sorted(store.positions()) == [20, 60, 70]
+    assert store.put(toks, 80, st, "tool_call_end") is None  # never evicts protected for it
+    lru = SnapshotStore(2 * st.nbytes, retention="lru")
+    lru.put(toks, 10, st, "end_of_turn", head=True)
+    lru.put(toks, 20, st, "x")
+    lru.put(toks, 30, st, "x")
+    assert sorted(lru.positions()) == [20, 30]  # marks ignored
+
+
+def test_edit_model_learns_the_kinds_edits_land_on():
+    m = EditModel()
+    assert m.admits("anything")  # before any edit, every kind may be a frontier
+    for _ in range(3):
+        m.observe("tool_output_start")
+    m.observe("end_of_turn")
+    assert m.admits("tool_output_start") and m.admits("end_of_turn")
+    assert not m.admits("tool_call_end")
+    for _ in range(6):
+        m.observe("tool_output_start")
+    assert not m.admits("end_of_turn")  # decayed below its share
+
+
+def test_radix_keeps_a_partial_last_page_until_a_longer_page_covers_it():
+    pool = KVPool(1, 8, 4, 1, 2)
+    radix = RadixCache(pool)
+    seq = list(range(10, 20))  # 2 full pages + 2 rows
+    pages = pool.alloc(3)
+    radix.insert(seq, pages)
+    pool.free(pages)  # the request ends: the tree alone holds its pages
+    assert radix.cached_pages() == 3 and pool.num_used == 3
+    assert radix.match_prefix(seq + [1, 2]) == (pages, 10)
+    assert radix.match(seq) == pages[:2]  # full pages only
+    longer = pool.alloc(1)
+    radix.insert(seq + [20, 21], pages[:2] + longer)  # a full page repeats the partial one's rows
+    pool.free(longer)
+    assert radix.cached_pages() == 3 and pool.refcount(pages[2]) == 0  # the partial one is dropped
+    assert radix.match_prefix(seq + [20, 21, 22]) == (pages[:2] + longer, 12)
+    radix.insert(seq[:9], pages[:3])  # covered by the longer page: nothing taken
+    assert radix.cached_pages() == 3
+    radix.clear()
+    assert pool.num_used == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kv.edits import EditModel, Track
 from ..kv.pool import KVPool
 from ..kv.radix import RadixCache
 from ..kv.seq_state import SeqState
@@ -57,20 +58,27 @@ class PrefixReuse:
         hybrid: bool,
         policy: SnapshotPolicy,
         snapshot_budget: int,
+        retention: str = "tiered",
+        frontier: int = 2,
     ) -> None:
         self.pool = pool
         self.radix = RadixCache(pool)
         self.hybrid = hybrid
         self.policy = policy
-        self.snapshots = SnapshotStore(snapshot_budget) if hybrid else None
+        self.snapshots = SnapshotStore(snapshot_budget, retention) if hybrid else None
+        self.edits = EditModel()
+        self.frontier = frontier  # snapshots protected after an edit (see kv/edits.py)
+        self._tracks: dict[int, Track] = {}  # id(SeqState) of a request in flight -> its track
 
     # ---- admission ----------------------------------------------------------------------------
     def restore(self, tokens: list[int], state: SeqState) -> int:
         """Fills the fresh ``state`` with the deepest reusable prefix of ``tokens``; returns its
         length (0: nothing reused, ``state`` untouched). At least one token is left to feed."""
         pages, matched = self.radix.match_prefix(tokens)
-        pos, snap = self._resume_point(tokens, min(matched, len(tokens) - 1))
+        limit = min(matched, len(tokens) - 1)
+        pos, snap = self._resume_point(tokens, limit)
         if pos <= 0:
+            self._track(state, tokens, limit, None)
             return 0
         full, rest = divmod(pos, self.pool.page_size)
         held = pages[: full + (1 if rest else 0)]
@@ -80,6 +88,7 @@ class PrefixReuse:
             fresh = self._alloc_page()
             if fresh is None:
                 self.pool.free(held)
+                self._track(state, tokens, limit, None)
                 return 0
             self.pool.copy_page(pages[full], fresh, rest)
             self.pool.free([pages[full]])
@@ -91,6 +100,7 @@ class PrefixReuse:
             state.recurrent.conv.copy_(snap.state.conv)
             state.recurrent.ssm.copy_(snap.state.ssm)
             self.snapshots.restored += 1
+        self._track(state, tokens, limit, snap)
         state.num_tokens = pos
         return pos
 
@@ -100,6 +110,28 @@ class PrefixReuse:
         if self.pool.num_free == 0:
             return None
         return self.pool.alloc(1)[0]
+
+    def _track(self, state: SeqState, tokens: list[int], limit: int, snap: Snapshot | None) -> None:
+        """Starts the request's snapshot track. Restoring from a snapshot that a deeper path
+        continued means the prompt left that path: an edit. Then (and for a new session) the
+        first snapshots of edit kinds it takes past the edit (``limit``: where the prompt leaves
+        the cached KV) are protected as the session's edit frontier."""
+        if self.snapshots is None:
+            return
+        track = Track(parent=snap, frontier_after=limit)
+        if snap is None or snap.had_children:
+            track.frontier_left = self.frontier
+        if snap is not None and snap.had_children:
+            self.edits.observe(self._ideal_kind(tokens, limit) or snap.kind)
+            self.snapshots.mark(snap, head=snap.head, frontier=False)  # the edit moved past it
+        self._tracks[id(state)] = track
+
+    def _ideal_kind(self, tokens: list[int], limit: int) -> str | None:
+        """The kind of the deepest snapshot point at or before ``limit`` (where the edit is)."""
+        for p in range(limit, 0, -1):
+            if (kind := self.policy.kind_at(tokens, p)) is not None:
+                return kind
+        return None
 
     def _resume_point(self, tokens: list[int], limit: int) -> tuple[int, Snapshot | None]:
         if not self.hybrid:
@@ -130,9 +162,30 @@ class PrefixReuse:
         if kind is None and pos == prompt_len and self.policy.anchor_ids:
             kind = "prompt_end"
         if kind is not None:
-            self.snapshots.put(tokens, pos, state.recurrent, kind)
+            self._snapshot(tokens, state, kind)
+
+    def _snapshot(self, tokens: list[int], state: SeqState, kind: str) -> None:
+        assert self.snapshots is not None and state.recurrent is not None
+        track = self._tracks.get(id(state)) or Track()
+        frontier = (
+            track.frontier_left > 0
+            and state.num_tokens > track.frontier_after  # past the edit: where the next one lands
+            and self.edits.admits(kind)
+        )
+        snap = self.snapshots.put(
+            tokens, state.num_tokens, state.recurrent, kind, head=True, frontier=frontier
+        )
+        if snap is None:
+            return
+        track.frontier_left -= frontier
+        parent = track.parent
+        if parent is not None and parent is not snap:  # the new snapshot is the request's head
+            parent.had_children = True
+            self.snapshots.mark(parent, head=False, frontier=parent.frontier)
+        track.parent = snap
 
     def release(self, tokens: list[int], state: SeqState) -> None:
+        self._tracks.pop(id(state), None)
         self.radix.insert(tokens[: state.num_tokens], state.pages)
 
     def evict(self, pages: int) -> int:

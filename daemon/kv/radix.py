@@ -1,9 +1,10 @@
 """Radix prefix cache over the paged KV pool (page-granular sharing).
 
-Each tree node stands for one FULL page of tokens: its key is the page's ``page_size`` token ids,
-its path from the root is the whole prefix, and it holds one reference on its KV page. A new
-request walks the tree with its prompt and borrows (retains) the pages of the longest matching
-prefix; a finished request inserts its full pages. Nodes that no request uses (page refcount 1,
+Each tree node stands for one page of tokens: its key is the page's ``page_size`` token ids (a
+leaf may hold a sequence's last, partial page: a shorter key), its path from the root is the
+whole prefix, and it holds one reference on its KV page. A new request walks the tree with its
+prompt and borrows (retains) the pages of the longest matching prefix, copying a partially
+matching page; a finished request inserts its pages. Nodes that no request uses (page refcount 1,
 held by the tree alone) and that have no children are evicted least recently used first when the
 pool needs pages.
 """
@@ -78,19 +79,36 @@ class RadixCache:
         return pages, len(pages) * ps
 
     def insert(self, tokens: list[int], pages: list[int]) -> None:
-        """Adds the full pages of a sequence (``pages[i]`` holds tokens of page i). Pages the tree
-        takes are retained; where the tree already has that prefix its own page is kept."""
+        """Adds a sequence's pages (``pages[i]`` holds tokens of page i). Pages the tree takes are
+        retained; where the tree already has that prefix its own page is kept. A last, partial
+        page becomes a leaf with a short key: the next turn of an agent resumes at the end of this
+        prompt, usually inside that page. Tree pages are never written again (a request copies a
+        partial page before writing), so a short-keyed page stays valid."""
         node, now = self.root, next(self._clock)
-        n = min(len(tokens) // self.ps, len(pages))
-        for key, page in zip(self._pages_of(tokens, n), pages[:n], strict=True):
+        ps = self.ps
+        n = min(-(-len(tokens) // ps), len(pages))
+        for i in range(n):
+            key = tuple(tokens[i * ps : (i + 1) * ps])
             child = node.children.get(key)
             if child is None:
-                child = _Node(key, page, node)
+                if any(k[: len(key)] == key for k in node.children):
+                    return  # a page already there holds these rows (and more)
+                self._drop_covered(node, key)
+                child = _Node(key, pages[i], node)
                 node.children[key] = child
-                self.pool.retain([page])
+                self.pool.retain([pages[i]])
                 self.num_nodes += 1
             child.last_access = now
             node = child
+
+    def _drop_covered(self, node: _Node, key: tuple[int, ...]) -> None:
+        """Removes partial-page leaves of ``node`` whose rows ``key`` repeats (held by the tree
+        alone: a request only borrows a partial page to copy it)."""
+        for k, child in list(node.children.items()):
+            if len(k) < len(key) and key[: len(k)] == k and not child.children:
+                del node.children[k]
+                self.pool.free([child.page])
+                self.num_nodes -= 1
 
     def evictable(self) -> int:
         return sum(1 for n in self._nodes() if not n.children and self.pool.refcount(n.page) == 1)
