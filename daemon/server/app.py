@@ -19,6 +19,7 @@ from .errors import (
     error_status,
     is_anthropic_path,
 )
+from .openapi import openapi_config
 from .routes.anthropic import count_tokens, messages
 from .routes.completions import completions
 from .routes.misc import get_model, health, list_models, metrics, root, root_head
@@ -117,7 +118,7 @@ def create_app(state: ServerState) -> Litestar:
         on_startup=[start_engine],
         on_shutdown=[stop_engine],
         request_max_body_size=MAX_BODY_BYTES,
-        openapi_config=None,
+        openapi_config=openapi_config(),
         debug=False,
     )
     app.state.server = state

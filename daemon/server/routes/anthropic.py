@@ -16,6 +16,7 @@ from litestar import Request, Response, post
 
 from ..chat import ChatRequest, Sampling, ToolSpec, assistant_tool_call, check_tool
 from ..errors import InvalidRequest
+from ..openapi import body_operation
 from ..schemas.anthropic import Block, CountTokensRequest, Message, MessagesRequest
 from ..sse import stream_response
 from ..state import server_state
@@ -160,7 +161,7 @@ def sampling_of(body: MessagesRequest) -> Sampling:
     )
 
 
-@post("/v1/messages", status_code=200)
+@post("/v1/messages", status_code=200, operation_class=body_operation(MessagesRequest))
 async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     started = time.monotonic()
     state = server_state(request)
@@ -185,7 +186,11 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     return Response(payload)
 
 
-@post("/v1/messages/count_tokens", status_code=200)
+@post(
+    "/v1/messages/count_tokens",
+    status_code=200,
+    operation_class=body_operation(CountTokensRequest),
+)
 async def count_tokens(request: Request[Any, Any, Any]) -> dict[str, int]:
     state = server_state(request)
     body = await decode_body(request, CountTokensRequest)

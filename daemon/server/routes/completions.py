@@ -12,6 +12,7 @@ from .. import sse
 from ..chat import Sampling
 from ..errors import APIError, InternalError, InvalidRequest, error_event
 from ..generation import Generation, TokenLogprob
+from ..openapi import body_operation
 from ..schemas.openai import CompletionRequest
 from ..service import ModelService
 from ..sse import stream_response
@@ -133,7 +134,7 @@ class CompletionOutput:
         yield sse.DONE
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, operation_class=body_operation(CompletionRequest))
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     started = time.monotonic()
     state = server_state(request)

@@ -16,6 +16,7 @@ from ..chat import (
     check_tool,
 )
 from ..errors import InvalidRequest
+from ..openapi import body_operation
 from ..schemas.openai import ChatCompletionRequest, ChatMessage, ContentPart
 from ..sse import stream_response
 from ..state import server_state
@@ -139,7 +140,11 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     )
 
 
-@post("/v1/chat/completions", status_code=200)
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    operation_class=body_operation(ChatCompletionRequest),
+)
 async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     started = time.monotonic()
     state = server_state(request)

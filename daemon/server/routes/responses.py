@@ -13,6 +13,7 @@ from litestar import Request, Response, post
 
 from ..chat import ChatRequest, Sampling, ToolSpec, assistant_tool_call, check_role, check_tool
 from ..errors import InvalidRequest
+from ..openapi import body_operation
 from ..schemas.responses import InputItem, InputPart, ResponsesRequest
 from ..sse import stream_response
 from ..state import server_state
@@ -154,7 +155,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatRequest:
     )
 
 
-@post("/v1/responses", status_code=200)
+@post("/v1/responses", status_code=200, operation_class=body_operation(ResponsesRequest))
 async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
     started = time.monotonic()
     state = server_state(request)
