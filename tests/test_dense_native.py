@@ -136,3 +136,28 @@ def test_fp32_weights_stay_on_torch() -> None:
     x = torch.randn(2, 16)
     assert not dense_native.usable(x, torch.randn(4, 16))
     assert not dense_native.usable(x.unsqueeze(0), torch.randn(4, 16).bfloat16())
+
+
+def test_concurrent_callers() -> None:
+    """The GIL is released during a call: callers on other threads run inline, correctly."""
+    import threading
+
+    dense_native.configure(2)
+    cases = [_case(t, 700, 256, seed=s) for s, t in enumerate([1, 3, 9, 20] * 2)]
+    refs = [dense_native.linear_reference(x, w) for x, w in cases]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(20):
+                x, w = cases[i]
+                torch.testing.assert_close(dense_native.linear(x, w), refs[i], rtol=RTOL, atol=ATOL)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]

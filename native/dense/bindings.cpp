@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "dense_linear.h"
@@ -14,15 +15,16 @@ namespace py = pybind11;
 namespace {
 
 struct State {
-  std::unique_ptr<ftdense::Pool> pool;
+  std::mutex mu;  // guards the fields; a call holds its own reference to the pool
+  std::shared_ptr<ftdense::Pool> pool;
   std::string isa = "auto";
   const ftnative::KernelSet* bf16 = nullptr;
   const ftnative::KernelSet* f32 = nullptr;
 };
 
 State& state() {
-  static State s;
-  return s;
+  static State* s = new State;  // never destroyed: no pool teardown at exit (or in a fork)
+  return *s;
 }
 
 void configure(int threads, int spin_us, const std::string& isa) {
@@ -30,8 +32,9 @@ void configure(int threads, int spin_us, const std::string& isa) {
   State& s = state();
   const auto* bf16 = &ftdense::kernel_set(isa, true);  // throws before anything changes
   const auto* f32 = &ftdense::kernel_set(isa, false);
-  s.pool.reset();
-  s.pool = std::make_unique<ftdense::Pool>(threads, spin_us);
+  auto pool = std::make_shared<ftdense::Pool>(threads, spin_us);
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.pool = std::move(pool);  // the old pool ends when its last running call drops it
   s.bf16 = bf16;
   s.f32 = f32;
   s.isa = bf16->isa;
@@ -43,19 +46,35 @@ PYBIND11_MODULE(ftdense, m) {
   m.doc() = "freetoken dense CPU projections y = x W^T (bf16/fp32 weights, fp32 in and out)";
   m.def("configure", &configure, py::arg("threads"), py::arg("spin_us") = 50,
         py::arg("isa") = "auto", "(Re)creates the thread pool (the caller counts as one thread).");
-  m.def("configured", [] { return static_cast<bool>(state().pool); });
-  m.def("isa", [] { return state().isa; });
-  m.def("threads", [] { return state().pool ? state().pool->threads() : 0; });
+  m.def("configured", [] {
+    std::lock_guard<std::mutex> lock(state().mu);
+    return static_cast<bool>(state().pool);
+  });
+  m.def("isa", [] {
+    std::lock_guard<std::mutex> lock(state().mu);
+    return state().isa;
+  });
+  m.def("threads", [] {
+    std::lock_guard<std::mutex> lock(state().mu);
+    return state().pool ? state().pool->threads() : 0;
+  });
   m.def(
       "linear",
       [](uintptr_t x, int T, int K, uintptr_t w, bool bf16, int N, uintptr_t y, bool round_input) {
         State& s = state();
-        if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
+        std::shared_ptr<ftdense::Pool> pool;
+        const ftnative::KernelSet* ks;
+        {
+          std::lock_guard<std::mutex> lock(s.mu);
+          if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
+          pool = s.pool;
+          ks = bf16 ? s.bf16 : s.f32;
+        }
         ftdense::LinearArgs a{reinterpret_cast<const float*>(x), T, K,
                               reinterpret_cast<const void*>(w), bf16, N,
                               reinterpret_cast<float*>(y), round_input};
         py::gil_scoped_release release;
-        ftdense::linear(*s.pool, bf16 ? *s.bf16 : *s.f32, a);
+        ftdense::linear(*pool, *ks, a);
       },
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("bf16"), py::arg("N"),
       py::arg("y"), py::arg("round_input"),

@@ -24,6 +24,12 @@ Pool::Pool(int threads, int spin_us) : spin_us_(spin_us), owner_pid_(static_cast
 }
 
 Pool::~Pool() {
+  if (static_cast<long>(getpid()) != owner_pid_) {
+    // A forked child: the workers stayed in the parent, so there is nothing to join. Their
+    // handles are leaked on purpose (destroying a joinable std::thread terminates).
+    new std::vector<std::thread>(std::move(workers_));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_.store(true);
@@ -42,8 +48,11 @@ void Pool::drain() {
 
 void Pool::run(TaskFn fn, void* ctx, int64_t tasks) {
   if (tasks <= 0) return;
-  if (workers_.empty() || tasks == 1 || static_cast<long>(getpid()) != owner_pid_) {
-    // No workers (or a forked child, where they do not exist): the caller does it all.
+  std::unique_lock<std::mutex> owner(run_mu_, std::defer_lock);
+  if (workers_.empty() || tasks == 1 || static_cast<long>(getpid()) != owner_pid_ ||
+      !owner.try_lock()) {
+    // No workers (or a forked child, where they do not exist), or they serve another caller:
+    // this caller does it all.
     for (int64_t t = 0; t < tasks; ++t) fn(ctx, t);
     return;
   }

@@ -28,7 +28,9 @@ class Pool {
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Blocks until every task ran. Not re-entrant: callers serialise (the Python GIL does).
+  // Blocks until every task ran. Safe from several threads: while one job holds the workers,
+  // another caller runs its own tasks inline (the GIL is released during jobs, so two engine
+  // threads may well call at once).
   void run(TaskFn fn, void* ctx, int64_t tasks);
 
  private:
@@ -50,6 +52,7 @@ class Pool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
 
+  std::mutex run_mu_;  // held by the caller whose job the workers serve
   std::mutex mu_;
   std::condition_variable wake_cv_;
 };
