@@ -37,3 +37,20 @@ lint: $(TEST_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Opt-in slow tests: real agent clients (Claude Code, Codex CLI, OpenCode, pinned below and
+# installed from npm into .agents/) against the daemon, and schemathesis against its OpenAPI.
+AGENTS_DIR ?= .agents
+AGENT_PACKAGES ?= @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33
+AGENTS_STAMP := $(AGENTS_DIR)/.installed
+
+$(AGENTS_STAMP): Makefile
+	mkdir -p $(AGENTS_DIR)
+	npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error $(AGENT_PACKAGES)
+	touch $@
+
+install-agents: $(AGENTS_STAMP)
+
+.PHONY: test-slow install-agents
+test-slow: $(TEST_STAMP) $(AGENTS_STAMP)
+	FT_AGENTS_DIR=$(abspath $(AGENTS_DIR)) $(PY) -m pytest -m slow --runslow $(PYTEST_ARGS)

@@ -1,7 +1,8 @@
-"""Shared fixtures. Keep this file small: fixtures only."""
+"""Shared fixtures, and the opt-in switch for slow tests. Keep this file small."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,3 +14,24 @@ def builtin_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from freetokend.models.builtin import ensure_builtin_model
 
     return ensure_builtin_model(tmp_path_factory.mktemp("state"))
+
+
+# --- opt-in slow tests (real agent clients, schemathesis): `pytest --runslow` or FT_RUN_SLOW=1
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run tests marked slow (or set FT_RUN_SLOW=1)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--runslow") or os.environ.get("FT_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow test: run with --runslow or FT_RUN_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
