@@ -1,0 +1,34 @@
+"""Bandwidth profiles (DESIGN §1): B_P and B_H per host, accelerator and expert format."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import sqlite_utils
+
+
+@dataclass(frozen=True)
+class BandwidthRow:
+    host: str
+    gpu: str  # accelerator kind, e.g. "cuda:NVIDIA GeForce RTX 4090" or "standin"
+    format: str  # expert format
+    b_p: float  # bytes/s, pinned host -> accelerator
+    b_h: float  # bytes/s, CPU expert execution
+    measured_at: float  # unix time
+    expert_bytes: int = 0
+
+
+def save(db: sqlite_utils.Database, row: BandwidthRow) -> None:
+    db.table("bandwidth_profiles").insert(asdict(row))
+
+
+def latest(db: sqlite_utils.Database, host: str, gpu: str, fmt: str) -> BandwidthRow | None:
+    """The most recent profile measured on this host for this accelerator and format."""
+    rows = list(
+        db.query(
+            "SELECT host, gpu, format, b_p, b_h, measured_at, expert_bytes FROM bandwidth_profiles"
+            " WHERE host = ? AND gpu = ? AND format = ? ORDER BY measured_at DESC, id DESC LIMIT 1",
+            (host, gpu, fmt),
+        )
+    )
+    return BandwidthRow(**rows[0]) if rows else None

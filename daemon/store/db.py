@@ -1,0 +1,122 @@
+"""Opening the daemon's SQLite state file: identity checks, WAL, schema migrations.
+
+One file, ``state.db`` in the state directory. It is ours when its SQLite ``application_id`` is
+``APP_ID``; a fresh (empty) file is initialised; anything else (another program's database, a
+non-SQLite file, a damaged file, a schema from a newer freetoken) raises ``StoreError`` with a
+message that names the file and what to do, never a bare sqlite3 traceback.
+
+Durability: WAL journal with ``synchronous=NORMAL``: a committed transaction survives a crash of
+the process (kill -9) and the file always opens consistent; a power cut may roll back the last
+few commits, never half of one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import sqlite_utils
+
+APP_ID = 0x46545344  # "FTSD" in the SQLite header: this file is a freetoken state store
+DB_NAME = "state.db"
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+Migration = tuple[int, str, Callable[[sqlite_utils.Database], None]]
+
+
+class StoreError(RuntimeError):
+    """The state file cannot be used; the message says which file and why."""
+
+
+def open_database(
+    path: Path, migrations: list[Migration], upto: int | None = None
+) -> sqlite_utils.Database:
+    """Opens (creating if needed) the store at ``path`` and migrates it to the newest version
+    (or to ``upto``: tests build old stores this way)."""
+    _check_header(path)
+    try:
+        conn = sqlite3.connect(str(path), check_same_thread=False, timeout=10.0)
+    except sqlite3.Error as e:
+        raise StoreError(f"{path}: cannot open the state store: {e}") from None
+    try:
+        db = sqlite_utils.Database(conn, execute_plugins=False)
+        _check_identity(db, path)
+        db.execute("PRAGMA busy_timeout = 10000")
+        db.enable_wal()
+        db.execute("PRAGMA synchronous = NORMAL")
+        db.execute("PRAGMA foreign_keys = ON")
+        _migrate(db, path, migrations, upto)
+        return db
+    except StoreError:
+        conn.close()
+        raise
+    except sqlite3.DatabaseError as e:
+        conn.close()
+        raise StoreError(
+            f"{path}: the state store is damaged ({e}); move it aside and the daemon starts a new "
+            "one (bandwidth profiles, the model registry and snapshot metadata are then lost)"
+        ) from None
+
+
+def _check_header(path: Path) -> None:
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb") as f:
+        head = f.read(len(_SQLITE_MAGIC))
+    if head != _SQLITE_MAGIC:
+        raise StoreError(
+            f"{path}: not a freetoken state store (not an SQLite database); move it aside or choose another state directory"
+        )
+
+
+def _check_identity(db: sqlite_utils.Database, path: Path) -> None:
+    app_id = db.execute("PRAGMA application_id").fetchone()[0]
+    if app_id == APP_ID:
+        problems = [r[0] for r in db.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            raise StoreError(
+                f"{path}: the state store is damaged ({'; '.join(problems[:3])}); move it aside"
+            )
+        return
+    if app_id != 0 or db.table_names():
+        raise StoreError(
+            f"{path}: an SQLite database of another program (application_id {app_id:#x}, tables "
+            f"{', '.join(db.table_names()[:5]) or 'none'}); not touching it: choose another state directory"
+        )
+    db.execute(f"PRAGMA application_id = {APP_ID}")  # a new, empty file becomes ours
+
+
+def schema_version(db: sqlite_utils.Database) -> int:
+    if "schema_version" not in db.table_names():
+        return 0
+    row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return int(row[0] or 0)
+
+
+def _migrate(
+    db: sqlite_utils.Database, path: Path, migrations: list[Migration], upto: int | None
+) -> None:
+    versions = [v for v, _, _ in migrations]
+    assert versions == list(range(1, len(versions) + 1)), "migrations must be numbered 1, 2, ..."
+    latest = len(migrations)
+    have = schema_version(db)
+    if have > latest:
+        raise StoreError(
+            f"{path}: written by a newer freetoken (schema version {have}, this one knows {latest}); "
+            "upgrade freetoken or use another state directory"
+        )
+    for version, description, apply in migrations[have : upto if upto is not None else latest]:
+        with db.atomic():  # each step commits whole or not at all
+            if version == 1:
+                db.execute(
+                    "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, description TEXT NOT NULL, "
+                    "applied_at REAL NOT NULL)"
+                )
+            apply(db)
+            db.execute(
+                "INSERT INTO schema_version (version, description, applied_at) VALUES (?, ?, ?)",
+                (version, description, time.time()),
+            )
+            db.execute(f"PRAGMA user_version = {version}")

@@ -1,0 +1,236 @@
+"""The SQLite state store: typed tables, WAL durability under kill -9, migrations, and clear
+errors for foreign or damaged files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from freetokend.experts.bandwidth import BandwidthProfile
+from freetokend.store import AnchorRecord, BandwidthRow, RequestEntry, Store, StoreError
+from freetokend.store.db import APP_ID
+from freetokend.store.schema import MIGRATIONS
+
+LATEST = len(MIGRATIONS)
+
+
+def _entry(i: int) -> RequestEntry:
+    return RequestEntry(float(i), "m", "/v1/chat/completions", 100 + i, i, 5, "stop", 1.5, 20.0)
+
+
+def test_fresh_store_is_ours_in_wal_mode_at_the_latest_schema(tmp_path):
+    with Store(tmp_path) as s:
+        assert s.version == LATEST
+    conn = sqlite3.connect(tmp_path / "state.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == APP_ID
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == LATEST
+    assert [
+        r[0] for r in conn.execute("SELECT version FROM schema_version ORDER BY version")
+    ] == list(range(1, LATEST + 1))
+
+
+def test_bandwidth_latest_profile_per_host_gpu_and_format(tmp_path):
+    with Store(tmp_path) as s:
+        s.save_bandwidth_row(BandwidthRow(s.host, "cuda:A", "bf16", 10e9, 40e9, 100.0))
+        s.save_bandwidth_row(BandwidthRow(s.host, "cuda:A", "bf16", 12e9, 41e9, 200.0))
+        s.save_bandwidth_row(BandwidthRow(s.host, "cuda:A", "mxfp4", 9e9, 30e9, 300.0))
+        s.save_bandwidth_row(BandwidthRow("other", "cuda:A", "bf16", 1e9, 1e9, 400.0))
+        got = s.latest_bandwidth("cuda:A", "bf16")
+        assert got is not None and (got.b_p, got.b_h, got.measured_at) == (12e9, 41e9, 200.0)
+        assert s.latest_bandwidth("cuda:B", "bf16") is None
+        # the control plane's protocol: BandwidthProfile in, BandwidthProfile out
+        s.save_bandwidth(BandwidthProfile(11.8e9, 47.5e9, "fp8", "cuda:A", 3 << 20))
+        assert s.bandwidth("fp8", "cuda:A") == BandwidthProfile(
+            11.8e9, 47.5e9, "fp8", "cuda:A", 3 << 20
+        )
+        assert s.bandwidth("fp8", "standin") is None
+
+
+def test_model_registry_fingerprints_and_recency(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "x"}')
+        (d / "model.safetensors").write_bytes(b"\0" * 64)
+    with Store(tmp_path / "state") as s:
+        s.register_model("alpha", str(a))
+        s.register_model("beta", str(b))
+        assert s.registered_models() == {"alpha": str(a), "beta": str(b)}
+        fp = s.model(str(a)).fingerprint
+        s.touch_model(str(a))
+        assert [m.name for m in s.models()] == ["alpha", "beta"]  # most recently used first
+        (a / "model.safetensors").write_bytes(b"\1" * 65)  # rewritten weights
+        s.register_model("alpha", str(a))
+        rec = s.model(str(a))
+        assert rec is not None and rec.fingerprint != fp and rec.format == "hf"
+
+
+def test_anchor_metadata_roundtrip(tmp_path):
+    rec = AnchorRecord("fp1", "ab" * 16, 812, "tool_output_start", 76800, 10.0, "spill/ab.snap")
+    with Store(tmp_path) as s:
+        s.put_anchor(rec)
+        s.put_anchor(AnchorRecord("fp1", "cd" * 16, 900, "end_of_turn", 76800, 20.0))
+        s.put_anchor(AnchorRecord("fp2", "ab" * 16, 5, "end_of_turn", 1, 30.0))
+        assert [a.position for a in s.anchors("fp1")] == [900, 812]  # most recent first
+        s.touch_anchor("fp1", "ab" * 16)
+        assert s.anchors("fp1")[0].prefix_hash == "ab" * 16
+        assert s.anchor_bytes("fp1") == 2 * 76800
+        s.put_anchor(rec)  # upsert: same key, no duplicate
+        assert len(s.anchors("fp1")) == 2
+        s.delete_anchor("fp1", "cd" * 16)
+        assert [a.spill_path for a in s.anchors("fp1")] == ["spill/ab.snap"]
+
+
+def test_request_log_is_a_ring(tmp_path):
+    with Store(tmp_path, request_log_rows=5) as s:
+        for i in range(12):
+            s.log_request(_entry(i))
+        got = s.recent_requests(100)
+        assert [e.prompt_tokens for e in got] == [111, 110, 109, 108, 107]
+        assert got[0] == _entry(11)
+
+
+def test_transaction_is_all_or_nothing_and_threads_share_the_store(tmp_path):
+    with Store(tmp_path) as s:
+        with pytest.raises(RuntimeError), s.transaction():
+            s.log_request(_entry(1))
+            s.put_anchor(AnchorRecord("fp", "00", 1, "end_of_turn", 1, 1.0))
+            raise RuntimeError("boom")
+        assert s.recent_requests() == [] and s.anchors("fp") == []
+        threads = [
+            threading.Thread(target=lambda: [s.log_request(_entry(i)) for i in range(50)])
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(s.recent_requests(1000)) == 200
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from freetokend.store import AnchorRecord, RequestEntry, Store
+    s = Store(sys.argv[1], request_log_rows=10**6)
+    i = 0
+    while True:
+        with s.transaction():  # two rows per commit: a torn commit would show as a lone row
+            s.log_request(RequestEntry(float(i), "m", "/v1/x", i, 0, 0, "stop"))
+            s.put_anchor(AnchorRecord("fp", f"{i:08x}", i, "end_of_turn", 1, float(i)))
+        print(i, flush=True)  # acknowledged only after the commit returned
+        i += 1
+    """
+)
+
+
+def test_kill_9_during_writes_loses_nothing_committed(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+    assert proc.stdout is not None
+    acked = -1
+    for line in proc.stdout:
+        acked = int(line)
+        if acked >= 300:
+            break
+    os.kill(proc.pid, signal.SIGKILL)  # mid-stream: it keeps committing until the signal lands
+    proc.wait()
+    with Store(tmp_path) as s:
+        logged = {e.prompt_tokens for e in s.recent_requests(10**6)}
+        anchored = {a.position for a in s.anchors("fp")}
+    assert set(range(acked + 1)) <= logged  # every acknowledged commit is there
+    assert logged == anchored  # and no commit is torn
+    assert logged == set(range(len(logged)))
+
+
+def test_migrates_an_older_store_keeping_its_data(tmp_path):
+    with Store(tmp_path, _upto=1) as old:
+        assert old.version == 1
+        tables = old._db.table_names()
+        assert "anchors" not in tables and "request_log" not in tables
+        old.save_bandwidth_row(BandwidthRow(old.host, "cuda:A", "bf16", 1.0, 2.0, 3.0))
+        old.register_model("m", str(tmp_path))
+    with Store(tmp_path) as s:
+        assert s.version == LATEST
+        assert s.latest_bandwidth("cuda:A", "bf16") == BandwidthRow(
+            s.host, "cuda:A", "bf16", 1.0, 2.0, 3.0
+        )
+        assert s.registered_models() == {"m": str(tmp_path)}
+        s.put_anchor(AnchorRecord("fp", "00", 1, "end_of_turn", 1, 1.0))  # the new tables work
+        s.log_request(_entry(0))
+
+
+def test_store_of_a_newer_freetoken_is_refused(tmp_path):
+    Store(tmp_path).close()
+    conn = sqlite3.connect(tmp_path / "state.db")
+    conn.execute("INSERT INTO schema_version VALUES (99, 'future', 0)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="newer freetoken"):
+        Store(tmp_path)
+
+
+def test_foreign_sqlite_database_is_refused_and_left_alone(tmp_path):
+    db = tmp_path / "state.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE users (name TEXT)")
+    conn.execute("INSERT INTO users VALUES ('x')")
+    conn.commit()
+    conn.close()
+    before = db.read_bytes()
+    with pytest.raises(StoreError, match="another program"):
+        Store(tmp_path)
+    assert db.read_bytes() == before
+
+
+def test_non_sqlite_file_is_refused(tmp_path):
+    (tmp_path / "state.db").write_bytes(b"this is not a database\n" * 100)
+    with pytest.raises(StoreError, match="not an SQLite database"):
+        Store(tmp_path)
+
+
+def _damage(path: Path) -> None:
+    """Overwrites the middle of the file (table b-tree pages) with garbage."""
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xa5" * 8192)
+
+
+def test_damaged_store_is_refused_with_a_clear_error(tmp_path):
+    with Store(tmp_path, request_log_rows=10**6) as s:
+        with s.transaction():
+            for i in range(3000):
+                s.log_request(_entry(i))
+    _damage(tmp_path / "state.db")
+    with pytest.raises(StoreError, match="damaged"):
+        Store(tmp_path)
+
+
+def test_cli_reports_a_bad_file_in_one_line_without_a_traceback(tmp_path):
+    (tmp_path / "state.db").write_bytes(b"\x00garbage" * 64)
+    run = subprocess.run(
+        [sys.executable, "-m", "freetokend.store", str(tmp_path)], capture_output=True, text=True
+    )
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: ") and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    ok = subprocess.run(
+        [sys.executable, "-m", "freetokend.store", str(tmp_path / "new")],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and f"schema version {LATEST}" in ok.stdout
