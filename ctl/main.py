@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Sequence
 
 # (group or None for a top-level command, module path)
 COMMANDS: tuple[tuple[str | None, str], ...] = (
+    (None, "ftctl.status"),
+    (None, "ftctl.stats"),
+    (None, "ftctl.cache"),
+    (None, "ftctl.models"),
+    ("bench", "ftctl.bench_bw"),
     ("bench", "ftctl.bench_cache"),
     (None, "ftctl.checkpoint"),
+    (None, "ftctl.launch"),
 )
 
 GROUP_HELP = {"bench": "measure the deployment machine and replay cache policies"}
@@ -37,8 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    """Runs one command; an error prints ``ftctl: <reason>`` (one line) and exits non-zero."""
+    from .client import CtlError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Arguments after "--" belong to the program a command starts (ftctl launch AGENT -- ...).
+    cut = argv.index("--") if "--" in argv else len(argv)
+    rest = argv[cut + 1 :]
+    args = build_parser().parse_args(argv[:cut])
+    args.passthrough = rest
+    if rest and args.command != "launch":
+        print(f"ftctl: unexpected arguments after --: {' '.join(rest)}", file=sys.stderr)
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except CtlError as e:
+        print(f"ftctl: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ class CacheRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheInfo(_message.Message):
-    __slots__ = ("model", "moe_backend", "moe_slots", "moe_slots_max", "moe_target", "expert_bytes", "resident_experts", "kv_pages", "kv_page_size", "kv_tokens", "kv_pages_used", "kv_pages_cached", "kv_bytes", "note")
+    __slots__ = ("model", "moe_backend", "moe_slots", "moe_slots_max", "moe_target", "expert_bytes", "resident_experts", "kv_pages", "kv_page_size", "kv_tokens", "kv_pages_used", "kv_pages_cached", "kv_bytes", "note", "host_pool_ptrs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MOE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MOE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class CacheInfo(_message.Message):
     KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    HOST_POOL_PTRS_FIELD_NUMBER: _ClassVar[int]
     model: str
     moe_backend: str
     moe_slots: int
@@ -134,7 +135,8 @@ class CacheInfo(_message.Message):
     kv_pages_cached: int
     kv_bytes: int
     note: str
-    def __init__(self, model: _Optional[str] = ..., moe_backend: _Optional[str] = ..., moe_slots: _Optional[int] = ..., moe_slots_max: _Optional[int] = ..., moe_target: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., resident_experts: _Optional[int] = ..., kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+    host_pool_ptrs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., moe_backend: _Optional[str] = ..., moe_slots: _Optional[int] = ..., moe_slots_max: _Optional[int] = ..., moe_target: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., resident_experts: _Optional[int] = ..., kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., note: _Optional[str] = ..., host_pool_ptrs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResizeRequest(_message.Message):
     __slots__ = ("moe_slots", "kv_tokens")

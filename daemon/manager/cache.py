@@ -7,7 +7,7 @@ still occupy pauses admission and applies when they finished. The host pool is n
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..engine.resize import (
@@ -40,6 +40,7 @@ class CacheInfo:
     kv_pages_cached: int  # held by the prefix cache only
     kv_bytes: int
     note: str = ""
+    host_pool_ptrs: list[int] = field(default_factory=list)  # bank tensors' data_ptr()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +83,7 @@ class CacheControl:
             kv_pages_cached=st.kv_pages_cached,
             kv_bytes=2 * kv.k.numel() * kv.k.element_size(),
             note=note,
+            host_pool_ptrs=[t.data_ptr() for t in llm.banks.tensors().values()],
         )
 
     def resize(self, moe_slots: int | None, kv_tokens: int | None, source: str = "ftctl") -> Ticket:

@@ -43,6 +43,7 @@ class DrainingServer(uvicorn.Server):
             return
         self.state.draining = True
         self._deadline = time.monotonic() + self.drain_timeout
+        _hook(self.state, "on_draining")
         log.info("draining", in_flight=self.state.bridge.in_flight, timeout_s=self.drain_timeout)
 
     async def on_tick(self, counter: int) -> bool:
@@ -61,6 +62,7 @@ class DrainingServer(uvicorn.Server):
                     f"freetokend: serving {self.state.service.name} on http://{host}:{port}",
                     flush=True,
                 )
+                _hook(self.state, "on_listening", host, port)
 
 
 def load_llm(cfg: DaemonConfig) -> Any:
@@ -96,12 +98,23 @@ def build_state(llm: Any, cfg: DaemonConfig) -> ServerState:
     return ServerState(service=ModelService(llm, bridge, metrics), bridge=bridge, metrics=metrics)
 
 
+def _hook(state: ServerState, name: str, *args: Any) -> None:
+    """Control-plane callbacks (readiness, drain) registered in ``state.extra``."""
+    fn = state.extra.get(name)
+    if fn is not None:
+        fn(*args)
+
+
 def serve(cfg: DaemonConfig) -> int:
-    if cfg.admin_socket:
-        log.warning(
-            "the admin API is not available yet; --admin-socket is ignored", path=cfg.admin_socket
-        )
-    state = build_state(load_llm(cfg), cfg)
+    from ..manager.control import ControlPlane  # models, engine hub, admin socket, VRAM watcher
+
+    control = ControlPlane(cfg)
+    try:
+        state = control.start()
+    except Exception as e:
+        print(f"freetokend: {e}", file=sys.stderr)
+        control.stop()
+        return 1
     app = create_app(state)
     config = uvicorn.Config(
         app,
@@ -118,6 +131,8 @@ def serve(cfg: DaemonConfig) -> int:
         asyncio.run(server.serve())
     except KeyboardInterrupt:
         return 130
+    finally:
+        control.stop()
     if not server.started:
         print(f"freetokend: could not listen on {cfg.host}:{cfg.port}", file=sys.stderr)
         return 1

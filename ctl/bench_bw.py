@@ -1,0 +1,38 @@
+"""``ftctl bench bw``: measure B_P (host -> accelerator expert copies) and B_H (CPU expert
+execution) on the daemon's machine with its active model, and store the profile (DESIGN §1)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .client import AdminClient, CtlError, pb, to_dict
+from .output import add_common, console, follow, kv_table, print_json
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bw", help="measure and store the bandwidth profile (B_P, B_H)")
+    add_common(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    with AdminClient(args.socket) as client:
+        last = follow(client.stream("BenchBandwidth", pb.BenchBandwidthRequest()), args.json)
+    if last is None or not last.done:
+        raise CtlError("the daemon ended the measurement without an answer")
+    prof = to_dict(last.bandwidth)
+    if args.json:
+        print_json(prof)
+        return 0
+    b_p, b_h = prof["b_p"], prof["b_h"]
+    q_of_4 = 4 if b_h <= b_p else max(1, min(4, round(4 * b_p / b_h)))
+    rows = [
+        ("B_P (copies to the accelerator)", f"{b_p / 1e9:.2f} GB/s"),
+        ("B_H (CPU expert execution)", f"{b_h / 1e9:.2f} GB/s"),
+        ("expert format", f"{prof['expert_format']} ({prof['expert_bytes']} B per expert)"),
+        ("accelerator", prof["accelerator"]),
+        ("q* for m = 4 misses", f"{q_of_4} filled, {4 - q_of_4} on the CPU"),
+    ]
+    console().print(kv_table("bandwidth profile (stored)", rows))
+    return 0

@@ -1,0 +1,69 @@
+"""Shared ftctl plumbing: --json/--socket options, JSON output, rich tables and progress."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="admin socket (default: $FREETOKEN_ADMIN_SOCKET, the per-user path, or "
+        "/run/freetokend/admin.sock)",
+    )
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=1))
+
+
+def console() -> Console:
+    return Console(highlight=False)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def kv_table(title: str, rows: Iterable[tuple[str, Any]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+def follow(messages: Iterator[Any], quiet: bool) -> Any:
+    """Consume a Progress stream, showing a spinner with the latest message on a terminal
+    (nothing when ``quiet`` or not a terminal); returns the final (done) message."""
+    last = None
+    if quiet or not sys.stderr.isatty():
+        for msg in messages:
+            last = msg
+        return last
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("waiting for the daemon", total=None)
+        for last in messages:
+            bar.update(task, description=last.message)
+    return last

@@ -1,0 +1,191 @@
+"""ControlPlane: builds the daemon's serving state around managed models and runs the admin side.
+
+``serve()`` (server/run.py) asks it for the ServerState: the first model is loaded through the
+ModelManager, the bridge drives an EngineHub instead of the model's EngineCore, and the state's
+``service`` is a ServiceRouter over the resident models. Then the admin gRPC server (unless
+``admin_socket = "off"``) and the VRAM watcher start; readiness goes to systemd once the HTTP
+API listens (``state.extra["on_listening"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, cast
+
+from ..admin import sdnotify
+from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
+from ..server.bridge import EngineBridge
+from ..server.config import DaemonConfig
+from ..server.metrics import Metrics
+from ..server.service import ModelService
+from ..server.state import ServerState
+from .cache import CacheControl
+from .hub import EngineHub
+from .models import ModelManager, ResidentModel, default_host_budget
+from .routing import LaneBridge, ServiceRouter
+from .store_api import ControlStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.started = time.time()
+        self.state_dir = Path(cfg.state_dir or ".")
+        self.store: ControlStore = open_store(self.state_dir)
+        budget = int(cfg.host_pool_budget_gb * 2**30) or default_host_budget()
+        self.manager = ModelManager(
+            self._load_llm, cfg.moe_backend, budget, cfg.auto_switch, self._resolve
+        )
+        self.manager.on_loaded = lambda m: self.store.register_model(m.name, str(m.path))
+        self.cache = CacheControl(self.manager)
+        self.metrics = Metrics()
+        self.http_url = ""
+        self.admin_path: Path | None = None
+        self.admin: Any = None
+        self.watcher: VramWatcher | None = None
+        self.vram_status = "off: disabled in the config" if not cfg.vram_watch else "off"
+        self.hub: EngineHub | None = None
+        self.bridge: EngineBridge | None = None
+        self.state: ServerState | None = None
+
+    # ---- models -----------------------------------------------------------------------------
+    def _resolve(self, spec: str) -> Path:
+        if spec in ("", "builtin"):
+            from ..models.builtin import ensure_builtin_model
+
+            return ensure_builtin_model(self.state_dir)
+        registered = self.store.registered_models().get(spec)
+        return Path(registered) if registered else Path(spec).expanduser()
+
+    def _bandwidth(self, path: Path) -> tuple[float, float] | None:
+        import torch
+
+        from ..models.config import ModelConfig
+
+        acc = self.cfg.accelerator
+        kind = "cuda" if acc == "cuda" or (acc == "auto" and torch.cuda.is_available()) else acc
+        prof = self.store.bandwidth(ModelConfig.from_hf(path).torch_dtype, kind)
+        return None if prof is None else (prof.b_p, prof.b_h)
+
+    def _load_llm(self, path: Path, name: str, backend: str) -> Any:
+        from ..engine.llm import LLM
+
+        cfg = self.cfg
+        return LLM(
+            path,
+            moe_backend=backend,
+            max_batch=cfg.max_batch,
+            max_model_len=cfg.max_model_len,
+            kv_tokens=cfg.kv_tokens,
+            moe_slots=cfg.moe_slots,
+            accelerator=cfg.accelerator,
+            bandwidth=self._bandwidth(path),
+            name=name,
+        )
+
+    def _service(self, model: ResidentModel) -> ModelService:
+        assert self.hub is not None and self.bridge is not None
+        # LaneBridge is an EngineBridge for the service: submit() routed, the rest forwarded
+        bridge = cast(EngineBridge, LaneBridge(self.bridge, self.hub, model.lane))
+        return ModelService(model.llm, bridge, self.metrics)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> ServerState:
+        cfg = self.cfg
+        first = self.manager.load(cfg.model or "builtin", cfg.served_model_name)
+        self.hub = EngineHub(first.lane, on_swap=self.manager.on_swap)
+        self.manager.hub = self.hub
+        self.bridge = EngineBridge(self.hub, cfg.max_batch, cfg.max_queue, self.metrics)
+        self.manager.service_factory = self._service
+        first.service = self._service(first)
+        self.state = ServerState(
+            service=ServiceRouter(self.manager),  # type: ignore[arg-type]
+            bridge=self.bridge,
+            metrics=self.metrics,
+        )
+        self.state.extra["on_listening"] = self.on_listening
+        self.state.extra["on_draining"] = self.on_draining
+        self.state.extra["control"] = self
+        self._start_admin()
+        self._start_watcher()
+        return self.state
+
+    def _start_admin(self) -> None:
+        from ..admin.gate import SocketBusy
+        from ..admin.paths import daemon_socket
+        from ..admin.server import AdminServer
+        from .ops import AdminOps
+
+        path = daemon_socket(self.cfg.admin_socket)
+        if path is None:
+            log.info("admin socket: off")
+            return
+        server = AdminServer(AdminOps(self), path)
+        try:
+            server.start()
+        except SocketBusy as e:
+            if self.cfg.admin_socket is not None:  # configured explicitly: a real conflict
+                raise
+            log.warning("admin socket: %s; this daemon runs without an admin API", e)
+            return
+        self.admin, self.admin_path = server, path
+
+    def _start_watcher(self) -> None:
+        if not self.cfg.vram_watch:
+            return
+        read, self.vram_status = nvml_reader(_cuda_uuid())
+        if read is None:
+            log.info("VRAM watcher %s", self.vram_status)
+            return
+        mb = 2**20
+        self.watcher = VramWatcher(
+            read,
+            self.slot_sizes,
+            lambda n: self.cache.resize(n, None, source="vram").wait(),
+            self.cfg.vram_low_mb * mb,
+            self.cfg.vram_high_mb * mb,
+            self.cfg.vram_poll_s,
+        )
+        self.watcher.start()
+
+    def slot_sizes(self) -> SlotSizes | None:
+        """The active model's slot cache for the VRAM watcher (None: no slots)."""
+        from ..engine.resize import slot_backend
+
+        model = self.manager.active
+        be = slot_backend(model.llm.moe)
+        if be is None:
+            return None
+        slot = model.llm.banks.nbytes_per_expert()
+        target = self.cache.target(model)
+        return SlotSizes(be.cache.num_slots, target, slot, min(target, be.num_experts))
+
+    def on_listening(self, host: str, port: int) -> None:
+        self.http_url = f"http://{host}:{port}"
+        sdnotify.notify("READY=1", f"STATUS=serving {self.manager.active.name} on {self.http_url}")
+
+    def on_draining(self) -> None:
+        sdnotify.notify("STOPPING=1", "STATUS=draining")
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.admin is not None:
+            self.admin.stop()
+
+
+def _cuda_uuid() -> str | None:
+    """The NVML UUID of the CUDA device torch uses, so NVML watches the same GPU."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    except Exception:
+        return None
