@@ -1,8 +1,8 @@
 """What the control plane keeps in the state store: bandwidth profiles and the model registry.
 
-The SQLite store (``freetokend.store``) is written by another part; the control plane talks to
-it through this small interface. Until that store offers it, ``MemoryStore`` keeps the same data
-for the life of the process (``open_store`` says so once in the log).
+The SQLite store (``freetokend.store``, ``control_store``) implements this small interface;
+``MemoryStore`` keeps the same data for the life of the process where that store is missing
+(``open_store`` says so once in the log), and in tests.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class MemoryStore:
 def open_store(state_dir: Path) -> ControlStore:
     """The persistent store when available, else a MemoryStore."""
     try:
-        from ..store import control_store  # type: ignore[attr-defined]
+        from ..store import control_store
     except ImportError:
         log.info("state store: no persistent store yet; profiles and registry kept in memory")
         return MemoryStore()

@@ -108,12 +108,14 @@ def _hook(state: ServerState, name: str, *args: Any) -> None:
 def serve(cfg: DaemonConfig) -> int:
     from ..manager.control import ControlPlane  # models, engine hub, admin socket, VRAM watcher
 
-    control = ControlPlane(cfg)
+    control: ControlPlane | None = None
     try:
+        control = ControlPlane(cfg)
         state = control.start()
     except Exception as e:
         print(f"freetokend: {e}", file=sys.stderr)
-        control.stop()
+        if control is not None:
+            control.stop()
         return 1
     app = create_app(state)
     config = uvicorn.Config(

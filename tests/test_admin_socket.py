@@ -1,0 +1,158 @@
+"""The admin socket: peer-credential policy, a foreign uid refused at the gate, gRPC through it,
+socket path rules, sd_notify."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from freetokend.admin import admin_pb2 as pb
+from freetokend.admin import admin_pb2_grpc as pb_grpc
+from freetokend.admin.gate import SocketBusy, claim_path
+from freetokend.admin.paths import client_socket, daemon_socket, user_socket
+from freetokend.admin.peercred import AccessPolicy, PeerCred, peer_credentials
+from freetokend.admin.sdnotify import notify
+from freetokend.admin.server import AdminServer
+
+NOBODY = 65534
+
+
+class FakeOps:
+    """Just enough control plane for Status."""
+
+    def status(self) -> dict[str, Any]:
+        return {"version": "test", "pid": os.getpid(), "active_model": "m"}
+
+
+@pytest.fixture()
+def short_dir():  # type: ignore[no-untyped-def]
+    d = Path(tempfile.mkdtemp(prefix="fta-", dir="/tmp"))  # unix socket paths are short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_policy() -> None:
+    pol = AccessPolicy(uid=1000, gid=1001)
+    assert pol.allows(PeerCred(1, 1000, 5))  # the daemon's own user
+    assert pol.allows(PeerCred(1, 0, 0))  # root
+    assert pol.allows(PeerCred(1, 2000, 1001))  # primary group = the socket's
+    assert pol.allows(PeerCred(1, 2000, 5), frozenset({7, 1001}))  # supplementary group
+    assert not pol.allows(PeerCred(1, 2000, 5), frozenset({7}))
+    assert not pol.allows(PeerCred(1, NOBODY, NOBODY))
+
+
+def test_peer_credentials_of_a_socketpair() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        cred = peer_credentials(a)
+        assert (cred.pid, cred.uid, cred.gid) == (os.getpid(), os.getuid(), os.getgid())
+        ok, _ = AccessPolicy(os.getuid(), os.getgid()).check(a)
+        assert ok
+
+
+def _connect_as(uid: int, path: Path) -> bytes:
+    """Fork a child that drops to ``uid`` and speaks to ``path``; returns what it read back
+    (b"" when the server closed the connection), or b"connect-failed"."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no Python-level cleanup, no pytest machinery
+        os.close(r)
+        out = b"connect-failed"
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(str(path))
+            out = b""
+            # an HTTP/2 client preface: a gRPC server answers with a SETTINGS frame
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
+            out = s.recv(64)
+        except (ConnectionResetError, BrokenPipeError):
+            out = b""  # closed by the server
+        except OSError:
+            pass
+        os.write(w, out or b"<closed>")
+        os._exit(0)
+    os.close(w)
+    data = os.read(r, 256)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return data
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to setuid() to nobody")
+def test_foreign_uid_is_refused_at_the_gate(short_dir: Path) -> None:
+    path = short_dir / "admin.sock"
+    server = AdminServer(FakeOps(), path)  # type: ignore[arg-type]
+    server.start()
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        # open the file system's door so only the credential check stands in the way
+        os.chmod(short_dir, 0o755)
+        os.chmod(path, 0o666)
+        assert _connect_as(NOBODY, path) == b"<closed>"
+        assert server.gate is not None and server.gate.refused == 1
+        # root (allowed) gets HTTP/2 frames back from the gRPC server through the gate
+        assert _connect_as(0, path) not in (b"<closed>", b"connect-failed")
+        with grpc.insecure_channel(f"unix:{path}") as ch:
+            reply = pb_grpc.AdminStub(ch).Status(pb.StatusRequest(), timeout=10)
+        assert (reply.version, reply.active_model, reply.pid) == ("test", "m", os.getpid())
+        assert server.gate.refused == 1
+    finally:
+        server.stop()
+    assert not path.exists() and not list(short_dir.glob(".admin-*"))
+
+
+def test_busy_and_stale_socket_paths(short_dir: Path) -> None:
+    path = short_dir / "admin.sock"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(path))
+    live.listen()
+    with pytest.raises(SocketBusy, match="another daemon"):
+        claim_path(path)
+    live.close()  # the file stays: a stale socket, removed by the next daemon
+    assert path.exists()
+    claim_path(path)
+    assert not path.exists()
+    path.write_text("x")
+    with pytest.raises(SocketBusy, match="not a socket"):
+        claim_path(path)
+
+
+def test_socket_paths() -> None:
+    assert user_socket({"RUNTIME_DIRECTORY": "/run/freetokend"}) == Path(
+        "/run/freetokend/admin.sock"
+    )
+    assert user_socket({"XDG_RUNTIME_DIR": "/run/user/7"}) == Path(
+        "/run/user/7/freetoken/admin.sock"
+    )
+    assert user_socket({}).name == "admin.sock"
+    assert daemon_socket("off", {}) is None
+    assert daemon_socket("/x/a.sock", {}) == Path("/x/a.sock")
+    assert client_socket("/y.sock", {}) == Path("/y.sock")
+    assert client_socket(None, {"FREETOKEN_ADMIN_SOCKET": "/z.sock"}) == Path("/z.sock")
+
+
+def test_sd_notify(short_dir: Path) -> None:
+    path = short_dir / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        assert notify("READY=1", "STATUS=serving m", env={"NOTIFY_SOCKET": str(path)})
+        assert s.recv(256) == b"READY=1\nSTATUS=serving m"
+    abstract = f"@ft-test-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind("\0" + abstract[1:])
+        assert notify("STOPPING=1", env={"NOTIFY_SOCKET": abstract})
+        assert s.recv(64) == b"STOPPING=1"
+    assert not notify("READY=1", env={})
