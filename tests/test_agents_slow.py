@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,19 @@ def run_client(daemon: Daemon, argv: list[str], env: dict[str, str], cwd: Path) 
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         err += f"\n[test] killed after {TIMEOUT:.0f} s"
+    settle(daemon)
     return Run(proc.returncode, out, err, read_records(daemon.log_path, offset))
+
+
+def settle(daemon: Daemon, timeout: float = 30) -> None:
+    """Wait until the daemon has finished (and so logged) every request of the client: a
+    client may exit the moment it has its answer, just before the daemon's log line."""
+    deadline = time.monotonic() + timeout
+    while daemon.metrics().get("freetoken_requests_in_flight", 0) > 0:
+        if time.monotonic() > deadline:
+            return  # the records will show what is missing
+        time.sleep(0.2)
+    time.sleep(0.5)  # the log line follows the in-flight count; the drain thread writes it
 
 
 def read_records(path: Path, offset: int) -> list[dict[str, Any]]:
