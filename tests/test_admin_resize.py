@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from freetokend.engine.llm import LLM
-from freetokend.engine.resize import ResizeError, resize_expert_slots, resize_kv_pages
+from freetokend.engine.resize import CacheSizes, ResizeError, resize_expert_slots, resize_kv_pages
 from freetokend.engine.sampler import SamplingParams
 from freetokend.manager.hub import NOT_YET, EngineHub
 from freetokend.manager.lane import Lane
@@ -144,3 +144,41 @@ def test_kv_shrink_waits_for_running_requests(builtin_model_dir: Path, baseline)
     assert llm.engine.max_batch == 32  # admission resumed: the late request ran
     assert out["late"] == baseline[0]
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == baseline
+
+
+def test_switch_waits_for_the_old_model_then_parks_it(builtin_model_dir: Path, baseline) -> None:
+    """A -> B while A decodes: A's requests finish first, B's wait; A's device caches are
+    released at the swap and restored (same sizes, same host pool) when switching back."""
+    from freetokend.manager.models import ModelManager
+
+    mgr = ModelManager(lambda path, name, be: _llm(path), "offload", host_budget=1 << 40)
+    a = mgr.load(str(builtin_model_dir), name="a")
+    hub = EngineHub(a.lane, on_swap=mgr.on_swap)
+    mgr.hub = hub
+    b = mgr.load(str(builtin_model_dir), name="b")
+    assert b.parked is not None and b.llm.runner.kv.num_pages == 1  # parked right after load
+    ptrs = _host_ptrs(a.llm)
+    _submit(hub)
+    out = _drive(hub, n_steps=2)
+    ticket = mgr.switch("b")
+    assert not ticket.done and hub.desired is b.lane and hub.active is a.lane
+    hub.add_request("on-b", PROMPTS[1], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    with pytest.raises(ValueError, match="being switched out"):  # a request rendered for A
+        hub.route("late-a", a.lane)
+        hub.add_request("late-a", PROMPTS[0], SamplingParams(max_tokens=2))
+    order = []
+    while hub.has_unfinished():
+        for o in hub.step():
+            out.setdefault(o.request_id, []).append(o.token_id)
+            if o.finished:
+                order.append(o.request_id)
+    assert mgr.finish_switch(ticket, 5) == "b" and hub.active is b.lane
+    assert order[-1] == "on-b" and set(order[:-1]) == {"r0", "r1", "r2"}
+    assert [out[f"r{i}"] for i in range(3)] == baseline and out["on-b"] == baseline[1]
+    assert a.parked == CacheSizes(40, 32) and a.llm.runner.kv.num_pages == 1
+    assert a.llm.moe.cache.num_slots == 1 and b.parked is None
+    back = mgr.switch("a")
+    assert back.wait(0) == "a" and a.parked is None  # idle: applied in the caller's thread
+    assert a.llm.moe.cache.num_slots == 40 and a.llm.runner.kv.num_pages == 32
+    assert _host_ptrs(a.llm) == ptrs and a.weight_loads == 1
+    assert a.llm.generate(PROMPTS, NEW_TOKENS, ignore_eos=True) == baseline
