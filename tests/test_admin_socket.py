@@ -156,3 +156,23 @@ def test_sd_notify(short_dir: Path) -> None:
         assert notify("STOPPING=1", env={"NOTIFY_SOCKET": abstract})
         assert s.recv(64) == b"STOPPING=1"
     assert not notify("READY=1", env={})
+
+
+def test_private_folders_of_killed_daemons_are_removed(short_dir: Path) -> None:
+    dead = short_dir / ".admin-dead"
+    dead.mkdir()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(dead / "grpc.sock"))  # bound, never listening: what a killed daemon leaves
+    s.close()
+    first = AdminServer(FakeOps(), short_dir / "a.sock")  # type: ignore[arg-type]
+    first.start()
+    try:
+        assert not dead.exists()
+        (live,) = short_dir.glob(".admin-*")
+        second = AdminServer(FakeOps(), short_dir / "b.sock")  # type: ignore[arg-type]
+        second.start()
+        second.stop()
+        assert live.exists()  # the first daemon's folder stays
+    finally:
+        first.stop()
+    assert not list(short_dir.glob(".admin-*"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -62,6 +63,7 @@ class AdminServer:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         prepare_dir(self.path)
+        _remove_dead_private_dirs(self.path.parent)
         private = Path(tempfile.mkdtemp(prefix=".admin-", dir=self.path.parent))
         server = grpc.aio.server()
         pb_grpc.add_AdminServicer_to_server(AdminService(self.ops), server)
@@ -78,3 +80,15 @@ class AdminServer:
                 await self.gate.close()
             await server.stop(grace=1.0)
             shutil.rmtree(private, ignore_errors=True)
+
+
+def _remove_dead_private_dirs(folder: Path) -> None:
+    """Private gRPC folders left by daemons that were killed (nothing listens there any more)."""
+    for d in folder.glob(".admin-*"):
+        sock = d / "grpc.sock"
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(sock))
+            continue  # a live daemon's
+        except OSError:
+            shutil.rmtree(d, ignore_errors=True)

@@ -106,6 +106,11 @@ class CacheControl:
             if kv_tokens < 1:
                 raise ResizeError(f"--kv must be at least 1 token, got {kv_tokens}")
             kv_pages = kv_pages_for(llm.runner.kv, kv_tokens)
+            if kv_tokens < llm.max_model_len:
+                note = " ".join(
+                    filter(None, (note, f"the KV pool is now smaller than the context limit "
+                                  f"({llm.max_model_len} tokens): longer requests end early"))
+                )  # fmt: skip
         assert self.manager.hub is not None
 
         def attempt() -> Any:
