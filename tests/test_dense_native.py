@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freetokend.models.layers import dense_native
-from freetokend.models.layers.common import Linear
+from freetokend.models.layers.common import Linear, project
 
 pytestmark = pytest.mark.skipif(
     not dense_native.available(), reason="ftdense extension not built (pip install -e .)"
@@ -161,3 +161,37 @@ def test_concurrent_callers() -> None:
     for th in threads:
         th.join()
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("t", [1, 3, 20])
+def test_linear_many_matches_each(t: int) -> None:
+    """Several weights over one input in one call: each output as if computed alone (gemv and
+    tile paths; a 1-row weight; a bias on one of them)."""
+    x, wq = _case(t, 300, 96, seed=11)
+    _, wk = _case(t, 40, 96, seed=12)
+    _, wv = _case(t, 1, 96, seed=13)
+    b = torch.randn(40).to(torch.bfloat16)
+    ys = dense_native.linear_many(x, [wq, wk, wv], [None, b, None])
+    refs = [
+        dense_native.linear_reference(x, wq),
+        dense_native.linear_reference(x, wk, b),
+        dense_native.linear_reference(x, wv),
+    ]
+    for y, r in zip(ys, refs, strict=True):
+        torch.testing.assert_close(y, r, rtol=RTOL, atol=ATOL)
+
+
+def test_project_native_and_fallback() -> None:
+    layers = [Linear(64, n, torch.bfloat16) for n in (32, 16)]
+    for m in layers:
+        with torch.no_grad():
+            m.weight.copy_(torch.randn_like(m.weight, dtype=torch.float32) / 8)
+    x = torch.randn(2, 64)
+    for y, m in zip(project(x, layers), layers, strict=True):
+        torch.testing.assert_close(y, m(x), rtol=RTOL, atol=ATOL)
+    mixed = [layers[0], Linear(64, 8, torch.float32)]
+    with torch.no_grad():
+        mixed[1].weight.copy_(torch.randn(8, 64))
+    assert not dense_native.weight_usable(mixed[1].weight)
+    for y, m in zip(project(x, mixed), mixed, strict=True):
+        torch.testing.assert_close(y, m(x), rtol=RTOL, atol=ATOL)

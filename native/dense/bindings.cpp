@@ -1,11 +1,13 @@
 // Python module `ftdense`: dense projections on the CPU (see dense_linear.h). Tensors cross as raw
 // addresses plus shapes; freetokend.models.layers.dense_native checks them first.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "dense_linear.h"
 #include "pool.h"
@@ -60,7 +62,10 @@ PYBIND11_MODULE(ftdense, m) {
   });
   m.def(
       "linear",
-      [](uintptr_t x, int T, int K, uintptr_t w, bool bf16, int N, uintptr_t y, bool round_input) {
+      [](uintptr_t x, int T, int K, const std::vector<uintptr_t>& w, const std::vector<int>& N,
+         const std::vector<uintptr_t>& y, bool bf16, bool round_input) {
+        if (w.size() != N.size() || w.size() != y.size())
+          throw py::value_error("w, N and y must have the same length");
         State& s = state();
         std::shared_ptr<ftdense::Pool> pool;
         const ftnative::KernelSet* ks;
@@ -70,13 +75,14 @@ PYBIND11_MODULE(ftdense, m) {
           pool = s.pool;
           ks = bf16 ? s.bf16 : s.f32;
         }
-        ftdense::LinearArgs a{reinterpret_cast<const float*>(x), T, K,
-                              reinterpret_cast<const void*>(w), bf16, N,
-                              reinterpret_cast<float*>(y), round_input};
+        const ftdense::Input in{reinterpret_cast<const float*>(x), T, K, bf16, round_input};
+        std::vector<ftdense::Output> outs;
+        for (size_t i = 0; i < w.size(); ++i)
+          outs.push_back({reinterpret_cast<const void*>(w[i]), N[i], reinterpret_cast<float*>(y[i])});
         py::gil_scoped_release release;
-        ftdense::linear(*pool, *ks, a);
+        ftdense::linear(*pool, *ks, in, outs);
       },
-      py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("bf16"), py::arg("N"),
-      py::arg("y"), py::arg("round_input"),
-      "x [T,K] fp32, w [N,K] bf16|fp32, y [T,N] fp32 addresses.");
+      py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("y"),
+      py::arg("bf16"), py::arg("round_input"),
+      "x [T,K] fp32 address; for each i: w[i] [N[i],K] bf16|fp32, y[i] [T,N[i]] fp32 addresses.");
 }

@@ -2,7 +2,6 @@
 
 #include <cstring>
 #include <stdexcept>
-#include <vector>
 
 #include "cpu_features.h"
 
@@ -13,9 +12,9 @@ using ftnative::kTileLanes;
 
 namespace {
 
-constexpr int kGemvRows = 256;    // rows per gemv task: 8 streams x 32 rows (kernels_simd.h)
-constexpr int kTileRowsTask = 64;  // rows per tile task; their weights stay in L2 across chunks
-constexpr int64_t kPanelBytes = 512 << 10;  // a token chunk's panel is sized to stay in L2
+constexpr int kGemvRows = 256;               // rows per gemv task: 8 streams x 32 rows
+constexpr int kTileRowsTask = 64;            // rows per tile task; stay in L2 across chunks
+constexpr int64_t kPanelBytes = 512 << 10;   // a token chunk's panel is sized to stay in L2
 
 inline float round_bf16(float f) {
   uint32_t b;
@@ -28,76 +27,93 @@ inline float round_bf16(float f) {
 
 struct Job {
   const KernelSet* ks;
-  LinearArgs a;
-  int64_t esize;                   // weight element bytes
-  std::vector<float> xbuf;         // gemv: de-interleaved inputs; tile: [nb][K][16] panel
-  std::vector<const float*> xs;    // gemv input pointers
-  int nb = 0;                      // tile: 16-token blocks
-  int chunk_blocks = 1;            // tile: blocks per token chunk
-  int64_t tasks = 0;
+  Input in;
+  const std::vector<Output>* outs;
+  std::vector<int64_t> first_task;  // per output, then the total
+  int rows_per_task = 0;
+  int64_t esize = 0;                // weight element bytes
+  std::vector<float> xbuf;          // gemv: de-interleaved inputs; tile: [nb][K][16] panel
+  std::vector<const float*> xs;     // gemv input pointers
+  int nb = 0;                       // tile: 16-token blocks
+  int chunk_blocks = 1;             // tile: blocks per token chunk
 };
 
-const char* wrow(const Job& j, int64_t r) {
-  return static_cast<const char*>(j.a.w) + r * j.a.K * j.esize;
+// Output index and its first row for task t.
+void locate(const Job& j, int64_t t, size_t& o, int& r0) {
+  o = 0;
+  while (t >= j.first_task[o + 1]) ++o;
+  r0 = static_cast<int>(t - j.first_task[o]) * j.rows_per_task;
+}
+
+const char* wrow(const Job& j, const Output& out, int64_t r) {
+  return static_cast<const char*>(out.w) + r * j.in.K * j.esize;
 }
 
 void gemv_task(void* ctx, int64_t t) {
   const Job& j = *static_cast<const Job*>(ctx);
-  const int r0 = static_cast<int>(t) * kGemvRows;
-  const int rows = j.a.N - r0 < kGemvRows ? j.a.N - r0 : kGemvRows;
-  j.ks->gemv(wrow(j, r0), j.a.K, rows, j.a.K, j.xs.data(), j.a.T, j.a.y + r0, j.a.N);
+  size_t o;
+  int r0;
+  locate(j, t, o, r0);
+  const Output& out = (*j.outs)[o];
+  const int rows = out.N - r0 < kGemvRows ? out.N - r0 : kGemvRows;
+  j.ks->gemv(wrow(j, out, r0), j.in.K, rows, j.in.K, j.xs.data(), j.in.T, out.y + r0, out.N);
 }
 
 void tile_task(void* ctx, int64_t t) {
   const Job& j = *static_cast<const Job*>(ctx);
-  const int K = j.a.K, N = j.a.N, T = j.a.T;
-  const int r0 = static_cast<int>(t) * kTileRowsTask;
+  size_t o;
+  int r0;
+  locate(j, t, o, r0);
+  const Output& out = (*j.outs)[o];
+  const int K = j.in.K, N = out.N, T = j.in.T;
   const int rows = N - r0 < kTileRowsTask ? N - r0 : kTileRowsTask;
-  thread_local std::vector<float> out;  // [chunk blocks][rows][16]
-  out.resize(static_cast<size_t>(j.chunk_blocks) * kTileRowsTask * kTileLanes);
+  thread_local std::vector<float> tmp;  // [chunk blocks][rows][16]
+  tmp.resize(static_cast<size_t>(j.chunk_blocks) * kTileRowsTask * kTileLanes);
   for (int b0 = 0; b0 < j.nb; b0 += j.chunk_blocks) {
     const int nbc = j.nb - b0 < j.chunk_blocks ? j.nb - b0 : j.chunk_blocks;
-    j.ks->tile(wrow(j, r0), K, rows, K, j.xbuf.data() + static_cast<int64_t>(b0) * K * kTileLanes,
-               nbc, out.data());
+    j.ks->tile(wrow(j, out, r0), K, rows, K,
+               j.xbuf.data() + static_cast<int64_t>(b0) * K * kTileLanes, nbc, tmp.data());
     for (int b = 0; b < nbc; ++b)
       for (int lane = 0; lane < kTileLanes; ++lane) {
         const int tok = (b0 + b) * kTileLanes + lane;
         if (tok >= T) break;
-        float* yr = j.a.y + static_cast<int64_t>(tok) * N + r0;
-        const float* src = out.data() + static_cast<int64_t>(b) * rows * kTileLanes + lane;
+        float* yr = out.y + static_cast<int64_t>(tok) * N + r0;
+        const float* src = tmp.data() + static_cast<int64_t>(b) * rows * kTileLanes + lane;
         for (int r = 0; r < rows; ++r) yr[r] = src[r * kTileLanes];
       }
   }
 }
 
-float load_x(const LinearArgs& a, int64_t t, int64_t k) {
-  const float v = a.x[t * a.K + k];
-  return a.round_input ? round_bf16(v) : v;
+float load_x(const Input& in, int64_t t, int64_t k) {
+  const float v = in.x[t * in.K + k];
+  return in.round_input ? round_bf16(v) : v;
 }
 
 void prepare_gemv(Job& j) {
-  const LinearArgs& a = j.a;
-  j.xbuf.resize(static_cast<size_t>(a.T) * a.K);
-  j.xs.resize(a.T);
-  for (int t = 0; t < a.T; ++t) {
-    float* dst = j.xbuf.data() + static_cast<int64_t>(t) * a.K;
-    for (int k = 0; k < a.K; ++k) dst[ftnative::shuffle_index(k, a.K, j.ks->chunk)] = load_x(a, t, k);
+  const Input& in = j.in;
+  j.xbuf.resize(static_cast<size_t>(in.T) * in.K);
+  j.xs.resize(in.T);
+  for (int t = 0; t < in.T; ++t) {
+    float* dst = j.xbuf.data() + static_cast<int64_t>(t) * in.K;
+    for (int k = 0; k < in.K; ++k)
+      dst[ftnative::shuffle_index(k, in.K, j.ks->chunk)] = load_x(in, t, k);
     j.xs[t] = dst;
   }
-  j.tasks = (a.N + kGemvRows - 1) / kGemvRows;
+  j.rows_per_task = kGemvRows;
 }
 
 void prepare_tile(Job& j) {
-  const LinearArgs& a = j.a;
-  j.nb = (a.T + kTileLanes - 1) / kTileLanes;
-  j.xbuf.assign(static_cast<size_t>(j.nb) * a.K * kTileLanes, 0.0f);
-  for (int t = 0; t < a.T; ++t) {
-    float* blk = j.xbuf.data() + static_cast<int64_t>(t / kTileLanes) * a.K * kTileLanes + t % kTileLanes;
-    for (int k = 0; k < a.K; ++k) blk[static_cast<int64_t>(k) * kTileLanes] = load_x(a, t, k);
+  const Input& in = j.in;
+  j.nb = (in.T + kTileLanes - 1) / kTileLanes;
+  j.xbuf.assign(static_cast<size_t>(j.nb) * in.K * kTileLanes, 0.0f);
+  for (int t = 0; t < in.T; ++t) {
+    float* blk =
+        j.xbuf.data() + static_cast<int64_t>(t / kTileLanes) * in.K * kTileLanes + t % kTileLanes;
+    for (int k = 0; k < in.K; ++k) blk[static_cast<int64_t>(k) * kTileLanes] = load_x(in, t, k);
   }
-  const int64_t block_bytes = static_cast<int64_t>(a.K) * kTileLanes * sizeof(float);
-  j.chunk_blocks = static_cast<int>(kPanelBytes / block_bytes) > 1 ? static_cast<int>(kPanelBytes / block_bytes) : 1;
-  j.tasks = (a.N + kTileRowsTask - 1) / kTileRowsTask;
+  const int64_t chunk = kPanelBytes / (static_cast<int64_t>(in.K) * kTileLanes * sizeof(float));
+  j.chunk_blocks = chunk > 1 ? static_cast<int>(chunk) : 1;
+  j.rows_per_task = kTileRowsTask;
 }
 
 }  // namespace
@@ -115,19 +131,19 @@ const KernelSet& kernel_set(const std::string& isa, bool bf16) {
   return bf16 ? ftnative::kScalarBf16 : ftnative::kScalarF32;
 }
 
-void linear(Pool& pool, const KernelSet& ks, const LinearArgs& a) {
-  if (a.T <= 0 || a.N <= 0) return;
+void linear(Pool& pool, const KernelSet& ks, const Input& in, const std::vector<Output>& outs) {
+  if (in.T <= 0 || outs.empty()) return;
   Job j;
   j.ks = &ks;
-  j.a = a;
-  j.esize = a.bf16 ? 2 : 4;
-  if (a.T < kTileMinTokens) {
-    prepare_gemv(j);
-    pool.run(gemv_task, &j, j.tasks);
-  } else {
-    prepare_tile(j);
-    pool.run(tile_task, &j, j.tasks);
-  }
+  j.in = in;
+  j.outs = &outs;
+  j.esize = in.bf16 ? 2 : 4;
+  if (in.T < kTileMinTokens) prepare_gemv(j);
+  else prepare_tile(j);
+  j.first_task.push_back(0);
+  for (const Output& o : outs)
+    j.first_task.push_back(j.first_task.back() + (o.N + j.rows_per_task - 1) / j.rows_per_task);
+  pool.run(in.T < kTileMinTokens ? gemv_task : tile_task, &j, j.first_task.back());
 }
 
 }  // namespace ftdense

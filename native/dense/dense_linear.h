@@ -1,37 +1,43 @@
-// Dense projection y = x W^T for small-batch CPU inference, on the expert executor's SIMD kernels
-// (native/src/kernels.h): bf16 or fp32 weights, fp32 inputs and outputs, fp32 accumulation.
+// Dense projections y_i = x W_i^T for small-batch CPU inference, on the expert executor's SIMD
+// kernels (native/src/kernels.h): bf16 or fp32 weights, fp32 inputs and outputs, fp32
+// accumulation. Several weights may share one input (q/k/v of attention): one pool job then
+// covers all of them, the input is prepared once.
 //
-// torch's CPU bf16 matmul widens and reorders per call and runs at ~1 GB/s for one token; decode
-// is a pure weight stream, so this runs the bandwidth-bound gemv kernel for few tokens and the
-// register-tiled kernel (16-token panels) for many, split over a Pool by output rows.
+// Decode is a pure weight stream: few tokens take the bandwidth-bound gemv kernel, many take the
+// register-tiled kernel (16-token panels); work is split over a Pool by output rows.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 #include "pool.h"
 
 namespace ftdense {
 
-struct LinearArgs {
+struct Input {
   const float* x;  // [T, K], rows K apart
   int T;
   int K;
-  const void* w;  // [N, K] row-major, bf16 or fp32 (the kernel set's dtype)
-  bool bf16;
-  int N;
-  float* y;  // [T, N]
+  bool bf16;         // the weights' dtype (else fp32); the kernel set must match
   bool round_input;  // round x to bf16 first (what x.to(bfloat16) does before a bf16 matmul)
 };
 
-// The kernel set for `isa` ("auto", "avx512", "avx2", "scalar") and weight dtype; throws
-// std::invalid_argument for an ISA this CPU cannot run.
+struct Output {
+  const void* w;  // [N, K] row-major
+  int N;
+  float* y;  // [T, N]
+};
+
+// The kernel set for `isa` ("auto", "avx512", "avx2", "scalar", "emu512") and weight dtype;
+// throws std::invalid_argument for an ISA this CPU cannot run.
 const ftnative::KernelSet& kernel_set(const std::string& isa, bool bf16);
 
 // Fewer tokens than this take the gemv path.
 constexpr int kTileMinTokens = 8;
 
-void linear(Pool& pool, const ftnative::KernelSet& ks, const LinearArgs& a);
+void linear(Pool& pool, const ftnative::KernelSet& ks, const Input& in,
+            const std::vector<Output>& outs);
 
 }  // namespace ftdense

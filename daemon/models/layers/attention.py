@@ -13,7 +13,7 @@ from torch import nn
 
 from ...engine.batch import ForwardBatch
 from ..config import ModelConfig
-from .common import Linear, RMSNorm, param
+from .common import Linear, RMSNorm, param, project
 from .rope import Rope
 
 # Queries per attention block in prefill: bounds the [heads, block, context] score tensor.
@@ -103,7 +103,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         n = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
         gate = None
         if self.gated:  # per head: [q_h (d), gate_h (d)]
             qg = q.view(n, self.heads, 2 * self.head_dim)

@@ -6,6 +6,8 @@ input to that dtype (the loader fills every parameter, so `torch.empty` never le
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +45,14 @@ class Linear(nn.Module):
         if dense_native.usable(x, w):
             return dense_native.linear(x, w, self.bias)
         return F.linear(x.to(w.dtype), w, self.bias).float()
+
+
+def project(x: torch.Tensor, layers: Sequence[Linear]) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers]; when every weight takes the native path, in one native
+    call (one pool job, the input prepared once: q/k/v of attention, gate/up of an MLP)."""
+    if dense_native.input_usable(x) and all(dense_native.weight_usable(m.weight) for m in layers):
+        return dense_native.linear_many(x, [m.weight for m in layers], [m.bias for m in layers])
+    return [m(x) for m in layers]
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +94,8 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def dtype_of(name: str) -> torch.dtype:

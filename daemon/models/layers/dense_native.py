@@ -12,6 +12,7 @@ When the extension is not built, `usable` is False and callers keep the torch pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,36 +42,67 @@ def configure(threads: int | None = None, isa: str = "auto", spin_us: int = 50) 
     _native.configure(threads or _DEFAULT_THREADS, spin_us, isa)
 
 
-def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear` takes x [T, K] and w [N, K]: extension built, CPU tensors, a bf16 weight
-    that is contiguous, fp32 or bf16 input, no autograd."""
+def weight_usable(w: torch.Tensor) -> bool:
+    """Whether `linear` takes this weight: extension built, a contiguous bf16 CPU tensor that
+    needs no gradient."""
     return (
         _native is not None
         and w.dtype in _DTYPES
-        and x.dim() == 2
-        and x.dtype in (torch.float32, torch.bfloat16)
         and w.device.type == "cpu"
-        and x.device.type == "cpu"
+        and w.dim() == 2
         and w.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and not (w.requires_grad and torch.is_grad_enabled())
     )
+
+
+def input_usable(x: torch.Tensor) -> bool:
+    """Whether `linear` takes this input: [T, K] fp32 or bf16 on the CPU, needing no gradient."""
+    return (
+        x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear` takes x [T, K] and w [N, K]."""
+    return weight_usable(w) and input_usable(x)
+
+
+def linear_many(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = ()
+) -> list[torch.Tensor]:
+    """x [T, K] -> [x.to(bf16) @ w^T (+ b) for each w], each [T, N_w] fp32, accumulated in fp32,
+    in ONE pool job (the input is prepared once). Check `usable` for x and every weight first."""
+    t, k = x.shape
+    for w in weights:
+        if w.shape[1] != k:
+            raise ValueError(f"x has {k} features but a weight expects {w.shape[1]}")
+    if not _native.configured():
+        configure()
+    xf = x.float().contiguous()
+    ys = [torch.empty(t, w.shape[0], dtype=torch.float32) for w in weights]
+    _native.linear(
+        xf.data_ptr(),
+        t,
+        k,
+        [w.data_ptr() for w in weights],
+        [w.shape[0] for w in weights],
+        [y.data_ptr() for y in ys],
+        True,
+        True,
+    )
+    for y, b in zip(ys, biases, strict=False):
+        if b is not None:
+            y += b
+    return ys
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] -> [T, N] fp32 = x.to(w.dtype) @ w^T (+ bias), accumulated in fp32. Check
     `usable(x, w)` first."""
-    t, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k:
-        raise ValueError(f"x has {k} features but the weight expects {w.shape[1]}")
-    if not _native.configured():
-        configure()
-    xf = x.float().contiguous()
-    y = torch.empty(t, n, dtype=torch.float32)
-    _native.linear(xf.data_ptr(), t, k, w.data_ptr(), True, n, y.data_ptr(), True)
-    if bias is not None:
-        y += bias
-    return y
+    return linear_many(x, (w,), (bias,))[0]
 
 
 def linear_reference(
