@@ -57,17 +57,19 @@ def _measure(
 
 # ---- memory bandwidth ---------------------------------------------------------------------------
 def membw(a: dict[str, Any]) -> dict[str, Any]:
-    """Read bandwidth of fp32 sums over 64 MiB slices of a 1 GiB tensor with `threads` torch
-    threads, best slice of 4 passes: short reads, so some run undisturbed on a shared machine
-    (one long sum never does), each from DRAM (a slice comes back after 960 MiB of others)."""
+    """Read bandwidth of fp32 sums over 16 MiB slices of a 1 GiB tensor with `threads` torch
+    threads, best slice of 8 passes: short reads, so some run undisturbed on a shared machine
+    (a long sum never does; the engines' figures are best rounds too), each from DRAM (a slice
+    comes back after 1 GiB of others). A plain sum was the fastest torch reduction measured
+    (amax, dot, column sums: 4-10 GB/s); the engines' own kernels can read faster still."""
     import torch
 
     torch.set_num_threads(a["threads"])
     x = torch.ones(256 << 20, dtype=torch.float32)
-    n = 16 << 20  # fp32 elements per 64 MiB slice
+    n = 4 << 20  # fp32 elements per 16 MiB slice
     slices = [x[i : i + n] for i in range(0, x.numel(), n)]
     best = float("inf")
-    for _ in range(4):
+    for _ in range(8):
         for s in slices:
             t0 = time.perf_counter()
             s.sum()
