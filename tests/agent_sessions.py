@@ -132,7 +132,8 @@ def make_session(
         n = rng.randint(output_lines // 2, output_lines * 3 // 2)
         output = "\n".join(_code_line(rng) for _ in range(n))
         turns.append(TurnScript(f"The {words} looks wrong; check {path}.", tool, path, output))
-    return AgentSession(style, turns, keep=keep, every=every)
+    task = f"Fix the failing test in {rng.choice(_WORDS)}_{rng.choice(_WORDS)}.py: {' '.join(rng.sample(_WORDS, 6))}."
+    return AgentSession(style, turns, keep=keep, every=every, task=task)
 
 
 # ---- token-level rendering, for models without a tokenizer (tests/tiny_models.py) -------------

@@ -130,7 +130,9 @@ def token_sessions(vocab: int, turns: int = TURNS):
 @pytest.fixture(scope="module")
 def builtin_pair(builtin_model_dir):
     kw = dict(max_model_len=4096, kv_tokens=16384, dtype="float32")
-    return LLM(builtin_model_dir, **kw), LLM(builtin_model_dir, prefix_cache=False, **kw)
+    return LLM(builtin_model_dir, snapshot_policy="anchors:all", **kw), LLM(
+        builtin_model_dir, prefix_cache=False, **kw
+    )
 
 
 def test_builtin_sessions_identical_with_exact_accounting(builtin_pair):
@@ -177,22 +179,24 @@ def test_non_hybrid_sessions_identical(tmp_path_factory, family):
     assert_no_leak(llm)
 
 
-def _with_marker_policy(llm: LLM, spec: str = "anchors", budget: int = 64 << 20) -> PrefixReuse:
+def _with_marker_policy(llm: LLM, spec: str = "anchors:all", budget: int = 64 << 20) -> PrefixReuse:
     """The tiny models have no tokenizer: anchors are the marker ids of the token-level render."""
     if llm.engine.prefix is not None:
         llm.engine.prefix.radix.clear()  # return the old tree's pages to the pool
     assert llm.runner.kv.num_used == 0
-    policy = SnapshotPolicy.parse(spec, dict(MARKER_ANCHORS) if spec == "anchors" else {})
+    policy = SnapshotPolicy.parse(spec, dict(MARKER_ANCHORS) if spec.startswith("anchors") else {})
     llm.engine.prefix = PrefixReuse(llm.runner.kv, True, policy, budget)
     return llm.engine.prefix
 
 
-@pytest.mark.parametrize("spec", ["anchors", "interval:16"])
+@pytest.mark.parametrize("spec", ["anchors:all", "anchors", "interval:16"])
 def test_tiny_hybrid_sessions_identical(tmp_path_factory, spec):
+    """Exact accounting where every snapshot point is taken (anchors:all, interval); the
+    selective default (prefill split only at edit-frontier candidates) must stay exact too."""
     llm, ref = _tiny_pair(tmp_path_factory, "qwen3_5_moe", kv_tokens=8192)
     _with_marker_policy(llm, spec)
-    interval = int(spec.split(":")[1]) if ":" in spec else 0
-    oracle = Oracle(True, set(MARKER_ANCHORS), interval)
+    interval = int(spec.split(":")[1]) if spec.startswith("interval") else 0
+    oracle = None if spec == "anchors" else Oracle(True, set(MARKER_ANCHORS), interval)
     assert run_sessions(llm, token_sessions(97), oracle, ref) > 0
     assert_no_leak(llm)
 
@@ -275,6 +279,9 @@ def test_radix_match_prefix_enters_a_partial_page():
     assert radix.match_prefix(seq[:6] + [0, 0]) == (pages[:2], 6)
     assert radix.match_prefix(seq[:9]) == (pages, 9)  # the prompt ends inside page 2
     assert radix.match_prefix([0] + seq) == ([], 0)
+    assert radix.diverges(seq[:6] + [0, 0], 6)  # the tree goes on differently after 6 tokens
+    assert not radix.diverges(seq + [1, 2], 12)  # the prompt only extends the cached path
+    assert not radix.diverges(seq[:9], 9)  # a prefix of the cached path
     pool.free(pages)
     assert radix.evict(3) == 3 and pool.num_used == 0
 
@@ -315,7 +322,8 @@ def _replay(llm: LLM, prompts: list[list[int]]) -> tuple[int, list[list[int]]]:
 def test_tight_budget_anchors_beat_interval_and_no_snapshots(tmp_path_factory):
     """A budget of 4 snapshots and 8-turn sessions: anchors (tiered retention: session heads and
     edit frontiers protected) re-prefill less than snapshots every 16 tokens and than none, in
-    every edit style, and less than anchors under plain LRU; outputs stay identical."""
+    every edit style, and less than the first design (a snapshot at every anchor, plain LRU);
+    outputs stay identical."""
     d = tmp_path_factory.mktemp("tight")
     make_tiny("qwen3_5_moe", d, seed=3)
     llm = LLM(d, moe_backend="cpu", max_model_len=512, kv_tokens=8192)
@@ -327,7 +335,7 @@ def test_tight_budget_anchors_beat_interval_and_no_snapshots(tmp_path_factory):
         for spec, retention in (
             ("none", "tiered"),
             ("interval:16", "tiered"),
-            ("anchors", "lru"),
+            ("anchors:all", "lru"),
             ("anchors", "tiered"),
         ):
             reuse = _with_marker_policy(llm, spec, budget)
@@ -369,11 +377,13 @@ def test_edit_model_learns_the_kinds_edits_land_on():
     for _ in range(3):
         m.observe("tool_output_start")
     m.observe("end_of_turn")
-    assert m.admits("tool_output_start") and m.admits("end_of_turn")
-    assert not m.admits("tool_call_end")
-    for _ in range(6):
-        m.observe("tool_output_start")
-    assert not m.admits("end_of_turn")  # decayed below its share
+    assert m.admits("tool_output_start") and not m.admits("end_of_turn")
+    m.observe("end_of_turn")  # the pattern changed: two edits are enough to follow it
+    assert m.admits("end_of_turn") and not m.admits("tool_output_start")
+    prior = m.fork(EditModel.PRIOR)  # a new session: the engine's habits, lightly held
+    prior.observe("tool_output_start")
+    assert prior.admits("tool_output_start") and not prior.admits("end_of_turn")
+    assert m.admits("end_of_turn")  # forks are independent
 
 
 def test_radix_keeps_a_partial_last_page_until_a_longer_page_covers_it():
@@ -395,3 +405,51 @@ def test_radix_keeps_a_partial_last_page_until_a_longer_page_covers_it():
     assert radix.cached_pages() == 3
     radix.clear()
     assert pool.num_used == 0
+
+
+# ---- spill to disk and resume after a restart -------------------------------------------------------
+
+
+def test_spilled_snapshots_resume_a_session_after_restart(
+    builtin_model_dir, builtin_pair, tmp_path
+):
+    """Engine A serves three turns and spills on close; a NEW engine B on the same state dir
+    prefills only the fourth turn's suffix: its KV and recurrent state come from the files."""
+    ref = builtin_pair[1]
+    kw = dict(max_model_len=4096, kv_tokens=16384, dtype="float32", state_dir=tmp_path)
+    session = make_session("opencode", 4, seed=5, output_lines=4, every=10)  # appends only
+    a = LLM(builtin_model_dir, **kw)
+    prompts = [
+        a.tokenizer.encode(
+            a.chat_template.render(session.messages(t), tools=TOOLS, add_generation_prompt=True)
+        )
+        for t in range(4)
+    ]
+    for p in prompts[:3]:
+        serve(a, [p])
+    report = a.close()
+    assert report.files >= 1 and report.bytes > 0
+    spilled = list((tmp_path / "snapshots").rglob("*.safetensors"))
+    assert len(spilled) == report.files
+
+    b = LLM(builtin_model_dir, **kw)
+    [(out, cached)] = serve(b, [prompts[3]])
+    assert cached == len(prompts[2])  # resumes at the end of the last prompt it saw before
+    assert b.engine.prefix.spill.loaded == 1
+    assert out == serve(ref, [prompts[3]])[0][0]
+    b.close()
+
+    # another KV layout is another engine configuration: its files are not even candidates
+    c = LLM(builtin_model_dir, page_size=32, **kw)
+    assert serve(c, [prompts[3]])[0][1] == 0 and c.engine.prefix.spill.records == {}
+    c.close()
+
+    # a damaged file is dropped with a warning, never fatal
+    for f in (tmp_path / "snapshots").rglob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    d = LLM(builtin_model_dir, **kw)
+    before = len(d.engine.prefix.spill.records)
+    [(out, cached)] = serve(d, [prompts[3]])
+    assert cached == 0 and out == serve(ref, [prompts[3]])[0][0]
+    assert d.engine.prefix.spill.loaded == 0 and len(d.engine.prefix.spill.records) < before
+    d.close()

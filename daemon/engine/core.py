@@ -205,7 +205,7 @@ class EngineCore:
             if len(toks) - fed > 1 and budget > 0:
                 end = fed + min(budget, len(toks) - fed)
                 if self.prefix is not None:  # stop at a snapshot point to capture the state there
-                    end = self.prefix.chunk_end(toks, fed, end)
+                    end = self.prefix.chunk_end(toks, fed, end, req.state)
                 plan.append((req, toks[fed:end], end == len(toks)))
                 budget -= end - fed
         return plan

@@ -39,8 +39,12 @@ class LLM:
     record_routing  append every step's routed expert ids to this JSONL file (cache replay)
     dtype        weights' dtype in memory (default: the checkpoint's); float32 upcasts a bf16 model
     prefix_cache reuse KV (radix tree) and recurrent-state snapshots across requests
-    snapshot_policy  anchors | interval:N | none (hybrid models: where recurrent state is saved)
+    snapshot_policy  anchors | anchors:all | interval:N | none (hybrid models: where recurrent state
+                 is saved; see engine/prefix.SnapshotPolicy)
     snapshot_budget_mb  memory for recurrent-state snapshots (own LRU, apart from the KV pool)
+    state_dir    spill snapshots (with their prefix KV) here on ``close()`` and resume from them
+                 after a restart; metadata in the state store (hybrid models)
+    spill_budget_mb  disk for spilled snapshots (least recently used files go first)
     """
 
     def __init__(
@@ -62,6 +66,8 @@ class LLM:
         prefix_cache: bool = True,
         snapshot_policy: str = "anchors",
         snapshot_budget_mb: float = 256,
+        state_dir: str | Path | None = None,
+        spill_budget_mb: float = 2048,
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
@@ -102,12 +108,36 @@ class LLM:
         self._chat_template: Any = None
         prefix = None
         if prefix_cache:
-            policy = SnapshotPolicy.parse(snapshot_policy, self._anchor_ids() if snapshot_policy == "anchors" else {})
+            policy = SnapshotPolicy.parse(snapshot_policy, self._anchor_ids() if snapshot_policy.startswith("anchors") else {})
             prefix = PrefixReuse(self.runner.kv, self.model.num_linear_layers > 0, policy, int(snapshot_budget_mb * 2**20))
         self.engine = EngineCore(
             self.runner, self._eos_ids(), self.max_model_len, max_batch, max_step_tokens, prefix=prefix
         )
         self._ids = itertools.count()
+        self._store: Any = None
+        if state_dir is not None and prefix is not None and prefix.snapshots is not None:
+            self._attach_spill(prefix, Path(state_dir), spill_budget_mb)
+
+    def _attach_spill(self, prefix: PrefixReuse, state_dir: Path, budget_mb: float) -> None:
+        from ..kv.spill import SnapshotSpill, engine_fingerprint
+        from ..store import Store
+
+        self._store = Store(state_dir)
+        fp = engine_fingerprint(self.model_dir, self.config.torch_dtype, self.runner.kv)
+        prefix.spill = SnapshotSpill(self._store, fp, int(budget_mb * 2**20))
+        assert prefix.snapshots is not None
+        prefix.snapshots.keep_prefix = True
+
+    def close(self) -> Any:
+        """With a state_dir: spills the session snapshots to disk (returns the SpillReport) and
+        closes the store. The engine must be idle."""
+        if self._store is None:
+            return None
+        assert self.engine.prefix is not None
+        report = self.engine.prefix.spill_now()
+        self._store.close()
+        self._store = None
+        return report
 
     # ---- tokenizer / template, loaded on first use ------------------------------------------
     @property

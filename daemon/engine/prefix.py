@@ -22,25 +22,35 @@ from ..kv.pool import KVPool
 from ..kv.radix import RadixCache
 from ..kv.seq_state import SeqState
 from ..kv.snapshots import Snapshot, SnapshotStore
+from ..kv.spill import SnapshotSpill, SpillReport
 
 
 @dataclass(frozen=True)
 class SnapshotPolicy:
-    """Where snapshots are taken: after anchor tokens, every ``interval`` tokens, or nowhere."""
+    """Where snapshots are taken: after anchor tokens, every ``interval`` tokens, or nowhere.
+
+    anchors      at the anchors retention keeps (edit frontiers; a prefill is split only there),
+                 at anchors that fall on a chunk end or in decoding, and at each prompt's end
+    anchors:all  at every anchor (a prefill stops at each: one more forward step per anchor)
+    interval:N   every N tokens (the baseline)
+    """
 
     anchor_ids: dict[int, str]
     interval: int = 0  # > 0: fixed-interval baseline instead of anchors
     enabled: bool = True
+    split_all: bool = False  # stop prefill chunks at every anchor, not only at frontier candidates
 
     @classmethod
     def parse(cls, spec: str, anchor_ids: dict[int, str]) -> SnapshotPolicy:
-        if spec == "anchors":
-            return cls(anchor_ids)
+        if spec in ("anchors", "anchors:all"):
+            return cls(anchor_ids, split_all=spec == "anchors:all")
         if spec == "none":
             return cls({}, enabled=False)
         if spec.startswith("interval:") and spec[9:].isdigit() and int(spec[9:]) > 0:
             return cls({}, interval=int(spec[9:]))
-        raise ValueError(f"snapshot policy must be 'anchors', 'interval:N' or 'none', got {spec!r}")
+        raise ValueError(
+            f"snapshot policy must be 'anchors', 'anchors:all', 'interval:N' or 'none', got {spec!r}"
+        )
 
     def kind_at(self, tokens: list[int], pos: int) -> str | None:
         """The snapshot kind after tokens[:pos], or None."""
@@ -69,16 +79,19 @@ class PrefixReuse:
         self.edits = EditModel()
         self.frontier = frontier  # snapshots protected after an edit (see kv/edits.py)
         self._tracks: dict[int, Track] = {}  # id(SeqState) of a request in flight -> its track
+        self.spill: SnapshotSpill | None = None  # snapshots on disk (restart resume)
 
     # ---- admission ----------------------------------------------------------------------------
     def restore(self, tokens: list[int], state: SeqState) -> int:
         """Fills the fresh ``state`` with the deepest reusable prefix of ``tokens``; returns its
         length (0: nothing reused, ``state`` untouched). At least one token is left to feed."""
+        if self.spill is not None:
+            self._load_spilled(tokens)
         pages, matched = self.radix.match_prefix(tokens)
         limit = min(matched, len(tokens) - 1)
         pos, snap = self._resume_point(tokens, limit)
         if pos <= 0:
-            self._track(state, tokens, limit, None)
+            self._track(state, tokens, matched, None)
             return 0
         full, rest = divmod(pos, self.pool.page_size)
         held = pages[: full + (1 if rest else 0)]
@@ -88,7 +101,7 @@ class PrefixReuse:
             fresh = self._alloc_page()
             if fresh is None:
                 self.pool.free(held)
-                self._track(state, tokens, limit, None)
+                self._track(state, tokens, matched, None)
                 return 0
             self.pool.copy_page(pages[full], fresh, rest)
             self.pool.free([pages[full]])
@@ -100,9 +113,29 @@ class PrefixReuse:
             state.recurrent.conv.copy_(snap.state.conv)
             state.recurrent.ssm.copy_(snap.state.ssm)
             self.snapshots.restored += 1
-        self._track(state, tokens, limit, snap)
+        self._track(state, tokens, matched, snap)
         state.num_tokens = pos
         return pos
+
+    def _load_spilled(self, tokens: list[int]) -> None:
+        """Brings back from disk the deepest spilled snapshot on this prompt's path that beats
+        what memory offers (its KV into the tree, its state into the store)."""
+        assert self.spill is not None and self.snapshots is not None
+        _, matched = self.radix.match_prefix(tokens)
+        best, _ = self._resume_point(tokens, min(matched, len(tokens) - 1))
+        for rec in self.spill.candidates(tokens, above=best):
+            state = self.spill.load(rec, tokens, self.pool, self.radix)
+            if state is not None:
+                self.snapshots.put(tokens, rec.position, state, rec.kind, head=True)
+                return
+
+    def spill_now(self) -> SpillReport | None:
+        """Writes the protected snapshots (session heads first, then edit frontiers) to disk."""
+        if self.spill is None or self.snapshots is None:
+            return None
+        snaps = [s for s in reversed(self.snapshots.snapshots()) if s.protected]
+        snaps.sort(key=lambda s: not s.head)  # stable: heads first, each most recent first
+        return self.spill.spill(snaps, self.pool, self.radix)
 
     def _alloc_page(self) -> int | None:
         if self.pool.num_free == 0:
@@ -111,20 +144,48 @@ class PrefixReuse:
             return None
         return self.pool.alloc(1)[0]
 
-    def _track(self, state: SeqState, tokens: list[int], limit: int, snap: Snapshot | None) -> None:
-        """Starts the request's snapshot track. Restoring from a snapshot that a deeper path
-        continued means the prompt left that path: an edit. Then (and for a new session) the
-        first snapshots of edit kinds it takes past the edit (``limit``: where the prompt leaves
-        the cached KV) are protected as the session's edit frontier."""
+    def _track(
+        self, state: SeqState, tokens: list[int], matched: int, snap: Snapshot | None
+    ) -> None:
+        """Starts the request's snapshot track, with its session's edit model (forked from the
+        snapshot it resumes, else from the engine-wide one).
+
+        An edit is a prompt that leaves a cached path before its end (an agent rewrote old
+        context), not one that only goes on after the last prompt (resuming at a ``prompt_end``
+        snapshot, the generated tokens re-rendered). Then the kind of the deepest snapshot point
+        before the edit is learned, and the first snapshots of edit kinds past ``limit`` (where
+        the prompt leaves the cached KV) are protected as the session's edit frontier. A prompt
+        that leaves the cache within its first exchange is a new session (sharing another's
+        system prompt, say): it gets a frontier (edits land on the oldest content first) and
+        the engine-wide model, and teaches nothing.
+        """
         if self.snapshots is None:
             return
-        track = Track(parent=snap, frontier_after=limit)
-        if snap is None or snap.had_children:
+        limit = min(matched, len(tokens) - 1)
+        start = self._first_exchange(tokens, limit)
+        if snap is not None and snap.edits is not None and not start:
+            edits = snap.edits.fork()
+        else:
+            edits = self.edits.fork(EditModel.PRIOR)
+        track = Track(edits, parent=snap, frontier_after=limit)
+        appended = snap is not None and snap.kind == "prompt_end"
+        edited = not appended and not start
+        edited &= (snap is not None and snap.had_children) or self.radix.diverges(tokens, matched)
+        if edited and (kind := self._ideal_kind(tokens, limit)) is not None:
+            edits.observe(kind)
+            if snap is not None:  # a resume from a snapshot: reliable enough to teach all
+                self.edits.observe(kind)
+        if edited or start or snap is None:
             track.frontier_left = self.frontier
-        if snap is not None and snap.had_children:
-            self.edits.observe(self._ideal_kind(tokens, limit) or snap.kind)
+        if snap is not None and track.frontier_left:
             self.snapshots.mark(snap, head=snap.head, frontier=False)  # the edit moved past it
         self._tracks[id(state)] = track
+
+    def _first_exchange(self, tokens: list[int], limit: int) -> bool:
+        """Fewer than two ends of turn before ``limit``: inside the system prompt or the first
+        user message, which agents do not edit."""
+        ends = sum(1 for t in tokens[:limit] if self.policy.anchor_ids.get(t) == "end_of_turn")
+        return ends < 2
 
     def _ideal_kind(self, tokens: list[int], limit: int) -> str | None:
         """The kind of the deepest snapshot point at or before ``limit`` (where the edit is)."""
@@ -143,13 +204,33 @@ class PrefixReuse:
         return 0, None
 
     # ---- planning and after a step ------------------------------------------------------------
-    def chunk_end(self, tokens: list[int], fed: int, end: int) -> int:
+    def chunk_end(
+        self, tokens: list[int], fed: int, end: int, state: SeqState | None = None
+    ) -> int:
+        """Where the prefill chunk [fed, end) must stop so a snapshot can be taken there.
+
+        A split costs a whole extra forward step (with an offloaded MoE, another sweep over the
+        experts), so with anchors only the snapshots retention will keep are worth one: edit
+        frontier candidates. The prompt's end needs no split; anchors that fall on a chunk end
+        or in decoding are snapshotted for free. The interval baseline splits at every point.
+        """
         if self.snapshots is None or not self.policy.enabled:
             return end
+        track = self._tracks.get(id(state)) if state is not None else None
         for pos in range(fed + 1, end):
-            if self.policy.kind_at(tokens, pos):
+            kind = self.policy.kind_at(tokens, pos)
+            split = self.policy.interval or self.policy.split_all
+            if kind and (split or self._frontier_candidate(track, pos, kind)):
                 return pos
         return end
+
+    def _frontier_candidate(self, track: Track | None, pos: int, kind: str) -> bool:
+        return (
+            track is not None
+            and track.frontier_left > 0
+            and pos > track.frontier_after  # past the edit: where the next one lands
+            and track.edits.admits(kind)
+        )
 
     def after_forward(self, tokens: list[int], state: SeqState, prompt_len: int = 0) -> None:
         """Snapshots the recurrent state if it now sits on a snapshot point. With anchors, the end
@@ -166,17 +247,14 @@ class PrefixReuse:
 
     def _snapshot(self, tokens: list[int], state: SeqState, kind: str) -> None:
         assert self.snapshots is not None and state.recurrent is not None
-        track = self._tracks.get(id(state)) or Track()
-        frontier = (
-            track.frontier_left > 0
-            and state.num_tokens > track.frontier_after  # past the edit: where the next one lands
-            and self.edits.admits(kind)
-        )
+        track = self._tracks.get(id(state)) or Track(self.edits.fork(EditModel.PRIOR))
+        frontier = self._frontier_candidate(track, state.num_tokens, kind)
         snap = self.snapshots.put(
             tokens, state.num_tokens, state.recurrent, kind, head=True, frontier=frontier
         )
         if snap is None:
             return
+        snap.edits = track.edits
         track.frontier_left -= frontier
         parent = track.parent
         if parent is not None and parent is not snap:  # the new snapshot is the request's head

@@ -17,9 +17,17 @@ from .snapshots import Snapshot
 
 
 class EditModel:
-    """Exponentially decayed counts of the snapshot kinds edits land on."""
+    """Exponentially decayed counts of the snapshot kinds edits land on.
 
-    def __init__(self, decay: float = 0.8, share: float = 0.25) -> None:
+    Each session (a lineage of requests, each resuming from a snapshot of the one before) carries
+    its own model, forked from the snapshot it resumed: two agents with different harnesses
+    served side by side do not blur each other's pattern. A new session starts from the
+    engine-wide model, scaled down (``PRIOR``) so that its own first edit outweighs it.
+    """
+
+    PRIOR = 0.25
+
+    def __init__(self, decay: float = 0.8, share: float = 0.5) -> None:
         self.decay = decay  # weight of the past per observation
         self.share = share  # a kind is an edit kind with at least this share of the weight
         self.weights: dict[str, float] = {}
@@ -36,11 +44,18 @@ class EditModel:
         total = sum(self.weights.values())
         return self.weights.get(kind, 0.0) >= self.share * total
 
+    def fork(self, scale: float = 1.0) -> EditModel:
+        out = EditModel(self.decay, self.share)
+        out.weights = {k: w * scale for k, w in self.weights.items()}
+        return out
+
 
 @dataclass
 class Track:
-    """Per request: the last snapshot on its path and how many frontier marks it may still give."""
+    """Per request: the last snapshot on its path, its session's edit model, and how many
+    frontier marks it may still give."""
 
+    edits: EditModel
     parent: Snapshot | None = None
     frontier_left: int = 0
     frontier_after: int = 0  # only snapshots past this position (the edit) join the frontier

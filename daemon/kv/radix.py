@@ -78,6 +78,22 @@ class RadixCache:
             node = child
         return pages, len(pages) * ps
 
+    def diverges(self, tokens: list[int], matched: int) -> bool:
+        """Whether a cached path shares ``tokens[:matched]`` and then goes on differently: the
+        prompt edited a sequence the tree has (an agent rewrote its context), rather than only
+        extending it. ``matched`` is match_prefix's length."""
+        if matched >= len(tokens):
+            return False
+        node, ps = self.root, self.ps
+        for i in range(matched // ps):
+            child = node.children.get(tuple(tokens[i * ps : (i + 1) * ps]))
+            if child is None:
+                return False
+            node = child
+        rows = matched % ps
+        head = tuple(tokens[matched - rows : matched])
+        return any(len(k) > rows and k[:rows] == head for k in node.children)
+
     def insert(self, tokens: list[int], pages: list[int]) -> None:
         """Adds a sequence's pages (``pages[i]`` holds tokens of page i). Pages the tree takes are
         retained; where the tree already has that prefix its own page is kept. A last, partial

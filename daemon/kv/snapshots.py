@@ -22,8 +22,12 @@ import collections
 import hashlib
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .seq_state import RecurrentState
+
+if TYPE_CHECKING:
+    from .edits import EditModel
 
 RETENTIONS = ("tiered", "lru")
 
@@ -41,6 +45,8 @@ class Snapshot:
     head: bool = False  # the deepest snapshot of its request (so far)
     frontier: bool = False  # among the first snapshots after an edit
     had_children: bool = False  # a later snapshot continued this path
+    prefix: array[int] | None = None  # tokens[:pos], kept when snapshots may be spilled to disk
+    edits: EditModel | None = None  # the edit model of the session that took it (kv/edits.py)
 
     @property
     def protected(self) -> bool:
@@ -62,6 +68,7 @@ class SnapshotStore:
         self.saved = 0
         self.restored = 0
         self.evicted = 0
+        self.keep_prefix = False  # keep each snapshot's tokens (needed to spill it with its KV)
 
     def __len__(self) -> int:
         return sum(len(t) for t in self._tiers)
@@ -90,6 +97,8 @@ class SnapshotStore:
             self.mark(old, head=old.head or head, frontier=old.frontier or frontier)
             return old
         snap = Snapshot(pos, state.clone(), kind, key, head=head, frontier=frontier)
+        if self.keep_prefix:
+            snap.prefix = array("i", tokens[:pos])
         if not self._make_room(state.nbytes, snap.protected):
             return None
         self._tier(snap)[key] = snap

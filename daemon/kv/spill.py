@@ -1,0 +1,164 @@
+"""Snapshot spill: recurrent-state snapshots and the KV of their prefix on disk, so a restarted
+engine resumes an agent session by prefilling only the suffix (DESIGN §2).
+
+A hybrid model resumes at position p only with BOTH the recurrent state after p and the KV of
+the full-attention layers for positions [0, p). The KV is not recomputable from the snapshot, so
+each spilled snapshot carries it (the simple, correct design; its cost is p tokens of KV):
+
+  state_dir/snapshots/<fingerprint>/<prefix hash>.safetensors
+    conv [linear layers, conv_dim, kernel - 1], ssm [linear layers, v_heads, k_dim, v_dim]
+    k, v [attention layers, p, kv_heads, head_dim]
+
+with one row per file in the store's ``anchors`` table (fingerprint, prefix hash, position, kind,
+bytes, last use, path). The fingerprint covers the weights, the dtype and the KV layout: a file
+is only ever loaded into the engine that could have written it. Files are written under a
+temporary name and renamed; a missing or unreadable file is dropped from the table, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..store import AnchorRecord, Store
+from .pool import KVPool
+from .radix import RadixCache
+from .seq_state import RecurrentState
+from .snapshots import Snapshot, prefix_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpillReport:
+    files: int
+    bytes: int
+    seconds: float
+
+
+class SnapshotSpill:
+    """Spilled snapshots of one engine configuration (``fingerprint``) in ``store``."""
+
+    def __init__(self, store: Store, fingerprint: str, budget_bytes: int) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.budget = budget_bytes
+        self.root = store.state_dir / "snapshots" / fingerprint
+        self.records = {r.prefix_hash: r for r in store.anchors(fingerprint)}
+        self.loaded = 0
+
+    # ---- writing -----------------------------------------------------------------------------
+    def spill(self, snaps: list[Snapshot], pool: KVPool, radix: RadixCache) -> SpillReport:
+        """Writes the snapshots not on disk yet whose prefix KV is still in the tree (in order:
+        put the most valuable first), then trims the oldest files beyond the disk budget."""
+        t0, files, nbytes = time.perf_counter(), 0, 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        for snap in snaps:
+            key = snap.key.hex()
+            if key in self.records or snap.prefix is None:
+                continue
+            tokens = snap.prefix.tolist()
+            pages, matched = radix.match_prefix(tokens)
+            if matched < snap.pos:
+                continue  # its KV was evicted: the snapshot alone cannot resume
+            size = self._write(key, snap, _gather(pool, pages, snap.pos))
+            rec = AnchorRecord(
+                self.fingerprint, key, snap.pos, snap.kind, size, time.time(), self._rel(key)
+            )
+            self.store.put_anchor(rec)
+            self.records[key] = rec
+            files, nbytes = files + 1, nbytes + size
+        self._trim()
+        return SpillReport(files, nbytes, time.perf_counter() - t0)
+
+    def _write(self, key: str, snap: Snapshot, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
+        path = self.root / f"{key}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tensors = {"conv": snap.state.conv, "ssm": snap.state.ssm, "k": kv[0], "v": kv[1]}
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), {"pos": str(snap.pos)})
+        os.replace(tmp, path)
+        return path.stat().st_size
+
+    def _rel(self, key: str) -> str:
+        return str(Path("snapshots") / self.fingerprint / f"{key}.safetensors")
+
+    def _trim(self) -> None:
+        """Drops the least recently used files while the total exceeds the budget."""
+        total = sum(r.bytes for r in self.records.values())
+        for rec in sorted(self.records.values(), key=lambda r: r.last_use):
+            if total <= self.budget:
+                break
+            self._drop(rec)
+            total -= rec.bytes
+
+    def _drop(self, rec: AnchorRecord) -> None:
+        self.records.pop(rec.prefix_hash, None)
+        self.store.delete_anchor(self.fingerprint, rec.prefix_hash)
+        if rec.spill_path:
+            (self.store.state_dir / rec.spill_path).unlink(missing_ok=True)
+
+    # ---- reading -----------------------------------------------------------------------------
+    def candidates(self, tokens: list[int], above: int) -> list[AnchorRecord]:
+        """Spilled snapshots on ``tokens``' path deeper than ``above`` (leaving >= 1 token to
+        feed), deepest first."""
+        recs = [r for r in self.records.values() if above < r.position < len(tokens)]
+        recs.sort(key=lambda r: r.position, reverse=True)
+        return [r for r in recs if prefix_key(tokens, r.position).hex() == r.prefix_hash]
+
+    def load(
+        self, rec: AnchorRecord, tokens: list[int], pool: KVPool, radix: RadixCache
+    ) -> RecurrentState | None:
+        """Puts the file's KV into the tree (under ``tokens[:position]``) and returns its state;
+        None when the file is unusable (dropped) or the pool has no room (kept)."""
+        try:
+            t = load_file(str(self.store.state_dir / (rec.spill_path or "")))
+            k, v, pos = t["k"], t["v"], rec.position
+            if (
+                k.shape[1] != pos
+                or k.shape[0] != pool.k.shape[0]
+                or k.shape[2:] != pool.k.shape[3:]
+            ):
+                raise ValueError(f"KV of shape {tuple(k.shape)} does not fit this engine")
+        except Exception as e:  # noqa: BLE001 - any unreadable file is dropped, never fatal
+            log.warning("dropping spilled snapshot %s: %s", rec.spill_path, e)
+            self._drop(rec)
+            return None
+        n = pool.pages_for(pos)
+        if pool.num_free < n:
+            radix.evict(n - pool.num_free)
+        if pool.num_free < n:
+            return None
+        pages = pool.alloc(n)
+        for layer in range(k.shape[0]):
+            pool.write(layer, pages, 0, k[layer], v[layer])
+        radix.insert(tokens[:pos], pages)
+        pool.free(pages)  # the tree holds what it took
+        self.store.touch_anchor(self.fingerprint, rec.prefix_hash)
+        self.loaded += 1
+        return RecurrentState(t["conv"], t["ssm"])
+
+
+def _gather(pool: KVPool, pages: list[int], pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [0, pos) over all attention layers: [layers, pos, kv_heads, head_dim]."""
+    table = torch.tensor(pages[: pool.pages_for(pos)], dtype=torch.long)
+    k = pool.k[:, table].flatten(1, 2)[:, :pos]
+    v = pool.v[:, table].flatten(1, 2)[:, :pos]
+    return k, v
+
+
+def engine_fingerprint(model_dir: Path, dtype: str, pool: KVPool) -> str:
+    """Weights (the store's model fingerprint), dtype and KV layout: what a spilled file needs."""
+    import hashlib
+
+    from ..store import model_fingerprint
+
+    layout = f"{dtype}|{pool.page_size}|{tuple(pool.k.shape[:1] + pool.k.shape[3:])}|{pool.k.dtype}"
+    return hashlib.blake2b(
+        (model_fingerprint(model_dir) + layout).encode(), digest_size=12
+    ).hexdigest()
