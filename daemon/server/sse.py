@@ -1,8 +1,10 @@
-"""Server-sent events framing, and the streaming response that aborts on disconnect."""
+"""Server-sent events framing, keep-alive pings, and the streaming response that aborts on
+disconnect."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -26,12 +28,60 @@ def event(name: str, payload: Any) -> bytes:
 
 DONE = b"data: [DONE]\n\n"
 
+# A stream is silent while its prompt is prefilled: minutes for an agent's 20-35 K token prompt
+# on a CPU. Clients give up on a silent stream (Claude Code and Codex after 5 minutes), so a
+# ping goes out whenever nothing did for this long.
+KEEPALIVE_S = 15.0
+COMMENT_PING = b": ping\n\n"  # ignored by every SSE parser (OpenAI chat/completions clients)
+
+
+def anthropic_ping() -> bytes:
+    """The Messages API's own keep-alive event."""
+    return event("ping", {"type": "ping"})
+
+
+def comment_ping() -> bytes:
+    return COMMENT_PING
+
+
+async def keepalive(
+    frames: AsyncIterator[bytes], ping: Callable[[], bytes], interval: float
+) -> AsyncGenerator[bytes, None]:
+    """``frames`` as they come, plus ``ping()`` after every ``interval`` seconds without one.
+
+    The next frame is awaited in a task that a ping does not disturb; closing this generator
+    (the client left) cancels that task, which raises CancelledError inside ``frames``.
+    """
+    source = aiter(frames)
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield ping()
+                continue
+            try:
+                frame = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield frame
+    finally:
+        if pending is not None:
+            pending.cancel()
+
 
 def stream_response(
-    body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str] | None = None
+    body: AsyncIterator[bytes],
+    on_close: Callable[[], None],
+    headers: dict[str, str] | None = None,
+    ping: Callable[[], bytes] = comment_ping,
 ) -> Stream:
     """Wrap an event generator; ``on_close`` runs exactly once however the stream ends
     (completed, client disconnected, server shutdown), so the request's KV is always freed.
+    ``ping()`` is sent whenever the body is silent for ``KEEPALIVE_S`` (see ``keepalive``).
 
     Two hooks, because a disconnect cancels the sender while the generator may be parked at
     a ``yield`` (then only the generator's finalizer would run its ``finally``): the
@@ -46,11 +96,13 @@ def stream_response(
             on_close()
 
     async def guarded() -> AsyncIterator[bytes]:
+        frames = keepalive(body, ping, KEEPALIVE_S)
         try:
-            async for chunk in body:
+            async for chunk in frames:
                 yield chunk
         finally:
             close_once()
+            await frames.aclose()  # cancels a pending wait for the next frame at once
 
     return Stream(
         guarded(),

@@ -18,7 +18,7 @@ from ..chat import ChatRequest, Sampling, ToolSpec, assistant_tool_call, check_t
 from ..errors import InvalidRequest
 from ..openapi import body_operation
 from ..schemas.anthropic import Block, CountTokensRequest, Message, MessagesRequest
-from ..sse import stream_response
+from ..sse import anthropic_ping, stream_response
 from ..state import server_state
 from .anthropic_out import MessagesOutput
 from .common import decode_body, log_request, unless_disconnected
@@ -178,7 +178,7 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
         log_request(state.metrics, "messages", gen, started, stream=body.stream)
 
     if body.stream:
-        return stream_response(out.stream(), close)
+        return stream_response(out.stream(), close, ping=anthropic_ping)
     try:
         payload = await unless_disconnected(request, out.complete())
     finally:

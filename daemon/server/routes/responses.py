@@ -172,7 +172,7 @@ async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
         log_request(state.metrics, "responses", gen, started, stream=body.stream)
 
     if body.stream:
-        return stream_response(out.stream(), close)
+        return stream_response(out.stream(), close, ping=out.ping)
     try:
         payload = await unless_disconnected(request, out.complete())
     finally:

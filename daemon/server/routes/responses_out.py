@@ -126,6 +126,11 @@ class ResponsesOutput:
         self._seq += 1
         return sse.event(kind, {"type": kind, "sequence_number": self._seq, **payload})
 
+    def ping(self) -> bytes:
+        """Keep-alive while the stream is silent (a long prefill): ``response.in_progress``
+        again. Codex restarts its idle timer on events only, and SSE comments are not events."""
+        return self._event("response.in_progress", response=self.response("in_progress"))
+
     def _open_item(self, kind: str) -> list[bytes]:
         index = len(self.output)
         self._open_text = ""
