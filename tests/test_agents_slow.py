@@ -4,8 +4,8 @@ Responses) and OpenCode (OpenAI Chat Completions), one headless one-prompt run e
 Opt-in (``pytest --runslow``, or ``make test-slow``, which installs the pinned clients from npm
 into ``.agents/``; ``FT_AGENTS_DIR`` points elsewhere). The tiny model's words are nonsense;
 what is tested is that each client accepts our responses: it exits 0 with its normal "done"
-output, and the daemon's log shows its requests, all answered 200 and finished by the model
-(not aborted, not rejected).
+output, and the daemon's log shows its requests, none rejected, all answered 200, the answer
+generated to its end.
 
 The clients talk to 127.0.0.1 only: a clean environment (no real keys, a temporary HOME),
 fake API keys, and every telemetry / auto-update / non-essential-traffic switch they have.
@@ -177,6 +177,8 @@ def test_claude_code(daemon: Daemon, tmp_path: Path) -> None:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": SERVED,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": SERVED,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": SERVED,
+        # the whole request may outlast the default 10 minutes on a busy CPU; the stream's
+        # 5-minute idle limit is left as it is (the daemon pings while it prefills)
         "API_TIMEOUT_MS": str(int(TIMEOUT * 1000)),
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_NON_ESSENTIAL_MODEL_CALLS": "1",
@@ -215,7 +217,6 @@ env_key = "FREETOKEN_API_KEY"
 wire_api = "responses"
 request_max_retries = 0
 stream_max_retries = 0
-stream_idle_timeout_ms = {idle_ms}
 
 [analytics]
 enabled = false
@@ -235,9 +236,7 @@ def test_codex(daemon: Daemon, tmp_path: Path) -> None:
     codex_home = tmp_path / "home" / ".codex"
     codex_home.mkdir(parents=True)
     (codex_home / "config.toml").write_text(
-        CODEX_CONFIG.format(
-            model=SERVED, context=CONTEXT, url=daemon.url, idle_ms=int(TIMEOUT * 1000)
-        )
+        CODEX_CONFIG.format(model=SERVED, context=CONTEXT, url=daemon.url)
     )
     env = {
         **base_env(tmp_path / "home"),
@@ -245,7 +244,8 @@ def test_codex(daemon: Daemon, tmp_path: Path) -> None:
         "FREETOKEN_API_KEY": "sk-fake-key-for-freetoken",
     }
     # --strict-config: a misspelt (say, telemetry) key fails the run instead of being ignored;
-    # no retries, so a response Codex rejects fails the run instead of being resent.
+    # no retries, so a response Codex rejects fails the run instead of being resent. Its
+    # 5-minute stream idle limit is the default: the daemon pings while it prefills.
     argv = [str(exe), "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json"]
     run = run_client(daemon, [*argv, PROMPT], env, tmp_path / "work")
     assert run.code == 0, run.report()
