@@ -40,17 +40,26 @@ def attend(
     if n == 1 and q_start == c - 1 and sinks is None and (window is None or c <= window):
         return _attend_last(q, k, v, scale)
     groups = heads // k.shape[1]
-    kh = k.repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, c, d]
-    vh = v.repeat_interleave(groups, dim=1).transpose(0, 1)
-    qh = q.transpose(0, 1)  # [heads, n, d]
     qpos = torch.arange(q_start, q_start + n).unsqueeze(1)
     kpos = torch.arange(c).unsqueeze(0)
     allowed = kpos <= qpos
     if window is not None:
         allowed &= kpos > qpos - window
     if sinks is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
-        return out.transpose(0, 1)
+        # 4-d [1, heads, n, d] with enable_gqa: torch's fused CPU kernel, K/V never repeated per
+        # head (512 x 512, 32/4 heads: 117 vs 278 ms for the 3-d repeated form, 2 threads).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+    kh = k.repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, c, d]
+    vh = v.repeat_interleave(groups, dim=1).transpose(0, 1)
+    qh = q.transpose(0, 1)  # [heads, n, d]
     scores = (qh @ kh.transpose(1, 2)) * scale  # [heads, n, c]
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.float().view(heads, 1, 1).expand(heads, n, 1)
