@@ -23,7 +23,10 @@ def dense_extension() -> Extension:
 
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
     root = _NATIVE.parent
-    own = [_NATIVE / "dense" / n for n in ("bindings.cpp", "pool.cpp", "dense_linear.cpp")]
+    own = [
+        _NATIVE / "dense" / n
+        for n in ("bindings.cpp", "pool.cpp", "dense_linear.cpp", "rms_norm.cpp")
+    ]
     shared = [_NATIVE / "src" / n for n in (*_KERNELS, *(_X86 if x86 else []))]
     return Pybind11Extension(
         "ftdense",

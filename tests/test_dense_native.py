@@ -195,3 +195,34 @@ def test_project_native_and_fallback() -> None:
     assert not dense_native.weight_usable(mixed[1].weight)
     for y, m in zip(project(x, mixed), mixed, strict=True):
         torch.testing.assert_close(y, m(x), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 32, 128), (5, 7), (2, 0, 16)])
+def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g) * 3
+    scale = torch.randn(shape[-1], generator=g)
+    assert dense_native.rms_norm_usable(x, scale)
+    y = dense_native.rms_norm(x, scale, 1e-6)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    strided = x.transpose(0, -1)  # not contiguous: copied first
+    torch.testing.assert_close(
+        dense_native.rms_norm(strided, torch.ones(strided.shape[-1]), 1e-6),
+        strided * torch.rsqrt(strided.pow(2).mean(-1, keepdim=True) + 1e-6),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_rms_norm_module_matches_formula() -> None:
+    from freetokend.models.layers.common import RMSNorm
+
+    for offset in (False, True):
+        norm = RMSNorm(64, 1e-6, torch.bfloat16, offset)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(64))
+        x = torch.randn(4, 64)
+        w = norm.weight.float()
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w if offset else w)
+        torch.testing.assert_close(norm(x), ref, rtol=1e-5, atol=1e-5)

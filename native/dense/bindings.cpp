@@ -11,6 +11,7 @@
 
 #include "dense_linear.h"
 #include "pool.h"
+#include "rms_norm.h"
 
 namespace py = pybind11;
 
@@ -60,6 +61,14 @@ PYBIND11_MODULE(ftdense, m) {
     std::lock_guard<std::mutex> lock(state().mu);
     return state().pool ? state().pool->threads() : 0;
   });
+  m.def(
+      "rms_norm",
+      [](uintptr_t x, int64_t rows, int dim, uintptr_t scale, float eps, uintptr_t y) {
+        ftdense::rms_norm(reinterpret_cast<const float*>(x), rows, dim,
+                          reinterpret_cast<const float*>(scale), eps, reinterpret_cast<float*>(y));
+      },
+      py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("scale"), py::arg("eps"), py::arg("y"),
+      "x, y [rows, dim] fp32, scale [dim] fp32 addresses (small: runs on the caller, GIL held).");
   m.def(
       "linear",
       [](uintptr_t x, int T, int K, const std::vector<uintptr_t>& w, const std::vector<int>& N,

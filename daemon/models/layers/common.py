@@ -80,8 +80,11 @@ class RMSNorm(nn.Module):
         return self._scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op: x * rsqrt(mean(x^2) + eps) * scale, in fp32.
-        return F.rms_norm(x.float(), (x.shape[-1],), self._fp32_scale(), self.eps)
+        # x * rsqrt(mean(x^2) + eps) * scale, in fp32: natively on the CPU, else one torch op.
+        xf, scale = x.float(), self._fp32_scale()
+        if dense_native.rms_norm_usable(xf, scale):
+            return dense_native.rms_norm(xf, scale, self.eps)
+        return F.rms_norm(xf, (x.shape[-1],), scale, self.eps)
 
 
 class DenseMLP(nn.Module):

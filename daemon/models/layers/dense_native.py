@@ -105,6 +105,33 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return linear_many(x, (w,), (bias,))[0]
 
 
+def rms_norm_usable(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes x [..., D] and scale [D]: fp32 CPU tensors, no autograd."""
+    return (
+        _native is not None
+        and x.dtype == torch.float32
+        and scale.dtype == torch.float32
+        and x.device.type == "cpu"
+        and scale.device.type == "cpu"
+        and x.dim() >= 1
+        and scale.shape == (x.shape[-1],)
+        and not (torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad))
+    )
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2, -1) + eps) * scale in fp32 (torch's rms_norm costs ~17 us even for one
+    row, several ops in one). Check `rms_norm_usable` first."""
+    xc = x.contiguous()
+    sc = scale.contiguous()
+    y = torch.empty_like(xc)
+    d = x.shape[-1]
+    _native.rms_norm(
+        xc.data_ptr(), xc.numel() // d if d else 0, d, sc.data_ptr(), eps, y.data_ptr()
+    )
+    return y
+
+
 def linear_reference(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
