@@ -9,8 +9,12 @@ memory-read bandwidth, then each engine's batch-1 decode and 512-token prefill s
 fresh subprocess with the same thread count (decode_workers.py), and prints one table with each
 engine's fraction of the decode roofline (read bandwidth / weight bytes read per token).
 
-Peers that are not installed (transformers, llama-cpp-python) are skipped. From other code:
-`run_decode_benchmark(...)` returns the rows and prints nothing unless asked.
+Peers that are not installed (transformers, llama-cpp-python) are skipped; none is a project
+dependency. llama.cpp, opt-in, built from source (~6+ min on 2 cores; the converter also wants
+the `gguf` package):
+    .venv/bin/pip install gguf && .venv/bin/pip install llama-cpp-python --no-binary :all:
+From other code: `run_decode_benchmark(...)` returns the rows and prints nothing unless asked.
+Each engine runs with both OpenMP wait policies and keeps its better result (see _measure).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ fly instead; it only has to tokenize, its ids stay < 50257.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 VOCAB_SIZE = 50257  # GPT-2's; the model's vocab (lm_head rows) is this size either way
@@ -61,7 +62,11 @@ def _byte_level(vocab: dict[str, int], merges: list[tuple[str, str]]) -> object:
 
 def gpt2_tokenizer(vocab_gguf: Path) -> object:
     """GPT-2's byte-level BPE rebuilt from llama.cpp's test vocabulary file."""
-    import gguf  # type: ignore[import-not-found,import-untyped]
+    try:
+        import gguf  # type: ignore[import-not-found,import-untyped]
+    except ImportError:  # the sources ship the package too: <src>/gguf-py beside <src>/models
+        sys.path.insert(0, str(vocab_gguf.parent.parent / "gguf-py"))
+        import gguf  # type: ignore[import-not-found,import-untyped,no-redef]
 
     reader = gguf.GGUFReader(str(vocab_gguf))
     tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
