@@ -120,6 +120,9 @@ def test_resize_when_idle_keeps_host_pool_and_output(daemon: Any) -> None:
 
 def test_resize_queued_behind_a_running_request(daemon: Any) -> None:
     ftjson(daemon, "cache", "--moe", "64")
+    # The first run fills the prefix cache; the reference is a run that resumes from it, as the
+    # request below will (on a bf16 model a resumed prefill rounds differently from a whole one).
+    complete(daemon, "model-a", LONG, prompt="Once upon a time", long=True)
     _, text = complete(daemon, "model-a", LONG, prompt="Once upon a time", long=True)
     before = ftjson(daemon, "cache")
     result: dict[str, Any] = {}
