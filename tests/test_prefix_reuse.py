@@ -20,6 +20,7 @@ from freetokend.kv.snapshots import SnapshotStore
 
 GEN = 5  # tokens generated per turn
 TURNS = 5
+BUILTIN_TURNS = 4  # each style edits once (turn 3) and once more (turn 4)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,7 +139,7 @@ def builtin_pair(builtin_model_dir):
 def test_builtin_sessions_identical_with_exact_accounting(builtin_pair):
     llm, ref = builtin_pair
     sessions = {
-        s: make_session(s, TURNS, seed=1 + i, output_lines=4, keep=2, every=3)
+        s: make_session(s, BUILTIN_TURNS, seed=1 + i, output_lines=3, keep=2, every=3)
         for i, s in enumerate(STYLES)
     }
 
@@ -148,7 +149,7 @@ def test_builtin_sessions_identical_with_exact_accounting(builtin_pair):
             llm.tokenizer.encode(
                 render(sessions[style].messages(t), tools=TOOLS, add_generation_prompt=True)
             )
-            for t in range(TURNS + 1)
+            for t in range(BUILTIN_TURNS + 1)
         ]
 
     anchors = set(llm.engine.prefix.policy.anchor_ids)

@@ -164,52 +164,50 @@ def report(runs: list[Run], styles: list[str]) -> bool:
 def restart_cost(
     path: Path, sessions: dict[str, AgentSession], args: argparse.Namespace, root: Path
 ) -> None:
-    """Serves turns 0..T-1 of every session on engine A (anchors, spilling to a state dir), closes
-    it (spill), then serves turn T on a NEW engine B from that state dir and on a cold engine C:
-    spill size and time, re-prefilled tokens and TTFT of the first turn after the restart."""
-    state = root / "restart-state"
-    shutil.rmtree(state, ignore_errors=True)
+    """Per session: engine A (anchors, the same snapshot budget, spilling to a fresh state dir)
+    serves turns 0..T-1 and closes (spill); a NEW engine B on that state dir and a cold engine C
+    serve turn T. Prints spill size and time, re-prefilled tokens and TTFT of that first turn."""
     kw = dict(
         max_model_len=args.max_len,
         kv_tokens=args.kv_tokens,
         dtype="float32",
         max_step_tokens=args.step_tokens,
     )
-
-    def prompt(llm: LLM, style: str, t: int) -> list[int]:
-        text = llm.chat_template.render(
-            sessions[style].messages(t), tools=TOOLS, add_generation_prompt=True
-        )
-        return llm.tokenizer.encode(text)
-
-    a = LLM(path, state_dir=state, **kw)
-    for style in sessions:
-        for t in range(args.turns):
-            serve_turn(a, f"a-{style}-{t}", prompt(a, style, t), args.gen)
-    t0 = time.perf_counter()
-    report = a.close()
-    close_s = time.perf_counter() - t0
-    del a
-    b = LLM(path, state_dir=state, **kw)
+    probe = LLM(path, prefix_cache=False, **kw).runner.new_state().recurrent
+    budget = args.budget * (probe.nbytes if probe is not None else 0) / 2**20
     c = LLM(path, prefix_cache=False, **kw)
     print(
-        f"\nrestart: spilled {report.files} snapshots, {report.bytes / 2**20:.1f} MiB "
-        f"({report.bytes / max(report.files, 1) / 2**20:.2f} MiB each: state + prefix KV) in {close_s:.2f} s"
+        f"\n{'restart':10} {'spilled':>7} {'MiB':>6} {'spill s':>7} {'prompt':>7} {'re-prefill warm':>15} "
+        f"{'cold':>6} {'TTFT warm s':>11} {'cold s':>7} {'CPU warm s':>10} {'cold s':>7}"
     )
-    print(
-        f"{'style':10} {'prompt':>7} {'re-prefill warm':>15} {'cold':>6} {'TTFT warm s':>11} {'cold s':>7}"
-        f" {'CPU warm s':>10} {'cold s':>7}"
-    )
-    for style in sessions:
-        p = prompt(b, style, args.turns)
+    for style, session in sessions.items():
+        state = root / f"restart-{style}"
+        shutil.rmtree(state, ignore_errors=True)
+
+        def prompt(llm: LLM, t: int, session: AgentSession = session) -> list[int]:
+            text = llm.chat_template.render(
+                session.messages(t), tools=TOOLS, add_generation_prompt=True
+            )
+            return llm.tokenizer.encode(text)
+
+        a = LLM(path, state_dir=state, snapshot_budget_mb=budget, **kw)
+        for t in range(args.turns):
+            serve_turn(a, f"a-{style}-{t}", prompt(a, t), args.gen)
+        t0 = time.perf_counter()
+        report = a.close()
+        spill_s = time.perf_counter() - t0
+        del a
+        b = LLM(path, state_dir=state, snapshot_budget_mb=budget, **kw)
+        p = prompt(b, args.turns)
         warm = serve_turn(b, f"b-{style}", p, args.gen)
         cold = serve_turn(c, f"c-{style}", p, args.gen)
+        b.close()
         assert warm.output == cold.output, f"{style}: output after restart differs"
         print(
-            f"{style:10} {len(p):7d} {warm.prefilled:15d} {cold.prefilled:6d} {warm.ttft_s:11.3f} {cold.ttft_s:7.3f}"
-            f" {warm.ttft_cpu_s:10.3f} {cold.ttft_cpu_s:7.3f}"
+            f"{style:10} {report.files:7d} {report.bytes / 2**20:6.1f} {spill_s:7.3f} {len(p):7d} "
+            f"{warm.prefilled:15d} {cold.prefilled:6d} {warm.ttft_s:11.3f} {cold.ttft_s:7.3f} "
+            f"{warm.ttft_cpu_s:10.3f} {cold.ttft_cpu_s:7.3f}"
         )
-    b.close()
 
 
 def per_turn(runs: list[Run], styles: list[str]) -> None:
@@ -257,13 +255,15 @@ def main() -> None:
         for i, s in enumerate(styles)
     }
     runs = []
-    for strategy in args.strategies.split(","):
+    for strategy in filter(None, args.strategies.split(",")):
         t0 = time.perf_counter()
         runs.append(replay(path, strategy, sessions, args))
         print(f"[{strategy}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
-    per_turn(runs, styles)
-    print()
-    same = report(runs, styles)
+    same = True
+    if runs:
+        per_turn(runs, styles)
+        print()
+        same = report(runs, styles)
     if args.restart:
         restart_cost(path, sessions, args, root)
     sys.exit(0 if same else 1)
