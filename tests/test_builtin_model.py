@@ -12,14 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from freetokend.engine.chat_template import ChatTemplate
-from freetokend.engine.tokenizer import Tokenizer
-from freetokend.models import builtin
-from freetokend.models.builtin import BUILTIN_NAME, ensure_builtin_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from freetokend.engine.chat_template import ChatTemplate
+from freetokend.engine.tokenizer import Tokenizer
+from freetokend.models import builtin
+from freetokend.models.builtin import BUILTIN_NAME, ensure_builtin_model
 
 
 def file_hashes(d: Path) -> dict[str, str]:

@@ -10,8 +10,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from freetokend.engine.chat_template import ChatTemplate, ChatTemplateError
 from transformers import AutoTokenizer
+
+from freetokend.engine.chat_template import ChatTemplate, ChatTemplateError
 
 TOOLS = [
     {

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.formats import (
     E2M1_VALUES,
@@ -19,8 +22,6 @@ from freetokend.experts.formats import (
     quantize_banks,
     unpack_nibbles,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 H, INTER = 128, 96  # multiples of 32; INTER < 128 leaves partial fp8 blocks
 

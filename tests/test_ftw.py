@@ -12,13 +12,14 @@ import textwrap
 
 import pytest
 import torch
+from tiny_models import FAMILIES, make_tiny
+
 from freetokend import LLM
 from freetokend.checkpoint.ftw import FtwError, convert, load_ftw, model_tensors
 from freetokend.checkpoint.ftw_index import ALIGN, INDEX_NAME, fingerprint, read_index
 from freetokend.checkpoint.ftw_write import write_ftw
 from freetokend.experts.formats import quantize_banks
 from freetokend.models.loader import CheckpointError, load_model
-from tiny_models import FAMILIES, make_tiny
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from freetokend.experts import cpu_executor
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.cpu_executor import CpuExecutor, available, supported_isas
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 pytestmark = pytest.mark.skipif(
     not available(), reason="ftnative extension not built (pip install -e .)"

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from freetokend.experts.replay import (
     MIB,
     POLICIES,

@@ -7,6 +7,7 @@ import math
 import msgspec
 import pytest
 import torch
+
 from freetokend.engine.sampler import (
     SamplingParams,
     filtered_probs,

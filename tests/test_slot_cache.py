@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
 from freetokend.experts.slot_cache import (
     FREQ_CAP,
     FREQ_SHIFT,
@@ -25,8 +28,6 @@ from freetokend.experts.slot_cache import (
     fill_count,
     fill_ratio_q16,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as hs
 
 # (B_P, B_H, fill_all): ratios whose m * B_P / B_H never lands on .5 for m <= 16
 BANDWIDTHS = [(1.0, 1.0, True), (11.8, 47.5, False), (1.0, 3.0, False), (2.0, 5.0, False)]

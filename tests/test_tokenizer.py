@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from freetokend.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers
+
+from freetokend.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 # --- loading -------------------------------------------------------------------------------
 

@@ -20,8 +20,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import msgspec
-from freetokend.engine.tokenizer import named_special_tokens, read_json
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from freetokend.engine.tokenizer import named_special_tokens, read_json
 
 # Names a message's reasoning may come under; templates read ``reasoning_content``
 # (gpt-oss templates read ``thinking``).

@@ -210,15 +210,22 @@ class EngineCore:
                 budget -= end - fed
         return plan
 
-    def _reserve(self, plan: list[tuple[_Request, list[int], bool]]) -> list[tuple[_Request, list[int], bool]]:
+    def _reserve(
+        self, plan: list[tuple[_Request, list[int], bool]]
+    ) -> list[tuple[_Request, list[int], bool]]:
         """Takes KV pages for the plan, preempting the newest requests while the pool is short."""
+        kv = self.runner.kv
         while True:
-            need = sum(self.runner.pages_missing(r.state, r.state.num_tokens + len(t)) for r, t, _ in plan)  # type: ignore[arg-type]
-            if need > self.runner.kv.num_free and self.prefix is not None:
-                self.prefix.evict(need - self.runner.kv.num_free)
-            if need <= self.runner.kv.num_free:
+            need = 0
+            for r, t, _ in plan:
+                assert r.state is not None
+                need += self.runner.pages_missing(r.state, r.state.num_tokens + len(t))
+            if need > kv.num_free and self.prefix is not None:
+                self.prefix.evict(need - kv.num_free)
+            if need <= kv.num_free:
                 for r, t, _ in plan:
-                    self.runner.reserve(r.state, r.state.num_tokens + len(t))  # type: ignore[arg-type]
+                    assert r.state is not None
+                    self.runner.reserve(r.state, r.state.num_tokens + len(t))
                 return plan
             if len(self._running) <= 1:
                 raise KVPoolFull("the KV pool cannot hold a single request of this length")
@@ -262,7 +269,9 @@ class EngineCore:
         if want_lp:
             top_n = max(int(reqs[i].params.logprobs or 0) for i in want_lp)
             rows = torch.tensor(want_lp)
-            chosen, top_ids, top_lp = logprobs_of(logits[rows], torch.tensor([ids[i] for i in want_lp]), top_n)
+            chosen, top_ids, top_lp = logprobs_of(
+                logits[rows], torch.tensor([ids[i] for i in want_lp]), top_n
+            )
             for j, i in enumerate(want_lp):
                 n = int(reqs[i].params.logprobs or 0)
                 pairs = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))
@@ -279,7 +288,16 @@ class EngineCore:
                 self._free(req)
             chosen_lp, top = lp.get(i, (None, None))
             outs.append(
-                StepOutput(req.rid, tok, chosen_lp, top, reason is not None, reason, len(req.prompt), req.cached)
+                StepOutput(
+                    req.rid,
+                    tok,
+                    chosen_lp,
+                    top,
+                    reason is not None,
+                    reason,
+                    len(req.prompt),
+                    req.cached,
+                )
             )
         return outs
 

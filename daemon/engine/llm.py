@@ -71,7 +71,9 @@ class LLM:
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
-            raise ValueError(f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(BACKENDS)}"
+            )
         self.model_dir = Path(model_dir)
         self.name = name or self.model_dir.name
         cfg = ModelConfig.from_hf(self.model_dir)
@@ -82,7 +84,9 @@ class LLM:
         self.config = cfg
         self.model, self.banks = load_model(self.model_dir, cfg)
         act = ActivationSpec(
-            Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU, cfg.swiglu_alpha, cfg.swiglu_limit
+            Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU,
+            cfg.swiglu_alpha,
+            cfg.swiglu_limit,
         )
         self.moe = create_backend(
             moe_backend,
@@ -100,7 +104,9 @@ class LLM:
         # Default context: the model's, bounded by the KV pool (default 131072 tokens; pages are
         # committed only when written). Agents ask for max_tokens 32000 on top of long prompts.
         kv = kv_tokens or _DEFAULT_KV_TOKENS
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(
+            max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, kv)
         self.runner = ModelRunner(self.model, self.moe, kv, page_size)
@@ -108,10 +114,22 @@ class LLM:
         self._chat_template: Any = None
         prefix = None
         if prefix_cache:
-            policy = SnapshotPolicy.parse(snapshot_policy, self._anchor_ids() if snapshot_policy.startswith("anchors") else {})
-            prefix = PrefixReuse(self.runner.kv, self.model.num_linear_layers > 0, policy, int(snapshot_budget_mb * 2**20))
+            policy = SnapshotPolicy.parse(
+                snapshot_policy, self._anchor_ids() if snapshot_policy.startswith("anchors") else {}
+            )
+            prefix = PrefixReuse(
+                self.runner.kv,
+                self.model.num_linear_layers > 0,
+                policy,
+                int(snapshot_budget_mb * 2**20),
+            )
         self.engine = EngineCore(
-            self.runner, self._eos_ids(), self.max_model_len, max_batch, max_step_tokens, prefix=prefix
+            self.runner,
+            self._eos_ids(),
+            self.max_model_len,
+            max_batch,
+            max_step_tokens,
+            prefix=prefix,
         )
         self._ids = itertools.count()
         self._store: Any = None
@@ -175,10 +193,24 @@ class LLM:
 
     # ---- generation -------------------------------------------------------------------------
     @overload
-    def generate(self, prompt_token_ids: list[int], max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False, **kw: Any) -> list[int]: ...
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        ignore_eos: bool = False,
+        **kw: Any,
+    ) -> list[int]: ...
 
     @overload
-    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False, **kw: Any) -> list[list[int]]: ...
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        max_tokens: int,
+        temperature: float = 0.0,
+        ignore_eos: bool = False,
+        **kw: Any,
+    ) -> list[list[int]]: ...
 
     def generate(self, prompt_token_ids, max_tokens, temperature=0.0, ignore_eos=False, **kw):  # type: ignore[no-untyped-def]
         """Generated ids only (the prompt excluded; an end-of-sequence token is included).
@@ -188,7 +220,9 @@ class LLM:
         """
         single = bool(prompt_token_ids) and isinstance(prompt_token_ids[0], int)
         prompts = [prompt_token_ids] if single else list(prompt_token_ids)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, **kw)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, **kw
+        )
         outs = self._run(prompts, params)
         return outs[0] if single else outs
 
@@ -205,7 +239,12 @@ class LLM:
                     results[out.request_id].append(out.token_id)
         return [results[r] for r in rids]
 
-    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **sampling: Any) -> str:
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        **sampling: Any,
+    ) -> str:
         """Renders the chat template, generates, returns the decoded text (special tokens dropped)."""
         prompt = self.chat_template.render(messages, tools=tools, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+
 from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
 
 MIB = 1 << 20

@@ -89,7 +89,9 @@ class KVPool:
         if v is not None:
             self.v[layer, page, row] = v.to(self.v.dtype)
 
-    def read(self, layer: int, pages: list[int], length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, pages: list[int], length: int, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [start, length) as [length - start, kv_heads, head_dim]."""
         first, last = start // self.page_size, self.pages_for(length)
         table = torch.tensor(pages[first:last], dtype=torch.long)

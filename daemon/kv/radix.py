@@ -133,7 +133,9 @@ class RadixCache:
         """Frees up to ``n_pages`` pages held by the tree alone, oldest leaves first."""
         freed = 0
         while freed < n_pages:
-            leaves = [n for n in self._nodes() if not n.children and self.pool.refcount(n.page) == 1]
+            leaves = [
+                n for n in self._nodes() if not n.children and self.pool.refcount(n.page) == 1
+            ]
             if not leaves:
                 break
             leaves.sort(key=lambda n: n.last_access)

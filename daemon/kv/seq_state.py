@@ -23,7 +23,10 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+        return (
+            self.conv.numel() * self.conv.element_size()
+            + self.ssm.numel() * self.ssm.element_size()
+        )
 
 
 @dataclass

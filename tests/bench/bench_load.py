@@ -153,6 +153,7 @@ def child(kind: str, folder: str, out: str | None) -> None:
         print(json.dumps({"folder": str(build_checkpoint(int(folder)))}))
         return
     import torch  # noqa: F401  (imports are part of the baseline, not of the load)
+
     from freetokend.checkpoint.ftw import convert, load_ftw
     from freetokend.models.loader import load_model
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from freetokend.experts.banks import ActivationSpec, ExpertBanks
 from freetokend.experts.cpu_executor import CpuExecutor
 
