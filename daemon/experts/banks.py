@@ -105,10 +105,14 @@ def moe_reference(
     flat_ids [T, K]  int, flat expert ids; -1 means "skip this route"
     weights  [T, K]  gate weights (already normalised as the family wants)
     returns  [T, H]  fp32: sum_k weights[t, k] * expert_{flat_ids[t, k]}(x[t])
+
+    Each route's term is kept apart and the K terms of a token are summed in route order, so the
+    result does not depend on the numbering of ``flat_ids`` (slot ids of a slot cache change with
+    every eviction and resize; an order by id would round differently after each).
     """
     xf = x.float()
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     ids = flat_ids.long()
+    routed = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)
     for fid in torch.unique(ids).tolist():
         if fid < 0:
             continue
@@ -119,5 +123,5 @@ def moe_reference(
         y = activate(h, act) @ banks.down[fid].float().t()
         if banks.down_bias is not None:
             y = y + banks.down_bias[fid].float()
-        out.index_add_(0, tok, y * weights[tok, slot].float().unsqueeze(-1))
-    return out
+        routed[tok, slot] = y * weights[tok, slot].float().unsqueeze(-1)
+    return routed.sum(dim=1)
