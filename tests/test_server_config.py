@@ -45,6 +45,13 @@ def test_unknown_or_bad_keys_are_named(tmp_path: Path):
         resolve({}, None, {"FREETOKEN_MOE_BACKEND": "gpu"})
     with pytest.raises(ConfigError, match="max_queue"):
         resolve(cli("--max-queue", "-1"), None, {})
+    for bad in ("anchor", "interval:0", "interval:x"):
+        with pytest.raises(ConfigError, match="snapshot_policy"):
+            resolve(cli("--snapshot-policy", bad), None, {})
+    with pytest.raises(ConfigError, match="spill_budget_mb"):
+        resolve(cli("--spill-budget-mb", "-1"), None, {})
+    ok = resolve(cli("--snapshot-policy", "interval:64", "--prefix-cache", "off"), None, {})
+    assert (ok.snapshot_policy, ok.prefix_cache) == ("interval:64", False)
 
 
 def test_state_dir_defaults():

@@ -13,7 +13,9 @@ any thread; they validate at once and hand the request over through a locked inb
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,6 +27,8 @@ from ..kv.seq_state import SeqState
 from .prefix import PrefixReuse
 from .runner import ModelRunner, Work
 from .sampler import SamplingParams, logprobs_of, sample
+
+log = logging.getLogger(__name__)
 
 
 class Constraint(Protocol):
@@ -103,6 +107,8 @@ class EngineCore:
         self._generated = 0
         self._preemptions = 0
         self._cached_total = 0
+        self.spill_idle_s = 2.0  # idle(): seconds without work before snapshots are spilled
+        self._busy_at = time.monotonic()
 
     # ---- called from any thread -------------------------------------------------------------
     def add_request(
@@ -235,11 +241,29 @@ class EngineCore:
             self._preemptions += 1
             plan = [p for p in plan if p[0] is not victim]
 
+    def idle(self) -> None:
+        """Work for an idle engine; the serving loop calls it between requests. Once idle for
+        ``spill_idle_s``, writes new session snapshots to disk (a crash loses at most the
+        snapshots of the last few seconds; shutdown writes the rest)."""
+        if self._running or self._waiting or self._inbox or self.prefix is None:
+            return
+        if time.monotonic() - self._busy_at < self.spill_idle_s or not self.prefix.unspilled():
+            return
+        report = self.prefix.spill_now()
+        if report is not None and report.files:
+            log.info(
+                "spilled %d session snapshot(s): %d MiB in %.2f s",
+                report.files,
+                report.bytes >> 20,
+                report.seconds,
+            )
+
     def step(self) -> list[StepOutput]:
         self._drain_inbox()
         self._admit()
         if not self._running:
             return []
+        self._busy_at = time.monotonic()
         try:
             plan = self._reserve(self._plan())
         except KVPoolFull:
@@ -251,7 +275,9 @@ class EngineCore:
             for r, _, _ in plan:
                 self.prefix.after_forward(r.tokens, r.state, len(r.prompt))  # type: ignore[arg-type]
         sampled = [r for r, _, w in plan if w]
-        return self._sample(sampled, logits)
+        outs = self._sample(sampled, logits)
+        self._busy_at = time.monotonic()
+        return outs
 
     def _finish_now(self, req: _Request, reason: str) -> StepOutput:
         self._running.remove(req)

@@ -45,6 +45,8 @@ class LLM:
     state_dir    spill snapshots (with their prefix KV) here on ``close()`` and resume from them
                  after a restart; metadata in the state store (hybrid models)
     spill_budget_mb  disk for spilled snapshots (least recently used files go first)
+    spill_idle_s after this many idle seconds a serving loop calling ``engine.idle()`` writes
+                 new session snapshots to disk (``close()`` writes the rest)
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class LLM:
         snapshot_budget_mb: float = 256,
         state_dir: str | Path | None = None,
         spill_budget_mb: float = 2048,
+        spill_idle_s: float = 2.0,
         name: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
@@ -131,6 +134,7 @@ class LLM:
             max_step_tokens,
             prefix=prefix,
         )
+        self.engine.spill_idle_s = spill_idle_s
         self._ids = itertools.count()
         self._store: Any = None
         if state_dir is not None and prefix is not None and prefix.snapshots is not None:
@@ -148,13 +152,18 @@ class LLM:
 
     def close(self) -> Any:
         """With a state_dir: spills the session snapshots to disk (returns the SpillReport) and
-        closes the store. The engine must be idle."""
+        closes the store; later requests no longer spill. Call it between steps; a second call
+        does nothing."""
         if self._store is None:
             return None
-        assert self.engine.prefix is not None
-        report = self.engine.prefix.spill_now()
-        self._store.close()
-        self._store = None
+        prefix = self.engine.prefix
+        assert prefix is not None
+        try:
+            report = prefix.spill_now()
+        finally:
+            prefix.spill = None
+            self._store.close()
+            self._store = None
         return report
 
     # ---- tokenizer / template, loaded on first use ------------------------------------------

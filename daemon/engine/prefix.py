@@ -129,6 +129,16 @@ class PrefixReuse:
                 self.snapshots.put(tokens, rec.position, state, rec.kind, head=True)
                 return
 
+    def unspilled(self) -> bool:
+        """Whether a protected snapshot is not on disk yet (what ``spill_now`` would write)."""
+        if self.spill is None or self.snapshots is None:
+            return False
+        done = self.spill.records
+        return any(
+            s.protected and s.prefix is not None and s.key.hex() not in done
+            for s in self.snapshots.snapshots()
+        )
+
     def spill_now(self) -> SpillReport | None:
         """Writes the protected snapshots (session heads first, then edit frontiers) to disk."""
         if self.spill is None or self.snapshots is None:

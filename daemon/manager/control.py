@@ -85,6 +85,12 @@ class ControlPlane:
             accelerator=cfg.accelerator,
             bandwidth=self._bandwidth(path),
             name=name,
+            prefix_cache=cfg.prefix_cache,
+            snapshot_policy=cfg.snapshot_policy,
+            snapshot_budget_mb=cfg.snapshot_budget_mb,
+            state_dir=self.state_dir if cfg.spill_budget_mb > 0 else None,
+            spill_budget_mb=cfg.spill_budget_mb,
+            spill_idle_s=cfg.spill_idle_s,
         )
 
     def _service(self, model: ResidentModel) -> ModelService:
@@ -176,6 +182,28 @@ class ControlPlane:
             self.watcher.stop()
         if self.admin is not None:
             self.admin.stop()
+        self.close_models()
+
+    def close_models(self) -> None:
+        """Spills each resident model's session snapshots to the state folder (between steps:
+        a step still running after the drain timeout finishes first)."""
+        for model in list(self.manager.models.values()):
+            try:
+                if self.hub is not None:
+                    report = self.hub.exclusive(model.llm.close)
+                else:
+                    report = model.llm.close()
+            except Exception:  # shutting down: report and go on with the other models
+                log.exception("closing %s failed", model.name)
+                continue
+            if report is not None and report.files:
+                log.info(
+                    "%s: %d session snapshot(s) written (%d MiB, %.2f s)",
+                    model.name,
+                    report.files,
+                    report.bytes >> 20,
+                    report.seconds,
+                )
 
 
 def _cuda_uuid() -> str | None:

@@ -43,3 +43,30 @@ def add_control_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vram-low-mb", type=int, metavar="MB", help="shrink below this (1024)")
     g.add_argument("--vram-high-mb", type=int, metavar="MB", help="grow above this (3072)")
     g.add_argument("--vram-poll-s", type=float, metavar="S", help="NVML polling period (2)")
+    r = p.add_argument_group("agent state reuse")
+    r.add_argument(
+        "--prefix-cache",
+        type=_bool,
+        metavar="BOOL",
+        help="reuse KV and recurrent-state snapshots across requests (default: true)",
+    )
+    r.add_argument(
+        "--snapshot-policy",
+        metavar="P",
+        help="where hybrid models save recurrent state: anchors (agent turn and tool "
+        "boundaries), anchors:all, interval:N, none (default: anchors)",
+    )
+    r.add_argument("--snapshot-budget-mb", type=float, metavar="MB", help="RAM for snapshots (256)")
+    r.add_argument(
+        "--spill-budget-mb",
+        type=float,
+        metavar="MB",
+        help="disk for session snapshots in the state folder, so a restart resumes agent "
+        "sessions without re-prefilling them; 0 = none (2048)",
+    )
+    r.add_argument(
+        "--spill-idle-s",
+        type=float,
+        metavar="S",
+        help="write new session snapshots after this many idle seconds (2)",
+    )

@@ -116,6 +116,17 @@ class EngineHub:
     def stats(self) -> Any:
         return self.active.core.stats()
 
+    def idle(self) -> None:
+        """Idle-time work of the active engine (the serving loop calls it between requests)."""
+        with self._step:
+            if not self.has_unfinished():
+                self.active.core.idle()
+
+    def exclusive(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` with no step in flight (waits for the current one)."""
+        with self._step:
+            return fn()
+
     # ---- control side ------------------------------------------------------------------------
     def run_at_safe_point(self, what: str, attempt: Callable[[], Any], drain: bool) -> Ticket:
         """Queue ``attempt`` (applies, or returns NOT_YET); the ticket resolves to its result."""

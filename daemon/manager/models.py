@@ -153,6 +153,7 @@ class ModelManager:
             if self.hub is not None and model.lane in (self.hub.active, self.hub.desired):
                 raise ModelError(f"{name!r} is the active model; switch to another one first")
             del self.models[name]
+            model.llm.close()  # inactive, so no step in flight: spill its session snapshots
             log.info("model unloaded: %s (%d MiB of host RAM freed)", name, model.host_bytes >> 20)
 
     def _make_room(self, need: int, keep: tuple[str, ...]) -> None:

@@ -135,10 +135,20 @@ class EngineBridge:
         while not self._stopping:
             if not self.engine.has_unfinished():
                 self._refresh_stats()
+                self._idle()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
             self._step()
+
+    def _idle(self) -> None:
+        idle = getattr(self.engine, "idle", None)  # EngineCore and EngineHub have it
+        if idle is None:
+            return
+        try:
+            idle()
+        except Exception:  # idle work (snapshot spill) must not kill the engine thread
+            log.exception("engine idle work failed")
 
     def _step(self) -> None:
         try:

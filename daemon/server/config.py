@@ -8,6 +8,7 @@ also spell them with ``-``). Environment variables are ``FREETOKEN_`` + the key 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import msgspec
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
 ACCELERATORS = ("auto", "cuda", "standin")
 ENV_PREFIX = "FREETOKEN_"
+SNAPSHOT_POLICY = re.compile(r"anchors|anchors:all|interval:[1-9][0-9]*|none")
 
 
 class ConfigError(ValueError):
@@ -49,6 +51,14 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vram_low_mb: int = 1024  # free VRAM below this: shrink the expert cache at a safe point
     vram_high_mb: int = 3072  # free VRAM above this: grow it back towards its target size
     vram_poll_s: float = 2.0  # seconds between NVML readings
+    # ---- agent state reuse (DESIGN §2) ----
+    prefix_cache: bool = True  # reuse KV and recurrent-state snapshots across requests
+    snapshot_policy: str = "anchors"  # anchors | anchors:all | interval:N | none
+    snapshot_budget_mb: float = 256.0  # RAM for recurrent-state snapshots (own LRU)
+    # disk for session snapshots (with their prefix KV) in the state folder, so a restarted
+    # daemon resumes agent sessions; 0 = keep none on disk
+    spill_budget_mb: float = 2048.0
+    spill_idle_s: float = 2.0  # write new session snapshots after this many idle seconds
 
     def check(self) -> DaemonConfig:
         if self.moe_backend not in MOE_BACKENDS:
@@ -89,6 +99,14 @@ def check_control(cfg: DaemonConfig) -> None:
         )
     if cfg.vram_poll_s <= 0:
         raise ConfigError(f"vram_poll_s: must be > 0, got {cfg.vram_poll_s}")
+    if not SNAPSHOT_POLICY.fullmatch(cfg.snapshot_policy):
+        raise ConfigError(
+            f"snapshot_policy: {cfg.snapshot_policy!r} is not one of anchors, anchors:all, "
+            "interval:N (N >= 1), none"
+        )
+    for name in ("snapshot_budget_mb", "spill_budget_mb", "spill_idle_s"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
 
 
 def default_state_dir(env: dict[str, str]) -> Path:
