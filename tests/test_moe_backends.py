@@ -90,12 +90,17 @@ def test_bandwidth_profile_and_routing_record(model_dir, reference, tmp_path):
     import json
 
     from freetokend.experts.accelerator import StandinAccelerator
-    from freetokend.experts.bandwidth import measure
+    from freetokend.experts.bandwidth import measure, measure_copy_bandwidth
 
     llm = LLM(model_dir, max_model_len=256, kv_tokens=1024, record_routing=tmp_path / "trace.jsonl")
     assert llm.generate(_prompts(), max_tokens=8, ignore_eos=True) == reference
     prof = measure(llm.banks, StandinAccelerator(), llm.moe, top_k=llm.config.top_k)
     assert prof.b_p > 0 and prof.b_h > 0 and prof.expert_bytes == llm.banks.nbytes_per_expert()
+    acc = StandinAccelerator()
+    for device_list in (False, True):  # host-listed copies and the device-side copy list
+        before = acc.stats.bytes
+        assert measure_copy_bandwidth(llm.banks, acc, experts=4, device_list=device_list) > 0
+        assert acc.stats.bytes - before == 4 * 4 * llm.banks.nbytes_per_expert()  # 4 runs
     lines = [json.loads(s) for s in (tmp_path / "trace.jsonl").read_text().splitlines()]
     cfg = llm.config
     assert {r["phase"] for r in lines} == {"prefill", "decode"}

@@ -2,7 +2,9 @@
 
 Two implementations:
 - ``CudaAccelerator``: a dedicated transfer stream; copies come from pinned host memory with
-  ``non_blocking=True``; the compute stream waits on an event recorded after the copies.
+  ``non_blocking=True``; the compute stream waits on an event recorded after the copies. A copy
+  list that lives on the device (``fill_rows``) runs as a Triton kernel reading the pinned,
+  mapped host pool in place, so decode never waits for the host to learn what to copy.
 - ``StandinAccelerator``: a CPU stand-in for CI. Its "device" tensors are separate CPU tensors
   and a single copy worker thread plays the transfer stream, so every mechanism built on this
   interface (slot fills, double-buffered prefill, the hybrid split) runs and is tested without a GPU.
@@ -10,6 +12,7 @@ Two implementations:
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 ACCELERATORS = ("auto", "standin", "cuda")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +64,27 @@ class Accelerator(ABC):
         ``dst`` lives on the device, ``src`` in (pinned) host memory; rows are whole experts.
         """
 
+    @abstractmethod
+    def fill_rows(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_idx: torch.Tensor,
+        src_idx: torch.Tensor,
+        count: torch.Tensor,
+        kernel: bool = False,
+    ) -> Transfer:
+        """Asynchronously execute a device-side copy list: for each (dst, src) bank pair,
+        dst[dst_idx[i]] <- src[src_idx[i]] for i < count[0].
+
+        ``dst_idx``, ``src_idx`` [C] and ``count`` [1] are int32 tensors on the device, as the
+        slot cache's decode kernel leaves them: the host never reads them (no sync per layer).
+        ``kernel``: run the Triton copy kernel (always on CUDA; on the stand-in, tests).
+        """
+
+    def device_fill_ok(self, src: torch.Tensor) -> bool:
+        """Whether ``fill_rows`` works from this host bank (checked once per backend)."""
+        return True
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """Page-lock a filled host tensor in place where the platform supports it."""
         return t
@@ -92,6 +118,25 @@ def _do_copies(pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int
             dst[d].copy_(src[s])
 
 
+def _do_fill(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    dst_idx: torch.Tensor,
+    src_idx: torch.Tensor,
+    count: torch.Tensor,
+    kernel: bool,
+    stats: TransferStats,
+) -> None:
+    from ftkernels import moe_decode as k  # torch reference and Triton kernel
+
+    n = int(count.reshape(-1)[0])  # the stand-in's "device" is host memory: free to read
+    copy = k.copy_rows if kernel else k.copy_rows_reference
+    for dst, src in pairs:
+        copy(dst, src, dst_idx, src_idx, count)
+    with stats.lock:
+        stats.copies += n * len(pairs)
+        stats.bytes += n * sum(src[0].numel() * src.element_size() for _, src in pairs)
+
+
 class StandinAccelerator(Accelerator):
     name = "standin"
 
@@ -105,6 +150,17 @@ class StandinAccelerator(Accelerator):
     ) -> Transfer:
         self._count(pairs)
         return _FutureTransfer(self._worker.submit(_do_copies, pairs), self.stats)
+
+    def fill_rows(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_idx: torch.Tensor,
+        src_idx: torch.Tensor,
+        count: torch.Tensor,
+        kernel: bool = False,
+    ) -> Transfer:
+        fut = self._worker.submit(_do_fill, pairs, dst_idx, src_idx, count, kernel, self.stats)
+        return _FutureTransfer(fut, self.stats)
 
 
 class _CudaTransfer(Transfer):
@@ -139,11 +195,50 @@ class CudaAccelerator(Accelerator):
             ev.record(self.copy_stream)
         return _CudaTransfer(ev)
 
+    def fill_rows(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_idx: torch.Tensor,
+        src_idx: torch.Tensor,
+        count: torch.Tensor,
+        kernel: bool = True,
+    ) -> Transfer:
+        from ftkernels.moe_decode import copy_rows
+
+        # SMs read the pinned, mapped host pool over PCIe (zero-copy): the copy list and its
+        # count are read where they are, on the device. Not counted in ``stats`` (that would
+        # need the count on the host); the slot cache counts its fills on the device.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for dst, src in pairs:
+                copy_rows(dst, src, dst_idx, src_idx, count)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        return _CudaTransfer(ev)
+
+    def device_fill_ok(self, src: torch.Tensor) -> bool:
+        """Runs the zero-copy fill once on row 0 of ``src`` and compares it with a plain copy
+        (a host pool that is not mapped for the device, or a Triton that refuses host
+        pointers, fails here instead of mid-decode)."""
+        try:
+            one = torch.zeros(1, dtype=torch.int32, device=self.device)
+            dst = torch.zeros((1, *src.shape[1:]), dtype=src.dtype, device=self.device)
+            self.fill_rows([(dst, src)], one, one, one + 1).wait()
+            torch.cuda.synchronize(self.device)
+            ok = bool(torch.equal(dst[0].cpu(), src[0]))
+        except Exception as e:  # noqa: BLE001 - any failure means: use the host-list copies
+            log.warning("zero-copy expert fills unavailable (%s); copies go through the host", e)
+            return False
+        if not ok:
+            log.warning("zero-copy expert fill gave wrong bytes; copies go through the host")
+        return ok
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_pinned() or t.numel() == 0:
             return t
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        # portable | mapped: the device may read it in place (zero-copy expert fills)
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister failed ({err}); raise LimitMEMLOCK")
         return t

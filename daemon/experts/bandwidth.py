@@ -16,7 +16,7 @@ from .banks import ExpertBanks
 
 @dataclass(frozen=True)
 class BandwidthProfile:
-    b_p: float  # bytes/s, pinned host -> accelerator, whole experts through Accelerator.copy_rows
+    b_p: float  # bytes/s, pinned host -> accelerator, whole experts the way decode fills them
     b_h: float  # bytes/s of expert weights streamed by the CPU executor at batch 1
     expert_format: str
     accelerator: str
@@ -29,19 +29,42 @@ def _distinct_experts(banks: ExpertBanks, n: int, seed: int = 0) -> list[int]:
 
 
 def measure_copy_bandwidth(
-    banks: ExpertBanks, acc: Accelerator, experts: int = 64, repeats: int = 3
+    banks: ExpertBanks,
+    acc: Accelerator,
+    experts: int = 64,
+    repeats: int = 3,
+    device_list: bool | None = None,
 ) -> float:
+    """Whole-expert copies host -> accelerator, through the path decode fills take: the
+    device-side copy list (``fill_rows``; on CUDA the zero-copy kernel) when it works from these
+    banks, else host-listed ``copy_rows`` (``device_list`` forces one)."""
     ids = _distinct_experts(banks, experts)
     host = banks.tensors()
     dev = {k: acc.empty((len(ids), *t.shape[1:]), t.dtype) for k, t in host.items()}
     rows = list(range(len(ids)))
-    pairs = [(dev[k], host[k], rows, ids) for k in host]
-    acc.copy_rows(pairs).wait()  # warm-up
+    if device_list is None:
+        device_list = acc.device_fill_ok(banks.gate_up)
+    if device_list:
+        dst = torch.tensor(rows, dtype=torch.int32, device=acc.device)
+        src = torch.tensor(ids, dtype=torch.int32, device=acc.device)
+        count = torch.tensor([len(ids)], dtype=torch.int32, device=acc.device)
+        fill = [(dev[k], host[k]) for k in host]
+        kernel = acc.device.type == "cuda"
+
+        def run() -> None:
+            acc.fill_rows(fill, dst, src, count, kernel=kernel).wait()
+    else:
+        pairs = [(dev[k], host[k], rows, ids) for k in host]
+
+        def run() -> None:
+            acc.copy_rows(pairs).wait()
+
+    run()  # warm-up
     acc.synchronize()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        acc.copy_rows(pairs).wait()
+        run()
         acc.synchronize()
         best = min(best, time.perf_counter() - t0)
     return len(ids) * banks.nbytes_per_expert() / best

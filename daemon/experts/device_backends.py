@@ -22,10 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .accelerator import Accelerator, Transfer
-from .banks import ActivationSpec, ExpertBanks, moe_reference
-from .slot_cache import EvictionPolicy, SlotCache
+from .banks import Activation, ActivationSpec, ExpertBanks, moe_reference
+from .slot_cache import DecodePlan, EvictionPolicy, SlotCache
 
 log = logging.getLogger(__name__)
+
+# Decode steps with at most this many routes (T * K) use the per-route GEMV kernels; larger
+# batches share experts between tokens, where grouping by expert (moe_reference) reads less.
+DECODE_KERNEL_MAX_ROUTES = 16
 
 
 def _device_banks(acc: Accelerator, host: ExpertBanks, rows: int) -> ExpertBanks:
@@ -37,9 +41,16 @@ def _device_banks(acc: Accelerator, host: ExpertBanks, rows: int) -> ExpertBanks
     return ExpertBanks(gu, dn, like(host.gate_up_bias), like(host.down_bias))
 
 
-def _bank_pairs(dst: ExpertBanks, src: ExpertBanks, drows: list[int], srows: list[int]):  # type: ignore[no-untyped-def]
+def _bank_pairs(dst: ExpertBanks, src: ExpertBanks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(device bank, host bank) of each tensor of the format."""
     d, s = dst.tensors(), src.tensors()
-    return [(d[k], s[k], drows, srows) for k in d]
+    return [(d[k], s[k]) for k in d]
+
+
+def _row_copies(
+    dst: ExpertBanks, src: ExpertBanks, drows: list[int], srows: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]:
+    return [(d, s, drows, srows) for d, s in _bank_pairs(dst, src)]
 
 
 class FusedBackend:
@@ -51,7 +62,7 @@ class FusedBackend:
         self.acc, self.num_experts, self.act = acc, num_experts, act
         self.dev = _device_banks(acc, banks, banks.num_flat)
         rows = list(range(banks.num_flat))
-        acc.copy_rows(_bank_pairs(self.dev, banks, rows, rows)).wait()
+        acc.copy_rows(_row_copies(self.dev, banks, rows, rows)).wait()
 
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
         pass
@@ -83,6 +94,7 @@ class OffloadBackend:
         policy: EvictionPolicy = EvictionPolicy.LRU,
         prefill_min_tokens: int = 32,
         prefill_overlap: bool = True,
+        device_kernels: bool | None = None,
     ) -> None:
         if not 1 <= num_slots <= banks.num_flat:
             raise ValueError(f"moe_slots must be in [1, {banks.num_flat}], got {num_slots}")
@@ -99,11 +111,27 @@ class OffloadBackend:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-branch")
         self._prefill: _PrefillStream | None = None
         self._warned_fallback = False
-        self.counters = {
+        # Decode fills from the device-side copy list (no host sync): always on the stand-in
+        # (its worker runs the torch reference), on CUDA when the zero-copy check passes.
+        # ``device_kernels``: the Triton fill and GEMV kernels (None: on CUDA only; True: also
+        # on the stand-in, through the interpreter in tests; False: never).
+        cuda = acc.device.type == "cuda"
+        self.device_kernels = cuda if device_kernels is None else device_kernels
+        self.device_fill = not cuda or acc.device_fill_ok(banks.gate_up)
+        self._counters = {
             "cpu_routes": 0,
             "gpu_routes": 0,
             "prefill_layers_streamed": 0,
             "prefill_on_demand": 0,
+        }
+        self._gpu_routes = torch.zeros((), dtype=torch.int64, device=acc.device)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Route and prefill counters (reading them syncs with the device once)."""
+        return {
+            **self._counters,
+            "gpu_routes": self._counters["gpu_routes"] + int(self._gpu_routes),
         }
 
     # ---- step hooks (called by the runner) ----------------------------------------------------
@@ -134,39 +162,73 @@ class OffloadBackend:
     ) -> torch.Tensor:
         flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
         if self._prefill is not None:
-            self.counters["prefill_layers_streamed"] += 1
+            self._counters["prefill_layers_streamed"] += 1
             slots = self._prefill.slots_for(moe_layer).to(self.acc.device)
             ids = slots[expert_ids.long().to(self.acc.device)]
             return moe_reference(x.to(self.acc.device), ids, weights, self.slots, self.act).to(
                 x.device
             )
         if x.shape[0] >= self.prefill_min_tokens:
-            self.counters["prefill_on_demand"] += 1
+            self._counters["prefill_on_demand"] += 1
         return self._decode(moe_layer, x, flat, weights)
 
     def _decode(
         self, layer: int, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        plan = self.cache.decode_step(flat.to(self.acc.device), layer)
-        cpu_ids = plan.cpu_ids.cpu()
-        n_cpu = int((cpu_ids >= 0).sum())
+        """One MoE layer of a decode step. The host never reads the plan unless a route may go
+        to the CPU (hybrid, or more routes than free slots): the fills run from the device-side
+        copy list and, with device kernels, the GEMVs read the slot ids on the device."""
+        dev = self.acc.device
+        plan = self.cache.decode_step(flat.to(dev), layer)
         cpu_future: Future[torch.Tensor] | None = None
-        if n_cpu:  # submitted first: it runs while the fills and the device compute proceed
-            cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
-        n = int(plan.num_copies.item())  # TODO(cuda): a device-side copy kernel removes this sync
-        if n:
-            src = plan.copy_src_flat[:n].tolist()
-            dst = plan.copy_dst_slot[:n].tolist()
-            self.acc.copy_rows(_bank_pairs(self.slots, self.host, dst, src)).wait()
-        out = moe_reference(
-            x.to(self.acc.device), plan.slot_ids.long(), weights, self.slots, self.act
-        )
-        self.counters["gpu_routes"] += int((plan.slot_ids >= 0).sum())
+        if self._cpu_possible(flat.numel()):
+            cpu_ids = plan.cpu_ids.cpu()  # the CPU branch must know its experts: one sync
+            n_cpu = int((cpu_ids >= 0).sum())
+            if n_cpu:  # submitted first: it runs while the fills and the device compute proceed
+                self._counters["cpu_routes"] += n_cpu
+                cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
+        self._fill(plan).wait()
+        xd = x.to(dev)
+        if self.device_kernels and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
+            out = self._decode_kernel(xd, plan.slot_ids, weights.to(dev))
+        else:
+            out = moe_reference(xd, plan.slot_ids.long(), weights, self.slots, self.act)
+        self._gpu_routes += (plan.slot_ids >= 0).sum()
         out = out.to(x.device)
         if cpu_future is not None:
-            self.counters["cpu_routes"] += n_cpu
             out = out + cpu_future.result()
         return out
+
+    def _cpu_possible(self, routes: int) -> bool:
+        """Whether the plan may send a route to the CPU: hybrid splits misses by q*; offload
+        only overflows when the step routes to more experts than there are unreserved slots."""
+        reserved = 2 * self.num_experts if self.cache.lease is not None else 0
+        return self.hybrid or routes > self.cache.num_slots - reserved
+
+    def _fill(self, plan: DecodePlan) -> Transfer:
+        pairs = _bank_pairs(self.slots, self.host)
+        if self.device_fill:
+            return self.acc.fill_rows(
+                pairs, plan.copy_dst_slot, plan.copy_src_flat, plan.num_copies,
+                kernel=self.device_kernels,
+            )  # fmt: skip
+        # CUDA without zero-copy reads: the host learns the copy list (one sync per layer)
+        n = int(plan.num_copies.item())
+        src = plan.copy_src_flat[:n].tolist()
+        dst = plan.copy_dst_slot[:n].tolist()
+        return self.acc.copy_rows([(d, s, dst, src) for d, s in pairs])
+
+    def _decode_kernel(
+        self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        from ftkernels.moe_decode import moe_decode
+
+        b, a = self.slots, self.act
+        gptoss = a.kind == Activation.GPTOSS
+        return moe_decode(
+            x, slot_ids, weights, b.gate_up, b.down, b.gate_up_bias, b.down_bias,
+            gptoss, a.alpha, a.limit,
+        )  # fmt: skip
 
     def _cpu_part(
         self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor
@@ -193,7 +255,7 @@ class _PrefillStream:
         dst = self.buffer_of(layer).tolist()
         src = list(range(layer * e, (layer + 1) * e))
         self.pending[layer] = self.be.acc.copy_rows(
-            _bank_pairs(self.be.slots, self.be.host, dst, src)
+            _row_copies(self.be.slots, self.be.host, dst, src)
         )
 
     def slots_for(self, layer: int) -> torch.Tensor:
