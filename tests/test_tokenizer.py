@@ -220,16 +220,24 @@ def test_earliest_stop_wins() -> None:
     stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(0, 30), max_size=8),
 )
-def test_stop_checker_equals_truncating_the_whole_text(
+def test_stop_checker_equals_truncating_the_text_at_the_first_completed_stop(
     text: str, stops: list[str], cuts: list[int]
 ) -> None:
+    """Generation ends at the first delta after which the text holds a stop sequence; the output
+    is cut where the earliest stop in that text starts. (A longer stop that would have started
+    earlier but completes later never gets generated: text='baa', deltas 'ba', 'a', stops 'a' and
+    'baa' give 'b'.)"""
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
     deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    hits = [(text.find(s), s) for s in stops if s in text]
     out, stopped, matched = run_stop(stops, deltas)
-    if hits:
-        pos = min(p for p, _ in hits)
+    seen = next((text[:b] for b in bounds if any(s in text[:b] for s in stops)), None)
+    if seen is not None:
+        pos = min(seen.find(s) for s in stops if s in seen)
         assert stopped and out == text[:pos]
-        assert matched is not None and text.find(matched) == pos
+        assert matched is not None and seen.find(matched) == pos
     else:
         assert not stopped and out == text
+
+
+def test_a_stop_completed_first_wins_over_a_longer_one_starting_earlier() -> None:
+    assert run_stop(["a", "baa"], ["ba", "a"]) == ("b", True, "a")
