@@ -145,24 +145,6 @@ def resize_kv_pages(pool: KVPool, prefix: PrefixReuse | None, num_pages: int) ->
             prefix.radix.clear()  # tree-only pages; pages shared with requests stay held
         if any(pool.refcount(p) for p in range(num_pages, old)):
             return False
-    _resize_pool(pool, num_pages)
+    pool.resize(num_pages)
+    _release_device_memory(pool.k.device)
     return True
-
-
-def _resize_pool(pool: KVPool, n: int) -> None:
-    """New storage of ``n`` pages holding the first min(n, old) pages; free list and refcounts
-    follow. Shrinking requires the dropped pages to be free (checked by the caller)."""
-    old = pool.num_pages
-    keep = min(n, old)
-    shape = (pool.k.shape[0], n, *pool.k.shape[2:])
-    k = torch.empty(shape, dtype=pool.k.dtype, device=pool.k.device)
-    v = torch.empty(shape, dtype=pool.v.dtype, device=pool.v.device)
-    k[:, :keep].copy_(pool.k[:, :keep])
-    v[:, :keep].copy_(pool.v[:, :keep])
-    free = [p for p in pool._free if p < n]
-    # The free list is a stack (alloc pops from the end): new pages go to the bottom, so the
-    # lowest free pages are used first, which keeps a later shrink cheap.
-    pool._free = list(range(n - 1, old - 1, -1)) + free
-    pool._ref = pool._ref[:n] + [0] * max(0, n - old)
-    pool.k, pool.v, pool.num_pages = k, v, n
-    _release_device_memory(k.device)

@@ -68,6 +68,26 @@ class KVPool:
     def refcount(self, page: int) -> int:
         return self._ref[page]
 
+    def resize(self, n: int) -> None:
+        """New storage of ``n`` pages holding the first min(n, old) pages; the free list and the
+        reference counts follow. Shrinking needs the dropped pages free (KVPoolFull else)."""
+        old = self.num_pages
+        busy = [p for p in range(n, old) if self._ref[p]]
+        if busy:
+            raise KVPoolFull(f"cannot shrink to {n} pages: {len(busy)} pages above are in use")
+        keep = min(n, old)
+        shape = (self.k.shape[0], n, *self.k.shape[2:])
+        k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty(shape, dtype=self.v.dtype, device=self.v.device)
+        k[:, :keep].copy_(self.k[:, :keep])
+        v[:, :keep].copy_(self.v[:, :keep])
+        free = [p for p in self._free if p < n]
+        # The free list is a stack (alloc pops from the end): new pages go to the bottom, so the
+        # lowest free pages are used first, which keeps a later shrink cheap.
+        self._free = list(range(n - 1, old - 1, -1)) + free
+        self._ref = self._ref[:n] + [0] * max(0, n - old)
+        self.k, self.v, self.num_pages = k, v, n
+
     def copy_page(self, src: int, dst: int, rows: int) -> None:
         """Copy the first ``rows`` token rows of page ``src`` into page ``dst`` (all layers)."""
         self.k[:, dst, :rows] = self.k[:, src, :rows]

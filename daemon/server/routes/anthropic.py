@@ -18,10 +18,10 @@ from ..chat import ChatRequest, Sampling, ToolSpec, assistant_tool_call, check_t
 from ..errors import InvalidRequest
 from ..openapi import body_operation
 from ..schemas.anthropic import Block, CountTokensRequest, Message, MessagesRequest
-from ..sse import anthropic_ping, stream_response
+from ..sse import anthropic_ping
 from ..state import server_state
 from .anthropic_out import MessagesOutput
-from .common import decode_body, log_request, unless_disconnected
+from .common import decode_body, respond
 
 BILLING_PREFIX = "x-anthropic-billing-header"
 
@@ -173,17 +173,7 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
     gen, _ = await svc.start_chat(req)
     out = MessagesOutput(gen, svc.name)
 
-    def close() -> None:
-        gen.close()
-        log_request(state.metrics, "messages", gen, started, stream=body.stream)
-
-    if body.stream:
-        return stream_response(out.stream(), close, ping=anthropic_ping)
-    try:
-        payload = await unless_disconnected(request, out.complete())
-    finally:
-        close()
-    return Response(payload)
+    return await respond(request, "messages", gen, out, started, body.stream, ping=anthropic_ping)
 
 
 @post(

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import structlog
-from litestar import Request
+from litestar import Request, Response
 
 from ..errors import APIError, InvalidRequest, from_validation_error
 from ..generation import Generation
+from ..sse import comment_ping, stream_response
 
 log = structlog.get_logger("freetokend.request")
 
@@ -86,3 +87,40 @@ def log_request(
         total_ms=round(total * 1000, 1),
         decode_tok_s=round(u.completion_tokens / decode_s, 1) if decode_s > 0 else None,
     )
+
+
+class Output(Protocol):
+    """A route's rendering of one generation: SSE frames, or the whole body."""
+
+    def stream(self) -> AsyncIterator[bytes]: ...
+
+    async def complete(self) -> Any: ...
+
+
+async def respond(
+    request: Request[Any, Any, Any],
+    api: str,
+    gen: Generation,
+    out: Output,
+    started: float,
+    stream: bool,
+    ping: Callable[[], bytes] = comment_ping,
+) -> Response[Any]:
+    """The end every generating route shares: stream ``out`` or send its complete body. However
+    the request ends (done, client gone, error), the generation is closed (its KV freed) and
+    its log line written, once."""
+    from ..state import server_state
+
+    metrics = server_state(request).metrics
+
+    def close() -> None:
+        gen.close()
+        log_request(metrics, api, gen, started, stream=stream)
+
+    if stream:
+        return stream_response(out.stream(), close, ping=ping)
+    try:
+        payload = await unless_disconnected(request, out.complete())
+    finally:
+        close()
+    return Response(payload)

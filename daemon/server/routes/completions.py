@@ -15,9 +15,8 @@ from ..generation import Generation, TokenLogprob
 from ..openapi import body_operation
 from ..schemas.openai import CompletionRequest
 from ..service import ModelService
-from ..sse import stream_response
 from ..state import server_state
-from .common import decode_body, log_request, new_id, unless_disconnected
+from .common import decode_body, new_id, respond
 from .openai_chat_out import usage_dict
 
 
@@ -148,14 +147,4 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     out = CompletionOutput(gen, svc.name, text if body.echo else "", include_usage)
 
-    def close() -> None:
-        gen.close()
-        log_request(state.metrics, "completions", gen, started, stream=body.stream)
-
-    if body.stream:
-        return stream_response(out.stream(), close)
-    try:
-        payload = await unless_disconnected(request, out.complete())
-    finally:
-        close()
-    return Response(payload)
+    return await respond(request, "completions", gen, out, started, body.stream)

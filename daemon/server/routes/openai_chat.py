@@ -18,9 +18,8 @@ from ..chat import (
 from ..errors import InvalidRequest
 from ..openapi import body_operation
 from ..schemas.openai import ChatCompletionRequest, ChatMessage, ContentPart
-from ..sse import stream_response
 from ..state import server_state
-from .common import decode_body, log_request, unless_disconnected
+from .common import decode_body, respond
 from .openai_chat_out import ChatOutput
 
 
@@ -158,14 +157,4 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
         gen, svc.name, include_usage=bool(body.stream_options and body.stream_options.include_usage)
     )
 
-    def close() -> None:
-        gen.close()
-        log_request(state.metrics, "chat", gen, started, stream=body.stream)
-
-    if body.stream:
-        return stream_response(out.stream(), close)
-    try:
-        payload = await unless_disconnected(request, out.complete())
-    finally:
-        close()
-    return Response(payload)
+    return await respond(request, "chat", gen, out, started, body.stream)

@@ -15,9 +15,8 @@ from ..chat import ChatRequest, Sampling, ToolSpec, assistant_tool_call, check_r
 from ..errors import InvalidRequest
 from ..openapi import body_operation
 from ..schemas.responses import InputItem, InputPart, ResponsesRequest
-from ..sse import stream_response
 from ..state import server_state
-from .common import decode_body, log_request, unless_disconnected
+from .common import decode_body, respond
 from .responses_out import ResponsesOutput
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -167,14 +166,4 @@ async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
     gen, _ = await svc.start_chat(req)
     out = ResponsesOutput(gen, svc.name, body)
 
-    def close() -> None:
-        gen.close()
-        log_request(state.metrics, "responses", gen, started, stream=body.stream)
-
-    if body.stream:
-        return stream_response(out.stream(), close, ping=out.ping)
-    try:
-        payload = await unless_disconnected(request, out.complete())
-    finally:
-        close()
-    return Response(payload)
+    return await respond(request, "responses", gen, out, started, body.stream, ping=out.ping)
