@@ -71,8 +71,9 @@ class RoutingRecorder:
 
 
 class CpuBackend:
-    """Experts never leave host RAM; the native executor computes them (torch reference when the
-    extension is not built)."""
+    """Experts never leave host RAM; the native executor computes them from banks of any format
+    it supports (bf16/fp32, fp8_block, mxfp4, nvfp4: see cpu_executor). When the extension is not
+    built the torch reference runs instead, on an fp32 dequantised copy for quantised banks."""
 
     def __init__(
         self, banks: ExpertBanks, num_experts: int, act: ActivationSpec, threads: int | None = None
@@ -87,6 +88,10 @@ class CpuBackend:
             self.executor = CpuExecutor(banks, act, threads=threads)
         except (ImportError, ModuleNotFoundError) as e:
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
+            if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight
+                from .formats import dequantize_banks
+
+                self.banks = dequantize_banks(banks)
 
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
         pass

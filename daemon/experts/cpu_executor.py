@@ -8,6 +8,12 @@ with the same math as `freetokend.experts.banks.moe_reference` (fp32 accumulatio
 expert's weights are streamed once per call by a persistent pool of pinned worker threads; the
 kernels are AVX-512, AVX2 or scalar, picked at run time.
 
+The expert format is read from ``banks.format`` (`freetokend.experts.formats`): "bf16" banks are
+fp32 or bf16 floats; "fp8_block", "mxfp4" and "nvfp4" banks are computed straight from their
+packed weights and scale banks (``banks.extra``), dequantised inside the kernels' inner loops,
+never as a whole expert. Their results equal `moe_reference` over `formats.dequantize_banks`
+up to fp32 summation order.
+
 Tensors cross into C++ as raw addresses (`Tensor.data_ptr()`) plus shapes: nothing is copied, so
 this wrapper checks dtype, shape, device and contiguity first and keeps the bank tensors alive for
 the executor's lifetime.
@@ -23,6 +29,7 @@ from typing import Any
 import torch
 
 from .banks import ActivationSpec, ExpertBanks
+from .formats import get_format
 
 _native: Any
 _import_error: ImportError | None
@@ -39,6 +46,9 @@ ISAS = ("auto", "avx512", "avx2", "scalar")
 # AVX-512 code geometry on machines without AVX-512. Never picked by "auto".
 TEST_ISAS = ("emu512",)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+# Quantised expert formats the native kernels compute (the `qformat` codes of `ftnative`).
+QUANT_FORMATS = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
+_SCALE_BANKS = ("gate_up_scale", "down_scale", "gate_up_global", "down_global")
 
 
 def available() -> bool:
@@ -71,6 +81,57 @@ def _check_bank(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
+def _check_quant_banks(banks: ExpertBanks) -> tuple[int, int, int]:
+    """Checks packed weights and scale banks against the format's schema -> (N, H, I)."""
+    if banks.format not in QUANT_FORMATS:
+        get_format(banks.format)  # unknown: the error lists the known formats
+        raise ValueError(f"the native executor cannot compute expert format {banks.format!r}")
+    if banks.gate_up.dim() != 3 or banks.down.dim() != 3:
+        raise ValueError("gate_up must be [N, 2I, *] and down [N, H, *]")
+    n, inter, h = banks.gate_up.shape[0], banks.gate_up.shape[1] // 2, banks.down.shape[1]
+    specs = get_format(banks.format).specs(h, inter, torch.float32)  # raises on misfit dims
+    tensors = {"gate_up": banks.gate_up, "down": banks.down, **banks.extra}
+    if set(tensors) != set(specs):
+        raise ValueError(
+            f"{banks.format} banks must be {sorted(specs)}, got {sorted(tensors)} "
+            "(scale banks go in ExpertBanks.extra)"
+        )
+    for name, (shape, dtype) in specs.items():
+        t = tensors[name]
+        if t.device.type != "cpu" or t.dtype != dtype:
+            raise TypeError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+        if tuple(t.shape) != (n, *shape):
+            raise ValueError(f"{name} must have shape {[n, *shape]}, got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return int(n), int(h), int(inter)
+
+
+def _check_banks(banks: ExpertBanks) -> tuple[int, int, int, torch.dtype]:
+    """Checks every bank of ``banks`` -> (N, H, I, bias dtype)."""
+    if banks.format != "bf16":
+        n, h, inter = _check_quant_banks(banks)
+    else:
+        if banks.gate_up.dim() != 3 or banks.down.dim() != 3:
+            raise ValueError("gate_up must be [N, 2I, H] and down [N, H, I]")
+        n, two_i, h = (int(d) for d in banks.gate_up.shape)
+        inter = two_i // 2
+        _check_bank("gate_up", banks.gate_up, (n, 2 * inter, h))
+        _check_bank("down", banks.down, (n, h, inter))
+        if banks.down.dtype != banks.gate_up.dtype:
+            raise TypeError("gate_up and down must have the same dtype")
+    bias_dtype = torch.float32
+    if banks.gate_up_bias is not None:
+        _check_bank("gate_up_bias", banks.gate_up_bias, (n, 2 * inter))
+        bias_dtype = banks.gate_up_bias.dtype
+    if banks.down_bias is not None:
+        _check_bank("down_bias", banks.down_bias, (n, h))
+        if banks.gate_up_bias is not None and banks.down_bias.dtype != bias_dtype:
+            raise TypeError("gate_up_bias and down_bias must have the same dtype")
+        bias_dtype = banks.down_bias.dtype
+    return n, h, inter, bias_dtype
+
+
 def _check_input(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     if t.device.type != "cpu" or t.dtype != dtype:
         raise TypeError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
@@ -83,8 +144,10 @@ def _check_input(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[in
 class CpuExecutor:
     """Routed-expert sum of one MoE layer on the CPU, over all experts in `banks`.
 
-    banks    gate_up [N, 2I, H], down [N, H, I] (fp32 or bf16, same dtype), optional
-             gate_up_bias [N, 2I] and down_bias [N, H] (fp32 or bf16, same dtype); CPU, contiguous
+    banks    format "bf16": gate_up [N, 2I, H], down [N, H, I] (fp32 or bf16, same dtype);
+             format "fp8_block", "mxfp4" or "nvfp4": the packed banks and scale banks of that
+             schema (`formats.FORMATS`); optional gate_up_bias [N, 2I] and down_bias [N, H]
+             (fp32 or bf16, same dtype); CPU, contiguous
     act      the expert activation (SILU or GPT-OSS clamped SwiGLU), fused before `down`
     threads  worker threads, each pinned to its own physical core; None = one per physical core
     isa      "auto" (best available), or force "avx512", "avx2" or "scalar"; forcing a path this
@@ -118,23 +181,8 @@ class CpuExecutor:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         if tile_min_tokens < 1:
             raise ValueError(f"tile_min_tokens must be >= 1, got {tile_min_tokens}")
-        if banks.gate_up.dim() != 3 or banks.down.dim() != 3:
-            raise ValueError("gate_up must be [N, 2I, H] and down [N, H, I]")
-        n, two_i, h = banks.gate_up.shape
-        inter = two_i // 2
-        _check_bank("gate_up", banks.gate_up, (n, 2 * inter, h))
-        _check_bank("down", banks.down, (n, h, inter))
-        if banks.down.dtype != banks.gate_up.dtype:
-            raise TypeError("gate_up and down must have the same dtype")
-        bias_dtype = torch.float32
-        if banks.gate_up_bias is not None:
-            _check_bank("gate_up_bias", banks.gate_up_bias, (n, 2 * inter))
-            bias_dtype = banks.gate_up_bias.dtype
-        if banks.down_bias is not None:
-            _check_bank("down_bias", banks.down_bias, (n, h))
-            if banks.gate_up_bias is not None and banks.down_bias.dtype != bias_dtype:
-                raise TypeError("gate_up_bias and down_bias must have the same dtype")
-            bias_dtype = banks.down_bias.dtype
+        n, h, inter, bias_dtype = _check_banks(banks)
+        quant = banks.format != "bf16"
         self.banks = banks  # keeps the tensors alive: the executor holds their addresses
         self.act = act
         self.hidden_size = int(h)
@@ -143,7 +191,7 @@ class CpuExecutor:
             down=banks.down.data_ptr(),
             gate_up_bias=0 if banks.gate_up_bias is None else banks.gate_up_bias.data_ptr(),
             down_bias=0 if banks.down_bias is None else banks.down_bias.data_ptr(),
-            weight_dtype=_DTYPE_CODE[banks.gate_up.dtype],
+            weight_dtype=0 if quant else _DTYPE_CODE[banks.gate_up.dtype],
             bias_dtype=_DTYPE_CODE[bias_dtype],
             num_flat=int(n),
             hidden=int(h),
@@ -155,6 +203,8 @@ class CpuExecutor:
             isa=isa,
             tile_min_tokens=tile_min_tokens,
             spin_us=spin_us,
+            qformat=QUANT_FORMATS[banks.format] if quant else -1,
+            **{n: banks.extra[n].data_ptr() if n in banks.extra else 0 for n in _SCALE_BANKS},
         )
 
     @property

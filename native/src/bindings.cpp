@@ -36,7 +36,9 @@ std::unique_ptr<Executor> make_executor(uintptr_t gate_up, uintptr_t down, uintp
                                         int64_t num_flat, int hidden, int inter, int act,
                                         float alpha, float limit, int threads,
                                         const std::string& isa, int tile_min_tokens, int spin_us,
-                                        bool pin) {
+                                        bool pin, int qformat, uintptr_t gate_up_scale,
+                                        uintptr_t down_scale, uintptr_t gate_up_global,
+                                        uintptr_t down_global) {
   BankSpec b;
   b.gate_up = ptr<const void>(gate_up);
   b.down = ptr<const void>(down);
@@ -47,6 +49,14 @@ std::unique_ptr<Executor> make_executor(uintptr_t gate_up, uintptr_t down, uintp
   b.num_flat = num_flat;
   b.hidden = hidden;
   b.inter = inter;
+  if (qformat < -1 || qformat >= ftnative::kNumQFormats)
+    throw py::value_error("qformat must be -1 (float banks), 0 fp8_block, 1 mxfp4 or 2 nvfp4");
+  b.quant = qformat >= 0;
+  b.qformat = static_cast<ftnative::QFormat>(b.quant ? qformat : 0);
+  b.gate_up_scale = ptr<const void>(gate_up_scale);
+  b.down_scale = ptr<const void>(down_scale);
+  b.gate_up_global = ptr<const float>(gate_up_global);
+  b.down_global = ptr<const float>(down_global);
   if (act != 0 && act != 1) throw py::value_error("act must be 0 (SILU) or 1 (GPTOSS)");
   ActSpec a{static_cast<ActKind>(act), alpha, limit};
   ExecutorOptions o;
@@ -72,7 +82,11 @@ PYBIND11_MODULE(ftnative, m) {
            py::arg("num_flat"), py::arg("hidden"), py::arg("inter"), py::arg("act"),
            py::arg("alpha"), py::arg("limit"), py::arg("threads") = 0, py::arg("isa") = "auto",
            py::arg("tile_min_tokens") = 12, py::arg("spin_us") = 20, py::arg("pin") = true,
-           "Bank addresses (0 = no bias), dtype codes 0 fp32 / 1 bf16, shapes N, H, I.")
+           py::arg("qformat") = -1, py::arg("gate_up_scale") = 0, py::arg("down_scale") = 0,
+           py::arg("gate_up_global") = 0, py::arg("down_global") = 0,
+           "Bank addresses (0 = no bias), dtype codes 0 fp32 / 1 bf16, shapes N, H, I. "
+           "qformat -1: float banks of weight_dtype; 0 fp8_block, 1 mxfp4, 2 nvfp4: packed "
+           "gate_up/down with the scale (and, nvfp4, global scale) bank addresses.")
       .def(
           "forward",
           [](Executor& e, uintptr_t x, uintptr_t ids, uintptr_t weights, uintptr_t out, int T,

@@ -24,6 +24,16 @@ const KernelSet* kernel_set(const std::string& isa, WDtype dt) {
   return bf16 ? &kScalarBf16 : &kScalarF32;
 }
 
+const QKernelSet* qkernel_set(const std::string& isa, QFormat f) {
+  const int i = static_cast<int>(f);
+  if (isa == "emu512") return &kEmu512Q[i];
+#ifndef FTNATIVE_NO_X86
+  if (isa == "avx512") return &kAvx512Q[i];
+  if (isa == "avx2") return &kAvx2Q[i];
+#endif
+  return &kScalarQ[i];
+}
+
 std::string resolve_isa(const std::string& requested) {
   if (requested == "auto") return supported_isas().front();
   if (requested == "emu512") return requested;  // test-only, portable
@@ -72,7 +82,9 @@ Executor::Executor(const BankSpec& banks, const ActSpec& act, const ExecutorOpti
     throw std::invalid_argument("bank shapes must be positive");
   if (opts.tile_min_tokens < 1) throw std::invalid_argument("tile_min_tokens must be >= 1");
   kern_ = kernel_set(isa_, banks.weight_dtype);
-  esize_ = banks.weight_dtype == WDtype::BF16 ? 2 : 4;
+  if (banks.quant) qkern_ = qkernel_set(isa_, banks.qformat);
+  chunk_ = qkern_ ? qkern_->chunk : kern_->chunk;
+  init_geometry();
   const std::vector<int> cpus = physical_core_cpus();
   int threads = opts.threads;
   if (threads <= 0) threads = std::max<int>(1, static_cast<int>(cpus.size()));
@@ -80,6 +92,71 @@ Executor::Executor(const BankSpec& banks, const ActSpec& act, const ExecutorOpti
   scratch_.resize(threads);
   pool_ = std::make_unique<ThreadPool>(threads, opts.pin ? cpus : std::vector<int>{},
                                        std::max(0, opts.spin_us));
+}
+
+void Executor::init_geometry() {
+  const int64_t H = banks_.hidden, I = banks_.inter;
+  const char* gu = static_cast<const char*>(banks_.gate_up);
+  const char* dn = static_cast<const char*>(banks_.down);
+  const char* gus = static_cast<const char*>(banks_.gate_up_scale);
+  const char* ds = static_cast<const char*>(banks_.down_scale);
+  if (!banks_.quant) {
+    const int64_t es = banks_.weight_dtype == WDtype::BF16 ? 2 : 4;
+    gu_geom_ = {gu, H * es, 2 * I, nullptr, 0, 0, 0, static_cast<int>(H)};
+    down_geom_ = {dn, I * es, H, nullptr, 0, 0, 0, static_cast<int>(I)};
+    return;
+  }
+  if (!gus || !ds) throw std::invalid_argument("quantised banks need gate_up_scale and down_scale");
+  if (banks_.qformat == QFormat::Fp8Block) {  // fp32 scales per 128 x 128 block
+    const int64_t cH = (H + 127) / 128, cI = (I + 127) / 128;
+    gu_geom_ = {gu, H, 2 * I, gus, cH, 2 * cI * cH * 4, cI * cH * 4, static_cast<int>(H)};
+    down_geom_ = {dn, I, H, ds, cI, cH * cI * 4, 0, static_cast<int>(I)};
+    return;
+  }
+  // e2m1 nibble pairs, one byte-sized scale per G inputs of a row
+  const int64_t G = banks_.qformat == QFormat::Mxfp4 ? 32 : 16;
+  if (H % G || I % G)
+    throw std::invalid_argument("hidden and moe intermediate sizes must be multiples of " +
+                                std::to_string(G) + " for this format");
+  if (banks_.qformat == QFormat::Nvfp4 && (!banks_.gate_up_global || !banks_.down_global))
+    throw std::invalid_argument("nvfp4 banks need gate_up_global and down_global");
+  gu_geom_ = {gu, H / 2, 2 * I, gus, H / G, 2 * I * (H / G), I * (H / G), static_cast<int>(H)};
+  down_geom_ = {dn, I / 2, H, ds, I / G, H * (I / G), 0, static_cast<int>(I)};
+}
+
+const char* Executor::wrows(Proj p, int64_t fid, int r0) const {
+  const MatGeom& g = geom(p);
+  const int64_t first = p == Proj::Up ? banks_.inter : 0;  // up rows follow the gate rows
+  return g.w + (fid * g.rows + first + r0) * g.row_bytes;
+}
+
+QMat Executor::qmat(Proj p, int64_t fid, int r0) const {
+  const MatGeom& g = geom(p);
+  QMat m;
+  m.w = reinterpret_cast<const uint8_t*>(wrows(p, fid, r0));
+  m.ldw = g.row_bytes;
+  m.s = g.s + fid * g.s_expert + (p == Proj::Up ? g.s_up : 0);
+  m.lds = g.lds;
+  m.row0 = r0;
+  m.glob = 1.f;
+  if (banks_.qformat == QFormat::Nvfp4)
+    m.glob = p == Proj::Down ? banks_.down_global[fid]
+                             : banks_.gate_up_global[2 * fid + (p == Proj::Up ? 1 : 0)];
+  return m;
+}
+
+void Executor::proj_gemv(Proj p, int64_t fid, int r0, int rows, const float* const* xs, int n,
+                         float* y, int ldy) const {
+  const int k = geom(p).k;
+  if (qkern_) qkern_->gemv(qmat(p, fid, r0), rows, k, xs, n, y, ldy);
+  else kern_->gemv(wrows(p, fid, r0), k, rows, k, xs, n, y, ldy);
+}
+
+void Executor::proj_tile(Proj p, int64_t fid, int r0, int rows, const float* xp, int nb,
+                         float* y) const {
+  const int k = geom(p).k;
+  if (qkern_) qkern_->tile(qmat(p, fid, r0), rows, k, xp, nb, y);
+  else kern_->tile(wrows(p, fid, r0), k, rows, k, xp, nb, y);
 }
 
 void Executor::forward(const float* x, const int32_t* ids, const float* weights, float* out,
@@ -165,7 +242,7 @@ void Executor::layout(int T) {
   if (static_cast<int64_t>(panel_buf_.size()) < p_total) panel_buf_.resize(p_total);
 
   // Inputs of small groups: x rows, de-interleaved when the gemv kernel wants it.
-  const bool shuffle = any_small && kern_->chunk > 0;
+  const bool shuffle = any_small && chunk_ > 0;
   if (shuffle && static_cast<int64_t>(xs_.size()) < T * H) xs_.resize(T * H);
   const float* xsrc = shuffle ? xs_.data() : x_;
   shuffle_async_ = shuffle && T * H > (1 << 16);
@@ -257,7 +334,7 @@ void Executor::run_task(const Task& t, int worker) {
 
 void Executor::shuffle_rows(int t0, int t1) {
   const int64_t H = banks_.hidden;
-  for (int64_t t = t0; t < t1; ++t) deinterleave(x_ + t * H, xs_.data() + t * H, H, kern_->chunk);
+  for (int64_t t = t0; t < t1; ++t) deinterleave(x_ + t * H, xs_.data() + t * H, H, chunk_);
 }
 
 // Panel block b of a tiled group: [H][16] with the inputs of routes 16b .. 16b+15 in the lanes.
@@ -290,15 +367,12 @@ float Executor::activate(float gate, float up) const {
 
 // Up phase, few routes: act[s][perm(j)] for j in [j0, j1); gemv scratch is [n][jb] twice.
 void Executor::up_small(const Group& g, int j0, int j1, float* scratch) {
-  const int64_t H = banks_.hidden, I = banks_.inter;
+  const int64_t I = banks_.inter;
   const int jb = j1 - j0;
-  const char* base = static_cast<const char*>(banks_.gate_up);
-  const char* gate_w = base + (g.fid * 2 * I + j0) * H * esize_;
-  const char* up_w = base + (g.fid * 2 * I + I + j0) * H * esize_;
   float* gbuf = scratch;
   float* ubuf = scratch + g.n * jb;
-  kern_->gemv(gate_w, H, jb, H, &xin_[g.begin], g.n, gbuf, jb);
-  kern_->gemv(up_w, H, jb, H, &xin_[g.begin], g.n, ubuf, jb);
+  proj_gemv(Proj::Gate, g.fid, j0, jb, &xin_[g.begin], g.n, gbuf, jb);
+  proj_gemv(Proj::Up, g.fid, j0, jb, &xin_[g.begin], g.n, ubuf, jb);
   const int64_t bias_row = g.fid * 2 * I;
   for (int s = 0; s < g.n; ++s) {
     float* a = act_buf_.data() + g.a_off + s * I;
@@ -306,23 +380,20 @@ void Executor::up_small(const Group& g, int j0, int j1, float* scratch) {
       const int64_t jj = j0 + j;
       const float gv = gbuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + jj);
       const float uv = ubuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + I + jj);
-      a[shuffle_index(jj, I, kern_->chunk)] = activate(gv, uv);
+      a[shuffle_index(jj, I, chunk_)] = activate(gv, uv);
     }
   }
 }
 
 // Up phase, many routes: act panel [nb][I][16]; tile scratch is [nb][jb][16] twice.
 void Executor::up_tiled(const Group& g, int j0, int j1, float* scratch) {
-  const int64_t H = banks_.hidden, I = banks_.inter;
+  const int64_t I = banks_.inter;
   const int jb = j1 - j0;
-  const char* base = static_cast<const char*>(banks_.gate_up);
-  const char* gate_w = base + (g.fid * 2 * I + j0) * H * esize_;
-  const char* up_w = base + (g.fid * 2 * I + I + j0) * H * esize_;
   const float* panel = panel_buf_.data() + g.p_off;
   float* gbuf = scratch;
   float* ubuf = scratch + int64_t{g.nb} * jb * kTileLanes;
-  kern_->tile(gate_w, H, jb, H, panel, g.nb, gbuf);
-  kern_->tile(up_w, H, jb, H, panel, g.nb, ubuf);
+  proj_tile(Proj::Gate, g.fid, j0, jb, panel, g.nb, gbuf);
+  proj_tile(Proj::Up, g.fid, j0, jb, panel, g.nb, ubuf);
   const int64_t bias_row = g.fid * 2 * I;
   float* act = act_buf_.data() + g.a_off;
   for (int b = 0; b < g.nb; ++b)
@@ -339,15 +410,13 @@ void Executor::up_tiled(const Group& g, int j0, int j1, float* scratch) {
 // Down phase for out[:, h0:h1]: this task owns those columns for every token, so it zeroes them
 // and accumulates every expert's contribution without synchronisation.
 void Executor::down_block(int h0, int h1, float* scratch) {
-  const int64_t H = banks_.hidden, I = banks_.inter;
+  const int64_t H = banks_.hidden;
   const int hb = h1 - h0;
   for (int64_t t = 0; t < T_; ++t) std::memset(out_ + t * H + h0, 0, sizeof(float) * hb);
-  const char* base = static_cast<const char*>(banks_.down);
   for (const Group& g : groups_) {
-    const char* w = base + (g.fid * H + h0) * I * esize_;
     const int64_t bias_row = g.fid * H + h0;
-    if (g.tiled) kern_->tile(w, I, hb, I, act_buf_.data() + g.a_off, g.nb, scratch);
-    else kern_->gemv(w, I, hb, I, &ain_[g.begin], g.n, scratch, hb);
+    if (g.tiled) proj_tile(Proj::Down, g.fid, h0, hb, act_buf_.data() + g.a_off, g.nb, scratch);
+    else proj_gemv(Proj::Down, g.fid, h0, hb, &ain_[g.begin], g.n, scratch, hb);
     for (int s = 0; s < g.n; ++s) {
       float* o = out_ + rtok_[g.begin + s] * H + h0;
       const float wt = rw_[g.begin + s];

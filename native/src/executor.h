@@ -6,6 +6,15 @@
 // Banks (flat_id-major, see daemon/experts/banks.py): gate_up [N, 2I, H] (gate rows [0, I),
 // up rows [I, 2I)), down [N, H, I], optional gate_up_bias [N, 2I] and down_bias [N, H]; weights
 // and biases fp32 or bf16, all C-contiguous. The executor only borrows these pointers.
+// Quantised banks (`quant`, formats.py) hold packed weights in gate_up/down plus scale banks:
+//   Fp8Block  gate_up [N, 2I, H] e4m3, gate_up_scale [N, 2 ceil(I/128), ceil(H/128)] fp32
+//             (gate and up blocked separately), down [N, H, I], down_scale [N, ceil(H/128),
+//             ceil(I/128)]
+//   Mxfp4     gate_up [N, 2I, H/2] nibble pairs, gate_up_scale [N, 2I, H/32] e8m0, down
+//             [N, H, I/2], down_scale [N, H, I/32]
+//   Nvfp4     as Mxfp4 with e4m3 scales per 16 inputs ([N, 2I, H/16], [N, H, I/16]) and fp32
+//             gate_up_global [N, 2] (gate, up) and down_global [N, 1]
+// and are dequantised inside the kernels' inner loops (kernels.h).
 //
 // A call runs in up to three phases on the pool; tasks are handed out in order from one atomic
 // counter and a task starts only after every task of the previous phase has completed:
@@ -41,11 +50,17 @@ struct BankSpec {
   const void* down = nullptr;
   const void* gate_up_bias = nullptr;  // nullable
   const void* down_bias = nullptr;     // nullable
-  WDtype weight_dtype = WDtype::BF16;
+  WDtype weight_dtype = WDtype::BF16;  // float banks only
   WDtype bias_dtype = WDtype::F32;
   int64_t num_flat = 0;  // N
   int hidden = 0;        // H
   int inter = 0;         // I
+  bool quant = false;    // weights are of `qformat`, with the scale banks below
+  QFormat qformat = QFormat::Fp8Block;
+  const void* gate_up_scale = nullptr;
+  const void* down_scale = nullptr;
+  const float* gate_up_global = nullptr;  // Nvfp4 only
+  const float* down_global = nullptr;     // Nvfp4 only
 };
 
 struct ActSpec {
@@ -86,6 +101,18 @@ class Executor final : public PoolJob {
     int64_t a_off;  // act buffer: [n][I] small (de-interleaved), [nb][I][16] tiled
     int64_t p_off;  // input panel [nb][H][16] (tiled only)
   };
+  enum class Proj { Gate, Up, Down };
+  // Where one projection's weights (and scales) sit inside its bank.
+  struct MatGeom {
+    const char* w;        // bank base
+    int64_t row_bytes;    // bytes per weight row
+    int64_t rows;         // rows of this bank per expert (2I or H)
+    const char* s;        // scale bank base (quantised)
+    int64_t lds;          // scales per scale row
+    int64_t s_expert;     // scale bytes per expert
+    int64_t s_up;         // byte offset of the up projection's scales inside an expert
+    int k;                // inputs per row
+  };
   struct Task {
     int phase;
     int group;   // -1 for down-phase and x-shuffle tasks
@@ -104,14 +131,25 @@ class Executor final : public PoolJob {
   void up_tiled(const Group& g, int j0, int j1, float* scratch);
   void down_block(int h0, int h1, float* scratch);
   float bias(const void* base, int64_t i) const;
+  void init_geometry();
+  const MatGeom& geom(Proj p) const { return p == Proj::Down ? down_geom_ : gu_geom_; }
+  QMat qmat(Proj p, int64_t fid, int r0) const;
+  const char* wrows(Proj p, int64_t fid, int r0) const;
+  // Rows [r0, r0 + rows) of projection p of expert fid: kernels.h's gemv / tile contracts.
+  void proj_gemv(Proj p, int64_t fid, int r0, int rows, const float* const* xs, int n, float* y,
+                 int ldy) const;
+  void proj_tile(Proj p, int64_t fid, int r0, int rows, const float* xp, int nb,
+                 float* y) const;
   float activate(float gate, float up) const;
 
   BankSpec banks_;
   ActSpec act_;
   ExecutorOptions opts_;
   std::string isa_;
-  const KernelSet* kern_;
-  int64_t esize_;  // bytes per weight element
+  const KernelSet* kern_;               // float banks
+  const QKernelSet* qkern_ = nullptr;   // quantised banks
+  int chunk_ = 0;                       // gemv input de-interleave width of the kernels in use
+  MatGeom gu_geom_{}, down_geom_{};
 
   // Per-call state (valid during forward).
   const float* x_ = nullptr;

@@ -42,6 +42,42 @@ inline int64_t shuffle_index(int64_t j, int64_t k, int chunk) {
   return c * chunk + (i & 1) * (chunk / 2) + i / 2;
 }
 
+// ---- quantised weights (daemon/experts/formats.py) --------------------------------------------
+//
+// Weights are bytes, rows along the output dim, the packed/blocked dim is the input dim k:
+//   Fp8Block  one e4m3 byte per input; fp32 scale s[(row / 128) * lds + c / 128]
+//   Mxfp4     e2m1 nibble pairs (input 2j in the low nibble of byte j); e8m0 s[row * lds + c / 32]
+//   Nvfp4     e2m1 nibble pairs; e4m3 s[row * lds + c / 16], times the matrix's global scale
+// Each kernel dequantises inside its inner loop and accumulates in fp32; the dequantised weight
+// is bit-identical to formats.py's reference (same products in the same order), so only the
+// summation order differs from `moe_reference`. Values the quantisers never write (e4m3 NaN
+// codes, e8m0 255) are not given special meaning.
+enum class QFormat : int { Fp8Block = 0, Mxfp4 = 1, Nvfp4 = 2 };
+constexpr int kNumQFormats = 3;
+
+// Rows of one quantised matrix (a gate, up or down projection of one expert).
+struct QMat {
+  const uint8_t* w;  // the first row to compute; rows are ldw bytes apart
+  int64_t ldw;
+  const void* s;     // scale row 0 of the whole matrix (fp32, e8m0 or e4m3 by format)
+  int64_t lds;       // scales per scale row
+  int64_t row0;      // matrix row that `w` points at (picks the scale rows)
+  float glob;        // Nvfp4 global scale; 1 otherwise
+};
+
+// Same contracts as GemvFn / TileFn with W given by a QMat: gemv reads its inputs de-interleaved
+// in chunks of `chunk` (the e2m1 nibbles of a byte are inputs 2j and 2j+1), tile natural order.
+using QGemvFn = void (*)(const QMat& m, int rows, int k, const float* const* xs, int n, float* y,
+                         int ldy);
+using QTileFn = void (*)(const QMat& m, int rows, int k, const float* xp, int nb, float* y);
+
+struct QKernelSet {
+  const char* isa;
+  int chunk;
+  QGemvFn gemv;
+  QTileFn tile;
+};
+
 // Defined in kernels_<isa>.cpp. The AVX2/AVX-512 ones are compiled with per-function target
 // attributes, so they may only be called once cpu_features says the CPU has that ISA.
 extern const KernelSet kScalarF32, kScalarBf16;
@@ -49,5 +85,8 @@ extern const KernelSet kAvx2F32, kAvx2Bf16;
 extern const KernelSet kAvx512F32, kAvx512Bf16;
 // The AVX-512 bodies on emulated 16-lane vectors, for tests on any CPU (isa "emu512").
 extern const KernelSet kEmu512F32, kEmu512Bf16;
+// Quantised kernel sets, indexed by QFormat.
+extern const QKernelSet kScalarQ[kNumQFormats], kAvx2Q[kNumQFormats], kAvx512Q[kNumQFormats];
+extern const QKernelSet kEmu512Q[kNumQFormats];
 
 }  // namespace ftnative

@@ -3,8 +3,10 @@
 // that the AVX-512 geometry of the shared code is tested on CPUs without AVX-512 (isa "emu512").
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
+#include "quant_decode.h"
 
 #define FT_TARGET
 #define FT_INLINE inline
@@ -30,6 +32,10 @@ struct V {
     return t;
   }
   static void store(float* p, const T& t) { std::memcpy(p, t.v, sizeof t.v); }
+  static T mul(const T& a, T b) {
+    for (int i = 0; i < kLanes; ++i) b.v[i] *= a.v[i];
+    return b;
+  }
   static T fma(const T& a, const T& b, T c) {
     for (int i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return c;
@@ -88,9 +94,49 @@ struct WBf16 {
 
 #include "kernels_simd.h"
 
+// What the AVX-512 decode sequences of kernels_avx512.cpp yield, lane by lane.
+struct Q {
+  struct Tab {
+    float v[16];  // the 16 e2m1 code values times the scale
+  };
+  static void fp8x2(const uint8_t* p, V::T& a, V::T& b) {
+    for (int l = 0; l < 16; ++l) {
+      a.v[l] = kQLuts.fp8[p[l]] * 0x1p-8f;  // fp16 bit pattern of value * 2^-8, converted
+      b.v[l] = kQLuts.fp8[p[16 + l]] * 0x1p-8f;
+    }
+  }
+  static Tab table(float s) {
+    Tab t;
+    for (int c = 0; c < 16; ++c) t.v[c] = kE2m1[c] * s;
+    return t;
+  }
+  static Tab tablemul(Tab t, float g) {
+    for (float& x : t.v) x *= g;
+    return t;
+  }
+  static void fp4x2(const uint8_t* p, const Tab& t0, const Tab& t1, V::T& ev, V::T& od) {
+    for (int l = 0; l < 16; ++l) {
+      const Tab& t = l < 8 ? t0 : t1;  // index bit 4 of vpermt2ps
+      ev.v[l] = t.v[p[l] & 15];
+      od.v[l] = t.v[p[l] >> 4];
+    }
+  }
+  static void interleave(V::T ev, V::T od, V::T& lo, V::T& hi) {
+    for (int j = 0; j < 8; ++j) {
+      lo.v[2 * j] = ev.v[j];
+      lo.v[2 * j + 1] = od.v[j];
+      hi.v[2 * j] = ev.v[8 + j];
+      hi.v[2 * j + 1] = od.v[8 + j];
+    }
+  }
+};
+
+#include "quant_simd.h"
+
 }  // namespace
 
 const KernelSet kEmu512F32 = {"emu512", WF32::kChunk, gemv<WF32>, tile<WF32>};
 const KernelSet kEmu512Bf16 = {"emu512", WBf16::kChunk, gemv<WBf16>, tile<WBf16>};
+const QKernelSet kEmu512Q[kNumQFormats] = FT_QUANT_SETS("emu512");
 
 }  // namespace ftnative

@@ -1,7 +1,11 @@
-// Portable kernels: plain loops (the compiler may use SSE2), natural input order.
+// Portable kernels: plain loops (the compiler may use SSE2), natural input order. Quantised
+// weights are dequantised one row at a time (quant_decode.h) into a per-thread row buffer, then
+// used by every token.
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
+#include "quant_decode.h"
 
 namespace ftnative {
 namespace {
@@ -51,7 +55,41 @@ void tile(const void* wv, int64_t ldw, int rows, int k, const float* xp, int nb,
   }
 }
 
+float* row_buffer(int k) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(k)) buf.resize(k);
+  return buf.data();
+}
+
+template <QFormat F>
+void qgemv(const QMat& m, int rows, int k, const float* const* xs, int n, float* y, int ldy) {
+  float* row = row_buffer(k);
+  for (int r = 0; r < rows; ++r) {
+    q_decode_row<F>(m, r, 0, k, row);
+    gemv<float>(row, k, 1, k, xs, n, y + r, ldy);
+  }
+}
+
+template <QFormat F>
+void qtile(const QMat& m, int rows, int k, const float* xp, int nb, float* y) {
+  float* row = row_buffer(k);
+  float yr[kTileLanes];
+  for (int r = 0; r < rows; ++r) {
+    q_decode_row<F>(m, r, 0, k, row);
+    for (int b = 0; b < nb; ++b) {
+      tile<float>(row, k, 1, k, xp + static_cast<int64_t>(b) * k * kTileLanes, 1, yr);
+      std::memcpy(y + (static_cast<int64_t>(b) * rows + r) * kTileLanes, yr, sizeof yr);
+    }
+  }
+}
+
 }  // namespace
+
+const QKernelSet kScalarQ[kNumQFormats] = {
+    {"scalar", 0, qgemv<QFormat::Fp8Block>, qtile<QFormat::Fp8Block>},
+    {"scalar", 0, qgemv<QFormat::Mxfp4>, qtile<QFormat::Mxfp4>},
+    {"scalar", 0, qgemv<QFormat::Nvfp4>, qtile<QFormat::Nvfp4>},
+};
 
 const KernelSet kScalarF32 = {"scalar", 0, gemv<float>, tile<float>};
 const KernelSet kScalarBf16 = {"scalar", 0, gemv<uint16_t>, tile<uint16_t>};
