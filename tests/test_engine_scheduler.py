@@ -90,3 +90,31 @@ def test_request_larger_than_the_pool_finishes_without_a_token(model_dir):
         outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].token_id == NO_TOKEN
     )
     assert llm.runner.kv.num_used == 0
+
+
+def test_short_prompt_is_not_held_behind_a_long_prefill(model_dir):
+    """A long prompt prefills in 64-token chunks; a short one arriving after its first chunk
+    gets its first token several steps before the long one, with the same tokens as alone."""
+    llm = LLM(model_dir, max_model_len=512, kv_tokens=4096, prefix_cache=False,
+              max_step_tokens=64)  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    long, short = (torch.randint(2, 97, (n,), generator=g).tolist() for n in (400, 9))
+    alone = {
+        "long": llm.generate(long, max_tokens=3, ignore_eos=True),
+        "short": llm.generate(short, max_tokens=3, ignore_eos=True),
+    }
+    eng = llm.engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    eng.add_request("long", long, params)
+    eng.step()
+    eng.add_request("short", short, params)
+    got: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    step = 1
+    while eng.has_unfinished():
+        step += 1
+        for out in eng.step():
+            first.setdefault(out.request_id, step)
+            got.setdefault(out.request_id, []).append(out.token_id)
+    assert first["short"] == 2 and first["long"] >= 7  # 400 tokens: 7 chunks of 64
+    assert got == alone

@@ -196,19 +196,25 @@ class EngineCore:
             self._running.append(req)
 
     def _plan(self) -> list[tuple[_Request, list[int], bool]]:
-        """Decode rows first (one token each), then prompt chunks within the token budget."""
+        """Decode rows first (one token each), then prompt chunks within the token budget,
+        shortest remaining prompt first: a short request (an agent's title or a quick tool
+        turn) is not held behind another's long prefill, which only loses its short share."""
         plan, budget = [], self.max_step_tokens
+        prefills: list[tuple[int, _Request]] = []
         for req in self._running:
             assert req.state is not None
             toks = req.tokens
-            fed = req.state.num_tokens
-            if len(toks) - fed == 1:
-                plan.append((req, toks[fed:], True))
+            left = len(toks) - req.state.num_tokens
+            if left == 1:
+                plan.append((req, toks[-1:], True))
                 budget -= 1
-        for req in self._running:
+            elif left > 1:
+                prefills.append((left, req))
+        prefills.sort(key=lambda p: p[0])  # stable: equal lengths keep their arrival order
+        for _, req in prefills:
             assert req.state is not None
             toks, fed = req.tokens, req.state.num_tokens
-            if len(toks) - fed > 1 and budget > 0:
+            if budget > 0:
                 end = fed + min(budget, len(toks) - fed)
                 if self.prefix is not None:  # stop at a snapshot point to capture the state there
                     end = self.prefix.chunk_end(toks, fed, end, req.state)
