@@ -53,18 +53,6 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-// dst = src with every full chunk de-interleaved (even inputs, then odd ones); see kernels.h.
-void deinterleave(const float* src, float* dst, int64_t k, int chunk) {
-  const int64_t full = chunk ? k - k % chunk : 0;
-  const int half = chunk / 2;
-  for (int64_t c = 0; c < full; c += chunk)
-    for (int i = 0; i < half; ++i) {
-      dst[c + i] = src[c + 2 * i];
-      dst[c + half + i] = src[c + 2 * i + 1];
-    }
-  for (int64_t j = full; j < k; ++j) dst[j] = src[j];
-}
-
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -75,6 +63,20 @@ constexpr int kUpRows = 64;  // rows of I per up-phase task (gate and up rows ea
 
 }  // namespace
 
+InputLayout::InputLayout(int chunk, const uint8_t* perm) : chunk_(chunk), pos_(chunk) {
+  for (int p = 0; p < chunk; ++p) {
+    const int input = perm ? perm[p] : p < chunk / 2 ? 2 * p : 2 * (p - chunk / 2) + 1;
+    pos_[input] = p;
+  }
+}
+
+void InputLayout::apply(const float* src, float* dst, int64_t k) const {
+  const int64_t full = chunk_ ? k - k % chunk_ : 0;
+  for (int64_t c = 0; c < full; c += chunk_)
+    for (int i = 0; i < chunk_; ++i) dst[c + pos_[i]] = src[c + i];
+  for (int64_t j = full; j < k; ++j) dst[j] = src[j];
+}
+
 Executor::Executor(const BankSpec& banks, const ActSpec& act, const ExecutorOptions& opts)
     : banks_(banks), act_(act), opts_(opts), isa_(resolve_isa(opts.isa)) {
   if (!banks.gate_up || !banks.down) throw std::invalid_argument("gate_up and down are required");
@@ -82,8 +84,12 @@ Executor::Executor(const BankSpec& banks, const ActSpec& act, const ExecutorOpti
     throw std::invalid_argument("bank shapes must be positive");
   if (opts.tile_min_tokens < 1) throw std::invalid_argument("tile_min_tokens must be >= 1");
   kern_ = kernel_set(isa_, banks.weight_dtype);
-  if (banks.quant) qkern_ = qkernel_set(isa_, banks.qformat);
-  chunk_ = qkern_ ? qkern_->chunk : kern_->chunk;
+  if (banks.quant) {
+    qkern_ = qkernel_set(isa_, banks.qformat);
+    gemv_in_ = tile_in_ = InputLayout(qkern_->chunk, qkern_->perm);
+  } else {
+    gemv_in_ = InputLayout(kern_->chunk, nullptr);
+  }
   init_geometry();
   const std::vector<int> cpus = physical_core_cpus();
   int threads = opts.threads;
@@ -242,7 +248,7 @@ void Executor::layout(int T) {
   if (static_cast<int64_t>(panel_buf_.size()) < p_total) panel_buf_.resize(p_total);
 
   // Inputs of small groups: x rows, de-interleaved when the gemv kernel wants it.
-  const bool shuffle = any_small && chunk_ > 0;
+  const bool shuffle = any_small && gemv_in_.chunk() > 0;
   if (shuffle && static_cast<int64_t>(xs_.size()) < T * H) xs_.resize(T * H);
   const float* xsrc = shuffle ? xs_.data() : x_;
   shuffle_async_ = shuffle && T * H > (1 << 16);
@@ -334,7 +340,7 @@ void Executor::run_task(const Task& t, int worker) {
 
 void Executor::shuffle_rows(int t0, int t1) {
   const int64_t H = banks_.hidden;
-  for (int64_t t = t0; t < t1; ++t) deinterleave(x_ + t * H, xs_.data() + t * H, H, chunk_);
+  for (int64_t t = t0; t < t1; ++t) gemv_in_.apply(x_ + t * H, xs_.data() + t * H, H);
 }
 
 // Panel block b of a tiled group: [H][16] with the inputs of routes 16b .. 16b+15 in the lanes.
@@ -346,7 +352,7 @@ void Executor::pack_panel(const Group& g, int b) {
   for (; lanes < kTileLanes && b * kTileLanes + lanes < g.n; ++lanes)
     rows[lanes] = x_ + rtok_[g.begin + b * kTileLanes + lanes] * H;
   for (int64_t j = 0; j < H; ++j) {
-    float* dst = p + j * kTileLanes;
+    float* dst = p + tile_in_.index(j, H) * kTileLanes;
     for (int l = 0; l < lanes; ++l) dst[l] = rows[l][j];
     for (int l = lanes; l < kTileLanes; ++l) dst[l] = 0.f;
   }
@@ -380,7 +386,7 @@ void Executor::up_small(const Group& g, int j0, int j1, float* scratch) {
       const int64_t jj = j0 + j;
       const float gv = gbuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + jj);
       const float uv = ubuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + I + jj);
-      a[shuffle_index(jj, I, chunk_)] = activate(gv, uv);
+      a[gemv_in_.index(jj, I)] = activate(gv, uv);
     }
   }
 }
@@ -402,7 +408,7 @@ void Executor::up_tiled(const Group& g, int j0, int j1, float* scratch) {
       const float bu = bias(banks_.gate_up_bias, bias_row + I + j0 + j);
       const float* gs = gbuf + (int64_t{b} * jb + j) * kTileLanes;
       const float* us = ubuf + (int64_t{b} * jb + j) * kTileLanes;
-      float* dst = act + (b * I + j0 + j) * kTileLanes;
+      float* dst = act + (b * I + tile_in_.index(j0 + j, I)) * kTileLanes;
       for (int l = 0; l < kTileLanes; ++l) dst[l] = activate(gs[l] + bg, us[l] + bu);
     }
 }

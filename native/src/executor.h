@@ -45,6 +45,26 @@ namespace ftnative {
 
 enum class ActKind : int { Silu = 0, GptOss = 1 };
 
+// The order in which a kernel reads the k inputs of a row (kernels.h: chunk and perm): every
+// full chunk permuted, the tail in order.
+class InputLayout {
+ public:
+  InputLayout() = default;
+  InputLayout(int chunk, const uint8_t* perm);  // perm null: even inputs, then odd ones
+  int chunk() const { return chunk_; }
+  // Position of input j of a k-input row.
+  int64_t index(int64_t j, int64_t k) const {
+    if (chunk_ == 0 || j >= k - k % chunk_) return j;
+    return j - j % chunk_ + pos_[j % chunk_];
+  }
+  // dst[index(j)] = src[j] for j < k.
+  void apply(const float* src, float* dst, int64_t k) const;
+
+ private:
+  int chunk_ = 0;
+  std::vector<int> pos_;  // [chunk]
+};
+
 struct BankSpec {
   const void* gate_up = nullptr;
   const void* down = nullptr;
@@ -148,7 +168,8 @@ class Executor final : public PoolJob {
   std::string isa_;
   const KernelSet* kern_;               // float banks
   const QKernelSet* qkern_ = nullptr;   // quantised banks
-  int chunk_ = 0;                       // gemv input de-interleave width of the kernels in use
+  InputLayout gemv_in_;  // x rows and act rows of gemv groups
+  InputLayout tile_in_;  // panel and act panel rows of tiled groups (in order for float banks)
   MatGeom gu_geom_{}, down_geom_{};
 
   // Per-call state (valid during forward).

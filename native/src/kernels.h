@@ -48,10 +48,11 @@ inline int64_t shuffle_index(int64_t j, int64_t k, int chunk) {
 //   Fp8Block  one e4m3 byte per input; fp32 scale s[(row / 128) * lds + c / 128]
 //   Mxfp4     e2m1 nibble pairs (input 2j in the low nibble of byte j); e8m0 s[row * lds + c / 32]
 //   Nvfp4     e2m1 nibble pairs; e4m3 s[row * lds + c / 16], times the matrix's global scale
-// Each kernel dequantises inside its inner loop and accumulates in fp32; the dequantised weight
-// is bit-identical to formats.py's reference (same products in the same order), so only the
-// summation order differs from `moe_reference`. Values the quantisers never write (e4m3 NaN
-// codes, e8m0 255) are not given special meaning.
+// The kernels decode inside their inner loops and accumulate in fp32: the gemv kernels sum the
+// unscaled products of one scale span and apply the span's scales once, the tile kernels decode
+// a few rows at a time into a per-thread buffer. Same math as formats.py's dequantisation then a
+// matmul, up to fp32 rounding. Values the quantisers never write (e4m3 NaN codes, e8m0 255) get
+// no special meaning.
 enum class QFormat : int { Fp8Block = 0, Mxfp4 = 1, Nvfp4 = 2 };
 constexpr int kNumQFormats = 3;
 
@@ -65,15 +66,18 @@ struct QMat {
   float glob;        // Nvfp4 global scale; 1 otherwise
 };
 
-// Same contracts as GemvFn / TileFn with W given by a QMat: gemv reads its inputs de-interleaved
-// in chunks of `chunk` (the e2m1 nibbles of a byte are inputs 2j and 2j+1), tile natural order.
+// Same contracts as GemvFn / TileFn with W given by a QMat, except for the input order: BOTH
+// kernels read their inputs (gemv's xs rows, tile's panel rows) in the set's layout. Every full
+// chunk of `chunk` inputs is permuted, position p holding input perm[p] of the chunk (perm null:
+// even inputs then odd ones, as shuffle_index); inputs past the last full chunk stay in order.
 using QGemvFn = void (*)(const QMat& m, int rows, int k, const float* const* xs, int n, float* y,
                          int ldy);
 using QTileFn = void (*)(const QMat& m, int rows, int k, const float* xp, int nb, float* y);
 
 struct QKernelSet {
   const char* isa;
-  int chunk;
+  int chunk;            // 0: natural order
+  const uint8_t* perm;  // [chunk] or null
   QGemvFn gemv;
   QTileFn tile;
 };

@@ -2,7 +2,7 @@
 // 16 bf16 gives the even ones by a 16-bit left shift of each 32-bit lane and the odd ones by
 // masking the low half, so gemv reads its inputs de-interleaved in chunks of 16.
 // Quantised weights (quant_simd.h): e4m3 bytes become fp16 bit patterns converted by F16C;
-// e2m1 nibbles index an 8-entry magnitude table with vpermps and take their sign by xor.
+// e2m1 codes become bf16 through two vpshufb byte tables, in a permuted input order (Fp4Perm).
 #include <immintrin.h>
 
 #include <cstring>
@@ -75,9 +75,21 @@ struct WBf16 {
 
 #include "kernels_simd.h"
 
-struct Q {
-  using Tab = __m256;  // |e2m1| of codes 0..7 times the scale; bit 3 of a code is its sign
+// Input layout of an e2m1 step (64 inputs, 32 bytes): vector v, lane l holds input
+// 2 * byte + nibble with byte = 16 (l / 4) + 8 (v / 2 % 2) + 4 (v % 2) + l % 4, nibble = v / 4;
+// what the in-lane byte and word unpacks of Q::fp4_step produce.
+struct Fp4Perm {
+  uint8_t v[64];
+  constexpr Fp4Perm() : v{} {
+    for (int vec = 0; vec < 8; ++vec)
+      for (int l = 0; l < 8; ++l) {
+        const int byte = 16 * (l / 4) + 8 * (vec / 2 % 2) + 4 * (vec % 2) + l % 4;
+        v[8 * vec + l] = static_cast<uint8_t>(2 * byte + vec / 4);
+      }
+  }
+};
 
+struct Q {
   // e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000 (value * 2^-8, subnormals included): sign-extend
   // to 16 bits, shift left 7 (the sign copies land on bits 15 and 14), clear bit 14.
   FT_INLINE static void fp8x2(const uint8_t* p, V::T& a, V::T& b) {
@@ -86,26 +98,47 @@ struct Q {
     a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
-  FT_INLINE static Tab table(float s) {
-    return _mm256_mul_ps(_mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f),
-                         _mm256_set1_ps(s));
+
+  static constexpr int kFp4In = 64;
+  static constexpr Fp4Perm kPermTable{};
+  static constexpr const uint8_t* kFp4Perm = kPermTable.v;
+
+  // Each e2m1 code's value as bf16: vpshufb looks up its high and low byte, byte and word
+  // unpacks widen to fp32 (bf16 is the top half of an fp32). All shuffles are in-lane, so no
+  // lane-crossing uop; measured 1.6x the rate of a vpermps table with sign fix-up on Zen 3.
+  FT_INLINE static void fp4_step(const uint8_t* p, V::T* w) {
+    const __m256i hi_b = _mm256_setr_epi8(
+        0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41, -0x40, -0x40,
+        -0x40, -0x40, 0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41,
+        -0x40, -0x40, -0x40, -0x40);
+    const __m256i lo_b = _mm256_setr_epi8(
+        0x00, 0x00, -0x80, -0x40, 0x00, 0x40, -0x80, -0x40, 0x00, 0x00, -0x80, -0x40, 0x00, 0x40,
+        -0x80, -0x40, 0x00, 0x00, -0x80, -0x40, 0x00, 0x40, -0x80, -0x40, 0x00, 0x00, -0x80, -0x40,
+        0x00, 0x40, -0x80, -0x40);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i nib[2] = {_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_srli_epi16(b, 4), m4)};
+    for (int n = 0; n < 2; ++n) {
+      const __m256i lo = _mm256_shuffle_epi8(lo_b, nib[n]), hi = _mm256_shuffle_epi8(hi_b, nib[n]);
+      const __m256i words[2] = {_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};
+      for (int h = 0; h < 2; ++h) {
+        w[4 * n + 2 * h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, words[h]));
+        w[4 * n + 2 * h + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, words[h]));
+      }
+    }
   }
-  FT_INLINE static Tab tablemul(Tab t, float g) { return _mm256_mul_ps(t, _mm256_set1_ps(g)); }
-  // 8 bytes, one per 32-bit lane; vpermps reads the low 3 bits of each index. A step of 16
-  // inputs never spans two scale groups here (the smallest group is 16), so t1 is unused.
-  FT_INLINE static void fp4x2(const uint8_t* p, Tab t0, Tab, V::T& ev, V::T& od) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-    const __m256 s_ev = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 28), sign));
-    const __m256 s_od = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 24), sign));
-    ev = _mm256_xor_ps(_mm256_permutevar8x32_ps(t0, b), s_ev);
-    od = _mm256_xor_ps(_mm256_permutevar8x32_ps(t0, _mm256_srli_epi32(b, 4)), s_od);
-  }
-  FT_INLINE static void interleave(V::T ev, V::T od, V::T& lo, V::T& hi) {
-    const __m256 u0 = _mm256_unpacklo_ps(ev, od);  // e0 o0 e1 o1 | e4 o4 e5 o5
-    const __m256 u1 = _mm256_unpackhi_ps(ev, od);  // e2 o2 e3 o3 | e6 o6 e7 o7
-    lo = _mm256_permute2f128_ps(u0, u1, 0x20);
-    hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+  // Lanes 0-3 of every vector come from inputs [0, 32) of the step, lanes 4-7 from [32, 64);
+  // with 16-input groups, vectors v / 2 % 2 == 0 hold groups 0 | 2, the others 1 | 3.
+  static constexpr int fp4_blocks() { return 2; }
+  static constexpr int fp4_blk(int v, int) { return v / 2 % 2; }
+  FT_INLINE static void fp4_scales(const float* gs, int G, V::T* sv) {
+    if (G == 32) {
+      sv[0] = sv[1] = _mm256_setr_ps(gs[0], gs[0], gs[0], gs[0], gs[1], gs[1], gs[1], gs[1]);
+    } else {
+      sv[0] = _mm256_setr_ps(gs[0], gs[0], gs[0], gs[0], gs[2], gs[2], gs[2], gs[2]);
+      sv[1] = _mm256_setr_ps(gs[1], gs[1], gs[1], gs[1], gs[3], gs[3], gs[3], gs[3]);
+    }
   }
 };
 

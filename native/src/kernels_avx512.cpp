@@ -2,8 +2,7 @@
 // bf16 weights widen with shift/mask like AVX2, so gemv inputs are de-interleaved in chunks of
 // 32. Only AVX512F/BW/VL instructions are used (no AVX512-BF16 dot products: they would round
 // the fp32 activations to bf16). Quantised weights: e4m3 via fp16 bit patterns like AVX2 (with
-// AVX512BW 16-bit shifts); e2m1 codes index a 32-entry table pair (vpermt2ps), one 16-entry
-// signed table per scale group, so a 32-input step may span two Nvfp4 groups.
+// AVX512BW 16-bit shifts); e2m1 codes index a 16-entry value table (vpermps).
 #include <immintrin.h>
 
 // GCC 12's AVX-512 intrinsics seed their masked builtins with _mm512_undefined_*(), which trips
@@ -77,8 +76,6 @@ struct WBf16 {
 #include "kernels_simd.h"
 
 struct Q {
-  using Tab = __m512;  // the 16 e2m1 code values times the scale
-
   // See kernels_avx2.cpp: sign-extend, shift left 7, clear bit 14 = fp16 of value * 2^-8.
   FT_INLINE static void fp8x2(const uint8_t* p, V::T& a, V::T& b) {
     __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -86,28 +83,25 @@ struct Q {
     a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
-  FT_INLINE static Tab table(float s) {
-    return _mm512_mul_ps(_mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f,
-                                        -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f),
-                         _mm512_set1_ps(s));
-  }
-  FT_INLINE static Tab tablemul(Tab t, float g) { return _mm512_mul_ps(t, _mm512_set1_ps(g)); }
-  // 16 bytes, one per 32-bit lane; index bit 4 (set in lanes 8..15) picks t1 over t0.
-  FT_INLINE static void fp4x2(const uint8_t* p, Tab t0, Tab t1, V::T& ev, V::T& od) {
+
+  // 32 inputs per step, even ones then odd ones (the bf16 layout of this ISA).
+  static constexpr int kFp4In = 32;
+  static constexpr const uint8_t* kFp4Perm = nullptr;
+  // 16 bytes, one per 32-bit lane; vpermps reads the low 4 bits of each index: the code.
+  FT_INLINE static void fp4_step(const uint8_t* p, V::T* w) {
+    const __m512 values = _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f,
+                                         -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
-    const __m512i lo = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(15)), half);
-    const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(b, 4), half);
-    ev = _mm512_permutex2var_ps(t0, lo, t1);
-    od = _mm512_permutex2var_ps(t0, hi, t1);
+    w[0] = _mm512_permutexvar_ps(b, values);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
   }
-  FT_INLINE static void interleave(V::T ev, V::T od, V::T& lo, V::T& hi) {
-    const __m512i il = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i ih =
-        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    const V::T l = _mm512_permutex2var_ps(ev, il, od);
-    hi = _mm512_permutex2var_ps(ev, ih, od);
-    lo = l;
+  // Lanes 0-7 hold inputs [0, 16) of the step, lanes 8-15 inputs [16, 32).
+  static constexpr int fp4_blocks() { return 2; }
+  static constexpr int fp4_blk(int v, int) { return v; }
+  FT_INLINE static void fp4_scales(const float* gs, int G, V::T* sv) {
+    sv[0] = sv[1] = G == 32 ? _mm512_set1_ps(gs[0])
+                            : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(gs[0]),
+                                                   _mm512_set1_ps(gs[1]));
   }
 };
 

@@ -96,38 +96,25 @@ struct WBf16 {
 
 // What the AVX-512 decode sequences of kernels_avx512.cpp yield, lane by lane.
 struct Q {
-  struct Tab {
-    float v[16];  // the 16 e2m1 code values times the scale
-  };
   static void fp8x2(const uint8_t* p, V::T& a, V::T& b) {
     for (int l = 0; l < 16; ++l) {
       a.v[l] = kQLuts.fp8[p[l]] * 0x1p-8f;  // fp16 bit pattern of value * 2^-8, converted
       b.v[l] = kQLuts.fp8[p[16 + l]] * 0x1p-8f;
     }
   }
-  static Tab table(float s) {
-    Tab t;
-    for (int c = 0; c < 16; ++c) t.v[c] = kE2m1[c] * s;
-    return t;
-  }
-  static Tab tablemul(Tab t, float g) {
-    for (float& x : t.v) x *= g;
-    return t;
-  }
-  static void fp4x2(const uint8_t* p, const Tab& t0, const Tab& t1, V::T& ev, V::T& od) {
+  static constexpr int kFp4In = 32;
+  static constexpr const uint8_t* kFp4Perm = nullptr;
+  static void fp4_step(const uint8_t* p, V::T* w) {
     for (int l = 0; l < 16; ++l) {
-      const Tab& t = l < 8 ? t0 : t1;  // index bit 4 of vpermt2ps
-      ev.v[l] = t.v[p[l] & 15];
-      od.v[l] = t.v[p[l] >> 4];
+      w[0].v[l] = kE2m1[p[l] & 15];
+      w[1].v[l] = kE2m1[p[l] >> 4];
     }
   }
-  static void interleave(V::T ev, V::T od, V::T& lo, V::T& hi) {
-    for (int j = 0; j < 8; ++j) {
-      lo.v[2 * j] = ev.v[j];
-      lo.v[2 * j + 1] = od.v[j];
-      hi.v[2 * j] = ev.v[8 + j];
-      hi.v[2 * j + 1] = od.v[8 + j];
-    }
+  static constexpr int fp4_blocks() { return 2; }
+  static constexpr int fp4_blk(int v, int) { return v; }
+  static void fp4_scales(const float* gs, int G, V::T* sv) {
+    for (int l = 0; l < 16; ++l) sv[0].v[l] = G == 32 || l < 8 ? gs[0] : gs[1];
+    sv[1] = sv[0];
   }
 };
 

@@ -86,9 +86,9 @@ void qtile(const QMat& m, int rows, int k, const float* xp, int nb, float* y) {
 }  // namespace
 
 const QKernelSet kScalarQ[kNumQFormats] = {
-    {"scalar", 0, qgemv<QFormat::Fp8Block>, qtile<QFormat::Fp8Block>},
-    {"scalar", 0, qgemv<QFormat::Mxfp4>, qtile<QFormat::Mxfp4>},
-    {"scalar", 0, qgemv<QFormat::Nvfp4>, qtile<QFormat::Nvfp4>},
+    {"scalar", 0, nullptr, qgemv<QFormat::Fp8Block>, qtile<QFormat::Fp8Block>},
+    {"scalar", 0, nullptr, qgemv<QFormat::Mxfp4>, qtile<QFormat::Mxfp4>},
+    {"scalar", 0, nullptr, qgemv<QFormat::Nvfp4>, qtile<QFormat::Nvfp4>},
 };
 
 const KernelSet kScalarF32 = {"scalar", 0, gemv<float>, tile<float>};
