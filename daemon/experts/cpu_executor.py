@@ -12,7 +12,9 @@ The expert format is read from ``banks.format`` (`freetokend.experts.formats`): 
 fp32 or bf16 floats; "fp8_block", "mxfp4" and "nvfp4" banks are computed straight from their
 packed weights and scale banks (``banks.extra``), dequantised inside the kernels' inner loops,
 never as a whole expert. Their results equal `moe_reference` over `formats.dequantize_banks`
-up to fp32 summation order.
+up to fp32 rounding (summation order; a block's scale applied to its partial sum). Per core they
+are compute-bound (~10 Gweights/s on Zen 3 against ~20 for bf16), so they pay off where memory
+bandwidth, not core count, limits the bf16 path.
 
 Tensors cross into C++ as raw addresses (`Tensor.data_ptr()`) plus shapes: nothing is copied, so
 this wrapper checks dtype, shape, device and contiguity first and keeps the bank tensors alive for

@@ -162,7 +162,8 @@ FT_TARGET void qdecode_rows(const QMat& m, int r, int nr, int k, float* out) {
       for (int i = c0; i < c1; i += P::kIn) {
         typename V::T w[P::kVec];
         P::decode(row, i, w);
-        for (int v = 0; v < P::kVec; ++v) V::store(o + i + v * V::kLanes, V::mul(w[v], sv[P::blk(v)]));
+        for (int v = 0; v < P::kVec; ++v)
+          V::store(o + i + v * V::kLanes, V::mul(w[v], sv[P::blk(v)]));
       }
     }
     q_decode_row<F>(m, r + j, kmain, k, o + kmain);

@@ -6,8 +6,11 @@ Qwen3-30B-A3B expert geometry, one MoE layer: H = 2048, I = 768, 128 experts, to
   - decode (T = 1): GiB/s of expert weights streamed, for the native executor (1 and all threads)
     and for a torch bf16 reference (per-expert F.linear in bf16, torch's own threads)
   - prefill (T = 512): time per layer, GiB/s of weights and GFLOP/s of the native executor
+  - the same native decode/prefill figures for each quantised format of --formats (banks of
+    random bytes: the kernels' speed does not depend on the values), where GiB/s counts the bytes
+    a call really reads (packed weights + scale banks), and a summary of time per call vs bf16
 
-Usage: PYTHONPATH=... python tests/bench/bench_native_executor.py [--iters N] [--threads N]
+Usage: python tests/bench/bench_native_executor.py [--iters N] [--threads N] [--formats a,b]
 Every decode call routes to 8 fresh random experts, so weights come from DRAM, not cache.
 """
 
@@ -23,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from freetokend.experts.banks import ActivationSpec, ExpertBanks
-from freetokend.experts.cpu_executor import CpuExecutor
+from freetokend.experts.cpu_executor import QUANT_FORMATS, CpuExecutor
+from freetokend.experts.formats import allocate
 
 H, INTER, E, K = 2048, 768, 128, 8
 GIB = 1024**3
@@ -35,6 +39,25 @@ def make_banks() -> ExpertBanks:
     return ExpertBanks(gate_up, down)
 
 
+def make_quant_banks(fmt: str) -> ExpertBanks:
+    """Banks of a quantised format filled with random bytes (no e4m3 NaN codes) and scales that
+    keep the activations finite."""
+    b = allocate(fmt, E, H, INTER, torch.bfloat16)
+    for w in (b.gate_up, b.down):
+        u8 = w.view(torch.uint8)
+        u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8))
+        if fmt == "fp8_block":
+            u8[(u8 & 0x7F) == 0x7F] &= 0xF0
+    for name, t in b.extra.items():
+        if fmt == "fp8_block":
+            t.fill_(1e-4)
+        elif name.endswith("global"):
+            t.fill_(1e-3)
+        else:  # e8m0 2^-7, or e4m3 0.5 (nvfp4)
+            t.view(torch.uint8).fill_(120 if fmt == "mxfp4" else 0x30)
+    return b
+
+
 def routes(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(t, H, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(t)]).to(torch.int32)
@@ -43,7 +66,8 @@ def routes(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def expert_bytes(banks: ExpertBanks) -> int:
-    return banks.nbytes_per_expert()
+    """Bytes a call reads per expert: weights plus, for quantised formats, the scale banks."""
+    return sum(t[0].numel() * t.element_size() for t in banks.all_tensors().values())
 
 
 def timed(fn: Callable[[], object], iters: int) -> tuple[float, float]:
@@ -104,13 +128,42 @@ def bench_read(banks: ExpertBanks, iters: int) -> None:
     torch.set_num_threads(threads)
 
 
-def bench_decode(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) -> None:
+def bench_decode(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) -> float:
+    """Reports and returns the best seconds per T = 1 call."""
     gen = torch.Generator().manual_seed(0)
     batches = [routes(1, gen) for _ in range(iters + 1)]
     it = iter(batches)
-    report(
-        f"decode T=1  {label}", K * expert_bytes(banks), timed(lambda: ex.forward(*next(it)), iters)
+    t = timed(lambda: ex.forward(*next(it)), iters)
+    report(f"decode T=1  {label}", K * expert_bytes(banks), t)
+    return t[0]
+
+
+def bench_prefill(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) -> float:
+    """Reports and returns the best seconds per T = 512 call."""
+    x, ids, w = routes(512, torch.Generator().manual_seed(2))
+    distinct = int(torch.unique(ids).numel())
+    t, _median = timed(lambda: ex.forward(x, ids, w), iters)
+    flops = 2 * 3 * H * INTER * ids.numel()
+    print(
+        f"prefill T=512 {label}: {t * 1e3:.0f} ms/layer, "
+        f"{distinct * expert_bytes(banks) / t / GIB:.1f} GiB/s of weights, "
+        f"{flops / t / 1e9:.1f} GFLOP/s, {512 / t:.0f} tokens/s"
     )
+    return t
+
+
+def bench_format(fmt: str, args: argparse.Namespace) -> tuple[int, float, float]:
+    """Native decode (1 and all threads) and prefill on banks of `fmt` -> (bytes per expert,
+    best decode seconds with all threads, best prefill seconds)."""
+    banks = make_quant_banks(fmt)
+    act = ActivationSpec()
+    ex1 = CpuExecutor(banks, act, threads=1)
+    bench_decode(banks, ex1, f"native {fmt} {ex1.isa}, 1 thread", args.iters)
+    del ex1
+    exn = CpuExecutor(banks, act, threads=args.threads)
+    label = f"native {fmt} {exn.isa}, {exn.threads} threads"
+    dec = bench_decode(banks, exn, label, args.iters)
+    return expert_bytes(banks), dec, bench_prefill(banks, exn, label, 1)
 
 
 def main() -> None:
@@ -118,6 +171,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=40, help="decode calls per measurement")
     ap.add_argument("--threads", type=int, default=None, help="executor threads (default: cores)")
     ap.add_argument("--prefill-iters", type=int, default=2)
+    ap.add_argument(
+        "--formats", default=",".join(QUANT_FORMATS), help="quantised formats to add ('' none)"
+    )
     args = ap.parse_args()
 
     banks = make_banks()
@@ -128,7 +184,7 @@ def main() -> None:
     ex1 = CpuExecutor(banks, act, threads=1)
     exn = CpuExecutor(banks, act, threads=args.threads)
     bench_decode(banks, ex1, f"native {ex1.isa}, 1 thread", args.iters)
-    bench_decode(banks, exn, f"native {exn.isa}, {exn.threads} threads", args.iters)
+    dec = bench_decode(banks, exn, f"native {exn.isa}, {exn.threads} threads", args.iters)
     del ex1
 
     gen = torch.Generator().manual_seed(1)
@@ -138,15 +194,19 @@ def main() -> None:
     threads = torch.get_num_threads()
     report(f"decode T=1  torch bf16 F.linear, {threads} threads", K * expert_bytes(banks), t_ref)
 
-    x, ids, w = routes(512, torch.Generator().manual_seed(2))
-    distinct = int(torch.unique(ids).numel())
-    t, _median = timed(lambda: exn.forward(x, ids, w), args.prefill_iters)
-    flops = 2 * 3 * H * INTER * ids.numel()
-    print(
-        f"prefill T=512 native {exn.isa}, {exn.threads} threads: {t * 1e3:.0f} ms/layer, "
-        f"{distinct * expert_bytes(banks) / t / GIB:.1f} GiB/s of weights, {flops / t / 1e9:.1f} GFLOP/s, "
-        f"{512 / t:.0f} tokens/s"
-    )
+    label = f"native {exn.isa}, {exn.threads} threads"
+    pre = bench_prefill(banks, exn, label, args.prefill_iters)
+    del exn
+
+    rows = [("bf16", H * INTER * 3 * 2, dec, pre)]
+    for fmt in filter(None, args.formats.split(",")):
+        rows.append((fmt, *bench_format(fmt, args)))
+    print(f"\n{'format':10s} {'MiB/expert':>10s} {'decode ms':>9s} {'GiB/s':>6s} {'vs bf16':>7s}")
+    for fmt, nbytes, d, p in rows:
+        print(
+            f"{fmt:10s} {nbytes / 2**20:10.2f} {d * 1e3:9.3f} {K * nbytes / d / GIB:6.1f} "
+            f"{dec / d:6.2f}x   prefill {p * 1e3:.0f} ms ({pre / p:.2f}x)"
+        )
 
 
 if __name__ == "__main__":
