@@ -224,6 +224,8 @@ def test_schema_matches_quantize_output(name):
         t[0].numel() * t.element_size() for n, t in banks.all_tensors().items() if "bias" not in n
     )
     assert sizes == fmt.nbytes_per_expert(H, INTER, torch.bfloat16)
+    bias = sum(t[0].numel() * t.element_size() for n, t in banks.tensors().items() if "bias" in n)
+    assert banks.nbytes_per_expert() == sizes + bias  # the scale banks count
 
 
 def test_dims_must_fit_the_packing():

@@ -77,7 +77,8 @@ class ExpertBanks:
         return {**self.tensors(), **self.extra}
 
     def nbytes_per_expert(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.tensors().values())
+        """Bytes of one expert in every bank, scale banks of a quantised format included."""
+        return sum(t[0].numel() * t.element_size() for t in self.all_tensors().values())
 
 
 def activate(gate_up: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
