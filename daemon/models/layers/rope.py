@@ -40,12 +40,24 @@ class Rope:
     def __init__(self, rope: RopeConfig) -> None:
         self.cfg = rope
         self.inv_freq = inv_frequencies(rope) if rope.rotary_dim else torch.empty(0)
+        self._cos = self._sin = torch.empty(0, self.inv_freq.shape[0])
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos, sin [N, rotary_dim / 2] (fp32, scaled by the attention factor)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        """positions [N] -> cos, sin [N, rotary_dim / 2] (fp32, scaled by the attention factor).
+
+        Rows of a table grown by doubling: a decode step indexes it instead of evaluating
+        cos/sin, and a position's values never depend on which other positions share its step.
+        """
+        if positions.numel():
+            need = int(positions.max()) + 1
+            if need > self._cos.shape[0]:
+                self._grow(max(need, 2 * self._cos.shape[0], 256))
+        return self._cos[positions], self._sin[positions]
+
+    def _grow(self, n: int) -> None:
+        freqs = torch.arange(n, dtype=torch.float32).unsqueeze(-1) * self.inv_freq
         s = self.cfg.attention_factor
-        return freqs.cos() * s, freqs.sin() * s
+        self._cos, self._sin = freqs.cos() * s, freqs.sin() * s
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, heads, head_dim] fp32; rotates the first rotary_dim dims."""
