@@ -155,6 +155,23 @@ def create_backend(
         return CpuBackend(banks, num_experts, act, threads=threads)
     from .device_backends import FusedBackend, OffloadBackend
 
+    if banks.format != "bf16":
+        # The accelerator backends compute from float banks (moe_reference, the Triton kernels):
+        # quantized experts are dequantized once (e2m1 and e8m0 values are exact in bf16).
+        from .formats import dequantize_banks
+
+        log.warning(
+            "moe_backend %s: %s experts are dequantized to bf16 (the cpu backend computes them "
+            "packed)", name, banks.format,
+        )  # fmt: skip
+        f = dequantize_banks(banks)
+        banks = ExpertBanks(
+            f.gate_up.bfloat16(),
+            f.down.bfloat16(),
+            None if f.gate_up_bias is None else f.gate_up_bias.bfloat16(),
+            None if f.down_bias is None else f.down_bias.bfloat16(),
+        )
+
     acc = create_accelerator(accelerator)
     if name == "fused":
         return FusedBackend(banks, num_experts, act, acc)

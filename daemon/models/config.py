@@ -104,6 +104,9 @@ class ModelConfig:
     shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen); DeepSeek has none
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # routed experts as stored: "bf16" (float banks in torch_dtype) or "mxfp4" (GPT-OSS's
+    # quantized checkpoints: e2m1 blocks of 32 with e8m0 scales, kept packed in host RAM)
+    expert_format: str = "bf16"
     # the weight-name prefix of the text model inside the checkpoint ("model" or
     # "model.language_model" for multimodal wrappers)
     weight_prefix: str = "model"
@@ -376,10 +379,25 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
             or "float32"
         ),
         weight_prefix=prefix,
+        expert_format=_expert_format(raw, text, source),
         raw=raw,
     )
     _validate(cfg, source)
     return cfg
+
+
+def _expert_format(raw: dict[str, Any], text: dict[str, Any], source: str) -> str:
+    """The routed experts' stored format from ``quantization_config`` (none: float banks)."""
+    q = text.get("quantization_config") or raw.get("quantization_config")
+    if q is None:
+        return "bf16"
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "mxfp4":
+        return "mxfp4"
+    raise ConfigError(
+        f"{source}: field 'quantization_config.quant_method' = {method!r} is not supported "
+        "(supported: mxfp4, or an unquantized checkpoint)"
+    )
 
 
 def _validate(cfg: ModelConfig, source: str) -> None:
@@ -407,3 +425,10 @@ def _validate(cfg: ModelConfig, source: str) -> None:
         raise ConfigError(f"{source}: field 'topk_group' must be in [1, n_group]")
     if cfg.torch_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{source}: field 'torch_dtype' = {cfg.torch_dtype!r} is not supported")
+    if cfg.expert_format == "mxfp4" and (
+        cfg.hidden_size % 32 or cfg.moe_intermediate_size % 32 or not cfg.num_experts
+    ):
+        raise ConfigError(
+            f"{source}: mxfp4 experts need hidden_size and the expert intermediate size to be "
+            "multiples of 32"
+        )

@@ -31,7 +31,14 @@ class CheckpointError(ValueError):
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED = re.compile(
-    r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$"
+    r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias"
+    r"|gate_up_proj_blocks|gate_up_proj_scales|down_proj_blocks|down_proj_scales)$"
+)
+_MXFP4_PARTS = (
+    "gate_up_proj_blocks",
+    "gate_up_proj_scales",
+    "down_proj_blocks",
+    "down_proj_scales",
 )
 _PER_EXPERT = re.compile(
     r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
@@ -185,6 +192,15 @@ class _Filler:
         return self.cfg.moe_layer_index[layer] * self.cfg.num_experts
 
     def _fused(self, layer: int, part: str, src: _Source, name: str, path: Path) -> None:
+        quantized = self.banks.format == "mxfp4"
+        if (part in _MXFP4_PARTS) != quantized and not part.endswith("_bias"):
+            want = "mxfp4 blocks and scales" if quantized else "float weights"
+            raise CheckpointError(
+                f"{path}: unexpected tensor '{name}' (config.json says the experts are {want})"
+            )
+        if quantized and not part.endswith("_bias"):
+            self._fused_mxfp4(layer, part, src, name, path)
+            return
         base, e, i, h = (
             self._moe_base(layer, name, path),
             self.cfg.num_experts,
@@ -213,6 +229,37 @@ class _Filler:
             dest[base : base + e].copy_(t)
         else:
             src.into(dest[base : base + e])
+        self.expert_filled.update((layer, part, x) for x in range(e))
+
+    def _fused_mxfp4(self, layer: int, part: str, src: _Source, name: str, path: Path) -> None:
+        """GPT-OSS's quantized experts: blocks [E, rows, cols / 32, 16] uint8 (two e2m1 codes a
+        byte, the low nibble first) and scales [E, rows, cols / 32] uint8 (e8m0), rows = outputs
+        (gate/up interleaved), cols = inputs: our mxfp4 banks' layout once the 16-byte blocks of
+        a row are joined and the gate/up rows are de-interleaved."""
+        base, e, i, h = (
+            self._moe_base(layer, name, path),
+            self.cfg.num_experts,
+            self.cfg.moe_intermediate_size,
+            self.cfg.hidden_size,
+        )
+        gate_up = part.startswith("gate_up")
+        rows, cols = (2 * i, h) if gate_up else (h, i)
+        blocks = part.endswith("_blocks")
+        shape = (e, rows, cols // 32, 16) if blocks else (e, rows, cols // 32)
+        if src.dtype != torch.uint8 or tuple(src.shape) != shape:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' is {src.dtype}{list(src.shape)}; expected "
+                f"torch.uint8{list(shape)}"
+            )
+        t = src.read()
+        if gate_up:  # interleaved -> gate rows, up rows (whole rows: the packing is along inputs)
+            t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+        if blocks:
+            dest = self.banks.gate_up if gate_up else self.banks.down
+            t = t.reshape(e, rows, cols // 2)
+        else:
+            dest = self.banks.extra["gate_up_scale" if gate_up else "down_scale"]
+        dest[base : base + e].copy_(t)
         self.expert_filled.update((layer, part, x) for x in range(e))
 
     def _bias(self, bank: torch.Tensor | None, name: str, path: Path) -> torch.Tensor:
@@ -259,6 +306,8 @@ class _Filler:
                     ("gate_up_proj", gu),
                     ("down_proj", (layer, "down_proj", x) in self.expert_filled),
                 ]
+                if self.banks.format == "mxfp4":
+                    parts = [(p, (layer, p, x) in self.expert_filled) for p in _MXFP4_PARTS]
                 if self.cfg.expert_bias:
                     parts += [
                         (p, (layer, p, x) in self.expert_filled)
@@ -275,6 +324,10 @@ def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
     """Exact-size, uninitialised banks for all routed experts (filled by the loader)."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
+    if cfg.expert_format != "bf16":
+        from ..experts.formats import allocate
+
+        return allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
     return ExpertBanks(
         gate_up=torch.empty(n, 2 * i, h, dtype=dt),
         down=torch.empty(n, h, i, dtype=dt),
