@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_attention.h"
 #include "dense_linear.h"
 #include "pool.h"
 #include "rms_norm.h"
@@ -23,6 +24,7 @@ struct State {
   std::string isa = "auto";
   const ftnative::KernelSet* bf16 = nullptr;
   const ftnative::KernelSet* f32 = nullptr;
+  ftdense::RangeFn attention = nullptr;
 };
 
 State& state() {
@@ -41,6 +43,7 @@ void configure(int threads, int spin_us, const std::string& isa) {
   s.bf16 = bf16;
   s.f32 = f32;
   s.isa = bf16->isa;
+  s.attention = ftdense::range_kernel(s.isa);
 }
 
 }  // namespace
@@ -69,6 +72,49 @@ PYBIND11_MODULE(ftdense, m) {
       },
       py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("scale"), py::arg("eps"), py::arg("y"),
       "x, y [rows, dim] fp32, scale [dim] fp32 addresses (small: runs on the caller, GIL held).");
+  m.def("attention_isa", [] {
+    std::lock_guard<std::mutex> lock(state().mu);
+    return std::string(state().attention ? ftdense::range_kernel_name(state().attention) : "");
+  });
+  m.def(
+      "decode_attention",
+      [](uintptr_t q, int64_t q_rows, uintptr_t out, int heads, int n, uintptr_t rows,
+         uintptr_t lens, uintptr_t tables, int64_t table_stride, uintptr_t k, uintptr_t v,
+         bool bf16, int64_t num_pages, int page_size, int kv_heads, int d, float scale, int window,
+         uintptr_t sinks) {
+        State& s = state();
+        std::shared_ptr<ftdense::Pool> pool;
+        ftdense::RangeFn fn;
+        {
+          std::lock_guard<std::mutex> lock(s.mu);
+          if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
+          pool = s.pool;
+          fn = s.attention;
+        }
+        const ftdense::KvPages kv{reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
+                                  bf16, num_pages, page_size, kv_heads, d};
+        const ftdense::DecodeRows r{reinterpret_cast<const float*>(q),
+                                    reinterpret_cast<float*>(out),
+                                    q_rows,
+                                    n,
+                                    reinterpret_cast<const int32_t*>(rows),
+                                    reinterpret_cast<const int32_t*>(lens),
+                                    reinterpret_cast<const int32_t*>(tables),
+                                    table_stride,
+                                    heads,
+                                    scale,
+                                    window,
+                                    reinterpret_cast<const float*>(sinks)};
+        py::gil_scoped_release release;
+        ftdense::decode_attention(*pool, fn, kv, r);
+      },
+      py::arg("q"), py::arg("q_rows"), py::arg("out"), py::arg("heads"), py::arg("n"),
+      py::arg("rows"), py::arg("lens"), py::arg("tables"), py::arg("table_stride"), py::arg("k"),
+      py::arg("v"), py::arg("bf16"), py::arg("num_pages"), py::arg("page_size"),
+      py::arg("kv_heads"), py::arg("d"), py::arg("scale"), py::arg("window"), py::arg("sinks"),
+      "Decode attention over paged K/V (see decode_attention.h); addresses: q, out [q_rows, "
+      "heads, d] fp32, rows/lens [n] int32, tables [n, table_stride] int32, k/v [num_pages, "
+      "page_size, kv_heads, d] bf16|fp32, sinks [heads] fp32 or 0.");
   m.def(
       "linear",
       [](uintptr_t x, int T, int K, const std::vector<uintptr_t>& w, const std::vector<int>& N,

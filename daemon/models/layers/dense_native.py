@@ -138,3 +138,121 @@ def linear_reference(
     """What `linear` computes, in plain torch (fp32 math on the bf16-rounded input)."""
     y = x.to(w.dtype).float() @ w.float().t()
     return y + bias.float() if bias is not None else y
+
+
+# ---- decode attention over the paged KV pool (native/dense/decode_attention.h) ----------------
+
+
+def attention_usable(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes q [N, heads, d] and one layer's K/V pages
+    [num_pages, page_size, kv_heads, d]: extension built, fp32 q, bf16 or fp32 contiguous pages of
+    one dtype, all on the CPU, no autograd."""
+    return (
+        _native is not None
+        and q.dim() == 3
+        and k_pages.dim() == 4
+        and q.dtype == torch.float32
+        and k_pages.dtype in (torch.bfloat16, torch.float32)
+        and v_pages.dtype == k_pages.dtype
+        and v_pages.shape == k_pages.shape
+        and q.device.type == k_pages.device.type == v_pages.device.type == "cpu"
+        and k_pages.is_contiguous()
+        and v_pages.is_contiguous()
+        and q.shape[2] == k_pages.shape[3]
+        and q.shape[1] % k_pages.shape[2] == 0
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one decode query per sequence, reading K/V straight from the paged pool.
+
+    q [N, heads, d] fp32; k_pages, v_pages [num_pages, page_size, kv_heads, d] (one layer of the
+    pool, bf16 or fp32); tables [n, max_pages] int32 page tables; lens [n] keys per sequence
+    including the query's own (already written), so query i sits at position lens[i] - 1 and sees
+    keys j with lens[i] - window <= j < lens[i]; sinks [heads] one extra softmax logit per head.
+    ``rows`` [n] picks the rows of q (and of ``out``) that are the queries (default: all N, n = N).
+    Returns ``out`` [N, heads, d] fp32 (new when not given; only the query rows are written).
+    Check `attention_usable` first.
+    """
+    if not _native.configured():
+        configure()
+    qc = q.contiguous()
+    n_rows, heads, d = qc.shape
+    if rows is None:
+        rows = torch.arange(n_rows, dtype=torch.int32)
+    ri, li, ti = (t.to(torch.int32).contiguous() for t in (rows, lens, tables))
+    n = ri.shape[0]
+    if li.shape != (n,) or ti.dim() != 2 or ti.shape[0] != n:
+        raise ValueError("rows, lens and tables must describe the same number of queries")
+    if out is None:
+        out = torch.empty_like(qc)
+    elif out.shape != qc.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("out must be a contiguous fp32 tensor shaped like q")
+    sk = None if sinks is None else sinks.float().contiguous()
+    if sk is not None and sk.shape != (heads,):
+        raise ValueError(f"sinks must have shape ({heads},)")
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    _native.decode_attention(
+        qc.data_ptr(),
+        n_rows,
+        out.data_ptr(),
+        heads,
+        n,
+        ri.data_ptr(),
+        li.data_ptr(),
+        ti.data_ptr(),
+        ti.shape[1],
+        k_pages.data_ptr(),
+        v_pages.data_ptr(),
+        k_pages.dtype == torch.bfloat16,
+        num_pages,
+        page_size,
+        kv_heads,
+        d,
+        scale,
+        window or 0,
+        0 if sk is None else sk.data_ptr(),
+    )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What `decode_attention` computes (rows = all), in plain torch: gather each query's visible
+    keys from its pages, softmax over the logits (and the sink) in fp32. Returns [n, heads, d]."""
+    n, heads, d = q.shape
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    out = torch.empty(n, heads, d)
+    for i in range(n):
+        length = int(lens[i])
+        first = 0 if window is None else max(0, length - window)
+        pos = torch.arange(first, length)
+        page = tables[i].long()[pos // page_size]
+        k = k_pages[page, pos % page_size].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_pages[page, pos % page_size].float().repeat_interleave(heads // kv_heads, dim=1)
+        logits = torch.einsum("hd,khd->hk", q[i].float(), k) * scale  # [heads, keys]
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.float().view(heads, 1)], dim=1)
+        probs = torch.softmax(logits, dim=1)[:, : pos.numel()]
+        out[i] = torch.einsum("hk,khd->hd", probs, v)
+    return out

@@ -1,0 +1,204 @@
+#include "decode_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "cpu_features.h"
+
+namespace ftdense {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// A task reads at least this many keys (when there are that many): below it the merge and the
+// task hand-out cost more than the second core saves.
+constexpr int64_t kMinSplitKeys = 512;
+// Tasks wanted per pool thread, so a thread that starts late still finds work.
+constexpr int kTasksPerThread = 4;
+
+inline float widen(const void* base, int64_t i, bool bf16) {
+  if (!bf16) return static_cast<const float*>(base)[i];
+  const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Task {
+  int query;  // index into rows / lens / tables
+  int kv_head;
+  int64_t k0, k1;
+  int64_t part;  // offset of its partial state (floats) in Job::parts
+};
+
+struct Job {
+  RangeFn fn;
+  const KvPages* kv;
+  const DecodeRows* rows;
+  int G;
+  std::vector<Task> tasks;
+  std::vector<int> first_task;  // per (query, kv head) group, then the total
+  std::vector<float> parts;     // per task: m [G], l [G], acc [G, d]
+};
+
+int64_t part_floats(int G, int d) { return static_cast<int64_t>(G) * (d + 2); }
+
+void run_task(void* ctx, int64_t t) {
+  const Job& j = *static_cast<const Job*>(ctx);
+  const Task& tk = j.tasks[t];
+  const DecodeRows& r = *j.rows;
+  const int d = j.kv->d;
+  float* part = const_cast<float*>(j.parts.data()) + tk.part;  // tasks own disjoint slices
+  const float* q = r.q + (static_cast<int64_t>(r.rows[tk.query]) * r.heads +
+                          static_cast<int64_t>(tk.kv_head) * j.G) * d;
+  const KeyRange kr{q,        j.G,   r.scale, r.tables + tk.query * r.table_stride,
+                    tk.kv_head, tk.k0, tk.k1,   part,
+                    part + j.G, part + 2 * j.G};
+  j.fn(*j.kv, kr);
+}
+
+void validate(const KvPages& kv, const DecodeRows& r) {
+  if (r.heads <= 0 || kv.kv_heads <= 0 || r.heads % kv.kv_heads != 0)
+    throw std::invalid_argument("heads must be a positive multiple of kv_heads");
+  if (kv.d <= 0 || kv.page_size <= 0 || r.window < 0)
+    throw std::invalid_argument("bad head_dim, page_size or window");
+  for (int i = 0; i < r.n; ++i) {
+    const int64_t len = r.lens[i];
+    if (len < 1 || len > r.table_stride * kv.page_size)
+      throw std::invalid_argument("a context length is < 1 or exceeds its page table");
+    if (r.rows[i] < 0 || r.rows[i] >= r.q_rows)
+      throw std::invalid_argument("a query row is out of range");
+    const int64_t lo = r.window > 0 ? std::max<int64_t>(0, len - r.window) : 0;
+    const int32_t* table = r.tables + i * r.table_stride;
+    for (int64_t p = lo / kv.page_size; p <= (len - 1) / kv.page_size; ++p)
+      if (table[p] < 0 || table[p] >= kv.num_pages)
+        throw std::invalid_argument("a page id is outside the pool");
+  }
+}
+
+// Splits every (query, kv head) key range into equal parts, enough to give each pool thread a
+// few tasks, none shorter than kMinSplitKeys.
+void plan(Job& j, int threads) {
+  const DecodeRows& r = *j.rows;
+  const int kvh = j.kv->kv_heads;
+  const int64_t groups = static_cast<int64_t>(r.n) * kvh;
+  const int64_t want = threads > 1 ? (threads * kTasksPerThread + groups - 1) / groups : 1;
+  const int64_t pf = part_floats(j.G, j.kv->d);
+  j.first_task.assign(1, 0);
+  for (int i = 0; i < r.n; ++i) {
+    const int64_t len = r.lens[i];
+    const int64_t lo = r.window > 0 ? std::max<int64_t>(0, len - r.window) : 0;
+    const int64_t keys = len - lo;
+    const int64_t splits = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
+    for (int h = 0; h < kvh; ++h) {
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t part = static_cast<int64_t>(j.tasks.size()) * pf;
+        j.tasks.push_back({i, h, lo + keys * s / splits, lo + keys * (s + 1) / splits, part});
+      }
+      j.first_task.push_back(static_cast<int>(j.tasks.size()));
+    }
+  }
+  j.parts.assign(j.tasks.size() * pf, 0.0f);
+}
+
+// out[head] = sum_s acc_s e^(m_s - M) / (sum_s l_s e^(m_s - M) + e^(sink - M)) over the splits s
+// of one (query, kv head) group, M the largest of their maxima and the sink.
+void merge(const Job& j, int64_t group) {
+  const DecodeRows& r = *j.rows;
+  const int d = j.kv->d, G = j.G, kvh = j.kv->kv_heads;
+  const int query = static_cast<int>(group / kvh), h0 = static_cast<int>(group % kvh) * G;
+  const int64_t pf = part_floats(G, d);
+  const int t0 = j.first_task[group], t1 = j.first_task[group + 1];
+  float* out = r.out + static_cast<int64_t>(r.rows[query]) * r.heads * d;
+  std::vector<float> w(t1 - t0);
+  for (int g = 0; g < G; ++g) {
+    float mx = r.sinks ? r.sinks[h0 + g] : kNegInf;
+    for (int t = t0; t < t1; ++t) mx = std::max(mx, j.parts[t * pf + g]);
+    float den = r.sinks ? std::exp(r.sinks[h0 + g] - mx) : 0.0f;
+    for (int t = t0; t < t1; ++t) {
+      const float m = j.parts[t * pf + g];
+      w[t - t0] = m == kNegInf ? 0.0f : std::exp(m - mx);
+      den += j.parts[t * pf + G + g] * w[t - t0];
+    }
+    float* o = out + static_cast<int64_t>(h0 + g) * d;
+    std::fill(o, o + d, 0.0f);
+    for (int t = t0; t < t1; ++t) {
+      const float* acc = j.parts.data() + t * pf + 2 * G + static_cast<int64_t>(g) * d;
+      const float ws = w[t - t0] / den;
+      for (int e = 0; e < d; ++e) o[e] += acc[e] * ws;
+    }
+  }
+}
+
+}  // namespace
+
+void range_scalar(const KvPages& kv, const KeyRange& r) {
+  const int d = kv.d, G = r.G;
+  const int64_t row_stride = static_cast<int64_t>(kv.kv_heads) * d;
+  std::fill(r.m, r.m + G, kNegInf);
+  std::fill(r.l, r.l + G, 0.0f);
+  std::fill(r.acc, r.acc + static_cast<int64_t>(G) * d, 0.0f);
+  thread_local std::vector<float> kf, vf;
+  kf.resize(d);
+  vf.resize(d);
+  for (int64_t p = r.k0; p < r.k1; ++p) {
+    const int64_t off = (static_cast<int64_t>(r.table[p / kv.page_size]) * kv.page_size +
+                         p % kv.page_size) * row_stride + static_cast<int64_t>(r.kv_head) * d;
+    for (int e = 0; e < d; ++e) {
+      kf[e] = widen(kv.k, off + e, kv.bf16);
+      vf[e] = widen(kv.v, off + e, kv.bf16);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* q = r.q + static_cast<int64_t>(g) * d;
+      float dot = 0.0f;
+      for (int e = 0; e < d; ++e) dot += q[e] * kf[e];
+      const float s = dot * r.scale;
+      float* acc = r.acc + static_cast<int64_t>(g) * d;
+      if (s > r.m[g]) {  // a new maximum: rescale what was summed so far
+        const float corr = r.m[g] == kNegInf ? 0.0f : std::exp(r.m[g] - s);
+        r.l[g] *= corr;
+        for (int e = 0; e < d; ++e) acc[e] *= corr;
+        r.m[g] = s;
+      }
+      const float w = std::exp(s - r.m[g]);
+      r.l[g] += w;
+      for (int e = 0; e < d; ++e) acc[e] += w * vf[e];
+    }
+  }
+}
+
+RangeFn range_kernel(const std::string& isa) {
+#ifndef FTNATIVE_NO_X86
+  if ((isa == "avx2" || isa == "avx512") && ftnative::isa_supported("avx2")) return range_avx2;
+#endif
+  (void)isa;
+  return range_scalar;
+}
+
+const char* range_kernel_name(RangeFn fn) {
+#ifndef FTNATIVE_NO_X86
+  if (fn == range_avx2) return "avx2";
+#endif
+  (void)fn;
+  return "scalar";
+}
+
+void decode_attention(Pool& pool, RangeFn fn, const KvPages& kv, const DecodeRows& rows) {
+  validate(kv, rows);
+  if (rows.n == 0) return;
+  Job j;
+  j.fn = fn == range_scalar || kv.d % 8 == 0 ? fn : range_scalar;  // AVX2 needs d % 8 == 0
+  j.kv = &kv;
+  j.rows = &rows;
+  j.G = rows.heads / kv.kv_heads;
+  plan(j, pool.threads());
+  pool.run(run_task, &j, static_cast<int64_t>(j.tasks.size()));
+  const int64_t groups = static_cast<int64_t>(rows.n) * kv.kv_heads;
+  for (int64_t g = 0; g < groups; ++g) merge(j, g);
+}
+
+}  // namespace ftdense

@@ -1,0 +1,210 @@
+// AVX2 + FMA range kernel of decode attention (decode_attention.h); d % 8 == 0.
+//
+// Keys go in tiles of kT: (1) the G heads' logits of the tile, each K row widened once and
+// dotted with every head of the group; (2) per head the tile maximum, the correction of the
+// running state and the exponentials (vectorised exp); (3) acc = acc * corr + p V, each V row
+// widened once per 8 columns and used by every head. Every inner loop keeps 8 independent
+// accumulators (heads x keys or heads x columns), enough to hide the FMA latency whatever G is.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "decode_attention.h"
+
+#define FT_TARGET __attribute__((target("avx2,fma")))
+#define FT_INLINE FT_TARGET __attribute__((always_inline)) inline
+
+namespace ftdense {
+
+namespace {
+
+constexpr int kT = 32;  // keys per tile: the tile's V slices (kT x d bf16) stay in L1
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <bool BF16>
+FT_INLINE __m256 load8(const void* p, int64_t i) {
+  if constexpr (BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
+FT_INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lane i = horizontal sum of a[i].
+FT_INLINE __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// e^x for x <= 0 (Cody-Waite range reduction, degree-6 polynomial on [-ln2/2, ln2/2]; within
+// 2 ulp of expf). Below -87.3 the result is clamped to ~1e-38 instead of flushing to 0: such a
+// term is negligible against the tile maximum's e^0 = 1.
+FT_INLINE __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Logits of GB heads (q [GB, d]) for keys [t, t + KB) of the tile: s[i * kT + t + k].
+template <bool BF16, int GB, int KB>
+FT_INLINE void logits(const float* q, int d, const void* const* kp, int t, float scale,
+                      float* s) {
+  __m256 a[GB * KB];
+  for (int i = 0; i < GB * KB; ++i) a[i] = _mm256_setzero_ps();
+  for (int c = 0; c < d; c += 8) {
+    for (int k = 0; k < KB; ++k) {
+      const __m256 kv = load8<BF16>(kp[t + k], c);
+      for (int i = 0; i < GB; ++i)
+        a[i * KB + k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), kv, a[i * KB + k]);
+    }
+  }
+  if constexpr (GB * KB == 8) {
+    alignas(32) float r[8];
+    _mm256_store_ps(r, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+    for (int i = 0; i < GB; ++i)
+      for (int k = 0; k < KB; ++k) s[i * kT + t + k] = r[i * KB + k];
+  } else {
+    for (int i = 0; i < GB; ++i)
+      for (int k = 0; k < KB; ++k) s[i * kT + t + k] = hsum(a[i * KB + k]) * scale;
+  }
+}
+
+// Logits of GB heads (8 / GB keys at a time, the tile's tail one at a time).
+template <bool BF16, int GB>
+FT_TARGET void logits_heads(const float* q, int d, const void* const* kp, int nt, float scale,
+                            float* s) {
+  constexpr int KB = 8 / GB;
+  int t = 0;
+  for (; t + KB <= nt; t += KB) logits<BF16, GB, KB>(q, d, kp, t, scale, s);
+  for (; t < nt; ++t) logits<BF16, GB, 1>(q, d, kp, t, scale, s);
+}
+
+// acc[i, c:c+8*CB] = acc * corr[i] + sum_t p[i * kT + t] * V[t, c:c+8*CB] for GB heads.
+template <bool BF16, int GB, int CB>
+FT_INLINE void accumulate(float* acc, int d, const void* const* vp, int nt, const float* p,
+                          const float* corr, int c) {
+  __m256 a[GB * CB];
+  for (int i = 0; i < GB; ++i)
+    for (int b = 0; b < CB; ++b)
+      a[i * CB + b] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * d + c + 8 * b),
+                                    _mm256_set1_ps(corr[i]));
+  for (int t = 0; t < nt; ++t) {
+    __m256 v[CB];
+    for (int b = 0; b < CB; ++b) v[b] = load8<BF16>(vp[t], c + 8 * b);
+    for (int i = 0; i < GB; ++i) {
+      const __m256 w = _mm256_broadcast_ss(p + i * kT + t);
+      for (int b = 0; b < CB; ++b) a[i * CB + b] = _mm256_fmadd_ps(w, v[b], a[i * CB + b]);
+    }
+  }
+  for (int i = 0; i < GB; ++i)
+    for (int b = 0; b < CB; ++b) _mm256_storeu_ps(acc + i * d + c + 8 * b, a[i * CB + b]);
+}
+
+template <bool BF16, int GB>
+FT_TARGET void accumulate_heads(float* acc, int d, const void* const* vp, int nt, const float* p,
+                                const float* corr) {
+  constexpr int CB = 8 / GB;
+  int c = 0;
+  for (; c + 8 * CB <= d; c += 8 * CB) accumulate<BF16, GB, CB>(acc, d, vp, nt, p, corr, c);
+  for (; c < d; c += 8) accumulate<BF16, GB, 1>(acc, d, vp, nt, p, corr, c);
+}
+
+// Folds the tile's logits s [G, kT] of head g into its running state; s becomes e^(s - m).
+FT_TARGET void softmax_tile(float* s, int nt, float& m, float& l, float& corr) {
+  float mt = kNegInf;
+  for (int t = 0; t < nt; ++t) mt = std::max(mt, s[t]);
+  const float mn = std::max(m, mt);
+  corr = m == kNegInf ? 0.0f : std::exp(m - mn);
+  const __m256 vm = _mm256_set1_ps(mn);
+  __m256 vs = _mm256_setzero_ps();
+  int t = 0;
+  for (; t + 8 <= nt; t += 8) {
+    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    vs = _mm256_add_ps(vs, e);
+  }
+  float sum = hsum(vs);
+  for (; t < nt; ++t) sum += (s[t] = std::exp(s[t] - mn));
+  l = l * corr + sum;
+  m = mn;
+}
+
+// Calls F<GB>(g0) over the G heads in blocks of 8, then 4, 2, 1.
+template <typename F>
+inline void head_blocks(int G, F&& f) {
+  int g = 0;
+  for (; g + 8 <= G; g += 8) f(std::integral_constant<int, 8>{}, g);
+  if (g + 4 <= G) f(std::integral_constant<int, 4>{}, g), g += 4;
+  if (g + 2 <= G) f(std::integral_constant<int, 2>{}, g), g += 2;
+  if (g < G) f(std::integral_constant<int, 1>{}, g);
+}
+
+template <bool BF16>
+FT_TARGET void range(const KvPages& kv, const KeyRange& r) {
+  const int d = kv.d, G = r.G;
+  const int64_t esize = BF16 ? 2 : 4;
+  const int64_t row_bytes = static_cast<int64_t>(kv.kv_heads) * d * esize;
+  const int64_t head_bytes = static_cast<int64_t>(r.kv_head) * d * esize;
+  std::fill(r.m, r.m + G, kNegInf);
+  std::fill(r.l, r.l + G, 0.0f);
+  std::fill(r.acc, r.acc + static_cast<int64_t>(G) * d, 0.0f);
+  thread_local std::vector<float> buf;  // logits / weights [G, kT], then corrections [G]
+  buf.resize(static_cast<size_t>(G) * (kT + 1));
+  float* s = buf.data();
+  float* corr = s + G * kT;
+  const void* kp[kT];
+  const void* vp[kT];
+  for (int64_t t0 = r.k0; t0 < r.k1; t0 += kT) {
+    const int nt = static_cast<int>(std::min<int64_t>(kT, r.k1 - t0));
+    for (int t = 0; t < nt; ++t) {
+      const int64_t p = t0 + t;
+      const int64_t off =
+          (static_cast<int64_t>(r.table[p / kv.page_size]) * kv.page_size + p % kv.page_size) *
+              row_bytes + head_bytes;
+      kp[t] = static_cast<const char*>(kv.k) + off;
+      vp[t] = static_cast<const char*>(kv.v) + off;
+    }
+    head_blocks(G, [&](auto gb, int g0) {
+      logits_heads<BF16, decltype(gb)::value>(r.q + g0 * d, d, kp, nt, r.scale, s + g0 * kT);
+    });
+    for (int g = 0; g < G; ++g) softmax_tile(s + g * kT, nt, r.m[g], r.l[g], corr[g]);
+    head_blocks(G, [&](auto gb, int g0) {
+      accumulate_heads<BF16, decltype(gb)::value>(r.acc + g0 * d, d, vp, nt, s + g0 * kT,
+                                                   corr + g0);
+    });
+  }
+}
+
+}  // namespace
+
+void range_avx2(const KvPages& kv, const KeyRange& r) {
+  if (kv.bf16) range<true>(kv, r);
+  else range<false>(kv, r);
+}
+
+}  // namespace ftdense
