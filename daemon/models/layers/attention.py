@@ -7,12 +7,15 @@ sigmoid output gate of Qwen3.5 (q_proj emits [q_h, gate_h] per head).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.batch import ForwardBatch
+from ...engine.batch import ForwardBatch, SeqChunk
 from ..config import ModelConfig
+from . import dense_native
 from .common import Linear, RMSNorm, param, project
 from .rope import Rope
 
@@ -84,6 +87,35 @@ def _attend_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return torch.bmm(probs, v.transpose(0, 1)).view(1, heads, d)
 
 
+class _DecodeTables:
+    """The decode rows of one forward batch for the native decode attention, built once per batch
+    (every attention layer of the step shares them): rows [n] of the flat batch, lens [n] keys
+    including the row's own, tables [n, max_pages] int32 page tables (zero-padded)."""
+
+    def __init__(self, batch: ForwardBatch) -> None:
+        self.batch = weakref.ref(batch)
+        chunks = [ch for ch in batch.chunks if ch.length == 1]
+        self.chunks: list[SeqChunk] = chunks
+        self.rows = torch.tensor([ch.start for ch in chunks], dtype=torch.int32)
+        self.lens = torch.tensor([ch.context_len + 1 for ch in chunks], dtype=torch.int32)
+        pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
+        self.tables = torch.zeros(len(chunks), max(pages, default=0), dtype=torch.int32)
+        for i, (ch, n) in enumerate(zip(chunks, pages, strict=True)):
+            self.tables[i, :n] = torch.tensor(ch.state.pages[:n], dtype=torch.int32)
+
+
+_decode_tables: _DecodeTables | None = None
+
+
+def _decode_rows(batch: ForwardBatch) -> _DecodeTables:
+    """The batch's `_DecodeTables`, cached for the layers after the first."""
+    global _decode_tables
+    cached = _decode_tables
+    if cached is None or cached.batch() is not batch:
+        cached = _decode_tables = _DecodeTables(batch)
+    return cached
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, kv_layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -128,16 +160,39 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v, gate
 
+    def _decode_native(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        kp: torch.Tensor,
+        vp: torch.Tensor,
+        dec: _DecodeTables,
+    ) -> None:
+        """out[r] = attention of decode row r over its pages, for the batch's decode rows;
+        q, out [N, heads, d] fp32, kp/vp this layer's pages (K/V of the rows already written)."""
+        if not dec.chunks:
+            return
+        dense_native.decode_attention(
+            q, kp, vp, dec.tables, dec.lens, self.scale, self.window, self.sinks, dec.rows, out
+        )
+
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         q, k, v, gate = self._qkv(x)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q = q.contiguous()
         out = torch.empty_like(q)
+        kp, vp = batch.kv.k[self.kv_layer], batch.kv.v[self.kv_layer]
+        # Decode rows (one token of a sequence) on the CPU: one native call for all of them,
+        # reading K/V from the pages (no gather, no fp32 copy of the context).
+        native = dense_native.attention_usable(q, kp, vp)
         for ch in batch.chunks:
             rows = slice(ch.start, ch.start + ch.length)
             end = ch.context_len + ch.length
             batch.kv.write(self.kv_layer, ch.state.pages, ch.context_len, k[rows], v[rows])
+            if native and ch.length == 1:
+                continue
             first = 0 if self.window is None else max(0, ch.context_len - self.window + 1)
             kc, vc = batch.kv.read(self.kv_layer, ch.state.pages, end, start=first)
             kc, vc = kc.float(), vc.float()
@@ -152,6 +207,8 @@ class Attention(nn.Module):
                     self.window,
                     self.sinks,
                 )
+        if native:
+            self._decode_native(q, out, kp, vp, _decode_rows(batch))
         o = out.reshape(x.shape[0], -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
