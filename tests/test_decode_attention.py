@@ -99,8 +99,9 @@ def test_matches_reference(dtype: torch.dtype, ratio: int, d: int) -> None:
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_long_context_split_over_threads(isa: str, threads: int) -> None:
-    """One sequence, 2500 keys: with several threads its keys are split into ranges whose partial
-    softmax states are merged."""
+    """One sequence, 2500 keys: one thread folds 64-key blocks of every KV head in turn; more
+    threads split the keys into ranges (and the KV heads into groups) whose partial softmax
+    states are merged."""
     _use(isa, threads)
     g = torch.Generator().manual_seed(7)
     kp, vp = _pages(200, 4, 128, torch.bfloat16, g)

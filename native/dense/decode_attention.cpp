@@ -28,11 +28,17 @@ inline float widen(const void* base, int64_t i, bool bf16) {
   return f;
 }
 
+// Keys of a task that every one of its KV heads folds in before the next block: with all KV
+// heads in one task, a block's pool rows (kT keys x kv_heads x d, K and V) are read from DRAM
+// once, whole and in order, then the other heads find them in L2.
+constexpr int64_t kBlockKeys = 64;
+
+// Keys [k0, k1) of one query for KV heads [h0, h1); split s of the query's keys.
 struct Task {
   int query;  // index into rows / lens / tables
-  int kv_head;
+  int h0, h1;
   int64_t k0, k1;
-  int64_t part;  // offset of its partial state (floats) in Job::parts
+  int64_t slot;  // partial state of (query, split, KV head h0)
 };
 
 struct Job {
@@ -41,8 +47,8 @@ struct Job {
   const DecodeRows* rows;
   int G;
   std::vector<Task> tasks;
-  std::vector<int> first_task;  // per (query, kv head) group, then the total
-  std::vector<float> parts;     // per task: m [G], l [G], acc [G, d]
+  std::vector<int64_t> first_slot;  // per query: its [splits, kv_heads] partial states; then end
+  std::vector<float> parts;         // per slot: m [G], l [G], acc [G, d]
 };
 
 int64_t part_floats(int G, int d) { return static_cast<int64_t>(G) * (d + 2); }
@@ -51,14 +57,26 @@ void run_task(void* ctx, int64_t t) {
   const Job& j = *static_cast<const Job*>(ctx);
   const Task& tk = j.tasks[t];
   const DecodeRows& r = *j.rows;
-  const int d = j.kv->d;
-  float* part = const_cast<float*>(j.parts.data()) + tk.part;  // tasks own disjoint slices
-  const float* q = r.q + (static_cast<int64_t>(r.rows[tk.query]) * r.heads +
-                          static_cast<int64_t>(tk.kv_head) * j.G) * d;
-  const KeyRange kr{q,        j.G,   r.scale, r.tables + tk.query * r.table_stride,
-                    tk.kv_head, tk.k0, tk.k1,   part,
-                    part + j.G, part + 2 * j.G};
-  j.fn(*j.kv, kr);
+  const int d = j.kv->d, G = j.G;
+  const int64_t pf = part_floats(G, d);
+  const float* q = r.q + static_cast<int64_t>(r.rows[tk.query]) * r.heads * d;
+  const int32_t* table = r.tables + tk.query * r.table_stride;
+  // Tasks own disjoint slots; a fresh state: m = -inf, l = 0, acc = 0.
+  float* base = const_cast<float*>(j.parts.data()) + tk.slot * pf;
+  for (int h = tk.h0; h < tk.h1; ++h) {
+    float* part = base + (h - tk.h0) * pf;
+    std::fill(part, part + G, -std::numeric_limits<float>::infinity());
+    std::fill(part + G, part + pf, 0.0f);
+  }
+  for (int64_t b0 = tk.k0; b0 < tk.k1; b0 += kBlockKeys) {
+    const int64_t b1 = std::min(tk.k1, b0 + kBlockKeys);
+    for (int h = tk.h0; h < tk.h1; ++h) {
+      float* part = base + (h - tk.h0) * pf;
+      const KeyRange kr{q + static_cast<int64_t>(h) * G * d, G, r.scale, table, h, b0, b1,
+                        part, part + G, part + 2 * G};
+      j.fn(*j.kv, kr);
+    }
+  }
 }
 
 void validate(const KvPages& kv, const DecodeRows& r) {
@@ -80,55 +98,54 @@ void validate(const KvPages& kv, const DecodeRows& r) {
   }
 }
 
-// Splits every (query, kv head) key range into equal parts, enough to give each pool thread a
-// few tasks, none shorter than kMinSplitKeys.
+// A query's keys are split into up to `want` ranges of at least kMinSplitKeys (long contexts:
+// every pool thread streams its own part of the pages); when that gives fewer than `want`
+// tasks, its KV heads are spread over tasks as well (short contexts, one sequence).
 void plan(Job& j, int threads) {
   const DecodeRows& r = *j.rows;
   const int kvh = j.kv->kv_heads;
-  const int64_t groups = static_cast<int64_t>(r.n) * kvh;
-  const int64_t want = threads > 1 ? (threads * kTasksPerThread + groups - 1) / groups : 1;
-  const int64_t pf = part_floats(j.G, j.kv->d);
-  j.first_task.assign(1, 0);
+  const int64_t want = threads > 1 ? (threads * kTasksPerThread + r.n - 1) / r.n : 1;
+  j.first_slot.assign(1, 0);
   for (int i = 0; i < r.n; ++i) {
     const int64_t len = r.lens[i];
     const int64_t lo = r.window > 0 ? std::max<int64_t>(0, len - r.window) : 0;
     const int64_t keys = len - lo;
     const int64_t splits = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
-    for (int h = 0; h < kvh; ++h) {
-      for (int64_t s = 0; s < splits; ++s) {
-        const int64_t part = static_cast<int64_t>(j.tasks.size()) * pf;
-        j.tasks.push_back({i, h, lo + keys * s / splits, lo + keys * (s + 1) / splits, part});
-      }
-      j.first_task.push_back(static_cast<int>(j.tasks.size()));
-    }
+    const int64_t head_tasks = std::max<int64_t>(1, std::min<int64_t>(kvh, want / splits));
+    const int hb = static_cast<int>((kvh + head_tasks - 1) / head_tasks);
+    for (int64_t s = 0; s < splits; ++s)
+      for (int h0 = 0; h0 < kvh; h0 += hb)
+        j.tasks.push_back({i, h0, std::min(kvh, h0 + hb), lo + keys * s / splits,
+                           lo + keys * (s + 1) / splits, j.first_slot.back() + s * kvh + h0});
+    j.first_slot.push_back(j.first_slot.back() + splits * kvh);
   }
-  j.parts.assign(j.tasks.size() * pf, 0.0f);
+  j.parts.resize(j.first_slot.back() * part_floats(j.G, j.kv->d));
 }
 
 // out[head] = sum_s acc_s e^(m_s - M) / (sum_s l_s e^(m_s - M) + e^(sink - M)) over the splits s
-// of one (query, kv head) group, M the largest of their maxima and the sink.
-void merge(const Job& j, int64_t group) {
+// of query i's KV head h, M the largest of their maxima and the sink.
+void merge(const Job& j, int i, int h) {
   const DecodeRows& r = *j.rows;
-  const int d = j.kv->d, G = j.G, kvh = j.kv->kv_heads;
-  const int query = static_cast<int>(group / kvh), h0 = static_cast<int>(group % kvh) * G;
+  const int d = j.kv->d, G = j.G, kvh = j.kv->kv_heads, h0 = h * G;
   const int64_t pf = part_floats(G, d);
-  const int t0 = j.first_task[group], t1 = j.first_task[group + 1];
-  float* out = r.out + static_cast<int64_t>(r.rows[query]) * r.heads * d;
-  std::vector<float> w(t1 - t0);
+  const int64_t splits = (j.first_slot[i + 1] - j.first_slot[i]) / kvh;
+  const float* parts = j.parts.data() + (j.first_slot[i] + h) * pf;  // split s at s * kvh * pf
+  float* out = r.out + static_cast<int64_t>(r.rows[i]) * r.heads * d;
+  std::vector<float> w(splits);
   for (int g = 0; g < G; ++g) {
     float mx = r.sinks ? r.sinks[h0 + g] : kNegInf;
-    for (int t = t0; t < t1; ++t) mx = std::max(mx, j.parts[t * pf + g]);
+    for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, parts[s * kvh * pf + g]);
     float den = r.sinks ? std::exp(r.sinks[h0 + g] - mx) : 0.0f;
-    for (int t = t0; t < t1; ++t) {
-      const float m = j.parts[t * pf + g];
-      w[t - t0] = m == kNegInf ? 0.0f : std::exp(m - mx);
-      den += j.parts[t * pf + G + g] * w[t - t0];
+    for (int64_t s = 0; s < splits; ++s) {
+      const float m = parts[s * kvh * pf + g];
+      w[s] = m == kNegInf ? 0.0f : std::exp(m - mx);
+      den += parts[s * kvh * pf + G + g] * w[s];
     }
     float* o = out + static_cast<int64_t>(h0 + g) * d;
     std::fill(o, o + d, 0.0f);
-    for (int t = t0; t < t1; ++t) {
-      const float* acc = j.parts.data() + t * pf + 2 * G + static_cast<int64_t>(g) * d;
-      const float ws = w[t - t0] / den;
+    for (int64_t s = 0; s < splits; ++s) {
+      const float* acc = parts + s * kvh * pf + 2 * G + static_cast<int64_t>(g) * d;
+      const float ws = w[s] / den;
       for (int e = 0; e < d; ++e) o[e] += acc[e] * ws;
     }
   }
@@ -139,9 +156,6 @@ void merge(const Job& j, int64_t group) {
 void range_scalar(const KvPages& kv, const KeyRange& r) {
   const int d = kv.d, G = r.G;
   const int64_t row_stride = static_cast<int64_t>(kv.kv_heads) * d;
-  std::fill(r.m, r.m + G, kNegInf);
-  std::fill(r.l, r.l + G, 0.0f);
-  std::fill(r.acc, r.acc + static_cast<int64_t>(G) * d, 0.0f);
   thread_local std::vector<float> kf, vf;
   kf.resize(d);
   vf.resize(d);
@@ -197,8 +211,8 @@ void decode_attention(Pool& pool, RangeFn fn, const KvPages& kv, const DecodeRow
   j.G = rows.heads / kv.kv_heads;
   plan(j, pool.threads());
   pool.run(run_task, &j, static_cast<int64_t>(j.tasks.size()));
-  const int64_t groups = static_cast<int64_t>(rows.n) * kv.kv_heads;
-  for (int64_t g = 0; g < groups; ++g) merge(j, g);
+  for (int i = 0; i < rows.n; ++i)
+    for (int h = 0; h < kv.kv_heads; ++h) merge(j, i, h);
 }
 
 }  // namespace ftdense

@@ -8,7 +8,7 @@
 //
 // GQA: query head h uses KV head h / G (G = heads / kv_heads); the G heads of a group are
 // handled together, so every K/V row is read once per KV head. Work is split over the pool as
-// (row, kv head, key range) tasks; each produces an unnormalised partial softmax state (running
+// (row, kv heads, key range) tasks; each produces an unnormalised partial softmax state (running
 // max m, sum l, weighted sum acc over its keys) that the caller merges, adding the optional
 // per-head sink logit to the denominator (GPT-OSS). All arithmetic is fp32.
 #pragma once
@@ -30,7 +30,8 @@ struct KvPages {
   int d;
 };
 
-// One task's keys: positions [k0, k1) of one row and KV head, for that head's G query heads.
+// Keys [k0, k1) of one row and KV head, folded into the running softmax state (m, l, acc) of
+// that head's G query heads (a fresh state is m = -inf, l = 0, acc = 0).
 struct KeyRange {
   const float* q;        // [G, d], the group's query heads (contiguous in the row)
   int G;
@@ -38,9 +39,9 @@ struct KeyRange {
   const int32_t* table;  // the row's page table
   int kv_head;
   int64_t k0, k1;
-  float* m;    // [G] out: max logit
-  float* l;    // [G] out: sum of exp(logit - m)
-  float* acc;  // [G, d] out: sum of exp(logit - m) * v
+  float* m;    // [G] in/out: max logit
+  float* l;    // [G] in/out: sum of exp(logit - m)
+  float* acc;  // [G, d] in/out: sum of exp(logit - m) * v
 };
 
 using RangeFn = void (*)(const KvPages& kv, const KeyRange& r);

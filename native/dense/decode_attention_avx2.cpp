@@ -170,24 +170,33 @@ FT_TARGET void range(const KvPages& kv, const KeyRange& r) {
   const int64_t esize = BF16 ? 2 : 4;
   const int64_t row_bytes = static_cast<int64_t>(kv.kv_heads) * d * esize;
   const int64_t head_bytes = static_cast<int64_t>(r.kv_head) * d * esize;
-  std::fill(r.m, r.m + G, kNegInf);
-  std::fill(r.l, r.l + G, 0.0f);
-  std::fill(r.acc, r.acc + static_cast<int64_t>(G) * d, 0.0f);
   thread_local std::vector<float> buf;  // logits / weights [G, kT], then corrections [G]
   buf.resize(static_cast<size_t>(G) * (kT + 1));
   float* s = buf.data();
   float* corr = s + G * kT;
   const void* kp[kT];
   const void* vp[kT];
+  const int64_t slice = static_cast<int64_t>(d) * esize;
+  const auto address = [&](int64_t p) {  // byte offset of key p's slice of this KV head
+    return (static_cast<int64_t>(r.table[p / kv.page_size]) * kv.page_size + p % kv.page_size) *
+               row_bytes + head_bytes;
+  };
   for (int64_t t0 = r.k0; t0 < r.k1; t0 += kT) {
     const int nt = static_cast<int>(std::min<int64_t>(kT, r.k1 - t0));
     for (int t = 0; t < nt; ++t) {
-      const int64_t p = t0 + t;
-      const int64_t off =
-          (static_cast<int64_t>(r.table[p / kv.page_size]) * kv.page_size + p % kv.page_size) *
-              row_bytes + head_bytes;
+      const int64_t off = address(t0 + t);
       kp[t] = static_cast<const char*>(kv.k) + off;
       vp[t] = static_cast<const char*>(kv.v) + off;
+    }
+    // The next tile's slices: a KV head's slice is a quarter or less of a pool row and pages are
+    // scattered, so the hardware prefetchers (which stop at 4 KiB boundaries) miss most of them.
+    const int64_t t1 = std::min<int64_t>(r.k1, t0 + 2 * kT);
+    for (int64_t p = t0 + kT; p < t1; ++p) {
+      const int64_t off = address(p);
+      for (int64_t b = 0; b < slice; b += 64) {
+        _mm_prefetch(static_cast<const char*>(kv.k) + off + b, _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(kv.v) + off + b, _MM_HINT_T0);
+      }
     }
     head_blocks(G, [&](auto gb, int g0) {
       logits_heads<BF16, decltype(gb)::value>(r.q + g0 * d, d, kp, nt, r.scale, s + g0 * kT);

@@ -7,7 +7,12 @@ repacks per call), and decode is a pure weight stream; `ftdense` runs the expert
 bandwidth-bound gemv kernel for a few tokens and its register-tiled kernel for many, on a small
 pool in which the calling thread takes part. The reference is `linear_reference` (plain torch).
 
-When the extension is not built, `usable` is False and callers keep the torch path.
+It also runs decode attention straight from the paged KV pool (`decode_attention`, reference
+`decode_attention_reference`): one call per layer for all decode rows instead of a gather, an fp32
+copy of the context and torch attention.
+
+When the extension is not built, `usable` and `attention_usable` are False and callers keep the
+torch path.
 """
 
 from __future__ import annotations
