@@ -7,8 +7,8 @@ linear attention run per sequence chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,3 +35,5 @@ class ForwardBatch:
     kv: KVPool
     moe: MoEBackend
     logits_rows: torch.Tensor  # [B] rows whose logits are wanted (usually each chunk's last)
+    # what layers derive once per batch and share (e.g. the decode rows' page tables)
+    derived: dict[str, Any] = field(default_factory=dict)

@@ -7,8 +7,6 @@ sigmoid output gate of Qwen3.5 (q_proj emits [q_h, gate_h] per head).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,7 +91,6 @@ class _DecodeTables:
     including the row's own, tables [n, max_pages] int32 page tables (zero-padded)."""
 
     def __init__(self, batch: ForwardBatch) -> None:
-        self.batch = weakref.ref(batch)
         chunks = [ch for ch in batch.chunks if ch.length == 1]
         self.chunks: list[SeqChunk] = chunks
         self.rows = torch.tensor([ch.start for ch in chunks], dtype=torch.int32)
@@ -104,16 +101,12 @@ class _DecodeTables:
             self.tables[i, :n] = torch.tensor(ch.state.pages[:n], dtype=torch.int32)
 
 
-_decode_tables: _DecodeTables | None = None
-
-
 def _decode_rows(batch: ForwardBatch) -> _DecodeTables:
-    """The batch's `_DecodeTables`, cached for the layers after the first."""
-    global _decode_tables
-    cached = _decode_tables
-    if cached is None or cached.batch() is not batch:
-        cached = _decode_tables = _DecodeTables(batch)
-    return cached
+    """The batch's `_DecodeTables`, built by its first attention layer."""
+    tables = batch.derived.get("decode_tables")
+    if tables is None:
+        tables = batch.derived["decode_tables"] = _DecodeTables(batch)
+    return tables  # type: ignore[no-any-return]
 
 
 class Attention(nn.Module):
