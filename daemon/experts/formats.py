@@ -46,7 +46,7 @@ _TIES_UP = (0.75, 1.75, 3.5)
 def e2m1_encode(x: Tensor) -> Tensor:
     """fp32 values (already divided by their scale) -> uint8 codes 0..15, nearest, ties to even,
     saturating at +-6."""
-    mag = x.float().abs().clamp(max=E2M1_MAX)
+    mag = x.float().abs().clamp(max=E2M1_MAX).contiguous()  # bucketize copies otherwise
     code = torch.bucketize(mag, _MIDS.to(x.device), right=False)  # on a midpoint: the lower code
     for tie in _TIES_UP:
         code = code + (mag == tie).long()
