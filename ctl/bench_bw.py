@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .client import AdminClient, CtlError, pb, to_dict
+from .client import AdminClient, pb, to_dict
 from .output import add_common, console, follow, kv_table, print_json
 
 
@@ -18,9 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     with AdminClient(args.socket) as client:
-        last = follow(client.stream("BenchBandwidth", pb.BenchBandwidthRequest()), args.json)
-    if last is None or not last.done:
-        raise CtlError("the daemon ended the measurement without an answer")
+        stream = client.stream("BenchBandwidth", pb.BenchBandwidthRequest())
+        last = follow(stream, args.json, "measurement")
     prof = to_dict(last.bandwidth)
     if args.json:
         print_json(prof)

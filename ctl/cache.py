@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .client import AdminClient, CtlError, pb, to_dict
+from .client import AdminClient, pb, to_dict
 from .output import add_common, console, follow, human_bytes, kv_table, print_json
 
 
@@ -44,9 +44,7 @@ def run(args: argparse.Namespace) -> int:
                 req.moe_slots = args.moe
             if args.kv is not None:
                 req.kv_tokens = args.kv
-            last = follow(client.stream("ResizeCache", req), quiet=args.json)
-            if last is None or not last.done:
-                raise CtlError("the daemon ended the resize without an answer")
+            last = follow(client.stream("ResizeCache", req), args.json, "resize")
             info = to_dict(last.cache)
     if args.json:
         print_json(info)

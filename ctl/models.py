@@ -11,7 +11,7 @@ import argparse
 
 from rich.table import Table
 
-from .client import AdminClient, CtlError, pb, to_dict
+from .client import AdminClient, pb, to_dict
 from .output import add_common, console, follow, human_bytes, print_json
 
 
@@ -53,9 +53,7 @@ def run(args: argparse.Namespace) -> int:
                 stream = client.stream("LoadModel", req)
             else:
                 stream = client.stream("SwitchModel", pb.SwitchModelRequest(name=args.name))
-            last = follow(stream, quiet=args.json)
-            if last is None or not last.done:
-                raise CtlError(f"the daemon ended the {action} without an answer")
+            last = follow(stream, args.json, action)
             model = to_dict(last.model)
             if args.json:
                 print_json(model)

@@ -48,22 +48,27 @@ def kv_table(title: str, rows: Iterable[tuple[str, Any]]) -> Table:
     return table
 
 
-def follow(messages: Iterator[Any], quiet: bool) -> Any:
+def follow(messages: Iterator[Any], quiet: bool, what: str) -> Any:
     """Consume a Progress stream, showing a spinner with the latest message on a terminal
-    (nothing when ``quiet`` or not a terminal); returns the final (done) message."""
+    (nothing when ``quiet`` or not a terminal); returns the final (done) message. A stream that
+    ends without one is a CtlError naming ``what`` (the operation)."""
     last = None
     if quiet or not sys.stderr.isatty():
         for msg in messages:
             last = msg
-        return last
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
-        task = bar.add_task("waiting for the daemon", total=None)
-        for last in messages:
-            bar.update(task, description=last.message)
+    else:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as bar:
+            task = bar.add_task("waiting for the daemon", total=None)
+            for last in messages:
+                bar.update(task, description=last.message)
+    if last is None or not last.done:
+        from .client import CtlError
+
+        raise CtlError(f"the daemon ended the {what} without an answer")
     return last

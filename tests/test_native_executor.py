@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_support import need_isa, single_threaded_reference  # noqa: F401 (autouse fixture)
 
 from freetokend.experts import cpu_executor
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
@@ -39,21 +39,6 @@ ACTS = {
 # tile_min_tokens: 1 = every expert takes the tiled (prefill) kernel, huge = every expert the
 # streaming (decode) kernel, 6 = the default mix.
 PATHS = {"tiled": 1, "gemv": 1 << 30, "mixed": 6}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_reference() -> Iterator[None]:
-    """The reference's many tiny matmuls are slow with torch's spinning OpenMP threads on a busy
-    machine; one thread keeps this file fast. Restored afterwards."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _need(isa: str) -> None:
-    if isa != "emu512" and isa not in supported_isas():
-        pytest.skip(f"this CPU lacks {isa} (supports {supported_isas()})")
 
 
 def make_banks(
@@ -94,7 +79,7 @@ def check(ex: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_matches_reference(isa: str, dtype: torch.dtype, act: str, bias: bool, path: str) -> None:
-    _need(isa)
+    need_isa(isa)
     n, h, i, k = 12, 70, 37, 4
     ex = CpuExecutor(
         make_banks(n, h, i, dtype, bias), ACTS[act], isa=isa, tile_min_tokens=PATHS[path]
@@ -108,7 +93,7 @@ def test_matches_reference(isa: str, dtype: torch.dtype, act: str, bias: bool, p
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_larger_blocks_and_threads(isa: str, dtype: torch.dtype) -> None:
     """Several row blocks per expert in both phases, and more workers than cores."""
-    _need(isa)
+    need_isa(isa)
     n, h, i = 16, 256, 160
     banks = make_banks(n, h, i, dtype, bias=True, seed=3)
     for threads in (1, 3):
@@ -121,7 +106,7 @@ def test_larger_blocks_and_threads(isa: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_duplicates_and_skips(isa: str, path: str) -> None:
-    _need(isa)
+    need_isa(isa)
     n, h, i = 5, 48, 24
     ex = CpuExecutor(
         make_banks(n, h, i, torch.bfloat16, True),

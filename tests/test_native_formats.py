@@ -18,15 +18,15 @@ happens to produce; one test also runs banks made by `quantize_banks`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
+from native_support import need_isa, single_threaded_reference  # noqa: F401 (autouse fixture)
 
 from freetokend.experts import cpu_executor
 from freetokend.experts.backend import CpuBackend
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
-from freetokend.experts.cpu_executor import CpuExecutor, available, supported_isas
+from freetokend.experts.cpu_executor import CpuExecutor, available
 from freetokend.experts.formats import allocate, dequantize_banks, quantize_banks
 
 pytestmark = pytest.mark.skipif(
@@ -48,19 +48,6 @@ PATHS = {"tiled": 1, "gemv": 1 << 30, "mixed": 6}  # tile_min_tokens
 # gemv steps are 64 inputs (AVX2) or 32 (16 lanes); these sizes give full steps plus tails of
 # 16, 32 or 48 inputs.
 DIMS = {"fp8_block": (200, 136), "mxfp4": (96, 96), "nvfp4": (80, 112)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_torch() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _need(isa: str) -> None:
-    if isa != "emu512" and isa not in supported_isas():
-        pytest.skip(f"this CPU lacks {isa} (supports {supported_isas()})")
 
 
 def random_banks(fmt: str, n: int, h: int, i: int, bias: bool, seed: int = 0) -> ExpertBanks:
@@ -128,7 +115,7 @@ def check(ex: CpuExecutor, deq: ExpertBanks, batch: tuple[torch.Tensor, ...]) ->
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("path", list(PATHS))
 def test_matches_reference(isa: str, fmt: str, act: str, path: str) -> None:
-    _need(isa)
+    need_isa(isa)
     n, k = 8, 4
     h, i = DIMS[fmt]
     spec, bias = ACTS[act]
@@ -147,7 +134,7 @@ def test_matches_reference(isa: str, fmt: str, act: str, path: str) -> None:
 def test_blocks_straddle_and_threads(isa: str, fmt: str) -> None:
     """fp8: H = 300 gives down-phase row blocks of 48 rows with 1 thread, so a task's rows
     straddle a 128-row scale block; several up-phase row blocks; 2 and 3 workers."""
-    _need(isa)
+    need_isa(isa)
     n = 6
     h, i = {"fp8_block": (300, 160), "mxfp4": (128, 160), "nvfp4": (144, 176)}[fmt]
     banks = random_banks(fmt, n, h, i, bias=True, seed=5)
