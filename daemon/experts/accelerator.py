@@ -24,6 +24,11 @@ ACCELERATORS = ("auto", "standin", "cuda")
 
 log = logging.getLogger(__name__)
 
+# (device bank, host bank, device rows, host rows): dst[d] <- src[s] for the listed rows
+RowCopies = list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
+# (device bank, host bank) of each tensor of an expert format
+BankPairs = list[tuple[torch.Tensor, torch.Tensor]]
+
 
 @dataclass
 class TransferStats:
@@ -56,9 +61,7 @@ class Accelerator(ABC):
         return t.to(self.device, copy=True)
 
     @abstractmethod
-    def copy_rows(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
-    ) -> Transfer:
+    def copy_rows(self, pairs: RowCopies) -> Transfer:
         """Asynchronously copy rows: for each (dst, src, dst_rows, src_rows), dst[d] <- src[s].
 
         ``dst`` lives on the device, ``src`` in (pinned) host memory; rows are whole experts.
@@ -67,7 +70,7 @@ class Accelerator(ABC):
     @abstractmethod
     def fill_rows(
         self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: BankPairs,
         dst_idx: torch.Tensor,
         src_idx: torch.Tensor,
         count: torch.Tensor,
@@ -92,7 +95,7 @@ class Accelerator(ABC):
     def synchronize(self) -> None:  # noqa: B027 (optional hook)
         pass
 
-    def _count(self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> None:
+    def _count(self, pairs: RowCopies) -> None:
         n = sum(len(d) for _, _, d, _ in pairs)
         b = sum(src[0].numel() * src.element_size() * len(s) for _, src, _, s in pairs if len(s))
         with self.stats.lock:
@@ -112,14 +115,14 @@ class _FutureTransfer(Transfer):
         self.fut.result()
 
 
-def _do_copies(pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]) -> None:
+def _do_copies(pairs: RowCopies) -> None:
     for dst, src, drows, srows in pairs:
         for d, s in zip(drows, srows, strict=True):
             dst[d].copy_(src[s])
 
 
 def _do_fill(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    pairs: BankPairs,
     dst_idx: torch.Tensor,
     src_idx: torch.Tensor,
     count: torch.Tensor,
@@ -145,15 +148,13 @@ class StandinAccelerator(Accelerator):
         self.device = torch.device("cpu")
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-standin-copy")
 
-    def copy_rows(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
-    ) -> Transfer:
+    def copy_rows(self, pairs: RowCopies) -> Transfer:
         self._count(pairs)
         return _FutureTransfer(self._worker.submit(_do_copies, pairs), self.stats)
 
     def fill_rows(
         self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: BankPairs,
         dst_idx: torch.Tensor,
         src_idx: torch.Tensor,
         count: torch.Tensor,
@@ -181,9 +182,7 @@ class CudaAccelerator(Accelerator):
         self.device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.device)
 
-    def copy_rows(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
-    ) -> Transfer:
+    def copy_rows(self, pairs: RowCopies) -> Transfer:
         self._count(pairs)
         # The destination slots may still be read by compute queued before this call.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -197,7 +196,7 @@ class CudaAccelerator(Accelerator):
 
     def fill_rows(
         self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: BankPairs,
         dst_idx: torch.Tensor,
         src_idx: torch.Tensor,
         count: torch.Tensor,

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .accelerator import Accelerator, Transfer
+from .accelerator import Accelerator, BankPairs, RowCopies, Transfer
 from .banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from .slot_cache import DecodePlan, EvictionPolicy, SlotCache
 
@@ -41,7 +41,7 @@ def _device_banks(acc: Accelerator, host: ExpertBanks, rows: int) -> ExpertBanks
     return ExpertBanks(gu, dn, like(host.gate_up_bias), like(host.down_bias))
 
 
-def _bank_pairs(dst: ExpertBanks, src: ExpertBanks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _bank_pairs(dst: ExpertBanks, src: ExpertBanks) -> BankPairs:
     """(device bank, host bank) of each tensor of the format."""
     d, s = dst.tensors(), src.tensors()
     return [(d[k], s[k]) for k in d]
@@ -49,7 +49,7 @@ def _bank_pairs(dst: ExpertBanks, src: ExpertBanks) -> list[tuple[torch.Tensor, 
 
 def _row_copies(
     dst: ExpertBanks, src: ExpertBanks, drows: list[int], srows: list[int]
-) -> list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]:
+) -> RowCopies:
     return [(d, s, drows, srows) for d, s in _bank_pairs(dst, src)]
 
 
