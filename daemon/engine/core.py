@@ -93,6 +93,7 @@ class EngineCore:
         max_batch: int = 32,
         max_step_tokens: int = 512,
         prefix: PrefixReuse | None = None,
+        spill_idle_s: float = 2.0,
     ) -> None:
         self.runner = runner
         self.prefix = prefix
@@ -107,7 +108,7 @@ class EngineCore:
         self._generated = 0
         self._preemptions = 0
         self._cached_total = 0
-        self.spill_idle_s = 2.0  # idle(): seconds without work before snapshots are spilled
+        self.spill_idle_s = spill_idle_s  # idle(): seconds without work before snapshots spill
         self._busy_at = time.monotonic()
 
     # ---- called from any thread -------------------------------------------------------------

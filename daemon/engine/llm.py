@@ -133,8 +133,8 @@ class LLM:
             max_batch,
             max_step_tokens,
             prefix=prefix,
+            spill_idle_s=spill_idle_s,
         )
-        self.engine.spill_idle_s = spill_idle_s
         self._ids = itertools.count()
         self._store: Any = None
         if state_dir is not None and prefix is not None and prefix.snapshots is not None:
