@@ -41,6 +41,10 @@ def _spilled(state: Path) -> set[Path]:
     return set((state / "snapshots").rglob("*.safetensors"))
 
 
+def _spill_logged(d: Daemon) -> bool:
+    return any("spilled" in line and "session snapshot" in line for line in list(d.log))
+
+
 def test_restart_mid_session_reprefills_only_the_suffix(
     builtin_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -61,11 +65,14 @@ def test_restart_mid_session_reprefills_only_the_suffix(
     assert cached == seen[2][0], (prompt, cached, seen)
     assert prompt - cached < prompt // 4  # the new suffix only, not the whole session
     # B goes idle, writes turn 3's snapshots, and is then killed: nothing is written at exit.
+    # (Wait for the log line that ends the spill, not for a first file: a kill between files is
+    # a different test, tests/test_prefix_reuse.py, crash-before-rows.)
     before = _spilled(state)
     deadline = time.monotonic() + 30
-    while _spilled(state) == before and time.monotonic() < deadline:
+    while not _spill_logged(b) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _spilled(state) != before, "the idle engine wrote no snapshot"
+    assert _spill_logged(b), "the idle engine wrote no snapshot"
+    assert _spilled(state) != before
     b.stop(signal.SIGKILL)
 
     c = _start(builtin_model_dir, state, idle_s=3600)

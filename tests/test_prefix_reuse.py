@@ -17,6 +17,7 @@ from freetokend.kv.pool import KVPool
 from freetokend.kv.radix import RadixCache
 from freetokend.kv.seq_state import RecurrentState, SeqState
 from freetokend.kv.snapshots import SnapshotStore
+from freetokend.store import Store
 
 GEN = 5  # tokens generated per turn
 TURNS = 5
@@ -411,11 +412,14 @@ def test_radix_keeps_a_partial_last_page_until_a_longer_page_covers_it():
 # ---- spill to disk and resume after a restart -------------------------------------------------------
 
 
+@pytest.mark.parametrize("rows_lost", [False, True], ids=["rows", "crash-before-rows"])
 def test_spilled_snapshots_resume_a_session_after_restart(
-    builtin_model_dir, builtin_pair, tmp_path
+    builtin_model_dir, builtin_pair, tmp_path, rows_lost
 ):
     """Engine A serves three turns and spills on close; a NEW engine B on the same state dir
-    prefills only the fourth turn's suffix: its KV and recurrent state come from the files."""
+    prefills only the fourth turn's suffix: its KV and recurrent state come from the files.
+    ``crash-before-rows``: A died after renaming its files but before their table rows were
+    written (and left a torn temporary file): B adopts the files from their headers."""
     ref = builtin_pair[1]
     kw = dict(max_model_len=4096, kv_tokens=16384, dtype="float32", state_dir=tmp_path)
     session = make_session("opencode", 4, seed=5, output_lines=4, every=10)  # appends only
@@ -432,11 +436,23 @@ def test_spilled_snapshots_resume_a_session_after_restart(
     assert report.files >= 1 and report.bytes > 0
     spilled = list((tmp_path / "snapshots").rglob("*.safetensors"))
     assert len(spilled) == report.files
+    if rows_lost:
+        with Store(tmp_path) as store:
+            fingerprint = spilled[0].parent.name
+            for rec in store.anchors(fingerprint):
+                store.delete_anchor(fingerprint, rec.prefix_hash)
+            assert store.anchors(fingerprint) == []
+        torn = spilled[0].with_suffix(".tmp")
+        torn.write_bytes(b"half a file")
 
     b = LLM(builtin_model_dir, **kw)
+    assert b.engine.prefix.spill.adopted == (report.files if rows_lost else 0)
+    assert len(b.engine.prefix.spill.records) == report.files
     [(out, cached)] = serve(b, [prompts[3]])
     assert cached == len(prompts[2])  # resumes at the end of the last prompt it saw before
     assert b.engine.prefix.spill.loaded == 1
+    if rows_lost:
+        assert not torn.exists()
     assert out == serve(ref, [prompts[3]])[0][0]
     b.close()
 

@@ -12,7 +12,10 @@ each spilled snapshot carries it (the simple, correct design; its cost is p toke
 with one row per file in the store's ``anchors`` table (fingerprint, prefix hash, position, kind,
 bytes, last use, path). The fingerprint covers the weights, the dtype and the KV layout: a file
 is only ever loaded into the engine that could have written it. Files are written under a
-temporary name and renamed; a missing or unreadable file is dropped from the table, never fatal.
+temporary name and renamed, and carry their position and kind in the header; the table row is
+written after the rename, so a file a crash left without its row is adopted at the next start
+(and a leftover temporary file deleted). A missing or unreadable file is dropped from the table,
+never fatal.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..store import AnchorRecord, Store
@@ -52,6 +56,7 @@ class SnapshotSpill:
         self.root = store.state_dir / "snapshots" / fingerprint
         self.records = {r.prefix_hash: r for r in store.anchors(fingerprint)}
         self.loaded = 0
+        self.adopted = self._adopt_orphans()
 
     # ---- writing -----------------------------------------------------------------------------
     def spill(self, snaps: list[Snapshot], pool: KVPool, radix: RadixCache) -> SpillReport:
@@ -81,9 +86,42 @@ class SnapshotSpill:
         path = self.root / f"{key}.safetensors"
         tmp = path.with_suffix(".tmp")
         tensors = {"conv": snap.state.conv, "ssm": snap.state.ssm, "k": kv[0], "v": kv[1]}
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), {"pos": str(snap.pos)})
+        meta = {"pos": str(snap.pos), "kind": snap.kind}
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), meta)
         os.replace(tmp, path)
         return path.stat().st_size
+
+    def _adopt_orphans(self) -> int:
+        """Files on disk without a table row: a crash between the rename and the row. Adopts
+        each whose header reads (position, kind), deletes the unreadable ones and any leftover
+        temporary file. Returns how many it adopted."""
+        if not self.root.is_dir():
+            return 0
+        for tmp in self.root.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+        adopted = 0
+        for path in self.root.glob("*.safetensors"):
+            key = path.stem
+            if key in self.records:
+                continue
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                pos, kind = int(meta["pos"]), str(meta["kind"])
+                st = path.stat()
+            except Exception as e:  # noqa: BLE001 - a torn or foreign file is removed, never fatal
+                log.warning("removing unreadable spill file %s: %s", path.name, e)
+                path.unlink(missing_ok=True)
+                continue
+            rec = AnchorRecord(
+                self.fingerprint, key, pos, kind, st.st_size, st.st_mtime, self._rel(key)
+            )
+            self.store.put_anchor(rec)
+            self.records[key] = rec
+            adopted += 1
+        if adopted:
+            log.info("adopted %d spilled snapshot(s) a crash left without a record", adopted)
+        return adopted
 
     def _rel(self, key: str) -> str:
         return str(Path("snapshots") / self.fingerprint / f"{key}.safetensors")
