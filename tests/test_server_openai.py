@@ -55,6 +55,8 @@ def test_models_lists_the_served_model(openai_client, daemon):
     models = openai_client.models.list()
     assert [m.id for m in models.data] == [daemon.model]
     assert openai_client.models.retrieve(daemon.model).id == daemon.model
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        openai_client.models.retrieve("no-such-model")
 
 
 def test_chat_non_stream_reports_usage(openai_client, daemon):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Request, Response, get, head
+from litestar.params import PathParameter
 from litestar.response import Response as PlainResponse
 
 from ..state import server_state
@@ -38,7 +39,9 @@ def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get("/v1/models/{model_id:str}", sync_to_thread=False)
-def get_model(request: Request[Any, Any, Any], model_id: str) -> dict[str, Any]:
+def get_model(
+    request: Request[Any, Any, Any], model_id: Annotated[str, PathParameter()]
+) -> dict[str, Any]:
     server_state(request).service.check_model(model_id)
     return model_card(request)
 
