@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -106,12 +106,18 @@ def stream(tok: Tokenizer, ids: list[int], skip: bool = False) -> list[str]:
 
 
 @settings(max_examples=150, deadline=None)
+@example(text="\ufffd")  # found by hypothesis: the old oracle refused any U+FFFD
+@example(text="a\ufffd\ufffdb\ufffd")
 @given(text=st.text(max_size=60))
 def test_stream_equals_full_decode_and_never_splits_a_char(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text)
     pieces = stream(tok, ids)
     assert "".join(pieces) == tok.decode(ids) == text
-    assert all("\ufffd" not in p for p in pieces)  # no half characters on the way
+    # Pieces are never taken back, so the equality above already says that no half character
+    # was released as U+FFFD on the way (a U+FFFD the text holds is released, of course). And
+    # every character is released by the push of its last token, none is left for the flush,
+    # except U+FFFDs that end the text: they look like a half character, so they wait.
+    assert pieces[-1] == "" or (set(pieces[-1]) == {"\ufffd"} and text.endswith("\ufffd"))
 
 
 def test_multibyte_chars_wait_for_their_last_byte(tok: Tokenizer) -> None:
