@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test install install-test lint clean
+.PHONY: run test fuzz install install-test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ run: $(STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Property tests with fresh random examples, FUZZ_RUNS times (make test draws fixed ones).
+FUZZ_RUNS ?= 10
+fuzz: $(TEST_STAMP)
+	for i in $$(seq $(FUZZ_RUNS)); do \
+		$(PY) -m pytest -q -p no:cacheprovider --hypothesis-profile=explore \
+			$$(grep -l '@given' tests/test_*.py | grep -v _slow) || exit 1; \
+	done
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check daemon ctl kernels tests

@@ -6,6 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run of `make test`, so CI is reproducible and
+# a red run is never bad luck; `make fuzz` draws fresh ones (the "explore" profile) to look for
+# new counterexamples, which then become @example lines.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
