@@ -4,6 +4,9 @@ or corrupted KV pages; eviction under a small pool; the snapshot budget."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from agent_sessions import MARKER_ANCHORS, STYLES, TOOLS, make_session, render_tokens
@@ -444,6 +447,10 @@ def test_spilled_snapshots_resume_a_session_after_restart(
             assert store.anchors(fingerprint) == []
         torn = spilled[0].with_suffix(".tmp")
         torn.write_bytes(b"half a file")
+        long_ago = time.time() - 3600
+        os.utime(torn, (long_ago, long_ago))
+        fresh = spilled[0].with_name("another-daemon-writing.tmp")
+        fresh.write_bytes(b"half a file")
 
     b = LLM(builtin_model_dir, **kw)
     assert b.engine.prefix.spill.adopted == (report.files if rows_lost else 0)
@@ -452,7 +459,7 @@ def test_spilled_snapshots_resume_a_session_after_restart(
     assert cached == len(prompts[2])  # resumes at the end of the last prompt it saw before
     assert b.engine.prefix.spill.loaded == 1
     if rows_lost:
-        assert not torn.exists()
+        assert not torn.exists() and fresh.exists()
     assert out == serve(ref, [prompts[3]])[0][0]
     b.close()
 
@@ -470,3 +477,35 @@ def test_spilled_snapshots_resume_a_session_after_restart(
     assert cached == 0 and out == serve(ref, [prompts[3]])[0][0]
     assert d.engine.prefix.spill.loaded == 0 and len(d.engine.prefix.spill.records) < before
     d.close()
+
+
+def test_a_failing_spill_write_costs_the_file_not_the_engine(
+    builtin_model_dir, tmp_path, monkeypatch, caplog
+):
+    """A full disk while spilling: the snapshot is not written, nothing is recorded, the engine
+    keeps serving, and a later spill (disk freed) writes it."""
+    import freetokend.kv.spill as spill_mod
+
+    llm = LLM(builtin_model_dir, max_model_len=4096, kv_tokens=16384, dtype="float32",
+              state_dir=tmp_path)  # fmt: skip
+    session = make_session("opencode", 2, seed=3, output_lines=4, every=10)
+    prompts = [
+        llm.tokenizer.encode(
+            llm.chat_template.render(session.messages(t), tools=TOOLS, add_generation_prompt=True)
+        )
+        for t in range(2)
+    ]
+    serve(llm, [prompts[0]])
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spill_mod, "save_file", disk_full)
+    prefix = llm.engine.prefix
+    assert prefix.unspilled()
+    report = prefix.spill_now()
+    assert report.files == 0 and prefix.spill.records == {} and "No space left" in caplog.text
+    assert not list((tmp_path / "snapshots").rglob("*.safetensors"))
+    assert serve(llm, [prompts[1]])[0][1] > 0  # still serving, still reusing
+    monkeypatch.undo()
+    assert llm.close().files >= 1

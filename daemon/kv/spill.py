@@ -38,6 +38,8 @@ from .snapshots import Snapshot, prefix_key
 
 log = logging.getLogger(__name__)
 
+STALE_TMP_S = 600.0  # a temporary file this old is a crash's leftover, not a write in progress
+
 
 @dataclass(frozen=True)
 class SpillReport:
@@ -72,7 +74,11 @@ class SnapshotSpill:
             pages, matched = radix.match_prefix(tokens)
             if matched < snap.pos:
                 continue  # its KV was evicted: the snapshot alone cannot resume
-            size = self._write(key, snap, _gather(pool, pages, snap.pos))
+            try:
+                size = self._write(key, snap, _gather(pool, pages, snap.pos))
+            except OSError as e:  # a full disk or a vanished folder costs the file, not the engine
+                log.warning("could not spill snapshot %s: %s", key, e)
+                continue
             rec = AnchorRecord(
                 self.fingerprint, key, snap.pos, snap.kind, size, time.time(), self._rel(key)
             )
@@ -93,12 +99,17 @@ class SnapshotSpill:
 
     def _adopt_orphans(self) -> int:
         """Files on disk without a table row: a crash between the rename and the row. Adopts
-        each whose header reads (position, kind), deletes the unreadable ones and any leftover
-        temporary file. Returns how many it adopted."""
+        each whose header reads (position, kind), deletes the unreadable ones and the temporary
+        files a crash left (older than ``STALE_TMP_S``). Returns how many it adopted."""
         if not self.root.is_dir():
             return 0
+        stale = time.time() - STALE_TMP_S  # younger ones may be another daemon's writes
         for tmp in self.root.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
+            try:
+                if tmp.stat().st_mtime < stale:
+                    tmp.unlink()
+            except OSError:
+                pass
         adopted = 0
         for path in self.root.glob("*.safetensors"):
             key = path.stem
