@@ -497,15 +497,25 @@ def test_a_failing_spill_write_costs_the_file_not_the_engine(
     ]
     serve(llm, [prompts[0]])
 
+    tries = []
+
     def disk_full(*args, **kwargs):
+        tries.append(1)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(spill_mod, "save_file", disk_full)
-    prefix = llm.engine.prefix
+    prefix, engine = llm.engine.prefix, llm.engine
+    engine.spill_idle_s = 0.0
     assert prefix.unspilled()
-    report = prefix.spill_now()
-    assert report.files == 0 and prefix.spill.records == {} and "No space left" in caplog.text
+    engine.idle()
+    assert tries and prefix.spill.records == {} and "No space left" in caplog.text
     assert not list((tmp_path / "snapshots").rglob("*.safetensors"))
+    attempts = len(tries)
+    engine.idle()
+    engine.idle()
+    assert len(tries) == attempts  # not retried until the engine has worked again
     assert serve(llm, [prompts[1]])[0][1] > 0  # still serving, still reusing
+    engine.idle()
+    assert len(tries) > attempts
     monkeypatch.undo()
     assert llm.close().files >= 1

@@ -110,6 +110,7 @@ class EngineCore:
         self._cached_total = 0
         self.spill_idle_s = spill_idle_s  # idle(): seconds without work before snapshots spill
         self._busy_at = time.monotonic()
+        self._spill_tried_at: float | None = None  # the _busy_at of the last idle spill attempt
 
     # ---- called from any thread -------------------------------------------------------------
     def add_request(
@@ -256,6 +257,9 @@ class EngineCore:
             return
         if time.monotonic() - self._busy_at < self.spill_idle_s or not self.prefix.unspilled():
             return
+        if self._spill_tried_at == self._busy_at:
+            return  # one attempt per idle period (a full disk is not retried every second)
+        self._spill_tried_at = self._busy_at
         report = self.prefix.spill_now()
         if report is not None and report.files:
             log.info(
