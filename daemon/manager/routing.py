@@ -64,15 +64,17 @@ class ServiceRouter:
         if resident is not None and self._manager.auto_switch:
             _target.set(name)
             return
-        hint = (
-            f"; it is resident: switch with `ftctl models switch {name}`"
-            if resident is not None
-            else ""
-        )
-        raise ModelNotFound(
-            f"The model {name!r} is not active; this daemon serves {current!r}{hint}.",
-            param="model",
-        )
+        if resident is not None:
+            msg = (
+                f"The model {name!r} is not active; this daemon serves {current!r}; it is "
+                f"resident: switch with `ftctl models switch {name}`."
+            )
+        else:
+            msg = (
+                f"The model {name!r} does not exist; this daemon serves {current!r} "
+                f"(load another with `ftctl models load DIR`)."
+            )
+        raise ModelNotFound(msg, param="model")
 
     async def _service(self) -> Any:
         name = _target.get()
