@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from pathlib import Path
 from typing import Any, overload
 
 from ..experts.backend import BACKENDS, RoutingRecorder, create_backend
-from ..experts.banks import Activation, ActivationSpec
+from ..experts.banks import Activation, ActivationSpec, ExpertBanks
 from ..models.config import ModelConfig
 from ..models.loader import load_model
 from ..models.registry import family_spec
@@ -72,6 +73,7 @@ class LLM:
         spill_budget_mb: float = 2048,
         spill_idle_s: float = 2.0,
         name: str | None = None,
+        quantize_experts: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
             raise ValueError(
@@ -84,8 +86,11 @@ class LLM:
             if dtype not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
             cfg = dataclasses.replace(cfg, torch_dtype=dtype)
-        self.config = cfg
         self.model, self.banks = load_model(self.model_dir, cfg)
+        if quantize_experts is not None:
+            self.banks = _quantize_experts(self.banks, cfg, quantize_experts)
+            cfg = dataclasses.replace(cfg, expert_format=quantize_experts)
+        self.config = cfg
         act = ActivationSpec(
             Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU,
             cfg.swiglu_alpha,
@@ -145,7 +150,9 @@ class LLM:
         from ..store import Store
 
         self._store = Store(state_dir)
-        fp = engine_fingerprint(self.model_dir, self.config.torch_dtype, self.runner.kv)
+        fp = engine_fingerprint(
+            self.model_dir, self.config.torch_dtype, self.runner.kv, self.config.expert_format
+        )
         prefix.spill = SnapshotSpill(self._store, fp, int(budget_mb * 2**20))
         assert prefix.snapshots is not None
         prefix.snapshots.keep_prefix = True
@@ -262,3 +269,29 @@ class LLM:
         if out and out[-1] in self.engine.eos and not params.ignore_eos:
             out = out[:-1]
         return self.tokenizer.decode(out, skip_special_tokens=True)
+
+
+def _quantize_experts(banks: ExpertBanks, cfg: ModelConfig, fmt: str) -> ExpertBanks:
+    """The checkpoint's float experts quantized to ``fmt`` at load time (llama.cpp's quantize,
+    done in RAM): 4.25 bits a weight for mxfp4 instead of 16. Dense weights stay as they are."""
+    from ..experts.formats import FORMATS, quantize_banks
+
+    choices = sorted(n for n in FORMATS if n != "bf16")
+    if fmt not in choices:
+        raise ValueError(f"quantize_experts: {fmt!r} is not one of {', '.join(choices)}")
+    if cfg.expert_format != "bf16":
+        raise ValueError(
+            f"quantize_experts={fmt!r}: the checkpoint's experts are already {cfg.expert_format}"
+        )
+    FORMATS[fmt].check_dims(cfg.hidden_size, cfg.moe_intermediate_size)
+    t0 = time.perf_counter()
+    out = quantize_banks(banks, fmt)
+    log.info(
+        "quantized %d experts to %s in %.1f s: %d -> %d MiB",
+        banks.gate_up.shape[0],
+        fmt,
+        time.perf_counter() - t0,
+        banks.nbytes_per_expert() * banks.gate_up.shape[0] >> 20,
+        out.nbytes_per_expert() * out.gate_up.shape[0] >> 20,
+    )
+    return out

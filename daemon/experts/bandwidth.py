@@ -87,10 +87,16 @@ def measure_cpu_bandwidth(
     return sum(len(c) for c in chunks) * banks.nbytes_per_expert() / dt
 
 
+def profile_format(expert_format: str, float_dtype: str) -> str:
+    """What a bandwidth profile is stored under: the float dtype ("bfloat16") for float experts,
+    the format ("mxfp4") for quantized ones (the bytes per expert and the kernels differ)."""
+    return float_dtype if expert_format == "bf16" else expert_format
+
+
 def measure(
     banks: ExpertBanks, acc: Accelerator, cpu_backend: object, top_k: int = 8
 ) -> BandwidthProfile:
-    fmt = str(banks.gate_up.dtype).removeprefix("torch.")
+    fmt = profile_format(banks.format, str(banks.gate_up.dtype).removeprefix("torch."))
     return BandwidthProfile(
         b_p=measure_copy_bandwidth(banks, acc),
         b_h=measure_cpu_bandwidth(banks, cpu_backend, top_k),

@@ -201,13 +201,16 @@ def _gather(pool: KVPool, pages: list[int], pos: int) -> tuple[torch.Tensor, tor
     return k, v
 
 
-def engine_fingerprint(model_dir: Path, dtype: str, pool: KVPool) -> str:
-    """Weights (the store's model fingerprint), dtype and KV layout: what a spilled file needs."""
+def engine_fingerprint(model_dir: Path, dtype: str, pool: KVPool, expert_format: str) -> str:
+    """Weights (the store's model fingerprint), dtype, the experts' format (quantized at load or
+    not) and KV layout: what a spilled file needs."""
     import hashlib
 
     from ..store import model_fingerprint
 
     layout = f"{dtype}|{pool.page_size}|{tuple(pool.k.shape[:1] + pool.k.shape[3:])}|{pool.k.dtype}"
+    if expert_format != "bf16":  # (bf16 adds nothing, so existing files keep their folder)
+        layout += f"|experts {expert_format}"
     return hashlib.blake2b(
         (model_fingerprint(model_dir) + layout).encode(), digest_size=12
     ).hexdigest()

@@ -64,11 +64,14 @@ class ControlPlane:
     def _bandwidth(self, path: Path) -> tuple[float, float] | None:
         import torch
 
+        from ..experts.bandwidth import profile_format
         from ..models.config import ModelConfig
 
         acc = self.cfg.accelerator
         kind = "cuda" if acc == "cuda" or (acc == "auto" and torch.cuda.is_available()) else acc
-        prof = self.store.bandwidth(ModelConfig.from_hf(path).torch_dtype, kind)
+        mc = ModelConfig.from_hf(path)
+        fmt = profile_format(self.cfg.quantize_experts or mc.expert_format, mc.torch_dtype)
+        prof = self.store.bandwidth(fmt, kind)
         return None if prof is None else (prof.b_p, prof.b_h)
 
     def _load_llm(self, path: Path, name: str, backend: str) -> Any:
@@ -91,6 +94,7 @@ class ControlPlane:
             state_dir=self.state_dir if cfg.spill_budget_mb > 0 else None,
             spill_budget_mb=cfg.spill_budget_mb,
             spill_idle_s=cfg.spill_idle_s,
+            quantize_experts=cfg.quantize_experts,
         )
 
     def _service(self, model: ResidentModel) -> ModelService:

@@ -17,6 +17,7 @@ import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
 ACCELERATORS = ("auto", "cuda", "standin")
+QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4")  # experts/formats.FORMATS less bf16 (tested)
 ENV_PREFIX = "FREETOKEN_"
 SNAPSHOT_POLICY = re.compile(r"anchors|anchors:all|interval:[1-9][0-9]*|none")
 
@@ -37,6 +38,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # runtime path; "off" = no admin socket
     admin_socket: str | None = None
     moe_backend: str = "auto"
+    # quantize a float checkpoint's experts at load: mxfp4 | nvfp4 | fp8_block; None = as stored
+    quantize_experts: str | None = None
     max_batch: int = 32  # requests decoded together (the continuous batch)
     max_queue: int = 64  # requests waiting beyond the batch before 429/529
     max_model_len: int | None = None  # context limit; default: the model's (capped)
@@ -64,6 +67,11 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.moe_backend not in MOE_BACKENDS:
             raise ConfigError(
                 f"moe_backend: {self.moe_backend!r} is not one of {', '.join(MOE_BACKENDS)}"
+            )
+        if self.quantize_experts is not None and self.quantize_experts not in QUANTIZE_FORMATS:
+            raise ConfigError(
+                f"quantize_experts: {self.quantize_experts!r} is not one of "
+                f"{', '.join(QUANTIZE_FORMATS)}"
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: {self.port} is not a TCP port")

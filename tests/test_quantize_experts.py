@@ -1,0 +1,108 @@
+"""Quantizing a float checkpoint's experts at load (``LLM(quantize_experts=...)``, the daemon's
+``--quantize-experts``). Oracle: transformers running the same checkpoint with each expert's
+weights replaced by the dequantized quantized ones, so the only differences left are summation
+order (the native executor computes on the packed weights, in-kernel dequant)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.engine.llm import _quantize_experts
+from freetokend.engine.runner import Work
+from freetokend.experts.formats import FORMATS, dequantize_banks
+from freetokend.server.config import QUANTIZE_FORMATS, ConfigError, DaemonConfig
+
+ATOL = 2e-4  # fp32, as in test_engine_families
+KW = dict(dtype="float32", prefix_cache=False, max_model_len=128, kv_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("float"), seed=5)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 97, (n,), generator=g).tolist()
+
+
+def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    st = llm.runner.new_state()
+    llm.runner.reserve(st, len(ids))
+    logits = llm.runner.forward([Work(st, ids)])[0]
+    llm.runner.release(st)
+    return logits
+
+
+@pytest.mark.parametrize("fmt", QUANTIZE_FORMATS)
+def test_quantized_experts_match_transformers_on_the_same_weights(ckpt, fmt: str) -> None:  # type: ignore[no-untyped-def]
+    src, hf = ckpt
+    floats = LLM(src, "cpu", **KW)
+    llm = LLM(src, "cpu", quantize_experts=fmt, **KW)
+    assert llm.banks.format == fmt and llm.config.expert_format == fmt
+    assert llm.moe.executor is not None, "the native executor computes the packed experts"
+    assert llm.banks.nbytes_per_expert() < floats.banks.nbytes_per_expert()
+
+    # the oracle: transformers with every expert replaced by its dequantized quantized weights
+    deq = dequantize_banks(llm.banks)
+    oracle = type(hf)(hf.config).eval()
+    oracle.load_state_dict(hf.state_dict())
+    experts = [layer.mlp.experts for layer in oracle.model.layers if hasattr(layer.mlp, "experts")]
+    e = hf.config.num_experts
+    with torch.no_grad():
+        for k, ex in enumerate(experts):
+            gate_up, down = deq.gate_up[k * e : (k + 1) * e], deq.down[k * e : (k + 1) * e]
+            assert (ex.gate_up_proj - gate_up).abs().max() > 1e-4  # quantization did change them
+            ex.gate_up_proj.copy_(gate_up)
+            ex.down_proj.copy_(down)
+        ids = _prompt(11, 1)
+        ref = oracle(torch.tensor([ids])).logits[0, -1].float()
+        unquantized = hf(torch.tensor([ids])).logits[0, -1].float()
+    assert (_last_logits(llm, ids) - unquantized).abs().max() > 10 * ATOL  # the oracle must tell
+    with torch.no_grad():
+        seq = list(ids)
+        for _ in range(12):  # cache-free greedy oracle
+            seq.append(int(oracle(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert (_last_logits(llm, ids) - ref).abs().max() < ATOL
+    assert llm.generate(ids, 12, ignore_eos=True) == seq[len(ids) :]
+    # and the accelerator backends (dequantized once at load) agree with the packed CPU path
+    fused = LLM(src, "fused", accelerator="standin", quantize_experts=fmt, **KW)
+    assert fused.generate(ids, 12, ignore_eos=True) == seq[len(ids) :]
+
+
+def test_bad_requests_are_named(ckpt) -> None:  # type: ignore[no-untyped-def]
+    src, _ = ckpt
+    with pytest.raises(ValueError, match="'int3' is not one of fp8_block, mxfp4, nvfp4"):
+        LLM(src, "cpu", quantize_experts="int3", **KW)
+    llm = LLM(src, "cpu", quantize_experts="mxfp4", **KW)
+    with pytest.raises(ValueError, match="already mxfp4"):
+        _quantize_experts(llm.banks, llm.config, "nvfp4")
+    floats = LLM(src, "cpu", **KW)
+    odd = dataclasses.replace(floats.config, hidden_size=48)  # mxfp4 packs blocks of 32
+    with pytest.raises(ValueError, match="multiples of 32"):
+        _quantize_experts(floats.banks, odd, "mxfp4")
+    with pytest.raises(ConfigError, match="quantize_experts: 'int3'"):
+        DaemonConfig(quantize_experts="int3").check()
+
+
+def test_daemon_choices_are_the_formats_table() -> None:
+    assert set(QUANTIZE_FORMATS) == set(FORMATS) - {"bf16"}
+
+
+def test_spilled_snapshots_of_float_and_quantized_engines_do_not_mix(ckpt, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from freetokend.kv.spill import engine_fingerprint
+
+    src, _ = ckpt
+    llm = LLM(src, "cpu", **KW)
+    pool = llm.runner.kv
+    bf16 = engine_fingerprint(src, "float32", pool, "bf16")
+    assert bf16 != engine_fingerprint(src, "float32", pool, "mxfp4")
+    assert engine_fingerprint(src, "float32", pool, "mxfp4") != engine_fingerprint(
+        src, "float32", pool, "nvfp4"
+    )
