@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantize-experts",
         choices=QUANTIZE_FORMATS,
-        help="quantize a float checkpoint's routed experts at load (mxfp4: 4.25 bits a weight, "
-        "about 1/4 of the RAM and of the bytes read per token); default: as stored",
+        help="quantize float checkpoints' routed experts at load (mxfp4: 4.25 bits a weight, "
+        "about 1/4 of the RAM and of the bytes read per token; checkpoints already quantized "
+        "load as stored); default: as stored",
     )
     p.add_argument(
         "--max-batch", type=int, metavar="N", help="requests decoded together (default: 32)"

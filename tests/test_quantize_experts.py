@@ -106,3 +106,23 @@ def test_spilled_snapshots_of_float_and_quantized_engines_do_not_mix(ckpt, tmp_p
     assert engine_fingerprint(src, "float32", pool, "mxfp4") != engine_fingerprint(
         src, "float32", pool, "nvfp4"
     )
+
+
+def test_the_daemon_quantizes_float_checkpoints_and_loads_quantized_ones_as_stored(
+    ckpt, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from test_gpt_oss_mxfp4 import write_mxfp4
+
+    from freetokend.manager.control import ControlPlane
+
+    src, _ = ckpt
+    mx = write_mxfp4(make_tiny("gpt_oss", tmp_path / "float-gpt-oss", seed=3)[0], tmp_path / "mx")
+    cfg = DaemonConfig(
+        quantize_experts="nvfp4", moe_backend="cpu", admin_socket="off", vram_watch=False,
+        state_dir=str(tmp_path / "state"), kv_tokens=512,
+    )  # fmt: skip
+    cp = ControlPlane(cfg)
+    cp.manager.load(str(src), name="float")
+    cp.manager.load(str(mx), name="mx")
+    assert cp.manager.models["float"].llm.banks.format == "nvfp4"
+    assert cp.manager.models["mx"].llm.banks.format == "mxfp4"  # as stored, not refused

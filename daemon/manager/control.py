@@ -70,9 +70,16 @@ class ControlPlane:
         acc = self.cfg.accelerator
         kind = "cuda" if acc == "cuda" or (acc == "auto" and torch.cuda.is_available()) else acc
         mc = ModelConfig.from_hf(path)
-        fmt = profile_format(self.cfg.quantize_experts or mc.expert_format, mc.torch_dtype)
+        fmt = profile_format(self._quantize(path) or mc.expert_format, mc.torch_dtype)
         prof = self.store.bandwidth(fmt, kind)
         return None if prof is None else (prof.b_p, prof.b_h)
+
+    def _quantize(self, path: Path) -> str | None:
+        """``quantize_experts`` applies to float checkpoints; quantized ones load as stored."""
+        from ..models.config import ModelConfig
+
+        q = self.cfg.quantize_experts
+        return q if q and ModelConfig.from_hf(path).expert_format == "bf16" else None
 
     def _load_llm(self, path: Path, name: str, backend: str) -> Any:
         from ..engine.llm import LLM
@@ -94,7 +101,7 @@ class ControlPlane:
             state_dir=self.state_dir if cfg.spill_budget_mb > 0 else None,
             spill_budget_mb=cfg.spill_budget_mb,
             spill_idle_s=cfg.spill_idle_s,
-            quantize_experts=cfg.quantize_experts,
+            quantize_experts=self._quantize(path),
         )
 
     def _service(self, model: ResidentModel) -> ModelService:

@@ -38,7 +38,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # runtime path; "off" = no admin socket
     admin_socket: str | None = None
     moe_backend: str = "auto"
-    # quantize a float checkpoint's experts at load: mxfp4 | nvfp4 | fp8_block; None = as stored
+    # quantize float checkpoints' experts at load: mxfp4 | nvfp4 | fp8_block (quantized
+    # checkpoints load as stored); None = every checkpoint as stored
     quantize_experts: str | None = None
     max_batch: int = 32  # requests decoded together (the continuous batch)
     max_queue: int = 64  # requests waiting beyond the batch before 429/529

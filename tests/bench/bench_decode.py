@@ -8,6 +8,9 @@ the installed llama-cpp-python's source distribution (decode_llama.py), measures
 memory-read bandwidth, then each engine's batch-1 decode and 512-token prefill speed, each in a
 fresh subprocess with the same thread count (decode_workers.py), and prints one table with each
 engine's fraction of the decode roofline (read bandwidth / weight bytes read per token).
+The "-mxfp4" rows run the same checkpoint with MXFP4 routed experts (the rest BF16): ours
+quantized at load (`quantize_experts="mxfp4"`), llama.cpp's by its own quantizer (MXFP4_MOE,
+non-expert tensors kept BF16), so the pair reads the same bytes per token.
 
 Peers that are not installed (transformers, llama-cpp-python) are skipped; none is a project
 dependency. llama.cpp, opt-in, built from source (~6+ min on 2 cores; the converter also wants
@@ -33,11 +36,23 @@ if str(HERE) not in sys.path:  # the helpers beside this script, also when impor
     sys.path.insert(0, str(HERE))
 
 from decode_ckpt import Geometry, build_checkpoint  # noqa: E402
-from decode_llama import convert_to_gguf, gpt2_vocab, installed_version, llama_source  # noqa: E402
+from decode_llama import (  # noqa: E402
+    convert_to_gguf,
+    gpt2_vocab,
+    installed_version,
+    llama_source,
+    quantize_mxfp4_experts,
+)
 
 CACHE = Path("/tmp/ftbench_decode")
-ENGINES = ("freetoken", "hf", "llama.cpp")
-_PEER_MODULE = {"hf": "transformers", "llama.cpp": "llama_cpp"}
+# "-mxfp4": the same checkpoint with its routed experts in MXFP4 (4.25 bits a weight), the rest
+# BF16: ours quantized at load (quantize_experts), llama.cpp's by its own quantizer (MXFP4_MOE)
+ENGINES = ("freetoken", "hf", "llama.cpp", "freetoken-mxfp4", "llama.cpp-mxfp4")
+_PEER_MODULE = {"hf": "transformers", "llama.cpp": "llama_cpp", "llama.cpp-mxfp4": "llama_cpp"}
+_WORKER = {"freetoken-mxfp4": "freetoken", "llama.cpp-mxfp4": "llama.cpp"}
+MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 nibbles and one E8M0 scale a block
+# (ours, peer) pairs compared at equal precision
+_PAIRS = (("freetoken", "hf"), ("freetoken", "llama.cpp"), ("freetoken-mxfp4", "llama.cpp-mxfp4"))
 
 
 @dataclass
@@ -47,6 +62,7 @@ class Row:
     prefill_tok_s: float | None = None
     note: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    bytes_per_token: int = 0  # weight bytes one decoded token reads in this engine's precision
 
 
 @dataclass
@@ -60,38 +76,43 @@ class Report:
     def roofline_tok_s(self) -> float:
         return self.read_bytes_s / self.bytes_per_token
 
+    def _bytes(self, r: Row) -> int:
+        return r.bytes_per_token or self.bytes_per_token
+
     def table(self) -> str:
         gb = 1e9
         lines = [
             f"memory read bandwidth ({self.threads} threads): {self.read_bytes_s / gb:.1f} GB/s;"
-            f" weights read per decoded token: {self.bytes_per_token / 1e6:.0f} MB;"
-            f" decode roofline: {self.roofline_tok_s:.1f} tok/s",
-            f"{'engine':<12} {'decode tok/s':>12} {'ms/token':>9} {'GB/s':>6} {'roofline':>9}"
-            f" {'prefill tok/s':>14}  note",
+            f" weights read per decoded token (BF16): {self.bytes_per_token / 1e6:.0f} MB;"
+            f" decode roofline (BF16): {self.roofline_tok_s:.1f} tok/s",
+            f"{'engine':<16} {'MB/token':>8} {'decode tok/s':>12} {'ms/token':>9} {'GB/s':>6}"
+            f" {'roofline':>9} {'prefill tok/s':>14}  note",
         ]
         for r in self.rows:
+            mb = f"{self._bytes(r) / 1e6:8.0f}"
             if r.decode_tok_s is None:
                 lines.append(
-                    f"{r.engine:<12} {'-':>12} {'-':>9} {'-':>6} {'-':>9} {'-':>14}  {r.note}"
+                    f"{r.engine:<16} {mb} {'-':>12} {'-':>9} {'-':>6} {'-':>9} {'-':>14}  {r.note}"
                 )
                 continue
-            frac = r.decode_tok_s / self.roofline_tok_s
+            frac = r.decode_tok_s * self._bytes(r) / self.read_bytes_s
             lines.append(
-                f"{r.engine:<12} {r.decode_tok_s:12.1f} {1e3 / r.decode_tok_s:9.1f}"
-                f" {r.decode_tok_s * self.bytes_per_token / gb:6.1f} {frac:9.0%}"
+                f"{r.engine:<16} {mb} {r.decode_tok_s:12.1f} {1e3 / r.decode_tok_s:9.1f}"
+                f" {r.decode_tok_s * self._bytes(r) / gb:6.1f} {frac:9.0%}"
                 f" {r.prefill_tok_s or 0:14.1f}  {r.note}"
             )
         lines.append(
             f"(best of the rounds; load = 1-min load average while the engine ran, on"
             f" {os.cpu_count()} CPUs: a shared machine slows every engine)"
         )
-        ours = next((r for r in self.rows if r.engine == "freetoken"), None)
-        for peer in self.rows:
-            if peer is ours or ours is None or not (ours.decode_tok_s and peer.decode_tok_s):
+        by_name = {r.engine: r for r in self.rows}
+        for us, them in _PAIRS:
+            ours, peer = by_name.get(us), by_name.get(them)
+            if ours is None or peer is None or not (ours.decode_tok_s and peer.decode_tok_s):
                 continue
             pre = (ours.prefill_tok_s or 0) / peer.prefill_tok_s if peer.prefill_tok_s else 0
             lines.append(
-                f"freetoken / {peer.engine}: decode {ours.decode_tok_s / peer.decode_tok_s:.2f}x,"
+                f"{us} / {them}: decode {ours.decode_tok_s / peer.decode_tok_s:.2f}x,"
                 f" prefill {pre:.2f}x"
             )
         return "\n".join(lines)
@@ -133,7 +154,8 @@ def _measure(engine: str, common: dict[str, object], threads: int, omp_variants:
     results = []
     for passive in (False, True) if omp_variants else (False,):
         try:
-            results.append((passive, _worker(engine, common, threads, 1800, passive)))
+            kind = _WORKER.get(engine, engine)
+            results.append((passive, _worker(kind, common, threads, 1800, passive)))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             if not results and not omp_variants:
                 return Row(engine, note=str(e)[:200])
@@ -168,10 +190,13 @@ def run_decode_benchmark(
     g = Geometry()
     say("checkpoint ...")
     model = build_checkpoint(cache / "mid", gpt2_vocab(src), g)
-    gguf = None
+    gguf = gguf_mxfp4 = None
     if want_llama and src is not None:
         say("GGUF conversion ...")
         gguf = convert_to_gguf(model, src, cache / "mid-bf16.gguf")
+        if "llama.cpp-mxfp4" in engines:
+            say("GGUF MXFP4 quantization ...")
+            gguf_mxfp4 = quantize_mxfp4_experts(gguf, cache / "mid-mxfp4.gguf")
     common = {
         "model": str(model),
         "threads": threads,
@@ -189,16 +214,25 @@ def run_decode_benchmark(
     )
     # Rounds interleave the engines (A B C A B C ...), so a slow spell of a shared machine
     # hits every engine alike; each keeps its best round.
+    variant: dict[str, dict[str, object]] = {
+        "freetoken-mxfp4": {"quantize_experts": "mxfp4"},
+        "llama.cpp-mxfp4": {"gguf": str(gguf_mxfp4) if gguf_mxfp4 else None},
+    }
     best: dict[str, Row] = {}
     for r in range(rounds):
         for engine in engines:
-            if not _available(engine) or (engine == "llama.cpp" and gguf is None):
+            args = {**common, **variant.get(engine, {})}
+            if not _available(engine) or (engine.startswith("llama.cpp") and not args["gguf"]):
                 best[engine] = Row(engine, note="not installed: skipped")
                 continue
             say(f"{engine} (round {r + 1} of {rounds}) ...")
-            row = _measure(engine, common, threads, omp_variants)
+            row = _measure(engine, args, threads, omp_variants)
             best[engine] = _better(best.get(engine), row)
-    return Report(bw, g.bytes_per_token(), threads, [best[e] for e in engines])
+    rows = [best[e] for e in engines]
+    for row in rows:
+        mx = row.engine.endswith("-mxfp4")
+        row.bytes_per_token = g.bytes_per_token(MXFP4_BYTES_PER_WEIGHT if mx else 2.0)
+    return Report(bw, g.bytes_per_token(), threads, rows)
 
 
 def _better(old: Row | None, new: Row) -> Row:

@@ -65,8 +65,9 @@ class Geometry:
             "router_aux_loss_coef": 0.001,
         }
 
-    def bytes_per_token(self) -> int:
-        """Weight bytes one decoded token reads (bf16): attention, router, top-k experts, lm_head.
+    def bytes_per_token(self, expert_bytes_per_weight: float = 2.0) -> int:
+        """Weight bytes one decoded token reads: attention, router and lm_head in bf16, the
+        top-k experts at ``expert_bytes_per_weight`` (2 for bf16, 17/32 for MXFP4).
 
         Norms and the single embedding row are negligible and left out.
         """
@@ -74,7 +75,8 @@ class Geometry:
         attn = h * d * (2 * self.heads + 2 * self.kv_heads)
         router = h * self.experts
         experts = self.top_k * 3 * h * self.moe_inter
-        return 2 * (self.layers * (attn + router + experts) + self.vocab * h)
+        dense = 2 * (self.layers * (attn + router) + self.vocab * h)
+        return dense + int(self.layers * experts * expert_bytes_per_weight)
 
 
 def _randn(gen: torch.Generator, *shape: int, std: float = 0.02) -> torch.Tensor:

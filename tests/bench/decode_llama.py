@@ -104,3 +104,38 @@ def convert_to_gguf(model_dir: Path, src: Path, out: Path) -> Path:
     tmp.rename(out)
     stamp_path.write_text(json.dumps(stamp))
     return out
+
+
+GGML_TYPE_BF16 = 30  # ggml.h (llama-cpp-python exports no constant for it)
+
+
+def quantize_mxfp4_experts(src_gguf: Path, out: Path) -> Path:
+    """``src_gguf`` (BF16) -> GGUF with MXFP4 routed experts and every other tensor kept BF16:
+    llama.cpp's own quantizer (ftype MXFP4_MOE), whose default Q8_0 for the non-expert tensors
+    is overridden so both engines read the same bytes (cached; redone when the source changed)."""
+    import ctypes
+
+    import llama_cpp as L
+
+    stamp = {
+        "src": str(src_gguf),
+        "mtime": src_gguf.stat().st_mtime,
+        "size": src_gguf.stat().st_size,
+    }
+    stamp_path = out.with_suffix(".stamp.json")
+    if out.exists() and stamp_path.exists() and json.loads(stamp_path.read_text()) == stamp:
+        return out
+    params = L.llama_model_quantize_default_params()
+    params.ftype = L.LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    params.nthread = os.cpu_count() or 1
+    overrides = (L.llama_model_tensor_override * 2)()
+    overrides[0].pattern, overrides[0].type = b"^(?!.*_exps).*$", GGML_TYPE_BF16
+    overrides[1].pattern = None  # the list ends at a null pattern
+    params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(L.llama_model_tensor_override))
+    tmp = out.with_suffix(".tmp.gguf")
+    rc = L.llama_model_quantize(str(src_gguf).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed (rc {rc})")
+    tmp.rename(out)
+    stamp_path.write_text(json.dumps(stamp))
+    return out

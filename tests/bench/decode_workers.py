@@ -85,7 +85,13 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
     from freetokend.engine.sampler import SamplingParams
 
     torch.set_num_threads(a["threads"])
-    llm = LLM(a["model"], moe_backend="cpu", threads=a["threads"], max_model_len=4096)
+    llm = LLM(
+        a["model"],
+        moe_backend="cpu",
+        threads=a["threads"],
+        max_model_len=4096,
+        quantize_experts=a.get("quantize_experts"),
+    )
     ids = iter(range(1 << 30))
 
     def gen(prompt: list[int], n: int) -> list[float]:
