@@ -1,6 +1,6 @@
 """`ftctl checkpoint`: convert a model folder into FTW, the pre-laid-out weight format (DESIGN §4).
 
-    ftctl checkpoint --model DIR --out DIR [--force]
+    ftctl checkpoint --model DIR --out DIR [--force] [--quantize-experts mxfp4|nvfp4|fp8_block]
 
 Loads the model (HF safetensors, or an FTW folder), writes the FTW folder atomically with a
 progress bar of bytes written and verified, and prints the result. On error: exit status 1 and a
@@ -20,6 +20,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", required=True, help="model folder (HF safetensors or FTW)")
     p.add_argument("--out", required=True, help="FTW folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing FTW folder at --out")
+    p.add_argument(
+        "--quantize-experts",
+        choices=("fp8_block", "mxfp4", "nvfp4"),
+        help="store a float checkpoint's routed experts quantized (mxfp4: 4.25 bits a weight); "
+        "the daemon then loads them as stored, without quantizing at every start",
+    )
     p.set_defaults(run=run)
     return p
 
@@ -75,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
                     tasks[phase] = bar.add_task(phase, total=total)
                 bar.update(tasks[phase], completed=done)
 
-            index = convert(model, out, force=args.force, progress=progress)
+            index = convert(
+                model,
+                out,
+                force=args.force,
+                progress=progress,
+                quantize_experts=args.quantize_experts,
+            )
     except (CheckpointError, ConfigError, OSError, ValueError) as e:
         return _fail(e)
     except KeyboardInterrupt:

@@ -13,9 +13,9 @@ import torch
 from tiny_models import make_tiny
 
 from freetokend import LLM
-from freetokend.engine.llm import _quantize_experts
 from freetokend.engine.runner import Work
 from freetokend.experts.formats import FORMATS, dequantize_banks
+from freetokend.models.loader import quantize_experts_at_load, stored_expert_format
 from freetokend.server.config import QUANTIZE_FORMATS, ConfigError, DaemonConfig
 
 ATOL = 2e-4  # fp32, as in test_engine_families
@@ -82,11 +82,11 @@ def test_bad_requests_are_named(ckpt) -> None:  # type: ignore[no-untyped-def]
         LLM(src, "cpu", quantize_experts="int3", **KW)
     llm = LLM(src, "cpu", quantize_experts="mxfp4", **KW)
     with pytest.raises(ValueError, match="already mxfp4"):
-        _quantize_experts(llm.banks, llm.config, "nvfp4")
+        quantize_experts_at_load(llm.banks, llm.config, "nvfp4")
     floats = LLM(src, "cpu", **KW)
     odd = dataclasses.replace(floats.config, hidden_size=48)  # mxfp4 packs blocks of 32
     with pytest.raises(ValueError, match="multiples of 32"):
-        _quantize_experts(floats.banks, odd, "mxfp4")
+        quantize_experts_at_load(floats.banks, odd, "mxfp4")
     with pytest.raises(ConfigError, match="quantize_experts: 'int3'"):
         DaemonConfig(quantize_experts="int3").check()
 
@@ -126,3 +126,37 @@ def test_the_daemon_quantizes_float_checkpoints_and_loads_quantized_ones_as_stor
     cp.manager.load(str(mx), name="mx")
     assert cp.manager.models["float"].llm.banks.format == "nvfp4"
     assert cp.manager.models["mx"].llm.banks.format == "mxfp4"  # as stored, not refused
+
+
+def test_ftw_conversion_stores_the_experts_quantized(ckpt, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`ftctl checkpoint --quantize-experts mxfp4`: the FTW folder holds the packed experts (a
+    progress phase of its own); LLM and the daemon load them as stored, equal to quantizing at
+    load, and never quantize them twice."""
+    from test_ftw import _ftctl
+
+    from freetokend.manager.control import ControlPlane
+
+    src, _ = ckpt
+    out = tmp_path / "ftw-mxfp4"
+    assert _ftctl("--model", str(src), "--out", str(out), "--quantize-experts", "mxfp4") == 0
+    assert "experts mxfp4" in capsys.readouterr().out
+    assert stored_expert_format(out) == "mxfp4" and stored_expert_format(src) == "bf16"
+    at_load = LLM(src, "cpu", quantize_experts="mxfp4", **KW)
+    stored = LLM(out, "cpu", **KW)
+    assert stored.banks.format == "mxfp4" and stored.config.expert_format == "mxfp4"
+    for name, t in at_load.banks.all_tensors().items():
+        assert torch.equal(t, stored.banks.all_tensors()[name]), name
+    ids = _prompt(9, 4)
+    assert stored.generate(ids, 8, ignore_eos=True) == at_load.generate(ids, 8, ignore_eos=True)
+    with pytest.raises(ValueError, match="already mxfp4"):
+        LLM(out, "cpu", quantize_experts="nvfp4", **KW)
+    cfg = DaemonConfig(quantize_experts="nvfp4", state_dir=str(tmp_path / "state"))
+    cp = ControlPlane(cfg)
+    assert cp._quantize(out) is None and cp._quantize(src) == "nvfp4"
+
+    from freetokend.checkpoint.ftw import convert
+
+    seen: list[tuple[str, int, int]] = []
+    convert(src, tmp_path / "again", quantize_experts="nvfp4", progress=lambda *a: seen.append(a))
+    steps = [(done, total) for phase, done, total in seen if phase == "quantize"]
+    assert len(steps) == stored.banks.gate_up.shape[0] and steps[-1][0] == steps[-1][1] > 0

@@ -18,7 +18,7 @@ from ..experts.banks import ExpertBanks
 from ..experts.formats import FORMATS, get_format
 from ..models.config import ModelConfig
 from ..models.layers.common import dtype_of
-from ..models.loader import load_model
+from ..models.loader import load_model, quantize_experts_at_load
 from ..models.model import CausalLM
 from .ftw_index import INDEX_NAME, Entry, FtwError, FtwIndex, read_index
 from .ftw_io import ReadJob, aligned_empty, default_threads, pin, read_all, sha256_tensor
@@ -37,14 +37,29 @@ def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.
 
 
 def convert(
-    model_dir: str | Path, out: str | Path, *, force: bool = False, progress: Progress | None = None
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+    quantize_experts: str | None = None,
 ) -> FtwIndex:
-    """Converts a model folder (HF safetensors, or FTW) into an FTW folder at ``out``."""
+    """Converts a model folder (HF safetensors, or FTW) into an FTW folder at ``out``.
+    ``quantize_experts``: store float experts quantized to that format (the index records it;
+    config.json is kept as it is), so a daemon loads them quantized without requantizing."""
     src, dest = Path(model_dir), Path(out).absolute()
     if dest.exists() and dest.resolve() == src.resolve():
         raise FtwError(f"{dest}: the output folder is the model folder")
     check_destination(dest, force)  # before the minutes of loading, not after
     model, banks = load_model(src)
+    if quantize_experts is not None:
+        per_expert = banks.nbytes_per_expert()
+
+        def step(done: int, total: int) -> None:
+            if progress is not None:
+                progress("quantize", done * per_expert, total * per_expert)
+
+        banks = quantize_experts_at_load(banks, model.cfg, quantize_experts, step)
     config_bytes = (src / "config.json").read_bytes()
     return write_ftw(
         dest,

@@ -8,14 +8,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from pathlib import Path
 from typing import Any, overload
 
 from ..experts.backend import BACKENDS, RoutingRecorder, create_backend
-from ..experts.banks import Activation, ActivationSpec, ExpertBanks
+from ..experts.banks import Activation, ActivationSpec
 from ..models.config import ModelConfig
-from ..models.loader import load_model
+from ..models.loader import load_model, quantize_experts_at_load
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
 from .prefix import PrefixReuse, SnapshotPolicy
@@ -88,8 +87,9 @@ class LLM:
             cfg = dataclasses.replace(cfg, torch_dtype=dtype)
         self.model, self.banks = load_model(self.model_dir, cfg)
         if quantize_experts is not None:
-            self.banks = _quantize_experts(self.banks, cfg, quantize_experts)
-            cfg = dataclasses.replace(cfg, expert_format=quantize_experts)
+            self.banks = quantize_experts_at_load(self.banks, cfg, quantize_experts)
+        if self.banks.format != cfg.expert_format:  # quantized here, or in an FTW conversion
+            cfg = dataclasses.replace(cfg, expert_format=self.banks.format)
         self.config = cfg
         act = ActivationSpec(
             Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU,
@@ -269,29 +269,3 @@ class LLM:
         if out and out[-1] in self.engine.eos and not params.ignore_eos:
             out = out[:-1]
         return self.tokenizer.decode(out, skip_special_tokens=True)
-
-
-def _quantize_experts(banks: ExpertBanks, cfg: ModelConfig, fmt: str) -> ExpertBanks:
-    """The checkpoint's float experts quantized to ``fmt`` at load time (llama.cpp's quantize,
-    done in RAM): 4.25 bits a weight for mxfp4 instead of 16. Dense weights stay as they are."""
-    from ..experts.formats import FORMATS, quantize_banks
-
-    choices = sorted(n for n in FORMATS if n != "bf16")
-    if fmt not in choices:
-        raise ValueError(f"quantize_experts: {fmt!r} is not one of {', '.join(choices)}")
-    if cfg.expert_format != "bf16":
-        raise ValueError(
-            f"quantize_experts={fmt!r}: the checkpoint's experts are already {cfg.expert_format}"
-        )
-    FORMATS[fmt].check_dims(cfg.hidden_size, cfg.moe_intermediate_size)
-    t0 = time.perf_counter()
-    out = quantize_banks(banks, fmt)
-    log.info(
-        "quantized %d experts to %s in %.1f s: %d -> %d MiB",
-        banks.gate_up.shape[0],
-        fmt,
-        time.perf_counter() - t0,
-        banks.nbytes_per_expert() * banks.gate_up.shape[0] >> 20,
-        out.nbytes_per_expert() * out.gate_up.shape[0] >> 20,
-    )
-    return out

@@ -364,8 +364,11 @@ def dequantize_expert(banks: ExpertBanks, fid: int) -> tuple[Tensor, Tensor]:
     return get_format(banks.format).dequantize(expert_tensors(banks, fid))
 
 
-def quantize_banks(banks: ExpertBanks, name: str) -> ExpertBanks:
-    """Float banks (format bf16) -> banks of format ``name``; biases are kept as they are."""
+def quantize_banks(
+    banks: ExpertBanks, name: str, progress: Callable[[int, int], None] | None = None
+) -> ExpertBanks:
+    """Float banks (format bf16) -> banks of format ``name``; biases are kept as they are.
+    ``progress(done, total)`` is called after each expert."""
     if banks.format != "bf16":
         raise ValueError(f"quantize_banks needs float (bf16-format) banks, got {banks.format!r}")
     n, two_i, h = banks.gate_up.shape
@@ -376,6 +379,8 @@ def quantize_banks(banks: ExpertBanks, name: str) -> ExpertBanks:
         q = quantize(banks.gate_up[fid].float(), banks.down[fid].float(), banks.gate_up.dtype)
         for k, v in q.items():
             dest[k][fid].copy_(v)
+        if progress is not None:
+            progress(fid + 1, n)
     out.gate_up_bias, out.down_bias = banks.gate_up_bias, banks.down_bias
     return out
 

@@ -66,20 +66,22 @@ class ControlPlane:
 
         from ..experts.bandwidth import profile_format
         from ..models.config import ModelConfig
+        from ..models.loader import stored_expert_format
 
         acc = self.cfg.accelerator
         kind = "cuda" if acc == "cuda" or (acc == "auto" and torch.cuda.is_available()) else acc
-        mc = ModelConfig.from_hf(path)
-        fmt = profile_format(self._quantize(path) or mc.expert_format, mc.torch_dtype)
+        stored = stored_expert_format(path)
+        fmt = profile_format(self._quantize(path) or stored, ModelConfig.from_hf(path).torch_dtype)
         prof = self.store.bandwidth(fmt, kind)
         return None if prof is None else (prof.b_p, prof.b_h)
 
     def _quantize(self, path: Path) -> str | None:
-        """``quantize_experts`` applies to float checkpoints; quantized ones load as stored."""
-        from ..models.config import ModelConfig
+        """``quantize_experts`` applies to float checkpoints; quantized ones (also FTW folders
+        quantized at conversion) load as stored."""
+        from ..models.loader import stored_expert_format
 
         q = self.cfg.quantize_experts
-        return q if q and ModelConfig.from_hf(path).expert_format == "bf16" else None
+        return q if q and stored_expert_format(path) == "bf16" else None
 
     def _load_llm(self, path: Path, name: str, backend: str) -> Any:
         from ..engine.llm import LLM
