@@ -26,6 +26,8 @@ from .model import CausalLM
 from .registry import family_spec
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointError(ValueError):
     """A checkpoint we cannot load; the message names the tensor and the file."""
@@ -368,9 +370,6 @@ def load_model(
     filler.verify()
     model.eval()
     return model, banks
-
-
-log = logging.getLogger(__name__)
 
 
 def stored_expert_format(model_dir: str | Path) -> str:
