@@ -111,7 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     from .server.run import serve
 
     configure_logging()
+    _stack_dumps_on_sigusr1()
     return serve(cfg)
+
+
+def _stack_dumps_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` writes every thread's Python stack to stderr (the journal under
+    systemd): what a hung daemon is doing, without stopping it."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 if __name__ == "__main__":

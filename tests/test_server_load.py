@@ -137,9 +137,10 @@ def test_admission_limit_then_sigterm_drain():
 
         d.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        status, body = d.post(
-            "/v1/chat/completions", {"model": d.model, "messages": HELLO, "max_tokens": 2}
-        )
+        status, body = d.post(  # a hang here reports the daemon's thread stacks (SIGUSR1)
+            "/v1/chat/completions", {"model": d.model, "messages": HELLO, "max_tokens": 2},
+            timeout=60,
+        )  # fmt: skip
         assert status == 503 and "shutting down" in body["error"]["message"]
         assert d.get("/health")[0] == 503
         chunks = list(first)  # the request in flight still runs to its end

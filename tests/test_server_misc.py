@@ -80,3 +80,21 @@ def test_cached_prompt_tokens_are_reported(daemon):
     assert second["cache_read_input_tokens"] > 100
     total = second["input_tokens"] + second["cache_read_input_tokens"]
     assert total == first["input_tokens"] + first["cache_read_input_tokens"]
+
+
+def test_sigusr1_writes_every_thread_stack_and_keeps_serving(daemon):
+    """`kill -USR1`: what a hung daemon is doing (faulthandler), without stopping it."""
+    import signal
+    import time
+
+    before = len(daemon.log)
+    daemon.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        dump = "".join(daemon.log[before:])
+        if 'File "' in dump and "engine" in dump:
+            break
+        time.sleep(0.05)
+    assert "Current thread" in dump or "Thread 0x" in dump, dump[-2000:]
+    assert "bridge.py" in dump  # the engine thread's loop is in it
+    assert daemon.get("/health")[0] == 200

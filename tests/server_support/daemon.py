@@ -93,6 +93,18 @@ class Daemon:
                 return e.code, json.loads(raw)
             except ValueError:
                 return e.code, {"raw": raw.decode("utf-8", "replace")}
+        except TimeoutError as e:
+            raise TimeoutError(f"POST {path} timed out; {self.stacks()}") from e
+
+    def stacks(self) -> str:
+        """The daemon's thread stacks (SIGUSR1: faulthandler) and its last log lines, for a
+        failure message when it stops answering."""
+        if self.proc.poll() is not None:
+            return f"the daemon exited ({self.proc.returncode}):\n" + "".join(self.log[-40:])
+        before = len(self.log)
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        return "its stacks and last log lines:\n" + "".join(self.log[max(0, before - 20) :])
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics as name -> value."""
