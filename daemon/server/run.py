@@ -34,20 +34,30 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.drain_timeout = drain_timeout
         self._deadline = 0.0
+        self._announce = False  # the drain started in handle_exit; on_tick logs it
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler runs in the main thread between two bytecodes of whatever it was
+        # doing, e.g. inside the logger, holding the logger's lock: it only sets flags. Logging
+        # here deadlocked the daemon when SIGTERM landed while a request was being logged;
+        # on_tick announces the drain from the event loop.
         # Not calling super(): uvicorn would re-raise the signal after shutdown (exit 143).
         if self.state.draining:
             self.should_exit = True
             self.force_exit = sig == signal.SIGINT
             return
-        self.state.draining = True
         self._deadline = time.monotonic() + self.drain_timeout
-        _hook(self.state, "on_draining")
-        log.info("draining", in_flight=self.state.bridge.in_flight, timeout_s=self.drain_timeout)
+        self._announce = True
+        self.state.draining = True
 
     async def on_tick(self, counter: int) -> bool:
         if self.state.draining:
+            if self._announce:
+                self._announce = False
+                _hook(self.state, "on_draining")
+                log.info(
+                    "draining", in_flight=self.state.bridge.in_flight, timeout_s=self.drain_timeout
+                )
             if self.state.bridge.in_flight == 0 or time.monotonic() > self._deadline:
                 return True
         return await super().on_tick(counter)
