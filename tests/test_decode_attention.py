@@ -60,6 +60,16 @@ def _tables(lens: list[int], num_pages: int, g: torch.Generator) -> torch.Tensor
     return torch.stack([torch.randperm(num_pages, generator=g)[:width] for _ in lens]).int()
 
 
+def _agrees(*args: object) -> None:
+    """The native kernel and the torch reference agree on these arguments."""
+    torch.testing.assert_close(
+        dense_native.decode_attention(*args),  # type: ignore[arg-type]
+        dense_native.decode_attention_reference(*args),  # type: ignore[arg-type]
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
 def test_forced_isa_picks_kernel() -> None:
     """Every ISA that can be forced selects its attention kernel (AVX-512 machines run AVX2)."""
     import ftdense  # type: ignore[import-not-found]
@@ -109,13 +119,7 @@ def test_long_context_split_over_threads(isa: str, threads: int) -> None:
     q = torch.randn(1, 32, 128, generator=g)
     sinks = torch.randn(32, generator=g)
     for window, sk in [(None, None), (1200, sinks)]:
-        args = (q, kp, vp, tables, torch.tensor([2500]), 128**-0.5, window, sk)
-        torch.testing.assert_close(
-            dense_native.decode_attention(*args),
-            dense_native.decode_attention_reference(*args),
-            rtol=RTOL,
-            atol=ATOL,
-        )
+        _agrees(q, kp, vp, tables, torch.tensor([2500]), 128**-0.5, window, sk)
 
 
 def test_head_dim_not_multiple_of_8() -> None:
@@ -125,13 +129,7 @@ def test_head_dim_not_multiple_of_8() -> None:
     kp, vp = _pages(10, 2, 40, torch.bfloat16, g)
     tables = _tables([33, 70], 10, g)
     q = torch.randn(2, 6, 40, generator=g)
-    args = (q, kp, vp, tables, torch.tensor([33, 70]), 0.3, None, None)
-    torch.testing.assert_close(
-        dense_native.decode_attention(*args),
-        dense_native.decode_attention_reference(*args),
-        rtol=RTOL,
-        atol=ATOL,
-    )
+    _agrees(q, kp, vp, tables, torch.tensor([33, 70]), 0.3, None, None)
 
 
 def test_rows_pick_queries_and_leave_other_rows() -> None:

@@ -15,7 +15,7 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.engine.runner import Work
 from freetokend.experts.formats import FORMATS, dequantize_banks
-from freetokend.models.loader import quantize_experts_at_load, stored_expert_format
+from freetokend.models.expert_quant import quantize_experts_at_load, stored_expert_format
 from freetokend.server.config import QUANTIZE_FORMATS, ConfigError, DaemonConfig
 
 ATOL = 2e-4  # fp32, as in test_engine_families

@@ -17,8 +17,9 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..experts.formats import FORMATS, get_format
 from ..models.config import ModelConfig
+from ..models.expert_quant import quantize_experts_at_load
 from ..models.layers.common import dtype_of
-from ..models.loader import load_model, quantize_experts_at_load
+from ..models.loader import load_model
 from ..models.model import CausalLM
 from .ftw_index import INDEX_NAME, Entry, FtwError, FtwIndex, read_index
 from .ftw_io import ReadJob, aligned_empty, default_threads, pin, read_all, sha256_tensor

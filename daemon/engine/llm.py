@@ -14,7 +14,8 @@ from typing import Any, overload
 from ..experts.backend import BACKENDS, RoutingRecorder, create_backend
 from ..experts.banks import Activation, ActivationSpec
 from ..models.config import ModelConfig
-from ..models.loader import load_model, quantize_experts_at_load
+from ..models.expert_quant import quantize_experts_at_load
+from ..models.loader import load_model
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
 from .prefix import PrefixReuse, SnapshotPolicy

@@ -61,24 +61,25 @@ class ControlPlane:
         registered = self.store.registered_models().get(spec)
         return Path(registered) if registered else Path(spec).expanduser()
 
-    def _bandwidth(self, path: Path) -> tuple[float, float] | None:
+    def _bandwidth(self, path: Path, quantize: str | None) -> tuple[float, float] | None:
         import torch
 
         from ..experts.bandwidth import profile_format
         from ..models.config import ModelConfig
-        from ..models.loader import stored_expert_format
+        from ..models.expert_quant import stored_expert_format
 
         acc = self.cfg.accelerator
         kind = "cuda" if acc == "cuda" or (acc == "auto" and torch.cuda.is_available()) else acc
-        stored = stored_expert_format(path)
-        fmt = profile_format(self._quantize(path) or stored, ModelConfig.from_hf(path).torch_dtype)
-        prof = self.store.bandwidth(fmt, kind)
+        experts = quantize or stored_expert_format(path)
+        prof = self.store.bandwidth(
+            profile_format(experts, ModelConfig.from_hf(path).torch_dtype), kind
+        )
         return None if prof is None else (prof.b_p, prof.b_h)
 
     def _quantize(self, path: Path) -> str | None:
         """``quantize_experts`` applies to float checkpoints; quantized ones (also FTW folders
         quantized at conversion) load as stored."""
-        from ..models.loader import stored_expert_format
+        from ..models.expert_quant import stored_expert_format
 
         q = self.cfg.quantize_experts
         return q if q and stored_expert_format(path) == "bf16" else None
@@ -87,6 +88,7 @@ class ControlPlane:
         from ..engine.llm import LLM
 
         cfg = self.cfg
+        quantize = self._quantize(path)
         return LLM(
             path,
             moe_backend=backend,
@@ -95,7 +97,7 @@ class ControlPlane:
             kv_tokens=cfg.kv_tokens,
             moe_slots=cfg.moe_slots,
             accelerator=cfg.accelerator,
-            bandwidth=self._bandwidth(path),
+            bandwidth=self._bandwidth(path, quantize),
             name=name,
             prefix_cache=cfg.prefix_cache,
             snapshot_policy=cfg.snapshot_policy,
@@ -103,7 +105,7 @@ class ControlPlane:
             state_dir=self.state_dir if cfg.spill_budget_mb > 0 else None,
             spill_budget_mb=cfg.spill_budget_mb,
             spill_idle_s=cfg.spill_idle_s,
-            quantize_experts=self._quantize(path),
+            quantize_experts=quantize,
         )
 
     def _service(self, model: ResidentModel) -> ModelService:

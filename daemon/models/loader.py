@@ -10,10 +10,8 @@ both accepted; the family's FamilySpec says how names and layouts map.
 from __future__ import annotations
 
 import json
-import logging
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,8 +23,6 @@ from .layers.common import dtype_of
 from .model import CausalLM
 from .registry import family_spec
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -370,44 +366,3 @@ def load_model(
     filler.verify()
     model.eval()
     return model, banks
-
-
-def stored_expert_format(model_dir: str | Path) -> str:
-    """The routed experts' format as the folder stores them (an FTW folder may hold experts
-    quantized at conversion under a float config.json)."""
-    model_dir = Path(model_dir)
-    if (model_dir / "ftw.json").exists():
-        from ..checkpoint.ftw_index import read_index
-
-        return read_index(model_dir).expert_format
-    return ModelConfig.from_hf(model_dir).expert_format
-
-
-def quantize_experts_at_load(
-    banks: ExpertBanks,
-    cfg: ModelConfig,
-    fmt: str,
-    progress: Callable[[int, int], None] | None = None,
-) -> ExpertBanks:
-    """Float experts quantized to ``fmt`` in RAM (llama.cpp's quantize, at load or at FTW
-    conversion): 4.25 bits a weight for mxfp4 instead of 16. Dense weights stay as they are."""
-    from ..experts.formats import FORMATS, quantize_banks
-
-    choices = sorted(n for n in FORMATS if n != "bf16")
-    if fmt not in choices:
-        raise ValueError(f"quantize_experts: {fmt!r} is not one of {', '.join(choices)}")
-    if banks.format != "bf16":
-        raise ValueError(f"quantize_experts={fmt!r}: the experts are already {banks.format}")
-    FORMATS[fmt].check_dims(cfg.hidden_size, cfg.moe_intermediate_size)
-    t0 = time.perf_counter()
-    out = quantize_banks(banks, fmt, progress)
-    n = banks.gate_up.shape[0]
-    log.info(
-        "quantized %d experts to %s in %.1f s: %d -> %d MiB",
-        n,
-        fmt,
-        time.perf_counter() - t0,
-        banks.nbytes_per_expert() * n >> 20,
-        out.nbytes_per_expert() * n >> 20,
-    )
-    return out
