@@ -13,6 +13,8 @@ import argparse
 import json
 from typing import Any
 
+from .output import add_json
+
 DEFAULT_BUDGETS = "250,500,1000,2000,4000,8000"
 
 
@@ -26,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--slot-lru", action="store_true", help="also replay the SlotCache with LRU eviction"
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json(p, "print JSON instead of a table")
     p.set_defaults(run=run)
     return p
 

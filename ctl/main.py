@@ -29,7 +29,10 @@ GROUP_HELP = {"bench": "measure the deployment machine and replay cache policies
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .output import add_common
+
     parser = argparse.ArgumentParser(prog="ftctl", description="freetoken admin CLI")
+    add_common(parser)  # global options: also accepted before the command name
     top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for group, module in COMMANDS:
@@ -46,12 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; an error prints ``ftctl: <reason>`` (one line) and exits non-zero."""
     from .client import CtlError
+    from .output import fill_globals
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # Arguments after "--" belong to the program a command starts (ftctl launch AGENT -- ...).
     cut = argv.index("--") if "--" in argv else len(argv)
     rest = argv[cut + 1 :]
-    args = build_parser().parse_args(argv[:cut])
+    args = fill_globals(build_parser().parse_args(argv[:cut]))
     args.passthrough = rest
     if rest and args.command != "launch":
         print(f"ftctl: unexpected arguments after --: {' '.join(rest)}", file=sys.stderr)

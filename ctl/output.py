@@ -12,15 +12,36 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+# Options every command takes, before or after its name (``ftctl --json status`` and
+# ``ftctl status --json``), with the value a command sees when none was given.
+GLOBAL_DEFAULTS: dict[str, Any] = {"json": False, "socket": None}
+
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    """Adds --json and --socket. They are declared on the top-level parser and on every
+    (sub)command with SUPPRESS as the default: argparse copies a subparser's defaults over the
+    values parsed before the command name, so only an option actually given may set a value;
+    ``fill_globals`` supplies the defaults afterwards."""
+    add_json(p)
     p.add_argument(
         "--socket",
         metavar="PATH",
+        default=argparse.SUPPRESS,
         help="admin socket (default: $FREETOKEN_ADMIN_SOCKET, the per-user path, or "
         "/run/freetokend/admin.sock)",
     )
+
+
+def add_json(p: argparse.ArgumentParser, help: str = "print JSON instead of tables") -> None:
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=help)
+
+
+def fill_globals(args: argparse.Namespace) -> argparse.Namespace:
+    """The defaults of the global options that were given nowhere on the command line."""
+    for name, value in GLOBAL_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
 
 
 def print_json(data: Any) -> None:
