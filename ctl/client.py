@@ -12,7 +12,7 @@ import grpc
 
 from freetokend.admin import admin_pb2 as pb
 from freetokend.admin import admin_pb2_grpc as pb_grpc
-from freetokend.admin.paths import client_socket
+from freetokend.admin.paths import UntrustedSocket, check_trusted, client_socket
 
 
 class CtlError(Exception):
@@ -34,6 +34,10 @@ class AdminClient:
             raise CtlError(
                 f"no daemon listening at {self.path} (is freetokend running? --socket PATH)"
             )
+        try:
+            check_trusted(self.path)
+        except UntrustedSocket as e:
+            raise CtlError(str(e)) from None
         if not os.access(self.path, os.R_OK | os.W_OK):
             group = _group_name(self.path.stat().st_gid)
             raise CtlError(f"permission denied on {self.path}: join the group {group!r}")

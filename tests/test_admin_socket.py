@@ -176,3 +176,83 @@ def test_private_folders_of_killed_daemons_are_removed(short_dir: Path) -> None:
     finally:
         first.stop()
     assert not list(short_dir.glob(".admin-*"))
+
+
+# ---- ftctl trusts only a socket no other user could have placed (issue 15) -----------------
+
+
+def _give_away(*paths: Path) -> int:
+    """Makes ``paths`` another user's: chown to nobody as root; otherwise this process
+    pretends to be someone else (the files stay ours). Returns the uid ftctl runs as."""
+    if os.getuid() == 0:
+        for p in paths:
+            os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
+        return 0
+    return os.getuid() + 1000
+
+
+def _listening(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen()
+    return s
+
+
+def test_check_trusted(short_dir: Path) -> None:
+    from freetokend.admin.paths import UntrustedSocket, check_trusted
+
+    own = short_dir / "own"
+    own.mkdir(mode=0o700)
+    with _listening(own / "admin.sock"):
+        check_trusted(own / "admin.sock")  # the caller's private folder
+        os.chmod(own, 0o777)
+        with pytest.raises(UntrustedSocket, match="can be written by other users"):
+            check_trusted(own / "admin.sock")
+        os.chmod(own, 0o700)
+    (own / "file").write_text("x")
+    with pytest.raises(UntrustedSocket, match="not a socket"):
+        check_trusted(own / "file")
+
+    # shared place (sticky, world-writable, like /tmp): another user's folder is refused
+    os.chmod(short_dir, 0o1777)
+    theirs = short_dir / "theirs"
+    theirs.mkdir(mode=0o755)
+    with _listening(theirs / "admin.sock"):
+        uid = _give_away(theirs, theirs / "admin.sock")
+        with pytest.raises(UntrustedSocket, match="belongs to") as e:
+            check_trusted(theirs / "admin.sock", uid=uid)
+        assert "--socket" in str(e.value) and str(theirs) in str(e.value)
+        # the same folder under a parent only root writes (systemd's /run/freetokend, owned
+        # by the service user): root made it, so it is trusted
+        if os.getuid() == 0:
+            os.chmod(short_dir, 0o755)
+            check_trusted(theirs / "admin.sock", uid=uid)
+
+
+def test_ftctl_refuses_a_socket_planted_in_tmp(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without XDG_RUNTIME_DIR, ftctl looks in /tmp/freetoken-UID; another user created that
+    folder first and runs an admin server in it (here: a real one answering Status)."""
+    from ftctl.main import main
+
+    for name in ("XDG_RUNTIME_DIR", "RUNTIME_DIRECTORY", "FREETOKEN_ADMIN_SOCKET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(short_dir))  # short_dir plays /tmp
+    os.chmod(short_dir, 0o1777)
+    caller = os.getuid() if os.getuid() == 0 else os.getuid() + 1000
+    path = short_dir / f"freetoken-{caller}" / "admin.sock"
+    server = AdminServer(FakeOps(), path)  # type: ignore[arg-type]
+    server.start()
+    try:
+        os.chmod(path.parent, 0o755)
+        os.chmod(path, 0o666)
+        assert _give_away(path.parent, path) == caller
+        monkeypatch.setattr(os, "getuid", lambda: caller)  # (as root: no change)
+        assert user_socket({}) == path
+        rc = main(["--json", "status"])
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert rc == 1, "ftctl talked to another user's socket"
+    assert err.startswith(f"ftctl: refusing the admin socket {path}") and "belongs to" in err
