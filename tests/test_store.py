@@ -234,3 +234,27 @@ def test_cli_reports_a_bad_file_in_one_line_without_a_traceback(tmp_path):
         text=True,
     )
     assert ok.returncode == 0 and f"schema version {LATEST}" in ok.stdout
+
+
+def test_state_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Issue 15: with umask 0 (or the login's 022) the state folder, the database and its WAL
+    came out world-readable; a database an older version left 0644 is tightened too."""
+    import stat
+
+    old = os.umask(0)
+    try:
+        state = tmp_path / "a" / "state"
+        with Store(state) as store:
+            store.register_model("m", str(tmp_path))
+            assert (state / "state.db-wal").exists()  # open: the WAL holds the write
+            for name in ("state.db", "state.db-wal", "state.db-shm"):
+                assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        os.chmod(state / "state.db", 0o644)
+        os.chmod(state, 0o777)
+        with Store(state):
+            pass
+        assert stat.S_IMODE((state / "state.db").stat().st_mode) == 0o600
+        assert stat.S_IMODE(state.stat().st_mode) & 0o027 == 0
+    finally:
+        os.umask(old)

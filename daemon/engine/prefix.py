@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..kv.edits import EditModel, Track
 from ..kv.pool import KVPool
 from ..kv.radix import RadixCache
-from ..kv.seq_state import SeqState
+from ..kv.seq_state import RecurrentState, SeqState
 from ..kv.snapshots import Snapshot, SnapshotStore
 from ..kv.spill import SnapshotSpill, SpillReport
 
@@ -85,8 +85,8 @@ class PrefixReuse:
     def restore(self, tokens: list[int], state: SeqState) -> int:
         """Fills the fresh ``state`` with the deepest reusable prefix of ``tokens``; returns its
         length (0: nothing reused, ``state`` untouched). At least one token is left to feed."""
-        if self.spill is not None:
-            self._load_spilled(tokens)
+        if self.spill is not None and state.recurrent is not None:
+            self._load_spilled(tokens, state.recurrent)
         pages, matched = self.radix.match_prefix(tokens)
         limit = min(matched, len(tokens) - 1)
         pos, snap = self._resume_point(tokens, limit)
@@ -117,14 +117,15 @@ class PrefixReuse:
         state.num_tokens = pos
         return pos
 
-    def _load_spilled(self, tokens: list[int]) -> None:
+    def _load_spilled(self, tokens: list[int], template: RecurrentState) -> None:
         """Brings back from disk the deepest spilled snapshot on this prompt's path that beats
-        what memory offers (its KV into the tree, its state into the store)."""
+        what memory offers (its KV into the tree, its state into the store). ``template``: the
+        fresh sequence's recurrent state, which a file's state must match in shape and dtype."""
         assert self.spill is not None and self.snapshots is not None
         _, matched = self.radix.match_prefix(tokens)
         best, _ = self._resume_point(tokens, min(matched, len(tokens) - 1))
         for rec in self.spill.candidates(tokens, above=best):
-            state = self.spill.load(rec, tokens, self.pool, self.radix)
+            state = self.spill.load(rec, tokens, self.pool, self.radix, template)
             if state is not None:
                 self.snapshots.put(tokens, rec.position, state, rec.kind, head=True)
                 return

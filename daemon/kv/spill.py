@@ -16,10 +16,20 @@ temporary name and renamed, and carry their position and kind in the header; the
 written after the rename, so a file a crash left without its row is adopted at the next start
 (and a leftover temporary file deleted). A missing or unreadable file is dropped from the table,
 never fatal.
+
+Durability and integrity: the temporary file is fsynced before the rename and the folder after
+it, so a power cut leaves either no file or a whole one. The header carries a BLAKE2b digest of
+every tensor (``checksums``: name -> hex); a load checks each tensor's digest, dtype and shape
+against this engine before any of it reaches the KV pool or a sequence, so a damaged file
+(a flipped bit, a bad tensor past the first) is deleted with a warning and the request simply
+prefills, while the rest of the batch never sees it. Folders are 0700 and files 0600 whatever
+the umask: they hold the KV of users' prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -28,9 +38,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..store import AnchorRecord, Store
+from ..store.private import FILE_MODE, private_dir
 from .pool import KVPool
 from .radix import RadixCache
 from .seq_state import RecurrentState
@@ -39,6 +50,7 @@ from .snapshots import Snapshot, prefix_key
 log = logging.getLogger(__name__)
 
 STALE_TMP_S = 600.0  # a temporary file this old is a crash's leftover, not a write in progress
+TENSORS = ("conv", "ssm", "k", "v")  # what every spill file holds
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,8 @@ class SnapshotSpill:
         """Writes the snapshots not on disk yet whose prefix KV is still in the tree (in order:
         put the most valuable first), then trims the oldest files beyond the disk budget."""
         t0, files, nbytes = time.perf_counter(), 0, 0
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root.parent)
+        private_dir(self.root)
         for snap in snaps:
             key = snap.key.hex()
             if key in self.records or snap.prefix is None:
@@ -91,10 +104,14 @@ class SnapshotSpill:
     def _write(self, key: str, snap: Snapshot, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
         path = self.root / f"{key}.safetensors"
         tmp = path.with_suffix(".tmp")
-        tensors = {"conv": snap.state.conv, "ssm": snap.state.ssm, "k": kv[0], "v": kv[1]}
-        meta = {"pos": str(snap.pos), "kind": snap.kind}
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), meta)
+        raw = {"conv": snap.state.conv, "ssm": snap.state.ssm, "k": kv[0], "v": kv[1]}
+        tensors = {n: t.contiguous() for n, t in raw.items()}
+        checksums = {n: tensor_digest(t) for n, t in tensors.items()}
+        meta = {"pos": str(snap.pos), "kind": snap.kind, "checksums": json.dumps(checksums)}
+        save_file(tensors, str(tmp), meta)
+        _sync_private(tmp)  # on disk before the name points at it
         os.replace(tmp, path)
+        _sync_dir(self.root)  # the rename itself survives a power cut
         return path.stat().st_size
 
     def _adopt_orphans(self) -> int:
@@ -161,21 +178,29 @@ class SnapshotSpill:
         return [r for r in recs if prefix_key(tokens, r.position).hex() == r.prefix_hash]
 
     def load(
-        self, rec: AnchorRecord, tokens: list[int], pool: KVPool, radix: RadixCache
+        self,
+        rec: AnchorRecord,
+        tokens: list[int],
+        pool: KVPool,
+        radix: RadixCache,
+        template: RecurrentState,
     ) -> RecurrentState | None:
         """Puts the file's KV into the tree (under ``tokens[:position]``) and returns its state;
-        None when the file is unusable (dropped) or the pool has no room (kept)."""
+        None when the file is unusable (deleted) or the pool has no room (kept). ``template``
+        is a recurrent state of this engine: the shapes and dtypes the file's state must have."""
         try:
-            t = load_file(str(self.store.state_dir / (rec.spill_path or "")))
-            k, v, pos = t["k"], t["v"], rec.position
-            if (
-                k.shape[1] != pos
-                or k.shape[0] != pool.k.shape[0]
-                or k.shape[2:] != pool.k.shape[3:]
-            ):
-                raise ValueError(f"KV of shape {tuple(k.shape)} does not fit this engine")
+            t, meta = _read(self.store.state_dir / (rec.spill_path or ""))
+            pos = rec.position
+            expected = {
+                "conv": (tuple(template.conv.shape), template.conv.dtype),
+                "ssm": (tuple(template.ssm.shape), template.ssm.dtype),
+                "k": ((pool.k.shape[0], pos, *pool.k.shape[3:]), pool.k.dtype),
+                "v": ((pool.v.shape[0], pos, *pool.v.shape[3:]), pool.v.dtype),
+            }
+            check_tensors(t, meta, expected)
+            k, v = t["k"], t["v"]
         except Exception as e:  # noqa: BLE001 - any unreadable file is dropped, never fatal
-            log.warning("dropping spilled snapshot %s: %s", rec.spill_path, e)
+            log.warning("deleting damaged spilled snapshot %s: %s", rec.spill_path, e)
             self._drop(rec)
             return None
         n = pool.pages_for(pos)
@@ -191,6 +216,58 @@ class SnapshotSpill:
         self.store.touch_anchor(self.fingerprint, rec.prefix_hash)
         self.loaded += 1
         return RecurrentState(t["conv"], t["ssm"])
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """BLAKE2b-128 of a contiguous tensor's bytes (any dtype, bf16 included)."""
+    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.data, digest_size=16).hexdigest()
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+
+
+def check_tensors(
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+) -> None:
+    """Raises ValueError naming the first of a file's ``tensors`` whose presence, shape, dtype
+    or digest (``meta["checksums"]``, from its header) is not what ``expected`` says."""
+    try:
+        digests = json.loads(meta["checksums"])
+    except (KeyError, ValueError):
+        raise ValueError("the file has no checksums (written by an older freetoken)") from None
+    if set(tensors) != set(expected):
+        raise ValueError(f"tensors {sorted(tensors)}, expected {sorted(expected)}")
+    for name, (shape, dtype) in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"{name}: {t.dtype} {tuple(t.shape)} does not fit this engine ({dtype} {shape})"
+            )
+        if tensor_digest(t) != digests.get(name):
+            raise ValueError(f"{name}: checksum mismatch (the file is damaged)")
+
+
+def _sync_private(path: Path) -> None:
+    """Mode 0600 (save_file used the umask) and the file's data on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _gather(pool: KVPool, pages: list[int], pos: int) -> tuple[torch.Tensor, torch.Tensor]:

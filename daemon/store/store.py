@@ -21,6 +21,7 @@ from .anchors import AnchorRecord
 from .bandwidth import BandwidthRow
 from .db import DB_NAME, open_database, schema_version
 from .models import ModelRecord
+from .private import private_dir, private_file, restrict
 from .request_log import RequestEntry
 from .schema import MIGRATIONS
 
@@ -37,9 +38,12 @@ class Store:
     def __init__(
         self, state_dir: str | Path, request_log_rows: int = 10000, *, _upto: int | None = None
     ) -> None:
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir = private_dir(Path(state_dir))
         self.path = self.state_dir / DB_NAME
+        # SQLite gives the -wal and -shm files the mode of the database file: create it 0600
+        private_file(self.path)
+        for suffix in ("-wal", "-shm", "-journal"):  # left by an older version, maybe 0644
+            restrict(self.path.with_name(DB_NAME + suffix))
         self.request_log_rows = request_log_rows
         self._db = open_database(self.path, MIGRATIONS, upto=_upto)
         self._lock = threading.RLock()
