@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 AGENTS = ("claude", "codex", "opencode", "openclaw")
-API_KEY = "freetoken"  # the daemon does not check keys; agents insist on having one
+# What agents get when the daemon needs no key (they insist on having one)
+PLACEHOLDER_KEY = "freetoken"
+KEY_ENV = "FREETOKEN_API_KEY"  # Codex reads its provider's key from this variable (env_key)
 
 
 @dataclass
@@ -42,16 +44,24 @@ def _toml_str(s: str) -> str:
 
 
 def build(
-    agent: str, url: str, model: str, context: int, home: Path, extra_args: list[str]
+    agent: str,
+    url: str,
+    model: str,
+    context: int,
+    home: Path,
+    extra_args: list[str],
+    api_key: str = "",
 ) -> AgentLaunch:
-    """The files, environment and command line that start ``agent`` against ``url``."""
+    """The files, environment and command line that start ``agent`` against ``url``, sending
+    ``api_key`` (the daemon's, or a placeholder when it needs none) the agent's own way."""
     folder = home / agent
+    key = api_key or PLACEHOLDER_KEY
     v1 = url.rstrip("/") + "/v1"
     if agent == "claude":
         settings = folder / "settings.json"
         env = {
             "ANTHROPIC_BASE_URL": url.rstrip("/"),
-            "ANTHROPIC_AUTH_TOKEN": API_KEY,
+            "ANTHROPIC_AUTH_TOKEN": key,  # sent as Authorization: Bearer
             "ANTHROPIC_MODEL": model,
             "ANTHROPIC_SMALL_FAST_MODEL": model,
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
@@ -70,9 +80,11 @@ def build(
             "[model_providers.freetoken]\n"
             'name = "freetoken (local daemon)"\n'
             f"base_url = {_toml_str(v1)}\n"
+            f"env_key = {_toml_str(KEY_ENV)}\n"
             'wire_api = "responses"\n'
         )
-        return AgentLaunch(agent, ["codex", *extra_args], {"CODEX_HOME": str(folder)},
+        return AgentLaunch(agent, ["codex", *extra_args],
+                           {"CODEX_HOME": str(folder), KEY_ENV: key},
                            {folder / "config.toml": text})  # fmt: skip
     if agent == "opencode":
         cfg = {
@@ -82,7 +94,7 @@ def build(
                 "freetoken": {
                     "npm": "@ai-sdk/openai-compatible",
                     "name": "freetoken (local daemon)",
-                    "options": {"baseURL": v1, "apiKey": API_KEY},
+                    "options": {"baseURL": v1, "apiKey": key},
                     "models": {
                         model: {
                             "name": model,
@@ -102,7 +114,7 @@ def build(
                 "providers": {
                     "freetoken": {
                         "baseUrl": v1,
-                        "apiKey": API_KEY,
+                        "apiKey": key,
                         "api": "openai-completions",
                         "models": [{"id": model, "name": model, "contextWindow": context,
                                     "maxTokens": min(context, 32000)}],

@@ -18,6 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     with AdminClient(args.socket) as client:
         reply = to_dict(client.call("Status", pb.StatusRequest()))
+    # the key is for `ftctl launch`; status output gets pasted into bug reports
+    reply["api_key_required"] = bool(reply.pop("api_key", ""))
     if args.json:
         print_json(reply)
         return 0
@@ -29,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         ("requests", f"{reply['running']} running, {reply['waiting']} waiting"),
         ("resident models", reply["resident_models"]),
         ("auto switch", "on" if reply["auto_switch"] else "off"),
+        ("API key", "required" if reply["api_key_required"] else "none"),
         ("VRAM watcher", reply["vram_watch"]),
         ("admin socket", reply["admin_socket"]),
         ("uptime", f"{int(up // 3600)}h {int(up % 3600 // 60)}m {int(up % 60)}s"),

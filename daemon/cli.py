@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds SIGTERM waits for requests in flight (default: 30)",
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require this API key (Authorization: Bearer KEY or x-api-key: KEY); repeat for "
+        "several keys. Prefer FREETOKEN_API_KEY or the config file: a flag shows in ps "
+        "(default: no key)",
+    )
     add_control_flags(p)
     p.add_argument("--config", metavar="FILE", help="TOML settings file")
     return p

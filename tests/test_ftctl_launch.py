@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def test_agent_configuration(agent: str, tmp_path: Path) -> None:
         provider = cfg["model_providers"][cfg["model_provider"]]
         assert provider["base_url"] == URL + "/v1" and cfg["model"] == MODEL
         assert provider["wire_api"] == "responses" and cfg["model_context_window"] == CTX
-        assert launch.env == {"CODEX_HOME": str(path.parent)}
+        assert launch.env == {"CODEX_HOME": str(path.parent), "FREETOKEN_API_KEY": "freetoken"}
+        assert provider["env_key"] == "FREETOKEN_API_KEY"
     elif agent == "opencode":
         cfg = json.loads(text)
         provider = cfg["provider"]["freetoken"]
@@ -66,3 +68,75 @@ def test_missing_agent_is_a_one_line_error(
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("ftctl: opencode is not installed") and err.count("\n") == 1
     assert (tmp_path / "freetoken/agents/opencode/opencode.json").is_file()
+
+
+# ---- the daemon's API key reaches the agent (issue 15) ---------------------------------------
+
+KEY = "sk-daemon-key"
+
+
+def agent_key(agent: str, launch) -> str:  # type: ignore[no-untyped-def]
+    """The key the agent will send, read from its configuration as the agent reads it."""
+    ((path, text),) = launch.files.items()
+    if agent == "claude":
+        return json.loads(text)["env"]["ANTHROPIC_AUTH_TOKEN"]
+    if agent == "codex":
+        provider = tomllib.loads(text)["model_providers"]["freetoken"]
+        return launch.env[provider["env_key"]]
+    if agent == "opencode":
+        return json.loads(text)["provider"]["freetoken"]["options"]["apiKey"]
+    return json.loads(text)["models"]["providers"]["freetoken"]["apiKey"]
+
+
+@pytest.mark.parametrize("agent", AGENTS)
+def test_each_agent_sends_the_key(agent: str, tmp_path: Path) -> None:
+    assert agent_key(agent, build(agent, URL, MODEL, CTX, tmp_path, [], KEY)) == KEY
+
+
+class StatusOps:
+    """An admin socket whose daemon requires KEY."""
+
+    def status(self) -> dict:
+        return {"http_url": URL, "active_model": MODEL, "api_key": KEY}
+
+    def models(self) -> dict:
+        return {"models": [{"name": MODEL, "max_model_len": CTX}], "host_budget_bytes": 0,
+                "host_used_bytes": 0, "auto_switch": False}  # fmt: skip
+
+
+@pytest.fixture()
+def keyed_socket():  # type: ignore[no-untyped-def]
+    import shutil
+    import tempfile
+
+    from freetokend.admin.server import AdminServer
+
+    d = Path(tempfile.mkdtemp(prefix="ftl-", dir="/tmp"))
+    server = AdminServer(StatusOps(), d / "admin.sock")  # type: ignore[arg-type]
+    server.start()
+    yield str(d / "admin.sock")
+    server.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("agent", AGENTS)
+def test_launch_passes_the_daemons_key_in_private_files(
+    agent: str, keyed_socket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    import stat
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no agent installed: files written, then exit 1
+    monkeypatch.delenv("FREETOKEN_API_KEY", raising=False)
+    old = os.umask(0o022)
+    try:
+        assert main(["launch", agent, "--socket", keyed_socket]) == 1
+    finally:
+        os.umask(old)
+    assert "is not installed" in capsys.readouterr().err
+    launch = build(agent, URL, MODEL, CTX, tmp_path / "freetoken" / "agents", [], KEY)
+    ((path, text),) = launch.files.items()
+    assert path.read_text() == text and agent_key(agent, launch) == KEY
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700

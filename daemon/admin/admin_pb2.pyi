@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "http_url", "active_model", "moe_backend", "accelerator", "running", "waiting", "in_flight", "draining", "admin_socket", "vram_watch", "resident_models", "auto_switch")
+    __slots__ = ("version", "pid", "uptime_s", "http_url", "active_model", "moe_backend", "accelerator", "running", "waiting", "in_flight", "draining", "admin_socket", "vram_watch", "resident_models", "auto_switch", "api_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class StatusReply(_message.Message):
     VRAM_WATCH_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MODELS_FIELD_NUMBER: _ClassVar[int]
     AUTO_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
@@ -42,7 +43,8 @@ class StatusReply(_message.Message):
     vram_watch: str
     resident_models: int
     auto_switch: bool
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., http_url: _Optional[str] = ..., active_model: _Optional[str] = ..., moe_backend: _Optional[str] = ..., accelerator: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., admin_socket: _Optional[str] = ..., vram_watch: _Optional[str] = ..., resident_models: _Optional[int] = ..., auto_switch: _Optional[bool] = ...) -> None: ...
+    api_key: str
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., http_url: _Optional[str] = ..., active_model: _Optional[str] = ..., moe_backend: _Optional[str] = ..., accelerator: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., admin_socket: _Optional[str] = ..., vram_watch: _Optional[str] = ..., resident_models: _Optional[int] = ..., auto_switch: _Optional[bool] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -86,6 +86,7 @@ class AdminOps:
             "vram_watch": c.vram_status,
             "resident_models": len(c.manager.models),
             "auto_switch": c.manager.auto_switch,
+            "api_key": next(iter(c.cfg.api_keys), ""),
         }
 
     def stats(self) -> list[dict[str, Any]]:

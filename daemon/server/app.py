@@ -9,6 +9,7 @@ import structlog
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
+from .access import HttpAccess, access_middleware
 from .errors import (
     APIError,
     InternalError,
@@ -87,8 +88,9 @@ def on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[A
     return _respond(request, InternalError(f"Internal error: {type(exc).__name__}"))
 
 
-def create_app(state: ServerState) -> Litestar:
-    """The app; the engine thread starts with the app and stops with it."""
+def create_app(state: ServerState, access: HttpAccess | None = None) -> Litestar:
+    """The app; the engine thread starts with the app and stops with it. ``access``: API keys
+    and the Host/Origin rules (server/access.py); None = no checks (in-process tests)."""
 
     async def start_engine() -> None:
         state.bridge.start(asyncio.get_running_loop())
@@ -96,6 +98,7 @@ def create_app(state: ServerState) -> Litestar:
     def stop_engine() -> None:
         state.bridge.stop()
 
+    middleware: list[Any] = [access_middleware(access)] if access is not None else []
     app = Litestar(
         route_handlers=[
             chat_completions,
@@ -118,6 +121,7 @@ def create_app(state: ServerState) -> Litestar:
         on_startup=[start_engine],
         on_shutdown=[stop_engine],
         request_max_body_size=MAX_BODY_BYTES,
+        middleware=middleware,
         openapi_config=openapi_config(),
         debug=False,
     )

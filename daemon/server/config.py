@@ -45,6 +45,12 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_queue: int = 64  # requests waiting beyond the batch before 429/529
     max_model_len: int | None = None  # context limit; default: the model's (capped)
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    # ---- HTTP access (server/access.py) ----
+    # API keys clients must send (Authorization: Bearer KEY or x-api-key: KEY): one key, a
+    # comma-separated string of keys, or a list; None = no key needed
+    api_key: str | list[str] | None = None
+    allowed_hosts: list[str] = []  # Host names accepted besides loopback ones; "*" = any
+    allowed_origins: list[str] = []  # browser Origins accepted besides loopback; "*" = any
     # ---- control plane (models, elastic caches, VRAM watcher) ----
     accelerator: str = "auto"  # auto | cuda | standin (CPU stand-in, for tests)
     moe_slots: int | None = None  # expert slots on the accelerator; default: half of all experts
@@ -84,7 +90,15 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.drain_timeout < 0:
             raise ConfigError(f"drain_timeout: must be >= 0, got {self.drain_timeout}")
         check_control(self)
+        check_access(self)
         return self
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The configured keys (a string may hold several, comma-separated)."""
+        raw = self.api_key
+        items = raw.split(",") if isinstance(raw, str) else (raw or [])
+        return tuple(k.strip() for k in items)
 
 
 FIELDS: tuple[str, ...] = DaemonConfig.__struct_fields__
@@ -116,6 +130,18 @@ def check_control(cfg: DaemonConfig) -> None:
     for name in ("snapshot_budget_mb", "spill_budget_mb", "spill_idle_s"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
+
+
+def check_access(cfg: DaemonConfig) -> None:
+    """API keys are printable ASCII without spaces (they travel in HTTP headers); the error
+    never repeats a key."""
+    for i, key in enumerate(cfg.api_keys):
+        if not key:
+            raise ConfigError(f"api_key: key {i + 1} is empty")
+        if not all("!" <= c <= "~" for c in key):
+            raise ConfigError(
+                f"api_key: key {i + 1} has a space or a character outside printable ASCII"
+            )
 
 
 def default_state_dir(env: dict[str, str]) -> Path:

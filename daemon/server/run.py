@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 import uvicorn
 
+from .access import HttpAccess
 from .app import create_app
 from .bridge import EngineBridge
 from .config import DaemonConfig
@@ -127,7 +128,13 @@ def serve(cfg: DaemonConfig) -> int:
         if control is not None:
             control.stop()
         return 1
-    app = create_app(state)
+    access = HttpAccess.from_config(cfg)
+    if not access.key_digests and not access.check_host:
+        log.warning(
+            "the API listens beyond loopback without an API key: anyone who can reach "
+            f"{cfg.host}:{cfg.port} can use it (set api_key)"
+        )
+    app = create_app(state, access)
     config = uvicorn.Config(
         app,
         host=cfg.host,
