@@ -23,6 +23,7 @@ COMMANDS: tuple[tuple[str | None, str], ...] = (
     ("bench", "ftctl.bench_cache"),
     (None, "ftctl.checkpoint"),
     (None, "ftctl.launch"),
+    (None, "ftctl.systemd_dropin"),
 )
 
 GROUP_HELP = {"bench": "measure the deployment machine and replay cache policies"}

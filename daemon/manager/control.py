@@ -51,6 +51,8 @@ class ControlPlane:
         self.hub: EngineHub | None = None
         self.bridge: EngineBridge | None = None
         self.state: ServerState | None = None
+        self.watchdog: Any = None  # server/watchdog.Watchdog under systemd's WatchdogSec=
+        self._watchdog_task: Any = None
 
     # ---- models -----------------------------------------------------------------------------
     def _resolve(self, spec: str) -> Path:
@@ -186,8 +188,23 @@ class ControlPlane:
         return SlotSizes(be.cache.num_slots, target, slot, min(target, be.num_experts))
 
     def on_listening(self, host: str, port: int) -> None:
+        """Called on the event loop once the API listens: readiness, then watchdog pings."""
         self.http_url = f"http://{host}:{port}"
         sdnotify.notify("READY=1", f"STATUS=serving {self.manager.active.name} on {self.http_url}")
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        import asyncio
+
+        from ..server.watchdog import Watchdog, watchdog_seconds
+
+        timeout = watchdog_seconds()
+        if timeout is None or self.bridge is None or self.watchdog is not None:
+            return
+        bridge = self.bridge
+        self.watchdog = Watchdog.for_timeout(timeout, lambda: bridge.beat)
+        self._watchdog_task = asyncio.get_running_loop().create_task(self.watchdog.run())
+        log.info("systemd watchdog: a ping every %.1f s while the engine is alive", timeout / 4)
 
     def on_draining(self) -> None:
         sdnotify.notify("STOPPING=1", "STATUS=draining")

@@ -27,6 +27,7 @@ from .errors import InvalidRequest, Overloaded
 log = structlog.get_logger("freetokend.bridge")
 
 RETRY_AFTER_S = 1
+IDLE_WAIT_S = 1.0  # an idle engine thread wakes this often (and refreshes its heartbeat)
 
 
 @dataclass
@@ -77,6 +78,9 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats: Any = None  # last EngineStats snapshot, refreshed by the engine thread
+        # time.monotonic() of the engine thread's last sign of life (around every step, every
+        # IDLE_WAIT_S when idle): the systemd watchdog pings only while it is recent
+        self.beat = time.monotonic()
 
     # --- loop side ---------------------------------------------------------------------------
 
@@ -133,10 +137,11 @@ class EngineBridge:
 
     def _run(self) -> None:
         while not self._stopping:
+            self.beat = time.monotonic()
             if not self.engine.has_unfinished():
                 self._refresh_stats()
                 self._idle()
-                self._wake.wait(timeout=1.0)
+                self._wake.wait(timeout=IDLE_WAIT_S)
                 self._wake.clear()
                 continue
             self._step()

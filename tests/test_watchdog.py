@@ -1,0 +1,147 @@
+"""The systemd watchdog (issue 15): WATCHDOG=1 pings come from the event loop and only while the
+engine thread is alive, so a stuck engine step stops them (and systemd restarts the daemon)
+although HTTP still answers; the real daemon pings under WatchdogSec."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freetokend.server import bridge as bridge_mod
+from freetokend.server.bridge import EngineBridge
+from freetokend.server.metrics import Metrics
+from freetokend.server.watchdog import Watchdog, watchdog_seconds
+
+
+def test_watchdog_seconds() -> None:
+    assert watchdog_seconds({}) is None
+    assert watchdog_seconds({"WATCHDOG_USEC": "120000000"}) == 120.0
+    mine = {"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}
+    assert watchdog_seconds(mine) == 2.0
+    assert watchdog_seconds({**mine, "WATCHDOG_PID": "1"}) is None  # meant for another process
+    assert watchdog_seconds({"WATCHDOG_USEC": "junk"}) is None
+
+
+def test_pings_only_while_the_engine_beats() -> None:
+    now, beat, sent = [100.0], [100.0], []
+    dog = Watchdog(1.0, 5.0, lambda: beat[0], lambda *a: sent.append(a) or True, lambda: now[0])
+    assert dog.tick() and sent == [("WATCHDOG=1",)]
+    now[0] = 104.9
+    assert dog.tick()
+    now[0] = 105.0  # no heartbeat for stale_s: stuck
+    assert not dog.tick() and not dog.tick() and len(sent) == 2
+    beat[0] = 105.0  # the step returned
+    assert dog.tick() and len(sent) == 3
+    assert Watchdog.for_timeout(120, lambda: 0.0).stale_s == 60
+
+
+class StallingEngine:
+    """Always has work; ``step`` blocks while ``free`` is clear (a hung kernel, a deadlock)."""
+
+    def __init__(self) -> None:
+        self.free = threading.Event()
+        self.free.set()
+        self.steps = 0
+
+    def has_unfinished(self) -> bool:
+        return True
+
+    def step(self) -> list[Any]:
+        self.free.wait()
+        time.sleep(0.005)
+        self.steps += 1
+        return []
+
+    def stats(self) -> None:
+        return None
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+def test_a_stuck_engine_stops_the_pings_and_a_blocked_loop_sends_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real bridge and its engine thread, the watchdog task on a real event loop."""
+    monkeypatch.setattr(bridge_mod, "IDLE_WAIT_S", 0.02)
+    engine = StallingEngine()
+    pings: list[float] = []
+
+    async def main() -> dict[str, int]:
+        bridge = EngineBridge(engine, 1, 0, Metrics())
+        bridge.start(asyncio.get_running_loop())
+        dog = Watchdog(0.02, 0.3, lambda: bridge.beat, lambda *a: pings.append(time.monotonic()))
+        task = asyncio.ensure_future(dog.run())
+
+        async def count(seconds: float) -> int:
+            before = len(pings)
+            await asyncio.sleep(seconds)
+            return len(pings) - before
+
+        got = {"running": await count(0.4)}
+        engine.free.clear()  # the engine thread is stuck inside step() from now on
+        await asyncio.sleep(0.4)  # > stale_s: the heartbeat is stale
+        got["stuck"] = await count(0.4)
+        engine.free.set()
+        await asyncio.sleep(0.05)
+        got["recovered"] = await count(0.4)
+        before = len(pings)
+        time.sleep(0.4)  # the event loop itself blocked (a deadlock on the loop thread)
+        got["loop blocked"] = len(pings) - before
+        task.cancel()
+        bridge.stop()
+        return got
+
+    got = asyncio.run(main())
+    assert got["running"] >= 5, got
+    assert got["stuck"] == 0, got
+    assert got["recovered"] >= 5, got
+    assert got["loop blocked"] == 0, got
+    assert engine.steps > 0
+
+
+def test_the_daemon_pings_under_watchdogsec() -> None:
+    """freetokend started as systemd would (NOTIFY_SOCKET, WATCHDOG_USEC): READY=1, then
+    WATCHDOG=1 every WatchdogSec/4."""
+    from server_support.daemon import _pythonpath, state_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="ftwd-", dir="/tmp"))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(folder / "notify"))
+    sock.settimeout(1.0)
+    env = {
+        **os.environ,
+        "PYTHONPATH": _pythonpath(),
+        "FREETOKEN_STATE_DIR": str(state_dir()),
+        "NOTIFY_SOCKET": str(folder / "notify"),
+        "WATCHDOG_USEC": "800000",  # WatchdogSec=0.8: a ping every 0.2 s
+    }
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "freetokend.cli", "--port", "0", "--admin-socket", "off"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    got: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and got.count("WATCHDOG=1") < 4:
+            try:
+                got.extend(sock.recv(4096).decode().split("\n"))
+            except TimeoutError:
+                assert proc.poll() is None, "the daemon exited"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert "READY=1" in got and got.count("WATCHDOG=1") >= 4, got
+    assert got.index("READY=1") < got.index("WATCHDOG=1")
