@@ -123,25 +123,33 @@ def test_the_daemon_pings_under_watchdogsec() -> None:
         "PYTHONPATH": _pythonpath(),
         "FREETOKEN_STATE_DIR": str(state_dir()),
         "NOTIFY_SOCKET": str(folder / "notify"),
-        "WATCHDOG_USEC": "800000",  # WatchdogSec=0.8: a ping every 0.2 s
+        "WATCHDOG_USEC": "2000000",  # WatchdogSec=2: a ping every 0.5 s
     }
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "freetokend.cli", "--port", "0", "--admin-socket", "off"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(folder / "log", "w+")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
     got: list[str] = []
+    ready_at = 0.0
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and got.count("WATCHDOG=1") < 4:
+        while time.monotonic() < deadline and got.count("WATCHDOG=1") < 6:
             try:
                 got.extend(sock.recv(4096).decode().split("\n"))
             except TimeoutError:
-                assert proc.poll() is None, "the daemon exited"
+                assert proc.poll() is None, "the daemon exited: " + (folder / "log").read_text()
+            if not ready_at and "READY=1" in got:
+                ready_at = time.monotonic()
+        took = time.monotonic() - ready_at
     finally:
         proc.terminate()
         proc.wait(30)
+        log.close()
         sock.close()
         shutil.rmtree(folder, ignore_errors=True)
-    assert "READY=1" in got and got.count("WATCHDOG=1") >= 4, got
+    assert "READY=1" in got and got.count("WATCHDOG=1") >= 6, got
     assert got.index("READY=1") < got.index("WATCHDOG=1")
+    # six pings at 0.5 s: ~2.5 s; an idle engine must not pass for a stuck one
+    assert took < 6.0, f"pings withheld while the engine idled: 6 took {took:.1f} s"

@@ -196,13 +196,14 @@ class ControlPlane:
     def _start_watchdog(self) -> None:
         import asyncio
 
+        from ..server.bridge import IDLE_WAIT_S
         from ..server.watchdog import Watchdog, watchdog_seconds
 
         timeout = watchdog_seconds()
         if timeout is None or self.bridge is None or self.watchdog is not None:
             return
         bridge = self.bridge
-        self.watchdog = Watchdog.for_timeout(timeout, lambda: bridge.beat)
+        self.watchdog = Watchdog.for_timeout(timeout, lambda: bridge.beat, 3 * IDLE_WAIT_S)
         self._watchdog_task = asyncio.get_running_loop().create_task(self.watchdog.run())
         log.info("systemd watchdog: a ping every %.1f s while the engine is alive", timeout / 4)
 

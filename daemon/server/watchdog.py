@@ -59,8 +59,12 @@ class Watchdog:
     _stuck: bool = False
 
     @classmethod
-    def for_timeout(cls, timeout_s: float, beat: Callable[[], float]) -> Watchdog:
-        return cls(interval_s=timeout_s / 4, stale_s=timeout_s / 2, beat=beat)
+    def for_timeout(
+        cls, timeout_s: float, beat: Callable[[], float], min_stale_s: float = 0.0
+    ) -> Watchdog:
+        """Pings every timeout/4; stuck after timeout/2 without a heartbeat, or after
+        ``min_stale_s`` (a few of the idle engine's wake-ups) if that is longer."""
+        return cls(interval_s=timeout_s / 4, stale_s=max(timeout_s / 2, min_stale_s), beat=beat)
 
     def engine_alive(self) -> bool:
         return self.clock() - self.beat() < self.stale_s
