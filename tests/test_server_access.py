@@ -179,17 +179,19 @@ def test_each_key_in_each_header_is_accepted(keyed: Daemon) -> None:
 
     oa = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[0], max_retries=0,
                        timeout=CLIENT_TIMEOUT)  # fmt: skip
-    out = oa.chat.completions.create(**chat(keyed.model))
-    assert out.choices[0].finish_reason in ("length", "stop")
+    assert [m.id for m in oa.models.list()] == [keyed.model]  # Authorization: Bearer
     an = anthropic.Anthropic(base_url=keyed.url, api_key=KEYS[1], max_retries=0,
                              timeout=CLIENT_TIMEOUT)  # fmt: skip
-    assert an.messages.create(**message(keyed.model)).stop_reason in ("max_tokens", "end_turn")
-    # Claude Code (ANTHROPIC_AUTH_TOKEN) sends the key as a bearer token to /v1/messages
-    status, _, _ = request(
-        keyed, "POST", "/v1/messages?beta=true", message(keyed.model),
-        authorization=f"Bearer {KEYS[0]}",
+    counted = an.messages.count_tokens(model=keyed.model, messages=message(keyed.model)["messages"])
+    assert counted.input_tokens > 0  # x-api-key
+    # Claude Code (ANTHROPIC_AUTH_TOKEN) sends the key to /v1/messages as a bearer token
+    status, body, _ = request(
+        keyed, "POST", "/v1/messages/count_tokens?beta=true", message(keyed.model),
+        authorization=f"Bearer {KEYS[1]}",
     )  # fmt: skip
-    assert status == 200
+    assert status == 200 and body["input_tokens"] > 0
+    for hdrs in ({"authorization": f"Bearer {KEYS[1]}"}, {"x_api_key": KEYS[0]}):
+        assert request(keyed, "GET", "/v1/models", **hdrs)[0] == 200, hdrs
 
 
 def test_warm_up_and_health_need_no_key(keyed: Daemon) -> None:
