@@ -50,7 +50,6 @@ from .snapshots import Snapshot, prefix_key
 log = logging.getLogger(__name__)
 
 STALE_TMP_S = 600.0  # a temporary file this old is a crash's leftover, not a write in progress
-TENSORS = ("conv", "ssm", "k", "v")  # what every spill file holds
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,8 @@ class SnapshotSpill:
         path = self.root / f"{key}.safetensors"
         tmp = path.with_suffix(".tmp")
         raw = {"conv": snap.state.conv, "ssm": snap.state.ssm, "k": kv[0], "v": kv[1]}
-        tensors = {n: t.contiguous() for n, t in raw.items()}
+        # on the host: the digest reads the bytes (save_file would copy them over anyway)
+        tensors = {n: t.detach().contiguous().cpu() for n, t in raw.items()}
         checksums = {n: tensor_digest(t) for n, t in tensors.items()}
         meta = {"pos": str(snap.pos), "kind": snap.kind, "checksums": json.dumps(checksums)}
         save_file(tensors, str(tmp), meta)
@@ -219,8 +219,9 @@ class SnapshotSpill:
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """BLAKE2b-128 of a contiguous tensor's bytes (any dtype, bf16 included)."""
-    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    """BLAKE2b-128 of a tensor's bytes (any dtype, bf16 included; a device tensor is copied
+    to the host first)."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.blake2b(data.data, digest_size=16).hexdigest()
 
 
