@@ -256,3 +256,18 @@ def test_ftctl_refuses_a_socket_planted_in_tmp(
     err = capsys.readouterr().err
     assert rc == 1, "ftctl talked to another user's socket"
     assert err.startswith(f"ftctl: refusing the admin socket {path}") and "belongs to" in err
+
+
+def test_socket_folder_is_private_whatever_the_umask(short_dir: Path) -> None:
+    path = short_dir / "fresh" / "admin.sock"
+    old = os.umask(0)
+    server = AdminServer(FakeOps(), path)  # type: ignore[arg-type]
+    try:
+        server.start()
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        (private,) = path.parent.glob(".admin-*")  # the gRPC server's own socket
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    finally:
+        os.umask(old)
+        server.stop()
