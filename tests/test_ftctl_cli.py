@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from ftctl.main import build_parser, main
-from ftctl.output import fill_globals
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
-    return fill_globals(build_parser().parse_args(list(argv)))
+    """The namespace a command sees (main() fills the defaults of options given nowhere)."""
+    args = build_parser().parse_args(list(argv))
+    args.json, args.socket = getattr(args, "json", False), getattr(args, "socket", None)
+    return args
 
 
 @pytest.mark.parametrize(
