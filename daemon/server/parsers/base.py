@@ -9,8 +9,27 @@ marker (``"<tool_"``) is held back until the next piece decides.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from ..errors import InvalidRequest
+from ..limits import json_shape
+
+
+def loads_bounded(text: str) -> Any:
+    """``json.loads`` (control characters allowed) for model output: ValueError for text that
+    is not JSON or nests deeper than the request limits (which would overflow the stack when
+    the value is dumped or rendered again)."""
+    try:
+        value = json.loads(text, strict=False)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    try:
+        json_shape(value, "arguments")
+    except InvalidRequest as e:
+        raise ValueError(e.message) from None
+    return value
 
 
 @dataclass(frozen=True, slots=True)

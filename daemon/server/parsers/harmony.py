@@ -12,7 +12,16 @@ from __future__ import annotations
 import json
 import re
 
-from .base import Content, ParsedEvent, Reasoning, ToolCall, ToolSchemas, merge, partial_suffix
+from .base import (
+    Content,
+    ParsedEvent,
+    Reasoning,
+    ToolCall,
+    ToolSchemas,
+    loads_bounded,
+    merge,
+    partial_suffix,
+)
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -92,7 +101,7 @@ class HarmonyParser:
         if self._recipient is not None:
             name = self._recipient.removeprefix("functions.")
             try:
-                args = json.loads(self._call_body or "{}", strict=False)
+                args = loads_bounded(self._call_body or "{}")
             except ValueError:
                 args = None
             if isinstance(args, dict):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-from .base import ToolSchemas
+from .base import ToolSchemas, loads_bounded
 from .tagged import TaggedToolParser
 
 
 def decode_json_body(body: str) -> tuple[str, str] | None:
     try:
-        obj = json.loads(body, strict=False)  # raw control chars in strings happen
+        obj = loads_bounded(body)  # raw control chars in strings happen
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -20,7 +20,7 @@ def decode_json_body(body: str) -> tuple[str, str] | None:
     if isinstance(args, str):
         # some models double-encode; keep it if it is itself an object
         try:
-            args = json.loads(args, strict=False)
+            args = loads_bounded(args)
         except ValueError:
             return None
     if not isinstance(args, dict):

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from .base import ToolSchemas
+from .base import ToolSchemas, loads_bounded
 from .tagged import TaggedToolParser
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
@@ -55,7 +55,7 @@ def convert_value(raw: str, types: set[str]) -> Any:
     if types == {"string"} or (not types and not raw.strip()):
         return raw
     try:
-        return json.loads(raw, strict=False)
+        return loads_bounded(raw)
     except ValueError:
         return raw
 
