@@ -26,6 +26,7 @@ from .chat import ChatRequest, Sampling, check_sampling
 from .errors import InvalidRequest, ModelNotFound
 from .generation import Generation
 from .limits import check_chat
+from .model_names import ModelNames
 from .parsers.base import PassThrough
 from .parsers.registry import (
     ReasoningSyntax,
@@ -93,8 +94,11 @@ def max_token_chars(tokenizer: Any) -> int:
 
 
 class ModelService:
-    def __init__(self, llm: Any, bridge: EngineBridge, metrics: Any) -> None:
+    def __init__(
+        self, llm: Any, bridge: EngineBridge, metrics: Any, names: ModelNames | None = None
+    ) -> None:
         self.llm = llm
+        self.names = names or ModelNames()
         self.name: str = llm.name
         self.bridge = bridge
         self.metrics = metrics
@@ -114,11 +118,16 @@ class ModelService:
     # --- checks ------------------------------------------------------------------------------
 
     def check_model(self, name: str) -> None:
-        if name != self.name:
-            raise ModelNotFound(
-                f"The model {name!r} does not exist; this daemon serves {self.name!r}.",
-                param="model",
-            )
+        """Accept the served name, an alias of it, or (unless strict) any unknown name."""
+        target = self.names.canonical(name)
+        if target == self.name:
+            return
+        if not self.names.is_alias(name) and self.names.fallback(name, self.name):
+            return
+        raise ModelNotFound(
+            f"The model {target!r} does not exist; this daemon serves {self.name!r}.",
+            param="model",
+        )
 
     def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids):08x}"
