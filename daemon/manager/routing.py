@@ -66,7 +66,7 @@ class ServiceRouter:
     def name(self) -> str:
         return str(self._active().name)
 
-    def check_model(self, name: str) -> None:
+    def check_model(self, name: str, serve_unknown: bool = True) -> None:
         _target.set(None)
         current = self._manager.desired.name
         asked, name = name, self._names.canonical(name)
@@ -86,7 +86,7 @@ class ServiceRouter:
                 f"The model {name!r} is not loaded; this daemon serves {current!r} "
                 f"(load it with `ftctl models load DIR`)."
             )
-        elif self._names.fallback(name, current):
+        elif serve_unknown and self._names.fallback(name, current):
             return  # no model has this name: the active model answers, and says so
         else:
             msg = (

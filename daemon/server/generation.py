@@ -84,7 +84,7 @@ class Generation:
         async for out in self._handle.outputs():
             chunk = self._on_output(out)
             if self.done:
-                chunk.events.extend(self._parser.finish())
+                chunk.events.extend(self._parser.finish(self.finish_reason == "length"))
                 self._finalize()
             if chunk.text or chunk.events or chunk.logprobs:
                 yield chunk

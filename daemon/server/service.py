@@ -117,12 +117,13 @@ class ModelService:
 
     # --- checks ------------------------------------------------------------------------------
 
-    def check_model(self, name: str) -> None:
-        """Accept the served name, an alias of it, or (unless strict) any unknown name."""
+    def check_model(self, name: str, serve_unknown: bool = True) -> None:
+        """Accept the served name, an alias of it, or (unless strict, or not
+        ``serve_unknown``) any unknown name."""
         target = self.names.canonical(name)
         if target == self.name:
             return
-        if not self.names.is_alias(name) and self.names.fallback(name, self.name):
+        if serve_unknown and not self.names.is_alias(name) and self.names.fallback(name, self.name):
             return
         raise ModelNotFound(
             f"The model {target!r} does not exist; this daemon serves {self.name!r}.",
