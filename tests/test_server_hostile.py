@@ -10,6 +10,7 @@ import threading
 
 import pytest
 from server_support.fixtures import daemon  # noqa: F401
+from server_support.greedy import GreedyProbe
 
 HELLO = [{"role": "user", "content": "Hello"}]
 DEPTH = 1500  # past Python's default recursion limit (1000)
@@ -262,47 +263,11 @@ CORPUS = [
     ("/v1/messages/count_tokens", lambda m: {"model": m, "messages": HELLO * 20_000}),
 ]
 
-# A well-formed greedy request decodes while each hostile body is sent. The tiny random model
-# computes in bf16, and a row's logits differ by up to ~0.05 between a batch of one and a
-# mixed batch (other matmul shapes), which flips near-ties; so the greedy prompt is one whose
-# every step wins by MARGIN (in logprob), and equal output is then a real check.
-GREEDY_TOKENS = 16
-MARGIN = 0.3
-_greedy_prompt: list[int] = []
-
-
-def _greedy(daemon, logprobs: int | None = None) -> dict:
-    body = {
-        "model": daemon.model,
-        "prompt": _greedy_prompt,
-        "max_tokens": GREEDY_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": logprobs,
-    }
-    status, answer = daemon.post("/v1/completions", body)
-    assert status == 200, answer
-    return answer["choices"][0]
-
-
-def _margin(choice: dict) -> float:
-    """The smallest lead of the chosen token over the runner-up, over all steps."""
-    lp = choice["logprobs"]
-    leads = []
-    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
-        others = [v for v in top.values() if v < chosen - 1e-6]
-        leads.append(chosen - max(others) if others else 0.0)
-    return min(leads)
-
 
 @pytest.fixture(scope="module")
-def alone(daemon) -> str:
-    for start in range(5, 400, 7):
-        _greedy_prompt[:] = [start, start + 1, start + 2, start + 3]
-        choice = _greedy(daemon, logprobs=5)
-        if _margin(choice) > MARGIN:
-            return choice["text"]
-    raise AssertionError(f"no prompt of the built-in model wins every step by {MARGIN}")
+def probe(daemon) -> GreedyProbe:
+    """A greedy request decoding beside each hostile body (server_support/greedy.py)."""
+    return GreedyProbe(daemon)
 
 
 def _check(daemon, path: str, body) -> None:
@@ -318,19 +283,19 @@ def _check(daemon, path: str, body) -> None:
 @pytest.mark.parametrize(
     ("path", "body"), CORPUS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CORPUS)]
 )
-def test_hostile_body_gets_no_5xx(daemon, alone, path, body):
+def test_hostile_body_gets_no_5xx(daemon, probe, path, body):
     result: list[str] = []
-    beside = threading.Thread(target=lambda: result.append(_greedy(daemon)["text"]))
+    beside = threading.Thread(target=lambda: result.append(probe.text()))
     beside.start()
     try:
         _check(daemon, path, body)
     finally:
         beside.join()
-    assert result == [alone], "a well-formed request beside the hostile one changed"
+    assert result == [probe.alone], "a well-formed request beside the hostile one changed"
     assert daemon.proc.poll() is None
 
 
-def test_top_k_overflow_does_not_fail_the_batch(daemon, alone):
+def test_top_k_overflow_does_not_fail_the_batch(daemon, probe):
     """The reported case: a sampled request with top_k 2**63 beside a greedy one; both
     answer, the greedy one with its own tokens."""
     hostile = {
@@ -343,7 +308,7 @@ def test_top_k_overflow_does_not_fail_the_batch(daemon, alone):
     }
     results: dict[str, object] = {}
     threads = [
-        threading.Thread(target=lambda: results.__setitem__("g", _greedy(daemon)["text"])),
+        threading.Thread(target=lambda: results.__setitem__("g", probe.text())),
         threading.Thread(
             target=lambda: results.__setitem__("h", daemon.post("/v1/completions", hostile))
         ),
@@ -352,7 +317,7 @@ def test_top_k_overflow_does_not_fail_the_batch(daemon, alone):
         t.start()
     for t in threads:
         t.join()
-    assert results["g"] == alone
+    assert results["g"] == probe.alone
     status, body = results["h"]  # type: ignore[misc]
     assert status == 200 and body["usage"]["completion_tokens"] == 40, body
 
