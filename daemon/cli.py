@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     config_file = args.pop("config")
+    if args.get("model_aliases"):  # --model-alias pairs -> the config's table
+        args["model_aliases"] = dict(args["model_aliases"])
     try:
         cfg = resolve(args, config_file)
     except ConfigError as e:

@@ -25,8 +25,9 @@ import torch
 from ..kv.pool import KVPoolFull
 from ..kv.seq_state import SeqState
 from .prefix import PrefixReuse
+from .row_guard import fill_masks, sample_rows
 from .runner import ModelRunner, Work
-from .sampler import SamplingParams, logprobs_of, sample
+from .sampler import SamplingParams, logprobs_of
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,10 @@ class StepOutput(msgspec.Struct):
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
     finished: bool
-    finish_reason: str | None  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length" | "error" (then ``error`` says why)
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None  # this request alone failed (its grammar or sampling raised)
 
 
 class EngineStats(msgspec.Struct):
@@ -297,28 +299,34 @@ class EngineCore:
         return StepOutput(req.rid, NO_TOKEN, None, None, True, reason, len(req.prompt), req.cached)
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
-        for i, req in enumerate(reqs):
-            if req.constraint is not None:
-                req.constraint.fill_mask(logits[i])
-        ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
-        want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        lp: dict[int, tuple[float, list[tuple[int, float]]]] = {}
-        if want_lp:
-            top_n = max(int(reqs[i].params.logprobs or 0) for i in want_lp)
-            rows = torch.tensor(want_lp)
-            chosen, top_ids, top_lp = logprobs_of(
-                logits[rows], torch.tensor([ids[i] for i in want_lp]), top_n
+        """One token per request in ``reqs`` (logits [B, V], row i for reqs[i]). A failure in
+        one request's grammar, sampling or logprobs ends that request alone (row_guard)."""
+        errors = fill_masks([r.constraint for r in reqs], logits)
+        ids: list[int | None] = [None] * len(reqs)
+        live = [i for i in range(len(reqs)) if i not in errors]
+        if live:
+            sub = logits if len(live) == len(reqs) else logits[torch.tensor(live)]
+            got, bad = sample_rows(
+                sub, [reqs[i].params for i in live], [reqs[i].generator for i in live]
             )
-            for j, i in enumerate(want_lp):
-                n = int(reqs[i].params.logprobs or 0)
-                pairs = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))
-                lp[i] = (float(chosen[j]), pairs)
+            for j, i in enumerate(live):
+                ids[i] = got[j]
+                if j in bad:
+                    errors[i] = bad[j]
+        lp = self._logprobs(reqs, logits, ids, errors)
         outs = []
-        for i, (req, tok) in enumerate(zip(reqs, ids, strict=True)):
+        for i, req in enumerate(reqs):
+            tok = ids[i]
+            if tok is not None and i not in errors and req.constraint is not None:
+                try:
+                    req.constraint.accept(tok)
+                except Exception as e:
+                    errors[i] = f"the grammar failed for this request: {type(e).__name__}: {e}"
+            if tok is None or i in errors:
+                outs.append(self._fail(req, errors.get(i, "sampling failed")))
+                continue
             req.output.append(tok)
             self._generated += 1
-            if req.constraint is not None:
-                req.constraint.accept(tok)
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 self._running.remove(req)
@@ -337,6 +345,48 @@ class EngineCore:
                 )
             )
         return outs
+
+    def _logprobs(
+        self,
+        reqs: list[_Request],
+        logits: torch.Tensor,
+        ids: list[int | None],
+        errors: dict[int, str],
+    ) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """{row: (chosen logprob, top pairs)} for the rows that asked; a failure here fails
+        those rows (recorded in ``errors``), not the batch."""
+        want = [
+            i
+            for i, r in enumerate(reqs)
+            if r.params.logprobs is not None and ids[i] is not None and i not in errors
+        ]
+        if not want:
+            return {}
+        out: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        try:
+            top_n = max(int(reqs[i].params.logprobs or 0) for i in want)
+            chosen, top_ids, top_lp = logprobs_of(
+                logits[torch.tensor(want)], torch.tensor([ids[i] for i in want]), top_n
+            )
+            for j, i in enumerate(want):
+                n = int(reqs[i].params.logprobs or 0)
+                pairs = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))
+                out[i] = (float(chosen[j]), pairs)
+        except Exception as e:
+            log.warning("logprobs failed", exc_info=True)
+            for i in want:
+                errors[i] = f"logprobs failed for this request: {type(e).__name__}: {e}"
+        return out
+
+    def _fail(self, req: _Request, why: str) -> StepOutput:
+        """End one request with an error; the rest of the batch goes on."""
+        log.warning("request %s failed alone: %s", req.rid, why)
+        if req in self._running:
+            self._running.remove(req)
+        self._free(req)
+        return StepOutput(
+            req.rid, NO_TOKEN, None, None, True, "error", len(req.prompt), req.cached, error=why
+        )
 
     def _finish_reason(self, req: _Request, tok: int) -> str | None:
         p = req.params

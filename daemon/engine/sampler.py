@@ -17,6 +17,10 @@ import msgspec
 import torch
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# Ints a tensor of int64 can hold: anything larger overflows when the sampler builds its
+# per-row tensors (a top_k of 2**63 once failed a whole batch).
+INT64_MAX = 2**63 - 1
+MAX_STOP_TOKEN_IDS = 64  # stop ids per request: a set, checked once per sampled token
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -29,7 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_p: float = 0.0  # drop tokens below min_p * max prob, in [0, 1]
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return; None = off
 
@@ -40,15 +44,20 @@ class SamplingParams(msgspec.Struct, frozen=True):
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the first out-of-range field; return self when valid."""
         checks: list[tuple[str, bool, str]] = [
-            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
+            ("max_tokens", 0 <= self.max_tokens <= INT64_MAX, "must be >= 0 and fit in 64 bits"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("top_k", 0 <= self.top_k <= INT64_MAX, "must be >= 0 (0 = off)"),
             ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("seed", self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX, "out of range"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(i >= 0 for i in self.stop_token_ids), "must be >= 0"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            (
+                "stop_token_ids",
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                and all(0 <= i <= INT64_MAX for i in self.stop_token_ids),
+                f"must be at most {MAX_STOP_TOKEN_IDS} ids >= 0",
+            ),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= INT64_MAX, "must be >= 0"),
         ]
         for field, ok, why in checks:
             if not ok:
@@ -111,7 +120,8 @@ def _top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     dev, vocab = scaled.device, scaled.shape[-1]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [R, V]
     rank = torch.arange(vocab, device=dev).unsqueeze(0)  # [1, V]
-    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    # a top_k above the vocabulary keeps the whole vocabulary
+    ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
     drop = rank >= ks.unsqueeze(1)  # top-k
     masked = sorted_logits.masked_fill(drop, float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)

@@ -19,6 +19,7 @@ from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
 from ..server.bridge import EngineBridge
 from ..server.config import DaemonConfig
 from ..server.metrics import Metrics
+from ..server.model_names import ModelNames
 from ..server.service import ModelService
 from ..server.state import ServerState
 from .cache import CacheControl
@@ -42,6 +43,7 @@ class ControlPlane:
         )
         self.manager.on_loaded = lambda m: self.store.register_model(m.name, str(m.path))
         self.cache = CacheControl(self.manager)
+        self.names = ModelNames(cfg.model_aliases, cfg.strict_model_names)
         self.metrics = Metrics()
         self.http_url = ""
         self.admin_path: Path | None = None
@@ -110,11 +112,18 @@ class ControlPlane:
             quantize_experts=quantize,
         )
 
+    def _registered_names(self) -> list[str]:
+        try:
+            return list(self.store.registered_models())
+        except Exception:  # a store problem must not turn a request into a 500
+            log.warning("cannot read the model registry", exc_info=True)
+            return []
+
     def _service(self, model: ResidentModel) -> ModelService:
         assert self.hub is not None and self.bridge is not None
         # LaneBridge is an EngineBridge for the service: submit() routed, the rest forwarded
         bridge = cast(EngineBridge, LaneBridge(self.bridge, self.hub, model.lane))
-        return ModelService(model.llm, bridge, self.metrics)
+        return ModelService(model.llm, bridge, self.metrics, self.names)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> ServerState:
@@ -126,7 +135,9 @@ class ControlPlane:
         self.manager.service_factory = self._service
         first.service = self._service(first)
         self.state = ServerState(
-            service=ServiceRouter(self.manager),  # type: ignore[arg-type]
+            service=ServiceRouter(  # type: ignore[arg-type]
+                self.manager, names=self.names, registered=self._registered_names
+            ),
             bridge=self.bridge,
             metrics=self.metrics,
         )

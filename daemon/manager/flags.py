@@ -14,6 +14,13 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _alias(text: str) -> tuple[str, str]:
+    name, sep, model = text.partition("=")
+    if not sep or not name.strip() or not model.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=MODEL, got {text!r}")
+    return name.strip(), model.strip()
+
+
 def add_control_flags(p: argparse.ArgumentParser) -> None:
     """Flags mirror DaemonConfig fields (None = not given, so lower layers can fill them)."""
     g = p.add_argument_group("control plane (also settable at run time with ftctl)")
@@ -27,6 +34,21 @@ def add_control_flags(p: argparse.ArgumentParser) -> None:
         type=_bool,
         metavar="BOOL",
         help="a request naming a resident, inactive model switches to it (default: false)",
+    )
+    g.add_argument(
+        "--strict-model-names",
+        type=_bool,
+        metavar="BOOL",
+        help="a request naming no loaded or registered model is a 404 (default: false: the "
+        "active model answers and the response names it)",
+    )
+    g.add_argument(
+        "--model-alias",
+        dest="model_aliases",
+        type=_alias,
+        action="append",
+        metavar="NAME=MODEL",
+        help="requests naming NAME go to MODEL (repeatable; TOML: [model_aliases] table)",
     )
     g.add_argument(
         "--host-pool-budget-gb",

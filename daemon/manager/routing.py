@@ -4,7 +4,8 @@
 every attribute is the active model's service, and ``check_model`` / ``start_*`` add
 auto-switch: a request naming a resident, inactive model switches to it first when
 ``auto_switch`` is on (the old model's requests finish first), else it is a 404 that names the
-active model. The model a request named is carried from ``check_model`` to ``start_*`` in a
+active model. Aliases map to model names first; a name no resident or registered model has is
+served by the active model unless ``strict_model_names`` (server/model_names.py). The model a request named is carried from ``check_model`` to ``start_*`` in a
 context variable (each HTTP request runs in its own task).
 
 ``LaneBridge`` is the bridge a model's ModelService submits through: it tells the engine hub
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..server.errors import ModelNotFound
+from ..server.model_names import ModelNames
 from .hub import EngineHub
 from .lane import Lane
 from .models import ModelManager
@@ -41,9 +44,17 @@ class LaneBridge:
 
 
 class ServiceRouter:
-    def __init__(self, manager: ModelManager, switch_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        manager: ModelManager,
+        switch_timeout: float = 600.0,
+        names: ModelNames | None = None,
+        registered: Callable[[], Iterable[str]] = tuple,
+    ) -> None:
         self._manager = manager
         self._switch_timeout = switch_timeout
+        self._names = names or ModelNames()
+        self._registered = registered  # names of models known to the store (maybe unloaded)
 
     def _active(self) -> Any:
         return self._manager.desired.service
@@ -55,9 +66,10 @@ class ServiceRouter:
     def name(self) -> str:
         return str(self._active().name)
 
-    def check_model(self, name: str) -> None:
+    def check_model(self, name: str, serve_unknown: bool = True) -> None:
         _target.set(None)
         current = self._manager.desired.name
+        asked, name = name, self._names.canonical(name)
         if name == current:
             return
         resident = self._manager.models.get(name)
@@ -69,6 +81,13 @@ class ServiceRouter:
                 f"The model {name!r} is not active; this daemon serves {current!r}; it is "
                 f"resident: switch with `ftctl models switch {name}`."
             )
+        elif self._names.is_alias(asked) or name in set(self._registered()):
+            msg = (
+                f"The model {name!r} is not loaded; this daemon serves {current!r} "
+                f"(load it with `ftctl models load DIR`)."
+            )
+        elif serve_unknown and self._names.fallback(name, current):
+            return  # no model has this name: the active model answers, and says so
         else:
             msg = (
                 f"The model {name!r} does not exist; this daemon serves {current!r} "

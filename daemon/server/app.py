@@ -84,6 +84,10 @@ def on_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Respon
 
 
 def on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    if isinstance(exc, RecursionError):
+        # only untrusted JSON nests this deep: the request's fault, in its API's shape
+        log.info("request nested too deeply", path=request.url.path)
+        return _respond(request, InvalidRequest("The request's JSON is nested too deeply."))
     log.exception("unhandled error", path=request.url.path)
     return _respond(request, InternalError(f"Internal error: {type(exc).__name__}"))
 

@@ -100,16 +100,25 @@ class EngineBridge:
     def in_flight(self) -> int:
         return len(self._handles)
 
+    def check_capacity(self, pending: int = 0) -> None:
+        """Overloaded when a new request would not be admitted now, counting ``pending``
+        requests still being prepared (rendered, tokenized): routes call it before that
+        work, so a full daemon refuses cheaply. (submit checks again.)"""
+        if len(self._handles) + pending >= self.capacity:
+            raise self._overloaded()
+
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(
+            f"The server is at capacity ({len(self._handles)} requests in flight); retry shortly.",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
     def submit(self, sub: Submission) -> RequestHandle:
         """Admit a request or raise Overloaded / InvalidRequest (the engine's own checks,
         e.g. prompt + max_tokens over the context); outputs arrive on the returned handle."""
         with self._lock:
             if len(self._handles) >= self.capacity:
-                raise Overloaded(
-                    f"The server is at capacity ({len(self._handles)} requests in flight); "
-                    "retry shortly.",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
-                )
+                raise self._overloaded()
             handle = RequestHandle(sub.request_id, len(sub.prompt_ids))
             self._handles[sub.request_id] = handle
         try:

@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.sampler import MAX_STOP_TOKEN_IDS
 from .errors import InvalidRequest
+from .limits import MAX_JSON_DEPTH, check_stops, json_shape
 
 ROLES = ("system", "user", "assistant", "tool")
 # OpenAI allows [a-zA-Z0-9_-]{1,64}; agents also use dots and colons (MCP namespaces).
@@ -109,15 +111,23 @@ def check_tool(name: str | None, parameters: Any, where: str) -> tuple[str, dict
 
 def arguments_value(arguments: Any) -> Any:
     """Tool-call arguments for a template: a dict when they parse as a JSON object (XML
-    templates iterate them), else the original string."""
+    templates iterate them), else the original string. JSON nested deeper than
+    MAX_JSON_DEPTH is a 400 (the template would overflow the stack walking it)."""
+    where = "tool_calls.function.arguments"
     if isinstance(arguments, dict):
+        json_shape(arguments, where)
         return arguments
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments or "{}")
+        except RecursionError:
+            raise InvalidRequest(
+                f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep", param=where
+            ) from None
         except ValueError:
             return arguments
         if isinstance(value, dict):
+            json_shape(value, where)
             return value
     return arguments
 
@@ -151,5 +161,8 @@ def check_sampling(s: Sampling, max_context: int) -> None:
         raise bad("min_p", f"must be in [0, 1], got {s.min_p}")
     if s.logprobs is not None and not 0 <= s.logprobs <= 20:
         raise bad("top_logprobs", f"must be in [0, 20], got {s.logprobs}")
-    if len(s.stop) > 16 or any(not x for x in s.stop):
-        raise bad("stop", "takes at most 16 non-empty strings")
+    check_stops(s.stop)
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} ids")
+    if any(t < 0 for t in s.stop_token_ids):
+        raise bad("stop_token_ids", "must be token ids >= 0")

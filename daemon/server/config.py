@@ -56,6 +56,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     moe_slots: int | None = None  # expert slots on the accelerator; default: half of all experts
     kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
     auto_switch: bool = False  # a request naming a resident, inactive model switches to it
+    # a request naming no resident or registered model is answered by the active model
+    # (the response names it); true = such a request is a 404
+    strict_model_names: bool = False
+    model_aliases: dict[str, str] = msgspec.field(default_factory=dict)  # name -> model name
     host_pool_budget_gb: float = 0.0  # host RAM for resident models' weights; 0 = 3/4 of RAM
     vram_watch: bool = True  # shrink the expert cache under VRAM pressure (NVML), grow it back
     vram_low_mb: int = 1024  # free VRAM below this: shrink the expert cache at a safe point
@@ -89,6 +93,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"max_queue: must be >= 0, got {self.max_queue}")
         if self.drain_timeout < 0:
             raise ConfigError(f"drain_timeout: must be >= 0, got {self.drain_timeout}")
+        if any(not k or not v for k, v in self.model_aliases.items()):
+            raise ConfigError("model_aliases: names and models must be non-empty strings")
         check_control(self)
         check_access(self)
         return self

@@ -78,6 +78,15 @@ class InternalError(APIError):
     anthropic_type = "api_error"
 
 
+class RequestFailed(APIError):
+    """This request alone failed inside the engine (its grammar or sampling raised); the
+    requests decoding beside it go on."""
+
+    status = 500
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+
+
 def is_anthropic_path(path: str) -> bool:
     """The Anthropic Messages API lives under /v1/messages; every other route speaks OpenAI."""
     return path.startswith("/v1/messages")

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..engine.tokenizer import IncrementalDetokenizer, StopChecker
 from .bridge import EngineBridge, RequestHandle
+from .errors import RequestFailed
 from .parsers.base import OutputParser, ParsedEvent
 
 
@@ -83,7 +84,7 @@ class Generation:
         async for out in self._handle.outputs():
             chunk = self._on_output(out)
             if self.done:
-                chunk.events.extend(self._parser.finish())
+                chunk.events.extend(self._parser.finish(self.finish_reason == "length"))
                 self._finalize()
             if chunk.text or chunk.events or chunk.logprobs:
                 yield chunk
@@ -112,6 +113,10 @@ class Generation:
     # --- per output --------------------------------------------------------------------------
 
     def _on_output(self, out: Any) -> Chunk:
+        if getattr(out, "error", None):
+            self._bridge.release(self.request_id)  # the engine already dropped it
+            self.finish_reason = "error"
+            raise RequestFailed(f"This request failed: {out.error}")
         chunk = Chunk()
         if self.ttft is None:
             self.ttft = time.monotonic() - self._handle.submitted_at

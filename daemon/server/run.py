@@ -23,6 +23,7 @@ from .app import create_app
 from .bridge import EngineBridge
 from .config import DaemonConfig
 from .metrics import Metrics
+from .model_names import ModelNames
 from .service import ModelService
 from .state import ServerState
 
@@ -106,7 +107,9 @@ def load_llm(cfg: DaemonConfig) -> Any:
 def build_state(llm: Any, cfg: DaemonConfig) -> ServerState:
     metrics = Metrics()
     bridge = EngineBridge(llm.engine, cfg.max_batch, cfg.max_queue, metrics)
-    return ServerState(service=ModelService(llm, bridge, metrics), bridge=bridge, metrics=metrics)
+    names = ModelNames(cfg.model_aliases, cfg.strict_model_names)
+    service = ModelService(llm, bridge, metrics, names)
+    return ServerState(service=service, bridge=bridge, metrics=metrics)
 
 
 def _hook(state: ServerState, name: str, *args: Any) -> None:

@@ -9,9 +9,11 @@ thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from .bridge import EngineBridge, Submission
 from .chat import ChatRequest, Sampling, check_sampling
 from .errors import InvalidRequest, ModelNotFound
 from .generation import Generation
+from .limits import check_chat
+from .model_names import ModelNames
 from .parsers.base import PassThrough
 from .parsers.registry import (
     ReasoningSyntax,
@@ -77,9 +81,24 @@ def sampling_defaults(model_dir: Path) -> dict[str, Any]:
     return out
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest token's text (characters): a prompt longer than the context times this
+    cannot fit, so it is refused before tokenizing. Byte-level and SentencePiece token
+    strings are never shorter than the text they decode to."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else {}
+    except Exception:  # an exotic backend: no bound from the vocabulary
+        vocab = {}
+    return max((len(t) for t in vocab), default=0) or 1024
+
+
 class ModelService:
-    def __init__(self, llm: Any, bridge: EngineBridge, metrics: Any) -> None:
+    def __init__(
+        self, llm: Any, bridge: EngineBridge, metrics: Any, names: ModelNames | None = None
+    ) -> None:
         self.llm = llm
+        self.names = names or ModelNames()
         self.name: str = llm.name
         self.bridge = bridge
         self.metrics = metrics
@@ -87,20 +106,29 @@ class ModelService:
         self.template = llm.chat_template
         self.syntax = detect_syntax(llm.config.family, template_source(llm))
         self.max_model_len: int = llm.engine.max_model_len
+        self.vocab_size: int = llm.config.vocab_size
+        self.max_token_chars = max_token_chars(self.tokenizer)
         self.eos_ids: set[int] = set(llm.engine.eos)
         self.defaults = sampling_defaults(Path(llm.model_dir))
         self._grammars: Any = None
+        self._preparing = 0  # requests being rendered/tokenized now (event-loop thread only)
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
 
     # --- checks ------------------------------------------------------------------------------
 
-    def check_model(self, name: str) -> None:
-        if name != self.name:
-            raise ModelNotFound(
-                f"The model {name!r} does not exist; this daemon serves {self.name!r}.",
-                param="model",
-            )
+    def check_model(self, name: str, serve_unknown: bool = True) -> None:
+        """Accept the served name, an alias of it, or (unless strict, or not
+        ``serve_unknown``) any unknown name."""
+        target = self.names.canonical(name)
+        if target == self.name:
+            return
+        if serve_unknown and not self.names.is_alias(name) and self.names.fallback(name, self.name):
+            return
+        raise ModelNotFound(
+            f"The model {target!r} does not exist; this daemon serves {self.name!r}.",
+            param="model",
+        )
 
     def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids):08x}"
@@ -118,6 +146,10 @@ class ModelService:
             text = self._render_messages(req.messages, tools, kwargs)
         except (jinja2.TemplateError, ValueError) as e:  # ChatTemplateError is a ValueError
             raise InvalidRequest(f"The chat template cannot render these messages: {e}") from None
+        except RecursionError:
+            raise InvalidRequest(
+                "The chat template cannot render these messages: they nest too deeply"
+            ) from None
         return Rendered(text, self.tokenizer.encode(text))
 
     def _render_messages(
@@ -141,8 +173,22 @@ class ModelService:
             )
 
     async def count_tokens(self, req: ChatRequest) -> int:
-        rendered = await asyncio.to_thread(self.render, req)
+        """Admitted like a generation (429/529 when the daemon is full), same limits."""
+        check_chat(req)
+        with self.admitted():
+            rendered = await asyncio.to_thread(self.render, req)
         return len(rendered.ids)
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Hold a place while a request is prepared off the loop: requests in flight plus
+        those being prepared never exceed the bridge's capacity (429/529 beyond)."""
+        self.bridge.check_capacity(self._preparing)
+        self._preparing += 1
+        try:
+            yield
+        finally:
+            self._preparing -= 1
 
     # --- constraints -------------------------------------------------------------------------
 
@@ -177,17 +223,25 @@ class ModelService:
     # --- generation --------------------------------------------------------------------------
 
     def sampling_params(self, s: Sampling) -> SamplingParams:
+        if any(not 0 <= t < self.vocab_size for t in s.stop_token_ids):
+            raise InvalidRequest(
+                f"stop_token_ids must be token ids in [0, {self.vocab_size})",
+                param="stop_token_ids",
+            )
         kw: dict[str, Any] = {
             **self.defaults,
             "max_tokens": s.max_tokens,
-            "stop_token_ids": tuple(s.stop_token_ids),
+            "stop_token_ids": frozenset(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
             "logprobs": s.logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
             value = getattr(s, name)
             if value is not None:
-                kw[name] = max(value, 0) if name == "top_k" else value  # -1 = off = 0
+                kw[name] = value
+        # top_k: -1 = off = 0; above the vocabulary = the whole vocabulary = off
+        if not 0 < kw.get("top_k", 0) <= self.vocab_size:
+            kw["top_k"] = 0
         params = SamplingParams(**kw)
         try:
             params.validate()
@@ -196,7 +250,10 @@ class ModelService:
         return params
 
     async def start_chat(self, req: ChatRequest) -> tuple[Generation, Rendered]:
-        rendered, params, constraint = await asyncio.to_thread(self._prepare_chat, req)
+        # admission and the cheap limits before rendering, tokenizing and grammar compiling
+        check_chat(req)
+        with self.admitted():
+            rendered, params, constraint = await asyncio.to_thread(self._prepare_chat, req)
         schemas = {t.name: t.parameters for t in req.tools}
         opens = self.syntax.reasoning is ReasoningSyntax.THINK and prompt_opens_reasoning(
             rendered.text

@@ -8,10 +8,12 @@ that request's grammar state). The engine thread calls ``fill_mask`` before samp
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xgrammar as xgr
@@ -19,6 +21,17 @@ import xgrammar as xgr
 from ..parsers.registry import ToolSyntax
 from .formats import forced_tool_call
 from .vocab import load_tokenizer_info
+
+T = TypeVar("T")
+
+# Compiled grammars are cached by xgrammar; a stream of unique schemas would grow that cache
+# without end, so it is capped (least recently used grammars are dropped).
+CACHE_LIMIT_BYTES = 64 << 20
+# A schema that takes longer than this to compile is refused (400). xgrammar cannot be
+# interrupted, so the compile goes on in its worker; there are COMPILE_WORKERS of them, and a
+# request waits at most COMPILE_TIMEOUT_S for one, so runaway compiles cost at most that.
+COMPILE_TIMEOUT_S = 10.0
+COMPILE_WORKERS = 2
 
 
 def _reason(exc: Exception) -> str:
@@ -63,19 +76,36 @@ class GrammarFactory:
         self, tokenizer_json: Path, vocab_size: int, stop_token_ids: list[int], threads: int = 2
     ) -> None:
         self.info = load_tokenizer_info(tokenizer_json, vocab_size, stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        self._compiler = xgr.GrammarCompiler(
+            self.info, max_threads=threads, cache_limit_bytes=CACHE_LIMIT_BYTES
+        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, "grammar")
+        self.timeout_s = COMPILE_TIMEOUT_S
+
+    def _timed(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``fn(*args)`` in a compile worker; ValueError when it takes over ``timeout_s``."""
+        fut = self._pool.submit(fn, *args, **kw)
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # still queued: never runs; running: finishes unobserved
+            raise ValueError(
+                f"the grammar did not compile within {self.timeout_s:g} s; simplify the schema"
+            ) from None
 
     def _wrap(self, compiled: xgr.CompiledGrammar) -> GrammarConstraint:
         return GrammarConstraint(compiled, self.info.vocab_size)
 
     def json_object(self) -> GrammarConstraint:
-        return self._wrap(self._compiler.compile_builtin_json_grammar())
+        return self._wrap(self._timed(self._compiler.compile_builtin_json_grammar))
 
     def json_schema(self, schema: dict[str, Any]) -> GrammarConstraint:
         """Raises ValueError when xgrammar cannot use the schema."""
         try:
-            compiled = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
-        except (RuntimeError, ValueError, TypeError) as e:
+            compiled = self._timed(
+                self._compiler.compile_json_schema, json.dumps(schema), any_whitespace=False
+            )
+        except (RuntimeError, ValueError, TypeError, RecursionError) as e:
             raise ValueError(f"unsupported JSON schema: {_reason(e)}") from None
         return self._wrap(compiled)
 
@@ -85,7 +115,7 @@ class GrammarFactory:
         """One call to one of ``tools`` in the model's syntax; ValueError on a bad schema."""
         tag = forced_tool_call(syntax, tools)
         try:
-            compiled = self._compiler.compile_structural_tag(tag)
-        except (RuntimeError, ValueError, TypeError) as e:
+            compiled = self._timed(self._compiler.compile_structural_tag, tag)
+        except (RuntimeError, ValueError, TypeError, RecursionError) as e:
             raise ValueError(f"cannot constrain this tool call: {_reason(e)}") from None
         return self._wrap(compiled)

@@ -9,8 +9,27 @@ marker (``"<tool_"``) is held back until the next piece decides.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from ..errors import InvalidRequest
+from ..limits import json_shape
+
+
+def loads_bounded(text: str) -> Any:
+    """``json.loads`` (control characters allowed) for model output: ValueError for text that
+    is not JSON or nests deeper than the request limits (which would overflow the stack when
+    the value is dumped or rendered again)."""
+    try:
+        value = json.loads(text, strict=False)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    try:
+        json_shape(value, "arguments")
+    except InvalidRequest as e:
+        raise ValueError(e.message) from None
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,11 +44,13 @@ class Reasoning:
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """A complete call: ``arguments`` is a JSON object text."""
+    """A call: ``arguments`` is a JSON object text, or, when ``partial`` (the generation hit its
+    token limit inside the call), the arguments as far as the model wrote them."""
 
     index: int
     name: str
     arguments: str
+    partial: bool = False
 
 
 ParsedEvent = Content | Reasoning | ToolCall
@@ -41,7 +62,9 @@ ToolSchemas = dict[str, dict[str, Any]]
 class OutputParser(Protocol):
     def feed(self, text: str) -> list[ParsedEvent]: ...
 
-    def finish(self) -> list[ParsedEvent]: ...
+    def finish(self, truncated: bool = False) -> list[ParsedEvent]:
+        """The rest; ``truncated``: the token limit ended the generation, so a call left
+        open is reported as a partial ToolCall, never as markup in the text."""
 
 
 def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -78,5 +101,51 @@ class PassThrough:
     def feed(self, text: str) -> list[ParsedEvent]:
         return [Content(text)] if text else []
 
-    def finish(self) -> list[ParsedEvent]:
+    def finish(self, truncated: bool = False) -> list[ParsedEvent]:
         return []
+
+
+def unique_tool(prefix: str, tools: ToolSchemas) -> str | None:
+    """The one tool whose name starts with ``prefix`` (a name cut by the token limit)."""
+    names = [name for name in tools if name.startswith(prefix)]
+    return names[0] if len(names) == 1 else None
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments as an object (Anthropic's ``input``): partial arguments (cut by the
+    token limit) are closed as far as they parse: open strings, arrays and objects closed,
+    a dangling key or comma dropped; {} when nothing parses."""
+    cut = arguments
+    for _ in range(64):  # each try drops the last member; bounded for a hostile text
+        try:
+            value = loads_bounded(cut + _closers(cut))
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            return value
+        pos = max(cut.rfind(","), cut.rfind("{", 0, len(cut) - 1))
+        if pos <= 0:
+            break
+        cut = cut[:pos] if cut[pos] == "," else cut[: pos + 1]
+    return {}
+
+
+def _closers(text: str) -> str:
+    """What closes the strings, arrays and objects ``text`` leaves open."""
+    stack: list[str] = []
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack:
+            stack.pop()
+    return ('"' if in_str else "") + "".join(reversed(stack))

@@ -14,9 +14,9 @@ class Chain:
     def feed(self, text: str) -> list[ParsedEvent]:
         return merge(self._route(self._reasoning.feed(text)))
 
-    def finish(self) -> list[ParsedEvent]:
-        events = self._route(self._reasoning.finish())
-        return merge(events + self._tools.finish())
+    def finish(self, truncated: bool = False) -> list[ParsedEvent]:
+        events = self._route(self._reasoning.finish(truncated))
+        return merge(events + self._tools.finish(truncated))
 
     def _route(self, events: list[ParsedEvent]) -> list[ParsedEvent]:
         out: list[ParsedEvent] = []

@@ -12,7 +12,17 @@ from __future__ import annotations
 import json
 import re
 
-from .base import Content, ParsedEvent, Reasoning, ToolCall, ToolSchemas, merge, partial_suffix
+from .base import (
+    Content,
+    ParsedEvent,
+    Reasoning,
+    ToolCall,
+    ToolSchemas,
+    loads_bounded,
+    merge,
+    partial_suffix,
+    unique_tool,
+)
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -22,7 +32,8 @@ _RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
 class HarmonyParser:
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolSchemas | None = None) -> None:
+        self._tools = tools or {}
         self._buf = ""
         self._in_body = False
         self._channel = ""
@@ -37,11 +48,17 @@ class HarmonyParser:
             pass
         return merge(out)
 
-    def finish(self) -> list[ParsedEvent]:
+    def finish(self, truncated: bool = False) -> list[ParsedEvent]:
         out: list[ParsedEvent] = []
         if self._in_body:
             self._body_text(self._buf, out)
-            self._end_message(out)
+            self._end_message(out, truncated)
+        elif truncated and (cut := _RECIPIENT.search(self._buf)) is not None:
+            # the token limit cut a call's header: a call to the tool it names (if one does)
+            name = unique_tool(cut.group(1).removeprefix("functions."), self._tools)
+            if name is not None:
+                out.append(ToolCall(self._count, name, "{}", True))
+                self._count += 1
         elif self._buf.strip():
             # a header that never opened a body: keep the text rather than drop it
             out.append(Content(self._strip_header_noise(self._buf)))
@@ -88,11 +105,16 @@ class HarmonyParser:
         else:
             out.append(Content(text))
 
-    def _end_message(self, out: list[ParsedEvent]) -> None:
-        if self._recipient is not None:
+    def _end_message(self, out: list[ParsedEvent], truncated: bool = False) -> None:
+        if self._recipient is not None and truncated:
+            # cut by the token limit: still a call, with its arguments so far
+            name = self._recipient.removeprefix("functions.")
+            out.append(ToolCall(self._count, name, self._call_body.strip() or "{}", True))
+            self._count += 1
+        elif self._recipient is not None:
             name = self._recipient.removeprefix("functions.")
             try:
-                args = json.loads(self._call_body or "{}", strict=False)
+                args = loads_bounded(self._call_body or "{}")
             except ValueError:
                 args = None
             if isinstance(args, dict):
@@ -110,5 +132,4 @@ class HarmonyParser:
 
 
 def make_parser(tools: ToolSchemas) -> HarmonyParser:
-    del tools
-    return HarmonyParser()
+    return HarmonyParser(tools)

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import json
+import re
 
-from .base import ToolSchemas
+from .base import ToolSchemas, loads_bounded, unique_tool
 from .tagged import TaggedToolParser
 
 
 def decode_json_body(body: str) -> tuple[str, str] | None:
     try:
-        obj = json.loads(body, strict=False)  # raw control chars in strings happen
+        obj = loads_bounded(body)  # raw control chars in strings happen
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -20,7 +21,7 @@ def decode_json_body(body: str) -> tuple[str, str] | None:
     if isinstance(args, str):
         # some models double-encode; keep it if it is itself an object
         try:
-            args = json.loads(args, strict=False)
+            args = loads_bounded(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -28,6 +29,31 @@ def decode_json_body(body: str) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CUT_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)$')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def decode_json_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
+    """(name, arguments text so far) of a call cut by the token limit."""
+    full = decode_json_body(body)
+    if full is not None:
+        return full
+    named = _NAME.search(body)
+    if named is None:
+        cut = _CUT_NAME.search(body)
+        if cut is not None:
+            name = unique_tool(cut.group(1), tools)
+        else:
+            name = next(iter(tools)) if len(tools) == 1 else None
+        return (name, "{}") if name else None
+    try:
+        name = json.loads(f'"{named.group(1)}"')
+    except ValueError:
+        return None
+    args = _ARGS.search(body, named.end())
+    return name, body[args.end() :].strip() if args else "{}"
+
+
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
-    del tools  # JSON carries its own types
-    return TaggedToolParser(decode_json_body)
+    return TaggedToolParser(decode_json_body, lambda body: decode_json_partial(body, tools))

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from .base import ToolSchemas
+from .base import ToolSchemas, loads_bounded, unique_tool
 from .tagged import TaggedToolParser
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
@@ -55,7 +55,7 @@ def convert_value(raw: str, types: set[str]) -> Any:
     if types == {"string"} or (not types and not raw.strip()):
         return raw
     try:
-        return json.loads(raw, strict=False)
+        return loads_bounded(raw)
     except ValueError:
         return raw
 
@@ -73,5 +73,23 @@ def decode_xml_body(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
+# a tag the token limit cut in the middle, at the very end of the text
+_CUT_TAG = re.compile(r"<(?:/?[A-Za-z_]*|parameter=[^>\n]*|function=[^>\n]*)$")
+_CUT_FUNCTION = re.compile(r"<function=([^>\n]*)$")
+
+
+def decode_xml_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
+    """(name, arguments so far as a JSON object) of a call cut by the token limit."""
+    cut = _CUT_FUNCTION.search(body)
+    if cut is not None:  # cut inside the tool's name
+        name = unique_tool(cut.group(1).strip(), tools)
+        return (name, "{}") if name else None
+    if _FUNCTION.search(body) is None:  # cut before the name: one tool can only be that one
+        return (next(iter(tools)), "{}") if len(tools) == 1 else None
+    return decode_xml_body(_CUT_TAG.sub("", body), tools)
+
+
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
-    return TaggedToolParser(lambda body: decode_xml_body(body, tools))
+    return TaggedToolParser(
+        lambda body: decode_xml_body(body, tools), lambda body: decode_xml_partial(body, tools)
+    )

@@ -19,8 +19,11 @@ BodyDecoder = Callable[[str], tuple[str, str] | None]
 
 
 class TaggedToolParser:
-    def __init__(self, decode_body: BodyDecoder) -> None:
+    def __init__(self, decode_body: BodyDecoder, decode_partial: BodyDecoder | None = None) -> None:
+        """``decode_partial``: (name, arguments so far) of a body cut by the token limit, or
+        None when not even the tool's name can be told."""
         self._decode = decode_body
+        self._decode_partial = decode_partial
         self._buf = ""
         self._in_call = False
         self._count = 0
@@ -46,11 +49,20 @@ class TaggedToolParser:
                 self._buf = self._buf[len(self._buf) - hold :]
         return out
 
-    def finish(self) -> list[ParsedEvent]:
+    def finish(self, truncated: bool = False) -> list[ParsedEvent]:
         out: list[ParsedEvent] = []
-        if self._in_call:
-            # Generation stopped inside a call (a stop string or the length limit): keep it
-            # if the body is already complete, else give the text back.
+        if truncated and not self._in_call and self._buf and OPEN.startswith(self._buf):
+            self._in_call, self._buf = True, ""  # cut inside the opening tag itself
+        if self._in_call and truncated and self._decode_partial is not None:
+            # The token limit cut a call: it is still a call (partial arguments), as OpenAI
+            # and vLLM answer; cut before the tool's name, there is nothing to report.
+            decoded = self._decode_partial(self._buf)
+            if decoded is not None:
+                out.append(ToolCall(self._count, decoded[0], decoded[1], partial=True))
+                self._count += 1
+        elif self._in_call:
+            # Generation stopped inside a call (a stop string): keep it if the body is
+            # already complete, else give the text back.
             self._close_call(self._buf, out)
         elif self._buf:
             out.append(Content(self._buf))

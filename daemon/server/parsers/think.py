@@ -39,7 +39,7 @@ class ThinkParser:
         self._buf = self._buf[len(self._buf) - hold :]
         return out
 
-    def finish(self) -> list[ParsedEvent]:
+    def finish(self, truncated: bool = False) -> list[ParsedEvent]:
         out: list[ParsedEvent] = []
         self._emit(self._buf, out)
         self._buf = ""

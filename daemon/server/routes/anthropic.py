@@ -16,6 +16,7 @@ from litestar import Request, Response, post
 
 from ..chat import ChatRequest, Sampling, ToolSpec, assistant_tool_call, check_tool
 from ..errors import InvalidRequest
+from ..limits import json_shape
 from ..openapi import body_operation
 from ..schemas.anthropic import Block, CountTokensRequest, Message, MessagesRequest
 from ..sse import anthropic_ping
@@ -77,6 +78,7 @@ def _assistant_message(msg: Message, where: str) -> dict[str, Any]:
                     f"{where}.content[{j}].name is required", param=f"{where}.content[{j}]"
                 )
             args = b.input if isinstance(b.input, dict) else {}
+            json_shape(args, f"{where}.content[{j}].input")  # deep input: 400, not a crash
             calls.append(assistant_tool_call(b.id or f"toolu_{j}", b.name, json.dumps(args)))
     if calls:
         out["tool_calls"] = calls
@@ -183,6 +185,7 @@ async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
 )
 async def count_tokens(request: Request[Any, Any, Any]) -> dict[str, int]:
     state = server_state(request)
+    state.check_intake()
     body = await decode_body(request, CountTokensRequest)
     state.service.check_model(body.model)
     req = to_chat_request(body, Sampling(max_tokens=1))

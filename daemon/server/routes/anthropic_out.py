@@ -15,7 +15,7 @@ from typing import Any
 from .. import sse
 from ..errors import APIError, InternalError, error_event
 from ..generation import Generation
-from ..parsers.base import Content, ParsedEvent, Reasoning, ToolCall
+from ..parsers.base import Content, ParsedEvent, Reasoning, ToolCall, arguments_object
 from .common import new_id
 
 # Thinking blocks are echoed back by clients; ours carry no cryptographic signature.
@@ -46,7 +46,7 @@ def tool_use_block(ev: ToolCall) -> dict[str, Any]:
         "type": "tool_use",
         "id": new_id("toolu_"),
         "name": ev.name,
-        "input": json.loads(ev.arguments),
+        "input": arguments_object(ev.arguments),
     }
 
 
@@ -120,7 +120,9 @@ class MessagesOutput:
             return [
                 *self._stop(),
                 self._start({**block, "input": {}}),
-                self._delta({"type": "input_json_delta", "partial_json": ev.arguments}),
+                self._delta(
+                    {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+                ),
                 sse.event(
                     "content_block_stop", {"type": "content_block_stop", "index": self._index}
                 ),

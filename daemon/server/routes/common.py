@@ -33,6 +33,8 @@ async def decode_body(request: Request[Any, Any, Any], kind: type[T]) -> T:
         raise from_validation_error(e) from None
     except UnicodeDecodeError:
         raise InvalidRequest("The request body is not valid UTF-8.") from None
+    except RecursionError:
+        raise InvalidRequest("The request body's JSON is nested too deeply.") from None
 
 
 class ClientGone(APIError):

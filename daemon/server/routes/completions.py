@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,29 +21,51 @@ from .common import decode_body, new_id, respond
 from .openai_chat_out import usage_dict
 
 
-def prompt_ids(body: CompletionRequest, svc: ModelService) -> tuple[list[int], str]:
-    """(ids, text) of the prompt: a string, a list of ids, or a one-element batch of either."""
+def prompt_of(body: CompletionRequest, svc: ModelService) -> str | list[int]:
+    """The prompt as text or ids, refused (400) before any tokenizing when it cannot fit:
+    more ids than the context, or more characters than the context's worth of the longest
+    token. Accepts a string, a list of ids, or a one-element batch of either."""
     prompt: Any = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        return svc.tokenizer.encode(prompt), prompt
+        limit = svc.max_model_len * svc.max_token_chars
+        if len(prompt) > limit:
+            raise InvalidRequest(
+                f"prompt has {len(prompt)} characters; this model's context "
+                f"({svc.max_model_len} tokens) cannot hold more than {limit}",
+                param="prompt",
+            )
+        return prompt
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
+        if len(prompt) > svc.max_model_len:
+            raise InvalidRequest(
+                f"prompt has {len(prompt)} tokens, more than the context ({svc.max_model_len})",
+                param="prompt",
+            )
         vocab = svc.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(prompt), svc.tokenizer.decode(prompt)
+        return list(prompt)
     raise InvalidRequest(
         "prompt must be a non-empty string or list of token ids (batches of more than one "
         "prompt are not supported)",
         param="prompt",
     )
+
+
+def prompt_ids(prompt: str | list[int], svc: ModelService) -> tuple[list[int], str]:
+    """(ids, text) of a checked prompt; worker-thread work (tokenizing megabytes takes a
+    while and must not stall the event loop)."""
+    if isinstance(prompt, str):
+        return svc.tokenizer.encode(prompt), prompt
+    return prompt, svc.tokenizer.decode(prompt)
 
 
 def sampling_of(body: CompletionRequest) -> Sampling:
@@ -142,7 +165,9 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     svc = state.service
     svc.check_model(body.model)
     sampling = sampling_of(body)
-    ids, text = prompt_ids(body, svc)
+    prompt = prompt_of(body, svc)
+    with svc.admitted():
+        ids, text = await asyncio.to_thread(prompt_ids, prompt, svc)
     gen = await svc.start_ids(ids, sampling)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     out = CompletionOutput(gen, svc.name, text if body.echo else "", include_usage)

@@ -42,7 +42,8 @@ def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
 def get_model(
     request: Request[Any, Any, Any], model_id: Annotated[str, PathParameter()]
 ) -> dict[str, Any]:
-    server_state(request).service.check_model(model_id)
+    # a lookup, not a request to serve: names no model has are 404 even when not strict
+    server_state(request).service.check_model(model_id, serve_unknown=False)
     return model_card(request)
 
 

@@ -105,8 +105,9 @@ class ResponsesOutput:
             "id": new_id("fc_"),
             "call_id": new_id("call_"),
             "name": ev.name,
-            "arguments": ev.arguments if status == "completed" else "",
-            "status": status,
+            "arguments": "" if status == "in_progress" else ev.arguments,
+            # a call cut by the token limit (partial arguments) is "incomplete"
+            "status": "incomplete" if ev.partial and status == "completed" else status,
         }
 
     async def complete(self) -> dict[str, Any]:
@@ -239,7 +240,8 @@ class ResponsesOutput:
     def _call_events(self, ev: ToolCall) -> list[bytes]:
         index = len(self.output)
         item = self._call_item(ev, status="in_progress")
-        done = {**item, "arguments": ev.arguments, "status": "completed"}
+        done = {**item, "arguments": ev.arguments}
+        done["status"] = "incomplete" if ev.partial else "completed"
         self.output.append(done)
         return [
             self._event("response.output_item.added", output_index=index, item=item),

@@ -1,0 +1,180 @@
+"""A tool call cut by the token limit is still a tool call (partial arguments, finish_reason
+"length" / stop_reason "max_tokens" / status "incomplete"), never markup in the text: in each
+tool syntax, and end to end in every API, streamed and not (issue 15, item 2)."""
+
+# ruff: noqa: F811  (pytest fixtures imported by name are redefined as parameters)
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from server_support.fixtures import daemon  # noqa: F401
+
+from freetokend.server.parsers.base import Content, ToolCall, arguments_object
+from freetokend.server.parsers.registry import (
+    OutputSyntax,
+    ReasoningSyntax,
+    ToolSyntax,
+    make_output_parser,
+)
+
+TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
+XML = OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK)
+JSON_ = OutputSyntax(ToolSyntax.QWEN3_JSON, ReasoningSyntax.THINK)
+HARMONY = OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
+MARKUP = ("<tool", "<function", "<parameter", "</", "<|channel|>", '"arguments"')
+
+CUTS = [
+    (XML, "<tool_ca", "get_weather", {}),
+    (XML, "<tool_call>\n", "get_weather", {}),
+    (XML, "<tool_call>\n<function=get_wea", "get_weather", {}),
+    (XML, "<tool_call>\n<function=get_weather>\n<parameter=ci", "get_weather", {}),
+    (
+        XML,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        "get_weather",
+        {"city": "Par"},
+    ),
+    (
+        XML,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</param",
+        "get_weather",
+        {"city": "Paris"},
+    ),
+    (JSON_, '<tool_call>\n{"name": "get_w', "get_weather", {}),
+    (
+        JSON_,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+        "get_weather",
+        {"city": "Pa"},
+    ),
+    (HARMONY, "<|channel|>commentary to=functions.get_wea", "get_weather", {}),
+    (
+        HARMONY,
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"ci',
+        "get_weather",
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize(("syntax", "text", "name", "args"), CUTS)
+def test_a_cut_call_is_a_partial_call_not_text(syntax, text, name, args):
+    parser = make_output_parser(syntax, TOOLS, start_in_reasoning=False)
+    events = parser.feed(text) + parser.finish(truncated=True)
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    text_out = "".join(e.text for e in events if isinstance(e, Content))
+    assert not any(m in text_out for m in MARKUP), text_out
+    assert len(calls) == 1 and calls[0].name == name and calls[0].partial
+    assert arguments_object(calls[0].arguments) == args
+
+
+def test_a_stop_inside_a_call_still_gives_the_text_back():
+    parser = make_output_parser(XML, TOOLS)
+    events = parser.feed("<tool_call>\n<function=get_wea") + parser.finish()
+    assert not any(isinstance(e, ToolCall) for e in events)
+
+
+def test_arguments_object_closes_what_it_can():
+    assert arguments_object('{"a": 1, "b": [1, 2') == {"a": 1, "b": [1, 2]}
+    assert arguments_object('{"a": 1, "b') == {"a": 1}
+    assert arguments_object('{"a": {"b": "x') == {"a": {"b": "x"}}
+    assert arguments_object("nonsense") == {}
+
+
+# --- end to end: a forced call with a budget too small to finish it -------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": TOOLS["get_weather"]},
+}
+
+
+def _sse(daemon, path: str, body: dict) -> list[dict]:
+    """The data payloads of an SSE answer."""
+    import urllib.request
+
+    req = urllib.request.Request(
+        daemon.url + path,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    out = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+@pytest.mark.parametrize("max_tokens", [5, 24, 60])
+def test_chat_completions_cut_call(daemon, max_tokens):
+    body = {
+        "model": daemon.model,
+        "max_tokens": max_tokens,
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    status, answer = daemon.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert not any(m in (choice["message"].get("content") or "") for m in MARKUP), choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    chunks = _sse(daemon, "/v1/chat/completions", body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    text = "".join(d.get("content") or "" for d in deltas)
+    assert not any(m in text for m in MARKUP), text
+    assert any(d.get("tool_calls") for d in deltas)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
+
+
+def test_anthropic_messages_cut_call(daemon):
+    body = {
+        "model": daemon.model,
+        "max_tokens": 60,
+        "messages": [{"role": "user", "content": "w"}],
+        "tools": [{"name": "get_weather", "input_schema": TOOLS["get_weather"]}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
+    status, answer = daemon.post("/v1/messages", body)
+    assert status == 200, answer
+    assert answer["stop_reason"] == "max_tokens"
+    kinds = [b["type"] for b in answer["content"]]
+    assert "tool_use" in kinds, answer
+    assert not any(m in b.get("text", "") for b in answer["content"] for m in MARKUP), answer
+    events = _sse(daemon, "/v1/messages", body)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert "tool_use" in starts
+    partial = "".join(
+        e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta"
+    )
+    assert isinstance(json.loads(partial), dict)  # what a client accumulates parses
+    [delta] = [e for e in events if e["type"] == "message_delta"]
+    assert delta["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_responses_cut_call(daemon):
+    body = {
+        "model": daemon.model,
+        "max_output_tokens": 60,
+        "input": "weather?",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": TOOLS["get_weather"]}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+    }
+    status, answer = daemon.post("/v1/responses", body)
+    assert status == 200, answer
+    assert answer["status"] == "incomplete"
+    calls = [o for o in answer["output"] if o["type"] == "function_call"]
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather", answer
+    texts = [
+        c.get("text", "") for o in answer["output"] if o["type"] == "message" for c in o["content"]
+    ]
+    assert not any(m in t for t in texts for m in MARKUP), answer
+    events = _sse(daemon, "/v1/responses", body)
+    done = [e for e in events if e.get("type") == "response.output_item.done"]
+    assert any(e["item"]["type"] == "function_call" for e in done)
+    assert events[-1]["response"]["status"] == "incomplete"
