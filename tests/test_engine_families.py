@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import FAMILIES, make_tiny
+from tiny_models import FAMILIES, VARIANTS, make_tiny
 
 from freetokend import LLM
 from freetokend.engine.runner import Work
@@ -13,10 +13,10 @@ from freetokend.engine.runner import Work
 ATOL = 2e-4
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + tuple(VARIANTS))
 def tiny(request, tmp_path_factory):
     family = request.param
-    d = tmp_path_factory.mktemp(family)
+    d = tmp_path_factory.mktemp(family.replace(":", "-"))
     _, hf = make_tiny(family, d, seed=3)
     llm = LLM(d, moe_backend="cpu", max_model_len=256, kv_tokens=2048)
     return family, hf, llm

@@ -1,0 +1,101 @@
+"""How config.json of the GLM / MiniMax-M2 families is normalised, and their MTP layers skipped."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny
+
+from freetokend.models.config import ConfigError, from_dict
+from freetokend.models.loader import CheckpointError, load_model
+
+_BASE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=3,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    intermediate_size=48,
+)
+
+
+def test_glm_defaults_to_half_rotary_and_no_output_bias():
+    cfg = from_dict(
+        {
+            **_BASE,
+            "architectures": ["Glm4MoeForCausalLM"],
+            "n_routed_experts": 8,
+            "n_shared_experts": 2,
+            "attention_bias": True,
+            "rope_theta": 10000.0,
+            "first_k_dense_replace": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "num_nextn_predict_layers": 1,
+        }
+    )
+    assert cfg.rope.rotary_dim == 8  # GLM-4.5's config.json may omit partial_rotary_factor
+    assert cfg.attention_bias and not cfg.o_proj_bias
+    assert cfg.moe_layers == (False, True, True)
+    assert cfg.shared_expert_intermediate_size == 64 and not cfg.shared_expert_gated
+    assert (cfg.router_kind, cfg.n_group, cfg.topk_group) == ("sigmoid_group", 4, 2)
+    assert cfg.num_mtp_layers == 1
+
+
+def test_minimax_rotary_dim_and_ungrouped_sigmoid_router():
+    cfg = from_dict(
+        {
+            **_BASE,
+            "architectures": ["MiniMaxM2ForCausalLM"],
+            "num_local_experts": 8,
+            "rotary_dim": 4,
+            "n_group": 4,  # ignored: MiniMax-M2 never groups
+        }
+    )
+    assert cfg.rope.rotary_dim == 4 and cfg.qk_norm == "full"
+    assert (cfg.router_kind, cfg.n_group, cfg.norm_topk_prob) == ("sigmoid_group", 1, True)
+
+
+def test_glm_lite_dense_layers_from_mlp_layer_types():
+    raw = {
+        **_BASE,
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "n_routed_experts": 8,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 10,
+        "mlp_layer_types": ["sparse", "dense", "sparse"],
+    }
+    cfg = from_dict(raw)
+    assert cfg.is_mla and cfg.moe_layers == (True, False, True)
+    with pytest.raises(ConfigError, match="mlp_layer_types"):
+        from_dict({**raw, "mlp_layer_types": ["sparse"]})
+    with pytest.raises(ConfigError, match="n_group"):
+        from_dict({**raw, "n_group": 3})
+
+
+def test_mtp_layers_are_skipped_with_one_log_line(tmp_path, caplog):
+    make_tiny("glm4_moe", tmp_path, seed=1)  # 3 layers, num_nextn_predict_layers = 1
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    mtp = {
+        "model.layers.3.eh_proj.weight": torch.randn(64, 128),
+        "model.layers.3.enorm.weight": torch.randn(64),
+        "model.layers.3.mlp.experts.0.up_proj.weight": torch.randn(32, 64),
+    }
+    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="freetokend.models.loader"):
+        load_model(tmp_path)
+    lines = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert len(lines) == 1 and "skipped 3 tensors" in lines[0]
+    # a layer beyond the MTP layers is still an error
+    save_file({**tensors, "model.layers.4.enorm.weight": torch.randn(64)}, path)
+    with pytest.raises(CheckpointError, match="layers.4.enorm"):
+        load_model(tmp_path)
