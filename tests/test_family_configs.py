@@ -99,3 +99,44 @@ def test_mtp_layers_are_skipped_with_one_log_line(tmp_path, caplog):
     save_file({**tensors, "model.layers.4.enorm.weight": torch.randn(64)}, path)
     with pytest.raises(CheckpointError, match="layers.4.enorm"):
         load_model(tmp_path)
+
+
+def _markup_tokenizer(model_dir, tokens: list[str]) -> None:
+    """A word-level tokenizer.json whose added special tokens are the family's chat markup."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(40)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.add_special_tokens(tokens)
+    tok.save(str(model_dir / "tokenizer.json"))
+
+
+def test_glm_and_minimax_anchor_tokens_reach_the_snapshot_policy(tmp_path):
+    from freetokend import LLM
+
+    cases = {
+        "glm4_moe": {
+            "<|user|>": "end_of_turn",
+            "<|observation|>": "end_of_turn",
+            "</think>": "end_of_thinking",
+            "<tool_call>": "tool_call_start",
+            "</tool_call>": "tool_call_end",
+            "<tool_response>": "tool_output_start",
+            "</tool_response>": "tool_output_end",
+        },
+        "minimax_m2": {
+            "[e~[": "end_of_turn",
+            "</think>": "end_of_thinking",
+            "<minimax:tool_call>": "tool_call_start",
+            "</minimax:tool_call>": "tool_call_end",
+        },
+    }
+    for family, want in cases.items():
+        d = tmp_path / family
+        make_tiny(family, d, seed=2)
+        _markup_tokenizer(d, ["<think>", *want])  # <think> is not an anchor
+        llm = LLM(d, max_model_len=64, kv_tokens=64)
+        got = {
+            llm.tokenizer.id_to_token(i): k for i, k in llm.engine.prefix.policy.anchor_ids.items()
+        }
+        assert got == want, family

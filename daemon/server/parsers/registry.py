@@ -2,7 +2,8 @@
 
 The tool-call syntax is chosen per model:
 1. by inspecting the model's chat template for the syntax it instructs the model to use
-   (``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
+   (``<minimax:tool_call>`` -> MiniMax XML, ``<arg_key>`` -> GLM, ``<function=`` -> Qwen XML,
+   ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
    because one family can ship different templates (the built-in tiny model is family
    ``qwen3_5_moe`` but its template asks for JSON ``<tool_call>``);
 2. falling back to the family default (``FAMILY_DEFAULTS``) when the template says nothing.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from . import harmony, qwen3_json, qwen3_xml
+from . import glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
 from .base import OutputParser, PassThrough, ToolSchemas
 from .chain import Chain
 from .think import ThinkParser
@@ -25,6 +26,8 @@ class ToolSyntax(StrEnum):
     QWEN3_JSON = "qwen3_json"
     QWEN3_XML = "qwen3_xml"
     HARMONY = "harmony"
+    GLM_XML = "glm_xml"
+    MINIMAX_XML = "minimax_xml"
 
 
 class ReasoningSyntax(StrEnum):
@@ -46,6 +49,9 @@ FAMILY_DEFAULTS: dict[str, OutputSyntax] = {
     "gpt_oss": OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY),
     "mixtral": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
     "olmoe": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
+    "glm4_moe": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
+    "glm4_moe_lite": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
+    "minimax_m2": OutputSyntax(ToolSyntax.MINIMAX_XML, ReasoningSyntax.THINK),
 }
 
 
@@ -55,7 +61,11 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
     src = template_source or ""
     if "<|channel|>" in src:
         return OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
-    if "<function=" in src:
+    if minimax_xml.OPEN in src:
+        tools = ToolSyntax.MINIMAX_XML
+    elif "<arg_key>" in src:
+        tools = ToolSyntax.GLM_XML
+    elif "<function=" in src:
         tools = ToolSyntax.QWEN3_XML
     elif "<tool_call>" in src:
         tools = ToolSyntax.QWEN3_JSON
@@ -70,6 +80,8 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
 _TOOL_PARSERS = {
     ToolSyntax.QWEN3_JSON: qwen3_json.make_parser,
     ToolSyntax.QWEN3_XML: qwen3_xml.make_parser,
+    ToolSyntax.GLM_XML: glm_xml.make_parser,
+    ToolSyntax.MINIMAX_XML: minimax_xml.make_parser,
 }
 
 
