@@ -2,8 +2,8 @@
 
 The tool-call syntax is chosen per model:
 1. by inspecting the model's chat template for the syntax it instructs the model to use
-   (``<minimax:tool_call>`` -> MiniMax XML, ``<arg_key>`` -> GLM, ``<function=`` -> Qwen XML,
-   ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
+   (``<minimax:tool_call>`` -> MiniMax XML, ``<arg_key>`` -> GLM, ``<|tool_call>`` -> Gemma-4,
+   ``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
    because one family can ship different templates (the built-in tiny model is family
    ``qwen3_5_moe`` but its template asks for JSON ``<tool_call>``);
 2. falling back to the family default (``FAMILY_DEFAULTS``) when the template says nothing.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from . import glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
+from . import gemma4, glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
 from .base import OutputParser, PassThrough, ToolSchemas
 from .chain import Chain
 from .think import ThinkParser
@@ -28,12 +28,14 @@ class ToolSyntax(StrEnum):
     HARMONY = "harmony"
     GLM_XML = "glm_xml"
     MINIMAX_XML = "minimax_xml"
+    GEMMA4 = "gemma4"
 
 
 class ReasoningSyntax(StrEnum):
     NONE = "none"
     THINK = "think"
     HARMONY = "harmony"
+    GEMMA4_THOUGHT = "gemma4_thought"  # <|channel>thought ... <channel|>
 
 
 @dataclass(frozen=True)
@@ -65,13 +67,20 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
         tools = ToolSyntax.MINIMAX_XML
     elif "<arg_key>" in src:
         tools = ToolSyntax.GLM_XML
+    elif gemma4.OPEN in src:
+        tools = ToolSyntax.GEMMA4
     elif "<function=" in src:
         tools = ToolSyntax.QWEN3_XML
     elif "<tool_call>" in src:
         tools = ToolSyntax.QWEN3_JSON
     else:
         tools = default.tools
-    reasoning = ReasoningSyntax.THINK if "<think>" in src else default.reasoning
+    if "<think>" in src:
+        reasoning = ReasoningSyntax.THINK
+    elif gemma4.CHANNEL in src:
+        reasoning = ReasoningSyntax.GEMMA4_THOUGHT
+    else:
+        reasoning = default.reasoning
     if reasoning is ReasoningSyntax.HARMONY:
         reasoning = ReasoningSyntax.NONE  # harmony reasoning needs a harmony template
     return OutputSyntax(tools, reasoning)
@@ -82,6 +91,7 @@ _TOOL_PARSERS = {
     ToolSyntax.QWEN3_XML: qwen3_xml.make_parser,
     ToolSyntax.GLM_XML: glm_xml.make_parser,
     ToolSyntax.MINIMAX_XML: minimax_xml.make_parser,
+    ToolSyntax.GEMMA4: gemma4.make_parser,
 }
 
 
@@ -100,6 +110,9 @@ def make_output_parser(
         tool_parser = _TOOL_PARSERS[syntax.tools](tools)
     if syntax.reasoning is ReasoningSyntax.THINK:
         return Chain(ThinkParser(start_in_reasoning), tool_parser)
+    if syntax.reasoning is ReasoningSyntax.GEMMA4_THOUGHT:
+        thought = ThinkParser(start_in_reasoning, gemma4.THOUGHT_OPEN, gemma4.THOUGHT_CLOSE)
+        return Chain(thought, tool_parser)
     return Chain(PassThrough(), tool_parser)
 
 

@@ -1,10 +1,10 @@
-"""GLM-4.5/4.7 and MiniMax-M2 output parsing on realistic output, streamed in every split."""
+"""GLM-4.5/4.7, MiniMax-M2 and Gemma-4 output parsing on realistic output, streamed in every split."""
 
 from __future__ import annotations
 
 import json
 
-from test_server_parsers import SCHEMA, check_all_splits, run
+from test_server_parsers import SCHEMA, check_all_splits, grammars, run  # noqa: F401
 
 from freetokend.server.parsers.base import Content, Reasoning, ToolCall
 from freetokend.server.parsers.registry import (
@@ -122,3 +122,64 @@ def test_syntax_detected_from_the_templates_and_the_families():
     assert detect_syntax("glm4_moe_lite", "") == GLM
     assert detect_syntax("mixtral", '<minimax:tool_call><invoke name="x"><think>') == MINIMAX
     assert detect_syntax("minimax_m2", "") == MINIMAX
+
+
+GEMMA = OutputSyntax(ToolSyntax.GEMMA4, ReasoningSyntax.GEMMA4_THOUGHT)
+Q = '<|"|>'
+
+
+def test_gemma4_thought_text_and_calls_with_nested_arguments():
+    text = (
+        "<|channel>thought\nNeed weather, then write {the} config.<channel|>"
+        "Checking now.\n"
+        f"<|tool_call>call:get_weather{{city:{Q}Zürich{Q},days:3}}<tool_call|>"
+        f"<|tool_call>call:write_config{{path:{Q}conf/app.json{Q},"
+        f"content:{{server:{{port:8080,hosts:[{Q}a{Q},{Q}b{Q}],tls:null}},debug:false}}}}"
+        "<tool_call|>"
+        " Both sent."
+    )
+    weather, config = _tools_calls()
+    expected = [
+        Reasoning("Need weather, then write {the} config."),
+        Content("Checking now.\n"),
+        weather,
+        config,
+        Content(" Both sent."),
+    ]
+    check_all_splits(GEMMA, text, expected)
+
+
+def test_gemma4_strings_keep_notation_characters_and_bad_bodies_come_back():
+    text = (
+        f"<|tool_call>call:get_weather{{ city: {Q}a,b:{{c}}]{Q} , days : 2 , tags:[ true ,false]}}"
+        "<tool_call|>"
+    )
+    expected = [ToolCall(0, "get_weather", _args(city="a,b:{c}]", days=2, tags=[True, False]))]
+    check_all_splits(GEMMA, text, expected)
+    for bad in (
+        "<|tool_call>get_weather{}<tool_call|>",  # no call: prefix
+        f"<|tool_call>call:get_weather{{city:{Q}Oslo}}<tool_call|>",  # unterminated string
+        "<|tool_call>call:get_weather{days:2<tool_call|>",  # unclosed object
+    ):
+        assert run(GEMMA, bad, [bad]) == [Content(bad)], bad
+
+
+def test_gemma4_syntax_from_the_template():
+    template = "{{'<|channel>thought'}}...{{'<|tool_call>call:' + name}}"
+    assert detect_syntax("qwen3_moe", template) == GEMMA
+
+
+def test_gemma4_forced_call_grammar_accepts_what_the_parser_reads(grammars):  # noqa: F811
+    """xgrammar's Gemma-4 style is an outside spelling of the notation: the text the parser
+    decodes must be a complete sentence of the forced-call grammar, and JSON must not be."""
+    factory, tok, _, eos = grammars
+    tools = [("get_weather", SCHEMA), ("noop", None)]
+    good = f"<|tool_call>call:get_weather{{city:{Q}Oslo{Q},days:2,tags:[true,false]}}<tool_call|>"
+    bad = '<|tool_call>call:get_weather{"city":"Oslo","days":2}<tool_call|>'
+    for text, ok in ((good, True), (bad, False)):
+        c = factory.forced_tool_call(ToolSyntax.GEMMA4, tools)
+        ids = tok.encode(text, add_special_tokens=False).ids + [eos]
+        accepted = all(c._matcher.accept_token(t) for t in ids)
+        assert accepted == ok and c.is_terminated() == ok, text
+    (call,) = run(GEMMA, good, [good])
+    assert call == ToolCall(0, "get_weather", _args(city="Oslo", days=2, tags=[True, False]))
