@@ -140,3 +140,31 @@ def test_glm_and_minimax_anchor_tokens_reach_the_snapshot_policy(tmp_path):
             llm.tokenizer.id_to_token(i): k for i, k in llm.engine.prefix.policy.anchor_ids.items()
         }
         assert got == want, family
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
+def test_absent_fields_default_as_in_transformers(family):
+    """config.json files that leave out rope_interleave, the router groups, the shared experts or
+    the dense layers mean what transformers' config class assumes."""
+    import transformers as tf
+
+    arch, cls = {
+        "deepseek_v3": ("DeepseekV3ForCausalLM", tf.DeepseekV3Config),
+        "glm4_moe": ("Glm4MoeForCausalLM", tf.Glm4MoeConfig),
+        "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", tf.Glm4MoeLiteConfig),
+    }[family]
+    raw: dict = {**_BASE, "num_hidden_layers": 5, "n_routed_experts": 16, "num_key_value_heads": 4}
+    if family != "glm4_moe":
+        raw.update(kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+    for explicit_null in ({}, {"q_lora_rank": None}) if family != "glm4_moe" else ({},):
+        ours = from_dict({**raw, **explicit_null, "architectures": [arch]})
+        hf = cls(**raw, **explicit_null)
+        assert ours.rope.interleaved == bool(getattr(hf, "rope_interleave", False))
+        assert (ours.n_group, ours.topk_group) == (hf.n_group, hf.topk_group)
+        assert ours.routed_scaling_factor == hf.routed_scaling_factor
+        assert ours.shared_expert_intermediate_size == 32 * hf.n_shared_experts
+        assert ours.q_lora_rank == (getattr(hf, "q_lora_rank", 0) or 0)
+        dense = getattr(hf, "mlp_layer_types", None) or [
+            "dense" if i < hf.first_k_dense_replace else "sparse" for i in range(5)
+        ]
+        assert ours.moe_layers == tuple(k == "sparse" for k in dense)

@@ -35,6 +35,35 @@ _MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 _SIGMOID_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2")
 # Families whose shared experts are n_shared_experts plain MLPs fused into one, without a gate.
 _PLAIN_SHARED_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+# What transformers assumes when config.json leaves out a field that changes the math (the
+# original DeepSeek-V3 configs predate rope_interleave, for one). Applied only to absent keys:
+# an explicit null (q_lora_rank: null = no q compression) stays.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(
+        rope_interleave=True,
+        q_lora_rank=1536,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+    ),
+    "glm4_moe": dict(
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+    ),
+    "glm4_moe_lite": dict(
+        rope_interleave=True,
+        q_lora_rank=768,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.8,
+        n_shared_experts=1,
+    ),
+}
 
 
 class ConfigError(ValueError):
@@ -311,6 +340,8 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     if isinstance(raw.get("text_config"), dict):  # multimodal wrapper, served text-only
         text = {**raw["text_config"]}
         prefix = "model.language_model"
+    defaults = _FAMILY_DEFAULTS.get(family, {})
+    text = {**{k: v for k, v in defaults.items() if k not in text}, **text}
     hidden = _get(text, "hidden_size", int, source)
     heads = _get(text, "num_attention_heads", int, source)
     n = _get(text, "num_hidden_layers", int, source)
