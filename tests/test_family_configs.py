@@ -168,3 +168,16 @@ def test_absent_fields_default_as_in_transformers(family):
             "dense" if i < hf.first_k_dense_replace else "sparse" for i in range(5)
         ]
         assert ours.moe_layers == tuple(k == "sparse" for k in dense)
+
+
+def test_grouped_sigmoid_routers_stay_fp32_in_bf16_checkpoints(tmp_path):
+    """transformers routes GLM / DeepSeek-V3 on fp32 inputs and weights even in bf16 models:
+    rounding the router input to bf16 first moves near-tied experts."""
+    _, hf = make_tiny("glm4_moe", tmp_path, seed=4, dtype=torch.bfloat16)
+    model, _ = load_model(tmp_path)
+    router = model.layers[1].mlp.router
+    assert router.weight.dtype == torch.float32
+    assert model.layers[1].self_attn.q_proj.weight.dtype == torch.bfloat16
+    x = torch.randn(5, 64) * 3
+    want = x @ hf.model.layers[1].mlp.gate.weight.float().T
+    assert torch.allclose(router(x), want, rtol=1e-6, atol=1e-5)

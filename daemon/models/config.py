@@ -142,6 +142,9 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen); DeepSeek has none
+    # router weight and logits in fp32 whatever the checkpoint dtype (DeepSeek-V3 and GLM compute
+    # their grouped sigmoid router so; the input is not rounded to bf16 first)
+    router_fp32: bool = False
     eos_token_ids: tuple[int, ...] = ()
     # multi-token-prediction layers stored after the last decoder layer (model.layers.<n + i>):
     # loaded past and skipped (speculative decoding does not use them yet)
@@ -441,6 +444,7 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         if grouped
         else 1.0,
         shared_expert_gated=family not in _PLAIN_SHARED_FAMILIES,
+        router_fp32=grouped,
         num_mtp_layers=_get(text, "num_nextn_predict_layers", int, source, 0),
         eos_token_ids=_eos_ids(raw, text),
         torch_dtype=str(
