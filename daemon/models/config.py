@@ -54,6 +54,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=1.0,
         n_shared_experts=1,
         first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
     ),
     "glm4_moe_lite": dict(
         rope_interleave=True,
@@ -62,6 +63,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         topk_group=1,
         routed_scaling_factor=1.8,
         n_shared_experts=1,
+        num_nextn_predict_layers=1,  # transformers skips model.layers.<n> of GLM-4.7-Flash
     ),
 }
 
