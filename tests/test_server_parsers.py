@@ -156,7 +156,14 @@ def sample_under(constraint, vocab: int, seed: int, limit: int = 400) -> list[in
 
 
 @pytest.mark.parametrize(
-    "syntax", [ToolSyntax.QWEN3_JSON, ToolSyntax.QWEN3_XML, ToolSyntax.HARMONY]
+    "syntax",
+    [
+        ToolSyntax.QWEN3_JSON,
+        ToolSyntax.QWEN3_XML,
+        ToolSyntax.HARMONY,
+        ToolSyntax.GLM_XML,
+        ToolSyntax.MINIMAX_XML,
+    ],
 )
 @pytest.mark.parametrize("seed", range(6))
 def test_forced_call_from_random_logits_is_valid(grammars, syntax, seed):

@@ -11,7 +11,50 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "mixtral", "olmoe", "deepseek_v3")
+FAMILIES = (
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "gpt_oss",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "minimax_m2",
+)
+
+# Second configs of a family ("family:variant" -> overrides of its tiny config): the other side
+# of each switch the first config sets (grouping, shared expert, qk norm, biases, top-k, ...).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "glm4_moe:flat": dict(
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=3,
+        n_shared_experts=0,
+        first_k_dense_replace=0,
+        use_qk_norm=False,
+        attention_bias=False,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
+    "glm4_moe_lite:flat": dict(
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=3,
+        n_shared_experts=0,
+        mlp_layer_types=["sparse", "dense", "sparse"],
+        rope_interleave=False,
+        attention_bias=True,
+    ),
+    "minimax_m2:k3": dict(num_experts_per_tok=3, rotary_dim=16, num_key_value_heads=4),
+}
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=97,
@@ -31,6 +74,9 @@ _COMMON: dict[str, Any] = dict(
 def hf_config(family: str, **over: Any) -> Any:
     import transformers as tf
 
+    if ":" in family:  # a variant: its family's config with the variant's overrides
+        over = {**VARIANTS[family], **over}
+        family = family.split(":")[0]
     c = dict(_COMMON)
     cls: Any
     if family == "qwen3_moe":
@@ -135,6 +181,54 @@ def hf_config(family: str, **over: Any) -> Any:
         )
         c.pop("head_dim")
         cls = tf.DeepseekV3Config
+    elif family == "glm4_moe":
+        c.update(
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=48,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            num_nextn_predict_layers=1,
+        )
+        cls = tf.Glm4MoeConfig
+    elif family == "glm4_moe_lite":
+        c.update(
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=48,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.8,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            num_key_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        c.pop("head_dim")
+        cls = tf.Glm4MoeLiteConfig
+    elif family == "minimax_m2":
+        c.update(
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rotary_dim=8,
+            rope_theta=10000.0,
+        )
+        cls = tf.MiniMaxM2Config
     elif family == "mixtral":
         c.update(
             num_hidden_layers=2,
@@ -172,14 +266,17 @@ def hf_model_class(family: str) -> Any:
         "mixtral": tf.MixtralForCausalLM,
         "deepseek_v3": tf.DeepseekV3ForCausalLM,
         "olmoe": tf.OlmoeForCausalLM,
-    }[family]
+        "glm4_moe": tf.Glm4MoeForCausalLM,
+        "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
+        "minimax_m2": tf.MiniMaxM2ForCausalLM,
+    }[family.split(":")[0]]
 
 
 def perturb(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, b in model.named_buffers():  # DeepSeek's router bias (not rope tables)
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith("e_score_correction_bias"):  # and GLM's / MiniMax-M2's
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("bias") or "sinks" in name:

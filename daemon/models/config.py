@@ -24,6 +24,47 @@ ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+}
+
+# Families with multi-head latent attention (kv_lora_rank) and the grouped sigmoid router.
+_MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+# Families whose router is sigmoid + score-correction bias (+ optional group limit).
+_SIGMOID_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2")
+# Families whose shared experts are n_shared_experts plain MLPs fused into one, without a gate.
+_PLAIN_SHARED_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+# What transformers assumes when config.json leaves out a field that changes the math (the
+# original DeepSeek-V3 configs predate rope_interleave, for one). Applied only to absent keys:
+# an explicit null (q_lora_rank: null = no q compression) stays.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(
+        rope_interleave=True,
+        q_lora_rank=1536,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+    ),
+    "glm4_moe": dict(
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+    ),
+    "glm4_moe_lite": dict(
+        rope_interleave=True,
+        q_lora_rank=768,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.8,
+        n_shared_experts=1,
+        num_nextn_predict_layers=1,  # transformers skips model.layers.<n> of GLM-4.7-Flash
+    ),
 }
 
 
@@ -77,6 +118,7 @@ class ModelConfig:
     qk_norm: str = "none"  # "none" | "head" (per head) | "full" (over all heads, OLMoE)
     norm_offset: bool = False  # (1 + w) RMSNorm (Qwen3.5 / Qwen3-Next)
     clip_qkv: float | None = None
+    o_proj_bias: bool = False  # the attention output projection's bias (GLM-4.5 has none)
     router_bias: bool = False
     expert_bias: bool = False
     activation: str = "silu"  # "silu" | "gptoss"
@@ -102,7 +144,13 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen); DeepSeek has none
+    # router weight and logits in fp32 whatever the checkpoint dtype (DeepSeek-V3 and GLM compute
+    # their grouped sigmoid router so; the input is not rounded to bf16 first)
+    router_fp32: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # multi-token-prediction layers stored after the last decoder layer (model.layers.<n + i>):
+    # loaded past and skipped (speculative decoding does not use them yet)
+    num_mtp_layers: int = 0
     torch_dtype: str = "float32"
     # routed experts as stored: "bf16" (float banks in torch_dtype) or "mxfp4" (GPT-OSS's
     # quantized checkpoints: e2m1 blocks of 32 with e8m0 scales, kept packed in host RAM)
@@ -182,7 +230,9 @@ def _eos_ids(raw: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _rope(text: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
+def _rope(
+    text: dict[str, Any], head_dim: int, source: str, partial_default: float = 1.0
+) -> RopeConfig:
     if text.get("qk_rope_head_dim"):  # MLA: only the rope part of each head rotates
         head_dim = int(text["qk_rope_head_dim"])
     params = text.get("rope_parameters") or {}
@@ -191,7 +241,11 @@ def _rope(text: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
         raise ConfigError(f"{source}: field 'rope_parameters' must be an object")
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", text.get("rope_theta", 10000.0))
-    partial = merged.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    partial = merged.get("partial_rotary_factor", text.get("partial_rotary_factor"))
+    if partial is None and text.get("rotary_dim"):  # MiniMax-M2 spells it as a dim count
+        partial = int(text["rotary_dim"]) / head_dim
+    if partial is None:
+        partial = partial_default
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind not in ("default", "yarn"):
         raise ConfigError(
@@ -252,15 +306,22 @@ def _layer_types(text: dict[str, Any], family: str, n: int, source: str) -> tupl
 def _shared_size(text: dict[str, Any], family: str, moe_inter: int, source: str) -> int:
     if family in ("qwen3_5_moe", "qwen3_next"):
         return int(_get(text, "shared_expert_intermediate_size", int, source, 0))
-    if family == "deepseek_v3":  # n_shared_experts experts fused into one MLP
+    if family in _PLAIN_SHARED_FAMILIES:  # n_shared_experts experts fused into one MLP
         return moe_inter * int(_get(text, "n_shared_experts", int, source, 0))
     return 0
 
 
-def _moe_layers(text: dict[str, Any], family: str, n: int) -> tuple[bool, ...]:
-    if family == "deepseek_v3":
+def _moe_layers(text: dict[str, Any], family: str, n: int, source: str) -> tuple[bool, ...]:
+    if family in ("deepseek_v3", "glm4_moe"):
         first_dense = int(text.get("first_k_dense_replace") or 0)
         return tuple(i >= first_dense for i in range(n))
+    if family == "glm4_moe_lite":
+        kinds = text.get("mlp_layer_types")
+        if kinds is None:  # transformers' default: the first layer dense, then sparse
+            return tuple(i >= 1 for i in range(n))
+        if not isinstance(kinds, list) or len(kinds) != n:
+            raise ConfigError(f"{source}: field 'mlp_layer_types' must list {n} entries")
+        return tuple(k == "sparse" for k in kinds)
     if family not in ("qwen3_moe", "qwen3_next"):
         return (True,) * n
     step = int(text.get("decoder_sparse_step", 1) or 1)
@@ -284,6 +345,8 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     if isinstance(raw.get("text_config"), dict):  # multimodal wrapper, served text-only
         text = {**raw["text_config"]}
         prefix = "model.language_model"
+    defaults = _FAMILY_DEFAULTS.get(family, {})
+    text = {**{k: v for k, v in defaults.items() if k not in text}, **text}
     hidden = _get(text, "hidden_size", int, source)
     heads = _get(text, "num_attention_heads", int, source)
     n = _get(text, "num_hidden_layers", int, source)
@@ -302,13 +365,23 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         )
     # Qwen3.5 renormalises the top-k weights unconditionally; Mixtral too; GPT-OSS takes the
     # softmax over the top-k logits, which is the same thing.
-    norm_default = family in ("qwen3_5_moe", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3")
+    norm_default = family in (
+        "qwen3_5_moe",
+        "qwen3_next",
+        "mixtral",
+        "gpt_oss",
+        "deepseek_v3",
+        "glm4_moe",
+        "glm4_moe_lite",
+    )
     norm_topk = bool(text.get("norm_topk_prob", norm_default))
-    if family in ("mixtral", "gpt_oss"):
+    if family in ("mixtral", "gpt_oss", "minimax_m2"):
         norm_topk = True
     is_gptoss = family == "gpt_oss"
     is_q35 = family in ("qwen3_5_moe", "qwen3_next")  # the gated-attention / DeltaNet hybrids
-    is_ds = family == "deepseek_v3"
+    is_ds = family in _MLA_FAMILIES
+    sigmoid = family in _SIGMOID_ROUTER_FAMILIES
+    grouped = family in ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
     if is_ds:
         head_dim = _get(text, "qk_nope_head_dim", int, source) + _get(
             text, "qk_rope_head_dim", int, source
@@ -324,9 +397,9 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=_get(text, "rms_norm_eps", float, source, 1e-6),
         max_position_embeddings=_get(text, "max_position_embeddings", int, source, 4096),
-        rope=_rope(text, head_dim, source),
+        rope=_rope(text, head_dim, source, 0.5 if family == "glm4_moe" else 1.0),
         layer_types=_layer_types(text, family, n, source),
-        moe_layers=_moe_layers(text, family, n),
+        moe_layers=_moe_layers(text, family, n, source),
         num_experts=num_experts,
         top_k=top_k,
         moe_intermediate_size=moe_inter,
@@ -342,9 +415,12 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
             "qwen3_5_moe": "head",
             "qwen3_next": "head",
             "olmoe": "full",
+            "minimax_m2": "full",
+            "glm4_moe": "head" if text.get("use_qk_norm") else "none",
         }.get(family, "none"),
         norm_offset=is_q35,
         clip_qkv=_get(text, "clip_qkv", float, source, None),
+        o_proj_bias=bool(text.get("attention_bias", is_gptoss)) and family != "glm4_moe",
         router_bias=is_gptoss,
         expert_bias=is_gptoss,
         activation="gptoss" if is_gptoss else "silu",
@@ -363,13 +439,15 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         qk_nope_head_dim=_get(text, "qk_nope_head_dim", int, source, 0) if is_ds else 0,
         qk_rope_head_dim=_get(text, "qk_rope_head_dim", int, source, 0) if is_ds else 0,
         v_head_dim=_get(text, "v_head_dim", int, source, 0) if is_ds else 0,
-        router_kind="sigmoid_group" if is_ds else "topk_softmax" if is_gptoss else "softmax",
-        n_group=_get(text, "n_group", int, source, 1) if is_ds else 1,
-        topk_group=_get(text, "topk_group", int, source, 1) if is_ds else 1,
+        router_kind="sigmoid_group" if sigmoid else "topk_softmax" if is_gptoss else "softmax",
+        n_group=_get(text, "n_group", int, source, 1) if grouped else 1,
+        topk_group=_get(text, "topk_group", int, source, 1) if grouped else 1,
         routed_scaling_factor=_get(text, "routed_scaling_factor", float, source, 1.0)
-        if is_ds
+        if grouped
         else 1.0,
-        shared_expert_gated=not is_ds,
+        shared_expert_gated=family not in _PLAIN_SHARED_FAMILIES,
+        router_fp32=grouped,
+        num_mtp_layers=_get(text, "num_nextn_predict_layers", int, source, 0),
         eos_token_ids=_eos_ids(raw, text),
         torch_dtype=str(
             text.get("torch_dtype")
@@ -419,9 +497,10 @@ def _validate(cfg: ModelConfig, source: str) -> None:
             )
     if "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
         raise ConfigError(f"{source}: sliding attention layers need field 'sliding_window'")
-    if cfg.is_mla and cfg.num_experts % cfg.n_group:
+    grouped = cfg.router_kind == "sigmoid_group"
+    if grouped and (cfg.n_group <= 0 or cfg.num_experts % cfg.n_group):
         raise ConfigError(f"{source}: field 'n_group' must divide n_routed_experts")
-    if cfg.is_mla and not 0 < cfg.topk_group <= cfg.n_group:
+    if grouped and not 0 < cfg.topk_group <= cfg.n_group:
         raise ConfigError(f"{source}: field 'topk_group' must be in [1, n_group]")
     if cfg.torch_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{source}: field 'torch_dtype' = {cfg.torch_dtype!r} is not supported")

@@ -10,6 +10,7 @@ both accepted; the family's FamilySpec says how names and layouts map.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,8 @@ from .layers.common import dtype_of
 from .model import CausalLM
 from .registry import family_spec
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -44,6 +47,7 @@ _PER_EXPERT = re.compile(
     r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
 )
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -138,6 +142,15 @@ class _Filler:
             name = re.sub(pat, repl, name)
         return name
 
+    def mtp(self, name: str) -> bool:
+        """A tensor of a multi-token-prediction layer stored after the last decoder layer
+        (``<prefix>.layers.<num_layers + i>.``, GLM-4.5 / DeepSeek-V3): not loaded for now."""
+        if not self.cfg.num_mtp_layers:
+            return False
+        m = _LAYER.match(name.removeprefix(self.cfg.weight_prefix + "."))
+        n = self.cfg.num_layers
+        return m is not None and n <= int(m.group(1)) < n + self.cfg.num_mtp_layers
+
     def ignored(self, name: str) -> bool:
         pats = self.spec.ignore + _ALWAYS_IGNORED
         if any(re.search(p, name) for p in pats):
@@ -163,6 +176,8 @@ class _Filler:
             )
         elif canon in self.params:
             self._dense(canon, src, name, path)
+        elif 0 in src.shape:
+            return  # an empty module (GLM with n_shared_experts = 0 stores [0, H] shared experts)
         else:
             raise CheckpointError(
                 f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)"
@@ -355,14 +370,25 @@ def load_model(
     model = CausalLM(cfg)
     banks = allocate_banks(cfg)
     filler = _Filler(cfg, spec, model, banks)
+    mtp_skipped = 0
     for path in checkpoint_files(model_dir):
         for name, src in _tensors(path):
             if filler.ignored(name):
+                continue
+            if filler.mtp(name):
+                mtp_skipped += 1
                 continue
             canon = filler.canonical(name)
             if canon is None:
                 raise CheckpointError(f"{path}: unexpected tensor '{name}'")
             filler.put(name, canon, src, path)
     filler.verify()
+    if mtp_skipped:
+        log.info(
+            "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not used yet)",
+            model_dir,
+            mtp_skipped,
+            cfg.num_mtp_layers,
+        )
     model.eval()
     return model, banks

@@ -120,7 +120,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(hid, h * d * (2 if self.gated else 1), dtype, bias)
         self.k_proj = Linear(hid, kvh * d, dtype, bias)
         self.v_proj = Linear(hid, kvh * d, dtype, bias)
-        self.o_proj = Linear(h * d, hid, dtype, bias)
+        self.o_proj = Linear(h * d, hid, dtype, cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, cfg.norm_offset)

@@ -48,7 +48,8 @@ class MLAttention(nn.Module):
         self.heads, self.kv_layer = h, kv_layer
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kvr = cfg.kv_lora_rank
-        dqk, bias, eps = self.dn + self.dr, cfg.attention_bias, cfg.rms_norm_eps
+        # the latent norms use RMSNorm's default eps in every MLA family, not rms_norm_eps
+        dqk, bias, eps = self.dn + self.dr, cfg.attention_bias, 1e-6
         self.q_proj: Linear | None = None
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(hid, cfg.q_lora_rank, dtype, bias)
@@ -59,7 +60,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hid, self.kvr + self.dr, dtype, bias)
         self.kv_a_layernorm = RMSNorm(self.kvr, eps, dtype)
         self.kv_b_proj = Linear(self.kvr, h * (self.dn + self.dv), dtype)
-        self.o_proj = Linear(h * self.dv, hid, dtype, bias)
+        self.o_proj = Linear(h * self.dv, hid, dtype, cfg.o_proj_bias)
         self.scale = mla_scale(cfg)
 
     def _q(self, x: torch.Tensor) -> torch.Tensor:

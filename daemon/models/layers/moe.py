@@ -62,7 +62,8 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.top_k
         self.kind = cfg.router_kind
         self.renorm = cfg.norm_topk_prob
-        self.router = Linear(cfg.hidden_size, cfg.num_experts, dtype, bias=cfg.router_bias)
+        router_dtype = torch.float32 if cfg.router_fp32 else dtype
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, router_dtype, bias=cfg.router_bias)
         self.group = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
         if self.kind == "sigmoid_group":
             self.score_bias = param(cfg.num_experts, dtype=torch.float32)

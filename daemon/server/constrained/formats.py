@@ -37,6 +37,18 @@ def _call_format(syntax: ToolSyntax, name: str, schema: dict[str, Any]) -> Seque
         begin = f"<tool_call>\n<function={name}>\n"
         args = JSONSchemaFormat(json_schema=schema, style="qwen_xml", max_whitespace_cnt=_WS)
         end = "\n</function>\n</tool_call>"
+    elif syntax is ToolSyntax.GLM_XML:
+        begin = f"<tool_call>{name}\n"
+        args = JSONSchemaFormat(json_schema=schema, style="glm_xml", max_whitespace_cnt=_WS)
+        end = "</tool_call>"
+    elif syntax is ToolSyntax.MINIMAX_XML:
+        begin = f'<minimax:tool_call>\n<invoke name="{name}">\n'
+        args = JSONSchemaFormat(json_schema=schema, style="minimax_xml", max_whitespace_cnt=_WS)
+        end = "</invoke>\n</minimax:tool_call>"
+    elif syntax is ToolSyntax.GEMMA4:
+        begin = f"<|tool_call>call:{name}"
+        args = JSONSchemaFormat(json_schema=schema, style="gemma", max_whitespace_cnt=_WS)
+        end = "<tool_call|>"
     elif syntax is ToolSyntax.HARMONY:
         # The closing <|call|> is the stop token the matcher requires after the grammar.
         begin = f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"

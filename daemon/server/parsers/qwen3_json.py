@@ -56,4 +56,6 @@ def decode_json_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None
 
 
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
-    return TaggedToolParser(decode_json_body, lambda body: decode_json_partial(body, tools))
+    return TaggedToolParser(
+        decode_json_body, decode_partial=lambda body: decode_json_partial(body, tools)
+    )

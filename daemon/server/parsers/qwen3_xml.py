@@ -28,7 +28,7 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<paramete
 _PAD = " \t\r\n"
 
 
-def _strip_padding(value: str) -> str:
+def strip_padding(value: str) -> str:
     """Drop ONE whitespace character on each side: models write ``>\nvalue\n<``, and the
     forced-call grammar allows one padding character there; more is part of the value."""
     if value[:1] in _PAD and value:
@@ -38,7 +38,7 @@ def _strip_padding(value: str) -> str:
     return value
 
 
-def _schema_types(schema: dict[str, Any] | None, param: str) -> set[str]:
+def schema_types(schema: dict[str, Any] | None, param: str) -> set[str]:
     if not schema:
         return set()
     prop = (schema.get("properties") or {}).get(param) or {}
@@ -69,7 +69,7 @@ def decode_xml_body(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
     args: dict[str, Any] = {}
     for pm in _PARAMETER.finditer(match.group(2)):
         key = pm.group(1).strip()
-        args[key] = convert_value(_strip_padding(pm.group(2)), _schema_types(schema, key))
+        args[key] = convert_value(strip_padding(pm.group(2)), schema_types(schema, key))
     return name, json.dumps(args, ensure_ascii=False)
 
 
@@ -91,5 +91,6 @@ def decode_xml_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
 
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
     return TaggedToolParser(
-        lambda body: decode_xml_body(body, tools), lambda body: decode_xml_partial(body, tools)
+        lambda body: decode_xml_body(body, tools),
+        decode_partial=lambda body: decode_xml_partial(body, tools),
     )

@@ -2,7 +2,8 @@
 
 The tool-call syntax is chosen per model:
 1. by inspecting the model's chat template for the syntax it instructs the model to use
-   (``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
+   (``<minimax:tool_call>`` -> MiniMax XML, ``<arg_key>`` -> GLM, ``<|tool_call>`` -> Gemma-4,
+   ``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
    because one family can ship different templates (the built-in tiny model is family
    ``qwen3_5_moe`` but its template asks for JSON ``<tool_call>``);
 2. falling back to the family default (``FAMILY_DEFAULTS``) when the template says nothing.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from . import harmony, qwen3_json, qwen3_xml
+from . import gemma4, glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
 from .base import OutputParser, PassThrough, ToolSchemas
 from .chain import Chain
 from .think import ThinkParser
@@ -25,12 +26,16 @@ class ToolSyntax(StrEnum):
     QWEN3_JSON = "qwen3_json"
     QWEN3_XML = "qwen3_xml"
     HARMONY = "harmony"
+    GLM_XML = "glm_xml"
+    MINIMAX_XML = "minimax_xml"
+    GEMMA4 = "gemma4"
 
 
 class ReasoningSyntax(StrEnum):
     NONE = "none"
     THINK = "think"
     HARMONY = "harmony"
+    GEMMA4_THOUGHT = "gemma4_thought"  # <|channel>thought ... <channel|>
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ FAMILY_DEFAULTS: dict[str, OutputSyntax] = {
     "gpt_oss": OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY),
     "mixtral": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
     "olmoe": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
+    "glm4_moe": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
+    "glm4_moe_lite": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
+    "minimax_m2": OutputSyntax(ToolSyntax.MINIMAX_XML, ReasoningSyntax.THINK),
 }
 
 
@@ -55,13 +63,24 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
     src = template_source or ""
     if "<|channel|>" in src:
         return OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
-    if "<function=" in src:
+    if minimax_xml.OPEN in src:
+        tools = ToolSyntax.MINIMAX_XML
+    elif "<arg_key>" in src:
+        tools = ToolSyntax.GLM_XML
+    elif gemma4.OPEN in src:
+        tools = ToolSyntax.GEMMA4
+    elif "<function=" in src:
         tools = ToolSyntax.QWEN3_XML
     elif "<tool_call>" in src:
         tools = ToolSyntax.QWEN3_JSON
     else:
         tools = default.tools
-    reasoning = ReasoningSyntax.THINK if "<think>" in src else default.reasoning
+    if "<think>" in src:
+        reasoning = ReasoningSyntax.THINK
+    elif gemma4.CHANNEL in src:
+        reasoning = ReasoningSyntax.GEMMA4_THOUGHT
+    else:
+        reasoning = default.reasoning
     if reasoning is ReasoningSyntax.HARMONY:
         reasoning = ReasoningSyntax.NONE  # harmony reasoning needs a harmony template
     return OutputSyntax(tools, reasoning)
@@ -70,6 +89,9 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
 _TOOL_PARSERS = {
     ToolSyntax.QWEN3_JSON: qwen3_json.make_parser,
     ToolSyntax.QWEN3_XML: qwen3_xml.make_parser,
+    ToolSyntax.GLM_XML: glm_xml.make_parser,
+    ToolSyntax.MINIMAX_XML: minimax_xml.make_parser,
+    ToolSyntax.GEMMA4: gemma4.make_parser,
 }
 
 
@@ -88,6 +110,9 @@ def make_output_parser(
         tool_parser = _TOOL_PARSERS[syntax.tools](tools)
     if syntax.reasoning is ReasoningSyntax.THINK:
         return Chain(ThinkParser(start_in_reasoning), tool_parser)
+    if syntax.reasoning is ReasoningSyntax.GEMMA4_THOUGHT:
+        thought = ThinkParser(start_in_reasoning, gemma4.THOUGHT_OPEN, gemma4.THOUGHT_CLOSE)
+        return Chain(thought, tool_parser)
     return Chain(PassThrough(), tool_parser)
 
 

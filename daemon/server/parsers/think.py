@@ -1,4 +1,5 @@
-"""``<think>...</think>`` reasoning parser (Qwen3 / Qwen3.5 / Qwen3-Next families).
+"""``<think>...</think>`` reasoning parser (Qwen3 / Qwen3.5 / Qwen3-Next, GLM, MiniMax-M2), and
+the same for other tag pairs (Gemma-4's ``<|channel>thought ... <channel|>``).
 
 Some templates open the think block in the prompt itself (the generation prompt ends with
 ``<think>\\n``), so the model's first tokens are already reasoning with no opening tag:
@@ -16,7 +17,10 @@ CLOSE = "</think>"
 class ThinkParser:
     """Splits text into Reasoning (inside think tags) and Content (outside)."""
 
-    def __init__(self, start_in_reasoning: bool = False) -> None:
+    def __init__(
+        self, start_in_reasoning: bool = False, open_tag: str = OPEN, close_tag: str = CLOSE
+    ) -> None:
+        self._open, self._close = open_tag, close_tag
         self._in_reasoning = start_in_reasoning
         self._buf = ""
         # strip the newlines templates put right after a tag
@@ -26,7 +30,7 @@ class ThinkParser:
         self._buf += text
         out: list[ParsedEvent] = []
         while True:
-            marker = CLOSE if self._in_reasoning else OPEN
+            marker = self._close if self._in_reasoning else self._open
             pos = self._buf.find(marker)
             if pos < 0:
                 break
@@ -34,7 +38,7 @@ class ThinkParser:
             self._buf = self._buf[pos + len(marker) :]
             self._in_reasoning = not self._in_reasoning
             self._strip_next = True
-        hold = partial_suffix(self._buf, (CLOSE if self._in_reasoning else OPEN,))
+        hold = partial_suffix(self._buf, (self._close if self._in_reasoning else self._open,))
         self._emit(self._buf[: len(self._buf) - hold], out)
         self._buf = self._buf[len(self._buf) - hold :]
         return out

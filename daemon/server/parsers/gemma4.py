@@ -1,0 +1,143 @@
+"""Gemma-4 tool calls and reasoning.
+
+A call is ``<|tool_call>call:NAME{ARGS}<tool_call|>``, one per tag pair. ARGS is Gemma's own
+object notation: unquoted keys, strings between ``<|"|>`` markers, numbers / true / false /
+null bare, nested objects and arrays as in JSON::
+
+    <|tool_call>call:write_config{path:<|"|>conf/app.json<|"|>,content:{port:8080,
+    hosts:[<|"|>a<|"|>,<|"|>b<|"|>]}}<tool_call|>
+
+Reasoning is the thought channel: ``<|channel>thought\\n...<channel|>``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .base import ToolSchemas
+from .tagged import TaggedToolParser
+
+OPEN = "<|tool_call>"
+CLOSE = "<tool_call|>"
+CHANNEL = "<|channel>"
+THOUGHT_OPEN = CHANNEL + "thought"
+THOUGHT_CLOSE = "<channel|>"
+QUOTE = '<|"|>'
+_WS = " \t\r\n"
+
+
+class _Syntax(ValueError):
+    """The argument text is not Gemma object notation."""
+
+
+class _Reader:
+    def __init__(self, text: str) -> None:
+        self.text, self.pos = text, 0
+
+    def skip_ws(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos] in _WS:
+            self.pos += 1
+
+    def peek(self, s: str) -> bool:
+        self.skip_ws()
+        return self.text.startswith(s, self.pos)
+
+    def expect(self, s: str) -> None:
+        if not self.peek(s):
+            raise _Syntax(f"expected {s!r} at {self.pos}")
+        self.pos += len(s)
+
+    def value(self) -> Any:
+        if self.peek("{"):
+            return self.obj()
+        if self.peek("["):
+            return self.array()
+        if self.peek(QUOTE):
+            self.pos += len(QUOTE)
+            end = self.text.find(QUOTE, self.pos)
+            if end < 0:
+                raise _Syntax("unterminated string")
+            s, self.pos = self.text[self.pos : end], end + len(QUOTE)
+            return s
+        return self.bare()
+
+    def bare(self) -> Any:
+        """A number, true, false or null (a word that is none of them stays text)."""
+        start = self.pos
+        while self.pos < len(self.text) and self.text[self.pos] not in ",}]" + _WS:
+            self.pos += 1
+        word = self.text[start : self.pos]
+        if not word:
+            raise _Syntax(f"expected a value at {start}")
+        try:
+            return json.loads(word)
+        except ValueError:
+            return word
+
+    def obj(self) -> dict[str, Any]:
+        self.expect("{")
+        out: dict[str, Any] = {}
+        if self.peek("}"):
+            self.pos += 1
+            return out
+        while True:
+            self.skip_ws()
+            if self.peek(QUOTE):  # a quoted key
+                key = self.value()
+            else:
+                colon = self.text.find(":", self.pos)
+                if colon < 0:
+                    raise _Syntax("a key without ':'")
+                key, self.pos = self.text[self.pos : colon].strip(), colon
+            self.expect(":")
+            out[str(key)] = self.value()
+            if self.peek(","):
+                self.pos += 1
+                continue
+            self.expect("}")
+            return out
+
+    def array(self) -> list[Any]:
+        self.expect("[")
+        out: list[Any] = []
+        if self.peek("]"):
+            self.pos += 1
+            return out
+        while True:
+            out.append(self.value())
+            if self.peek(","):
+                self.pos += 1
+                continue
+            self.expect("]")
+            return out
+
+
+def parse_arguments(text: str) -> dict[str, Any]:
+    """``{key:value,...}`` in Gemma notation -> a dict (ValueError when it is not one)."""
+    r = _Reader(text)
+    args = r.obj()
+    r.skip_ws()
+    if r.pos != len(text):
+        raise _Syntax(f"trailing text at {r.pos}")
+    return args
+
+
+def decode_gemma_body(body: str) -> tuple[str, str] | None:
+    head = body.lstrip()
+    if not head.startswith("call:"):
+        return None
+    brace = head.find("{")
+    name = head[len("call:") : brace if brace >= 0 else len(head)].strip()
+    if not name:
+        return None
+    try:
+        args = parse_arguments(head[brace:]) if brace >= 0 else {}
+    except ValueError:
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def make_parser(tools: ToolSchemas) -> TaggedToolParser:
+    del tools  # the notation carries its own types
+    return TaggedToolParser(decode_gemma_body, OPEN, CLOSE)
