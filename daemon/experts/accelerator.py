@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from . import pinning
 
 ACCELERATORS = ("auto", "standin", "cuda")
 
@@ -97,6 +100,9 @@ class Accelerator(ABC):
 
     def synchronize(self) -> None:  # noqa: B027 (optional hook)
         pass
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what the accelerator holds on the host (pinned registrations)."""
 
     def _count(self, pairs: RowCopies) -> None:
         n = sum(len(d) for _, _, d, _ in pairs)
@@ -247,6 +253,7 @@ class CudaAccelerator(Accelerator):
             raise RuntimeError("accelerator 'cuda' requested but no CUDA device is available")
         self.device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.device)
+        self._pinned: list[weakref.ref[torch.Tensor]] = []
 
     def copy_rows(self, pairs: RowCopies) -> Transfer:
         self._count(pairs)
@@ -299,14 +306,23 @@ class CudaAccelerator(Accelerator):
         return ok
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_pinned() or t.numel() == 0:
+        """Register ``t`` (portable | mapped: zero-copy fills read it in place) once; memory
+        torch allocated pinned is mapped already. Undone by ``close`` or when ``t`` dies."""
+        if t.numel() == 0 or (t.is_pinned() and not pinning.is_registered(t)):
             return t
-        cudart = torch.cuda.cudart()
-        # portable | mapped: the device may read it in place (zero-copy expert fills)
-        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3)
-        if int(err) != 0:
+        err = pinning.register(t)
+        if err != 0:
             raise RuntimeError(f"cudaHostRegister failed ({err}); raise LimitMEMLOCK")
+        self._pinned.append(weakref.ref(t))
         return t
+
+    def close(self) -> None:
+        """Unregister the host memory this accelerator pinned (model unload)."""
+        for ref in self._pinned:
+            t = ref()
+            if t is not None:
+                pinning.unregister(t)
+        self._pinned.clear()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
