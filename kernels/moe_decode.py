@@ -17,11 +17,16 @@ the interpreter's bf16 ``tl.dot`` is wrong anyway; products are taken in fp32.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
 
-COPY_BLOCK = 1024  # 4-byte words per program
+from .interp import for_device
+
+COPY_BLOCK = 1024  # 4-byte words per program and loop step
+COPY_PROGRAMS = 2048  # programs of the copy grid at most (each loops over work items)
 BLOCK_I = 32  # gate/up rows (of each half) per program
 BLOCK_H = 128  # hidden columns per inner step
 BLOCK_N = 32  # down rows per program
@@ -31,16 +36,25 @@ BLOCK_K = 128  # intermediate columns per inner step
 @triton.jit
 def _copy_rows_kernel(dst_ptr, src_ptr, dst_idx_ptr, src_idx_ptr, count_ptr, row_words,
                       BLOCK: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    # past the count the row length is taken as 0: every lane masked (an int bound, not a
-    # scalar-bool mask, which the interpreter rejects)
-    n = tl.where(i < tl.load(count_ptr), row_words, 0)
-    s = tl.load(src_idx_ptr + i).to(tl.int64)
-    d = tl.load(dst_idx_ptr + i).to(tl.int64)
-    m = offs < n
-    v = tl.load(src_ptr + s * row_words + offs, mask=m)
-    tl.store(dst_ptr + d * row_words + offs, v, mask=m)
+    # Work item w = copy * blocks_per_row + block, for the `count` valid copies only; the
+    # programs of the 1-D grid take the items in turn, so the grid never depends on the row
+    # length or on the (device-side) count, and no axis meets CUDA's 65,535 limit.
+    nblk = tl.cdiv(row_words, BLOCK)
+    total = tl.load(count_ptr).to(tl.int64) * nblk
+    for w in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0)):
+        i = w // nblk
+        offs = (w % nblk) * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(src_idx_ptr + i).to(tl.int64)
+        d = tl.load(dst_idx_ptr + i).to(tl.int64)
+        m = offs < row_words
+        v = tl.load(src_ptr + s * row_words + offs, mask=m)
+        tl.store(dst_ptr + d * row_words + offs, v, mask=m)
+
+
+def copy_grid(max_copies: int, row_words: int) -> tuple[int]:
+    """Launch grid of ``copy_rows``: enough programs for every block of every listed copy, at
+    most COPY_PROGRAMS (a few per SM on any card); the count itself stays on the device."""
+    return (max(1, min(COPY_PROGRAMS, max_copies * triton.cdiv(row_words, COPY_BLOCK))),)
 
 
 def _rows_as_words(t: torch.Tensor) -> torch.Tensor:
@@ -70,8 +84,8 @@ def copy_rows(
     n = int(dst_idx.shape[0])
     if n == 0 or d.shape[1] == 0:
         return
-    grid = (n, triton.cdiv(d.shape[1], COPY_BLOCK))
-    _copy_rows_kernel[grid](d, s, dst_idx, src_idx, count, d.shape[1], BLOCK=COPY_BLOCK)
+    kern = for_device(sys.modules[__name__], d.device)._copy_rows_kernel
+    kern[copy_grid(n, d.shape[1])](d, s, dst_idx, src_idx, count, d.shape[1], BLOCK=COPY_BLOCK)
 
 
 def copy_rows_reference(
@@ -150,6 +164,12 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, slot_ptr, gate_ptr, y_ptr, H, INTER,
     tl.store(y_ptr + r.to(tl.int64) * H + rows, acc, mask=rows < H)
 
 
+def decode_grids(routes: int, h_dim: int, i_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Launch grids of the gate/up and down kernels: (route, block of output rows); routes on
+    x (CUDA limit 2**31 - 1), row blocks on y (limit 65,535: I / BLOCK_I, H / BLOCK_N)."""
+    return (routes, triton.cdiv(i_dim, BLOCK_I)), (routes, triton.cdiv(h_dim, BLOCK_N))
+
+
 def moe_decode(
     x: torch.Tensor,
     slot_ids: torch.Tensor,
@@ -180,11 +200,13 @@ def moe_decode(
         return torch.zeros(t, h_dim, dtype=torch.float32, device=dev)
     gub = gate_up_bias if gate_up_bias is not None else gates  # any pointer: unused
     db = down_bias if down_bias is not None else gates
-    _gate_up_kernel[(r, triton.cdiv(i_dim, BLOCK_I))](
+    mod = for_device(sys.modules[__name__], dev)
+    gate_up_grid, down_grid = decode_grids(r, h_dim, i_dim)
+    mod._gate_up_kernel[gate_up_grid](
         xs, gate_up, gub, slots, act, h_dim, i_dim, k, float(alpha), float(limit),
         HAS_BIAS=gate_up_bias is not None, GPTOSS=gptoss, BI=BLOCK_I, BH=BLOCK_H,
     )  # fmt: skip
-    _down_kernel[(r, triton.cdiv(h_dim, BLOCK_N))](
+    mod._down_kernel[down_grid](
         act, down, db, slots, gates, y, h_dim, i_dim,
         HAS_BIAS=down_bias is not None, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip

@@ -2,22 +2,38 @@
 
 Reference: `freetokend.experts.slot_cache.decode_step_reference` (same algorithm, same victims,
 same outputs; the module docstring there defines the semantics). One program (grid (1,)) does
-the whole step so no host sync is needed and the step can be captured in a CUDA graph:
-    routes  [BLOCK_N]           the flattened [T, K] routed ids, padded with -1
-    dedupe  [BLOCK_N, BLOCK_N]  equality matrix -> first occurrence of each id
-    slots   [BLOCK_S]           one unique int64 key per slot, sorted once (bitonic), and the
-                                q smallest keys are the victims (one pass, not one per eviction)
+the whole step so no host sync is needed and the step can be captured in a CUDA graph. The N
+routes (the flattened [T, K] ids; N is a runtime value, up to a prefill chunk: 8192 tokens x
+top-8 = 65536) are walked in chunks of BLOCK_R, so no tensor grows with N and one compiled
+kernel serves every batch size. Four passes, separated by block barriers:
+    A  dedupe    atomic_min of the route position into scratch[flat id] -> first occurrence
+    B  classify  hit / miss of each first occurrence, in route order: refresh hits, bump freq,
+                 number the misses (running prefix sum across chunks); scratch[id] becomes the
+                 route's outcome (its slot, or its miss rank), copy_src[rank] its id
+    C  victims   one unique int64 key per slot ([BLOCK_S], the only tensor that grows with the
+                 cache), sorted once (bitonic); the q smallest keys are the victims, written to
+                 copy_dst[0:q] (one pass, not one per eviction)
+    D  apply     the q fills update the maps; every route reads its slot from scratch/copy_dst
+scratch [num_flat] int32 is allocated by the launcher, filled with INT32_MAX (the dedupe needs
+a value above any position). Outcome codes are negative so no later route of the same id can
+mistake them for its own position: hit in slot s -> -1 - s, miss of rank r -> -1 - (S + r).
 The launcher takes the state tensors duck-typed (`SlotTensors`) so this package does not import
 the daemon; the caller passes the key layout constants so both sides share one definition.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
+
+from .interp import for_device
+
+BLOCK_R = 1024  # routes per chunk: 8 per thread at 4 warps, whatever N is
+INT32_MAX = (1 << 31) - 1
 
 
 class SlotTensors(Protocol):
@@ -78,8 +94,83 @@ def _slot_keys(
 
 
 @triton.jit
+def _dedupe(ids_ptr, scratch_ptr, n, BLOCK_R: tl.constexpr):
+    """Pass A: scratch[id] = first position holding id."""
+    for c in range(0, n, BLOCK_R):
+        pos = c + tl.arange(0, BLOCK_R)
+        ids = tl.load(ids_ptr + pos, mask=pos < n, other=-1)
+        tl.atomic_min(scratch_ptr + ids, pos, mask=ids >= 0)
+
+
+@triton.jit
+def _classify(ids_ptr, scratch_ptr, slot_of_ptr, last_used_ptr, last_visit_ptr, freq_ptr,
+              copy_src_ptr, n, num_slots, step, visit,
+              FREQ_CAP: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """Pass B. Returns (distinct hits, distinct misses). A duplicate reads either its owner's
+    position or the owner's (negative) outcome: neither equals its own position."""
+    n_hit = tl.zeros((), dtype=tl.int32)
+    m = tl.zeros((), dtype=tl.int32)
+    for c in range(0, n, BLOCK_R):
+        pos = c + tl.arange(0, BLOCK_R)
+        ids = tl.load(ids_ptr + pos, mask=pos < n, other=-1)
+        valid = ids >= 0
+        first = valid & (tl.load(scratch_ptr + ids, mask=valid, other=-1) == pos)
+        slot = tl.load(slot_of_ptr + ids, mask=first, other=-1)
+        uhit = first & (slot >= 0)
+        umiss = (first & (slot < 0)).to(tl.int32)
+        rank = m + tl.cumsum(umiss, axis=0) - umiss
+        tl.store(last_used_ptr + slot, step, mask=uhit)
+        tl.store(last_visit_ptr + slot, visit, mask=uhit)
+        f = tl.load(freq_ptr + ids, mask=first, other=0)
+        tl.store(freq_ptr + ids, tl.minimum(f + 1, FREQ_CAP), mask=first)
+        outcome = tl.where(uhit, -1 - slot, -1 - (num_slots + rank))
+        tl.store(scratch_ptr + ids, outcome, mask=first)
+        tl.store(copy_src_ptr + rank, ids, mask=umiss != 0)
+        n_hit += tl.sum(uhit.to(tl.int32), axis=0)
+        m += tl.sum(umiss, axis=0)
+    return n_hit, m
+
+
+@triton.jit
+def _apply(ids_ptr, scratch_ptr, slot_of_ptr, id_of_slot_ptr, last_used_ptr, last_visit_ptr,
+           slot_ids_ptr, cpu_ids_ptr, copy_src_ptr, copy_dst_ptr, n, num_slots, q, step, visit,
+           BLOCK_R: tl.constexpr):  # fmt: skip
+    """Pass D: the fills (copy list [0, q)), then each route's slot; returns the CPU routes."""
+    for c in range(0, q, BLOCK_R):
+        j = c + tl.arange(0, BLOCK_R)
+        fill = j < q
+        fid = tl.load(copy_src_ptr + j, mask=fill, other=-1)
+        dst = tl.load(copy_dst_ptr + j, mask=fill, other=-1)
+        old = tl.load(id_of_slot_ptr + dst, mask=fill, other=-1)
+        tl.store(slot_of_ptr + old, -1, mask=fill & (old >= 0))  # victims hold no batch id
+        tl.store(slot_of_ptr + fid, dst, mask=fill)
+        tl.store(id_of_slot_ptr + dst, fid, mask=fill)
+        tl.store(last_used_ptr + dst, step, mask=fill)
+        tl.store(last_visit_ptr + dst, visit, mask=fill)
+    n_cpu = tl.zeros((), dtype=tl.int32)
+    for c in range(0, n, BLOCK_R):
+        pos = c + tl.arange(0, BLOCK_R)
+        in_n = pos < n
+        ids = tl.load(ids_ptr + pos, mask=in_n, other=-1)
+        valid = ids >= 0
+        code = -1 - tl.load(scratch_ptr + ids, mask=valid, other=-1)
+        rank = code - num_slots
+        filled = valid & (rank >= 0) & (rank < q)
+        victim = tl.load(copy_dst_ptr + rank, mask=filled, other=-1)
+        rslot = tl.where(valid & (rank < 0), code, victim)
+        cpu = tl.where(valid & (rslot < 0), ids, -1)
+        tl.store(slot_ids_ptr + pos, rslot, mask=in_n)
+        tl.store(cpu_ids_ptr + pos, cpu, mask=in_n)
+        n_cpu += tl.sum((cpu >= 0).to(tl.int32), axis=0)
+    return n_cpu
+
+
+# n and layer change from call to call: specialising on them (n % 16 == 0, layer == 1) would
+# JIT-compile new variants in the middle of serving
+@triton.jit(do_not_specialize=["n", "layer"])
 def _decode_kernel(
     ids_ptr,
+    scratch_ptr,
     slot_of_ptr,
     id_of_slot_ptr,
     last_used_ptr,
@@ -100,7 +191,7 @@ def _decode_kernel(
     num_experts,
     layer,
     POLICY: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
     IDX_BITS: tl.constexpr,
     PRIO_MAX: tl.constexpr,
@@ -108,69 +199,59 @@ def _decode_kernel(
     FREQ_SHIFT: tl.constexpr,
     KEY_MAX: tl.constexpr,
 ):
-    pos = tl.arange(0, BLOCK_N)
-    in_n = pos < n
-    ids = tl.load(ids_ptr + pos, mask=in_n, other=-1).to(tl.int64)
-    valid = ids >= 0
-    # dedupe: owner = first position with the same id (padding rows keep the sentinel)
-    eq = (ids[:, None] == ids[None, :]) & valid[:, None]
-    owner = tl.min(tl.where(eq, pos[None, :], BLOCK_N), axis=1)
-    first = valid & (owner == pos)
-    slot = tl.load(slot_of_ptr + ids, mask=valid, other=-1).to(tl.int64)
-    hit = valid & (slot >= 0)
-    uhit = first & hit
-    umiss = (first & (slot < 0)).to(tl.int64)
-    n_hit = tl.sum(uhit.to(tl.int64), axis=0)
-    m = tl.sum(umiss, axis=0)
-    miss_rank = tl.cumsum(umiss, axis=0) - umiss
-
     step = tl.load(step_ptr) + 1
     tl.store(step_ptr, step)
     visit = tl.load(visits_ptr + layer) + 1
     tl.store(visits_ptr + layer, visit)
-    tl.store(last_used_ptr + slot, step, mask=uhit)
-    tl.store(last_visit_ptr + slot, visit, mask=uhit)
-    tl.debug_barrier()  # the keys below read the refreshed last_used of the batch's hits
+    _dedupe(ids_ptr, scratch_ptr, n, BLOCK_R)
+    tl.debug_barrier()  # every first position is known
+    n_hit, m = _classify(
+        ids_ptr, scratch_ptr, slot_of_ptr, last_used_ptr, last_visit_ptr, freq_ptr,
+        copy_src_ptr, n, num_slots, step, visit, FREQ_CAP, BLOCK_R,
+    )  # fmt: skip
+    tl.debug_barrier()  # the keys read the refreshed last_used of the batch's hits
 
+    # Pass C. freq was bumped above, but only for the batch's ids: a resident one is a hit
+    # (blocked, KEY_MAX), a missing one owns no slot, so no unblocked key changes.
     keys, n_res = _slot_keys(
         id_of_slot_ptr, last_used_ptr, last_visit_ptr, reserved_ptr, freq_ptr, visits_ptr,
         step, num_slots, num_experts,
         POLICY, BLOCK_S, IDX_BITS, PRIO_MAX, FREQ_CAP, FREQ_SHIFT, KEY_MAX,
     )  # fmt: skip
-    q = (m * tl.load(ratio_ptr).to(tl.int64) + 32768) >> 16
-    q = tl.minimum(tl.maximum(q, 1), m)
-    q = tl.minimum(q, tl.maximum(num_slots - n_res - n_hit, 0))
+    m64 = m.to(tl.int64)
+    q = (m64 * tl.load(ratio_ptr).to(tl.int64) + 32768) >> 16
+    q = tl.minimum(tl.maximum(q, 1), m64)
+    q = tl.minimum(q, tl.maximum(num_slots - n_res - n_hit, 0)).to(tl.int32)
     sorted_keys = tl.sort(keys)
-    fill = (umiss != 0) & (miss_rank < q)
-    victim = tl.gather(sorted_keys, tl.minimum(miss_rank, BLOCK_S - 1), 0)
-    dst = tl.where(fill, victim & ((1 << IDX_BITS) - 1), -1)
+    j = tl.arange(0, BLOCK_S)
+    tl.store(copy_dst_ptr + j, (sorted_keys & ((1 << IDX_BITS) - 1)).to(tl.int32), mask=j < q)
+    for c in range(0, n, BLOCK_R):
+        pos = c + tl.arange(0, BLOCK_R)
+        tail = (pos >= q) & (pos < n)
+        tl.store(copy_src_ptr + pos, -1, mask=tail)
+        tl.store(copy_dst_ptr + pos, -1, mask=tail)
+    tl.store(num_copies_ptr, q)
+    tl.debug_barrier()  # the copy list is complete
 
-    old = tl.load(id_of_slot_ptr + dst, mask=fill, other=-1)
-    tl.store(slot_of_ptr + old, -1, mask=fill & (old >= 0))
-    tl.store(slot_of_ptr + ids, dst.to(tl.int32), mask=fill)
-    tl.store(id_of_slot_ptr + dst, ids.to(tl.int32), mask=fill)
-    tl.store(last_used_ptr + dst, step, mask=fill)
-    tl.store(last_visit_ptr + dst, visit, mask=fill)
-    f = tl.load(freq_ptr + ids, mask=first, other=0)
-    tl.store(freq_ptr + ids, tl.minimum(f + 1, FREQ_CAP), mask=first)
-
-    # routes: a duplicate takes the slot of its owner; unresolved routes go to the CPU
-    rslot = tl.where(hit, slot, tl.gather(dst, tl.minimum(owner, BLOCK_N - 1), 0))
-    rslot = tl.where(valid, rslot, -1)
-    cpu = tl.where(valid & (rslot < 0), ids, -1)
-    tl.store(slot_ids_ptr + pos, rslot.to(tl.int32), mask=in_n)
-    tl.store(cpu_ids_ptr + pos, cpu.to(tl.int32), mask=in_n)
-    tl.store(copy_src_ptr + pos, -1, mask=in_n & (pos >= q))
-    tl.store(copy_dst_ptr + pos, -1, mask=in_n & (pos >= q))
-    tl.store(copy_src_ptr + miss_rank, ids.to(tl.int32), mask=fill)
-    tl.store(copy_dst_ptr + miss_rank, dst.to(tl.int32), mask=fill)
-    tl.store(num_copies_ptr, q.to(tl.int32))
-
-    n_cpu = tl.sum((cpu >= 0).to(tl.int64), axis=0)
+    n_cpu = _apply(
+        ids_ptr, scratch_ptr, slot_of_ptr, id_of_slot_ptr, last_used_ptr, last_visit_ptr,
+        slot_ids_ptr, cpu_ids_ptr, copy_src_ptr, copy_dst_ptr, n, num_slots, q, step, visit,
+        BLOCK_R,
+    )  # fmt: skip
     tl.store(stats_ptr + 0, tl.load(stats_ptr + 0) + n_hit)
     tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + m)
     tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + q)
     tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_cpu)
+
+
+def decode_launch_options(block_s: int) -> dict[str, int]:
+    """num_warps and maxnreg of the decode kernel. The route chunk and the sort's BLOCK_S int64
+    keys live in registers: 8 warps up to 1024 slots, 16 warps above. The kernel runs as one
+    block, so occupancy is moot: it may take the whole register file (ptxas otherwise caps
+    a 512-thread block at 64 registers and spills). Spill-free up to 4096 slots on sm_75..sm_90
+    (tests/test_kernels_compiled.py); wider caches spill a little."""
+    num_warps = 8 if block_s <= 1024 else 16
+    return {"num_warps": num_warps, "maxnreg": min(255, 65536 // (32 * num_warps))}
 
 
 def decode_step_triton(
@@ -185,33 +266,40 @@ def decode_step_triton(
     freq_cap: int,
     freq_shift: int,
     key_max: int,
+    block_r: int = BLOCK_R,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch one decode step; updates `st` in place.
 
     flat_ids [T, K] int32. Returns (slot_ids [T, K], cpu_ids [T, K], copy_src_flat [N],
-    copy_dst_slot [N], num_copies [1]), all int32, N = T * K.
+    copy_dst_slot [N], num_copies [1]), all int32, N = T * K. ``block_r``: routes per chunk
+    (a power of two; tests use small ones to cross many chunk boundaries).
     """
     shape = flat_ids.shape
     ids = flat_ids.reshape(-1).to(torch.int32).contiguous()
     n = ids.numel()
     num_slots = int(st.id_of_slot.shape[0])
+    dev = ids.device
 
     def out(size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int32, device=ids.device)
+        return torch.empty(size, dtype=torch.int32, device=dev)
 
     slot_ids, cpu_ids, src, dst, num_copies = out(n), out(n), out(n), out(n), out(1)
-    _decode_kernel[(1,)](
-        ids, st.slot_of, st.id_of_slot, st.last_used, st.last_visit, st.reserved, st.freq,
-        st.visits, st.step, st.fill_ratio, st.stats,
+    scratch = torch.full((int(st.slot_of.shape[0]),), INT32_MAX, dtype=torch.int32, device=dev)
+    block_s = max(2, triton.next_power_of_2(num_slots))
+    kern = for_device(sys.modules[__name__], dev)._decode_kernel
+    kern[(1,)](
+        ids, scratch, st.slot_of, st.id_of_slot, st.last_used, st.last_visit, st.reserved,
+        st.freq, st.visits, st.step, st.fill_ratio, st.stats,
         slot_ids, cpu_ids, src, dst, num_copies,
         n, num_slots, num_experts, layer,
         POLICY=policy,
-        BLOCK_N=max(2, triton.next_power_of_2(n)),
-        BLOCK_S=max(2, triton.next_power_of_2(num_slots)),
+        BLOCK_R=block_r,
+        BLOCK_S=block_s,
         IDX_BITS=idx_bits,
         PRIO_MAX=prio_max,
         FREQ_CAP=freq_cap,
         FREQ_SHIFT=freq_shift,
         KEY_MAX=key_max,
+        **decode_launch_options(block_s),
     )  # fmt: skip
     return slot_ids.reshape(shape), cpu_ids.reshape(shape), src, dst, num_copies

@@ -1,5 +1,5 @@
 """The sync-free decode kernels (kernels/moe_decode.py) against their torch references: in the
-Triton interpreter on CPU tensors (the variable must be set before triton is imported), or on
+Triton interpreter on CPU tensors (ftkernels.interp, nothing set process-wide), or compiled on
 CUDA with FT_TEST_ACCELERATOR=cuda (tests/gpu/check.sh; the copy source is then pinned host
 memory, read in place by the kernel)."""
 
@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "0" if os.environ.get("FT_TEST_ACCELERATOR") == "cuda" else "1"
-
 import pytest
 import torch
 
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from ftkernels.moe_decode import copy_rows, copy_rows_reference, moe_decode
 
-CUDA = os.environ["TRITON_INTERPRET"] == "0"
+CUDA = os.environ.get("FT_TEST_ACCELERATOR") == "cuda"
 DEV = "cuda" if CUDA else "cpu"
 
 
@@ -93,6 +91,52 @@ def test_copy_rows_matches_reference(dtype: torch.dtype, row: tuple[int, ...]) -
     got = got.to(DEV)
     copy_rows(got, src, dst_idx, src_idx, count)  # an empty copy list copies nothing
     assert torch.equal(got.cpu(), ref)
+
+
+def test_copy_rows_rows_longer_than_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few programs, rows of several blocks (the last one partial), a count below the list
+    length: every program loops over (copy, block) items and the result is the reference's."""
+    import ftkernels.moe_decode as k
+
+    monkeypatch.setattr(k, "COPY_PROGRAMS", 3)
+    g = torch.Generator().manual_seed(2)
+    words = 2 * k.COPY_BLOCK + 452
+    src = torch.randint(-(2**31), 2**31 - 1, (9, words), generator=g, dtype=torch.int32)
+    if CUDA:
+        src = src.pin_memory()
+    dst0 = torch.randint(-(2**31), 2**31 - 1, (6, words), generator=g, dtype=torch.int32)
+    dst_idx = torch.tensor([5, 1, 3, 0, 2], dtype=torch.int32, device=DEV)
+    src_idx = torch.tensor([8, 0, 4, 2, 6], dtype=torch.int32, device=DEV)
+    count = torch.tensor([4], dtype=torch.int32, device=DEV)
+    got, ref = dst0.clone().to(DEV), dst0.clone()
+    copy_rows(got, src, dst_idx, src_idx, count)
+    copy_rows_reference(ref, src, dst_idx.cpu(), src_idx.cpu(), count.cpu())
+    assert torch.equal(got.cpu(), ref)
+    assert torch.equal(ref[2], dst0[2]) and torch.equal(ref[0], src[2])
+
+
+def test_copy_grid_fits_cuda_limits_for_mixtral_8x22b_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mixtral-8x22B gate_up row is 2 x 16384 x 6144 bf16 = 100,663,296 words; a prefill
+    chunk lists 8192 x 2 copies. The grid the launcher asks for must fit CUDA's limits (x <
+    2**31, y and z <= 65,535): one axis per row block would need 98,304 on y."""
+    import ftkernels.moe_decode as k
+
+    grids: list[tuple[int, ...]] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int, ...]):  # type: ignore[no-untyped-def]
+            grids.append(tuple(grid))
+            return lambda *a, **kw: None
+
+    monkeypatch.setattr(k, "_copy_rows_kernel", Recorder())
+    for rows, copies in (((2 * 16384, 6144), 8192 * 2), ((6144, 16384), 64 * 2)):
+        bank = torch.empty((4, *rows), dtype=torch.bfloat16, device="meta")
+        idx = torch.empty(copies, dtype=torch.int32, device="meta")
+        copy_rows(bank, bank, idx, idx, torch.empty(1, dtype=torch.int32, device="meta"))
+    assert len(grids) == 2
+    for grid in grids:
+        assert len(grid) <= 3 and grid[0] <= 2**31 - 1, grid
+        assert all(g <= 65535 for g in grid[1:]), grid
 
 
 def test_copy_rows_rejects_mismatched_rows() -> None:

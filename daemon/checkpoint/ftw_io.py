@@ -14,7 +14,6 @@ import hashlib
 import logging
 import os
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,22 +185,24 @@ def fsync_path(path: Path) -> None:
 
 
 def pin(tensors: list[torch.Tensor]) -> int:
-    """Page-locks filled host tensors for DMA (cudaHostRegister) when CUDA is available; returns
-    how many were pinned. Each registration is undone when its tensor is collected."""
+    """Page-locks filled host tensors for DMA and zero-copy reads (cudaHostRegister, portable |
+    mapped, through the process-wide registry in experts.pinning) when CUDA is available;
+    returns how many are pinned. Each registration is undone on unload or when its tensor is
+    collected."""
     if not torch.cuda.is_available():
         return 0
-    cudart = torch.cuda.cudart()
+    from ..experts import pinning
+
     pinned = 0
     for t in tensors:
         size = t.numel() * t.element_size()
         if size == 0:
             continue
-        rc = cudart.cudaHostRegister(t.data_ptr(), size, 0)
-        if int(rc) != 0:
+        rc = pinning.register(t)
+        if rc != 0:
             log.warning(
                 "cudaHostRegister of %d bytes failed (error %s); tensor stays pageable", size, rc
             )
             continue
-        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
         pinned += 1
     return pinned

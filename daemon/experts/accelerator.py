@@ -6,19 +6,25 @@ Two implementations:
   list that lives on the device (``fill_rows``) runs as a Triton kernel reading the pinned,
   mapped host pool in place, so decode never waits for the host to learn what to copy.
 - ``StandinAccelerator``: a CPU stand-in for CI. Its "device" tensors are separate CPU tensors
-  and a single copy worker thread plays the transfer stream, so every mechanism built on this
-  interface (slot fills, double-buffered prefill, the hybrid split) runs and is tested without a GPU.
+  and a queue plays the transfer stream: a copy lands only when compute waits on it (or on a later
+  one), so every mechanism built on this interface (slot fills, double-buffered prefill, the
+  hybrid split) runs without a GPU, and a missing wait shows as wrong output.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import weakref
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from . import pinning
 
 ACCELERATORS = ("auto", "standin", "cuda")
 
@@ -34,7 +40,7 @@ BankPairs = list[tuple[torch.Tensor, torch.Tensor]]
 class TransferStats:
     copies: int = 0
     bytes: int = 0
-    # copies whose worker was still busy when the caller went on (observed overlap, stand-in only)
+    # transfers the caller went on from before they landed (stand-in only: all of its waits)
     overlapped: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -95,6 +101,9 @@ class Accelerator(ABC):
     def synchronize(self) -> None:  # noqa: B027 (optional hook)
         pass
 
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what the accelerator holds on the host (pinned registrations)."""
+
     def _count(self, pairs: RowCopies) -> None:
         n = sum(len(d) for _, _, d, _ in pairs)
         b = sum(src[0].numel() * src.element_size() * len(s) for _, src, _, s in pairs if len(s))
@@ -103,21 +112,12 @@ class Accelerator(ABC):
             self.stats.bytes += b
 
 
-class _FutureTransfer(Transfer):
-    def __init__(self, fut: Future[None], stats: TransferStats) -> None:
-        self.fut = fut
-        self.stats = stats
-
-    def wait(self) -> None:
-        if not self.fut.done():
-            with self.stats.lock:
-                self.stats.overlapped += 1
-        self.fut.result()
-
-
-def _do_copies(pairs: RowCopies) -> None:
+def _do_copies(pairs: RowCopies, rng: random.Random | None = None) -> None:
     for dst, src, drows, srows in pairs:
-        for d, s in zip(drows, srows, strict=True):
+        rows = list(zip(drows, srows, strict=True))
+        if rng is not None:  # rows of one transfer land in no particular order on a GPU
+            rng.shuffle(rows)
+        for d, s in rows:
             dst[d].copy_(src[s])
 
 
@@ -128,10 +128,15 @@ def _do_fill(
     count: torch.Tensor,
     kernel: bool,
     stats: TransferStats,
+    rng: random.Random | None = None,
 ) -> None:
     from ftkernels import moe_decode as k  # torch reference and Triton kernel
 
     n = int(count.reshape(-1)[0])  # the stand-in's "device" is host memory: free to read
+    if rng is not None and n > 1:  # the kernel's programs run in no particular order
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        dst_idx, src_idx = dst_idx.clone(), src_idx.clone()
+        dst_idx[:n], src_idx[:n] = dst_idx[:n][order], src_idx[:n][order]
     copy = k.copy_rows if kernel else k.copy_rows_reference
     for dst, src in pairs:
         copy(dst, src, dst_idx, src_idx, count)
@@ -140,17 +145,45 @@ def _do_fill(
         stats.bytes += n * sum(src[0].numel() * src.element_size() for _, src in pairs)
 
 
-class StandinAccelerator(Accelerator):
-    name = "standin"
+class _StreamTransfer(Transfer):
+    """A copy queued on the stand-in's transfer stream; ``wait`` is the compute side reaching
+    the event recorded after it."""
 
-    def __init__(self) -> None:
+    def __init__(self, acc: StandinAccelerator, job: Callable[[], None]) -> None:
+        self.acc, self.job, self.done = acc, job, False
+
+    def wait(self) -> None:
+        self.acc._reach(self)
+
+
+class StandinAccelerator(Accelerator):
+    """CPU stand-in for CI that orders copies like a CUDA stream, not like a lock.
+
+    A copy is queued, not run: it lands when the compute side waits on its transfer (or on a
+    later one: the stream is FIFO) or at ``synchronize``. Compute that reads a slot without
+    waiting therefore sees the old bytes, whatever the timing, and an ordering bug changes the
+    output of the equality tests instead of passing by luck.
+    ``order="chaos"`` (tests): queued copies may also land early, at any later accelerator call,
+    and the rows of one transfer land in a random order, as a GPU allows; correct code gives
+    the same output in both modes.
+    """
+
+    name = "standin"
+    ORDERS = ("stream", "chaos")
+
+    def __init__(self, order: str = "stream", seed: int = 0) -> None:
         super().__init__()
+        if order not in self.ORDERS:
+            raise ValueError(f"unknown stand-in order {order!r}; choose one of {self.ORDERS}")
         self.device = torch.device("cpu")
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-standin-copy")
+        self.order = order
+        self._rng = random.Random(seed) if order == "chaos" else None
+        self._queue: deque[_StreamTransfer] = deque()
+        self._lock = threading.RLock()
 
     def copy_rows(self, pairs: RowCopies) -> Transfer:
         self._count(pairs)
-        return _FutureTransfer(self._worker.submit(_do_copies, pairs), self.stats)
+        return self._enqueue(lambda: _do_copies(pairs, self._rng))
 
     def fill_rows(
         self,
@@ -160,8 +193,47 @@ class StandinAccelerator(Accelerator):
         count: torch.Tensor,
         kernel: bool = False,
     ) -> Transfer:
-        fut = self._worker.submit(_do_fill, pairs, dst_idx, src_idx, count, kernel, self.stats)
-        return _FutureTransfer(fut, self.stats)
+        stats, rng = self.stats, self._rng
+        return self._enqueue(lambda: _do_fill(pairs, dst_idx, src_idx, count, kernel, stats, rng))
+
+    def synchronize(self) -> None:
+        with self._lock:
+            if self._queue:
+                self._reach(self._queue[-1])
+
+    def pending(self) -> int:
+        """Copies queued and not landed yet."""
+        return len(self._queue)
+
+    def _enqueue(self, job: Callable[[], None]) -> Transfer:
+        with self._lock:
+            self._land_early()
+            t = _StreamTransfer(self, job)
+            self._queue.append(t)
+            return t
+
+    def _reach(self, t: _StreamTransfer) -> None:
+        with self._lock:
+            if t.done:
+                return
+            with self.stats.lock:
+                self.stats.overlapped += 1  # the caller went on while the copy was queued
+            while self._queue:
+                head = self._queue.popleft()
+                head.job()
+                head.done = True
+                if head is t:
+                    break
+            self._land_early()
+
+    def _land_early(self) -> None:
+        """chaos: a random prefix of the queue lands now (it may finish before anyone waits)."""
+        if self._rng is None or not self._queue:
+            return
+        for _ in range(self._rng.randrange(len(self._queue) + 1)):
+            head = self._queue.popleft()
+            head.job()
+            head.done = True
 
 
 class _CudaTransfer(Transfer):
@@ -181,6 +253,7 @@ class CudaAccelerator(Accelerator):
             raise RuntimeError("accelerator 'cuda' requested but no CUDA device is available")
         self.device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.device)
+        self._pinned: list[weakref.ref[torch.Tensor]] = []
 
     def copy_rows(self, pairs: RowCopies) -> Transfer:
         self._count(pairs)
@@ -233,14 +306,23 @@ class CudaAccelerator(Accelerator):
         return ok
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_pinned() or t.numel() == 0:
+        """Register ``t`` (portable | mapped: zero-copy fills read it in place) once; memory
+        torch allocated pinned is mapped already. Undone by ``close`` or when ``t`` dies."""
+        if t.numel() == 0 or (t.is_pinned() and not pinning.is_registered(t)):
             return t
-        cudart = torch.cuda.cudart()
-        # portable | mapped: the device may read it in place (zero-copy expert fills)
-        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3)
-        if int(err) != 0:
+        err = pinning.register(t)
+        if err != 0:
             raise RuntimeError(f"cudaHostRegister failed ({err}); raise LimitMEMLOCK")
+        self._pinned.append(weakref.ref(t))
         return t
+
+    def close(self) -> None:
+        """Unregister the host memory this accelerator pinned (model unload)."""
+        for ref in self._pinned:
+            t = ref()
+            if t is not None:
+                pinning.unregister(t)
+        self._pinned.clear()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

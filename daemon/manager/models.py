@@ -154,6 +154,7 @@ class ModelManager:
                 raise ModelError(f"{name!r} is the active model; switch to another one first")
             del self.models[name]
             model.llm.close()  # inactive, so no step in flight: spill its session snapshots
+            release_device(model.llm)
             log.info("model unloaded: %s (%d MiB of host RAM freed)", name, model.host_bytes >> 20)
 
     def _make_room(self, need: int, keep: tuple[str, ...]) -> None:
@@ -169,6 +170,7 @@ class ModelManager:
                 continue
             log.info("host-pool budget: unloading %s to make room", model.name)
             del self.models[model.name]
+            release_device(model.llm)
         if self.host_used() + need > self.host_budget:
             log.warning(
                 "host-pool budget exceeded: %d MiB resident + %d MiB needed > %d MiB",
@@ -237,3 +239,11 @@ def unpark(model: ResidentModel) -> None:
         resize_expert_slots(be, sizes.moe_slots)
     resize_kv_pages(llm.runner.kv, llm.engine.prefix, sizes.kv_pages)
     model.parked = None
+
+
+def release_device(llm: object) -> None:
+    """Unregister the host pool an unloaded model's accelerator pinned, so a reload (often at
+    the same address) registers afresh instead of failing as already registered."""
+    acc = getattr(getattr(llm, "moe", None), "acc", None)
+    if acc is not None:
+        acc.close()

@@ -1,0 +1,285 @@
+"""Every Triton kernel compiled for real GPU targets at production shapes, on a CPU machine.
+
+The launchers run on ``meta`` tensors of production geometry with the kernels swapped for
+recorders, so what is compiled is exactly what the launchers would launch there (signature,
+integer specialisation, constexprs, num_warps) and the grid they would use. Each launch is then
+compiled by ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` in its own
+process with a time limit (tests/kernel_compile_worker.py) for sm_75, sm_86, sm_89 and sm_90,
+and must: compile; not spill (no stack frame, no local memory, read from the cubin by
+``cuobjdump -res-usage``); fit the target's shared memory and register file; launch a grid
+within CUDA's limits. The compiled cubins are cached in pytest's cache folder (TRITON_CACHE_DIR),
+so a second run only re-reads them.
+
+Production shapes: Qwen3-30B-A3B (48 MoE layers, top-8 of 128 experts, H 2048, I 768),
+decode batches of 1..64 tokens, prefill chunks of 8192 tokens (65,536 routes); a slot cache as
+large as the whole expert pool (6,144 slots: the widest sort); gpt-oss-20b for the biased GPT-OSS
+activation; Mixtral-8x22B (H 6144, I 16384) for the longest bank rows (a gate_up row is
+100,663,296 words) and the widest GEMV grids. Registers per kernel and target are printed
+(``-s``) and attached to the test report as the property ``kernel_registers``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+
+import ftkernels.moe_decode as moe_decode_mod  # noqa: E402
+import ftkernels.slot_cache as slot_cache_mod  # noqa: E402
+
+WORKER = Path(__file__).with_name("kernel_compile_worker.py")
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+TARGETS = (75, 86, 89, 90)
+# opt-in shared memory per block (bytes) and the register file of one SM
+SHARED_LIMIT = {75: 64 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+REGS_PER_SM = 65536
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+TARGET_SECONDS = 150  # per kernel and target; the whole test is ~1-2 minutes on 2 free cores
+
+# (num MoE layers, experts, top-k, hidden, moe intermediate)
+QWEN3_30B = (48, 128, 8, 2048, 768)
+GPT_OSS_20B = (24, 32, 4, 2880, 2880)
+MIXTRAL_8X22B = (56, 8, 2, 6144, 16384)
+DECODE_TOKENS = (1, 64)
+PREFILL_TOKENS = 8192
+# Slot caches: the sort's width (BLOCK_S) is the only slot-cache shape the compile depends on.
+# 2000 slots (~18 GiB of Qwen3-30B-A3B experts, a 24 GiB card) in every run; with --runslow
+# also 600 (an 8 GiB card) and 4096 (a 48 GiB card; ~20 s of ptxas per target).
+SLOTS = (2000,)
+SLOTS_SLOW = (600, 2000, 4096)
+
+
+@dataclass
+class Launch:
+    """One kernel launch as a launcher issued it (meta tensors)."""
+
+    kernel: str
+    module: str
+    fn: str
+    grid: tuple[int, ...]
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    attrs: list[tuple[int, list[Any]]]
+    options: dict[str, Any]
+    shapes: list[str] = field(default_factory=list)
+
+    def key(self) -> str:
+        return json.dumps(
+            [self.module, self.fn, self.signature, self.constexprs, self.attrs, self.options]
+        )
+
+
+class _Recorder:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **kw)`` records the launch."""
+
+    def __init__(self, jit: Any, module: str, out: list[Launch], shape: list[str]) -> None:
+        self.jit, self.module, self.out, self.shape = jit, module, out, shape
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.out.append(self._spec(tuple(int(g) for g in grid), args, kwargs))
+
+        return launch
+
+    def _spec(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Launch:
+        params = self.jit.params
+        values = dict(zip([p.name for p in params], args, strict=False))
+        values.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
+        options = {k: v for k, v in kwargs.items() if k not in values}
+        signature: dict[str, str] = {}
+        constexprs: dict[str, Any] = {}
+        attrs: list[tuple[int, list[Any]]] = []
+        for i, p in enumerate(params):
+            v = values[p.name]
+            if p.is_constexpr:
+                signature[p.name], constexprs[p.name] = "constexpr", v
+                continue
+            ty, attr = native_specialize_impl(
+                nvidia.CUDABackend, v, False, not p.do_not_specialize, True
+            )
+            signature[p.name] = ty
+            if ty == "constexpr":
+                constexprs[p.name] = v
+            elif isinstance(attr, str) and attr:
+                attrs.append((i, nvidia.CUDABackend.parse_attr(attr)))
+        return Launch(
+            self.jit.fn.__name__, self.module, self.jit.fn.__name__, grid,
+            signature, constexprs, attrs, options, [self.shape[0]],
+        )  # fmt: skip
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _slot_cache_launches(shape: list[str], slot_counts: tuple[int, ...]) -> None:
+    from freetokend.experts.slot_cache import EvictionPolicy, SlotState, decode_step
+
+    layers, experts, top_k, _, _ = QWEN3_30B
+    for slots in slot_counts:
+        for policy in EvictionPolicy:
+            for tokens in (*DECODE_TOKENS, PREFILL_TOKENS):
+                shape[0] = f"{slots} slots, {tokens}x{top_k} routes, {policy.name}"
+                st = SlotState.empty(layers, experts, slots, device="meta")
+                ids = _meta(tokens, top_k)
+                decode_step(st, ids, layers - 1, experts, policy, force_kernel=True)
+
+
+def _moe_decode_launches(shape: list[str]) -> None:
+    for geom, gptoss in ((QWEN3_30B, False), (GPT_OSS_20B, True), (MIXTRAL_8X22B, False)):
+        _, _, k, h, i = geom
+        slots = 64
+        for tokens in DECODE_TOKENS:
+            shape[0] = f"H {h}, I {i}, {tokens}x{k} routes{', bias' if gptoss else ''}"
+            bias = (
+                _meta(slots, 2 * i, dtype=torch.bfloat16),
+                _meta(slots, h, dtype=torch.bfloat16),
+            )
+            moe_decode_mod.moe_decode(
+                _meta(tokens, h, dtype=torch.bfloat16), _meta(tokens, k), _meta(tokens, k,
+                dtype=torch.float32), _meta(slots, 2 * i, h, dtype=torch.bfloat16),
+                _meta(slots, h, i, dtype=torch.bfloat16), *(bias if gptoss else (None, None)),
+                gptoss, 1.702, 7.0,
+            )  # fmt: skip
+
+
+def _copy_launches(shape: list[str]) -> None:
+    for geom in (QWEN3_30B, MIXTRAL_8X22B):
+        _, _, k, h, i = geom
+        for rows in ((2 * i, h), (h, i)):
+            for copies in (DECODE_TOKENS[-1] * k, PREFILL_TOKENS * k):
+                shape[0] = f"row {rows} bf16, {copies} copies"
+                dst, src = (
+                    _meta(16, *rows, dtype=torch.bfloat16),
+                    _meta(4, *rows, dtype=torch.bfloat16),
+                )
+                moe_decode_mod.copy_rows(dst, src, _meta(copies), _meta(copies), _meta(1))
+
+
+def record_launches(
+    monkeypatch: pytest.MonkeyPatch, slot_counts: tuple[int, ...] = SLOTS
+) -> list[Launch]:
+    """Every launch of every kernel at the production shapes, in launch order."""
+    out: list[Launch] = []
+    shape = [""]
+    for mod in (slot_cache_mod, moe_decode_mod):
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, triton.runtime.JITFunction) and name in LAUNCHED:
+                monkeypatch.setattr(mod, name, _Recorder(value, mod.__name__, out, shape))
+    _slot_cache_launches(shape, slot_counts)
+    _moe_decode_launches(shape)
+    _copy_launches(shape)
+    return out
+
+
+# kernels launched from Python; the other @triton.jit functions are their device helpers
+LAUNCHED = {"_decode_kernel", "_copy_rows_kernel", "_gate_up_kernel", "_down_kernel"}
+
+
+def test_every_triton_kernel_is_covered() -> None:
+    """A new @triton.jit anywhere in the code must be launched here or called by one that is."""
+    root = Path(__file__).resolve().parents[1]
+    files = [p for d in ("kernels", "daemon", "ctl") for p in (root / d).rglob("*.py")]
+    decorator = re.compile(r"^\s*@(triton\.)?jit\b", re.M)
+    jit_files = {p.name for p in files if decorator.search(p.read_text(encoding="utf-8"))}
+    assert jit_files == {"slot_cache.py", "moe_decode.py"}, jit_files
+    for mod in (slot_cache_mod, moe_decode_mod):
+        jits = {n: v for n, v in vars(mod).items() if isinstance(v, triton.runtime.JITFunction)}
+        for name in jits.keys() - LAUNCHED:
+            callers = [n for n, f in jits.items() if n != name and f"{name}(" in f.src]
+            assert callers, f"{mod.__name__}.{name} is neither launched nor called by a kernel"
+
+
+def _compile(launch: Launch, cache: Path) -> list[dict[str, Any]]:
+    spec = {
+        "module": launch.module, "fn": launch.fn, "signature": launch.signature,
+        "constexprs": launch.constexprs, "attrs": launch.attrs, "options": launch.options,
+        "targets": list(TARGETS),
+    }  # fmt: skip
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "TRITON_DEFAULT_FP_FUSION": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(WORKER)], input=json.dumps(spec), capture_output=True,
+            text=True, env=env, timeout=TARGET_SECONDS * len(TARGETS),
+        )  # fmt: skip
+        stdout, err = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = f"timed out after {TARGET_SECONDS * len(TARGETS)} s"
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    done = {r["cc"] for r in rows}
+    rows += [{"cc": cc, "ok": False, "error": err[-2000:]} for cc in TARGETS if cc not in done]
+    return rows
+
+
+def _problems(launch: Launch, row: dict[str, Any]) -> list[str]:
+    cc = row["cc"]
+    if not row["ok"]:
+        return [f"sm_{cc}: does not compile: {row['error']}"]
+    out = []
+    if row["stack"] or row["local"]:
+        out.append(f"sm_{cc}: spills ({row['stack']} B stack, {row['local']} B local)")
+    if row["shared"] > SHARED_LIMIT[cc]:
+        out.append(f"sm_{cc}: {row['shared']} B shared memory > {SHARED_LIMIT[cc]}")
+    if row["regs"] * row["num_warps"] * 32 > REGS_PER_SM:
+        out.append(f"sm_{cc}: {row['regs']} registers x {row['num_warps']} warps > one SM")
+    return out
+
+
+@pytest.mark.skipif(not CUOBJDUMP.is_file(), reason="triton without its NVIDIA tools")
+def test_kernels_compile_for_real_targets(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    slow = request.config.getoption("--runslow") or os.environ.get("FT_RUN_SLOW") == "1"
+    launches = record_launches(monkeypatch, SLOTS_SLOW if slow else SLOTS)
+    assert {x.kernel for x in launches} == LAUNCHED
+
+    # grids of the largest shapes (every launch was recorded, not only the distinct ones)
+    bad_grids = [
+        f"{x.kernel} [{x.shapes[0]}]: grid {x.grid}"
+        for x in launches
+        if any(g > lim for g, lim in zip(x.grid, GRID_LIMITS, strict=False)) or len(x.grid) > 3
+    ]
+
+    distinct: dict[str, Launch] = {}
+    for x in launches:  # shapes that compile to the same kernel share one compile
+        first = distinct.setdefault(x.key(), x)
+        if first is not x:
+            first.shapes.extend(x.shapes)
+    cache = Path(request.config.cache.mkdir("ft_triton_targets"))
+    started = time.monotonic()
+    workers = max(1, min(2, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda x: (x, _compile(x, cache)), distinct.values()))
+
+    problems, table = list(bad_grids), []
+    for launch, rows in results:
+        keep = ("POLICY", "BLOCK_S", "HAS_BIAS")
+        cx = {k: v for k, v in launch.constexprs.items() if k in keep}
+        label = f"{launch.kernel} {cx or ''}".strip()
+        problems += [f"{label}: {p}" for r in rows for p in _problems(launch, r)]
+        cells = {r["cc"]: (f"{r['regs']}r/{r['stack']}s" if r["ok"] else "FAIL") for r in rows}
+        table.append(f"{label:<58} " + " ".join(f"{cells[cc]:>10}" for cc in TARGETS))
+    header = f"{'kernel (registers/stack bytes per thread)':<58} " + " ".join(
+        f"{'sm_' + str(cc):>10}" for cc in TARGETS
+    )
+    report = "\n".join([header, *table, f"({time.monotonic() - started:.0f} s)"])
+    print("\n" + report)
+    request.node.user_properties.append(("kernel_registers", report))
+    assert not problems, "\n".join(problems)
