@@ -23,6 +23,7 @@ import torch
 
 from .accelerator import Accelerator, BankPairs, RowCopies, Transfer
 from .banks import Activation, ActivationSpec, ExpertBanks, moe_reference
+from .grouped import moe_grouped
 from .slot_cache import DecodePlan, EvictionPolicy, SlotCache
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,11 @@ class FusedBackend:
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        flat = expert_ids.long() + moe_layer * self.num_experts
-        return moe_reference(x.to(self.acc.device), flat, weights, self.dev, self.act).to(x.device)
+        dev, e = self.acc.device, self.num_experts
+        # ids and gate weights come from the router, wherever it ran: the compute is on `dev`
+        flat = expert_ids.to(dev).long() + moe_layer * e
+        out = moe_grouped(x.to(dev), flat, weights.to(dev), self.dev, self.act, moe_layer * e, e)
+        return out.to(x.device)
 
 
 class OffloadBackend:
@@ -125,18 +129,28 @@ class OffloadBackend:
             "prefill_on_demand": 0,
         }
         self._gpu_routes = torch.zeros((), dtype=torch.int64, device=acc.device)
+        self._cpu_routes = torch.zeros((), dtype=torch.int64)  # host: summed without a read
+        self.host_format = banks.format  # the checkpoint's expert format (create_backend sets it)
 
     @property
     def counters(self) -> dict[str, int]:
         """Route and prefill counters (reading them syncs with the device once)."""
         return {
             **self._counters,
+            "cpu_routes": self._counters["cpu_routes"] + int(self._cpu_routes),
             "gpu_routes": self._counters["gpu_routes"] + int(self._gpu_routes),
         }
 
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot (every bank, in the device format)."""
+        return self.slots.nbytes_per_expert()
+
     # ---- step hooks (called by the runner) ----------------------------------------------------
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
-        if num_tokens < self.prefill_min_tokens:
+        # only a step that feeds a prompt streams layers: a batch of 32+ decode sequences
+        # routes to a few experts per layer, which the cache serves
+        if not prefill or num_tokens < self.prefill_min_tokens:
             return
         lease = self.cache.borrow_prefill()
         if lease is None:
@@ -163,11 +177,14 @@ class OffloadBackend:
         flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
         if self._prefill is not None:
             self._counters["prefill_layers_streamed"] += 1
-            slots = self._prefill.slots_for(moe_layer).to(self.acc.device)
-            ids = slots[expert_ids.long().to(self.acc.device)]
-            return moe_reference(x.to(self.acc.device), ids, weights, self.slots, self.act).to(
-                x.device
+            dev = self.acc.device
+            slots = self._prefill.slots_for(moe_layer)  # [E] host: one buffer, contiguous
+            lo = int(slots[0])
+            ids = expert_ids.to(dev).long() + lo
+            out = moe_grouped(
+                x.to(dev), ids, weights.to(dev), self.slots, self.act, lo, self.num_experts
             )
+            return out.to(x.device)
         if x.shape[0] >= self.prefill_min_tokens:
             self._counters["prefill_on_demand"] += 1
         return self._decode(moe_layer, x, flat, weights)
@@ -183,16 +200,18 @@ class OffloadBackend:
         cpu_future: Future[torch.Tensor] | None = None
         if self._cpu_possible(flat.numel()):
             cpu_ids = plan.cpu_ids.cpu()  # the CPU branch must know its experts: one sync
-            n_cpu = int((cpu_ids >= 0).sum())
-            if n_cpu:  # submitted first: it runs while the fills and the device compute proceed
-                self._counters["cpu_routes"] += n_cpu
-                cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
+            # submitted first: it runs while the fills and the device compute proceed; routes
+            # it does not own are -1 (skipped), so no host read decides whether to submit
+            self._cpu_routes = self._cpu_routes + (cpu_ids >= 0).sum()
+            cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
         self._fill(plan).wait()
-        xd = x.to(dev)
+        xd, wd = x.to(dev), weights.to(dev)
         if self.device_kernels and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
-            out = self._decode_kernel(xd, plan.slot_ids, weights.to(dev))
+            out = self._decode_kernel(xd, plan.slot_ids, wd)
+        elif dev.type == "cpu":  # the stand-in
+            out = moe_reference(xd, plan.slot_ids.long(), wd, self.slots, self.act)
         else:
-            out = moe_reference(xd, plan.slot_ids.long(), weights, self.slots, self.act)
+            out = moe_grouped(xd, plan.slot_ids, wd, self.slots, self.act, 0, self.cache.num_slots)
         self._gpu_routes += (plan.slot_ids >= 0).sum()
         out = out.to(x.device)
         if cpu_future is not None:
@@ -206,22 +225,27 @@ class OffloadBackend:
         return self.hybrid or routes > self.cache.num_slots - reserved
 
     def _fill(self, plan: DecodePlan) -> Transfer:
-        pairs = _bank_pairs(self.slots, self.host)
+        return self._fill_from_host(
+            self.slots, plan.copy_dst_slot, plan.copy_src_flat, plan.num_copies
+        )
+
+    def _fill_from_host(
+        self, slots: ExpertBanks, dst_idx: torch.Tensor, src_idx: torch.Tensor, count: torch.Tensor
+    ) -> Transfer:
+        """slots[dst_idx[i]] <- host[src_idx[i]] for i < count[0] (device-side int32 lists)."""
+        pairs = _bank_pairs(slots, self.host)
         if self.device_fill:
-            return self.acc.fill_rows(
-                pairs, plan.copy_dst_slot, plan.copy_src_flat, plan.num_copies,
-                kernel=self.device_kernels,
-            )  # fmt: skip
-        # CUDA without zero-copy reads: the host learns the copy list (one sync per layer)
-        n = int(plan.num_copies.item())
-        src = plan.copy_src_flat[:n].tolist()
-        dst = plan.copy_dst_slot[:n].tolist()
+            return self.acc.fill_rows(pairs, dst_idx, src_idx, count, kernel=self.device_kernels)
+        # CUDA without zero-copy reads: the host learns the copy list (one sync)
+        n = int(count.item())
+        src = src_idx[:n].tolist()
+        dst = dst_idx[:n].tolist()
         return self.acc.copy_rows([(d, s, dst, src) for d, s in pairs])
 
     def _decode_kernel(
         self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        from ftkernels.moe_decode import moe_decode
+        from ftkernels.ops import moe_decode
 
         b, a = self.slots, self.act
         gptoss = a.kind == Activation.GPTOSS
