@@ -6,11 +6,12 @@ Qwen3-30B-A3B's layer geometry (few layers, data-less banks)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
-from fake_cuda_support import GIB, MIB, QWEN3_30B, TINY, fake_banks, routes, run_cycle
+from fake_cuda_support import MIB, QWEN3_30B, TINY, fake_banks, routes, run_cycle
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from freetokend.experts.backend import create_backend
@@ -90,3 +91,103 @@ def test_backend_cycle_fits_the_card(geom, card, backend) -> None:
         f"{rep.peak / MIB:.0f} MiB, host syncs per decode step {rep.syncs_per_decode_step:g} "
         f"(4 sequences: {rep.syncs_batched_step:g}) over {geom.layers} MoE layers"
     )
+
+
+QWEN3_30B_FULL = replace(QWEN3_30B, layers=48)
+
+
+@pytest.mark.parametrize("card", list(CARDS))
+def test_default_slots_fit_the_card(card) -> None:
+    """The whole Qwen3-30B-A3B pool (48 x 128 experts, 54 GiB in bf16) with the default slot
+    count: sized from the card's free memory, not half of all experts (27 GiB), so the load and
+    a prompt chunk fit an 8 GiB card."""
+    acc = FakeCudaAccelerator(vram_mib=CARDS[card])
+    g = QWEN3_30B_FULL
+    with acc:
+        for backend in ("offload", "auto"):
+            be: Any = create_backend(
+                backend, fake_banks(acc, g), g.layers, g.experts, ActivationSpec(),
+                accelerator=acc,
+            )  # fmt: skip
+            slots, slot = be.cache.num_slots, be.slot_bytes
+            assert 2 * g.experts <= slots < g.layers * g.experts // 2
+            free_after = acc.mem_get_info()[0]
+            assert slots * slot <= 0.9 * (free_after + slots * slot)
+            x = torch.randn(512, g.hidden)
+            ids, w = routes(g, 512)
+            be.begin_step(512, prefill=True)
+            for layer in range(2):
+                be.forward(layer, x, ids, w)
+            be.end_step()
+            assert acc.tracker.peak <= acc.tracker.capacity
+            del be
+
+
+def test_decode_batches_of_32_sequences_do_not_stream_layers() -> None:
+    """A step of 40 decode sequences (no prompt) is served by the cache: no prefill lease, no
+    whole-layer copies, the cached experts stay."""
+    acc = FakeCudaAccelerator(vram_mib=8192)
+    g = QWEN3_30B
+    with acc:
+        be: Any = create_backend(
+            "offload", fake_banks(acc, g), g.layers, g.experts, ActivationSpec(),
+            accelerator=acc, moe_slots=3 * g.experts,
+        )  # fmt: skip
+        x = torch.randn(40, g.hidden)
+        ids, w = routes(g, 40)
+        before = acc.stats.bytes
+        be.begin_step(40)  # decode: prefill=False
+        assert be.cache.lease is None
+        be.forward(0, x, ids, w)
+        be.end_step()
+        assert be._counters["prefill_layers_streamed"] == 0
+        assert acc.stats.bytes == before  # fills go through the device copy list, not layers
+
+
+def test_vram_watcher_sizes_slots_in_the_device_format() -> None:
+    """An mxfp4 pool has bf16 device slots: the watcher's slot size is the device's (3.5x the
+    packed host expert), else a shrink frees 3.5x less than it planned."""
+    from types import SimpleNamespace
+
+    from freetokend.experts.formats import allocate
+    from freetokend.manager.control import ControlPlane
+
+    acc = FakeCudaAccelerator(vram_mib=8192)
+    with acc:
+        with acc.session.fake_mode:
+            banks = allocate("mxfp4", 2 * 8, 512, 256, torch.bfloat16)
+        be: Any = create_backend(
+            "offload", banks, 2, 8, ActivationSpec(), accelerator=acc, moe_slots=8
+        )
+        llm = SimpleNamespace(moe=be, banks=banks)
+        stub = SimpleNamespace(
+            manager=SimpleNamespace(active=SimpleNamespace(llm=llm)),
+            cache=SimpleNamespace(target=lambda model: 8),
+        )
+        sizes = ControlPlane.slot_sizes(stub)  # type: ignore[arg-type]
+        assert sizes is not None
+        device_slot = 3 * 512 * 256 * 2  # bf16 gate_up + down
+        assert sizes.slot_bytes == device_slot == be.slots.nbytes_per_expert()
+        assert banks.nbytes_per_expert() * 3 < device_slot
+
+
+def test_quantized_pool_is_dequantized_expert_by_expert() -> None:
+    """Dequantizing an mxfp4 pool for the device never holds a whole fp32 copy: the host peak
+    is the packed pool + the bf16 pool + a few experts in fp32."""
+    from freetokend.experts.formats import allocate
+
+    acc = FakeCudaAccelerator(vram_mib=8192)
+    h, inter, n = 512, 256, 32
+    with acc:
+        with acc.session.fake_mode:
+            banks = allocate("mxfp4", n, h, inter, torch.bfloat16)
+        tr = acc.tracker
+        tr.host.reset_peak()
+        packed = tr.host.sweep()
+        be: Any = create_backend(
+            "offload", banks, 2, n // 2, ActivationSpec(), accelerator=acc, moe_slots=4
+        )
+        bf16 = n * 3 * h * inter * 2
+        fp32_expert = 3 * h * inter * 4
+        assert be.host.gate_up.dtype == torch.bfloat16
+        assert tr.host.peak - packed <= bf16 + 4 * fp32_expert, (tr.host.peak - packed) / MIB
