@@ -150,6 +150,16 @@ class SlotBudget:
     activation_bytes: int = 0
 
 
+def moe_activation_bytes(tokens: int, top_k: int, hidden: int, inter: int) -> int:
+    """Device bytes the MoE compute of one step of ``tokens`` tokens takes at peak (fp32): the
+    per-route outputs [T*K, H], the input [T, H], one expert's weights upcast (gate_up [2I, H],
+    down [H, I]) and its work rows ([T, 2I], [T, I], [T, H]) with a token in every route."""
+    routes = tokens * top_k * hidden
+    expert = 3 * inter * hidden
+    work = tokens * (3 * inter + hidden)
+    return 4 * (routes + tokens * hidden + expert + work)
+
+
 def create_backend(
     name: str,
     banks: ExpertBanks,
