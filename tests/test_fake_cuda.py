@@ -191,3 +191,46 @@ def test_quantized_pool_is_dequantized_expert_by_expert() -> None:
         fp32_expert = 3 * h * inter * 4
         assert be.host.gate_up.dtype == torch.bfloat16
         assert tr.host.peak - packed <= bf16 + 4 * fp32_expert, (tr.host.peak - packed) / MIB
+
+
+def test_prefill_streams_only_missing_experts_and_keeps_the_cache() -> None:
+    """Prompt chunks stream through the slot cache (on the stand-in, whose copies are counted):
+    experts already resident are neither copied nor moved, a second chunk copies nothing the
+    first one brought, and the output is the reference's."""
+    from freetokend.experts.accelerator import StandinAccelerator
+    from freetokend.experts.banks import ExpertBanks, moe_reference
+
+    layers, e, h, i = 3, 8, 32, 16
+    g = torch.Generator().manual_seed(0)
+    banks = ExpertBanks(
+        torch.randn(layers * e, 2 * i, h, generator=g), torch.randn(layers * e, h, i, generator=g)
+    )
+    acc = StandinAccelerator()
+    be: Any = create_backend(
+        "offload", banks, layers, e, ActivationSpec(), accelerator=acc, moe_slots=layers * e
+    )
+    x = torch.randn(40, h, generator=g)
+    ids = torch.rand(40, e, generator=g).topk(2, dim=-1).indices
+    w = torch.rand(40, 2, generator=g)
+    be.begin_step(1)  # a decode step caches two experts of layer 0
+    be.forward(0, x[:1], ids[:1], w[:1])
+    be.end_step()
+    st = be.cache.state
+    cached = {f: int(st.slot_of[f]) for f in ids[0].tolist()}
+    assert acc.stats.copies == 2 * len(cached) == 4  # gate_up + down per expert
+
+    def chunk() -> int:
+        before = acc.stats.copies
+        be.begin_step(40, prefill=True)
+        for layer in range(layers):
+            out = be.forward(layer, x, ids, w)
+            ref = moe_reference(x, ids.long() + layer * e, w, banks, ActivationSpec())
+            assert torch.equal(out, ref)
+        be.end_step()
+        return (acc.stats.copies - before) // 2  # experts copied
+
+    assert chunk() == layers * e - len(cached)  # the cached experts were not copied again
+    assert {f: int(st.slot_of[f]) for f in cached} == cached  # nor moved
+    assert chunk() == 0  # everything the first chunk brought stayed
+    assert be._counters["prefill_layers_streamed"] == 2 * layers
+    assert int(st.reserved.sum()) == 0  # nothing stays reserved after the step

@@ -8,10 +8,10 @@ hybrid   the same cache, but only q = clamp(round(m * B_P / B_H), 1, m) of the m
          two partial sums are added. Every route is computed exactly once, so the MoE output is the
          same math as a fully resident model.
 
-Prefill (a step with at least ``prefill_min_tokens`` tokens): two full-layer buffers borrowed
-from the slot pool; while layer l computes from one buffer, all experts of the next MoE layer are
-copied into the other. With fewer than 2 x num_experts slots the step runs on demand through the
-decode path instead (logged once). Buffers left at the end become cache entries for decode.
+Prefill (a prompt step of at least ``prefill_min_tokens`` tokens): each MoE layer's experts are
+streamed through the slot cache (``_PrefillStream``): only the experts not resident are copied,
+the next layer's while this one computes, and they stay cached for decode. With fewer than
+2 x num_experts slots the step runs on demand through the decode path instead (logged once).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from .accelerator import Accelerator, BankPairs, RowCopies, Transfer
 from .banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from .grouped import moe_grouped
-from .slot_cache import DecodePlan, EvictionPolicy, SlotCache
+from .slot_cache import FILL_ALL_Q16, DecodePlan, EvictionPolicy, SlotCache
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +152,7 @@ class OffloadBackend:
         # routes to a few experts per layer, which the cache serves
         if not prefill or num_tokens < self.prefill_min_tokens:
             return
-        lease = self.cache.borrow_prefill()
-        if lease is None:
+        if self.cache.num_slots < 2 * self.num_experts:
             if not self._warned_fallback:
                 log.warning(
                     "prefill: %d slots < 2 x %d experts; loading experts on demand",
@@ -162,13 +161,12 @@ class OffloadBackend:
                 )
                 self._warned_fallback = True
             return
-        self._prefill = _PrefillStream(self, lease.buffer)
+        self._prefill = _PrefillStream(self)
 
     def end_step(self) -> None:
         if self._prefill is not None:
             self._prefill.finish()
             self._prefill = None
-            self.cache.release_prefill()
 
     # ---- the layer call -------------------------------------------------------------------------
     def forward(
@@ -178,11 +176,10 @@ class OffloadBackend:
         if self._prefill is not None:
             self._counters["prefill_layers_streamed"] += 1
             dev = self.acc.device
-            slots = self._prefill.slots_for(moe_layer)  # [E] host: one buffer, contiguous
-            lo = int(slots[0])
-            ids = expert_ids.to(dev).long() + lo
+            slot_of = self._prefill.slots_for(moe_layer)  # [E] device: expert -> slot
+            ids = slot_of.long()[expert_ids.to(dev).long()]
             out = moe_grouped(
-                x.to(dev), ids, weights.to(dev), self.slots, self.act, lo, self.num_experts
+                x.to(dev), ids, weights.to(dev), self.slots, self.act, 0, self.cache.num_slots
             )
             return out.to(x.device)
         if x.shape[0] >= self.prefill_min_tokens:
@@ -221,8 +218,7 @@ class OffloadBackend:
     def _cpu_possible(self, routes: int) -> bool:
         """Whether the plan may send a route to the CPU: hybrid splits misses by q*; offload
         only overflows when the step routes to more experts than there are unreserved slots."""
-        reserved = 2 * self.num_experts if self.cache.lease is not None else 0
-        return self.hybrid or routes > self.cache.num_slots - reserved
+        return self.hybrid or routes > self.cache.num_slots
 
     def _fill(self, plan: DecodePlan) -> Transfer:
         return self._fill_from_host(
@@ -263,38 +259,50 @@ class OffloadBackend:
 
 
 class _PrefillStream:
-    """Double buffering over the lent slots: layer l computes from buffer l % 2 while the next
-    layer's experts are copied into the other buffer."""
+    """A prompt step streams each MoE layer's experts through the slot cache: the layer's E
+    experts are looked up as one batch with every miss filled (the cache's own victims, least
+    valuable first), so experts already resident are neither copied nor moved, and what was
+    streamed stays cached for decode. While layer l computes, layer l + 1's misses are copied;
+    layer l's slots are reserved meanwhile (never victims), which needs 2 x E slots. The plan
+    and the copy list stay on the device (no host sync on the zero-copy path)."""
 
-    def __init__(self, be: OffloadBackend, buffer_of) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, be: OffloadBackend) -> None:
         self.be = be
-        self.buffer_of = buffer_of
         self.pending: dict[int, Transfer] = {}
-        self.done: list[int] = []
+        self.maps: dict[int, torch.Tensor] = {}  # layer -> [E] int32 slot of each expert
 
     def _issue(self, layer: int) -> None:
-        if layer >= self.be.num_layers or layer in self.pending:
+        if layer >= self.be.num_layers or layer in self.pending or layer in self.maps:
             return
-        e = self.be.num_experts
-        dst = self.buffer_of(layer).tolist()
-        src = list(range(layer * e, (layer + 1) * e))
-        self.pending[layer] = self.be.acc.copy_rows(
-            _row_copies(self.be.slots, self.be.host, dst, src)
-        )
+        be, e = self.be, self.be.num_experts
+        st = be.cache.state
+        flat = torch.arange(layer * e, (layer + 1) * e, dtype=torch.int32, device=be.acc.device)
+        ratio, stats = st.fill_ratio.clone(), st.stats.clone()
+        st.fill_ratio.fill_(FILL_ALL_Q16)  # a prompt needs every expert of the layer
+        plan = be.cache.decode_step(flat.view(1, e), layer)
+        st.fill_ratio.copy_(ratio)
+        st.stats.copy_(stats)  # the cache's hit statistics stay those of decode
+        slot_of = plan.slot_ids.view(e)
+        st.reserved[slot_of.long()] = 1  # until this layer has computed
+        self.maps[layer] = slot_of
+        self.pending[layer] = be._fill(plan)
+
+    def _release(self, layer: int) -> None:
+        slot_of = self.maps.pop(layer, None)
+        if slot_of is not None:
+            self.be.cache.state.reserved[slot_of.long()] = 0
 
     def slots_for(self, layer: int) -> torch.Tensor:
         self._issue(layer)
         self.pending.pop(layer).wait()
-        # The other buffer held layer - 1, whose compute has finished (layers run in order).
+        self._release(layer - 1)  # layers run in order: layer - 1 has computed
         if self.be.prefill_overlap:
             self._issue(layer + 1)
-        self.done.append(layer)
-        return self.buffer_of(layer)
+        return self.maps[layer]
 
     def finish(self) -> None:
         for t in self.pending.values():
             t.wait()
         self.pending.clear()
-        # The last two layers' experts stay in the buffers: hand them to the decode cache.
-        for layer in self.done[-2:]:
-            self.be.cache.seed(layer, self.buffer_of(layer))
+        for layer in list(self.maps):
+            self._release(layer)

@@ -31,7 +31,7 @@ class FakeCudaAccelerator(CudaAccelerator):
             raise ValueError(f"vram_mib {vram_mib} must exceed the CUDA context ({context_mib})")
         self.session = FakeCudaSession(vram_mib * MIB, context_mib * MIB)
         self.device = torch.device("cuda", 0)
-        self.copy_stream = self.session._stream
+        self.copy_stream = self.session._stream  # type: ignore[assignment]
         self.pinned_bytes = 0
 
     @property

@@ -135,7 +135,7 @@ def setitem(t: torch.Tensor, index: object, value: object) -> None:
         aten.masked_fill_.Scalar(view, only[0], value)  # no sync, as torch does for t[mask] = s
         return
     if not isinstance(value, torch.Tensor):
-        value = torch.full((), value, dtype=t.dtype, device=t.device)
+        value = torch.full((), value, dtype=t.dtype, device=t.device)  # type: ignore[call-overload]
     aten.index_put_.default(view, adv, value)
 
 
@@ -150,7 +150,7 @@ class DeviceShim(TorchFunctionMode):
         self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        first = args[0] if args else None
+        first: Any = args[0] if args else None
         if func is torch.Tensor.__getitem__ and is_fake(first):
             return getitem(first, args[1])
         if func is torch.Tensor.__setitem__ and is_fake(first):
