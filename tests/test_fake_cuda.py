@@ -81,10 +81,10 @@ def test_backend_cycle_fits_the_card(geom, card, backend) -> None:
         assert up <= default * slot + 64 * MIB
         assert be.cache.num_slots == default
     # dense layers are on the host: the MoE output comes back once per layer; hybrid also
-    # reads the CPU branch's ids, the grouped compute (fused; > 16 routes) its counts
-    per_layer = {"fused": 2, "offload": 1, "hybrid": 2}[backend]
+    # reads the CPU branch's ids, the grouped compute (> 16 routes) its counts
+    per_layer = {"fused": 1, "offload": 1, "hybrid": 2}[backend]
     assert rep.syncs_per_decode_step == per_layer * geom.layers
-    batched = per_layer + (backend != "fused" and geom.top_k * 4 > 16)
+    batched = per_layer + (geom.top_k * 4 > 16)
     assert rep.syncs_batched_step == batched * geom.layers
     print(
         f"\n{geom.name} {backend} {card}: load {rep.load_bytes / MIB:.0f} MiB, peak "

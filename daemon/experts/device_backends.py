@@ -54,6 +54,20 @@ def _row_copies(
     return [(d, s, drows, srows) for d, s in _bank_pairs(dst, src)]
 
 
+def _kernel(
+    x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, b: ExpertBanks, a: ActivationSpec
+) -> torch.Tensor:
+    """The per-route decode kernels over bank rows ``rows`` [T, K] (-1: skipped), read on the
+    device: [T, H] fp32."""
+    from ftkernels.ops import moe_decode
+
+    gptoss = a.kind == Activation.GPTOSS
+    return moe_decode(
+        x, rows.int(), weights, b.gate_up, b.down, b.gate_up_bias, b.down_bias,
+        gptoss, a.alpha, a.limit,
+    )  # fmt: skip
+
+
 class FusedBackend:
     """All experts resident on the accelerator."""
 
@@ -77,7 +91,11 @@ class FusedBackend:
         dev, e = self.acc.device, self.num_experts
         # ids and gate weights come from the router, wherever it ran: the compute is on `dev`
         flat = expert_ids.to(dev).long() + moe_layer * e
-        out = moe_grouped(x.to(dev), flat, weights.to(dev), self.dev, self.act, moe_layer * e, e)
+        xd, wd = x.to(dev), weights.to(dev)
+        if dev.type == "cuda" and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
+            out = _kernel(xd, flat, wd, self.dev, self.act)  # no host read of the ids
+        else:
+            out = moe_grouped(xd, flat, wd, self.dev, self.act, moe_layer * e, e)
         return out.to(x.device)
 
 
@@ -241,14 +259,7 @@ class OffloadBackend:
     def _decode_kernel(
         self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        from ftkernels.ops import moe_decode
-
-        b, a = self.slots, self.act
-        gptoss = a.kind == Activation.GPTOSS
-        return moe_decode(
-            x, slot_ids, weights, b.gate_up, b.down, b.gate_up_bias, b.down_bias,
-            gptoss, a.alpha, a.limit,
-        )  # fmt: skip
+        return _kernel(x, slot_ids, weights, self.slots, self.act)
 
     def _cpu_part(
         self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor
