@@ -22,6 +22,7 @@ COMMANDS: tuple[tuple[str | None, str], ...] = (
     ("bench", "ftctl.bench_bw"),
     ("bench", "ftctl.bench_cache"),
     (None, "ftctl.checkpoint"),
+    (None, "ftctl.plan"),
     (None, "ftctl.launch"),
     (None, "ftctl.systemd_dropin"),
 )

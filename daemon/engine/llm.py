@@ -11,7 +11,13 @@ import logging
 from pathlib import Path
 from typing import Any, overload
 
-from ..experts.backend import BACKENDS, RoutingRecorder, create_backend
+from ..experts.backend import (
+    BACKENDS,
+    RoutingRecorder,
+    SlotBudget,
+    create_backend,
+    moe_activation_bytes,
+)
 from ..experts.banks import Activation, ActivationSpec
 from ..models.config import ModelConfig
 from ..models.expert_quant import quantize_experts_at_load
@@ -27,6 +33,15 @@ log = logging.getLogger(__name__)
 _DEFAULT_KV_TOKENS = 131072
 
 
+def _slot_budget(model: Any, cfg: ModelConfig, step_tokens: int) -> SlotBudget:
+    """What the default slot count leaves free on the device: the KV reserve (K + V of every
+    attention layer per token) and one step's MoE activations."""
+    heads, head_dim = model.kv_geometry
+    kv = 2 * model.num_attention_layers * heads * head_dim * model.dtype.itemsize
+    act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
+    return SlotBudget(kv_bytes_per_token=kv, activation_bytes=act)
+
+
 class LLM:
     """A loaded model with its tokenizer, chat template and engine.
 
@@ -34,7 +49,8 @@ class LLM:
     moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1)
     max_model_len  context limit (default: the model's, at most kv_tokens)
     kv_tokens    KV pool size in tokens over all sequences (default 131072)
-    moe_slots    expert slots on the accelerator (offload / hybrid; default half of all experts)
+    moe_slots    expert slots on the accelerator (offload / hybrid; default: what fits the device's
+                 free memory, see ``SlotBudget``)
     accelerator  auto | standin (CPU stand-in, for tests) | cuda
     bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
     record_routing  append every step's routed expert ids to this JSONL file (cache replay)
@@ -107,6 +123,7 @@ class LLM:
             moe_slots=moe_slots,
             bandwidth=bandwidth,
             threads=threads,
+            slot_budget=_slot_budget(self.model, cfg, max_step_tokens),
         )
         if record_routing is not None:
             self.moe = RoutingRecorder(self.moe, record_routing)

@@ -5,8 +5,9 @@ forward step in flight). They never touch the host pool (``ExpertBanks`` on the 
 device-side slot banks and the KV pool's storage are reallocated.
 
 Expert slots (offload / hybrid): a new SlotCache and new slot banks of the new size; the most
-recently used resident experts (as many as fit) are copied over, so a resize does not start
-cold. Counters (hits, misses, lookup frequencies, step clocks) carry over. The slot cache holds
+recently used resident experts (as many as fit) are carried over, so a resize does not start
+cold. The old banks are freed before the new ones exist (peak: the larger of the two sizes, never
+the sum) and the carried experts are filled again from the host pool by a device-side copy list. Counters (hits, misses, lookup frequencies, step clocks) carry over. The slot cache holds
 no per-request state, so this is safe between any two steps, with requests running.
 
 KV pool: growing copies the pages into larger storage (page ids stay valid, so running requests
@@ -72,19 +73,25 @@ def _empty_banks(be: OffloadBackend, rows: int) -> ExpertBanks:
     return ExpertBanks(gu, dn, like(host.gate_up_bias), like(host.down_bias))
 
 
-def _kept_slots(cache: SlotCache, n: int) -> torch.Tensor:
-    """Up to ``n`` occupied, unreserved slots of ``cache``, most recently used first."""
+def _kept_order(cache: SlotCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` slots of ``cache`` to carry over, most recently used first, and how many of
+    them hold an expert ([n] int64 and [1] int32 device tensors: no host read). Occupied,
+    unreserved slots sort before the others."""
     st = cache.state
-    occupied = ((st.id_of_slot >= 0) & (st.reserved == 0)).nonzero().flatten()
-    order = torch.argsort(st.last_used[occupied], descending=True, stable=True)
-    return occupied[order][:n]
+    occupied = (st.id_of_slot >= 0) & (st.reserved == 0)
+    key = torch.where(occupied, st.last_used, torch.full_like(st.last_used, -1))
+    order = torch.argsort(key, descending=True, stable=True)[:n]
+    count = occupied.sum().clamp(max=n).to(torch.int32).reshape(1)
+    return order, count
 
 
 def resize_expert_slots(be: OffloadBackend, num_slots: int) -> int:
     """Give ``be`` a slot cache of ``num_slots`` slots; returns how many experts stayed resident.
 
-    Must run between steps (no prefill lease out). Old slot banks are released; on CUDA the
-    freed blocks go back to the driver so other processes can use them.
+    Must run between steps (no prefill lease out). The old slot banks are released BEFORE the
+    new ones are allocated, so device memory never holds both (a shrink asked for by VRAM
+    pressure must not itself need old + new); the experts carried over are copied again from
+    the host pool, their source of truth. On CUDA the freed blocks go back to the driver.
     """
     if not 1 <= num_slots <= be.host.num_flat:
         raise ResizeError(f"moe slots must be in [1, {be.host.num_flat}], got {num_slots}")
@@ -102,21 +109,35 @@ def resize_expert_slots(be: OffloadBackend, num_slots: int) -> int:
     src, dst = old.state, new.state
     for name in ("freq", "visits", "step", "fill_ratio", "stats"):
         getattr(dst, name).copy_(getattr(src, name))
-    keep = _kept_slots(old, num_slots)
-    k = int(keep.numel())
-    banks = _empty_banks(be, num_slots)
-    if k:
-        for name, t in banks.tensors().items():
-            t[:k].copy_(be.slots.tensors()[name][keep])
-        rows = torch.arange(k, device=keep.device)
-        flat = src.id_of_slot[keep]
-        dst.id_of_slot[:k] = flat
-        dst.slot_of[flat.long()] = rows.int()
-        dst.last_used[:k] = src.last_used[keep]
-        dst.last_visit[:k] = src.last_visit[keep]
-    be.cache, be.slots = new, banks
+    order, count = _kept_order(old, num_slots)
+    k = order.numel()
+    rows = torch.arange(k, device=order.device)
+    live = rows < count  # [k] rows that receive an expert
+    flat = torch.where(live, src.id_of_slot[order], -1)  # [k] int32
+    dst.id_of_slot[:k] = flat
+    dst.last_used[:k] = torch.where(live, src.last_used[order], 0)
+    dst.last_visit[:k] = torch.where(live, src.last_visit[order], 0)
+    # slot_of[flat] = row for the live rows; the others write into a spare entry at the end
+    num_flat = dst.slot_of.numel()
+    spill = torch.full((num_flat + 1,), -1, dtype=torch.int32, device=order.device)
+    spill[torch.where(live, flat.long(), num_flat)] = torch.where(live, rows, -1).int()
+    dst.slot_of.copy_(spill[:num_flat])
+    del spill
+    be.slots = None  # type: ignore[assignment]  # the old banks go first ...
     _release_device_memory(be.acc.device)
-    return k
+    banks = _empty_banks(be, num_slots)  # ... then the new ones are allocated
+    idx = flat.clamp(min=0).int()
+    be._fill_from_host(banks, rows.int(), idx, count).wait()
+    be.cache, be.slots = new, banks
+    return _kept_count(count)
+
+
+def _kept_count(count: torch.Tensor) -> int:
+    """The experts carried over, read on the host (one sync; -1 on the fake device)."""
+    host = count.cpu()
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return -1 if isinstance(host, FakeTensor) else int(host[0])
 
 
 def _release_device_memory(device: torch.device) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from . import pinning
 
-ACCELERATORS = ("auto", "standin", "cuda")
+ACCELERATORS = ("auto", "standin", "cuda", "fake-cuda")
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,11 @@ class Accelerator(ABC):
     def device_fill_ok(self, src: torch.Tensor) -> bool:
         """Whether ``fill_rows`` works from this host bank (checked once per backend)."""
         return True
+
+    def mem_get_info(self) -> tuple[int, int] | None:
+        """(free, total) device bytes, or None when the device has no memory limit of its own
+        (the stand-in's "device" is host memory)."""
+        return None
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """Page-lock a filled host tensor in place where the platform supports it."""
@@ -236,6 +241,17 @@ class StandinAccelerator(Accelerator):
             head.done = True
 
 
+def _runs(drows: list[int], srows: list[int]) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of the maximal runs where both row lists step by one."""
+    out: list[tuple[int, int, int]] = []
+    for d, s in zip(drows, srows, strict=True):
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((d, s, 1))
+    return out
+
+
 class _CudaTransfer(Transfer):
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
@@ -261,8 +277,10 @@ class CudaAccelerator(Accelerator):
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             for dst, src, drows, srows in pairs:
-                for d, s in zip(drows, srows, strict=True):
-                    dst[d].copy_(src[s], non_blocking=True)  # src[s] is a view of pinned memory
+                # one copy per run of consecutive rows (a prefill layer is one run)
+                for d, s, n in _runs(drows, srows):
+                    # a view of pinned memory
+                    dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
         return _CudaTransfer(ev)
@@ -275,7 +293,7 @@ class CudaAccelerator(Accelerator):
         count: torch.Tensor,
         kernel: bool = True,
     ) -> Transfer:
-        from ftkernels.moe_decode import copy_rows
+        from ftkernels.ops import copy_rows
 
         # SMs read the pinned, mapped host pool over PCIe (zero-copy): the copy list and its
         # count are read where they are, on the device. Not counted in ``stats`` (that would
@@ -327,10 +345,22 @@ class CudaAccelerator(Accelerator):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def mem_get_info(self) -> tuple[int, int] | None:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
 
-def create_accelerator(name: str) -> Accelerator:
+
+def create_accelerator(name: str, vram_mib: int | None = None) -> Accelerator:
+    """``vram_mib``: the simulated card of ``fake-cuda`` (enter the returned accelerator as a
+    context manager around everything that touches the device)."""
     if name not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {name!r}; choose one of {', '.join(ACCELERATORS)}")
+    if name == "fake-cuda":
+        from .fakecuda import FakeCudaAccelerator
+
+        if vram_mib is None:
+            raise ValueError("accelerator 'fake-cuda' needs vram_mib (the simulated card)")
+        return FakeCudaAccelerator(vram_mib)
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return CudaAccelerator()
     return StandinAccelerator()

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from .accelerator import Accelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 
 log = logging.getLogger(__name__)
@@ -76,12 +78,24 @@ class CpuBackend:
     built the torch reference runs instead, on an fp32 dequantised copy for quantised banks."""
 
     def __init__(
-        self, banks: ExpertBanks, num_experts: int, act: ActivationSpec, threads: int | None = None
+        self,
+        banks: ExpertBanks,
+        num_experts: int,
+        act: ActivationSpec,
+        threads: int | None = None,
+        fake: bool = False,
     ) -> None:
+        """``fake``: the banks have no data (fake device runs): a shape-checking stand-in
+        replaces the native executor."""
         self.banks = banks
         self.num_experts = num_experts
         self.act = act
-        self.executor = None
+        self.executor: object | None = None
+        if fake:
+            from .fakecuda import FakeCpuExecutor
+
+            self.executor = FakeCpuExecutor(banks)
+            return
         try:
             from .cpu_executor import CpuExecutor
 
@@ -111,12 +125,39 @@ class CpuBackend:
     ) -> torch.Tensor:
         """Routed-expert sum by flat ids [T, K] (-1 = skip the route)."""
         if self.executor is not None:
-            return self.executor.forward(
+            return self.executor.forward(  # type: ignore[attr-defined]
                 x.float().contiguous(),
                 flat_ids.to(torch.int32).contiguous(),
                 weights.float().contiguous(),
             )
         return moe_reference(x, flat_ids, weights, self.banks, self.act)
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    """How the default slot count is sized from the device's free memory.
+
+    kv_reserve_tokens  KV tokens kept free for the attention cache (at ``kv_bytes_per_token``)
+    memory_ratio       the share of free device memory the slots and that reserve may take
+                       (the rest covers activations, kernels' work buffers and fragmentation)
+    kv_bytes_per_token K + V bytes of one token over all attention layers (0: KV on the host)
+    activation_bytes   device bytes a step's activations and work buffers take at peak
+    """
+
+    kv_reserve_tokens: int = 8192
+    memory_ratio: float = 0.9
+    kv_bytes_per_token: int = 0
+    activation_bytes: int = 0
+
+
+def moe_activation_bytes(tokens: int, top_k: int, hidden: int, inter: int) -> int:
+    """Device bytes the MoE compute of one step of ``tokens`` tokens takes at peak (fp32): the
+    per-route outputs [T*K, H], the input [T, H], one expert's weights upcast (gate_up [2I, H],
+    down [H, I]) and its work rows ([T, 2I], [T, I], [T, H]) with a token in every route."""
+    routes = tokens * top_k * hidden
+    expert = 3 * inter * hidden
+    work = tokens * (3 * inter + hidden)
+    return 4 * (routes + tokens * hidden + expert + work)
 
 
 def create_backend(
@@ -126,22 +167,32 @@ def create_backend(
     num_experts: int,
     act: ActivationSpec,
     *,
-    accelerator: str = "auto",
+    accelerator: str | Accelerator = "auto",
     moe_slots: int | None = None,
     bandwidth: tuple[float, float] | None = None,
     threads: int | None = None,
+    slot_budget: SlotBudget | None = None,
 ) -> MoEBackend:
     """Builds the MoE backend named at the CLI/config boundary.
 
     auto: no accelerator -> cpu; with one -> offload, upgraded to hybrid when a bandwidth profile
-    (B_P, B_H) says the CPU branch pays (B_H > B_P).
+    (B_P, B_H) says the CPU branch pays (B_H > B_P). ``accelerator`` is a name or an accelerator
+    object (``FakeCudaAccelerator`` for the fake device of tests and ``ftctl plan``).
+    ``slot_budget``: how the default slot count (``moe_slots`` None) is sized.
     """
     from .accelerator import StandinAccelerator, create_accelerator
 
     if name not in BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    given = accelerator if isinstance(accelerator, Accelerator) else None
     if name == "auto":
-        if accelerator == "standin" or (accelerator == "auto" and not torch.cuda.is_available()):
+        no_device = (
+            isinstance(given, StandinAccelerator)
+            if given is not None
+            else accelerator == "standin"
+            or (accelerator == "auto" and not torch.cuda.is_available())
+        )
+        if no_device:
             name = "cpu"
         elif bandwidth is not None and bandwidth[1] > bandwidth[0]:
             name = "hybrid"
@@ -151,41 +202,45 @@ def create_backend(
                 log.info(
                     "moe_backend auto: no bandwidth profile stored; using offload (run `ftctl bench bw`)"
                 )
+    fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
-        return CpuBackend(banks, num_experts, act, threads=threads)
+        return CpuBackend(banks, num_experts, act, threads=threads, fake=fake)
     from .device_backends import FusedBackend, OffloadBackend
 
+    host_format = banks.format
     if banks.format != "bf16":
         # The accelerator backends compute from float banks (moe_reference, the Triton kernels):
-        # quantized experts are dequantized once (e2m1 and e8m0 values are exact in bf16).
-        from .formats import dequantize_banks
+        # quantized experts are dequantized once (e2m1 and e8m0 values are exact in bf16),
+        # one expert at a time into the bf16 banks (never a whole fp32 copy of the pool).
+        from .formats import dequantize_banks_to
 
         log.warning(
             "moe_backend %s: %s experts are dequantized to bf16 (the cpu backend computes them "
             "packed)", name, banks.format,
         )  # fmt: skip
-        f = dequantize_banks(banks)
-        banks = ExpertBanks(
-            f.gate_up.bfloat16(),
-            f.down.bfloat16(),
-            None if f.gate_up_bias is None else f.gate_up_bias.bfloat16(),
-            None if f.down_bias is None else f.down_bias.bfloat16(),
-        )
+        banks = dequantize_banks_to(banks, torch.bfloat16)
 
-    acc = create_accelerator(accelerator)
+    acc = given if given is not None else create_accelerator(str(accelerator))
     if name == "fused":
         return FusedBackend(banks, num_experts, act, acc)
     for t in banks.tensors().values():  # host pool filled first, registered (pinned) after
         acc.pin(t)
-    slots = moe_slots if moe_slots is not None else _default_slots(banks, acc)
-    cpu = CpuBackend(banks, num_experts, act, threads=threads) if name == "hybrid" else None
+    if moe_slots is None:
+        slots = _default_slots(banks, acc, num_experts, slot_budget or SlotBudget())
+    else:
+        slots = moe_slots
+    cpu = (
+        CpuBackend(banks, num_experts, act, threads=threads, fake=fake)
+        if name == "hybrid"
+        else None
+    )
     if name == "hybrid" and bandwidth is None:
         log.info(
             "hybrid: no bandwidth profile stored; q* assumes B_P = B_H until `ftctl bench bw` runs"
         )
     if isinstance(acc, StandinAccelerator):
         log.info("accelerator: CPU stand-in (no GPU): the %s mechanism runs, not for speed", name)
-    return OffloadBackend(
+    be = OffloadBackend(
         banks,
         num_layers,
         num_experts,
@@ -196,8 +251,40 @@ def create_backend(
         hybrid=name == "hybrid",
         bandwidth=bandwidth,
     )
+    be.host_format = host_format
+    if fake:
+        from .fakecuda import InlinePool
+
+        be._pool = InlinePool()  # type: ignore[assignment]
+    return be
 
 
-def _default_slots(banks: ExpertBanks, acc: object) -> int:
-    """Half of all experts, at least two full layers when the model has them."""
-    return max(1, banks.num_flat // 2)
+def _default_slots(
+    banks: ExpertBanks, acc: Accelerator, num_experts: int, budget: SlotBudget
+) -> int:
+    """Slots that fit the device: ``memory_ratio`` of its free memory (what already lives there
+    is not free), less the KV reserve and the activations, over one slot's bytes (a slot holds
+    one expert in the device format: every bank). Without a device memory limit (the CPU
+    stand-in): half of all experts. At least one slot, at most every expert.
+
+    Raises ``torch.OutOfMemoryError`` when not even one slot fits."""
+    info = acc.mem_get_info()
+    if info is None:
+        return max(1, banks.num_flat // 2)
+    free = info[0]
+    slot = banks.nbytes_per_expert()
+    # the slot cache's own state: slot_of/freq [N] int32, per-slot maps ~21 bytes each
+    state = 8 * banks.num_flat
+    reserve = budget.kv_reserve_tokens * budget.kv_bytes_per_token + budget.activation_bytes
+    room = int(free * budget.memory_ratio) - reserve - state
+    n = room // (slot + 21)
+    if n < 1:
+        raise torch.OutOfMemoryError(
+            f"no expert slot fits the device: {free >> 20} MiB free, {reserve >> 20} MiB kept for "
+            f"KV and activations, {slot >> 20} MiB per slot"
+        )
+    n = min(n, banks.num_flat)
+    log.info(
+        "moe slots: %d (%d MiB each) from %d MiB free on the device", n, slot >> 20, free >> 20
+    )
+    return n

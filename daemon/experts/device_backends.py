@@ -8,10 +8,10 @@ hybrid   the same cache, but only q = clamp(round(m * B_P / B_H), 1, m) of the m
          two partial sums are added. Every route is computed exactly once, so the MoE output is the
          same math as a fully resident model.
 
-Prefill (a step with at least ``prefill_min_tokens`` tokens): two full-layer buffers borrowed
-from the slot pool; while layer l computes from one buffer, all experts of the next MoE layer are
-copied into the other. With fewer than 2 x num_experts slots the step runs on demand through the
-decode path instead (logged once). Buffers left at the end become cache entries for decode.
+Prefill (a prompt step of at least ``prefill_min_tokens`` tokens): each MoE layer's experts are
+streamed through the slot cache (``_PrefillStream``): only the experts not resident are copied,
+the next layer's while this one computes, and they stay cached for decode. With fewer than
+2 x num_experts slots the step runs on demand through the decode path instead (logged once).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 
 from .accelerator import Accelerator, BankPairs, RowCopies, Transfer
 from .banks import Activation, ActivationSpec, ExpertBanks, moe_reference
-from .slot_cache import DecodePlan, EvictionPolicy, SlotCache
+from .grouped import moe_grouped
+from .slot_cache import FILL_ALL_Q16, DecodePlan, EvictionPolicy, SlotCache
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,20 @@ def _row_copies(
     return [(d, s, drows, srows) for d, s in _bank_pairs(dst, src)]
 
 
+def _kernel(
+    x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, b: ExpertBanks, a: ActivationSpec
+) -> torch.Tensor:
+    """The per-route decode kernels over bank rows ``rows`` [T, K] (-1: skipped), read on the
+    device: [T, H] fp32."""
+    from ftkernels.ops import moe_decode
+
+    gptoss = a.kind == Activation.GPTOSS
+    return moe_decode(
+        x, rows.int(), weights, b.gate_up, b.down, b.gate_up_bias, b.down_bias,
+        gptoss, a.alpha, a.limit,
+    )  # fmt: skip
+
+
 class FusedBackend:
     """All experts resident on the accelerator."""
 
@@ -73,8 +88,15 @@ class FusedBackend:
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        flat = expert_ids.long() + moe_layer * self.num_experts
-        return moe_reference(x.to(self.acc.device), flat, weights, self.dev, self.act).to(x.device)
+        dev, e = self.acc.device, self.num_experts
+        # ids and gate weights come from the router, wherever it ran: the compute is on `dev`
+        flat = expert_ids.to(dev).long() + moe_layer * e
+        xd, wd = x.to(dev), weights.to(dev)
+        if dev.type == "cuda" and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
+            out = _kernel(xd, flat, wd, self.dev, self.act)  # no host read of the ids
+        else:
+            out = moe_grouped(xd, flat, wd, self.dev, self.act, moe_layer * e, e)
+        return out.to(x.device)
 
 
 class OffloadBackend:
@@ -125,21 +147,30 @@ class OffloadBackend:
             "prefill_on_demand": 0,
         }
         self._gpu_routes = torch.zeros((), dtype=torch.int64, device=acc.device)
+        self._cpu_routes = torch.zeros((), dtype=torch.int64)  # host: summed without a read
+        self.host_format = banks.format  # the checkpoint's expert format (create_backend sets it)
 
     @property
     def counters(self) -> dict[str, int]:
         """Route and prefill counters (reading them syncs with the device once)."""
         return {
             **self._counters,
+            "cpu_routes": self._counters["cpu_routes"] + int(self._cpu_routes),
             "gpu_routes": self._counters["gpu_routes"] + int(self._gpu_routes),
         }
 
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot (every bank, in the device format)."""
+        return self.slots.nbytes_per_expert()
+
     # ---- step hooks (called by the runner) ----------------------------------------------------
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
-        if num_tokens < self.prefill_min_tokens:
+        # only a step that feeds a prompt streams layers: a batch of 32+ decode sequences
+        # routes to a few experts per layer, which the cache serves
+        if not prefill or num_tokens < self.prefill_min_tokens:
             return
-        lease = self.cache.borrow_prefill()
-        if lease is None:
+        if self.cache.num_slots < 2 * self.num_experts:
             if not self._warned_fallback:
                 log.warning(
                     "prefill: %d slots < 2 x %d experts; loading experts on demand",
@@ -148,13 +179,12 @@ class OffloadBackend:
                 )
                 self._warned_fallback = True
             return
-        self._prefill = _PrefillStream(self, lease.buffer)
+        self._prefill = _PrefillStream(self)
 
     def end_step(self) -> None:
         if self._prefill is not None:
             self._prefill.finish()
             self._prefill = None
-            self.cache.release_prefill()
 
     # ---- the layer call -------------------------------------------------------------------------
     def forward(
@@ -163,11 +193,13 @@ class OffloadBackend:
         flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
         if self._prefill is not None:
             self._counters["prefill_layers_streamed"] += 1
-            slots = self._prefill.slots_for(moe_layer).to(self.acc.device)
-            ids = slots[expert_ids.long().to(self.acc.device)]
-            return moe_reference(x.to(self.acc.device), ids, weights, self.slots, self.act).to(
-                x.device
+            dev = self.acc.device
+            slot_of = self._prefill.slots_for(moe_layer)  # [E] device: expert -> slot
+            ids = slot_of.long()[expert_ids.to(dev).long()]
+            out = moe_grouped(
+                x.to(dev), ids, weights.to(dev), self.slots, self.act, 0, self.cache.num_slots
             )
+            return out.to(x.device)
         if x.shape[0] >= self.prefill_min_tokens:
             self._counters["prefill_on_demand"] += 1
         return self._decode(moe_layer, x, flat, weights)
@@ -183,16 +215,18 @@ class OffloadBackend:
         cpu_future: Future[torch.Tensor] | None = None
         if self._cpu_possible(flat.numel()):
             cpu_ids = plan.cpu_ids.cpu()  # the CPU branch must know its experts: one sync
-            n_cpu = int((cpu_ids >= 0).sum())
-            if n_cpu:  # submitted first: it runs while the fills and the device compute proceed
-                self._counters["cpu_routes"] += n_cpu
-                cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
+            # submitted first: it runs while the fills and the device compute proceed; routes
+            # it does not own are -1 (skipped), so no host read decides whether to submit
+            self._cpu_routes = self._cpu_routes + (cpu_ids >= 0).sum()
+            cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
         self._fill(plan).wait()
-        xd = x.to(dev)
+        xd, wd = x.to(dev), weights.to(dev)
         if self.device_kernels and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
-            out = self._decode_kernel(xd, plan.slot_ids, weights.to(dev))
+            out = self._decode_kernel(xd, plan.slot_ids, wd)
+        elif dev.type == "cpu":  # the stand-in
+            out = moe_reference(xd, plan.slot_ids.long(), wd, self.slots, self.act)
         else:
-            out = moe_reference(xd, plan.slot_ids.long(), weights, self.slots, self.act)
+            out = moe_grouped(xd, plan.slot_ids, wd, self.slots, self.act, 0, self.cache.num_slots)
         self._gpu_routes += (plan.slot_ids >= 0).sum()
         out = out.to(x.device)
         if cpu_future is not None:
@@ -202,33 +236,30 @@ class OffloadBackend:
     def _cpu_possible(self, routes: int) -> bool:
         """Whether the plan may send a route to the CPU: hybrid splits misses by q*; offload
         only overflows when the step routes to more experts than there are unreserved slots."""
-        reserved = 2 * self.num_experts if self.cache.lease is not None else 0
-        return self.hybrid or routes > self.cache.num_slots - reserved
+        return self.hybrid or routes > self.cache.num_slots
 
     def _fill(self, plan: DecodePlan) -> Transfer:
-        pairs = _bank_pairs(self.slots, self.host)
+        return self._fill_from_host(
+            self.slots, plan.copy_dst_slot, plan.copy_src_flat, plan.num_copies
+        )
+
+    def _fill_from_host(
+        self, slots: ExpertBanks, dst_idx: torch.Tensor, src_idx: torch.Tensor, count: torch.Tensor
+    ) -> Transfer:
+        """slots[dst_idx[i]] <- host[src_idx[i]] for i < count[0] (device-side int32 lists)."""
+        pairs = _bank_pairs(slots, self.host)
         if self.device_fill:
-            return self.acc.fill_rows(
-                pairs, plan.copy_dst_slot, plan.copy_src_flat, plan.num_copies,
-                kernel=self.device_kernels,
-            )  # fmt: skip
-        # CUDA without zero-copy reads: the host learns the copy list (one sync per layer)
-        n = int(plan.num_copies.item())
-        src = plan.copy_src_flat[:n].tolist()
-        dst = plan.copy_dst_slot[:n].tolist()
+            return self.acc.fill_rows(pairs, dst_idx, src_idx, count, kernel=self.device_kernels)
+        # CUDA without zero-copy reads: the host learns the copy list (one sync)
+        n = int(count.item())
+        src = src_idx[:n].tolist()
+        dst = dst_idx[:n].tolist()
         return self.acc.copy_rows([(d, s, dst, src) for d, s in pairs])
 
     def _decode_kernel(
         self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        from ftkernels.moe_decode import moe_decode
-
-        b, a = self.slots, self.act
-        gptoss = a.kind == Activation.GPTOSS
-        return moe_decode(
-            x, slot_ids, weights, b.gate_up, b.down, b.gate_up_bias, b.down_bias,
-            gptoss, a.alpha, a.limit,
-        )  # fmt: skip
+        return _kernel(x, slot_ids, weights, self.slots, self.act)
 
     def _cpu_part(
         self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor
@@ -239,38 +270,50 @@ class OffloadBackend:
 
 
 class _PrefillStream:
-    """Double buffering over the lent slots: layer l computes from buffer l % 2 while the next
-    layer's experts are copied into the other buffer."""
+    """A prompt step streams each MoE layer's experts through the slot cache: the layer's E
+    experts are looked up as one batch with every miss filled (the cache's own victims, least
+    valuable first), so experts already resident are neither copied nor moved, and what was
+    streamed stays cached for decode. While layer l computes, layer l + 1's misses are copied;
+    layer l's slots are reserved meanwhile (never victims), which needs 2 x E slots. The plan
+    and the copy list stay on the device (no host sync on the zero-copy path)."""
 
-    def __init__(self, be: OffloadBackend, buffer_of) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, be: OffloadBackend) -> None:
         self.be = be
-        self.buffer_of = buffer_of
         self.pending: dict[int, Transfer] = {}
-        self.done: list[int] = []
+        self.maps: dict[int, torch.Tensor] = {}  # layer -> [E] int32 slot of each expert
 
     def _issue(self, layer: int) -> None:
-        if layer >= self.be.num_layers or layer in self.pending:
+        if layer >= self.be.num_layers or layer in self.pending or layer in self.maps:
             return
-        e = self.be.num_experts
-        dst = self.buffer_of(layer).tolist()
-        src = list(range(layer * e, (layer + 1) * e))
-        self.pending[layer] = self.be.acc.copy_rows(
-            _row_copies(self.be.slots, self.be.host, dst, src)
-        )
+        be, e = self.be, self.be.num_experts
+        st = be.cache.state
+        flat = torch.arange(layer * e, (layer + 1) * e, dtype=torch.int32, device=be.acc.device)
+        ratio, stats = st.fill_ratio.clone(), st.stats.clone()
+        st.fill_ratio.fill_(FILL_ALL_Q16)  # a prompt needs every expert of the layer
+        plan = be.cache.decode_step(flat.view(1, e), layer)
+        st.fill_ratio.copy_(ratio)
+        st.stats.copy_(stats)  # the cache's hit statistics stay those of decode
+        slot_of = plan.slot_ids.view(e)
+        st.reserved[slot_of.long()] = 1  # until this layer has computed
+        self.maps[layer] = slot_of
+        self.pending[layer] = be._fill(plan)
+
+    def _release(self, layer: int) -> None:
+        slot_of = self.maps.pop(layer, None)
+        if slot_of is not None:
+            self.be.cache.state.reserved[slot_of.long()] = 0
 
     def slots_for(self, layer: int) -> torch.Tensor:
         self._issue(layer)
         self.pending.pop(layer).wait()
-        # The other buffer held layer - 1, whose compute has finished (layers run in order).
+        self._release(layer - 1)  # layers run in order: layer - 1 has computed
         if self.be.prefill_overlap:
             self._issue(layer + 1)
-        self.done.append(layer)
-        return self.buffer_of(layer)
+        return self.maps[layer]
 
     def finish(self) -> None:
         for t in self.pending.values():
             t.wait()
         self.pending.clear()
-        # The last two layers' experts stay in the buffers: hand them to the decode cache.
-        for layer in self.done[-2:]:
-            self.be.cache.seed(layer, self.buffer_of(layer))
+        for layer in list(self.maps):
+            self._release(layer)

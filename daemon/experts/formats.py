@@ -395,3 +395,19 @@ def dequantize_banks(banks: ExpertBanks) -> ExpertBanks:
         gate_up_bias=banks.gate_up_bias,
         down_bias=banks.down_bias,
     )
+
+
+def dequantize_banks_to(banks: ExpertBanks, dtype: torch.dtype) -> ExpertBanks:
+    """Any format -> float banks of ``dtype``, one expert at a time: the peak is the output plus
+    one expert in fp32 (a whole fp32 copy of a pool is 100+ GB for gpt-oss-120b)."""
+    n, two_i = banks.gate_up.shape[:2]
+    h, inter = banks.down.shape[1], two_i // 2
+    # new_empty: a fake pool (a plan without weights) gets a fake output
+    gate_up = banks.gate_up.new_empty((n, two_i, h), dtype=dtype)
+    down = banks.gate_up.new_empty((n, h, inter), dtype=dtype)
+    for fid in range(n):
+        gu, dn = dequantize_expert(banks, fid)
+        gate_up[fid].copy_(gu)
+        down[fid].copy_(dn)
+    cast = [None if b is None else b.to(dtype) for b in (banks.gate_up_bias, banks.down_bias)]
+    return ExpertBanks(gate_up, down, cast[0], cast[1])

@@ -39,7 +39,7 @@ its layer's last visit has age 0), and the lookup frequency ranks the entries in
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -240,19 +240,19 @@ def decode_step(
 ) -> DecodePlan:
     """Dispatch: the Triton kernel on CUDA tensors (or when forced), the torch reference else."""
     if force_kernel or flat_ids.is_cuda:
-        from ftkernels.slot_cache import decode_step_triton
+        from ftkernels.ops import slot_decode_step  # the kernel as a custom op
 
-        out = decode_step_triton(
-            st,
+        out = slot_decode_step(
+            *(getattr(st, f.name) for f in fields(st)),
             flat_ids,
             layer,
             num_experts,
             int(policy),
-            idx_bits=idx_bits(st.num_slots),
-            prio_max=prio_max(st.num_slots),
-            freq_cap=FREQ_CAP,
-            freq_shift=FREQ_SHIFT,
-            key_max=KEY_MAX,
+            idx_bits(st.num_slots),
+            prio_max(st.num_slots),
+            FREQ_CAP,
+            FREQ_SHIFT,
+            KEY_MAX,
         )
         return DecodePlan(*out)
     return decode_step_reference(st, flat_ids, layer, num_experts, policy)

@@ -194,7 +194,7 @@ class ControlPlane:
         be = slot_backend(model.llm.moe)
         if be is None:
             return None
-        slot = model.llm.banks.nbytes_per_expert()
+        slot = be.slot_bytes  # device format: bf16 slots of an mxfp4 pool are 3.5x its bytes
         target = self.cache.target(model)
         return SlotSizes(be.cache.num_slots, target, slot, min(target, be.num_experts))
 

@@ -1,0 +1,105 @@
+"""`ftctl plan`: will this model fit my card? A dry run on a simulated GPU (DESIGN §7).
+
+    ftctl plan --model DIR [--vram 8GiB] [--ram 32GiB] [--backend auto] [--kv-tokens N] [--json]
+
+Needs only the model folder's ``config.json`` (plan before downloading the weights) and no
+daemon: the daemon's load, a prompt chunk and decode steps run in this process on a fake CUDA
+device of ``--vram`` (the real CUDA code path, no data). Prints where every part lives, the
+expert slot count, the KV tokens, the predicted peak VRAM and host RAM, and the host syncs per
+decode step. Exit status: 0 it fits; 1 it does not (the reason on stderr); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from .output import console, human_bytes, kv_table, print_json
+
+_UNITS = {
+    "": 1 << 20,  # a bare number is MiB
+    "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '8G', '24GB', '8192' (MiB) -> MiB. Raises ValueError."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 8GiB, 24GB, 16384 for MiB)")
+    mib = int(float(m.group(1)) * _UNITS[m.group(2).lower()]) >> 20
+    if mib < 1:
+        raise ValueError(f"size too small: {text!r}")
+    return mib
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="dry-run a model on a simulated GPU: placement, peak VRAM and RAM, fits?"
+    )
+    p.add_argument("--model", required=True, help="model folder (config.json is enough)")
+    p.add_argument("--vram", type=_size, default=8192, help="the card's memory (default 8GiB)")
+    p.add_argument("--ram", type=_size, help="host RAM (default: this machine's)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "fused", "offload", "hybrid", "cpu"),
+        help="MoE backend (default auto: what the daemon picks)",
+    )
+    p.add_argument(
+        "--kv-tokens", type=int, default=131072, help="KV pool in tokens (default 131072)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from freetokend.engine.plan import plan_model
+    from freetokend.models.config import ConfigError
+
+    if args.kv_tokens < 1:
+        print("ftctl plan: --kv-tokens must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_model(args.model, args.vram, args.ram, args.backend, args.kv_tokens)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"ftctl plan: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if args.json:
+        print_json(plan.as_json())
+    else:
+        _print_table(plan)
+    if not plan.fits:
+        print(f"ftctl plan: does not fit: {plan.reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_table(plan) -> None:  # type: ignore[no-untyped-def]
+    mib = 1 << 20
+    rows = [
+        ("model", plan.model),
+        ("fits", "yes" if plan.fits else f"NO: {plan.reason}"),
+        ("backend", plan.backend),
+        ("card", f"{human_bytes(plan.vram_mib * mib)}, peak {human_bytes(plan.vram_peak_mib * mib)}"),
+        ("host RAM", f"{human_bytes(plan.ram_mib * mib)}, peak {human_bytes(plan.ram_peak_mib * mib)}"),
+        ("expert slots", f"{plan.slots} x {human_bytes(plan.slot_mib * mib)} ({plan.expert_format} pool)"),
+        ("KV tokens", plan.kv_tokens),
+        ("host syncs / decode step", f"{plan.host_syncs_per_decode_step:g}"),
+    ]  # fmt: skip
+    rows += [(f"  {part}", dev) for part, dev in plan.placement.items()]
+    rows += [(f"  {part} size", human_bytes(v * mib)) for part, v in plan.parts_mib.items()]
+    console().print(kv_table("plan", rows))

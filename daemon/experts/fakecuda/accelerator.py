@@ -1,0 +1,61 @@
+"""``FakeCudaAccelerator``: the CUDA accelerator's own code on a fake device (DESIGN §7).
+
+It is ``CudaAccelerator`` with the runtime it needs supplied by a ``FakeCudaSession``: the copy
+paths, streams and events of the real class run unchanged, on fake tensors. What it cannot
+check without a driver it states instead: the zero-copy fill check passes (the pool is pinned
+and mapped as ``pin`` asks), and pinning is recorded (host bytes the page-locked pool takes).
+
+Use: ``acc = FakeCudaAccelerator(vram_mib=8192)``, then run everything that touches the device
+inside ``with acc:``. ``acc.tracker`` has the device peak and the host-sync counter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..accelerator import Accelerator, CudaAccelerator
+from .session import FakeCudaSession
+from .tracker import DeviceTracker
+
+MIB = 1 << 20
+# What a CUDA context, cuBLAS workspaces and the allocator's slack take before any tensor
+CONTEXT_MIB = 512
+
+
+class FakeCudaAccelerator(CudaAccelerator):
+    name = "fake-cuda"
+
+    def __init__(self, vram_mib: int, context_mib: int = CONTEXT_MIB) -> None:
+        Accelerator.__init__(self)  # CudaAccelerator.__init__ asks the driver
+        if vram_mib <= context_mib:
+            raise ValueError(f"vram_mib {vram_mib} must exceed the CUDA context ({context_mib})")
+        self.session = FakeCudaSession(vram_mib * MIB, context_mib * MIB)
+        self.device = torch.device("cuda", 0)
+        self.copy_stream = self.session._stream  # type: ignore[assignment]
+        self.pinned_bytes = 0
+
+    @property
+    def tracker(self) -> DeviceTracker:
+        return self.session.tracker
+
+    def __enter__(self) -> FakeCudaAccelerator:
+        self.session.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.__exit__(*exc)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.session.mem_get_info()
+
+    def device_fill_ok(self, src: torch.Tensor) -> bool:
+        return True  # assumed: ``pin`` registers the pool mapped (checked on a real GPU only)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            raise RuntimeError(f"pin: host tensor expected, got one on {t.device}")
+        self.pinned_bytes += t.numel() * t.element_size()
+        return t
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)  # the session's stand-in counts it

@@ -1,0 +1,203 @@
+"""Counts what a fake CUDA run would cost: device bytes (against a simulated card) and host syncs.
+
+A ``TorchDispatchMode`` sees every aten op. Device memory: each op output on ``cuda`` whose
+storage is new is an allocation (rounded up to the caching allocator's 512-byte blocks); a
+storage is freed when torch frees it (a weak reference to the storage expires). Before each
+allocation the expired storages are swept, so ``peak`` is exact at every allocation, and an
+allocation beyond the card raises ``torch.OutOfMemoryError`` as CUDA would.
+
+Host syncs: an op that needs device data on the host: a device -> host copy (``.cpu()``,
+``.to("cpu")``, ``copy_`` into a host tensor), a scalar read (``.item()``, ``int(t)``), or an op
+whose output shape depends on device data (``nonzero``, ``unique``, boolean-mask indexing...).
+Each is counted with a label. The fake tensors hold no data, so scalar reads still raise (the
+fake mode's ``DataDependentOutputException``), while data-dependent shapes get their worst case
+(every element selected) so that memory is an upper bound.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+MIB = 1 << 20
+BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 bytes
+
+# ops whose output size depends on the input's values: a device sync on CUDA
+_DYNAMIC = {
+    aten.nonzero.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.masked_select.default,
+    aten.repeat_interleave.Tensor,
+}
+
+
+def _is_cuda(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
+
+
+@dataclass
+class SyncLog:
+    """Host syncs seen, by kind (``d2h``, ``scalar``, ``nonzero``...)."""
+
+    total: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
+
+    def add(self, kind: str) -> None:
+        self.total += 1
+        self.by_kind[kind] += 1
+
+
+class _HostBytes:
+    """Live and peak bytes of fake host tensors."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live_bytes = 0
+        self.peak = 0
+
+    def sweep(self) -> int:
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.live_bytes -= self.live.pop(k)[1]
+        return self.live_bytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.sweep()
+
+    def note(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st._cdata in self.live:
+            return
+        self.live_bytes = self.sweep() + st.nbytes()
+        self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
+        self.peak = max(self.peak, self.live_bytes)
+
+
+class DeviceTracker(TorchDispatchMode):
+    """Device-byte accounting against ``capacity`` bytes, and the host-sync counter."""
+
+    def __init__(self, capacity: int, fake_mode: FakeTensorMode) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.fake_mode = fake_mode
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (ref, bytes)
+        self.live_bytes = 0
+        self.peak = 0
+        self.syncs = SyncLog()
+        # fake host tensors (banks of a model without its weights): counted, never limited
+        self.host = _HostBytes()
+
+    # -- memory ------------------------------------------------------------------------------
+    def sweep(self) -> int:
+        """Forget freed storages; returns the live device bytes."""
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.live_bytes -= self.live.pop(k)[1]
+        return self.live_bytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.sweep()
+
+    def _note(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        nbytes = -(-st.nbytes() // BLOCK) * BLOCK
+        live = self.sweep()
+        if live + nbytes > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated card). Tried to allocate {nbytes / MIB:.2f} MiB; "
+                f"{live / MIB:.2f} MiB in use of {self.capacity / MIB:.2f} MiB usable"
+            )
+        self.live[key] = (StorageWeakRef(st), nbytes)
+        self.live_bytes = live + nbytes
+        self.peak = max(self.peak, self.live_bytes)
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def __torch_dispatch__(
+        self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        self._count_sync(func, args, kwargs)
+        if func in _DYNAMIC and _is_cuda(args[0]):
+            out = self._worst_case(func, args, kwargs)
+        elif func is aten.index.Tensor and _is_cuda(args[0]) and _has_bool(args[1]):
+            out = self._bool_index(args[0], args[1])
+        elif _on_fake_device(args, kwargs):
+            with self.fake_mode:  # host tensors among the inputs become fake
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)  # host-only op: real tensors, real values
+        for t in tree_flatten(out)[0]:
+            if _is_cuda(t):
+                self._note(t)
+            elif isinstance(t, FakeTensor):
+                self.host.note(t)
+        return out
+
+    def _count_sync(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if func is aten._local_scalar_dense.default and _is_cuda(args[0]):
+            self.syncs.add("scalar")
+        elif func in (aten._to_copy.default, aten.to.dtype_layout) and _is_cuda(args[0]):
+            dev = kwargs.get("device")
+            if dev is not None and torch.device(dev).type == "cpu":
+                self.syncs.add("d2h")
+        elif func is aten.copy_.default and _is_cuda(args[1]) and not _is_cuda(args[0]):
+            self.syncs.add("d2h")
+        elif func in _DYNAMIC and _is_cuda(args[0]):
+            self.syncs.add(str(func.overloadpacket.__name__))
+        elif func is aten.index.Tensor and _is_cuda(args[0]) and _has_bool(args[1]):
+            self.syncs.add("bool_index")
+        elif func is aten.index_put_.default and _is_cuda(args[0]) and _has_bool(args[1]):
+            self.syncs.add("bool_index")
+
+    def _worst_case(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Outputs of a data-dependent op sized as if every element were selected / distinct."""
+        x = args[0]
+        n = x.numel()
+        if func is aten.nonzero.default:
+            return x.new_empty((n, x.dim()), dtype=torch.long)
+        if func is aten.masked_select.default:
+            return x.new_empty((n,))
+        if func is aten.bincount.default:
+            return x.new_empty((n,), dtype=torch.long)
+        if func is aten.repeat_interleave.Tensor:
+            return x.new_empty((n,), dtype=torch.long)
+        flat = x.new_empty((n,))
+        inv = x.new_empty(x.shape, dtype=torch.long)
+        return flat, inv, x.new_empty((n,), dtype=torch.long)
+
+    def _bool_index(self, x: torch.Tensor, indices: list) -> torch.Tensor:
+        out: list[torch.Tensor | None] = []
+        for i in indices:
+            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+                nz = i.new_empty((i.numel(), i.dim()), dtype=torch.long)
+                out.extend(aten.select.int(nz, 1, d) for d in range(i.dim()))
+            else:
+                out.append(i)
+        return aten.index.Tensor(x, out)
+
+
+def _on_fake_device(args: tuple, kwargs: dict) -> bool:
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == "cuda":
+        return True
+    return any(isinstance(t, FakeTensor) for t in tree_flatten((args, kwargs))[0])
+
+
+def _has_bool(indices: list) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+def fake_cuda_tensor(t: object) -> bool:
+    return isinstance(t, FakeTensor) and t.device.type == "cuda"
