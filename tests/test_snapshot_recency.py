@@ -79,11 +79,11 @@ def _chatml(*turns: list[int]) -> list[int]:
 
 def test_recent_anchors_of_a_tool_loop():
     policy = SnapshotPolicy.parse("anchors", dict(MARKER_ANCHORS))
-    m, w = MARKERS, list(range(20, 40))  # w: plain words
-    call = [m["<tool_call>"], *w[:12], m["</tool_call>"]]
-    output = [m["<tool_response>"], *w[:12], m["</tool_response>"]]
-    think = [m["<think>"], *w[:3], m["</think>"]]
-    toks = _chatml(w[:12], w[:12], think + call, output, think + call, output) + [2, 30]
+    m, w = MARKERS, list(range(20, 60))  # w: plain words
+    call = [m["<tool_call>"], *w[:30], m["</tool_call>"]]
+    output = [m["<tool_response>"], *w[:30], m["</tool_response>"]]
+    think = [m["<think>"], *w[:20], m["</think>"]]
+    toks = _chatml(w[:30], w[:30], think + call, output, think + call, output) + [2, 30]
     ends = [i + 1 for i, t in enumerate(toks) if t == m["<|im_end|>"]]
     cands = recency.recent_anchors(toks, len(toks), policy.kind_at)
     assert cands[ends[-1]] == "turn-1" and cands[ends[-2]] == "turn-2"
@@ -117,15 +117,15 @@ def _state(n: int = 8) -> RecurrentState:
 def test_recent_marks_follow_the_session_and_protect_within_the_budget():
     """A toy hybrid engine (no model): prompts snapshot their recent anchors, the next prompt
     of the session demotes the previous prompt's recent snapshots it no longer needs, and its
-    edit of the newest turn resumes at the anchor with a budget of three snapshots."""
+    edit of the newest turn resumes at the anchor with a budget of four snapshots."""
     pool = KVPool(1, 64, 16, 1, 2)
     policy = SnapshotPolicy.parse("anchors", dict(MARKER_ANCHORS))
-    reuse = PrefixReuse(pool, True, policy, 3 * _state().nbytes)
+    reuse = PrefixReuse(pool, True, policy, 4 * _state().nbytes)
     w = list(range(20, 60))
     base = _chatml(w[:20], w[:10], w[5:30])  # system, user, assistant
 
     def prompt_with(tail: list[int]) -> list[int]:
-        return base + _chatml(tail, w[:3]) + [2, 30]
+        return base + _chatml(tail, w[:20]) + [2, 30]
 
     def run(tokens: list[int]) -> int:
         st = SeqState(recurrent=_state())
@@ -143,10 +143,10 @@ def test_recent_marks_follow_the_session_and_protect_within_the_budget():
     first = prompt_with(w[:30])  # a long tool output as a user message
     assert run(first) == 0
     anchor = len(base)
-    edited = prompt_with([7, 8])  # ... replaced by a placeholder
+    edited = prompt_with([7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])  # ... a placeholder
     assert run(edited) == anchor
     snaps = {s.pos: s for s in reuse.snapshots.snapshots()}
-    assert len(snaps) <= 3
+    assert len(snaps) <= 4
     assert snaps[anchor].recent and int(snaps[anchor].state.ssm[0, 0, 0, 0]) == anchor
     stale = [s for s in snaps.values() if s.key != prefix_key(edited, s.pos)]
     assert not any(s.recent for s in stale)  # the first prompt's tail: demoted

@@ -15,6 +15,7 @@ all positions are kept in the pool, so sliding-window layers restore from it too
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..kv import recency
@@ -22,7 +23,7 @@ from ..kv.edits import EditModel, Session
 from ..kv.pool import KVPool
 from ..kv.radix import RadixCache
 from ..kv.seq_state import SeqState
-from ..kv.snapshots import Snapshot, SnapshotStore, prefix_key
+from ..kv.snapshots import Snapshot, SnapshotStore
 from ..kv.spill import SnapshotSpill, SpillReport
 
 
@@ -189,7 +190,7 @@ class PrefixReuse:
             return
         limit = min(matched, len(tokens) - 1)
         start = self._first_exchange(tokens, limit)
-        prev = snap.session if snap is not None and not start else None
+        prev = snap.session.latest() if snap is not None and snap.session and not start else None
         session = prev.next() if prev is not None else Session(self.edits.fork(EditModel.PRIOR))
         track = Track(session, parent=snap, frontier_after=limit)
         appended = snap is not None and snap.kind == "prompt_end"
@@ -201,28 +202,48 @@ class PrefixReuse:
             session.edits.observe(label)
             if snap is not None:  # a resume from a snapshot: reliable enough to teach all
                 self.edits.observe(label)
+        recent, frontier = self._shares(session, state)
         if edited or start or snap is None:
-            track.frontier_left = self.frontier
+            track.frontier_left = min(self.frontier, frontier)
         if snap is not None and track.frontier_left:
             self.snapshots.mark(snap, frontier=False)  # the edit moved past it
-        self._mark_recent(track, tokens, limit, prev)
+        self._mark_recent(track, tokens, limit, prev, recent)
         self._tracks[id(state)] = track
 
+    def _shares(self, session: Session, state: SeqState) -> tuple[int, int]:
+        """How many recent anchors and frontier snapshots this request may protect: besides its
+        head, the snapshots the budget holds are split by the share of the session's edits that
+        landed on recent anchors (half each before its first edit; kv/snapshots.py)."""
+        assert self.snapshots is not None
+        size = state.recurrent.nbytes if state.recurrent is not None else 0
+        spare = max(0, self.snapshots.budget // max(1, size) - 1)
+        recent = min(spare, math.ceil(spare * session.edits.recent_share()))
+        return recent, spare - recent
+
     def _mark_recent(
-        self, track: Track, tokens: list[int], limit: int, prev: Session | None
+        self, track: Track, tokens: list[int], limit: int, prev: Session | None, cap: int
     ) -> None:
-        """Chooses the recent anchors this request keeps; demotes the previous prompt's others
-        and marks the kept ones that are already snapshots (the rest are taken in prefill)."""
+        """Chooses the (at most ``cap``) recent anchors this request keeps; demotes the previous
+        prompt's others and marks the kept ones that are already snapshots (the rest are taken
+        in prefill)."""
         assert self.snapshots is not None
         if not self.policy.anchor_ids:
             return
         session = track.session
         session.recent = recency.recent_anchors(tokens, len(tokens), self.policy.kind_at)
-        track.recent = {
+        edits = session.edits
+        kept = [
             p
             for p in recency.shared(session.recent, len(tokens))
-            if any(session.edits.admits_recent(x) for x in recency.cluster(session.recent, p))
-        }
+            if any(edits.admits_recent(x) for x in recency.cluster(session.recent, p))
+        ]
+
+        def learned(label: str) -> bool:
+            return edits.own > 0 and edits.admits_recent(label)
+
+        track.recent = set(recency.ranked(session.recent, kept, learned)[:cap])
+        if prev is not None and (head := self.snapshots.find(prev.head_key)) is not None:
+            self.snapshots.mark(head, head=False)  # the session moved on (resumed or not there)
         for key in prev.recent_keys if prev is not None else ():
             old = self.snapshots.find(key)
             if old is not None and not (old.pos <= limit and old.pos in track.recent):
@@ -230,10 +251,20 @@ class PrefixReuse:
         for p in sorted(track.recent):
             if p > limit:
                 break
-            if (old := self.snapshots.find(prefix_key(tokens, p))) is not None:
+            if (old := self._snapshot_near(tokens, p, limit)) is not None:
                 self.snapshots.mark(old, recent=True)
                 old.session = session
                 session.recent_keys.append(old.key)
+
+    def _snapshot_near(self, tokens: list[int], pos: int, limit: int) -> Snapshot | None:
+        """A snapshot on this path at ``pos`` or up to ``GAP`` tokens after it: an anchor right
+        before an earlier prompt's end was served by that prompt's head (kv/recency.py)."""
+        assert self.snapshots is not None
+        near = [q for q in self.snapshots.positions() if pos <= q <= min(pos + recency.GAP, limit)]
+        for q in sorted(near):
+            if (snap := self.snapshots.get(tokens, q)) is not None:
+                return snap
+        return None
 
     def _first_exchange(self, tokens: list[int], limit: int) -> bool:
         """Fewer than two ends of turn before ``limit``: inside the system prompt or the first
@@ -313,6 +344,7 @@ class PrefixReuse:
         if snap is None:
             return
         snap.session = track.session
+        track.session.head_key = snap.key
         if recent:
             track.session.recent_keys.append(snap.key)
         track.frontier_left -= frontier

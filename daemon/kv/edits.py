@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+RECENT_PREFIXES = ("turn-", "query", "last:")  # the recency labels of kv/recency.py
+
 
 class EditModel:
     """Exponentially decayed counts of the labels (recency labels or anchor kinds) edits land on.
@@ -68,6 +70,15 @@ class EditModel:
         total = sum(self.weights.values())
         return self.weights.get(label, 0.0) >= self.share / 2 * total
 
+    def recent_share(self) -> float:
+        """The share of the session's own edits that landed on recent anchors (one half until
+        its first edit): the part of the spare snapshots its recency gets."""
+        if not self.own:
+            return 0.5
+        total = sum(self.weights.values())
+        recent = sum(w for k, w in self.weights.items() if k.startswith(RECENT_PREFIXES))
+        return recent / total if total else 0.5
+
     def fork(self, scale: float = 1.0) -> EditModel:
         """A copy for the next request of the session (``scale`` 1), or the prior of a new one."""
         out = EditModel(self.decay, self.share)
@@ -88,7 +99,19 @@ class Session:
     edits: EditModel
     recent: dict[int, str] = field(default_factory=dict)
     recent_keys: list[bytes] = field(default_factory=list)
+    head_key: bytes = b""  # the prefix key of the head snapshot this request took
+
+    successor: Session | None = None  # the session of the next request of this lineage
+
+    def latest(self) -> Session:
+        """The newest request's session of this lineage (a snapshot keeps the session of the
+        request that took it, which later requests of the same agent follow)."""
+        s = self
+        while s.successor is not None:
+            s = s.successor
+        return s
 
     def next(self) -> Session:
         """The session as the next request of it starts: same habits, no anchors yet."""
-        return Session(self.edits.fork())
+        self.successor = Session(self.edits.fork())
+        return self.successor

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 TURNS = 4  # turn ends kept, newest first
-GAP = 8  # tokens: anchors this close share one snapshot (the earliest of them)
+GAP = 16  # tokens: anchors this close share one snapshot (the earliest of them)
 
 
 def recent_anchors(
@@ -38,7 +38,7 @@ def recent_anchors(
             continue
         if kind == "end_of_turn":
             if turns and not inside and not plain:  # the turn that ended after this one was plain
-                out.setdefault(turn_end, "query")
+                out[turn_end] = "query"  # the more telling label of that turn end
                 plain = True
             turns += 1
             turn_end, inside = pos, False
@@ -52,7 +52,7 @@ def recent_anchors(
             seen.add(kind)
             out.setdefault(pos, f"last:{kind}")
     if turns and not inside and not plain:  # the first turn of the prompt was plain
-        out.setdefault(turn_end, "query")
+        out[turn_end] = "query"
     return out
 
 
@@ -66,6 +66,19 @@ def shared(candidates: dict[int, str], end: int) -> list[int]:
         if not kept or pos - kept[-1] > GAP:
             kept.append(pos)
     return kept
+
+
+def ranked(
+    candidates: dict[int, str], kept: list[int], learned: Callable[[str], bool]
+) -> list[int]:
+    """``kept`` positions, most useful first: those serving a label the session's edits landed
+    on, then the last user message, then turn ends and tool boundaries newest first."""
+
+    def key(pos: int) -> tuple[int, int, int]:
+        labels = cluster(candidates, pos)
+        return (not any(learned(x) for x in labels), "query" not in labels, -pos)
+
+    return sorted(kept, key=key)
 
 
 def cluster(candidates: dict[int, str], pos: int) -> list[str]:
