@@ -165,8 +165,9 @@ def test_anthropic_stream_pings_during_prefill(url: str) -> None:
     raw = raw_stream(url, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": HELLO})
     events = [line[len("event: ") :] for line in raw.splitlines() if line.startswith("event: ")]
     first_block = events.index("content_block_start")
-    assert events[0] == "message_start"
-    assert events[1:first_block].count("ping") >= 2  # the prefill's silence, filled
+    # message_start waits for the prefill (its usage counts the cached prompt tokens)
+    assert events[first_block - 1] == "message_start" and events.count("message_start") == 1
+    assert events[:first_block].count("ping") >= 2  # the prefill's silence, filled
     assert 'data: {"type":"ping"}' in raw
 
 

@@ -65,6 +65,7 @@ class EngineStats(msgspec.Struct):
     expert_hits: int = 0
     expert_misses: int = 0
     prompt_tokens_cached_total: int = 0
+    prompt_tokens_computed_total: int = 0  # prompt positions fed to the model (recomputed ones too)
     generated_tokens_total: int = 0
     preemptions_total: int = 0
 
@@ -78,8 +79,10 @@ class _Request:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     state: SeqState | None = None
-    cached: int = 0  # prompt tokens restored from the prefix cache at the first admission
-    admitted: bool = False  # re-admitted after a preemption: its own pages do not count as cached
+    # Prompt tokens never computed for this request: restored at its first admission, lowered
+    # if a re-admission after a preemption restored less (its own pages do not count as cached).
+    cached: int = 0
+    admitted: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -110,6 +113,7 @@ class EngineCore:
         self._generated = 0
         self._preemptions = 0
         self._cached_total = 0
+        self._computed_total = 0
         self.spill_idle_s = spill_idle_s  # idle(): seconds without work before snapshots spill
         self._busy_at = time.monotonic()
         self._spill_tried_at: float | None = None  # the _busy_at of the last idle spill attempt
@@ -157,6 +161,7 @@ class EngineCore:
             kv_pages_total=kv.num_pages,
             kv_pages_cached=cached,
             prompt_tokens_cached_total=self._cached_total,
+            prompt_tokens_computed_total=self._computed_total,
             generated_tokens_total=self._generated,
             preemptions_total=self._preemptions,
         )
@@ -192,10 +197,11 @@ class EngineCore:
             req = self._waiting.popleft()
             req.state = self.runner.new_state()
             if self.prefix is not None:
-                cached = self.prefix.restore(req.tokens, req.state)
-                if not req.admitted:
+                cached = min(self.prefix.restore(req.tokens, req.state), len(req.prompt))
+                if not req.admitted or cached < req.cached:
+                    # Positions [cached, req.cached) will be computed now: no longer cached.
+                    self._cached_total += cached - req.cached
                     req.cached = cached
-                    self._cached_total += cached
             req.admitted = True
             self._running.append(req)
 
@@ -283,6 +289,10 @@ class EngineCore:
             return [self._finish_now(self._running[0], "length")]
         if not plan:
             return []
+        for r, t, _ in plan:  # prompt positions this step computes
+            assert r.state is not None
+            start = r.state.num_tokens
+            self._computed_total += max(0, min(start + len(t), len(r.prompt)) - start)
         logits = self.runner.forward([Work(r.state, t, w) for r, t, w in plan])  # type: ignore[arg-type]
         if self.prefix is not None:
             for r, _, _ in plan:

@@ -15,9 +15,11 @@ all positions are kept in the pool, so sliding-window layers restore from it too
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-from ..kv.edits import EditModel, Track
+from ..kv import recency
+from ..kv.edits import EditModel, Session
 from ..kv.pool import KVPool
 from ..kv.radix import RadixCache
 from ..kv.seq_state import RecurrentState, SeqState
@@ -29,8 +31,9 @@ from ..kv.spill import SnapshotSpill, SpillReport
 class SnapshotPolicy:
     """Where snapshots are taken: after anchor tokens, every ``interval`` tokens, or nowhere.
 
-    anchors      at the anchors retention keeps (edit frontiers; a prefill is split only there),
-                 at anchors that fall on a chunk end or in decoding, and at each prompt's end
+    anchors      at the anchors retention keeps (each prompt's recent anchors and the edit
+                 frontier; a prefill is split only there), at anchors that fall on a chunk end or
+                 in decoding, and at each prompt's end
     anchors:all  at every anchor (a prefill stops at each: one more forward step per anchor)
     interval:N   every N tokens (the baseline)
     """
@@ -59,6 +62,18 @@ class SnapshotPolicy:
         if self.interval:
             return "interval" if pos % self.interval == 0 else None
         return self.anchor_ids.get(tokens[pos - 1])
+
+
+@dataclass
+class Track:
+    """Per request in flight: its session, the last snapshot on its path, and where it splits its
+    prefill to take snapshots (frontier marks left to give, recent anchors to keep)."""
+
+    session: Session
+    parent: Snapshot | None = None
+    frontier_left: int = 0
+    frontier_after: int = 0  # only snapshots past this position (the edit) join the frontier
+    recent: set[int] = field(default_factory=set)  # positions of the recent anchors it keeps
 
 
 class PrefixReuse:
@@ -158,39 +173,99 @@ class PrefixReuse:
     def _track(
         self, state: SeqState, tokens: list[int], matched: int, snap: Snapshot | None
     ) -> None:
-        """Starts the request's snapshot track, with its session's edit model (forked from the
-        snapshot it resumes, else from the engine-wide one).
+        """Starts the request's snapshot track, with its session (continued from the snapshot it
+        resumes, else a new one on the engine-wide edit model).
 
-        An edit is a prompt that leaves a cached path before its end (an agent rewrote old
+        An edit is a prompt that leaves a cached path before its end (an agent rewrote its
         context), not one that only goes on after the last prompt (resuming at a ``prompt_end``
-        snapshot, the generated tokens re-rendered). Then the kind of the deepest snapshot point
-        before the edit is learned, and the first snapshots of edit kinds past ``limit`` (where
-        the prompt leaves the cached KV) are protected as the session's edit frontier. A prompt
-        that leaves the cache within its first exchange is a new session (sharing another's
-        system prompt, say): it gets a frontier (edits land on the oldest content first) and
-        the engine-wide model, and teaches nothing.
+        snapshot, the generated tokens re-rendered). Then the deepest snapshot point before the
+        edit is learned (its recency label if it was a recent anchor of the session's previous
+        prompt, else its kind), and the first snapshots of edit kinds past ``limit`` (where the
+        prompt leaves the cached KV) are protected as the session's edit frontier. A prompt that
+        leaves the cache within its first exchange is a new session (sharing another's system
+        prompt, say): it gets a frontier (edits land on the oldest content first) and the
+        engine-wide model, and teaches nothing. Every request marks the recent anchors of its
+        prompt that its session still edits (kv/recency.py).
         """
         if self.snapshots is None:
             return
         limit = min(matched, len(tokens) - 1)
         start = self._first_exchange(tokens, limit)
-        if snap is not None and snap.edits is not None and not start:
-            edits = snap.edits.fork()
-        else:
-            edits = self.edits.fork(EditModel.PRIOR)
-        track = Track(edits, parent=snap, frontier_after=limit)
+        prev = snap.session.latest() if snap is not None and snap.session and not start else None
+        session = prev.next() if prev is not None else Session(self.edits.fork(EditModel.PRIOR))
+        track = Track(session, parent=snap, frontier_after=limit)
         appended = snap is not None and snap.kind == "prompt_end"
         edited = not appended and not start
         edited &= (snap is not None and snap.had_children) or self.radix.diverges(tokens, matched)
-        if edited and (kind := self._ideal_kind(tokens, limit)) is not None:
-            edits.observe(kind)
+        if edited and (point := self._ideal_point(tokens, limit)) is not None:
+            pos, kind = point
+            label = prev.recent.get(pos, kind) if prev is not None else kind
+            session.edits.observe(label)
             if snap is not None:  # a resume from a snapshot: reliable enough to teach all
-                self.edits.observe(kind)
+                self.edits.observe(label)
+        recent, frontier = self._shares(session, state)
         if edited or start or snap is None:
-            track.frontier_left = self.frontier
+            track.frontier_left = min(self.frontier, frontier)
         if snap is not None and track.frontier_left:
-            self.snapshots.mark(snap, head=snap.head, frontier=False)  # the edit moved past it
+            self.snapshots.mark(snap, frontier=False)  # the edit moved past it
+        self._mark_recent(track, tokens, limit, prev, recent)
         self._tracks[id(state)] = track
+
+    def _shares(self, session: Session, state: SeqState) -> tuple[int, int]:
+        """How many recent anchors and frontier snapshots this request may protect: besides its
+        head, the snapshots the budget holds are split by the share of the session's edits that
+        landed on recent anchors (half each before its first edit; kv/snapshots.py)."""
+        assert self.snapshots is not None
+        size = state.recurrent.nbytes if state.recurrent is not None else 0
+        spare = max(0, self.snapshots.budget // max(1, size) - 1)
+        recent = min(spare, math.ceil(spare * session.edits.recent_share()))
+        return recent, spare - recent
+
+    def _mark_recent(
+        self, track: Track, tokens: list[int], limit: int, prev: Session | None, cap: int
+    ) -> None:
+        """Chooses the (at most ``cap``) recent anchors this request keeps; demotes the previous
+        prompt's others and marks the kept ones that are already snapshots (the rest are taken
+        in prefill)."""
+        assert self.snapshots is not None
+        if not self.policy.anchor_ids:
+            return
+        session = track.session
+        session.recent = recency.recent_anchors(tokens, len(tokens), self.policy.kind_at)
+        edits = session.edits
+        kept = [
+            p
+            for p in recency.shared(session.recent, len(tokens))
+            if any(edits.admits_recent(x) for x in recency.cluster(session.recent, p))
+        ]
+
+        def learned(label: str) -> bool:
+            return edits.own > 0 and edits.admits_recent(label)
+
+        track.recent = set(recency.ranked(session.recent, kept, learned)[:cap])
+        if prev is not None and (head := self.snapshots.find(prev.head_key)) is not None:
+            self.snapshots.mark(head, head=False)  # the session moved on (resumed or not there)
+        for key in prev.recent_keys if prev is not None else ():
+            old = self.snapshots.find(key)
+            if old is not None and not (old.pos <= limit and old.pos in track.recent):
+                self.snapshots.mark(old, recent=False)
+        for p in sorted(track.recent):
+            if p > limit:
+                break
+            if (old := self._snapshot_near(tokens, p, limit)) is not None:
+                self.snapshots.mark(old, recent=True)
+                old.session = session
+                session.recent_keys.append(old.key)
+
+    def _snapshot_near(self, tokens: list[int], pos: int, limit: int) -> Snapshot | None:
+        """A snapshot on this path at ``pos`` or up to ``GAP`` tokens after it: an anchor right
+        before an earlier prompt's end was served by that prompt's head (kv/recency.py)."""
+        assert self.snapshots is not None
+        near = [q for q in self.snapshots.positions() if pos <= q <= min(pos + recency.GAP, limit)]
+        for q in sorted(near):
+            if (snap := self.snapshots.get(tokens, q)) is not None:
+                return snap
+        return None
 
     def _first_exchange(self, tokens: list[int], limit: int) -> bool:
         """Fewer than two ends of turn before ``limit``: inside the system prompt or the first
@@ -198,11 +273,11 @@ class PrefixReuse:
         ends = sum(1 for t in tokens[:limit] if self.policy.anchor_ids.get(t) == "end_of_turn")
         return ends < 2
 
-    def _ideal_kind(self, tokens: list[int], limit: int) -> str | None:
-        """The kind of the deepest snapshot point at or before ``limit`` (where the edit is)."""
+    def _ideal_point(self, tokens: list[int], limit: int) -> tuple[int, str] | None:
+        """The deepest snapshot point at or before ``limit`` (where the edit is) and its kind."""
         for p in range(limit, 0, -1):
             if (kind := self.policy.kind_at(tokens, p)) is not None:
-                return kind
+                return p, kind
         return None
 
     def _resume_point(self, tokens: list[int], limit: int) -> tuple[int, Snapshot | None]:
@@ -222,7 +297,8 @@ class PrefixReuse:
 
         A split costs a whole extra forward step (with an offloaded MoE, another sweep over the
         experts), so with anchors only the snapshots retention will keep are worth one: edit
-        frontier candidates. The prompt's end needs no split; anchors that fall on a chunk end
+        frontier candidates and the recent anchors the request keeps. The prompt's end needs no
+        split; anchors that fall on a chunk end
         or in decoding are snapshotted for free. The interval baseline splits at every point.
         """
         if self.snapshots is None or not self.policy.enabled:
@@ -231,7 +307,8 @@ class PrefixReuse:
         for pos in range(fed + 1, end):
             kind = self.policy.kind_at(tokens, pos)
             split = self.policy.interval or self.policy.split_all
-            if kind and (split or self._frontier_candidate(track, pos, kind)):
+            keep = track is not None and pos in track.recent
+            if kind and (split or keep or self._frontier_candidate(track, pos, kind)):
                 return pos
         return end
 
@@ -240,7 +317,7 @@ class PrefixReuse:
             track is not None
             and track.frontier_left > 0
             and pos > track.frontier_after  # past the edit: where the next one lands
-            and track.edits.admits(kind)
+            and track.session.edits.admits(kind)
         )
 
     def after_forward(self, tokens: list[int], state: SeqState, prompt_len: int = 0) -> None:
@@ -258,19 +335,24 @@ class PrefixReuse:
 
     def _snapshot(self, tokens: list[int], state: SeqState, kind: str) -> None:
         assert self.snapshots is not None and state.recurrent is not None
-        track = self._tracks.get(id(state)) or Track(self.edits.fork(EditModel.PRIOR))
-        frontier = self._frontier_candidate(track, state.num_tokens, kind)
+        track = self._tracks.get(id(state)) or Track(Session(self.edits.fork(EditModel.PRIOR)))
+        pos = state.num_tokens
+        frontier = self._frontier_candidate(track, pos, kind)
+        recent = pos in track.recent
         snap = self.snapshots.put(
-            tokens, state.num_tokens, state.recurrent, kind, head=True, frontier=frontier
+            tokens, pos, state.recurrent, kind, head=True, frontier=frontier, recent=recent
         )
         if snap is None:
             return
-        snap.edits = track.edits
+        snap.session = track.session
+        track.session.head_key = snap.key
+        if recent:
+            track.session.recent_keys.append(snap.key)
         track.frontier_left -= frontier
         parent = track.parent
         if parent is not None and parent is not snap:  # the new snapshot is the request's head
             parent.had_children = True
-            self.snapshots.mark(parent, head=False, frontier=parent.frontier)
+            self.snapshots.mark(parent, head=False)
         track.parent = snap
 
     def release(self, tokens: list[int], state: SeqState) -> None:

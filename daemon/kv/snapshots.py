@@ -8,12 +8,15 @@ tree).
 Which positions get a snapshot is the policy's choice: semantic anchors (end of turn, end of
 thinking, tool call / tool output boundaries), a fixed interval (a baseline), or none.
 
-Retention under a tight budget (``retention="tiered"``, the default): a snapshot can be marked
-``head`` (the deepest one its request has taken: where the session resumes when the agent only
-appends) or ``frontier`` (one of the first snapshots after an edit: agents edit oldest-first, so
-the next edit lands just after the last one). Those are protected: eviction takes the least
-recently used unprotected snapshot first, a protected one only when no other is left, and never
-to make room for an unprotected one. ``retention="lru"`` ignores the marks (plain LRU).
+Retention under a tight budget (``retention="tiered"``, the default). The budget rule, in two
+sentences: a snapshot is protected while it is its session's head (the deepest one its latest
+request took: where the session resumes when the agent only appends), one of the recent anchors
+of that request's prompt its session still edits (kv/recency.py), or one of its learned edit
+frontier (kv/edits.py); eviction takes the least recently used unprotected snapshot first, and a
+protected one, least recently used first, only to make room for another protected one. Recency
+and frontier thus share the budget in proportion to where the session's edits land (all to
+recency before its first edit), and sessions not seen lately give way first.
+``retention="lru"`` ignores the marks (plain LRU).
 """
 
 from __future__ import annotations
@@ -22,12 +25,9 @@ import collections
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from .edits import Session
 from .seq_state import RecurrentState
-
-if TYPE_CHECKING:
-    from .edits import EditModel
 
 RETENTIONS = ("tiered", "lru")
 
@@ -44,13 +44,14 @@ class Snapshot:
     key: bytes = b""
     head: bool = False  # the deepest snapshot of its request (so far)
     frontier: bool = False  # among the first snapshots after an edit
+    recent: bool = False  # at a recent anchor of its session's latest prompt (kv/recency.py)
     had_children: bool = False  # a later snapshot continued this path
     prefix: array[int] | None = None  # tokens[:pos], kept when snapshots may be spilled to disk
-    edits: EditModel | None = None  # the edit model of the session that took it (kv/edits.py)
+    session: Session | None = None  # the session of the request that took it (kv/edits.py)
 
     @property
     def protected(self) -> bool:
-        return self.head or self.frontier
+        return self.head or self.frontier or self.recent
 
 
 class SnapshotStore:
@@ -76,7 +77,7 @@ class SnapshotStore:
     def _tier(self, snap: Snapshot) -> collections.OrderedDict[bytes, Snapshot]:
         return self._tiers[1 if snap.protected and self.retention == "tiered" else 0]
 
-    def _find(self, key: bytes) -> Snapshot | None:
+    def find(self, key: bytes) -> Snapshot | None:
         return self._tiers[0].get(key) or self._tiers[1].get(key)
 
     def put(
@@ -88,15 +89,21 @@ class SnapshotStore:
         *,
         head: bool = False,
         frontier: bool = False,
+        recent: bool = False,
     ) -> Snapshot | None:
         """Stores a copy of ``state`` as the snapshot after ``tokens[:pos]``; None if it does not
         fit (larger than the budget, or only protected snapshots could make room)."""
         key = prefix_key(tokens, pos)
-        old = self._find(key)
+        old = self.find(key)
         if old is not None:
-            self.mark(old, head=old.head or head, frontier=old.frontier or frontier)
+            self.mark(
+                old,
+                head=old.head or head,
+                frontier=old.frontier or frontier,
+                recent=old.recent or recent,
+            )
             return old
-        snap = Snapshot(pos, state.clone(), kind, key, head=head, frontier=frontier)
+        snap = Snapshot(pos, state.clone(), kind, key, head, frontier, recent)
         if self.keep_prefix:
             snap.prefix = array("i", tokens[:pos])
         if not self._make_room(state.nbytes, snap.protected):
@@ -118,17 +125,27 @@ class SnapshotStore:
             self.evicted += 1
         return True
 
-    def mark(self, snap: Snapshot, *, head: bool, frontier: bool) -> None:
-        """Sets the protection marks (moves the snapshot between tiers, as most recently used)."""
+    def mark(
+        self,
+        snap: Snapshot,
+        *,
+        head: bool | None = None,
+        frontier: bool | None = None,
+        recent: bool | None = None,
+    ) -> None:
+        """Sets the protection marks given (None: unchanged); moves the snapshot between tiers,
+        as most recently used."""
         tier = self._tier(snap)
         if tier.pop(snap.key, None) is None:
             return  # evicted meanwhile
-        snap.head, snap.frontier = head, frontier
+        snap.head = snap.head if head is None else head
+        snap.frontier = snap.frontier if frontier is None else frontier
+        snap.recent = snap.recent if recent is None else recent
         self._tier(snap)[snap.key] = snap
 
     def get(self, tokens: list[int], pos: int) -> Snapshot | None:
         key = prefix_key(tokens, pos)
-        snap = self._find(key)
+        snap = self.find(key)
         if snap is not None and snap.pos == pos:
             self._tier(snap).move_to_end(key)
             return snap

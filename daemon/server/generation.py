@@ -74,14 +74,37 @@ class Generation:
         self.text = ""  # all text produced so far
         self.created = int(time.time())
         self.ttft: float | None = None
+        self._outputs: AsyncIterator[Any] | None = None
+        self._first: Any = None  # the first engine output, taken by start()
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    async def start(self) -> None:
+        """Waits for the engine's first output: the prompt is then prefilled and ``usage``
+        counts the prompt tokens it did not compute (what a stream announces first, e.g. the
+        Messages API's ``message_start``). Engine errors are raised here."""
+        if self._outputs is None:
+            self._outputs = aiter(self._handle.outputs())
+            out = await anext(self._outputs, None)
+            if out is not None:
+                self._first = out
+                self.usage.prompt_tokens = out.num_prompt_tokens
+                self.usage.cached_tokens = out.num_cached_tokens
+
+    async def _all_outputs(self) -> AsyncIterator[Any]:
+        if self._outputs is None:
+            self._outputs = aiter(self._handle.outputs())
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for out in self._outputs:
+            yield out
+
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Chunks until the generation ends; then ``finish_reason`` and ``usage`` are set."""
-        async for out in self._handle.outputs():
+        async for out in self._all_outputs():
             chunk = self._on_output(out)
             if self.done:
                 chunk.events.extend(self._parser.finish(self.finish_reason == "length"))

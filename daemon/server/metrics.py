@@ -180,6 +180,12 @@ class Metrics:
             "KV pages held only by the prefix cache (reusable, evictable).",
             [("", getattr(stats, "kv_pages_cached", 0))],
         )
+        metric(
+            "freetoken_engine_prompt_tokens_computed_total",
+            "counter",
+            "Prompt tokens the engine computed (not restored from the prefix cache).",
+            [("", getattr(stats, "prompt_tokens_computed_total", 0))],
+        )
         used = stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
         metric("freetoken_kv_usage_ratio", "gauge", "Fraction of KV pages in use.", [("", used)])
         metric(

@@ -1,27 +1,32 @@
-"""Agent replay: re-prefilled tokens and TTFT per turn under three snapshot strategies (DESIGN §2).
+"""Agent replay: re-prefilled tokens and TTFT per harness under snapshot policies, against an
+oracle floor (DESIGN §2).
 
-Scripted coding-agent sessions (tests/agent_sessions.py) in the three context-editing styles
-(OpenCode compaction, OpenClaw dropped thinking, SWE-agent last-n observations) are rendered
-through the model's chat template turn by turn and served by one engine per strategy:
+Scripted coding-agent sessions as five real harnesses send them (tests/agent_harnesses.py:
+qwen, claude-code, opencode, codex, sweagent) are rendered through a chat template (Qwen3's
+behaviour by default: reasoning dropped before the last user message; or the model's own) and
+served turn by turn by one engine per policy and snapshot budget:
 
+  oracle       a snapshot at every anchor, unbounded budget: the floor no policy can beat
+  anchors      the default policy (recent anchors + learned edit frontier, kv/snapshots.py)
+  interval:64  a snapshot every 64 tokens (the baseline)
   none         prefix cache on, no recurrent snapshots (a hybrid model then reuses nothing)
-  interval:64  a snapshot every 64 tokens
-  anchors      snapshots at the family's semantic anchors (and at each prompt's end)
 
-All strategies get the SAME snapshot budget, given as a number of snapshots of this model, small
-enough to bind. Every turn greedily generates a few tokens; the outputs must be identical across
-strategies (fp32). Prints per style and strategy: re-prefilled tokens per turn (mean, worst, total)
-and TTFT per turn (mean, worst).
+Budgets are given in snapshots of the model: 4 (the default: 256 MB holds about four snapshots
+of a Qwen3.5-35B-A3B-sized recurrent state) and 2 (tight). Every turn greedily generates a few
+tokens; outputs must be identical across policies (fp32). Prints per model, budget and harness:
+re-prefilled tokens (turns 1..), their ratio to the oracle, and the worst turn's TTFT (wall and
+process CPU time: the latter is steadier on a shared machine). Exit status 1 when outputs differ
+or, with --check, when the default policy is not within 1.15x of the oracle and below
+interval:64 for every harness at the default budget.
 
-    .venv/bin/python tests/bench/bench_agent_replay.py                 # built-in model, fp32
-    .venv/bin/python tests/bench/bench_agent_replay.py --model tiny    # seconds: policy checks
+    .venv/bin/python tests/bench/bench_agent_replay.py --check           # tiny hybrid + attention
+    .venv/bin/python tests/bench/bench_agent_replay.py --models builtin  # the built-in model
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -32,13 +37,16 @@ _TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_TESTS))
 
 import torch  # noqa: E402
-from agent_sessions import STYLES, TOOLS, AgentSession, make_session  # noqa: E402
+from agent_harnesses import HARNESSES, OPENAI_TOOLS, QWEN3_TEMPLATE, Harness, make_script  # noqa: E402
 
 from freetokend import LLM  # noqa: E402
+from freetokend.engine.chat_template import ChatTemplate  # noqa: E402
 from freetokend.engine.sampler import SamplingParams  # noqa: E402
 from freetokend.models.builtin import ensure_builtin_model  # noqa: E402
 
-STRATEGIES = ("none", "interval:64", "anchors")
+POLICIES = ("oracle", "anchors", "interval:64", "none")
+DEFAULT_POLICIES = "oracle,anchors,interval:64"
+UNBOUNDED_MB = 1 << 20
 
 
 @dataclass
@@ -47,7 +55,7 @@ class TurnResult:
     cached: int
     ttft_s: float
     output: list[int]
-    ttft_cpu_s: float = 0.0  # process CPU time to the first token: robust on a shared machine
+    ttft_cpu_s: float = 0.0
 
     @property
     def prefilled(self) -> int:
@@ -56,24 +64,31 @@ class TurnResult:
 
 @dataclass
 class Run:
-    strategy: str
+    policy: str
     turns: dict[str, list[TurnResult]] = field(default_factory=dict)
-    snapshots_saved: int = 0
-    snapshots_restored: int = 0
+
+    def total(self, harness: str) -> int:
+        return sum(r.prefilled for r in self.turns[harness][1:])  # turn 0 reuses nothing
+
+    def worst_ttft(self, harness: str) -> tuple[float, float]:
+        rs = self.turns[harness][1:]
+        return max(r.ttft_s for r in rs), max(r.ttft_cpu_s for r in rs)
 
 
 def model_dir(kind: str, root: Path) -> Path:
-    """builtin: the built-in model; tiny: a 64-wide random Qwen3.5-MoE sharing its tokenizer."""
+    """builtin: the built-in model; tiny-hybrid / tiny-attn: 64-wide random Qwen3.5-MoE
+    (Gated DeltaNet + attention) / Qwen3-MoE (attention only) sharing its tokenizer."""
     builtin = ensure_builtin_model(root / "state")
     if kind == "builtin":
         return builtin
-    if kind != "tiny":
+    family = {"tiny-hybrid": "qwen3_5_moe", "tiny-attn": "qwen3_moe"}.get(kind)
+    if family is None:
         return Path(kind)
     from tiny_models import make_tiny
 
-    out = root / "tiny-qwen35moe-416"
+    out = root / f"{kind}-416"
     if not (out / "config.json").exists():
-        make_tiny("qwen3_5_moe", out, seed=5, vocab_size=416, max_position_embeddings=16384)
+        make_tiny(family, out, seed=5, vocab_size=416, max_position_embeddings=32768)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(builtin / name, out / name)
     return out
@@ -82,191 +97,163 @@ def model_dir(kind: str, root: Path) -> Path:
 def serve_turn(llm: LLM, rid: str, ids: list[int], gen: int) -> TurnResult:
     """One request through the engine: TTFT is add_request -> first sampled token."""
     eng = llm.engine
-    before = eng.stats().prompt_tokens_cached_total
     t0, c0 = time.perf_counter(), time.process_time()
     eng.add_request(rid, ids, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
     out: list[int] = []
     ttft = cpu = 0.0
+    cached = 0
     while eng.has_unfinished():
         for o in eng.step():
             if not out:
                 ttft, cpu = time.perf_counter() - t0, time.process_time() - c0
             out.append(o.token_id)
-    return TurnResult(len(ids), eng.stats().prompt_tokens_cached_total - before, ttft, out, cpu)
+            cached = o.num_cached_tokens
+    return TurnResult(len(ids), cached, ttft, out, cpu)
+
+
+def prompts(path: Path, args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """Token ids of every request of every harness session."""
+    llm = LLM(path, max_model_len=args.max_len, kv_tokens=64, dtype="float32", prefix_cache=False)
+    template = (
+        ChatTemplate({"default": QWEN3_TEMPLATE}) if args.template == "qwen3" else llm.chat_template
+    )
+    out = {}
+    for i, name in enumerate(args.harnesses):
+        h = Harness(name, make_script(args.turns, args.seed + i, args.lines))
+        out[name] = [
+            llm.tokenizer.encode(
+                template.render(h.messages(t), tools=OPENAI_TOOLS, add_generation_prompt=True)
+            )
+            for t in range(args.turns + 1)
+        ]
+    return out
 
 
 def replay(
-    path: Path, strategy: str, sessions: dict[str, AgentSession], args: argparse.Namespace
+    path: Path,
+    policy: str,
+    budget: float,
+    ids: dict[str, list[list[int]]],
+    args: argparse.Namespace,
 ) -> Run:
     probe = LLM(path, max_model_len=args.max_len, kv_tokens=64, dtype="float32", prefix_cache=False)
     state = probe.runner.new_state().recurrent
-    snap_bytes = state.nbytes if state is not None else 0
+    snap_mb = (state.nbytes if state is not None else 0) / 2**20
     del probe
     llm = LLM(
         path,
         max_model_len=args.max_len,
         kv_tokens=args.kv_tokens,
         dtype="float32",
-        snapshot_policy=strategy,
-        snapshot_budget_mb=args.budget * snap_bytes / 2**20,
+        snapshot_policy="anchors:all" if policy == "oracle" else policy,
+        snapshot_budget_mb=UNBOUNDED_MB if policy == "oracle" else budget * snap_mb,
         max_step_tokens=args.step_tokens,
     )
-    if llm.engine.prefix is not None and llm.engine.prefix.snapshots is not None:
-        llm.engine.prefix.snapshots.retention = args.retention  # "lru": the plain baseline store
-    run = Run(strategy, {s: [] for s in sessions})
-    order = (
-        [(t, s) for t in range(args.turns + 1) for s in sessions]
-        if args.interleave
-        else [(t, s) for s in sessions for t in range(args.turns + 1)]
-    )
-    for t, style in order:
-        text = llm.chat_template.render(
-            sessions[style].messages(t), tools=TOOLS, add_generation_prompt=True
-        )
-        ids = llm.tokenizer.encode(text)
-        run.turns[style].append(serve_turn(llm, f"{style}-{t}", ids, args.gen))
-    if llm.engine.prefix is not None and llm.engine.prefix.snapshots is not None:
-        run.snapshots_saved = llm.engine.prefix.snapshots.saved
-        run.snapshots_restored = llm.engine.prefix.snapshots.restored
+    run = Run(policy, {h: [] for h in ids})
+    order = [(t, h) for h in ids for t in range(args.turns + 1)]
+    if args.interleave:
+        order = [(t, h) for t in range(args.turns + 1) for h in ids]
+    for t, h in order:
+        run.turns[h].append(serve_turn(llm, f"{h}-{t}", ids[h][t], args.gen))
     return run
 
 
-def report(runs: list[Run], styles: list[str]) -> bool:
-    """Prints the table; returns whether outputs are identical across strategies."""
-    print(
-        f"{'style':10} {'strategy':12} {'prompt tok':>10} {'re-prefill mean':>15} {'worst':>6} "
-        f"{'total':>7} {'TTFT mean s':>11} {'worst s':>8} {'CPU mean s':>10} {'worst s':>8}"
-    )
-    for style in styles:
+def report(model: str, budget: float, runs: list[Run], harnesses: list[str]) -> list[str]:
+    """Prints the table of one model and budget; returns the failed checks."""
+    oracle = next(r for r in runs if r.policy == "oracle")
+    by = {r.policy: r for r in runs}
+    fails = []
+    for h in harnesses:
+        floor = oracle.total(h)
         for run in runs:
-            turns = run.turns[style][1:]  # turn 0 has nothing to reuse in any strategy
-            pre = [r.prefilled for r in turns]
-            ttft = [r.ttft_s for r in turns]
-            cpu = [r.ttft_cpu_s for r in turns]
+            total = run.total(h)
+            wall, cpu = run.worst_ttft(h)
+            ratio = total / floor if floor else float("nan")
             print(
-                f"{style:10} {run.strategy:12} {sum(r.prompt for r in turns):10d} "
-                f"{statistics.mean(pre):15.1f} {max(pre):6d} {sum(pre):7d} "
-                f"{statistics.mean(ttft):11.3f} {max(ttft):8.3f} {statistics.mean(cpu):10.3f} {max(cpu):8.3f}"
+                f"{model:12} {budget:6g} {h:12} {run.policy:12} {total:9d} {ratio:7.3f} "
+                f"{wall:9.3f} {cpu:9.3f}"
             )
-    for run in runs:
-        print(
-            f"{run.strategy:12} snapshots saved {run.snapshots_saved}, restored {run.snapshots_restored}"
-        )
-    same = all(
-        [r.output for r in run.turns[s]] == [r.output for r in runs[0].turns[s]]
-        for run in runs
-        for s in styles
-    )
-    print("greedy outputs identical across strategies:", same)
-    return same
+        if "anchors" in by and "interval:64" in by:
+            ours, base = by["anchors"].total(h), by["interval:64"].total(h)
+            if ours > 1.15 * floor:
+                fails.append(
+                    f"{model} budget {budget:g} {h}: anchors {ours} > 1.15 x oracle {floor}"
+                )
+            if ours >= base and base > floor:
+                fails.append(f"{model} budget {budget:g} {h}: anchors {ours} >= interval:64 {base}")
+    return fails
 
 
-def restart_cost(
-    path: Path, sessions: dict[str, AgentSession], args: argparse.Namespace, root: Path
-) -> None:
-    """Per session: engine A (anchors, the same snapshot budget, spilling to a fresh state dir)
-    serves turns 0..T-1 and closes (spill); a NEW engine B on that state dir and a cold engine C
-    serve turn T. Prints spill size and time, re-prefilled tokens and TTFT of that first turn."""
-    kw = dict(
-        max_model_len=args.max_len,
-        kv_tokens=args.kv_tokens,
-        dtype="float32",
-        max_step_tokens=args.step_tokens,
-    )
-    probe = LLM(path, prefix_cache=False, **kw).runner.new_state().recurrent
-    budget = args.budget * (probe.nbytes if probe is not None else 0) / 2**20
-    c = LLM(path, prefix_cache=False, **kw)
-    print(
-        f"\n{'restart':10} {'spilled':>7} {'MiB':>6} {'spill s':>7} {'prompt':>7} {'re-prefill warm':>15} "
-        f"{'cold':>6} {'TTFT warm s':>11} {'cold s':>7} {'CPU warm s':>10} {'cold s':>7}"
-    )
-    for style, session in sessions.items():
-        state = root / f"restart-{style}"
-        shutil.rmtree(state, ignore_errors=True)
-
-        def prompt(llm: LLM, t: int, session: AgentSession = session) -> list[int]:
-            text = llm.chat_template.render(
-                session.messages(t), tools=TOOLS, add_generation_prompt=True
-            )
-            return llm.tokenizer.encode(text)
-
-        a = LLM(path, state_dir=state, snapshot_budget_mb=budget, **kw)
-        for t in range(args.turns):
-            serve_turn(a, f"a-{style}-{t}", prompt(a, t), args.gen)
-        t0 = time.perf_counter()
-        report = a.close()
-        spill_s = time.perf_counter() - t0
-        del a
-        b = LLM(path, state_dir=state, snapshot_budget_mb=budget, **kw)
-        p = prompt(b, args.turns)
-        warm = serve_turn(b, f"b-{style}", p, args.gen)
-        cold = serve_turn(c, f"c-{style}", p, args.gen)
-        b.close()
-        assert warm.output == cold.output, f"{style}: output after restart differs"
-        print(
-            f"{style:10} {report.files:7d} {report.bytes / 2**20:6.1f} {spill_s:7.3f} {len(p):7d} "
-            f"{warm.prefilled:15d} {cold.prefilled:6d} {warm.ttft_s:11.3f} {cold.ttft_s:7.3f} "
-            f"{warm.ttft_cpu_s:10.3f} {cold.ttft_cpu_s:7.3f}"
-        )
-
-
-def per_turn(runs: list[Run], styles: list[str]) -> None:
-    for style in styles:
-        print(f"\n{style}: re-prefilled tokens per turn (prompt length first)")
-        print("prompt  " + " ".join(f"{r.prompt:5d}" for r in runs[0].turns[style]))
+def per_turn(runs: list[Run], harnesses: list[str]) -> None:
+    for h in harnesses:
+        print(f"  {h}: re-prefilled per turn (prompt length first)")
+        print("  prompt  " + " ".join(f"{r.prompt:6d}" for r in runs[0].turns[h]))
         for run in runs:
-            print(
-                f"{run.strategy[:7]:7} " + " ".join(f"{r.prefilled:5d}" for r in run.turns[style])
-            )
+            print(f"  {run.policy[:7]:7} " + " ".join(f"{r.prefilled:6d}" for r in run.turns[h]))
+
+
+def timed(path: Path, policy: str, budget: float, ids, args) -> Run:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    out = replay(path, policy, budget, ids, args)
+    print(f"[{path.name} {budget:g} {policy}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="builtin", help="builtin | tiny | a checkpoint folder")
+    ap.add_argument(
+        "--models",
+        default="tiny-hybrid,tiny-attn",
+        help="builtin | tiny-hybrid | tiny-attn | a folder",
+    )
+    ap.add_argument("--harnesses", default=",".join(HARNESSES))
+    ap.add_argument("--policies", default=DEFAULT_POLICIES, help=f"of {POLICIES}")
+    ap.add_argument(
+        "--budgets", default="4,2", help="snapshot budgets, in snapshots; the first is the default"
+    )
+    ap.add_argument("--template", default="qwen3", choices=("qwen3", "model"))
     ap.add_argument("--turns", type=int, default=12)
-    ap.add_argument("--lines", type=int, default=24, help="mean lines of a tool output")
-    ap.add_argument("--keep", type=int, default=3, help="observations / thinking blocks kept")
-    ap.add_argument("--every", type=int, default=4, help="OpenCode: compaction period in turns")
-    ap.add_argument("--gen", type=int, default=4, help="tokens generated per turn")
-    ap.add_argument("--budget", type=float, default=4, help="snapshot budget, in snapshots")
-    ap.add_argument("--styles", default=",".join(STYLES))
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument(
-        "--interleave", action="store_true", help="sessions take turns (all live at once)"
-    )
-    ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--kv-tokens", type=int, default=65536)
+    ap.add_argument("--lines", type=int, default=30, help="mean lines of a tool output")
+    ap.add_argument("--gen", type=int, default=3, help="tokens generated per turn")
+    ap.add_argument("--interleave", action="store_true", help="sessions take turns (all live)")
+    ap.add_argument("--max-len", type=int, default=32768)
+    ap.add_argument("--kv-tokens", type=int, default=131072)
     ap.add_argument("--step-tokens", type=int, default=512)
-    ap.add_argument("--retention", default="tiered", choices=("tiered", "lru"))
-    ap.add_argument(
-        "--restart", action="store_true", help="also measure spill + resume after a restart"
-    )
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument(
-        "--torch-threads", type=int, default=1, help="1 avoids OpenMP thrash on a shared box"
-    )
+    ap.add_argument("--per-turn", action="store_true")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless the acceptance bounds hold")
+    ap.add_argument("--torch-threads", type=int, default=1, help="1 avoids OpenMP thrash")
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
-    styles = args.styles.split(",")
+    args.harnesses = args.harnesses.split(",")
     root = Path(tempfile.gettempdir()) / "ft_bench_agent_replay"
-    path = model_dir(args.model, root)
-    sessions = {
-        s: make_session(s, args.turns, args.seed + i, args.lines, args.keep, args.every)
-        for i, s in enumerate(styles)
-    }
-    runs = []
-    for strategy in filter(None, args.strategies.split(",")):
-        t0 = time.perf_counter()
-        runs.append(replay(path, strategy, sessions, args))
-        print(f"[{strategy}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
+    print(
+        f"{'model':12} {'budget':>6} {'harness':12} {'policy':12} {'re-prefill':>9} {'x floor':>7} "
+        f"{'TTFT max s':>9} {'CPU max s':>9}"
+    )
+    fails: list[str] = []
     same = True
-    if runs:
-        per_turn(runs, styles)
-        print()
-        same = report(runs, styles)
-    if args.restart:
-        restart_cost(path, sessions, args, root)
-    sys.exit(0 if same else 1)
+    for model in args.models.split(","):
+        path = model_dir(model, root)
+        ids = prompts(path, args)
+        budgets = [float(b) for b in args.budgets.split(",")]
+        policies = args.policies.split(",")
+        oracle = timed(path, "oracle", 0, ids, args)
+        outs = {h: [r.output for r in oracle.turns[h]] for h in args.harnesses}
+        for i, budget in enumerate(budgets):
+            runs = [oracle]
+            for policy in (p for p in policies if p != "oracle"):
+                run = timed(path, policy, budget, ids, args)
+                same &= {h: [r.output for r in run.turns[h]] for h in args.harnesses} == outs
+                runs.append(run)
+            checks = report(model, budget, runs, args.harnesses)
+            fails += checks if i == 0 else []  # the bounds are asked at the default budget
+            if args.per_turn:
+                per_turn(runs, args.harnesses)
+    print("greedy outputs identical across policies and budgets:", same)
+    for f in fails:
+        print("CHECK FAILED:", f)
+    sys.exit(0 if same and not (args.check and fails) else 1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Messages API output: the message object, or the event stream Anthropic clients parse.
 
-Stream: ``message_start`` (with ``usage``: OpenCode fails without it), then per content
+Stream: ``message_start`` once the prompt is prefilled (with ``usage``, cached prompt tokens
+included: OpenCode fails without it), then per content
 block ``content_block_start`` / ``content_block_delta``... / ``content_block_stop``, then
 ``message_delta`` (stop reason and the final usage, cached prompt tokens included) and
 ``message_stop``.
@@ -145,17 +146,14 @@ class MessagesOutput:
         return out
 
     async def stream(self) -> AsyncIterator[bytes]:
-        start_usage = {
-            "input_tokens": self.gen.usage.prompt_tokens,
-            "output_tokens": 0,
-            "cache_read_input_tokens": 0,
-            "cache_creation_input_tokens": 0,
-        }
-        yield sse.event(
-            "message_start",
-            {"type": "message_start", "message": self._message([], None, start_usage)},
-        )
         try:
+            # message_start waits for the prefill, so its usage counts the cached prompt tokens
+            # (Claude Code and OpenCode read input usage there); pings keep the stream alive.
+            await self.gen.start()
+            yield sse.event(
+                "message_start",
+                {"type": "message_start", "message": self._message([], None, usage(self.gen))},
+            )
             async for chunk in self.gen.chunks():
                 for ev in chunk.events:
                     for frame in self._on_event(ev):

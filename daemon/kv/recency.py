@@ -1,0 +1,86 @@
+"""The newest anchors of a prompt: where edits of a session's newest content land (DESIGN §2).
+
+An agent's next request mostly rewrites what its last one ended with: the template drops the
+reasoning of the assistant turns after the last user message once a new one arrives, clients drop
+thinking blocks and rewrite the reminder of their latest user message, a tool output is replaced.
+Each such edit resumes at one of a few anchors near the end of the previous prompt:
+
+  turn-k                  the end of the prompt's k-th last turn (k = 1..TURNS)
+  query                   the end of its last plain turn (no tool call, tool output or reasoning
+                          inside: a user message), where the reasoning drop of a tool loop lands
+  last:<kind>             the last anchor of every other kind within those turns (tool call /
+                          tool output boundaries, end of thinking)
+
+Candidates closer than ``GAP`` tokens to a later kept one (or to the prompt's end, which has its
+own snapshot: the session head) share its snapshot at the earlier position, so a turn end right
+after ``</tool_call>`` costs one snapshot, not two. A prompt has at most about six of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+TURNS = 4  # turn ends kept, newest first
+GAP = 16  # tokens: anchors this close share one snapshot (the earliest of them)
+
+
+def recent_anchors(
+    tokens: list[int], end: int, kind_at: Callable[[list[int], int], str | None]
+) -> dict[int, str]:
+    """Position -> recency label of every candidate of ``tokens[:end]`` (before sharing)."""
+    out: dict[int, str] = {}
+    turns, turn_end, plain, inside = 0, 0, False, False
+    seen: set[str] = set()
+    # One pass from the end: a turn's inner anchors come before its end in reverse order.
+    for pos in range(end, 0, -1):
+        kind = kind_at(tokens, pos)
+        if kind is None:
+            continue
+        if kind == "end_of_turn":
+            if turns and not inside and not plain:  # the turn that ended after this one was plain
+                out[turn_end] = "query"  # the more telling label of that turn end
+                plain = True
+            turns += 1
+            turn_end, inside = pos, False
+            if turns <= TURNS:
+                out.setdefault(pos, f"turn-{turns}")
+            elif plain:
+                break
+            continue
+        inside = True
+        if turns <= TURNS and kind not in seen:
+            seen.add(kind)
+            out.setdefault(pos, f"last:{kind}")
+    if turns and not inside and not plain:  # the first turn of the prompt was plain
+        out[turn_end] = "query"
+    return out
+
+
+def shared(candidates: dict[int, str], end: int) -> list[int]:
+    """The positions that get a snapshot: the earliest of each run of candidates closer than
+    ``GAP`` to each other, none within ``GAP`` before ``end`` (the head's snapshot serves)."""
+    kept: list[int] = []
+    for pos in sorted(candidates):
+        if end - pos <= GAP:
+            break
+        if not kept or pos - kept[-1] > GAP:
+            kept.append(pos)
+    return kept
+
+
+def ranked(
+    candidates: dict[int, str], kept: list[int], learned: Callable[[str], bool]
+) -> list[int]:
+    """``kept`` positions, most useful first: those serving a label the session's edits landed
+    on, then the last user message, then turn ends and tool boundaries newest first."""
+
+    def key(pos: int) -> tuple[int, int, int]:
+        labels = cluster(candidates, pos)
+        return (not any(learned(x) for x in labels), "query" not in labels, -pos)
+
+    return sorted(kept, key=key)
+
+
+def cluster(candidates: dict[int, str], pos: int) -> list[str]:
+    """Labels a snapshot at kept position ``pos`` serves (itself and the run after it)."""
+    return [label for p, label in candidates.items() if pos <= p <= pos + GAP]

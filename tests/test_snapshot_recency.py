@@ -1,0 +1,152 @@
+"""Recency in the snapshot policy (DESIGN §2, kv/recency.py): an edit of a session's newest
+content resumes at its anchor on its first occurrence, with the default settings; the recency
+candidates of a prompt; the budget shared with the learned edit frontier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from agent_sessions import MARKER_ANCHORS, MARKERS
+
+from freetokend import LLM
+from freetokend.engine.prefix import PrefixReuse, SnapshotPolicy
+from freetokend.engine.sampler import SamplingParams
+from freetokend.kv import recency
+from freetokend.kv.edits import EditModel
+from freetokend.kv.pool import KVPool
+from freetokend.kv.seq_state import RecurrentState, SeqState
+from freetokend.kv.snapshots import prefix_key
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def serve(llm: LLM, prompt: list[int], gen: int = 3) -> tuple[list[int], int]:
+    eng = llm.engine
+    eng.add_request(f"r{id(prompt)}", prompt, SamplingParams(max_tokens=gen, ignore_eos=True))
+    out, cached = [], -1
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.append(o.token_id)
+            cached = o.num_cached_tokens
+    return out, cached
+
+
+def test_replaced_last_tool_output_resumes_at_the_assistant_turn_end(builtin_model_dir):
+    """The issue's 5-message scenario, default settings: system, user, assistant, a long tool
+    output as a user message, user; then the same with that tool output replaced by a
+    placeholder. The first edit already resumes at the end of the assistant turn before it
+    (cb254e1 resumed at the end of the first user turn: one of the two frontier snapshots)."""
+    llm = LLM(builtin_model_dir, dtype="float32")  # default policy, budget, chunking
+    ref = LLM(builtin_model_dir, dtype="float32", prefix_cache=False)
+    words = "cache page layer expert slot queue config request stream batch model shape".split()
+    system = "You are a coding agent. " + " ".join(words[i % 12] for i in range(240))
+    tool = "\n".join(f"    {words[i % 12]}_{words[i * 7 % 12]} = f({i})" for i in range(40))
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the failing test in cache_page.py."},
+        {"role": "assistant", "content": "I will read the file, then run the tests."},
+        {"role": "user", "content": tool},
+        {"role": "user", "content": "Go on."},
+    ]
+    edited = [*msgs[:3], {"role": "user", "content": "[Old tool result content cleared]"}, msgs[4]]
+    first, second = (
+        llm.tokenizer.encode(llm.chat_template.render(m, add_generation_prompt=True))
+        for m in (msgs, edited)
+    )
+    eot = llm.tokenizer.token_to_id("<|im_end|>")
+    anchor = [i + 1 for i, t in enumerate(second) if t == eot][2]  # end of the assistant turn
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert anchor < common < anchor + 8  # the edit lands right after the assistant turn
+    serve(llm, first)
+    out, cached = serve(llm, second)
+    assert anchor - 2 <= cached <= anchor, (cached, anchor, len(second))
+    assert out == serve(ref, second)[0]  # fp32: reuse does not change the output
+
+
+def _chatml(*turns: list[int]) -> list[int]:
+    """Token-level ChatML: each turn is <|im_start|> body <|im_end|> (marker ids of agent_sessions)."""
+    out: list[int] = []
+    for body in turns:
+        out += [MARKERS["<|im_start|>"], *body, MARKERS["<|im_end|>"]]
+    return out
+
+
+def test_recent_anchors_of_a_tool_loop():
+    policy = SnapshotPolicy.parse("anchors", dict(MARKER_ANCHORS))
+    m, w = MARKERS, list(range(20, 60))  # w: plain words
+    call = [m["<tool_call>"], *w[:30], m["</tool_call>"]]
+    output = [m["<tool_response>"], *w[:30], m["</tool_response>"]]
+    think = [m["<think>"], *w[:20], m["</think>"]]
+    toks = _chatml(w[:30], w[:30], think + call, output, think + call, output) + [2, 30]
+    ends = [i + 1 for i, t in enumerate(toks) if t == m["<|im_end|>"]]
+    cands = recency.recent_anchors(toks, len(toks), policy.kind_at)
+    assert cands[ends[-1]] == "turn-1" and cands[ends[-2]] == "turn-2"
+    assert cands[ends[1]] == "query"  # the user message before the tool loop
+    assert cands[ends[-1] - 1] == "last:tool_output_end"
+    assert cands[toks.index(m["</think>"], ends[3]) + 1] == "last:end_of_thinking"
+    assert ends[0] not in cands  # the fifth turn end from the end, and not plain-last
+    kept = recency.shared(cands, len(toks))
+    assert ends[-1] not in kept and ends[-1] - 1 not in kept  # the head's snapshot serves
+    assert ends[-2] - 1 in kept and ends[-2] not in kept  # </tool_call><|im_end|>: one snapshot
+    assert set(recency.cluster(cands, ends[-2] - 1)) >= {"turn-2", "last:tool_call_end"}
+
+
+def test_a_session_keeps_the_recent_anchors_its_edits_land_on():
+    m = EditModel()
+    assert m.admits_recent("turn-3") and m.admits_recent("query")  # before its own first edit
+    prior = m.fork(EditModel.PRIOR)
+    prior.observe("tool_output_start")  # another session's habit, inherited lightly ...
+    fresh = prior.fork(EditModel.PRIOR)
+    assert fresh.admits_recent("turn-2")  # ... does not cost a new session its recency
+    for _ in range(3):
+        fresh.observe("turn-2")
+    assert fresh.admits_recent("turn-2") and not fresh.admits_recent("turn-4")
+    assert not fresh.admits("tool_output_start")  # its frontier gives way to recency
+
+
+def _state(n: int = 8) -> RecurrentState:
+    return RecurrentState(torch.zeros(1, n, 1), torch.zeros(1, 1, n, 1))
+
+
+def test_recent_marks_follow_the_session_and_protect_within_the_budget():
+    """A toy hybrid engine (no model): prompts snapshot their recent anchors, the next prompt
+    of the session demotes the previous prompt's recent snapshots it no longer needs, and its
+    edit of the newest turn resumes at the anchor with a budget of four snapshots."""
+    pool = KVPool(1, 64, 16, 1, 2)
+    policy = SnapshotPolicy.parse("anchors", dict(MARKER_ANCHORS))
+    reuse = PrefixReuse(pool, True, policy, 4 * _state().nbytes)
+    w = list(range(20, 60))
+    base = _chatml(w[:20], w[:10], w[5:30])  # system, user, assistant
+
+    def prompt_with(tail: list[int]) -> list[int]:
+        return base + _chatml(tail, w[:20]) + [2, 30]
+
+    def run(tokens: list[int]) -> int:
+        st = SeqState(recurrent=_state())
+        got = reuse.restore(tokens, st)
+        pages_needed = -(-len(tokens) // 16) - len(st.pages)
+        st.pages += pool.alloc(pages_needed)
+        while st.num_tokens < len(tokens):  # one "forward" per chunk, as the engine plans it
+            st.num_tokens = reuse.chunk_end(tokens, st.num_tokens, len(tokens), st)
+            st.recurrent.ssm.fill_(st.num_tokens)  # the state records where it was taken
+            reuse.after_forward(tokens, st, len(tokens))
+        reuse.release(tokens, st)
+        pool.free(st.pages)
+        return got
+
+    first = prompt_with(w[:30])  # a long tool output as a user message
+    assert run(first) == 0
+    anchor = len(base)
+    edited = prompt_with([7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])  # ... a placeholder
+    assert run(edited) == anchor
+    snaps = {s.pos: s for s in reuse.snapshots.snapshots()}
+    assert len(snaps) <= 4
+    assert snaps[anchor].recent and int(snaps[anchor].state.ssm[0, 0, 0, 0]) == anchor
+    stale = [s for s in snaps.values() if s.key != prefix_key(edited, s.pos)]
+    assert not any(s.recent for s in stale)  # the first prompt's tail: demoted
