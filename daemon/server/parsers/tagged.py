@@ -68,8 +68,9 @@ class TaggedToolParser:
             # The token limit cut a call: it is still a call (partial arguments), as OpenAI
             # and vLLM answer; cut before the tool's name, there is nothing to report.
             decoded = self._decode_partial(self._buf)
-            if decoded is not None:
-                out.append(ToolCall(self._count, decoded[0], decoded[1], partial=True))
+            calls = decoded if isinstance(decoded, list) else [decoded] if decoded else []
+            for i, (name, arguments) in enumerate(calls):  # only the last one was cut
+                out.append(ToolCall(self._count, name, arguments, partial=i == len(calls) - 1))
                 self._count += 1
         elif self._in_call:
             # Generation stopped inside a call (a stop string): keep it if the body is
