@@ -153,3 +153,19 @@ def test_the_daemon_pings_under_watchdogsec() -> None:
     assert got.index("READY=1") < got.index("WATCHDOG=1")
     # six pings at 0.5 s: ~2.5 s; an idle engine must not pass for a stuck one
     assert took < 6.0, f"pings withheld while the engine idled: 6 took {took:.1f} s"
+
+
+def test_a_ping_that_cannot_be_sent_does_not_stop_the_watchdog(tmp_path: Path) -> None:
+    """systemd not reading (a full notify queue): the ping fails fast, the loop goes on."""
+    from freetokend.admin.sdnotify import notify
+
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as reader:
+        reader.bind(str(path))
+        env = {"NOTIFY_SOCKET": str(path)}
+        dog = Watchdog(1.0, 5.0, time.monotonic, lambda *a: notify(*a, env=env))
+        started = time.monotonic()
+        results = [dog.tick() for _ in range(2000)]  # far more than the queue holds
+        assert time.monotonic() - started < 10
+        assert results[0] and not results[-1]  # the first went through, later ones dropped
+        assert reader.recv(64) == b"WATCHDOG=1"

@@ -18,6 +18,9 @@ def notify(*assignments: str, env: dict[str, str] | None = None) -> bool:
         return False
     target = "\0" + addr[1:] if addr[0] == "@" else addr  # "@": the abstract namespace
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        # never blocks the caller (the event loop sends the watchdog pings): a full queue
+        # raises BlockingIOError instead
+        s.setblocking(False)
         s.connect(target)
         s.sendall("\n".join(assignments).encode())
     return True

@@ -83,7 +83,11 @@ class Watchdog:
         if self._stuck:
             log.info("engine thread alive again; watchdog pings resume")
             self._stuck = False
-        self.notify("WATCHDOG=1")
+        try:
+            self.notify("WATCHDOG=1")
+        except OSError as e:  # a full or vanished notify socket costs this ping, not the task
+            log.warning("watchdog ping not sent", error=str(e))
+            return False
         self.pings += 1
         return True
 
