@@ -234,3 +234,15 @@ def test_prefill_streams_only_missing_experts_and_keeps_the_cache() -> None:
     assert chunk() == 0  # everything the first chunk brought stayed
     assert be._counters["prefill_layers_streamed"] == 2 * layers
     assert int(st.reserved.sum()) == 0  # nothing stays reserved after the step
+
+
+def test_fake_cuda_is_a_registered_accelerator() -> None:
+    from freetokend.experts.accelerator import ACCELERATORS, create_accelerator
+
+    assert "fake-cuda" in ACCELERATORS
+    acc = create_accelerator("fake-cuda", vram_mib=8192)
+    assert isinstance(acc, FakeCudaAccelerator) and acc.tracker.capacity == (8192 - 512) * MIB
+    with pytest.raises(ValueError, match="vram_mib"):
+        create_accelerator("fake-cuda")
+    with acc, pytest.raises(RuntimeError, match="already active"):
+        FakeCudaAccelerator(vram_mib=4096).__enter__()  # the torch.cuda patches are global
