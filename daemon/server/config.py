@@ -47,7 +47,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     # ---- control plane (models, elastic caches, VRAM watcher) ----
     accelerator: str = "auto"  # auto | cuda | standin (CPU stand-in, for tests)
-    moe_slots: int | None = None  # expert slots on the accelerator; default: half of all experts
+    moe_slots: int | None = None  # accelerator expert slots; default: what fits free VRAM
     kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
     auto_switch: bool = False  # a request naming a resident, inactive model switches to it
     host_pool_budget_gb: float = 0.0  # host RAM for resident models' weights; 0 = 3/4 of RAM
