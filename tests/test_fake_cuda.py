@@ -246,3 +246,30 @@ def test_fake_cuda_is_a_registered_accelerator() -> None:
         create_accelerator("fake-cuda")
     with acc, pytest.raises(RuntimeError, match="already active"):
         FakeCudaAccelerator(vram_mib=4096).__enter__()  # the torch.cuda patches are global
+
+
+def test_kernel_ops_run_the_kernels_and_have_fake_shapes(monkeypatch) -> None:
+    """The custom-op wrappers: the real implementation launches the Triton kernel (here in
+    the interpreter, on host tensors), the fake one gives shapes on the fake device."""
+    from ftkernels import ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    src = torch.arange(5 * 8, dtype=torch.float32).view(5, 8)
+    dst = torch.zeros(3, 8)
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32)
+    ops.copy_rows(dst, src, idx, torch.tensor([4, 1, 3], dtype=torch.int32), torch.tensor([2]))
+    assert dst[2].equal(src[4]) and dst[0].equal(src[1]) and dst[1].eq(0).all()
+    acc = FakeCudaAccelerator(vram_mib=1024)
+    with acc:
+        d = torch.empty(3, 8, device="cuda")
+        with pytest.raises(RuntimeError, match="different devices"):
+            ops.copy_rows(d, src, idx, idx, torch.tensor([2]))  # a host copy list
+        cnt = torch.tensor([2], dtype=torch.int32, device="cuda")
+        ops.copy_rows(d, src, idx.to("cuda"), idx.to("cuda"), cnt)  # src: the mapped host pool
+        bank = torch.empty(4, 16, 8, device="cuda")
+        y = ops.moe_decode(
+            torch.empty(2, 8, device="cuda"), torch.zeros(2, 3, dtype=torch.int32, device="cuda"),
+            torch.empty(2, 3, device="cuda"), bank, torch.empty(4, 8, 8, device="cuda"),
+            None, None, False, 1.0, 7.0,
+        )  # fmt: skip
+        assert y.shape == (2, 8) and y.dtype == torch.float32 and y.device.type == "cuda"
