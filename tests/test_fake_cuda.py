@@ -234,3 +234,42 @@ def test_prefill_streams_only_missing_experts_and_keeps_the_cache() -> None:
     assert chunk() == 0  # everything the first chunk brought stayed
     assert be._counters["prefill_layers_streamed"] == 2 * layers
     assert int(st.reserved.sum()) == 0  # nothing stays reserved after the step
+
+
+def test_fake_cuda_is_a_registered_accelerator() -> None:
+    from freetokend.experts.accelerator import ACCELERATORS, create_accelerator
+
+    assert "fake-cuda" in ACCELERATORS
+    acc = create_accelerator("fake-cuda", vram_mib=8192)
+    assert isinstance(acc, FakeCudaAccelerator) and acc.tracker.capacity == (8192 - 512) * MIB
+    with pytest.raises(ValueError, match="vram_mib"):
+        create_accelerator("fake-cuda")
+    with acc, pytest.raises(RuntimeError, match="already active"):
+        FakeCudaAccelerator(vram_mib=4096).__enter__()  # the torch.cuda patches are global
+
+
+def test_kernel_ops_run_the_kernels_and_have_fake_shapes(monkeypatch) -> None:
+    """The custom-op wrappers: the real implementation launches the Triton kernel (here in
+    the interpreter, on host tensors), the fake one gives shapes on the fake device."""
+    from ftkernels import ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    src = torch.arange(5 * 8, dtype=torch.float32).view(5, 8)
+    dst = torch.zeros(3, 8)
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32)
+    ops.copy_rows(dst, src, idx, torch.tensor([4, 1, 3], dtype=torch.int32), torch.tensor([2]))
+    assert dst[2].equal(src[4]) and dst[0].equal(src[1]) and dst[1].eq(0).all()
+    acc = FakeCudaAccelerator(vram_mib=1024)
+    with acc:
+        d = torch.empty(3, 8, device="cuda")
+        with pytest.raises(RuntimeError, match="different devices"):
+            ops.copy_rows(d, src, idx, idx, torch.tensor([2]))  # a host copy list
+        cnt = torch.tensor([2], dtype=torch.int32, device="cuda")
+        ops.copy_rows(d, src, idx.to("cuda"), idx.to("cuda"), cnt)  # src: the mapped host pool
+        bank = torch.empty(4, 16, 8, device="cuda")
+        y = ops.moe_decode(
+            torch.empty(2, 8, device="cuda"), torch.zeros(2, 3, dtype=torch.int32, device="cuda"),
+            torch.empty(2, 3, device="cuda"), bank, torch.empty(4, 8, 8, device="cuda"),
+            None, None, False, 1.0, 7.0,
+        )  # fmt: skip
+        assert y.shape == (2, 8) and y.dtype == torch.float32 and y.device.type == "cuda"

@@ -80,3 +80,49 @@ def test_bad_input(tmp_path: Path, capsys) -> None:
         main(["plan", "--model", str(tmp_path), "--vram", "lots"])
     assert e.value.code == 2
     assert parse_size("8GiB") == 8192 and parse_size("24GB") == 22888 and parse_size("512") == 512
+
+
+# gpt-oss-20b's config.json (the fields we read): 24 layers x 32 mxfp4 experts
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
+
+def test_an_mxfp4_model_plans_with_bf16_device_slots(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    rc, plan, err = _plan(capsys, "--model", str(tmp_path), "--vram", "8GiB", "--ram", "64GiB")
+    assert rc == 0 and plan["fits"], err
+    assert plan["expert_format"] == "mxfp4"
+    # bf16 on the device: gate_up + down + their biases
+    assert plan["slot_mib"] == pytest.approx((3 * 2880 * 2880 + 3 * 2880) * 2 / 2**20)
+    assert plan["vram_peak_mib"] <= 8192
+    # host: the packed pool (12 GiB) and its bf16 copy for the device (36 GiB)
+    assert 45_000 < plan["parts_mib"]["expert_pool"] < 50_000

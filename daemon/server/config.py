@@ -53,7 +53,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_origins: list[str] = []  # browser Origins accepted besides loopback; "*" = any
     # ---- control plane (models, elastic caches, VRAM watcher) ----
     accelerator: str = "auto"  # auto | cuda | standin (CPU stand-in, for tests)
-    moe_slots: int | None = None  # expert slots on the accelerator; default: half of all experts
+    moe_slots: int | None = None  # accelerator expert slots; default: what fits free VRAM
     kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
     auto_switch: bool = False  # a request naming a resident, inactive model switches to it
     # a request naming no resident or registered model is answered by the active model

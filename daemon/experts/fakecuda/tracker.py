@@ -76,7 +76,7 @@ class _HostBytes:
 
     def note(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
-        if st._cdata in self.live:
+        if _alive(self.live, st._cdata):
             return
         self.live_bytes = self.sweep() + st.nbytes()
         self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
@@ -110,7 +110,7 @@ class DeviceTracker(TorchDispatchMode):
     def _note(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key = st._cdata
-        if key in self.live:
+        if _alive(self.live, key):  # a view, or an op writing in place
             return
         nbytes = -(-st.nbytes() // BLOCK) * BLOCK
         live = self.sweep()
@@ -186,6 +186,13 @@ class DeviceTracker(TorchDispatchMode):
             else:
                 out.append(i)
         return aten.index.Tensor(x, out)
+
+
+def _alive(live: dict[int, tuple[StorageWeakRef, int]], key: int) -> bool:
+    """Whether ``key`` names a storage still alive (a freed storage's address can be reused
+    by the next allocation before the sweep has forgotten it)."""
+    entry = live.get(key)
+    return entry is not None and not entry[0].expired()
 
 
 def _on_fake_device(args: tuple, kwargs: dict) -> bool:
