@@ -22,6 +22,8 @@ NEEDED = [
     "setuptools", "wheel", "pybind11",
 ]  # fmt: skip
 IMAGE = ["torch", "triton", "numpy", "grpcio", "tokenizers"]
+# the image's may be older than pyproject's build requirement (torch pulls some setuptools)
+ALWAYS = ["setuptools"]
 
 
 def closure(roots: list[str], env: dict[str, str], stop: set[str]) -> dict[str, str | None]:
@@ -52,7 +54,7 @@ def main() -> None:
         "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
         "implementation_name": "cpython", "platform_python_implementation": "CPython",
     }  # fmt: skip
-    image = set(closure(IMAGE, env, set())) | {"pip"}  # the image has pip
+    image = set(closure(IMAGE, env, set())) - set(ALWAYS) | {"pip"}  # the image has pip
     for name, version in sorted(closure(NEEDED, env, image).items()):
         print(name if version is None else f"{name}=={version}")
 
