@@ -7,6 +7,7 @@ in the same process still compile).
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -56,8 +57,8 @@ def cases(draw: hs.DrawFn, max_steps: int = 24, max_slots: int = 12) -> Case:
     return Case(layers, experts, slots, policy, draw(hs.sampled_from(BANDWIDTHS)), steps)
 
 
-def make_cache(c: Case) -> SlotCache:
-    cache = SlotCache(c.layers, c.experts, c.slots, c.policy)
+def make_cache(c: Case, device: str = "cpu") -> SlotCache:
+    cache = SlotCache(c.layers, c.experts, c.slots, c.policy, device=device)
     cache.set_fill_policy(*c.bw)
     return cache
 
@@ -220,19 +221,21 @@ def test_borrow_needs_two_layers_of_slots() -> None:
 
 # -- Triton kernel vs reference (interpreter: tiny sizes) ------------------------------------
 triton = pytest.importorskip("triton")
+# tests/gpu/check.sh: the kernel compiled, on CUDA tensors, against the reference on the CPU
+KDEV = "cuda" if os.environ.get("FT_TEST_ACCELERATOR") == "cuda" else "cpu"
 
 
 def run_both(c: Case, lease_at: int = -1) -> None:
-    ref, ker = make_cache(c), make_cache(c)
+    ref, ker = make_cache(c), make_cache(c, KDEV)
     ker.force_kernel = True
     for i, (layer, ids) in enumerate(c.steps):
         if i == lease_at:
             assert (ref.borrow_prefill() is None) == (ker.borrow_prefill() is None)
-        a, b = ref.decode_step(ids, layer), ker.decode_step(ids, layer)
+        a, b = ref.decode_step(ids, layer), ker.decode_step(ids.to(KDEV), layer)
         for name in vars(a):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+            assert torch.equal(getattr(a, name), getattr(b, name).cpu()), (i, name)
         for name, t in vars(ref.state).items():
-            assert torch.equal(t, getattr(ker.state, name)), (i, name)
+            assert torch.equal(t, getattr(ker.state, name).cpu()), (i, name)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -271,18 +274,18 @@ def run_chunked(c: Case, block_r: int) -> None:
     from freetokend.experts import slot_cache as sc
     from ftkernels.slot_cache import decode_step_triton
 
-    ref, ker = make_cache(c), make_cache(c)
+    ref, ker = make_cache(c), make_cache(c, KDEV)
     for i, (layer, ids) in enumerate(c.steps):
         a = ref.decode_step(ids, layer)
         b = decode_step_triton(
-            ker.state, ids, layer, c.experts, int(c.policy),
+            ker.state, ids.to(KDEV), layer, c.experts, int(c.policy),
             idx_bits=sc.idx_bits(c.slots), prio_max=sc.prio_max(c.slots),
             freq_cap=FREQ_CAP, freq_shift=FREQ_SHIFT, key_max=sc.KEY_MAX, block_r=block_r,
         )  # fmt: skip
         for name, got in zip(vars(a), b, strict=True):
-            assert torch.equal(getattr(a, name), got), (i, name)
+            assert torch.equal(getattr(a, name), got.cpu()), (i, name)
         for name, t in vars(ref.state).items():
-            assert torch.equal(t, getattr(ker.state, name)), (i, name)
+            assert torch.equal(t, getattr(ker.state, name).cpu()), (i, name)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

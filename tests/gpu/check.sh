@@ -1,19 +1,90 @@
 #!/usr/bin/env bash
-# GPU checks for the expert hierarchy, as one command (< 10 minutes on one NVIDIA GPU):
-#   1. the backend equality tests (fused / offload / hybrid vs cpu) on the real CUDA accelerator,
-#   2. the SlotCache Triton kernel against its torch reference on CUDA tensors,
-#   3. the sync-free decode kernels (zero-copy fills from pinned host memory, slot-id GEMVs)
-#      against their references, and offload/hybrid decode through them on CUDA,
-#   4. the prefill-overlap benchmark (double buffering on vs off).
-# Usage, from the repository root, with the project installed in .venv (CUDA torch):
-#   bash tests/gpu/check.sh [OUTDIR]
-set -euo pipefail
+# GPU checks for the expert hierarchy, one command for a bare GPU machine (no network): Python
+# 3.12 with CUDA torch, Triton, numpy, grpcio and tokenizers preinstalled; the other wheels come
+# from .whl/ (run tests/gpu/fetch_wheels.sh on a machine with network first). About 8 minutes.
+#   0. install the wheels (--no-index) and the project with its native extensions into OUT/site
+#   1. the backend equality tests (fused / offload / hybrid vs cpu, token-equal) on real CUDA
+#   2. the Triton kernels against their references: pytest shapes on CUDA tensors, then
+#      production shapes (tests/gpu/kernels_at_scale.py)
+#   3. a decode/prefill table: fused vs offload vs hybrid, cache capped at 8 and 24 GiB cards, on
+#      a random model of Qwen3-30B-A3B layer geometry (tests/gpu/bench_backends.py)
+# Every step runs whatever the previous one gave; each writes OUT/<step>.log, and OUT/summary.txt
+# lists the steps with their status. Without a CUDA device it installs, then skips steps 1-3.
+# Usage, from anywhere:  bash tests/gpu/check.sh [OUT]     (PYTHON=python3.12 by default)
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:-/tmp/ft-gpu-check}
+out=$(realpath -m "${1:-/tmp/ft-gpu-check}")
+py=${PYTHON:-python3}
+wheels=${WHEELS:-.whl}
+site="$out/site"
 mkdir -p "$out"
-py=${PYTHON:-.venv/bin/python}
-"$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-FT_TEST_ACCELERATOR=cuda "$py" -m pytest -q tests/test_moe_backends.py tests/test_slot_cache.py 2>&1 | tee "$out/tests.log"
-# its own process: it must import triton without the interpreter
-FT_TEST_ACCELERATOR=cuda "$py" -m pytest -q tests/test_moe_decode_kernels.py 2>&1 | tee "$out/decode_kernels.log"
-"$py" tests/bench/bench_prefill_overlap.py --accelerator cuda 2>&1 | tee "$out/prefill_overlap.txt"
+: > "$out/summary.txt"
+status=0
+
+note() { echo "$*" | tee -a "$out/summary.txt"; }
+
+# step NAME TIMEOUT_S CMD...: runs with a time limit, logs to OUT/NAME.log, never stops the script
+step() {
+    local name=$1 limit=$2 rc t0
+    shift 2
+    t0=$(date +%s)
+    echo "== $name"
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    tail -n 25 "$out/$name.log"
+    if [ $rc -eq 0 ]; then
+        note "PASS  $name ($(( $(date +%s) - t0 )) s)"
+    else
+        [ $rc -eq 124 ] && echo "(timed out after $limit s)" >> "$out/$name.log"
+        note "FAIL  $name (exit $rc, $(( $(date +%s) - t0 )) s): see $out/$name.log"
+        status=1
+    fi
+    return $rc
+}
+
+"$py" - > "$out/env.txt" 2>&1 <<'EOF'
+import platform, sys
+print("python", sys.version.split()[0], platform.machine())
+for m in ("torch", "triton", "numpy", "grpc", "tokenizers"):
+    try:
+        mod = __import__(m)
+        print(m, getattr(mod, "__version__", "?"))
+    except Exception as e:  # noqa: BLE001
+        print(m, "MISSING:", e)
+import torch
+print("cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+EOF
+cat "$out/env.txt"
+command -v nvidia-smi > /dev/null && nvidia-smi >> "$out/env.txt" 2>&1
+
+# -- 0. install ------------------------------------------------------------------------------
+if [ ! -f "$wheels/requirements.txt" ]; then
+    note "FAIL  install: no $wheels/requirements.txt (run tests/gpu/fetch_wheels.sh where there is network)"
+    exit 1
+fi
+rm -rf "$site"
+step install 120 "$py" -m pip install -q --no-index --no-deps --find-links "$wheels" \
+    --target "$site" -r "$wheels/requirements.txt"
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+# the project itself (freetokend, ftctl, ftkernels) and the C++ extensions, built here
+step build 300 "$py" -m pip install -q --no-index --no-deps --no-build-isolation \
+    --target "$site" .
+step import 60 "$py" -c "import freetokend, ftctl, ftkernels, ftnative, ftdense, transformers, hypothesis; print('imports ok')"
+
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
+    note "SKIP  cuda steps: no CUDA device (torch.cuda.is_available() is False); install and build done"
+    exit $status
+fi
+
+# -- 1..3 on the GPU ---------------------------------------------------------------------------
+export FT_TEST_ACCELERATOR=cuda
+unset TRITON_INTERPRET
+pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
+step backends 150 "${pytest[@]}" tests/test_moe_backends.py
+step kernels 90 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
+step kernels_at_scale 90 "$py" tests/gpu/kernels_at_scale.py
+step bench 150 "$py" tests/gpu/bench_backends.py --layers 4 --out "$out/bench.txt"
+note "output in $out"
+exit $status

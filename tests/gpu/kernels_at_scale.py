@@ -1,0 +1,125 @@
+"""The compiled Triton kernels against their torch references at production shapes, on CUDA
+(part of tests/gpu/check.sh; the pytest files cover small shapes). Every check runs; one line
+each; exit status 1 when any failed.
+
+- slot cache: Qwen3-30B-A3B (48 layers x 128 experts), 600 and 2000 slots, both policies,
+  decode batches of 1 and 64 tokens and a 2048-token prefill chunk (16,384 routes): outputs and
+  state bit-equal to the reference (run on the CPU);
+- copy_rows: zero-copy fills from a pinned host pool of Qwen3-30B-A3B gate_up rows, and one
+  Mixtral-8x22B gate_up row (100,663,296 words: beyond the old grid's y limit);
+- moe_decode: Qwen3-30B-A3B and gpt-oss-20b geometry, 1 and 64 tokens, bf16 banks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
+from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
+from ftkernels.moe_decode import copy_rows, copy_rows_reference, moe_decode
+
+DEV = "cuda"
+
+
+def slot_cache(slots: int, policy: EvictionPolicy) -> None:
+    layers, experts, k = 48, 128, 8
+    g = torch.Generator().manual_seed(slots)
+    ref = SlotCache(layers, experts, slots, policy)
+    ker = SlotCache(layers, experts, slots, policy, device=DEV, force_kernel=True)
+    for c in (ref, ker):
+        c.set_fill_policy(11.8, 47.5)
+    for step in range(40):
+        tokens = 2048 if step % 13 == 5 else (1 if step % 2 else 64)
+        layer = step % layers
+        ids = (
+            torch.randint(0, experts, (tokens, k), generator=g, dtype=torch.int32) + layer * experts
+        )
+        a, b = ref.decode_step(ids, layer), ker.decode_step(ids.to(DEV), layer)
+        for name in vars(a):
+            assert torch.equal(getattr(a, name), getattr(b, name).cpu()), (step, name)
+        for name, t in vars(ref.state).items():
+            assert torch.equal(t, getattr(ker.state, name).cpu()), (step, name)
+
+
+def copy_qwen3() -> None:
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(64, 1536, 2048, generator=g).to(torch.bfloat16).pin_memory()
+    dst = torch.zeros(32, 1536, 2048, dtype=torch.bfloat16, device=DEV)
+    ref = dst.cpu()
+    d = torch.randperm(32, generator=g)[:24].int()
+    s = torch.randperm(64, generator=g)[:24].int()
+    count = torch.tensor([20], dtype=torch.int32)
+    copy_rows(dst, src, d.to(DEV), s.to(DEV), count.to(DEV))
+    copy_rows_reference(ref, src, d, s, count)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), ref)
+
+
+def copy_mixtral_row() -> None:
+    src = torch.empty(1, 2 * 16384, 6144, dtype=torch.bfloat16).pin_memory()
+    src.view(torch.int16).copy_(
+        torch.arange(src.numel(), dtype=torch.int32).view_as(src).to(torch.int16)
+    )
+    dst = torch.zeros(2, 2 * 16384, 6144, dtype=torch.bfloat16, device=DEV)
+    one = torch.tensor([1], dtype=torch.int32, device=DEV)
+    copy_rows(dst, src, one, one - 1, one)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[1].cpu(), src[0]) and not dst[0].any()
+
+
+def decode(h: int, i: int, k: int, tokens: int, gptoss: bool) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    slots = 64
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    banks = ExpertBanks(rnd(slots, 2 * i, h), rnd(slots, h, i),
+                        rnd(slots, 2 * i) if gptoss else None, rnd(slots, h) if gptoss else None)  # fmt: skip
+    act = ActivationSpec(Activation.GPTOSS, 1.702, 7.0) if gptoss else ActivationSpec()
+    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(slots, generator=g)[:k] for _ in range(tokens)]).int()
+    ids[0, 0] = -1
+    w = torch.rand(tokens, k, generator=g)
+    dev = [None if t is None else t.to(DEV) for t in banks.tensors().values()]
+    if not gptoss:
+        dev += [None, None]
+    got = moe_decode(x.to(DEV), ids.to(DEV), w.to(DEV), *dev, gptoss, act.alpha, act.limit).cpu()
+    want = moe_reference(x, ids, w, banks, act)
+    # both take fp32 products of bf16 weights; only the order of the fp32 sums differs
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def main() -> None:
+    checks: list[tuple[str, Callable[[], None]]] = []
+    for slots in (600, 2000):
+        for policy in EvictionPolicy:
+            checks.append((f"slot cache, {slots} slots, {policy.name}",
+                           lambda s=slots, p=policy: slot_cache(s, p)))  # fmt: skip
+    checks += [("copy_rows, Qwen3 gate_up rows, pinned host", copy_qwen3),
+               ("copy_rows, one Mixtral-8x22B gate_up row", copy_mixtral_row)]  # fmt: skip
+    for name, (h, i, k), gptoss in (("Qwen3-30B-A3B", (2048, 768, 8), False),
+                                    ("gpt-oss-20b", (2880, 2880, 4), True)):  # fmt: skip
+        for tokens in (1, 64):
+            checks.append((f"moe_decode, {name}, {tokens} tokens",
+                           lambda h=h, i=i, k=k, t=tokens, o=gptoss: decode(h, i, k, t, o)))  # fmt: skip
+    failed = 0
+    for name, fn in checks:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            status = "PASS"
+        except Exception:  # noqa: BLE001 - report and go on with the next check
+            failed += 1
+            status = "FAIL\n" + traceback.format_exc(limit=3)
+        print(f"{name:52s} {time.perf_counter() - t0:6.1f} s  {status}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
