@@ -44,6 +44,7 @@ class Work:
     state: SeqState
     tokens: list[int]
     want_logits: bool = True
+    all_logits: bool = False  # logits of every fed position, not only the last (LLM.logits)
 
 
 class ModelRunner:
@@ -93,7 +94,9 @@ class ModelRunner:
             chunks.append(SeqChunk(len(ids), n, w.state.num_tokens, w.state))
             pos.append(torch.arange(w.state.num_tokens, w.state.num_tokens + n))
             ids.extend(w.tokens)
-            if w.want_logits:
+            if w.want_logits and w.all_logits:
+                rows.extend(range(len(ids) - n, len(ids)))
+            elif w.want_logits:
                 rows.append(len(ids) - 1)
         batch = ForwardBatch(
             token_ids=torch.tensor(ids, dtype=torch.long),

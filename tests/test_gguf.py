@@ -1,0 +1,94 @@
+"""GGUF files written from tiny HF checkpoints load into the same numerics as transformers.
+
+F32 files are lossless copies: our logits must match the HF checkpoint within fp32 tolerance and
+greedy decoding must give transformers' tokens. Quantized files (BF16, Q8_0) are checked against
+transformers running on the file's own dequantized weights (``gguf.quants``), so the check is on
+tensor placement and layout, not on quantization error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import dequantized_reference, write_gguf
+from tiny_models import make_tiny
+
+from freetokend import LLM
+
+ATOL = 2e-4
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
+
+
+def _tiny(family: str, d, seed: int = 3):
+    over = {"mlp_only_layers": []} if family == "qwen3_moe" else {}  # llama.cpp's qwen3moe
+    return make_tiny(family, d / "hf", seed=seed, **over)[1]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(_hf_logits(hf, seq)[-1].argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def f32(request, tmp_path_factory):
+    family = request.param
+    d = tmp_path_factory.mktemp(f"gguf-{family}")
+    hf = _tiny(family, d)
+    path = write_gguf(family, hf, d / f"{family}-F32.gguf", "f32")
+    return family, hf, LLM(path, max_model_len=256, kv_tokens=2048)
+
+
+def test_f32_logits_match_the_hf_checkpoint(f32):
+    family, hf, llm = f32
+    assert llm.config.torch_dtype == "float32" and llm.name.endswith("-F32")
+    ids = _prompt(32, seed=1)
+    ours = llm.logits(ids)
+    assert ours.shape == (32, 97) and ours.dtype == torch.float32
+    err = (ours - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family}: max |logit diff| {err}"
+
+
+def test_f32_greedy_tokens_match_transformers(f32):
+    family, hf, llm = f32
+    ids = _prompt(10, seed=4)
+    assert llm.generate(ids, max_tokens=24, ignore_eos=True) == _hf_greedy(hf, ids, 24), family
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
+    hf = _tiny(family, tmp_path)
+    path = write_gguf(family, hf, tmp_path / f"m-{kind}.gguf", kind)
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)  # hf now holds exactly the file's weights
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family} {kind}: max |logit diff| {err}"
+
+
+def test_quantized_file_loads_in_bf16_by_default(tmp_path, caplog):
+    hf = _tiny("qwen3_moe", tmp_path)
+    path = write_gguf("qwen3_moe", hf, tmp_path / "m-Q8_0.gguf", "q8_0")
+    with caplog.at_level("INFO", logger="freetokend.models.gguf_loader"):
+        llm = LLM(path, max_model_len=64, kv_tokens=256)
+    assert llm.config.torch_dtype == "bfloat16" and llm.banks.gate_up.dtype == torch.bfloat16
+    assert "dequantizing" in caplog.text and "Q8_0" in caplog.text and "GiB" in caplog.text
+
+
+def test_logits_rows_equal_incremental_decoding(f32):
+    family, hf, llm = f32
+    ids = _prompt(16, seed=5)
+    full = llm.logits(ids)
+    assert torch.allclose(llm.logits(ids[:9])[-1], full[8], atol=ATOL)
+    assert llm.runner.kv.num_used == 0 or llm.engine.prefix is not None
