@@ -87,7 +87,8 @@ class ModelRunner:
         """Runs all work items as one batch; returns logits [num items with want_logits, vocab]."""
         ids: list[int] = []
         pos: list[torch.Tensor] = []
-        chunks, rows = [], []
+        chunks: list[SeqChunk] = []
+        rows: list[int] = []
         for w in work:
             n = len(w.tokens)
             self.reserve(w.state, w.state.num_tokens + n)

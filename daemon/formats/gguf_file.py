@@ -94,10 +94,8 @@ class GgufFile:
         self.fd = os.open(self.path, os.O_RDONLY)
 
     def _parse(self) -> tuple[dict[str, Any], dict[str, GgufTensor]]:
-        import gguf
-
         try:
-            reader = gguf.GGUFReader(self.path, "r")
+            reader = _HeaderReader(self.path)
         except (ValueError, IndexError, KeyError, OverflowError, TypeError, OSError) as e:
             raise GgufFormatError(
                 f"{self.path}: corrupt or unsupported GGUF header ({e or type(e).__name__})"
@@ -105,7 +103,12 @@ class GgufFile:
         try:
             meta = {name: _value(field) for name, field in reader.fields.items()}
             size = self.path.stat().st_size
-            tensors = {t.name: self._entry(t, size) for t in reader.tensors}
+            tensors: dict[str, GgufTensor] = {}
+            for name, qtype, dims, offset in reader.infos:
+                if name in tensors:
+                    raise GgufFormatError(f"{self.path}: tensor '{name}' appears twice")
+                tensors[name] = self._entry(name, qtype, dims, offset, size)
+            self._check_overlaps(tensors)
         finally:
             mm = getattr(reader.data, "_mmap", None)
             del reader
@@ -113,26 +116,41 @@ class GgufFile:
                 mm.close()
         return meta, tensors
 
-    def _entry(self, t: Any, size: int) -> GgufTensor:
-        from gguf import GGML_QUANT_SIZES
+    def _entry(self, name: str, qtype: int, dims: list[int], offset: int, size: int) -> GgufTensor:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        qtype = t.tensor_type
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        try:
+            kind = GGMLQuantizationType(qtype)
+        except ValueError:
+            raise GgufFormatError(
+                f"{self.path}: tensor '{name}' has unknown ggml type id {qtype}"
+            ) from None
+        block, type_size = GGML_QUANT_SIZES[kind]
+        shape = tuple(int(x) for x in reversed(dims))
         if shape and shape[-1] % block:
             raise GgufFormatError(
-                f"{self.path}: tensor '{t.name}' has rows of {shape[-1]} values, not a multiple "
-                f"of the {block}-value blocks of type {qtype.name}"
+                f"{self.path}: tensor '{name}' has rows of {shape[-1]} values, not a multiple "
+                f"of the {block}-value blocks of type {kind.name}"
             )
         nbytes = math.prod(shape) // block * type_size
-        if t.data_offset + nbytes > size:
+        if offset + nbytes > size:
             raise GgufFormatError(
-                f"{self.path}: tensor '{t.name}' ({qtype.name}{list(shape)}, {nbytes} bytes at "
-                f"{t.data_offset}) runs past the end of the file ({size} bytes): truncated"
+                f"{self.path}: tensor '{name}' ({kind.name}{list(shape)}, {nbytes} bytes at "
+                f"{offset}) runs past the end of the file ({size} bytes): truncated"
             )
-        return GgufTensor(
-            t.name, qtype.name, int(qtype), shape, int(t.data_offset), nbytes, self.path
-        )
+        return GgufTensor(name, kind.name, int(kind), shape, offset, nbytes, self.path)
+
+    def _check_overlaps(self, tensors: dict[str, GgufTensor]) -> None:
+        """A type or shape that disagrees with the data's real size shows as a tensor running
+        into the next one (GGUF stores no sizes, only offsets)."""
+        ordered = sorted(tensors.values(), key=lambda t: t.offset)
+        for a, b in zip(ordered, ordered[1:], strict=False):
+            if a.offset + a.nbytes > b.offset:
+                raise GgufFormatError(
+                    f"{self.path}: tensor '{a.name}' ({a.type_name}{list(a.shape)}, {a.nbytes} "
+                    f"bytes) does not fit before tensor '{b.name}': its size does not match its "
+                    "type and shape"
+                )
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -186,6 +204,35 @@ class GgufFile:
             if got <= 0:
                 raise GgufFormatError(f"{self.path}: tensor '{t.name}': file ends early")
             done += got
+
+
+def _header_reader() -> type:
+    import gguf
+
+    class HeaderReader(gguf.GGUFReader):  # type: ignore[misc]
+        """llama.cpp's reader, stopping at the tensor table: tensor data is not mapped here,
+        so a truncated file is reported per tensor by ``GgufFile`` rather than as a numpy
+        error."""
+
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            self.infos = []
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                self.infos.append(
+                    (
+                        bytes(name).decode("utf-8", "replace"),
+                        int(raw_type[0]),
+                        [int(d) for d in dims],
+                        int(start_offs + offset[0]),
+                    )
+                )
+            self.tensors = []
+
+    return HeaderReader
+
+
+def _HeaderReader(path: Path) -> Any:  # noqa: N802 (a class built on first use)
+    return _header_reader()(path, "r")
 
 
 def _value(field: Any) -> Any:

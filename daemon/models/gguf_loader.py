@@ -197,6 +197,29 @@ class GgufCheckpoint:
         )
 
 
+def _check_experts(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
+    """Every MoE layer has its stacked expert tensors (before minutes of loading)."""
+    kinds = ("weight", "bias") if cfg.expert_bias else ("weight",)
+    for layer, moe in enumerate(cfg.moe_layers):
+        for proj in ("gate", "up", "down") if moe else ():
+            for kind in kinds:
+                name = f"blk.{layer}.ffn_{proj}_exps.{kind}"
+                if name not in ck.tensors:
+                    raise CheckpointError(f"{ck.path}: missing tensor '{name}'")
+
+
+def gguf_name(canon: str) -> str:
+    """The GGUF name of one of our parameters (for messages)."""
+    for g, c in _TOP.items():
+        if c == canon:
+            return g
+    m = re.match(r"^layers\.(\d+)\.(.+)$", canon)
+    for g, c in _BLOCK.items():
+        if m and c == m.group(2):
+            return f"blk.{m.group(1)}.{g}"
+    return canon
+
+
 def _dt(name: str) -> torch.dtype:
     from .layers.common import dtype_of
 
@@ -213,6 +236,7 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         model = CausalLM(cfg)
         banks = allocate_banks(cfg)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
+        _check_experts(ck, cfg)
         ck.log_dequantized(cfg.torch_dtype)
         for name, canon, src in ck.sources(cfg):
             if canon.startswith("experts:"):
@@ -228,6 +252,13 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
                 )
             else:
                 filler.dense(canon, src, name, src.t.path)
+        missing = [n for n in filler.params if n not in filler.filled]
+        if cfg.tie_word_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+        if missing:
+            raise CheckpointError(
+                f"{path}: missing tensor '{gguf_name(missing[0])}' ({len(missing)} missing in all)"
+            )
         try:
             filler.verify()
         except CheckpointError as e:
