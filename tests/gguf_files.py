@@ -103,8 +103,6 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_eos_token_id(c.eos_token_id)
-    w.add_bos_token_id(c.bos_token_id)
 
 
 def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
@@ -136,16 +134,21 @@ def write_gguf(
     path: Path,
     kind: str = "f32",
     *,
-    tokenizer: dict | None = None,
+    tokenizer: Path | None = None,
+    pre: str = "qwen2",
     drop: tuple[str, ...] = (),
 ) -> Path:
     """Writes ``hf`` (an HF model of ``family``) as a GGUF file of ``kind``; ``drop``: tensor
-    names left out (for missing-tensor tests); ``tokenizer``: metadata from ``tokenizer_kv``."""
+    names left out (for missing-tensor tests); ``tokenizer``: an HF folder whose byte-level BPE
+    tokenizer and chat template go into the metadata (``pre``: llama.cpp's pre-tokenizer name)."""
     arch = ARCH[family]
     w = gguf.GGUFWriter(path, arch)
     _metadata(w, family, hf.config)
-    for key, value in (tokenizer or {}).items():
-        _add_kv(w, key, value)
+    if tokenizer is not None:
+        write_tokenizer(w, tokenizer, pre)
+    else:
+        w.add_eos_token_id(hf.config.eos_token_id)
+        w.add_bos_token_id(hf.config.bos_token_id)
     for name, t in gguf_tensors(family, hf).items():
         if name in drop:
             continue
@@ -158,15 +161,31 @@ def write_gguf(
     return path
 
 
-def _add_kv(w: gguf.GGUFWriter, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        w.add_bool(key, value)
-    elif isinstance(value, int):
-        w.add_uint32(key, value)
-    elif isinstance(value, str):
-        w.add_string(key, value)
-    else:
-        w.add_array(key, value)
+def write_tokenizer(w: gguf.GGUFWriter, folder: Path, pre: str) -> None:
+    """An HF byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) as llama.cpp's
+    converter stores it: tokens by id, types (1 normal, 3 control = special added token,
+    4 user-defined = other added token), merges, special ids, chat template."""
+    import json
+
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    types = {i: 1 for i in vocab.values()}
+    for a in tok["added_tokens"]:
+        vocab[a["content"]] = a["id"]
+        types[a["id"]] = 3 if a["special"] else 4
+    by_id = {i: t for t, i in vocab.items()}
+    n = max(by_id) + 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n)])
+    w.add_token_types([types.get(i, 5) for i in range(n)])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(vocab[cfg["eos_token"]])
+    w.add_pad_token_id(vocab[cfg["pad_token"]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(cfg["chat_template"])
 
 
 def dequantized_reference(family: str, hf: Any, path: Path) -> None:

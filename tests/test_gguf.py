@@ -92,3 +92,26 @@ def test_logits_rows_equal_incremental_decoding(f32):
     full = llm.logits(ids)
     assert torch.allclose(llm.logits(ids[:9])[-1], full[8], atol=ATOL)
     assert llm.runner.kv.num_used == 0 or llm.engine.prefix is not None
+
+
+@pytest.mark.parametrize(
+    "family, over",
+    [
+        ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=96, mlp_only_layers=[])),
+        ("mixtral", dict(hidden_size=256, intermediate_size=96, head_dim=64)),
+    ],
+)
+def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path):
+    """A Q4_K_M-like file: Q4_K rows, Q6_K for output / attn_v, Q4_0 / Q5_0 / Q8_0 where rows
+    are not multiples of 256 (as real Q4_K_M files carry)."""
+    import gguf
+
+    hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix")
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K", "Q4_0"} <= types, types
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family} Q4_K_M mix: max |logit diff| {err}"
