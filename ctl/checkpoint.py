@@ -60,15 +60,13 @@ def _progress_bar() -> Any:
 
 def run(args: argparse.Namespace) -> int:
     model, out = Path(args.model), Path(args.out)
-    if not model.is_dir():
-        return _fail(f"{model}: no such model folder")
-    from freetokend.checkpoint.ftw import convert
     from freetokend.checkpoint.ftw_write import check_destination
-    from freetokend.models.config import ConfigError, ModelConfig
-    from freetokend.models.loader import CheckpointError
+    from freetokend.models.config import ConfigError
+    from freetokend.models.ftw_convert import convert
+    from freetokend.models.loader import CheckpointError, model_config
 
     try:
-        ModelConfig.from_hf(model)  # fail before the bar on the cheap checks
+        model_config(model)  # fail before the bar on the cheap checks (folder or GGUF file)
         check_destination(out.absolute(), args.force)
         with _progress_bar() as bar:
             loading = bar.add_task("load", total=None)

@@ -49,3 +49,17 @@ def chat_template_from_gguf(path: str | Path) -> ChatTemplate:
         raise ChatTemplateError(f"{path} has no chat template (tokenizer.chat_template)")
     special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
     return ChatTemplate({"default": source}, special)
+
+
+def gguf_tokenizer_files(path: str | Path, out: Path) -> list[Path]:
+    """Writes the file's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (special
+    tokens, chat template) into ``out``; returns their paths (FTW conversion of a GGUF)."""
+    import json
+
+    path = Path(path)
+    tok = tokenizer_from_gguf(path)
+    _, _, cfg = _gguf_tokenizer(path)
+    tok.backend.save(str(out / "tokenizer.json"))
+    keep = {k: v for k, v in cfg.items() if isinstance(v, (str, bool)) or v is None}
+    (out / "tokenizer_config.json").write_text(json.dumps(keep, indent=2), encoding="utf-8")
+    return [out / "tokenizer.json", out / "tokenizer_config.json"]

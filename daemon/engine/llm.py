@@ -84,6 +84,7 @@ class LLM:
         # a GGUF file (or split set): config, tokenizer and template all come from its metadata
         self.gguf = model_kind(self.model_dir) == "gguf"
         self._gguf_has_tokens: bool | None = None
+        self._tokenizer_json: Path | None = None
         self.name = name or (self.model_dir.stem if self.gguf else self.model_dir.name)
         if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -202,6 +203,20 @@ class LLM:
             else:
                 self._chat_template = ChatTemplate.from_dir(self.model_dir)
         return self._chat_template
+
+    @property
+    def tokenizer_json(self) -> Path:
+        """A ``tokenizer.json`` for this model (for a GGUF: the converted tokenizer, written once
+        to a temporary file), for consumers that read the file (constrained decoding)."""
+        if not self.gguf:
+            return self.model_dir / "tokenizer.json"
+        if self._tokenizer_json is None:
+            import tempfile
+
+            d = Path(tempfile.mkdtemp(prefix="freetoken-gguf-tok-"))
+            self.tokenizer.backend.save(str(d / "tokenizer.json"))
+            self._tokenizer_json = d / "tokenizer.json"
+        return self._tokenizer_json
 
     def _anchor_ids(self) -> dict[int, str]:
         """The family's anchor tokens that this tokenizer has (DESIGN §2)."""

@@ -19,17 +19,13 @@ from typing import Any
 import torch
 
 from ..experts.banks import ExpertBanks
+from ..formats.errors import CheckpointError
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .layers.common import dtype_of
 from .model import CausalLM
 from .registry import family_spec
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
-
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot load; the message names the tensor and the file."""
-
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED = re.compile(
@@ -46,6 +42,14 @@ _PER_EXPERT = re.compile(
     r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
 )
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
+__all__ = [
+    "CheckpointError",
+    "Filler",
+    "allocate_banks",
+    "load_model",
+    "model_config",
+    "model_kind",
+]
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -415,7 +419,7 @@ def load_model(
 
         return load_gguf(model_dir, cfg)
     if kind == "ftw":  # pre-laid-out FTW folder (DESIGN §4)
-        from ..checkpoint.ftw import load_ftw
+        from .ftw_loader import load_ftw
 
         stored = ModelConfig.from_hf(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:
