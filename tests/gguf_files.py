@@ -113,6 +113,10 @@ def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
         return a, Q.F32
     if name.endswith("ffn_gate_inp.weight"):  # routers stay F32 as llama.cpp keeps them
         return a, Q.F32
+    if kind == "mxfp4":  # GPT-OSS files: experts MXFP4, the rest kept as is (F32 here)
+        if name.endswith("_exps.weight"):
+            return gguf.quants.quantize(a, Q.MXFP4), Q.MXFP4
+        return a, Q.F32
     if kind == "bf16":
         return gguf.quants.quantize(a, Q.BF16), Q.BF16
     if kind == "q8_0":

@@ -115,3 +115,19 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path):
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < ATOL, f"{family} Q4_K_M mix: max |logit diff| {err}"
+
+
+def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path, caplog):
+    """GPT-OSS GGUF files carry MXFP4 experts: they load into our mxfp4 banks without being
+    dequantized (same e2m1 codes and e8m0 scales, nibbles re-paired), and compute what
+    transformers computes on the dequantized weights."""
+    hf = _tiny("gpt_oss", tmp_path)
+    path = write_gguf("gpt_oss", hf, tmp_path / "gpt-oss-MXFP4.gguf", "mxfp4")
+    with caplog.at_level("INFO", logger="freetokend.models.gguf_loader"):
+        llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    assert llm.banks.format == "mxfp4" and llm.banks.gate_up.dtype == torch.uint8
+    assert "dequantizing" not in caplog.text
+    dequantized_reference("gpt_oss", hf, path)
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"gpt_oss MXFP4: max |logit diff| {err}"

@@ -7,6 +7,7 @@ folder of the same model give the same ModelConfig.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..formats.gguf_file import GgufTensor
@@ -86,6 +87,8 @@ def hf_fields(
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": dtype,
     }
+    if mxfp4_experts(tensors):  # kept packed in our mxfp4 banks (same codes and scales)
+        out["quantization_config"] = {"quant_method": "mxfp4"}
     if (clip := get("attention.clamp_kqv", None)) is not None:
         out["clip_qkv"] = float(clip)
     if arch == "qwen3moe":  # layers without a router are dense (llama.cpp files have none)
@@ -99,6 +102,12 @@ def hf_fields(
         if isinstance(tid, int):
             out[field] = tid
     return out
+
+
+def mxfp4_experts(tensors: dict[str, GgufTensor]) -> bool:
+    """True when every stacked expert weight is MXFP4 (GPT-OSS files)."""
+    exps = [t for n, t in tensors.items() if re.search(r"\.ffn_(gate|up|down)_exps\.weight$", n)]
+    return bool(exps) and all(t.type_name == "MXFP4" for t in exps)
 
 
 def _gptoss(get: Any) -> dict[str, Any]:

@@ -175,8 +175,12 @@ class GgufCheckpoint:
                 rows = _unpermute(heads, t.shape[0])
             yield name, canon, _Source(f, t, rows)
 
-    def log_dequantized(self, dtype: str) -> None:
-        quant = [t for _, t in self.tensors.values() if t.quantized]
+    def log_dequantized(self, dtype: str, packed: str = "") -> None:
+        quant = [
+            t
+            for _, t in self.tensors.values()
+            if t.quantized and not (packed == "mxfp4" and t.type_name == "MXFP4")
+        ]
         if not quant:
             return
         elem = torch.empty((), dtype=_dt(dtype)).element_size()
@@ -195,6 +199,25 @@ class GgufCheckpoint:
             mem / 2**30,
             file_bytes / 2**30,
         )
+
+
+def _mxfp4_repack(src: _Source) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml MXFP4 blocks -> our mxfp4 banks. A ggml block of 32 values is 17 bytes: the e8m0
+    scale, then 16 bytes whose low nibbles are values 0..15 and high nibbles values 16..31
+    (e2m1 codes; ggml's table holds the values doubled and halves the scale, the same numbers).
+    Ours pairs neighbours: value 2j in the low nibble, 2j+1 in the high one.
+    -> blocks uint8 [E, rows, cols / 2], scales uint8 [E, rows, cols / 32]."""
+    t = src.t
+    if t.type_name != "MXFP4":
+        raise CheckpointError(f"{t.path}: tensor '{t.name}' is {t.type_name}; expected MXFP4")
+    raw = src.f.read_raw(t)  # [E, rows, cols / 32 * 17]
+    e, rows = t.shape[0], t.shape[1]
+    raw = raw.view(e, rows, -1, 17)
+    scales = raw[..., 0].contiguous()
+    qs = raw[..., 1:]
+    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # [E, rows, nb, 32] in value order
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.reshape(e, rows, -1), scales
 
 
 def _check_experts(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
@@ -230,19 +253,25 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
     """Loads a GGUF file (or split set) into a model and its expert banks."""
     with GgufCheckpoint(path) as ck:
         cfg = cfg or ck.config()
-        if cfg.expert_format != "bf16":
-            raise CheckpointError(f"{path}: GGUF experts load as float banks only")
+        if cfg.expert_format not in ("bf16", "mxfp4"):
+            raise CheckpointError(f"{path}: GGUF experts load as float or mxfp4 banks only")
         family_spec(cfg.family)
         model = CausalLM(cfg)
         banks = allocate_banks(cfg)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)
-        ck.log_dequantized(cfg.torch_dtype)
+        ck.log_dequantized(cfg.torch_dtype, cfg.expert_format)
         for name, canon, src in ck.sources(cfg):
             if canon.startswith("experts:"):
                 _, layer, key = canon.split(":")
                 m = _EXPS.match(key)
                 assert m is not None
+                if banks.format == "mxfp4" and m.group(2) == "weight":
+                    blocks, scales = _mxfp4_repack(src)
+                    filler.expert_stack_mxfp4(
+                        int(layer), m.group(1), blocks, scales, name, src.t.path
+                    )
+                    continue
                 filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
             elif cfg.tie_word_embeddings and canon == "lm_head.weight":
                 continue
