@@ -170,11 +170,13 @@ class GgufFile:
         rows = t.shape[:-1]
         return out.view(*rows, -1) if rows else out
 
-    def read_into(self, t: GgufTensor, dest: torch.Tensor) -> None:
-        """Reads a native-type tensor straight into ``dest`` (contiguous, same dtype and size)."""
+    def read_into(self, t: GgufTensor, dest: torch.Tensor, offset: int = 0) -> None:
+        """Reads a native-type tensor's bytes [offset, offset + dest's size) straight into
+        ``dest`` (contiguous, same dtype)."""
         assert not t.quantized and dest.is_contiguous() and dest.dtype == NATIVE[t.type_name]
-        assert dest.numel() * dest.element_size() == t.nbytes
-        self._pread(t, dest)
+        nbytes = dest.numel() * dest.element_size()
+        assert offset + nbytes <= t.nbytes
+        self._pread(t, dest, offset, nbytes)
 
     def read_float(self, t: GgufTensor) -> torch.Tensor:
         """The tensor in its own float dtype (F32/F16/BF16) or dequantized to float32."""
@@ -195,12 +197,15 @@ class GgufFile:
             ) from None
         return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32)).view(t.shape)
 
-    def _pread(self, t: GgufTensor, dest: torch.Tensor) -> None:
+    def _pread(
+        self, t: GgufTensor, dest: torch.Tensor, offset: int = 0, nbytes: int | None = None
+    ) -> None:
+        nbytes = t.nbytes if nbytes is None else nbytes
         flat = dest.reshape(-1).view(torch.uint8)  # a view: dest is contiguous
         view = flat.numpy().data if dest.numel() else memoryview(b"")
         done = 0
-        while done < t.nbytes:
-            got = os.preadv(self.fd, [view[done:]], t.offset + done)
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], t.offset + offset + done)
             if got <= 0:
                 raise GgufFormatError(f"{self.path}: tensor '{t.name}': file ends early")
             done += got

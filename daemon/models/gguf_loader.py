@@ -82,13 +82,15 @@ class _Source:
         return out if self.rows is None else out[self.rows]
 
     def into(self, dest: torch.Tensor) -> None:
-        if (
-            self.rows is None
-            and not self.t.quantized
-            and dest.is_contiguous()
-            and dest.dtype == self.dtype
-        ):
+        direct = self.rows is None and not self.t.quantized and dest.dtype == self.dtype
+        if direct and dest.is_contiguous():
             self.f.read_into(self.t, dest)
+        elif direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest):
+            # a stacked expert tensor into its rows of the banks (gate rows, then up rows):
+            # each expert's slice is contiguous, so read expert by expert with no temporary
+            step = self.t.nbytes // dest.shape[0]
+            for x in range(dest.shape[0]):
+                self.f.read_into(self.t, dest[x], offset=x * step)
         else:
             dest.copy_(self.read())
 
