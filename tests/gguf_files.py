@@ -141,12 +141,13 @@ def write_gguf(
     tokenizer: Path | None = None,
     pre: str = "qwen2",
     drop: tuple[str, ...] = (),
+    split_max_tensors: int = 0,
 ) -> Path:
     """Writes ``hf`` (an HF model of ``family``) as a GGUF file of ``kind``; ``drop``: tensor
     names left out (for missing-tensor tests); ``tokenizer``: an HF folder whose byte-level BPE
     tokenizer and chat template go into the metadata (``pre``: llama.cpp's pre-tokenizer name)."""
     arch = ARCH[family]
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     _metadata(w, family, hf.config)
     if tokenizer is not None:
         write_tokenizer(w, tokenizer, pre)

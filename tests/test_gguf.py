@@ -131,3 +131,15 @@ def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path, caplog):
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < ATOL, f"gpt_oss MXFP4: max |logit diff| {err}"
+
+
+def test_split_set_loads_from_any_part(tmp_path):
+    """llama.cpp's split sets (``name-0000i-of-0000N.gguf``, metadata in the first part)."""
+    hf = _tiny("olmoe", tmp_path)
+    write_gguf("olmoe", hf, tmp_path / "olmoe.gguf", split_max_tensors=8)
+    parts = sorted(tmp_path.glob("olmoe-*-of-*.gguf"))
+    assert len(parts) >= 3, parts
+    llm = LLM(parts[1], max_model_len=64, kv_tokens=256)
+    assert llm.name == "olmoe"
+    ids = _prompt(16, seed=6)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL

@@ -85,7 +85,12 @@ class LLM:
         self.gguf = model_kind(self.model_dir) == "gguf"
         self._gguf_has_tokens: bool | None = None
         self._tokenizer_json: Path | None = None
-        self.name = name or (self.model_dir.stem if self.gguf else self.model_dir.name)
+        if self.gguf:
+            from ..formats.gguf_file import set_name
+
+            self.name = name or set_name(self.model_dir)
+        else:
+            self.name = name or self.model_dir.name
         if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         cfg = model_config(self.model_dir, dtype)

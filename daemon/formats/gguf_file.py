@@ -76,6 +76,13 @@ def split_files(path: str | Path) -> list[Path]:
     return files
 
 
+def set_name(path: str | Path) -> str:
+    """A model name for a GGUF file: its stem without a split suffix (``-00001-of-00003``)."""
+    p = Path(path)
+    m = _SPLIT.match(p.name)
+    return m.group("stem") if m else p.stem
+
+
 class GgufFile:
     """One GGUF file: ``metadata`` (key -> Python value) and ``tensors`` (name -> GgufTensor)."""
 

@@ -127,7 +127,11 @@ class ModelManager:
         """Load a model folder (or return the resident model of that name). The first model
         becomes active; later ones are parked until switched to."""
         path = self.resolve_path(spec)
-        name = name or (path.stem if path.is_file() else path.name)
+        if name is None and path.is_file():
+            from ..formats.gguf_file import set_name
+
+            name = set_name(path)
+        name = name or path.name
         with self._lock:
             if name in self.models:
                 return self.models[name]
