@@ -144,3 +144,29 @@ def test_split_set_with_a_missing_part(good, tmp_path):
     good.rename(part)
     with pytest.raises(CheckpointError, match=r"split file m-00002-of-00002\.gguf of 2 is missing"):
         _load(part)
+
+
+def test_a_type_we_cannot_compute_or_dequantize_is_refused(hf, tmp_path):
+    """Q8_1 (llama.cpp's activation type) in a weight: refused naming the type and tensor."""
+    import numpy as np
+
+    p = write_gguf("qwen3_moe", hf, tmp_path / "m.gguf")
+    r = gguf.GGUFReader(p)
+    w = gguf.GGUFWriter(tmp_path / "q81.gguf", "qwen3moe")
+    for k, f in r.fields.items():
+        if k.startswith("qwen3moe."):
+            v = f.contents()
+            w.add_uint32(k, v) if isinstance(v, int) else w.add_float32(k, v)
+    for t in r.tensors:
+        a, qt = np.array(t.data), t.tensor_type
+        if t.name == "blk.1.attn_v.weight":  # [32, 64] -> Q8_1 blocks of 32 values, 40 bytes
+            a, qt = np.zeros((32, 2 * 40), np.uint8), gguf.GGMLQuantizationType.Q8_1
+        w.add_tensor(t.name, a, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(
+        CheckpointError, match=r"q81\.gguf: tensor 'blk\.1\.attn_v\.weight' has type Q8_1"
+    ):
+        _load(tmp_path / "q81.gguf")

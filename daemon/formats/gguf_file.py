@@ -76,6 +76,22 @@ def split_files(path: str | Path) -> list[Path]:
     return files
 
 
+def can_dequantize(type_name: str) -> bool:
+    """Whether ``read_float`` can produce floats from this ggml type (probed on one block)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if type_name in NATIVE:
+        return True
+    kind = GGMLQuantizationType[type_name]
+    _, type_size = GGML_QUANT_SIZES[kind]
+    try:
+        dequantize(np.zeros((1, type_size), np.uint8), kind)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def set_name(path: str | Path) -> str:
     """A model name for a GGUF file: its stem without a split suffix (``-00001-of-00003``)."""
     p = Path(path)

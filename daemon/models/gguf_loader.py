@@ -222,6 +222,23 @@ def _mxfp4_repack(src: _Source) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.reshape(e, rows, -1), scales
 
 
+def _check_types(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
+    """Refuses, before loading, a tensor of a type we can neither keep nor dequantize."""
+    from ..formats.gguf_file import can_dequantize
+
+    seen: dict[str, bool] = {}
+    for name, (_, t) in ck.tensors.items():
+        if cfg.expert_format == "mxfp4" and t.type_name == "MXFP4":
+            continue
+        if t.type_name not in seen:
+            seen[t.type_name] = can_dequantize(t.type_name)
+        if not seen[t.type_name]:
+            raise CheckpointError(
+                f"{t.path}: tensor '{name}' has type {t.type_name}, which is not supported "
+                "(no kernel and no dequantizer)"
+            )
+
+
 def _check_experts(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
     """Every MoE layer has its stacked expert tensors (before minutes of loading)."""
     kinds = ("weight", "bias") if cfg.expert_bias else ("weight",)
@@ -262,6 +279,7 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         banks = allocate_banks(cfg)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)
+        _check_types(ck, cfg)
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format)
         for name, canon, src in ck.sources(cfg):
             if canon.startswith("experts:"):
