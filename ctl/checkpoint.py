@@ -17,7 +17,9 @@ from typing import Any
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("checkpoint", help="convert a model folder to FTW (fast loading)")
-    p.add_argument("--model", required=True, help="model folder (HF safetensors or FTW)")
+    p.add_argument(
+        "--model", required=True, help="model folder (HF safetensors or FTW) or a .gguf file"
+    )
     p.add_argument("--out", required=True, help="FTW folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing FTW folder at --out")
     p.add_argument(
