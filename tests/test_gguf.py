@@ -143,3 +143,29 @@ def test_split_set_loads_from_any_part(tmp_path):
     assert llm.name == "olmoe"
     ids = _prompt(16, seed=6)
     assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "kmix"])
+def test_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path):
+    """transformers reads the same file with its own name map and dequantizers. Its qwen3moe
+    mapping ignores ``expert_feed_forward_length`` (the expert width falls back to 768), so
+    the tiny model uses that width."""
+    import transformers as tf
+
+    from freetokend.engine.tokenizer import Tokenizer
+
+    over = dict(mlp_only_layers=[], moe_intermediate_size=768, num_hidden_layers=2)
+    if kind == "kmix":
+        over.update(hidden_size=256)
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # transformers wants a vocab
+    hf = make_tiny("qwen3_moe", tmp_path / "hf", seed=3, vocab_size=vocab, **over)[1]
+    write_gguf("qwen3_moe", hf, tmp_path / "m.gguf", kind, tokenizer=builtin_model_dir)
+    ref_model = tf.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
+    ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32").logits(ids)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].float()
+    err = (ours - ref).abs().max().item()
+    assert err < ATOL, f"qwen3moe {kind} vs transformers' GGUF loader: {err}"
