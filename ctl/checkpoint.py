@@ -17,7 +17,9 @@ from typing import Any
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("checkpoint", help="convert a model folder to FTW (fast loading)")
-    p.add_argument("--model", required=True, help="model folder (HF safetensors or FTW)")
+    p.add_argument(
+        "--model", required=True, help="model folder (HF safetensors or FTW) or a .gguf file"
+    )
     p.add_argument("--out", required=True, help="FTW folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing FTW folder at --out")
     p.add_argument(
@@ -60,15 +62,13 @@ def _progress_bar() -> Any:
 
 def run(args: argparse.Namespace) -> int:
     model, out = Path(args.model), Path(args.out)
-    if not model.is_dir():
-        return _fail(f"{model}: no such model folder")
-    from freetokend.checkpoint.ftw import convert
     from freetokend.checkpoint.ftw_write import check_destination
-    from freetokend.models.config import ConfigError, ModelConfig
-    from freetokend.models.loader import CheckpointError
+    from freetokend.models.config import ConfigError
+    from freetokend.models.ftw_convert import convert
+    from freetokend.models.loader import CheckpointError, model_config
 
     try:
-        ModelConfig.from_hf(model)  # fail before the bar on the cheap checks
+        model_config(model)  # fail before the bar on the cheap checks (folder or GGUF file)
         check_destination(out.absolute(), args.force)
         with _progress_bar() as bar:
             loading = bar.add_task("load", total=None)

@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        metavar="DIR",
-        help="HF model folder (default: the built-in tiny model, generated on first use)",
+        metavar="PATH",
+        help="HF or FTW model folder, or a .gguf file (default: the built-in tiny model, "
+        "generated on first use)",
     )
     p.add_argument(
         "--served-model-name",

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..models.loader import CheckpointError
+from ..formats.errors import CheckpointError
 
 VERSION = 1
 ALIGN = 4096  # every extent starts here; also O_DIRECT's alignment for offset, length and buffer

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any, overload
 
+import torch
+
 from ..experts.backend import (
     BACKENDS,
     RoutingRecorder,
@@ -21,7 +23,7 @@ from ..experts.backend import (
 from ..experts.banks import Activation, ActivationSpec
 from ..models.config import ModelConfig
 from ..models.expert_quant import quantize_experts_at_load
-from ..models.loader import load_model
+from ..models.loader import load_model, model_config, model_kind
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
 from .prefix import PrefixReuse, SnapshotPolicy
@@ -96,12 +98,19 @@ class LLM:
                 f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(BACKENDS)}"
             )
         self.model_dir = Path(model_dir)
-        self.name = name or self.model_dir.name
-        cfg = ModelConfig.from_hf(self.model_dir)
-        if dtype is not None and dtype != cfg.torch_dtype:
-            if dtype not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-            cfg = dataclasses.replace(cfg, torch_dtype=dtype)
+        # a GGUF file (or split set): config, tokenizer and template all come from its metadata
+        self.gguf = model_kind(self.model_dir) == "gguf"
+        self._gguf_has_tokens: bool | None = None
+        self._tokenizer_json: Path | None = None
+        if self.gguf:
+            from ..formats.gguf_file import set_name
+
+            self.name = name or set_name(self.model_dir)
+        else:
+            self.name = name or self.model_dir.name
+        if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        cfg = model_config(self.model_dir, dtype)
         self.model, self.banks = load_model(self.model_dir, cfg)
         if quantize_experts is not None:
             self.banks = quantize_experts_at_load(self.banks, cfg, quantize_experts)
@@ -197,7 +206,12 @@ class LLM:
         if self._tokenizer is None:
             from .tokenizer import Tokenizer
 
-            self._tokenizer = Tokenizer.from_dir(self.model_dir)
+            if self.gguf:
+                from .gguf_tokenizer import tokenizer_from_gguf
+
+                self._tokenizer = tokenizer_from_gguf(self.model_dir)
+            else:
+                self._tokenizer = Tokenizer.from_dir(self.model_dir)
         return self._tokenizer
 
     @property
@@ -205,12 +219,31 @@ class LLM:
         if self._chat_template is None:
             from .chat_template import ChatTemplate
 
-            self._chat_template = ChatTemplate.from_dir(self.model_dir)
+            if self.gguf:
+                from .gguf_tokenizer import chat_template_from_gguf
+
+                self._chat_template = chat_template_from_gguf(self.model_dir)
+            else:
+                self._chat_template = ChatTemplate.from_dir(self.model_dir)
         return self._chat_template
+
+    @property
+    def tokenizer_json(self) -> Path:
+        """A ``tokenizer.json`` for this model (for a GGUF: the converted tokenizer, written once
+        to a temporary file), for consumers that read the file (constrained decoding)."""
+        if not self.gguf:
+            return self.model_dir / "tokenizer.json"
+        if self._tokenizer_json is None:
+            import tempfile
+
+            d = Path(tempfile.mkdtemp(prefix="freetoken-gguf-tok-"))
+            self.tokenizer.backend.save(str(d / "tokenizer.json"))
+            self._tokenizer_json = d / "tokenizer.json"
+        return self._tokenizer_json
 
     def _anchor_ids(self) -> dict[int, str]:
         """The family's anchor tokens that this tokenizer has (DESIGN §2)."""
-        if not (self.model_dir / "tokenizer.json").exists():
+        if not self._has_tokenizer():
             return {}
         out = {}
         for text, kind in family_spec(self.config.family).anchors:
@@ -221,9 +254,42 @@ class LLM:
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids)
-        if (self.model_dir / "tokenizer.json").exists():
+        if self._has_tokenizer():
             ids |= set(self.tokenizer.eos_token_ids)
         return ids
+
+    def _has_tokenizer(self) -> bool:
+        if self.gguf:  # the first file of a split set holds the metadata
+            if self._gguf_has_tokens is None:
+                from ..formats.gguf_file import GgufFile, split_files
+
+                with GgufFile(split_files(self.model_dir)[0]) as f:
+                    self._gguf_has_tokens = "tokenizer.ggml.tokens" in f.metadata
+            return self._gguf_has_tokens
+        return (self.model_dir / "tokenizer.json").exists()
+
+    # ---- scoring ----------------------------------------------------------------------------
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits of the whole sequence at once: fp32 [T, vocab], row t scoring
+        token t + 1 (for checks against other engines, perplexity, evaluation)."""
+        if not token_ids:
+            raise ValueError("logits() needs at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        if self.engine.has_unfinished():
+            raise RuntimeError("the engine is serving other requests; use the daemon's API")
+        from .runner import Work
+
+        state = self.runner.new_state()
+        try:
+            with torch.no_grad():
+                out = self.runner.forward([Work(state, list(token_ids), all_logits=True)])
+        finally:
+            self.runner.release(state)
+        return out.float()
 
     # ---- generation -------------------------------------------------------------------------
     @overload

@@ -44,6 +44,7 @@ class Work:
     state: SeqState
     tokens: list[int]
     want_logits: bool = True
+    all_logits: bool = False  # logits of every fed position, not only the last (LLM.logits)
 
 
 class ModelRunner:
@@ -86,14 +87,17 @@ class ModelRunner:
         """Runs all work items as one batch; returns logits [num items with want_logits, vocab]."""
         ids: list[int] = []
         pos: list[torch.Tensor] = []
-        chunks, rows = [], []
+        chunks: list[SeqChunk] = []
+        rows: list[int] = []
         for w in work:
             n = len(w.tokens)
             self.reserve(w.state, w.state.num_tokens + n)
             chunks.append(SeqChunk(len(ids), n, w.state.num_tokens, w.state))
             pos.append(torch.arange(w.state.num_tokens, w.state.num_tokens + n))
             ids.extend(w.tokens)
-            if w.want_logits:
+            if w.want_logits and w.all_logits:
+                rows.extend(range(len(ids) - n, len(ids)))
+            elif w.want_logits:
                 rows.append(len(ids) - 1)
         batch = ForwardBatch(
             token_ids=torch.tensor(ids, dtype=torch.long),

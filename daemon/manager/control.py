@@ -69,15 +69,13 @@ class ControlPlane:
         import torch
 
         from ..experts.bandwidth import profile_format
-        from ..models.config import ModelConfig
         from ..models.expert_quant import stored_expert_format
+        from ..models.loader import model_config
 
         acc = self.cfg.accelerator
         kind = "cuda" if acc == "cuda" or (acc == "auto" and torch.cuda.is_available()) else acc
         experts = quantize or stored_expert_format(path)
-        prof = self.store.bandwidth(
-            profile_format(experts, ModelConfig.from_hf(path).torch_dtype), kind
-        )
+        prof = self.store.bandwidth(profile_format(experts, model_config(path).torch_dtype), kind)
         return None if prof is None else (prof.b_p, prof.b_h)
 
     def _quantize(self, path: Path) -> str | None:

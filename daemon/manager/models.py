@@ -64,7 +64,12 @@ def default_host_budget() -> int:
 
 
 def checkpoint_bytes(path: Path) -> int:
-    """Size on disk of the weight files of a model folder (an estimate of its host pool)."""
+    """Size on disk of the weight files of a model folder or GGUF file / split set (an
+    estimate of its host pool)."""
+    if path.is_file():
+        from ..formats.gguf_file import split_files
+
+        return sum(p.stat().st_size for p in split_files(path))
     return sum(
         p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".ftw", ".bin")
     )
@@ -122,12 +127,17 @@ class ModelManager:
         """Load a model folder (or return the resident model of that name). The first model
         becomes active; later ones are parked until switched to."""
         path = self.resolve_path(spec)
+        if name is None and path.is_file():
+            from ..formats.gguf_file import set_name
+
+            name = set_name(path)
         name = name or path.name
         with self._lock:
             if name in self.models:
                 return self.models[name]
-            if not (path / "config.json").is_file():
-                raise ModelError(f"{path} is not a model folder (no config.json)")
+            gguf = path.is_file() and path.suffix == ".gguf"
+            if not gguf and not (path / "config.json").is_file():
+                raise ModelError(f"{path} is not a model folder (no config.json) nor a .gguf file")
             self._make_room(checkpoint_bytes(path), keep=())
             backend = moe_backend or self.default_backend
             started = time.monotonic()

@@ -9,15 +9,18 @@ both accepted; the family's FamilySpec says how names and layouts map.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..experts.banks import ExpertBanks
+from ..formats.errors import CheckpointError
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .layers.common import dtype_of
@@ -26,11 +29,6 @@ from .registry import family_spec
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot load; the message names the tensor and the file."""
-
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED = re.compile(
@@ -48,6 +46,14 @@ _PER_EXPERT = re.compile(
 )
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+__all__ = [
+    "CheckpointError",
+    "Filler",
+    "allocate_banks",
+    "load_model",
+    "model_config",
+    "model_kind",
+]
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -121,7 +127,7 @@ def _tensors(path: Path) -> Iterator[tuple[str, _Source]]:
             yield name, _Source(f, info)
 
 
-class _Filler:
+class Filler:
     """Knows every destination and what has been filled."""
 
     def __init__(
@@ -198,6 +204,78 @@ class _Filler:
         self._check(src, tuple(p.shape), name, path)
         src.into(p.data)
         self.filled.add(canon)
+
+    def dense(self, canon: str, src: _Source | _Loaded | Any, name: str, path: Path) -> None:
+        """Fills the dense parameter ``canon`` from ``src`` (shape and float dtype checked)."""
+        self._dense(canon, src, name, path)
+
+    def expert_stack(
+        self, layer: int, proj: str, kind: str, src: Any, name: str, path: Path
+    ) -> None:
+        """One projection of all experts of a layer, stacked: ``proj`` gate | up | down, ``kind``
+        weight [E, rows, cols] | bias [E, rows] (GGUF's ``ffn_<proj>_exps``)."""
+        base, e, i, h = (
+            self._moe_base(layer, name, path),
+            self.cfg.num_experts,
+            self.cfg.moe_intermediate_size,
+            self.cfg.hidden_size,
+        )
+        rows = slice(0, h) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
+        if kind == "weight":
+            self._check(src, (e, h, i) if proj == "down" else (e, i, h), name, path)
+            bank = self.banks.down if proj == "down" else self.banks.gate_up
+        else:
+            self._check(src, (e, h) if proj == "down" else (e, i), name, path)
+            bias = self.banks.down_bias if proj == "down" else self.banks.gate_up_bias
+            bank = self._bias(bias, name, path)
+        src.into(bank[base : base + e, rows])
+        part = f"{proj}_proj" if kind == "weight" else f"{proj}_bias"
+        part = "down_proj_bias" if part == "down_bias" else part
+        self.expert_filled.update((layer, part, x) for x in range(e))
+        done = {(layer, "gate_bias", x) for x in range(e)} | {
+            (layer, "up_bias", x) for x in range(e)
+        }
+        if done <= self.expert_filled:  # both halves of the fused gate/up bias are in
+            self.expert_filled.update((layer, "gate_up_proj_bias", x) for x in range(e))
+
+    def expert_stack_mxfp4(
+        self,
+        layer: int,
+        proj: str,
+        blocks: torch.Tensor,
+        scales: torch.Tensor,
+        name: str,
+        path: Path,
+    ) -> None:
+        """One projection of all experts of a layer in our mxfp4 layout: ``blocks`` uint8
+        [E, rows, cols / 2] (element 2j in the low nibble), ``scales`` uint8 e8m0
+        [E, rows, cols / 32]."""
+        base, e, i, h = (
+            self._moe_base(layer, name, path),
+            self.cfg.num_experts,
+            self.cfg.moe_intermediate_size,
+            self.cfg.hidden_size,
+        )
+        rows, cols = (h, i) if proj == "down" else (i, h)
+        if tuple(blocks.shape) != (e, rows, cols // 2):
+            raise CheckpointError(
+                f"{path}: tensor '{name}' holds {list(blocks.shape[:2])} rows of experts; "
+                f"expected {[e, rows]}"
+            )
+        sel = slice(0, h) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
+        bank = self.banks.down if proj == "down" else self.banks.gate_up
+        scale = self.banks.extra["down_scale" if proj == "down" else "gate_up_scale"]
+        bank[base : base + e, sel].copy_(blocks)
+        scale[base : base + e, sel].copy_(scales)
+        parts = ("down_proj_blocks", "down_proj_scales") if proj == "down" else (f"{proj}_mx",)
+        self.expert_filled.update((layer, p, x) for p in parts for x in range(e))
+        gate_up = {(layer, f"{p}_mx", x) for p in ("gate", "up") for x in range(e)}
+        if gate_up <= self.expert_filled:
+            self.expert_filled.update(
+                (layer, p, x)
+                for p in ("gate_up_proj_blocks", "gate_up_proj_scales")
+                for x in range(e)
+            )
 
     def _moe_base(self, layer: int, name: str, path: Path) -> int:
         if layer >= self.cfg.num_layers or self.cfg.moe_layer_index[layer] < 0:
@@ -351,12 +429,51 @@ def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
     )
 
 
+def model_kind(path: str | Path) -> str:
+    """``gguf`` (a GGUF file or split set), ``ftw`` or ``hf`` (a folder); a clear error for
+    anything else."""
+    p = Path(path)
+    expected = "expected a model folder (config.json + safetensors), an FTW folder or a .gguf file"
+    if p.is_dir():
+        return "ftw" if (p / "ftw.json").exists() else "hf"
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or folder; {expected}")
+    from ..formats.gguf_file import is_gguf
+
+    try:
+        if is_gguf(p):
+            return "gguf"
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror}); {expected}") from None
+    raise CheckpointError(f"{p}: a file that is not a GGUF checkpoint (wrong magic); {expected}")
+
+
+def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig of any checkpoint ``load_model`` reads (``dtype``: override the weights'
+    dtype in memory)."""
+    if model_kind(path) == "gguf":
+        from .gguf_loader import GgufCheckpoint
+
+        with GgufCheckpoint(path) as ck:
+            return ck.config(dtype)
+    cfg = ModelConfig.from_hf(path)
+    if dtype is not None and dtype != cfg.torch_dtype:
+        cfg = dataclasses.replace(cfg, torch_dtype=dtype)
+    return cfg
+
+
 def load_model(
     model_dir: str | Path, cfg: ModelConfig | None = None
 ) -> tuple[CausalLM, ExpertBanks]:
+    """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set."""
     model_dir = Path(model_dir)
-    if (model_dir / "ftw.json").exists():  # pre-laid-out FTW folder (DESIGN §4)
-        from ..checkpoint.ftw import load_ftw
+    kind = model_kind(model_dir)
+    if kind == "gguf":
+        from .gguf_loader import load_gguf
+
+        return load_gguf(model_dir, cfg)
+    if kind == "ftw":  # pre-laid-out FTW folder (DESIGN §4)
+        from .ftw_loader import load_ftw
 
         stored = ModelConfig.from_hf(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:
@@ -369,7 +486,7 @@ def load_model(
     spec = family_spec(cfg.family)
     model = CausalLM(cfg)
     banks = allocate_banks(cfg)
-    filler = _Filler(cfg, spec, model, banks)
+    filler = Filler(cfg, spec, model, banks)
     mtp_skipped = 0
     for path in checkpoint_files(model_dir):
         for name, src in _tensors(path):

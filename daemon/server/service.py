@@ -197,7 +197,7 @@ class ModelService:
             from .constrained.constraint import GrammarFactory
 
             self._grammars = GrammarFactory(
-                Path(self.llm.model_dir) / "tokenizer.json",
+                getattr(self.llm, "tokenizer_json", Path(self.llm.model_dir) / "tokenizer.json"),
                 self.llm.config.vocab_size,
                 sorted(self.eos_ids),
             )

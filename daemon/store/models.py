@@ -16,18 +16,37 @@ FTW_INDEX = "ftw.json"  # checkpoint/ftw_index.INDEX_NAME (not imported: keeps t
 class ModelRecord:
     path: str
     name: str
-    format: str  # hf | ftw
+    format: str  # hf | ftw | gguf
     fingerprint: str
     last_used: float
 
 
 def model_format(folder: Path) -> str:
+    if folder.is_file():
+        return "gguf"
     return "ftw" if (folder / FTW_INDEX).exists() else "hf"
+
+
+def _gguf_fingerprint(path: Path) -> str:
+    """A GGUF file (or split set): the name, size and mtime of every part, and the start of the
+    first (magic, version, the first metadata)."""
+    from ..formats.gguf_file import split_files
+
+    h = hashlib.blake2b(digest_size=16)
+    parts = split_files(path)
+    with parts[0].open("rb") as f:
+        h.update(f.read(4096))
+    for p in parts:
+        st = p.stat()
+        h.update(json.dumps([p.name, st.st_size, st.st_mtime_ns]).encode())
+    return h.hexdigest()
 
 
 def model_fingerprint(folder: Path) -> str:
     """Identity of a checkpoint's weights without reading them: config.json's bytes and the
     name, size and mtime of every weight file. A rewritten checkpoint gets a new fingerprint."""
+    if folder.is_file():
+        return _gguf_fingerprint(folder)
     h = hashlib.blake2b(digest_size=16)
     config = folder / "config.json"
     h.update(config.read_bytes() if config.exists() else b"")

@@ -1,0 +1,73 @@
+"""An FTW folder into a model: the FTW reader (``checkpoint.ftw``) composed with the model's
+tensor list; ``load_model`` calls ``load_ftw`` for a folder that has ``ftw.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint.ftw import Spec, read_tensors
+from ..checkpoint.ftw_index import FtwError, read_index
+from ..checkpoint.ftw_io import pin
+from ..experts.banks import ExpertBanks
+from ..experts.formats import FORMATS, get_format
+from .config import ModelConfig
+from .layers.common import dtype_of
+from .model import CausalLM
+
+
+def _expected(cfg: ModelConfig, model: CausalLM, expert_format: str) -> dict[str, Spec]:
+    """Every tensor the model needs, with its shape and dtype."""
+    if expert_format not in FORMATS:
+        raise FtwError(
+            f"expert format {expert_format!r} of this FTW folder is unknown to this build"
+        )
+    want: dict[str, Spec] = {
+        f"model.{n}": (tuple(p.shape), p.dtype) for n, p in model.named_parameters()
+    }
+    n, h, i = cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    dt = dtype_of(cfg.torch_dtype)
+    for name, (shape, bank_dt) in get_format(expert_format).specs(h, i, dt).items():
+        want[f"experts.{name}"] = ((n, *shape), bank_dt)
+    if cfg.expert_bias:
+        want["experts.gate_up_bias"] = ((n, 2 * i), dt)
+        want["experts.down_bias"] = ((n, h), dt)
+    return want
+
+
+def load_ftw(
+    folder: str | Path,
+    cfg: ModelConfig | None = None,
+    *,
+    threads: int | None = None,
+    direct: bool = True,
+    pin_banks: bool = True,
+    verify: bool = False,
+) -> tuple[CausalLM, ExpertBanks]:
+    """Loads an FTW folder: the same (CausalLM, ExpertBanks) ``load_model`` returns.
+
+    threads    parallel read requests (default: 2 per core, 4..16)
+    direct     use O_DIRECT where the filesystem allows it (buffered reads otherwise)
+    pin_banks  cudaHostRegister the expert banks after filling (only when CUDA is available)
+    verify     re-hash every tensor after reading (slow; the index and sizes are always checked)
+    """
+    folder = Path(folder)
+    idx = read_index(folder)
+    cfg = cfg or ModelConfig.from_hf(folder)
+    model = CausalLM(cfg)  # parameters are torch.empty: untouched pages cost nothing
+    want = _expected(cfg, model, idx.expert_format)
+    tensors = read_tensors(folder, idx, want, threads=threads, direct=direct, verify=verify)
+    for name, p in model.named_parameters():
+        p.data = tensors[f"model.{name}"]  # tied weights share the Parameter: set once
+    bank = {k.removeprefix("experts."): t for k, t in tensors.items() if k.startswith("experts.")}
+    banks = ExpertBanks(
+        gate_up=bank.pop("gate_up"),
+        down=bank.pop("down"),
+        gate_up_bias=bank.pop("gate_up_bias", None),
+        down_bias=bank.pop("down_bias", None),
+        format=idx.expert_format,
+        extra=bank,
+    )
+    if pin_banks:
+        pin(list(banks.all_tensors().values()))
+    model.eval()
+    return model, banks

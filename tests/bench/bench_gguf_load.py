@@ -1,0 +1,139 @@
+"""GGUF load benchmark: load time and peak RSS over file size for a >= 2 GB GGUF file with
+Qwen3-30B-A3B expert geometry (random weights).
+
+    .venv/bin/python tests/bench/bench_gguf_load.py [--type bf16|f32|q8_0] [--min-gb 2.0]
+
+Writes once (cached under /tmp/ftbench-gguf) a ``qwen3moe`` GGUF: hidden 2048, 128 experts
+(top-8) of 768, 32 q / 4 kv heads of dim 128, vocab 8192, tensors written one at a time (never
+the whole model in memory). Then loads it in a fresh child process (page cache warm) and prints
+wall time, the child's peak RSS and peak RSS / file size. BF16/F32 files are read into their
+final tensors (target <= 1.15); quantized ones are dequantized to bf16 at load for now, so their
+ratio is about bf16 bytes / quantized bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+CACHE = Path("/tmp/ftbench-gguf")
+H, E, K, I_MOE, HEADS, KV, HD, VOCAB = 2048, 128, 8, 768, 32, 4, 128, 8192
+
+
+def _shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    out = [
+        ("token_embd.weight", (VOCAB, H)),
+        ("output_norm.weight", (H,)),
+        ("output.weight", (VOCAB, H)),
+    ]
+    for i in range(layers):
+        b = f"blk.{i}"
+        out += [
+            (f"{b}.attn_norm.weight", (H,)),
+            (f"{b}.ffn_norm.weight", (H,)),
+            (f"{b}.attn_q.weight", (HEADS * HD, H)),
+            (f"{b}.attn_k.weight", (KV * HD, H)),
+            (f"{b}.attn_v.weight", (KV * HD, H)),
+            (f"{b}.attn_output.weight", (H, HEADS * HD)),
+            (f"{b}.attn_q_norm.weight", (HD,)),
+            (f"{b}.attn_k_norm.weight", (HD,)),
+            (f"{b}.ffn_gate_inp.weight", (E, H)),
+            (f"{b}.ffn_gate_exps.weight", (E, I_MOE, H)),
+            (f"{b}.ffn_up_exps.weight", (E, I_MOE, H)),
+            (f"{b}.ffn_down_exps.weight", (E, H, I_MOE)),
+        ]
+    return out
+
+
+def build(kind: str, min_gb: float) -> Path:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    qt = {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0}[kind]
+    block, type_size = gguf.GGML_QUANT_SIZES[qt]
+    per_layer = sum(int(np.prod(s)) for _, s in _shapes(1)[3:]) * type_size / block
+    layers = max(1, int(np.ceil(min_gb * 2**30 / per_layer)))
+    path = CACHE / f"qwen3moe-{layers}L-{kind}.gguf"
+    if path.exists():
+        return path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    for key, v in (
+        ("block_count", layers), ("context_length", 4096), ("embedding_length", H),
+        ("feed_forward_length", 6144), ("expert_feed_forward_length", I_MOE),
+        ("attention.head_count", HEADS), ("attention.head_count_kv", KV),
+        ("attention.key_length", HD), ("attention.value_length", HD),
+        ("expert_count", E), ("expert_used_count", K),
+    ):  # fmt: skip
+        w.add_uint32(f"qwen3moe.{key}", v)
+    w.add_float32("qwen3moe.rope.freq_base", 1e6)
+    w.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
+    rng = np.random.default_rng(0)
+    shapes = _shapes(layers)
+
+    pool = rng.standard_normal(1 << 20, dtype=np.float32) * 0.02  # tiled: content is irrelevant
+
+    def tensor(name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Q]:
+        n = int(np.prod(shape))
+        a = np.resize(np.roll(pool, n % 4099), n).reshape(shape)
+        if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):
+            return a, Q.F32
+        return gguf.quants.quantize(a, qt), qt
+
+    for name, shape in shapes:  # sizes first: the header precedes the data
+        kind_of = Q.F32 if len(shape) == 1 or name.endswith("ffn_gate_inp.weight") else qt
+        b, ts = gguf.GGML_QUANT_SIZES[kind_of]
+        nbytes = int(np.prod(shape)) * ts // b
+        w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind_of)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape in shapes:
+        a, _ = tensor(name, shape)
+        w.write_tensor_data(a)
+    w.close()
+    return path
+
+
+def child(path: str) -> None:
+    from freetokend.models.loader import load_model
+
+    t0 = time.perf_counter()
+    load_model(path)
+    dt = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"load_s": dt, "peak_rss": rss}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--type", default="bf16", choices=["f32", "bf16", "q8_0"])
+    ap.add_argument("--min-gb", type=float, default=2.0)
+    ap.add_argument("--child")
+    a = ap.parse_args()
+    if a.child:
+        child(a.child)
+        return
+    t0 = time.perf_counter()
+    path = build(a.type, a.min_gb)
+    size = path.stat().st_size
+    print(f"file {path} ({size / 2**30:.2f} GiB, built/cached in {time.perf_counter() - t0:.1f} s)")
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(path)], capture_output=True, text=True, check=True
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        f"{a.type}: load {r['load_s']:.2f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, "
+        f"peak RSS / file size {r['peak_rss'] / size:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

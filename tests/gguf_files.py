@@ -1,0 +1,246 @@
+"""Tiny GGUF files written from tiny HF checkpoints, in llama.cpp's conventions: tensor names from
+the ``gguf`` package's own name map, stacked experts, Q/K rows permuted for the llama
+architecture, metadata under llama.cpp's keys. Types: F32, BF16, Q8_0 (``gguf.quants``) and a
+K-quant mix (Q4_K / Q6_K blocks made by ``kquants``; other rows Q8_0/Q5_0/Q4_0)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+_MODEL_ARCH = {
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
+}
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's Q/K row permutation for its interleaved rope (convert_hf_to_gguf)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
+    """GGUF name -> float tensor (torch order) for an HF model of ``family``."""
+    c = hf.config
+    arch = ARCH[family]
+    names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], c.num_hidden_layers)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in hf.state_dict().items():
+        t = t.detach().float()
+        if "rotary_emb" in key:
+            continue
+        if ".mlp.experts." in key:
+            layer = int(key.split(".")[2])
+            part = key.rsplit(".", 1)[1]
+            blk = f"blk.{layer}"
+            if family == "gpt_oss":
+                if part == "gate_up_proj":  # [E, H, 2I] interleaved -> gate/up [E, I, H]
+                    t = t.transpose(1, 2)
+                    out[f"{blk}.ffn_gate_exps.weight"] = t[:, 0::2]
+                    out[f"{blk}.ffn_up_exps.weight"] = t[:, 1::2]
+                elif part == "gate_up_proj_bias":
+                    out[f"{blk}.ffn_gate_exps.bias"] = t[:, 0::2]
+                    out[f"{blk}.ffn_up_exps.bias"] = t[:, 1::2]
+                elif part == "down_proj":
+                    out[f"{blk}.ffn_down_exps.weight"] = t.transpose(1, 2)
+                else:
+                    out[f"{blk}.ffn_down_exps.bias"] = t
+            elif part == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows
+                i = t.shape[1] // 2
+                out[f"{blk}.ffn_gate_exps.weight"] = t[:, :i]
+                out[f"{blk}.ffn_up_exps.weight"] = t[:, i:]
+            else:
+                out[f"{blk}.ffn_down_exps.weight"] = t
+            continue
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise KeyError(f"no GGUF name for {key}")
+        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
+            t = _permute(t, heads)
+        if name.endswith("attn_sinks"):
+            name += ".weight"
+        out[name] = t.contiguous()
+    return out
+
+
+def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = getattr(c, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
+    experts = getattr(c, "num_experts", None) or c.num_local_experts
+    w.add_expert_count(experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if family == "qwen3_moe":
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    else:
+        w.add_feed_forward_length(c.intermediate_size)
+    if family == "olmoe" and c.clip_qkv is not None:
+        w.add_clamp_kqv(c.clip_qkv)
+    if family == "gpt_oss":
+        w.add_sliding_window(c.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
+    """The stored array and type of one tensor in a file of ``kind`` (f32 | bf16 | q8_0 | kmix):
+    norms, biases and sinks stay F32 as llama.cpp keeps them."""
+    a = t.numpy().astype(np.float32)
+    if kind == "f32" or t.dim() == 1 or name.endswith((".bias", "attn_sinks.weight")):
+        return a, Q.F32
+    if name.endswith("ffn_gate_inp.weight"):  # routers stay F32 as llama.cpp keeps them
+        return a, Q.F32
+    if kind == "mxfp4":  # GPT-OSS files: experts MXFP4, the rest kept as is (F32 here)
+        if name.endswith("_exps.weight"):
+            return gguf.quants.quantize(a, Q.MXFP4), Q.MXFP4
+        return a, Q.F32
+    if kind == "bf16":
+        return gguf.quants.quantize(a, Q.BF16), Q.BF16
+    if kind == "q8_0":
+        return gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0
+    from kquants import quantize_q4_k, quantize_q6_k
+
+    row = a.shape[-1]
+    if row % 256 == 0:  # a Q4_K_M-like mix: most Q4_K, down/output Q6_K
+        if name.endswith(("ffn_down_exps.weight", "output.weight", "attn_v.weight")):
+            return quantize_q6_k(a), Q.Q6_K
+        return quantize_q4_k(a), Q.Q4_K
+    qt = Q.Q5_0 if "attn" in name else Q.Q4_0 if "exps" in name else Q.Q8_0
+    return gguf.quants.quantize(a, qt), qt
+
+
+def write_gguf(
+    family: str,
+    hf: Any,
+    path: Path,
+    kind: str = "f32",
+    *,
+    tokenizer: Path | None = None,
+    pre: str = "qwen2",
+    drop: tuple[str, ...] = (),
+    split_max_tensors: int = 0,
+) -> Path:
+    """Writes ``hf`` (an HF model of ``family``) as a GGUF file of ``kind``; ``drop``: tensor
+    names left out (for missing-tensor tests); ``tokenizer``: an HF folder whose byte-level BPE
+    tokenizer and chat template go into the metadata (``pre``: llama.cpp's pre-tokenizer name)."""
+    arch = ARCH[family]
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    _metadata(w, family, hf.config)
+    if tokenizer is not None:
+        write_tokenizer(w, tokenizer, pre)
+    else:
+        w.add_eos_token_id(hf.config.eos_token_id)
+        w.add_bos_token_id(hf.config.bos_token_id)
+    for name, t in gguf_tensors(family, hf).items():
+        if name in drop:
+            continue
+        data, qt = quantize(name, t, kind)
+        w.add_tensor(name, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tokenizer(w: gguf.GGUFWriter, folder: Path, pre: str) -> None:
+    """An HF byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) as llama.cpp's
+    converter stores it: tokens by id, types (1 normal, 3 control = special added token,
+    4 user-defined = other added token), merges, special ids, chat template."""
+    import json
+
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    types = {i: 1 for i in vocab.values()}
+    for a in tok["added_tokens"]:
+        vocab[a["content"]] = a["id"]
+        types[a["id"]] = 3 if a["special"] else 4
+    by_id = {i: t for t, i in vocab.items()}
+    n = max(by_id) + 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n)])
+    w.add_token_types([types.get(i, 5) for i in range(n)])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(vocab[cfg["eos_token"]])
+    w.add_pad_token_id(vocab[cfg["pad_token"]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(cfg["chat_template"])
+
+
+def dequantized_reference(family: str, hf: Any, path: Path) -> None:
+    """Loads the file's (dequantized) tensors back into ``hf`` in place: the oracle for
+    quantized files is transformers on the very weights the file holds."""
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: (t.tensor_type, np.array(t.data)) for t in reader.tensors}
+    want = gguf_tensors(family, hf)
+    back: dict[str, torch.Tensor] = {}
+    for name, t in want.items():
+        qt, raw = stored[name]
+        back[name] = torch.from_numpy(dequantize(raw, qt).astype(np.float32)).reshape(t.shape)
+    _load_back(family, hf, back)
+
+
+def _load_back(family: str, hf: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of ``gguf_tensors``: writes GGUF-named tensors into the HF model's parameters."""
+    c = hf.config
+    arch = ARCH[family]
+    names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], c.num_hidden_layers)
+    sd = hf.state_dict()
+    with torch.no_grad():
+        for key, p in sd.items():
+            if "rotary_emb" in key:
+                continue
+            if ".mlp.experts." in key:
+                layer, part = int(key.split(".")[2]), key.rsplit(".", 1)[1]
+                g = lambda s, b=f"blk.{layer}.ffn_": tensors[b + s]  # noqa: E731
+                if family == "gpt_oss":
+                    if part == "gate_up_proj":
+                        t = torch.stack([g("gate_exps.weight"), g("up_exps.weight")], 2)
+                        t = t.reshape(t.shape[0], -1, t.shape[-1]).transpose(1, 2)
+                    elif part == "gate_up_proj_bias":
+                        t = torch.stack([g("gate_exps.bias"), g("up_exps.bias")], 2).flatten(1)
+                    elif part == "down_proj":
+                        t = g("down_exps.weight").transpose(1, 2)
+                    else:
+                        t = g("down_exps.bias")
+                elif part == "gate_up_proj":
+                    t = torch.cat([g("gate_exps.weight"), g("up_exps.weight")], 1)
+                else:
+                    t = g("down_exps.weight")
+            else:
+                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+                assert name is not None
+                t = tensors[name + ".weight" if name.endswith("attn_sinks") else name]
+                if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
+                    d = t.shape[0] // heads
+                    t = t.reshape(heads, d // 2, 2, -1).swapaxes(1, 2).reshape(t.shape)
+            p.copy_(t.reshape(p.shape).to(p.dtype))

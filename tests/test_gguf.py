@@ -1,0 +1,171 @@
+"""GGUF files written from tiny HF checkpoints load into the same numerics as transformers.
+
+F32 files are lossless copies: our logits must match the HF checkpoint within fp32 tolerance and
+greedy decoding must give transformers' tokens. Quantized files (BF16, Q8_0) are checked against
+transformers running on the file's own dequantized weights (``gguf.quants``), so the check is on
+tensor placement and layout, not on quantization error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import dequantized_reference, write_gguf
+from tiny_models import make_tiny
+
+from freetokend import LLM
+
+ATOL = 2e-4
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
+
+
+def _tiny(family: str, d, seed: int = 3):
+    over = {"mlp_only_layers": []} if family == "qwen3_moe" else {}  # llama.cpp's qwen3moe
+    return make_tiny(family, d / "hf", seed=seed, **over)[1]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(_hf_logits(hf, seq)[-1].argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def f32(request, tmp_path_factory):
+    family = request.param
+    d = tmp_path_factory.mktemp(f"gguf-{family}")
+    hf = _tiny(family, d)
+    path = write_gguf(family, hf, d / f"{family}-F32.gguf", "f32")
+    return family, hf, LLM(path, max_model_len=256, kv_tokens=2048)
+
+
+def test_f32_logits_match_the_hf_checkpoint(f32):
+    family, hf, llm = f32
+    assert llm.config.torch_dtype == "float32" and llm.name.endswith("-F32")
+    ids = _prompt(32, seed=1)
+    ours = llm.logits(ids)
+    assert ours.shape == (32, 97) and ours.dtype == torch.float32
+    err = (ours - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family}: max |logit diff| {err}"
+
+
+def test_f32_greedy_tokens_match_transformers(f32):
+    family, hf, llm = f32
+    ids = _prompt(10, seed=4)
+    assert llm.generate(ids, max_tokens=24, ignore_eos=True) == _hf_greedy(hf, ids, 24), family
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
+    hf = _tiny(family, tmp_path)
+    path = write_gguf(family, hf, tmp_path / f"m-{kind}.gguf", kind)
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)  # hf now holds exactly the file's weights
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family} {kind}: max |logit diff| {err}"
+
+
+def test_quantized_file_loads_in_bf16_by_default(tmp_path, caplog):
+    hf = _tiny("qwen3_moe", tmp_path)
+    path = write_gguf("qwen3_moe", hf, tmp_path / "m-Q8_0.gguf", "q8_0")
+    with caplog.at_level("INFO", logger="freetokend.models.gguf_loader"):
+        llm = LLM(path, max_model_len=64, kv_tokens=256)
+    assert llm.config.torch_dtype == "bfloat16" and llm.banks.gate_up.dtype == torch.bfloat16
+    assert "dequantizing" in caplog.text and "Q8_0" in caplog.text and "GiB" in caplog.text
+
+
+def test_logits_rows_equal_incremental_decoding(f32):
+    family, hf, llm = f32
+    ids = _prompt(16, seed=5)
+    full = llm.logits(ids)
+    assert torch.allclose(llm.logits(ids[:9])[-1], full[8], atol=ATOL)
+    assert llm.runner.kv.num_used == 0 or llm.engine.prefix is not None
+
+
+@pytest.mark.parametrize(
+    "family, over",
+    [
+        ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=96, mlp_only_layers=[])),
+        ("mixtral", dict(hidden_size=256, intermediate_size=96, head_dim=64)),
+    ],
+)
+def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path):
+    """A Q4_K_M-like file: Q4_K rows, Q6_K for output / attn_v, Q4_0 / Q5_0 / Q8_0 where rows
+    are not multiples of 256 (as real Q4_K_M files carry)."""
+    import gguf
+
+    hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix")
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K", "Q4_0"} <= types, types
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family} Q4_K_M mix: max |logit diff| {err}"
+
+
+def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path, caplog):
+    """GPT-OSS GGUF files carry MXFP4 experts: they load into our mxfp4 banks without being
+    dequantized (same e2m1 codes and e8m0 scales, nibbles re-paired), and compute what
+    transformers computes on the dequantized weights."""
+    hf = _tiny("gpt_oss", tmp_path)
+    path = write_gguf("gpt_oss", hf, tmp_path / "gpt-oss-MXFP4.gguf", "mxfp4")
+    with caplog.at_level("INFO", logger="freetokend.models.gguf_loader"):
+        llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    assert llm.banks.format == "mxfp4" and llm.banks.gate_up.dtype == torch.uint8
+    assert "dequantizing" not in caplog.text
+    dequantized_reference("gpt_oss", hf, path)
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"gpt_oss MXFP4: max |logit diff| {err}"
+
+
+def test_split_set_loads_from_any_part(tmp_path):
+    """llama.cpp's split sets (``name-0000i-of-0000N.gguf``, metadata in the first part)."""
+    hf = _tiny("olmoe", tmp_path)
+    write_gguf("olmoe", hf, tmp_path / "olmoe.gguf", split_max_tensors=8)
+    parts = sorted(tmp_path.glob("olmoe-*-of-*.gguf"))
+    assert len(parts) >= 3, parts
+    llm = LLM(parts[1], max_model_len=64, kv_tokens=256)
+    assert llm.name == "olmoe"
+    ids = _prompt(16, seed=6)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "kmix"])
+def test_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path):
+    """transformers reads the same file with its own name map and dequantizers. Its qwen3moe
+    mapping ignores ``expert_feed_forward_length`` (the expert width falls back to 768), so
+    the tiny model uses that width."""
+    import transformers as tf
+
+    from freetokend.engine.tokenizer import Tokenizer
+
+    over = dict(mlp_only_layers=[], moe_intermediate_size=768, num_hidden_layers=2)
+    if kind == "kmix":
+        over.update(hidden_size=256)
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # transformers wants a vocab
+    hf = make_tiny("qwen3_moe", tmp_path / "hf", seed=3, vocab_size=vocab, **over)[1]
+    write_gguf("qwen3_moe", hf, tmp_path / "m.gguf", kind, tokenizer=builtin_model_dir)
+    ref_model = tf.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
+    ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32").logits(ids)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].float()
+    err = (ours - ref).abs().max().item()
+    assert err < ATOL, f"qwen3moe {kind} vs transformers' GGUF loader: {err}"

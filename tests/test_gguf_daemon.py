@@ -1,0 +1,95 @@
+"""GGUF files through the daemon and ftctl: ``freetokend --model X.gguf`` serves it,
+``ftctl models load Y.gguf`` loads another, ``ftctl checkpoint --model X.gguf --out DIR`` writes
+an FTW folder that loads to the same logits (with the tokenizer and template of the file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import write_gguf
+from server_support.daemon import _pythonpath, start_daemon
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.engine.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(builtin_model_dir, tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("gguf-daemon")
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
+    out = {}
+    for name, seed in (("qa", 3), ("qb", 5)):
+        hf = make_tiny("qwen3_moe", d / name, seed=seed, mlp_only_layers=[], vocab_size=vocab)[1]
+        out[name] = write_gguf(
+            "qwen3_moe", hf, d / f"{name}-F32.gguf", tokenizer=builtin_model_dir, pre="qwen35"
+        )
+        shutil.rmtree(d / name)
+    return out
+
+
+def _ftctl(*args: str, socket: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    cmd = [sys.executable, "-m", "ftctl.main", *args, *(["--socket", socket] if socket else [])]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_daemon_serves_a_gguf_and_ftctl_loads_another(files):
+    sock_dir = Path(tempfile.mkdtemp(prefix="ftgguf-", dir="/tmp"))
+    sock = str(sock_dir / "admin.sock")
+    d = start_daemon("--model", str(files["qa"]), "--kv-tokens", "2048", "--admin-socket", sock)
+    try:
+        body = {
+            "model": "qa-F32",
+            "messages": [{"role": "user", "content": "Grüße"}],
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        status, out = d.post("/v1/chat/completions", body)
+        assert status == 200, out
+        assert out["model"] == "qa-F32"
+        proc = _ftctl("models", "load", str(files["qb"]), "--json", socket=sock)
+        assert proc.returncode == 0, proc.stderr
+        loaded = json.loads(proc.stdout)
+        assert loaded["name"] == "qb-F32" and loaded["state"] == "resident"
+    finally:
+        d.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_ftw_from_gguf_gives_the_same_logits_and_tokenizer(files, tmp_path):
+    out = tmp_path / "ftw"
+    proc = _ftctl("checkpoint", "--model", str(files["qa"]), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "ftw.json").exists() and (out / "tokenizer.json").exists()
+    src = LLM(files["qa"], max_model_len=64, kv_tokens=256)
+    ftw = LLM(out, max_model_len=64, kv_tokens=256)
+    ids = src.tokenizer.encode("Hello wörld, 日本語")
+    assert ftw.tokenizer.encode("Hello wörld, 日本語") == ids
+    assert torch.equal(src.logits(ids), ftw.logits(ids))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ftw.chat_template.render(msgs, add_generation_prompt=True) == (
+        src.chat_template.render(msgs, add_generation_prompt=True)
+    )
+    assert src._eos_ids() == ftw._eos_ids()
+
+
+def test_fingerprint_is_keyed_on_the_file(files, tmp_path):
+    from freetokend.store import model_fingerprint
+
+    copy = tmp_path / "qa-F32.gguf"
+    shutil.copy(files["qa"], copy)
+    fp = model_fingerprint(copy)
+    assert fp == model_fingerprint(copy) and fp != model_fingerprint(files["qb"])
+    os.utime(copy, ns=(1, 1))
+    assert model_fingerprint(copy) != fp
