@@ -102,6 +102,13 @@ def test_auto_switch_routes_to_a_resident_model(
     assert asyncio.run(request("other")) == "other"
     assert control.manager.active.name == "other" and router.name == "other"
     assert asyncio.run(request(first)) == first
+    # a name no model has is served by the active model, without a switch
+    assert asyncio.run(request("claude-sonnet-4-5")) == first
+    assert control.manager.active.name == first
+    control.names.aliases["o"] = "other"  # an alias switches like the name it stands for
+    assert asyncio.run(request("o")) == "other"
+    assert asyncio.run(request(first)) == first
+    control.names.strict = True
     with pytest.raises(ModelNotFound, match="does not exist"):
         router.check_model("missing")
     control.manager.auto_switch = False

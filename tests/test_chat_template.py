@@ -254,3 +254,15 @@ def test_template_errors_become_chat_template_errors() -> None:
         ChatTemplate({"default": "{% set ns = namespace(_x=1) %}"}).render([])
     builtin_role = ChatTemplate({"default": "{{ messages[0].role }}"})
     assert builtin_role.render([{"role": "user", "content": None}]) == "user"
+
+
+def test_values_nested_past_the_stack_are_a_template_error() -> None:
+    """The value conversion (plain dicts and lists for the template) refuses, never crashes."""
+    deep: object = "x"
+    for _ in range(5000):
+        deep = [deep]
+    tpl = ChatTemplate({"default": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+    with pytest.raises(ChatTemplateError, match="nest too deeply"):
+        tpl.render([{"role": "user", "content": deep}])
+    with pytest.raises(ChatTemplateError, match="nest too deeply"):
+        tpl.render([{"role": "user", "content": "x"}], extra=deep)

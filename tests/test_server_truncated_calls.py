@@ -85,10 +85,10 @@ def test_arguments_object_closes_what_it_can():
 
 # --- end to end: a forced call with a budget too small to finish it -------------------------
 
-WEATHER = {
-    "type": "function",
-    "function": {"name": "get_weather", "parameters": TOOLS["get_weather"]},
-}
+# "city" required: the forced call must write a value, and the random model's value runs on
+# (at temperature 0, the same way every run), so every budget below ends inside the call
+PARAMS = {**TOOLS["get_weather"], "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
 
 
 def _sse(daemon, path: str, body: dict) -> list[dict]:
@@ -108,11 +108,12 @@ def _sse(daemon, path: str, body: dict) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("max_tokens", [5, 24, 60])
+@pytest.mark.parametrize("max_tokens", [5, 70])
 def test_chat_completions_cut_call(daemon, max_tokens):
     body = {
         "model": daemon.model,
         "max_tokens": max_tokens,
+        "temperature": 0,
         "tools": [WEATHER],
         "messages": [{"role": "user", "content": "weather?"}],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
@@ -124,6 +125,8 @@ def test_chat_completions_cut_call(daemon, max_tokens):
     assert not any(m in (choice["message"].get("content") or "") for m in MARKUP), choice
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
+    if max_tokens == 70:  # far enough to have begun the value: partial arguments
+        assert "city" in arguments_object(call["function"]["arguments"])
     chunks = _sse(daemon, "/v1/chat/completions", body)
     deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     text = "".join(d.get("content") or "" for d in deltas)
@@ -135,16 +138,17 @@ def test_chat_completions_cut_call(daemon, max_tokens):
 def test_anthropic_messages_cut_call(daemon):
     body = {
         "model": daemon.model,
-        "max_tokens": 60,
+        "max_tokens": 70,
+        "temperature": 0,
         "messages": [{"role": "user", "content": "w"}],
-        "tools": [{"name": "get_weather", "input_schema": TOOLS["get_weather"]}],
+        "tools": [{"name": "get_weather", "input_schema": PARAMS}],
         "tool_choice": {"type": "tool", "name": "get_weather"},
     }
     status, answer = daemon.post("/v1/messages", body)
     assert status == 200, answer
     assert answer["stop_reason"] == "max_tokens"
-    kinds = [b["type"] for b in answer["content"]]
-    assert "tool_use" in kinds, answer
+    [use] = [b for b in answer["content"] if b["type"] == "tool_use"]
+    assert use["name"] == "get_weather" and "city" in use["input"], answer
     assert not any(m in b.get("text", "") for b in answer["content"] for m in MARKUP), answer
     events = _sse(daemon, "/v1/messages", body)
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
@@ -160,9 +164,10 @@ def test_anthropic_messages_cut_call(daemon):
 def test_responses_cut_call(daemon):
     body = {
         "model": daemon.model,
-        "max_output_tokens": 60,
+        "max_output_tokens": 70,
+        "temperature": 0,
         "input": "weather?",
-        "tools": [{"type": "function", "name": "get_weather", "parameters": TOOLS["get_weather"]}],
+        "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMS}],
         "tool_choice": {"type": "function", "name": "get_weather"},
     }
     status, answer = daemon.post("/v1/responses", body)

@@ -157,8 +157,11 @@ class ChatTemplate:
         """The prompt text of ``messages``; ``template_kwargs`` reach the template as variables
         (they override the special tokens of the same name)."""
         template = self._pick(tools)
-        chat = [_normalize_message(m) for m in messages]
-        variables = {**self.special_tokens, **_plain(template_kwargs)}
+        try:
+            chat = [_normalize_message(m) for m in messages]
+            variables = {**self.special_tokens, **_plain(template_kwargs)}
+        except RecursionError:  # untrusted values nested past the stack: a refusal, not a crash
+            raise ChatTemplateError("chat messages or template variables nest too deeply") from None
         variables.pop("documents", None)
         try:
             return template.render(

@@ -13,6 +13,9 @@ from typing import Any
 
 TOKENS = 16
 MARGIN = 0.3
+# where the search found one for the built-in model (tried first: one request instead of ~30;
+# the search still runs if the model changes)
+KNOWN_GOOD = 208
 
 
 class GreedyProbe:
@@ -39,7 +42,7 @@ class GreedyProbe:
         return str(self.run()["text"])
 
     def _pick(self) -> str:
-        for start in range(5, 400, 7):
+        for start in [KNOWN_GOOD, *range(5, 400, 7)]:
             self.prompt = [start, start + 1, start + 2, start + 3]
             choice = self.run(logprobs=5)
             if _margin(choice) > MARGIN:
