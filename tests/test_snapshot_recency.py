@@ -108,6 +108,12 @@ def test_a_session_keeps_the_recent_anchors_its_edits_land_on():
         fresh.observe("turn-2")
     assert fresh.admits_recent("turn-2") and not fresh.admits_recent("turn-4")
     assert not fresh.admits("tool_output_start")  # its frontier gives way to recency
+    assert m.recent_share() == 0.5  # before its first edit: half the spare snapshots each
+    assert fresh.recent_share() > 0.9  # its edits land on recent anchors: recency takes most
+    pruner = EditModel()
+    for _ in range(3):
+        pruner.observe("tool_output_start")  # oldest-first pruning: the frontier takes them
+    assert pruner.recent_share() == 0.0
 
 
 def _state(n: int = 8) -> RecurrentState:

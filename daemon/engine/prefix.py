@@ -190,10 +190,14 @@ class PrefixReuse:
             return
         limit = min(matched, len(tokens) - 1)
         start = self._first_exchange(tokens, limit)
-        prev = snap.session.latest() if snap is not None and snap.session and not start else None
+        latest = snap.session.latest() if snap is not None and snap.session else None
+        prev = latest if not start else None
         session = prev.next() if prev is not None else Session(self.edits.fork(EditModel.PRIOR))
+        session.prompt_end = len(tokens)
         track = Track(session, parent=snap, frontier_after=limit)
+        # Resuming at the end of the session's last prompt (an older prompt's end is an edit)
         appended = snap is not None and snap.kind == "prompt_end"
+        appended &= latest is None or (snap is not None and snap.pos == latest.prompt_end)
         edited = not appended and not start
         edited &= (snap is not None and snap.had_children) or self.radix.diverges(tokens, matched)
         if edited and (point := self._ideal_point(tokens, limit)) is not None:
