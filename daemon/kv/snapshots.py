@@ -10,7 +10,8 @@ thinking, tool call / tool output boundaries), a fixed interval (a baseline), or
 
 Retention under a tight budget (``retention="tiered"``, the default). The budget rule, in two
 sentences: besides its head (the deepest snapshot of its latest request: where it resumes when the
-agent only appends), a session protects the snapshots the budget holds split between its recent
+agent only appends) and the end of its system prompt (where a compaction resumes), a session
+protects the snapshots the budget holds split between its recent
 anchors (kv/recency.py) and its learned edit frontier (kv/edits.py) by the share of its edits that
 landed on recent anchors, half each before its first edit; eviction takes the least recently used
 unprotected snapshot first, and a protected one, least recently used first (sessions not seen
