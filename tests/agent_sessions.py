@@ -10,8 +10,8 @@ edited the way its harness edits context:
   sweagent   only the last ``keep`` observations are shown; older ones are elided
 
 ``messages(t)`` gives the OpenAI-style message list of turn t (tools, tool calls, tool results,
-reasoning), to render through a model's chat template. Shared by tests/test_prefix_reuse.py and
-tests/bench/bench_agent_replay.py.
+reasoning), to render through a model's chat template. Used by tests/test_prefix_reuse.py; the
+replay benchmark scripts real harnesses instead (tests/agent_harnesses.py).
 """
 
 from __future__ import annotations

@@ -108,6 +108,12 @@ def test_a_session_keeps_the_recent_anchors_its_edits_land_on():
         fresh.observe("turn-2")
     assert fresh.admits_recent("turn-2") and not fresh.admits_recent("turn-4")
     assert not fresh.admits("tool_output_start")  # its frontier gives way to recency
+    assert m.recent_share() == 0.5  # before its first edit: half the spare snapshots each
+    assert fresh.recent_share() > 0.9  # its edits land on recent anchors: recency takes most
+    pruner = EditModel()
+    for _ in range(3):
+        pruner.observe("tool_output_start")  # oldest-first pruning: the frontier takes them
+    assert pruner.recent_share() == 0.0
 
 
 def _state(n: int = 8) -> RecurrentState:
@@ -117,10 +123,11 @@ def _state(n: int = 8) -> RecurrentState:
 def test_recent_marks_follow_the_session_and_protect_within_the_budget():
     """A toy hybrid engine (no model): prompts snapshot their recent anchors, the next prompt
     of the session demotes the previous prompt's recent snapshots it no longer needs, and its
-    edit of the newest turn resumes at the anchor with a budget of four snapshots."""
+    edit of the newest turn resumes at the anchor with a budget of five snapshots (head, system
+    prompt end, two recent anchors, one frontier)."""
     pool = KVPool(1, 64, 16, 1, 2)
     policy = SnapshotPolicy.parse("anchors", dict(MARKER_ANCHORS))
-    reuse = PrefixReuse(pool, True, policy, 4 * _state().nbytes)
+    reuse = PrefixReuse(pool, True, policy, 5 * _state().nbytes)
     w = list(range(20, 60))
     base = _chatml(w[:20], w[:10], w[5:30])  # system, user, assistant
 
@@ -146,7 +153,7 @@ def test_recent_marks_follow_the_session_and_protect_within_the_budget():
     edited = prompt_with([7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])  # ... a placeholder
     assert run(edited) == anchor
     snaps = {s.pos: s for s in reuse.snapshots.snapshots()}
-    assert len(snaps) <= 4
+    assert len(snaps) <= 5
     assert snaps[anchor].recent and int(snaps[anchor].state.ssm[0, 0, 0, 0]) == anchor
     stale = [s for s in snaps.values() if s.key != prefix_key(edited, s.pos)]
     assert not any(s.recent for s in stale)  # the first prompt's tail: demoted

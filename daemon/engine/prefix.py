@@ -191,10 +191,14 @@ class PrefixReuse:
             return
         limit = min(matched, len(tokens) - 1)
         start = self._first_exchange(tokens, limit)
-        prev = snap.session.latest() if snap is not None and snap.session and not start else None
+        latest = snap.session.latest() if snap is not None and snap.session else None
+        prev = latest if not start else None
         session = prev.next() if prev is not None else Session(self.edits.fork(EditModel.PRIOR))
+        session.prompt_end = len(tokens)
         track = Track(session, parent=snap, frontier_after=limit)
+        # Resuming at the end of the session's last prompt (an older prompt's end is an edit)
         appended = snap is not None and snap.kind == "prompt_end"
+        appended &= latest is None or (snap is not None and snap.pos == latest.prompt_end)
         edited = not appended and not start
         edited &= (snap is not None and snap.had_children) or self.radix.diverges(tokens, matched)
         if edited and (point := self._ideal_point(tokens, limit)) is not None:
@@ -213,11 +217,13 @@ class PrefixReuse:
 
     def _shares(self, session: Session, state: SeqState) -> tuple[int, int]:
         """How many recent anchors and frontier snapshots this request may protect: besides its
-        head, the snapshots the budget holds are split by the share of the session's edits that
-        landed on recent anchors (half each before its first edit; kv/snapshots.py)."""
+        head and its system prompt's end, the snapshots the budget holds are split by the share
+        of the session's edits that landed on recent anchors (half each before its first edit;
+        kv/snapshots.py)."""
         assert self.snapshots is not None
         size = state.recurrent.nbytes if state.recurrent is not None else 0
-        spare = max(0, self.snapshots.budget // max(1, size) - 1)
+        kept = 2 if self.policy.anchor_ids else 1  # the head, and the system prompt's end
+        spare = max(0, self.snapshots.budget // max(1, size) - kept)
         recent = min(spare, math.ceil(spare * session.edits.recent_share()))
         return recent, spare - recent
 
@@ -243,6 +249,9 @@ class PrefixReuse:
             return edits.own > 0 and edits.admits_recent(label)
 
         track.recent = set(recency.ranked(session.recent, kept, learned)[:cap])
+        root = recency.first_turn_end(tokens, len(tokens), self.policy.kind_at)
+        if root is not None:
+            track.recent.add(root)
         if prev is not None and (head := self.snapshots.find(prev.head_key)) is not None:
             self.snapshots.mark(head, head=False)  # the session moved on (resumed or not there)
         for key in prev.recent_keys if prev is not None else ():

@@ -14,8 +14,9 @@ Edits land at both ends of an agent's context:
 Each time a request leaves a cached path (an edit), the deepest snapshot point before the edit is
 observed: as its recency label when it was one of the previous prompt's recent anchors, else as
 its anchor kind. A session then keeps the recent anchors whose labels have a fair share of its
-edits (all of them until its own first edit), and protects as its edit frontier the first
-snapshots past an edit whose kind has a fair share. So a session that edits its newest content
+edits (all of them until its own first edit) and protects as its edit frontier the first
+snapshots past an edit whose kind has a fair share, each within the part of the budget the share
+of its edits on recent anchors gives it (``recent_share``). So a session that edits its newest content
 spends its snapshots on recency, one that prunes oldest-first on the frontier, and a mixed one on
 both, in proportion (the snapshot store's budget rule is in kv/snapshots.py).
 
@@ -100,6 +101,7 @@ class Session:
     recent: dict[int, str] = field(default_factory=dict)
     recent_keys: list[bytes] = field(default_factory=list)
     head_key: bytes = b""  # the prefix key of the head snapshot this request took
+    prompt_end: int = 0  # the length of this request's prompt
 
     successor: Session | None = None  # the session of the next request of this lineage
 
@@ -109,6 +111,8 @@ class Session:
         s = self
         while s.successor is not None:
             s = s.successor
+        if self.successor is not None:
+            self.successor = s  # shortcut: the sessions between need not stay alive
         return s
 
     def next(self) -> Session:

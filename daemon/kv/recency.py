@@ -11,6 +11,9 @@ Each such edit resumes at one of a few anchors near the end of the previous prom
   last:<kind>             the last anchor of every other kind within those turns (tool call /
                           tool output boundaries, end of thinking)
 
+Besides these, every prompt keeps the end of its first turn (``first_turn_end``: the system
+prompt), where a compaction or another session of the same agent resumes.
+
 Candidates closer than ``GAP`` tokens to a later kept one (or to the prompt's end, which has its
 own snapshot: the session head) share its snapshot at the earlier position, so a turn end right
 after ``</tool_call>`` costs one snapshot, not two. A prompt has at most about six of them.
@@ -54,6 +57,17 @@ def recent_anchors(
     if turns and not inside and not plain:  # the first turn of the prompt was plain
         out[turn_end] = "query"
     return out
+
+
+def first_turn_end(
+    tokens: list[int], end: int, kind_at: Callable[[list[int], int], str | None]
+) -> int | None:
+    """The end of the prompt's first turn (the system prompt): where a compaction, or another
+    session of the same agent, resumes; None when the head's snapshot serves it."""
+    for pos in range(1, end - GAP):
+        if kind_at(tokens, pos) == "end_of_turn":
+            return pos
+    return None
 
 
 def shared(candidates: dict[int, str], end: int) -> list[int]:

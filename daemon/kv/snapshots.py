@@ -9,13 +9,14 @@ Which positions get a snapshot is the policy's choice: semantic anchors (end of 
 thinking, tool call / tool output boundaries), a fixed interval (a baseline), or none.
 
 Retention under a tight budget (``retention="tiered"``, the default). The budget rule, in two
-sentences: a snapshot is protected while it is its session's head (the deepest one its latest
-request took: where the session resumes when the agent only appends), one of the recent anchors
-of that request's prompt its session still edits (kv/recency.py), or one of its learned edit
-frontier (kv/edits.py); eviction takes the least recently used unprotected snapshot first, and a
-protected one, least recently used first, only to make room for another protected one. Recency
-and frontier thus share the budget in proportion to where the session's edits land (all to
-recency before its first edit), and sessions not seen lately give way first.
+sentences: besides its head (the deepest snapshot of its latest request: where it resumes when the
+agent only appends) and the end of its system prompt (where a compaction resumes), a session
+protects the snapshots the budget holds split between its recent
+anchors (kv/recency.py) and its learned edit frontier (kv/edits.py) by the share of its edits that
+landed on recent anchors, half each before its first edit; eviction takes the least recently used
+unprotected snapshot first, and a protected one, least recently used first (sessions not seen
+lately), only to make room for another protected one. Within its share, recency keeps the anchors
+its edits landed on first, then the last user message, then turn ends newest first.
 ``retention="lru"`` ignores the marks (plain LRU).
 """
 

@@ -118,8 +118,8 @@ def prompts(path: Path, args: argparse.Namespace) -> dict[str, list[list[int]]]:
         ChatTemplate({"default": QWEN3_TEMPLATE}) if args.template == "qwen3" else llm.chat_template
     )
     out = {}
-    for i, name in enumerate(args.harnesses):
-        h = Harness(name, make_script(args.turns, args.seed + i, args.lines))
+    for name in args.harnesses:  # each harness its own script, whichever others run
+        h = Harness(name, make_script(args.turns, args.seed + HARNESSES.index(name), args.lines))
         out[name] = [
             llm.tokenizer.encode(
                 template.render(h.messages(t), tools=OPENAI_TOOLS, add_generation_prompt=True)
@@ -212,7 +212,7 @@ def main() -> None:
         "--budgets", default="4,2", help="snapshot budgets, in snapshots; the first is the default"
     )
     ap.add_argument("--template", default="qwen3", choices=("qwen3", "model"))
-    ap.add_argument("--turns", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=12)  # opencode prunes, claude-code compacts
     ap.add_argument("--lines", type=int, default=30, help="mean lines of a tool output")
     ap.add_argument("--gen", type=int, default=3, help="tokens generated per turn")
     ap.add_argument("--interleave", action="store_true", help="sessions take turns (all live)")
