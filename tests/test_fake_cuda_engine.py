@@ -125,3 +125,40 @@ def test_fake_cuda_needs_the_card_size(tiny_dir: Path) -> None:
         LLM(tiny_dir, "offload", accelerator="standin", vram_mib=8192)
     with FakeCudaAccelerator(vram_mib=VRAM_MIB):  # a failed load left no session behind
         pass
+
+
+def test_daemon_flags_select_the_fake_card() -> None:
+    from freetokend.cli import build_parser
+    from freetokend.server.config import ConfigError, resolve
+
+    def cfg(*argv: str):  # type: ignore[no-untyped-def]
+        args = vars(build_parser().parse_args(list(argv)))
+        args.pop("config")
+        return resolve(args, None, env={})
+
+    c = cfg("--accelerator", "fake-cuda", "--vram-mib", "8192")
+    assert (c.accelerator, c.vram_mib) == ("fake-cuda", 8192)
+    for bad in (("--accelerator", "fake-cuda"), ("--vram-mib", "8192"),
+                ("--accelerator", "fake-cuda", "--vram-mib", "0")):  # fmt: skip
+        with pytest.raises(ConfigError, match="vram_mib"):
+            cfg(*bad)
+
+
+@pytest.mark.slow
+def test_daemon_serves_on_the_fake_card() -> None:
+    """The real daemon process with ``--accelerator fake-cuda``: loaded in one thread, stepped
+    in its engine thread, a greedy and a seeded sampled request answered (~20 s here; slow: it starts a process)."""
+    from server_support.daemon import MODEL_NAME, start_daemon, state_dir
+
+    d = start_daemon(
+        "--model", "builtin", "--state-dir", str(state_dir()), "--admin-socket", "off",
+        "--accelerator", "fake-cuda", "--vram-mib", "2048", "--moe-backend", "hybrid",
+    )  # fmt: skip
+    try:
+        for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+            body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, **extra}
+            status, out = d.post("/v1/completions", body)
+            assert status == 200, out
+            assert out["usage"]["completion_tokens"] == 3
+    finally:
+        assert d.stop() == 0
