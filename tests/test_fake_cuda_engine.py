@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -162,3 +163,29 @@ def test_daemon_serves_on_the_fake_card() -> None:
             assert out["usage"]["completion_tokens"] == 3
     finally:
         assert d.stop() == 0
+
+
+def test_cuda_generator_stand_in_for_the_sampler() -> None:
+    """``torch.Generator("cuda")`` exists on the fake device (seeded requests sampled there),
+    generators keep passing ``isinstance`` checks, and a host generator given to a device op
+    raises as on a GPU. Sampling on the device reads nothing back."""
+    from freetokend.engine.sampler import make_generator, sample
+
+    real = torch.Generator
+    acc = FakeCudaAccelerator(vram_mib=VRAM_MIB)
+    with acc:
+        seeded = SamplingParams(seed=5, temperature=0.7)
+        gen = make_generator(seeded, "cuda")
+        assert gen is not None and gen.device == torch.device("cuda", 0)
+        assert isinstance(gen, torch.Generator) and isinstance(gen, real)
+        host = torch.Generator().manual_seed(1)
+        assert isinstance(host, torch.Generator) and host.device.type == "cpu"
+        assert gen.get_state().equal(real().manual_seed(5).get_state())  # seeding works
+        logits = torch.randn(3, 50, device="cuda")
+        params = [seeded, SamplingParams(temperature=0.9, top_p=0.9), SamplingParams()]
+        ids = sample(logits, params, [gen, None, None])
+        assert ids.shape == (3,) and ids.device == torch.device("cuda", 0)
+        assert acc.tracker.syncs.total == 0
+        with pytest.raises(RuntimeError, match="'cuda' device type for generator"):
+            sample(logits, params, [host, None, None])
+    assert torch.Generator is real

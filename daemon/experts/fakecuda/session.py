@@ -4,7 +4,8 @@ the ``torch.cuda`` runtime calls a CPU build of torch lacks.
 ``with FakeCudaSession(vram_bytes) as s:`` makes ``device="cuda"`` tensors fake (shapes, dtypes
 and devices, no data), counts device bytes against the simulated card and host syncs, and
 replaces ``torch.cuda.Stream``/``Event``/``current_stream``/``stream``/``synchronize``/
-``mem_get_info``/``empty_cache``/``get_device_properties`` for the duration. Streams are
+``mem_get_info``/``empty_cache``/``get_device_properties`` and ``torch.Generator`` (see
+``generator``) for the duration. Streams are
 ordered trivially (the fake copies carry no data); ``synchronize`` counts as a host sync.
 Host tensors stay real unless made with ``s.host_empty`` (a fake host tensor: a bank of a model
 whose weights were never downloaded).
@@ -22,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .generator import GeneratorFactory
 from .shim import DeviceShim
 from .tracker import DeviceTracker
 
@@ -114,6 +116,7 @@ class FakeCudaSession:
         try:
             for name, value in self._patches().items():
                 stack.enter_context(_patched(torch.cuda, name, value))
+            stack.enter_context(_patched(torch, "Generator", GeneratorFactory))
         except BaseException:
             stack.close()
             _LOCK.release()

@@ -137,6 +137,7 @@ class DeviceTracker(TorchDispatchMode):
             # host tensors among the inputs become fake; converted here, not by the fake mode,
             # which fails to wrap them under ``torch.inference_mode`` (the model's forward)
             args, kwargs = tree_map_only(torch.Tensor, self._fake, (args, kwargs))
+            kwargs = _without_generator(func, kwargs)
             with self.fake_mode:
                 out = func(*args, **kwargs)
         else:
@@ -206,6 +207,15 @@ def _on_fake_device(args: tuple, kwargs: dict) -> bool:
     if dev is not None and torch.device(dev).type == "cuda":
         return True
     return any(isinstance(t, FakeTensor) for t in tree_flatten((args, kwargs))[0])
+
+
+def _without_generator(func: Any, kwargs: dict) -> dict:
+    """A random op on the fake device draws nothing: its generator is dropped (torch's fake
+    implementations take none). Its device was checked by the shim, which sees the caller's
+    generator object (here it arrives re-wrapped, as a plain host generator)."""
+    if kwargs.get("generator") is None:
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k != "generator"}
 
 
 def _has_bool(indices: list) -> bool:
