@@ -13,11 +13,14 @@ any thread; they validate at once and hand the request over through a locked inb
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -117,6 +120,9 @@ class EngineCore:
         self.spill_idle_s = spill_idle_s  # idle(): seconds without work before snapshots spill
         self._busy_at = time.monotonic()
         self._spill_tried_at: float | None = None  # the _busy_at of the last idle spill attempt
+        # entered around each step (and the hub's safe-point operations) in the stepping
+        # thread: the fake CUDA device's per-thread modes (LLM(accelerator="fake-cuda"))
+        self.device_scope: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
     # ---- called from any thread -------------------------------------------------------------
     def add_request(
@@ -278,6 +284,10 @@ class EngineCore:
             )
 
     def step(self) -> list[StepOutput]:
+        with self.device_scope():
+            return self._step()
+
+    def _step(self) -> list[StepOutput]:
         self._drain_inbox()
         self._admit()
         if not self._running:

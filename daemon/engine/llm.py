@@ -5,9 +5,11 @@ The daemon builds the same object and drives its ``engine`` (an EngineCore) from
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, overload
 
@@ -44,6 +46,17 @@ def _slot_budget(model: Any, cfg: ModelConfig, step_tokens: int) -> SlotBudget:
     return SlotBudget(kv_bytes_per_token=kv, activation_bytes=act)
 
 
+def _enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
+    """The entered ``FakeCudaAccelerator`` for ``accelerator="fake-cuda"``, else None."""
+    if accelerator != "fake-cuda":
+        return None
+    from ..experts.accelerator import create_accelerator
+
+    acc = create_accelerator("fake-cuda", vram_mib=vram_mib)
+    acc.open()  # type: ignore[attr-defined]  # the modes: per thread, see LLM._device_scope
+    return acc
+
+
 class LLM:
     """A loaded model with its tokenizer, chat template and engine.
 
@@ -53,7 +66,11 @@ class LLM:
     kv_tokens    KV pool size in tokens over all sequences (default 131072)
     moe_slots    expert slots on the accelerator (offload / hybrid; default: what fits the device's
                  free memory, see ``SlotBudget``)
-    accelerator  auto | standin (CPU stand-in, for tests) | cuda
+    accelerator  auto | standin (CPU stand-in, for tests) | cuda | fake-cuda (the real CUDA code
+                 path on a simulated card of ``vram_mib`` MiB, no data: placement, device bytes
+                 and host syncs are checked on a CPU machine, DESIGN §7; the fake session is
+                 entered in this thread until ``close()``, and the tokens are meaningless)
+    vram_mib     the simulated card of ``fake-cuda`` (required there, refused elsewhere)
     bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
     record_routing  append every step's routed expert ids to this JSONL file (cache replay)
     dtype        weights' dtype in memory (default: the checkpoint's); float32 upcasts a bf16 model
@@ -81,6 +98,7 @@ class LLM:
         threads: int | None = None,
         moe_slots: int | None = None,
         accelerator: str = "auto",
+        vram_mib: int | None = None,
         bandwidth: tuple[float, float] | None = None,
         record_routing: str | Path | None = None,
         dtype: str | None = None,
@@ -97,6 +115,8 @@ class LLM:
             raise ValueError(
                 f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(BACKENDS)}"
             )
+        if (accelerator == "fake-cuda") != (vram_mib is not None):
+            raise ValueError("vram_mib (the simulated card) goes with accelerator 'fake-cuda'")
         self.model_dir = Path(model_dir)
         # a GGUF file (or split set): config, tokenizer and template all come from its metadata
         self.gguf = model_kind(self.model_dir) == "gguf"
@@ -122,18 +142,15 @@ class LLM:
             cfg.swiglu_alpha,
             cfg.swiglu_limit,
         )
-        self.moe = create_backend(
-            moe_backend,
-            self.banks,
-            cfg.num_moe_layers,
-            cfg.num_experts,
-            act,
-            accelerator=accelerator,
-            moe_slots=moe_slots,
-            bandwidth=bandwidth,
-            threads=threads,
-            slot_budget=_slot_budget(self.model, cfg, max_step_tokens),
-        )
+        # the fake device: entered after the host weights are loaded (they stay real tensors)
+        self.fake_device = _enter_fake_device(accelerator, vram_mib)
+        try:
+            with self._device_scope():
+                self.moe = self._backend(moe_backend, act, accelerator, moe_slots, bandwidth,
+                                     threads, max_step_tokens)  # fmt: skip
+        except BaseException:
+            self._exit_fake_device()
+            raise
         if record_routing is not None:
             self.moe = RoutingRecorder(self.moe, record_routing)
         # Default context: the model's, bounded by the KV pool (default 131072 tokens; pages are
@@ -167,6 +184,7 @@ class LLM:
             prefix=prefix,
             spill_idle_s=spill_idle_s,
         )
+        self.engine.device_scope = self._device_scope
         self._ids = itertools.count()
         self._store: Any = None
         if state_dir is not None and prefix is not None and prefix.snapshots is not None:
@@ -184,11 +202,43 @@ class LLM:
         assert prefix.snapshots is not None
         prefix.snapshots.keep_prefix = True
 
+    def _backend(  # type: ignore[no-untyped-def]
+        self, name, act, accelerator, moe_slots, bandwidth, threads, max_step_tokens
+    ) -> Any:
+        cfg = self.config
+        return create_backend(
+            name,
+            self.banks,
+            cfg.num_moe_layers,
+            cfg.num_experts,
+            act,
+            accelerator=self.fake_device or accelerator,
+            moe_slots=moe_slots,
+            bandwidth=bandwidth,
+            threads=threads,
+            slot_budget=_slot_budget(self.model, cfg, max_step_tokens),
+        )
+
+    def _device_scope(self) -> AbstractContextManager[Any]:
+        """Device work of this engine in the calling thread: on ``fake-cuda`` the fake
+        device's modes (torch keeps them per thread; the daemon steps from its engine
+        thread), else nothing."""
+        if self.fake_device is None:
+            return contextlib.nullcontext()
+        return self.fake_device.in_thread()  # type: ignore[no-any-return]
+
+    def _exit_fake_device(self) -> None:
+        if self.fake_device is not None:
+            fake, self.fake_device = self.fake_device, None
+            fake.close()
+
     def close(self) -> Any:
         """With a state_dir: spills the session snapshots to disk (returns the SpillReport) and
-        closes the store; later requests no longer spill. Call it between steps; a second call
-        does nothing."""
+        closes the store; later requests no longer spill. On ``fake-cuda``: leaves the fake
+        session (the engine can no longer step). Call it between steps; a second call does
+        nothing."""
         if self._store is None:
+            self._exit_fake_device()
             return None
         prefix = self.engine.prefix
         assert prefix is not None
@@ -198,6 +248,7 @@ class LLM:
             prefix.spill = None
             self._store.close()
             self._store = None
+            self._exit_fake_device()
         return report
 
     # ---- tokenizer / template, loaded on first use ------------------------------------------

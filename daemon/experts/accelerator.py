@@ -66,6 +66,11 @@ class Accelerator(ABC):
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, copy=True)
 
+    def to_host(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A layer's output back to where its input lives (``device``: the host while dense
+        layers run there): a device -> host copy, the host sync the fake device counts."""
+        return t.to(device)
+
     @abstractmethod
     def copy_rows(self, pairs: RowCopies) -> Transfer:
         """Asynchronously copy rows: for each (dst, src, dst_rows, src_rows), dst[d] <- src[s].

@@ -96,7 +96,7 @@ class FusedBackend:
             out = _kernel(xd, flat, wd, self.dev, self.act)  # no host read of the ids
         else:
             out = moe_grouped(xd, flat, wd, self.dev, self.act, moe_layer * e, e)
-        return out.to(x.device)
+        return self.acc.to_host(out, x.device)
 
 
 class OffloadBackend:
@@ -199,7 +199,7 @@ class OffloadBackend:
             out = moe_grouped(
                 x.to(dev), ids, weights.to(dev), self.slots, self.act, 0, self.cache.num_slots
             )
-            return out.to(x.device)
+            return self.acc.to_host(out, x.device)
         if x.shape[0] >= self.prefill_min_tokens:
             self._counters["prefill_on_demand"] += 1
         return self._decode(moe_layer, x, flat, weights)
@@ -228,7 +228,7 @@ class OffloadBackend:
         else:
             out = moe_grouped(xd, plan.slot_ids, wd, self.slots, self.act, 0, self.cache.num_slots)
         self._gpu_routes += (plan.slot_ids >= 0).sum()
-        out = out.to(x.device)
+        out = self.acc.to_host(out, x.device)
         if cpu_future is not None:
             out = out + cpu_future.result()
         return out

@@ -99,6 +99,7 @@ class ControlPlane:
             kv_tokens=cfg.kv_tokens,
             moe_slots=cfg.moe_slots,
             accelerator=cfg.accelerator,
+            vram_mib=cfg.vram_mib,
             bandwidth=self._bandwidth(path, quantize),
             name=name,
             prefix_cache=cfg.prefix_cache,

@@ -25,8 +25,11 @@ def add_control_flags(p: argparse.ArgumentParser) -> None:
     """Flags mirror DaemonConfig fields (None = not given, so lower layers can fill them)."""
     g = p.add_argument_group("control plane (also settable at run time with ftctl)")
     g.add_argument(
-        "--accelerator", choices=("auto", "cuda", "standin"), help="expert device (default: auto)"
+        "--accelerator",
+        choices=("auto", "cuda", "standin", "fake-cuda"),
+        help="expert device (default: auto; fake-cuda: a simulated card of --vram-mib, no data)",
     )
+    g.add_argument("--vram-mib", type=int, metavar="N", help="the fake-cuda card's memory, MiB")
     g.add_argument("--moe-slots", type=int, metavar="N", help="expert slots on the accelerator")
     g.add_argument("--kv-tokens", type=int, metavar="N", help="KV pool size in tokens")
     g.add_argument(

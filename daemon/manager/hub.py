@@ -100,7 +100,8 @@ class EngineHub:
 
     def step(self) -> list[Any]:
         with self._step:
-            self._safe_point()
+            with self.active.core.device_scope():  # resizes and parking touch the device
+                self._safe_point()
             lane = self.active
             outs: list[Any] = lane.core.step()
             if self._ops and not outs and not lane.core.stats().running:

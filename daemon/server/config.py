@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
-ACCELERATORS = ("auto", "cuda", "standin")
+ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4")  # experts/formats.FORMATS less bf16 (tested)
 ENV_PREFIX = "FREETOKEN_"
 SNAPSHOT_POLICY = re.compile(r"anchors|anchors:all|interval:[1-9][0-9]*|none")
@@ -52,7 +52,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_hosts: list[str] = []  # Host names accepted besides loopback ones; "*" = any
     allowed_origins: list[str] = []  # browser Origins accepted besides loopback; "*" = any
     # ---- control plane (models, elastic caches, VRAM watcher) ----
-    accelerator: str = "auto"  # auto | cuda | standin (CPU stand-in, for tests)
+    # auto | cuda | standin (CPU stand-in, for tests) | fake-cuda (the CUDA code path on a
+    # simulated card, no data: placement, device bytes and host syncs; tokens are meaningless)
+    accelerator: str = "auto"
+    vram_mib: int | None = None  # the simulated card of accelerator fake-cuda, MiB (required)
     moe_slots: int | None = None  # accelerator expert slots; default: what fits free VRAM
     kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
     auto_switch: bool = False  # a request naming a resident, inactive model switches to it
@@ -116,7 +119,9 @@ def check_control(cfg: DaemonConfig) -> None:
         raise ConfigError(
             f"accelerator: {cfg.accelerator!r} is not one of {', '.join(ACCELERATORS)}"
         )
-    for name in ("moe_slots", "kv_tokens"):
+    if (cfg.accelerator == "fake-cuda") != (cfg.vram_mib is not None):
+        raise ConfigError("vram_mib: the simulated card, set with accelerator fake-cuda only")
+    for name in ("moe_slots", "kv_tokens", "vram_mib"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"{name}: must be at least 1, got {value}")

@@ -11,7 +11,10 @@ inside ``with acc:``. ``acc.tracker`` has the device peak and the host-sync coun
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..accelerator import Accelerator, CudaAccelerator
 from .session import FakeCudaSession
@@ -45,8 +48,30 @@ class FakeCudaAccelerator(CudaAccelerator):
     def __exit__(self, *exc: object) -> None:
         self.session.__exit__(*exc)
 
+    def open(self) -> None:
+        """The process-wide part of the session; device work then runs in ``in_thread()``."""
+        self.session.open()
+
+    def in_thread(self) -> AbstractContextManager[None]:
+        """The fake device in the calling thread (re-entrant)."""
+        return self.session.in_thread()
+
+    def close(self) -> None:
+        """Model unload: nothing was pinned; the session's ``torch.cuda`` stand-ins go
+        (idempotent; the modes of a ``with`` block are left by its exit)."""
+        self.session.close()
+
     def mem_get_info(self) -> tuple[int, int]:
         return self.session.mem_get_info()
+
+    def to_host(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The copy runs (and is counted as a host sync); what reaches a real host tensor is
+        zeros, since the fake device holds no values: the host code after it (dense layers, the
+        sampler) runs on real tensors and reads valid token ids, as the engine needs."""
+        out = t.to(device)
+        if isinstance(out, FakeTensor) and out.device.type == "cpu":
+            return torch.zeros(out.shape, dtype=out.dtype)
+        return out
 
     def device_fill_ok(self, src: torch.Tensor) -> bool:
         return True  # assumed: ``pin`` registers the pool mapped (checked on a real GPU only)

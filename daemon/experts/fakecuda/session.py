@@ -4,7 +4,8 @@ the ``torch.cuda`` runtime calls a CPU build of torch lacks.
 ``with FakeCudaSession(vram_bytes) as s:`` makes ``device="cuda"`` tensors fake (shapes, dtypes
 and devices, no data), counts device bytes against the simulated card and host syncs, and
 replaces ``torch.cuda.Stream``/``Event``/``current_stream``/``stream``/``synchronize``/
-``mem_get_info``/``empty_cache``/``get_device_properties`` for the duration. Streams are
+``mem_get_info``/``empty_cache``/``get_device_properties`` and ``torch.Generator`` (see
+``generator``) for the duration. Streams are
 ordered trivially (the fake copies carry no data); ``synchronize`` counts as a host sync.
 Host tensors stay real unless made with ``s.host_empty`` (a fake host tensor: a bank of a model
 whose weights were never downloaded).
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from .generator import GeneratorFactory
 from .shim import DeviceShim
 from .tracker import DeviceTracker
 
@@ -80,6 +83,8 @@ class FakeCudaSession:
         self.context_bytes = context_bytes
         self._stream = FakeStream()
         self._stack: contextlib.ExitStack | None = None
+        self._local = threading.local()
+        self._modes: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
     # -- what the fake runtime reports ------------------------------------------------------
     def mem_get_info(self, device: object = None) -> tuple[int, int]:
@@ -99,29 +104,65 @@ class FakeCudaSession:
         return t
 
     # -- entering ----------------------------------------------------------------------------
-    def __enter__(self) -> FakeCudaSession:
+    # Two parts: the ``torch.cuda`` patches are process-wide (``open``/``close``, one session at
+    # a time); the modes that make device tensors fake and count them are per thread (torch
+    # keeps mode stacks per thread), so each thread doing device work enters ``in_thread()``.
+    # ``with session:`` is both, for code that runs in one thread (tests, ``ftctl plan``).
+    def open(self) -> None:
+        """Installs the process-wide ``torch.cuda`` stand-ins until ``close()``."""
         if not _LOCK.acquire(blocking=False):
             raise RuntimeError("a fake CUDA session is already active in this process")
         stack = contextlib.ExitStack()
         try:
             for name, value in self._patches().items():
                 stack.enter_context(_patched(torch.cuda, name, value))
-            stack.enter_context(DeviceShim(self.fake_mode))
-            stack.enter_context(self.tracker)
+            stack.enter_context(_patched(torch, "Generator", GeneratorFactory))
         except BaseException:
             stack.close()
             _LOCK.release()
             raise
         self._stack = stack
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        assert self._stack is not None
+    def close(self) -> None:
+        if self._stack is None:
+            return
         try:
             self._stack.close()
         finally:
             self._stack = None
             _LOCK.release()
+
+    @contextlib.contextmanager
+    def in_thread(self) -> Iterator[None]:
+        """The fake device in the calling thread (re-entrant: a no-op where already active).
+        Only one thread at a time may do device work (the fake mode is not thread-safe)."""
+        if self._stack is None:
+            raise RuntimeError("the fake CUDA session is not open")
+        if getattr(self._local, "active", False):
+            yield
+            return
+        self._local.active = True
+        try:
+            with DeviceShim(self.fake_mode), _TrackerView(self.tracker):
+                yield
+        finally:
+            self._local.active = False
+
+    def __enter__(self) -> FakeCudaSession:
+        self.open()
+        try:
+            self._modes = self.in_thread()
+            self._modes.__enter__()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._modes.__exit__(None, None, None)
+        finally:
+            self.close()
 
     def _patches(self) -> dict[str, Any]:
         def synchronize(device: object = None) -> None:
@@ -148,6 +189,20 @@ class FakeCudaSession:
             "device_count": lambda: 1,
             "get_device_properties": lambda device=None: props,
         }
+
+
+class _TrackerView(TorchDispatchMode):
+    """The session's tracker as a mode of one thread: each thread pushes its own mode object
+    (a mode keeps per-entry state), all of them count into the one tracker."""
+
+    def __init__(self, tracker: DeviceTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(
+        self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        return self.tracker.__torch_dispatch__(func, types, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -165,6 +165,12 @@ class DeviceShim(TorchFunctionMode):
         if func in _SCALAR_READS and is_fake(first):
             # a data-dependent read: counted by the tracker, raises in the fake mode
             return aten._local_scalar_dense.default(first)
+        gen = kwargs.get("generator")
+        if gen is not None and (is_fake(first) or _names_cuda(args, kwargs)):
+            if gen.device.type != "cuda":  # as CUDA refuses a host generator
+                raise RuntimeError(
+                    f"expected a 'cuda' device type for generator but found '{gen.device.type}'"
+                )
         if func is torch.Tensor.cuda:
             return self.__torch_function__(torch.Tensor.to, types, (first, CUDA0), {})
         if func is not torch.device and _names_cuda(args, kwargs):

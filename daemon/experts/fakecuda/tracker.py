@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 aten = torch.ops.aten
 MIB = 1 << 20
@@ -134,7 +134,11 @@ class DeviceTracker(TorchDispatchMode):
         elif func is aten.index.Tensor and _is_cuda(args[0]) and _has_bool(args[1]):
             out = self._bool_index(args[0], args[1])
         elif _on_fake_device(args, kwargs):
-            with self.fake_mode:  # host tensors among the inputs become fake
+            # host tensors among the inputs become fake; converted here, not by the fake mode,
+            # which fails to wrap them under ``torch.inference_mode`` (the model's forward)
+            args, kwargs = tree_map_only(torch.Tensor, self._fake, (args, kwargs))
+            kwargs = _without_generator(func, kwargs)
+            with self.fake_mode:
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)  # host-only op: real tensors, real values
@@ -144,6 +148,9 @@ class DeviceTracker(TorchDispatchMode):
             elif isinstance(t, FakeTensor):
                 self.host.note(t)
         return out
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, FakeTensor) else self.fake_mode.from_tensor(t)
 
     def _count_sync(self, func: Any, args: tuple, kwargs: dict) -> None:
         if func is aten._local_scalar_dense.default and _is_cuda(args[0]):
@@ -200,6 +207,15 @@ def _on_fake_device(args: tuple, kwargs: dict) -> bool:
     if dev is not None and torch.device(dev).type == "cuda":
         return True
     return any(isinstance(t, FakeTensor) for t in tree_flatten((args, kwargs))[0])
+
+
+def _without_generator(func: Any, kwargs: dict) -> dict:
+    """A random op on the fake device draws nothing: its generator is dropped (torch's fake
+    implementations take none). Its device was checked by the shim, which sees the caller's
+    generator object (here it arrives re-wrapped, as a plain host generator)."""
+    if kwargs.get("generator") is None:
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k != "generator"}
 
 
 def _has_bool(indices: list) -> bool:

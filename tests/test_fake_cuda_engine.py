@@ -1,0 +1,191 @@
+"""The whole engine on the fake CUDA device (DESIGN §7): ``LLM(..., accelerator="fake-cuda",
+vram_mib=N)`` loads a tiny checkpoint, runs a 512-token prefill, decode steps and (slot backends)
+a resize down and up, with the real CUDA code path of every MoE backend.
+
+What is checked: no host/device mix (it would raise), the device peak within the simulated card
+(a resize included), and the host syncs of a decode step, counted exactly: dense layers are on
+the host, so each MoE layer's output comes back once (hybrid also reads its CPU share's ids).
+A change that adds a sync to the decode step fails here. The tokens are not checked: the fake
+device holds no data (its outputs reach the host as zeros), only that they are valid ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.engine.resize import resize_expert_slots
+from freetokend.engine.sampler import SamplingParams
+from freetokend.experts.fakecuda import FakeCudaAccelerator
+
+MIB = 1 << 20
+VRAM_MIB = 1024  # 512 MiB usable after the simulated CUDA context
+PROMPT = 512
+DECODE_STEPS = 3
+# host syncs of one decode step per MoE layer (see the module docstring)
+SYNCS_PER_MOE_LAYER = {"fused": 1, "offload": 1, "hybrid": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # qwen3_moe: 3 layers, 2 of them MoE (8 experts, top-2); the context fits the prompt
+    d = tmp_path_factory.mktemp("fake-cuda-engine")
+    make_tiny("qwen3_moe", d, seed=11, max_position_embeddings=1024)
+    return d
+
+
+def _step(llm: LLM) -> list[int]:
+    ids = [o.token_id for o in llm.engine.step()]
+    vocab = llm.config.vocab_size
+    assert ids and all(isinstance(t, int) and 0 <= t < vocab for t in ids), ids
+    return ids
+
+
+@pytest.mark.parametrize("backend", ["fused", "offload", "hybrid"])
+def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
+    llm = LLM(tiny_dir, backend, accelerator="fake-cuda", vram_mib=VRAM_MIB, kv_tokens=2048)
+    try:
+        acc = llm.fake_device
+        assert isinstance(acc, FakeCudaAccelerator) and llm.moe.acc is acc
+        tr = acc.tracker
+        moe_layers = llm.config.num_moe_layers
+        loaded = tr.sweep()
+        assert loaded >= moe_layers * 8 * 3 * 64 * 32 * 2  # the device banks (bf16 experts)
+        prompt = [3 + i % 90 for i in range(PROMPT)]
+        llm.engine.add_request("r", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+        _step(llm)  # the whole prompt in one step (max_step_tokens 512)
+        assert tr.peak <= tr.capacity
+        per_step = []
+        for _ in range(DECODE_STEPS):
+            before = tr.syncs.total
+            _step(llm)
+            per_step.append(tr.syncs.total - before)
+        expected = SYNCS_PER_MOE_LAYER[backend] * moe_layers
+        assert per_step == [expected] * DECODE_STEPS, (tr.syncs.by_kind, per_step)
+        assert set(tr.syncs.by_kind) == {"d2h"}  # copies back to the host, no scalar reads
+        print(f"\n{backend}: {expected} host syncs per decode step over {moe_layers} MoE layers")
+        assert tr.peak <= tr.capacity
+        if backend != "fused":
+            with acc.in_thread():  # the engine's steps enter it themselves; a direct call not
+                _resize_down_and_up(llm)
+            _step(llm)  # the engine goes on after the resizes
+    finally:
+        llm.close()
+    assert llm.fake_device is None
+    with FakeCudaAccelerator(vram_mib=VRAM_MIB):  # close() left the process-wide session
+        pass
+
+
+def _resize_down_and_up(llm: LLM) -> None:
+    be = llm.moe
+    tr = be.acc.tracker
+    slot = be.slots.nbytes_per_expert()
+    default = be.cache.num_slots
+    for n, old in ((2, default), (default, 2)):
+        tr.reset_peak()
+        live = tr.sweep() - old * slot  # what lives besides the slot banks
+        resize_expert_slots(be, n)
+        assert be.cache.num_slots == n
+        # never old + new banks at once: the larger of the two, plus the small copy lists
+        assert tr.peak <= live + max(old, n) * slot + MIB, (n, tr.peak, live)
+        assert tr.peak <= tr.capacity
+
+
+def test_engine_steps_from_another_thread(tiny_dir: Path) -> None:
+    """The daemon builds the LLM in one thread and steps it in its engine thread: the fake
+    device's modes are per thread, each step enters them where it runs."""
+    import threading
+
+    llm = LLM(tiny_dir, "offload", accelerator="fake-cuda", vram_mib=VRAM_MIB, kv_tokens=256)
+    try:
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        got: list[object] = []
+
+        def run() -> None:
+            try:
+                got.extend(_step(llm) + _step(llm))
+            except BaseException as e:  # reported by the assertion below
+                got.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(60)
+        assert len(got) == 2 and all(isinstance(x, int) for x in got), got
+        assert llm.fake_device.tracker.syncs.total == 2 * 2  # two steps, two MoE layers
+    finally:
+        llm.close()
+
+
+def test_fake_cuda_needs_the_card_size(tiny_dir: Path) -> None:
+    with pytest.raises(ValueError, match="vram_mib"):
+        LLM(tiny_dir, "offload", accelerator="fake-cuda")
+    with pytest.raises(ValueError, match="vram_mib"):
+        LLM(tiny_dir, "offload", accelerator="standin", vram_mib=8192)
+    with FakeCudaAccelerator(vram_mib=VRAM_MIB):  # a failed load left no session behind
+        pass
+
+
+def test_daemon_flags_select_the_fake_card() -> None:
+    from freetokend.cli import build_parser
+    from freetokend.server.config import ConfigError, resolve
+
+    def cfg(*argv: str):  # type: ignore[no-untyped-def]
+        args = vars(build_parser().parse_args(list(argv)))
+        args.pop("config")
+        return resolve(args, None, env={})
+
+    c = cfg("--accelerator", "fake-cuda", "--vram-mib", "8192")
+    assert (c.accelerator, c.vram_mib) == ("fake-cuda", 8192)
+    for bad in (("--accelerator", "fake-cuda"), ("--vram-mib", "8192"),
+                ("--accelerator", "fake-cuda", "--vram-mib", "0")):  # fmt: skip
+        with pytest.raises(ConfigError, match="vram_mib"):
+            cfg(*bad)
+
+
+@pytest.mark.slow
+def test_daemon_serves_on_the_fake_card() -> None:
+    """The real daemon process with ``--accelerator fake-cuda``: loaded in one thread, stepped
+    in its engine thread, a greedy and a seeded sampled request answered (~20 s here; slow: it starts a process)."""
+    from server_support.daemon import MODEL_NAME, start_daemon, state_dir
+
+    d = start_daemon(
+        "--model", "builtin", "--state-dir", str(state_dir()), "--admin-socket", "off",
+        "--accelerator", "fake-cuda", "--vram-mib", "2048", "--moe-backend", "hybrid",
+    )  # fmt: skip
+    try:
+        for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+            body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, **extra}
+            status, out = d.post("/v1/completions", body)
+            assert status == 200, out
+            assert out["usage"]["completion_tokens"] == 3
+    finally:
+        assert d.stop() == 0
+
+
+def test_cuda_generator_stand_in_for_the_sampler() -> None:
+    """``torch.Generator("cuda")`` exists on the fake device (seeded requests sampled there),
+    generators keep passing ``isinstance`` checks, and a host generator given to a device op
+    raises as on a GPU. Sampling on the device reads nothing back."""
+    from freetokend.engine.sampler import make_generator, sample
+
+    real = torch.Generator
+    acc = FakeCudaAccelerator(vram_mib=VRAM_MIB)
+    with acc:
+        seeded = SamplingParams(seed=5, temperature=0.7)
+        gen = make_generator(seeded, "cuda")
+        assert gen is not None and gen.device == torch.device("cuda", 0)
+        assert isinstance(gen, torch.Generator) and isinstance(gen, real)
+        host = torch.Generator().manual_seed(1)
+        assert isinstance(host, torch.Generator) and host.device.type == "cpu"
+        assert gen.get_state().equal(real().manual_seed(5).get_state())  # seeding works
+        logits = torch.randn(3, 50, device="cuda")
+        params = [seeded, SamplingParams(temperature=0.9, top_p=0.9), SamplingParams()]
+        ids = sample(logits, params, [gen, None, None])
+        assert ids.shape == (3,) and ids.device == torch.device("cuda", 0)
+        assert acc.tracker.syncs.total == 0
+        with pytest.raises(RuntimeError, match="'cuda' device type for generator"):
+            sample(logits, params, [host, None, None])
+    assert torch.Generator is real
