@@ -20,7 +20,7 @@ from ..models.config import ModelConfig
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.layers.common import dtype_of
 from ..models.loader import load_model
-from ..models.model import CausalLM
+from ..models.model import CausalLM, build_model
 from .ftw_index import INDEX_NAME, Entry, FtwError, FtwIndex, read_index
 from .ftw_io import ReadJob, aligned_empty, default_threads, pin, read_all, sha256_tensor
 from .ftw_write import Progress, aux_files, check_destination, write_ftw
@@ -137,7 +137,7 @@ def load_ftw(
     folder = Path(folder)
     idx = read_index(folder)
     cfg = cfg or ModelConfig.from_hf(folder)
-    model = CausalLM(cfg)  # parameters are torch.empty: untouched pages cost nothing
+    model = build_model(cfg)  # parameters are torch.empty: untouched pages cost nothing
     entries = _match(idx, _expected(cfg, model, idx.expert_format), folder)
     tensors: dict[str, torch.Tensor] = {}
     jobs = []

@@ -21,7 +21,7 @@ from ..experts.banks import ExpertBanks
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .layers.common import dtype_of
-from .model import CausalLM
+from .model import CausalLM, build_model
 from .registry import family_spec
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 
@@ -367,7 +367,7 @@ def load_model(
         return load_ftw(model_dir, cfg)
     cfg = cfg or ModelConfig.from_hf(model_dir)
     spec = family_spec(cfg.family)
-    model = CausalLM(cfg)
+    model = build_model(cfg)
     banks = allocate_banks(cfg)
     filler = _Filler(cfg, spec, model, banks)
     mtp_skipped = 0
