@@ -20,7 +20,8 @@ from torch import nn
 
 from ...engine.batch import ForwardBatch
 from ..config import ModelConfig
-from .attention import _Q_BLOCK, attend
+from . import dense_native
+from .attention import _Q_BLOCK, _decode_rows, attend
 from .common import DenseMLP, Linear, RMSNorm, gelu_tanh, param, project
 from .moe import route
 from .rope import Rope
@@ -77,6 +78,9 @@ class Gemma4Attention(nn.Module):
         q = rope.apply(q, cos, sin).contiguous()
         kv = None if self.shared else self._kv(x, rope, cos, sin)
         out = torch.empty_like(q)
+        kp, vp = batch.kv.k[self.kv_layer], batch.kv.v[self.kv_layer]
+        # decode rows on the CPU: one native call for all of them, reading the pages in place
+        native = dense_native.attention_usable(q, kp, vp)
         for ch in batch.chunks:
             end = ch.context_len + ch.length
             if kv is not None:
@@ -84,6 +88,8 @@ class Gemma4Attention(nn.Module):
                 batch.kv.write(
                     self.kv_layer, ch.state.pages, ch.context_len, kv[0][rows], kv[1][rows]
                 )
+            if native and ch.length == 1:
+                continue
             first = 0 if self.window is None else max(0, ch.context_len - self.window + 1)
             kc, vc = batch.kv.read(self.kv_layer, ch.state.pages, end, start=first)
             kc, vc = kc.float(), vc.float()
@@ -96,6 +102,12 @@ class Gemma4Attention(nn.Module):
                     ch.context_len + b0 - first,
                     1.0,
                     self.window,
+                )
+        if native:
+            dec = _decode_rows(batch)
+            if dec.chunks:
+                dense_native.decode_attention(
+                    q, kp, vp, dec.tables, dec.lens, 1.0, self.window, None, dec.rows, out
                 )
         return self.o_proj(out.reshape(n, -1))
 
