@@ -86,6 +86,7 @@ def test_26b_a4b_config_and_kv_geometry() -> None:
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
         (dict(num_kv_shared_layers=30), "num_kv_shared_layers"),
         (dict(num_global_key_value_heads=3), "KV head count"),
+        (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=9), "vocab_size_per"),
     ],
 )
 def test_configs_we_do_not_serve_are_named(over: dict, match: str) -> None:
@@ -157,3 +158,16 @@ def test_anchor_tokens_reach_the_snapshot_policy(tmp_path) -> None:  # type: ign
     got = {llm.tokenizer.id_to_token(i): k for i, k in llm.engine.prefix.policy.anchor_ids.items()}
     assert got == want
     assert ModelConfig.from_hf(tmp_path).family == "gemma4"
+
+
+def test_ftw_folder_serves_the_same_tokens(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from freetokend.checkpoint.ftw import convert
+
+    src = tmp_path / "hf"
+    make_tiny("gemma4:ple", src, seed=4)
+    convert(src, tmp_path / "ftw")
+    prompt = list(range(3, 21))
+    kw = dict(moe_backend="cpu", max_model_len=64, kv_tokens=256)
+    a = LLM(src, **kw).generate(prompt, max_tokens=8, ignore_eos=True)
+    b = LLM(tmp_path / "ftw", **kw).generate(prompt, max_tokens=8, ignore_eos=True)
+    assert a == b and len(a) == 8

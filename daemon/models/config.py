@@ -615,6 +615,9 @@ def _validate(cfg: ModelConfig, source: str) -> None:
                 f"{source}: field 'num_kv_shared_layers' leaves a shared layer type without an "
                 "earlier layer of that type to share from"
             )
+    if cfg.hidden_size_per_layer_input and cfg.vocab_size_per_layer_input < cfg.vocab_size:
+        # every token id indexes the per-layer embedding too
+        raise ConfigError(f"{source}: field 'vocab_size_per_layer_input' must be >= vocab_size")
     for i in range(cfg.num_layers):
         if cfg.num_heads % cfg.layer_num_kv_heads(i):
             raise ConfigError(f"{source}: layer {i}'s KV head count must divide the heads")
