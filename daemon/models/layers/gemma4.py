@@ -22,7 +22,7 @@ from ...engine.batch import ForwardBatch
 from ..config import ModelConfig
 from . import dense_native
 from .attention import _Q_BLOCK, _decode_rows, attend
-from .common import DenseMLP, Linear, RMSNorm, gelu_tanh, param, project
+from .common import DenseMLP, Linear, RMSNorm, dtype_of, gelu_tanh, param, project
 from .moe import route
 from .rope import Rope
 
@@ -135,8 +135,6 @@ class Gemma4DecoderLayer(nn.Module):
         self, cfg: ModelConfig, i: int, moe_index: int, kv_layer: int, shared: bool
     ) -> None:
         super().__init__()
-        from .common import dtype_of
-
         dtype = dtype_of(cfg.torch_dtype)
         hid, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kind = cfg.layer_types[i]
