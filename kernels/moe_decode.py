@@ -103,7 +103,7 @@ def copy_rows_reference(
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, slot_ptr, h_ptr, H, INTER, K, alpha, limit,
-                    HAS_BIAS: tl.constexpr, GPTOSS: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                     BI: tl.constexpr, BH: tl.constexpr):  # fmt: skip
     # h[r, i] = act(gate_up[slot] @ x[t])[i] for route r = t * K + k, rows i of this program
     r = tl.program_id(0)
@@ -128,10 +128,14 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, slot_ptr, h_ptr, H, INTER, K, alpha, li
         bbase = b_ptr + tl.maximum(slot, 0).to(tl.int64) * (2 * INTER)
         acc_g += tl.load(bbase + rows, mask=rmask, other=0.0).to(tl.float32)
         acc_u += tl.load(bbase + INTER + rows, mask=rmask, other=0.0).to(tl.float32)
-    if GPTOSS:
+    # ACT: 0 SiLU, 1 GPT-OSS clamped SwiGLU, 2 gelu_pytorch_tanh (Activation's values)
+    if ACT == 1:
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    elif ACT == 2:  # 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+        h = acc_g * tl.sigmoid(2.0 * z) * acc_u
     else:
         h = acc_g * tl.sigmoid(acc_g) * acc_u
     h = tl.where(valid, h, 0.0)
@@ -178,14 +182,15 @@ def moe_decode(
     down: torch.Tensor,
     gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None,
-    gptoss: bool,
+    act: int,
     alpha: float,
     limit: float,
 ) -> torch.Tensor:
     """Routed-expert sum from slot banks, slot ids read on the device; returns [T, H] fp32.
 
     x [T, H]; slot_ids, weights [T, K] (-1 = skip); gate_up [S, 2I, H] (gate rows then up rows);
-    down [S, H, I]; biases [S, 2I] and [S, H] or None.
+    down [S, H, I]; biases [S, 2I] and [S, H] or None; ``act`` the expert activation as
+    `Activation`'s value (0 SiLU, 1 GPT-OSS, 2 gelu-tanh).
     """
     t, k = slot_ids.shape
     h_dim, i_dim = int(down.shape[1]), int(down.shape[2])
@@ -194,7 +199,7 @@ def moe_decode(
     xs = x.contiguous()
     slots = slot_ids.reshape(-1).to(torch.int32).contiguous()
     gates = weights.reshape(-1).float().contiguous()
-    act = torch.empty(r, i_dim, dtype=torch.float32, device=dev)
+    hidden = torch.empty(r, i_dim, dtype=torch.float32, device=dev)
     y = torch.empty(r, h_dim, dtype=torch.float32, device=dev)
     if r == 0:
         return torch.zeros(t, h_dim, dtype=torch.float32, device=dev)
@@ -203,11 +208,11 @@ def moe_decode(
     mod = for_device(sys.modules[__name__], dev)
     gate_up_grid, down_grid = decode_grids(r, h_dim, i_dim)
     mod._gate_up_kernel[gate_up_grid](
-        xs, gate_up, gub, slots, act, h_dim, i_dim, k, float(alpha), float(limit),
-        HAS_BIAS=gate_up_bias is not None, GPTOSS=gptoss, BI=BLOCK_I, BH=BLOCK_H,
+        xs, gate_up, gub, slots, hidden, h_dim, i_dim, k, float(alpha), float(limit),
+        HAS_BIAS=gate_up_bias is not None, ACT=int(act), BI=BLOCK_I, BH=BLOCK_H,
     )  # fmt: skip
     mod._down_kernel[down_grid](
-        act, down, db, slots, gates, y, h_dim, i_dim,
+        hidden, down, db, slots, gates, y, h_dim, i_dim,
         HAS_BIAS=down_bias is not None, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip
     return y.view(t, k, h_dim).sum(dim=1)

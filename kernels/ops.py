@@ -57,7 +57,7 @@ def moe_decode(
     down: torch.Tensor,
     gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None,
-    gptoss: bool,
+    act: int,
     alpha: float,
     limit: float,
 ) -> torch.Tensor:
@@ -65,12 +65,12 @@ def moe_decode(
     from . import moe_decode as k
 
     return k.moe_decode(
-        x, slot_ids, weights, gate_up, down, gate_up_bias, down_bias, gptoss, alpha, limit
+        x, slot_ids, weights, gate_up, down, gate_up_bias, down_bias, act, alpha, limit
     )
 
 
 @moe_decode.register_fake
-def _(x, slot_ids, weights, gate_up, down, gate_up_bias, down_bias, gptoss, alpha, limit):  # type: ignore[no-untyped-def]
+def _(x, slot_ids, weights, gate_up, down, gate_up_bias, down_bias, act, alpha, limit):  # type: ignore[no-untyped-def]
     _same_device(x, slot_ids, weights, gate_up, down)
     t, k = slot_ids.shape
     r, h_dim, i_dim = t * k, down.shape[1], down.shape[2]

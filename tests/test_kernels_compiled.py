@@ -154,7 +154,7 @@ def _moe_decode_launches(shape: list[str]) -> None:
                 _meta(tokens, h, dtype=torch.bfloat16), _meta(tokens, k), _meta(tokens, k,
                 dtype=torch.float32), _meta(slots, 2 * i, h, dtype=torch.bfloat16),
                 _meta(slots, h, i, dtype=torch.bfloat16), *(bias if gptoss else (None, None)),
-                gptoss, 1.702, 7.0,
+                int(gptoss), 1.702, 7.0,
             )  # fmt: skip
 
 

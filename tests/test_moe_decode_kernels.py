@@ -33,7 +33,13 @@ def _banks(slots: int, h: int, i: int, dtype: torch.dtype, bias: bool, seed: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "act", [ActivationSpec(), ActivationSpec(Activation.GPTOSS, 1.702, 0.6)], ids=["silu", "gptoss"]
+    "act",
+    [
+        ActivationSpec(),
+        ActivationSpec(Activation.GPTOSS, 1.702, 0.6),
+        ActivationSpec(Activation.GELU_TANH),
+    ],
+    ids=["silu", "gptoss", "gelu_tanh"],
 )
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_moe_decode_matches_reference(dtype: torch.dtype, act: ActivationSpec, tokens: int) -> None:
@@ -49,7 +55,9 @@ def test_moe_decode_matches_reference(dtype: torch.dtype, act: ActivationSpec, t
     dev = [None if t is None else t.to(DEV) for t in banks.tensors().values()]
     if not gptoss:
         dev += [None, None]
-    got = moe_decode(x.to(DEV), ids.to(DEV), w.to(DEV), *dev, gptoss, act.alpha, act.limit).cpu()
+    got = moe_decode(
+        x.to(DEV), ids.to(DEV), w.to(DEV), *dev, int(act.kind), act.alpha, act.limit
+    ).cpu()
     ref = moe_reference(x, ids, w, banks, act)
     assert got.dtype == torch.float32 and got.shape == (tokens, h)
     # fp32 products either way; only the order of the sums differs
@@ -64,7 +72,7 @@ def test_moe_decode_all_routes_skipped_is_zero() -> None:
     banks = _banks(3, 40, 24, torch.float32, bias=True, seed=0)
     ids = torch.full((2, 2), -1, dtype=torch.int32)
     out = moe_decode(torch.randn(2, 40), ids, torch.ones(2, 2), banks.gate_up, banks.down,
-                     banks.gate_up_bias, banks.down_bias, True, 1.702, 7.0)  # fmt: skip
+                     banks.gate_up_bias, banks.down_bias, 1, 1.702, 7.0)  # fmt: skip
     assert torch.equal(out, torch.zeros(2, 40))
 
 

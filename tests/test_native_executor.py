@@ -35,6 +35,7 @@ ACTS = {
     "silu": ActivationSpec(Activation.SILU),
     # a small limit so the clamps of GPT-OSS's SwiGLU are exercised with order-1 values
     "gptoss": ActivationSpec(Activation.GPTOSS, alpha=1.702, limit=1.0),
+    "gelu_tanh": ActivationSpec(Activation.GELU_TANH),
 }
 # tile_min_tokens: 1 = every expert takes the tiled (prefill) kernel, huge = every expert the
 # streaming (decode) kernel, 6 = the default mix.

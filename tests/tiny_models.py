@@ -22,6 +22,7 @@ FAMILIES = (
     "glm4_moe",
     "glm4_moe_lite",
     "minimax_m2",
+    "gemma4",
 )
 
 # Second configs of a family ("family:variant" -> overrides of its tiny config): the other side
@@ -54,6 +55,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
         attention_bias=True,
     ),
     "minimax_m2:k3": dict(num_experts_per_tok=3, rotary_dim=16, num_key_value_heads=4),
+    # per-layer input embeddings, the last two layers sharing KV, separate V on global layers,
+    # a wider sliding window, no softcap, tied embeddings, top-3
+    "gemma4:ple": dict(
+        num_hidden_layers=5,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        sliding_window=16,
+        global_head_dim=24,
+        num_global_key_value_heads=None,
+        attention_k_eq_v=False,
+        top_k_experts=3,
+        final_logit_softcapping=None,
+        hidden_size_per_layer_input=8,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        tie_word_embeddings=True,
+    ),
 }
 
 _COMMON: dict[str, Any] = dict(
@@ -229,6 +252,31 @@ def hf_config(family: str, **over: Any) -> Any:
             rope_theta=10000.0,
         )
         cls = tf.MiniMaxM2Config
+    elif family == "gemma4":
+        # 26B-A4B's shape in miniature: sliding layers of head dim 16 with 2 KV heads, global
+        # layers of head dim 32 with 1 KV head and V = K, a window shorter than the prompts
+        c.update(
+            num_hidden_layers=4,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            sliding_window=8,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            intermediate_size=48,
+            final_logit_softcapping=30.0,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=97,
+        )
+        cls = tf.Gemma4TextConfig
     elif family == "mixtral":
         c.update(
             num_hidden_layers=2,
@@ -269,6 +317,7 @@ def hf_model_class(family: str) -> Any:
         "glm4_moe": tf.Glm4MoeForCausalLM,
         "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
         "minimax_m2": tf.MiniMaxM2ForCausalLM,
+        "gemma4": tf.Gemma4ForCausalLM,
     }[family.split(":")[0]]
 
 
@@ -278,11 +327,15 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
         for name, b in model.named_buffers():  # DeepSeek's router bias (not rope tables)
             if name.endswith("e_score_correction_bias"):  # and GLM's / MiniMax-M2's
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            if name.endswith("layer_scalar"):  # Gemma-4's per-layer output scale
+                b.copy_(1.0 + torch.randn(b.shape, generator=g) * 0.2)
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("bias") or "sinks" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
             if "A_log" in name:
                 p.copy_(torch.rand(p.shape, generator=g).mul(2.0).add(0.1).log())
+            if name.endswith("router.proj.weight"):  # Gemma-4 scales the router input by
+                p.mul_(30.0)  # hidden^-0.5: spread its logits so the top-k are not near ties
 
 
 def make_tiny(

@@ -22,10 +22,11 @@ from ..experts.backend import (
     create_backend,
     moe_activation_bytes,
 )
-from ..experts.banks import Activation, ActivationSpec
+from ..experts.banks import ActivationSpec, activation_of
 from ..models.config import ModelConfig
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.loader import load_model, model_config, model_kind
+from ..models.model import kv_bytes_per_token
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
 from .prefix import PrefixReuse, SnapshotPolicy
@@ -40,8 +41,7 @@ _DEFAULT_KV_TOKENS = 131072
 def _slot_budget(model: Any, cfg: ModelConfig, step_tokens: int) -> SlotBudget:
     """What the default slot count leaves free on the device: the KV reserve (K + V of every
     attention layer per token) and one step's MoE activations."""
-    heads, head_dim = model.kv_geometry
-    kv = 2 * model.num_attention_layers * heads * head_dim * model.dtype.itemsize
+    kv = kv_bytes_per_token(model)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
     return SlotBudget(kv_bytes_per_token=kv, activation_bytes=act)
 
@@ -137,11 +137,7 @@ class LLM:
         if self.banks.format != cfg.expert_format:  # quantized here, or in an FTW conversion
             cfg = dataclasses.replace(cfg, expert_format=self.banks.format)
         self.config = cfg
-        act = ActivationSpec(
-            Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU,
-            cfg.swiglu_alpha,
-            cfg.swiglu_limit,
-        )
+        act = ActivationSpec(activation_of(cfg.activation), cfg.swiglu_alpha, cfg.swiglu_limit)
         # the fake device: entered after the host weights are loaded (they stay real tensors)
         self.fake_device = _enter_fake_device(accelerator, vram_mib)
         try:

@@ -58,10 +58,10 @@ class Plan:
 
 
 def _meta_model(cfg: Any) -> Any:
-    from ..models.model import CausalLM
+    from ..models.model import build_model
 
     with torch.device("meta"):
-        return CausalLM(cfg)
+        return build_model(cfg)
 
 
 def _dense_bytes(model: Any) -> int:
@@ -91,12 +91,12 @@ def plan_model(
     from ..experts.backend import SlotBudget, moe_activation_bytes
     from ..experts.fakecuda import FakeCudaAccelerator
     from ..models.config import ModelConfig
+    from ..models.model import kv_bytes_per_token
 
     cfg = ModelConfig.from_hf(Path(model_dir))
     ram_mib = ram_mib if ram_mib is not None else total_ram() // MIB
     model = _meta_model(cfg)
-    heads, head_dim = model.kv_geometry
-    kv_per_token = 2 * model.num_attention_layers * heads * head_dim * model.dtype.itemsize
+    kv_per_token = kv_bytes_per_token(model)
     plan = Plan(str(model_dir), True, "", backend, vram_mib, ram_mib, kv_tokens=kv_tokens)
     plan.expert_format = cfg.expert_format
     dense = _dense_bytes(model)
@@ -131,7 +131,7 @@ def plan_model(
 def _run(plan: Plan, cfg: Any, acc: Any, backend: str, budget: Any, steps: int) -> None:
     """Load + a prompt chunk + decode steps of the MoE backend on the fake card."""
     from ..experts.backend import create_backend
-    from ..experts.banks import Activation, ActivationSpec
+    from ..experts.banks import ActivationSpec, activation_of
     from ..experts.device_backends import FusedBackend, OffloadBackend
     from ..experts.formats import allocate
 
@@ -143,7 +143,7 @@ def _run(plan: Plan, cfg: Any, acc: Any, backend: str, budget: Any, steps: int) 
         )  # fmt: skip
     for t in banks.all_tensors().values():
         acc.tracker.host.note(t)
-    act = ActivationSpec(Activation.GPTOSS if cfg.activation == "gptoss" else Activation.SILU)
+    act = ActivationSpec(activation_of(cfg.activation))
     be: Any = create_backend(
         backend, banks, layers, experts, act, accelerator=acc, slot_budget=budget
     )

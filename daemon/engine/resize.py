@@ -167,5 +167,5 @@ def resize_kv_pages(pool: KVPool, prefix: PrefixReuse | None, num_pages: int) ->
         if any(pool.refcount(p) for p in range(num_pages, old)):
             return False
     pool.resize(num_pages)
-    _release_device_memory(pool.k.device)
+    _release_device_memory(pool.device)
     return True

@@ -61,6 +61,7 @@ class ModelRunner:
             page_size,
             *model.kv_geometry,
             model.dtype,
+            layer_shapes=model.kv_layer_shapes,
         )
 
     def new_state(self) -> SeqState:

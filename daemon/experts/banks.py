@@ -26,6 +26,7 @@ class Activation(enum.IntEnum):
 
     SILU = 0  # silu(gate) * up
     GPTOSS = 1  # clamped SwiGLU of GPT-OSS: see `activate`
+    GELU_TANH = 2  # gelu_pytorch_tanh(gate) * up (Gemma-4)
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,21 @@ class ExpertBanks:
         return sum(t[0].numel() * t.element_size() for t in self.all_tensors().values())
 
 
+def activation_of(name: str) -> Activation:
+    """ModelConfig.activation -> the expert activation."""
+    return {"gptoss": Activation.GPTOSS, "gelu_tanh": Activation.GELU_TANH}.get(
+        name, Activation.SILU
+    )
+
+
 def activate(gate_up: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """[T, 2I] -> [T, I], in the dtype of the input (callers pass fp32)."""
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if spec.kind == Activation.SILU:
         return torch.nn.functional.silu(gate) * up
+    if spec.kind == Activation.GELU_TANH:
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=spec.limit)
     up = up.clamp(min=-spec.limit, max=spec.limit)
     glu = gate * torch.sigmoid(gate * spec.alpha)

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .accelerator import Accelerator, BankPairs, RowCopies, Transfer
-from .banks import Activation, ActivationSpec, ExpertBanks, moe_reference
+from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .grouped import moe_grouped
 from .slot_cache import FILL_ALL_Q16, DecodePlan, EvictionPolicy, SlotCache
 
@@ -61,10 +61,9 @@ def _kernel(
     device: [T, H] fp32."""
     from ftkernels.ops import moe_decode
 
-    gptoss = a.kind == Activation.GPTOSS
     return moe_decode(
         x, rows.int(), weights, b.gate_up, b.down, b.gate_up_bias, b.down_bias,
-        gptoss, a.alpha, a.limit,
+        int(a.kind), a.alpha, a.limit,
     )  # fmt: skip
 
 

@@ -3,9 +3,17 @@
 Storage per attention layer: K and V of shape [num_pages, page_size, kv_heads, head_dim]. A
 sequence owns a list of pages (its page table); token position p lives in page
 ``pages[p // page_size]`` at row ``p % page_size``.
+
+When every layer has the same (kv_heads, head_dim), K and V are each one tensor
+[layers, num_pages, page_size, kv_heads, head_dim]. A model whose layers differ (Gemma-4's global
+layers have another head dim and KV head count than its sliding ones) passes ``layer_shapes``:
+K and V are then lists of per-layer tensors, so no layer pays for another's geometry. Either way
+``k[layer]`` is that layer's [num_pages, page_size, kv_heads, head_dim] storage.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -23,15 +31,62 @@ class KVPool:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
+        """``layer_shapes``: (kv_heads, head_dim) per layer, for models whose layers differ
+        (``kv_heads`` / ``head_dim`` are then ignored)."""
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (max(num_layers, 1), num_pages, page_size, kv_heads, head_dim)
-        # Not zeroed: a page is always written before it is read.
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k: torch.Tensor | list[torch.Tensor]
+        self.v: torch.Tensor | list[torch.Tensor]
+        shapes = list(layer_shapes or [])
+        if shapes and len(shapes) != num_layers:
+            raise ValueError(f"layer_shapes lists {len(shapes)} layers, expected {num_layers}")
+        if shapes and len(set(shapes)) > 1:
+            # Not zeroed: a page is always written before it is read.
+            self.k = [torch.empty(num_pages, page_size, *s, dtype=dtype) for s in shapes]
+            self.v = [torch.empty(num_pages, page_size, *s, dtype=dtype) for s in shapes]
+        else:
+            if shapes:
+                kv_heads, head_dim = shapes[0]
+            shape = (max(num_layers, 1), num_pages, page_size, kv_heads, head_dim)
+            self.k = torch.empty(shape, dtype=dtype)
+            self.v = torch.empty(shape, dtype=dtype)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._ref = [0] * num_pages
+
+    @property
+    def per_layer(self) -> bool:
+        """K and V are lists of per-layer tensors (layers of different geometry)."""
+        return isinstance(self.k, list)
+
+    @property
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(kv_heads, head_dim) of each layer's K (= V)."""
+        return [(int(t.shape[-2]), int(t.shape[-1])) for t in self.k]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V storage, all layers."""
+        return 2 * sum(t.numel() * t.element_size() for t in self.k)
+
+    @property
+    def layout(self) -> str:
+        """The storage layout a spilled file must match (fingerprint part): layers, geometry,
+        dtype. The uniform form is spelled as before per-layer pools existed."""
+        if self.per_layer:
+            return f"{self.page_size}|per-layer {tuple(self.layer_shapes)}|{self.dtype}"
+        k = self.k
+        assert isinstance(k, torch.Tensor)
+        return f"{self.page_size}|{tuple(k.shape[:1] + k.shape[3:])}|{k.dtype}"
 
     @property
     def num_free(self) -> int:
@@ -76,20 +131,26 @@ class KVPool:
         if busy:
             raise KVPoolFull(f"cannot shrink to {n} pages: {len(busy)} pages above are in use")
         keep = min(n, old)
-        shape = (self.k.shape[0], n, *self.k.shape[2:])
-        k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
-        v = torch.empty(shape, dtype=self.v.dtype, device=self.v.device)
-        k[:, :keep].copy_(self.k[:, :keep])
-        v[:, :keep].copy_(self.v[:, :keep])
+        if isinstance(self.k, list) and isinstance(self.v, list):
+            self.k = [_resized(t, n, keep, 0) for t in self.k]
+            self.v = [_resized(t, n, keep, 0) for t in self.v]
+        else:
+            assert isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
+            self.k, self.v = _resized(self.k, n, keep, 1), _resized(self.v, n, keep, 1)
         free = [p for p in self._free if p < n]
         # The free list is a stack (alloc pops from the end): new pages go to the bottom, so the
         # lowest free pages are used first, which keeps a later shrink cheap.
         self._free = list(range(n - 1, old - 1, -1)) + free
         self._ref = self._ref[:n] + [0] * max(0, n - old)
-        self.k, self.v, self.num_pages = k, v, n
+        self.num_pages = n
 
     def copy_page(self, src: int, dst: int, rows: int) -> None:
         """Copy the first ``rows`` token rows of page ``src`` into page ``dst`` (all layers)."""
+        if isinstance(self.k, list) and isinstance(self.v, list):
+            for t in (*self.k, *self.v):
+                t[dst, :rows] = t[src, :rows]
+            return
+        assert isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
         self.k[:, dst, :rows] = self.k[:, src, :rows]
         self.v[:, dst, :rows] = self.v[:, src, :rows]
 
@@ -102,12 +163,13 @@ class KVPool:
         # One slice copy per page span (a decode token: one per tensor), not an index_put with
         # its index tensors: at decode this is a few microseconds instead of ~40 per layer.
         ps, n, i = self.page_size, k.shape[0], 0
+        kl, vl = self.k[layer], self.v[layer]
         while i < n:
             page, row = divmod(start + i, ps)
             m = min(ps - row, n - i)
-            self.k[layer, pages[page], row : row + m] = k[i : i + m]
+            kl[pages[page], row : row + m] = k[i : i + m]
             if v is not None:
-                self.v[layer, pages[page], row : row + m] = v[i : i + m]
+                vl[pages[page], row : row + m] = v[i : i + m]
             i += m
 
     def read(
@@ -117,6 +179,21 @@ class KVPool:
         first, last = start // self.page_size, self.pages_for(length)
         table = torch.tensor(pages[first:last], dtype=torch.long)
         lo = start - first * self.page_size
-        k = self.k[layer, table].flatten(0, 1)[lo : lo + length - start]
-        v = self.v[layer, table].flatten(0, 1)[lo : lo + length - start]
+        k = self.k[layer][table].flatten(0, 1)[lo : lo + length - start]
+        v = self.v[layer][table].flatten(0, 1)[lo : lo + length - start]
         return k, v
+
+    def gather(self, pages: list[int], pos: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V of positions [0, pos), one [pos, kv_heads, head_dim] tensor per layer."""
+        layers = range(len(self.k))
+        ks, vs = zip(*(self.read(i, pages, pos) for i in layers), strict=True)
+        return list(ks), list(vs)
+
+
+def _resized(t: torch.Tensor, n: int, keep: int, dim: int) -> torch.Tensor:
+    """New storage like ``t`` with ``n`` pages along ``dim``, the first ``keep`` copied."""
+    shape = list(t.shape)
+    shape[dim] = n
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, keep).copy_(t.narrow(dim, 0, keep))
+    return out

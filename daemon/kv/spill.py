@@ -8,6 +8,7 @@ each spilled snapshot carries it (the simple, correct design; its cost is p toke
   state_dir/snapshots/<fingerprint>/<prefix hash>.safetensors
     conv [linear layers, conv_dim, kernel - 1], ssm [linear layers, v_heads, k_dim, v_dim]
     k, v [attention layers, p, kv_heads, head_dim]
+    (a pool whose layers differ in geometry: k.<i>, v.<i> [p, kv_heads_i, head_dim_i] per layer)
 
 with one row per file in the store's ``anchors`` table (fingerprint, prefix hash, position, kind,
 bytes, last use, path). The fingerprint covers the weights, the dtype and the KV layout: a file
@@ -100,10 +101,10 @@ class SnapshotSpill:
         self._trim()
         return SpillReport(files, nbytes, time.perf_counter() - t0)
 
-    def _write(self, key: str, snap: Snapshot, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
+    def _write(self, key: str, snap: Snapshot, kv: dict[str, torch.Tensor]) -> int:
         path = self.root / f"{key}.safetensors"
         tmp = path.with_suffix(".tmp")
-        raw = {"conv": snap.state.conv, "ssm": snap.state.ssm, "k": kv[0], "v": kv[1]}
+        raw = {"conv": snap.state.conv, "ssm": snap.state.ssm, **kv}
         # on the host: the digest reads the bytes (save_file would copy them over anyway)
         tensors = {n: t.detach().contiguous().cpu() for n, t in raw.items()}
         checksums = {n: tensor_digest(t) for n, t in tensors.items()}
@@ -194,11 +195,15 @@ class SnapshotSpill:
             expected = {
                 "conv": (tuple(template.conv.shape), template.conv.dtype),
                 "ssm": (tuple(template.ssm.shape), template.ssm.dtype),
-                "k": ((pool.k.shape[0], pos, *pool.k.shape[3:]), pool.k.dtype),
-                "v": ((pool.v.shape[0], pos, *pool.v.shape[3:]), pool.v.dtype),
+                **_kv_expected(pool, pos),
             }
             check_tensors(t, meta, expected)
-            k, v = t["k"], t["v"]
+            n_layers = len(pool.k)
+            if pool.per_layer:
+                k = [t[f"k.{i}"] for i in range(n_layers)]
+                v = [t[f"v.{i}"] for i in range(n_layers)]
+            else:
+                k, v = list(t["k"]), list(t["v"])
         except Exception as e:  # noqa: BLE001 - any unreadable file is dropped, never fatal
             log.warning("deleting damaged spilled snapshot %s: %s", rec.spill_path, e)
             self._drop(rec)
@@ -209,7 +214,7 @@ class SnapshotSpill:
         if pool.num_free < n:
             return None
         pages = pool.alloc(n)
-        for layer in range(k.shape[0]):
+        for layer in range(n_layers):
             pool.write(layer, pages, 0, k[layer], v[layer])
         radix.insert(tokens[:pos], pages)
         pool.free(pages)  # the tree holds what it took
@@ -271,12 +276,32 @@ def _sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _gather(pool: KVPool, pages: list[int], pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions [0, pos) over all attention layers: [layers, pos, kv_heads, head_dim]."""
+def _gather(pool: KVPool, pages: list[int], pos: int) -> dict[str, torch.Tensor]:
+    """K and V of positions [0, pos) over all attention layers, as the file stores them: "k", "v"
+    [layers, pos, kv_heads, head_dim], or per layer "k.<i>", "v.<i>" when layers differ."""
+    if pool.per_layer:
+        ks, vs = pool.gather(pages, pos)
+        return {
+            **{f"k.{i}": t for i, t in enumerate(ks)},
+            **{f"v.{i}": t for i, t in enumerate(vs)},
+        }
+    assert isinstance(pool.k, torch.Tensor) and isinstance(pool.v, torch.Tensor)
     table = torch.tensor(pages[: pool.pages_for(pos)], dtype=torch.long)
     k = pool.k[:, table].flatten(1, 2)[:, :pos]
     v = pool.v[:, table].flatten(1, 2)[:, :pos]
-    return k, v
+    return {"k": k, "v": v}
+
+
+def _kv_expected(pool: KVPool, pos: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The KV tensors a file for position ``pos`` must hold for this pool: name -> (shape, dtype)."""
+    if pool.per_layer:
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for i, (h, d) in enumerate(pool.layer_shapes):
+            out[f"k.{i}"] = out[f"v.{i}"] = ((pos, h, d), pool.dtype)
+        return out
+    h, d = pool.layer_shapes[0]
+    shape = (len(pool.k), pos, h, d)
+    return {"k": (shape, pool.dtype), "v": (shape, pool.dtype)}
 
 
 def engine_fingerprint(model_dir: Path, dtype: str, pool: KVPool, expert_format: str) -> str:
@@ -286,7 +311,7 @@ def engine_fingerprint(model_dir: Path, dtype: str, pool: KVPool, expert_format:
 
     from ..store import model_fingerprint
 
-    layout = f"{dtype}|{pool.page_size}|{tuple(pool.k.shape[:1] + pool.k.shape[3:])}|{pool.k.dtype}"
+    layout = f"{dtype}|{pool.layout}"
     if expert_format != "bf16":  # (bf16 adds nothing, so existing files keep their folder)
         layout += f"|experts {expert_format}"
     return hashlib.blake2b(

@@ -81,7 +81,7 @@ class CacheControl:
             kv_tokens=kv.num_pages * kv.page_size,
             kv_pages_used=st.kv_pages_used,
             kv_pages_cached=st.kv_pages_cached,
-            kv_bytes=2 * kv.k.numel() * kv.k.element_size(),
+            kv_bytes=kv.nbytes,
             note=note,
             host_pool_ptrs=[t.data_ptr() for t in llm.banks.tensors().values()],
         )

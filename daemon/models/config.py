@@ -7,6 +7,7 @@ Every family's spelling of the same idea is normalised here (``num_experts`` vs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ ARCHITECTURES: dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 
 # Families with multi-head latent attention (kv_lora_rank) and the grouped sigmoid router.
@@ -76,7 +79,10 @@ class ConfigError(ValueError):
 class RopeConfig:
     theta: float = 10000.0
     rotary_dim: int = 0  # dims of each head that rotate (partial rotary); 0 = none
-    kind: str = "default"  # "default" | "yarn"
+    # "default" | "yarn" | "proportional" (Gemma-4's global layers: the first
+    # ``proportion * rotary_dim / 2`` frequencies of a full-head rope, the rest zero)
+    kind: str = "default"
+    proportion: float = 1.0
     # YaRN (GPT-OSS)
     factor: float = 1.0
     original_max_position: int = 0
@@ -158,6 +164,17 @@ class ModelConfig:
     # the weight-name prefix of the text model inside the checkpoint ("model" or
     # "model.language_model" for multimodal wrappers)
     weight_prefix: str = "model"
+    # Gemma-4 (all empty / off for the other families):
+    # per layer: head dim and KV head count (empty: head_dim / num_kv_heads everywhere)
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    rope_full: RopeConfig | None = None  # the full-attention layers' rope (None: ``rope``)
+    attention_k_eq_v: bool = False  # full layers: V is K's projection (before k_norm / rope)
+    num_kv_shared_layers: int = 0  # the last n layers reuse the KV of an earlier layer
+    double_wide_mlp: bool = False  # KV-shared layers' dense MLP is twice intermediate_size
+    hidden_size_per_layer_input: int = 0  # per-layer input embeddings (0: none)
+    vocab_size_per_layer_input: int = 0
+    final_logit_softcapping: float | None = None  # logits = c tanh(logits / c)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -171,6 +188,26 @@ class ModelConfig:
         for is_moe in self.moe_layers:
             out.append(n if is_moe else -1)
             n += int(is_moe)
+        return tuple(out)
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.layer_head_dims[i] if self.layer_head_dims else self.head_dim
+
+    def layer_num_kv_heads(self, i: int) -> int:
+        return self.layer_kv_heads[i] if self.layer_kv_heads else self.num_kv_heads
+
+    @property
+    def kv_source_layers(self) -> tuple[int, ...]:
+        """layer -> the layer whose K/V it attends over: itself, or for the last
+        ``num_kv_shared_layers`` layers the last earlier layer of the same type that has its own
+        K/V (Gemma-4)."""
+        first = self.num_layers - self.num_kv_shared_layers
+        out = []
+        for i, kind in enumerate(self.layer_types):
+            if i < first:
+                out.append(i)
+            else:
+                out.append(max(j for j in range(first) if self.layer_types[j] == kind))
         return tuple(out)
 
     @property
@@ -290,6 +327,8 @@ def _layer_types(text: dict[str, Any], family: str, n: int, source: str) -> tupl
             lt = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
         elif family == "gpt_oss":
             lt = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        elif family == "gemma4":  # transformers' default: five sliding layers, then a full one
+            lt = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
         elif text.get("sliding_window") and text.get("use_sliding_window", family == "mixtral"):
             lt = ["sliding_attention"] * n
         else:
@@ -347,6 +386,8 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         prefix = "model.language_model"
     defaults = _FAMILY_DEFAULTS.get(family, {})
     text = {**{k: v for k, v in defaults.items() if k not in text}, **text}
+    if family == "gemma4":
+        text = _gemma4_text(text, source)
     hidden = _get(text, "hidden_size", int, source)
     heads = _get(text, "num_attention_heads", int, source)
     n = _get(text, "num_hidden_layers", int, source)
@@ -460,8 +501,78 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         expert_format=_expert_format(raw, text, source),
         raw=raw,
     )
+    if family == "gemma4":
+        cfg = dataclasses.replace(cfg, **_gemma4_fields(text, cfg, source))
     _validate(cfg, source)
     return cfg
+
+
+def _gemma4_text(text: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma-4's spellings of the shared fields, and what we do not serve."""
+    if not text.get("enable_moe_block"):
+        raise ConfigError(
+            f"{source}: field 'enable_moe_block' is false: only the Gemma-4 MoE models are served"
+        )
+    if text.get("use_bidirectional_attention") == "all":
+        raise ConfigError(f"{source}: field 'use_bidirectional_attention' = 'all' is not supported")
+    act = text.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"{source}: field 'hidden_activation' = {act!r} is not supported")
+    out = {"head_dim": 256, "sliding_window": 512, "tie_word_embeddings": True, **text}
+    out["num_experts_per_tok"] = text.get("top_k_experts")
+    out["norm_topk_prob"] = True  # the router always renormalises its top-k
+    return out
+
+
+def _gemma4_fields(text: dict[str, Any], cfg: ModelConfig, source: str) -> dict[str, Any]:
+    """Per-layer geometry (global layers: another head dim and KV head count), the two ropes,
+    KV sharing, per-layer input embeddings and softcapping, as transformers reads them."""
+    n = cfg.num_layers
+    per_layer = text.get("per_layer_config")
+    if isinstance(per_layer, dict):  # written by transformers: layer index -> overrides
+        over = {int(k): v for k, v in per_layer.items() if isinstance(v, dict)}
+    else:  # Google's configs: global_head_dim / num_global_key_value_heads for full layers
+        o: dict[str, Any] = {"head_dim": _get(text, "global_head_dim", int, source, 512)}
+        if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
+            o["num_key_value_heads"] = _get(text, "num_global_key_value_heads", int, source)
+        over = {i: o for i, t in enumerate(cfg.layer_types) if t == "full_attention"}
+    dims = tuple(int(over.get(i, {}).get("head_dim", cfg.head_dim)) for i in range(n))
+    kvh = tuple(int(over.get(i, {}).get("num_key_value_heads", cfg.num_kv_heads)) for i in range(n))
+    params = text.get("rope_parameters") or {}
+    full_dim = next((dims[i] for i, t in enumerate(cfg.layer_types) if t == "full_attention"), 0)
+    return dict(
+        layer_head_dims=dims,
+        layer_kv_heads=kvh,
+        rope=_gemma4_rope(params.get("sliding_attention"), cfg.head_dim, 10_000.0, source),
+        rope_full=_gemma4_rope(params.get("full_attention"), full_dim, 1_000_000.0, source),
+        attention_k_eq_v=bool(text.get("attention_k_eq_v", False)),
+        num_kv_shared_layers=_get(text, "num_kv_shared_layers", int, source, 0),
+        double_wide_mlp=bool(text.get("use_double_wide_mlp", False)),
+        hidden_size_per_layer_input=_get(text, "hidden_size_per_layer_input", int, source, 0),
+        vocab_size_per_layer_input=_get(
+            text, "vocab_size_per_layer_input", int, source, cfg.vocab_size
+        ),
+        final_logit_softcapping=_get(text, "final_logit_softcapping", float, source, None),
+        activation="gelu_tanh",
+        attention_bias=bool(text.get("attention_bias", False)),
+        o_proj_bias=bool(text.get("attention_bias", False)),
+    )
+
+
+def _gemma4_rope(params: Any, head_dim: int, theta: float, source: str) -> RopeConfig:
+    """One layer type's rope: "default" over the whole head, or "proportional"."""
+    p = params if isinstance(params, dict) else {}
+    kind = p.get("rope_type", "default") or "default"
+    if kind not in ("default", "proportional"):
+        raise ConfigError(f"{source}: Gemma-4 rope_type {kind!r} is not supported")
+    if float(p.get("factor", 1.0) or 1.0) != 1.0:
+        raise ConfigError(f"{source}: Gemma-4 rope 'factor' != 1 is not supported")
+    return RopeConfig(
+        theta=float(p.get("rope_theta", theta)),
+        rotary_dim=head_dim,
+        kind=kind,
+        proportion=float(p.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0,
+    )
 
 
 def _expert_format(raw: dict[str, Any], text: dict[str, Any], source: str) -> str:
@@ -495,6 +606,21 @@ def _validate(cfg: ModelConfig, source: str) -> None:
             raise ConfigError(
                 f"{source}: field 'linear_num_key_heads' must divide linear_num_value_heads"
             )
+    if cfg.num_kv_shared_layers:
+        first = cfg.num_layers - cfg.num_kv_shared_layers
+        if not 0 < first <= cfg.num_layers or set(cfg.layer_types[first:]) - set(
+            cfg.layer_types[:first]
+        ):
+            raise ConfigError(
+                f"{source}: field 'num_kv_shared_layers' leaves a shared layer type without an "
+                "earlier layer of that type to share from"
+            )
+    if cfg.hidden_size_per_layer_input and cfg.vocab_size_per_layer_input < cfg.vocab_size:
+        # every token id indexes the per-layer embedding too
+        raise ConfigError(f"{source}: field 'vocab_size_per_layer_input' must be >= vocab_size")
+    for i in range(cfg.num_layers):
+        if cfg.num_heads % cfg.layer_num_kv_heads(i):
+            raise ConfigError(f"{source}: layer {i}'s KV head count must divide the heads")
     if "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
         raise ConfigError(f"{source}: sliding attention layers need field 'sliding_window'")
     grouped = cfg.router_kind == "sigmoid_group"

@@ -12,7 +12,7 @@ from ..experts.banks import ExpertBanks
 from ..experts.formats import FORMATS, get_format
 from .config import ModelConfig
 from .layers.common import dtype_of
-from .model import CausalLM
+from .model import CausalLM, build_model
 
 
 def _expected(cfg: ModelConfig, model: CausalLM, expert_format: str) -> dict[str, Spec]:
@@ -53,7 +53,7 @@ def load_ftw(
     folder = Path(folder)
     idx = read_index(folder)
     cfg = cfg or ModelConfig.from_hf(folder)
-    model = CausalLM(cfg)  # parameters are torch.empty: untouched pages cost nothing
+    model = build_model(cfg)  # parameters are torch.empty: untouched pages cost nothing
     want = _expected(cfg, model, idx.expert_format)
     tensors = read_tensors(folder, idx, want, threads=threads, direct=direct, verify=verify)
     for name, p in model.named_parameters():

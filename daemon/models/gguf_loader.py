@@ -26,7 +26,7 @@ from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_fil
 from .config import ModelConfig
 from .gguf_config import config_from_gguf, gguf_arch
 from .loader import CheckpointError, Filler, allocate_banks
-from .model import CausalLM
+from .model import CausalLM, build_model
 from .registry import family_spec
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         if cfg.expert_format not in ("bf16", "mxfp4"):
             raise CheckpointError(f"{path}: GGUF experts load as float or mxfp4 banks only")
         family_spec(cfg.family)
-        model = CausalLM(cfg)
+        model = build_model(cfg)
         banks = allocate_banks(cfg)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)

@@ -24,7 +24,7 @@ from ..formats.errors import CheckpointError
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .layers.common import dtype_of
-from .model import CausalLM
+from .model import CausalLM, build_model
 from .registry import family_spec
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 
@@ -484,7 +484,7 @@ def load_model(
         return load_ftw(model_dir, cfg)
     cfg = cfg or ModelConfig.from_hf(model_dir)
     spec = family_spec(cfg.family)
-    model = CausalLM(cfg)
+    model = build_model(cfg)
     banks = allocate_banks(cfg)
     filler = Filler(cfg, spec, model, banks)
     mtp_skipped = 0

@@ -82,6 +82,8 @@ class CausalLM(nn.Module):
             if cfg.is_mla
             else (cfg.num_kv_heads, cfg.head_dim)
         )
+        # per pool layer (kv_heads, head_dim) when layers differ (Gemma-4); None: kv_geometry
+        self.kv_layer_shapes: tuple[tuple[int, int], ...] | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.rope)
@@ -95,3 +97,21 @@ class CausalLM(nn.Module):
             h = layer(h, batch, self.rope, cos, sin)
         h = self.norm(h[batch.logits_rows])
         return self.lm_head(h)
+
+
+def build_model(cfg: ModelConfig) -> CausalLM:
+    """The model of ``cfg``'s family (parameters uninitialised): Gemma-4 has its own top level."""
+    if cfg.family == "gemma4":
+        from .gemma4_model import Gemma4CausalLM
+
+        return Gemma4CausalLM(cfg)
+    return CausalLM(cfg)
+
+
+def kv_bytes_per_token(model: CausalLM) -> int:
+    """KV-pool bytes one token takes over all attention layers (K and V)."""
+    itemsize = model.dtype.itemsize
+    if model.kv_layer_shapes:
+        return 2 * sum(h * d for h, d in model.kv_layer_shapes) * itemsize
+    heads, head_dim = model.kv_geometry
+    return 2 * model.num_attention_layers * heads * head_dim * itemsize

@@ -366,6 +366,11 @@ float Executor::bias(const void* base, int64_t i) const {
 
 float Executor::activate(float gate, float up) const {
   if (act_.kind == ActKind::Silu) return gate / (1.f + std::exp(-gate)) * up;
+  if (act_.kind == ActKind::GeluTanh) {
+    // gelu_pytorch_tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+    const float z = 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
+    return gate / (1.f + std::exp(-2.f * z)) * up;
+  }
   const float g = std::min(gate, act_.limit);
   const float u = std::clamp(up, -act_.limit, act_.limit);
   return (u + 1.f) * (g / (1.f + std::exp(-act_.alpha * g)));

@@ -87,18 +87,25 @@ class RMSNorm(nn.Module):
         return F.rms_norm(xf, (x.shape[-1],), scale, self.eps)
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """gelu_pytorch_tanh (Gemma)."""
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+
+class DenseMLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or gelu-tanh (Gemma's GeGLU).
+    Used for dense layers and shared experts."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, inter, dtype)
         self.up_proj = Linear(hidden, inter, dtype)
         self.down_proj = Linear(inter, hidden, dtype)
+        self.act = gelu_tanh if act == "gelu_tanh" else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 def dtype_of(name: str) -> torch.dtype:

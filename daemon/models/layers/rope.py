@@ -1,4 +1,5 @@
-"""Rotary position embedding: default and YaRN, full or partial rotary dims (half-split form)."""
+"""Rotary position embedding: default, YaRN and proportional (Gemma-4), full or partial rotary
+dims (half-split form)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from ..config import RopeConfig
 def inv_frequencies(rope: RopeConfig) -> torch.Tensor:
     """[rotary_dim / 2] inverse frequencies, fp32."""
     dim = rope.rotary_dim
+    if rope.kind == "proportional":  # Gemma-4: exponents over the whole head, the tail unrotated
+        angles = int(rope.proportion * dim // 2)
+        inv = 1.0 / rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float32) / dim)
+        return torch.cat([inv, torch.zeros(dim // 2 - angles)])
     exps = torch.arange(0, dim, 2, dtype=torch.float32) / dim
     base = rope.theta**exps
     if rope.kind != "yarn":

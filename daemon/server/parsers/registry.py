@@ -54,6 +54,7 @@ FAMILY_DEFAULTS: dict[str, OutputSyntax] = {
     "glm4_moe": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
     "glm4_moe_lite": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
     "minimax_m2": OutputSyntax(ToolSyntax.MINIMAX_XML, ReasoningSyntax.THINK),
+    "gemma4": OutputSyntax(ToolSyntax.GEMMA4, ReasoningSyntax.GEMMA4_THOUGHT),
 }
 
 
