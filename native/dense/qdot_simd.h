@@ -1,0 +1,135 @@
+// The 256-bit qdot kernels (qdot.h), written once for the AVX2 and the AVX512-VNNI file. The
+// including file defines:
+//   QDOT_TARGET  the target attribute string of every function here
+//   dot_u8s8(u, s)  8 int32 lanes, each the sum of 4 adjacent products u8 x s8 (maddubs + madd
+//                   on AVX2: exact, as |u * s| * 2 stays below 2^15 for the values used here;
+//                   vpdpbusd on VNNI)
+// and includes this inside its own anonymous namespace.
+//
+// Q8_0 weights are signed: |w| as the unsigned operand and x carrying w's sign (the usual sign
+// trick; both are in [-127, 127] so nothing saturates). Q4_K nibbles are unsigned already.
+
+#define QDOT_FN __attribute__((target(QDOT_TARGET))) inline
+
+QDOT_FN float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+QDOT_FN int hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+__attribute__((target(QDOT_TARGET))) void quantize_simd(const float* x, int K, int8_t* q,
+                                                        float* d, int16_t* s) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int b = 0; b < K / kQActBlock; ++b) {
+    const float* xb = x + b * kQActBlock;
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i)
+      qi[i] = _mm256_cvtps_epi32(  // current rounding mode: nearest even, as the scalar path
+          _mm256_round_ps(_mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                         _mm256_add_epi32(qi[2], qi[3]));
+    // int32 -> int8 keeping order: packs interleave 128-bit lanes, the permute restores them.
+    const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+    const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    const __m256i ordered =
+        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQActBlock), ordered);
+    d[b] = amax / 127.f;
+    s[b] = static_cast<int16_t>(hsum8i(sum));
+  }
+}
+
+__attribute__((target(QDOT_TARGET))) void row_q8_0_simd(const uint8_t* w, int K, const int8_t* q,
+                                                        const float* d, const int16_t*, int n,
+                                                        float* y, int64_t ldy) {
+  const int nb = K / 32;
+  for (int t = 0; t < n; ++t) {
+    const int8_t* qt = q + static_cast<int64_t>(t) * K;
+    const float* dt = d + static_cast<int64_t>(t) * nb;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {  // two independent chains hide the int->float latency
+      for (int u = 0; u < 2; ++u) {
+        const uint8_t* blk = w + (b + u) * kQ80Bytes;
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt + (b + u) * 32));
+        const __m256i p = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        const __m256 sc = _mm256_set1_ps(load_fp16(blk) * dt[b + u]);
+        if (u == 0)
+          acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc0);
+        else
+          acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc1);
+      }
+    }
+    for (; b < nb; ++b) {
+      const uint8_t* blk = w + b * kQ80Bytes;
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt + b * 32));
+      const __m256i p = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(load_fp16(blk) * dt[b]), acc0);
+    }
+    y[t * ldy] = hsum8(_mm256_add_ps(acc0, acc1));
+  }
+}
+
+__attribute__((target(QDOT_TARGET))) void row_q4_k_simd(const uint8_t* w, int K, const int8_t* q,
+                                                        const float* d, const int16_t* s, int n,
+                                                        float* y, int64_t ldy) {
+  const int nsb = K / 256, na = K / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int t = 0; t < n; ++t) {
+    const int8_t* qt = q + static_cast<int64_t>(t) * K;
+    const float* dt = d + static_cast<int64_t>(t) * na;
+    const int16_t* st = s + static_cast<int64_t>(t) * na;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float mins = 0.f;
+    for (int sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = w + sb * kQ4KBytes;
+      const float dw = load_fp16(blk), dmin = load_fp16(blk + 2);
+      int sc[8], m[8];
+      q4k_scales(blk + 4, sc, m);
+      const int8_t* xs = qt + sb * 256;
+      const float* ds = dt + sb * 8;
+      const int16_t* ss = st + sb * 8;
+      for (int c = 0; c < 4; ++c) {
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+        const __m256i lo = _mm256_and_si256(qv, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64 * c));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64 * c + 32));
+        const int j = 2 * c;
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(lo, xl)),
+                               _mm256_set1_ps(ds[j] * (dw * static_cast<float>(sc[j]))), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(hi, xh)),
+                               _mm256_set1_ps(ds[j + 1] * (dw * static_cast<float>(sc[j + 1]))),
+                               acc1);
+        mins += ds[j] * (dmin * static_cast<float>(m[j] * ss[j])) +
+                ds[j + 1] * (dmin * static_cast<float>(m[j + 1] * ss[j + 1]));
+      }
+    }
+    y[t * ldy] = hsum8(_mm256_add_ps(acc0, acc1)) - mins;
+  }
+}
+
+#undef QDOT_FN
