@@ -101,3 +101,14 @@ def test_bad_presets_are_named(ckpt) -> None:  # type: ignore[no-untyped-def]
         LLM(src, "cpu", quantize="q3_k", **KW)
     with pytest.raises(ValueError, match="not both"):
         LLM(src, "cpu", quantize="q8_0", quantize_experts="mxfp4", **KW)
+
+
+def test_daemon_presets_are_the_presets_table() -> None:
+    from freetokend.server.config import QUANTIZE_PRESETS, ConfigError, DaemonConfig
+
+    assert set(QUANTIZE_PRESETS) == set(PRESETS)
+    DaemonConfig(quantize="q4_k_m").check()
+    with pytest.raises(ConfigError, match="quantize: 'q2_k'"):
+        DaemonConfig(quantize="q2_k").check()
+    with pytest.raises(ConfigError, match="exclude each other"):
+        DaemonConfig(quantize="q8_0", quantize_experts="mxfp4").check()
