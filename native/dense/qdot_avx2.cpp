@@ -1,6 +1,8 @@
 // AVX2 qdot kernels (qdot.h): maddubs + madd on 256-bit vectors.
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "qdot.h"
 #include "qdot_common.h"
 

@@ -4,7 +4,7 @@
 //   dot_u8s8(u, s)  8 int32 lanes, each the sum of 4 adjacent products u8 x s8 (maddubs + madd
 //                   on AVX2: exact, as |u * s| * 2 stays below 2^15 for the values used here;
 //                   vpdpbusd on VNNI)
-// and includes this inside its own anonymous namespace.
+// and includes this inside its own anonymous namespace (after <immintrin.h> and <cstring>).
 //
 // Q8_0 weights are signed: |w| as the unsigned operand and x carrying w's sign (the usual sign
 // trick; both are in [-127, 127] so nothing saturates). Q4_K nibbles are unsigned already.
@@ -60,76 +60,102 @@ __attribute__((target(QDOT_TARGET))) void quantize_simd(const float* x, int K, i
   }
 }
 
+QDOT_FN float fp16s(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
+
+// NT tokens at once against one weight row: each weight block is loaded (and, for Q4_K, its
+// nibbles split and scales unpacked) once for NT tokens, with NT independent accumulators.
+template <int NT>
+__attribute__((target(QDOT_TARGET))) void q8_0_tokens(const uint8_t* w, int K, const int8_t* q,
+                                                      const float* d, float* y, int64_t ldy) {
+  const int nb = K / 32;
+  __m256 acc[NT];
+  for (int u = 0; u < NT; ++u) acc[u] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * kQ80Bytes;
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i aw = _mm256_sign_epi8(wv, wv);
+    const float dw = fp16s(blk);
+    for (int u = 0; u < NT; ++u) {
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + static_cast<int64_t>(u) * K + b * 32));
+      const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));
+      acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[u * nb + b]), acc[u]);
+    }
+  }
+  for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]);
+}
+
+template <int NT>
+__attribute__((target(QDOT_TARGET))) void q4_k_tokens(const uint8_t* w, int K, const int8_t* q,
+                                                      const float* d, const int16_t* s, float* y,
+                                                      int64_t ldy) {
+  const int nsb = K / 256, na = K / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[NT];
+  float mins[NT];
+  for (int u = 0; u < NT; ++u) {
+    acc[u] = _mm256_setzero_ps();
+    mins[u] = 0.f;
+  }
+  for (int sb = 0; sb < nsb; ++sb) {
+    const uint8_t* blk = w + sb * kQ4KBytes;
+    const float dw = fp16s(blk), dmin = fp16s(blk + 2);
+    int sc[8], m[8];
+    q4k_scales(blk + 4, sc, m);
+    float dsc[8], dm[8];
+    for (int j = 0; j < 8; ++j) {
+      dsc[j] = dw * static_cast<float>(sc[j]);
+      dm[j] = dmin * static_cast<float>(m[j]);
+    }
+    for (int u = 0; u < NT; ++u) {  // the mins: per token, one scalar per sub-block
+      const float* du = d + u * na + sb * 8;
+      const int16_t* su = s + u * na + sb * 8;
+      float mu = 0.f;
+      for (int j = 0; j < 8; ++j) mu += du[j] * (dm[j] * static_cast<float>(su[j]));
+      mins[u] += mu;
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+      const __m256i lo = _mm256_and_si256(qv, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
+      const int j = 2 * c;
+      for (int u = 0; u < NT; ++u) {
+        const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c;
+        const float* du = d + u * na + sb * 8;
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32));
+        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(lo, xl)),
+                                 _mm256_set1_ps(du[j] * dsc[j]), acc[u]);
+        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(hi, xh)),
+                                 _mm256_set1_ps(du[j + 1] * dsc[j + 1]), acc[u]);
+      }
+    }
+  }
+  for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]) - mins[u];
+}
+
 __attribute__((target(QDOT_TARGET))) void row_q8_0_simd(const uint8_t* w, int K, const int8_t* q,
                                                         const float* d, const int16_t*, int n,
                                                         float* y, int64_t ldy) {
-  const int nb = K / 32;
-  for (int t = 0; t < n; ++t) {
-    const int8_t* qt = q + static_cast<int64_t>(t) * K;
-    const float* dt = d + static_cast<int64_t>(t) * nb;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 1 < nb; b += 2) {  // two independent chains hide the int->float latency
-      for (int u = 0; u < 2; ++u) {
-        const uint8_t* blk = w + (b + u) * kQ80Bytes;
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt + (b + u) * 32));
-        const __m256i p = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-        const __m256 sc = _mm256_set1_ps(load_fp16(blk) * dt[b + u]);
-        if (u == 0)
-          acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc0);
-        else
-          acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc1);
-      }
-    }
-    for (; b < nb; ++b) {
-      const uint8_t* blk = w + b * kQ80Bytes;
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt + b * 32));
-      const __m256i p = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(load_fp16(blk) * dt[b]), acc0);
-    }
-    y[t * ldy] = hsum8(_mm256_add_ps(acc0, acc1));
-  }
+  const int64_t nb = K / 32;
+  int t = 0;
+  for (; t + 4 <= n; t += 4) q8_0_tokens<4>(w, K, q + t * int64_t{K}, d + t * nb, y + t * ldy, ldy);
+  for (; t < n; ++t) q8_0_tokens<1>(w, K, q + t * int64_t{K}, d + t * nb, y + t * ldy, ldy);
 }
 
 __attribute__((target(QDOT_TARGET))) void row_q4_k_simd(const uint8_t* w, int K, const int8_t* q,
                                                         const float* d, const int16_t* s, int n,
                                                         float* y, int64_t ldy) {
-  const int nsb = K / 256, na = K / 32;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int t = 0; t < n; ++t) {
-    const int8_t* qt = q + static_cast<int64_t>(t) * K;
-    const float* dt = d + static_cast<int64_t>(t) * na;
-    const int16_t* st = s + static_cast<int64_t>(t) * na;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float mins = 0.f;
-    for (int sb = 0; sb < nsb; ++sb) {
-      const uint8_t* blk = w + sb * kQ4KBytes;
-      const float dw = load_fp16(blk), dmin = load_fp16(blk + 2);
-      int sc[8], m[8];
-      q4k_scales(blk + 4, sc, m);
-      const int8_t* xs = qt + sb * 256;
-      const float* ds = dt + sb * 8;
-      const int16_t* ss = st + sb * 8;
-      for (int c = 0; c < 4; ++c) {
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-        const __m256i lo = _mm256_and_si256(qv, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
-        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64 * c));
-        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64 * c + 32));
-        const int j = 2 * c;
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(lo, xl)),
-                               _mm256_set1_ps(ds[j] * (dw * static_cast<float>(sc[j]))), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(hi, xh)),
-                               _mm256_set1_ps(ds[j + 1] * (dw * static_cast<float>(sc[j + 1]))),
-                               acc1);
-        mins += ds[j] * (dmin * static_cast<float>(m[j] * ss[j])) +
-                ds[j + 1] * (dmin * static_cast<float>(m[j + 1] * ss[j + 1]));
-      }
-    }
-    y[t * ldy] = hsum8(_mm256_add_ps(acc0, acc1)) - mins;
-  }
+  const int64_t na = K / 32;
+  int t = 0;
+  for (; t + 4 <= n; t += 4)
+    q4_k_tokens<4>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+  for (; t < n; ++t)
+    q4_k_tokens<1>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
 }
 
 #undef QDOT_FN

@@ -2,6 +2,8 @@
 // bodies as the AVX2 file with the maddubs + madd pair replaced by one instruction.
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "qdot.h"
 #include "qdot_common.h"
 
