@@ -107,3 +107,16 @@ def test_raw_gguf_rows_and_errors() -> None:
         ql.qlinear(torch.zeros(1, 512), w)
     with pytest.raises(ValueError, match="this CPU runs|isa"):
         ql.qlinear(x, w, isa="sve")
+
+
+def test_dispatch_follows_the_configured_isa() -> None:
+    best = ql.isas()[0]
+    assert ql.configured_isa() == best  # "auto": vnni where the CPU has it
+    dense_native.configure(2, isa="scalar")
+    assert ql.configured_isa() == "scalar"
+    if "avx2" in ql.isas():
+        dense_native.configure(2, isa="avx2")
+        assert ql.configured_isa() == "avx2"
+    if "vnni" in ql.isas():  # the dense AVX-512 path pairs with vpdpbusd
+        dense_native.configure(2, isa="avx512")
+        assert ql.configured_isa() == "vnni"

@@ -66,6 +66,12 @@ def isas() -> list[str]:
     return list(dense_native._native.qdot_isas()) if available() else []
 
 
+def configured_isa() -> str:
+    """The path ``qlinear`` runs by default: the best of ``isas()`` for dense_native's "auto" and
+    "avx512", "avx2" for "avx2", "scalar" for "scalar" and "emu512"; "" before configure()."""
+    return str(dense_native._native.qdot_isa()) if available() else ""
+
+
 def _ensure_configured() -> None:
     if not dense_native._native.configured():
         dense_native.configure()
