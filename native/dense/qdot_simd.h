@@ -89,53 +89,60 @@ __attribute__((target(QDOT_TARGET))) void q8_0_tokens(const uint8_t* w, int K, c
   for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]);
 }
 
+// Lane j = the sum of the 8 int32 lanes of v[j] (8 sub-block dot products -> one vector).
+QDOT_FN __m256i reduce8(const __m256i* v) {
+  const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  // u0 = [v0..v3 over the low 128 bits | v0..v3 over the high 128 bits], u1 likewise v4..v7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                          _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// Q4_K: per super-block the nibbles are split once into a 256-byte buffer in input order, then
+// per token the 8 sub-block dot products are reduced into one vector and scaled with one FMA
+// (lane j: d_x[j] * d * sc_j), the mins with another (d_x[j] * dmin * m_j * sum_x[j]).
 template <int NT>
 __attribute__((target(QDOT_TARGET))) void q4_k_tokens(const uint8_t* w, int K, const int8_t* q,
                                                       const float* d, const int16_t* s, float* y,
                                                       int64_t ldy) {
   const int nsb = K / 256, na = K / 32;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[NT];
-  float mins[NT];
-  for (int u = 0; u < NT; ++u) {
-    acc[u] = _mm256_setzero_ps();
-    mins[u] = 0.f;
-  }
+  alignas(32) uint8_t nib[256];
+  __m256 acc[NT], macc[NT];
+  for (int u = 0; u < NT; ++u) acc[u] = macc[u] = _mm256_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
     const uint8_t* blk = w + sb * kQ4KBytes;
-    const float dw = fp16s(blk), dmin = fp16s(blk + 2);
     int sc[8], m[8];
     q4k_scales(blk + 4, sc, m);
-    float dsc[8], dm[8];
-    for (int j = 0; j < 8; ++j) {
-      dsc[j] = dw * static_cast<float>(sc[j]);
-      dm[j] = dmin * static_cast<float>(m[j]);
-    }
-    for (int u = 0; u < NT; ++u) {  // the mins: per token, one scalar per sub-block
-      const float* du = d + u * na + sb * 8;
-      const int16_t* su = s + u * na + sb * 8;
-      float mu = 0.f;
-      for (int j = 0; j < 8; ++j) mu += du[j] * (dm[j] * static_cast<float>(su[j]));
-      mins[u] += mu;
-    }
+    const __m256 scv = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc))),
+        _mm256_set1_ps(fp16s(blk)));
+    const __m256 mv = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))),
+        _mm256_set1_ps(fp16s(blk + 2)));
     for (int c = 0; c < 4; ++c) {
       const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      const __m256i lo = _mm256_and_si256(qv, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
-      const int j = 2 * c;
-      for (int u = 0; u < NT; ++u) {
-        const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c;
-        const float* du = d + u * na + sb * 8;
-        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs));
-        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32));
-        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(lo, xl)),
-                                 _mm256_set1_ps(du[j] * dsc[j]), acc[u]);
-        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(hi, xh)),
-                                 _mm256_set1_ps(du[j + 1] * dsc[j + 1]), acc[u]);
-      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nib + 64 * c), _mm256_and_si256(qv, low));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nib + 64 * c + 32),
+                         _mm256_and_si256(_mm256_srli_epi16(qv, 4), low));
+    }
+    for (int u = 0; u < NT; ++u) {
+      const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256;
+      const float* du = d + u * na + sb * 8;
+      const int16_t* su = s + u * na + sb * 8;
+      __m256i p[8];
+      for (int j = 0; j < 8; ++j)
+        p[j] = dot_u8s8(_mm256_load_si256(reinterpret_cast<const __m256i*>(nib + 32 * j)),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32 * j)));
+      const __m256 dx = _mm256_loadu_ps(du);
+      acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(dx, scv), acc[u]);
+      const __m256 sx = _mm256_cvtepi32_ps(
+          _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(su))));
+      macc[u] = _mm256_fmadd_ps(sx, _mm256_mul_ps(dx, mv), macc[u]);
     }
   }
-  for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]) - mins[u];
+  for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(_mm256_sub_ps(acc[u], macc[u]));
 }
 
 __attribute__((target(QDOT_TARGET))) void row_q8_0_simd(const uint8_t* w, int K, const int8_t* q,
