@@ -121,6 +121,10 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
 
     out = _measure(gen, prefill, a, lambda p, n: llm.generate(p, n, ignore_eos=True))
     out["isa"] = getattr(getattr(llm.moe, "executor", None), "isa", "torch")
+    if a.get("quantize"):  # the dense layers' integer-dot path
+        from freetokend.models.layers import qlinear_native
+
+        out["isa"] = f"{out['isa']}, dense qdot {qlinear_native.configured_isa()}"
     out["bytes_per_token"] = _freetoken_bytes_per_token(llm)
     return out
 
