@@ -6,7 +6,13 @@ import argparse
 import sys
 
 from .manager.flags import add_control_flags
-from .server.config import MOE_BACKENDS, QUANTIZE_FORMATS, ConfigError, resolve
+from .server.config import (
+    MOE_BACKENDS,
+    QUANTIZE_FORMATS,
+    QUANTIZE_PRESETS,
+    ConfigError,
+    resolve,
+)
 
 DESCRIPTION = """\
 Serve a Mixture-of-Experts model over HTTP: OpenAI (/v1/chat/completions, /v1/completions,
@@ -73,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize float checkpoints' routed experts at load (mxfp4: 4.25 bits a weight, "
         "about 1/4 of the RAM and of the bytes read per token; checkpoints already quantized "
         "load as stored); default: as stored",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_PRESETS,
+        help="quantize float checkpoints' dense layers (GGUF q4_k/q8_0 blocks, native integer "
+        "dot products on the CPU) and experts at load, by a named mix per tensor class "
+        "(models/dense_quant.py); --quantize-experts is the experts-only form",
     )
     p.add_argument(
         "--max-batch", type=int, metavar="N", help="requests decoded together (default: 32)"

@@ -25,10 +25,21 @@ def dense_extension() -> Extension:
     root = _NATIVE.parent
     own = [
         _NATIVE / "dense" / n
-        for n in ("bindings.cpp", "pool.cpp", "dense_linear.cpp", "rms_norm.cpp", "decode_attention.cpp")
+        for n in (
+            "bindings.cpp",
+            "pool.cpp",
+            "dense_linear.cpp",
+            "rms_norm.cpp",
+            "decode_attention.cpp",
+            "qlinear.cpp",
+            "qdot_scalar.cpp",
+        )
     ]
     if x86:
-        own.append(_NATIVE / "dense" / "decode_attention_avx2.cpp")
+        own += [
+            _NATIVE / "dense" / n
+            for n in ("decode_attention_avx2.cpp", "qdot_avx2.cpp", "qdot_vnni.cpp")
+        ]
     shared = [_NATIVE / "src" / n for n in (*_KERNELS, *(_X86 if x86 else []))]
     return Pybind11Extension(
         "ftdense",

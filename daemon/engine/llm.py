@@ -24,6 +24,7 @@ from ..experts.backend import (
 )
 from ..experts.banks import ActivationSpec, activation_of
 from ..models.config import ModelConfig
+from ..models.dense_quant import PRESETS, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import kv_bytes_per_token
@@ -83,6 +84,10 @@ class LLM:
     spill_budget_mb  disk for spilled snapshots (least recently used files go first)
     spill_idle_s after this many idle seconds a serving loop calling ``engine.idle()`` writes
                  new session snapshots to disk (``close()`` writes the rest)
+    quantize     q4_k_m | q8_0 | mxfp4: quantize a float checkpoint at load, dense layers to GGUF
+                 blocks (native integer-dot kernels on the CPU) and experts, by the named mix
+                 per tensor class of models/dense_quant.py; ``quantize_experts`` is the
+                 experts-only form
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class LLM:
         spill_idle_s: float = 2.0,
         name: str | None = None,
         quantize_experts: str | None = None,
+        quantize: str | None = None,
     ) -> None:
         if moe_backend not in BACKENDS:
             raise ValueError(
@@ -132,6 +138,14 @@ class LLM:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         cfg = model_config(self.model_dir, dtype)
         self.model, self.banks = load_model(self.model_dir, cfg)
+        if quantize is not None:  # a preset: dense layers and experts (models/dense_quant.py)
+            if quantize not in PRESETS:
+                raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(PRESETS)}")
+            if quantize_experts is not None:
+                raise ValueError("give quantize (a preset) or quantize_experts, not both")
+            quantize_dense(self.model, quantize)
+            if self.banks.format == "bf16":
+                quantize_experts = PRESETS[quantize]["experts"]
         if quantize_experts is not None:
             self.banks = quantize_experts_at_load(self.banks, cfg, quantize_experts)
         if self.banks.format != cfg.expert_format:  # quantized here, or in an FTW conversion

@@ -86,11 +86,23 @@ class ControlPlane:
         q = self.cfg.quantize_experts
         return q if q and stored_expert_format(path) == "bf16" else None
 
+    def _preset(self, path: Path) -> str | None:
+        """``quantize`` (a preset) applies to float checkpoints only, like quantize_experts."""
+        from ..models.expert_quant import stored_expert_format
+
+        q = self.cfg.quantize
+        return q if q and stored_expert_format(path) == "bf16" else None
+
     def _load_llm(self, path: Path, name: str, backend: str) -> Any:
         from ..engine.llm import LLM
 
         cfg = self.cfg
         quantize = self._quantize(path)
+        preset = self._preset(path)
+        if preset is not None:
+            from ..models.dense_quant import PRESETS
+
+            quantize = PRESETS[preset]["experts"]  # the bandwidth profile's expert format
         return LLM(
             path,
             moe_backend=backend,
@@ -108,7 +120,8 @@ class ControlPlane:
             state_dir=self.state_dir if cfg.spill_budget_mb > 0 else None,
             spill_budget_mb=cfg.spill_budget_mb,
             spill_idle_s=cfg.spill_idle_s,
-            quantize_experts=quantize,
+            quantize_experts=None if preset else quantize,
+            quantize=preset,
         )
 
     def _registered_names(self) -> list[str]:

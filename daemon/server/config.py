@@ -18,6 +18,7 @@ import msgspec
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4")  # experts/formats.FORMATS less bf16 (tested)
+QUANTIZE_PRESETS = ("q4_k_m", "q8_0", "mxfp4")  # models/dense_quant.PRESETS (tested)
 ENV_PREFIX = "FREETOKEN_"
 SNAPSHOT_POLICY = re.compile(r"anchors|anchors:all|interval:[1-9][0-9]*|none")
 
@@ -41,6 +42,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # quantize float checkpoints' experts at load: mxfp4 | nvfp4 | fp8_block (quantized
     # checkpoints load as stored); None = every checkpoint as stored
     quantize_experts: str | None = None
+    # quantize float checkpoints' dense layers and experts at load by a preset: q4_k_m | q8_0 |
+    # mxfp4 (the mix per tensor class: models/dense_quant.py); excludes quantize_experts
+    quantize: str | None = None
     max_batch: int = 32  # requests decoded together (the continuous batch)
     max_queue: int = 64  # requests waiting beyond the batch before 429/529
     max_model_len: int | None = None  # context limit; default: the model's (capped)
@@ -87,6 +91,12 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"quantize_experts: {self.quantize_experts!r} is not one of "
                 f"{', '.join(QUANTIZE_FORMATS)}"
             )
+        if self.quantize is not None and self.quantize not in QUANTIZE_PRESETS:
+            raise ConfigError(
+                f"quantize: {self.quantize!r} is not one of {', '.join(QUANTIZE_PRESETS)}"
+            )
+        if self.quantize is not None and self.quantize_experts is not None:
+            raise ConfigError("quantize (a preset) and quantize_experts exclude each other")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         for name in ("max_batch",):

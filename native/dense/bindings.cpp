@@ -12,6 +12,7 @@
 #include "decode_attention.h"
 #include "dense_linear.h"
 #include "pool.h"
+#include "qlinear.h"
 #include "rms_norm.h"
 
 namespace py = pybind11;
@@ -25,6 +26,7 @@ struct State {
   const ftnative::KernelSet* bf16 = nullptr;
   const ftnative::KernelSet* f32 = nullptr;
   ftdense::RangeFn attention = nullptr;
+  const ftdense::QDotSet* qdot = nullptr;
 };
 
 State& state() {
@@ -37,6 +39,7 @@ void configure(int threads, int spin_us, const std::string& isa) {
   State& s = state();
   const auto* bf16 = &ftdense::kernel_set(isa, true);  // throws before anything changes
   const auto* f32 = &ftdense::kernel_set(isa, false);
+  const auto* qdot = &ftdense::qdot_set(isa);
   auto pool = std::make_shared<ftdense::Pool>(threads, spin_us);
   std::lock_guard<std::mutex> lock(s.mu);
   s.pool = std::move(pool);  // the old pool ends when its last running call drops it
@@ -44,6 +47,22 @@ void configure(int threads, int spin_us, const std::string& isa) {
   s.f32 = f32;
   s.isa = bf16->isa;
   s.attention = ftdense::range_kernel(s.isa);
+  s.qdot = qdot;
+}
+
+// The pool and the qdot set of a call: `isa` empty for the configured one.
+std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::QDotSet*& ks) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
+  ks = isa.empty() ? s.qdot : &ftdense::qdot_set(isa);
+  return s.pool;
+}
+
+ftdense::QType qtype_code(int code) {
+  if (code < 0 || code >= ftdense::kNumQTypes)
+    throw py::value_error("qtype must be 0 (q8_0) or 1 (q4_k)");
+  return static_cast<ftdense::QType>(code);
 }
 
 }  // namespace
@@ -140,4 +159,47 @@ PYBIND11_MODULE(ftdense, m) {
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("y"),
       py::arg("bf16"), py::arg("round_input"),
       "x [T,K] fp32 address; for each i: w[i] [N[i],K] bf16|fp32, y[i] [T,N[i]] fp32 addresses.");
+  m.def("qdot_isas", &ftdense::qdot_isas, "Integer-dot ISA paths this CPU runs, best first.");
+  m.def("qdot_isa", [] {
+    std::lock_guard<std::mutex> lock(state().mu);
+    return std::string(state().qdot ? state().qdot->isa : "");
+  });
+  m.def(
+      "quantize_act",
+      [](uintptr_t x, int T, int K, uintptr_t q, uintptr_t d, uintptr_t s, const std::string& isa) {
+        if (K % ftdense::kQActBlock) throw py::value_error("K must be a multiple of 32");
+        const ftdense::QDotSet* ks;
+        auto pool = qdot_call(isa, ks);
+        py::gil_scoped_release release;
+        ftdense::quantize_rows(*pool, *ks, reinterpret_cast<const float*>(x), T, K,
+                               reinterpret_cast<int8_t*>(q), reinterpret_cast<float*>(d),
+                               reinterpret_cast<int16_t*>(s));
+      },
+      py::arg("x"), py::arg("T"), py::arg("K"), py::arg("q"), py::arg("d"), py::arg("s"),
+      py::arg("isa") = "",
+      "Activation quantisation (qdot.h): x [T,K] fp32 -> q [T,K] int8, d [T,K/32] fp32, "
+      "s [T,K/32] int16 addresses.");
+  m.def(
+      "qlinear",
+      [](uintptr_t x, int T, int K, const std::vector<uintptr_t>& w, const std::vector<int>& N,
+         const std::vector<int>& types, const std::vector<uintptr_t>& y, const std::string& isa) {
+        if (w.size() != N.size() || w.size() != y.size() || w.size() != types.size())
+          throw py::value_error("w, N, types and y must have the same length");
+        std::vector<ftdense::QOutput> outs;
+        for (size_t i = 0; i < w.size(); ++i) {
+          const ftdense::QType t = qtype_code(types[i]);
+          if (K % ftdense::qblock_inputs(t))
+            throw py::value_error("K is not a multiple of the weight type's block");
+          outs.push_back({reinterpret_cast<const uint8_t*>(w[i]), N[i], t,
+                          reinterpret_cast<float*>(y[i])});
+        }
+        const ftdense::QDotSet* ks;
+        auto pool = qdot_call(isa, ks);
+        py::gil_scoped_release release;
+        ftdense::qlinear(*pool, *ks, reinterpret_cast<const float*>(x), T, K, outs);
+      },
+      py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("types"),
+      py::arg("y"), py::arg("isa") = "",
+      "x [T,K] fp32 address; for each i: w[i] [N[i]] rows of GGUF blocks of qtype types[i] "
+      "(0 q8_0, 1 q4_k), y[i] [T,N[i]] fp32. isa '' = the configured one.");
 }

@@ -17,7 +17,8 @@ dependency. llama.cpp, opt-in, built from source (~6+ min on 2 cores; the conver
 the `gguf` package):
     .venv/bin/pip install gguf && .venv/bin/pip install llama-cpp-python --no-binary :all:
 From other code: `run_decode_benchmark(...)` returns the rows and prints nothing unless asked.
-Each engine runs with both OpenMP wait policies and keeps its better result (see _measure).
+Each engine runs with both OpenMP wait policies and keeps its better one per round (see _measure);
+figures are medians of the repeats within a run and of the rounds across runs.
 """
 
 from __future__ import annotations
@@ -47,9 +48,25 @@ from decode_llama import (  # noqa: E402
 CACHE = Path("/tmp/ftbench_decode")
 # "-mxfp4": the same checkpoint with its routed experts in MXFP4 (4.25 bits a weight), the rest
 # BF16: ours quantized at load (quantize_experts), llama.cpp's by its own quantizer (MXFP4_MOE)
-ENGINES = ("freetoken", "hf", "llama.cpp", "freetoken-mxfp4", "llama.cpp-mxfp4")
+# "-q8_0" / "-q4_k_m": ours with the `quantize` preset (dense layers in GGUF q8_0/q4_k blocks on
+# the native integer-dot kernels, experts in the preset's bank format; models/dense_quant.py).
+# llama.cpp's Q8_0 / Q4_K_M rows are not wired here yet (they need llama-quantize of the GGUF).
+ENGINES = (
+    "freetoken",
+    "hf",
+    "llama.cpp",
+    "freetoken-mxfp4",
+    "llama.cpp-mxfp4",
+    "freetoken-q8_0",
+    "freetoken-q4_k_m",
+)
 _PEER_MODULE = {"hf": "transformers", "llama.cpp": "llama_cpp", "llama.cpp-mxfp4": "llama_cpp"}
-_WORKER = {"freetoken-mxfp4": "freetoken", "llama.cpp-mxfp4": "llama.cpp"}
+_WORKER = {
+    "freetoken-mxfp4": "freetoken",
+    "llama.cpp-mxfp4": "llama.cpp",
+    "freetoken-q8_0": "freetoken",
+    "freetoken-q4_k_m": "freetoken",
+}
 MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 nibbles and one E8M0 scale a block
 # (ours, peer) pairs compared at equal precision
 _PAIRS = (("freetoken", "hf"), ("freetoken", "llama.cpp"), ("freetoken-mxfp4", "llama.cpp-mxfp4"))
@@ -102,7 +119,9 @@ class Report:
                 f" {r.prefill_tok_s or 0:14.1f}  {r.note}"
             )
         lines.append(
-            f"(best of the rounds; load = 1-min load average while the engine ran, on"
+            f"(medians over rounds x repeats, engines interleaved per round; MB/token measured"
+            f" from the loaded tensors where the engine reports it; agree = greedy tokens equal"
+            f" to the bf16 freetoken row's; load = 1-min load average while the engine ran, on"
             f" {os.cpu_count()} CPUs: a shared machine slows every engine)"
         )
         by_name = {r.engine: r for r in self.rows}
@@ -162,7 +181,7 @@ def _measure(engine: str, common: dict[str, object], threads: int, omp_variants:
     if not results:
         return Row(engine, note="every run failed")
     passive, best = max(results, key=lambda r: float(r[1]["decode_tok_s"]))  # type: ignore[arg-type]
-    prefill = max(float(r["prefill_tok_s"]) for _, r in results)  # type: ignore[arg-type]
+    prefill = float(best["prefill_tok_s"])  # type: ignore[arg-type]
     note = f"load {max(float(r['load']) for _, r in results):.1f}"  # type: ignore[arg-type]
     if omp_variants:
         note += ", OMP wait " + ("passive" if passive else "active")
@@ -182,12 +201,13 @@ def run_decode_benchmark(
     verbose: bool = False,
     omp_variants: bool = True,
     rounds: int = 2,
+    experts: int = 128,
 ) -> Report:
     """Builds what is missing, measures, returns the report (prints progress when `verbose`)."""
     say = print if verbose else (lambda *_: None)
     want_llama = "llama.cpp" in engines and installed_version() is not None
     src = llama_source(cache) if want_llama else None
-    g = Geometry()
+    g = Geometry(experts=experts)
     say("checkpoint ...")
     model = build_checkpoint(cache / "mid", gpt2_vocab(src), g)
     gguf = gguf_mxfp4 = None
@@ -213,37 +233,51 @@ def run_decode_benchmark(
         for passive in ((False, True) if omp_variants else (False,))
     )
     # Rounds interleave the engines (A B C A B C ...), so a slow spell of a shared machine
-    # hits every engine alike; each keeps its best round.
+    # hits every engine alike; each reports the median of its rounds.
     variant: dict[str, dict[str, object]] = {
         "freetoken-mxfp4": {"quantize_experts": "mxfp4"},
+        "freetoken-q8_0": {"quantize": "q8_0"},
+        "freetoken-q4_k_m": {"quantize": "q4_k_m"},
         "llama.cpp-mxfp4": {"gguf": str(gguf_mxfp4) if gguf_mxfp4 else None},
     }
-    best: dict[str, Row] = {}
+    runs: dict[str, list[Row]] = {e: [] for e in engines}
     for r in range(rounds):
         for engine in engines:
             args = {**common, **variant.get(engine, {})}
             if not _available(engine) or (engine.startswith("llama.cpp") and not args["gguf"]):
-                best[engine] = Row(engine, note="not installed: skipped")
+                runs[engine] = [Row(engine, note="not installed: skipped")]
                 continue
             say(f"{engine} (round {r + 1} of {rounds}) ...")
-            row = _measure(engine, args, threads, omp_variants)
-            best[engine] = _better(best.get(engine), row)
-    rows = [best[e] for e in engines]
+            runs[engine].append(_measure(engine, args, threads, omp_variants))
+    rows = [_median(runs[e]) for e in engines]
+    ref = next((r.extra.get("greedy") for r in rows if r.engine == "freetoken"), None)
     for row in rows:
         mx = row.engine.endswith("-mxfp4")
-        row.bytes_per_token = g.bytes_per_token(MXFP4_BYTES_PER_WEIGHT if mx else 2.0)
+        measured = row.extra.get("bytes_per_token")
+        row.bytes_per_token = (
+            int(measured)  # type: ignore[call-overload]
+            if measured
+            else g.bytes_per_token(MXFP4_BYTES_PER_WEIGHT if mx else 2.0)
+        )
+        tokens = row.extra.get("greedy")
+        if isinstance(tokens, list) and isinstance(ref, list) and row.engine != "freetoken":
+            same = sum(a == b for a, b in zip(tokens, ref, strict=False))
+            row.note += f", agree {same}/{len(ref)}"
     return Report(bw, g.bytes_per_token(), threads, rows)
 
 
-def _better(old: Row | None, new: Row) -> Row:
-    """The faster decode row, with the best prefill of both."""
-    if old is None or old.decode_tok_s is None:
-        return new
-    if new.decode_tok_s is None:
-        return old
-    keep = new if new.decode_tok_s > old.decode_tok_s else old
-    prefill = max(old.prefill_tok_s or 0.0, new.prefill_tok_s or 0.0)
-    return Row(keep.engine, keep.decode_tok_s, prefill, keep.note, keep.extra)
+def _median(rows: list[Row]) -> Row:
+    """Median decode and median prefill over an engine's rounds (its notes from the first)."""
+    import statistics
+
+    ok = [r for r in rows if r.decode_tok_s is not None]
+    if not ok:
+        return rows[0]
+    dec = statistics.median(r.decode_tok_s for r in ok if r.decode_tok_s is not None)
+    pre = statistics.median(r.prefill_tok_s or 0.0 for r in ok)
+    first = ok[0]
+    note = first.note + (f", rounds {len(ok)}" if len(ok) > 1 else "")
+    return Row(first.engine, dec, pre, note, first.extra)
 
 
 def main() -> None:
@@ -257,8 +291,13 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=CACHE)
+    ap.add_argument("--rounds", type=int, default=2, help="engine rounds, interleaved; medians (2)")
     ap.add_argument(
-        "--rounds", type=int, default=2, help="engine rounds, interleaved; best kept (2)"
+        "--experts",
+        type=int,
+        default=128,
+        help="routed experts per layer (128: Qwen3-30B-A3B; fewer: a quick run whose dense "
+        "share of the bytes per token is larger than the real model's)",
     )
     ap.add_argument(
         "--no-omp-variants",
@@ -277,6 +316,7 @@ def main() -> None:
         verbose=True,
         omp_variants=not a.no_omp_variants,
         rounds=a.rounds,
+        experts=a.experts,
     )
     print(report.table())
 

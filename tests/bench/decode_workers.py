@@ -22,6 +22,7 @@ from typing import Any
 
 # Stamps of each produced token, for one generation: prefill ends at the first.
 GenFn = Callable[[list[int], int], list[float]]
+GREEDY_TOKENS = 16  # greedy tokens compared between engines
 
 
 def _prompts(vocab: int, seed: int) -> Iterator[list[int]]:
@@ -33,9 +34,17 @@ def _prompts(vocab: int, seed: int) -> Iterator[list[int]]:
 
 
 def _measure(
-    gen: GenFn, prefill_fn: Callable[[list[int]], float], a: dict[str, Any]
+    gen: GenFn,
+    prefill_fn: Callable[[list[int]], float],
+    a: dict[str, Any],
+    greedy: Callable[[list[int], int], list[int]] | None = None,
 ) -> dict[str, Any]:
+    """Medians over `repeats`; `greedy` (when the engine exposes tokens): the greedy tokens of a
+    fixed prompt, for the agreement check between engines."""
+    import statistics
+
     prompts = _prompts(int(a["vocab"]), 7)
+    tokens = greedy(next(_prompts(int(a["vocab"]), 11))[:16], GREEDY_TOKENS) if greedy else None
     gen(next(prompts)[: a["prompt_tokens"]], 4)  # warm-up
     prefill_fn(next(prompts)[: a["prefill_tokens"]])
     load = os.getloadavg()[0]  # the machine may be shared: reported beside the figures
@@ -47,8 +56,9 @@ def _measure(
         assert len(stamps) == a["decode_tokens"], (len(stamps), a["decode_tokens"])
         decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     return {
-        "decode_tok_s": max(decode),
-        "prefill_tok_s": max(prefill),
+        "decode_tok_s": statistics.median(decode),
+        "prefill_tok_s": statistics.median(prefill),
+        "greedy": tokens,
         "decode_all": decode,
         "prefill_all": prefill,
         "load": max(load, os.getloadavg()[0]),
@@ -91,6 +101,7 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
         threads=a["threads"],
         max_model_len=4096,
         quantize_experts=a.get("quantize_experts"),
+        quantize=a.get("quantize"),
     )
     ids = iter(range(1 << 30))
 
@@ -108,9 +119,31 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
         stamps = gen(prompt, 1)
         return stamps[0] - t0
 
-    out = _measure(gen, prefill, a)
+    out = _measure(gen, prefill, a, lambda p, n: llm.generate(p, n, ignore_eos=True))
     out["isa"] = getattr(getattr(llm.moe, "executor", None), "isa", "torch")
+    if a.get("quantize"):  # the dense layers' integer-dot path
+        from freetokend.models.layers import qlinear_native
+
+        out["isa"] = f"{out['isa']}, dense qdot {qlinear_native.configured_isa()}"
+    out["bytes_per_token"] = _freetoken_bytes_per_token(llm)
     return out
+
+
+def _freetoken_bytes_per_token(llm: Any) -> int:
+    """Weight bytes one decoded token reads, measured from the loaded tensors: every projection
+    (quantized blocks or float weight, lm_head included) and top-k experts of every MoE layer
+    (the router is a projection; norms and the one embedding row are left out)."""
+    from freetokend.models.layers.common import Linear
+
+    dense = 0
+    for mod in llm.model.modules():
+        if isinstance(mod, Linear):
+            w = mod.qweight.raw if mod.qweight is not None else mod.weight
+            dense += w.numel() * w.element_size()
+    cfg = llm.config
+    moe_layers = llm.banks.gate_up.shape[0] // cfg.num_experts
+    experts = llm.banks.nbytes_per_expert() * cfg.top_k * moe_layers
+    return int(dense + experts)
 
 
 # ---- HF transformers ----------------------------------------------------------------------------
@@ -187,7 +220,16 @@ def llama_cpp(a: dict[str, Any]) -> dict[str, Any]:
         llm.eval(prompt)
         return time.perf_counter() - t0
 
-    return _measure(gen, prefill, a)
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        llm.reset()
+        out: list[int] = []
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        return out
+
+    return _measure(gen, prefill, a, greedy)
 
 
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import dense_native
+from . import dense_native, qlinear_native
 
 
 def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -39,17 +39,45 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = param(d_out, d_in, dtype=dtype)
         self.bias = param(d_out, dtype=dtype) if bias else None
+        # GGUF block rows once quantized (models/dense_quant.py); `weight` is then released.
+        self.qweight: qlinear_native.QuantWeight | None = None
+
+    def quantize_(self, fmt: str) -> None:
+        """Replaces the float weight by ``fmt`` blocks (q8_0, q4_k) computed by the native
+        integer-dot kernels; `weight` becomes an empty placeholder of the same dtype."""
+        w = self.weight.detach()
+        self.qweight = qlinear_native.QuantWeight.from_float(w.float(), fmt)
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return _quant_forward(x, self.qweight, self.bias)
         w = self.weight
         if dense_native.usable(x, w):
             return dense_native.linear(x, w, self.bias)
         return F.linear(x.to(w.dtype), w, self.bias).float()
 
 
+def _quant_forward(
+    x: torch.Tensor, qw: qlinear_native.QuantWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [T, K] -> [T, N] fp32 with quantized weights: native integer dot products on the CPU,
+    else (no extension, another device) the dequantized matrix."""
+    if x.device.type == "cpu" and x.dim() == 2 and qlinear_native.available():
+        return qlinear_native.qlinear(x, qw, bias)
+    w = qw.dequantize().to(x.device)
+    return F.linear(x.float(), w, None if bias is None else bias.float())
+
+
 def project(x: torch.Tensor, layers: Sequence[Linear]) -> list[torch.Tensor]:
     """[layer(x) for layer in layers]; when every weight takes the native path, in one native
     call (one pool job, the input prepared once: q/k/v of attention, gate/up of an MLP)."""
+    qws = [m.qweight for m in layers]
+    if x.device.type == "cpu" and x.dim() == 2 and qlinear_native.available():
+        if all(q is not None for q in qws):  # the input is quantized once for all of them
+            return qlinear_native.qlinear_many(x, qws, [m.bias for m in layers])  # type: ignore[arg-type]
+    if any(q is not None for q in qws):
+        return [m(x) for m in layers]
     if dense_native.input_usable(x) and all(dense_native.weight_usable(m.weight) for m in layers):
         return dense_native.linear_many(x, [m.weight for m in layers], [m.bias for m in layers])
     return [m(x) for m in layers]

@@ -1,0 +1,135 @@
+"""Native CPU projections with GGUF block-quantised weights (q8_0, q4_k; extension `ftdense`,
+native/dense/qlinear.h and qdot.h).
+
+    y = x @ W^T,  W given as raw GGUF rows (models/gguf_blocks.py), x [T, K] fp32
+
+The input rows are quantised to int8 per 32 inputs ONCE per call and shared by every weight of the
+call (``qlinear_many``: q/k/v, gate/up); the weights never widen to floats: the kernels take exact
+integer dot products per block (vpdpbusd on AVX512-VNNI, maddubs on AVX2, plain C++ otherwise)
+and apply the block scales in fp32. The reference is ``qlinear_reference`` (plain torch, same
+activation quantisation); the dequantised oracle is ``x @ weight.dequantize().T``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import gguf_blocks
+from . import dense_native
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """One quantised matrix [rows, cols]: ``raw`` [rows, row_bytes(fmt, cols)] uint8."""
+
+    raw: Tensor
+    fmt: str
+    rows: int
+    cols: int
+
+    @classmethod
+    def from_float(cls, w: Tensor, fmt: str) -> QuantWeight:
+        """Quantise [rows, cols] (ValueError when cols does not fit the format's block)."""
+        return cls(gguf_blocks.quantize(w, fmt), fmt, w.shape[0], w.shape[1])
+
+    @classmethod
+    def from_raw(cls, raw: Tensor, fmt: str, cols: int) -> QuantWeight:
+        """Wrap GGUF rows as read from a file (e.g. a tensor's raw blocks), checked."""
+        if fmt not in gguf_blocks.BLOCK_BYTES or not gguf_blocks.supports(fmt, cols):
+            raise ValueError(f"{fmt!r} cannot hold rows of {cols} inputs")
+        want = gguf_blocks.row_bytes(fmt, cols)
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != want:
+            raise ValueError(f"{fmt} rows of {cols} inputs are uint8 [R, {want}]")
+        return cls(raw.contiguous(), fmt, raw.shape[0], cols)
+
+    def dequantize(self) -> Tensor:
+        """[rows, cols] fp32."""
+        return gguf_blocks.dequantize(self.raw, self.fmt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+def available() -> bool:
+    """True when `ftdense` (with its qdot kernels) is importable."""
+    return dense_native.available() and hasattr(dense_native._native, "qlinear")
+
+
+def isas() -> list[str]:
+    """Integer-dot ISA paths this CPU runs, best first ("vnni", "avx2", "scalar")."""
+    return list(dense_native._native.qdot_isas()) if available() else []
+
+
+def configured_isa() -> str:
+    """The path ``qlinear`` runs by default: the best of ``isas()`` for dense_native's "auto" and
+    "avx512", "avx2" for "avx2", "scalar" for "scalar" and "emu512"; "" before configure()."""
+    return str(dense_native._native.qdot_isa()) if available() else ""
+
+
+def _ensure_configured() -> None:
+    if not dense_native._native.configured():
+        dense_native.configure()
+
+
+def quantize_act(x: Tensor, isa: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """The native activation quantisation (for tests): see ``gguf_blocks.quantize_act``."""
+    _ensure_configured()
+    t, k = x.shape
+    xf = x.float().contiguous()
+    q = torch.empty(t, k, dtype=torch.int8)
+    d = torch.empty(t, k // gguf_blocks.ACT_BLOCK, dtype=torch.float32)
+    s = torch.empty(t, k // gguf_blocks.ACT_BLOCK, dtype=torch.int16)
+    dense_native._native.quantize_act(
+        xf.data_ptr(), t, k, q.data_ptr(), d.data_ptr(), s.data_ptr(), isa
+    )
+    return q, d, s
+
+
+def qlinear_many(
+    x: Tensor,
+    weights: Sequence[QuantWeight],
+    biases: Sequence[Tensor | None] = (),
+    isa: str = "",
+) -> list[Tensor]:
+    """x [T, K] -> [x @ w^T (+ b)] each [T, rows_w] fp32, in one call (x quantised once).
+    ``isa`` "" runs the configured path; "vnni", "avx2" or "scalar" pick one (tests)."""
+    if x.dim() != 2:
+        raise ValueError("x must be [T, K]")
+    t, k = x.shape
+    for w in weights:
+        if w.cols != k:
+            raise ValueError(f"x has {k} features but a weight expects {w.cols}")
+    _ensure_configured()
+    xf = x.float().contiguous()
+    ys = [torch.empty(t, w.rows, dtype=torch.float32) for w in weights]
+    dense_native._native.qlinear(
+        xf.data_ptr(),
+        t,
+        k,
+        [w.raw.data_ptr() for w in weights],
+        [w.rows for w in weights],
+        [gguf_blocks.QTYPE_CODES[w.fmt] for w in weights],
+        [y.data_ptr() for y in ys],
+        isa,
+    )
+    for y, b in zip(ys, biases, strict=False):
+        if b is not None:
+            y += b.float()
+    return ys
+
+
+def qlinear(x: Tensor, w: QuantWeight, bias: Tensor | None = None, isa: str = "") -> Tensor:
+    """x [T, K] -> [T, rows] fp32 (see ``qlinear_many``)."""
+    return qlinear_many(x, (w,), (bias,), isa)[0]
+
+
+def qlinear_reference(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """What ``qlinear`` computes, in plain torch (same activation quantisation)."""
+    y = gguf_blocks.qdot_reference(w.raw, w.fmt, x)
+    return y + bias.float() if bias is not None else y

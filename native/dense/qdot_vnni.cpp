@@ -1,0 +1,28 @@
+// AVX512-VNNI qdot kernels (qdot.h): vpdpbusd on 256-bit vectors (needs AVX512VL too), the same
+// bodies as the AVX2 file with the maddubs + madd pair replaced by one instruction.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "qdot.h"
+#include "qdot_common.h"
+
+namespace ftdense {
+
+namespace {
+
+#define QDOT_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+
+__attribute__((target(QDOT_TARGET))) inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+
+#include "qdot_simd.h"
+
+#undef QDOT_TARGET
+
+}  // namespace
+
+const QDotSet kQDotVnni = {"vnni", quantize_simd, {row_q8_0_simd, row_q4_k_simd}};
+
+}  // namespace ftdense

@@ -1,0 +1,134 @@
+#include "qlinear.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+
+namespace ftdense {
+
+namespace {
+
+constexpr int kRowsPerTask = 64;         // weight rows per task (decode: 64 row streams per task)
+constexpr int64_t kChunkBytes = 256 << 10;  // a token chunk's quantised input stays in L2
+
+#ifndef FTNATIVE_NO_X86
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+#endif
+
+struct QuantJob {
+  const QDotSet* ks;
+  const float* x;
+  int K;
+  int8_t* q;
+  float* d;
+  int16_t* s;
+};
+
+void quant_task(void* ctx, int64_t t) {
+  const QuantJob& j = *static_cast<const QuantJob*>(ctx);
+  const int64_t na = j.K / kQActBlock;
+  j.ks->quantize(j.x + t * j.K, j.K, j.q + t * j.K, j.d + t * na, j.s + t * na);
+}
+
+struct Job {
+  const QDotSet* ks;
+  const std::vector<QOutput>* outs;
+  std::vector<int64_t> first_task;  // per output, then the total
+  int T = 0, K = 0, chunk = 1;
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const int16_t* s = nullptr;
+};
+
+void dot_task(void* ctx, int64_t task) {
+  const Job& j = *static_cast<const Job*>(ctx);
+  size_t o = 0;
+  while (task >= j.first_task[o + 1]) ++o;
+  const QOutput& out = (*j.outs)[o];
+  const int r0 = static_cast<int>(task - j.first_task[o]) * kRowsPerTask;
+  const int r1 = std::min(out.N, r0 + kRowsPerTask);
+  const int64_t rb = qrow_bytes(out.type, j.K), na = j.K / kQActBlock;
+  const QRowFn fn = j.ks->row[static_cast<int>(out.type)];
+  for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
+    const int n = std::min(j.chunk, j.T - t0);
+    for (int r = r0; r < r1; ++r)
+      fn(out.w + r * rb, j.K, j.q + static_cast<int64_t>(t0) * j.K, j.d + t0 * na,
+         j.s + t0 * na, n, out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
+  }
+}
+
+}  // namespace
+
+int qblock_inputs(QType t) { return t == QType::Q8_0 ? 32 : 256; }
+
+int64_t qrow_bytes(QType t, int64_t K) {
+  return t == QType::Q8_0 ? K / 32 * 34 : K / 256 * 144;
+}
+
+std::vector<std::string> qdot_isas() {
+  std::vector<std::string> out;
+#ifndef FTNATIVE_NO_X86
+  if (has_vnni()) out.emplace_back("vnni");
+  if (has_avx2()) out.emplace_back("avx2");
+#endif
+  out.emplace_back("scalar");
+  return out;
+}
+
+const QDotSet& qdot_set(const std::string& isa) {
+  const auto isas = qdot_isas();
+  auto have = [&](const char* name) { return std::find(isas.begin(), isas.end(), name) != isas.end(); };
+  std::string want = isa;
+  if (isa == "auto" || isa == "avx512") want = isas.front();
+  if (isa == "emu512") want = "scalar";
+  if (want == "scalar") return kQDotScalar;
+#ifndef FTNATIVE_NO_X86
+  if (want == "vnni" && have("vnni")) return kQDotVnni;
+  if (want == "avx2" && have("avx2")) return kQDotAvx2;
+#endif
+  throw std::invalid_argument("qdot isa '" + isa + "' is not one this CPU runs");
+}
+
+void quantize_rows(Pool& pool, const QDotSet& ks, const float* x, int T, int K, int8_t* q,
+                   float* d, int16_t* s) {
+  QuantJob j{&ks, x, K, q, d, s};
+  if (T <= 2)
+    for (int t = 0; t < T; ++t) quant_task(&j, t);
+  else
+    pool.run(quant_task, &j, T);
+}
+
+void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
+             const std::vector<QOutput>& outs) {
+  if (T <= 0 || outs.empty()) return;
+  const int64_t na = static_cast<int64_t>(K) / kQActBlock;
+  std::vector<int8_t> q(static_cast<size_t>(T) * K);
+  std::vector<float> d(static_cast<size_t>(T * na));
+  std::vector<int16_t> s(static_cast<size_t>(T * na));
+  quantize_rows(pool, ks, x, T, K, q.data(), d.data(), s.data());
+  Job j;
+  j.ks = &ks;
+  j.outs = &outs;
+  j.T = T;
+  j.K = K;
+  j.chunk = static_cast<int>(std::max<int64_t>(1, kChunkBytes / K));
+  j.q = q.data();
+  j.d = d.data();
+  j.s = s.data();
+  j.first_task.push_back(0);
+  for (const QOutput& o : outs)
+    j.first_task.push_back(j.first_task.back() + (o.N + kRowsPerTask - 1) / kRowsPerTask);
+  pool.run(dot_task, &j, j.first_task.back());
+}
+
+}  // namespace ftdense

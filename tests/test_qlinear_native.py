@@ -1,0 +1,122 @@
+"""Native integer-dot projections with GGUF block weights (ftdense.qlinear) against the plain
+torch reference that quantises the activations the same way (gguf_blocks.qdot_reference).
+
+Every ISA path runs here when the CPU has it and is skipped with the reason otherwise: "vnni"
+(AVX512-VNNI vpdpbusd), "avx2" (maddubs), "scalar". The activation quantisation must match the
+reference bit for bit. The dot products are exact integers per block, combined in fp32 in a
+different order: with weights scaled so outputs are of order 1, differences are ~1e-6, so
+rtol = atol = 1e-4 (a wrong block, scale, nibble or token shifts results by >= 1e-2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from freetokend.models import gguf_blocks as gb
+from freetokend.models.layers import dense_native
+from freetokend.models.layers import qlinear_native as ql
+from tests.native_support import single_threaded_reference  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.skipif(
+    not ql.available(), reason="ftdense extension not built (pip install -e .)"
+)
+
+RTOL = ATOL = 1e-4
+ISAS = ["vnni", "avx2", "scalar"]
+FMTS = ["q8_0", "q4_k"]
+_WHAT = {"vnni": "AVX512-VNNI (+VL)", "avx2": "AVX2+FMA+F16C", "scalar": ""}
+
+
+@pytest.fixture(autouse=True)
+def _pool() -> Iterator[None]:
+    dense_native.configure(2)
+    yield
+
+
+def _need(isa: str) -> None:
+    if isa not in ql.isas():
+        pytest.skip(
+            f"this CPU lacks {_WHAT[isa]}: the {isa} qdot path cannot run here (runs: {ql.isas()})"
+        )
+
+
+def _case(t: int, n: int, k: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, ql.QuantWeight]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g)
+    x[0, :32] = 0.0  # an all-zero activation block (scale 0)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return x, ql.QuantWeight.from_float(w, fmt)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_quantisation_bit_exact(isa: str) -> None:
+    _need(isa)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=g) * torch.logspace(-3, 3, 5)[:, None]
+    x[1, 40:72] = 0.0
+    x[2, :32] = torch.arange(32) - 15.5  # amax 16.5: halves of 127/16.5 steps, ties included
+    for got, want in zip(ql.quantize_act(x, isa), gb.quantize_act(x), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t", [1, 2, 3, 9])
+def test_qlinear_matches_reference(isa: str, fmt: str, t: int) -> None:
+    _need(isa)
+    # 71 rows: one full 64-row task and a partial one; K = 768 is 3 Q4_K super-blocks and an odd
+    # number (24) of Q8_0 blocks (the AVX kernels take blocks in pairs, then a lone one).
+    x, w = _case(t, 71, 768, fmt)
+    got = ql.qlinear(x, w, isa=isa)
+    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_qlinear_many_shares_the_input_and_adds_bias(fmt: str) -> None:
+    x, w1 = _case(4, 20, 512, fmt, seed=1)
+    _, w2 = _case(4, 33, 512, fmt, seed=2)
+    b = torch.randn(33)
+    y1, y2 = ql.qlinear_many(x, [w1, w2], [None, b])
+    torch.testing.assert_close(y1, ql.qlinear_reference(x, w1), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(y2, ql.qlinear_reference(x, w2, b), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_many_tokens_and_oracle(fmt: str) -> None:
+    """Prefill-sized batch (several token chunks for K = 4096) on the best ISA; and the
+    dequantised oracle x @ W^T within the activation quantisation's error."""
+    x, w = _case(70, 24, 4096, fmt, seed=4)
+    got = ql.qlinear(x, w)
+    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    oracle = x @ w.dequantize().t()
+    assert ((got - oracle).norm() / oracle.norm()).item() < 0.01
+
+
+def test_raw_gguf_rows_and_errors() -> None:
+    x, w = _case(2, 8, 256, "q4_k")
+    same = ql.QuantWeight.from_raw(w.raw.clone(), "q4_k", 256)
+    assert torch.equal(ql.qlinear(x, same), ql.qlinear(x, w))
+    with pytest.raises(ValueError, match="uint8"):
+        ql.QuantWeight.from_raw(w.raw[:, :-1], "q4_k", 256)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ql.QuantWeight.from_raw(w.raw, "q4_k", 200)
+    with pytest.raises(ValueError, match="features"):
+        ql.qlinear(torch.zeros(1, 512), w)
+    with pytest.raises(ValueError, match="this CPU runs|isa"):
+        ql.qlinear(x, w, isa="sve")
+
+
+def test_dispatch_follows_the_configured_isa() -> None:
+    best = ql.isas()[0]
+    assert ql.configured_isa() == best  # "auto": vnni where the CPU has it
+    dense_native.configure(2, isa="scalar")
+    assert ql.configured_isa() == "scalar"
+    if "avx2" in ql.isas():
+        dense_native.configure(2, isa="avx2")
+        assert ql.configured_isa() == "avx2"
+    if "vnni" in ql.isas():  # the dense AVX-512 path pairs with vpdpbusd
+        dense_native.configure(2, isa="avx512")
+        assert ql.configured_isa() == "vnni"
