@@ -128,16 +128,22 @@ def _meta(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
 
 
 def _slot_cache_launches(shape: list[str], slot_counts: tuple[int, ...]) -> None:
-    from freetokend.experts.slot_cache import EvictionPolicy, SlotState, decode_step
+    from freetokend.experts import slot_cache as sc
 
     layers, experts, top_k, _, _ = QWEN3_30B
     for slots in slot_counts:
-        for policy in EvictionPolicy:
+        for policy in sc.EvictionPolicy:
             for tokens in (*DECODE_TOKENS, PREFILL_TOKENS):
                 shape[0] = f"{slots} slots, {tokens}x{top_k} routes, {policy.name}"
-                st = SlotState.empty(layers, experts, slots, device="meta")
+                st = sc.SlotState.empty(layers, experts, slots, device="meta")
                 ids = _meta(tokens, top_k)
-                decode_step(st, ids, layers - 1, experts, policy, force_kernel=True)
+                # the launcher itself, with the arguments decode_step's custom op passes (the op
+                # on meta tensors would take its fake implementation and launch nothing)
+                slot_cache_mod.decode_step_triton(
+                    st, ids, layers - 1, experts, int(policy),
+                    idx_bits=sc.idx_bits(slots), prio_max=sc.prio_max(slots),
+                    freq_cap=sc.FREQ_CAP, freq_shift=sc.FREQ_SHIFT, key_max=sc.KEY_MAX,
+                )  # fmt: skip
 
 
 def _moe_decode_launches(shape: list[str]) -> None:
