@@ -111,7 +111,9 @@ def test_admission_limit_then_sigterm_drain():
         long = dict(
             model=d.model,
             messages=HELLO,
-            max_tokens=80,
+            # long enough to be still decoding after the checks below and SIGTERM on an idle
+            # machine (the built-in model decodes ~250 tokens/s on 2 cores: 80 were done first)
+            max_tokens=1500,
             stream=True,
             extra_body={"ignore_eos": True},
         )
