@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..admin import sdnotify
+from ..config import DaemonConfig
 from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
 from ..server.bridge import EngineBridge
-from ..server.config import DaemonConfig
 from ..server.metrics import Metrics
 from ..server.model_names import ModelNames
 from ..server.service import ModelService
