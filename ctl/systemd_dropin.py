@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from freetokend.admin.unit_limits import dropin
-    from freetokend.server.config import ConfigError, resolve
+    from freetokend.config import ConfigError, resolve
 
     try:
         # the file alone: the unit's environment and flags are not this shell's

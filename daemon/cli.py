@@ -5,14 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import MOE_BACKENDS, QUANTIZE_FORMATS, QUANTIZE_PRESETS, ConfigError, resolve
 from .manager.flags import add_control_flags
-from .server.config import (
-    MOE_BACKENDS,
-    QUANTIZE_FORMATS,
-    QUANTIZE_PRESETS,
-    ConfigError,
-    resolve,
-)
 
 DESCRIPTION = """\
 Serve a Mixture-of-Experts model over HTTP: OpenAI (/v1/chat/completions, /v1/completions,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from freetokend.config import DaemonConfig
 from freetokend.experts.vram_watch import SlotSizes, VramReading, VramWatcher, nvml_reader
 from freetokend.experts.vram_watch import plan_resize as plan
 from freetokend.manager.control import ControlPlane
-from freetokend.server.config import DaemonConfig
 from freetokend.server.errors import ModelNotFound
 
 MB = 2**20

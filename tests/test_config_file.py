@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from freetokend.server.config import FIELDS, ConfigError, DaemonConfig, resolve
+from freetokend.config import FIELDS, ConfigError, DaemonConfig, resolve
 
 CONFIG = Path(__file__).resolve().parents[1] / "config" / "freetokend.toml"
 _COMMENTED = re.compile(r"^#\s*([a-z_]+)\s*=\s*(.+)$")

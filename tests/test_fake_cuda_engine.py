@@ -130,7 +130,7 @@ def test_fake_cuda_needs_the_card_size(tiny_dir: Path) -> None:
 
 def test_daemon_flags_select_the_fake_card() -> None:
     from freetokend.cli import build_parser
-    from freetokend.server.config import ConfigError, resolve
+    from freetokend.config import ConfigError, resolve
 
     def cfg(*argv: str):  # type: ignore[no-untyped-def]
         args = vars(build_parser().parse_args(list(argv)))

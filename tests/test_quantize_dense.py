@@ -104,7 +104,7 @@ def test_bad_presets_are_named(ckpt) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_daemon_presets_are_the_presets_table() -> None:
-    from freetokend.server.config import QUANTIZE_PRESETS, ConfigError, DaemonConfig
+    from freetokend.config import QUANTIZE_PRESETS, ConfigError, DaemonConfig
 
     assert set(QUANTIZE_PRESETS) == set(PRESETS)
     DaemonConfig(quantize="q4_k_m").check()

@@ -13,10 +13,10 @@ import torch
 from tiny_models import make_tiny
 
 from freetokend import LLM
+from freetokend.config import QUANTIZE_FORMATS, ConfigError, DaemonConfig
 from freetokend.engine.runner import Work
 from freetokend.experts.formats import FORMATS, dequantize_banks
 from freetokend.models.expert_quant import quantize_experts_at_load, stored_expert_format
-from freetokend.server.config import QUANTIZE_FORMATS, ConfigError, DaemonConfig
 
 ATOL = 2e-4  # fp32, as in test_engine_families
 KW = dict(dtype="float32", prefix_cache=False, max_model_len=128, kv_tokens=512)

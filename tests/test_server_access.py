@@ -17,8 +17,8 @@ from server_support.daemon import CLIENT_TIMEOUT, Daemon, start_daemon
 from server_support.fixtures import daemon  # noqa: F401
 
 from freetokend.cli import build_parser
+from freetokend.config import ConfigError, resolve
 from freetokend.server.access import HttpAccess, is_loopback_name
-from freetokend.server.config import ConfigError, resolve
 
 KEYS = ("sk-first-key", "second.key")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from freetokend.cli import build_parser, main
-from freetokend.server.config import ConfigError, default_state_dir, resolve
+from freetokend.config import ConfigError, default_state_dir, resolve
 
 
 def cli(*argv: str) -> dict:

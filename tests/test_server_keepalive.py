@@ -24,9 +24,9 @@ import pytest
 import uvicorn
 from server_support.daemon import state_dir
 
+from freetokend.config import resolve
 from freetokend.server import sse
 from freetokend.server.app import create_app
-from freetokend.server.config import resolve
 from freetokend.server.run import build_state, load_llm
 
 STALL_S = 0.6  # the first engine step (prefill) takes this long

@@ -105,7 +105,7 @@ def test_unit_hardening_and_limits() -> None:
     """Watchdog, restart limits, syscall filter, /proc, cores; the stop timeout and MemoryHigh
     are what unit_limits gives for the default settings (`ftctl systemd-dropin` for others)."""
     from freetokend.admin.unit_limits import WATCHDOG_S, memory_high, stop_timeout_s
-    from freetokend.server.config import DaemonConfig
+    from freetokend.config import DaemonConfig
 
     unit = _unit()
     svc, head = unit["Service"], unit["Unit"]

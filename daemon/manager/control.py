@@ -15,13 +15,18 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..admin import sdnotify
+from ..config import DaemonConfig
 from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
-from ..server.bridge import EngineBridge
-from ..server.config import DaemonConfig
-from ..server.metrics import Metrics
-from ..server.model_names import ModelNames
-from ..server.service import ModelService
-from ..server.state import ServerState
+from ..server.parts import (
+    IDLE_WAIT_S,
+    EngineBridge,
+    Metrics,
+    ModelNames,
+    ModelService,
+    ServerState,
+    Watchdog,
+    watchdog_seconds,
+)
 from .cache import CacheControl
 from .hub import EngineHub
 from .models import ModelManager, ResidentModel, default_host_budget
@@ -218,9 +223,6 @@ class ControlPlane:
 
     def _start_watchdog(self) -> None:
         import asyncio
-
-        from ..server.bridge import IDLE_WAIT_S
-        from ..server.watchdog import Watchdog, watchdog_seconds
 
         timeout = watchdog_seconds()
         if timeout is None or self.bridge is None or self.watchdog is not None:

@@ -10,15 +10,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from ..config import DaemonConfig
 from ..engine.resize import slot_backend
 from .bench import bench_bandwidth
-from .models import ResidentModel
+from .cache import CacheControl
+from .hub import EngineHub
+from .models import ModelManager, ResidentModel
+from .store_api import ControlStore
 from .ticket import Ticket
-
-if TYPE_CHECKING:
-    from .control import ControlPlane
 
 VERSION = "0.1.0"
 
@@ -43,8 +45,31 @@ def _follow(outer: Ticket, inner: Ticket) -> Any:
     return inner.wait()
 
 
+class Control(Protocol):
+    """What the admin operations read from the control plane (``control.ControlPlane``
+    implements it); a Protocol so this module does not import control.py, which imports it."""
+
+    cfg: DaemonConfig
+    manager: ModelManager
+    cache: CacheControl
+    store: ControlStore
+    started: float  # time.time() at start
+    http_url: str
+    admin_path: Path | None
+    vram_status: str
+
+    @property
+    def hub(self) -> EngineHub | None: ...
+
+    @property
+    def bridge(self) -> Any: ...  # server bridge (``in_flight``), None before start()
+
+    @property
+    def state(self) -> Any: ...  # server state (``draining``), None before start()
+
+
 class AdminOps:
-    def __init__(self, control: ControlPlane) -> None:
+    def __init__(self, control: Control) -> None:
         self.c = control
 
     def _model_info(self, m: ResidentModel) -> dict[str, Any]:

@@ -19,8 +19,7 @@ import contextvars
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..server.errors import ModelNotFound
-from ..server.model_names import ModelNames
+from ..server.parts import ModelNames, ModelNotFound
 from .hub import EngineHub
 from .lane import Lane
 from .models import ModelManager

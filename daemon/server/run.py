@@ -18,10 +18,10 @@ from typing import Any
 import structlog
 import uvicorn
 
+from ..config import DaemonConfig
 from .access import HttpAccess
 from .app import create_app
 from .bridge import EngineBridge
-from .config import DaemonConfig
 from .metrics import Metrics
 from .model_names import ModelNames
 from .service import ModelService
