@@ -109,6 +109,50 @@ def _decode_rows(batch: ForwardBatch) -> _DecodeTables:
     return tables  # type: ignore[no-any-return]
 
 
+def paged_attention(
+    batch: ForwardBatch,
+    kv_layer: int,
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every row of the batch over its sequence's pages of pool layer ``kv_layer``.
+
+    q [N, heads, d] contiguous; ``kv`` the rows' (K, V) [N, kv_heads, d], written to the pages
+    first, or None for a layer that reads another layer's KV. Prompt rows attend over the pages
+    read back (fp32, in query blocks); decode rows on the CPU go through one native call that
+    reads the pages in place (no gather, no fp32 copy of the context). Returns [N, heads, d].
+    """
+    out = torch.empty_like(q)
+    kp, vp = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
+    native = dense_native.attention_usable(q, kp, vp)
+    for ch in batch.chunks:
+        end = ch.context_len + ch.length
+        if kv is not None:
+            rows = slice(ch.start, ch.start + ch.length)
+            batch.kv.write(kv_layer, ch.state.pages, ch.context_len, kv[0][rows], kv[1][rows])
+        if native and ch.length == 1:
+            continue
+        first = 0 if window is None else max(0, ch.context_len - window + 1)
+        kc, vc = batch.kv.read(kv_layer, ch.state.pages, end, start=first)
+        kc, vc = kc.float(), vc.float()
+        for b0 in range(0, ch.length, _Q_BLOCK):
+            b1 = min(ch.length, b0 + _Q_BLOCK)
+            out[ch.start + b0 : ch.start + b1] = attend(
+                q[ch.start + b0 : ch.start + b1], kc, vc, ch.context_len + b0 - first, scale,
+                window, sinks,
+            )  # fmt: skip
+    if native:
+        dec = _decode_rows(batch)
+        if dec.chunks:
+            dense_native.decode_attention(
+                q, kp, vp, dec.tables, dec.lens, scale, window, sinks, dec.rows, out
+            )
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, kv_layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -153,55 +197,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v, gate
 
-    def _decode_native(
-        self,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        kp: torch.Tensor,
-        vp: torch.Tensor,
-        dec: _DecodeTables,
-    ) -> None:
-        """out[r] = attention of decode row r over its pages, for the batch's decode rows;
-        q, out [N, heads, d] fp32, kp/vp this layer's pages (K/V of the rows already written)."""
-        if not dec.chunks:
-            return
-        dense_native.decode_attention(
-            q, kp, vp, dec.tables, dec.lens, self.scale, self.window, self.sinks, dec.rows, out
-        )
-
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         q, k, v, gate = self._qkv(x)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         q = q.contiguous()
-        out = torch.empty_like(q)
-        kp, vp = batch.kv.k[self.kv_layer], batch.kv.v[self.kv_layer]
-        # Decode rows (one token of a sequence) on the CPU: one native call for all of them,
-        # reading K/V from the pages (no gather, no fp32 copy of the context).
-        native = dense_native.attention_usable(q, kp, vp)
-        for ch in batch.chunks:
-            rows = slice(ch.start, ch.start + ch.length)
-            end = ch.context_len + ch.length
-            batch.kv.write(self.kv_layer, ch.state.pages, ch.context_len, k[rows], v[rows])
-            if native and ch.length == 1:
-                continue
-            first = 0 if self.window is None else max(0, ch.context_len - self.window + 1)
-            kc, vc = batch.kv.read(self.kv_layer, ch.state.pages, end, start=first)
-            kc, vc = kc.float(), vc.float()
-            for b0 in range(0, ch.length, _Q_BLOCK):
-                b1 = min(ch.length, b0 + _Q_BLOCK)
-                out[ch.start + b0 : ch.start + b1] = attend(
-                    q[ch.start + b0 : ch.start + b1],
-                    kc,
-                    vc,
-                    ch.context_len + b0 - first,
-                    self.scale,
-                    self.window,
-                    self.sinks,
-                )
-        if native:
-            self._decode_native(q, out, kp, vp, _decode_rows(batch))
+        out = paged_attention(batch, self.kv_layer, q, (k, v), self.scale, self.window, self.sinks)
         o = out.reshape(x.shape[0], -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)

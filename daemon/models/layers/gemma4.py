@@ -20,8 +20,7 @@ from torch import nn
 
 from ...engine.batch import ForwardBatch
 from ..config import ModelConfig
-from . import dense_native
-from .attention import _Q_BLOCK, _decode_rows, attend
+from .attention import paged_attention
 from .common import DenseMLP, Linear, RMSNorm, dtype_of, gelu_tanh, param, project
 from .moe import route
 from .rope import Rope
@@ -77,38 +76,7 @@ class Gemma4Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim))
         q = rope.apply(q, cos, sin).contiguous()
         kv = None if self.shared else self._kv(x, rope, cos, sin)
-        out = torch.empty_like(q)
-        kp, vp = batch.kv.k[self.kv_layer], batch.kv.v[self.kv_layer]
-        # decode rows on the CPU: one native call for all of them, reading the pages in place
-        native = dense_native.attention_usable(q, kp, vp)
-        for ch in batch.chunks:
-            end = ch.context_len + ch.length
-            if kv is not None:
-                rows = slice(ch.start, ch.start + ch.length)
-                batch.kv.write(
-                    self.kv_layer, ch.state.pages, ch.context_len, kv[0][rows], kv[1][rows]
-                )
-            if native and ch.length == 1:
-                continue
-            first = 0 if self.window is None else max(0, ch.context_len - self.window + 1)
-            kc, vc = batch.kv.read(self.kv_layer, ch.state.pages, end, start=first)
-            kc, vc = kc.float(), vc.float()
-            for b0 in range(0, ch.length, _Q_BLOCK):
-                b1 = min(ch.length, b0 + _Q_BLOCK)
-                out[ch.start + b0 : ch.start + b1] = attend(
-                    q[ch.start + b0 : ch.start + b1],
-                    kc,
-                    vc,
-                    ch.context_len + b0 - first,
-                    1.0,
-                    self.window,
-                )
-        if native:
-            dec = _decode_rows(batch)
-            if dec.chunks:
-                dense_native.decode_attention(
-                    q, kp, vp, dec.tables, dec.lens, 1.0, self.window, None, dec.rows, out
-                )
+        out = paged_attention(batch, self.kv_layer, q, kv, 1.0, self.window)
         return self.o_proj(out.reshape(n, -1))
 
 
