@@ -91,18 +91,19 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     experts = getattr(c, "num_experts", None) or c.num_local_experts
     w.add_expert_count(experts)
     w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_feed_forward_length(c.intermediate_size)
     if family == "qwen3_moe":
-        w.add_feed_forward_length(c.intermediate_size)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    else:
-        w.add_feed_forward_length(c.intermediate_size)
+    elif family == "gpt_oss":  # llama.cpp's gpt-oss reads only this key (its converter writes it)
+        w.add_expert_feed_forward_length(c.intermediate_size)
     if family == "olmoe" and c.clip_qkv is not None:
         w.add_clamp_kqv(c.clip_qkv)
     if family == "gpt_oss":
         w.add_sliding_window(c.sliding_window)
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:

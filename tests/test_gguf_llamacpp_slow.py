@@ -1,18 +1,46 @@
 """Against llama.cpp on the same GGUF file (opt-in: needs ``llama-cpp-python`` built from source;
-``pytest --runslow``). Teacher-forced over 64 positions: top-1 agreement >= 95 % and the largest
-logit difference printed and bounded. Greedy equality with llama.cpp is not the test: it departs
-from transformers on near-ties and on some tiny checkpoints.
+``pytest --runslow``). Teacher-forced over 64 positions, llama.cpp with an F32 KV cache.
 
-Not yet run: llama-cpp-python could not be built on the 2-core development machine in time, so
-the tolerances below are estimates to be confirmed (or adjusted, with the measured figures
-printed here) on the first run."""
+F32 files: our logits equal llama.cpp's within fp32 tolerance (1e-4) and top-1 agrees everywhere.
+Quantized files (BF16, Q8_0, MXFP4, the K-quant mix): llama.cpp also quantizes the activations
+(Q8_0 / Q8_K / BF16 dot products), which we do not, so the exact check is against llama.cpp on an
+F32 file of the very weights the quantized file holds (1e-4: proves our dequantization and tensor
+layout); against llama.cpp on the quantized file itself we ask top-1 agreement >= 95 % and bound
+the median over positions of max |logit difference| (router flips make the per-position maximum
+jump at a few positions, so the maximum is printed, not bounded).
+
+Measured on the first run (llama-cpp-python 0.3.36 built from source, CPU, 2 threads; tiny
+models of tests/tiny_models.py, logit std ~0.65, ~1.3 for the 256-wide K-quant model; 11 passed
+in 7 s). Columns: top-1 agreement and max / median-over-positions |dlogit| against llama.cpp on
+the file; max |dlogit| against llama.cpp on the F32 file of the same (dequantized) weights.
+    qwen3_moe f32     1.000   1.2e-6 / 8.3e-7   -
+    olmoe f32         1.000   1.4e-6 / 7.8e-7   -
+    mixtral f32       1.000   1.1e-6 / 7.2e-7   -
+    gpt_oss f32       1.000   9.5e-7 / 6.0e-7   -         (plain RoPE, see below)
+    qwen3_moe bf16    1.000   0.39   / 0.027    1.3e-6
+    qwen3_moe q8_0    0.984   0.41   / 0.047    1.2e-6
+    olmoe q8_0        0.984   0.26   / 0.029    1.3e-6
+    mixtral q8_0      0.984   0.84   / 0.021    1.2e-6
+    gpt_oss mxfp4     1.000   0.53   / 0.011    9.5e-7    (plain RoPE)
+    qwen3_moe kmix    0.969   3.4    / 0.15     8.3e-6    (Q4_K/Q6_K + Q8_0/Q5_0/Q4_0 rows)
+    gpt_oss f32 YaRN  0.984   0.49   / 0.037    -         (llama.cpp's departure, below)
+Known departures, not our bugs, handled here:
+- llama.cpp's YaRN rounds the correction range to whole dimensions (floor/ceil in
+  ggml_rope_yarn_corr_dims); GPT-OSS (transformers ``truncate=False``, and we) keeps it
+  fractional. With transformers set to ``truncate=True`` llama.cpp matches it to 1e-6; as filed
+  the tiny GPT-OSS departs by 0.49 (top-1 0.984). So the GPT-OSS cases use plain RoPE, and
+  ``test_gpt_oss_yarn_departure`` records the departure with a loose bound.
+- llama.cpp's OLMoE sizes the K norm by the hidden size (no GQA in OLMoE), so its case has as
+  many KV heads as heads.
+- llama.cpp's F16 KV cache (its default) alone moves F32 logits by ~9e-4; the F32 cache removes it.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gguf_files import write_gguf
-from tiny_models import make_tiny
+from gguf_files import dequantized_reference, write_gguf
+from tiny_models import hf_config, make_tiny
 
 from freetokend import LLM
 from freetokend.engine.tokenizer import Tokenizer
@@ -20,40 +48,87 @@ from freetokend.engine.tokenizer import Tokenizer
 pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")
 
+PLAIN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}
+KMIX = {"mlp_only_layers": [], "hidden_size": 256, "moe_intermediate_size": 96}
 CASES = [
     ("qwen3_moe", "f32", {"mlp_only_layers": []}),
+    ("qwen3_moe", "bf16", {"mlp_only_layers": []}),
     ("qwen3_moe", "q8_0", {"mlp_only_layers": []}),
-    ("olmoe", "f32", {"clip_qkv": None}),
+    ("olmoe", "f32", {"clip_qkv": None, "num_key_value_heads": 4}),
+    ("olmoe", "q8_0", {"clip_qkv": None, "num_key_value_heads": 4}),
     ("mixtral", "f32", {}),
-    ("gpt_oss", "f32", {}),
-    ("gpt_oss", "mxfp4", {}),
-    ("qwen3_moe", "kmix", {"mlp_only_layers": [], "hidden_size": 256, "moe_intermediate_size": 96}),
+    ("mixtral", "q8_0", {}),
+    ("gpt_oss", "f32", PLAIN_ROPE),
+    ("gpt_oss", "mxfp4", PLAIN_ROPE),
+    ("qwen3_moe", "kmix", KMIX),
 ]
-# F32 files: both engines compute in fp32; quantized: llama.cpp also quantizes activations
-# (Q8 dot products), so its logits move by more.
-TOL = {"f32": 2e-3, "q8_0": 0.15, "mxfp4": 0.15, "kmix": 0.25}
+F32_TOL = 1e-4  # measured ~1e-6 (fp32 in both engines, F32 KV cache)
+# Median over the 64 positions of max |logit difference| against llama.cpp on the quantized
+# file: its activation quantization, not ours (measured: see the module docstring).
+MEDIAN_TOL = {"bf16": 0.1, "q8_0": 0.15, "mxfp4": 0.15, "kmix": 0.4}
+IDS = torch.randint(2, 400, (64,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def _llama_logits(path, ids: list[int]) -> torch.Tensor:
+def _llama_logits(path) -> torch.Tensor:
     m = llama_cpp.Llama(
-        str(path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True, verbose=False
+        str(path),
+        n_ctx=128,
+        n_batch=128,
+        n_threads=2,
+        logits_all=True,
+        verbose=False,
+        type_k=0,  # GGML_TYPE_F32: the default F16 cache alone moves logits by ~1e-3
+        type_v=0,
     )
-    m.eval(ids)
-    return torch.tensor(m.scores[: len(ids)], dtype=torch.float32)
+    m.eval(IDS)
+    return torch.tensor(m.scores[: len(IDS)], dtype=torch.float32)
+
+
+def _ours(path) -> torch.Tensor:
+    return LLM(path, max_model_len=128, kv_tokens=512, dtype="float32").logits(IDS)
+
+
+def _compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(top-1 agreement, max |diff|, median over positions of the per-position max |diff|)."""
+    per_pos = (ours - ref).abs().amax(-1)
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return agree, per_pos.max().item(), per_pos.median().item()
 
 
 @pytest.mark.parametrize("family, kind, over", CASES)
-def test_top1_agreement_with_llama_cpp(family, kind, over, builtin_model_dir, tmp_path):
+def test_logits_match_llama_cpp(family, kind, over, builtin_model_dir, tmp_path):
     vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # llama.cpp needs a real vocab
     hf = make_tiny(family, tmp_path / "hf", seed=3, vocab_size=vocab, **over)[1]
-    path = write_gguf(
-        family, hf, tmp_path / f"{family}-{kind}.gguf", kind, tokenizer=builtin_model_dir
-    )
-    ids = torch.randint(2, 400, (64,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = LLM(path, max_model_len=128, kv_tokens=512, dtype="float32").logits(ids)
-    ref = _llama_logits(path, ids)
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    err = (ours - ref).abs().max().item()
-    print(f"{family} {kind}: top-1 agreement {agree:.3f}, max |logit diff| {err:.2e}")
-    assert agree >= 0.95, (agree, err)
-    assert err < TOL[kind], err
+    path = write_gguf(family, hf, tmp_path / f"{kind}.gguf", kind, tokenizer=builtin_model_dir)
+    ours = _ours(path)
+    agree, err, med = _compare(ours, _llama_logits(path))
+    line = f"{family} {kind}: top-1 {agree:.3f}, max |dlogit| {err:.2e}, median {med:.2e}"
+    if kind == "f32":
+        print(line)
+        assert agree == 1.0 and err < F32_TOL, line
+        return
+    dequantized_reference(family, hf, path)  # hf now holds the file's weights, dequantized
+    same = write_gguf(family, hf, tmp_path / "same.gguf", "f32", tokenizer=builtin_model_dir)
+    exact = (ours - _llama_logits(same)).abs().max().item()
+    print(f"{line}; vs llama.cpp on the F32 of the same weights {exact:.2e}")
+    assert exact < F32_TOL, exact
+    assert agree >= 0.95, line
+    assert med < MEDIAN_TOL[kind], line
+
+
+def test_gpt_oss_yarn_departure(builtin_model_dir, tmp_path):
+    """GPT-OSS with YaRN as filed (fractional correction range): llama.cpp rounds the range, so
+    the logits differ by up to ~0.5 (measured 0.49, top-1 0.984); with transformers rounding too
+    they agree to fp32 tolerance, which shows the rest of the model is the same."""
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
+    hf = make_tiny("gpt_oss", tmp_path / "hf", seed=3, vocab_size=vocab)[1]
+    path = write_gguf("gpt_oss", hf, tmp_path / "y.gguf", "f32", tokenizer=builtin_model_dir)
+    ref = _llama_logits(path)
+    agree, err, med = _compare(_ours(path), ref)
+    print(f"gpt_oss f32 YaRN: top-1 {agree:.3f}, max |dlogit| {err:.2e}, median {med:.2e}")
+    assert agree >= 0.95 and err < 1.0, (agree, err)
+    rope = {**hf_config("gpt_oss").rope_parameters, "truncate": True}
+    rounded = make_tiny("gpt_oss", tmp_path / "r", seed=3, vocab_size=vocab, rope_parameters=rope)
+    with torch.no_grad():
+        hf_rounded = rounded[1](torch.tensor([IDS])).logits[0].float()
+    assert (hf_rounded - ref).abs().max().item() < F32_TOL
