@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny
 
-from freetokend.models.config import ConfigError, from_dict
+from freetokend.models.config import ConfigError
+from freetokend.models.config_hf import from_dict
 from freetokend.models.loader import CheckpointError, load_model
 
 _BASE = dict(

@@ -12,7 +12,8 @@ from tiny_models import hf_config, make_tiny, perturb
 
 from freetokend import LLM
 from freetokend.engine.runner import Work
-from freetokend.models.config import ConfigError, ModelConfig, from_dict
+from freetokend.models.config import ConfigError, ModelConfig
+from freetokend.models.config_hf import from_dict
 from freetokend.models.model import build_model, kv_bytes_per_token
 
 # The text part of google/gemma-4-26B-A4B-it's config.json, as Google spells it

@@ -1,7 +1,7 @@
 """A ModelConfig from a GGUF file's metadata (llama.cpp's key names, ``<arch>.<key>``).
 
 The metadata is translated into the config.json fields transformers would write for the same
-model, and that goes through the one config parser (``config.from_dict``), so a GGUF and an HF
+model, and that goes through the one config parser (``config_hf.from_dict``), so a GGUF and an HF
 folder of the same model give the same ModelConfig.
 """
 
@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 from ..formats.gguf_file import GgufTensor
-from .config import ConfigError, ModelConfig, from_dict
+from .config import ConfigError, ModelConfig
+from .config_hf import from_dict
 
 # GGUF ``general.architecture`` -> HF architecture (``llama`` counts only with experts: Mixtral).
 GGUF_ARCHITECTURES = {
