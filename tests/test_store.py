@@ -258,3 +258,42 @@ def test_state_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
         assert stat.S_IMODE(state.stat().st_mode) & 0o027 == 0
     finally:
         os.umask(old)
+
+
+def test_a_second_store_in_a_process_keeps_the_first_ones_wal(tmp_path):
+    """CI failure of session 4: the daemon opens a store for its control plane and one per loaded
+    model. Opening the second used to read the file's header from Python, and closing that file
+    dropped the POSIX locks of the first connection; a daemon or ftctl that then closed its own
+    connection took itself for the last one, checkpointed and deleted the WAL under ours: later
+    commits went to a deleted file (lost for every other process) and the file came out
+    "malformed"."""
+    first = Store(tmp_path)
+    first.register(_model_record("/m/0"))
+    second = Store(tmp_path)
+    other = textwrap.dedent(
+        f"""
+        from freetokend.store import Store
+        s = Store({str(tmp_path)!r})
+        s.log_request(__import__("freetokend.store", fromlist=["RequestEntry"]).RequestEntry(
+            0.0, "m", "/v1/chat/completions", 1, 1, 1, "stop", 1.0, 1.0))
+        s.close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", other], check=True)
+    assert (tmp_path / "state.db-wal").exists(), "another process deleted our open WAL"
+    for i in range(1, 50):
+        first.register(_model_record(f"/m/{i}"))
+    with Store(tmp_path) as fresh:  # a new connection sees every commit of the first
+        assert len(fresh.models()) == 50
+    out = subprocess.run(
+        [sys.executable, "-m", "freetokend.store", str(tmp_path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "models: 50" in out.stdout, out.stdout + out.stderr
+    second.close()
+    first.close()
+
+
+def _model_record(path: str):  # type: ignore[no-untyped-def]
+    from freetokend.store.models import ModelRecord
+
+    return ModelRecord(path, "m", "hf", "fp", 0.0)

@@ -21,7 +21,6 @@ import sqlite_utils
 
 APP_ID = 0x46545344  # "FTSD" in the SQLite header: this file is a freetoken state store
 DB_NAME = "state.db"
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 
 Migration = tuple[int, str, Callable[[sqlite_utils.Database], None]]
 
@@ -35,13 +34,13 @@ def open_database(
 ) -> sqlite_utils.Database:
     """Opens (creating if needed) the store at ``path`` and migrates it to the newest version
     (or to ``upto``: tests build old stores this way)."""
-    _check_header(path)
     try:
         conn = sqlite3.connect(str(path), check_same_thread=False, timeout=10.0)
     except sqlite3.Error as e:
         raise StoreError(f"{path}: cannot open the state store: {e}") from None
     try:
         db = sqlite_utils.Database(conn, execute_plugins=False)
+        _check_header(db, path)
         _check_identity(db, path)
         db.execute("PRAGMA busy_timeout = 10000")
         db.enable_wal()
@@ -60,15 +59,20 @@ def open_database(
         ) from None
 
 
-def _check_header(path: Path) -> None:
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with path.open("rb") as f:
-        head = f.read(len(_SQLITE_MAGIC))
-    if head != _SQLITE_MAGIC:
+def _check_header(db: sqlite_utils.Database, path: Path) -> None:
+    """A file that is not SQLite at all gets its own message. SQLite reads the header itself:
+    opening and closing the file from Python would drop every POSIX lock this process holds on
+    it (an earlier Store's in the same process), and another process closing its connection
+    would then take itself for the last one and delete the WAL that ours still writes to."""
+    try:
+        db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as e:
+        if "not a database" not in str(e):
+            raise
         raise StoreError(
-            f"{path}: not a freetoken state store (not an SQLite database); move it aside or choose another state directory"
-        )
+            f"{path}: not a freetoken state store (not an SQLite database); move it aside or "
+            "choose another state directory"
+        ) from None
 
 
 def _check_identity(db: sqlite_utils.Database, path: Path) -> None:
