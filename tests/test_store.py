@@ -297,3 +297,30 @@ def _model_record(path: str):  # type: ignore[no-untyped-def]
     from freetokend.store.models import ModelRecord
 
     return ModelRecord(path, "m", "hf", "fp", 0.0)
+
+
+def test_stores_opened_together_on_a_fresh_folder_all_work(tmp_path):
+    """Two daemons, or the daemon and ftctl, starting at once on a new state folder: each open
+    migrates and writes; deferred transactions failed at once with "database is locked" (a read
+    snapshot cannot be upgraded once another connection committed) or re-ran a migration
+    another connection had just applied ("table schema_version already exists")."""
+    errors: list[BaseException] = []
+
+    def open_and_write(folder: Path, i: int) -> None:
+        try:
+            with Store(folder) as s:
+                s.register(_model_record(f"/m/{i}"))
+                s.log_request(_entry(i))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    for trial in range(8):
+        folder = tmp_path / str(trial)
+        threads = [threading.Thread(target=open_and_write, args=(folder, i)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        with Store(folder) as s:
+            assert s.version == LATEST and len(s.models()) == 6

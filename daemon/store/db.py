@@ -12,9 +12,10 @@ few commits, never half of one.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import sqlite_utils
@@ -92,6 +93,29 @@ def _check_identity(db: sqlite_utils.Database, path: Path) -> None:
     db.execute(f"PRAGMA application_id = {APP_ID}")  # a new, empty file becomes ours
 
 
+@contextlib.contextmanager
+def write_transaction(db: sqlite_utils.Database) -> Iterator[None]:
+    """A transaction that takes the write lock at BEGIN (``BEGIN IMMEDIATE``), waiting up to the
+    busy timeout for it; nested, a savepoint. sqlite-utils' ``atomic()`` begins deferred: a
+    transaction that reads first and writes later fails at once with "database is locked" when
+    another process committed in between (WAL cannot upgrade a stale read snapshot, and the busy
+    handler is not called for that), which two daemons, or the daemon and ftctl, starting
+    together hit."""
+    if db.conn.in_transaction:
+        with db.atomic():
+            yield
+        return
+    db.conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        if db.conn.in_transaction:
+            db.conn.execute("ROLLBACK")
+        raise
+    else:
+        db.conn.execute("COMMIT")
+
+
 def schema_version(db: sqlite_utils.Database) -> int:
     if "schema_version" not in db.table_names():
         return 0
@@ -112,7 +136,9 @@ def _migrate(
             "upgrade freetoken or use another state directory"
         )
     for version, description, apply in migrations[have : upto if upto is not None else latest]:
-        with db.atomic():  # each step commits whole or not at all
+        with write_transaction(db):  # each step commits whole or not at all
+            if schema_version(db) >= version:  # another process applied it while we waited
+                continue
             if version == 1:
                 db.execute(
                     "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, description TEXT NOT NULL, "

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from . import anchors, bandwidth, models, request_log
 from .anchors import AnchorRecord
 from .bandwidth import BandwidthRow
-from .db import DB_NAME, open_database, schema_version
+from .db import DB_NAME, open_database, schema_version, write_transaction
 from .models import ModelRecord
 from .private import private_dir, private_file, restrict
 from .request_log import RequestEntry
@@ -67,7 +67,7 @@ class Store:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Everything inside commits together, or (on an exception) not at all."""
-        with self._lock, self._db.atomic():
+        with self._lock, write_transaction(self._db):
             yield
 
     # ---- bandwidth profiles ------------------------------------------------------------------
