@@ -83,6 +83,86 @@ def test_arguments_object_closes_what_it_can():
     assert arguments_object("nonsense") == {}
 
 
+GLM = OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK)
+MINIMAX = OutputSyntax(ToolSyntax.MINIMAX_XML, ReasoningSyntax.THINK)
+GEMMA = OutputSyntax(ToolSyntax.GEMMA4, ReasoningSyntax.GEMMA4_THOUGHT)
+TWO_TOOLS = {**TOOLS, "get_time": {"type": "object", "properties": {"zone": {"type": "string"}}}}
+# a whole call of each syntax (the arguments below), its opening and closing tags
+WHOLE = {
+    "glm45": (
+        GLM,
+        "<tool_call>",
+        "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>12</arg_value>\n",
+        "</tool_call>",
+    ),  # fmt: skip
+    "glm47": (
+        GLM,
+        "<tool_call>",
+        "get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>12</arg_value>",
+        "</tool_call>",
+    ),  # fmt: skip
+    "minimax": (
+        MINIMAX,
+        "<minimax:tool_call>",
+        '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n<parameter name="days">12</parameter>\n</invoke>\n',
+        "</minimax:tool_call>",
+    ),  # fmt: skip
+    "gemma4": (
+        GEMMA,
+        "<|tool_call>",
+        'call:get_weather{city:<|"|>Paris<|"|>,days:12,opts:{units:[<|"|>c<|"|>,<|"|>k<|"|>]}}',
+        "<tool_call|>",
+    ),  # fmt: skip
+}
+WHOLE_ARGS = {"city": "Paris", "days": 12, "opts": {"units": ["c", "k"]}}
+MARKUP_MORE = (*MARKUP, "<arg_", "<invoke", "<minimax", "call:", "<|tool_call>", '<|"|>')
+
+
+def _is_prefix_of(part: object, whole: object) -> bool:
+    """``part`` is what a cut text of ``whole`` may decode to: strings and numbers cut short,
+    containers with their members so far (the last one cut)."""
+    if isinstance(whole, dict):
+        return isinstance(part, dict) and all(
+            k in whole and _is_prefix_of(v, whole[k]) for k, v in part.items()
+        )
+    if isinstance(whole, list):
+        return (
+            isinstance(part, list)
+            and len(part) <= len(whole)
+            and all(_is_prefix_of(*p) for p in zip(part, whole, strict=False))
+        )
+    return part == whole or str(whole).startswith(str(part))
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+@pytest.mark.parametrize("tools", [TOOLS, TWO_TOOLS], ids=["one-tool", "two-tools"])
+def test_every_cut_of_a_glm_minimax_gemma_call_is_a_partial_call(case, tools):
+    """Issue 15 item 2 for the syntaxes of the new families: cut at every character after the
+    opening tag, the answer is one partial call of the right tool with arguments that are a
+    prefix of the whole ones, or (a name too short to tell two tools apart) nothing; never
+    markup in the text. Uncut, the call decodes whole."""
+    syntax, open_tag, body, close_tag = WHOLE[case]
+    whole_args = {k: v for k, v in WHOLE_ARGS.items() if k in body}
+    told = False
+    for cut in range(len(open_tag), len(open_tag + body) + 1):
+        parser = make_output_parser(syntax, tools, start_in_reasoning=False)
+        events = parser.feed((open_tag + body)[:cut]) + parser.finish(truncated=True)
+        text_out = "".join(e.text for e in events if isinstance(e, Content))
+        assert not any(m in text_out for m in MARKUP_MORE), (cut, text_out)
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        if not calls:
+            assert len(tools) > 1 and not told, (cut, "a call that was told went missing")
+            continue
+        told = True
+        [call] = calls
+        assert call.name == "get_weather" and call.partial, (cut, call)
+        assert _is_prefix_of(arguments_object(call.arguments), whole_args), (cut, call)
+    assert told
+    parser = make_output_parser(syntax, tools, start_in_reasoning=False)
+    [call] = [e for e in parser.feed(open_tag + body + close_tag) + parser.finish() if isinstance(e, ToolCall)]  # fmt: skip
+    assert not call.partial and json.loads(call.arguments) == whole_args
+
+
 # --- end to end: a forced call with a budget too small to finish it -------------------------
 
 # "city" required: the forced call must write a value, and the random model's value runs on

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import ToolSchemas
+from .base import ToolSchemas, unique_tool
 from .tagged import TaggedToolParser
 
 OPEN = "<|tool_call>"
@@ -138,6 +138,69 @@ def decode_gemma_body(body: str) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
+def close_partial(text: str) -> str:
+    """Gemma notation cut by the token limit, closed: an open string gets its quote, open
+    arrays and objects their brackets (a marker cut in the middle is dropped first)."""
+    for k in range(len(QUOTE) - 1, 0, -1):  # "<|" or '<|"' at the very end
+        if text.endswith(QUOTE[:k]):
+            text = text[:-k]
+            break
+    stack: list[str] = []
+    pos, in_string = 0, False
+    while pos < len(text):
+        if text.startswith(QUOTE, pos):
+            in_string, pos = not in_string, pos + len(QUOTE)
+            continue
+        ch = text[pos]
+        if not in_string and ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif not in_string and ch in "}]" and stack:
+            stack.pop()
+        pos += 1
+    return text + (QUOTE if in_string else "") + "".join(reversed(stack))
+
+
+def _partial_arguments(text: str) -> dict[str, Any]:
+    """The members of a cut ``{...}`` that parse: each try drops the text after the last
+    separator (a dangling key, a cut bare word); bounded for a hostile text."""
+    for _ in range(64):
+        try:
+            return parse_arguments(close_partial(text))
+        except ValueError:
+            cut = max(text.rfind(","), text.rfind("{"), text.rfind("["))
+            if cut <= 0:
+                return {}
+            text = text[:cut] if text[cut] == "," else text[: cut + 1]
+    return {}
+
+
+def decode_gemma_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
+    """(name, arguments so far as a JSON object) of a call cut by the token limit; a name cut
+    short is the one tool it begins, a call cut before its name the only tool when there is
+    one."""
+    head = body.lstrip()
+    brace = head.find("{")
+    if brace < 0:
+        prefix = head[len("call:") :].strip() if head.startswith("call:") else ""
+        if not prefix:
+            return (
+                (next(iter(tools)), "{}")
+                if len(tools) == 1 and "call:".startswith(head[:5])
+                else None
+            )
+        name = prefix if prefix in tools else unique_tool(prefix, tools)
+        return (name, "{}") if name else None
+    decoded = decode_gemma_body(head)
+    if decoded is not None:
+        return decoded
+    name = head[len("call:") : brace].strip() if head.startswith("call:") else ""
+    if not name:
+        return None
+    return name, json.dumps(_partial_arguments(head[brace:]), ensure_ascii=False)
+
+
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
-    del tools  # the notation carries its own types
-    return TaggedToolParser(decode_gemma_body, OPEN, CLOSE)
+    # the notation carries its own types; the tools name a call cut short
+    return TaggedToolParser(
+        decode_gemma_body, OPEN, CLOSE, decode_partial=lambda b: decode_gemma_partial(b, tools)
+    )

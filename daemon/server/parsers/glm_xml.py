@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from .base import ToolSchemas
+from .base import ToolSchemas, unique_tool
 from .qwen3_xml import convert_value, schema_types, strip_padding
 from .tagged import TaggedToolParser
 
@@ -39,5 +39,26 @@ def decode_glm_body(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
+_CUT_TAG = re.compile(r"<[^<>]*$")  # a tag the token limit cut, at the very end
+
+
+def decode_glm_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
+    """(name, arguments so far as a JSON object) of a call cut by the token limit: pairs whose
+    value began are kept (the last value as far as it was written); a name cut short is the one
+    tool it begins, and a call cut before its name is the only tool when there is one."""
+    body = _CUT_TAG.sub("", body)
+    head, sep, _ = body.partition("<arg_key>")
+    if not sep and "\n" not in head.lstrip():  # the name itself may be cut
+        prefix = head.strip()
+        if not prefix:
+            return (next(iter(tools)), "{}") if len(tools) == 1 else None
+        name = prefix if prefix in tools else unique_tool(prefix, tools)
+        return (name, "{}") if name else None
+    return decode_glm_body(body, tools)
+
+
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
-    return TaggedToolParser(lambda body: decode_glm_body(body, tools))
+    return TaggedToolParser(
+        lambda body: decode_glm_body(body, tools),
+        decode_partial=lambda body: decode_glm_partial(body, tools),
+    )

@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from .base import ToolSchemas
+from .base import ToolSchemas, unique_tool
 from .qwen3_xml import convert_value, schema_types, strip_padding
 from .tagged import TaggedToolParser
 
@@ -44,5 +44,30 @@ def decode_minimax_block(body: str, tools: ToolSchemas) -> list[tuple[str, str]]
     return calls or None
 
 
+_CUT_NAME = re.compile(r"<invoke name=\"([^\"\n]*)\"?$")  # cut inside an invocation's tag
+_CUT_TAG = re.compile(r"<[^<>]*$")  # any other tag cut at the very end
+
+
+def decode_minimax_partial(body: str, tools: ToolSchemas) -> list[tuple[str, str]] | None:
+    """The block's calls so far, the last one cut by the token limit (its arguments as far as
+    they were written); a name cut short is the one tool it begins, and a block cut before
+    its first invocation is the only tool when there is one."""
+    cut = _CUT_NAME.search(body)
+    calls = decode_minimax_block(_CUT_TAG.sub("", body[: cut.start()] if cut else body), tools)
+    calls = calls or []
+    if cut is not None:
+        name = unique_tool(cut.group(1), tools)
+        if name:
+            calls.append((name, "{}"))
+    elif not calls and len(tools) == 1:
+        calls.append((next(iter(tools)), "{}"))
+    return calls or None
+
+
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
-    return TaggedToolParser(lambda body: decode_minimax_block(body, tools), OPEN, CLOSE)
+    return TaggedToolParser(
+        lambda body: decode_minimax_block(body, tools),
+        OPEN,
+        CLOSE,
+        decode_partial=lambda body: decode_minimax_partial(body, tools),
+    )
