@@ -245,3 +245,28 @@ def _load_back(family: str, hf: Any, tensors: dict[str, torch.Tensor]) -> None:
                     d = t.shape[0] // heads
                     t = t.reshape(heads, d // 2, 2, -1).swapaxes(1, 2).reshape(t.shape)
             p.copy_(t.reshape(p.shape).to(p.dtype))
+
+
+def int_dot_reference(hf: Any, llm: Any) -> list[str]:
+    """Makes every projection of ``hf`` that ``llm`` keeps in GGUF blocks compute the way the
+    native integer-dot kernels do (``gguf_blocks.qdot_reference``: the input quantized to int8
+    per 32 values, exact block dot products), on the same raw rows; returns their names. With
+    ``dequantized_reference`` before it, transformers is then the oracle for the whole file,
+    activation quantization included, so a router that flips on the int8 inputs flips in both."""
+    from freetokend.models.gguf_blocks import qdot_reference
+
+    done = []
+    for name, mod in llm.model.named_modules():
+        qw = getattr(mod, "qweight", None)
+        if qw is None:
+            continue
+        target = hf.get_submodule("model." + name if name != "lm_head" else name)
+
+        def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
+            y = qdot_reference(qw.raw, qw.fmt, x.reshape(-1, qw.cols).float())
+            y = y if bias is None else y + bias.float()
+            return y.reshape(*x.shape[:-1], qw.rows).to(x.dtype)
+
+        target.forward = forward
+        done.append(name)
+    return done

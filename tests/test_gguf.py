@@ -3,19 +3,25 @@
 F32 files are lossless copies: our logits must match the HF checkpoint within fp32 tolerance and
 greedy decoding must give transformers' tokens. Quantized files (BF16, Q8_0) are checked against
 transformers running on the file's own dequantized weights (``gguf.quants``), so the check is on
-tensor placement and layout, not on quantization error.
+tensor placement and layout, not on quantization error; the projections we keep in their blocks
+(native integer dot products on int8-quantized inputs) run in transformers through the torch
+reference of those kernels (``gguf_files.int_dot_reference``), on the same raw rows.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gguf_files import dequantized_reference, write_gguf
+from gguf_files import dequantized_reference, int_dot_reference, write_gguf
 from tiny_models import make_tiny
 
 from freetokend import LLM
 
 ATOL = 2e-4
+# Files whose K-quant projections stay in their blocks: the kernels add up the per-block fp32
+# terms in their own order (per ISA), the torch reference in another; a misplaced block or scale
+# moves logits by 0.1 and more
+ATOL_BLOCKS = 2e-3
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 
 
@@ -72,6 +78,8 @@ def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
     path = write_gguf(family, hf, tmp_path / f"m-{kind}.gguf", kind)
     llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
     dequantized_reference(family, hf, path)  # hf now holds exactly the file's weights
+    kept = int_dot_reference(hf, llm)  # ... and computes the kept blocks as our kernels do
+    assert ("lm_head" in kept) == (kind == "q8_0"), kept  # Q8_0 projections stay in blocks
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < ATOL, f"{family} {kind}: max |logit diff| {err}"
@@ -112,9 +120,11 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path):
     assert {"Q4_K", "Q6_K", "Q4_0"} <= types, types
     llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
     dequantized_reference(family, hf, path)
+    kept = {llm.model.get_submodule(n).qweight.fmt for n in int_dot_reference(hf, llm)}
+    assert "q4_k" in kept, kept  # the Q4_K projections stay in their blocks
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
-    assert err < ATOL, f"{family} Q4_K_M mix: max |logit diff| {err}"
+    assert err < ATOL_BLOCKS, f"{family} Q4_K_M mix: max |logit diff| {err}"
 
 
 def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path, caplog):
@@ -164,8 +174,31 @@ def test_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path):
         str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
     ).eval()
     ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32").logits(ids)
+    llm = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32")
+    int_dot_reference(ref_model, llm)  # the blocks we keep, computed as our kernels do
+    ours = llm.logits(ids)
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float()
     err = (ours - ref).abs().max().item()
-    assert err < ATOL, f"qwen3moe {kind} vs transformers' GGUF loader: {err}"
+    assert err < (ATOL_BLOCKS if kind == "kmix" else ATOL), (
+        f"qwen3moe {kind} vs transformers' GGUF loader: {err}"
+    )
+
+
+def test_ftw_from_a_quantized_gguf_keeps_the_blocks(tmp_path):
+    """FTW conversion of a Q8_0 file stores the projections kept in blocks as their raw rows
+    (``qblocks.*``), and the FTW folder computes exactly what the file does."""
+    from freetokend.checkpoint.ftw_index import read_index
+    from freetokend.models.ftw_convert import convert
+
+    hf = _tiny("qwen3_moe", tmp_path)
+    path = write_gguf("qwen3_moe", hf, tmp_path / "m-Q8_0.gguf", "q8_0")
+    convert(path, tmp_path / "ftw")
+    names = {e.name for e in read_index(tmp_path / "ftw").tensors}
+    assert "qblocks.q8_0.lm_head" in names and "model.lm_head.weight" not in names
+    kw = dict(max_model_len=64, kv_tokens=256)  # both bf16: a quantized file's default
+    src, ftw = LLM(path, **kw), LLM(tmp_path / "ftw", **kw)
+    blocks = {n for n, m in ftw.model.named_modules() if getattr(m, "qweight", None) is not None}
+    assert blocks == {n for n, m in src.model.named_modules() if getattr(m, "qweight", None)}
+    ids = _prompt(16, seed=8)
+    assert torch.equal(src.logits(ids), ftw.logits(ids))

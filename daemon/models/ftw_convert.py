@@ -14,14 +14,28 @@ from ..checkpoint.ftw_index import FtwError, FtwIndex
 from ..checkpoint.ftw_write import Progress, aux_files, check_destination, write_ftw
 from ..experts.banks import ExpertBanks
 from .expert_quant import quantize_experts_at_load
+from .ftw_loader import QBLOCKS
+from .layers.common import Linear
 from .loader import load_model, model_kind
 from .model import CausalLM
 
 
 def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.Tensor]]:
-    """The tensors an FTW folder stores: ``model.<parameter>`` (tied weights once) and
-    ``experts.<bank>`` (gate_up, down, biases and the format's scale banks)."""
-    out = [(f"model.{n}", p.data) for n, p in model.named_parameters()]
+    """The tensors an FTW folder stores: ``model.<parameter>`` (tied weights once),
+    ``qblocks.<fmt>.<layer>`` for a projection kept in GGUF blocks (its raw rows, in place of its
+    empty float placeholder; see ``ftw_loader``) and ``experts.<bank>`` (gate_up, down, biases
+    and the format's scale banks)."""
+    blocks = {
+        name: mod.qweight
+        for name, mod in model.named_modules()
+        if isinstance(mod, Linear) and mod.qweight is not None
+    }
+    out = [
+        (f"model.{n}", p.data)
+        for n, p in model.named_parameters()
+        if n.removesuffix(".weight") not in blocks
+    ]
+    out += [(f"{QBLOCKS}.{q.fmt}.{name}", q.raw) for name, q in blocks.items()]
     return out + [(f"experts.{n}", t) for n, t in banks.all_tensors().items()]
 
 

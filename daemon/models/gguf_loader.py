@@ -5,8 +5,10 @@ llama.cpp's tensor names are mapped onto ours by one table; stacked expert tenso
 (``blk.N.ffn_{gate,up,down}_exps``, [E, rows, cols]) go into the flat_id-major banks (gate rows,
 then up rows). The llama architecture's converter permutes the rows of Q and K for its
 interleaved rope; that permutation is undone here so the model keeps HF's half-split rope.
-F32/F16/BF16 are read as they are; quantized types are dequantized at load (one log line says
-which, and what it costs in memory) until the CPU executor computes on their blocks directly.
+F32/F16/BF16 are read as they are. A quantized dense projection (attention, dense MLP, shared
+expert, lm_head) of a type the native integer-dot kernels compute (``gguf_blocks.BLOCK_BYTES``)
+stays in its blocks, read raw; every other quantized tensor is dequantized at load (one log line
+says which, and what it costs in memory).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
 from .config import ModelConfig
+from .dense_quant import tensor_class
 from .gguf_config import config_from_gguf, gguf_arch
+from .layers.common import Linear
+from .layers.qlinear_native import QuantWeight
 from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
 from .registry import family_spec
@@ -177,11 +182,16 @@ class GgufCheckpoint:
                 rows = _unpermute(heads, t.shape[0])
             yield name, canon, _Source(f, t, rows)
 
-    def log_dequantized(self, dtype: str, packed: str = "") -> None:
+    def log_dequantized(
+        self, dtype: str, packed: str = "", kept: frozenset[str] = frozenset()
+    ) -> None:
+        """``kept``: names of tensors loaded in their blocks (not dequantized)."""
         quant = [
             t
-            for _, t in self.tensors.values()
-            if t.quantized and not (packed == "mxfp4" and t.type_name == "MXFP4")
+            for name, (_, t) in self.tensors.items()
+            if t.quantized
+            and name not in kept
+            and not (packed == "mxfp4" and t.type_name == "MXFP4")
         ]
         if not quant:
             return
@@ -201,6 +211,39 @@ class GgufCheckpoint:
             mem / 2**30,
             file_bytes / 2**30,
         )
+
+
+def _block_linear(model: CausalLM, canon: str, src: _Source) -> Linear | None:
+    """The projection ``canon`` belongs to when its GGUF tensor can stay in its blocks: a
+    classified dense projection (``dense_quant.tensor_class``: the layers the quantize presets
+    already run on the integer-dot kernels) of a type those kernels compute, with the shape the
+    model expects."""
+    from .gguf_blocks import BLOCK_BYTES
+
+    t = src.t
+    fmt = t.type_name.lower()
+    if fmt not in BLOCK_BYTES or not canon.endswith(".weight") or len(t.shape) != 2:
+        return None
+    layer = canon[: -len(".weight")]
+    if tensor_class(layer) is None:
+        return None
+    try:
+        mod = model.get_submodule(layer)
+    except AttributeError:
+        return None
+    if not isinstance(mod, Linear) or tuple(mod.weight.shape) != t.shape:
+        return None
+    return mod
+
+
+def _keep_blocks(mod: Linear, src: _Source) -> None:
+    """Loads the GGUF rows raw into ``mod`` (Q/K rows of the llama arch permuted whole: a row's
+    blocks move together); the float weight it replaces was never touched, so never resident."""
+    raw = src.f.read_raw(src.t)
+    if src.rows is not None:
+        raw = raw[src.rows]
+    mod.qweight = QuantWeight.from_raw(raw, src.t.type_name.lower(), src.t.shape[1])
+    mod.weight = torch.nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
 
 
 def _mxfp4_repack(src: _Source) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,8 +323,17 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)
         _check_types(ck, cfg)
-        ck.log_dequantized(cfg.torch_dtype, cfg.expert_format)
+        in_blocks = {
+            name: mod
+            for name, canon, src in ck.sources(cfg)
+            if (mod := _block_linear(model, canon, src)) is not None
+        }
+        ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, frozenset(in_blocks))
         for name, canon, src in ck.sources(cfg):
+            if name in in_blocks:
+                _keep_blocks(in_blocks[name], src)
+                filler.filled.add(canon)
+                continue
             if canon.startswith("experts:"):
                 _, layer, key = canon.split(":")
                 m = _EXPS.match(key)
