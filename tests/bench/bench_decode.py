@@ -8,9 +8,9 @@ the installed llama-cpp-python's source distribution (decode_llama.py), measures
 memory-read bandwidth, then each engine's batch-1 decode and 512-token prefill speed, each in a
 fresh subprocess with the same thread count (decode_workers.py), and prints one table with each
 engine's fraction of the decode roofline (read bandwidth / weight bytes read per token).
-The "-mxfp4" rows run the same checkpoint with MXFP4 routed experts (the rest BF16): ours
-quantized at load (`quantize_experts="mxfp4"`), llama.cpp's by its own quantizer (MXFP4_MOE,
-non-expert tensors kept BF16), so the pair reads the same bytes per token.
+The quantized rows (see ENGINES) pair ours with llama.cpp's at about the same bytes per token,
+measured for both engines from the loaded tensors (llama.cpp's from its file); the
+"freetoken-gguf-*" rows load llama.cpp's own quantized file, the same bytes.
 
 Peers that are not installed (transformers, llama-cpp-python) are skipped; none is a project
 dependency. llama.cpp, opt-in, built from source (~6+ min on 2 cores; the converter also wants
@@ -39,18 +39,22 @@ if str(HERE) not in sys.path:  # the helpers beside this script, also when impor
 from decode_ckpt import Geometry, build_checkpoint  # noqa: E402
 from decode_llama import (  # noqa: E402
     convert_to_gguf,
+    gguf_bytes_per_token,
     gpt2_vocab,
     installed_version,
     llama_source,
-    quantize_mxfp4_experts,
+    quantize_gguf,
 )
 
 CACHE = Path("/tmp/ftbench_decode")
-# "-mxfp4": the same checkpoint with its routed experts in MXFP4 (4.25 bits a weight), the rest
-# BF16: ours quantized at load (quantize_experts), llama.cpp's by its own quantizer (MXFP4_MOE)
-# "-q8_0" / "-q4_k_m": ours with the `quantize` preset (dense layers in GGUF q8_0/q4_k blocks on
-# the native integer-dot kernels, experts in the preset's bank format; models/dense_quant.py).
-# llama.cpp's Q8_0 / Q4_K_M rows are not wired here yet (they need llama-quantize of the GGUF).
+# Rows, by precision (each pair reads about the same bytes per token; MB/token is measured):
+#   freetoken / llama.cpp / hf      the BF16 checkpoint (llama.cpp: the converter's BF16 GGUF)
+#   *-mxfp4    routed experts MXFP4, the rest BF16: ours quantized at load (quantize_experts),
+#              llama.cpp's by its own quantizer (MXFP4_MOE, non-expert tensors kept BF16)
+#   *-q8_0, *-q4_k_m   llama.cpp: its quantizer's preset on the BF16 GGUF (what users download);
+#              freetoken: our `quantize` preset of the BF16 checkpoint (models/dense_quant.py)
+#   freetoken-gguf-*   freetoken loading llama.cpp's quantized file itself: the same file, so
+#              the same bytes (quant types without a native kernel are dequantized at load)
 ENGINES = (
     "freetoken",
     "hf",
@@ -58,18 +62,31 @@ ENGINES = (
     "freetoken-mxfp4",
     "llama.cpp-mxfp4",
     "freetoken-q8_0",
+    "llama.cpp-q8_0",
+    "freetoken-gguf-q8_0",
     "freetoken-q4_k_m",
+    "llama.cpp-q4_k_m",
+    "freetoken-gguf-q4_k_m",
 )
-_PEER_MODULE = {"hf": "transformers", "llama.cpp": "llama_cpp", "llama.cpp-mxfp4": "llama_cpp"}
-_WORKER = {
-    "freetoken-mxfp4": "freetoken",
-    "llama.cpp-mxfp4": "llama.cpp",
-    "freetoken-q8_0": "freetoken",
-    "freetoken-q4_k_m": "freetoken",
+LLAMA_QUANTS = ("mxfp4", "q8_0", "q4_k_m")  # llama.cpp files quantized from the BF16 GGUF
+_PEER_MODULE = {e: "llama_cpp" for e in ENGINES if e.startswith("llama.cpp")} | {
+    "hf": "transformers"
 }
 MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 nibbles and one E8M0 scale a block
 # (ours, peer) pairs compared at equal precision
-_PAIRS = (("freetoken", "hf"), ("freetoken", "llama.cpp"), ("freetoken-mxfp4", "llama.cpp-mxfp4"))
+_PAIRS = (
+    ("freetoken", "hf"),
+    ("freetoken", "llama.cpp"),
+    ("freetoken-mxfp4", "llama.cpp-mxfp4"),
+    ("freetoken-q8_0", "llama.cpp-q8_0"),
+    ("freetoken-gguf-q8_0", "llama.cpp-q8_0"),
+    ("freetoken-q4_k_m", "llama.cpp-q4_k_m"),
+    ("freetoken-gguf-q4_k_m", "llama.cpp-q4_k_m"),
+)
+
+
+def _worker_kind(engine: str) -> str:
+    return "llama.cpp" if engine.startswith("llama.cpp") else engine.split("-")[0]
 
 
 @dataclass
@@ -130,9 +147,14 @@ class Report:
             if ours is None or peer is None or not (ours.decode_tok_s and peer.decode_tok_s):
                 continue
             pre = (ours.prefill_tok_s or 0) / peer.prefill_tok_s if peer.prefill_tok_s else 0
+            a, b = ours.extra.get("greedy"), peer.extra.get("greedy")
+            agree = ""
+            if isinstance(a, list) and isinstance(b, list) and b:
+                same = sum(x == y for x, y in zip(a, b, strict=False))
+                agree = f", greedy tokens equal {same}/{len(b)}"
             lines.append(
                 f"{us} / {them}: decode {ours.decode_tok_s / peer.decode_tok_s:.2f}x,"
-                f" prefill {pre:.2f}x"
+                f" prefill {pre:.2f}x{agree}"
             )
         return "\n".join(lines)
 
@@ -173,7 +195,7 @@ def _measure(engine: str, common: dict[str, object], threads: int, omp_variants:
     results = []
     for passive in (False, True) if omp_variants else (False,):
         try:
-            kind = _WORKER.get(engine, engine)
+            kind = _worker_kind(engine)
             results.append((passive, _worker(kind, common, threads, 1800, passive)))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             if not results and not omp_variants:
@@ -210,13 +232,15 @@ def run_decode_benchmark(
     g = Geometry(experts=experts)
     say("checkpoint ...")
     model = build_checkpoint(cache / "mid", gpt2_vocab(src), g)
-    gguf = gguf_mxfp4 = None
+    gguf = None
+    quantized: dict[str, Path] = {}  # llama.cpp's files by LLAMA_QUANTS name
     if want_llama and src is not None:
         say("GGUF conversion ...")
         gguf = convert_to_gguf(model, src, cache / "mid-bf16.gguf")
-        if "llama.cpp-mxfp4" in engines:
-            say("GGUF MXFP4 quantization ...")
-            gguf_mxfp4 = quantize_mxfp4_experts(gguf, cache / "mid-mxfp4.gguf")
+        for q in LLAMA_QUANTS:
+            if any(e.endswith("-" + q) and "llama.cpp" in e or "gguf-" + q in e for e in engines):
+                say(f"GGUF {q} quantization (llama.cpp's quantizer) ...")
+                quantized[q] = quantize_gguf(gguf, cache / f"mid-{q}.gguf", q)
     common = {
         "model": str(model),
         "threads": threads,
@@ -238,13 +262,17 @@ def run_decode_benchmark(
         "freetoken-mxfp4": {"quantize_experts": "mxfp4"},
         "freetoken-q8_0": {"quantize": "q8_0"},
         "freetoken-q4_k_m": {"quantize": "q4_k_m"},
-        "llama.cpp-mxfp4": {"gguf": str(gguf_mxfp4) if gguf_mxfp4 else None},
     }
+    for q in LLAMA_QUANTS:
+        path = str(quantized[q]) if q in quantized else None
+        variant[f"llama.cpp-{q}"] = {"gguf": path}
+        variant[f"freetoken-gguf-{q}"] = {"gguf": path, "load_gguf": True}
     runs: dict[str, list[Row]] = {e: [] for e in engines}
     for r in range(rounds):
         for engine in engines:
             args = {**common, **variant.get(engine, {})}
-            if not _available(engine) or (engine.startswith("llama.cpp") and not args["gguf"]):
+            needs_file = engine.startswith("llama.cpp") or "gguf" in engine
+            if not _available(engine) or (needs_file and not args["gguf"]):
                 runs[engine] = [Row(engine, note="not installed: skipped")]
                 continue
             say(f"{engine} (round {r + 1} of {rounds}) ...")
@@ -254,6 +282,9 @@ def run_decode_benchmark(
     for row in rows:
         mx = row.engine.endswith("-mxfp4")
         measured = row.extra.get("bytes_per_token")
+        file = variant.get(row.engine, common).get("gguf")
+        if not measured and row.engine.startswith("llama.cpp") and file:
+            measured = gguf_bytes_per_token(Path(str(file)), g.top_k, g.experts)
         row.bytes_per_token = (
             int(measured)  # type: ignore[call-overload]
             if measured

@@ -109,29 +109,38 @@ def convert_to_gguf(model_dir: Path, src: Path, out: Path) -> Path:
 GGML_TYPE_BF16 = 30  # ggml.h (llama-cpp-python exports no constant for it)
 
 
-def quantize_mxfp4_experts(src_gguf: Path, out: Path) -> Path:
-    """``src_gguf`` (BF16) -> GGUF with MXFP4 routed experts and every other tensor kept BF16:
-    llama.cpp's own quantizer (ftype MXFP4_MOE), whose default Q8_0 for the non-expert tensors
-    is overridden so both engines read the same bytes (cached; redone when the source changed)."""
+def quantize_gguf(src_gguf: Path, out: Path, ftype: str) -> Path:
+    """``src_gguf`` (BF16) -> GGUF quantized by llama.cpp's own quantizer (cached; redone when the
+    source changed). ``ftype``: "q8_0" and "q4_k_m" are llama.cpp's presets as users download
+    them (its own per-tensor mix: Q4_K_M puts Q6_K on some tensors); "mxfp4" is MXFP4_MOE with
+    every non-expert tensor kept BF16, so the pair with our experts-only MXFP4 reads the same
+    bytes."""
     import ctypes
 
     import llama_cpp as L
 
+    ftypes = {
+        "q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0,
+        "q4_k_m": L.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+        "mxfp4": L.LLAMA_FTYPE_MOSTLY_MXFP4_MOE,
+    }
     stamp = {
         "src": str(src_gguf),
         "mtime": src_gguf.stat().st_mtime,
         "size": src_gguf.stat().st_size,
+        "ftype": ftype,
     }
     stamp_path = out.with_suffix(".stamp.json")
     if out.exists() and stamp_path.exists() and json.loads(stamp_path.read_text()) == stamp:
         return out
     params = L.llama_model_quantize_default_params()
-    params.ftype = L.LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    params.ftype = ftypes[ftype]
     params.nthread = os.cpu_count() or 1
-    overrides = (L.llama_model_tensor_override * 2)()
-    overrides[0].pattern, overrides[0].type = b"^(?!.*_exps).*$", GGML_TYPE_BF16
-    overrides[1].pattern = None  # the list ends at a null pattern
-    params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(L.llama_model_tensor_override))
+    if ftype == "mxfp4":  # its default Q8_0 for the non-expert tensors overridden to BF16
+        overrides = (L.llama_model_tensor_override * 2)()
+        overrides[0].pattern, overrides[0].type = b"^(?!.*_exps).*$", GGML_TYPE_BF16
+        overrides[1].pattern = None  # the list ends at a null pattern
+        params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(L.llama_model_tensor_override))
     tmp = out.with_suffix(".tmp.gguf")
     rc = L.llama_model_quantize(str(src_gguf).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
@@ -139,3 +148,18 @@ def quantize_mxfp4_experts(src_gguf: Path, out: Path) -> Path:
     tmp.rename(out)
     stamp_path.write_text(json.dumps(stamp))
     return out
+
+
+def gguf_bytes_per_token(path: Path, top_k: int, experts: int) -> int:
+    """Weight bytes one decoded token reads from a GGUF file, measured from its tensors (in
+    their stored types): every 2-D weight but the token embedding, and top_k of every layer's
+    ``experts`` routed experts."""
+    from gguf import GGUFReader
+
+    total = 0
+    for t in GGUFReader(str(path)).tensors:
+        if t.name.startswith("token_embd") or len(t.shape) < 2:
+            continue
+        nbytes = int(t.n_bytes)
+        total += nbytes * top_k // experts if "_exps" in t.name else nbytes
+    return total

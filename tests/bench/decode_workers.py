@@ -96,7 +96,7 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(a["threads"])
     llm = LLM(
-        a["model"],
+        a["gguf"] if a.get("load_gguf") else a["model"],  # llama.cpp's file itself, or ours
         moe_backend="cpu",
         threads=a["threads"],
         max_model_len=4096,
