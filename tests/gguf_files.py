@@ -12,13 +12,25 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_convert import HYBRIDS, deepseek_metadata, deepseek_tensor, hybrid_metadata, hybrid_tensor
 
-ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+ARCH = {
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+    "mixtral": "llama",
+    "gpt_oss": "gpt-oss",
+    "qwen3_next": "qwen3next",
+    "qwen3_5_moe": "qwen35moe",
+    "deepseek_v3": "deepseek2",
+}
 _MODEL_ARCH = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "olmoe": gguf.MODEL_ARCH.OLMOE,
     "llama": gguf.MODEL_ARCH.LLAMA,
     "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
+    "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT,
+    "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
+    "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
 }
 
 
@@ -64,16 +76,26 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
             else:
                 out[f"{blk}.ffn_down_exps.weight"] = t
             continue
-        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise KeyError(f"no GGUF name for {key}")
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
-            t = _permute(t, heads)
-        if name.endswith("attn_sinks"):
-            name += ".weight"
-        out[name] = t.contiguous()
+        if family in HYBRIDS:
+            converted = hybrid_tensor(family, c, key, t)
+        elif family == "deepseek_v3":
+            converted = deepseek_tensor(c, key, t)
+        else:
+            converted = [(key, t)]
+        for key, t in converted:
+            name = key if key.startswith("blk.") else _gguf_name(names, key)
+            if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
+                t = _permute(t, heads)
+            out[name] = t.contiguous()
     return out
+
+
+def _gguf_name(names: gguf.TensorNameMap, key: str) -> str:
+    name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise KeyError(f"no GGUF name for {key}")
+    return name + ".weight" if name.endswith("attn_sinks") else name
 
 
 def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
@@ -81,17 +103,23 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if family == "deepseek_v3":
+        deepseek_metadata(w, c)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
-    experts = getattr(c, "num_experts", None) or c.num_local_experts
-    w.add_expert_count(experts)
+    if family in HYBRIDS:
+        hybrid_metadata(w, family, c)
+    if family != "deepseek_v3":  # (its expert count is among the MLA keys)
+        w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_feed_forward_length(c.intermediate_size)
+    if getattr(c, "intermediate_size", None):
+        w.add_feed_forward_length(c.intermediate_size)
     if family == "qwen3_moe":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     elif family == "gpt_oss":  # llama.cpp's gpt-oss reads only this key (its converter writes it)

@@ -1,10 +1,10 @@
 """GGUF checkpoints (single files and ``-0000i-of-0000N`` split sets) into dense parameters and
 expert banks: the GGUF reader (``formats.gguf_file``) composed with the model's tables.
 
-llama.cpp's tensor names are mapped onto ours by one table; stacked expert tensors
+llama.cpp's tensor names are mapped onto ours by one table (the names only some architectures
+carry, and the converter's transforms undone, are in ``gguf_arch``); stacked expert tensors
 (``blk.N.ffn_{gate,up,down}_exps``, [E, rows, cols]) go into the flat_id-major banks (gate rows,
-then up rows). The llama architecture's converter permutes the rows of Q and K for its
-interleaved rope; that permutation is undone here so the model keeps HF's half-split rope.
+then up rows).
 F32/F16/BF16 are read as they are; quantized types are dequantized at load (one log line says
 which, and what it costs in memory) until the CPU executor computes on their blocks directly.
 """
@@ -15,7 +15,7 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
 from .config import ModelConfig
+from .gguf_arch import KV_B_PARTS, Fix, block_targets, join_kv_b, top_fix
 from .gguf_config import config_from_gguf, gguf_arch
 from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
@@ -65,11 +66,14 @@ _IGNORED = ("rope_freqs.weight",)  # llama.cpp's precomputed rope factors: we co
 
 
 class _Source:
-    """One GGUF tensor with the loader's source interface; ``rows`` permutes the output rows."""
+    """One GGUF tensor with the loader's source interface; ``fix`` undoes a converter transform
+    (``gguf_arch``), and ``shape`` is the shape after it."""
 
-    def __init__(self, f: GgufFile, t: GgufTensor, rows: torch.Tensor | None = None) -> None:
-        self.f, self.t, self.rows = f, t, rows
-        self.shape = t.shape
+    def __init__(self, f: GgufFile, t: GgufTensor, fix: Fix | None = None) -> None:
+        self.f, self.t, self.fix = f, t, fix
+        self.shape = (
+            t.shape if fix is None else tuple(fix(torch.empty(t.shape, device="meta")).shape)
+        )
         self.dtype = torch.float32 if t.quantized else _native(t)
 
     def read(self) -> torch.Tensor:
@@ -79,10 +83,10 @@ class _Source:
             raise CheckpointError(
                 f"{self.t.path}: tensor '{self.t.name}' cannot be read ({e})"
             ) from None
-        return out if self.rows is None else out[self.rows]
+        return out if self.fix is None else self.fix(out)
 
     def into(self, dest: torch.Tensor) -> None:
-        direct = self.rows is None and not self.t.quantized and dest.dtype == self.dtype
+        direct = self.fix is None and not self.t.quantized and dest.dtype == self.dtype
         if direct and dest.is_contiguous():
             self.f.read_into(self.t, dest)
         elif direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest):
@@ -95,18 +99,26 @@ class _Source:
             dest.copy_(self.read())
 
 
+class _Joined:
+    """Two GGUF tensors read together into one parameter (DeepSeek's split kv_b)."""
+
+    def __init__(self, parts: list[_Source], join: Callable[..., torch.Tensor]) -> None:
+        self.parts, self.join, self.t = parts, join, parts[0].t
+        metas = [torch.empty(p.shape, device="meta") for p in parts]
+        self.shape = tuple(join(*metas).shape)
+        self.dtype = torch.float32
+
+    def read(self) -> torch.Tensor:
+        return self.join(*(p.read().float() for p in self.parts))
+
+    def into(self, dest: torch.Tensor) -> None:
+        dest.copy_(self.read())
+
+
 def _native(t: GgufTensor) -> torch.dtype:
     from ..formats.gguf_file import NATIVE
 
     return NATIVE[t.type_name]
-
-
-def _unpermute(n_head: int, rows: int) -> torch.Tensor:
-    """Row indices that undo llama.cpp's Q/K permutation (``n_head`` heads of rows/n_head): the
-    converter stores HF row (head, half, pair) at file row (head, pair, half); ``file[idx]`` is
-    the HF order."""
-    d = rows // n_head
-    return torch.arange(rows).view(n_head, d // 2, 2).transpose(1, 2).reshape(rows)
 
 
 class GgufCheckpoint:
@@ -153,29 +165,41 @@ class GgufCheckpoint:
         infos = {n: t for n, (_, t) in self.tensors.items()}
         return config_from_gguf(self.metadata, infos, dtype or self.default_dtype(), str(self.path))
 
-    def sources(self, cfg: ModelConfig) -> Iterator[tuple[str, str, _Source]]:
+    def sources(self, cfg: ModelConfig) -> Iterator[tuple[str, str, _Source | _Joined]]:
         """(gguf name, our canonical name or an expert key, source) for every tensor."""
-        permute = self.arch == "llama"
+        mtp = int(self.metadata.get(f"{self.arch}.nextn_predict_layers", 0) or 0)
         for name, (f, t) in self.tensors.items():
             if name in _IGNORED:
                 continue
             if name in _TOP:
-                yield name, _TOP[name], _Source(f, t)
+                yield name, _TOP[name], _Source(f, t, top_fix(self.arch, name))
                 continue
             m = _BLK.match(name)
-            key = m.group(2) if m else None
-            if m is None or (key not in _BLOCK and not _EXPS.match(key or "")):
-                raise CheckpointError(f"{t.path}: unexpected tensor '{name}' for {self.arch}")
-            layer = int(m.group(1))
-            if _EXPS.match(key or ""):
-                yield name, f"experts:{layer}:{key}", _Source(f, t)
+            key = m.group(2) if m else ""
+            if m is not None and mtp and int(m.group(1)) >= cfg.num_layers:
+                continue  # a multi-token-prediction layer after the decoder layers: not loaded
+            if m is not None and _EXPS.match(key):
+                yield name, f"experts:{m.group(1)}:{key}", _Source(f, t)
                 continue
-            canon = f"layers.{layer}.{_BLOCK[key or '']}"
-            rows = None
-            if permute and key in ("attn_q.weight", "attn_k.weight"):
-                heads = cfg.num_heads if key == "attn_q.weight" else cfg.num_kv_heads
-                rows = _unpermute(heads, t.shape[0])
-            yield name, canon, _Source(f, t, rows)
+            try:
+                targets = block_targets(self.arch, cfg, key, _BLOCK) if m else None
+            except KeyError:
+                targets = None
+            if targets is None:
+                raise CheckpointError(f"{t.path}: unexpected tensor '{name}' for {self.arch}")
+            layer = int(m.group(1)) if m else 0
+            for canon, fix in targets:
+                yield name, f"layers.{layer}.{canon}", _Source(f, t, fix)
+            if key == KV_B_PARTS[0] and f"blk.{layer}.attn_kv_b.weight" not in self.tensors:
+                yield name, f"layers.{layer}.self_attn.kv_b_proj.weight", self._kv_b(cfg, layer)
+
+    def _kv_b(self, cfg: ModelConfig, layer: int) -> _Joined:
+        names = [f"blk.{layer}.{k}" for k in KV_B_PARTS]
+        for n in names:
+            if n not in self.tensors:
+                raise CheckpointError(f"{self.path}: missing tensor '{n}'")
+        parts = [_Source(*self.tensors[n]) for n in names]
+        return _Joined(parts, lambda k, v: join_kv_b(cfg, k, v))
 
     def log_dequantized(self, dtype: str, packed: str = "") -> None:
         quant = [
@@ -285,7 +309,7 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
             if canon.startswith("experts:"):
                 _, layer, key = canon.split(":")
                 m = _EXPS.match(key)
-                assert m is not None
+                assert m is not None and isinstance(src, _Source)
                 if banks.format == "mxfp4" and m.group(2) == "weight":
                     blocks, scales = _mxfp4_repack(src)
                     filler.expert_stack_mxfp4(

@@ -1,0 +1,109 @@
+"""GGUF files of the hybrid (Qwen3-Next ``qwen3next``, Qwen3.5-MoE ``qwen35moe``) and MLA
+(DeepSeek-V3 ``deepseek2``) architectures, written from tiny HF checkpoints with llama.cpp's
+converter transforms reproduced (``gguf_convert``: A_log as -exp, squeezed conv1d, (1 + w) norms
+stored with the 1 added, Qwen3-Next's split qkvz and fused ba, Qwen3.5's tiled value heads,
+DeepSeek's kv_b split into k_b / v_b), load into the HF checkpoint's numerics: logits within
+fp32 tolerance and transformers' greedy tokens. The tiny hybrids have more value than key heads,
+so a value-head order left tiled shows; the norms carry perturbed weights, so a +1 left in
+shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from gguf_files import write_gguf
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.formats.gguf_file import GgufTensor
+from freetokend.models.config import ConfigError
+from freetokend.models.gguf_config import hf_fields
+
+ATOL = 2e-4
+FAMILIES = ("qwen3_next", "qwen3_5_moe", "deepseek_v3")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def f32(request, tmp_path_factory):
+    family = request.param
+    d = tmp_path_factory.mktemp(f"gguf-{family}")
+    # llama.cpp's qwen3next has no dense-MLP layers: every layer routed, as in the real models
+    over = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    hf = make_tiny(family, d / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, d / f"{family}-F32.gguf", "f32")
+    return family, hf, path, LLM(path, max_model_len=256, kv_tokens=2048)
+
+
+def test_file_has_the_converters_layout(f32):
+    family, hf, path, _ = f32
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    want = {
+        "qwen3_next": {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight"},
+        "qwen3_5_moe": {"blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.0.ssm_a"},
+        "deepseek_v3": {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", "blk.1.exp_probs_b.bias"},
+    }[family]
+    assert want <= names, want - names
+    assert not any("kv_b." in n or "ssm_in" in n for n in names)
+
+
+def test_f32_logits_match_the_hf_checkpoint(f32):
+    family, hf, _, llm = f32
+    assert llm.config.family == family and llm.config.torch_dtype == "float32"
+    ids = _prompt(32, seed=1)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family}: max |logit diff| {err}"
+
+
+def test_f32_greedy_tokens_match_transformers(f32):
+    family, hf, _, llm = f32
+    ids = _prompt(10, seed=4)
+    seq = list(ids)
+    for _ in range(24):
+        seq.append(int(_hf_logits(hf, seq)[-1].argmax()))
+    assert llm.generate(ids, max_tokens=24, ignore_eos=True) == seq[len(ids) :], family
+
+
+def test_config_from_metadata_equals_the_hf_config(f32):
+    """The metadata-derived config is the one the HF folder gives (the fields the model uses)."""
+    from freetokend.models.loader import model_config
+
+    family, _, path, llm = f32
+    ref = model_config(path.parent / "hf")
+    fields = (
+        "layer_types moe_layers num_experts top_k norm_topk_prob moe_intermediate_size "
+        "shared_expert_intermediate_size linear_num_key_heads linear_num_value_heads "
+        "linear_key_head_dim linear_value_head_dim linear_conv_kernel q_lora_rank kv_lora_rank "
+        "qk_nope_head_dim qk_rope_head_dim v_head_dim n_group topk_group "
+        "routed_scaling_factor head_dim num_heads num_kv_heads rope"
+    ).split()
+    for f in fields:
+        assert getattr(llm.config, f) == getattr(ref, f), f
+
+
+def test_deepseek2_softmax_router_is_refused():
+    """DeepSeek-V2 files (softmax router) share the architecture name: refused by name."""
+    meta = {
+        "general.architecture": "deepseek2",
+        "deepseek2.block_count": 2,
+        "deepseek2.embedding_length": 64,
+        "deepseek2.attention.head_count": 4,
+        "deepseek2.expert_count": 8,
+        "deepseek2.expert_used_count": 2,
+        "deepseek2.expert_gating_func": 1,
+    }
+    embd = GgufTensor("token_embd.weight", "F32", 0, (97, 64), 0, 97 * 64 * 4, Path("x.gguf"))
+    tensors = {"token_embd.weight": embd}
+    with pytest.raises(ConfigError, match="softmax router"):
+        hf_fields(meta, tensors, "float32", "x.gguf")
