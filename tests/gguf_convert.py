@@ -121,3 +121,57 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_expert_group_count(c.n_group)
     w.add_expert_group_used_count(c.topk_group)
     w.add_rope_dimension_count(c.qk_rope_head_dim)
+
+
+def hf_value(family: str, c: Any, key: str, tensors: dict[str, torch.Tensor], name: Any) -> Any:
+    """The inverse: HF tensor ``key`` of a hybrid or DeepSeek-V3 model from the file's tensors
+    (``name``: HF name -> GGUF name); None for a key the generic inverse handles."""
+    if family not in (*HYBRIDS, "deepseek_v3"):
+        return None
+    blk = f"blk.{key.split('.')[2]}" if key.startswith("model.layers.") else ""
+    if family == "deepseek_v3":
+        if key.endswith("kv_b_proj.weight"):
+            h, r = c.num_key_value_heads, c.kv_lora_rank
+            k_b = tensors[f"{blk}.attn_k_b.weight"].reshape(h, r, -1).transpose(1, 2)
+            v_b = tensors[f"{blk}.attn_v_b.weight"].reshape(h, -1, r)
+            return torch.cat([k_b, v_b], 1).reshape(-1, r)
+        if key.endswith("e_score_correction_bias"):
+            return tensors[f"{blk}.exp_probs_b.bias"]
+        return None
+    kh, vh = c.linear_num_key_heads, c.linear_num_value_heads
+    r, dk, dv = vh // kh, c.linear_key_head_dim, c.linear_value_head_dim
+    qk = 2 * kh * dk
+    tiled = family == "qwen3_5_moe" and kh != vh
+
+    def untile(t: torch.Tensor, dim: int, d: int) -> torch.Tensor:
+        return _tile_v(t, dim, r, kh, d) if tiled else t  # (r, kh, d) -> (kh, r, d)
+
+    def g(suffix: str) -> torch.Tensor:
+        return tensors[f"{blk}.{suffix}"]
+
+    if key.endswith("in_proj_qkvz.weight"):
+        qkv, z = g("attn_qkv.weight"), g("attn_gate.weight")
+        h = qkv.shape[-1]
+        parts = [qkv[: kh * dk], qkv[kh * dk : qk], qkv[qk:], z]
+        return torch.cat([p.reshape(kh, -1, h) for p in parts], 1).reshape(-1, h)
+    if key.endswith("in_proj_ba.weight"):
+        return g("ssm_ba.weight")
+    if key.endswith("in_proj_qkv.weight"):
+        t = g("attn_qkv.weight")
+        return torch.cat([t[:qk], untile(t[qk:], 0, dv)])
+    if key.endswith("in_proj_z.weight"):
+        return untile(g("attn_gate.weight"), 0, dv)
+    if key.endswith(("in_proj_b.weight", "in_proj_a.weight")):
+        return untile(g("ssm_beta.weight" if "in_proj_b" in key else "ssm_alpha.weight"), 0, 1)
+    if key.endswith(".A_log"):
+        return untile(torch.log(-g("ssm_a")), 0, 1)
+    if key.endswith(".dt_bias"):
+        return untile(g("ssm_dt.bias"), 0, 1)
+    if key.endswith("conv1d.weight"):
+        t = g("ssm_conv1d.weight")
+        return torch.cat([t[:qk], untile(t[qk:], 0, dv)])
+    if key.endswith("out_proj.weight"):
+        return untile(g("ssm_out.weight"), 1, dv)
+    if key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+        return tensors[name(key)] - 1
+    return None

@@ -12,7 +12,14 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_convert import HYBRIDS, deepseek_metadata, deepseek_tensor, hybrid_metadata, hybrid_tensor
+from gguf_convert import (
+    HYBRIDS,
+    deepseek_metadata,
+    deepseek_tensor,
+    hf_value,
+    hybrid_metadata,
+    hybrid_tensor,
+)
 
 ARCH = {
     "qwen3_moe": "qwen3moe",
@@ -142,12 +149,16 @@ def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
         return a, Q.F32
     if name.endswith("ffn_gate_inp.weight"):  # routers stay F32 as llama.cpp keeps them
         return a, Q.F32
+    if t.shape[0] == 1 or name.endswith("ssm_conv1d.weight"):  # 1-D to ggml; conv kept as is
+        return a, Q.F32
     if kind == "mxfp4":  # GPT-OSS files: experts MXFP4, the rest kept as is (F32 here)
         if name.endswith("_exps.weight"):
             return gguf.quants.quantize(a, Q.MXFP4), Q.MXFP4
         return a, Q.F32
     if kind == "bf16":
         return gguf.quants.quantize(a, Q.BF16), Q.BF16
+    if kind == "q8_0" and a.shape[-1] % 32:  # rows Q8_0 cannot block: F16 here (llama.cpp's
+        return gguf.quants.quantize(a, Q.F16), Q.F16  # quantizer also picks another type)
     if kind == "q8_0":
         return gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0
     from kquants import quantize_q4_k, quantize_q6_k
@@ -264,10 +275,8 @@ def _load_back(family: str, hf: Any, tensors: dict[str, torch.Tensor]) -> None:
                     t = torch.cat([g("gate_exps.weight"), g("up_exps.weight")], 1)
                 else:
                     t = g("down_exps.weight")
-            else:
-                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-                assert name is not None
-                t = tensors[name + ".weight" if name.endswith("attn_sinks") else name]
+            elif (t := hf_value(family, c, key, tensors, lambda k: _gguf_name(names, k))) is None:
+                t = tensors[_gguf_name(names, key)]
                 if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
                     heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
                     d = t.shape[0] // heads

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from gguf_files import write_gguf
+from gguf_files import dequantized_reference, write_gguf
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -107,3 +107,20 @@ def test_deepseek2_softmax_router_is_refused():
     tensors = {"token_embd.weight": embd}
     with pytest.raises(ConfigError, match="softmax router"):
         hf_fields(meta, tensors, "float32", "x.gguf")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
+    """transformers on the file's own dequantized weights (the converter's transforms inverted
+    in ``gguf_convert.hf_value``) is the oracle: the check is on placement and layout."""
+    over = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, tmp_path / f"m-{kind}.gguf", kind)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert kind.upper() in types, types
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family} {kind}: max |logit diff| {err}"
