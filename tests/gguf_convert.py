@@ -121,6 +121,14 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_expert_group_count(c.n_group)
     w.add_expert_group_used_count(c.topk_group)
     w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":  # the generic yarn keys, and mscale_all_dim as 0.1 x
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def hf_value(family: str, c: Any, key: str, tensors: dict[str, torch.Tensor], name: Any) -> Any:

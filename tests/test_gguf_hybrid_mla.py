@@ -9,12 +9,13 @@ shows."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
-from gguf_files import dequantized_reference, write_gguf
+from gguf_files import ARCH, dequantized_reference, gguf_tensors, write_gguf
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -124,3 +125,80 @@ def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < ATOL, f"{family} {kind}: max |logit diff| {err}"
+
+
+def test_deepseek2_yarn_rope(tmp_path):
+    """DeepSeek-V3's YaRN (the file keeps mscale_all_dim as 0.1 x yarn_log_multiplier)."""
+    rope = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
+    hf = make_tiny("deepseek_v3", tmp_path / "hf", seed=3, rope_parameters=rope)[1]
+    llm = LLM(write_gguf("deepseek_v3", hf, tmp_path / "y.gguf"), max_model_len=256, kv_tokens=2048)
+    assert llm.config.rope.kind == "yarn" and llm.config.rope.factor == 4.0
+    ids = _prompt(40, seed=1)  # past the original context
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"deepseek2 yarn: max |logit diff| {err}"
+
+
+def _write(path: Path, family: str, hf, tensors: dict, config=None, extra=None) -> Path:
+    from gguf_files import _metadata
+
+    w = gguf.GGUFWriter(path, ARCH[family])
+    _metadata(w, family, config or hf.config)
+    if extra:
+        extra(w)
+    w.add_eos_token_id(hf.config.eos_token_id)
+    for name, t in tensors.items():
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_deepseek2_file_with_kv_b_unsplit(tmp_path):
+    """Files from converters before the k_b / v_b split carry ``attn_kv_b`` as HF has it."""
+    hf = make_tiny("deepseek_v3", tmp_path / "hf", seed=3)[1]
+    tensors = gguf_tensors("deepseek_v3", hf)
+    for i in range(hf.config.num_hidden_layers):
+        del tensors[f"blk.{i}.attn_k_b.weight"], tensors[f"blk.{i}.attn_v_b.weight"]
+        kv_b = hf.model.layers[i].self_attn.kv_b_proj.weight.detach().float()
+        tensors[f"blk.{i}.attn_kv_b.weight"] = kv_b.contiguous()
+    llm = LLM(_write(tmp_path / "old.gguf", "deepseek_v3", hf, tensors), max_model_len=64)
+    ids = _prompt(24, seed=3)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+def test_mtp_blocks_after_the_decoder_are_skipped(tmp_path):
+    """llama.cpp counts Qwen3.5's MTP block in block_count (``nextn_predict_layers``) and
+    stores it as the last ``blk``: it is not loaded, and the model is the decoder's."""
+    hf = make_tiny("qwen3_5_moe", tmp_path / "hf", seed=3)[1]
+    tensors = gguf_tensors("qwen3_5_moe", hf)
+    n = hf.config.num_hidden_layers
+    last = f"blk.{n - 1}."
+    tensors.update(
+        {f"blk.{n}." + k[len(last) :]: t for k, t in tensors.items() if k.startswith(last)}
+    )
+    tensors[f"blk.{n}.nextn.eh_proj.weight"] = torch.zeros(64, 128)
+    cfg = copy.copy(hf.config)
+    cfg.num_hidden_layers = n + 1
+    path = _write(
+        tmp_path / "mtp.gguf",
+        "qwen3_5_moe",
+        hf,
+        tensors,
+        cfg,
+        lambda w: w.add_nextn_predict_layers(1),
+    )
+    llm = LLM(path, max_model_len=64)
+    assert llm.config.num_layers == n
+    ids = _prompt(24, seed=3)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
