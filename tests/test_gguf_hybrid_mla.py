@@ -202,3 +202,16 @@ def test_mtp_blocks_after_the_decoder_are_skipped(tmp_path):
     assert llm.config.num_layers == n
     ids = _prompt(24, seed=3)
     assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+def test_ftw_from_the_gguf_gives_the_same_logits(f32, tmp_path):
+    """``ftctl checkpoint --model X.gguf`` (its convert function): the config written from the
+    metadata rebuilds the same model, and the FTW holds the un-transformed weights."""
+    from freetokend.models.ftw_convert import convert
+
+    family, _, path, llm = f32
+    convert(path, tmp_path / "ftw")
+    ftw = LLM(tmp_path / "ftw", max_model_len=256, kv_tokens=2048)
+    assert ftw.config.family == family
+    ids = _prompt(20, seed=7)
+    assert torch.equal(llm.logits(ids), ftw.logits(ids)), family
