@@ -215,3 +215,38 @@ def test_ftw_from_the_gguf_gives_the_same_logits(f32, tmp_path):
     assert ftw.config.family == family
     ids = _prompt(20, seed=7)
     assert torch.equal(llm.logits(ids), ftw.logits(ids)), family
+
+
+def test_fused_gate_up_experts(tmp_path):
+    """The converter's ``--fuse-gate-up-exps``: one ``ffn_gate_up_exps`` [E, 2I, H] a layer."""
+    hf = make_tiny("qwen3_5_moe", tmp_path / "hf", seed=3)[1]
+    tensors = gguf_tensors("qwen3_5_moe", hf)
+    for i in range(hf.config.num_hidden_layers):
+        gate = tensors.pop(f"blk.{i}.ffn_gate_exps.weight")
+        up = tensors.pop(f"blk.{i}.ffn_up_exps.weight")
+        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat([gate, up], 1).contiguous()
+    llm = LLM(_write(tmp_path / "fused.gguf", "qwen3_5_moe", hf, tensors), max_model_len=64)
+    ids = _prompt(24, seed=3)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize(
+    "family, drop",
+    [
+        ("qwen3_next", "blk.0.ssm_a"),
+        ("qwen3_next", "blk.0.ssm_ba.weight"),
+        ("qwen3_5_moe", "blk.2.ssm_conv1d.weight"),
+        ("qwen3_5_moe", "blk.0.ffn_gate_inp_shexp.weight"),
+        ("deepseek_v3", "blk.1.attn_k_b.weight"),
+        ("deepseek_v3", "blk.2.attn_v_b.weight"),
+        ("deepseek_v3", "blk.1.exp_probs_b.bias"),
+    ],
+)
+def test_missing_tensor_is_named(family, drop, tmp_path):
+    from freetokend.models.loader import CheckpointError
+
+    over = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, tmp_path / "m.gguf", drop=(drop,))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{drop}'"):
+        LLM(path, max_model_len=64)

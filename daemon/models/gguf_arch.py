@@ -173,3 +173,29 @@ def join_kv_b(cfg: ModelConfig, k_b: torch.Tensor, v_b: torch.Tensor) -> torch.T
     k = k_b.reshape(h, r, cfg.qk_nope_head_dim).transpose(1, 2)
     v = v_b.reshape(h, cfg.v_head_dim, r)
     return torch.cat([k, v], dim=1).reshape(-1, r)
+
+
+def split_gate_up(cfg: ModelConfig) -> dict[str, Fix]:
+    """The gate and up halves of a fused ``ffn_gate_up_exps`` [E, 2I, H] (the converter's
+    ``--fuse-gate-up-exps``: gate rows, then up rows)."""
+    i = cfg.moe_intermediate_size
+    return {"gate": lambda t: t[:, :i], "up": lambda t: t[:, i:]}
+
+
+def block_key(arch: str, ours: str) -> str | None:
+    """The GGUF block key that fills our parameter ``ours`` (under ``layers.N.``) in ``arch``,
+    for messages; None where the shared table names it."""
+    if arch == "qwen3next" and ours in (
+        "linear_attn.in_proj_b.weight",
+        "linear_attn.in_proj_a.weight",
+    ):
+        return "ssm_ba.weight"
+    if arch in _HYBRIDS and ours == "mlp.shared_expert_gate.weight":
+        return "ffn_gate_inp_shexp.weight"
+    tables = [_SHARED] + ([_HYBRID_BLOCK] if arch in _HYBRIDS else [])
+    tables += [_MLA_BLOCK] if arch == "deepseek2" else []
+    for table in tables:
+        for key, name in table.items():
+            if name == ours:
+                return key
+    return None

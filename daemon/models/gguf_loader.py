@@ -24,7 +24,15 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
 from .config import ModelConfig
-from .gguf_arch import KV_B_PARTS, Fix, block_targets, join_kv_b, top_fix
+from .gguf_arch import (
+    KV_B_PARTS,
+    Fix,
+    block_key,
+    block_targets,
+    join_kv_b,
+    split_gate_up,
+    top_fix,
+)
 from .gguf_config import config_from_gguf, gguf_arch
 from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
@@ -62,6 +70,7 @@ _BLOCK = {
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPS = re.compile(r"^ffn_(gate|up|down)_exps\.(weight|bias)$")
+_FUSED_EXPS = "ffn_gate_up_exps.weight"  # llama.cpp's converter with --fuse-gate-up-exps
 _IGNORED = ("rope_freqs.weight",)  # llama.cpp's precomputed rope factors: we compute our own
 
 
@@ -181,6 +190,10 @@ class GgufCheckpoint:
             if m is not None and _EXPS.match(key):
                 yield name, f"experts:{m.group(1)}:{key}", _Source(f, t)
                 continue
+            if m is not None and key == _FUSED_EXPS:  # [E, 2I, H]: gate rows, then up rows
+                for proj, rows in split_gate_up(cfg).items():
+                    yield name, f"experts:{m.group(1)}:ffn_{proj}_exps.weight", _Source(f, t, rows)
+                continue
             try:
                 targets = block_targets(self.arch, cfg, key, _BLOCK) if m else None
             except KeyError:
@@ -190,7 +203,9 @@ class GgufCheckpoint:
             layer = int(m.group(1)) if m else 0
             for canon, fix in targets:
                 yield name, f"layers.{layer}.{canon}", _Source(f, t, fix)
-            if key == KV_B_PARTS[0] and f"blk.{layer}.attn_kv_b.weight" not in self.tensors:
+            # the split kv_b, joined once per layer (from whichever part the file has)
+            first = key == KV_B_PARTS[0] or f"blk.{layer}.{KV_B_PARTS[0]}" not in self.tensors
+            if key in KV_B_PARTS and first and f"blk.{layer}.attn_kv_b.weight" not in self.tensors:
                 yield name, f"layers.{layer}.self_attn.kv_b_proj.weight", self._kv_b(cfg, layer)
 
     def _kv_b(self, cfg: ModelConfig, layer: int) -> _Joined:
@@ -270,20 +285,22 @@ def _check_experts(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
         for proj in ("gate", "up", "down") if moe else ():
             for kind in kinds:
                 name = f"blk.{layer}.ffn_{proj}_exps.{kind}"
+                if proj != "down" and f"blk.{layer}.{_FUSED_EXPS}" in ck.tensors:
+                    continue
                 if name not in ck.tensors:
                     raise CheckpointError(f"{ck.path}: missing tensor '{name}'")
 
 
-def gguf_name(canon: str) -> str:
+def gguf_name(canon: str, arch: str = "") -> str:
     """The GGUF name of one of our parameters (for messages)."""
     for g, c in _TOP.items():
         if c == canon:
             return g
     m = re.match(r"^layers\.(\d+)\.(.+)$", canon)
-    for g, c in _BLOCK.items():
-        if m and c == m.group(2):
-            return f"blk.{m.group(1)}.{g}"
-    return canon
+    key = m and (
+        block_key(arch, m.group(2)) or next((g for g, c in _BLOCK.items() if c == m.group(2)), None)
+    )
+    return f"blk.{m.group(1)}.{key}" if m and key else canon
 
 
 def _dt(name: str) -> torch.dtype:
@@ -311,6 +328,11 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
                 m = _EXPS.match(key)
                 assert m is not None and isinstance(src, _Source)
                 if banks.format == "mxfp4" and m.group(2) == "weight":
+                    if src.fix is not None:
+                        raise CheckpointError(
+                            f"{src.t.path}: tensor '{name}': fused gate/up MXFP4 experts are "
+                            "not supported"
+                        )
                     blocks, scales = _mxfp4_repack(src)
                     filler.expert_stack_mxfp4(
                         int(layer), m.group(1), blocks, scales, name, src.t.path
@@ -330,7 +352,7 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
             missing = [n for n in missing if n != "lm_head.weight"]
         if missing:
             raise CheckpointError(
-                f"{path}: missing tensor '{gguf_name(missing[0])}' ({len(missing)} missing in all)"
+                f"{path}: missing tensor '{gguf_name(missing[0], ck.arch)}' ({len(missing)} missing in all)"
             )
         try:
             filler.verify()
