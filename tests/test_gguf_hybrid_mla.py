@@ -250,3 +250,23 @@ def test_missing_tensor_is_named(family, drop, tmp_path):
     path = write_gguf(family, hf, tmp_path / "m.gguf", drop=(drop,))
     with pytest.raises(CheckpointError, match=f"missing tensor '{drop}'"):
         LLM(path, max_model_len=64)
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_qwen35moe_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path):
+    """transformers reads the same qwen35moe file with its own undoing of the converter's
+    transforms (its name map, SubtractOne, LogNegate, tiled-to-grouped value heads)."""
+    import transformers as tf
+
+    from freetokend.engine.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # transformers wants a vocabulary
+    hf = make_tiny("qwen3_5_moe", tmp_path / "hf", seed=3, vocab_size=vocab)[1]
+    write_gguf("qwen3_5_moe", hf, tmp_path / "m.gguf", kind, tokenizer=builtin_model_dir)
+    ref_model = tf.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
+    ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32").logits(ids)
+    err = (ours - _hf_logits(ref_model, ids)).abs().max().item()
+    assert err < ATOL, f"qwen35moe {kind} vs transformers' GGUF loader: {err}"
