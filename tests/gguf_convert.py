@@ -94,8 +94,9 @@ def hybrid_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_full_attention_interval(full[0] + 1)
     partial = c.rope_parameters.get("partial_rotary_factor", 0.25)
     w.add_rope_dimension_count(int(c.head_dim * partial))
-    if family == "qwen3_5_moe":  # written even when the checkpoint has no mrope_section
-        w.add_rope_dimension_sections([11, 11, 10, 0])
+    if family == "qwen3_5_moe":  # the checkpoint's, padded to 4; Qwen3.5's default if absent
+        sections = list(c.rope_parameters.get("mrope_section") or [11, 11, 10])
+        w.add_rope_dimension_sections((sections + [0] * 4)[:4])
 
 
 def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
