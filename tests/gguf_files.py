@@ -12,13 +12,32 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_convert import (
+    HYBRIDS,
+    deepseek_metadata,
+    deepseek_tensor,
+    hf_value,
+    hybrid_metadata,
+    hybrid_tensor,
+)
 
-ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+ARCH = {
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+    "mixtral": "llama",
+    "gpt_oss": "gpt-oss",
+    "qwen3_next": "qwen3next",
+    "qwen3_5_moe": "qwen35moe",
+    "deepseek_v3": "deepseek2",
+}
 _MODEL_ARCH = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "olmoe": gguf.MODEL_ARCH.OLMOE,
     "llama": gguf.MODEL_ARCH.LLAMA,
     "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
+    "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT,
+    "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
+    "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
 }
 
 
@@ -64,16 +83,26 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
             else:
                 out[f"{blk}.ffn_down_exps.weight"] = t
             continue
-        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise KeyError(f"no GGUF name for {key}")
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
-            t = _permute(t, heads)
-        if name.endswith("attn_sinks"):
-            name += ".weight"
-        out[name] = t.contiguous()
+        if family in HYBRIDS:
+            converted = hybrid_tensor(family, c, key, t)
+        elif family == "deepseek_v3":
+            converted = deepseek_tensor(c, key, t)
+        else:
+            converted = [(key, t)]
+        for key, t in converted:
+            name = key if key.startswith("blk.") else _gguf_name(names, key)
+            if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
+                t = _permute(t, heads)
+            out[name] = t.contiguous()
     return out
+
+
+def _gguf_name(names: gguf.TensorNameMap, key: str) -> str:
+    name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise KeyError(f"no GGUF name for {key}")
+    return name + ".weight" if name.endswith("attn_sinks") else name
 
 
 def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
@@ -81,17 +110,23 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if family == "deepseek_v3":
+        deepseek_metadata(w, c)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
-    experts = getattr(c, "num_experts", None) or c.num_local_experts
-    w.add_expert_count(experts)
+    if family in HYBRIDS:
+        hybrid_metadata(w, family, c)
+    if family != "deepseek_v3":  # (its expert count is among the MLA keys)
+        w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_feed_forward_length(c.intermediate_size)
+    if getattr(c, "intermediate_size", None):
+        w.add_feed_forward_length(c.intermediate_size)
     if family == "qwen3_moe":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     elif family == "gpt_oss":  # llama.cpp's gpt-oss reads only this key (its converter writes it)
@@ -114,12 +149,16 @@ def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
         return a, Q.F32
     if name.endswith("ffn_gate_inp.weight"):  # routers stay F32 as llama.cpp keeps them
         return a, Q.F32
+    if t.shape[0] == 1 or name.endswith("ssm_conv1d.weight"):  # 1-D to ggml; conv kept as is
+        return a, Q.F32
     if kind == "mxfp4":  # GPT-OSS files: experts MXFP4, the rest kept as is (F32 here)
         if name.endswith("_exps.weight"):
             return gguf.quants.quantize(a, Q.MXFP4), Q.MXFP4
         return a, Q.F32
     if kind == "bf16":
         return gguf.quants.quantize(a, Q.BF16), Q.BF16
+    if kind == "q8_0" and a.shape[-1] % 32:  # rows Q8_0 cannot block: F16 here (llama.cpp's
+        return gguf.quants.quantize(a, Q.F16), Q.F16  # quantizer also picks another type)
     if kind == "q8_0":
         return gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0
     from kquants import quantize_q4_k, quantize_q6_k
@@ -236,10 +275,8 @@ def _load_back(family: str, hf: Any, tensors: dict[str, torch.Tensor]) -> None:
                     t = torch.cat([g("gate_exps.weight"), g("up_exps.weight")], 1)
                 else:
                     t = g("down_exps.weight")
-            else:
-                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-                assert name is not None
-                t = tensors[name + ".weight" if name.endswith("attn_sinks") else name]
+            elif (t := hf_value(family, c, key, tensors, lambda k: _gguf_name(names, k))) is None:
+                t = tensors[_gguf_name(names, key)]
                 if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
                     heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
                     d = t.shape[0] // heads
@@ -260,7 +297,7 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
         qw = getattr(mod, "qweight", None)
         if qw is None:
             continue
-        target = hf.get_submodule("model." + name if name != "lm_head" else name)
+        target = _hf_module(hf, name)
 
         def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
             y = qdot_reference(qw.raw, qw.fmt, x.reshape(-1, qw.cols).float())
@@ -270,3 +307,15 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
         target.forward = forward
         done.append(name)
     return done
+
+
+def _hf_module(hf: Any, ours: str) -> Any:
+    """The transformers module of one of our projection names (the model's prefix varies)."""
+    names = (ours, ours.replace(".shared_expert.", ".shared_experts."))  # DeepSeek's plural
+    for prefix in ("model.", "", "model.language_model."):
+        for name in names:
+            try:
+                return hf.get_submodule(prefix + name)
+            except AttributeError:
+                continue
+    raise KeyError(f"no module for {ours!r} in {type(hf).__name__}")

@@ -25,6 +25,16 @@ the file; max |dlogit| against llama.cpp on the F32 file of the same (dequantize
     gpt_oss mxfp4     1.000   0.53   / 0.011    9.5e-7    (plain RoPE)
     qwen3_moe kmix    0.969   3.4    / 0.15     8.3e-6    (Q4_K/Q6_K + Q8_0/Q5_0/Q4_0 rows)
     gpt_oss f32 YaRN  0.984   0.49   / 0.037    -         (llama.cpp's departure, below)
+Added later (same wheel version, rebuilt from source on Dec 1; 6 passed in 24 s):
+    qwen3_next f32    1.000   8.5e-6 / 2.5e-6   -
+    qwen3_next bf16   0.969   0.39   / 0.021    1.4e-5
+    qwen3_5_moe f32   1.000   1.7e-5 / 2.5e-6   -         (rope sections that fit, Q35_ROPE)
+    qwen3_5_moe bf16  0.984   0.11   / 0.026    1.3e-5
+    deepseek_v3 f32   1.000   2.1e-6 / 1.1e-6   -
+    deepseek_v3 bf16  0.969   0.022  / 0.011    2.0e-6
+That rebuilt llama.cpp segfaults in decode on every Q8_0 file (the earlier qwen3_moe q8_0 case
+included), so the hybrids and deepseek2 are checked quantized in BF16 here; their Q8_0 files
+are checked against transformers on the dequantized weights (test_gguf_hybrid_mla.py).
 Known departures, not our bugs, handled here:
 - llama.cpp's YaRN rounds the correction range to whole dimensions (floor/ceil in
   ggml_rope_yarn_corr_dims); GPT-OSS (transformers ``truncate=False``, and we) keeps it
@@ -50,6 +60,16 @@ pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")
 
 PLAIN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}
+# llama.cpp's qwen35moe asserts its rope sections fit the rotary dims (the converter writes
+# Qwen3.5's [11, 11, 10] when a checkpoint has none, too wide for the tiny one)
+Q35_ROPE = {
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+    }
+}
 KMIX = {"mlp_only_layers": [], "hidden_size": 256, "moe_intermediate_size": 96}
 CASES = [
     ("qwen3_moe", "f32", {"mlp_only_layers": []}),
@@ -62,6 +82,12 @@ CASES = [
     ("gpt_oss", "f32", PLAIN_ROPE),
     ("gpt_oss", "mxfp4", PLAIN_ROPE),
     ("qwen3_moe", "kmix", KMIX),
+    ("qwen3_next", "f32", {"mlp_only_layers": []}),
+    ("qwen3_next", "bf16", {"mlp_only_layers": []}),
+    ("qwen3_5_moe", "f32", Q35_ROPE),
+    ("qwen3_5_moe", "bf16", Q35_ROPE),
+    ("deepseek_v3", "f32", {}),
+    ("deepseek_v3", "bf16", {}),
 ]
 F32_TOL = 1e-4  # measured ~1e-6 (fp32 in both engines, F32 KV cache)
 # Median over the 64 positions of max |logit difference| against llama.cpp on the quantized

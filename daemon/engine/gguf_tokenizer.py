@@ -1,7 +1,8 @@
 """The tokenizer and chat template of a GGUF file, from its metadata alone.
 
 The vocabulary is converted by transformers' GGUF tokenizer conversion (a maintained converter:
-byte-level BPE, sentencepiece, unigram; the split regex chosen by ``tokenizer.ggml.pre``).
+byte-level BPE, sentencepiece, unigram; the split regex chosen by ``tokenizer.ggml.pre``); the
+pre-tokenizer names it does not know get their split from ``gguf_pretokenizers``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat_template import ChatTemplate, ChatTemplateError
+from .gguf_pretokenizers import apply_pre_tokenizer
 from .tokenizer import Tokenizer
 
 
@@ -31,6 +33,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     if "tokens" not in tok:
         raise ValueError(f"{path}: the GGUF metadata has no tokenizer.ggml.tokens")
     backend, _ = convert_gguf_tokenizer(arch, tok)
+    if tok.get("tokenizer_type") == "gpt2":  # byte-level BPE: the split is the pre-tokenizer's
+        apply_pre_tokenizer(backend, tok.get("pre_tokenizer_type"), str(path))
     eos = tok.get("eos_token_id")
     return Tokenizer(
         backend,

@@ -20,15 +20,30 @@ GGUF_ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "llama": "MixtralForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
 }
 # llama.cpp's routers: which ones renormalise the top-k weights when the file does not say.
-_NORM_TOPK = {"qwen3moe": True, "olmoe": False, "llama": True, "gpt-oss": True}
+_NORM_TOPK = {
+    "qwen3moe": True,
+    "olmoe": False,
+    "llama": True,
+    "gpt-oss": True,
+    "qwen3next": True,
+    "qwen35moe": True,
+    "deepseek2": False,
+}
 _EXPERTS_KEY = {
     "qwen3moe": "num_experts",
     "olmoe": "num_experts",
     "llama": "num_local_experts",
     "gpt-oss": "num_local_experts",
+    "qwen3next": "num_experts",
+    "qwen35moe": "num_experts",
+    "deepseek2": "n_routed_experts",
 }
+_SIGMOID = 2  # llama.cpp's expert_gating_func for a sigmoid router
 
 
 def gguf_arch(meta: dict[str, Any], source: str) -> str:
@@ -59,13 +74,15 @@ def hf_fields(
             return default
         return v
 
-    n = int(get("block_count"))
+    # llama.cpp counts the multi-token-prediction layers in block_count (stored after the rest)
+    n = int(get("block_count")) - int(get("nextn_predict_layers", 0) or 0)
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts: all must agree for our attention
-        if len(set(kv_heads)) != 1:
+        counts = {k for k in kv_heads if k}  # (0: a layer without attention)
+        if len(counts) != 1:
             raise ConfigError(f"{source}: per-layer '{arch}.attention.head_count_kv' differ")
-        kv_heads = kv_heads[0]
+        kv_heads = counts.pop()
     if "token_embd.weight" not in tensors:
         raise ConfigError(f"{source}: missing tensor 'token_embd.weight'")
     ffn = int(get("feed_forward_length", 0) or 0)
@@ -92,12 +109,16 @@ def hf_fields(
         out["quantization_config"] = {"quant_method": "mxfp4"}
     if (clip := get("attention.clamp_kqv", None)) is not None:
         out["clip_qkv"] = float(clip)
-    if arch == "qwen3moe":  # layers without a router are dense (llama.cpp files have none)
+    if arch in ("qwen3moe", "qwen3next"):  # layers without a router are dense
         out["mlp_only_layers"] = [
             i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
         ]
     if arch == "gpt-oss":
         out.update(_gptoss(get))
+    if arch in ("qwen3next", "qwen35moe"):
+        out.update(_hybrid(get, out["head_dim"], n, tensors))
+    if arch == "deepseek2":
+        out.update(_deepseek2(get, source))
     for key, field in (("eos_token_id", "eos_token_id"), ("bos_token_id", "bos_token_id")):
         tid = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(tid, int):
@@ -126,6 +147,74 @@ def _gptoss(get: Any) -> dict[str, Any]:
         "rope_parameters": rope,
         "sliding_window": int(get("attention.sliding_window")),
         "attention_bias": True,
+    }
+
+
+def _hybrid(get: Any, head_dim: int, n: int, tensors: dict[str, GgufTensor]) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5: the DeltaNet geometry from llama.cpp's ssm keys (state size = key
+    head dim, group count = key heads, time-step rank = value heads, inner size = all value
+    dims); a layer is full attention where the file has its ``attn_q``."""
+    vh = int(get("ssm.time_step_rank"))
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "partial_rotary_factor": int(get("rope.dimension_count", head_dim)) / head_dim,
+    }
+    return {
+        "linear_num_key_heads": int(get("ssm.group_count")),
+        "linear_num_value_heads": vh,
+        "linear_key_head_dim": int(get("ssm.state_size")),
+        "linear_value_head_dim": int(get("ssm.inner_size")) // vh,
+        "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+        "layer_types": [
+            "full_attention" if f"blk.{i}.attn_q.weight" in tensors else "linear_attention"
+            for i in range(n)
+        ],
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)),
+        "rope_parameters": rope,
+    }
+
+
+def _deepseek2(get: Any, source: str) -> dict[str, Any]:
+    """DeepSeek-V3's MLA and router from llama.cpp's keys. Files written since the converter
+    splits kv_b carry the MLA head sizes in ``key_length_mla`` / ``value_length_mla`` (and 1 KV
+    head, kv_lora + rope key length); older ones in ``key_length`` / ``value_length``."""
+    if int(get("expert_gating_func", 1)) != _SIGMOID:
+        raise ConfigError(
+            f"{source}: deepseek2 with a softmax router (DeepSeek-V2) is not supported; "
+            "only the sigmoid router of DeepSeek-V3"
+        )
+    rope_dim = int(get("rope.dimension_count"))
+    qk = int(get("attention.key_length_mla", 0) or get("attention.key_length"))
+    heads = int(get("attention.head_count"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base"))}
+    if get("rope.scaling.type", None) == "yarn":
+        mscale_all = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope.update(
+            rope_type="yarn",
+            factor=float(get("rope.scaling.factor")),
+            original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+            beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+            # the file keeps only mscale_all_dim; DeepSeek-V3's config has mscale equal to it
+            mscale=mscale_all,
+            mscale_all_dim=mscale_all,
+        )
+    return {
+        "num_key_value_heads": heads,  # MLA: as many KV heads as query heads, in HF's terms
+        "head_dim": qk,
+        "q_lora_rank": int(get("attention.q_lora_rank", 0) or 0) or None,
+        "kv_lora_rank": int(get("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk - rope_dim,
+        "v_head_dim": int(get("attention.value_length_mla", 0) or get("attention.value_length")),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "n_group": int(get("expert_group_count", 1)),
+        "topk_group": int(get("expert_group_used_count", 1)),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "n_shared_experts": int(get("expert_shared_count", 0)),
+        "rope_interleave": True,  # the converter keeps DeepSeek's interleaved rope rows
+        "rope_parameters": rope,
     }
 
 

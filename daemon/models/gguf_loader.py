@@ -1,14 +1,15 @@
 """GGUF checkpoints (single files and ``-0000i-of-0000N`` split sets) into dense parameters and
 expert banks: the GGUF reader (``formats.gguf_file``) composed with the model's tables.
 
-llama.cpp's tensor names are mapped onto ours by one table; stacked expert tensors
+llama.cpp's tensor names are mapped onto ours by one table (the names only some architectures
+carry, and the converter's transforms undone, are in ``gguf_arch``); stacked expert tensors
 (``blk.N.ffn_{gate,up,down}_exps``, [E, rows, cols]) go into the flat_id-major banks (gate rows,
-then up rows). The llama architecture's converter permutes the rows of Q and K for its
-interleaved rope; that permutation is undone here so the model keeps HF's half-split rope.
+then up rows).
 F32/F16/BF16 are read as they are. A quantized dense projection (attention, dense MLP, shared
 expert, lm_head) of a type the native integer-dot kernels compute (``gguf_blocks.BLOCK_BYTES``)
-stays in its blocks, read raw; every other quantized tensor is dequantized at load (one log line
-says which, and what it costs in memory).
+and that needs no value transform stays in its blocks, read raw (a row permutation moves whole
+rows); every other quantized tensor is dequantized at load (one log line says which, and what it
+costs in memory).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -27,6 +28,15 @@ from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
 from .config import ModelConfig
 from .dense_quant import tensor_class
+from .gguf_arch import (
+    KV_B_PARTS,
+    Fix,
+    block_key,
+    block_targets,
+    join_kv_b,
+    split_gate_up,
+    top_fix,
+)
 from .gguf_config import config_from_gguf, gguf_arch
 from .layers.common import Linear
 from .layers.qlinear_native import QuantWeight
@@ -66,15 +76,19 @@ _BLOCK = {
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPS = re.compile(r"^ffn_(gate|up|down)_exps\.(weight|bias)$")
+_FUSED_EXPS = "ffn_gate_up_exps.weight"  # llama.cpp's converter with --fuse-gate-up-exps
 _IGNORED = ("rope_freqs.weight",)  # llama.cpp's precomputed rope factors: we compute our own
 
 
 class _Source:
-    """One GGUF tensor with the loader's source interface; ``rows`` permutes the output rows."""
+    """One GGUF tensor with the loader's source interface; ``fix`` undoes a converter transform
+    (``gguf_arch``), and ``shape`` is the shape after it."""
 
-    def __init__(self, f: GgufFile, t: GgufTensor, rows: torch.Tensor | None = None) -> None:
-        self.f, self.t, self.rows = f, t, rows
-        self.shape = t.shape
+    def __init__(self, f: GgufFile, t: GgufTensor, fix: Fix | None = None) -> None:
+        self.f, self.t, self.fix = f, t, fix
+        self.shape = (
+            t.shape if fix is None else tuple(fix(torch.empty(t.shape, device="meta")).shape)
+        )
         self.dtype = torch.float32 if t.quantized else _native(t)
 
     def read(self) -> torch.Tensor:
@@ -84,10 +98,10 @@ class _Source:
             raise CheckpointError(
                 f"{self.t.path}: tensor '{self.t.name}' cannot be read ({e})"
             ) from None
-        return out if self.rows is None else out[self.rows]
+        return out if self.fix is None else self.fix(out)
 
     def into(self, dest: torch.Tensor) -> None:
-        direct = self.rows is None and not self.t.quantized and dest.dtype == self.dtype
+        direct = self.fix is None and not self.t.quantized and dest.dtype == self.dtype
         if direct and dest.is_contiguous():
             self.f.read_into(self.t, dest)
         elif direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest):
@@ -100,18 +114,26 @@ class _Source:
             dest.copy_(self.read())
 
 
+class _Joined:
+    """Two GGUF tensors read together into one parameter (DeepSeek's split kv_b)."""
+
+    def __init__(self, parts: list[_Source], join: Callable[..., torch.Tensor]) -> None:
+        self.parts, self.join, self.t = parts, join, parts[0].t
+        metas = [torch.empty(p.shape, device="meta") for p in parts]
+        self.shape = tuple(join(*metas).shape)
+        self.dtype = torch.float32
+
+    def read(self) -> torch.Tensor:
+        return self.join(*(p.read().float() for p in self.parts))
+
+    def into(self, dest: torch.Tensor) -> None:
+        dest.copy_(self.read())
+
+
 def _native(t: GgufTensor) -> torch.dtype:
     from ..formats.gguf_file import NATIVE
 
     return NATIVE[t.type_name]
-
-
-def _unpermute(n_head: int, rows: int) -> torch.Tensor:
-    """Row indices that undo llama.cpp's Q/K permutation (``n_head`` heads of rows/n_head): the
-    converter stores HF row (head, half, pair) at file row (head, pair, half); ``file[idx]`` is
-    the HF order."""
-    d = rows // n_head
-    return torch.arange(rows).view(n_head, d // 2, 2).transpose(1, 2).reshape(rows)
 
 
 class GgufCheckpoint:
@@ -158,29 +180,47 @@ class GgufCheckpoint:
         infos = {n: t for n, (_, t) in self.tensors.items()}
         return config_from_gguf(self.metadata, infos, dtype or self.default_dtype(), str(self.path))
 
-    def sources(self, cfg: ModelConfig) -> Iterator[tuple[str, str, _Source]]:
+    def sources(self, cfg: ModelConfig) -> Iterator[tuple[str, str, _Source | _Joined]]:
         """(gguf name, our canonical name or an expert key, source) for every tensor."""
-        permute = self.arch == "llama"
+        mtp = int(self.metadata.get(f"{self.arch}.nextn_predict_layers", 0) or 0)
         for name, (f, t) in self.tensors.items():
             if name in _IGNORED:
                 continue
             if name in _TOP:
-                yield name, _TOP[name], _Source(f, t)
+                yield name, _TOP[name], _Source(f, t, top_fix(self.arch, name))
                 continue
             m = _BLK.match(name)
-            key = m.group(2) if m else None
-            if m is None or (key not in _BLOCK and not _EXPS.match(key or "")):
-                raise CheckpointError(f"{t.path}: unexpected tensor '{name}' for {self.arch}")
-            layer = int(m.group(1))
-            if _EXPS.match(key or ""):
-                yield name, f"experts:{layer}:{key}", _Source(f, t)
+            key = m.group(2) if m else ""
+            if m is not None and mtp and int(m.group(1)) >= cfg.num_layers:
+                continue  # a multi-token-prediction layer after the decoder layers: not loaded
+            if m is not None and _EXPS.match(key):
+                yield name, f"experts:{m.group(1)}:{key}", _Source(f, t)
                 continue
-            canon = f"layers.{layer}.{_BLOCK[key or '']}"
-            rows = None
-            if permute and key in ("attn_q.weight", "attn_k.weight"):
-                heads = cfg.num_heads if key == "attn_q.weight" else cfg.num_kv_heads
-                rows = _unpermute(heads, t.shape[0])
-            yield name, canon, _Source(f, t, rows)
+            if m is not None and key == _FUSED_EXPS:  # [E, 2I, H]: gate rows, then up rows
+                for proj, rows in split_gate_up(cfg).items():
+                    yield name, f"experts:{m.group(1)}:ffn_{proj}_exps.weight", _Source(f, t, rows)
+                continue
+            try:
+                targets = block_targets(self.arch, cfg, key, _BLOCK) if m else None
+            except KeyError:
+                targets = None
+            if targets is None:
+                raise CheckpointError(f"{t.path}: unexpected tensor '{name}' for {self.arch}")
+            layer = int(m.group(1)) if m else 0
+            for canon, fix in targets:
+                yield name, f"layers.{layer}.{canon}", _Source(f, t, fix)
+            # the split kv_b, joined once per layer (from whichever part the file has)
+            first = key == KV_B_PARTS[0] or f"blk.{layer}.{KV_B_PARTS[0]}" not in self.tensors
+            if key in KV_B_PARTS and first and f"blk.{layer}.attn_kv_b.weight" not in self.tensors:
+                yield name, f"layers.{layer}.self_attn.kv_b_proj.weight", self._kv_b(cfg, layer)
+
+    def _kv_b(self, cfg: ModelConfig, layer: int) -> _Joined:
+        names = [f"blk.{layer}.{k}" for k in KV_B_PARTS]
+        for n in names:
+            if n not in self.tensors:
+                raise CheckpointError(f"{self.path}: missing tensor '{n}'")
+        parts = [_Source(*self.tensors[n]) for n in names]
+        return _Joined(parts, lambda k, v: join_kv_b(cfg, k, v))
 
     def log_dequantized(
         self, dtype: str, packed: str = "", kept: frozenset[str] = frozenset()
@@ -213,13 +253,15 @@ class GgufCheckpoint:
         )
 
 
-def _block_linear(model: CausalLM, canon: str, src: _Source) -> Linear | None:
+def _block_linear(model: CausalLM, canon: str, src: object) -> Linear | None:
     """The projection ``canon`` belongs to when its GGUF tensor can stay in its blocks: a
     classified dense projection (``dense_quant.tensor_class``: the layers the quantize presets
     already run on the integer-dot kernels) of a type those kernels compute, with the shape the
-    model expects."""
+    model expects, read from one tensor whose converter transform (if any) only reorders rows."""
     from .gguf_blocks import BLOCK_BYTES
 
+    if not isinstance(src, _Source):
+        return None
     t = src.t
     fmt = t.type_name.lower()
     if fmt not in BLOCK_BYTES or not canon.endswith(".weight") or len(t.shape) != 2:
@@ -233,15 +275,34 @@ def _block_linear(model: CausalLM, canon: str, src: _Source) -> Linear | None:
         return None
     if not isinstance(mod, Linear) or tuple(mod.weight.shape) != t.shape:
         return None
+    if src.fix is not None and _row_order(src.fix, t.shape[0]) is None:
+        return None
     return mod
 
 
+def _row_order(fix: Fix, rows: int) -> torch.Tensor | None:
+    """The row indices ``fix`` amounts to when it only reorders rows (llama's Q/K permutation,
+    Qwen3.5's value-head order), found by applying it to the row numbers; None for any other
+    transform (values changed, shape changed, columns moved)."""
+    probe = torch.arange(rows, dtype=torch.float64).unsqueeze(1)
+    try:
+        out = fix(probe)
+    except (RuntimeError, ValueError, IndexError):
+        return None
+    if out.shape != probe.shape or not torch.equal(out.sort(0).values, probe):
+        return None
+    return out[:, 0].long()
+
+
 def _keep_blocks(mod: Linear, src: _Source) -> None:
-    """Loads the GGUF rows raw into ``mod`` (Q/K rows of the llama arch permuted whole: a row's
-    blocks move together); the float weight it replaces was never touched, so never resident."""
+    """Loads the GGUF rows raw into ``mod`` (a row-reordering transform moves whole rows: a
+    row's blocks move together); the float weight it replaces was never touched, so never
+    resident."""
     raw = src.f.read_raw(src.t)
-    if src.rows is not None:
-        raw = raw[src.rows]
+    if src.fix is not None:
+        order = _row_order(src.fix, src.t.shape[0])
+        assert order is not None  # _block_linear checked
+        raw = raw[order]
     mod.qweight = QuantWeight.from_raw(raw, src.t.type_name.lower(), src.t.shape[1])
     mod.weight = torch.nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
 
@@ -289,20 +350,22 @@ def _check_experts(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
         for proj in ("gate", "up", "down") if moe else ():
             for kind in kinds:
                 name = f"blk.{layer}.ffn_{proj}_exps.{kind}"
+                if proj != "down" and f"blk.{layer}.{_FUSED_EXPS}" in ck.tensors:
+                    continue
                 if name not in ck.tensors:
                     raise CheckpointError(f"{ck.path}: missing tensor '{name}'")
 
 
-def gguf_name(canon: str) -> str:
+def gguf_name(canon: str, arch: str = "") -> str:
     """The GGUF name of one of our parameters (for messages)."""
     for g, c in _TOP.items():
         if c == canon:
             return g
     m = re.match(r"^layers\.(\d+)\.(.+)$", canon)
-    for g, c in _BLOCK.items():
-        if m and c == m.group(2):
-            return f"blk.{m.group(1)}.{g}"
-    return canon
+    key = m and (
+        block_key(arch, m.group(2)) or next((g for g, c in _BLOCK.items() if c == m.group(2)), None)
+    )
+    return f"blk.{m.group(1)}.{key}" if m and key else canon
 
 
 def _dt(name: str) -> torch.dtype:
@@ -330,15 +393,20 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         }
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, frozenset(in_blocks))
         for name, canon, src in ck.sources(cfg):
-            if name in in_blocks:
+            if name in in_blocks and isinstance(src, _Source):
                 _keep_blocks(in_blocks[name], src)
                 filler.filled.add(canon)
                 continue
             if canon.startswith("experts:"):
                 _, layer, key = canon.split(":")
                 m = _EXPS.match(key)
-                assert m is not None
+                assert m is not None and isinstance(src, _Source)
                 if banks.format == "mxfp4" and m.group(2) == "weight":
+                    if src.fix is not None:
+                        raise CheckpointError(
+                            f"{src.t.path}: tensor '{name}': fused gate/up MXFP4 experts are "
+                            "not supported"
+                        )
                     blocks, scales = _mxfp4_repack(src)
                     filler.expert_stack_mxfp4(
                         int(layer), m.group(1), blocks, scales, name, src.t.path
@@ -358,7 +426,7 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
             missing = [n for n in missing if n != "lm_head.weight"]
         if missing:
             raise CheckpointError(
-                f"{path}: missing tensor '{gguf_name(missing[0])}' ({len(missing)} missing in all)"
+                f"{path}: missing tensor '{gguf_name(missing[0], ck.arch)}' ({len(missing)} missing in all)"
             )
         try:
             filler.verify()

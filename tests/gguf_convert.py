@@ -1,0 +1,186 @@
+"""llama.cpp's converter for the hybrid (Qwen3-Next ``qwen3next``, Qwen3.5-MoE ``qwen35moe``) and
+MLA (DeepSeek-V3 ``deepseek2``) families, reproduced for test files from the facts of
+convert_hf_to_gguf.py (our code): the tensor transforms it applies before naming, and the
+metadata keys it writes. Tensors come out under HF names (the ``gguf`` name map names them) or,
+where the converter names them itself, under GGUF names (``blk.N.…``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import torch
+
+HYBRIDS = ("qwen3_next", "qwen3_5_moe")
+
+
+def _tile_v(t: torch.Tensor, dim: int, kh: int, r: int, d: int) -> torch.Tensor:
+    """Qwen3.5's value-head reorder: grouped by key head (kh, r, d) -> tiled (r, kh, d)."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], kh, r, d, *shape[dim + 1 :]).transpose(dim, dim + 1)
+    return t.reshape(shape)
+
+
+def _qwen35_reorder(c: Any, key: str, t: torch.Tensor) -> torch.Tensor:
+    kh, vh = c.linear_num_key_heads, c.linear_num_value_heads
+    if kh == vh or ".linear_attn." not in key:
+        return t
+    r, dk, dv = vh // kh, c.linear_key_head_dim, c.linear_value_head_dim
+    qk = 2 * kh * dk
+    if key.endswith("in_proj_qkv.weight"):
+        return torch.cat([t[:qk], _tile_v(t[qk:], 0, kh, r, dv)])
+    if key.endswith("in_proj_z.weight"):
+        return _tile_v(t, 0, kh, r, dv)
+    if key.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return _tile_v(t, 0, kh, r, 1)
+    if key.endswith("conv1d.weight"):
+        t = t.squeeze()
+        return torch.cat([t[:qk], _tile_v(t[qk:], 0, kh, r, dv)])
+    if key.endswith("out_proj.weight"):
+        return _tile_v(t, 1, kh, r, dv)
+    return t
+
+
+def hybrid_tensor(family: str, c: Any, key: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One HF tensor of a hybrid as the converter emits it: [(HF or GGUF name, tensor)]."""
+    if family == "qwen3_5_moe":
+        t = _qwen35_reorder(c, key, t)
+    if key.endswith(".A_log"):
+        t = -torch.exp(t)
+    elif key.endswith(".dt_bias"):
+        key = key.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in key:
+        t = t.squeeze()
+    elif key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+        t = t + 1
+    if key.endswith("in_proj_qkvz.weight"):  # per key head [q, k, v, z] -> all q, k, v | all z
+        kh, dk = c.linear_num_key_heads, c.linear_key_head_dim
+        rv = c.linear_num_value_heads // kh * c.linear_value_head_dim
+        g = t.reshape(kh, 2 * dk + 2 * rv, -1)
+        q, k, v, z = torch.split(g, [dk, dk, rv, rv], dim=1)
+        blk = f"blk.{key.split('.')[2]}"
+        qkv = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+        return [
+            (f"{blk}.attn_qkv.weight", qkv),
+            (f"{blk}.attn_gate.weight", z.reshape(-1, t.shape[-1])),
+        ]
+    return [(key, t)]
+
+
+def deepseek_tensor(c: Any, key: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """DeepSeek-V3: kv_b split into k_b (per head transposed) and v_b; the router's bias named
+    as a bias of ``e_score_correction``."""
+    if key.endswith("kv_b_proj.weight"):
+        h, nope, v = c.num_key_value_heads, c.qk_nope_head_dim, c.v_head_dim
+        k_b, v_b = torch.split(t.reshape(h, nope + v, -1), [nope, v], dim=1)
+        return [
+            (key.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)),
+            (key.replace("kv_b_proj", "v_b_proj"), v_b),
+        ]
+    if key.endswith("e_score_correction_bias"):
+        return [(key.replace("e_score_correction_bias", "e_score_correction.bias"), t)]
+    return [(key, t)]
+
+
+def hybrid_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    full = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+    w.add_full_attention_interval(full[0] + 1)
+    partial = c.rope_parameters.get("partial_rotary_factor", 0.25)
+    w.add_rope_dimension_count(int(c.head_dim * partial))
+    if family == "qwen3_5_moe":  # the checkpoint's, padded to 4; Qwen3.5's default if absent
+        sections = list(c.rope_parameters.get("mrope_section") or [11, 11, 10])
+        w.add_rope_dimension_sections((sections + [0] * 4)[:4])
+
+
+def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
+    """After the generic keys (``gguf_files._metadata``, which writes the HF KV head count):
+    MLA as MQA with one KV head and kv_lora + rope sized keys."""
+    w.add_head_count_kv(1)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":  # the generic yarn keys, and mscale_all_dim as 0.1 x
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def hf_value(family: str, c: Any, key: str, tensors: dict[str, torch.Tensor], name: Any) -> Any:
+    """The inverse: HF tensor ``key`` of a hybrid or DeepSeek-V3 model from the file's tensors
+    (``name``: HF name -> GGUF name); None for a key the generic inverse handles."""
+    if family not in (*HYBRIDS, "deepseek_v3"):
+        return None
+    blk = f"blk.{key.split('.')[2]}" if key.startswith("model.layers.") else ""
+    if family == "deepseek_v3":
+        if key.endswith("kv_b_proj.weight"):
+            h, r = c.num_key_value_heads, c.kv_lora_rank
+            k_b = tensors[f"{blk}.attn_k_b.weight"].reshape(h, r, -1).transpose(1, 2)
+            v_b = tensors[f"{blk}.attn_v_b.weight"].reshape(h, -1, r)
+            return torch.cat([k_b, v_b], 1).reshape(-1, r)
+        if key.endswith("e_score_correction_bias"):
+            return tensors[f"{blk}.exp_probs_b.bias"]
+        return None
+    kh, vh = c.linear_num_key_heads, c.linear_num_value_heads
+    r, dk, dv = vh // kh, c.linear_key_head_dim, c.linear_value_head_dim
+    qk = 2 * kh * dk
+    tiled = family == "qwen3_5_moe" and kh != vh
+
+    def untile(t: torch.Tensor, dim: int, d: int) -> torch.Tensor:
+        return _tile_v(t, dim, r, kh, d) if tiled else t  # (r, kh, d) -> (kh, r, d)
+
+    def g(suffix: str) -> torch.Tensor:
+        return tensors[f"{blk}.{suffix}"]
+
+    if key.endswith("in_proj_qkvz.weight"):
+        qkv, z = g("attn_qkv.weight"), g("attn_gate.weight")
+        h = qkv.shape[-1]
+        parts = [qkv[: kh * dk], qkv[kh * dk : qk], qkv[qk:], z]
+        return torch.cat([p.reshape(kh, -1, h) for p in parts], 1).reshape(-1, h)
+    if key.endswith("in_proj_ba.weight"):
+        return g("ssm_ba.weight")
+    if key.endswith("in_proj_qkv.weight"):
+        t = g("attn_qkv.weight")
+        return torch.cat([t[:qk], untile(t[qk:], 0, dv)])
+    if key.endswith("in_proj_z.weight"):
+        return untile(g("attn_gate.weight"), 0, dv)
+    if key.endswith(("in_proj_b.weight", "in_proj_a.weight")):
+        return untile(g("ssm_beta.weight" if "in_proj_b" in key else "ssm_alpha.weight"), 0, 1)
+    if key.endswith(".A_log"):
+        return untile(torch.log(-g("ssm_a")), 0, 1)
+    if key.endswith(".dt_bias"):
+        return untile(g("ssm_dt.bias"), 0, 1)
+    if key.endswith("conv1d.weight"):
+        t = g("ssm_conv1d.weight")
+        return torch.cat([t[:qk], untile(t[qk:], 0, dv)])
+    if key.endswith("out_proj.weight"):
+        return untile(g("ssm_out.weight"), 1, dv)
+    if key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+        return tensors[name(key)] - 1
+    return None

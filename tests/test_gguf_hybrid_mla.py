@@ -1,0 +1,283 @@
+"""GGUF files of the hybrid (Qwen3-Next ``qwen3next``, Qwen3.5-MoE ``qwen35moe``) and MLA
+(DeepSeek-V3 ``deepseek2``) architectures, written from tiny HF checkpoints with llama.cpp's
+converter transforms reproduced (``gguf_convert``: A_log as -exp, squeezed conv1d, (1 + w) norms
+stored with the 1 added, Qwen3-Next's split qkvz and fused ba, Qwen3.5's tiled value heads,
+DeepSeek's kv_b split into k_b / v_b), load into the HF checkpoint's numerics: logits within
+fp32 tolerance and transformers' greedy tokens. The tiny hybrids have more value than key heads,
+so a value-head order left tiled shows; the norms carry perturbed weights, so a +1 left in
+shows."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from gguf_files import ARCH, dequantized_reference, gguf_tensors, int_dot_reference, write_gguf
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.formats.gguf_file import GgufTensor
+from freetokend.models.config import ConfigError
+from freetokend.models.gguf_config import hf_fields
+
+ATOL = 2e-4
+ATOL_BLOCKS = 2e-3  # projections kept in GGUF blocks (see test_gguf.py)
+FAMILIES = ("qwen3_next", "qwen3_5_moe", "deepseek_v3")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def f32(request, tmp_path_factory):
+    family = request.param
+    d = tmp_path_factory.mktemp(f"gguf-{family}")
+    # llama.cpp's qwen3next has no dense-MLP layers: every layer routed, as in the real models
+    over = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    hf = make_tiny(family, d / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, d / f"{family}-F32.gguf", "f32")
+    return family, hf, path, LLM(path, max_model_len=256, kv_tokens=2048)
+
+
+def test_file_has_the_converters_layout(f32):
+    family, hf, path, _ = f32
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    want = {
+        "qwen3_next": {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight"},
+        "qwen3_5_moe": {"blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.0.ssm_a"},
+        "deepseek_v3": {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", "blk.1.exp_probs_b.bias"},
+    }[family]
+    assert want <= names, want - names
+    assert not any("kv_b." in n or "ssm_in" in n for n in names)
+
+
+def test_f32_logits_match_the_hf_checkpoint(f32):
+    family, hf, _, llm = f32
+    assert llm.config.family == family and llm.config.torch_dtype == "float32"
+    ids = _prompt(32, seed=1)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family}: max |logit diff| {err}"
+
+
+def test_f32_greedy_tokens_match_transformers(f32):
+    family, hf, _, llm = f32
+    ids = _prompt(10, seed=4)
+    with torch.no_grad():  # transformers' own greedy decoding (its caches, its DeltaNet state)
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False
+        )
+    want = out[0, len(ids) :].tolist()
+    assert llm.generate(ids, max_tokens=24, ignore_eos=True) == want, family
+
+
+def test_config_from_metadata_equals_the_hf_config(f32):
+    """The metadata-derived config is the one the HF folder gives (the fields the model uses)."""
+    from freetokend.models.loader import model_config
+
+    family, _, path, llm = f32
+    ref = model_config(path.parent / "hf")
+    fields = (
+        "layer_types moe_layers num_experts top_k norm_topk_prob moe_intermediate_size "
+        "shared_expert_intermediate_size linear_num_key_heads linear_num_value_heads "
+        "linear_key_head_dim linear_value_head_dim linear_conv_kernel q_lora_rank kv_lora_rank "
+        "qk_nope_head_dim qk_rope_head_dim v_head_dim n_group topk_group "
+        "routed_scaling_factor head_dim num_heads num_kv_heads rope"
+    ).split()
+    for f in fields:
+        assert getattr(llm.config, f) == getattr(ref, f), f
+
+
+def test_deepseek2_softmax_router_is_refused():
+    """DeepSeek-V2 files (softmax router) share the architecture name: refused by name."""
+    meta = {
+        "general.architecture": "deepseek2",
+        "deepseek2.block_count": 2,
+        "deepseek2.embedding_length": 64,
+        "deepseek2.attention.head_count": 4,
+        "deepseek2.expert_count": 8,
+        "deepseek2.expert_used_count": 2,
+        "deepseek2.expert_gating_func": 1,
+    }
+    embd = GgufTensor("token_embd.weight", "F32", 0, (97, 64), 0, 97 * 64 * 4, Path("x.gguf"))
+    tensors = {"token_embd.weight": embd}
+    with pytest.raises(ConfigError, match="softmax router"):
+        hf_fields(meta, tensors, "float32", "x.gguf")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
+    """transformers on the file's own dequantized weights (the converter's transforms inverted
+    in ``gguf_convert.hf_value``) is the oracle: the check is on placement and layout."""
+    over = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, tmp_path / f"m-{kind}.gguf", kind)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert kind.upper() in types, types
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)
+    kept = int_dot_reference(hf, llm)  # projections in blocks: as the kernels compute them
+    assert bool(kept) == (kind == "q8_0"), kept
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    # kept blocks: the kernels sum the per-block fp32 terms in their own order (test_gguf.py)
+    tol = ATOL_BLOCKS if kept else ATOL
+    assert err < tol, f"{family} {kind}: max |logit diff| {err}"
+
+
+def test_deepseek2_yarn_rope(tmp_path):
+    """DeepSeek-V3's YaRN (the file keeps mscale_all_dim as 0.1 x yarn_log_multiplier)."""
+    rope = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
+    hf = make_tiny("deepseek_v3", tmp_path / "hf", seed=3, rope_parameters=rope)[1]
+    llm = LLM(write_gguf("deepseek_v3", hf, tmp_path / "y.gguf"), max_model_len=256, kv_tokens=2048)
+    assert llm.config.rope.kind == "yarn" and llm.config.rope.factor == 4.0
+    ids = _prompt(40, seed=1)  # past the original context
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"deepseek2 yarn: max |logit diff| {err}"
+
+
+def _write(path: Path, family: str, hf, tensors: dict, config=None, extra=None) -> Path:
+    from gguf_files import _metadata
+
+    w = gguf.GGUFWriter(path, ARCH[family])
+    _metadata(w, family, config or hf.config)
+    if extra:
+        extra(w)
+    w.add_eos_token_id(hf.config.eos_token_id)
+    for name, t in tensors.items():
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_deepseek2_file_with_kv_b_unsplit(tmp_path):
+    """Files from converters before the k_b / v_b split carry ``attn_kv_b`` as HF has it."""
+    hf = make_tiny("deepseek_v3", tmp_path / "hf", seed=3)[1]
+    tensors = gguf_tensors("deepseek_v3", hf)
+    for i in range(hf.config.num_hidden_layers):
+        del tensors[f"blk.{i}.attn_k_b.weight"], tensors[f"blk.{i}.attn_v_b.weight"]
+        kv_b = hf.model.layers[i].self_attn.kv_b_proj.weight.detach().float()
+        tensors[f"blk.{i}.attn_kv_b.weight"] = kv_b.contiguous()
+    llm = LLM(_write(tmp_path / "old.gguf", "deepseek_v3", hf, tensors), max_model_len=64)
+    ids = _prompt(24, seed=3)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+def test_mtp_blocks_after_the_decoder_are_skipped(tmp_path):
+    """llama.cpp counts Qwen3.5's MTP block in block_count (``nextn_predict_layers``) and
+    stores it as the last ``blk``: it is not loaded, and the model is the decoder's."""
+    hf = make_tiny("qwen3_5_moe", tmp_path / "hf", seed=3)[1]
+    tensors = gguf_tensors("qwen3_5_moe", hf)
+    n = hf.config.num_hidden_layers
+    last = f"blk.{n - 1}."
+    tensors.update(
+        {f"blk.{n}." + k[len(last) :]: t for k, t in tensors.items() if k.startswith(last)}
+    )
+    tensors[f"blk.{n}.nextn.eh_proj.weight"] = torch.zeros(64, 128)
+    cfg = copy.copy(hf.config)
+    cfg.num_hidden_layers = n + 1
+    path = _write(
+        tmp_path / "mtp.gguf",
+        "qwen3_5_moe",
+        hf,
+        tensors,
+        cfg,
+        lambda w: w.add_nextn_predict_layers(1),
+    )
+    llm = LLM(path, max_model_len=64)
+    assert llm.config.num_layers == n
+    ids = _prompt(24, seed=3)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+def test_ftw_from_the_gguf_gives_the_same_logits(f32, tmp_path):
+    """``ftctl checkpoint --model X.gguf`` (its convert function): the config written from the
+    metadata rebuilds the same model, and the FTW holds the un-transformed weights."""
+    from freetokend.models.ftw_convert import convert
+
+    family, _, path, llm = f32
+    convert(path, tmp_path / "ftw")
+    ftw = LLM(tmp_path / "ftw", max_model_len=256, kv_tokens=2048)
+    assert ftw.config.family == family
+    ids = _prompt(20, seed=7)
+    assert torch.equal(llm.logits(ids), ftw.logits(ids)), family
+
+
+def test_fused_gate_up_experts(tmp_path):
+    """The converter's ``--fuse-gate-up-exps``: one ``ffn_gate_up_exps`` [E, 2I, H] a layer."""
+    hf = make_tiny("qwen3_5_moe", tmp_path / "hf", seed=3)[1]
+    tensors = gguf_tensors("qwen3_5_moe", hf)
+    for i in range(hf.config.num_hidden_layers):
+        gate = tensors.pop(f"blk.{i}.ffn_gate_exps.weight")
+        up = tensors.pop(f"blk.{i}.ffn_up_exps.weight")
+        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat([gate, up], 1).contiguous()
+    llm = LLM(_write(tmp_path / "fused.gguf", "qwen3_5_moe", hf, tensors), max_model_len=64)
+    ids = _prompt(24, seed=3)
+    assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize(
+    "family, drop",
+    [
+        ("qwen3_next", "blk.0.ssm_a"),
+        ("qwen3_next", "blk.0.ssm_ba.weight"),
+        ("qwen3_5_moe", "blk.2.ssm_conv1d.weight"),
+        ("qwen3_5_moe", "blk.0.ffn_gate_inp_shexp.weight"),
+        ("deepseek_v3", "blk.1.attn_k_b.weight"),
+        ("deepseek_v3", "blk.2.attn_v_b.weight"),
+        ("deepseek_v3", "blk.1.exp_probs_b.bias"),
+    ],
+)
+def test_missing_tensor_is_named(family, drop, tmp_path):
+    from freetokend.models.loader import CheckpointError
+
+    over = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
+    path = write_gguf(family, hf, tmp_path / "m.gguf", drop=(drop,))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{drop}'"):
+        LLM(path, max_model_len=64)
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_qwen35moe_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path):
+    """transformers reads the same qwen35moe file with its own undoing of the converter's
+    transforms (its name map, SubtractOne, LogNegate, tiled-to-grouped value heads)."""
+    import transformers as tf
+
+    from freetokend.engine.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # transformers wants a vocabulary
+    hf = make_tiny("qwen3_5_moe", tmp_path / "hf", seed=3, vocab_size=vocab)[1]
+    write_gguf("qwen3_5_moe", hf, tmp_path / "m.gguf", kind, tokenizer=builtin_model_dir)
+    ref_model = tf.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
+    ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32")
+    int_dot_reference(ref_model, llm)  # the blocks we keep, computed as our kernels do
+    ours = llm.logits(ids)
+    err = (ours - _hf_logits(ref_model, ids)).abs().max().item()
+    assert err < (ATOL_BLOCKS if kind == "q8_0" else ATOL), (
+        f"qwen35moe {kind} vs transformers' GGUF loader: {err}"
+    )
