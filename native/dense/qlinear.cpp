@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "qdot_common.h"
+
 
 namespace ftdense {
 
@@ -69,10 +71,23 @@ void dot_task(void* ctx, int64_t task) {
 
 }  // namespace
 
-int qblock_inputs(QType t) { return t == QType::Q8_0 ? 32 : 256; }
+namespace {
+
+struct QTypeSize {
+  int inputs, bytes;  // per block
+};
+// Indexed by QType (qdot.h).
+constexpr QTypeSize kQTypeSizes[kNumQTypes] = {
+    {32, kQ80Bytes},  {256, kQ4KBytes}, {256, kQ6KBytes}, {256, kQ5KBytes},
+    {32, kMxfp4Bytes}, {32, kQ50Bytes},  {32, kQ40Bytes}};
+
+}  // namespace
+
+int qblock_inputs(QType t) { return kQTypeSizes[static_cast<int>(t)].inputs; }
 
 int64_t qrow_bytes(QType t, int64_t K) {
-  return t == QType::Q8_0 ? K / 32 * 34 : K / 256 * 144;
+  const QTypeSize& z = kQTypeSizes[static_cast<int>(t)];
+  return K / z.inputs * z.bytes;
 }
 
 std::vector<std::string> qdot_isas() {

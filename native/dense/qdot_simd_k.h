@@ -1,0 +1,124 @@
+// 256-bit qdot kernels for the K-quants (super-blocks of 256 inputs): Q4_K and Q5_K (unsigned
+// values with a scale and a min per 32 inputs), Q6_K (signed values, a scale per 16 inputs).
+// Included by qdot_<isa>.cpp after qdot_simd.h (see there).
+
+// Q4_K / Q5_K: per super-block the values are unpacked once into a 256-byte buffer in input
+// order, then per token the 8 sub-block dot products are reduced into one vector and scaled with
+// one FMA (lane j: d_x[j] * d * sc_j), the mins with another (d_x[j] * dmin * m_j * sum_x[j]).
+template <bool kFive>
+struct ScaleMin {
+  static constexpr int kBytes = kFive ? kQ5KBytes : kQ4KBytes;
+
+  template <int NT>
+  __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
+                                                       const float* d, const int16_t* s, float* y,
+                                                       int64_t ldy) {
+    const int nsb = K / 256, na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    alignas(32) uint8_t val[256];
+    __m256 acc[NT], macc[NT];
+    for (int u = 0; u < NT; ++u) acc[u] = macc[u] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = w + sb * kBytes;
+      int sc[8], m[8];
+      q4k_scales(blk + 4, sc, m);
+      const __m256 scv = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc))),
+          _mm256_set1_ps(fp16s(blk)));
+      const __m256 mv = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))),
+          _mm256_set1_ps(fp16s(blk + 2)));
+      // Q5_K: bit j of qh[i] is the fifth bit of input 32j + i; qh shifts right once per j.
+      __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
+                         : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i qv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kBytes - 128 + 32 * c));
+        __m256i v0 = _mm256_and_si256(qv, low), v1 = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
+        if (kFive) {
+          v0 = _mm256_or_si256(v0, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+          qh = _mm256_srli_epi16(qh, 1);
+          v1 = _mm256_or_si256(v1, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+          qh = _mm256_srli_epi16(qh, 1);
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(val + 64 * c), v0);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(val + 64 * c + 32), v1);
+      }
+      for (int u = 0; u < NT; ++u) {
+        const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256;
+        const float* du = d + u * na + sb * 8;
+        const int16_t* su = s + u * na + sb * 8;
+        __m256i p[8];
+        for (int j = 0; j < 8; ++j)
+          p[j] = dot_u8s8(_mm256_load_si256(reinterpret_cast<const __m256i*>(val + 32 * j)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32 * j)));
+        const __m256 dx = _mm256_loadu_ps(du);
+        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(dx, scv), acc[u]);
+        const __m256 sx = _mm256_cvtepi32_ps(
+            _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(su))));
+        macc[u] = _mm256_fmadd_ps(sx, _mm256_mul_ps(dx, mv), macc[u]);
+      }
+    }
+    for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(_mm256_sub_ps(acc[u], macc[u]));
+  }
+};
+
+// Q6_K: per super-block the signed values q - 32 and their magnitudes are unpacked once; per
+// token and 32 inputs the sign-trick dot gives 8 lanes of 4 inputs, lanes 0-3 and 4-7 are
+// multiplied by their 16-input scales (exact: |sum| < 2^24), the 8 blocks reduced into one
+// vector and scaled by d * d_x with one FMA.
+struct Q6K {
+  template <int NT>
+  __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
+                                                       const float* d, const int16_t*, float* y,
+                                                       int64_t ldy) {
+    const int nsb = K / 256, na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F), bits2 = _mm256_set1_epi8(3);
+    const __m256i m32 = _mm256_set1_epi8(32);
+    alignas(32) int8_t val[256];
+    alignas(32) uint8_t mag[256];
+    __m256 acc[NT];
+    for (int u = 0; u < NT; ++u) acc[u] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = w + sb * kQ6KBytes;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                                 _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+        __m256i top = hb;
+        for (int k = 0; k < 4; ++k) {
+          const __m256i v = _mm256_sub_epi8(
+              _mm256_or_si256(lows[k], _mm256_slli_epi16(_mm256_and_si256(top, bits2), 4)), m32);
+          top = _mm256_srli_epi16(top, 2);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(val + 128 * h + 32 * k), v);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(mag + 128 * h + 32 * k),
+                             _mm256_abs_epi8(v));
+        }
+      }
+      __m256i scv[8];
+      for (int j = 0; j < 8; ++j)
+        scv[j] = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]), _mm_set1_epi32(sc[2 * j]));
+      const float dw = fp16s(blk + 208);
+      for (int u = 0; u < NT; ++u) {
+        const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256;
+        __m256i p[8];
+        for (int j = 0; j < 8; ++j) {
+          const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(val + 32 * j));
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32 * j));
+          p[j] = _mm256_mullo_epi32(
+              dot_u8s8(_mm256_load_si256(reinterpret_cast<const __m256i*>(mag + 32 * j)),
+                       _mm256_sign_epi8(xv, wv)),
+              scv[j]);
+        }
+        const __m256 dx = _mm256_loadu_ps(d + u * na + sb * 8);
+        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)),
+                                 _mm256_mul_ps(dx, _mm256_set1_ps(dw)), acc[u]);
+      }
+    }
+    for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]);
+  }
+};
