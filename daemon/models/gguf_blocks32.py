@@ -122,7 +122,8 @@ def quantize_q5_0(w: Tensor) -> Tensor:
 
 def int_form_q5_0(raw: Tensor) -> IntForm:
     b = _blocks(raw, 22)
-    qh = sum(b[..., 2 + i].long() << (8 * i) for i in range(4))
+    qh = b[..., 2:6].long() << torch.arange(0, 32, 8)  # the 4 bytes, little-endian
+    qh = qh.sum(-1)
     high = ((qh[..., None] & _BIT) != 0).int() << 4  # [R, nb, 32]
     return IntForm((_nibbles(b[..., 6:]) | high) - 16, fp16_from(b[..., :2]), None)
 
