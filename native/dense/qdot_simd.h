@@ -82,11 +82,13 @@ QDOT_FN __m256i reduce8(const __m256i* v) {
                           _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-// The 32 nibbles of 16 bytes in input order: low nibbles (inputs 0-15), then high (16-31).
+// The 32 nibbles of 16 bytes in input order: low nibbles (inputs 0-15), then high (16-31). The
+// bytes are broadcast to both halves by the load itself and the high half shifted by 4 with a
+// per-lane shift, keeping the shuffle port free for the decoders' table lookups.
 QDOT_FN __m256i nibbles32(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shifted = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
 }
 
 template <class Kernel>
