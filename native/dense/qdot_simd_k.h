@@ -2,6 +2,20 @@
 // values with a scale and a min per 32 inputs), Q6_K (signed values, a scale per 16 inputs).
 // Included by qdot_<isa>.cpp after qdot_simd.h (see there).
 
+// The 8 6-bit scales and mins of a Q4_K/Q5_K super-block (packing in qdot.h) as fp32 lanes,
+// unpacked in 32-bit words: bytes 0-3 hold sc_0..3 and the top bits of sc_4..7, bytes 4-7 m_0..3
+// and the top bits of m_4..7, bytes 8-11 the low nibbles of sc_4..7 and m_4..7.
+QDOT_FN void k_scales(const uint8_t* p, __m256* sc, __m256* m) {
+  uint32_t w[3];
+  std::memcpy(w, p, sizeof w);
+  const uint32_t six = 0x3F3F3F3Fu, top = 0x30303030u, nib = 0x0F0F0F0Fu;
+  const uint64_t scs = (w[0] & six) | static_cast<uint64_t>((w[2] & nib) | ((w[0] >> 2) & top)) << 32;
+  const uint64_t ms = (w[1] & six) | static_cast<uint64_t>(((w[2] >> 4) & nib) | ((w[1] >> 2) & top)) << 32;
+  const __m128i both = _mm_set_epi64x(static_cast<int64_t>(ms), static_cast<int64_t>(scs));
+  *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
+  *m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8)));
+}
+
 // Q4_K / Q5_K: per super-block the values are unpacked once into a 256-byte buffer in input
 // order, then per token the 8 sub-block dot products are reduced into one vector and scaled with
 // one FMA (lane j: d_x[j] * d * sc_j), the mins with another (d_x[j] * dmin * m_j * sum_x[j]).
@@ -20,14 +34,10 @@ struct ScaleMin {
     for (int u = 0; u < NT; ++u) acc[u] = macc[u] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = w + sb * kBytes;
-      int sc[8], m[8];
-      q4k_scales(blk + 4, sc, m);
-      const __m256 scv = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc))),
-          _mm256_set1_ps(fp16s(blk)));
-      const __m256 mv = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))),
-          _mm256_set1_ps(fp16s(blk + 2)));
+      __m256 scv, mv;
+      k_scales(blk + 4, &scv, &mv);
+      scv = _mm256_mul_ps(scv, _mm256_set1_ps(fp16s(blk)));
+      mv = _mm256_mul_ps(mv, _mm256_set1_ps(fp16s(blk + 2)));
       // Q5_K: bit j of qh[i] is the fifth bit of input 32j + i; qh shifts right once per j.
       __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
                          : _mm256_setzero_si256();
