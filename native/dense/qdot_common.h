@@ -2,6 +2,7 @@
 // unpacking, block sizes.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -47,6 +48,10 @@ inline float e8m0_half(uint8_t e) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+// e8m0_half of every byte (qdot_scalar.cpp): SIMD kernels broadcast a block's scale from here
+// with a plain load.
+extern const std::array<float, 256> kE8m0Half;
 
 // MXFP4: the e2m1 codes' values doubled (integers; the half scale above undoes the doubling).
 alignas(16) constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12,

@@ -1,11 +1,18 @@
 // Plain C++ qdot kernels (qdot.h): the reference every SIMD set is tested against, and the path
 // for CPUs without AVX2.
+#include <array>
 #include <cmath>
 
 #include "qdot.h"
 #include "qdot_common.h"
 
 namespace ftdense {
+
+const std::array<float, 256> kE8m0Half = [] {
+  std::array<float, 256> t{};
+  for (int e = 0; e < 256; ++e) t[e] = e8m0_half(static_cast<uint8_t>(e));
+  return t;
+}();
 
 namespace {
 

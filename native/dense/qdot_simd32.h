@@ -2,13 +2,14 @@
 // one kernel over a decoder that turns a block into 32 int8 weights and a float scale. Included
 // by qdot_<isa>.cpp after qdot_simd.h (see there).
 
-// Decoders: kBytes per block; values(blk) the 32 signed weights in input order; scale(blk).
+// Decoders: kBytes per block; values(blk) the 32 signed weights in input order; scale(blk) the
+// block scale in every lane.
 struct DecodeQ8_0 {
   static constexpr int kBytes = kQ80Bytes;
   QDOT_FN static __m256i values(const uint8_t* blk) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
   }
-  QDOT_FN static float scale(const uint8_t* blk) { return fp16s(blk); }
+  QDOT_FN static __m256 scale(const uint8_t* blk) { return _mm256_set1_ps(fp16s(blk)); }
 };
 
 struct DecodeQ4_0 {
@@ -16,7 +17,7 @@ struct DecodeQ4_0 {
   QDOT_FN static __m256i values(const uint8_t* blk) {
     return _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
   }
-  QDOT_FN static float scale(const uint8_t* blk) { return fp16s(blk); }
+  QDOT_FN static __m256 scale(const uint8_t* blk) { return _mm256_set1_ps(fp16s(blk)); }
 };
 
 struct DecodeQ5_0 {
@@ -36,7 +37,7 @@ struct DecodeQ5_0 {
                                       _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
     return _mm256_sub_epi8(u, _mm256_set1_epi8(16));
   }
-  QDOT_FN static float scale(const uint8_t* blk) { return fp16s(blk); }
+  QDOT_FN static __m256 scale(const uint8_t* blk) { return _mm256_set1_ps(fp16s(blk)); }
 };
 
 struct DecodeMxfp4 {
@@ -46,7 +47,9 @@ struct DecodeMxfp4 {
         _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
     return _mm256_shuffle_epi8(table, nibbles32(blk + 1));
   }
-  QDOT_FN static float scale(const uint8_t* blk) { return e8m0_half(blk[0]); }
+  QDOT_FN static __m256 scale(const uint8_t* blk) {  // a broadcast load, no shuffle
+    return _mm256_broadcast_ss(&kE8m0Half[blk[0]]);
+  }
 };
 
 // Per block and token: acc += (d_w * d_x) * (|w| . sign(x, w)), the integer dot in 8 lanes.
@@ -63,12 +66,13 @@ struct Signed32 {
       const uint8_t* blk = w + b * Decode::kBytes;
       const __m256i wv = Decode::values(blk);
       const __m256i aw = _mm256_abs_epi8(wv);
-      const float dw = Decode::scale(blk);
+      const __m256 dw = Decode::scale(blk);
       for (int u = 0; u < NT; ++u) {
         const __m256i xv = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(q + static_cast<int64_t>(u) * K + b * 32));
         const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));
-        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[u * nb + b]), acc[u]);
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(d + u * nb + b));
+        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[u]);
       }
     }
     for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]);
