@@ -73,10 +73,12 @@ struct ScaleMin {
   }
 };
 
-// Q6_K: per super-block the signed values q - 32 and their magnitudes are unpacked once; per
-// token and 32 inputs the sign-trick dot gives 8 lanes of 4 inputs, lanes 0-3 and 4-7 are
-// multiplied by their 16-input scales (exact: |sum| < 2^24), the 8 blocks reduced into one
-// vector and scaled by d * d_x with one FMA.
+// Q6_K: per super-block the signed values q - 32 and their magnitudes are unpacked once, and for
+// each 32 inputs j the 16-bit scale vector [sc_2j x 8 | sc_2j+1 x 8]; per token and 32 inputs the
+// sign-trick maddubs gives 16 lanes of pair sums (|sum| <= 2 * 32 * 127) that one madd multiplies
+// by the scales and adds in pairs: 8 int32 lanes of 4 inputs, scaled, exact. The 8 blocks are
+// reduced into one vector and scaled by d * d_x with one FMA. (The VNNI set runs this too: a
+// dpbusd would need a 32-bit multiply per block for the 16-input scales.)
 struct Q6K {
   template <int NT>
   __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
@@ -85,13 +87,15 @@ struct Q6K {
     const int nsb = K / 256, na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F), bits2 = _mm256_set1_epi8(3);
     const __m256i m32 = _mm256_set1_epi8(32);
+    // within each 128-bit half: int16 0 (low half) or 1 (high half) of the 32-bit word, x 8
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     alignas(32) int8_t val[256];
     alignas(32) uint8_t mag[256];
     __m256 acc[NT];
     for (int u = 0; u < NT; ++u) acc[u] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = w + sb * kQ6KBytes;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
       for (int h = 0; h < 2; ++h) {
         const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
         const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
@@ -109,24 +113,26 @@ struct Q6K {
                              _mm256_abs_epi8(v));
         }
       }
+      // int16 scales; 32-bit word j holds sc_2j and sc_2j+1
+      const __m256i sc16 = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
       __m256i scv[8];
       for (int j = 0; j < 8; ++j)
-        scv[j] = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]), _mm_set1_epi32(sc[2 * j]));
-      const float dw = fp16s(blk + 208);
+        scv[j] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j)), pick);
+      const __m256 dw = _mm256_set1_ps(fp16s(blk + 208));
       for (int u = 0; u < NT; ++u) {
         const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256;
         __m256i p[8];
         for (int j = 0; j < 8; ++j) {
           const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(val + 32 * j));
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32 * j));
-          p[j] = _mm256_mullo_epi32(
-              dot_u8s8(_mm256_load_si256(reinterpret_cast<const __m256i*>(mag + 32 * j)),
-                       _mm256_sign_epi8(xv, wv)),
-              scv[j]);
+          const __m256i pairs = _mm256_maddubs_epi16(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(mag + 32 * j)),
+              _mm256_sign_epi8(xv, wv));
+          p[j] = _mm256_madd_epi16(pairs, scv[j]);
         }
         const __m256 dx = _mm256_loadu_ps(d + u * na + sb * 8);
-        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)),
-                                 _mm256_mul_ps(dx, _mm256_set1_ps(dw)), acc[u]);
+        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(dx, dw), acc[u]);
       }
     }
     for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]);
