@@ -125,27 +125,38 @@ void row_scale_min(const uint8_t* w, int K, const int8_t* q, const float* d, con
   }
 }
 
+// Q6_K's 256 signed values (q - 32) of one super-block, in input order.
+void q6_k_values(const uint8_t* blk, int8_t* v) {
+  const uint8_t *ql = blk, *qh = blk + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t l0 = ql[64 * h + i], l1 = ql[64 * h + 32 + i], top = qh[32 * h + i];
+      int8_t* o = v + 128 * h + i;
+      o[0] = static_cast<int8_t>(((l0 & 0xF) | (top & 3) << 4) - 32);
+      o[32] = static_cast<int8_t>(((l1 & 0xF) | ((top >> 2) & 3) << 4) - 32);
+      o[64] = static_cast<int8_t>(((l0 >> 4) | ((top >> 4) & 3) << 4) - 32);
+      o[96] = static_cast<int8_t>(((l1 >> 4) | (top >> 6) << 4) - 32);
+    }
+}
+
 void row_q6_k(const uint8_t* w, int K, const int8_t* q, const float* d, const int16_t*, int n,
               float* y, int64_t ldy) {
   const int nsb = K / 256, na = K / 32;
+  int8_t v[256];
   for (int t = 0; t < n; ++t) {
     const int8_t* qt = q + static_cast<int64_t>(t) * K;
     const float* dt = d + static_cast<int64_t>(t) * na;
     float acc = 0.f;
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = w + sb * kQ6KBytes;
-      const uint8_t *ql = blk, *qh = blk + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      q6_k_values(blk, v);
       const float dw = load_fp16(blk + 208);
-      for (int j = 0; j < 8; ++j) {  // 32 inputs: half h = j / 4, quarter k = j % 4
-        const int h = j / 4, k = j % 4;
+      for (int j = 0; j < 8; ++j) {  // 32 inputs, two scales of 16
         const int8_t* xj = qt + sb * 256 + 32 * j;
         int half_sum[2] = {0, 0};
-        for (int i = 0; i < 32; ++i) {
-          const int lo = (ql[64 * h + 32 * (k & 1) + i] >> (4 * (k >> 1))) & 0xF;
-          const int v = (lo | ((qh[32 * h + i] >> (2 * k)) & 3) << 4) - 32;
-          half_sum[i / 16] += v * xj[i];
-        }
+        for (int g = 0; g < 2; ++g)
+          for (int i = 0; i < 16; ++i) half_sum[g] += v[32 * j + 16 * g + i] * xj[16 * g + i];
         const int sum = sc[2 * j] * half_sum[0] + sc[2 * j + 1] * half_sum[1];
         acc += dw * dt[sb * 8 + j] * static_cast<float>(sum);
       }
