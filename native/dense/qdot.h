@@ -11,7 +11,7 @@
 //   Q6_K 210 bytes per 256 inputs: ql[128], qh[64], int8 scales[16] (one per 16 inputs), fp16 d;
 //         in each half h of 128 inputs, input 128h + 32k + i (k < 4) has low 4 bits from
 //         ql[64h + 32(k & 1) + i] (low nibble for k < 2, high for k >= 2) and top 2 bits from
-//         bits 2k, 2k+1 of qh[32h + i];                          w = d * sc_(i/16) * (q - 32)
+//         bits 2k, 2k+1 of qh[32h + i];                  w = d * sc_(input / 16) * (q - 32)
 //   Q5_K 176 bytes per 256 inputs: fp16 d, fp16 dmin, scales[12] as Q4_K, qh[32], qs[128] as
 //         Q4_K; input 32j + i takes bit j of qh[i] as its fifth bit; w = d * sc_j * q - dmin * m_j
 //   MXFP4 17 bytes per 32 inputs: e8m0 byte e, qs[16]: input i < 16 is the low nibble of qs[i],
