@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantize",
         choices=QUANTIZE_PRESETS,
-        help="quantize float checkpoints' dense layers (GGUF q4_k/q8_0 blocks, native integer "
+        help="quantize float checkpoints' dense layers (GGUF block formats, native integer "
         "dot products on the CPU) and experts at load, by a named mix per tensor class "
         "(models/dense_quant.py); --quantize-experts is the experts-only form",
     )

@@ -1,9 +1,10 @@
-"""GGUF block formats q8_0 / q4_k in plain torch (freetokend.models.gguf_blocks).
+"""GGUF block formats in plain torch (freetokend.models.gguf_blocks).
 
-The byte layouts are checked against an element-by-element decoder written here from the GGUF
-definitions (scalar loops, independent of the module's vectorised code) on random raw bytes, so
-that GGUF files' blocks and ours mean the same thing; the quantisers against their error bounds;
-the integer-dot reference against x @ dequantised W (the oracle), within the activation
+The byte layouts are checked against the `gguf` package's dequantisers (llama.cpp's own Python
+reference, an outside oracle) on random raw bytes for every format, and q8_0/q4_k also against an
+element-by-element decoder written here, so that GGUF files' blocks and ours mean the same thing;
+our quantisers' bytes decode the same through `gguf`; the quantisers meet their error bounds; the
+integer-dot reference matches x @ dequantised W (the oracle) within the activation
 quantisation's error.
 """
 
@@ -11,10 +12,37 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as G
+from gguf import quants
 
 from freetokend.models import gguf_blocks as gb
+
+FMTS = list(gb.QTYPE_CODES)
+GGUF_TYPES = {
+    "q8_0": G.Q8_0,
+    "q4_k": G.Q4_K,
+    "q6_k": G.Q6_K,
+    "q5_k": G.Q5_K,
+    "mxfp4": G.MXFP4,
+    "q5_0": G.Q5_0,
+    "q4_0": G.Q4_0,
+}
+FP16_AT = {"q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,), "q5_k": (0, 2), "q5_0": (0,), "q4_0": (0,)}
+# Relative rms error of quantise -> dequantise on gaussian rows; a wrong layout or scale gives
+# errors of order 1. Measured: q8_0 0.005, q6_k 0.018, q5_k 0.038, q5_0 0.043, q4_k 0.080,
+# q4_0 0.086, mxfp4 0.115 (power-of-two scales, 8 magnitudes).
+ROUNDTRIP = {
+    "q8_0": 0.01,
+    "q6_k": 0.03,
+    "q5_k": 0.06,
+    "q5_0": 0.06,
+    "q4_k": 0.1,
+    "q4_0": 0.1,
+    "mxfp4": 0.14,
+}
 
 
 def _half(b: bytes) -> float:
@@ -31,9 +59,32 @@ def _raw(rows: int, nbytes: int, scale_at: tuple[int, ...], seed: int) -> torch.
     return raw
 
 
+def _gguf_dequantize(raw: torch.Tensor, fmt: str) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(raw.numpy(), GGUF_TYPES[fmt]).astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_layout_matches_gguf_package(fmt: str) -> None:
+    """Random blocks (every bit pattern of values, scales, mins, exponents) decode as `gguf`."""
+    nb = gb.BLOCK_BYTES[fmt]
+    raw = torch.cat([_raw(5, nb, FP16_AT.get(fmt, ()), s) for s in range(3)], dim=1)
+    want = _gguf_dequantize(raw, fmt)
+    assert bool(want.isfinite().all())
+    torch.testing.assert_close(gb.dequantize(raw, fmt), want, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_our_blocks_decode_through_gguf(fmt: str) -> None:
+    w = torch.randn(6, 512, generator=torch.Generator().manual_seed(5))
+    raw = gb.quantize(w, fmt)
+    torch.testing.assert_close(
+        gb.dequantize(raw, fmt), _gguf_dequantize(raw, fmt), rtol=1e-6, atol=0.0
+    )
+
+
 def test_q8_0_layout_matches_scalar_decoder() -> None:
     raw = torch.cat([_raw(3, 34, (0,), s) for s in range(4)], dim=1)  # 4 blocks per row
-    got = gb.dequantize_q8_0(raw)
+    got = gb.dequantize(raw, "q8_0")
     assert got.shape == (3, 128)
     for r in range(3):
         row = bytes(raw[r].tolist())
@@ -47,7 +98,7 @@ def test_q8_0_layout_matches_scalar_decoder() -> None:
 
 def test_q4_k_layout_matches_scalar_decoder() -> None:
     raw = _raw(2, 144, (0, 2), 7)
-    got = gb.dequantize_q4_k(raw)
+    got = gb.dequantize(raw, "q4_k")
     assert got.shape == (2, 256)
     for r in range(2):
         blk = bytes(raw[r].tolist())
@@ -65,29 +116,30 @@ def test_q4_k_layout_matches_scalar_decoder() -> None:
                 assert got[r, 32 * j + i].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_quantise_roundtrip_error(fmt: str) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(16, 512, generator=g)
     raw = gb.quantize(w, fmt)
     assert raw.dtype == torch.uint8 and raw.shape == (16, gb.row_bytes(fmt, 512))
     back = gb.dequantize(raw, fmt)
-    rel = ((back - w).norm() / w.norm()).item()
-    # q8_0: half a step of amax/127 (~0.006 rms on gaussians); q4_k: 4-bit asymmetric sub-blocks
-    # of 32 (~0.08 rms); a wrong layout or scale would give errors of order 1.
-    assert rel < (0.01 if fmt == "q8_0" else 0.1)
+    assert ((back - w).norm() / w.norm()).item() < ROUNDTRIP[fmt]
     if fmt == "q8_0":  # per element within half a step of the block's scale
         step = (w.reshape(16, -1, 32).abs().amax(-1) / 127).repeat_interleave(32, -1)
         assert bool(((back - w).abs() <= step * 0.5 + 1e-3 * step + 1e-6).all())
         assert torch.equal(gb.quantize(back, fmt), raw)  # and idempotent
+    if fmt == "mxfp4":  # no clipping: |error| <= half the widest gap (8 -> 12) of the doubled
+        # grid, 2 units of the scale s, and s < amax / 6 (the smallest power of two >= amax / 12)
+        amax = w.reshape(16, -1, 32).abs().amax(-1).repeat_interleave(32, -1)
+        assert bool(((back - w).abs() <= amax / 3).all())
 
 
 def test_zero_and_constant_rows() -> None:
     w = torch.zeros(2, 256)
     w[1] = 3.0
-    for fmt in ("q8_0", "q4_k"):
+    for fmt in FMTS:
         back = gb.dequantize(gb.quantize(w, fmt), fmt)
-        assert torch.allclose(back, w, atol=0.02)
+        assert torch.allclose(back, w, atol=0.02), fmt
 
 
 def test_activation_quantisation() -> None:
@@ -100,7 +152,7 @@ def test_activation_quantisation() -> None:
     assert s[0, 1].item() == 64 - 127 + 32
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_qdot_reference_against_dequantised_oracle(fmt: str) -> None:
     g = torch.Generator().manual_seed(2)
     k = 512

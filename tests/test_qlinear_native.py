@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 RTOL = ATOL = 1e-4
 ISAS = ["vnni", "avx2", "scalar"]
-FMTS = ["q8_0", "q4_k"]
+FMTS = list(gb.QTYPE_CODES)  # q8_0 q4_k q6_k q5_k mxfp4 q5_0 q4_0
 _WHAT = {"vnni": "AVX512-VNNI (+VL)", "avx2": "AVX2+FMA+F16C", "scalar": ""}
 
 
@@ -64,11 +64,11 @@ def test_activation_quantisation_bit_exact(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("t", [1, 2, 3, 9])
+@pytest.mark.parametrize("t", [1, 2, 3, 9, 17])
 def test_qlinear_matches_reference(isa: str, fmt: str, t: int) -> None:
     _need(isa)
-    # 71 rows: one full 64-row task and a partial one; K = 768 is 3 Q4_K super-blocks and an odd
-    # number (24) of Q8_0 blocks (the AVX kernels take blocks in pairs, then a lone one).
+    # 71 rows: one full 64-row task and a partial one; K = 768 is 3 super-blocks of 256 and 24
+    # blocks of 32; T = 9 and 17 take groups of 4 tokens and a lone one.
     x, w = _case(t, 71, 768, fmt)
     got = ql.qlinear(x, w, isa=isa)
     torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
@@ -84,12 +84,14 @@ def test_qlinear_many_shares_the_input_and_adds_bias(fmt: str) -> None:
     torch.testing.assert_close(y2, ql.qlinear_reference(x, w2, b), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FMTS)
-def test_many_tokens_and_oracle(fmt: str) -> None:
-    """Prefill-sized batch (several token chunks for K = 4096) on the best ISA; and the
+def test_many_tokens_and_oracle(isa: str, fmt: str) -> None:
+    """Prefill-sized batch (two token chunks of qlinear.cpp for K = 4096: 64 + 6 tokens); and the
     dequantised oracle x @ W^T within the activation quantisation's error."""
+    _need(isa)
     x, w = _case(70, 24, 4096, fmt, seed=4)
-    got = ql.qlinear(x, w)
+    got = ql.qlinear(x, w, isa=isa)
     torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
     oracle = x @ w.dequantize().t()
     assert ((got - oracle).norm() / oracle.norm()).item() < 0.01

@@ -6,8 +6,9 @@ experts from the banks).
 Tolerance: the native kernels quantize each projection's input to int8 per 32 values (~0.3 %
 rms relative error per projection, on top of the weights the oracle already shares), so logits
 differ by more than summation order: max |diff| < 0.08 on this tiny model's logits (of order
-1-3; measured 0.044 for both presets), 7x below what q4_k_m's weights did to them (0.6, checked,
-so the test can tell), and greedy tokens must agree with the oracle's.
+1-3; measured 0.042 q4_k_m, 0.047 q8_0, 0.041 mxfp4), well below what the 4-bit weights did to
+them (0.62 q4_k_m, 1.43 mxfp4, checked, so the test can tell), and greedy tokens must agree with
+the oracle's. The q4_k_m mix itself is checked against llama.cpp's rule on made-up layer lists.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.engine.runner import Work
 from freetokend.experts.formats import dequantize_banks
-from freetokend.models.dense_quant import PRESETS, dequantized_state, tensor_class
+from freetokend.models.dense_quant import (
+    PRESETS,
+    choose_formats,
+    dequantized_state,
+    tensor_class,
+)
 from freetokend.models.layers import qlinear_native
 
 KW = dict(dtype="float32", prefix_cache=False, max_model_len=128, kv_tokens=512)
@@ -52,20 +58,63 @@ def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 def test_tensor_classes() -> None:
     assert tensor_class("layers.0.self_attn.k_proj") == "attn_qkv"
+    assert tensor_class("layers.0.self_attn.v_proj") == "attn_v"
+    assert tensor_class("layers.0.self_attn.kv_b_proj") == "attn_v"
     assert tensor_class("layers.0.self_attn.o_proj") == "attn_out"
     assert tensor_class("layers.3.mlp.shared_expert.down_proj") == "mlp_out"
     assert tensor_class("lm_head") == "lm_head"
     assert tensor_class("layers.0.mlp.router") is None
 
 
-@pytest.mark.parametrize("preset", ["q4_k_m", "q8_0"])
+def _layers(n: int, attn: range, cols: int = 512) -> list[tuple[str, int]]:
+    out = [("lm_head", cols)]
+    for i in range(n):
+        out += [(f"model.layers.{i}.mlp.{p}", cols) for p in ("gate_proj", "up_proj", "down_proj")]
+        if i in attn:
+            out += [(f"model.layers.{i}.self_attn.{p}_proj", cols) for p in "qkvo"]
+    return out
+
+
+def test_q4_k_m_is_llama_cpp_mix() -> None:
+    """Expected layers from llama.cpp's use_more_bits (i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2)
+    worked by hand: n = 16 -> 0 1 4 7 10 13 14 15."""
+    got = choose_formats(_layers(16, range(16)), "q4_k_m")
+    more = {0, 1, 4, 7, 10, 13, 14, 15}
+    assert got["lm_head"] == "q6_k"
+    for i in range(16):
+        want = "q6_k" if i in more else "q4_k"
+        assert got[f"model.layers.{i}.self_attn.v_proj"] == want
+        assert got[f"model.layers.{i}.mlp.down_proj"] == want
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj"):
+            assert got[f"model.layers.{i}.{p}"] == "q4_k"
+    # attn_v counts the layers that have one: attention in layers 3 7 11 15 -> ranks 0-3 of 4,
+    # more bits for rank 2 ((2 - 0) % 3 == 2) and rank 3 (>= 7*4/8)
+    hybrid = choose_formats(_layers(16, range(3, 16, 4)), "q4_k_m")
+    v6 = {n for n, f in hybrid.items() if n.endswith("v_proj") and f == "q6_k"}
+    assert v6 == {"model.layers.11.self_attn.v_proj", "model.layers.15.self_attn.v_proj"}
+
+
+def test_block_fallbacks_and_mxfp4_mix() -> None:
+    odd = choose_formats(_layers(16, range(16), cols=96), "q4_k_m")  # 96: a multiple of 32 only
+    assert odd["lm_head"] == "q8_0" and odd["model.layers.0.mlp.down_proj"] == "q8_0"
+    assert odd["model.layers.2.mlp.up_proj"] == "q5_0"  # llama.cpp's q4_k fallback
+    assert choose_formats(_layers(2, range(2), cols=48), "q4_k_m") == {}
+    mx = choose_formats(_layers(4, range(4)), "mxfp4")
+    assert mx.pop("lm_head") == "q8_0" and set(mx.values()) == {"mxfp4"}
+
+
+@pytest.mark.parametrize("preset", ["q4_k_m", "q8_0", "mxfp4"])
 def test_preset_logits_match_transformers_on_dequantized_weights(ckpt, preset: str) -> None:  # type: ignore[no-untyped-def]
     src, hf = ckpt
     llm = LLM(src, "cpu", quantize=preset, **KW)
     layers = {n: m.qweight.fmt for n, m in llm.model.named_modules() if getattr(m, "qweight", None)}
     assert "lm_head" in layers and any(n.endswith("q_proj") for n in layers)
-    if preset == "q4_k_m":
-        assert layers["lm_head"] == "q8_0" and "q4_k" in layers.values()
+    if preset == "q4_k_m":  # 3 layers: use_more_bits picks the last one
+        assert layers["lm_head"] == "q6_k" and "q4_k" in layers.values()
+        assert layers["layers.2.self_attn.v_proj"] == "q6_k"
+        assert layers["layers.1.self_attn.v_proj"] == "q4_k"
+    if preset == "mxfp4":
+        assert layers["lm_head"] == "q8_0" and "mxfp4" in layers.values()
     assert llm.banks.format == PRESETS[preset]["experts"]
 
     oracle = type(hf)(hf.config).eval()
@@ -89,7 +138,7 @@ def test_preset_logits_match_transformers_on_dequantized_weights(ckpt, preset: s
         for _ in range(8):
             seq.append(int(oracle(torch.tensor([seq])).logits[0, -1].argmax()))
     got = _last_logits(llm, ids)
-    if preset == "q4_k_m":  # 4-bit weights moved the logits far more than TOL: the oracle tells
+    if preset != "q8_0":  # 4-bit weights moved the logits far more than TOL: the oracle tells
         assert (ref - unquantized).abs().max() > 5 * TOL
     assert (got - ref).abs().max() < TOL
     assert llm.generate(ids, 8, ignore_eos=True) == seq[len(ids) :]

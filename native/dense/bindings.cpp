@@ -61,7 +61,8 @@ std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::
 
 ftdense::QType qtype_code(int code) {
   if (code < 0 || code >= ftdense::kNumQTypes)
-    throw py::value_error("qtype must be 0 (q8_0) or 1 (q4_k)");
+    throw py::value_error(
+        "qtype must be 0 (q8_0), 1 (q4_k), 2 (q6_k), 3 (q5_k), 4 (mxfp4), 5 (q5_0) or 6 (q4_0)");
   return static_cast<ftdense::QType>(code);
 }
 
@@ -201,5 +202,5 @@ PYBIND11_MODULE(ftdense, m) {
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("types"),
       py::arg("y"), py::arg("isa") = "",
       "x [T,K] fp32 address; for each i: w[i] [N[i]] rows of GGUF blocks of qtype types[i] "
-      "(0 q8_0, 1 q4_k), y[i] [T,N[i]] fp32. isa '' = the configured one.");
+      "(0 q8_0, 1 q4_k, 2 q6_k, 3 q5_k, 4 mxfp4, 5 q5_0, 6 q4_0), y[i] [T,N[i]] fp32. isa '' = the configured one.");
 }

@@ -8,6 +8,18 @@
 //         (j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4,
 //         m = (s[j+4] >> 4) | (s[j] >> 6) << 4); input 64c + i (i < 32) is the low nibble of
 //         qs[32c + i], input 64c + 32 + i its high nibble;       w = d * sc_j * q - dmin * m_j
+//   Q6_K 210 bytes per 256 inputs: ql[128], qh[64], int8 scales[16] (one per 16 inputs), fp16 d;
+//         in each half h of 128 inputs, input 128h + 32k + i (k < 4) has low 4 bits from
+//         ql[64h + 32(k & 1) + i] (low nibble for k < 2, high for k >= 2) and top 2 bits from
+//         bits 2k, 2k+1 of qh[32h + i];                  w = d * sc_(input / 16) * (q - 32)
+//   Q5_K 176 bytes per 256 inputs: fp16 d, fp16 dmin, scales[12] as Q4_K, qh[32], qs[128] as
+//         Q4_K; input 32j + i takes bit j of qh[i] as its fifth bit; w = d * sc_j * q - dmin * m_j
+//   MXFP4 17 bytes per 32 inputs: e8m0 byte e, qs[16]: input i < 16 is the low nibble of qs[i],
+//         16 + i the high one, an e2m1 code whose doubled value v is one of 0 1 2 3 4 6 8 12
+//         (codes 8-15: the same negated);                         w = 2^(e - 128) * v
+//   Q5_0 22 bytes per 32 inputs: fp16 d, uint32 qh (bit i: input i's fifth bit), qs[16] as
+//         MXFP4;                                                  w = d * (q - 16)
+//   Q4_0 18 bytes per 32 inputs: fp16 d, qs[16] as MXFP4;         w = d * (q - 8)
 //
 // Activations (one format for every weight type, computed once per token per layer input and
 // shared by every projection that reads it): per block of 32 inputs an fp32 scale
@@ -17,7 +29,9 @@
 //
 // A kernel computes y[t * ldy] = sum over blocks of (scales) * (exact integer block dot), for
 // n activation rows against one weight row; the weight row stays in L1 across the n rows.
-// Products are exact in int32; only the per-block float combination order differs between ISAs.
+// Products are exact in int32 (Q6_K's 16-input scales multiply the integer sums before the
+// 32-input block is scaled); only the per-block float combination order differs between ISAs.
+// Signed weights (Q8_0, Q6_K, MXFP4, Q5_0, Q4_0) use the sign trick: |w| as the unsigned operand.
 #pragma once
 
 #include <cstdint>
@@ -26,8 +40,9 @@
 
 namespace ftdense {
 
-enum class QType : int { Q8_0 = 0, Q4_K = 1 };
-constexpr int kNumQTypes = 2;
+// The codes are the Python side's (models/gguf_blocks.QTYPE_CODES) and index QDotSet::row.
+enum class QType : int { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0 = 5, Q4_0 = 6 };
+constexpr int kNumQTypes = 7;
 constexpr int kQActBlock = 32;
 
 // Bytes of one weight row of K inputs (K a multiple of the type's block: 32 or 256).

@@ -1,13 +1,19 @@
-// The 256-bit qdot kernels (qdot.h), written once for the AVX2 and the AVX512-VNNI file. The
-// including file defines:
+// The 256-bit qdot kernels (qdot.h), written once for the AVX2 and the AVX512-VNNI file: the shared
+// helpers and the activation quantisation here, the weight formats in qdot_simd32.h (blocks of 32
+// signed weights: Q8_0, Q4_0, Q5_0, MXFP4) and qdot_simd_k.h (K-quants). The including file
+// defines:
 //   QDOT_TARGET  the target attribute string of every function here
 //   dot_u8s8(u, s)  8 int32 lanes, each the sum of 4 adjacent products u8 x s8 (maddubs + madd
 //                   on AVX2: exact, as |u * s| * 2 stays below 2^15 for the values used here;
 //                   vpdpbusd on VNNI)
-// and includes this inside its own anonymous namespace (after <immintrin.h> and <cstring>).
+// and includes the three inside its own anonymous namespace (after <immintrin.h> and <cstring>).
 //
-// Q8_0 weights are signed: |w| as the unsigned operand and x carrying w's sign (the usual sign
-// trick; both are in [-127, 127] so nothing saturates). Q4_K nibbles are unsigned already.
+// Signed weights: |w| as the unsigned operand and x carrying w's sign (the usual sign trick; both
+// are in [-127, 127] so nothing saturates). Q4_K/Q5_K values are unsigned already.
+//
+// A format's kernel is a struct with `template <int NT> static void run(w, K, q, d, s, y, ldy)`:
+// NT tokens at once against one weight row, each weight block loaded (and unpacked) once for the
+// NT tokens, with NT independent accumulators; row_simd<Kernel> is its QRowFn.
 
 #define QDOT_FN __attribute__((target(QDOT_TARGET))) inline
 
@@ -66,29 +72,6 @@ QDOT_FN float fp16s(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// NT tokens at once against one weight row: each weight block is loaded (and, for Q4_K, its
-// nibbles split and scales unpacked) once for NT tokens, with NT independent accumulators.
-template <int NT>
-__attribute__((target(QDOT_TARGET))) void q8_0_tokens(const uint8_t* w, int K, const int8_t* q,
-                                                      const float* d, float* y, int64_t ldy) {
-  const int nb = K / 32;
-  __m256 acc[NT];
-  for (int u = 0; u < NT; ++u) acc[u] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * kQ80Bytes;
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    const __m256i aw = _mm256_sign_epi8(wv, wv);
-    const float dw = fp16s(blk);
-    for (int u = 0; u < NT; ++u) {
-      const __m256i xv =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + static_cast<int64_t>(u) * K + b * 32));
-      const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));
-      acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[u * nb + b]), acc[u]);
-    }
-  }
-  for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(acc[u]);
-}
-
 // Lane j = the sum of the 8 int32 lanes of v[j] (8 sub-block dot products -> one vector).
 QDOT_FN __m256i reduce8(const __m256i* v) {
   const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
@@ -99,70 +82,23 @@ QDOT_FN __m256i reduce8(const __m256i* v) {
                           _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-// Q4_K: per super-block the nibbles are split once into a 256-byte buffer in input order, then
-// per token the 8 sub-block dot products are reduced into one vector and scaled with one FMA
-// (lane j: d_x[j] * d * sc_j), the mins with another (d_x[j] * dmin * m_j * sum_x[j]).
-template <int NT>
-__attribute__((target(QDOT_TARGET))) void q4_k_tokens(const uint8_t* w, int K, const int8_t* q,
-                                                      const float* d, const int16_t* s, float* y,
-                                                      int64_t ldy) {
-  const int nsb = K / 256, na = K / 32;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  alignas(32) uint8_t nib[256];
-  __m256 acc[NT], macc[NT];
-  for (int u = 0; u < NT; ++u) acc[u] = macc[u] = _mm256_setzero_ps();
-  for (int sb = 0; sb < nsb; ++sb) {
-    const uint8_t* blk = w + sb * kQ4KBytes;
-    int sc[8], m[8];
-    q4k_scales(blk + 4, sc, m);
-    const __m256 scv = _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc))),
-        _mm256_set1_ps(fp16s(blk)));
-    const __m256 mv = _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))),
-        _mm256_set1_ps(fp16s(blk + 2)));
-    for (int c = 0; c < 4; ++c) {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(nib + 64 * c), _mm256_and_si256(qv, low));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(nib + 64 * c + 32),
-                         _mm256_and_si256(_mm256_srli_epi16(qv, 4), low));
-    }
-    for (int u = 0; u < NT; ++u) {
-      const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256;
-      const float* du = d + u * na + sb * 8;
-      const int16_t* su = s + u * na + sb * 8;
-      __m256i p[8];
-      for (int j = 0; j < 8; ++j)
-        p[j] = dot_u8s8(_mm256_load_si256(reinterpret_cast<const __m256i*>(nib + 32 * j)),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32 * j)));
-      const __m256 dx = _mm256_loadu_ps(du);
-      acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(dx, scv), acc[u]);
-      const __m256 sx = _mm256_cvtepi32_ps(
-          _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(su))));
-      macc[u] = _mm256_fmadd_ps(sx, _mm256_mul_ps(dx, mv), macc[u]);
-    }
-  }
-  for (int u = 0; u < NT; ++u) y[u * ldy] = hsum8(_mm256_sub_ps(acc[u], macc[u]));
+// The 32 nibbles of 16 bytes in input order: low nibbles (inputs 0-15), then high (16-31). The
+// bytes are broadcast to both halves by the load itself and the high half shifted by 4 with a
+// per-lane shift, keeping the shuffle port free for the decoders' table lookups.
+QDOT_FN __m256i nibbles32(const uint8_t* p) {
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shifted = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
 }
 
-__attribute__((target(QDOT_TARGET))) void row_q8_0_simd(const uint8_t* w, int K, const int8_t* q,
-                                                        const float* d, const int16_t*, int n,
-                                                        float* y, int64_t ldy) {
-  const int64_t nb = K / 32;
-  int t = 0;
-  for (; t + 4 <= n; t += 4) q8_0_tokens<4>(w, K, q + t * int64_t{K}, d + t * nb, y + t * ldy, ldy);
-  for (; t < n; ++t) q8_0_tokens<1>(w, K, q + t * int64_t{K}, d + t * nb, y + t * ldy, ldy);
-}
-
-__attribute__((target(QDOT_TARGET))) void row_q4_k_simd(const uint8_t* w, int K, const int8_t* q,
-                                                        const float* d, const int16_t* s, int n,
-                                                        float* y, int64_t ldy) {
-  const int64_t na = K / 32;
+template <class Kernel>
+__attribute__((target(QDOT_TARGET))) void row_simd(const uint8_t* w, int K, const int8_t* q,
+                                                   const float* d, const int16_t* s, int n,
+                                                   float* y, int64_t ldy) {
+  const int64_t na = K / kQActBlock;
   int t = 0;
   for (; t + 4 <= n; t += 4)
-    q4_k_tokens<4>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+    Kernel::template run<4>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
   for (; t < n; ++t)
-    q4_k_tokens<1>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+    Kernel::template run<1>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
 }
-
-#undef QDOT_FN

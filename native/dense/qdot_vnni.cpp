@@ -18,11 +18,18 @@ __attribute__((target(QDOT_TARGET))) inline __m256i dot_u8s8(__m256i u, __m256i 
 }
 
 #include "qdot_simd.h"
+#include "qdot_simd32.h"
+#include "qdot_simd_k.h"
 
+#undef QDOT_FN
 #undef QDOT_TARGET
 
 }  // namespace
 
-const QDotSet kQDotVnni = {"vnni", quantize_simd, {row_q8_0_simd, row_q4_k_simd}};
+const QDotSet kQDotVnni = {"vnni",
+                            quantize_simd,
+                            {row_simd<Signed32<DecodeQ8_0>>, row_simd<ScaleMin<false>>,
+                             row_simd<Q6K>, row_simd<ScaleMin<true>>, row_simd<Signed32<DecodeMxfp4>>,
+                             row_simd<Signed32<DecodeQ5_0>>, row_simd<Signed32<DecodeQ4_0>>}};
 
 }  // namespace ftdense

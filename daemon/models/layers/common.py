@@ -43,7 +43,7 @@ class Linear(nn.Module):
         self.qweight: qlinear_native.QuantWeight | None = None
 
     def quantize_(self, fmt: str) -> None:
-        """Replaces the float weight by ``fmt`` blocks (q8_0, q4_k) computed by the native
+        """Replaces the float weight by ``fmt`` blocks (models/gguf_blocks.py) computed by the native
         integer-dot kernels; `weight` becomes an empty placeholder of the same dtype."""
         w = self.weight.detach()
         self.qweight = qlinear_native.QuantWeight.from_float(w.float(), fmt)

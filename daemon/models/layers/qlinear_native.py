@@ -1,5 +1,5 @@
-"""Native CPU projections with GGUF block-quantised weights (q8_0, q4_k; extension `ftdense`,
-native/dense/qlinear.h and qdot.h).
+"""Native CPU projections with GGUF block-quantised weights (q8_0, q4_k, q6_k, q5_k, mxfp4, q5_0,
+q4_0; extension `ftdense`, native/dense/qlinear.h and qdot.h).
 
     y = x @ W^T,  W given as raw GGUF rows (models/gguf_blocks.py), x [T, K] fp32
 
