@@ -2,11 +2,13 @@
 vram_mib=N)`` loads a tiny checkpoint, runs a 512-token prefill, decode steps and (slot backends)
 a resize down and up, with the real CUDA code path of every MoE backend.
 
-What is checked: no host/device mix (it would raise), the device peak within the simulated card
-(a resize included), and the host syncs of a decode step, counted exactly: dense layers are on
-the host, so each MoE layer's output comes back once (hybrid also reads its CPU share's ids).
-A change that adds a sync to the decode step fails here. The tokens are not checked: the fake
-device holds no data (its outputs reach the host as zeros), only that they are valid ids."""
+What is checked: no host/device mix (it would raise), every dense weight, the KV pool and the
+rope tables on the device, the device peak within the simulated card (a resize included), and
+the host syncs of a decode step, counted exactly: the dense part runs on the device, so the step's
+one read is its sampled token ids; hybrid adds one packed copy per MoE layer (its CPU share's
+activations, gate weights and expert ids). A change that adds a sync to the decode step fails
+here. The tokens are not checked: the fake device holds no data (its outputs reach the host as
+zeros), only that they are valid ids."""
 
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ MIB = 1 << 20
 VRAM_MIB = 1024  # 512 MiB usable after the simulated CUDA context
 PROMPT = 512
 DECODE_STEPS = 3
-# host syncs of one decode step per MoE layer (see the module docstring)
-SYNCS_PER_MOE_LAYER = {"fused": 1, "offload": 1, "hybrid": 2}
+# host syncs of one decode step per MoE layer (see the module docstring), besides the token ids
+SYNCS_PER_MOE_LAYER = {"fused": 0, "offload": 0, "hybrid": 1}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,7 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
         assert isinstance(acc, FakeCudaAccelerator) and llm.moe.acc is acc
         tr = acc.tracker
         moe_layers = llm.config.num_moe_layers
+        _assert_dense_on_device(llm)
         loaded = tr.sweep()
         assert loaded >= moe_layers * 8 * 3 * 64 * 32 * 2  # the device banks (bf16 experts)
         prompt = [3 + i % 90 for i in range(PROMPT)]
@@ -63,10 +66,19 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
             before = tr.syncs.total
             _step(llm)
             per_step.append(tr.syncs.total - before)
-        expected = SYNCS_PER_MOE_LAYER[backend] * moe_layers
+        expected = 1 + SYNCS_PER_MOE_LAYER[backend] * moe_layers
         assert per_step == [expected] * DECODE_STEPS, (tr.syncs.by_kind, per_step)
         assert set(tr.syncs.by_kind) == {"d2h"}  # copies back to the host, no scalar reads
         print(f"\n{backend}: {expected} host syncs per decode step over {moe_layers} MoE layers")
+        # a seeded sampled request: its generator lives on the device, still one read per step
+        llm.engine.add_request(
+            "s", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0.8, top_k=5, top_p=0.9,
+                                           min_p=0.05, seed=3, ignore_eos=True),
+        )  # fmt: skip
+        _step(llm)  # its prompt beside r's decode row
+        before = tr.syncs.total
+        _step(llm)  # two decode rows, one greedy and one seeded
+        assert tr.syncs.total - before == expected
         assert tr.peak <= tr.capacity
         if backend != "fused":
             with acc.in_thread():  # the engine's steps enter it themselves; a direct call not
@@ -77,6 +89,16 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
     assert llm.fake_device is None
     with FakeCudaAccelerator(vram_mib=VRAM_MIB):  # close() left the process-wide session
         pass
+
+
+def _assert_dense_on_device(llm: LLM) -> None:
+    """Nothing of the dense part is on the host: weights, rope tables, KV pool."""
+    on_host = [n for n, p in llm.model.named_parameters() if p.device.type != "cuda"]
+    assert not on_host, on_host
+    assert llm.model.rope.inv_freq.device.type == "cuda"
+    kv = llm.runner.kv
+    assert kv.device.type == "cuda" and kv.k.device.type == kv.v.device.type == "cuda"
+    assert llm.runner.placement.on_device and llm.runner.placement.acc is llm.fake_device
 
 
 def _resize_down_and_up(llm: LLM) -> None:
@@ -114,7 +136,7 @@ def test_engine_steps_from_another_thread(tiny_dir: Path) -> None:
         t.start()
         t.join(60)
         assert len(got) == 2 and all(isinstance(x, int) for x in got), got
-        assert llm.fake_device.tracker.syncs.total == 2 * 2  # two steps, two MoE layers
+        assert llm.fake_device.tracker.syncs.total == 2  # two steps: their token ids
     finally:
         llm.close()
 

@@ -15,12 +15,14 @@ from typing import Any, overload
 
 import torch
 
+from ..experts.accelerator import Accelerator, create_accelerator
 from ..experts.backend import (
     BACKENDS,
     RoutingRecorder,
     SlotBudget,
     create_backend,
     moe_activation_bytes,
+    resolve_backend,
 )
 from ..experts.banks import ActivationSpec, activation_of
 from ..models.config import ModelConfig
@@ -30,6 +32,7 @@ from ..models.loader import load_model, model_config, model_kind
 from ..models.model import kv_bytes_per_token
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
+from .placement import HOST, Placement, kv_tokens_for, place_dense
 from .prefix import PrefixReuse, SnapshotPolicy
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -39,20 +42,18 @@ log = logging.getLogger(__name__)
 _DEFAULT_KV_TOKENS = 131072
 
 
-def _slot_budget(model: Any, cfg: ModelConfig, step_tokens: int) -> SlotBudget:
-    """What the default slot count leaves free on the device: the KV reserve (K + V of every
-    attention layer per token) and one step's MoE activations."""
+def _slot_budget(model: Any, cfg: ModelConfig, step_tokens: int, kv_tokens: int) -> SlotBudget:
+    """What the default slot count leaves free on the device: the KV pool (K + V of every
+    attention layer per token, allocated after the slots) and one step's MoE activations."""
     kv = kv_bytes_per_token(model)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
-    return SlotBudget(kv_bytes_per_token=kv, activation_bytes=act)
+    return SlotBudget(kv_reserve_tokens=kv_tokens, kv_bytes_per_token=kv, activation_bytes=act)
 
 
 def _enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
     """The entered ``FakeCudaAccelerator`` for ``accelerator="fake-cuda"``, else None."""
     if accelerator != "fake-cuda":
         return None
-    from ..experts.accelerator import create_accelerator
-
     acc = create_accelerator("fake-cuda", vram_mib=vram_mib)
     acc.open()  # type: ignore[attr-defined]  # the modes: per thread, see LLM._device_scope
     return acc
@@ -156,22 +157,30 @@ class LLM:
         self.fake_device = _enter_fake_device(accelerator, vram_mib)
         try:
             with self._device_scope():
-                self.moe = self._backend(moe_backend, act, accelerator, moe_slots, bandwidth,
-                                     threads, max_step_tokens)  # fmt: skip
+                # order on a device: dense weights, then the KV pool's size from what they
+                # leave, then the expert slots from what is left after both (engine/placement)
+                backend = resolve_backend(moe_backend, self.fake_device or accelerator, bandwidth)
+                self.placement = self._place(backend, accelerator)
+                kv = kv_tokens_for(
+                    kv_tokens, kv_bytes_per_token(self.model), self.placement.acc,
+                    _DEFAULT_KV_TOKENS,
+                )  # fmt: skip
+                self.moe = self._backend(backend, act, moe_slots, bandwidth, threads,
+                                         max_step_tokens, kv)  # fmt: skip
+                if record_routing is not None:
+                    self.moe = RoutingRecorder(self.moe, record_routing)
+                self.runner = ModelRunner(self.model, self.moe, kv, page_size, self.placement)
         except BaseException:
             self._exit_fake_device()
             raise
-        if record_routing is not None:
-            self.moe = RoutingRecorder(self.moe, record_routing)
-        # Default context: the model's, bounded by the KV pool (default 131072 tokens; pages are
-        # committed only when written). Agents ask for max_tokens 32000 on top of long prompts.
-        kv = kv_tokens or _DEFAULT_KV_TOKENS
+        # Default context: the model's, bounded by the KV pool (default 131072 tokens on the
+        # host, where pages are committed only when written; on a card, its share of VRAM).
+        # Agents ask for max_tokens 32000 on top of long prompts.
         self.max_model_len = min(
             max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, kv)
-        self.runner = ModelRunner(self.model, self.moe, kv, page_size)
         self._tokenizer: Any = None
         self._chat_template: Any = None
         prefix = None
@@ -212,21 +221,33 @@ class LLM:
         assert prefix.snapshots is not None
         prefix.snapshots.keep_prefix = True
 
+    def _place(self, backend: str, accelerator: str) -> Placement:
+        """The host for the cpu backend; else the dense part moves to the accelerator (raises
+        ``DenseDoesNotFit`` with the numbers when it cannot)."""
+        if backend == "cpu":
+            return HOST
+        acc: Accelerator = self.fake_device or create_accelerator(accelerator)
+        return place_dense(self.model, acc)
+
     def _backend(  # type: ignore[no-untyped-def]
-        self, name, act, accelerator, moe_slots, bandwidth, threads, max_step_tokens
+        self, name, act, moe_slots, bandwidth, threads, max_step_tokens, kv_tokens
     ) -> Any:
         cfg = self.config
+        acc = self.placement.acc
         return create_backend(
             name,
             self.banks,
             cfg.num_moe_layers,
             cfg.num_experts,
             act,
-            accelerator=self.fake_device or accelerator,
+            accelerator=acc if acc is not None else (self.fake_device or "standin"),
             moe_slots=moe_slots,
             bandwidth=bandwidth,
             threads=threads,
-            slot_budget=_slot_budget(self.model, cfg, max_step_tokens),
+            # the KV pool is allocated after the slots: on a device, they leave it room
+            slot_budget=_slot_budget(
+                self.model, cfg, max_step_tokens, kv_tokens if self.placement.on_device else 0
+            ),
         )
 
     def _device_scope(self) -> AbstractContextManager[Any]:
@@ -350,7 +371,7 @@ class LLM:
                 out = self.runner.forward([Work(state, list(token_ids), all_logits=True)])
         finally:
             self.runner.release(state)
-        return out.float()
+        return self.runner.placement.fetch(out).float()
 
     # ---- generation -------------------------------------------------------------------------
     @overload
