@@ -32,7 +32,7 @@ from ..models.loader import load_model, model_config, model_kind
 from ..models.model import kv_bytes_per_token
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
-from .placement import HOST, Placement, kv_tokens_for, place_dense
+from .placement import HOST, Placement, device_snapshot_bytes, kv_tokens_for, place_dense
 from .prefix import PrefixReuse, SnapshotPolicy
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -42,12 +42,17 @@ log = logging.getLogger(__name__)
 _DEFAULT_KV_TOKENS = 131072
 
 
-def _slot_budget(model: Any, cfg: ModelConfig, step_tokens: int, kv_tokens: int) -> SlotBudget:
+def _slot_budget(
+    model: Any, cfg: ModelConfig, step_tokens: int, kv_tokens: int, snapshot_bytes: int
+) -> SlotBudget:
     """What the default slot count leaves free on the device: the KV pool (K + V of every
-    attention layer per token, allocated after the slots) and one step's MoE activations."""
+    attention layer per token, allocated after the slots), one step's MoE activations and the
+    recurrent-state snapshots' budget when they live there."""
     kv = kv_bytes_per_token(model)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
-    return SlotBudget(kv_reserve_tokens=kv_tokens, kv_bytes_per_token=kv, activation_bytes=act)
+    return SlotBudget(
+        kv_reserve_tokens=kv_tokens, kv_bytes_per_token=kv, activation_bytes=act + snapshot_bytes
+    )
 
 
 def _enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
@@ -165,8 +170,11 @@ class LLM:
                     kv_tokens, kv_bytes_per_token(self.model), self.placement.acc,
                     _DEFAULT_KV_TOKENS,
                 )  # fmt: skip
+                snapshots = device_snapshot_bytes(
+                    self.model, int(snapshot_budget_mb * 2**20), self.placement.on_device
+                )
                 self.moe = self._backend(backend, act, moe_slots, bandwidth, threads,
-                                         max_step_tokens, kv)  # fmt: skip
+                                         max_step_tokens, kv, snapshots)  # fmt: skip
                 if record_routing is not None:
                     self.moe = RoutingRecorder(self.moe, record_routing)
                 self.runner = ModelRunner(self.model, self.moe, kv, page_size, self.placement)
@@ -230,7 +238,7 @@ class LLM:
         return place_dense(self.model, acc)
 
     def _backend(  # type: ignore[no-untyped-def]
-        self, name, act, moe_slots, bandwidth, threads, max_step_tokens, kv_tokens
+        self, name, act, moe_slots, bandwidth, threads, max_step_tokens, kv_tokens, snapshots
     ) -> Any:
         cfg = self.config
         acc = self.placement.acc
@@ -246,8 +254,12 @@ class LLM:
             threads=threads,
             # the KV pool is allocated after the slots: on a device, they leave it room
             slot_budget=_slot_budget(
-                self.model, cfg, max_step_tokens, kv_tokens if self.placement.on_device else 0
-            ),
+                self.model,
+                cfg,
+                max_step_tokens,
+                kv_tokens if self.placement.on_device else 0,
+                snapshots,
+            ),  # fmt: skip
         )
 
     def _device_scope(self) -> AbstractContextManager[Any]:

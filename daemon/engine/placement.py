@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -162,6 +163,12 @@ def kv_tokens_for(
     if info is None or kv_bytes_per_token == 0:
         return default
     return max(1, min(default, int(info[0] * DEVICE_KV_SHARE) // kv_bytes_per_token))
+
+
+def device_snapshot_bytes(model: Any, budget: int, on_device: bool) -> int:
+    """Device bytes the recurrent-state snapshots may take: their budget when the state lives
+    on the device (a model with linear-attention layers), else 0."""
+    return budget if on_device and int(getattr(model, "num_linear_layers", 0)) > 0 else 0
 
 
 def placement_of(model: nn.Module) -> dict[str, str]:
