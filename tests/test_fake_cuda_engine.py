@@ -150,6 +150,18 @@ def test_fake_cuda_needs_the_card_size(tiny_dir: Path) -> None:
         pass
 
 
+def test_dense_weights_that_do_not_fit_fail_at_load_with_the_numbers(tmp_path: Path) -> None:
+    """No silent fallback to the host: a card without room for the dense weights refuses the
+    load, naming their size and the card's free memory; the fake session is left."""
+    from freetokend.engine.placement import DenseDoesNotFit
+
+    make_tiny("qwen3_moe", tmp_path, seed=11, vocab_size=8192)  # ~4 MiB of embeddings + head
+    with pytest.raises(DenseDoesNotFit, match=r"dense weights .* take 4 MiB .* 1 MiB free"):
+        LLM(tmp_path, "offload", accelerator="fake-cuda", vram_mib=513, kv_tokens=256)
+    with FakeCudaAccelerator(vram_mib=VRAM_MIB):
+        pass
+
+
 def test_daemon_flags_select_the_fake_card() -> None:
     from freetokend.cli import build_parser
     from freetokend.config import ConfigError, resolve

@@ -68,9 +68,12 @@ class LLM:
     """A loaded model with its tokenizer, chat template and engine.
 
     model_dir    HF checkpoint folder (config.json, safetensors, tokenizer files)
-    moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1)
+    moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1); every backend but cpu also
+                 puts the dense weights, KV pool and sampling on the accelerator (placement.py)
     max_model_len  context limit (default: the model's, at most kv_tokens)
-    kv_tokens    KV pool size in tokens over all sequences (default 131072)
+    kv_tokens    KV pool size in tokens over all sequences (default: 131072 with the cpu backend;
+                 with fused/offload/hybrid the pool is on the accelerator, by default a quarter
+                 of the memory the dense weights leave there, engine/placement.py)
     moe_slots    expert slots on the accelerator (offload / hybrid; default: what fits the device's
                  free memory, see ``SlotBudget``)
     accelerator  auto | standin (CPU stand-in, for tests) | cuda | fake-cuda (the real CUDA code
