@@ -75,7 +75,7 @@ def test_device_path_matches_cpu_at_one_slot_and_all(
     assert native_calls.calls > 0  # the host path runs the native kernels
     assert not cpu.runner.placement.on_device
     total = cpu.banks.num_flat
-    runs = [("fused", {})] + [
+    runs: list[tuple[str, dict[str, int]]] = [("fused", {})] + [
         (be, {"moe_slots": n}) for be in ("offload", "hybrid") for n in sorted({1, total})
     ]
     for backend, kw in runs:
