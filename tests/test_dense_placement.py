@@ -124,3 +124,45 @@ def test_quantized_dense_weights_become_bf16_on_the_device(tmp_path: Path) -> No
     assert dense_device_bytes(host.model) == dense_device_bytes(dev.model)
     out = dev.generate(_prompts(), max_tokens=MAX_TOKENS, ignore_eos=True)
     assert all(len(o) == MAX_TOKENS for o in out)
+
+
+class _EvenTokens:
+    """A grammar stand-in: only even token ids are allowed (filled in place where the logits
+    are, as the xgrammar constraint does with its bitmask)."""
+
+    def fill_mask(self, logits: torch.Tensor) -> None:
+        with torch.inference_mode():  # the logits are inference tensors
+            logits[1::2] = float("-inf")
+
+    def accept(self, token_id: int) -> None:
+        assert token_id % 2 == 0, token_id
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def _serve(llm: LLM, grammar: bool) -> list[tuple[int, float | None, Any]]:
+    from freetokend.engine.sampler import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    llm.engine.add_request("g", _prompts()[0], params, _EvenTokens() if grammar else None)
+    out = []
+    while llm.engine.has_unfinished():
+        out += [(o.token_id, o.logprob, o.top_logprobs) for o in llm.engine.step()]
+    return out
+
+
+def test_grammar_masks_and_logprobs_on_the_device_match_the_host(tmp_path: Path) -> None:
+    """The mask is applied to the logits on the device; logprobs come back in one packed read:
+    tokens, chosen logprobs and top pairs as the host path gives them."""
+    make_tiny("qwen3_moe", tmp_path, seed=6)
+    for grammar in (False, True):
+        ref = _serve(_llm(tmp_path, "cpu"), grammar)
+        got = _serve(_llm(tmp_path, "fused"), grammar)
+        assert [t for t, _, _ in got] == [t for t, _, _ in ref]
+        if grammar:
+            assert all(t % 2 == 0 for t, _, _ in got)
+        for (_, lp, top), (_, rlp, rtop) in zip(got, ref, strict=True):
+            assert lp == pytest.approx(rlp, abs=LOGIT_ATOL)
+            assert [i for i, _ in top] == [i for i, _ in rtop]
+            assert [v for _, v in top] == pytest.approx([v for _, v in rtop], abs=LOGIT_ATOL)

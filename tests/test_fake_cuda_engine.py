@@ -91,6 +91,39 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
         pass
 
 
+class _EvenTokens:
+    """A grammar stand-in that masks in place on the logits' device."""
+
+    def fill_mask(self, logits: torch.Tensor) -> None:
+        with torch.inference_mode():
+            logits[1::2] = float("-inf")
+
+    def accept(self, token_id: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_grammar_and_logprobs_on_the_fake_card(tiny_dir: Path) -> None:
+    """A grammar mask is applied on the device (no read); logprobs cost one packed read."""
+    llm = LLM(tiny_dir, "offload", accelerator="fake-cuda", vram_mib=VRAM_MIB, kv_tokens=256)
+    try:
+        tr = llm.fake_device.tracker
+        for constraint, logprobs, reads in ((_EvenTokens(), None, 1), (None, 3, 2)):
+            params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=logprobs)
+            llm.engine.add_request("g", [5, 6, 7], params, constraint)
+            llm.engine.step()
+            before = tr.syncs.total
+            (out,) = llm.engine.step()
+            assert out.error is None and tr.syncs.total - before == reads
+            assert (out.top_logprobs is not None) == (logprobs is not None)
+            llm.engine.abort("g")
+            llm.engine.step()
+    finally:
+        llm.close()
+
+
 def _assert_dense_on_device(llm: LLM) -> None:
     """Nothing of the dense part is on the host: weights, rope tables, KV pool."""
     on_host = [n for n, p in llm.model.named_parameters() if p.device.type != "cuda"]

@@ -322,16 +322,12 @@ class EngineCore:
         """One token per request in ``reqs`` (logits [B, V], row i for reqs[i]). A failure in
         one request's grammar, sampling or logprobs ends that request alone (row_guard).
 
-        Logits on a device are sampled there; the host reads the token ids (one copy). A grammar
-        mask costs one more round trip (the masks are filled on the host), logprobs one read."""
+        Logits on a device are sampled there; the host reads the token ids (one copy). Grammar
+        masks are applied where the logits are (a constraint sends its bitmask there: a host ->
+        device copy, no sync); logprobs cost one more read.
+        """
         place = self.runner.placement
-        constraints = [r.constraint for r in reqs]
-        if place.on_device and any(c is not None for c in constraints):
-            host = place.fetch(logits).clone()
-            errors = fill_masks(constraints, host)
-            logits = host.to(logits.device, non_blocking=True)
-        else:
-            errors = fill_masks(constraints, logits)
+        errors = fill_masks([r.constraint for r in reqs], logits)
         ids: list[int | None] = [None] * len(reqs)
         live = [i for i in range(len(reqs)) if i not in errors]
         if live:
@@ -406,8 +402,15 @@ class EngineCore:
                 torch.tensor([ids[i] for i in want], device=dev),
                 top_n,
             )
-            fetch = self.runner.placement.fetch
-            chosen, top_ids, top_lp = fetch(chosen), fetch(top_ids), fetch(top_lp)
+            if self.runner.placement.on_device:  # one read for the three (fp64 holds ids exactly)
+                k = top_ids.shape[1]
+                packed = torch.cat([chosen[:, None].double(), top_lp.double(), top_ids.double()], 1)
+                host = self.runner.placement.fetch(packed)
+                chosen, top_lp, top_ids = (
+                    host[:, 0].float(),
+                    host[:, 1 : 1 + k].float(),
+                    host[:, 1 + k :].long(),
+                )
             for j, i in enumerate(want):
                 n = int(reqs[i].params.logprobs or 0)
                 pairs = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))
