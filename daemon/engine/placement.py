@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..experts.accelerator import Accelerator
+from ..models import gguf_blocks
 from ..models.layers import dense_native
 from ..models.layers.common import Linear
 from ..models.layers.rope import Rope
@@ -114,7 +115,7 @@ def check_fits(need: int, acc: Accelerator, what: str) -> None:
         return
     free, total = info
     raise DenseDoesNotFit(
-        f"{what} take {need / MIB:.0f} MiB on the device, which has {free / MIB:.0f} MiB free "
+        f"{what} do not fit the device: {need / MIB:.0f} MiB needed, {free / MIB:.0f} MiB free "
         f"of {total / MIB:.0f} MiB; `ftctl plan --model DIR --vram SIZE` shows what fits "
         f"(or serve with --moe-backend cpu)"
     )
@@ -131,7 +132,7 @@ def place_dense(model: nn.Module, acc: Accelerator) -> Placement:
         if qw is None:
             continue
         raw = qw.raw.to(dev)  # the packed blocks cross once; the bf16 matrix is made there
-        w = _dequantize(raw, qw.fmt).to(DEVICE_DTYPE)
+        w = gguf_blocks.dequantize(raw, qw.fmt).to(DEVICE_DTYPE)
         lin.weight = nn.Parameter(w, requires_grad=False)
         lin.qweight = None
     if any(p.is_meta for p in model.parameters()):
@@ -143,12 +144,6 @@ def place_dense(model: nn.Module, acc: Accelerator) -> Placement:
     return Placement(dev, acc)
 
 
-def _dequantize(raw: torch.Tensor, fmt: str) -> torch.Tensor:
-    from ..models import gguf_blocks
-
-    return gguf_blocks.dequantize(raw, fmt)
-
-
 def kv_tokens_for(
     requested: int | None, kv_bytes_per_token: int, acc: Accelerator | None, default: int
 ) -> int:
@@ -158,7 +153,7 @@ def kv_tokens_for(
     info = acc.mem_get_info() if acc is not None else None
     if requested is not None:
         if acc is not None:
-            check_fits(requested * kv_bytes_per_token, acc, f"a KV pool of {requested} tokens")
+            check_fits(requested * kv_bytes_per_token, acc, f"KV pages for {requested} tokens")
         return requested
     if info is None or kv_bytes_per_token == 0:
         return default
