@@ -15,7 +15,8 @@ from typing import Any, overload
 
 import torch
 
-from ..experts.accelerator import Accelerator, create_accelerator
+from ..experts import accelerator as accelerators
+from ..experts.accelerator import Accelerator
 from ..experts.backend import (
     BACKENDS,
     RoutingRecorder,
@@ -32,7 +33,14 @@ from ..models.loader import load_model, model_config, model_kind
 from ..models.model import kv_bytes_per_token
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
-from .placement import HOST, Placement, device_snapshot_bytes, kv_tokens_for, place_dense
+from .placement import (
+    HOST,
+    Placement,
+    dense_device_bytes,
+    device_snapshot_bytes,
+    kv_tokens_for,
+    place_dense,
+)
 from .prefix import PrefixReuse, SnapshotPolicy
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -59,7 +67,7 @@ def _enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
     """The entered ``FakeCudaAccelerator`` for ``accelerator="fake-cuda"``, else None."""
     if accelerator != "fake-cuda":
         return None
-    acc = create_accelerator("fake-cuda", vram_mib=vram_mib)
+    acc = accelerators.create_accelerator("fake-cuda", vram_mib=vram_mib)
     acc.open()  # type: ignore[attr-defined]  # the modes: per thread, see LLM._device_scope
     return acc
 
@@ -181,6 +189,12 @@ class LLM:
                 if record_routing is not None:
                     self.moe = RoutingRecorder(self.moe, record_routing)
                 self.runner = ModelRunner(self.model, self.moe, kv, page_size, self.placement)
+                if self.placement.on_device:
+                    log.info(
+                        "placement: dense weights %d MiB, KV pool %d tokens (%d MiB) on %s",
+                        dense_device_bytes(self.model) >> 20, kv, self.runner.kv.nbytes >> 20,
+                        self.placement.device,
+                    )  # fmt: skip
         except BaseException:
             self._exit_fake_device()
             raise
@@ -237,7 +251,8 @@ class LLM:
         ``DenseDoesNotFit`` with the numbers when it cannot)."""
         if backend == "cpu":
             return HOST
-        acc: Accelerator = self.fake_device or create_accelerator(accelerator)
+        # looked up at call time, as create_backend does (tests swap in a chaos-order stand-in)
+        acc: Accelerator = self.fake_device or accelerators.create_accelerator(accelerator)
         return place_dense(self.model, acc)
 
     def _backend(  # type: ignore[no-untyped-def]
@@ -262,7 +277,7 @@ class LLM:
                 max_step_tokens,
                 kv_tokens if self.placement.on_device else 0,
                 snapshots,
-            ),  # fmt: skip
+            ),
         )
 
     def _device_scope(self) -> AbstractContextManager[Any]:
