@@ -10,6 +10,7 @@ resizes are checked for placement (the new KV storage is on the device) and the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from freetokend.engine.core import NO_TOKEN
 from freetokend.engine.resize import resize_expert_slots, resize_kv_pages
 from freetokend.engine.sampler import SamplingParams
 
+ACCEL = os.environ.get("FT_TEST_ACCELERATOR", "standin")  # tests/gpu/check.sh: cuda
 MAX_TOKENS = 10
 KV_TOKENS = 512
 
@@ -66,7 +68,7 @@ def _serve(llm: LLM, between: Any = None) -> dict[str, list[int]]:
 def test_resize_mid_decode_changes_no_token(model_dir: Path, backend: str) -> None:
     def load() -> LLM:
         return LLM(model_dir, backend, max_model_len=128, kv_tokens=KV_TOKENS,
-                   accelerator="standin", moe_slots=4, prefix_cache=False)  # fmt: skip
+                   accelerator=ACCEL, moe_slots=4, prefix_cache=False)  # fmt: skip
 
     ref = _serve(load())
     llm = load()
