@@ -183,6 +183,37 @@ def test_fake_cuda_needs_the_card_size(tiny_dir: Path) -> None:
         pass
 
 
+@pytest.mark.parametrize("backend", ["fused", "hybrid"])
+def test_parking_frees_the_dense_weights_on_the_card(tiny_dir: Path, backend: str) -> None:
+    """A parked (idle) model leaves the card: slots and KV shrink, fused banks go, and the dense
+    weights move to the host; unparking brings them back and the engine steps as before."""
+    from freetokend.engine.placement import dense_device_bytes
+    from freetokend.manager.models import ResidentModel, park, unpark
+
+    llm = LLM(tiny_dir, backend, accelerator="fake-cuda", vram_mib=VRAM_MIB, kv_tokens=2048)
+    try:
+        acc = llm.fake_device
+        tr = acc.tracker
+        model = ResidentModel("m", tiny_dir, llm, None, 0, backend)  # type: ignore[arg-type]
+        dense = dense_device_bytes(llm.model)
+        with acc.in_thread():
+            loaded = tr.sweep()
+            park(model)
+            parked = tr.sweep()
+            assert all(p.device.type == "cpu" for p in llm.model.parameters())
+            assert loaded - parked >= dense
+            unpark(model)
+            assert tr.sweep() == pytest.approx(loaded, abs=64 * 1024)
+        _assert_dense_on_device(llm)
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        _step(llm)
+        before = tr.syncs.total
+        _step(llm)
+        assert tr.syncs.total - before == 1 + SYNCS_PER_MOE_LAYER[backend] * 2
+    finally:
+        llm.close()
+
+
 def test_dense_weights_that_do_not_fit_fail_at_load_with_the_numbers(tmp_path: Path) -> None:
     """No silent fallback to the host: a card without room for the dense weights refuses the
     load, naming their size and the card's free memory; the fake session is left."""

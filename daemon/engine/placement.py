@@ -137,11 +137,53 @@ def place_dense(model: nn.Module, acc: Accelerator) -> Placement:
         lin.qweight = None
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=dev)
+        for rope in _ropes(model):
+            rope.to(dev)
     else:
-        model.to(dev)
+        _move(model, dev)
+    return Placement(dev, acc)
+
+
+def _move(model: nn.Module, dev: torch.device) -> None:
+    """Every parameter and buffer to ``dev`` as a new tensor (tied weights stay tied: one copy
+    per original), and the rope tables. Not ``model.to``: for tensor subclasses (the fake
+    device's) it swaps tensors in place, which anything holding a reference forbids."""
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, its copy)
+
+    def copy(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in moved:  # the original is kept in the map: its id cannot be reused
+            new = t.detach().to(dev)
+            moved[id(t)] = (t, nn.Parameter(new, requires_grad=False) if param else new)
+        return moved[id(t)][1]
+
+    with torch.no_grad():
+        for mod in model.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    mod._parameters[name] = copy(p, True)  # type: ignore[assignment]
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = copy(b, False)
     for rope in _ropes(model):
         rope.to(dev)
-    return Placement(dev, acc)
+
+
+def park_dense(model: nn.Module, placement: Placement) -> None:
+    """An idle (parked) model's dense weights go to the host, freeing their device memory for
+    the active model; ``unpark_dense`` brings them back (no weight file is read)."""
+    if placement.on_device and placement.device.type != "cpu":
+        _move(model, torch.device("cpu"))
+
+
+def unpark_dense(model: nn.Module, placement: Placement) -> None:
+    """Undoes ``park_dense``; raises ``DenseDoesNotFit`` (nothing moved) when the device has no
+    room for the weights now."""
+    if placement.acc is None or placement.device.type == "cpu":
+        return
+    if next(model.parameters()).device == placement.device:
+        return
+    check_fits(dense_device_bytes(model), placement.acc, "the dense weights")
+    _move(model, placement.device)
 
 
 def kv_tokens_for(
