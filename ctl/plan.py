@@ -59,7 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="MoE backend (default auto: what the daemon picks)",
     )
     p.add_argument(
-        "--kv-tokens", type=int, default=131072, help="KV pool in tokens (default 131072)"
+        "--kv-tokens",
+        type=int,
+        help="KV pool in tokens (default: the daemon's: a quarter of the VRAM the dense weights "
+        "leave with an accelerator backend, 131072 on the host)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from freetokend.engine.plan import plan_model
     from freetokend.models.config import ConfigError
 
-    if args.kv_tokens < 1:
+    if args.kv_tokens is not None and args.kv_tokens < 1:
         print("ftctl plan: --kv-tokens must be at least 1", file=sys.stderr)
         return 2
     try:

@@ -2,11 +2,13 @@
 vram_mib=N)`` loads a tiny checkpoint, runs a 512-token prefill, decode steps and (slot backends)
 a resize down and up, with the real CUDA code path of every MoE backend.
 
-What is checked: no host/device mix (it would raise), the device peak within the simulated card
-(a resize included), and the host syncs of a decode step, counted exactly: dense layers are on
-the host, so each MoE layer's output comes back once (hybrid also reads its CPU share's ids).
-A change that adds a sync to the decode step fails here. The tokens are not checked: the fake
-device holds no data (its outputs reach the host as zeros), only that they are valid ids."""
+What is checked: no host/device mix (it would raise), every dense weight, the KV pool and the
+rope tables on the device, the device peak within the simulated card (a resize included), and
+the host syncs of a decode step, counted exactly: the dense part runs on the device, so the step's
+one read is its sampled token ids; hybrid adds one packed copy per MoE layer (its CPU share's
+activations, gate weights and expert ids). A change that adds a sync to the decode step fails
+here. The tokens are not checked: the fake device holds no data (its outputs reach the host as
+zeros), only that they are valid ids."""
 
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ MIB = 1 << 20
 VRAM_MIB = 1024  # 512 MiB usable after the simulated CUDA context
 PROMPT = 512
 DECODE_STEPS = 3
-# host syncs of one decode step per MoE layer (see the module docstring)
-SYNCS_PER_MOE_LAYER = {"fused": 1, "offload": 1, "hybrid": 2}
+# host syncs of one decode step per MoE layer (see the module docstring), besides the token ids
+SYNCS_PER_MOE_LAYER = {"fused": 0, "offload": 0, "hybrid": 1}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,7 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
         assert isinstance(acc, FakeCudaAccelerator) and llm.moe.acc is acc
         tr = acc.tracker
         moe_layers = llm.config.num_moe_layers
+        _assert_dense_on_device(llm)
         loaded = tr.sweep()
         assert loaded >= moe_layers * 8 * 3 * 64 * 32 * 2  # the device banks (bf16 experts)
         prompt = [3 + i % 90 for i in range(PROMPT)]
@@ -63,10 +66,19 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
             before = tr.syncs.total
             _step(llm)
             per_step.append(tr.syncs.total - before)
-        expected = SYNCS_PER_MOE_LAYER[backend] * moe_layers
+        expected = 1 + SYNCS_PER_MOE_LAYER[backend] * moe_layers
         assert per_step == [expected] * DECODE_STEPS, (tr.syncs.by_kind, per_step)
         assert set(tr.syncs.by_kind) == {"d2h"}  # copies back to the host, no scalar reads
         print(f"\n{backend}: {expected} host syncs per decode step over {moe_layers} MoE layers")
+        # a seeded sampled request: its generator lives on the device, still one read per step
+        llm.engine.add_request(
+            "s", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0.8, top_k=5, top_p=0.9,
+                                           min_p=0.05, seed=3, ignore_eos=True),
+        )  # fmt: skip
+        _step(llm)  # its prompt beside r's decode row
+        before = tr.syncs.total
+        _step(llm)  # two decode rows, one greedy and one seeded
+        assert tr.syncs.total - before == expected
         assert tr.peak <= tr.capacity
         if backend != "fused":
             with acc.in_thread():  # the engine's steps enter it themselves; a direct call not
@@ -77,6 +89,49 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
     assert llm.fake_device is None
     with FakeCudaAccelerator(vram_mib=VRAM_MIB):  # close() left the process-wide session
         pass
+
+
+class _EvenTokens:
+    """A grammar stand-in that masks in place on the logits' device."""
+
+    def fill_mask(self, logits: torch.Tensor) -> None:
+        with torch.inference_mode():
+            logits[1::2] = float("-inf")
+
+    def accept(self, token_id: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_grammar_and_logprobs_on_the_fake_card(tiny_dir: Path) -> None:
+    """A grammar mask is applied on the device (no read); logprobs cost one packed read."""
+    llm = LLM(tiny_dir, "offload", accelerator="fake-cuda", vram_mib=VRAM_MIB, kv_tokens=256)
+    try:
+        tr = llm.fake_device.tracker
+        for constraint, logprobs, reads in ((_EvenTokens(), None, 1), (None, 3, 2)):
+            params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=logprobs)
+            llm.engine.add_request("g", [5, 6, 7], params, constraint)
+            llm.engine.step()
+            before = tr.syncs.total
+            (out,) = llm.engine.step()
+            assert out.error is None and tr.syncs.total - before == reads
+            assert (out.top_logprobs is not None) == (logprobs is not None)
+            llm.engine.abort("g")
+            llm.engine.step()
+    finally:
+        llm.close()
+
+
+def _assert_dense_on_device(llm: LLM) -> None:
+    """Nothing of the dense part is on the host: weights, rope tables, KV pool."""
+    on_host = [n for n, p in llm.model.named_parameters() if p.device.type != "cuda"]
+    assert not on_host, on_host
+    assert llm.model.rope.inv_freq.device.type == "cuda"
+    kv = llm.runner.kv
+    assert kv.device.type == "cuda" and kv.k.device.type == kv.v.device.type == "cuda"
+    assert llm.runner.placement.on_device and llm.runner.placement.acc is llm.fake_device
 
 
 def _resize_down_and_up(llm: LLM) -> None:
@@ -114,7 +169,7 @@ def test_engine_steps_from_another_thread(tiny_dir: Path) -> None:
         t.start()
         t.join(60)
         assert len(got) == 2 and all(isinstance(x, int) for x in got), got
-        assert llm.fake_device.tracker.syncs.total == 2 * 2  # two steps, two MoE layers
+        assert llm.fake_device.tracker.syncs.total == 2  # two steps: their token ids
     finally:
         llm.close()
 
@@ -125,6 +180,49 @@ def test_fake_cuda_needs_the_card_size(tiny_dir: Path) -> None:
     with pytest.raises(ValueError, match="vram_mib"):
         LLM(tiny_dir, "offload", accelerator="standin", vram_mib=8192)
     with FakeCudaAccelerator(vram_mib=VRAM_MIB):  # a failed load left no session behind
+        pass
+
+
+@pytest.mark.parametrize("backend", ["fused", "hybrid"])
+def test_parking_frees_the_dense_weights_on_the_card(tiny_dir: Path, backend: str) -> None:
+    """A parked (idle) model leaves the card: slots and KV shrink, fused banks go, and the dense
+    weights move to the host; unparking brings them back and the engine steps as before."""
+    from freetokend.engine.placement import dense_device_bytes
+    from freetokend.manager.models import ResidentModel, park, unpark
+
+    llm = LLM(tiny_dir, backend, accelerator="fake-cuda", vram_mib=VRAM_MIB, kv_tokens=2048)
+    try:
+        acc = llm.fake_device
+        tr = acc.tracker
+        model = ResidentModel("m", tiny_dir, llm, None, 0, backend)  # type: ignore[arg-type]
+        dense = dense_device_bytes(llm.model)
+        with acc.in_thread():
+            loaded = tr.sweep()
+            park(model)
+            parked = tr.sweep()
+            assert all(p.device.type == "cpu" for p in llm.model.parameters())
+            assert loaded - parked >= dense
+            unpark(model)
+            assert tr.sweep() == pytest.approx(loaded, abs=64 * 1024)
+        _assert_dense_on_device(llm)
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        _step(llm)
+        before = tr.syncs.total
+        _step(llm)
+        assert tr.syncs.total - before == 1 + SYNCS_PER_MOE_LAYER[backend] * 2
+    finally:
+        llm.close()
+
+
+def test_dense_weights_that_do_not_fit_fail_at_load_with_the_numbers(tmp_path: Path) -> None:
+    """No silent fallback to the host: a card without room for the dense weights refuses the
+    load, naming their size and the card's free memory; the fake session is left."""
+    from freetokend.engine.placement import DenseDoesNotFit
+
+    make_tiny("qwen3_moe", tmp_path, seed=11, vocab_size=8192)  # ~4 MiB of embeddings + head
+    with pytest.raises(DenseDoesNotFit, match=r"dense weights .* 4 MiB needed, 1 MiB free"):
+        LLM(tmp_path, "offload", accelerator="fake-cuda", vram_mib=513, kv_tokens=256)
+    with FakeCudaAccelerator(vram_mib=VRAM_MIB):
         pass
 
 

@@ -48,21 +48,54 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict, st
     return rc, json.loads(out.out), out.err
 
 
-def test_qwen3_30b_fits_an_8gib_card_with_the_default_backend(qwen_dir, capsys) -> None:
-    rc, plan, err = _plan(capsys, "--model", str(qwen_dir), "--vram", "8GiB", "--ram", "96GiB")
+# bf16 bytes of Qwen3-30B-A3B's dense weights: embeddings and lm_head (151936 x 2048 each), 48 x
+# (q 4096 x 2048, k and v 512 x 2048, o 2048 x 4096, router 128 x 2048, q/k norms 2 x 128, two
+# layer norms 2 x 2048), the final norm 2048
+QWEN_DENSE = 2 * (
+    2 * 151936 * 2048 + 48 * (2 * 4096 * 2048 + 2 * 512 * 2048 + 128 * 2048 + 2 * 128 + 2 * 2048)
+    + 2048
+)  # fmt: skip
+QWEN_KV_PER_TOKEN = 48 * 2 * 4 * 128 * 2  # K and V, 4 KV heads of 128, bf16
+
+
+def _dense_parts_on_cuda(plan: dict) -> None:
+    place = plan["placement"]
+    for part in ("embeddings", "attention", "norms", "router", "lm_head", "kv_cache"):
+        assert place[part] == "cuda", (part, place)
+    assert "cpu" not in {dev for part, dev in place.items() if part != "expert_pool"}
+    assert place["expert_pool"] == "cpu" and place["expert_slots"] == "cuda"
+
+
+@pytest.mark.parametrize("backend", ["auto", "offload", "hybrid"])
+def test_qwen3_30b_fits_an_8gib_card_dense_and_kv_on_the_card(qwen_dir, capsys, backend) -> None:
+    rc, plan, err = _plan(
+        capsys, "--model", str(qwen_dir), "--vram", "8GiB", "--ram", "96GiB", "--backend", backend
+    )
     assert rc == 0 and plan["fits"], err
-    assert plan["backend"] == "offload"
-    assert 4096 < plan["vram_peak_mib"] <= 8192
-    assert 0 < plan["slots"] < 48 * 128 // 2  # sized from the card, not half of the pool
-    assert plan["slots"] * plan["slot_mib"] < 8192
-    assert plan["kv_tokens"] == 131072
-    assert plan["placement"]["expert_slots"] == "cuda"
-    assert plan["placement"]["expert_pool"] == "cpu" and plan["placement"]["kv_cache"] == "cpu"
-    # dense layers on the host: the MoE output comes back once per MoE layer
-    assert plan["host_syncs_per_decode_step"] == 48
-    # 54 GiB of experts + 2.9 GiB dense + 12 GiB KV of 131072 tokens
-    assert 60_000 < plan["ram_peak_mib"] < 80_000
-    print(f"\nqwen3-30b-a3b on 8 GiB: {json.dumps(plan)}")
+    assert plan["backend"] == ("offload" if backend == "auto" else backend)
+    _dense_parts_on_cuda(plan)
+    assert plan["parts_mib"]["dense_weights"] == pytest.approx(QWEN_DENSE / 2**20)
+    # the KV pool: a quarter of what the dense weights leave of the card's 7.5 GiB after the
+    # CUDA context (placement.DEVICE_KV_SHARE); the slots shrink to what is left after both
+    left = 7680 * 2**20 - QWEN_DENSE
+    assert plan["kv_tokens"] == pytest.approx(left // 4 // QWEN_KV_PER_TOKEN, abs=64)
+    slots_mib = plan["slots"] * plan["slot_mib"]
+    assert 0 < plan["slots"] < 48 * 128 // 2
+    assert slots_mib < (left / 2**20) - plan["parts_mib"]["kv_cache"]
+    assert slots_mib > 0.5 * ((left / 2**20) - plan["parts_mib"]["kv_cache"])  # not starved
+    assert 7000 < plan["vram_peak_mib"] <= 8192
+    # the sampled token ids each step (hybrid: + one packed copy per MoE layer to its CPU share)
+    assert plan["host_syncs_per_decode_step"] == (49 if backend == "hybrid" else 1)
+    # host: the 54 GiB expert pool only (the dense part and KV are on the card)
+    assert 54_000 < plan["ram_peak_mib"] < 56_000
+    print(f"\nqwen3-30b-a3b on 8 GiB ({backend}): {json.dumps(plan)}")
+
+
+def test_dense_weights_too_large_for_the_card_fail_with_the_numbers(qwen_dir, capsys) -> None:
+    rc, plan, err = _plan(capsys, "--model", str(qwen_dir), "--vram", "3GiB", "--ram", "96GiB")
+    assert rc == 1 and not plan["fits"]
+    assert "dense weights" in plan["reason"]
+    assert f"{QWEN_DENSE / 2**20:.0f} MiB" in plan["reason"] and "2560 MiB free" in plan["reason"]
 
 
 def test_what_does_not_fit_exits_non_zero_with_the_reason(qwen_dir, capsys) -> None:
@@ -71,6 +104,9 @@ def test_what_does_not_fit_exits_non_zero_with_the_reason(qwen_dir, capsys) -> N
     assert "out of memory" in plan["reason"] and "does not fit" in err
     rc, plan, err = _plan(capsys, "--model", str(qwen_dir), "--backend", "cpu", "--ram", "32GiB")
     assert rc == 1 and "host RAM" in plan["reason"] and plan["placement"]["expert_pool"] == "cpu"
+    # the cpu backend keeps everything on the host: 54 GiB experts + 2.9 GiB dense + 12 GiB KV
+    assert plan["kv_tokens"] == 131072 and plan["placement"]["kv_cache"] == "cpu"
+    assert 60_000 < plan["ram_peak_mib"] < 80_000
 
 
 def test_bad_input(tmp_path: Path, capsys) -> None:
@@ -126,3 +162,31 @@ def test_an_mxfp4_model_plans_with_bf16_device_slots(tmp_path: Path, capsys) -> 
     assert plan["vram_peak_mib"] <= 8192
     # host: the packed pool (12 GiB) and its bf16 copy for the device (36 GiB)
     assert 45_000 < plan["parts_mib"]["expert_pool"] < 50_000
+
+
+# gpt-oss-120b's config.json: 36 layers x 128 mxfp4 experts, top-4 (65 GB of experts)
+GPT_OSS_120B = {
+    **GPT_OSS_20B,
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+}
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_gpt_oss_120b_fits_a_24gib_card(tmp_path: Path, capsys, backend) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_120B))
+    # host: the packed pool and its bf16 copy for the device slots (~60 + ~214 GiB)
+    rc, plan, err = _plan(
+        capsys, "--model", str(tmp_path), "--vram", "24GiB", "--ram", "320GiB",
+        "--backend", backend,
+    )  # fmt: skip
+    assert rc == 0 and plan["fits"], err
+    _dense_parts_on_cuda(plan)
+    # bf16: embeddings + lm_head 2 x 201088 x 2880 (2209 MiB), 36 x attention (q/o 4096 x 2880,
+    # k/v 512 x 2880: 1823 MiB), routers, norms, biases, sinks
+    assert 4040 < plan["parts_mib"]["dense_weights"] < 4080
+    assert plan["vram_peak_mib"] <= 24 * 1024
+    assert plan["kv_tokens"] > 32768  # a long context on the card beside the slots
+    assert plan["slots"] >= 2 * 128  # a full-layer double buffer for prefill
+    print(f"\ngpt-oss-120b on 24 GiB ({backend}): {json.dumps(plan)}")

@@ -35,5 +35,7 @@ class ForwardBatch:
     kv: KVPool
     moe: MoEBackend
     logits_rows: torch.Tensor  # [B] rows whose logits are wanted (usually each chunk's last)
+    # the largest of ``positions``, known on the host (positions may live on a device)
+    max_position: int | None = None
     # what layers derive once per batch and share (e.g. the decode rows' page tables)
     derived: dict[str, Any] = field(default_factory=dict)

@@ -143,7 +143,7 @@ class EngineCore:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context ({self.max_model_len})"
             )
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = self.runner.placement.generator(params)  # where the logits are sampled
         req = _Request(request_id, list(prompt_ids), params, constraint, gen)
         with self._lock:
             self._inbox.append(("add", req))
@@ -320,14 +320,25 @@ class EngineCore:
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
         """One token per request in ``reqs`` (logits [B, V], row i for reqs[i]). A failure in
-        one request's grammar, sampling or logprobs ends that request alone (row_guard)."""
+        one request's grammar, sampling or logprobs ends that request alone (row_guard).
+
+        Logits on a device are sampled there; the host reads the token ids (one copy). Grammar
+        masks are applied where the logits are (a constraint sends its bitmask there: a host ->
+        device copy, no sync); logprobs cost one more read.
+        """
+        place = self.runner.placement
         errors = fill_masks([r.constraint for r in reqs], logits)
         ids: list[int | None] = [None] * len(reqs)
         live = [i for i in range(len(reqs)) if i not in errors]
         if live:
-            sub = logits if len(live) == len(reqs) else logits[torch.tensor(live)]
+            sub = logits
+            if len(live) != len(reqs):
+                sub = logits[torch.tensor(live, device=logits.device)]
             got, bad = sample_rows(
-                sub, [reqs[i].params for i in live], [reqs[i].generator for i in live]
+                sub,
+                [reqs[i].params for i in live],
+                [reqs[i].generator for i in live],
+                place.fetch,
             )
             for j, i in enumerate(live):
                 ids[i] = got[j]
@@ -385,9 +396,21 @@ class EngineCore:
         out: dict[int, tuple[float, list[tuple[int, float]]]] = {}
         try:
             top_n = max(int(reqs[i].params.logprobs or 0) for i in want)
+            dev = logits.device
             chosen, top_ids, top_lp = logprobs_of(
-                logits[torch.tensor(want)], torch.tensor([ids[i] for i in want]), top_n
+                logits[torch.tensor(want, device=dev)],
+                torch.tensor([ids[i] for i in want], device=dev),
+                top_n,
             )
+            if self.runner.placement.on_device:  # one read for the three (fp64 holds ids exactly)
+                k = top_ids.shape[1]
+                packed = torch.cat([chosen[:, None].double(), top_lp.double(), top_ids.double()], 1)
+                host = self.runner.placement.fetch(packed)
+                chosen, top_lp, top_ids = (
+                    host[:, 0].float(),
+                    host[:, 1 : 1 + k].float(),
+                    host[:, 1 + k :].long(),
+                )
             for j, i in enumerate(want):
                 n = int(reqs[i].params.logprobs or 0)
                 pairs = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True))

@@ -15,12 +15,15 @@ from typing import Any, overload
 
 import torch
 
+from ..experts import accelerator as accelerators
+from ..experts.accelerator import Accelerator
 from ..experts.backend import (
     BACKENDS,
     RoutingRecorder,
     SlotBudget,
     create_backend,
     moe_activation_bytes,
+    resolve_backend,
 )
 from ..experts.banks import ActivationSpec, activation_of
 from ..models.config import ModelConfig
@@ -30,6 +33,14 @@ from ..models.loader import load_model, model_config, model_kind
 from ..models.model import kv_bytes_per_token
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
+from .placement import (
+    HOST,
+    Placement,
+    dense_device_bytes,
+    device_snapshot_bytes,
+    kv_tokens_for,
+    place_dense,
+)
 from .prefix import PrefixReuse, SnapshotPolicy
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -39,21 +50,24 @@ log = logging.getLogger(__name__)
 _DEFAULT_KV_TOKENS = 131072
 
 
-def _slot_budget(model: Any, cfg: ModelConfig, step_tokens: int) -> SlotBudget:
-    """What the default slot count leaves free on the device: the KV reserve (K + V of every
-    attention layer per token) and one step's MoE activations."""
+def _slot_budget(
+    model: Any, cfg: ModelConfig, step_tokens: int, kv_tokens: int, snapshot_bytes: int
+) -> SlotBudget:
+    """What the default slot count leaves free on the device: the KV pool (K + V of every
+    attention layer per token, allocated after the slots), one step's MoE activations and the
+    recurrent-state snapshots' budget when they live there."""
     kv = kv_bytes_per_token(model)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
-    return SlotBudget(kv_bytes_per_token=kv, activation_bytes=act)
+    return SlotBudget(
+        kv_reserve_tokens=kv_tokens, kv_bytes_per_token=kv, activation_bytes=act + snapshot_bytes
+    )
 
 
 def _enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
     """The entered ``FakeCudaAccelerator`` for ``accelerator="fake-cuda"``, else None."""
     if accelerator != "fake-cuda":
         return None
-    from ..experts.accelerator import create_accelerator
-
-    acc = create_accelerator("fake-cuda", vram_mib=vram_mib)
+    acc = accelerators.create_accelerator("fake-cuda", vram_mib=vram_mib)
     acc.open()  # type: ignore[attr-defined]  # the modes: per thread, see LLM._device_scope
     return acc
 
@@ -62,9 +76,12 @@ class LLM:
     """A loaded model with its tokenizer, chat template and engine.
 
     model_dir    HF checkpoint folder (config.json, safetensors, tokenizer files)
-    moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1)
+    moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1); every backend but cpu also
+                 puts the dense weights, KV pool and sampling on the accelerator (placement.py)
     max_model_len  context limit (default: the model's, at most kv_tokens)
-    kv_tokens    KV pool size in tokens over all sequences (default 131072)
+    kv_tokens    KV pool size in tokens over all sequences (default: 131072 with the cpu backend;
+                 with fused/offload/hybrid the pool is on the accelerator, by default a quarter
+                 of the memory the dense weights leave there, engine/placement.py)
     moe_slots    expert slots on the accelerator (offload / hybrid; default: what fits the device's
                  free memory, see ``SlotBudget``)
     accelerator  auto | standin (CPU stand-in, for tests) | cuda | fake-cuda (the real CUDA code
@@ -156,22 +173,39 @@ class LLM:
         self.fake_device = _enter_fake_device(accelerator, vram_mib)
         try:
             with self._device_scope():
-                self.moe = self._backend(moe_backend, act, accelerator, moe_slots, bandwidth,
-                                     threads, max_step_tokens)  # fmt: skip
+                # order on a device: dense weights, then the KV pool's size from what they
+                # leave, then the expert slots from what is left after both (engine/placement)
+                backend = resolve_backend(moe_backend, self.fake_device or accelerator, bandwidth)
+                self.placement = self._place(backend, accelerator)
+                kv = kv_tokens_for(
+                    kv_tokens, kv_bytes_per_token(self.model), self.placement.acc,
+                    _DEFAULT_KV_TOKENS,
+                )  # fmt: skip
+                snapshots = device_snapshot_bytes(
+                    self.model, int(snapshot_budget_mb * 2**20), self.placement.on_device
+                )
+                self.moe = self._backend(backend, act, moe_slots, bandwidth, threads,
+                                         max_step_tokens, kv, snapshots)  # fmt: skip
+                if record_routing is not None:
+                    self.moe = RoutingRecorder(self.moe, record_routing)
+                self.runner = ModelRunner(self.model, self.moe, kv, page_size, self.placement)
+                if self.placement.on_device:
+                    log.info(
+                        "placement: dense weights %d MiB, KV pool %d tokens (%d MiB) on %s",
+                        dense_device_bytes(self.model) >> 20, kv, self.runner.kv.nbytes >> 20,
+                        self.placement.device,
+                    )  # fmt: skip
         except BaseException:
             self._exit_fake_device()
             raise
-        if record_routing is not None:
-            self.moe = RoutingRecorder(self.moe, record_routing)
-        # Default context: the model's, bounded by the KV pool (default 131072 tokens; pages are
-        # committed only when written). Agents ask for max_tokens 32000 on top of long prompts.
-        kv = kv_tokens or _DEFAULT_KV_TOKENS
+        # Default context: the model's, bounded by the KV pool (default 131072 tokens on the
+        # host, where pages are committed only when written; on a card, its share of VRAM).
+        # Agents ask for max_tokens 32000 on top of long prompts.
         self.max_model_len = min(
             max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, kv)
-        self.runner = ModelRunner(self.model, self.moe, kv, page_size)
         self._tokenizer: Any = None
         self._chat_template: Any = None
         prefix = None
@@ -212,21 +246,38 @@ class LLM:
         assert prefix.snapshots is not None
         prefix.snapshots.keep_prefix = True
 
+    def _place(self, backend: str, accelerator: str) -> Placement:
+        """The host for the cpu backend; else the dense part moves to the accelerator (raises
+        ``DenseDoesNotFit`` with the numbers when it cannot)."""
+        if backend == "cpu":
+            return HOST
+        # looked up at call time, as create_backend does (tests swap in a chaos-order stand-in)
+        acc: Accelerator = self.fake_device or accelerators.create_accelerator(accelerator)
+        return place_dense(self.model, acc)
+
     def _backend(  # type: ignore[no-untyped-def]
-        self, name, act, accelerator, moe_slots, bandwidth, threads, max_step_tokens
+        self, name, act, moe_slots, bandwidth, threads, max_step_tokens, kv_tokens, snapshots
     ) -> Any:
         cfg = self.config
+        acc = self.placement.acc
         return create_backend(
             name,
             self.banks,
             cfg.num_moe_layers,
             cfg.num_experts,
             act,
-            accelerator=self.fake_device or accelerator,
+            accelerator=acc if acc is not None else (self.fake_device or "standin"),
             moe_slots=moe_slots,
             bandwidth=bandwidth,
             threads=threads,
-            slot_budget=_slot_budget(self.model, cfg, max_step_tokens),
+            # the KV pool is allocated after the slots: on a device, they leave it room
+            slot_budget=_slot_budget(
+                self.model,
+                cfg,
+                max_step_tokens,
+                kv_tokens if self.placement.on_device else 0,
+                snapshots,
+            ),
         )
 
     def _device_scope(self) -> AbstractContextManager[Any]:
@@ -350,7 +401,7 @@ class LLM:
                 out = self.runner.forward([Work(state, list(token_ids), all_logits=True)])
         finally:
             self.runner.release(state)
-        return out.float()
+        return self.runner.placement.fetch(out).float()
 
     # ---- generation -------------------------------------------------------------------------
     @overload

@@ -2,15 +2,18 @@
 
 ``plan_model`` reads only ``config.json``: the dense weights are built on the meta device and
 the expert pool as fake (data-less) host banks, so a model can be planned before it is
-downloaded. On a ``FakeCudaAccelerator`` of the card's size it then runs what the daemon runs:
-the MoE backend's load, a prompt chunk through every MoE layer and decode steps, with the real
-CUDA code path; device bytes are counted (the CUDA context included) and an allocation beyond
-the card fails as it would on the GPU. Host RAM is what the daemon keeps resident: the dense
-weights, the expert pool (and its bf16 copy when a quantized pool is computed on the device),
-the KV pool and the snapshot budget.
+downloaded. On a ``FakeCudaAccelerator`` of the card's size it then does what the daemon does at
+load, with the same functions (engine/placement.py): the dense weights go to the card (bf16 where
+a checkpoint is quantized; ``DenseDoesNotFit`` when they alone exceed it), the KV pool takes its
+share of what is left, the MoE backend sizes its slots from the rest; then a prompt chunk and
+decode steps run through the MoE layers with the real CUDA code path. Device bytes are counted
+(the CUDA context included) and an allocation beyond the card fails as it would on the GPU. Host
+RAM is what the daemon keeps resident: the expert pool (and its bf16 copy when a quantized pool
+is computed on the device), and for the ``cpu`` backend the dense weights, KV pool and snapshots.
 
-Dense layers and the KV pool stay on the host for now (the placement work moves them), so the
-plan says ``cpu`` for them and counts the host syncs this costs per decode step.
+Host syncs per decode step: the MoE layers' (measured on the simulated layers, scaled to all)
+plus the sampled token ids (one read; the dense part runs on the device, tests/
+test_fake_cuda_engine.py counts a whole engine step).
 """
 
 from __future__ import annotations
@@ -23,14 +26,24 @@ from typing import Any
 
 import torch
 
+from .placement import (
+    dense_device_bytes,
+    device_snapshot_bytes,
+    kv_tokens_for,
+    place_dense,
+    placement_of,
+)
+
 MIB = 1 << 20
 PROMPT_TOKENS = 512  # the engine's default step budget: one prefill chunk
-DEFAULT_KV_TOKENS = 131072  # LLM's default pool
+DEFAULT_KV_TOKENS = 131072  # LLM's default pool on the host (on a card: its share, placement.py)
 SNAPSHOT_MIB = 256  # LLM's default snapshot budget
 # MoE layers run per simulated step: every MoE layer has the same shapes, so the device peak of
 # a step is reached within its first layers (the prefill stream holds two at a time); host
 # syncs are counted per layer and scaled to all layers. Fake ops cost ~1 ms each on a CPU.
 SIM_LAYERS = 4
+PAGE_SIZE = 16  # the engine's default KV page
+_HOST_PARTS = ("embeddings", "attention", "norms", "router", "shared_experts", "lm_head")
 
 
 @dataclass
@@ -64,15 +77,6 @@ def _meta_model(cfg: Any) -> Any:
         return build_model(cfg)
 
 
-def _dense_bytes(model: Any) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:  # tied embeddings count once
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
-
-
 def total_ram() -> int:
     """Physical memory of this machine, bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -83,59 +87,71 @@ def plan_model(
     vram_mib: int,
     ram_mib: int | None = None,
     backend: str = "auto",
-    kv_tokens: int = DEFAULT_KV_TOKENS,
+    kv_tokens: int | None = None,
     decode_steps: int = 2,
 ) -> Plan:
     """Plans ``model_dir`` (a folder with ``config.json``) on a ``vram_mib`` card and a host of
-    ``ram_mib`` (default: this machine's RAM). Raises ``ConfigError`` for a bad config."""
-    from ..experts.backend import SlotBudget, moe_activation_bytes
+    ``ram_mib`` (default: this machine's RAM); ``kv_tokens`` None: the engine's default for the
+    placement. Raises ``ConfigError`` for a bad config."""
+    from ..experts.backend import resolve_backend
     from ..experts.fakecuda import FakeCudaAccelerator
     from ..models.config import ModelConfig
-    from ..models.model import kv_bytes_per_token
 
     cfg = ModelConfig.from_hf(Path(model_dir))
     ram_mib = ram_mib if ram_mib is not None else total_ram() // MIB
     model = _meta_model(cfg)
-    kv_per_token = kv_bytes_per_token(model)
-    plan = Plan(str(model_dir), True, "", backend, vram_mib, ram_mib, kv_tokens=kv_tokens)
+    plan = Plan(str(model_dir), True, "", backend, vram_mib, ram_mib)
     plan.expert_format = cfg.expert_format
-    dense = _dense_bytes(model)
-    kv = kv_tokens * kv_per_token
-    plan.parts_mib = {"dense_weights": dense / MIB, "kv_cache": kv / MIB}
     acc = FakeCudaAccelerator(vram_mib)
-    budget = SlotBudget(
-        kv_bytes_per_token=kv_per_token,
-        activation_bytes=moe_activation_bytes(
-            PROMPT_TOKENS, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size
-        ),
-    )
+    plan.backend = resolve_backend(backend, acc)
+    dense = dense_device_bytes(model)
     try:
         with acc:
-            _run(plan, cfg, acc, backend, budget, decode_steps)
-    except torch.OutOfMemoryError as e:
+            _run(plan, cfg, model, acc, kv_tokens, decode_steps)
+    except torch.OutOfMemoryError as e:  # DenseDoesNotFit included
         plan.fits, plan.reason = False, f"the card runs out of memory: {e}"
     tr = acc.tracker
     plan.vram_peak_mib = (acc.session.context_bytes + tr.peak) / MIB
-    host = dense + kv + SNAPSHOT_MIB * MIB + tr.host.peak
+    plan.parts_mib["dense_weights"] = dense / MIB
     plan.parts_mib["expert_pool"] = tr.host.peak / MIB
+    host = tr.host.peak
+    if plan.backend == "cpu":  # the dense part, KV pool and snapshots stay on the host
+        host += dense + int(plan.parts_mib.get("kv_cache", 0) * MIB) + SNAPSHOT_MIB * MIB
     plan.ram_peak_mib = host / MIB
     if plan.fits and plan.ram_peak_mib > ram_mib:
         plan.fits = False
         plan.reason = (
-            f"host RAM: {plan.ram_peak_mib:.0f} MiB needed (dense weights, expert pool, KV pool "
-            f"of {kv_tokens} tokens, snapshots), {ram_mib} MiB available"
+            f"host RAM: {plan.ram_peak_mib:.0f} MiB needed (expert pool"
+            + (
+                f", dense weights, KV pool of {plan.kv_tokens} tokens, snapshots"
+                if plan.backend == "cpu"
+                else ""
+            )
+            + f"), {ram_mib} MiB available"
         )
     return plan
 
 
-def _run(plan: Plan, cfg: Any, acc: Any, backend: str, budget: Any, steps: int) -> None:
-    """Load + a prompt chunk + decode steps of the MoE backend on the fake card."""
-    from ..experts.backend import create_backend
+def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, steps: int) -> None:
+    """Load (dense placement, KV pool, MoE backend) + a prompt chunk + decode steps on the fake
+    card; fills ``plan`` as it goes (what was sized before an out-of-memory error stays)."""
+    from ..experts.backend import SlotBudget, create_backend, moe_activation_bytes
     from ..experts.banks import ActivationSpec, activation_of
     from ..experts.device_backends import FusedBackend, OffloadBackend
     from ..experts.formats import allocate
+    from ..kv.pool import KVPool
+    from ..models.model import kv_bytes_per_token
 
     layers, experts = cfg.num_moe_layers, cfg.num_experts
+    kv_per_token = kv_bytes_per_token(model)
+    on_device = plan.backend != "cpu"
+    if on_device:
+        placement = place_dense(model, acc)
+        plan.placement = placement_of(model)
+    plan.kv_tokens = kv_tokens_for(
+        kv_tokens, kv_per_token, acc if on_device else None, DEFAULT_KV_TOKENS
+    )
+    plan.parts_mib["kv_cache"] = plan.kv_tokens * kv_per_token / MIB
     with acc.session.fake_mode:
         banks = allocate(
             cfg.expert_format, layers * experts, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -144,50 +160,52 @@ def _run(plan: Plan, cfg: Any, acc: Any, backend: str, budget: Any, steps: int) 
     for t in banks.all_tensors().values():
         acc.tracker.host.note(t)
     act = ActivationSpec(activation_of(cfg.activation))
+    budget = SlotBudget(
+        kv_reserve_tokens=plan.kv_tokens if on_device else 0,
+        kv_bytes_per_token=kv_per_token,
+        activation_bytes=moe_activation_bytes(
+            PROMPT_TOKENS, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size
+        )
+        + device_snapshot_bytes(model, SNAPSHOT_MIB * MIB, on_device),
+    )
     be: Any = create_backend(
-        backend, banks, layers, experts, act, accelerator=acc, slot_budget=budget
+        plan.backend, banks, layers, experts, act, accelerator=acc, slot_budget=budget
     )
     if isinstance(be, FusedBackend):
-        plan.backend, plan.slots = "fused", layers * experts
+        plan.slots = layers * experts
     elif isinstance(be, OffloadBackend):
-        plan.backend = "hybrid" if be.hybrid else "offload"
         plan.slots = be.cache.num_slots
         plan.slot_mib = be.slot_bytes / MIB
-    else:
-        plan.backend = "cpu"
-    plan.placement = _placement(plan.backend)
+    if not on_device:
+        plan.placement = {part: "cpu" for part in _HOST_PARTS}
+        plan.placement.update(kv_cache="cpu", expert_pool="cpu", expert_slots="cpu")
+        return  # nothing on the device; the native executor is not simulated
+    heads, head_dim = model.kv_geometry
+    pages = max(1, -(-plan.kv_tokens // PAGE_SIZE))
+    pool = KVPool(
+        model.num_attention_layers, pages, PAGE_SIZE, heads, head_dim, model.dtype,
+        layer_shapes=model.kv_layer_shapes, device=placement.device,
+    )  # fmt: skip
+    plan.placement.update(kv_cache=pool.device.type, expert_pool="cpu", expert_slots="cuda")
+    if model.num_linear_layers:
+        plan.placement["recurrent_state"] = placement.device.type
     gen = torch.Generator().manual_seed(0)
     sim = min(layers, SIM_LAYERS)
+    dev = placement.device
 
     def step(tokens: int, prefill: bool) -> None:
-        x = torch.randn(tokens, cfg.hidden_size, generator=gen)
-        ids = torch.rand(tokens, experts, generator=gen).topk(cfg.top_k, dim=-1).indices
-        w = torch.full((tokens, cfg.top_k), 1.0 / cfg.top_k)
+        # the layer's input, ids and gate weights on the device, as the placed router leaves them
+        x = torch.randn(tokens, cfg.hidden_size, generator=gen).to(dev)
+        ids = torch.rand(tokens, experts, generator=gen).topk(cfg.top_k, dim=-1).indices.to(dev)
+        w = torch.full((tokens, cfg.top_k), 1.0 / cfg.top_k).to(dev)
         be.begin_step(tokens, prefill)
         for layer in range(sim):
             be.forward(layer, x, ids, w)
         be.end_step()
 
-    if plan.backend == "cpu":
-        return  # nothing on the device; the native executor is not simulated
     step(PROMPT_TOKENS, True)
     before = acc.tracker.syncs.total
     for _ in range(steps):
         step(1, False)
     per_layer = (acc.tracker.syncs.total - before) / (steps * sim)
-    plan.host_syncs_per_decode_step = per_layer * layers
-
-
-def _placement(backend: str) -> dict[str, str]:
-    experts_dev = {"fused": "cuda", "cpu": "cpu"}.get(backend, "cuda")
-    return {
-        "embeddings": "cpu",
-        "attention": "cpu",
-        "router": "cpu",
-        "norms": "cpu",
-        "shared_experts": "cpu",
-        "lm_head": "cpu",
-        "kv_cache": "cpu",
-        "expert_pool": "cpu",  # the host pool: source of truth, pinned
-        "expert_slots": experts_dev,
-    }
+    plan.host_syncs_per_decode_step = per_layer * layers + 1  # + the sampled token ids

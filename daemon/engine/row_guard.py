@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,15 +60,21 @@ def fill_masks(
     return errors
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    fetch: Callable[[torch.Tensor], torch.Tensor] = _same,
 ) -> tuple[list[int | None], dict[int, str]]:
-    """Next token per row of ``logits`` [B, V] (None where that row failed) and {row: reason}."""
+    """Next token per row of ``logits`` [B, V] (None where that row failed) and {row: reason}.
+    ``fetch`` brings the sampled ids to the host (logits on a device: the step's one read)."""
     saved = [g.get_state() if g is not None else None for g in generators]
     try:
-        return list(sample(logits, params, generators).tolist()), {}
+        return list(fetch(sample(logits, params, generators)).tolist()), {}
     except Exception:
         log.warning("batched sampling failed; sampling row by row", exc_info=True)
     ids: list[int | None] = []
@@ -77,7 +83,7 @@ def sample_rows(
         if g is not None and state is not None:
             g.set_state(state)
         try:
-            ids.append(int(sample(logits[i : i + 1], [p], [g])[0]))
+            ids.append(int(fetch(sample(logits[i : i + 1], [p], [g]))[0]))
         except Exception as e:
             ids.append(None)
             errors[i] = _why("sampling", e)

@@ -1,4 +1,8 @@
-"""ModelRunner: owns the model, the KV pool and the MoE backend; runs one flat forward batch."""
+"""ModelRunner: owns the model, the KV pool and the MoE backend; runs one flat forward batch.
+
+The KV pool and every sequence's recurrent state are allocated where the dense part runs
+(``Placement.device``); the batch's token ids, positions and logits rows are sent there (host ->
+device copies, no sync) and the logits stay there."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from ..kv.seq_state import SeqState
 from ..models.layers.deltanet import GatedDeltaNet
 from ..models.model import CausalLM
 from .batch import ForwardBatch, SeqChunk
+from .placement import HOST, Placement
 
 
 @contextmanager
@@ -49,10 +54,16 @@ class Work:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, moe: MoEBackend, kv_tokens: int, page_size: int = 16
+        self,
+        model: CausalLM,
+        moe: MoEBackend,
+        kv_tokens: int,
+        page_size: int = 16,
+        placement: Placement = HOST,
     ) -> None:
         cfg = model.cfg
         self.model, self.cfg, self.moe = model, cfg, moe
+        self.placement = placement
         self.page_size = page_size
         num_pages = max(1, -(-kv_tokens // page_size))
         self.kv = KVPool(
@@ -62,12 +73,15 @@ class ModelRunner:
             *model.kv_geometry,
             model.dtype,
             layer_shapes=model.kv_layer_shapes,
+            device=placement.device,
         )
 
     def new_state(self) -> SeqState:
         st = SeqState()
         if self.model.num_linear_layers:
-            st.recurrent = GatedDeltaNet.new_state(self.cfg, self.model.num_linear_layers)
+            st.recurrent = GatedDeltaNet.new_state(
+                self.cfg, self.model.num_linear_layers, self.placement.device
+            )
         return st
 
     def pages_missing(self, state: SeqState, total_tokens: int) -> int:
@@ -87,31 +101,33 @@ class ModelRunner:
     def forward(self, work: list[Work]) -> torch.Tensor:
         """Runs all work items as one batch; returns logits [num items with want_logits, vocab]."""
         ids: list[int] = []
-        pos: list[torch.Tensor] = []
+        pos: list[int] = []
         chunks: list[SeqChunk] = []
         rows: list[int] = []
         for w in work:
             n = len(w.tokens)
             self.reserve(w.state, w.state.num_tokens + n)
             chunks.append(SeqChunk(len(ids), n, w.state.num_tokens, w.state))
-            pos.append(torch.arange(w.state.num_tokens, w.state.num_tokens + n))
+            pos.extend(range(w.state.num_tokens, w.state.num_tokens + n))
             ids.extend(w.tokens)
             if w.want_logits and w.all_logits:
                 rows.extend(range(len(ids) - n, len(ids)))
             elif w.want_logits:
                 rows.append(len(ids) - 1)
+        dev = self.placement.device
         batch = ForwardBatch(
-            token_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.cat(pos),
+            token_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
             chunks=chunks,
             kv=self.kv,
             moe=self.moe,
-            logits_rows=torch.tensor(rows, dtype=torch.long),
+            logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            max_position=max(pos, default=0),
         )
         prefill = any(len(w.tokens) > 1 for w in work)
         self.moe.begin_step(len(ids), prefill=prefill)
         try:
-            with _torch_threads(None if prefill else 1):
+            with _torch_threads(None if prefill else 1), self.placement.scope():
                 logits = self.model(batch)
         finally:
             self.moe.end_step()

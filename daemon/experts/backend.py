@@ -160,6 +160,37 @@ def moe_activation_bytes(tokens: int, top_k: int, hidden: int, inter: int) -> in
     return 4 * (routes + tokens * hidden + expert + work)
 
 
+def resolve_backend(
+    name: str,
+    accelerator: str | Accelerator = "auto",
+    bandwidth: tuple[float, float] | None = None,
+) -> str:
+    """The concrete backend ``name`` stands for: ``auto`` is cpu without a device; with one,
+    offload, upgraded to hybrid when a bandwidth profile (B_P, B_H) says the CPU branch pays
+    (B_H > B_P). Other names are themselves."""
+    from .accelerator import StandinAccelerator
+
+    if name not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name
+    given = accelerator if isinstance(accelerator, Accelerator) else None
+    no_device = (
+        isinstance(given, StandinAccelerator)
+        if given is not None
+        else accelerator == "standin" or (accelerator == "auto" and not torch.cuda.is_available())
+    )
+    if no_device:
+        return "cpu"
+    if bandwidth is not None and bandwidth[1] > bandwidth[0]:
+        return "hybrid"
+    if bandwidth is None:
+        log.info(
+            "moe_backend auto: no bandwidth profile stored; using offload (run `ftctl bench bw`)"
+        )
+    return "offload"
+
+
 def create_backend(
     name: str,
     banks: ExpertBanks,
@@ -182,26 +213,8 @@ def create_backend(
     """
     from .accelerator import StandinAccelerator, create_accelerator
 
-    if name not in BACKENDS:
-        raise ValueError(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    name = resolve_backend(name, accelerator, bandwidth)
     given = accelerator if isinstance(accelerator, Accelerator) else None
-    if name == "auto":
-        no_device = (
-            isinstance(given, StandinAccelerator)
-            if given is not None
-            else accelerator == "standin"
-            or (accelerator == "auto" and not torch.cuda.is_available())
-        )
-        if no_device:
-            name = "cpu"
-        elif bandwidth is not None and bandwidth[1] > bandwidth[0]:
-            name = "hybrid"
-        else:
-            name = "offload"
-            if bandwidth is None:
-                log.info(
-                    "moe_backend auto: no bandwidth profile stored; using offload (run `ftctl bench bw`)"
-                )
     fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads, fake=fake)

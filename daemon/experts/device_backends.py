@@ -213,11 +213,13 @@ class OffloadBackend:
         plan = self.cache.decode_step(flat.to(dev), layer)
         cpu_future: Future[torch.Tensor] | None = None
         if self._cpu_possible(flat.numel()):
-            cpu_ids = plan.cpu_ids.cpu()  # the CPU branch must know its experts: one sync
+            # the CPU branch must know its experts (and, when the dense part runs on the
+            # device, its activations): one device -> host copy, counted as a host sync
+            xh, wh, cpu_ids = self._cpu_inputs(x, weights, plan.cpu_ids)
             # submitted first: it runs while the fills and the device compute proceed; routes
             # it does not own are -1 (skipped), so no host read decides whether to submit
             self._cpu_routes = self._cpu_routes + (cpu_ids >= 0).sum()
-            cpu_future = self._pool.submit(self._cpu_part, x, cpu_ids, weights)
+            cpu_future = self._pool.submit(self._cpu_part, xh, cpu_ids, wh)
         self._fill(plan).wait()
         xd, wd = x.to(dev), weights.to(dev)
         if self.device_kernels and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
@@ -228,9 +230,32 @@ class OffloadBackend:
             out = moe_grouped(xd, plan.slot_ids, wd, self.slots, self.act, 0, self.cache.num_slots)
         self._gpu_routes += (plan.slot_ids >= 0).sum()
         out = self.acc.to_host(out, x.device)
-        if cpu_future is not None:
-            out = out + cpu_future.result()
+        if cpu_future is not None:  # the CPU share joins where the layer's input lives
+            out = out + cpu_future.result().to(out.device, non_blocking=True)
         return out
+
+    def _cpu_inputs(
+        self, x: torch.Tensor, weights: torch.Tensor, cpu_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x [T, H] fp32, weights [T, K] fp32, cpu_ids [T, K] int32) on the host for the CPU
+        branch. Inputs on the host (dense layers there): only the ids cross. Inputs on the
+        device: all three are packed into one fp32 buffer (the ids' bits reinterpreted, not
+        converted) so that they cross in ONE copy."""
+        if x.device.type == "cpu":
+            return x, weights, self.acc.to_host(cpu_ids, x.device)
+        t, h = x.shape
+        k = cpu_ids.shape[1]
+        packed = torch.cat(
+            [
+                x.float(),
+                weights.float().reshape(t, k),
+                cpu_ids.int().reshape(t, k).view(torch.float32),
+            ],
+            dim=1,
+        )
+        host = self.acc.to_host(packed, torch.device("cpu"))
+        xh, wh, ids = host.split([h, k, k], dim=1)
+        return xh.contiguous(), wh.contiguous(), ids.contiguous().view(torch.int32)
 
     def _cpu_possible(self, routes: int) -> bool:
         """Whether the plan may send a route to the CPU: hybrid splits misses by q*; offload

@@ -32,9 +32,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         layer_shapes: Sequence[tuple[int, int]] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``layer_shapes``: (kv_heads, head_dim) per layer, for models whose layers differ
-        (``kv_heads`` / ``head_dim`` are then ignored)."""
+        (``kv_heads`` / ``head_dim`` are then ignored). ``device``: where the storage lives (the
+        accelerator's device when the dense part runs there; default the host)."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.k: torch.Tensor | list[torch.Tensor]
@@ -44,14 +46,18 @@ class KVPool:
             raise ValueError(f"layer_shapes lists {len(shapes)} layers, expected {num_layers}")
         if shapes and len(set(shapes)) > 1:
             # Not zeroed: a page is always written before it is read.
-            self.k = [torch.empty(num_pages, page_size, *s, dtype=dtype) for s in shapes]
-            self.v = [torch.empty(num_pages, page_size, *s, dtype=dtype) for s in shapes]
+            self.k = [
+                torch.empty(num_pages, page_size, *s, dtype=dtype, device=device) for s in shapes
+            ]
+            self.v = [
+                torch.empty(num_pages, page_size, *s, dtype=dtype, device=device) for s in shapes
+            ]
         else:
             if shapes:
                 kv_heads, head_dim = shapes[0]
             shape = (max(num_layers, 1), num_pages, page_size, kv_heads, head_dim)
-            self.k = torch.empty(shape, dtype=dtype)
-            self.v = torch.empty(shape, dtype=dtype)
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._ref = [0] * num_pages
 
@@ -67,11 +73,16 @@ class KVPool:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
+        return self._first.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.k[0].device
+        return self._first.device
+
+    @property
+    def _first(self) -> torch.Tensor:
+        """A storage tensor (read without indexing: no op on a device tensor)."""
+        return self.k[0] if isinstance(self.k, list) else self.k
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +188,7 @@ class KVPool:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [start, length) as [length - start, kv_heads, head_dim]."""
         first, last = start // self.page_size, self.pages_for(length)
-        table = torch.tensor(pages[first:last], dtype=torch.long)
+        table = torch.tensor(pages[first:last], dtype=torch.long, device=self.device)
         lo = start - first * self.page_size
         k = self.k[layer][table].flatten(0, 1)[lo : lo + length - start]
         v = self.v[layer][table].flatten(0, 1)[lo : lo + length - start]

@@ -220,7 +220,9 @@ class SnapshotSpill:
         pool.free(pages)  # the tree holds what it took
         self.store.touch_anchor(self.fingerprint, rec.prefix_hash)
         self.loaded += 1
-        return RecurrentState(t["conv"], t["ssm"])
+        # where this engine keeps its recurrent state (the accelerator's device, or the host)
+        dev = template.conv.device
+        return RecurrentState(t["conv"].to(dev), t["ssm"].to(dev))
 
 
 def tensor_digest(t: torch.Tensor) -> str:

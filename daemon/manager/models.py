@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
 from ..engine.resize import slot_backend as _slot_backend
 from .hub import EngineHub
@@ -221,8 +222,8 @@ class ModelManager:
 
 
 def park(model: ResidentModel) -> None:
-    """Free the device caches of an idle model (expert slots, KV pages, fused banks); its host
-    pool stays. The sizes are kept for ``unpark``."""
+    """Free the device caches of an idle model (expert slots, KV pages, fused banks) and move
+    its dense weights to the host; its host pool stays. The sizes are kept for ``unpark``."""
     if model.parked is not None:
         return
     llm = model.llm
@@ -234,6 +235,7 @@ def park(model: ResidentModel) -> None:
     if not resize_kv_pages(llm.runner.kv, prefix, 1):
         raise RuntimeError(f"cannot park {model.name}: KV pages still in use")
     park_fused(llm.moe)
+    park_dense(llm.model, llm.runner.placement)
     model.parked = sizes
 
 
@@ -243,6 +245,7 @@ def unpark(model: ResidentModel) -> None:
     if sizes is None:
         return
     llm = model.llm
+    unpark_dense(llm.model, llm.runner.placement)  # first, as at load: the caches fit around it
     unpark_fused(llm.moe, llm.banks)
     be = _slot_backend(llm.moe)
     if be is not None and sizes.moe_slots is not None:

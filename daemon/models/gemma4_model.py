@@ -81,8 +81,14 @@ class Gemma4CausalLM(CausalLM):
         h = _scaled(self.embed_tokens.weight, ids, self.cfg.hidden_size**0.5)
         per_layer = self._per_layer_inputs(ids, h) if self.ple else None
         ropes = {
-            "sliding_attention": (self.rope, *self.rope.cos_sin(batch.positions)),
-            "full_attention": (self.rope_full, *self.rope_full.cos_sin(batch.positions)),
+            "sliding_attention": (
+                self.rope,
+                *self.rope.cos_sin(batch.positions, batch.max_position),
+            ),
+            "full_attention": (
+                self.rope_full,
+                *self.rope_full.cos_sin(batch.positions, batch.max_position),
+            ),
         }
         for i, layer in enumerate(self.layers):
             rope, cos, sin = ropes[self.cfg.layer_types[i]]

@@ -92,7 +92,7 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> logits [len(batch.logits_rows), vocab] fp32."""
         h = self.embed_tokens.weight[batch.token_ids].float()
-        cos, sin = self.rope.cos_sin(batch.positions)
+        cos, sin = self.rope.cos_sin(batch.positions, batch.max_position)
         for layer in self.layers:
             h = layer(h, batch, self.rope, cos, sin)
         h = self.norm(h[batch.logits_rows])

@@ -3,7 +3,9 @@
 # 3.12 with CUDA torch, Triton, numpy, grpcio and tokenizers preinstalled; the other wheels come
 # from .whl/ (run tests/gpu/fetch_wheels.sh on a machine with network first). About 8 minutes.
 #   0. install the wheels (--no-index) and the project with its native extensions into OUT/site
-#   1. the backend equality tests (fused / offload / hybrid vs cpu, token-equal) on real CUDA
+#   1. the backend equality tests (fused / offload / hybrid vs cpu, token-equal) on real CUDA,
+#      with the dense part, KV pool and sampling on the GPU (engine/placement.py): every family,
+#      logits within tolerance, resizes mid-decode
 #   2. the Triton kernels against their references: pytest shapes on CUDA tensors, then
 #      production shapes (tests/gpu/kernels_at_scale.py)
 #   3. a decode/prefill table: fused vs offload vs hybrid, cache capped at 8 and 24 GiB cards, on
@@ -83,6 +85,7 @@ export FT_TEST_ACCELERATOR=cuda
 unset TRITON_INTERPRET
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
 step backends 150 "${pytest[@]}" tests/test_moe_backends.py
+step placement 150 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
 step kernels 90 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
 step kernels_at_scale 90 "$py" tests/gpu/kernels_at_scale.py
 step bench 150 "$py" tests/gpu/bench_backends.py --layers 4 --out "$out/bench.txt"

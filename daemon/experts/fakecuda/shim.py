@@ -157,6 +157,9 @@ class DeviceShim(TorchFunctionMode):
             return setitem(first, args[1], args[2])
         if func is torch.Tensor.copy_ and (is_fake(first) or is_fake(args[1])):
             return aten.copy_.default(first, args[1])
+        if func is torch.Tensor.__invert__ and is_fake(first):
+            # ``~mask``: its binding opens a CUDA device guard under inference mode
+            return aten.bitwise_not.default(first)
         if func in (torch.nonzero, torch.Tensor.nonzero) and is_fake(first):
             nz = aten.nonzero.default(first)  # flagged as a sync by the tracker
             if kwargs.get("as_tuple") or (len(args) > 1 and args[1]):

@@ -41,8 +41,8 @@ def attend(
     if n == 1 and q_start == c - 1 and sinks is None and (window is None or c <= window):
         return _attend_last(q, k, v, scale)
     groups = heads // k.shape[1]
-    qpos = torch.arange(q_start, q_start + n).unsqueeze(1)
-    kpos = torch.arange(c).unsqueeze(0)
+    qpos = torch.arange(q_start, q_start + n, device=q.device).unsqueeze(1)
+    kpos = torch.arange(c, device=q.device).unsqueeze(0)
     allowed = kpos <= qpos
     if window is not None:
         allowed &= kpos > qpos - window

@@ -98,11 +98,14 @@ class RMSNorm(nn.Module):
         """The fp32 multiplier, cached: converting it every call costs an op per norm per layer."""
         w = self.weight
         try:
-            key = (w.data_ptr(), w._version, w.device)
+            # the storage's identity, not its data pointer (a fake device tensor has none)
+            key = (w.untyped_storage()._cdata, w._version, w.device)
         except RuntimeError:  # an inference tensor has no version counter: do not cache
             key = None
         if key is None or key != self._scale_key or self._scale is None:
-            scale = w.float()
+            # a copy even for fp32 weights: an alias would pin the weight (moving the module
+            # between devices swaps parameters, which needs them unshared)
+            scale = w.to(torch.float32, copy=True)
             self._scale = 1.0 + scale if self.offset else scale
             self._scale_key = key
         return self._scale

@@ -56,7 +56,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = _CHUNK):  # type: i
     q, k, v = (t.transpose(0, 1).reshape(heads, nc, chunk, -1) for t in (q, k, v))
     g, beta = (t.transpose(0, 1).reshape(heads, nc, chunk) for t in (g, beta))
     c = g.cumsum(-1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
     kb = k * beta.unsqueeze(-1)
     system = (kb @ k.transpose(-1, -2)) * decay  # diag ignored by unitriangular
@@ -103,15 +103,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, hid, dtype)
 
     @staticmethod
-    def new_state(cfg: ModelConfig, num_linear_layers: int) -> RecurrentState:
+    def new_state(
+        cfg: ModelConfig, num_linear_layers: int, device: torch.device | None = None
+    ) -> RecurrentState:
+        """A zero state on ``device`` (where the dense part runs; default the host)."""
         kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         conv_dim = 2 * kd + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        conv = torch.zeros(num_linear_layers, conv_dim, cfg.linear_conv_kernel - 1)
+        conv = torch.zeros(num_linear_layers, conv_dim, cfg.linear_conv_kernel - 1, device=device)
         ssm = torch.zeros(
             num_linear_layers,
             cfg.linear_num_value_heads,
             cfg.linear_key_head_dim,
             cfg.linear_value_head_dim,
+            device=device,
         )
         return RecurrentState(conv, ssm)
 
@@ -145,7 +149,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         a, b = self.in_proj_a(x), self.in_proj_b(x)
-        o = torch.empty(x.shape[0], self.vh, self.dv)
+        o = torch.empty(x.shape[0], self.vh, self.dv, device=x.device)
         for ch in batch.chunks:
             rows = slice(ch.start, ch.start + ch.length)
             st = ch.state.recurrent

@@ -12,12 +12,16 @@ It also runs decode attention straight from the paged KV pool (`decode_attention
 copy of the context and torch attention.
 
 When the extension is not built, `usable` and `attention_usable` are False and callers keep the
-torch path.
+torch path. They are also False inside ``torch_only()``: the engine enters it when the dense part
+runs on an accelerator (engine/placement.py), so that the CPU stand-in runs the device code path
+(torch ops), not these host kernels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -31,6 +35,22 @@ except ImportError:  # not built: Linear keeps its torch path
 # Captured at import, before any decode step narrows torch's threads (engine/runner.py).
 _DEFAULT_THREADS = torch.get_num_threads()
 _DTYPES = (torch.bfloat16,)  # fp32 weights stay on torch: its fp32 gemv is near bandwidth already
+_TORCH_ONLY: ContextVar[bool] = ContextVar("ftdense_torch_only", default=False)
+
+
+@contextmanager
+def torch_only() -> Iterator[None]:
+    """Within the block every ``*_usable`` check is False: callers take their torch path."""
+    token = _TORCH_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_ONLY.reset(token)
+
+
+def _on() -> bool:
+    """The extension is built and not switched off by ``torch_only``."""
+    return _native is not None and not _TORCH_ONLY.get()
 
 
 def available() -> bool:
@@ -51,7 +71,7 @@ def weight_usable(w: torch.Tensor) -> bool:
     """Whether `linear` takes this weight: extension built, a contiguous bf16 CPU tensor that
     needs no gradient."""
     return (
-        _native is not None
+        _on()
         and w.dtype in _DTYPES
         and w.device.type == "cpu"
         and w.dim() == 2
@@ -63,7 +83,8 @@ def weight_usable(w: torch.Tensor) -> bool:
 def input_usable(x: torch.Tensor) -> bool:
     """Whether `linear` takes this input: [T, K] fp32 or bf16 on the CPU, needing no gradient."""
     return (
-        x.dim() == 2
+        _on()
+        and x.dim() == 2
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and not (x.requires_grad and torch.is_grad_enabled())
@@ -113,7 +134,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def rms_norm_usable(x: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether `rms_norm` takes x [..., D] and scale [D]: fp32 CPU tensors, no autograd."""
     return (
-        _native is not None
+        _on()
         and x.dtype == torch.float32
         and scale.dtype == torch.float32
         and x.device.type == "cpu"
@@ -153,7 +174,7 @@ def attention_usable(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     [num_pages, page_size, kv_heads, d]: extension built, fp32 q, bf16 or fp32 contiguous pages of
     one dtype, all on the CPU, no autograd."""
     return (
-        _native is not None
+        _on()
         and q.dim() == 3
         and k_pages.dim() == 4
         and q.dtype == torch.float32

@@ -25,7 +25,8 @@ def _causal(
 ) -> torch.Tensor:
     """q [n, h, dqk], k [c, h, dqk], v [c, h, dv] -> [n, h, dv]; query i sits at q_start + i."""
     n, c = q.shape[0], k.shape[0]
-    allowed = torch.arange(c).unsqueeze(0) <= torch.arange(q_start, q_start + n).unsqueeze(1)
+    kpos = torch.arange(c, device=q.device).unsqueeze(0)
+    allowed = kpos <= torch.arange(q_start, q_start + n, device=q.device).unsqueeze(1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale
     )
@@ -78,7 +79,7 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(ckv[:, : self.kvr])
         k_rot = rope.apply(ckv[:, self.kvr :].view(n, 1, self.dr), cos, sin)
         packed = torch.cat([latent.unsqueeze(1), k_rot], dim=-1)  # [n, 1, kvr + dr]
-        out = torch.empty(n, self.heads, self.dv)
+        out = torch.empty(n, self.heads, self.dv, device=x.device)
         for ch in batch.chunks:
             rows = slice(ch.start, ch.start + ch.length)
             end = ch.context_len + ch.length

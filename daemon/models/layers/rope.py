@@ -47,20 +47,32 @@ class Rope:
         self.inv_freq = inv_frequencies(rope) if rope.rotary_dim else torch.empty(0)
         self._cos = self._sin = torch.empty(0, self.inv_freq.shape[0])
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def to(self, device: torch.device) -> Rope:
+        """Keeps the frequencies and the tables on ``device`` (where the dense part runs)."""
+        self.inv_freq = self.inv_freq.to(device)
+        self._cos, self._sin = self._cos.to(device), self._sin.to(device)
+        return self
+
+    def cos_sin(
+        self, positions: torch.Tensor, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> cos, sin [N, rotary_dim / 2] (fp32, scaled by the attention factor).
 
         Rows of a table grown by doubling: a decode step indexes it instead of evaluating
         cos/sin, and a position's values never depend on which other positions share its step.
+        ``max_position``: the largest of ``positions`` when the caller knows it (positions on a
+        device: reading their max would be a host sync).
         """
         if positions.numel():
-            need = int(positions.max()) + 1
+            top = int(positions.max()) if max_position is None else max_position
+            need = top + 1
             if need > self._cos.shape[0]:
                 self._grow(max(need, 2 * self._cos.shape[0], 256))
         return self._cos[positions], self._sin[positions]
 
     def _grow(self, n: int) -> None:
-        freqs = torch.arange(n, dtype=torch.float32).unsqueeze(-1) * self.inv_freq
+        dev = self.inv_freq.device
+        freqs = torch.arange(n, dtype=torch.float32, device=dev).unsqueeze(-1) * self.inv_freq
         s = self.cfg.attention_factor
         self._cos, self._sin = freqs.cos() * s, freqs.sin() * s
 

@@ -1,0 +1,59 @@
+"""Every family's dense part on the fake CUDA card (DESIGN §7, engine/placement.py): the real
+device code path of each architecture (GQA with sinks, MLA, Gated DeltaNet, Gemma-4's per-layer
+geometry, sigmoid group routing...) runs with no host/device mix (a mix raises on the fake card as
+on a GPU), nothing dense on the host, and a decode step reads the host exactly once (its sampled
+token ids), plus one packed copy per MoE layer for hybrid's CPU share.
+
+test_fake_cuda_engine.py checks one model in depth (prefill size, resize, threads); this file
+checks the breadth. Values are not checked here (the fake card holds none): the CPU stand-in
+does that in test_dense_placement.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import FAMILIES, make_tiny
+
+from freetokend import LLM
+from freetokend.engine.sampler import SamplingParams
+
+BACKENDS = ("fused", "offload", "hybrid")
+HYBRID_COPIES_PER_MOE_LAYER = 1  # x, gate weights and the CPU share's ids, packed
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp(request.param)
+    make_tiny(request.param, d, seed=3)
+    return d
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_step_reads_the_host_once(family_dir: Path, backend: str) -> None:
+    llm = LLM(family_dir, backend, accelerator="fake-cuda", vram_mib=1024, kv_tokens=512)
+    try:
+        on_host = [n for n, p in llm.model.named_parameters() if p.device.type != "cuda"]
+        assert not on_host, on_host
+        assert llm.runner.kv.device.type == "cuda"
+        tr = llm.fake_device.tracker
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        llm.engine.add_request("r", list(range(3, 43)), params)
+        llm.engine.step()  # the prompt
+        with llm.fake_device.in_thread():
+            rec = llm.runner.new_state().recurrent  # the engine's sequences get theirs here
+        if rec is not None:
+            assert rec.ssm.device.type == rec.conv.device.type == "cuda"
+        per_step = []
+        for _ in range(2):
+            before = tr.syncs.total
+            llm.engine.step()
+            per_step.append(tr.syncs.total - before)
+        hybrid = HYBRID_COPIES_PER_MOE_LAYER * llm.config.num_moe_layers
+        want = 1 + (hybrid if backend == "hybrid" else 0)
+        assert per_step == [want, want], (dict(tr.syncs.by_kind), per_step)
+        assert set(tr.syncs.by_kind) == {"d2h"}
+        assert tr.peak <= tr.capacity
+    finally:
+        llm.close()
