@@ -13,6 +13,8 @@ few commits, never half of one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -41,13 +43,14 @@ def open_database(
         raise StoreError(f"{path}: cannot open the state store: {e}") from None
     try:
         db = sqlite_utils.Database(conn, execute_plugins=False)
-        _check_header(db, path)
-        _check_identity(db, path)
         db.execute("PRAGMA busy_timeout = 10000")
-        db.enable_wal()
-        db.execute("PRAGMA synchronous = NORMAL")
-        db.execute("PRAGMA foreign_keys = ON")
-        _migrate(db, path, migrations, upto)
+        with _setup_lock(path):
+            _check_header(db, path)
+            _check_identity(db, path)
+            db.enable_wal()
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.execute("PRAGMA foreign_keys = ON")
+            _migrate(db, path, migrations, upto)
         return db
     except StoreError:
         conn.close()
@@ -58,6 +61,21 @@ def open_database(
             f"{path}: the state store is damaged ({e}); move it aside and the daemon starts a new "
             "one (bandwidth profiles, the model registry and snapshot metadata are then lost)"
         ) from None
+
+
+@contextlib.contextmanager
+def _setup_lock(path: Path) -> Iterator[None]:
+    """One store set up at a time (identity, WAL switch, migrations), across processes and
+    threads: an flock on ``state.db.lock`` beside the database (never on the database itself,
+    whose POSIX locks are SQLite's). Two daemons, or the daemon and ftctl, opening a new folder at
+    the same moment otherwise race: switching to WAL and upgrading a read to a write can fail at
+    once with "database is locked", SQLite's deadlock avoidance, without waiting."""
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _check_header(db: sqlite_utils.Database, path: Path) -> None:
@@ -78,6 +96,15 @@ def _check_header(db: sqlite_utils.Database, path: Path) -> None:
 
 def _check_identity(db: sqlite_utils.Database, path: Path) -> None:
     app_id = db.execute("PRAGMA application_id").fetchone()[0]
+    if app_id == 0:
+        # Read and claim under the write lock: a store opened at the same moment may claim and
+        # migrate the file between two unlocked reads (id 0, then its tables: "another program").
+        with write_transaction(db):
+            app_id = db.execute("PRAGMA application_id").fetchone()[0]
+            tables = db.table_names()
+            if app_id == 0 and not tables:
+                db.execute(f"PRAGMA application_id = {APP_ID}")  # a new, empty file becomes ours
+                return
     if app_id == APP_ID:
         problems = [r[0] for r in db.execute("PRAGMA quick_check").fetchall()]
         if problems != ["ok"]:
@@ -85,12 +112,10 @@ def _check_identity(db: sqlite_utils.Database, path: Path) -> None:
                 f"{path}: the state store is damaged ({'; '.join(problems[:3])}); move it aside"
             )
         return
-    if app_id != 0 or db.table_names():
-        raise StoreError(
-            f"{path}: an SQLite database of another program (application_id {app_id:#x}, tables "
-            f"{', '.join(db.table_names()[:5]) or 'none'}); not touching it: choose another state directory"
-        )
-    db.execute(f"PRAGMA application_id = {APP_ID}")  # a new, empty file becomes ours
+    raise StoreError(
+        f"{path}: an SQLite database of another program (application_id {app_id:#x}, tables "
+        f"{', '.join(db.table_names()[:5]) or 'none'}); not touching it: choose another state directory"
+    )
 
 
 @contextlib.contextmanager
