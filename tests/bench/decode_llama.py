@@ -5,6 +5,15 @@ the INSTALLED version (so converter and library agree on the GGUF format): found
 cache, or fetched with `pip download --no-binary :all: --no-deps llama-cpp-python==VERSION`, of
 which only the converter, its `conversion` and `gguf-py` packages and the GPT-2 vocabulary are
 extracted. `FT_LLAMA_CPP_SRC` may point at an unpacked `vendor/llama.cpp` folder instead.
+
+On a CPU with AMX, llama-cpp-python built the default way (GGML_NATIVE) runs its quantized
+matmuls through ggml's AMX path, which crashed with SIGSEGV in ggml_backend_amx_mul_mat in our
+sandbox (seen 2026-12-01 on a Xeon with amx_int8, on Q8_0 and Q4_K_M files; BF16 ran). Build it
+without AMX and with the machine's other extensions named explicitly:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+      -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+      -DGGML_AMX_BF16=OFF" pip install llama-cpp-python --no-binary :all:
 """
 
 from __future__ import annotations
