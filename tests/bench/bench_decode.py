@@ -227,7 +227,8 @@ def run_decode_benchmark(
 ) -> Report:
     """Builds what is missing, measures, returns the report (prints progress when `verbose`)."""
     say = print if verbose else (lambda *_: None)
-    want_llama = "llama.cpp" in engines and installed_version() is not None
+    needs_gguf = any(e.startswith("llama.cpp") or "gguf" in e for e in engines)
+    want_llama = needs_gguf and installed_version() is not None
     src = llama_source(cache) if want_llama else None
     g = Geometry(experts=experts)
     say("checkpoint ...")
