@@ -66,7 +66,9 @@ def test_preset_logits_match_transformers_on_dequantized_weights(ckpt, preset: s
     assert "lm_head" in layers and any(n.endswith("q_proj") for n in layers)
     if preset == "q4_k_m":
         assert layers["lm_head"] == "q8_0" and "q4_k" in layers.values()
-    assert llm.banks.format == PRESETS[preset]["experts"]
+    # block experts per projection: gate_up (H = 256) takes q4_k, down (I = 32) q8_0
+    assert llm.banks.format == {"q4_k_m": "q4_k/q8_0", "q8_0": "q8_0"}[preset]
+    assert llm.moe.executor is not None and type(llm.moe.executor).__name__ == "BlockExecutor"
 
     oracle = type(hf)(hf.config).eval()
     state = hf.state_dict()

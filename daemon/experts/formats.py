@@ -261,6 +261,11 @@ class ExpertFormat:
 
     def check_dims(self, hidden: int, inter: int) -> None:
         mh, mi = self.multiples()
+        if (hidden % mh or inter % mi) and mh == mi:
+            raise ValueError(
+                f"expert format {self.name!r} needs hidden and moe intermediate sizes that are "
+                f"multiples of {mh}; got H={hidden}, I={inter}"
+            )
         if hidden % mh or inter % mi:
             raise ValueError(
                 f"expert format {self.name!r} needs a hidden size that is a multiple of {mh} and "

@@ -11,14 +11,17 @@ A preset is a named mix per tensor class (the class of a Linear is read from its
   mlp_in     gate_proj / up_proj (dense MLPs, shared experts) q4_k     q8_0     q8_0
   mlp_out    down_proj (dense MLPs, shared experts)         q8_0     q8_0     q8_0
   lm_head    the output projection                          q8_0     q8_0     q8_0
-  experts    routed experts (expert bank format)            mxfp4    fp8_block mxfp4
+  experts    routed experts (expert bank format)            q4_k     q8_0     mxfp4
 
 q4_k_m follows llama.cpp's Q4_K_M idea (4-bit K-quant blocks, the error-sensitive down
 projections and output head kept wider: llama.cpp uses Q6_K there, which is not implemented here
-yet, so they take q8_0). The routed experts use the expert executor's existing formats: the GGUF
-block kernels are not wired into the expert executor yet. A layer whose input size is not a
-multiple of the block (256 for q4_k) takes q8_0, and of 32 stays float. Routers, the shared
-expert gate and linear-attention projections stay float (small, or precision-sensitive).
+yet, so they take q8_0). The routed experts take the GGUF block formats (experts/formats.py),
+computed by the same integer-dot kernels (experts/block_executor.py); q4_k_m's expert down
+projections stay q4_k (llama.cpp keeps some in Q6_K) until a wider K-quant lands. A layer (or an
+expert projection: ``expert_format``) whose input size is not a multiple of the block (256 for
+q4_k) takes q8_0, and of 32 stays float (experts: the preset fails with the format's size
+error). Routers, the shared expert gate and linear-attention projections stay float (small, or
+precision-sensitive).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ PRESETS: dict[str, dict[str, str]] = {
         "mlp_in": "q4_k",
         "mlp_out": "q8_0",
         "lm_head": "q8_0",
-        "experts": "mxfp4",
+        "experts": "q4_k",
     },
     "q8_0": {
         "attn_qkv": "q8_0",
@@ -60,7 +63,7 @@ PRESETS: dict[str, dict[str, str]] = {
         "mlp_in": "q8_0",
         "mlp_out": "q8_0",
         "lm_head": "q8_0",
-        "experts": "fp8_block",
+        "experts": "q8_0",
     },
     "mxfp4": {
         "attn_qkv": "q8_0",
@@ -85,6 +88,23 @@ def _fit(fmt: str, cols: int) -> str | None:
     if gguf_blocks.supports(fmt, cols):
         return fmt
     return "q8_0" if gguf_blocks.supports("q8_0", cols) else None
+
+
+def expert_format(preset: str, hidden: int, inter: int) -> str:
+    """The expert format ``preset`` gives experts of these sizes: its block type per projection
+    where the block divides the projection's input size (gate_up: H, down: I), q8_0 where only
+    32 does (e.g. "q4_k/q8_0"); a format that is not a block type as it is."""
+    from ..experts.formats import block_format
+
+    fmt = PRESETS[preset]["experts"]
+    if fmt not in gguf_blocks.QUANTIZE:
+        return fmt
+    gate_up, down = _fit(fmt, hidden), _fit(fmt, inter)
+    if gate_up is None or down is None:
+        raise ValueError(
+            f"quantize {preset}: expert sizes H={hidden}, I={inter} are not multiples of 32"
+        )
+    return block_format(gate_up, down)
 
 
 def quantize_dense(model: nn.Module, preset: str) -> dict[str, str]:

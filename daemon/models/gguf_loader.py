@@ -5,12 +5,14 @@ llama.cpp's tensor names are mapped onto ours by one table; stacked expert tenso
 (``blk.N.ffn_{gate,up,down}_exps``, [E, rows, cols]) go into the flat_id-major banks (gate rows,
 then up rows). The llama architecture's converter permutes the rows of Q and K for its
 interleaved rope; that permutation is undone here so the model keeps HF's half-split rope.
-F32/F16/BF16 are read as they are; quantized types are dequantized at load (one log line says
-which, and what it costs in memory) until the CPU executor computes on their blocks directly.
+F32/F16/BF16 are read as they are; experts of the block types the CPU's integer-dot kernels
+compute stay in their blocks (``gguf_experts``); other quantized types are dequantized at load (one
+log line says which, and what it costs in memory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -23,6 +25,7 @@ import torch
 
 from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
+from . import gguf_experts
 from .config import ModelConfig
 from .gguf_config import config_from_gguf, gguf_arch
 from .loader import CheckpointError, Filler, allocate_banks
@@ -151,7 +154,11 @@ class GgufCheckpoint:
 
     def config(self, dtype: str | None = None) -> ModelConfig:
         infos = {n: t for n, (_, t) in self.tensors.items()}
-        return config_from_gguf(self.metadata, infos, dtype or self.default_dtype(), str(self.path))
+        cfg = config_from_gguf(self.metadata, infos, dtype or self.default_dtype(), str(self.path))
+        block = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.expert_format == "bf16" and block is not None:
+            cfg = dataclasses.replace(cfg, expert_format=block)
+        return cfg
 
     def sources(self, cfg: ModelConfig) -> Iterator[tuple[str, str, _Source]]:
         """(gguf name, our canonical name or an expert key, source) for every tensor."""
@@ -178,10 +185,13 @@ class GgufCheckpoint:
             yield name, canon, _Source(f, t, rows)
 
     def log_dequantized(self, dtype: str, packed: str = "") -> None:
+        gguf_experts.log_kept(self.path.name, {n: t for n, (_, t) in self.tensors.items()}, packed)
         quant = [
             t
-            for _, t in self.tensors.values()
-            if t.quantized and not (packed == "mxfp4" and t.type_name == "MXFP4")
+            for n, (_, t) in self.tensors.items()
+            if t.quantized
+            and not (packed == "mxfp4" and t.type_name == "MXFP4")
+            and not gguf_experts.kept(n, t, packed)
         ]
         if not quant:
             return
@@ -272,8 +282,14 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
     """Loads a GGUF file (or split set) into a model and its expert banks."""
     with GgufCheckpoint(path) as ck:
         cfg = cfg or ck.config()
-        if cfg.expert_format not in ("bf16", "mxfp4"):
-            raise CheckpointError(f"{path}: GGUF experts load as float or mxfp4 banks only")
+        infos = {n: t for n, (_, t) in ck.tensors.items()}
+        kept = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
+        block = kept is not None and cfg.expert_format == kept
+        if cfg.expert_format not in ("bf16", "mxfp4") and not block:
+            raise CheckpointError(
+                f"{path}: GGUF experts load as float or mxfp4 banks, or in the block format "
+                f"of the file's expert tensors; not {cfg.expert_format}"
+            )
         family_spec(cfg.family)
         model = build_model(cfg)
         banks = allocate_banks(cfg)
@@ -291,6 +307,10 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
                     filler.expert_stack_mxfp4(
                         int(layer), m.group(1), blocks, scales, name, src.t.path
                     )
+                    continue
+                if block and m.group(2) == "weight":  # the raw blocks, as the file has them
+                    raw = gguf_experts.RawStack(src.f, src.t)
+                    filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
                     continue
                 filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
             elif cfg.tie_word_embeddings and canon == "lm_head.weight":
