@@ -72,9 +72,14 @@ def _shapes(banks: ExpertBanks) -> tuple[str, str, int, int, int]:
 class BlockExecutor:
     """Routed-expert sum of one MoE layer over block-format ``banks`` (CPU, contiguous; biases
     optional, fp32 or bf16). ``isa`` "" runs ftdense's configured path; "vnni", "avx2" or
-    "scalar" force one (tests)."""
+    "scalar" force one (tests). ``chunk_bytes``: quantised input bytes per token chunk of an
+    expert with many routes (prefill), sized to stay in L2."""
 
-    def __init__(self, banks: ExpertBanks, act: ActivationSpec, isa: str = "") -> None:
+    def __init__(
+        self, banks: ExpertBanks, act: ActivationSpec, isa: str = "", chunk_bytes: int = 256 << 10
+    ) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if not available():
             raise ImportError("the native dense extension `ftdense` is not built")
         gu, dn, n, h, inter = _shapes(banks)
@@ -105,6 +110,7 @@ class BlockExecutor:
             act=int(act.kind),
             alpha=float(act.alpha),
             limit=float(act.limit),
+            chunk_bytes=chunk_bytes,
         )
 
     @property

@@ -66,11 +66,11 @@ def log_kept(path_name: str, tensors: dict[str, GgufTensor], expert_format: str)
     raw = [t for n, t in tensors.items() if kept(n, t, expert_format)]
     if raw:
         log.info(
-            "%s: keeping %d expert tensors quantized (%s experts, integer-dot kernels): %.2f GiB",
+            "%s: keeping %d expert tensors quantized (%s experts, integer-dot kernels): %.1f MiB",
             path_name,
             len(raw),
             expert_format,
-            sum(t.nbytes for t in raw) / 2**30,
+            sum(t.nbytes for t in raw) / 2**20,
         )
 
 

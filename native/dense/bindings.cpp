@@ -71,7 +71,7 @@ ftdense::QType qtype_code(int code) {
 ftdense::QMoeSpec qmoe_spec(uintptr_t gate_up, uintptr_t down, int gate_up_type, int down_type,
                             uintptr_t gate_up_bias, uintptr_t down_bias, bool bias_bf16,
                             int64_t num_flat, int hidden, int inter, int act, float alpha,
-                            float limit) {
+                            float limit, int64_t chunk_bytes) {
   if (act < 0 || act > 2) throw py::value_error("act must be 0 (silu), 1 (gptoss) or 2 (gelu_tanh)");
   ftdense::QMoeSpec s;
   s.gate_up = reinterpret_cast<const uint8_t*>(gate_up);
@@ -87,6 +87,7 @@ ftdense::QMoeSpec qmoe_spec(uintptr_t gate_up, uintptr_t down, int gate_up_type,
   s.act = static_cast<ftdense::MoeAct>(act);
   s.alpha = alpha;
   s.limit = limit;
+  s.chunk_bytes = chunk_bytes;
   ftdense::qmoe_check(s);
   return s;
 }
@@ -232,7 +233,7 @@ PYBIND11_MODULE(ftdense, m) {
       .def(py::init(&qmoe_spec), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_type"),
            py::arg("down_type"), py::arg("gate_up_bias"), py::arg("down_bias"),
            py::arg("bias_bf16"), py::arg("num_flat"), py::arg("hidden"), py::arg("inter"),
-           py::arg("act"), py::arg("alpha"), py::arg("limit"))
+           py::arg("act"), py::arg("alpha"), py::arg("limit"), py::arg("chunk_bytes") = 256 << 10)
       .def(
           "forward",
           [](const ftdense::QMoeSpec& s, uintptr_t x, uintptr_t ids, uintptr_t w, uintptr_t out,

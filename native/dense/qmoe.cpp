@@ -15,7 +15,6 @@ namespace {
 
 constexpr int kUpRows = 32;    // rows of I per up task (gate and up rows each)
 constexpr int kDownRows = 64;  // rows of H per down task
-constexpr int64_t kChunkBytes = 256 << 10;  // a token chunk's quantised rows stay in L2
 
 // A route's quantised row of K inputs inside a buffer of many (qdot.h's layout, row r at q + r*K).
 struct QRows {
@@ -247,8 +246,8 @@ void qmoe_forward(Pool& pool, const QDotSet& ks, const QMoeSpec& spec, const flo
   c.xin.resize(routes, c.H);
   c.act.resize(static_cast<size_t>(routes * c.I));
   c.ain.resize(routes, c.I);
-  c.chunk_up = static_cast<int>(std::max<int64_t>(1, kChunkBytes / c.H));
-  c.chunk_down = static_cast<int>(std::max<int64_t>(1, kChunkBytes / c.I));
+  c.chunk_up = static_cast<int>(std::max<int64_t>(1, spec.chunk_bytes / c.H));
+  c.chunk_down = static_cast<int>(std::max<int64_t>(1, spec.chunk_bytes / c.I));
   if (T <= 2)  // decode: a pool job costs more than quantising a row or two
     for (int t = 0; t < T; ++t) quant_task(&c, t);
   else

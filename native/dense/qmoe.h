@@ -47,6 +47,9 @@ struct QMoeSpec {
   MoeAct act = MoeAct::Silu;
   float alpha = 1.702f;  // GPT-OSS only
   float limit = 7.0f;    // GPT-OSS only
+  // Bytes of quantised rows per token chunk (prefill): sized so a chunk stays in L2 while every
+  // weight row of a task runs over it (tests shrink it to cross chunk boundaries).
+  int64_t chunk_bytes = 256 << 10;
 };
 
 // Throws std::invalid_argument on shapes the types cannot hold.
