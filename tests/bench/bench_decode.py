@@ -50,6 +50,9 @@ CACHE = Path("/tmp/ftbench_decode")
 # BF16: ours quantized at load (quantize_experts), llama.cpp's by its own quantizer (MXFP4_MOE)
 # "-q8_0" / "-q4_k_m": ours with the `quantize` preset (dense layers in GGUF q8_0/q4_k blocks on
 # the native integer-dot kernels, experts in the preset's bank format; models/dense_quant.py).
+# "-q4_k": ours with the experts only in GGUF q4_k blocks (`quantize_experts="q4_k"`, integer
+# dot products: experts/block_executor.py), dense layers bf16: against "freetoken" it isolates
+# the experts' format.
 # llama.cpp's Q8_0 / Q4_K_M rows are not wired here yet (they need llama-quantize of the GGUF).
 ENGINES = (
     "freetoken",
@@ -59,6 +62,7 @@ ENGINES = (
     "llama.cpp-mxfp4",
     "freetoken-q8_0",
     "freetoken-q4_k_m",
+    "freetoken-q4_k",
 )
 _PEER_MODULE = {"hf": "transformers", "llama.cpp": "llama_cpp", "llama.cpp-mxfp4": "llama_cpp"}
 _WORKER = {
@@ -66,6 +70,7 @@ _WORKER = {
     "llama.cpp-mxfp4": "llama.cpp",
     "freetoken-q8_0": "freetoken",
     "freetoken-q4_k_m": "freetoken",
+    "freetoken-q4_k": "freetoken",
 }
 MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 nibbles and one E8M0 scale a block
 # (ours, peer) pairs compared at equal precision
@@ -238,6 +243,7 @@ def run_decode_benchmark(
         "freetoken-mxfp4": {"quantize_experts": "mxfp4"},
         "freetoken-q8_0": {"quantize": "q8_0"},
         "freetoken-q4_k_m": {"quantize": "q4_k_m"},
+        "freetoken-q4_k": {"quantize_experts": "q4_k"},
         "llama.cpp-mxfp4": {"gguf": str(gguf_mxfp4) if gguf_mxfp4 else None},
     }
     runs: dict[str, list[Row]] = {e: [] for e in engines}
