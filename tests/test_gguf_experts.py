@@ -33,7 +33,7 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.block_executor import BlockExecutor, available, block_moe_reference
-from freetokend.experts.formats import FORMATS, dequantize_banks, quantize_banks
+from freetokend.experts.formats import FORMATS, allocate, dequantize_banks, quantize_banks
 from freetokend.models import gguf_blocks, gguf_experts
 from freetokend.models.layers import qlinear_native
 
@@ -135,6 +135,17 @@ def test_formats_table_has_every_pair_of_block_types() -> None:
     }
     with pytest.raises(ValueError, match="multiples of 256"):
         FORMATS["q4_k"].check_dims(H, 64)
+    for name, f in FORMATS.items():  # the schema is what quantize writes and allocate makes
+        if f.block_types is None:
+            continue
+        q = f.quantize(*(w[0].float() for w in _float()), torch.bfloat16)
+        specs = f.specs(H, INTER, torch.bfloat16)
+        assert {n: (tuple(t.shape), t.dtype) for n, t in q.items()} == specs, name
+        banks = allocate(name, 2, H, INTER, torch.bfloat16, bias=True)
+        assert banks.format == name and banks.extra == {}
+        assert f.nbytes_per_expert(H, INTER, torch.bfloat16) == sum(
+            t[0].numel() for t in (banks.gate_up, banks.down)
+        )
 
 
 # ---- engine level -----------------------------------------------------------------------------
