@@ -275,3 +275,18 @@ def test_gguf_expert_types_that_cannot_stay_packed() -> None:
         )
         is None
     )
+
+
+def test_ftw_conversion_of_a_gguf_keeps_the_blocks(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`ftctl checkpoint --model X.gguf`: the FTW folder stores the block banks as they are."""
+    from freetokend.models.ftw_convert import convert
+
+    _, hf = tiny
+    path = write_gguf("qwen3_moe", hf, tmp_path / "m.gguf", "f32", expert_types=(Q.Q4_K, Q.Q8_0))
+    convert(path, tmp_path / "ftw")
+    src, ftw = (LLM(p, "cpu", max_model_len=128, kv_tokens=512) for p in (path, tmp_path / "ftw"))
+    assert ftw.banks.format == src.banks.format == "q4_k/q8_0"
+    assert torch.equal(ftw.banks.gate_up, src.banks.gate_up)
+    assert torch.equal(ftw.banks.down, src.banks.down)
+    ids = _prompt(16, seed=8)
+    assert torch.equal(ftw.logits(ids), src.logits(ids))
