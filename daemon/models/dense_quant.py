@@ -19,8 +19,7 @@ yet, so they take q8_0). The routed experts take the GGUF block formats (experts
 computed by the same integer-dot kernels (experts/block_executor.py); q4_k_m's expert down
 projections stay q4_k (llama.cpp keeps some in Q6_K) until a wider K-quant lands. A layer (or an
 expert projection: ``expert_format``) whose input size is not a multiple of the block (256 for
-q4_k) takes q8_0, and of 32 stays float (experts: the preset fails with the format's size
-error). Routers, the shared expert gate and linear-attention projections stay float (small, or
+q4_k) takes q8_0, and of 32 stays float (experts: the preset fails, naming the sizes). Routers, the shared expert gate and linear-attention projections stay float (small, or
 precision-sensitive).
 """
 
