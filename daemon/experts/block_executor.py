@@ -114,6 +114,11 @@ class BlockExecutor:
         )
 
     @property
+    def threads(self) -> int:
+        """Threads of ftdense's pool (the caller included)."""
+        return int(dense_native._native.threads())
+
+    @property
     def isa(self) -> str:
         """The integer-dot path calls run on ("vnni", "avx2" or "scalar")."""
         return self.isa_request or qlinear_native.configured_isa()
