@@ -3,7 +3,7 @@
 When every ``ffn_{gate,up}_exps.weight`` of a file has one type and every ``ffn_down_exps.weight``
 one type (possibly another), both of them types the CPU's integer-dot kernels compute
 (models/gguf_blocks.py: Q8_0, Q4_K, ...), the experts load into banks of the matching block format
-(experts/formats.py: "q4_k", "q4_k/q6_k", ...): each stacked tensor's raw blocks are copied into
+(experts/formats.py: "q4_k", "q4_k/q8_0", ...): each stacked tensor's raw blocks are copied into
 its rows of the banks byte for byte, never widened to floats, so the experts take the file's size
 in RAM rather than two bytes a weight. The banks are flat_id-major with gate and up rows together
 per expert, which the file does not have, hence a copy rather than a memory map.
