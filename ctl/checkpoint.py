@@ -1,6 +1,6 @@
 """`ftctl checkpoint`: convert a model folder into FTW, the pre-laid-out weight format (DESIGN §4).
 
-    ftctl checkpoint --model DIR --out DIR [--force] [--quantize-experts mxfp4|nvfp4|fp8_block]
+    ftctl checkpoint --model DIR --out DIR [--force] [--quantize-experts mxfp4|nvfp4|fp8_block|q8_0|q4_k]
 
 Loads the model (HF safetensors, or an FTW folder), writes the FTW folder atomically with a
 progress bar of bytes written and verified, and prints the result. On error: exit status 1 and a
@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--force", action="store_true", help="replace an existing FTW folder at --out")
     p.add_argument(
         "--quantize-experts",
-        choices=("fp8_block", "mxfp4", "nvfp4"),
+        choices=("fp8_block", "mxfp4", "nvfp4", "q8_0", "q4_k"),
         help="store a float checkpoint's routed experts quantized (mxfp4: 4.25 bits a weight); "
         "the daemon then loads them as stored, without quantizing at every start",
     )

@@ -17,7 +17,8 @@ import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
-QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4")  # experts/formats.FORMATS less bf16 (tested)
+# experts/formats.FORMATS less bf16 and the mixed block formats (tested)
+QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4", "q8_0", "q4_k")
 QUANTIZE_PRESETS = ("q4_k_m", "q8_0", "mxfp4")  # models/dense_quant.PRESETS (tested)
 ENV_PREFIX = "FREETOKEN_"
 SNAPSHOT_POLICY = re.compile(r"anchors|anchors:all|interval:[1-9][0-9]*|none")

@@ -32,6 +32,7 @@ def dense_extension() -> Extension:
             "rms_norm.cpp",
             "decode_attention.cpp",
             "qlinear.cpp",
+            "qmoe.cpp",
             "qdot_scalar.cpp",
         )
     ]

@@ -172,6 +172,17 @@ def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
     return gguf.quants.quantize(a, qt), qt
 
 
+def _quantize_as(t: torch.Tensor, qt: Q) -> tuple[np.ndarray, Q]:
+    from kquants import quantize_q4_k, quantize_q6_k
+
+    a = t.numpy().astype(np.float32)
+    if qt == Q.Q4_K:
+        return quantize_q4_k(a), qt
+    if qt == Q.Q6_K:
+        return quantize_q6_k(a), qt
+    return gguf.quants.quantize(a, qt), qt
+
+
 def write_gguf(
     family: str,
     hf: Any,
@@ -182,10 +193,13 @@ def write_gguf(
     pre: str = "qwen2",
     drop: tuple[str, ...] = (),
     split_max_tensors: int = 0,
+    expert_types: tuple[Q, Q] | None = None,
 ) -> Path:
     """Writes ``hf`` (an HF model of ``family``) as a GGUF file of ``kind``; ``drop``: tensor
     names left out (for missing-tensor tests); ``tokenizer``: an HF folder whose byte-level BPE
-    tokenizer and chat template go into the metadata (``pre``: llama.cpp's pre-tokenizer name)."""
+    tokenizer and chat template go into the metadata (``pre``: llama.cpp's pre-tokenizer name);
+    ``expert_types``: (gate/up, down) types of the expert weights (Q8_0, Q4_K or Q6_K), every
+    other tensor as ``kind`` says."""
     arch = ARCH[family]
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     _metadata(w, family, hf.config)
@@ -198,6 +212,8 @@ def write_gguf(
         if name in drop:
             continue
         data, qt = quantize(name, t, kind)
+        if expert_types is not None and name.endswith("_exps.weight"):
+            data, qt = _quantize_as(t, expert_types[1 if "ffn_down" in name else 0])
         w.add_tensor(name, data, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()

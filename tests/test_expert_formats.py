@@ -210,7 +210,10 @@ def test_nvfp4_global_scale_puts_largest_block_on_fp8_max():
 # ---- schemas and banks ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+# formats whose blocks divide these sizes (the 256-input K-quant blocks: test_gguf_experts)
+@pytest.mark.parametrize(
+    "name", [n for n, f in FORMATS.items() if H % f.multiples()[0] == INTER % f.multiples()[1] == 0]
+)
 def test_schema_matches_quantize_output(name):
     fmt = get_format(name)
     q = fmt.quantize(*_weights(5), torch.bfloat16)

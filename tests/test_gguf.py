@@ -82,16 +82,23 @@ def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
     assert ("lm_head" in kept) == (kind == "q8_0"), kept  # Q8_0 projections stay in blocks
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
-    assert err < ATOL, f"{family} {kind}: max |logit diff| {err}"
+    # Q8_0 experts stay in their blocks, computed against int8 activations as llama.cpp does:
+    # that moves logits by ~1e-2 (test_gguf_experts bounds it against the dequantized load);
+    # a misplaced tensor moves them by O(1)
+    tol = 3e-2 if kind == "q8_0" else ATOL
+    assert kind == "bf16" or llm.banks.format == "q8_0"
+    assert err < tol, f"{family} {kind}: max |logit diff| {err}"
 
 
 def test_quantized_file_loads_in_bf16_by_default(tmp_path, caplog):
     hf = _tiny("qwen3_moe", tmp_path)
     path = write_gguf("qwen3_moe", hf, tmp_path / "m-Q8_0.gguf", "q8_0")
-    with caplog.at_level("INFO", logger="freetokend.models.gguf_loader"):
+    with caplog.at_level("INFO", logger="freetokend.models"):
         llm = LLM(path, max_model_len=64, kv_tokens=256)
-    assert llm.config.torch_dtype == "bfloat16" and llm.banks.gate_up.dtype == torch.bfloat16
+    assert llm.config.torch_dtype == "bfloat16" and llm.model.lm_head.weight.dtype == torch.bfloat16
     assert "dequantizing" in caplog.text and "Q8_0" in caplog.text and "GiB" in caplog.text
+    # the experts stay in their Q8_0 blocks (integer-dot kernels)
+    assert llm.banks.format == "q8_0" and "keeping 9 expert tensors quantized" in caplog.text
 
 
 def test_logits_rows_equal_incremental_decoding(f32):
@@ -179,6 +186,11 @@ def test_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path):
     ours = llm.logits(ids)
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float()
+    if kind == "q8_0":  # experts computed on their blocks against int8 activations (llama.cpp's
+        # way): logits move by ~1 %, the ranking stays (test_gguf_experts has the tight oracle)
+        assert ((ours - ref).norm() / ref.norm()).item() < 3e-2
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+        return
     err = (ours - ref).abs().max().item()
     assert err < (ATOL_BLOCKS if kind == "kmix" else ATOL), (
         f"qwen3moe {kind} vs transformers' GGUF loader: {err}"

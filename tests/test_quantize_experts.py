@@ -40,7 +40,8 @@ def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("fmt", QUANTIZE_FORMATS)
+# q4_k needs sizes that are multiples of 256: tests/test_gguf_experts.py runs it on such a model
+@pytest.mark.parametrize("fmt", [f for f in QUANTIZE_FORMATS if f != "q4_k"])
 def test_quantized_experts_match_transformers_on_the_same_weights(ckpt, fmt: str) -> None:  # type: ignore[no-untyped-def]
     src, hf = ckpt
     floats = LLM(src, "cpu", **KW)
@@ -69,7 +70,9 @@ def test_quantized_experts_match_transformers_on_the_same_weights(ckpt, fmt: str
         seq = list(ids)
         for _ in range(12):  # cache-free greedy oracle
             seq.append(int(oracle(torch.tensor([seq])).logits[0, -1].argmax()))
-    assert (_last_logits(llm, ids) - ref).abs().max() < ATOL
+    # block formats also quantize the activations to int8 (per 32, as llama.cpp): ~1e-2 moves
+    atol = 2e-2 if FORMATS[fmt].block_types else ATOL
+    assert (_last_logits(llm, ids) - ref).abs().max() < atol
     assert llm.generate(ids, 12, ignore_eos=True) == seq[len(ids) :]
     # and the accelerator backends (dequantized once at load) agree with the packed CPU path
     fused = LLM(src, "fused", accelerator="standin", quantize_experts=fmt, **KW)
@@ -92,7 +95,9 @@ def test_bad_requests_are_named(ckpt) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_daemon_choices_are_the_formats_table() -> None:
-    assert set(QUANTIZE_FORMATS) == set(FORMATS) - {"bf16"}
+    # less the mixed block formats (gate_up and down of different types: GGUF files, presets)
+    mixed = {n for n, f in FORMATS.items() if f.block_types and len(set(f.block_types)) > 1}
+    assert set(QUANTIZE_FORMATS) == set(FORMATS) - {"bf16"} - mixed
 
 
 def test_spilled_snapshots_of_float_and_quantized_engines_do_not_mix(ckpt, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

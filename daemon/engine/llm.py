@@ -27,7 +27,7 @@ from ..experts.backend import (
 )
 from ..experts.banks import ActivationSpec, activation_of
 from ..models.config import ModelConfig
-from ..models.dense_quant import PRESETS, quantize_dense
+from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import kv_bytes_per_token
@@ -162,7 +162,9 @@ class LLM:
                 raise ValueError("give quantize (a preset) or quantize_experts, not both")
             quantize_dense(self.model, quantize)
             if self.banks.format == "bf16":
-                quantize_experts = PRESETS[quantize]["experts"]
+                quantize_experts = expert_format(
+                    quantize, cfg.hidden_size, cfg.moe_intermediate_size
+                )
         if quantize_experts is not None:
             self.banks = quantize_experts_at_load(self.banks, cfg, quantize_experts)
         if self.banks.format != cfg.expert_format:  # quantized here, or in an FTW conversion

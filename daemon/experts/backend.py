@@ -74,8 +74,10 @@ class RoutingRecorder:
 
 class CpuBackend:
     """Experts never leave host RAM; the native executor computes them from banks of any format
-    it supports (bf16/fp32, fp8_block, mxfp4, nvfp4: see cpu_executor). When the extension is not
-    built the torch reference runs instead, on an fp32 dequantised copy for quantised banks."""
+    it supports (bf16/fp32, fp8_block, mxfp4, nvfp4: see cpu_executor; the GGUF block formats
+    q8_0, q4_k, ... with integer dot products on ftdense's pool, whose thread count
+    ``dense_native.configure`` sets: see block_executor). When the extension is not built the
+    torch reference runs instead, on an fp32 dequantised copy for quantised banks."""
 
     def __init__(
         self,
@@ -97,9 +99,14 @@ class CpuBackend:
             self.executor = FakeCpuExecutor(banks)
             return
         try:
-            from .cpu_executor import CpuExecutor
+            from .block_executor import BlockExecutor, is_block_format
 
-            self.executor = CpuExecutor(banks, act, threads=threads)
+            if is_block_format(banks.format):  # integer dots on ftdense's shared pool
+                self.executor = BlockExecutor(banks, act)
+            else:
+                from .cpu_executor import CpuExecutor
+
+                self.executor = CpuExecutor(banks, act, threads=threads)
         except (ImportError, ModuleNotFoundError) as e:
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
             if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight

@@ -16,6 +16,15 @@ Bit layouts (tested on hand-made values in tests/test_expert_formats.py):
       2j+1 in the high nibble (the GPT-OSS / ModelOpt order).
   e8m0 (MX scale): uint8 e means 2^(e - 127); 255 is NaN and never written here.
   fp8: torch.float8_e4m3fn (bias 7, 3 mantissa bits, max 448, no infinities).
+
+GGUF block formats (one per pair of models/gguf_blocks.py types, generated from its tables):
+``gate_up`` and ``down`` are uint8 rows of GGUF blocks, byte for byte as llama.cpp stores them
+(``gate_up`` [2I, row_bytes(t, H)], ``down`` [H, row_bytes(t', I)]), with no scale banks: the
+scales live inside the blocks. The name is the type when both projections share it ("q8_0",
+"q4_k") and "<gate_up type>/<down type>" otherwise ("q4_k/q6_k": llama.cpp's Q4_K_M keeps some
+ffn_down wider); ``block_format`` builds it. H must be a multiple of the gate_up type's block and
+I of the down type's (256 for the K-quants). The CPU backend computes them with integer dot
+products (experts/block_executor.py); everything else dequantizes them per expert.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models import gguf_blocks
 from .banks import ExpertBanks
 
 Tensor = torch.Tensor
@@ -239,12 +249,27 @@ class ExpertFormat:
     # {bank name: per-expert tensor} -> (gate_up fp32 [2I, H], down fp32 [H, I])
     dequantize: Callable[[Mapping[str, Tensor]], tuple[Tensor, Tensor]]
     dim_multiple: int = 1  # H and I must be multiples of this (the packing / scale block)
+    # GGUF block formats: (gate_up type, down type) of models/gguf_blocks.py; None otherwise
+    block_types: tuple[str, str] | None = None
+
+    def multiples(self) -> tuple[int, int]:
+        """What H and I must be multiples of."""
+        if self.block_types is None:
+            return self.dim_multiple, self.dim_multiple
+        gu, dn = self.block_types
+        return gguf_blocks.BLOCK_INPUTS[gu], gguf_blocks.BLOCK_INPUTS[dn]
 
     def check_dims(self, hidden: int, inter: int) -> None:
-        if hidden % self.dim_multiple or inter % self.dim_multiple:
+        mh, mi = self.multiples()
+        if (hidden % mh or inter % mi) and mh == mi:
             raise ValueError(
                 f"expert format {self.name!r} needs hidden and moe intermediate sizes that are "
-                f"multiples of {self.dim_multiple}; got H={hidden}, I={inter}"
+                f"multiples of {mh}; got H={hidden}, I={inter}"
+            )
+        if hidden % mh or inter % mi:
+            raise ValueError(
+                f"expert format {self.name!r} needs a hidden size that is a multiple of {mh} and "
+                f"a moe intermediate size that is a multiple of {mi}; got H={hidden}, I={inter}"
             )
 
     def specs(
@@ -262,6 +287,36 @@ class ExpertFormat:
 
 
 _U8, _F32, _FP8 = torch.uint8, torch.float32, torch.float8_e4m3fn
+
+
+def block_format(gate_up: str, down: str) -> str:
+    """The name of the GGUF block format with gate_up rows of type ``gate_up`` and down rows of
+    type ``down`` (gguf_blocks names, e.g. "q4_k")."""
+    return gate_up if gate_up == down else f"{gate_up}/{down}"
+
+
+def _block(gu: str, dn: str) -> ExpertFormat:
+    def quantize(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
+        return {
+            "gate_up": gguf_blocks.quantize(gate_up, gu),
+            "down": gguf_blocks.quantize(down, dn),
+        }
+
+    def dequantize(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return gguf_blocks.dequantize(t["gate_up"], gu), gguf_blocks.dequantize(t["down"], dn)
+
+    return ExpertFormat(
+        block_format(gu, dn),
+        f"GGUF {gu} blocks for gate_up, {dn} blocks for down (raw rows, scales inside)",
+        (
+            BankSpec("gate_up", lambda h, i: (2 * i, gguf_blocks.row_bytes(gu, h)), _U8),
+            BankSpec("down", lambda h, i: (h, gguf_blocks.row_bytes(dn, i)), _U8),
+        ),
+        quantize,
+        dequantize,
+        block_types=(gu, dn),
+    )
+
 
 FORMATS: dict[str, ExpertFormat] = {
     f.name: f
@@ -318,6 +373,11 @@ FORMATS: dict[str, ExpertFormat] = {
         ),
     )
 }
+# Every pair of block types. A name the table already has (our own mxfp4 layout, should the
+# block tables gain GGUF's) keeps its format; the pair then exists only mixed with another type.
+for _gu in gguf_blocks.BLOCK_BYTES:
+    for _dn in gguf_blocks.BLOCK_BYTES:
+        FORMATS.setdefault(block_format(_gu, _dn), _block(_gu, _dn))
 
 
 def get_format(name: str) -> ExpertFormat:

@@ -105,9 +105,11 @@ class ControlPlane:
         quantize = self._quantize(path)
         preset = self._preset(path)
         if preset is not None:
-            from ..models.dense_quant import PRESETS
+            from ..models.dense_quant import expert_format
+            from ..models.loader import model_config
 
-            quantize = PRESETS[preset]["experts"]  # the bandwidth profile's expert format
+            mc = model_config(path)  # the bandwidth profile's expert format
+            quantize = expert_format(preset, mc.hidden_size, mc.moe_intermediate_size)
         return LLM(
             path,
             moe_backend=backend,

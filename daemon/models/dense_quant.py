@@ -12,15 +12,18 @@ A preset is a named mix per tensor class (the class of a Linear is read from its
   mlp_in     gate_proj / up_proj (dense MLPs, shared experts) q4_k          q8_0       mxfp4
   mlp_out    down_proj (dense MLPs, shared experts)          q4_k / q6_k*  q8_0       mxfp4
   lm_head    the output projection                           q6_k          q8_0       q8_0
-  experts    routed experts (expert bank format)             mxfp4         fp8_block  mxfp4
+  experts    routed experts (expert bank format)             q4_k          q8_0       mxfp4
 
 q4_k_m is llama.cpp's Q4_K_M mix (src/llama-quant.cpp) for the tensors we quantize: Q4_K by
 default, Q6_K for the output head, and (*) Q6_K for attn_v and ffn_down in the layers its
 ``use_more_bits`` picks: the first and last eighth of the layers and every third one between
 (i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2; for attn_v, i and n count the layers that have one,
 for ffn_down all layers). Not followed: its extra rules for 8-expert models (attn_v and attn_k
-Q8_0, attn_output Q5_K; Mixtral-style) and routed experts, which use the expert executor's own
-formats here (the GGUF block kernels are not wired into it).
+Q8_0, attn_output Q5_K; Mixtral-style), and Q6_K for some routed experts' down projections: ours
+stay q4_k. Routed experts take the GGUF block formats (experts/formats.py), computed by the same
+integer-dot kernels (experts/block_executor.py); an expert projection whose input size the block
+does not divide falls back as below (``expert_format``), and one that fits no block of 32 fails
+the preset, naming the sizes.
 
 mxfp4 puts every dense projection on the native MXFP4 kernel (4-bit e2m1 with a power-of-two
 scale per 32 inputs) and keeps the output head q8_0, as llama.cpp's MXFP4_MOE does; that mix
@@ -64,7 +67,7 @@ PRESETS: dict[str, dict[str, str]] = {
         "mlp_in": "q4_k",
         "mlp_out": "q4_k",
         "lm_head": "q6_k",
-        "experts": "mxfp4",
+        "experts": "q4_k",
     },
     "q8_0": {
         "attn_qkv": "q8_0",
@@ -73,7 +76,7 @@ PRESETS: dict[str, dict[str, str]] = {
         "mlp_in": "q8_0",
         "mlp_out": "q8_0",
         "lm_head": "q8_0",
-        "experts": "fp8_block",
+        "experts": "q8_0",
     },
     "mxfp4": {
         "attn_qkv": "mxfp4",
@@ -140,6 +143,23 @@ def choose_formats(layers: Iterable[tuple[str, int]], preset: str) -> dict[str, 
         if fitted is not None:
             out[name] = fitted
     return out
+
+
+def expert_format(preset: str, hidden: int, inter: int) -> str:
+    """The expert format ``preset`` gives experts of these sizes: its block type per projection
+    where the block divides the projection's input size (gate_up: H, down: I), q8_0 where only
+    32 does (e.g. "q4_k/q8_0"); a format that is not a block type as it is."""
+    from ..experts.formats import block_format
+
+    fmt = PRESETS[preset]["experts"]
+    if fmt not in gguf_blocks.BLOCK_BYTES:
+        return fmt
+    gate_up, down = _fit(fmt, hidden), _fit(fmt, inter)
+    if gate_up is None or down is None:
+        raise ValueError(
+            f"quantize {preset}: expert sizes H={hidden}, I={inter} are not multiples of 32"
+        )
+    return block_format(gate_up, down)
 
 
 def quantize_dense(model: nn.Module, preset: str) -> dict[str, str]:

@@ -20,8 +20,10 @@ def stored_expert_format(model_dir: str | Path) -> str:
     """The routed experts' format as the folder stores them (an FTW folder may hold experts
     quantized at conversion under a float config.json)."""
     model_dir = Path(model_dir)
-    if model_dir.is_file():  # GGUF: experts load as float banks (dequantized where quantized)
-        return "bf16"
+    if model_dir.is_file():  # GGUF: kept in their block format where a kernel computes it
+        from .loader import model_config
+
+        return model_config(model_dir).expert_format
     if (model_dir / "ftw.json").exists():
         from ..checkpoint.ftw_index import read_index
 

@@ -5,15 +5,16 @@ llama.cpp's tensor names are mapped onto ours by one table (the names only some 
 carry, and the converter's transforms undone, are in ``gguf_arch``); stacked expert tensors
 (``blk.N.ffn_{gate,up,down}_exps``, [E, rows, cols]) go into the flat_id-major banks (gate rows,
 then up rows).
-F32/F16/BF16 are read as they are. A quantized dense projection (attention, dense MLP, shared
-expert, lm_head) of a type the native integer-dot kernels compute (``gguf_blocks.BLOCK_BYTES``)
-and that needs no value transform stays in its blocks, read raw (a row permutation moves whole
-rows); every other quantized tensor is dequantized at load (one log line says which, and what it
-costs in memory).
+F32/F16/BF16 are read as they are. Quantized tensors of a type the CPU's integer-dot kernels
+compute (``gguf_blocks.BLOCK_BYTES``) stay in their blocks, read raw: routed experts
+(``gguf_experts``) and dense projections (attention, dense MLP, shared expert, lm_head) whose
+converter transform at most reorders rows (a row's blocks move together); every other quantized
+tensor is dequantized at load (one log line says which, and what it costs in memory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -26,6 +27,7 @@ import torch
 
 from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
+from . import gguf_experts
 from .config import ModelConfig
 from .dense_quant import tensor_class
 from .gguf_arch import (
@@ -178,7 +180,11 @@ class GgufCheckpoint:
 
     def config(self, dtype: str | None = None) -> ModelConfig:
         infos = {n: t for n, (_, t) in self.tensors.items()}
-        return config_from_gguf(self.metadata, infos, dtype or self.default_dtype(), str(self.path))
+        cfg = config_from_gguf(self.metadata, infos, dtype or self.default_dtype(), str(self.path))
+        block = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.expert_format == "bf16" and block is not None:
+            cfg = dataclasses.replace(cfg, expert_format=block)
+        return cfg
 
     def sources(self, cfg: ModelConfig) -> Iterator[tuple[str, str, _Source | _Joined]]:
         """(gguf name, our canonical name or an expert key, source) for every tensor."""
@@ -225,13 +231,16 @@ class GgufCheckpoint:
     def log_dequantized(
         self, dtype: str, packed: str = "", kept: frozenset[str] = frozenset()
     ) -> None:
-        """``kept``: names of tensors loaded in their blocks (not dequantized)."""
+        """``kept``: names of dense tensors loaded in their blocks (not dequantized); kept
+        experts are told by ``gguf_experts``."""
+        gguf_experts.log_kept(self.path.name, {n: t for n, (_, t) in self.tensors.items()}, packed)
         quant = [
             t
             for name, (_, t) in self.tensors.items()
             if t.quantized
             and name not in kept
             and not (packed == "mxfp4" and t.type_name == "MXFP4")
+            and not gguf_experts.kept(name, t, packed)
         ]
         if not quant:
             return
@@ -378,8 +387,14 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
     """Loads a GGUF file (or split set) into a model and its expert banks."""
     with GgufCheckpoint(path) as ck:
         cfg = cfg or ck.config()
-        if cfg.expert_format not in ("bf16", "mxfp4"):
-            raise CheckpointError(f"{path}: GGUF experts load as float or mxfp4 banks only")
+        infos = {n: t for n, (_, t) in ck.tensors.items()}
+        kept = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
+        block = kept is not None and cfg.expert_format == kept
+        if cfg.expert_format not in ("bf16", "mxfp4") and not block:
+            raise CheckpointError(
+                f"{path}: GGUF experts load as float or mxfp4 banks, or in the block format "
+                f"of the file's expert tensors; not {cfg.expert_format}"
+            )
         family_spec(cfg.family)
         model = build_model(cfg)
         banks = allocate_banks(cfg)
@@ -411,6 +426,15 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
                     filler.expert_stack_mxfp4(
                         int(layer), m.group(1), blocks, scales, name, src.t.path
                     )
+                    continue
+                if block and m.group(2) == "weight":  # the raw blocks, as the file has them
+                    if src.fix is not None:
+                        raise CheckpointError(
+                            f"{src.t.path}: tensor '{name}': fused gate/up experts in blocks "
+                            "are not supported"
+                        )
+                    raw = gguf_experts.RawStack(src.f, src.t)
+                    filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
                     continue
                 filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
             elif cfg.tie_word_embeddings and canon == "lm_head.weight":

@@ -13,6 +13,7 @@
 #include "dense_linear.h"
 #include "pool.h"
 #include "qlinear.h"
+#include "qmoe.h"
 #include "rms_norm.h"
 
 namespace py = pybind11;
@@ -67,6 +68,30 @@ ftdense::QType qtype_code(int code) {
 }
 
 }  // namespace
+
+ftdense::QMoeSpec qmoe_spec(uintptr_t gate_up, uintptr_t down, int gate_up_type, int down_type,
+                            uintptr_t gate_up_bias, uintptr_t down_bias, bool bias_bf16,
+                            int64_t num_flat, int hidden, int inter, int act, float alpha,
+                            float limit, int64_t chunk_bytes) {
+  if (act < 0 || act > 2) throw py::value_error("act must be 0 (silu), 1 (gptoss) or 2 (gelu_tanh)");
+  ftdense::QMoeSpec s;
+  s.gate_up = reinterpret_cast<const uint8_t*>(gate_up);
+  s.down = reinterpret_cast<const uint8_t*>(down);
+  s.gate_up_type = qtype_code(gate_up_type);
+  s.down_type = qtype_code(down_type);
+  s.gate_up_bias = reinterpret_cast<const void*>(gate_up_bias);
+  s.down_bias = reinterpret_cast<const void*>(down_bias);
+  s.bias_bf16 = bias_bf16;
+  s.num_flat = num_flat;
+  s.hidden = hidden;
+  s.inter = inter;
+  s.act = static_cast<ftdense::MoeAct>(act);
+  s.alpha = alpha;
+  s.limit = limit;
+  s.chunk_bytes = chunk_bytes;
+  ftdense::qmoe_check(s);
+  return s;
+}
 
 PYBIND11_MODULE(ftdense, m) {
   m.doc() = "freetoken dense CPU projections y = x W^T (bf16/fp32 weights, fp32 in and out)";
@@ -203,4 +228,27 @@ PYBIND11_MODULE(ftdense, m) {
       py::arg("y"), py::arg("isa") = "",
       "x [T,K] fp32 address; for each i: w[i] [N[i]] rows of GGUF blocks of qtype types[i] "
       "(0 q8_0, 1 q4_k, 2 q6_k, 3 q5_k, 4 mxfp4, 5 q5_0, 6 q4_0), y[i] [T,N[i]] fp32. isa '' = the configured one.");
+  py::class_<ftdense::QMoeSpec>(m, "QMoe",
+                                "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "
+                                "the bank addresses.")
+      .def(py::init(&qmoe_spec), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_type"),
+           py::arg("down_type"), py::arg("gate_up_bias"), py::arg("down_bias"),
+           py::arg("bias_bf16"), py::arg("num_flat"), py::arg("hidden"), py::arg("inter"),
+           py::arg("act"), py::arg("alpha"), py::arg("limit"), py::arg("chunk_bytes") = 256 << 10)
+      .def(
+          "forward",
+          [](const ftdense::QMoeSpec& s, uintptr_t x, uintptr_t ids, uintptr_t w, uintptr_t out,
+             int T, int K, const std::string& isa) {
+            const ftdense::QDotSet* ks;
+            auto pool = qdot_call(isa, ks);
+            py::gil_scoped_release release;
+            ftdense::qmoe_forward(*pool, *ks, s, reinterpret_cast<const float*>(x),
+                                  reinterpret_cast<const int32_t*>(ids),
+                                  reinterpret_cast<const float*>(w), reinterpret_cast<float*>(out),
+                                  T, K);
+          },
+          py::arg("x"), py::arg("ids"), py::arg("w"), py::arg("out"), py::arg("T"), py::arg("K"),
+          py::arg("isa") = "",
+          "x [T,H] fp32, ids [T,K] int32, w [T,K] fp32, out [T,H] fp32 addresses; isa '' = the "
+          "configured one.");
 }

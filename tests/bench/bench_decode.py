@@ -55,6 +55,9 @@ CACHE = Path("/tmp/ftbench_decode")
 #              freetoken: our `quantize` preset of the BF16 checkpoint (models/dense_quant.py)
 #   freetoken-gguf-*   freetoken loading llama.cpp's quantized file itself: the same file, so
 #              the same bytes (quant types without a native kernel are dequantized at load)
+#   freetoken-q4_k     our experts only in GGUF q4_k blocks (quantize_experts="q4_k", integer
+#              dot products: experts/block_executor.py), dense bf16: against "freetoken" it
+#              isolates the experts' format
 ENGINES = (
     "freetoken",
     "hf",
@@ -67,6 +70,7 @@ ENGINES = (
     "freetoken-q4_k_m",
     "llama.cpp-q4_k_m",
     "freetoken-gguf-q4_k_m",
+    "freetoken-q4_k",
 )
 LLAMA_QUANTS = ("mxfp4", "q8_0", "q4_k_m")  # llama.cpp files quantized from the BF16 GGUF
 _PEER_MODULE = {e: "llama_cpp" for e in ENGINES if e.startswith("llama.cpp")} | {
@@ -263,6 +267,7 @@ def run_decode_benchmark(
         "freetoken-mxfp4": {"quantize_experts": "mxfp4"},
         "freetoken-q8_0": {"quantize": "q8_0"},
         "freetoken-q4_k_m": {"quantize": "q4_k_m"},
+        "freetoken-q4_k": {"quantize_experts": "q4_k"},
     }
     for q in LLAMA_QUANTS:
         path = str(quantized[q]) if q in quantized else None

@@ -8,7 +8,9 @@ Qwen3-30B-A3B expert geometry, one MoE layer: H = 2048, I = 768, 128 experts, to
   - prefill (T = 512): time per layer, GiB/s of weights and GFLOP/s of the native executor
   - the same native decode/prefill figures for each quantised format of --formats (banks of
     random bytes: the kernels' speed does not depend on the values), where GiB/s counts the bytes
-    a call really reads (packed weights + scale banks), and a summary of time per call vs bf16
+    a call really reads (packed weights + scale banks), and a summary of time per call vs bf16;
+    the GGUF block formats (q8_0, q4_k) run on the integer-dot executor (block_executor.py, on
+    ftdense's pool of the same thread count)
 
 Usage: python tests/bench/bench_native_executor.py [--iters N] [--threads N] [--formats a,b]
 Every decode call routes to 8 fresh random experts, so weights come from DRAM, not cache.
@@ -20,14 +22,18 @@ import argparse
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeAlias
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from freetokend.experts.banks import ActivationSpec, ExpertBanks
+from freetokend.experts.block_executor import BlockExecutor, is_block_format
 from freetokend.experts.cpu_executor import QUANT_FORMATS, CpuExecutor
-from freetokend.experts.formats import allocate
+from freetokend.experts.formats import allocate, get_format
+from freetokend.models import gguf_blocks
+from freetokend.models.layers import dense_native
 
 H, INTER, E, K = 2048, 768, 128, 8
 GIB = 1024**3
@@ -43,11 +49,17 @@ def make_quant_banks(fmt: str) -> ExpertBanks:
     """Banks of a quantised format filled with random bytes (no e4m3 NaN codes) and scales that
     keep the activations finite."""
     b = allocate(fmt, E, H, INTER, torch.bfloat16)
-    for w in (b.gate_up, b.down):
+    types = get_format(fmt).block_types or ("", "")
+    for w, qt in zip((b.gate_up, b.down), types, strict=True):
         u8 = w.view(torch.uint8)
         u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8))
         if fmt == "fp8_block":
             u8[(u8 & 0x7F) == 0x7F] &= 0xF0
+        if qt:  # a block's leading fp16 scale(s) (q4_k: d and dmin) set to 2^-10
+            blocks = u8.view(E, u8.shape[1], -1, gguf_blocks.BLOCK_BYTES[qt])
+            blocks[..., : 4 if qt == "q4_k" else 2] = torch.tensor([0, 0x14] * 2)[
+                : 4 if qt == "q4_k" else 2
+            ].to(torch.uint8)
     for name, t in b.extra.items():
         if fmt == "fp8_block":
             t.fill_(1e-4)
@@ -128,7 +140,18 @@ def bench_read(banks: ExpertBanks, iters: int) -> None:
     torch.set_num_threads(threads)
 
 
-def bench_decode(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) -> float:
+Executor: TypeAlias = CpuExecutor | BlockExecutor
+
+
+def make_executor(banks: ExpertBanks, threads: int | None) -> Executor:
+    """The native executor of the banks' format with ``threads`` threads (None: the default)."""
+    if is_block_format(banks.format):
+        dense_native.configure(threads)
+        return BlockExecutor(banks, ActivationSpec())
+    return CpuExecutor(banks, ActivationSpec(), threads=threads)
+
+
+def bench_decode(banks: ExpertBanks, ex: Executor, label: str, iters: int) -> float:
     """Reports and returns the best seconds per T = 1 call."""
     gen = torch.Generator().manual_seed(0)
     batches = [routes(1, gen) for _ in range(iters + 1)]
@@ -138,7 +161,7 @@ def bench_decode(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) ->
     return t[0]
 
 
-def bench_prefill(banks: ExpertBanks, ex: CpuExecutor, label: str, iters: int) -> float:
+def bench_prefill(banks: ExpertBanks, ex: Executor, label: str, iters: int) -> float:
     """Reports and returns the best seconds per T = 512 call."""
     x, ids, w = routes(512, torch.Generator().manual_seed(2))
     distinct = int(torch.unique(ids).numel())
@@ -156,11 +179,10 @@ def bench_format(fmt: str, args: argparse.Namespace) -> tuple[int, float, float]
     """Native decode (1 and all threads) and prefill on banks of `fmt` -> (bytes per expert,
     best decode seconds with all threads, best prefill seconds)."""
     banks = make_quant_banks(fmt)
-    act = ActivationSpec()
-    ex1 = CpuExecutor(banks, act, threads=1)
+    ex1 = make_executor(banks, 1)
     bench_decode(banks, ex1, f"native {fmt} {ex1.isa}, 1 thread", args.iters)
     del ex1
-    exn = CpuExecutor(banks, act, threads=args.threads)
+    exn = make_executor(banks, args.threads)
     label = f"native {fmt} {exn.isa}, {exn.threads} threads"
     dec = bench_decode(banks, exn, label, args.iters)
     return expert_bytes(banks), dec, bench_prefill(banks, exn, label, 1)
@@ -172,7 +194,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="executor threads (default: cores)")
     ap.add_argument("--prefill-iters", type=int, default=2)
     ap.add_argument(
-        "--formats", default=",".join(QUANT_FORMATS), help="quantised formats to add ('' none)"
+        "--formats",
+        default=",".join((*QUANT_FORMATS, "q8_0", "q4_k")),
+        help="quantised formats to add ('' none)",
     )
     args = ap.parse_args()
 

@@ -1,0 +1,259 @@
+#include "qmoe.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ftdense {
+
+namespace {
+
+constexpr int kUpRows = 32;    // rows of I per up task (gate and up rows each)
+constexpr int kDownRows = 64;  // rows of H per down task
+
+// A route's quantised row of K inputs inside a buffer of many (qdot.h's layout, row r at q + r*K).
+struct QRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> s;
+  int64_t K = 0, nb = 0;
+
+  void resize(int64_t rows, int64_t k) {
+    K = k;
+    nb = k / kQActBlock;
+    q.resize(static_cast<size_t>(rows * K));
+    d.resize(static_cast<size_t>(rows * nb));
+    s.resize(static_cast<size_t>(rows * nb));
+  }
+  int8_t* qr(int64_t r) { return q.data() + r * K; }
+  float* dr(int64_t r) { return d.data() + r * nb; }
+  int16_t* sr(int64_t r) { return s.data() + r * nb; }
+};
+
+struct Group {
+  int64_t fid;
+  int begin, n;  // routes [begin, begin + n) of the sorted order
+};
+
+struct Call {
+  const QDotSet* ks;
+  const QMoeSpec* spec;
+  const float* x;
+  float* out;
+  int T = 0, K = 0;
+  int64_t H = 0, I = 0;
+  std::vector<int> pos;    // [T*K]: sorted position of route (t, k), -1 when skipped
+  std::vector<int> rtok;   // per sorted route: its token
+  std::vector<float> rw;   // per sorted route: its gate weight
+  std::vector<Group> groups;
+  std::vector<int64_t> up_first;  // first up task of each group, then the total
+  std::unique_ptr<std::atomic<int>[]> up_left;  // per group: up tasks not finished yet
+  QRows xin;               // per route: its token's quantised input [H]
+  std::vector<float> act;  // per route: activation [I] fp32
+  QRows ain;               // per route: quantised activation [I]
+  int chunk_up = 1, chunk_down = 1;  // tokens per chunk
+};
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float bias_at(const QMoeSpec& s, const void* base, int64_t i) {
+  if (!base) return 0.f;
+  return s.bias_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(base)[i])
+                     : static_cast<const float*>(base)[i];
+}
+
+// The same math as the float executor (native/src/executor.cpp) and banks.activate.
+inline float activate(const QMoeSpec& s, float gate, float up) {
+  if (s.act == MoeAct::Silu) return gate / (1.f + std::exp(-gate)) * up;
+  if (s.act == MoeAct::GeluTanh) {
+    const float z = 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
+    return gate / (1.f + std::exp(-2.f * z)) * up;
+  }
+  const float g = std::min(gate, s.limit);
+  const float u = std::clamp(up, -s.limit, s.limit);
+  return (u + 1.f) * (g / (1.f + std::exp(-s.alpha * g)));
+}
+
+// Routes sorted by (expert, route index): positions, tokens, weights and expert groups.
+void plan(Call& c, const int32_t* ids, const float* w) {
+  const int64_t R = static_cast<int64_t>(c.T) * c.K;
+  std::vector<uint64_t> keys;
+  keys.reserve(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const int32_t id = ids[r];
+    if (id == -1) continue;
+    if (id < -1 || id >= c.spec->num_flat)
+      throw std::out_of_range("flat expert id " + std::to_string(id) + " outside [-1, " +
+                              std::to_string(c.spec->num_flat) + ")");
+    keys.push_back(static_cast<uint64_t>(id) << 32 | static_cast<uint64_t>(r));
+  }
+  std::sort(keys.begin(), keys.end());
+  c.pos.assign(static_cast<size_t>(R), -1);
+  c.rtok.resize(keys.size());
+  c.rw.resize(keys.size());
+  for (size_t p = 0; p < keys.size(); ++p) {
+    const int64_t fid = static_cast<int64_t>(keys[p] >> 32);
+    const int64_t r = static_cast<int64_t>(keys[p] & 0xFFFFFFFFu);
+    c.pos[r] = static_cast<int>(p);
+    c.rtok[p] = static_cast<int>(r / c.K);
+    c.rw[p] = w[r];
+    if (c.groups.empty() || c.groups.back().fid != fid)
+      c.groups.push_back({fid, static_cast<int>(p), 0});
+    ++c.groups.back().n;
+  }
+  const int64_t blocks = (c.I + kUpRows - 1) / kUpRows;
+  c.up_first.push_back(0);
+  for (size_t g = 0; g < c.groups.size(); ++g) c.up_first.push_back(c.up_first.back() + blocks);
+  c.up_left.reset(new std::atomic<int>[c.groups.size()]);
+  for (size_t g = 0; g < c.groups.size(); ++g) c.up_left[g].store(static_cast<int>(blocks));
+}
+
+// Phase quant, one task per token: quantise x[t] into its first route's row, copy to the rest.
+void quant_task(void* ctx, int64_t t) {
+  Call& c = *static_cast<Call*>(ctx);
+  int first = -1;
+  for (int k = 0; k < c.K; ++k) {
+    const int p = c.pos[t * c.K + k];
+    if (p < 0) continue;
+    if (first < 0) {
+      first = p;
+      c.ks->quantize(c.x + t * c.H, static_cast<int>(c.H), c.xin.qr(p), c.xin.dr(p), c.xin.sr(p));
+      continue;
+    }
+    std::memcpy(c.xin.qr(p), c.xin.qr(first), static_cast<size_t>(c.H));
+    std::memcpy(c.xin.dr(p), c.xin.dr(first), sizeof(float) * c.xin.nb);
+    std::memcpy(c.xin.sr(p), c.xin.sr(first), sizeof(int16_t) * c.xin.nb);
+  }
+}
+
+// Phase up, one task per (expert, block of kUpRows rows of I).
+void up_task(void* ctx, int64_t task) {
+  Call& c = *static_cast<Call*>(ctx);
+  const QMoeSpec& s = *c.spec;
+  const size_t gi = static_cast<size_t>(
+      std::upper_bound(c.up_first.begin(), c.up_first.end(), task) - c.up_first.begin() - 1);
+  const Group& g = c.groups[gi];
+  const int64_t j0 = (task - c.up_first[gi]) * kUpRows, j1 = std::min(c.I, j0 + kUpRows);
+  const int rows = static_cast<int>(j1 - j0);
+  const int64_t rb = qrow_bytes(s.gate_up_type, c.H);
+  const QRowFn fn = c.ks->row[static_cast<int>(s.gate_up_type)];
+  const uint8_t* wg = s.gate_up + (g.fid * 2 * c.I + j0) * rb;  // gate rows; up rows I later
+  const uint8_t* wu = wg + c.I * rb;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(2 * rows * c.chunk_up));
+  float* yg = scratch.data();
+  float* yu = yg + rows * c.chunk_up;
+  const int64_t bias_row = g.fid * 2 * c.I;
+  for (int t0 = 0; t0 < g.n; t0 += c.chunk_up) {
+    const int n = std::min(c.chunk_up, g.n - t0);
+    const int r0 = g.begin + t0;
+    for (int j = 0; j < rows; ++j) {
+      fn(wg + j * rb, static_cast<int>(c.H), c.xin.qr(r0), c.xin.dr(r0), c.xin.sr(r0), n, yg + j,
+         rows);
+      fn(wu + j * rb, static_cast<int>(c.H), c.xin.qr(r0), c.xin.dr(r0), c.xin.sr(r0), n, yu + j,
+         rows);
+    }
+    for (int t = 0; t < n; ++t) {
+      float* a = c.act.data() + (r0 + t) * c.I + j0;
+      for (int j = 0; j < rows; ++j) {
+        const float gv = yg[t * rows + j] + bias_at(s, s.gate_up_bias, bias_row + j0 + j);
+        const float uv = yu[t * rows + j] + bias_at(s, s.gate_up_bias, bias_row + c.I + j0 + j);
+        a[j] = activate(s, gv, uv);
+      }
+    }
+  }
+  // The last block of this expert to finish quantises its act rows for the down phase.
+  if (c.up_left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1)
+    for (int r = g.begin; r < g.begin + g.n; ++r)
+      c.ks->quantize(c.act.data() + r * c.I, static_cast<int>(c.I), c.ain.qr(r), c.ain.dr(r),
+                     c.ain.sr(r));
+}
+
+// Phase down, one task per block of kDownRows rows of H, over every expert.
+void down_task(void* ctx, int64_t task) {
+  Call& c = *static_cast<Call*>(ctx);
+  const QMoeSpec& s = *c.spec;
+  const int64_t h0 = task * kDownRows, h1 = std::min(c.H, h0 + kDownRows);
+  const int rows = static_cast<int>(h1 - h0);
+  for (int t = 0; t < c.T; ++t) std::memset(c.out + t * c.H + h0, 0, sizeof(float) * rows);
+  const int64_t rb = qrow_bytes(s.down_type, c.I);
+  const QRowFn fn = c.ks->row[static_cast<int>(s.down_type)];
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(rows * c.chunk_down));
+  float* y = scratch.data();
+  for (const Group& g : c.groups) {
+    const uint8_t* wd = s.down + (g.fid * c.H + h0) * rb;
+    for (int t0 = 0; t0 < g.n; t0 += c.chunk_down) {
+      const int n = std::min(c.chunk_down, g.n - t0);
+      const int r0 = g.begin + t0;
+      for (int h = 0; h < rows; ++h)
+        fn(wd + h * rb, static_cast<int>(c.I), c.ain.qr(r0), c.ain.dr(r0), c.ain.sr(r0), n, y + h,
+           rows);
+      for (int t = 0; t < n; ++t) {
+        const int r = r0 + t;
+        float* o = c.out + static_cast<int64_t>(c.rtok[r]) * c.H + h0;
+        const float wt = c.rw[r];
+        for (int h = 0; h < rows; ++h)
+          o[h] += wt * (y[t * rows + h] + bias_at(s, s.down_bias, g.fid * c.H + h0 + h));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void qmoe_check(const QMoeSpec& s) {
+  if (!s.gate_up || !s.down) throw std::invalid_argument("gate_up and down are required");
+  if (s.num_flat <= 0 || s.hidden <= 0 || s.inter <= 0)
+    throw std::invalid_argument("bank shapes must be positive");
+  for (const QType t : {s.gate_up_type, s.down_type})
+    if (static_cast<int>(t) < 0 || static_cast<int>(t) >= kNumQTypes)
+      throw std::invalid_argument("unknown qtype " + std::to_string(static_cast<int>(t)));
+  if (s.hidden % qblock_inputs(s.gate_up_type))
+    throw std::invalid_argument("hidden size is not a multiple of the gate_up type's block");
+  if (s.inter % qblock_inputs(s.down_type))
+    throw std::invalid_argument("moe intermediate size is not a multiple of the down type's block");
+}
+
+void qmoe_forward(Pool& pool, const QDotSet& ks, const QMoeSpec& spec, const float* x,
+                  const int32_t* ids, const float* w, float* out, int T, int K) {
+  if (T <= 0) return;
+  Call c;
+  c.ks = &ks;
+  c.spec = &spec;
+  c.x = x;
+  c.out = out;
+  c.T = T;
+  c.K = K;
+  c.H = spec.hidden;
+  c.I = spec.inter;
+  plan(c, ids, w);
+  if (c.groups.empty()) {
+    std::memset(out, 0, sizeof(float) * T * c.H);
+    return;
+  }
+  const int64_t routes = static_cast<int64_t>(c.rtok.size());
+  c.xin.resize(routes, c.H);
+  c.act.resize(static_cast<size_t>(routes * c.I));
+  c.ain.resize(routes, c.I);
+  c.chunk_up = static_cast<int>(std::max<int64_t>(1, spec.chunk_bytes / c.H));
+  c.chunk_down = static_cast<int>(std::max<int64_t>(1, spec.chunk_bytes / c.I));
+  if (T <= 2)  // decode: a pool job costs more than quantising a row or two
+    for (int t = 0; t < T; ++t) quant_task(&c, t);
+  else
+    pool.run(quant_task, &c, T);
+  pool.run(up_task, &c, c.up_first.back());
+  pool.run(down_task, &c, (c.H + kDownRows - 1) / kDownRows);
+}
+
+}  // namespace ftdense

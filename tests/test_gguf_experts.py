@@ -1,0 +1,292 @@
+"""Routed experts in GGUF block formats (q8_0, q4_k, mixed per projection) computed natively with
+integer dot products (experts/block_executor.py, native/dense/qmoe.h).
+
+Oracles:
+- ``block_moe_reference``: plain torch with the kernels' activation quantisation (x per token,
+  each route's activation before ``down``, int8 per 32 inputs) and exact integer block products.
+  Only the fp32 order of the per-block scale sums differs, and through it, rarely, one int8
+  rounding of an activation: max |native - reference| <= 1e-3 * max |reference| (measured worst
+  1.4e-4).
+- ``moe_reference`` over the fp32 dequantized banks (what an engine without these kernels
+  computes): differs by the int8 activations, ||native - it|| / ||it|| < 3e-2 (measured <= 1.3e-2).
+- engine level: the same tiny model with its experts computed by ``block_moe_reference``
+  (greedy tokens equal, logits within 1e-4), and with its experts dequantized to fp32: the int8
+  activations move the logits by ~1.5 % (||d|| / ||logits|| < 3e-2, top-1 agreement >= 95 %
+  teacher-forced), so greedy decoding may part where the fp32 model nearly ties: the test
+  requires equal tokens up to a position whose fp32 top-2 margin is below twice the measured
+  logit error. A GGUF file with Q4_K / Q8_0 experts against its dequantized load: the same
+  bounds.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
+from freetokend.experts.block_executor import BlockExecutor, available, block_moe_reference
+from freetokend.experts.formats import FORMATS, allocate, dequantize_banks, quantize_banks
+from freetokend.models import gguf_blocks, gguf_experts
+from freetokend.models.layers import qlinear_native
+
+pytestmark = pytest.mark.skipif(not available(), reason="ftdense not built")
+
+ISAS = qlinear_native.isas()  # every integer-dot path this CPU runs ("vnni", "avx2", "scalar")
+FMTS = ("q8_0", "q4_k", "q4_k/q8_0", "q8_0/q4_k")
+ACTS = {
+    "silu": (ActivationSpec(), False),
+    "gptoss": (ActivationSpec(Activation.GPTOSS, 1.702, 0.9), True),  # clamps hit, with biases
+}
+N, H, INTER, K = 6, 256, 256, 4
+KW = dict(dtype="float32", prefix_cache=False, max_model_len=128, kv_tokens=512)
+
+
+def _banks(fmt: str, bias: bool, seed: int = 0) -> ExpertBanks:
+    g = torch.Generator().manual_seed(seed)
+    fb = ExpertBanks(
+        torch.randn(N, 2 * INTER, H, generator=g) * 0.06,
+        torch.randn(N, H, INTER, generator=g) * 0.06,
+        torch.randn(N, 2 * INTER, generator=g) * 0.2 if bias else None,
+        torch.randn(N, H, generator=g) * 0.2 if bias else None,
+    )
+    return quantize_banks(fb, fmt)
+
+
+def _routes(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g)
+    ids = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(t)]).int()
+    ids[0, -1] = -1  # a skipped route
+    return x, ids, torch.rand(t, K, generator=g)
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t", [1, 3, 64])  # decode, a few tokens, prefill
+def test_native_matches_the_block_reference_on_every_isa(fmt: str, act: str, t: int) -> None:
+    spec, bias = ACTS[act]
+    banks = _banks(fmt, bias)
+    x, ids, w = _routes(t, seed=t)
+    ref = block_moe_reference(x, ids, w, banks, spec)
+    deq = moe_reference(x, ids, w, dequantize_banks(banks), spec)
+    scale = ref.abs().max().item()
+    assert scale > 0.1
+    assert (ref - deq).abs().max() > 1e-4  # the int8 activations do move it: the oracles differ
+    for isa in ISAS:
+        # chunk_bytes: 16-token chunks, so prefill crosses chunk boundaries
+        out = BlockExecutor(banks, spec, isa, chunk_bytes=16 * H).forward(x, ids, w)
+        err = (out - ref).abs().max().item()
+        assert err <= 1e-3 * scale, f"{isa}: max |native - reference| {err} (scale {scale})"
+        rel = ((out - deq).norm() / deq.norm()).item()
+        assert rel < 3e-2, f"{isa}: relative error against the dequantized experts {rel}"
+    if bias:  # the biases are read: without them the result moves by far more than the bound
+        nob = ExpertBanks(banks.gate_up, banks.down, format=banks.format)
+        assert (block_moe_reference(x, ids, w, nob, spec) - ref).abs().max() > 10e-3 * scale
+
+
+def test_bf16_biases_and_every_route_of_a_token_on_one_expert() -> None:
+    spec = ACTS["gptoss"][0]
+    banks = _banks("q4_k", bias=True, seed=3)
+    assert banks.gate_up_bias is not None and banks.down_bias is not None
+    banks.gate_up_bias = banks.gate_up_bias.bfloat16()
+    banks.down_bias = banks.down_bias.bfloat16()
+    x, _, w = _routes(40, seed=9)
+    ids = torch.zeros(40, K, dtype=torch.int32)  # 160 routes of expert 0: many chunks
+    ref = block_moe_reference(x, ids, w, banks, spec)
+    for isa in ISAS:
+        out = BlockExecutor(banks, spec, isa, chunk_bytes=8 * H).forward(x, ids, w)
+        assert (out - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
+def test_bad_inputs_are_refused() -> None:
+    banks = _banks("q8_0", bias=False)
+    ex = BlockExecutor(banks, ActivationSpec())
+    x, ids, w = _routes(2, seed=1)
+    with pytest.raises(IndexError, match="outside"):
+        ex.forward(x, torch.full_like(ids, N), w)
+    with pytest.raises(ValueError, match="must be"):
+        ex.forward(x[:, :32], ids, w)
+    with pytest.raises(ValueError, match="not a GGUF block"):
+        BlockExecutor(quantize_banks(ExpertBanks(*_float(), None, None), "mxfp4"), ActivationSpec())
+    assert torch.equal(ex.forward(x, torch.full_like(ids, -1), w), torch.zeros(2, H))
+
+
+def _float() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(N, 2 * INTER, H) * 0.05, torch.randn(N, H, INTER) * 0.05
+
+
+def test_formats_table_has_every_pair_of_block_types() -> None:
+    for gu in gguf_blocks.BLOCK_BYTES:
+        for dn in gguf_blocks.BLOCK_BYTES:
+            name = gu if gu == dn else f"{gu}/{dn}"
+            assert FORMATS[name].block_types == (gu, dn)
+    fmt = FORMATS["q4_k/q8_0"]
+    assert fmt.specs(H, 64, torch.bfloat16) == {
+        "gate_up": ((128, H // 256 * 144), torch.uint8),
+        "down": ((H, 64 // 32 * 34), torch.uint8),
+    }
+    with pytest.raises(ValueError, match="multiples of 256"):
+        FORMATS["q4_k"].check_dims(H, 64)
+    for name, f in FORMATS.items():  # the schema is what quantize writes and allocate makes
+        if f.block_types is None:
+            continue
+        q = f.quantize(*(w[0].float() for w in _float()), torch.bfloat16)
+        specs = f.specs(H, INTER, torch.bfloat16)
+        assert {n: (tuple(t.shape), t.dtype) for n, t in q.items()} == specs, name
+        banks = allocate(name, 2, H, INTER, torch.bfloat16, bias=True)
+        assert banks.format == name and banks.extra == {}
+        assert f.nbytes_per_expert(H, INTER, torch.bfloat16) == sum(
+            t[0].numel() for t in (banks.gate_up, banks.down)
+        )
+
+
+# ---- engine level -----------------------------------------------------------------------------
+
+
+def _tiny(d: Path, seed: int = 11):  # type: ignore[no-untyped-def]
+    # hidden 256 and moe intermediate 256: q4_k fits both expert projections
+    return make_tiny(
+        "qwen3_moe",
+        d,
+        seed=seed,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mlp_only_layers=[],
+    )
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    return _tiny(tmp_path_factory.mktemp("qexp"))
+
+
+class _TorchBlocks:
+    """The engine's CPU executor replaced by the plain-torch block reference."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.banks, self.act = llm.banks, llm.moe.act
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return block_moe_reference(x, ids, w, self.banks, self.act)
+
+
+def _check_against_dequantized(llm: LLM, deq: LLM, seed: int) -> None:
+    """Teacher-forced logits of ``llm`` (block experts) against ``deq`` (the same experts
+    dequantized to fp32), and greedy decoding equal up to any fp32 near-tie."""
+    ids = _prompt(24, seed)
+    got, want = llm.logits(ids), deq.logits(ids)
+    err = (got - want).abs().max().item()
+    assert 1e-3 < err and (got - want).norm() / want.norm() < 3e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    a, b = llm.generate(ids, 16, ignore_eos=True), deq.generate(ids, 16, ignore_eos=True)
+    if a != b:
+        k = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        top = deq.logits(ids + b[:k])[-1].topk(2).values
+        margin = (top[0] - top[1]).item()
+        assert margin < 2 * err, f"greedy parted at {k} where fp32's margin is {margin}"
+
+
+def test_quantize_experts_q4_k_greedy_matches_the_dequantized_experts(tiny) -> None:  # type: ignore[no-untyped-def]
+    src, _ = tiny
+    llm = LLM(src, "cpu", quantize_experts="q4_k", **KW)
+    assert llm.banks.format == "q4_k" and isinstance(llm.moe.executor, BlockExecutor)
+    ids = _prompt(24, seed=2)
+    oracle = LLM(src, "cpu", quantize_experts="q4_k", **KW)
+    oracle.moe.executor = _TorchBlocks(oracle)
+    assert (llm.logits(ids) - oracle.logits(ids)).abs().max() < 1e-4
+    assert llm.generate(ids, 8, ignore_eos=True) == oracle.generate(ids, 8, ignore_eos=True)
+
+    ref = LLM(src, "cpu", **KW)  # the same model, its experts replaced by the dequantized q4_k
+    deq = dequantize_banks(llm.banks)
+    assert (ref.banks.gate_up - deq.gate_up).abs().max() > 1e-3  # q4_k did change them
+    ref.banks.gate_up.copy_(deq.gate_up)  # in place: the float executor keeps its addresses
+    ref.banks.down.copy_(deq.down)
+    for seed in (2, 6):
+        _check_against_dequantized(llm, ref, seed)
+
+
+@pytest.mark.parametrize(
+    ("types", "fmt"),
+    [((Q.Q4_K, Q.Q4_K), "q4_k"), ((Q.Q8_0, Q.Q8_0), "q8_0"), ((Q.Q4_K, Q.Q8_0), "q4_k/q8_0")],
+)
+def test_gguf_experts_stay_quantized_and_match_the_dequantized_load(  # type: ignore[no-untyped-def]
+    tiny, tmp_path: Path, monkeypatch, caplog, types, fmt
+) -> None:
+    _, hf = tiny
+    path = write_gguf("qwen3_moe", hf, tmp_path / "m.gguf", "f32", expert_types=types)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(path, "cpu", max_model_len=128, kv_tokens=512)
+    assert llm.banks.format == fmt and isinstance(llm.moe.executor, BlockExecutor)
+    assert f"keeping 9 expert tensors quantized ({fmt} experts" in caplog.text
+    assert "dequantizing" not in caplog.text  # the rest of the file is F32
+    from freetokend.formats.gguf_file import GgufFile
+
+    with GgufFile(path) as f:  # the banks hold the file's blocks byte for byte
+        raw = f.read_raw(f.tensors["blk.1.ffn_up_exps.weight"])
+        down = f.read_raw(f.tensors["blk.0.ffn_down_exps.weight"])
+    e = hf.config.num_experts
+    assert torch.equal(llm.banks.gate_up[e : 2 * e, INTER:], raw)
+    assert torch.equal(llm.banks.down[:e], down)
+
+    monkeypatch.setattr(gguf_experts, "block_expert_format", lambda *a: None)
+    deq = LLM(path, "cpu", max_model_len=128, kv_tokens=512)  # dequantized at load, as before
+    assert deq.banks.format == "bf16"
+    _check_against_dequantized(llm, deq, seed=4)
+
+
+def test_gguf_expert_types_that_cannot_stay_packed() -> None:
+    def t(name: str):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(type_name=name, quantized=name not in ("F32", "BF16"))
+
+    def fmt(gate: str, up: str, down0: str, down1: str) -> str | None:
+        tensors = {
+            **{f"blk.{b}.ffn_gate_exps.weight": t(gate) for b in (0, 1)},
+            **{f"blk.{b}.ffn_up_exps.weight": t(up) for b in (0, 1)},
+            "blk.0.ffn_down_exps.weight": t(down0),
+            "blk.1.ffn_down_exps.weight": t(down1),
+        }
+        return gguf_experts.block_expert_format(tensors, H, INTER)  # type: ignore[arg-type]
+
+    assert fmt("Q4_K", "Q4_K", "Q8_0", "Q8_0") == "q4_k/q8_0"
+    assert fmt("Q4_K", "Q4_K", "Q8_0", "Q4_K") is None  # down types differ between layers
+    assert fmt("Q4_K", "Q8_0", "Q8_0", "Q8_0") is None  # gate and up differ
+    assert fmt("IQ2_XS", "IQ2_XS", "Q8_0", "Q8_0") is None  # no kernel
+    assert fmt("F32", "F32", "F32", "F32") is None  # float experts load as float banks
+    assert (
+        gguf_experts.block_expert_format(
+            {"blk.0.ffn_gate_exps.weight": t("Q4_K"), "blk.0.ffn_down_exps.weight": t("Q4_K")},  # type: ignore[dict-item]
+            H,
+            64,  # I not a multiple of 256
+        )
+        is None
+    )
+
+
+def test_ftw_conversion_of_a_gguf_keeps_the_blocks(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`ftctl checkpoint --model X.gguf`: the FTW folder stores the block banks as they are."""
+    from freetokend.models.ftw_convert import convert
+
+    _, hf = tiny
+    path = write_gguf("qwen3_moe", hf, tmp_path / "m.gguf", "f32", expert_types=(Q.Q4_K, Q.Q8_0))
+    convert(path, tmp_path / "ftw")
+    src, ftw = (LLM(p, "cpu", max_model_len=128, kv_tokens=512) for p in (path, tmp_path / "ftw"))
+    assert ftw.banks.format == src.banks.format == "q4_k/q8_0"
+    assert torch.equal(ftw.banks.gate_up, src.banks.gate_up)
+    assert torch.equal(ftw.banks.down, src.banks.down)
+    ids = _prompt(16, seed=8)
+    assert torch.equal(ftw.logits(ids), src.logits(ids))
