@@ -1,6 +1,6 @@
 """`ftctl checkpoint`: convert a model folder into FTW, the pre-laid-out weight format (DESIGN §4).
 
-    ftctl checkpoint --model DIR --out DIR [--force] [--quantize-experts mxfp4|nvfp4|fp8_block|q8_0|q4_k]
+    ftctl checkpoint --model DIR --out DIR [--force] [--quantize-experts mxfp4|nvfp4|fp8_block|q8_0|q6_k|q5_k|q4_k|q5_0|q4_0]
 
 Loads the model (HF safetensors, or an FTW folder), writes the FTW folder atomically with a
 progress bar of bytes written and verified, and prints the result. On error: exit status 1 and a

@@ -18,7 +18,7 @@ import msgspec
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 # experts/formats.FORMATS less bf16 and the mixed block formats (tested)
-QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4", "q8_0", "q4_k")
+QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4", "q8_0", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0")
 QUANTIZE_PRESETS = ("q4_k_m", "q8_0", "mxfp4")  # models/dense_quant.PRESETS (tested)
 ENV_PREFIX = "FREETOKEN_"
 SNAPSHOT_POLICY = re.compile(r"anchors|anchors:all|interval:[1-9][0-9]*|none")

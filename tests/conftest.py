@@ -43,3 +43,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def experts_dequantized(monkeypatch):
+    """Experts loaded dequantized, whatever their type: these tests check placement and layout
+    through transformers, whose experts compute on float weights. Experts kept in their blocks
+    have their own tight oracle (a torch reference of the block kernels, test_gguf_experts.py);
+    dense projections kept in blocks run the kernels' reference in transformers here
+    (``int_dot_reference``)."""
+    from freetokend.models import gguf_experts
+
+    monkeypatch.setattr(gguf_experts, "block_expert_format", lambda *a: None)

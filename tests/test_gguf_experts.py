@@ -127,6 +127,9 @@ def test_formats_table_has_every_pair_of_block_types() -> None:
     for gu in gguf_blocks.BLOCK_BYTES:
         for dn in gguf_blocks.BLOCK_BYTES:
             name = gu if gu == dn else f"{gu}/{dn}"
+            if name == "mxfp4":  # our own MXFP4 bank layout keeps the name (formats.py)
+                assert FORMATS[name].block_types is None
+                continue
             assert FORMATS[name].block_types == (gu, dn)
     fmt = FORMATS["q4_k/q8_0"]
     assert fmt.specs(H, 64, torch.bfloat16) == {
@@ -208,7 +211,11 @@ def test_quantize_experts_q4_k_greedy_matches_the_dequantized_experts(tiny) -> N
     ids = _prompt(24, seed=2)
     oracle = LLM(src, "cpu", quantize_experts="q4_k", **KW)
     oracle.moe.executor = _TorchBlocks(oracle)
-    assert (llm.logits(ids) - oracle.logits(ids)).abs().max() < 1e-4
+    # The reference sums the exact block products in fp64, the kernels in fp32: an intermediate
+    # activation on a rounding boundary of the int8 quantization can land one step apart (one
+    # route of one layer moved the output by 2.7e-3 of 4.8, measured); a wrong block or scale
+    # moves logits by O(1)
+    assert (llm.logits(ids) - oracle.logits(ids)).abs().max() < 2e-2
     assert llm.generate(ids, 8, ignore_eos=True) == oracle.generate(ids, 8, ignore_eos=True)
 
     ref = LLM(src, "cpu", **KW)  # the same model, its experts replaced by the dequantized q4_k

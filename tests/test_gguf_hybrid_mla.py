@@ -115,7 +115,9 @@ def test_deepseek2_softmax_router_is_refused():
 
 @pytest.mark.parametrize("kind", ["bf16", "q8_0"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_quantized_file_matches_its_dequantized_weights(family, kind, tmp_path):
+def test_quantized_file_matches_its_dequantized_weights(
+    family, kind, tmp_path, experts_dequantized
+):
     """transformers on the file's own dequantized weights (the converter's transforms inverted
     in ``gguf_convert.hf_value``) is the oracle: the check is on placement and layout."""
     over = {"mlp_only_layers": []} if family == "qwen3_next" else {}
@@ -260,7 +262,9 @@ def test_missing_tensor_is_named(family, drop, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])
-def test_qwen35moe_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path):
+def test_qwen35moe_against_transformers_gguf_loader(
+    kind, builtin_model_dir, tmp_path, experts_dequantized
+):
     """transformers reads the same qwen35moe file with its own undoing of the converter's
     transforms (its name map, SubtractOne, LogNegate, tiled-to-grouped value heads)."""
     import transformers as tf

@@ -41,9 +41,12 @@ def quantize_experts_at_load(
     conversion): 4.25 bits a weight for mxfp4 instead of 16. Dense weights stay as they are."""
     from ..experts.formats import FORMATS, quantize_banks
 
-    choices = sorted(n for n in FORMATS if n != "bf16")
-    if fmt not in choices:
-        raise ValueError(f"quantize_experts: {fmt!r} is not one of {', '.join(choices)}")
+    if fmt == "bf16" or fmt not in FORMATS:
+        singles = sorted(n for n in FORMATS if n != "bf16" and "/" not in n)
+        raise ValueError(
+            f"quantize_experts: {fmt!r} is not one of {', '.join(singles)}, or a pair of GGUF "
+            "block types GATE_UP/DOWN such as q4_k/q6_k"
+        )
     if banks.format != "bf16":
         raise ValueError(f"quantize_experts={fmt!r}: the experts are already {banks.format}")
     FORMATS[fmt].check_dims(cfg.hidden_size, cfg.moe_intermediate_size)
