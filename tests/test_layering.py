@@ -88,3 +88,11 @@ def test_config_lives_outside_the_server() -> None:
         if any(m.startswith("freetokend.server.config") for m in imports(p))
     ]
     assert users == []
+
+
+def test_edit_model_does_not_depend_on_the_snapshot_store() -> None:
+    """kv/snapshots.py refers to the edit model (kv/edits.py), never the other way (issue 14)."""
+    assert "freetokend.kv.edits" in imports(DAEMON / "kv" / "snapshots.py")
+    found = imports(DAEMON / "kv" / "edits.py")
+    assert found  # the walk sees its imports (``__future__`` at least)
+    assert sorted(m for m in found if m.startswith("freetokend.kv")) == []
