@@ -6,12 +6,13 @@ import json
 
 from test_server_parsers import SCHEMA, check_all_splits, grammars, run  # noqa: F401
 
-from freetokend.server.parsers.base import Content, Reasoning, ToolCall
+from freetokend.server.parsers.base import Content, Reasoning, ToolCall, arguments_object, merge
 from freetokend.server.parsers.registry import (
     OutputSyntax,
     ReasoningSyntax,
     ToolSyntax,
     detect_syntax,
+    make_output_parser,
 )
 
 GLM = OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK)
@@ -183,3 +184,86 @@ def test_gemma4_forced_call_grammar_accepts_what_the_parser_reads(grammars):  # 
         assert accepted == ok and c.is_terminated() == ok, text
     (call,) = run(GEMMA, good, [good])
     assert call == ToolCall(0, "get_weather", _args(city="Oslo", days=2, tags=[True, False]))
+
+
+DEEP = 2000  # levels: far past Python's recursion limit for a recursive reader
+
+
+def _pieces(text: str):
+    """The text whole, in 7-character pieces, and cut once in the middle of the nesting."""
+    yield [text]
+    yield [text[i : i + 7] for i in range(0, len(text), 7)]
+    yield [text[: len(text) // 2], text[len(text) // 2 :]]
+
+
+def _run_cut(syntax, pieces: list[str], truncated: bool):
+    parser = make_output_parser(syntax, {"get_weather": SCHEMA})
+    events = []
+    for p in pieces:
+        events += parser.feed(p)
+    return merge(events + parser.finish(truncated=truncated))
+
+
+def test_gemma4_deeply_nested_arguments_come_back_as_text_streamed_or_not():
+    """Model output nested ~2000 levels deep overflowed the recursive reader (RecursionError:
+    a 500, or an internal-error event mid-stream); it is malformed output like any other, and
+    comes back as text. Nesting up to the request limit (64) still decodes."""
+    deep = "{a:" * DEEP + "1" + "}" * DEEP
+    for inner in (deep, "[" * DEEP + "]" * DEEP):
+        text = f"<|tool_call>call:get_weather{{city:{inner}}}<tool_call|>"
+        for pieces in _pieces(text):
+            for truncated in (False, True):
+                assert _run_cut(GEMMA, pieces, truncated) == [Content(text)]
+    # at the bound: the arguments object plus 63 levels decode; one more level is text
+    ok = f"<|tool_call>call:get_weather{{a:{'[' * 63}{']' * 63}}}<tool_call|>"
+    (call,) = run(GEMMA, ok, [ok])
+    value: object = json.loads(call.arguments)["a"]
+    for _ in range(62):
+        assert isinstance(value, list) and len(value) == 1
+        value = value[0]
+    assert value == []
+    over = ok.replace("{a:[", "{a:[[").replace("]}", "]]}")
+    assert run(GEMMA, over, [over]) == [Content(over)]
+
+
+def test_gemma4_deep_call_cut_by_the_token_limit_is_still_a_call():
+    """A deep call cut by max_tokens: the tool call survives (arguments that parse: none),
+    rather than a RecursionError ending the stream."""
+    text = "<|tool_call>call:get_weather{city:" + "{a:" * DEEP
+    for pieces in _pieces(text):
+        assert _run_cut(GEMMA, pieces, True) == [ToolCall(0, "get_weather", "{}", partial=True)]
+
+
+def test_every_syntax_survives_deeply_nested_arguments():
+    """The other parsers decode argument values with loads_bounded: a value nested ~2000
+    levels deep is kept as text (or the call given back as text), never a RecursionError,
+    and what reaches an API layer converts to an object (Anthropic's input) without one."""
+    deep = '{"a":' * DEEP + "1" + "}" * DEEP
+    head = "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+    samples = {
+        GLM: f"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>{deep}</arg_value>"
+        "\n</tool_call>",
+        MINIMAX: f'<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="days">'
+        f"{deep}</parameter>\n</invoke>\n</minimax:tool_call>",
+        OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK): "<tool_call>\n"
+        f"<function=get_weather>\n<parameter=days>\n{deep}\n</parameter>\n</function>\n"
+        "</tool_call>",
+        OutputSyntax(ToolSyntax.QWEN3_JSON, ReasoningSyntax.THINK): "<tool_call>"
+        f'{{"name": "get_weather", "arguments": {deep}}}</tool_call>',
+        OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY): head
+        + f"<|constrain|>json<|message|>{deep}<|call|>",
+    }
+    for syntax, text in samples.items():
+        for cut in (len(text), len(text) // 2):  # whole, and cut inside the nesting
+            for pieces in _pieces(text[:cut]):
+                for truncated in (False, True):
+                    events = _run_cut(syntax, pieces, truncated)
+                    assert events, syntax
+                    for ev in events:
+                        if isinstance(ev, ToolCall):
+                            assert ev.name == "get_weather"
+                            assert isinstance(arguments_object(ev.arguments), dict)
+                        else:
+                            # a call stopped inside its body comes back with its closing tag
+                            assert isinstance(ev, Content)
+                            assert ev.text.removesuffix("</tool_call>") in text

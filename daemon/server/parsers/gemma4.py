@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..limits import MAX_JSON_DEPTH
 from .base import ToolSchemas, unique_tool
 from .tagged import TaggedToolParser
 
@@ -32,8 +33,18 @@ class _Syntax(ValueError):
 
 
 class _Reader:
+    """A recursive-descent reader bounded at MAX_JSON_DEPTH open objects and arrays (as
+    ``loads_bounded`` is for JSON): deeper model output is a syntax error, so the call comes
+    back as text instead of overflowing the stack here or in ``json.dumps``."""
+
     def __init__(self, text: str) -> None:
-        self.text, self.pos = text, 0
+        self.text, self.pos, self.depth = text, 0, 0
+
+    def enter(self, opener: str) -> None:
+        self.expect(opener)
+        self.depth += 1
+        if self.depth > MAX_JSON_DEPTH:
+            raise _Syntax(f"nested more than {MAX_JSON_DEPTH} levels deep at {self.pos}")
 
     def skip_ws(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos] in _WS:
@@ -76,10 +87,11 @@ class _Reader:
             return word
 
     def obj(self) -> dict[str, Any]:
-        self.expect("{")
+        self.enter("{")
         out: dict[str, Any] = {}
         if self.peek("}"):
             self.pos += 1
+            self.depth -= 1
             return out
         while True:
             self.skip_ws()
@@ -96,13 +108,15 @@ class _Reader:
                 self.pos += 1
                 continue
             self.expect("}")
+            self.depth -= 1
             return out
 
     def array(self) -> list[Any]:
-        self.expect("[")
+        self.enter("[")
         out: list[Any] = []
         if self.peek("]"):
             self.pos += 1
+            self.depth -= 1
             return out
         while True:
             out.append(self.value())
@@ -110,13 +124,18 @@ class _Reader:
                 self.pos += 1
                 continue
             self.expect("]")
+            self.depth -= 1
             return out
 
 
 def parse_arguments(text: str) -> dict[str, Any]:
-    """``{key:value,...}`` in Gemma notation -> a dict (ValueError when it is not one)."""
+    """``{key:value,...}`` in Gemma notation -> a dict (ValueError when it is not one, or
+    nests deeper than MAX_JSON_DEPTH)."""
     r = _Reader(text)
-    args = r.obj()
+    try:
+        args = r.obj()
+    except RecursionError:  # not reached under the depth bound; kept as a backstop
+        raise _Syntax("nested too deeply") from None
     r.skip_ws()
     if r.pos != len(text):
         raise _Syntax(f"trailing text at {r.pos}")
@@ -133,9 +152,9 @@ def decode_gemma_body(body: str) -> tuple[str, str] | None:
         return None
     try:
         args = parse_arguments(head[brace:]) if brace >= 0 else {}
-    except ValueError:
-        return None
-    return name, json.dumps(args, ensure_ascii=False)
+        return name, json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None  # given back as text, as malformed output is
 
 
 def close_partial(text: str) -> str:
@@ -196,7 +215,10 @@ def decode_gemma_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | Non
     name = head[len("call:") : brace].strip() if head.startswith("call:") else ""
     if not name:
         return None
-    return name, json.dumps(_partial_arguments(head[brace:]), ensure_ascii=False)
+    try:
+        return name, json.dumps(_partial_arguments(head[brace:]), ensure_ascii=False)
+    except RecursionError:
+        return name, "{}"
 
 
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
