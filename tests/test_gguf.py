@@ -147,16 +147,35 @@ def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path, caplog):
     assert err < ATOL, f"gpt_oss MXFP4: max |logit diff| {err}"
 
 
-def test_split_set_loads_from_any_part(tmp_path):
-    """llama.cpp's split sets (``name-0000i-of-0000N.gguf``, metadata in the first part)."""
+def test_split_set_loads_from_any_part(tmp_path, builtin_model_dir):
+    """llama.cpp's split sets (``name-0000i-of-0000N.gguf``, metadata in the first part): the
+    weights, the tokenizer and the chat template all load from a later part, and so does the
+    FTW conversion's tokenizer."""
+    from freetokend.checkpoint.ftw_index import read_index
+    from freetokend.engine.chat_template import ChatTemplate
+    from freetokend.engine.tokenizer import Tokenizer
+    from freetokend.models.ftw_convert import convert
+
     hf = _tiny("olmoe", tmp_path)
-    write_gguf("olmoe", hf, tmp_path / "olmoe.gguf", split_max_tensors=8)
+    write_gguf(
+        "olmoe", hf, tmp_path / "olmoe.gguf", split_max_tensors=8, tokenizer=builtin_model_dir
+    )
     parts = sorted(tmp_path.glob("olmoe-*-of-*.gguf"))
     assert len(parts) >= 3, parts
     llm = LLM(parts[1], max_model_len=64, kv_tokens=256)
     assert llm.name == "olmoe"
     ids = _prompt(16, seed=6)
     assert (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item() < ATOL
+    text = "Grüße, 世界! <|im_start|>user"
+    ref_tok = Tokenizer.from_dir(builtin_model_dir)
+    assert llm.tokenizer.encode(text) == ref_tok.encode(text)
+    assert set(llm.tokenizer.eos_token_ids) == {ref_tok.token_to_id("<|im_end|>")}
+    messages = [{"role": "user", "content": "hi"}]
+    ref = ChatTemplate.from_dir(builtin_model_dir).render(messages, add_generation_prompt=True)
+    assert llm.chat_template.render(messages, add_generation_prompt=True) == ref
+    convert(parts[2], tmp_path / "ftw")
+    assert "tokenizer.json" in read_index(tmp_path / "ftw").aux_files
+    assert Tokenizer.from_dir(tmp_path / "ftw").encode(text) == ref_tok.encode(text)
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0", "kmix"])

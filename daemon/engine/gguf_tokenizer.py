@@ -15,9 +15,18 @@ from .gguf_pretokenizers import apply_pre_tokenizer
 from .tokenizer import Tokenizer
 
 
+def metadata_file(path: str | Path) -> Path:
+    """The file holding the metadata of ``path``: itself, or for any part of a split set
+    (``name-0000i-of-0000N.gguf``) the first part."""
+    from ..formats.gguf_file import split_files
+
+    return split_files(path)[0]
+
+
 def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer
 
+    path = metadata_file(path)
     try:
         return get_gguf_tokenizer(str(path))  # type: ignore[no-any-return]
     except KeyError as e:
@@ -25,10 +34,11 @@ def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
 
 
 def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
-    """The Tokenizer a GGUF file describes, with its eos/bos/pad ids from the metadata."""
+    """The Tokenizer a GGUF file (or any part of a split set) describes, with its eos/bos/pad
+    ids from the metadata."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    path = Path(path)
+    path = metadata_file(path)
     arch, tok, tok_cfg = _gguf_tokenizer(path)
     if "tokens" not in tok:
         raise ValueError(f"{path}: the GGUF metadata has no tokenizer.ggml.tokens")
@@ -45,8 +55,9 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
 
 
 def chat_template_from_gguf(path: str | Path) -> ChatTemplate:
-    """The ``tokenizer.chat_template`` of a GGUF file; ChatTemplateError when it has none."""
-    path = Path(path)
+    """The ``tokenizer.chat_template`` of a GGUF file (or any part of a split set);
+    ChatTemplateError when it has none."""
+    path = metadata_file(path)
     _, _, cfg = _gguf_tokenizer(path)
     source = cfg.get("chat_template")
     if not isinstance(source, str):
@@ -56,11 +67,11 @@ def chat_template_from_gguf(path: str | Path) -> ChatTemplate:
 
 
 def gguf_tokenizer_files(path: str | Path, out: Path) -> list[Path]:
-    """Writes the file's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (special
+    """Writes the file's (or split set's) tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (special
     tokens, chat template) into ``out``; returns their paths (FTW conversion of a GGUF)."""
     import json
 
-    path = Path(path)
+    path = metadata_file(path)
     tok = tokenizer_from_gguf(path)
     _, _, cfg = _gguf_tokenizer(path)
     tok.backend.save(str(out / "tokenizer.json"))
