@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from gguf_files import dequantized_reference, int_dot_reference, write_gguf
 from tiny_models import make_tiny
 
@@ -111,18 +112,25 @@ def test_logits_rows_equal_incremental_decoding(f32):
     [
         ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=96, mlp_only_layers=[])),
         ("mixtral", dict(hidden_size=256, intermediate_size=96, head_dim=64)),
+        ("olmoe", dict(hidden_size=256, intermediate_size=96)),
+        ("gpt_oss", dict(hidden_size=256, intermediate_size=64)),
     ],
 )
 def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path, experts_dequantized):
     """A Q4_K_M-like file: Q4_K rows, Q6_K for output / attn_v, Q4_0 / Q5_0 / Q8_0 where rows
-    are not multiples of 256 (as real Q4_K_M files carry)."""
+    are not multiples of 256 (as real Q4_K_M files carry). GPT-OSS files keep their experts in
+    MXFP4 whatever the mix: the K-quants are its dense parts."""
     import gguf
 
     hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
-    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix")
+    mxfp4 = (Q.MXFP4, Q.MXFP4) if family == "gpt_oss" else None
+    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix", expert_types=mxfp4)
     types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
-    assert {"Q4_K", "Q6_K", "Q4_0"} <= types, types
+    want = {"Q4_K", "Q6_K", "Q5_0", "MXFP4"} if mxfp4 else {"Q4_K", "Q6_K", "Q4_0"}
+    assert want <= types, types
     llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    if mxfp4:
+        assert llm.banks.format == "mxfp4"
     dequantized_reference(family, hf, path)
     kept = {llm.model.get_submodule(n).qweight.fmt for n in int_dot_reference(hf, llm)}
     assert "q4_k" in kept, kept  # the Q4_K projections stay in their blocks
