@@ -169,3 +169,86 @@ def test_a_ping_that_cannot_be_sent_does_not_stop_the_watchdog(tmp_path: Path) -
         assert time.monotonic() - started < 10
         assert results[0] and not results[-1]  # the first went through, later ones dropped
         assert reader.recv(64) == b"WATCHDOG=1"
+
+
+def test_a_slow_idle_spill_keeps_the_heartbeat_fresh(
+    builtin_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The idle spill runs on the engine thread and can outlast the watchdog's stale time (many
+    snapshots, a slow disk); each file written is progress (engine/heartbeat.py), so a busy
+    engine is not taken for a stuck one. Before the fix the heartbeat aged through the whole
+    spill: here ~0.3 s per file, 0.6 s stale time, several files."""
+    import torch
+
+    import freetokend.kv.spill as spill_mod
+    from freetokend import LLM
+    from freetokend.engine.sampler import SamplingParams
+
+    per_file, stale = 0.3, 0.6
+    monkeypatch.setattr(bridge_mod, "IDLE_WAIT_S", 0.02)
+    real_write = spill_mod.SnapshotSpill._write
+    written: list[float] = []
+
+    def slow_write(self: Any, *args: Any) -> int:
+        time.sleep(per_file)  # a slow disk
+        size = real_write(self, *args)
+        written.append(time.monotonic())
+        return size
+
+    monkeypatch.setattr(spill_mod.SnapshotSpill, "_write", slow_write)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    llm = LLM(builtin_model_dir, state_dir=tmp_path, max_model_len=1024, kv_tokens=4096)
+    try:
+        core = llm.engine
+        prefix = core.prefix
+        assert prefix is not None
+        for i in range(2):  # two short sessions: their snapshots are protected, to spill
+            msgs = [{"role": "user", "content": f"task {i}: " + "alpha beta gamma " * 10}]
+            ids = llm.tokenizer.encode(llm.chat_template.render(msgs, add_generation_prompt=True))
+            core.add_request(f"r{i}", ids, SamplingParams(max_tokens=3, ignore_eos=True))
+            while core.has_unfinished():
+                core.step()
+        assert prefix.unspilled()
+        core.spill_idle_s = 0.0  # the next idle wake-up spills
+        bridge = EngineBridge(core, 1, 0, Metrics())
+        loop = asyncio.new_event_loop()
+        oldest, started = 0.0, time.monotonic()
+        bridge.start(loop)
+        try:
+            deadline = started + 30
+            while not (written and not prefix.unspilled()) and time.monotonic() < deadline:
+                oldest = max(oldest, time.monotonic() - bridge.beat)
+                time.sleep(0.005)
+        finally:
+            bridge.stop()
+            loop.close()
+    finally:
+        llm.close()
+        torch.set_num_threads(threads)
+    took = written[-1] - started if written else 0.0
+    assert len(written) >= 3 and took > stale, (len(written), took)  # the spill outlasts it
+    assert oldest < stale, f"heartbeat {oldest:.2f} s old during a {took:.2f} s spill"
+
+
+def test_the_bandwidth_bench_and_parking_beat_per_unit(
+    builtin_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench (run at a safe point: the engine thread waits on it) beats per copy
+    iteration and after the decode pass; moving dense weights beats per module."""
+    from freetokend import LLM
+    from freetokend.engine import heartbeat, placement
+    from freetokend.experts.accelerator import StandinAccelerator
+    from freetokend.experts.bandwidth import measure
+
+    beats: list[float] = []
+    monkeypatch.setattr(heartbeat, "beat", lambda: beats.append(time.monotonic()))
+    llm = LLM(builtin_model_dir, max_model_len=256, kv_tokens=1024)
+    try:
+        measure(llm.banks, StandinAccelerator(), llm.moe, top_k=llm.config.top_k)
+        assert len(beats) >= 3 + 1  # three timed copy runs, one decode pass
+        beats.clear()
+        placement._move(llm.model, next(llm.model.parameters()).device)
+        assert len(beats) == len(list(llm.model.modules()))
+    finally:
+        llm.close()

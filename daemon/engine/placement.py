@@ -39,6 +39,7 @@ from ..models import gguf_blocks
 from ..models.layers import dense_native
 from ..models.layers.common import Linear
 from ..models.layers.rope import Rope
+from . import heartbeat
 from .sampler import SamplingParams, make_generator
 
 MIB = 1 << 20
@@ -158,6 +159,7 @@ def _move(model: nn.Module, dev: torch.device) -> None:
 
     with torch.no_grad():
         for mod in model.modules():
+            heartbeat.beat()  # parking a large model's dense weights: progress per module
             for name, p in mod._parameters.items():
                 if p is not None:
                     mod._parameters[name] = copy(p, True)  # type: ignore[assignment]

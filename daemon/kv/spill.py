@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..engine import heartbeat
 from ..store import AnchorRecord, Store
 from ..store.private import FILE_MODE, private_dir
 from .pool import KVPool
@@ -80,6 +81,7 @@ class SnapshotSpill:
         private_dir(self.root.parent)
         private_dir(self.root)
         for snap in snaps:
+            heartbeat.beat()  # one file per snapshot: a long spill is progress, not a hang
             key = snap.key.hex()
             if key in self.records or snap.prefix is None:
                 continue

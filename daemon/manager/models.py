@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine import heartbeat
 from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
 from ..engine.resize import slot_backend as _slot_backend
@@ -231,10 +232,12 @@ def park(model: ResidentModel) -> None:
     be = _slot_backend(llm.moe)
     if be is not None:
         resize_expert_slots(be, 1)
+    heartbeat.beat()  # each phase of parking is progress for the watchdog
     prefix = llm.engine.prefix
     if not resize_kv_pages(llm.runner.kv, prefix, 1):
         raise RuntimeError(f"cannot park {model.name}: KV pages still in use")
     park_fused(llm.moe)
+    heartbeat.beat()
     park_dense(llm.model, llm.runner.placement)
     model.parked = sizes
 
@@ -247,9 +250,11 @@ def unpark(model: ResidentModel) -> None:
     llm = model.llm
     unpark_dense(llm.model, llm.runner.placement)  # first, as at load: the caches fit around it
     unpark_fused(llm.moe, llm.banks)
+    heartbeat.beat()
     be = _slot_backend(llm.moe)
     if be is not None and sizes.moe_slots is not None:
         resize_expert_slots(be, sizes.moe_slots)
+    heartbeat.beat()
     resize_kv_pages(llm.runner.kv, llm.engine.prefix, sizes.kv_pages)
     model.parked = None
 

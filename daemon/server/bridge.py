@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from ..engine import heartbeat
 from .errors import InvalidRequest, Overloaded
 
 log = structlog.get_logger("freetokend.bridge")
@@ -80,7 +81,7 @@ class EngineBridge:
         self.stats: Any = None  # last EngineStats snapshot, refreshed by the engine thread
         # time.monotonic() of the engine thread's last sign of life (around every step, every
         # IDLE_WAIT_S when idle): the systemd watchdog pings only while it is recent
-        self.beat = time.monotonic()
+        self._beat = time.monotonic()
 
     # --- loop side ---------------------------------------------------------------------------
 
@@ -95,6 +96,13 @@ class EngineBridge:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def beat(self) -> float:
+        """The engine side's last sign of life: the engine thread's own beat, or a unit of
+        progress inside a long operation (a spilled file, a bench iteration, a moved module:
+        engine/heartbeat.py), whichever is later."""
+        return max(self._beat, heartbeat.last())
 
     @property
     def in_flight(self) -> int:
@@ -146,7 +154,7 @@ class EngineBridge:
 
     def _run(self) -> None:
         while not self._stopping:
-            self.beat = time.monotonic()
+            self._beat = time.monotonic()
             if not self.engine.has_unfinished():
                 self._refresh_stats()
                 self._idle()
