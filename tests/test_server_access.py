@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -18,7 +20,7 @@ from server_support.fixtures import daemon  # noqa: F401
 
 from freetokend.cli import build_parser
 from freetokend.config import ConfigError, resolve
-from freetokend.server.access import HttpAccess, is_loopback_name
+from freetokend.server.access import OPEN_ROUTES, HttpAccess, is_loopback_name
 
 KEYS = ("sk-first-key", "second.key")
 
@@ -83,8 +85,10 @@ def test_rules() -> None:
         assert err is not None and err.status == 401, bad
     assert acc.refusal("GET", "/v1/models", {}) is not None
     assert acc.refusal("GET", "/metrics", {}) is not None
-    for method, path in (("HEAD", "/"), ("GET", "/health")):
-        assert acc.refusal(method, path, {}) is None  # warm-up and health: no key
+    for method, path in (("HEAD", "/"), ("GET", "/"), ("GET", "/health"), ("HEAD", "/health")):
+        assert acc.refusal(method, path, {}) is None  # warm-up, liveness and health: no key
+    for method, path in (("POST", "/"), ("GET", "/v1/models"), ("GET", "/health/x")):
+        assert acc.refusal(method, path, {}) is not None, (method, path)
     # browsers: Host (DNS rebinding) and Origin, even with a good key
     for hdrs in (
         {"host": "evil.example:1919"},
@@ -152,6 +156,17 @@ def test_dns_rebinding_host_is_refused(daemon) -> None:
 # ---- a daemon with keys ------------------------------------------------------------------
 
 
+def test_the_readme_names_the_open_routes() -> None:
+    """The README's security paragraph and OPEN_ROUTES agree: they once disagreed on GET /
+    (the README said only HEAD / was open)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    said = re.search(r"every route but (.*?) then needs it", readme, re.S)
+    assert said is not None
+    paths = set(re.findall(r"`(/[^`\s]*)`", said.group(1)))
+    assert paths == {"/health", "/"}, said.group(1)
+    assert OPEN_ROUTES == {(m, p) for p in paths for m in ("GET", "HEAD")}
+
+
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[Daemon]:
     d = start_daemon("--api-key", KEYS[0], "--api-key", KEYS[1])
@@ -197,3 +212,7 @@ def test_each_key_in_each_header_is_accepted(keyed: Daemon) -> None:
 def test_warm_up_and_health_need_no_key(keyed: Daemon) -> None:
     assert request(keyed, "HEAD", "/")[0] == 200  # Claude Code's first request
     assert request(keyed, "GET", "/health")[0] == 200
+    # the root is open as the README says, and names nothing (the model is behind the key)
+    status, body, _ = request(keyed, "GET", "/")
+    assert (status, body) == (200, {"name": "freetokend", "status": "ok"})
+    assert request(keyed, "GET", "/v1/models")[0] == 401

@@ -38,7 +38,8 @@ log = structlog.get_logger("freetokend.access")
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 
-# Reachable without a key: liveness probes and Claude Code's warm-up (it sends HEAD / first).
+# Reachable without a key: liveness probes (/health; GET / is a page that names nothing, as a
+# llama.cpp user finds its root open) and Claude Code's warm-up (it sends HEAD / first).
 OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health"), ("HEAD", "/"), ("GET", "/")})
 
 

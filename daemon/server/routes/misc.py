@@ -59,8 +59,10 @@ def health(request: Request[Any, Any, Any]) -> Response[Any]:
 
 
 @get("/", sync_to_thread=False)
-def root(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return {"name": "freetokend", "model": server_state(request).service.name, "status": "ok"}
+def root() -> dict[str, Any]:
+    """A liveness page, open without a key as llama.cpp's root is: it names nothing a keyless
+    caller could not guess (no model, no load; /v1/models is behind the key)."""
+    return {"name": "freetokend", "status": "ok"}
 
 
 @head("/", sync_to_thread=False)
