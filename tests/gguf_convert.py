@@ -1,5 +1,6 @@
-"""llama.cpp's converter for the hybrid (Qwen3-Next ``qwen3next``, Qwen3.5-MoE ``qwen35moe``) and
-MLA (DeepSeek-V3 ``deepseek2``) families, reproduced for test files from the facts of
+"""llama.cpp's converter for the hybrid (Qwen3-Next ``qwen3next``, Qwen3.5-MoE ``qwen35moe``), MLA
+(DeepSeek-V3 and GLM-4.7-Flash, both ``deepseek2``) and sigmoid-router (GLM-4.5 ``glm4moe``,
+MiniMax-M2 ``minimax-m2``) families, reproduced for test files from the facts of
 convert_hf_to_gguf.py (our code): the tensor transforms it applies before naming, and the
 metadata keys it writes. Tensors come out under HF names (the ``gguf`` name map names them) or,
 where the converter names them itself, under GGUF names (``blk.N.…``)."""
@@ -12,6 +13,8 @@ import gguf
 import torch
 
 HYBRIDS = ("qwen3_next", "qwen3_5_moe")
+MLA = ("deepseek_v3", "glm4_moe_lite")  # llama.cpp writes both as deepseek2
+SIGMOID = ("glm4_moe", "minimax_m2")  # llama.cpp's glm4moe / minimax-m2: named as they are
 
 
 def _tile_v(t: torch.Tensor, dim: int, kh: int, r: int, d: int) -> torch.Tensor:
@@ -82,6 +85,49 @@ def deepseek_tensor(c: Any, key: str, t: torch.Tensor) -> list[tuple[str, torch.
     return [(key, t)]
 
 
+def score_bias_tensor(key: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """GLM-4.5 / MiniMax-M2: only the router's correction bias renamed (a bias of
+    ``e_score_correction``, which the name map knows as ``exp_probs_b``)."""
+    return [(key.replace("e_score_correction_bias", "e_score_correction.bias"), t)]
+
+
+def mtp_tensors(c: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GLM's multi-token-prediction layer as the converter appends it (``blk.<n>``, a decoder
+    layer plus its ``nextn.*`` tensors). transformers does not build it, so its values are made
+    up: the last decoder layer's tensors, scaled, and the nextn projections."""
+    n, h = c.num_hidden_layers, c.hidden_size
+    last = f"blk.{n - 1}."
+    out = {f"blk.{n}." + k[len(last) :]: t * 0.5 for k, t in tensors.items() if k.startswith(last)}
+    g = torch.Generator().manual_seed(n)
+    out[f"blk.{n}.nextn.eh_proj.weight"] = torch.randn(h, 2 * h, generator=g)
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        out[f"blk.{n}.nextn.{norm}.weight"] = torch.ones(h)
+    return out
+
+
+def glm4moe_metadata(w: gguf.GGUFWriter, c: Any) -> None:
+    """GLM-4.5's keys after the generic ones (block_count already counts the nextn layers)."""
+    rope = c.rope_parameters
+    w.add_rope_dimension_count(int(c.head_dim * rope.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    w.add_expert_weights_norm(c.norm_topk_prob)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    w.add_nextn_predict_layers(c.num_nextn_predict_layers)
+
+
+def minimax_metadata(w: gguf.GGUFWriter, c: Any) -> None:
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # config's scoring_func
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_rope_dimension_count(c.rotary_dim)
+
+
 def hybrid_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
@@ -103,7 +149,11 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
     """After the generic keys (``gguf_files._metadata``, which writes the HF KV head count):
     MLA as MQA with one KV head and kv_lora + rope sized keys."""
     w.add_head_count_kv(1)
-    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    dense = getattr(c, "first_k_dense_replace", None)
+    if dense is None:  # GLM-4.7-Flash: its config.json's first_k_dense_replace
+        kinds = list(c.mlp_layer_types)
+        dense = kinds.index("sparse") if "sparse" in kinds else len(kinds)
+    w.add_leading_dense_block_count(dense)
     w.add_vocab_size(c.vocab_size)
     if c.q_lora_rank is not None:
         w.add_q_lora_rank(c.q_lora_rank)
@@ -135,10 +185,14 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
 def hf_value(family: str, c: Any, key: str, tensors: dict[str, torch.Tensor], name: Any) -> Any:
     """The inverse: HF tensor ``key`` of a hybrid or DeepSeek-V3 model from the file's tensors
     (``name``: HF name -> GGUF name); None for a key the generic inverse handles."""
-    if family not in (*HYBRIDS, "deepseek_v3"):
+    if family not in (*HYBRIDS, *MLA, *SIGMOID):
         return None
     blk = f"blk.{key.split('.')[2]}" if key.startswith("model.layers.") else ""
-    if family == "deepseek_v3":
+    if family in SIGMOID:
+        if key.endswith("e_score_correction_bias"):
+            return tensors[f"{blk}.exp_probs_b.bias"]
+        return None
+    if family in MLA:
         if key.endswith("kv_b_proj.weight"):
             h, r = c.num_key_value_heads, c.kv_lora_rank
             k_b = tensors[f"{blk}.attn_k_b.weight"].reshape(h, r, -1).transpose(1, 2)

@@ -14,11 +14,17 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_convert import (
     HYBRIDS,
+    MLA,
+    SIGMOID,
     deepseek_metadata,
     deepseek_tensor,
+    glm4moe_metadata,
     hf_value,
     hybrid_metadata,
     hybrid_tensor,
+    minimax_metadata,
+    mtp_tensors,
+    score_bias_tensor,
 )
 
 ARCH = {
@@ -29,6 +35,9 @@ ARCH = {
     "qwen3_next": "qwen3next",
     "qwen3_5_moe": "qwen35moe",
     "deepseek_v3": "deepseek2",
+    "glm4_moe": "glm4moe",
+    "glm4_moe_lite": "deepseek2",  # GLM-4.7-Flash: llama.cpp writes it as DeepSeek
+    "minimax_m2": "minimax-m2",
 }
 _MODEL_ARCH = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
@@ -38,6 +47,8 @@ _MODEL_ARCH = {
     "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT,
     "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
     "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+    "glm4moe": gguf.MODEL_ARCH.GLM4_MOE,
+    "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2,
 }
 
 
@@ -56,6 +67,7 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
     arch = ARCH[family]
     names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], c.num_hidden_layers)
     out: dict[str, torch.Tensor] = {}
+    mtp = family == "glm4_moe" and getattr(c, "num_nextn_predict_layers", 0)
     for key, t in hf.state_dict().items():
         t = t.detach().float()
         if "rotary_emb" in key:
@@ -85,8 +97,10 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
             continue
         if family in HYBRIDS:
             converted = hybrid_tensor(family, c, key, t)
-        elif family == "deepseek_v3":
+        elif family in MLA:
             converted = deepseek_tensor(c, key, t)
+        elif family in SIGMOID:
+            converted = score_bias_tensor(key, t)
         else:
             converted = [(key, t)]
         for key, t in converted:
@@ -95,6 +109,8 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
                 heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
                 t = _permute(t, heads)
             out[name] = t.contiguous()
+    if mtp:  # GLM's nextn layer after the decoder layers (block_count counts it)
+        out.update(mtp_tensors(c, out))
     return out
 
 
@@ -106,11 +122,12 @@ def _gguf_name(names: gguf.TensorNameMap, key: str) -> str:
 
 
 def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
-    w.add_block_count(c.num_hidden_layers)
+    mtp = getattr(c, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
+    w.add_block_count(c.num_hidden_layers + mtp)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_head_count(c.num_attention_heads)
-    if family == "deepseek_v3":
+    if family in MLA:
         deepseek_metadata(w, c)
     else:
         w.add_head_count_kv(c.num_key_value_heads)
@@ -122,7 +139,11 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
     if family in HYBRIDS:
         hybrid_metadata(w, family, c)
-    if family != "deepseek_v3":  # (its expert count is among the MLA keys)
+    if family == "glm4_moe":
+        glm4moe_metadata(w, c)
+    elif family == "minimax_m2":
+        minimax_metadata(w, c)
+    elif family not in MLA:  # (their expert count is among the MLA keys)
         w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     if getattr(c, "intermediate_size", None):
@@ -194,15 +215,18 @@ def write_gguf(
     drop: tuple[str, ...] = (),
     split_max_tensors: int = 0,
     expert_types: tuple[Q, Q] | None = None,
+    meta: dict[str, str] | None = None,
 ) -> Path:
     """Writes ``hf`` (an HF model of ``family``) as a GGUF file of ``kind``; ``drop``: tensor
     names left out (for missing-tensor tests); ``tokenizer``: an HF folder whose byte-level BPE
     tokenizer and chat template go into the metadata (``pre``: llama.cpp's pre-tokenizer name);
     ``expert_types``: (gate/up, down) types of the expert weights (Q8_0, Q4_K or Q6_K), every
-    other tensor as ``kind`` says."""
+    other tensor as ``kind`` says; ``meta``: more string keys (``general.basename``, ...)."""
     arch = ARCH[family]
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     _metadata(w, family, hf.config)
+    for key, value in (meta or {}).items():
+        w.add_string(key, value)
     if tokenizer is not None:
         write_tokenizer(w, tokenizer, pre)
     else:

@@ -10,7 +10,10 @@ q, all k, all v) and ``attn_gate`` (z), its ``in_proj_ba`` kept fused as ``ssm_b
 (``qwen35moe``) reorders the value heads from grouped by key head to tiled
 ([g0v0, g1v0, ..., g0v1, ...]) wherever they appear, when there are more value than key heads.
 DeepSeek-V3 (``deepseek2``) splits ``kv_b_proj`` into ``attn_k_b`` (per head [kv_lora, nope],
-transposed) and ``attn_v_b`` (per head [v, kv_lora]).
+transposed) and ``attn_v_b`` (per head [v, kv_lora]). GLM-4.5 (``glm4moe``) and MiniMax-M2
+(``minimax-m2``) are stored as they are (rope in the rotate-half order llama.cpp's NEOX rope
+takes), their router's correction bias as ``exp_probs_b.bias``, GLM's multi-token-prediction
+layer after the decoder layers (skipped).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ _MLA_BLOCK = {
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
     "exp_probs_b.bias": "mlp.score_bias",
 }
+# the sigmoid routers' score-correction bias (GLM-4.5, MiniMax-M2; DeepSeek's is in _MLA_BLOCK)
+_SCORE_BIAS = {"exp_probs_b.bias": "mlp.score_bias"}
 # DeepSeek-V3's split kv_b: read together into kv_b_proj (``join_kv_b``)
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 
@@ -155,6 +160,12 @@ def block_targets(arch: str, cfg: ModelConfig, key: str, common: dict[str, str])
         if key in _SHARED:
             return [(_SHARED[key], None)]
         return [(common[key], None)]
+    if arch in ("glm4moe", "minimax-m2"):
+        if key in _SCORE_BIAS:
+            return [(_SCORE_BIAS[key], None)]
+        if key in _SHARED and arch == "glm4moe":
+            return [(_SHARED[key], None)]
+        return [(common[key], None)]
     if arch == "llama" and key in ("attn_q.weight", "attn_k.weight"):
         heads = cfg.num_heads if key == "attn_q.weight" else cfg.num_kv_heads
         return [(common[key], _llama_unpermute(heads))]
@@ -194,6 +205,7 @@ def block_key(arch: str, ours: str) -> str | None:
         return "ffn_gate_inp_shexp.weight"
     tables = [_SHARED] + ([_HYBRID_BLOCK] if arch in _HYBRIDS else [])
     tables += [_MLA_BLOCK] if arch == "deepseek2" else []
+    tables += [_SCORE_BIAS] if arch in ("glm4moe", "minimax-m2") else []
     for table in tables:
         for key, name in table.items():
             if name == ours:

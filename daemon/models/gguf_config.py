@@ -23,6 +23,8 @@ GGUF_ARCHITECTURES = {
     "qwen3next": "Qwen3NextForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
+    "minimax-m2": "MiniMaxM2ForCausalLM",
 }
 # llama.cpp's routers: which ones renormalise the top-k weights when the file does not say.
 _NORM_TOPK = {
@@ -33,6 +35,8 @@ _NORM_TOPK = {
     "qwen3next": True,
     "qwen35moe": True,
     "deepseek2": False,
+    "glm4moe": True,
+    "minimax-m2": True,
 }
 _EXPERTS_KEY = {
     "qwen3moe": "num_experts",
@@ -42,6 +46,8 @@ _EXPERTS_KEY = {
     "qwen3next": "num_experts",
     "qwen35moe": "num_experts",
     "deepseek2": "n_routed_experts",
+    "glm4moe": "n_routed_experts",
+    "minimax-m2": "num_local_experts",
 }
 _SIGMOID = 2  # llama.cpp's expert_gating_func for a sigmoid router
 
@@ -75,7 +81,8 @@ def hf_fields(
         return v
 
     # llama.cpp counts the multi-token-prediction layers in block_count (stored after the rest)
-    n = int(get("block_count")) - int(get("nextn_predict_layers", 0) or 0)
+    mtp = int(get("nextn_predict_layers", 0) or 0)
+    n = int(get("block_count")) - mtp
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts: all must agree for our attention
@@ -104,6 +111,7 @@ def hf_fields(
         "norm_topk_prob": bool(get("expert_weights_norm", _NORM_TOPK[arch])),
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": dtype,
+        "num_nextn_predict_layers": mtp,
     }
     if mxfp4_experts(tensors):  # kept packed in our mxfp4 banks (same codes and scales)
         out["quantization_config"] = {"quant_method": "mxfp4"}
@@ -119,6 +127,12 @@ def hf_fields(
         out.update(_hybrid(get, out["head_dim"], n, tensors))
     if arch == "deepseek2":
         out.update(_deepseek2(get, source))
+        if is_glm_flash(meta):
+            out.update(_glm_flash(n, tensors))
+    if arch == "glm4moe":
+        out.update(_glm4moe(get, out["head_dim"], n, tensors, source))
+    if arch == "minimax-m2":
+        out.update(_minimax_m2(get, out["head_dim"], source))
     for key, field in (("eos_token_id", "eos_token_id"), ("bos_token_id", "bos_token_id")):
         tid = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(tid, int):
@@ -215,6 +229,92 @@ def _deepseek2(get: Any, source: str) -> dict[str, Any]:
         "n_shared_experts": int(get("expert_shared_count", 0)),
         "rope_interleave": True,  # the converter keeps DeepSeek's interleaved rope rows
         "rope_parameters": rope,
+    }
+
+
+def is_glm_flash(meta: dict[str, Any]) -> bool:
+    """A ``deepseek2`` file that is GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: llama.cpp writes it
+    as DeepSeek-V2/V3): told by its GLM pre-tokenizer, by its name, or by the GLM chat markup
+    (``[gMASK]<sop>``) of its template."""
+    if meta.get("general.architecture") != "deepseek2":
+        return False
+    if meta.get("tokenizer.ggml.pre") == "glm4":
+        return True
+    names = " ".join(
+        str(meta.get(k) or "")
+        for k in ("general.basename", "general.name", "general.base_model.0.name")
+    ).lower()
+    if re.search(r"\bglm", names):
+        return True
+    template = meta.get("tokenizer.chat_template")
+    return isinstance(template, str) and "[gMASK]" in template and "<|assistant|>" in template
+
+
+def _glm_flash(n: int, tensors: dict[str, GgufTensor]) -> dict[str, Any]:
+    """GLM-4.7-Flash's own fields over DeepSeek's: which layers are dense (those without a
+    router; transformers' ``mlp_layer_types``)."""
+    return {
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "mlp_layer_types": [
+            "sparse" if f"blk.{i}.ffn_gate_inp.weight" in tensors else "dense" for i in range(n)
+        ],
+    }
+
+
+def _sigmoid_router(get: Any, arch: str, source: str) -> None:
+    if int(get("expert_gating_func", _SIGMOID)) != _SIGMOID:
+        raise ConfigError(f"{source}: {arch} with a softmax router is not supported")
+
+
+def _plain_rope(get: Any, head_dim: int, rotary_dim: int) -> dict[str, Any]:
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "partial_rotary_factor": rotary_dim / head_dim,
+    }
+    if get("rope.scaling.type", None) == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=float(get("rope.scaling.factor")),
+            original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+            beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+        )
+    return rope
+
+
+def _glm4moe(
+    get: Any, head_dim: int, n: int, tensors: dict[str, GgufTensor], source: str
+) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 / 4.7: partial rotary (``rope.dimension_count`` of each head), the DeepSeek-V3
+    router (sigmoid, ``exp_probs_b`` correction bias, groups, routed scaling), plain shared
+    experts, the first ``leading_dense_block_count`` layers dense. The q/k norms and the q/k/v
+    biases are optional in GLM's config: the file has their tensors or not."""
+    _sigmoid_router(get, "glm4moe", source)
+    return {
+        "rope_parameters": _plain_rope(
+            get, head_dim, int(get("rope.dimension_count", head_dim // 2))
+        ),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "n_shared_experts": int(get("expert_shared_count", 0)),
+        "n_group": int(get("expert_group_count", 1) or 1),
+        "topk_group": int(get("expert_group_used_count", 1) or 1),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+
+
+def _minimax_m2(get: Any, head_dim: int, source: str) -> dict[str, Any]:
+    """MiniMax-M2: partial rotary as a dim count (``rope.dimension_count``, HF's
+    ``rotary_dim``), the sigmoid router with its correction bias, experts of
+    ``expert_feed_forward_length``."""
+    _sigmoid_router(get, "minimax-m2", source)
+    rotary = int(get("rope.dimension_count", head_dim))
+    return {
+        "rotary_dim": rotary,
+        "rope_parameters": _plain_rope(get, head_dim, rotary),
+        "intermediate_size": int(get("expert_feed_forward_length")),
     }
 
 

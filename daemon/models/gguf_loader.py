@@ -439,6 +439,8 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
                 filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
             elif cfg.tie_word_embeddings and canon == "lm_head.weight":
                 continue
+            elif canon not in filler.params and 0 in src.shape:
+                continue  # an empty module (GLM with no shared expert: [0, H] tensors)
             elif canon not in filler.params:
                 raise CheckpointError(
                     f"{src.t.path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)"
@@ -456,5 +458,13 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
             filler.verify()
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
+        mtp = [n for n in ck.tensors if (m := _BLK.match(n)) and int(m.group(1)) >= cfg.num_layers]
+        if mtp:
+            log.info(
+                "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not used yet)",
+                ck.path.name,
+                len(mtp),
+                int(ck.metadata.get(f"{ck.arch}.nextn_predict_layers", 0) or 0),
+            )
     model.eval()
     return model, banks

@@ -1,0 +1,210 @@
+"""GGUF files of the families of the new-families issue, as llama.cpp's converter writes them
+(``gguf_convert``): GLM-4.5 / 4.6 / 4.7 (``glm4moe``: partial rotary as ``rope.dimension_count``,
+the router's correction bias as ``exp_probs_b``, leading dense layers, the nextn layer appended
+after the decoder layers), MiniMax-M2 (``minimax-m2``: q/k norms over all heads, the correction
+bias, ``rotary_dim``), and GLM-4.7-Flash, which llama.cpp writes as ``deepseek2`` and which must
+load as our ``glm4_moe_lite`` family (GLM's anchors and parsers), told by its GLM pre-tokenizer,
+name or chat markup.
+
+F32 files: logits within fp32 tolerance of the HF checkpoint and transformers' greedy tokens.
+Quantized files: against transformers on the file's own dequantized weights (see test_gguf.py).
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf_files import dequantized_reference, int_dot_reference, write_gguf
+from tiny_models import VARIANTS, make_tiny
+
+from freetokend import LLM
+from freetokend.models.families.glm4_moe import GLM_ANCHORS
+from freetokend.models.gguf_config import is_glm_flash
+from freetokend.models.registry import family_spec
+from freetokend.server.parsers.registry import ToolSyntax, detect_syntax
+
+ATOL = 2e-4
+ATOL_BLOCKS = 2e-3  # projections kept in GGUF blocks (see test_gguf.py)
+CASES = ("glm4_moe", "glm4_moe:flat", "minimax_m2", "minimax_m2:k3", "glm4_moe_lite")
+_FLASH = {"tokenizer.ggml.pre": "glm4"}  # what llama.cpp's converter writes for GLM's tokenizer
+
+
+def _tiny(case: str, d, seed: int = 3):
+    family = case.split(":")[0]
+    return family, make_tiny(family, d / "hf", seed=seed, **VARIANTS.get(case, {}))[1]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():  # transformers' own greedy decoding, with its caches
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def _meta(family: str) -> dict[str, str] | None:
+    return _FLASH if family == "glm4_moe_lite" else None
+
+
+@pytest.fixture(scope="module", params=CASES)
+def f32(request, tmp_path_factory):
+    case = request.param
+    d = tmp_path_factory.mktemp(f"gguf-{case.replace(':', '-')}")
+    family, hf = _tiny(case, d)
+    path = write_gguf(family, hf, d / f"{family}-F32.gguf", "f32", meta=_meta(family))
+    return family, hf, path, LLM(path, max_model_len=256, kv_tokens=2048)
+
+
+def test_file_has_the_converters_layout(f32):
+    family, hf, path, _ = f32
+    r = gguf.GGUFReader(path)
+    names = {t.name for t in r.tensors}
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    assert arch == {"glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}.get(family, "deepseek2")
+    c = hf.config
+    layer = len(c.mlp_layer_types) - 1 if family == "glm4_moe_lite" else c.num_hidden_layers - 1
+    assert f"blk.{layer}.exp_probs_b.bias" in names
+    assert not any("e_score_correction" in n for n in names)
+    if family == "glm4_moe":  # the nextn layer, counted in block_count after the decoder layers
+        n = c.num_hidden_layers
+        assert f"blk.{n}.nextn.eh_proj.weight" in names and f"blk.{n}.attn_q.weight" in names
+        assert int(r.fields["glm4moe.block_count"].parts[-1][0]) == n + 1
+        rot = int(r.fields["glm4moe.rope.dimension_count"].parts[-1][0])
+        assert rot == int(c.head_dim * c.rope_parameters["partial_rotary_factor"]) < c.head_dim
+    if family == "minimax_m2":  # q/k norms over all heads at once
+        shapes = {t.name: tuple(t.shape) for t in r.tensors}
+        assert shapes["blk.0.attn_q_norm.weight"] == (c.num_attention_heads * c.head_dim,)
+
+
+def test_f32_logits_match_the_hf_checkpoint(f32):
+    family, hf, _, llm = f32
+    assert llm.config.family == family and llm.config.torch_dtype == "float32"
+    ids = _prompt(32, seed=1)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, f"{family}: max |logit diff| {err}"
+
+
+def test_f32_greedy_tokens_match_transformers(f32):
+    family, hf, _, llm = f32
+    ids = _prompt(10, seed=4)
+    assert llm.generate(ids, max_tokens=24, ignore_eos=True) == _hf_greedy(hf, ids, 24), family
+
+
+def test_config_from_the_metadata_matches_the_hf_folder(f32):
+    """The GGUF's metadata gives the ModelConfig the HF folder gives (router, groups, dense
+    layers, partial rotary, shared expert, MTP count), field for field."""
+    from freetokend.models.config import ModelConfig
+
+    family, hf, path, llm = f32
+    folder = ModelConfig.from_hf(path.parent / "hf")
+    ours = llm.config
+    for field in (
+        "num_layers",
+        "moe_layers",
+        "rope",
+        "router_kind",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "shared_expert_intermediate_size",
+        "shared_expert_gated",
+        "qk_norm",
+        "attention_bias",
+        "o_proj_bias",
+        "head_dim",
+        "num_kv_heads",
+    ):
+        want = getattr(folder, field)  # (the file keeps floats as float32)
+        want = pytest.approx(want, rel=1e-6) if isinstance(want, float) else want
+        assert getattr(ours, field) == want, field
+    if family == "glm4_moe":
+        assert ours.num_mtp_layers == folder.num_mtp_layers == 1
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+@pytest.mark.parametrize("case", ["glm4_moe", "minimax_m2", "glm4_moe_lite"])
+def test_quantized_file_matches_its_dequantized_weights(case, kind, tmp_path, experts_dequantized):
+    family, hf = _tiny(case, tmp_path)
+    path = write_gguf(family, hf, tmp_path / f"m-{kind}.gguf", kind, meta=_meta(family))
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    assert llm.config.family == family
+    dequantized_reference(family, hf, path)  # hf now holds exactly the file's weights
+    kept = int_dot_reference(hf, llm)  # ... and computes the kept blocks as our kernels do
+    assert ("lm_head" in kept) == (kind == "q8_0"), kept
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < (ATOL_BLOCKS if kept else ATOL), f"{family} {kind}: max |logit diff| {err}"
+
+
+def test_q8_0_experts_stay_in_blocks(tmp_path):
+    """Without the dequantizing fixture, GLM's Q8_0 experts load into q8_0 banks and the model
+    stays close to transformers on the float weights (int8 quantization error only)."""
+    family, hf = _tiny("glm4_moe", tmp_path)
+    ref = _hf_logits(hf, ids := _prompt(24, seed=2))
+    path = write_gguf(family, hf, tmp_path / "m-Q8_0.gguf", "q8_0")
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    assert llm.banks.format == "q8_0"
+    err = (llm.logits(ids) - ref).abs().max().item()
+    assert err < 0.1 * ref.abs().max().item(), err
+
+
+def test_mtp_layer_is_skipped_with_one_log_line(tmp_path, caplog):
+    family, hf = _tiny("glm4_moe", tmp_path)
+    path = write_gguf(family, hf, tmp_path / "glm.gguf")
+    with caplog.at_level("INFO", logger="freetokend.models.gguf_loader"):
+        llm = LLM(path, max_model_len=64, kv_tokens=256)
+    assert llm.config.num_layers == hf.config.num_hidden_layers
+    lines = [r.message for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "skipped" in caplog.text and "1 multi-token-prediction layer" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "meta, flash",
+    [
+        ({"tokenizer.ggml.pre": "glm4"}, True),
+        ({"general.basename": "GLM-4.7-Flash"}, True),
+        ({"tokenizer.chat_template": "[gMASK]<sop>{% for m in messages %}<|assistant|>"}, True),
+        ({"tokenizer.ggml.pre": "deepseek-v3", "general.basename": "DeepSeek-V3"}, False),
+        ({}, False),
+    ],
+)
+def test_glm_flash_written_as_deepseek2_is_told_apart(meta, flash):
+    assert is_glm_flash({"general.architecture": "deepseek2", **meta}) is flash
+    assert not is_glm_flash({"general.architecture": "glm4moe", **meta})
+
+
+def test_glm_flash_gguf_gets_glm_anchors_and_parsers(tmp_path, builtin_model_dir):
+    """The same deepseek2 file loads as glm4_moe_lite when its tokenizer is GLM's (GLM's
+    anchor tokens and tool-call syntax), as deepseek_v3 otherwise; the numbers agree."""
+    from freetokend.engine.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
+    hf = make_tiny("glm4_moe_lite", tmp_path / "hf", seed=3, vocab_size=vocab)[1]
+    kw = dict(max_model_len=64, kv_tokens=256)
+    flash = write_gguf(
+        "glm4_moe_lite", hf, tmp_path / "flash.gguf", tokenizer=builtin_model_dir, pre="glm4"
+    )
+    ds = write_gguf(
+        "glm4_moe_lite", hf, tmp_path / "ds.gguf", tokenizer=builtin_model_dir, pre="deepseek-v3"
+    )
+    a, b = LLM(flash, **kw), LLM(ds, **kw)
+    assert (a.config.family, b.config.family) == ("glm4_moe_lite", "deepseek_v3")
+    assert family_spec(a.config.family).anchors == GLM_ANCHORS
+    kinds = set(a._anchor_ids().values())
+    assert {"end_of_thinking", "tool_call_start", "tool_call_end"} <= kinds, kinds
+    assert b._anchor_ids() == {}  # DeepSeek-V3 knows no anchors
+    assert detect_syntax(a.config.family, "").tools is ToolSyntax.GLM_XML
+    assert detect_syntax(b.config.family, "").tools is ToolSyntax.NONE
+    ids = torch.randint(2, vocab, (16,), generator=torch.Generator().manual_seed(5)).tolist()
+    err = (a.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    assert err < ATOL, err
