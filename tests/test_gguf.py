@@ -40,6 +40,22 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def _assert_kept_rows_are_the_files(family: str, hf, llm, kept: list[str]) -> None:
+    """``int_dot_reference`` computes with our raw rows, so it cannot see them misplaced: each
+    kept projection's rows, dequantized, must equal the weights ``dequantized_reference`` put
+    into ``hf`` from the file (llama's Q/K permutation undone row by row)."""
+    from gguf_files import _hf_module
+
+    from freetokend.models.gguf_blocks import dequantize
+
+    for name in kept:
+        qw = llm.model.get_submodule(name).qweight
+        want = _hf_module(hf, name).weight.detach().float()
+        got = dequantize(qw.raw, qw.fmt)
+        assert got.shape == want.shape, name
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{family} {name} ({qw.fmt})"
+
+
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     seq = list(ids)
     for _ in range(n):
@@ -83,6 +99,7 @@ def test_quantized_file_matches_its_dequantized_weights(
     dequantized_reference(family, hf, path)  # hf now holds exactly the file's weights
     kept = int_dot_reference(hf, llm)  # ... and computes the kept blocks as our kernels do
     assert ("lm_head" in kept) == (kind == "q8_0"), kept  # Q8_0 projections stay in blocks
+    _assert_kept_rows_are_the_files(family, hf, llm, kept)
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < (ATOL_BLOCKS if kept else ATOL), f"{family} {kind}: max |logit diff| {err}"
@@ -132,8 +149,10 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path, exp
     if mxfp4:
         assert llm.banks.format == "mxfp4"
     dequantized_reference(family, hf, path)
-    kept = {llm.model.get_submodule(n).qweight.fmt for n in int_dot_reference(hf, llm)}
-    assert "q4_k" in kept, kept  # the Q4_K projections stay in their blocks
+    kept = int_dot_reference(hf, llm)
+    fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
+    assert {"q4_k", "q6_k"} <= fmts, fmts  # the K-quant projections stay in their blocks
+    _assert_kept_rows_are_the_files(family, hf, llm, kept)
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < ATOL_BLOCKS, f"{family} Q4_K_M mix: max |logit diff| {err}"

@@ -136,6 +136,60 @@ def test_quantized_file_matches_its_dequantized_weights(
     assert err < tol, f"{family} {kind}: max |logit diff| {err}"
 
 
+# Dimensions K-quants accept: hidden 256 (Q4_K / Q6_K rows), every other row a multiple of 32
+# (Q4_0 / Q5_0 / Q8_0 blocks), as in real Q4_K_M files.
+KMIX = {
+    "qwen3_next": dict(hidden_size=256, mlp_only_layers=[], shared_expert_intermediate_size=32),
+    "qwen3_5_moe": dict(hidden_size=256, shared_expert_intermediate_size=32),
+    "deepseek_v3": dict(
+        hidden_size=256,
+        intermediate_size=64,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+    ),
+}
+
+
+# One activation value that rounds to the other int8 code in the two engines (their fp32 sums
+# differ by 1e-6 upstream: DeltaNet's chunked and recurrent forms, MLA's absorbed attention) moves
+# that token's logits by up to ~0.04, and later tokens' through attention; a misplaced block or
+# scale moves every token's by 0.1 and more. The placement of the kept rows is checked exactly.
+ATOL_INT8_FLIP = 0.1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_k_quant_mix_matches_its_dequantized_weights(family, tmp_path, experts_dequantized):
+    """A Q4_K_M-like file (``gguf_files.quantize``'s kmix: Q4_K rows, Q6_K for output / attn_v
+    / down experts, Q4_0 / Q5_0 / Q8_0 for shorter rows) of the hybrid and MLA layouts: every
+    projection kept in its blocks holds the file's rows in the HF order (dequantized, equal to
+    the weights transformers gets from the file through the converter's inverse transforms),
+    and the logits agree with transformers computing those blocks as our kernels do."""
+    from gguf_files import _hf_module
+
+    from freetokend.models.gguf_blocks import dequantize
+
+    hf = make_tiny(family, tmp_path / "hf", seed=3, **KMIX[family])[1]
+    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix")
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K", "Q4_0"} <= types, types
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)
+    kept = int_dot_reference(hf, llm)
+    fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
+    assert {"q4_k", "q6_k"} <= fmts, fmts  # the K-quant projections stay in their blocks
+    for name in kept:
+        qw = llm.model.get_submodule(name).qweight
+        want = _hf_module(hf, name).weight.detach().float()
+        got = dequantize(qw.raw, qw.fmt)
+        assert got.shape == want.shape, name
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{family} {name} ({qw.fmt})"
+    ids = _prompt(24, seed=2)
+    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().amax(-1)
+    assert err.max() < ATOL_INT8_FLIP, f"{family} Q4_K_M mix: max |logit diff| per token {err}"
+
+
 def test_deepseek2_yarn_rope(tmp_path):
     """DeepSeek-V3's YaRN (the file keeps mscale_all_dim as 0.1 x yarn_log_multiplier)."""
     rope = dict(
