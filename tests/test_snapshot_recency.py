@@ -12,7 +12,7 @@ from freetokend import LLM
 from freetokend.engine.prefix import PrefixReuse, SnapshotPolicy
 from freetokend.engine.sampler import SamplingParams
 from freetokend.kv import recency
-from freetokend.kv.edits import EditModel
+from freetokend.kv.edits import EditModel, Session
 from freetokend.kv.pool import KVPool
 from freetokend.kv.seq_state import RecurrentState, SeqState
 from freetokend.kv.snapshots import prefix_key
@@ -37,13 +37,28 @@ def serve(llm: LLM, prompt: list[int], gen: int = 3) -> tuple[list[int], int]:
     return out, cached
 
 
-def test_replaced_last_tool_output_resumes_at_the_assistant_turn_end(builtin_model_dir):
-    """The issue's 5-message scenario, default settings: system, user, assistant, a long tool
-    output as a user message, user; then the same with that tool output replaced by a
-    placeholder. The first edit already resumes at the end of the assistant turn before it
-    (cb254e1 resumed at the end of the first user turn: one of the two frontier snapshots)."""
-    llm = LLM(builtin_model_dir, dtype="float32")  # default policy, budget, chunking
+CHUNK = 512  # the default prefill chunk (max_step_tokens): its ends get snapshots for free
+
+
+@pytest.mark.parametrize("snapshots", [None, 4, 2], ids=["default-budget", "4-snaps", "2-snaps"])
+def test_replaced_last_tool_output_resumes_at_the_assistant_turn_end(builtin_model_dir, snapshots):
+    """The issue's 5-message scenario: system, user, assistant, a long tool output as a user
+    message, user; then the same with that tool output replaced by a placeholder. The first edit
+    already resumes at the end of the assistant turn before it, with the default budget and with
+    budgets of four and two snapshots of the model's state (cb254e1 resumed at the end of the
+    first user turn: one of the two frontier snapshots; with two snapshots no recent anchor was
+    kept at all)."""
     ref = LLM(builtin_model_dir, dtype="float32", prefix_cache=False)
+    kwargs = {}
+    if snapshots is not None:
+        recurrent = ref.runner.new_state().recurrent
+        assert recurrent is not None  # a hybrid model
+        # half a snapshot of slack: the MB figure must not round the count down
+        kwargs["snapshot_budget_mb"] = (snapshots + 0.5) * recurrent.nbytes / 2**20
+    llm = LLM(builtin_model_dir, dtype="float32", **kwargs)  # default policy and chunking
+    if snapshots is not None:
+        store = llm.engine.prefix.snapshots
+        assert store.budget // recurrent.nbytes == snapshots
     words = "cache page layer expert slot queue config request stream batch model shape".split()
     system = "You are a coding agent. " + " ".join(words[i % 12] for i in range(240))
     tool = "\n".join(f"    {words[i % 12]}_{words[i * 7 % 12]} = f({i})" for i in range(40))
@@ -63,6 +78,8 @@ def test_replaced_last_tool_output_resumes_at_the_assistant_turn_end(builtin_mod
     anchor = [i + 1 for i, t in enumerate(second) if t == eot][2]  # end of the assistant turn
     common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert anchor < common < anchor + 8  # the edit lands right after the assistant turn
+    # no chunk end near the anchor: only a snapshot of the anchor itself can pass
+    assert all(p % CHUNK for p in range(anchor - 2, anchor + 1)) and len(first) > CHUNK
     serve(llm, first)
     out, cached = serve(llm, second)
     assert anchor - 2 <= cached <= anchor, (cached, anchor, len(second))
@@ -94,7 +111,7 @@ def test_recent_anchors_of_a_tool_loop():
     kept = recency.shared(cands, len(toks))
     assert ends[-1] not in kept and ends[-1] - 1 not in kept  # the head's snapshot serves
     assert ends[-2] - 1 in kept and ends[-2] not in kept  # </tool_call><|im_end|>: one snapshot
-    assert set(recency.cluster(cands, ends[-2] - 1)) >= {"turn-2", "last:tool_call_end"}
+    assert set(recency.cluster(cands, ends[-2] - 1, len(toks))) >= {"turn-2", "last:tool_call_end"}
 
 
 def test_a_session_keeps_the_recent_anchors_its_edits_land_on():
@@ -157,3 +174,49 @@ def test_recent_marks_follow_the_session_and_protect_within_the_budget():
     assert snaps[anchor].recent and int(snaps[anchor].state.ssm[0, 0, 0, 0]) == anchor
     stale = [s for s in snaps.values() if s.key != prefix_key(edited, s.pos)]
     assert not any(s.recent for s in stale)  # the first prompt's tail: demoted
+
+
+@pytest.mark.parametrize(
+    ("held", "before", "recent_edits", "pruning"),
+    [
+        # snapshots the budget holds: (recent, root, frontier) before the first edit, after
+        # edits on recent anchors only, after oldest-first pruning edits only
+        (1, (0, False, 0), (0, False, 0), (0, False, 0)),
+        (2, (1, False, 0), (0, True, 0), (0, True, 0)),
+        (3, (2, False, 0), (1, True, 0), (0, True, 1)),
+        (4, (2, True, 0), (2, True, 0), (0, True, 2)),
+        (8, (3, True, 3), (6, True, 0), (0, True, 6)),
+    ],
+)
+def test_the_budget_split(held, before, recent_edits, pruning):
+    """Besides the head: two recent anchors until the session's first edit, then the system
+    prompt's end, then the rest by the share of the session's edits on recent anchors."""
+    pool = KVPool(1, 64, 16, 1, 2)
+    policy = SnapshotPolicy.parse("anchors", dict(MARKER_ANCHORS))
+    reuse = PrefixReuse(pool, True, policy, held * _state().nbytes)
+    st = SeqState(recurrent=_state())
+    fresh, edits_recent, pruner = EditModel(), EditModel(), EditModel()
+    for _ in range(3):
+        edits_recent.observe("turn-2")
+        pruner.observe("tool_output_start")
+    got = [reuse._shares(Session(m), st) for m in (fresh, edits_recent, pruner)]
+    assert got == [before, recent_edits, pruning]
+    interval_policy = SnapshotPolicy.parse("interval:64", {})
+    interval = PrefixReuse(pool, True, interval_policy, held * _state().nbytes)
+    assert interval._shares(Session(fresh), st) == (0, False, max(0, held - 1))  # no anchors
+
+
+def test_a_short_last_message_ranks_its_turn_end_second():
+    """With one recent snapshot, the turn end before a long last tool output beats the turn end
+    right before a short last message ("Go on."), whose query label the head serves."""
+    cands = {100: "turn-3", 900: "turn-2", 911: "query"}
+    end = 922
+    kept = recency.shared(cands, end)
+    assert kept == [100, 900]
+    assert recency.cluster(cands, 900, end) == ["turn-2"]  # not the head's query
+    assert recency.ranked(cands, kept, lambda label: False, end) == [100, 900]
+    # a last message of 100 tokens (Claude Code's reminder, say): newest first
+    turns = {100: "turn-3", 900: "turn-2"}
+    assert recency.ranked(turns, kept, lambda label: False, 1000) == [900, 100]
+    learned = lambda label: label == "turn-2"  # noqa: E731
+    assert recency.ranked(cands, kept, learned, end) == [900, 100]  # the session's own edits

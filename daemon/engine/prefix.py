@@ -26,6 +26,8 @@ from ..kv.seq_state import RecurrentState, SeqState
 from ..kv.snapshots import Snapshot, SnapshotStore
 from ..kv.spill import SnapshotSpill, SpillReport
 
+RECENT_FLOOR = 2  # recent anchors a session keeps until its first edit, budget permitting
+
 
 @dataclass(frozen=True)
 class SnapshotPolicy:
@@ -74,6 +76,7 @@ class Track:
     frontier_left: int = 0
     frontier_after: int = 0  # only snapshots past this position (the edit) join the frontier
     recent: set[int] = field(default_factory=set)  # positions of the recent anchors it keeps
+    root: int | None = None  # the end of its system prompt when it keeps it (in ``recent`` too)
 
 
 class PrefixReuse:
@@ -207,7 +210,9 @@ class PrefixReuse:
             session.edits.observe(label)
             if snap is not None:  # a resume from a snapshot: reliable enough to teach all
                 self.edits.observe(label)
-        recent, frontier = self._shares(session, state)
+        recent, root, frontier = self._shares(session, state)
+        if root:
+            track.root = recency.first_turn_end(tokens, len(tokens), self.policy.kind_at)
         if edited or start or snap is None:
             track.frontier_left = min(self.frontier, frontier)
         if snap is not None and track.frontier_left:
@@ -215,17 +220,23 @@ class PrefixReuse:
         self._mark_recent(track, tokens, limit, prev, recent)
         self._tracks[id(state)] = track
 
-    def _shares(self, session: Session, state: SeqState) -> tuple[int, int]:
-        """How many recent anchors and frontier snapshots this request may protect: besides its
-        head and its system prompt's end, the snapshots the budget holds are split by the share
-        of the session's edits that landed on recent anchors (half each before its first edit;
-        kv/snapshots.py)."""
+    def _shares(self, session: Session, state: SeqState) -> tuple[int, bool, int]:
+        """How many recent anchors this request may protect, whether it keeps its system
+        prompt's end, and how many frontier snapshots it may mark. Of the snapshots the budget
+        holds, besides its head: ``RECENT_FLOOR`` recent anchors until the session's first edit,
+        then the system prompt's end, then the rest split by the share of the session's edits
+        that landed on recent anchors (half each before its first edit; kv/snapshots.py)."""
         assert self.snapshots is not None
         size = state.recurrent.nbytes if state.recurrent is not None else 0
-        kept = 2 if self.policy.anchor_ids else 1  # the head, and the system prompt's end
-        spare = max(0, self.snapshots.budget // max(1, size) - kept)
-        recent = min(spare, math.ceil(spare * session.edits.recent_share()))
-        return recent, spare - recent
+        spare = max(0, self.snapshots.budget // max(1, size) - 1)  # besides the head
+        if not self.policy.anchor_ids:
+            return 0, False, spare
+        edits = session.edits
+        floor = 0 if edits.own else min(spare, RECENT_FLOOR)
+        root = spare > floor
+        rest = spare - root
+        recent = min(rest, max(floor, math.ceil(rest * edits.recent_share())))
+        return recent, root, rest - recent
 
     def _mark_recent(
         self, track: Track, tokens: list[int], limit: int, prev: Session | None, cap: int
@@ -242,16 +253,15 @@ class PrefixReuse:
         kept = [
             p
             for p in recency.shared(session.recent, len(tokens))
-            if any(edits.admits_recent(x) for x in recency.cluster(session.recent, p))
+            if any(edits.admits_recent(x) for x in recency.cluster(session.recent, p, len(tokens)))
         ]
 
         def learned(label: str) -> bool:
             return edits.own > 0 and edits.admits_recent(label)
 
-        track.recent = set(recency.ranked(session.recent, kept, learned)[:cap])
-        root = recency.first_turn_end(tokens, len(tokens), self.policy.kind_at)
-        if root is not None:
-            track.recent.add(root)
+        track.recent = set(recency.ranked(session.recent, kept, learned, len(tokens))[:cap])
+        if track.root is not None:
+            track.recent.add(track.root)
         if prev is not None and (head := self.snapshots.find(prev.head_key)) is not None:
             self.snapshots.mark(head, head=False)  # the session moved on (resumed or not there)
         for key in prev.recent_keys if prev is not None else ():
@@ -325,6 +335,7 @@ class PrefixReuse:
         return (
             track is not None
             and track.frontier_left > 0
+            and pos != track.root  # kept already (a new session's frontier starts there)
             and pos > track.frontier_after  # past the edit: where the next one lands
             and track.session.edits.admits(kind)
         )

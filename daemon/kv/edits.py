@@ -14,11 +14,12 @@ Edits land at both ends of an agent's context:
 Each time a request leaves a cached path (an edit), the deepest snapshot point before the edit is
 observed: as its recency label when it was one of the previous prompt's recent anchors, else as
 its anchor kind. A session then keeps the recent anchors whose labels have a fair share of its
-edits (all of them until its own first edit) and protects as its edit frontier the first
-snapshots past an edit whose kind has a fair share, each within the part of the budget the share
-of its edits on recent anchors gives it (``recent_share``). So a session that edits its newest content
-spends its snapshots on recency, one that prunes oldest-first on the frontier, and a mixed one on
-both, in proportion (the snapshot store's budget rule is in kv/snapshots.py).
+edits (all of them until its own first edit, when the budget keeps two) and protects as its edit
+frontier the first snapshots past an edit whose kind has a fair share, each within the part of
+the budget the share of its edits on recent anchors gives it (``recent_share``). So a session
+that edits its newest content spends its snapshots on recency, one that prunes oldest-first on
+the frontier, and a mixed one on both, in proportion (the snapshot store's budget rule is in
+kv/snapshots.py).
 
 This module depends on nothing else in ``kv``; the snapshot store refers to it.
 """

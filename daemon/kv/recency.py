@@ -16,7 +16,8 @@ prompt), where a compaction or another session of the same agent resumes.
 
 Candidates closer than ``GAP`` tokens to a later kept one (or to the prompt's end, which has its
 own snapshot: the session head) share its snapshot at the earlier position, so a turn end right
-after ``</tool_call>`` costs one snapshot, not two. A prompt has at most about six of them.
+after ``</tool_call>`` costs one snapshot, not two. A prompt has at most about six of them; with
+fewer recent snapshots than that, ``ranked`` says which go first.
 """
 
 from __future__ import annotations
@@ -83,18 +84,25 @@ def shared(candidates: dict[int, str], end: int) -> list[int]:
 
 
 def ranked(
-    candidates: dict[int, str], kept: list[int], learned: Callable[[str], bool]
+    candidates: dict[int, str], kept: list[int], learned: Callable[[str], bool], end: int
 ) -> list[int]:
     """``kept`` positions, most useful first: those serving a label the session's edits landed
-    on, then the last user message, then turn ends and tool boundaries newest first."""
+    on, then the last user message, then turn ends and tool boundaries newest first, except
+    that one followed only by a short last message (less than ``2 * GAP`` tokens to ``end``)
+    ranks second: with a single recent snapshot, the anchor before the content that message
+    follows (a tool output to replace, say) covers far more of the prompt."""
 
     def key(pos: int) -> tuple[int, int, int]:
-        labels = cluster(candidates, pos)
+        labels = cluster(candidates, pos, end)
         return (not any(learned(x) for x in labels), "query" not in labels, -pos)
 
-    return sorted(kept, key=key)
+    out = sorted(kept, key=key)
+    if len(out) > 1 and end - out[0] < 2 * GAP and key(out[0])[:2] == key(out[1])[:2]:
+        out[0], out[1] = out[1], out[0]
+    return out
 
 
-def cluster(candidates: dict[int, str], pos: int) -> list[str]:
-    """Labels a snapshot at kept position ``pos`` serves (itself and the run after it)."""
-    return [label for p, label in candidates.items() if pos <= p <= pos + GAP]
+def cluster(candidates: dict[int, str], pos: int, end: int) -> list[str]:
+    """Labels a snapshot at kept position ``pos`` serves (itself and the run after it, but not
+    those within ``GAP`` before ``end``: the head's snapshot serves them)."""
+    return [label for p, label in candidates.items() if pos <= p <= min(pos + GAP, end - GAP - 1)]

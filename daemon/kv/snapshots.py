@@ -9,14 +9,15 @@ Which positions get a snapshot is the policy's choice: semantic anchors (end of 
 thinking, tool call / tool output boundaries), a fixed interval (a baseline), or none.
 
 Retention under a tight budget (``retention="tiered"``, the default). The budget rule, in two
-sentences: besides its head (the deepest snapshot of its latest request: where it resumes when the
-agent only appends) and the end of its system prompt (where a compaction resumes), a session
-protects the snapshots the budget holds split between its recent
-anchors (kv/recency.py) and its learned edit frontier (kv/edits.py) by the share of its edits that
-landed on recent anchors, half each before its first edit; eviction takes the least recently used
-unprotected snapshot first, and a protected one, least recently used first (sessions not seen
-lately), only to make room for another protected one. Within its share, recency keeps the anchors
-its edits landed on first, then the last user message, then turn ends newest first.
+sentences: of the snapshots the budget holds, a session protects its head (the deepest snapshot
+of its latest request: where it resumes when the agent only appends), then two recent anchors
+(kv/recency.py) until its first edit, then the end of its system prompt (where a compaction
+resumes, and a new session's edit frontier starts), and splits the rest between recent anchors
+and its learned edit frontier (kv/edits.py) by the share of its edits that landed on recent
+anchors (half each before its first edit); eviction takes the least recently used unprotected
+snapshot first, and a protected one, least recently used first (sessions not seen lately), only
+to make room for another protected one. Within its share, recency keeps the anchors its edits
+landed on first, then the last user message, then turn ends newest first (kv/recency.py).
 ``retention="lru"`` ignores the marks (plain LRU).
 """
 

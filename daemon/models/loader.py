@@ -21,12 +21,12 @@ import torch
 
 from ..experts.banks import ExpertBanks
 from ..formats.errors import CheckpointError
+from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .layers.common import dtype_of
 from .model import CausalLM, build_model
 from .registry import family_spec
-from .safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 
 log = logging.getLogger(__name__)
 
