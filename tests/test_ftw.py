@@ -15,10 +15,12 @@ import torch
 from tiny_models import FAMILIES, make_tiny
 
 from freetokend import LLM
-from freetokend.checkpoint.ftw import FtwError, convert, load_ftw, model_tensors
+from freetokend.checkpoint.ftw import FtwError
 from freetokend.checkpoint.ftw_index import ALIGN, INDEX_NAME, fingerprint, read_index
 from freetokend.checkpoint.ftw_write import write_ftw
 from freetokend.experts.formats import quantize_banks
+from freetokend.models.ftw_convert import convert, model_tensors
+from freetokend.models.ftw_loader import load_ftw
 from freetokend.models.loader import CheckpointError, load_model
 
 
@@ -238,7 +240,7 @@ def test_killed_conversion_is_not_loadable_and_cleaned_up(qwen, tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os
-        from freetokend.checkpoint.ftw import convert
+        from freetokend.models.ftw_convert import convert
         def progress(phase, done, total):
             if done >= total // 2:
                 os._exit(3)  # no cleanup: as if killed

@@ -162,7 +162,7 @@ def test_anchor_tokens_reach_the_snapshot_policy(tmp_path) -> None:  # type: ign
 
 
 def test_ftw_folder_serves_the_same_tokens(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from freetokend.checkpoint.ftw import convert
+    from freetokend.models.ftw_convert import convert
 
     src = tmp_path / "hf"
     make_tiny("gemma4:ple", src, seed=4)

@@ -125,7 +125,7 @@ def test_bad_quantized_checkpoints_are_named(ckpt: Path, tmp_path: Path) -> None
 
 
 def test_ftw_keeps_the_packed_experts(ckpt: Path, tmp_path: Path) -> None:
-    from freetokend.checkpoint.ftw import convert
+    from freetokend.models.ftw_convert import convert
 
     convert(ckpt, tmp_path / "ftw")
     a = LLM(ckpt, "cpu", prefix_cache=False, max_model_len=128, kv_tokens=512)

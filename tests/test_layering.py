@@ -96,3 +96,26 @@ def test_edit_model_does_not_depend_on_the_snapshot_store() -> None:
     found = imports(DAEMON / "kv" / "edits.py")
     assert found  # the walk sees its imports (``__future__`` at least)
     assert sorted(m for m in found if m.startswith("freetokend.kv")) == []
+
+
+def _above(found: set[str], packages: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in found if any(m == p or m.startswith(p + ".") for p in packages))
+
+
+def test_format_readers_know_no_model() -> None:
+    """daemon/formats/ (safetensors, GGUF readers) sits below the model code, the loaders and
+    the FTW format (issue 12 item 7): it imports none of them."""
+    readers = sorted((DAEMON / "formats").glob("*.py"))
+    assert {p.name for p in readers} >= {"gguf_file.py", "safetensors_io.py", "errors.py"}
+    assert "gguf" in imports(DAEMON / "formats" / "gguf_file.py")  # the walk sees lazy imports
+    upper = ("freetokend.models", "freetokend.engine", "freetokend.checkpoint")
+    bad = {p.name: _above(imports(p), upper) for p in readers}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_ftw_reader_imports_no_model_code() -> None:
+    """checkpoint/ftw.py reads tensors; models.ftw_loader / ftw_convert compose them with a
+    model, never the reverse (no lazy re-export either)."""
+    found = imports(DAEMON / "checkpoint" / "ftw.py")
+    assert "freetokend.checkpoint.ftw_index" in found
+    assert _above(found, ("freetokend.models",)) == []

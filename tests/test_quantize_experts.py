@@ -162,7 +162,7 @@ def test_ftw_conversion_stores_the_experts_quantized(ckpt, tmp_path: Path, capsy
     cp = ControlPlane(cfg)
     assert cp._quantize(out) is None and cp._quantize(src) == "nvfp4"
 
-    from freetokend.checkpoint.ftw import convert
+    from freetokend.models.ftw_convert import convert
 
     seen: list[tuple[str, int, int]] = []
     convert(src, tmp_path / "again", quantize_experts="nvfp4", progress=lambda *a: seen.append(a))

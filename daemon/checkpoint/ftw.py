@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -78,17 +77,3 @@ def read_tensors(
     if verify:
         _verify(entries, tensors, threads)
     return tensors
-
-
-def __getattr__(name: str) -> Any:
-    """``convert``, ``load_ftw`` and ``model_tensors`` moved above the format (they build
-    models); kept reachable here for existing callers."""
-    if name in ("convert", "model_tensors"):
-        from ..models import ftw_convert
-
-        return getattr(ftw_convert, name)
-    if name == "load_ftw":
-        from ..models import ftw_loader
-
-        return ftw_loader.load_ftw
-    raise AttributeError(name)

@@ -154,7 +154,8 @@ def child(kind: str, folder: str, out: str | None) -> None:
         return
     import torch  # noqa: F401  (imports are part of the baseline, not of the load)
 
-    from freetokend.checkpoint.ftw import convert, load_ftw
+    from freetokend.models.ftw_convert import convert
+    from freetokend.models.ftw_loader import load_ftw
     from freetokend.models.loader import load_model
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
