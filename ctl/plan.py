@@ -101,7 +101,8 @@ def _print_table(plan) -> None:  # type: ignore[no-untyped-def]
         ("host RAM", f"{human_bytes(plan.ram_mib * mib)}, peak {human_bytes(plan.ram_peak_mib * mib)}"),
         ("expert slots", f"{plan.slots} x {human_bytes(plan.slot_mib * mib)} ({plan.expert_format} pool)"),
         ("KV tokens", plan.kv_tokens),
-        ("host syncs / decode step", f"{plan.host_syncs_per_decode_step:g}"),
+        ("host syncs / decode step", f"{plan.host_syncs_per_decode_step:g} ("
+         + ", ".join(f"{k} {v:g}" for k, v in plan.host_syncs_by_kind.items()) + ")"),
     ]  # fmt: skip
     rows += [(f"  {part}", dev) for part, dev in plan.placement.items()]
     rows += [(f"  {part} size", human_bytes(v * mib)) for part, v in plan.parts_mib.items()]

@@ -80,10 +80,11 @@ def test_backend_cycle_fits_the_card(geom, card, backend) -> None:
         assert down <= rep.load_bytes + 64 * MIB  # the shrink needs no extra device memory
         assert up <= default * slot + 64 * MIB
         assert be.cache.num_slots == default
-    # this driver passes the layer input from the host (as when the dense part ran there): the
-    # MoE output comes back once per layer; hybrid also
-    # reads the CPU branch's ids, the grouped compute (> 16 routes) its counts
-    per_layer = {"fused": 1, "offload": 1, "hybrid": 2}[backend]
+    # this driver passes the layer input from the host (as when the dense part ran there): x,
+    # the ids and the gate weights cross per layer (3 blocking host -> device copies, ``h2d``)
+    # and the MoE output comes back once; hybrid also reads the CPU branch's ids, the grouped
+    # compute (> 16 routes) its counts
+    per_layer = 3 + {"fused": 1, "offload": 1, "hybrid": 2}[backend]
     assert rep.syncs_per_decode_step == per_layer * geom.layers
     batched = per_layer + (geom.top_k * 4 > 16)
     assert rep.syncs_batched_step == batched * geom.layers

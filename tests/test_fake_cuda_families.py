@@ -2,7 +2,8 @@
 device code path of each architecture (GQA with sinks, MLA, Gated DeltaNet, Gemma-4's per-layer
 geometry, sigmoid group routing...) runs with no host/device mix (a mix raises on the fake card as
 on a GPU), nothing dense on the host, and a decode step reads the host exactly once (its sampled
-token ids), plus one packed copy per MoE layer for hybrid's CPU share.
+token ids), plus one packed copy per MoE layer for hybrid's CPU share, and makes no blocking host
+-> device copy (the tracker's ``h2d``, a sync on CUDA too).
 
 test_fake_cuda_engine.py checks one model in depth (prefill size, resize, threads); this file
 checks the breadth. Values are not checked here (the fake card holds none): the CPU stand-in
@@ -11,6 +12,7 @@ does that in test_dense_placement.py.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -45,15 +47,21 @@ def test_decode_step_reads_the_host_once(family_dir: Path, backend: str) -> None
             rec = llm.runner.new_state().recurrent  # the engine's sequences get theirs here
         if rec is not None:
             assert rec.ssm.device.type == rec.conv.device.type == "cuda"
-        per_step = []
+        per_step, sent = [], []
         for _ in range(2):
-            before = tr.syncs.total
+            before, async_before = Counter(tr.syncs.by_kind), tr.async_h2d
             llm.engine.step()
-            per_step.append(tr.syncs.total - before)
+            per_step.append(Counter(tr.syncs.by_kind) - before)
+            sent.append(tr.async_h2d - async_before)
         hybrid = HYBRID_COPIES_PER_MOE_LAYER * llm.config.num_moe_layers
         want = 1 + (hybrid if backend == "hybrid" else 0)
-        assert per_step == [want, want], (dict(tr.syncs.by_kind), per_step)
-        assert set(tr.syncs.by_kind) == {"d2h"}
+        # reads: the token ids (+ hybrid's copies); no blocking host -> device copy (``h2d``: on
+        # CUDA it waits for the stream as a read does): the step's metadata crosses pinned and
+        # non-blocking, once, not per attention layer
+        assert [n["h2d"] for n in per_step] == [0, 0], per_step
+        assert per_step == [Counter(d2h=want)] * 2, (dict(tr.syncs.by_kind), per_step)
+        # the asynchronous copies: the step's metadata (+ hybrid's CPU share joining per layer)
+        assert sent == [want] * 2, sent
         assert tr.peak <= tr.capacity
     finally:
         llm.close()

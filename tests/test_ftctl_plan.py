@@ -86,6 +86,8 @@ def test_qwen3_30b_fits_an_8gib_card_dense_and_kv_on_the_card(qwen_dir, capsys, 
     assert 7000 < plan["vram_peak_mib"] <= 8192
     # the sampled token ids each step (hybrid: + one packed copy per MoE layer to its CPU share)
     assert plan["host_syncs_per_decode_step"] == (49 if backend == "hybrid" else 1)
+    # all of them reads: no blocking host -> device copy (they would stall the host as well)
+    assert plan["host_syncs_by_kind"] == {"d2h": plan["host_syncs_per_decode_step"], "h2d": 0}
     # host: the 54 GiB expert pool only (the dense part and KV are on the card)
     assert 54_000 < plan["ram_peak_mib"] < 56_000
     print(f"\nqwen3-30b-a3b on 8 GiB ({backend}): {json.dumps(plan)}")

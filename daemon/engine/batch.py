@@ -25,6 +25,10 @@ class SeqChunk:
     length: int  # rows of this sequence in the batch
     context_len: int  # tokens already cached before this chunk (= position of the first row)
     state: SeqState
+    # ``state.pages`` covering positions [0, context_len + length) as an int64 tensor on the KV
+    # pool's device, sent with the step's other metadata (the runner): attention indexes the
+    # pool with it, no host -> device copy per layer. None: layers use ``state.pages``.
+    table: torch.Tensor | None = None
 
 
 @dataclass

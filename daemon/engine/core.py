@@ -31,6 +31,7 @@ from .prefix import PrefixReuse
 from .row_guard import fill_masks, sample_rows
 from .runner import ModelRunner, Work
 from .sampler import SamplingParams, logprobs_of
+from .staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +334,7 @@ class EngineCore:
         if live:
             sub = logits
             if len(live) != len(reqs):
-                sub = logits[torch.tensor(live, device=logits.device)]
+                sub = logits[to_device(torch.tensor(live, dtype=torch.long), logits.device)]
             got, bad = sample_rows(
                 sub,
                 [reqs[i].params for i in live],
@@ -396,11 +397,12 @@ class EngineCore:
         out: dict[int, tuple[float, list[tuple[int, float]]]] = {}
         try:
             top_n = max(int(reqs[i].params.logprobs or 0) for i in want)
-            dev = logits.device
+            # the rows and their tokens in one asynchronous copy (no host sync before the read)
+            sent = to_device(
+                torch.tensor(want + [ids[i] or 0 for i in want], dtype=torch.long), logits.device
+            )
             chosen, top_ids, top_lp = logprobs_of(
-                logits[torch.tensor(want, device=dev)],
-                torch.tensor([ids[i] for i in want], device=dev),
-                top_n,
+                logits[sent[: len(want)]], sent[len(want) :], top_n
             )
             if self.runner.placement.on_device:  # one read for the three (fp64 holds ids exactly)
                 k = top_ids.shape[1]

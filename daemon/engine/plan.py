@@ -11,15 +11,22 @@ decode steps run through the MoE layers with the real CUDA code path. Device byt
 RAM is what the daemon keeps resident: the expert pool (and its bf16 copy when a quantized pool
 is computed on the device), and for the ``cpu`` backend the dense weights, KV pool and snapshots.
 
-Host syncs per decode step: the MoE layers' (measured on the simulated layers, scaled to all)
-plus the sampled token ids (one read; the dense part runs on the device, tests/
-test_fake_cuda_engine.py counts a whole engine step).
+Host syncs per decode step (``host_syncs_per_decode_step``): every point where the host waits
+for the device, of all kinds: reads of device data (``d2h`` copies, scalar reads, data-dependent
+shapes) and blocking host -> device copies (``h2d``: a copy from pageable memory, or without
+``non_blocking``, returns only once the stream has run up to it, so it stalls the host as a read
+does). ``host_syncs_by_kind`` splits the figure ({"d2h": .., "h2d": ..}). It is the MoE layers'
+syncs (measured on the simulated layers, scaled to all) plus the sampled token ids (one read);
+the dense part's metadata (token ids, positions, page tables, sampling parameters) crosses in
+one non-blocking copy from pinned memory (engine/staging.py), no sync: tests/
+test_fake_cuda_engine.py and test_fake_cuda_families.py count whole engine steps, h2d included.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +69,8 @@ class Plan:
     slot_mib: float = 0.0
     kv_tokens: int = 0
     expert_format: str = "bf16"
-    host_syncs_per_decode_step: float = 0.0
+    host_syncs_per_decode_step: float = 0.0  # all kinds (see the module docstring)
+    host_syncs_by_kind: dict[str, float] = field(default_factory=dict)  # per decode step
     placement: dict[str, str] = field(default_factory=dict)
     parts_mib: dict[str, float] = field(default_factory=dict)
 
@@ -193,19 +201,28 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
     sim = min(layers, SIM_LAYERS)
     dev = placement.device
 
+    syncs = acc.tracker.syncs
+    counted: Counter[str] = Counter()
+
     def step(tokens: int, prefill: bool) -> None:
-        # the layer's input, ids and gate weights on the device, as the placed router leaves them
+        # the layer's input, ids and gate weights on the device, as the placed router leaves
+        # them (their copies here are the simulation's, not the step's: not counted)
         x = torch.randn(tokens, cfg.hidden_size, generator=gen).to(dev)
         ids = torch.rand(tokens, experts, generator=gen).topk(cfg.top_k, dim=-1).indices.to(dev)
         w = torch.full((tokens, cfg.top_k), 1.0 / cfg.top_k).to(dev)
+        before = Counter(syncs.by_kind)
         be.begin_step(tokens, prefill)
         for layer in range(sim):
             be.forward(layer, x, ids, w)
         be.end_step()
+        if not prefill:
+            counted.update(Counter(syncs.by_kind) - before)
 
     step(PROMPT_TOKENS, True)
-    before = acc.tracker.syncs.total
     for _ in range(steps):
         step(1, False)
-    per_layer = (acc.tracker.syncs.total - before) / (steps * sim)
-    plan.host_syncs_per_decode_step = per_layer * layers + 1  # + the sampled token ids
+    by_kind = {k: n / (steps * sim) * layers for k, n in counted.items()}
+    by_kind["d2h"] = by_kind.get("d2h", 0.0) + 1  # + the sampled token ids
+    by_kind.setdefault("h2d", 0.0)
+    plan.host_syncs_by_kind = dict(sorted(by_kind.items()))
+    plan.host_syncs_per_decode_step = sum(by_kind.values())

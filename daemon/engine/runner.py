@@ -1,8 +1,10 @@
 """ModelRunner: owns the model, the KV pool and the MoE backend; runs one flat forward batch.
 
 The KV pool and every sequence's recurrent state are allocated where the dense part runs
-(``Placement.device``); the batch's token ids, positions and logits rows are sent there (host ->
-device copies, no sync) and the logits stay there."""
+(``Placement.device``); the batch's token ids, positions, logits rows and page tables are sent
+there in one asynchronous copy from pinned memory (``staging``: no host sync; a blocking copy
+per tensor, or per attention layer for the page tables, would stall the host each time) and the
+logits stay there."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..models.layers.deltanet import GatedDeltaNet
 from ..models.model import CausalLM
 from .batch import ForwardBatch, SeqChunk
 from .placement import HOST, Placement
+from .staging import to_device
 
 
 @contextmanager
@@ -114,14 +117,22 @@ class ModelRunner:
                 rows.extend(range(len(ids) - n, len(ids)))
             elif w.want_logits:
                 rows.append(len(ids) - 1)
-        dev = self.placement.device
+        # the step's metadata in one host tensor, one asynchronous copy (engine/staging.py):
+        # token ids | positions | logits rows | each chunk's page table
+        tables = [ch.state.pages[: self.kv.pages_for(ch.context_len + ch.length)] for ch in chunks]
+        meta = ids + pos + rows + [pg for t in tables for pg in t]
+        dev_meta = to_device(torch.tensor(meta, dtype=torch.long), self.placement.device)
+        n, b = len(ids), len(rows)
+        off = 2 * n + b  # the first page table's
+        for ch, t in zip(chunks, tables, strict=True):
+            ch.table, off = dev_meta[off : off + len(t)], off + len(t)
         batch = ForwardBatch(
-            token_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            token_ids=dev_meta[:n],
+            positions=dev_meta[n : 2 * n],
             chunks=chunks,
             kv=self.kv,
             moe=self.moe,
-            logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            logits_rows=dev_meta[2 * n : 2 * n + b],
             max_position=max(pos, default=0),
         )
         prefill = any(len(w.tokens) > 1 for w in work)

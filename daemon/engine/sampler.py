@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from .staging import to_device
+
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # Ints a tensor of int64 can hold: anything larger overflows when the sampler builds its
 # per-row tensors (a top_k of 2**63 once failed a whole batch).
@@ -83,7 +85,10 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """logits [B, V] float32 -> next token ids [B] int64 (one SamplingParams/generator per row)."""
+    """logits [B, V] float32 -> next token ids [B] int64 (one SamplingParams/generator per row).
+
+    The sampled rows' parameters reach the logits' device in one asynchronous copy (``staging``):
+    no host sync before the token ids are read."""
     batch = logits.shape[0]
     if len(params) != batch or len(generators) != batch:
         raise ValueError(f"{batch} rows but {len(params)} params and {len(generators)} generators")
@@ -91,40 +96,92 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    index = torch.tensor(rows, device=logits.device)
-    probs = filtered_probs(logits.index_select(0, index).float(), [params[i] for i in rows])
-    noise = _exponential_noise(probs, [generators[i] for i in rows])  # [R, V]
+    gens = [generators[i] for i in rows]
+    unseeded = [j for j, g in enumerate(gens) if g is None]
+    table = RowParams.build(
+        [params[i] for i in rows], logits.shape[-1], logits.device, (rows, unseeded)
+    )
+    index, unseeded_idx = table.extra
+    probs = filtered_probs(logits.index_select(0, index).float(), table)
+    noise = _exponential_noise(probs, gens, unseeded_idx)  # [R, V]
     out[index] = torch.argmax(probs / noise, dim=-1)
     return out
 
 
-def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+class RowParams:
+    """The filters of R sampled rows as device tensors: ``temps``, ``top_p``, ``min_p`` [R, 1]
+    fp32, ``ks`` [R] int64 (top-k, the vocabulary when off), and ``extra`` int64 index lists
+    sent along; the flags say which filters any row uses (known on the host)."""
+
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        temps: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        ks: torch.Tensor,
+        extra: list[torch.Tensor],
+    ) -> None:
+        self.temps, self.top_p, self.min_p, self.ks, self.extra = temps, top_p, min_p, ks, extra
+        self.any_top = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        self.any_min_p = any(p.min_p > 0 for p in params)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        vocab: int,
+        device: torch.device,
+        extra: Sequence[Sequence[int]] = (),
+    ) -> RowParams:
+        """One fp64 host tensor (it holds the fp32 values and the ints below 2**53 exactly),
+        one copy to ``device``."""
+        r = len(params)
+        # a top_k above the vocabulary keeps the whole vocabulary
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        host = torch.tensor(
+            [p.temperature for p in params]
+            + [p.top_p for p in params]
+            + [p.min_p for p in params]
+            + ks
+            + [i for e in extra for i in e],
+            dtype=torch.float64,
+        )
+        dev = to_device(host, device)
+        cols = dev[: 3 * r].float().view(3, r, 1)
+        off, extras = 4 * r, []
+        for e in extra:
+            extras.append(dev[off : off + len(e)].long())
+            off += len(e)
+        return cls(params, cols[0], cols[1], cols[2], dev[3 * r : 4 * r].long(), extras)
+
+
+def filtered_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams] | RowParams
+) -> torch.Tensor:
     """[R, V] logits -> [R, V] probabilities after temperature, top-k, top-p and min-p.
 
     Every row keeps at least its most likely token."""
-    dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
-    scaled = logits / temps
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+    if not isinstance(params, RowParams):
+        params = RowParams.build(params, logits.shape[-1], logits.device)
+    scaled = logits / params.temps
+    if params.any_top:
         scaled = _top_k_top_p(scaled, params)
     probs = torch.softmax(scaled, dim=-1)
-    if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
-        floor = min_p * probs.max(dim=-1, keepdim=True).values  # [R, 1]
+    if params.any_min_p:
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values  # [R, 1]
         probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
     return probs
 
 
-def _top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _top_k_top_p(scaled: torch.Tensor, params: RowParams) -> torch.Tensor:
     """Mask (to -inf) what top-k and then top-p drop, working on one descending sort."""
     dev, vocab = scaled.device, scaled.shape[-1]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [R, V]
     rank = torch.arange(vocab, device=dev).unsqueeze(0)  # [1, V]
-    # a top_k above the vocabulary keeps the whole vocabulary
-    ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
-    drop = rank >= ks.unsqueeze(1)  # top-k
+    drop = rank >= params.ks.unsqueeze(1)  # top-k
     masked = sorted_logits.masked_fill(drop, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    top_p = params.top_p
     sorted_probs = torch.softmax(masked, dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of better tokens
     # a token is kept while the mass above it is below top_p; rows with top_p = 1 skip this
@@ -136,13 +193,18 @@ def _top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torc
 
 
 def _exponential_noise(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    unseeded_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[R, V] Exp(1) noise: each seeded row from its own generator, the rest in one draw."""
+    """[R, V] Exp(1) noise: each seeded row from its own generator, the rest in one draw
+    (``unseeded_idx``: those rows' indices on the device, sent with the step's parameters)."""
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        idx = torch.tensor(unseeded, device=probs.device)
+        idx = unseeded_idx
+        if idx is None:
+            idx = to_device(torch.tensor(unseeded, dtype=torch.long), probs.device)
         noise[idx] = torch.empty(
             (len(unseeded), probs.shape[1]), device=probs.device
         ).exponential_()

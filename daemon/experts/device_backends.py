@@ -231,7 +231,11 @@ class OffloadBackend:
         self._gpu_routes += (plan.slot_ids >= 0).sum()
         out = self.acc.to_host(out, x.device)
         if cpu_future is not None:  # the CPU share joins where the layer's input lives
-            out = out + cpu_future.result().to(out.device, non_blocking=True)
+            from ..engine.staging import to_device  # (engine imports this module)
+
+            # from pinned memory: the copy is queued, the host does not wait for the stream
+            # (a copy from the executor's pageable output may, as a blocking one does)
+            out = out + to_device(cpu_future.result(), out.device)
         return out
 
     def _cpu_inputs(

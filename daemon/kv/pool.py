@@ -184,11 +184,18 @@ class KVPool:
             i += m
 
     def read(
-        self, layer: int, pages: list[int], length: int, start: int = 0
+        self, layer: int, pages: list[int] | torch.Tensor, length: int, start: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of positions [start, length) as [length - start, kv_heads, head_dim]."""
+        """K, V of positions [start, length) as [length - start, kv_heads, head_dim].
+
+        ``pages``: the sequence's page table, a list or an int64 tensor on the pool's device
+        (a decode step passes the tensor its runner sent once for all layers: a list costs a
+        host -> device copy here, a host sync on CUDA, per layer and sequence)."""
         first, last = start // self.page_size, self.pages_for(length)
-        table = torch.tensor(pages[first:last], dtype=torch.long, device=self.device)
+        if isinstance(pages, torch.Tensor):
+            table = pages[first:last]  # a view: no copy
+        else:
+            table = torch.tensor(pages[first:last], dtype=torch.long, device=self.device)
         lo = start - first * self.page_size
         k = self.k[layer][table].flatten(0, 1)[lo : lo + length - start]
         v = self.v[layer][table].flatten(0, 1)[lo : lo + length - start]

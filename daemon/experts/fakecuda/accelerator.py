@@ -3,7 +3,8 @@
 It is ``CudaAccelerator`` with the runtime it needs supplied by a ``FakeCudaSession``: the copy
 paths, streams and events of the real class run unchanged, on fake tensors. What it cannot
 check without a driver it states instead: the zero-copy fill check passes (the pool is pinned
-and mapped as ``pin`` asks), and pinning is recorded (host bytes the page-locked pool takes).
+and mapped as ``pin`` asks), and pinning is recorded (host bytes the page-locked pool takes, and
+the tracker's pinned storages: ``non_blocking`` copies from them are not host syncs).
 
 Use: ``acc = FakeCudaAccelerator(vram_mib=8192)``, then run everything that touches the device
 inside ``with acc:``. ``acc.tracker`` has the device peak and the host-sync counter.
@@ -80,7 +81,7 @@ class FakeCudaAccelerator(CudaAccelerator):
         if t.device.type != "cpu":
             raise RuntimeError(f"pin: host tensor expected, got one on {t.device}")
         self.pinned_bytes += t.numel() * t.element_size()
-        return t
+        return self.tracker.pin(t)  # non_blocking copies from it are then asynchronous
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)  # the session's stand-in counts it

@@ -28,6 +28,13 @@ from .shim import DeviceShim
 from .tracker import DeviceTracker
 
 _LOCK = threading.Lock()  # the torch.cuda patches are process-wide: one session at a time
+_ACTIVE: list[FakeCudaSession] = []  # the open session (at most one)
+
+
+def active_session() -> FakeCudaSession | None:
+    """The open fake session of this process, if any (code that must tell the fake device
+    from a real one: ``engine.staging`` marks its buffers pinned for the tracker)."""
+    return _ACTIVE[0] if _ACTIVE else None
 
 
 class FakeStream:
@@ -122,6 +129,7 @@ class FakeCudaSession:
             _LOCK.release()
             raise
         self._stack = stack
+        _ACTIVE.append(self)
 
     def close(self) -> None:
         if self._stack is None:
@@ -130,6 +138,7 @@ class FakeCudaSession:
             self._stack.close()
         finally:
             self._stack = None
+            _ACTIVE.clear()
             _LOCK.release()
 
     @contextlib.contextmanager

@@ -7,9 +7,16 @@ allocation the expired storages are swept, so ``peak`` is exact at every allocat
 allocation beyond the card raises ``torch.OutOfMemoryError`` as CUDA would.
 
 Host syncs: an op that needs device data on the host: a device -> host copy (``.cpu()``,
-``.to("cpu")``, ``copy_`` into a host tensor), a scalar read (``.item()``, ``int(t)``), or an op
-whose output shape depends on device data (``nonzero``, ``unique``, boolean-mask indexing...).
-Each is counted with a label. The fake tensors hold no data, so scalar reads still raise (the
+``.to("cpu")``, ``copy_`` into a host tensor; kind ``d2h``), a scalar read (``.item()``,
+``int(t)``), or an op whose output shape depends on device data (``nonzero``, ``unique``,
+boolean-mask indexing...). And a blocking host -> device copy (kind ``h2d``): ``torch.tensor(data,
+device="cuda")``, ``.to("cuda")`` or ``copy_`` from host memory without ``non_blocking``, or
+from pageable memory with it. On CUDA such a copy returns once it is done, which waits for the
+work queued before it on the stream: the host stalls as it does for a read. Only a
+``non_blocking`` copy from pinned memory is asynchronous; pinned sources are those marked with
+``DeviceTracker.pin`` (the CPU build of torch has no pinned allocator; ``engine.staging`` marks
+its buffers so) or that report ``is_pinned()``. Such copies are counted apart
+(``async_h2d``), not as syncs. Each is counted with a label. The fake tensors hold no data, so scalar reads still raise (the
 fake mode's ``DataDependentOutputException``), while data-dependent shapes get their worst case
 (every element selected) so that memory is an upper bound.
 """
@@ -46,9 +53,14 @@ def _is_cuda(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
+def _is_host(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu"
+
+
 @dataclass
 class SyncLog:
-    """Host syncs seen, by kind (``d2h``, ``scalar``, ``nonzero``...)."""
+    """Host syncs seen, by kind (``d2h``, ``h2d``, ``scalar``, ``nonzero``...): ``total`` is
+    every kind; ``reads`` the syncs that bring device data to the host (all but ``h2d``)."""
 
     total: int = 0
     by_kind: Counter[str] = field(default_factory=Counter)
@@ -56,6 +68,16 @@ class SyncLog:
     def add(self, kind: str) -> None:
         self.total += 1
         self.by_kind[kind] += 1
+
+    @property
+    def h2d(self) -> int:
+        """Blocking host -> device copies."""
+        return self.by_kind["h2d"]
+
+    @property
+    def reads(self) -> int:
+        """Syncs that read device data on the host (``d2h``, scalars, dynamic shapes)."""
+        return self.total - self.h2d
 
 
 class _HostBytes:
@@ -94,6 +116,8 @@ class DeviceTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak = 0
         self.syncs = SyncLog()
+        self.async_h2d = 0  # non_blocking copies from pinned memory: no sync
+        self._pinned: dict[int, StorageWeakRef] = {}  # storages marked pinned (``pin``)
         # fake host tensors (banks of a model without its weights): counted, never limited
         self.host = _HostBytes()
 
@@ -122,6 +146,30 @@ class DeviceTracker(TorchDispatchMode):
         self.live[key] = (StorageWeakRef(st), nbytes)
         self.live_bytes = live + nbytes
         self.peak = max(self.peak, self.live_bytes)
+
+    # -- pinned host memory -------------------------------------------------------------------
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Marks the storage of host tensor ``t`` as pinned (page-locked, as
+        ``t.pin_memory()`` makes it on CUDA); returns ``t``."""
+        if t.device.type != "cpu":
+            raise RuntimeError(f"pin: host tensor expected, got one on {t.device}")
+        for k in [k for k, ref in self._pinned.items() if ref.expired()]:
+            del self._pinned[k]
+        st = t.untyped_storage()
+        self._pinned[st._cdata] = StorageWeakRef(st)
+        return t
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        ref = self._pinned.get(t.untyped_storage()._cdata)
+        if ref is not None and not ref.expired():
+            return True
+        return not isinstance(t, FakeTensor) and bool(t.is_pinned())
+
+    def _h2d(self, src: torch.Tensor, non_blocking: bool) -> None:
+        if non_blocking and self.is_pinned(src):
+            self.async_h2d += 1
+        else:
+            self.syncs.add("h2d")
 
     # -- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(
@@ -155,12 +203,18 @@ class DeviceTracker(TorchDispatchMode):
     def _count_sync(self, func: Any, args: tuple, kwargs: dict) -> None:
         if func is aten._local_scalar_dense.default and _is_cuda(args[0]):
             self.syncs.add("scalar")
-        elif func in (aten._to_copy.default, aten.to.dtype_layout) and _is_cuda(args[0]):
+        elif func in (aten._to_copy.default, aten.to.dtype_layout):
             dev = kwargs.get("device")
-            if dev is not None and torch.device(dev).type == "cpu":
+            to = None if dev is None else torch.device(dev).type
+            if _is_cuda(args[0]) and to == "cpu":
                 self.syncs.add("d2h")
+            elif _is_host(args[0]) and to == "cuda":
+                self._h2d(args[0], bool(kwargs.get("non_blocking", False)))
         elif func is aten.copy_.default and _is_cuda(args[1]) and not _is_cuda(args[0]):
             self.syncs.add("d2h")
+        elif func is aten.copy_.default and _is_cuda(args[0]) and _is_host(args[1]):
+            nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self._h2d(args[1], bool(nb))
         elif func in _DYNAMIC and _is_cuda(args[0]):
             self.syncs.add(str(func.overloadpacket.__name__))
         elif func is aten.index.Tensor and _is_cuda(args[0]) and _has_bool(args[1]):

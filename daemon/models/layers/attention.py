@@ -136,7 +136,8 @@ def paged_attention(
         if native and ch.length == 1:
             continue
         first = 0 if window is None else max(0, ch.context_len - window + 1)
-        kc, vc = batch.kv.read(kv_layer, ch.state.pages, end, start=first)
+        table = ch.state.pages if ch.table is None else ch.table
+        kc, vc = batch.kv.read(kv_layer, table, end, start=first)
         kc, vc = kc.float(), vc.float()
         for b0 in range(0, ch.length, _Q_BLOCK):
             b1 = min(ch.length, b0 + _Q_BLOCK)

@@ -84,7 +84,8 @@ class MLAttention(nn.Module):
             rows = slice(ch.start, ch.start + ch.length)
             end = ch.context_len + ch.length
             batch.kv.write(self.kv_layer, ch.state.pages, ch.context_len, packed[rows], None)
-            kc, _ = batch.kv.read(self.kv_layer, ch.state.pages, end)
+            table = ch.state.pages if ch.table is None else ch.table
+            kc, _ = batch.kv.read(self.kv_layer, table, end)
             kc = kc[:, 0].float()  # [c, kvr + dr]
             kv = self.kv_b_proj(kc[:, : self.kvr]).view(end, self.heads, self.dn + self.dv)
             k = torch.cat(
