@@ -128,6 +128,86 @@ def minimax_metadata(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_rope_dimension_count(c.rotary_dim)
 
 
+def gemma4_tensor(c: Any, key: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """Gemma-4's tensors the converter names itself (None: the name map's): the router's two
+    scales, the layer's output scale, the fused experts as they are ([E, 2I, H], [E, H, I])."""
+    if not key.startswith("model.layers."):
+        return None
+    blk = f"blk.{key.split('.')[2]}"
+    for suffix, name in (
+        ("router.scale", "ffn_gate_inp.scale"),
+        ("router.per_expert_scale", "ffn_down_exps.scale"),
+        ("layer_scalar", "layer_output_scale.weight"),
+        ("experts.gate_up_proj", "ffn_gate_up_exps.weight"),
+        ("experts.down_proj", "ffn_down_exps.weight"),
+    ):
+        if key.endswith(suffix):
+            return [(f"{blk}.{name}", t)]
+    return None
+
+
+def _gemma4_geometry(c: Any) -> tuple[dict[str, Any], list[int], list[int]]:
+    """(config dict, head dim and KV heads per layer): transformers keeps the global layers'
+    values in ``per_layer_config``."""
+    d = c.to_dict()
+    over = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
+    n = d["num_hidden_layers"]
+    dims = [int(over.get(i, {}).get("head_dim", d["head_dim"])) for i in range(n)]
+    kv = [
+        int(over.get(i, {}).get("num_key_value_heads", d["num_key_value_heads"])) for i in range(n)
+    ]
+    return d, dims, kv
+
+
+def _global_dim(d: dict[str, Any], dims: list[int]) -> int:
+    full = [dims[i] for i, t in enumerate(d["layer_types"]) if t == "full_attention"]
+    return full[0] if full else d["head_dim"]
+
+
+def gemma4_rope_freqs(c: Any) -> torch.Tensor:
+    """The global layers' proportional rope as ggml's NEOX rope takes it: a factor per rotary
+    pair, 1 where HF's proportional rope rotates, 1e30 (no rotation) elsewhere."""
+    d, dims, _ = _gemma4_geometry(c)
+    full_dim = _global_dim(d, dims)
+    partial = d["rope_parameters"]["full_attention"].get("partial_rotary_factor", 1.0)
+    rot = int(full_dim * partial / 2)
+    return torch.tensor([1.0] * rot + [1e30] * (full_dim // 2 - rot))
+
+
+def gemma4_metadata(w: gguf.GGUFWriter, c: Any) -> None:
+    """After block count, context, embedding length and head count: each layer type's geometry
+    (global layers: ``key_length``, their ``head_count_kv`` entries; sliding ones: ``*_swa``)."""
+    d, dims, kv = _gemma4_geometry(c)
+    sliding = [t == "sliding_attention" for t in d["layer_types"]]
+    full_dim = _global_dim(d, dims)
+    w.add_head_count_kv(kv if len(set(kv)) > 1 else kv[0])
+    w.add_key_length(full_dim)
+    w.add_value_length(full_dim)
+    w.add_key_length_swa(d["head_dim"])
+    w.add_value_length_swa(d["head_dim"])
+    w.add_layer_norm_rms_eps(d["rms_norm_eps"])
+    rope = d["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_rope_dimension_count(full_dim)
+    w.add_rope_dimension_count_swa(d["head_dim"])
+    if d.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(d["final_logit_softcapping"])
+    w.add_sliding_window(d["sliding_window"])
+    w.add_sliding_window_pattern(sliding)
+    n, shared = d["num_hidden_layers"], d.get("num_kv_shared_layers") or 0
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(d.get("hidden_size_per_layer_input") or 0)
+    ffn = d["intermediate_size"]
+    if d.get("use_double_wide_mlp"):
+        w.add_feed_forward_length([ffn if i < n - shared else 2 * ffn for i in range(n)])
+    else:
+        w.add_feed_forward_length(ffn)
+    w.add_expert_count(d["num_experts"])
+    w.add_expert_used_count(d["top_k_experts"])
+    w.add_expert_feed_forward_length(d["moe_intermediate_size"])
+
+
 def hybrid_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
@@ -185,9 +265,12 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
 def hf_value(family: str, c: Any, key: str, tensors: dict[str, torch.Tensor], name: Any) -> Any:
     """The inverse: HF tensor ``key`` of a hybrid or DeepSeek-V3 model from the file's tensors
     (``name``: HF name -> GGUF name); None for a key the generic inverse handles."""
-    if family not in (*HYBRIDS, *MLA, *SIGMOID):
+    if family not in (*HYBRIDS, *MLA, *SIGMOID, "gemma4"):
         return None
     blk = f"blk.{key.split('.')[2]}" if key.startswith("model.layers.") else ""
+    if family == "gemma4":
+        converted = gemma4_tensor(c, key, torch.empty(0))
+        return tensors[converted[0][0]] if converted else None
     if family in SIGMOID:
         if key.endswith("e_score_correction_bias"):
             return tensors[f"{blk}.exp_probs_b.bias"]

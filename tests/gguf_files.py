@@ -18,6 +18,9 @@ from gguf_convert import (
     SIGMOID,
     deepseek_metadata,
     deepseek_tensor,
+    gemma4_metadata,
+    gemma4_rope_freqs,
+    gemma4_tensor,
     glm4moe_metadata,
     hf_value,
     hybrid_metadata,
@@ -38,6 +41,7 @@ ARCH = {
     "glm4_moe": "glm4moe",
     "glm4_moe_lite": "deepseek2",  # GLM-4.7-Flash: llama.cpp writes it as DeepSeek
     "minimax_m2": "minimax-m2",
+    "gemma4": "gemma4",
 }
 _MODEL_ARCH = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
@@ -49,6 +53,7 @@ _MODEL_ARCH = {
     "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
     "glm4moe": gguf.MODEL_ARCH.GLM4_MOE,
     "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2,
+    "gemma4": gguf.MODEL_ARCH.GEMMA4,
 }
 
 
@@ -101,6 +106,8 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
             converted = deepseek_tensor(c, key, t)
         elif family in SIGMOID:
             converted = score_bias_tensor(key, t)
+        elif family == "gemma4":
+            converted = gemma4_tensor(c, key, t) or [(key, t)]
         else:
             converted = [(key, t)]
         for key, t in converted:
@@ -111,6 +118,8 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
             out[name] = t.contiguous()
     if mtp:  # GLM's nextn layer after the decoder layers (block_count counts it)
         out.update(mtp_tensors(c, out))
+    if family == "gemma4":
+        out["rope_freqs.weight"] = gemma4_rope_freqs(c)
     return out
 
 
@@ -127,6 +136,9 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_head_count(c.num_attention_heads)
+    if family == "gemma4":
+        gemma4_metadata(w, c)
+        return
     if family in MLA:
         deepseek_metadata(w, c)
     else:

@@ -4,7 +4,9 @@ the router's correction bias as ``exp_probs_b``, leading dense layers, the nextn
 after the decoder layers), MiniMax-M2 (``minimax-m2``: q/k norms over all heads, the correction
 bias, ``rotary_dim``), and GLM-4.7-Flash, which llama.cpp writes as ``deepseek2`` and which must
 load as our ``glm4_moe_lite`` family (GLM's anchors and parsers), told by its GLM pre-tokenizer,
-name or chat markup.
+name or chat markup; and Gemma-4 with its MoE block (``gemma4``: per-layer-type head dims
+and KV heads, V = K global layers, the proportional rope as ``rope_freqs``, the router's scales,
+fused gate/up experts).
 
 F32 files: logits within fp32 tolerance of the HF checkpoint and transformers' greedy tokens.
 Quantized files: against transformers on the file's own dequantized weights (see test_gguf.py).
@@ -26,13 +28,33 @@ from freetokend.server.parsers.registry import ToolSyntax, detect_syntax
 
 ATOL = 2e-4
 ATOL_BLOCKS = 2e-3  # projections kept in GGUF blocks (see test_gguf.py)
-CASES = ("glm4_moe", "glm4_moe:flat", "minimax_m2", "minimax_m2:k3", "glm4_moe_lite")
+CASES = (
+    "glm4_moe",
+    "glm4_moe:flat",
+    "minimax_m2",
+    "minimax_m2:k3",
+    "glm4_moe_lite",
+    "gemma4",
+    "gemma4:wide",
+)
+# Gemma-4's second config without per-layer input embeddings (not read from GGUF) or KV sharing
+# (transformers' forward needs per-layer inputs with it): global layers with their own V and the
+# sliding layers' KV head count, a wider window, no softcap, tied embeddings, top-3
+_OVER = {
+    "gemma4:wide": dict(
+        VARIANTS["gemma4:ple"],
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+    )
+}
 _FLASH = {"tokenizer.ggml.pre": "glm4"}  # what llama.cpp's converter writes for GLM's tokenizer
 
 
 def _tiny(case: str, d, seed: int = 3):
     family = case.split(":")[0]
-    return family, make_tiny(family, d / "hf", seed=seed, **VARIANTS.get(case, {}))[1]
+    over = _OVER.get(case, VARIANTS.get(case, {}))
+    return family, make_tiny(family, d / "hf", seed=seed, **over)[1]
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -68,8 +90,17 @@ def test_file_has_the_converters_layout(f32):
     r = gguf.GGUFReader(path)
     names = {t.name for t in r.tensors}
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    assert arch == {"glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}.get(family, "deepseek2")
+    want = {"glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gemma4": "gemma4"}
+    assert arch == want.get(family, "deepseek2")
     c = hf.config
+    if family == "gemma4":
+        assert {"rope_freqs.weight", "blk.0.ffn_gate_up_exps.weight"} <= names
+        assert {"blk.0.ffn_gate_inp.scale", "blk.0.ffn_down_exps.scale"} <= names
+        assert not any("ffn_gate_exps" in n or "router" in n for n in names)
+        full = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+        v_eq_k = c.attention_k_eq_v
+        assert all((f"blk.{i}.attn_v.weight" in names) != v_eq_k for i in full)
+        return
     layer = len(c.mlp_layer_types) - 1 if family == "glm4_moe_lite" else c.num_hidden_layers - 1
     assert f"blk.{layer}.exp_probs_b.bias" in names
     assert not any("e_score_correction" in n for n in names)
@@ -128,10 +159,22 @@ def test_config_from_the_metadata_matches_the_hf_folder(f32):
         assert getattr(ours, field) == want, field
     if family == "glm4_moe":
         assert ours.num_mtp_layers == folder.num_mtp_layers == 1
+    if family == "gemma4":
+        for field in (
+            "layer_types",
+            "sliding_window",
+            "layer_head_dims",
+            "layer_kv_heads",
+            "attention_k_eq_v",
+            "rope_full",
+            "final_logit_softcapping",
+            "num_kv_shared_layers",
+        ):
+            assert getattr(ours, field) == getattr(folder, field), field
 
 
 @pytest.mark.parametrize("kind", ["bf16", "q8_0"])
-@pytest.mark.parametrize("case", ["glm4_moe", "minimax_m2", "glm4_moe_lite"])
+@pytest.mark.parametrize("case", ["glm4_moe", "minimax_m2", "glm4_moe_lite", "gemma4"])
 def test_quantized_file_matches_its_dequantized_weights(case, kind, tmp_path, experts_dequantized):
     family, hf = _tiny(case, tmp_path)
     path = write_gguf(family, hf, tmp_path / f"m-{kind}.gguf", kind, meta=_meta(family))
@@ -208,3 +251,19 @@ def test_glm_flash_gguf_gets_glm_anchors_and_parsers(tmp_path, builtin_model_dir
     ids = torch.randint(2, vocab, (16,), generator=torch.Generator().manual_seed(5)).tolist()
     err = (a.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < ATOL, err
+
+
+def test_gemma4_per_layer_input_embeddings_are_refused(tmp_path):
+    """E2B / E4B's per-layer input embeddings are not read from GGUF: a clear error, not a
+    model that computes something else."""
+    from freetokend.formats.gguf_file import GgufFile
+    from freetokend.models.config import ConfigError
+    from freetokend.models.gguf_config import hf_fields
+
+    family, hf = _tiny("gemma4", tmp_path)
+    path = write_gguf(family, hf, tmp_path / "g.gguf")
+    with GgufFile(path) as f:
+        assert hf_fields(f.metadata, f.tensors, "float32", str(path))["top_k_experts"] == 2
+        meta = {**f.metadata, "gemma4.embedding_length_per_layer_input": 8}
+        with pytest.raises(ConfigError, match="per-layer input embeddings"):
+            hf_fields(meta, f.tensors, "float32", str(path))

@@ -13,7 +13,9 @@ DeepSeek-V3 (``deepseek2``) splits ``kv_b_proj`` into ``attn_k_b`` (per head [kv
 transposed) and ``attn_v_b`` (per head [v, kv_lora]). GLM-4.5 (``glm4moe``) and MiniMax-M2
 (``minimax-m2``) are stored as they are (rope in the rotate-half order llama.cpp's NEOX rope
 takes), their router's correction bias as ``exp_probs_b.bias``, GLM's multi-token-prediction
-layer after the decoder layers (skipped).
+layer after the decoder layers (skipped). Gemma-4 (``gemma4``) keeps its norms as they are (no
++1), its router's scales as ``ffn_gate_inp.scale`` / ``ffn_down_exps.scale`` and its global
+layers' proportional rope as ``rope_freqs`` factors (read into the config).
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ _MLA_BLOCK = {
     "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
     "exp_probs_b.bias": "mlp.score_bias",
+}
+# Gemma-4's own block names (its four FFN norms, the router's scales, the layer's output
+# scale); the rest are the shared ones
+_GEMMA4_BLOCK = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "layer_output_scale.weight": "layer_scalar",
 }
 # the sigmoid routers' score-correction bias (GLM-4.5, MiniMax-M2; DeepSeek's is in _MLA_BLOCK)
 _SCORE_BIAS = {"exp_probs_b.bias": "mlp.score_bias"}
@@ -160,6 +175,8 @@ def block_targets(arch: str, cfg: ModelConfig, key: str, common: dict[str, str])
         if key in _SHARED:
             return [(_SHARED[key], None)]
         return [(common[key], None)]
+    if arch == "gemma4":
+        return [(_GEMMA4_BLOCK[key] if key in _GEMMA4_BLOCK else common[key], None)]
     if arch in ("glm4moe", "minimax-m2"):
         if key in _SCORE_BIAS:
             return [(_SCORE_BIAS[key], None)]
@@ -206,6 +223,7 @@ def block_key(arch: str, ours: str) -> str | None:
     tables = [_SHARED] + ([_HYBRID_BLOCK] if arch in _HYBRIDS else [])
     tables += [_MLA_BLOCK] if arch == "deepseek2" else []
     tables += [_SCORE_BIAS] if arch in ("glm4moe", "minimax-m2") else []
+    tables += [_GEMMA4_BLOCK] if arch == "gemma4" else []
     for table in tables:
         for key, name in table.items():
             if name == ours:

@@ -8,6 +8,7 @@ folder of the same model give the same ModelConfig.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ..formats.gguf_file import GgufTensor
@@ -25,6 +26,7 @@ GGUF_ARCHITECTURES = {
     "deepseek2": "DeepseekV3ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
     "minimax-m2": "MiniMaxM2ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
 }
 # llama.cpp's routers: which ones renormalise the top-k weights when the file does not say.
 _NORM_TOPK = {
@@ -37,6 +39,7 @@ _NORM_TOPK = {
     "deepseek2": False,
     "glm4moe": True,
     "minimax-m2": True,
+    "gemma4": True,
 }
 _EXPERTS_KEY = {
     "qwen3moe": "num_experts",
@@ -48,6 +51,7 @@ _EXPERTS_KEY = {
     "deepseek2": "n_routed_experts",
     "glm4moe": "n_routed_experts",
     "minimax-m2": "num_local_experts",
+    "gemma4": "num_experts",
 }
 _SIGMOID = 2  # llama.cpp's expert_gating_func for a sigmoid router
 
@@ -67,9 +71,14 @@ def gguf_arch(meta: dict[str, Any], source: str) -> str:
 
 
 def hf_fields(
-    meta: dict[str, Any], tensors: dict[str, GgufTensor], dtype: str, source: str
+    meta: dict[str, Any],
+    tensors: dict[str, GgufTensor],
+    dtype: str,
+    source: str,
+    read: Callable[[str], Any] | None = None,
 ) -> dict[str, Any]:
-    """The config.json fields for this file (``dtype``: the weights' dtype in memory)."""
+    """The config.json fields for this file (``dtype``: the weights' dtype in memory;
+    ``read``: a tensor's values by name, for the few facts stored as a tensor)."""
     arch = gguf_arch(meta, source)
 
     def get(key: str, default: Any = ...) -> Any:
@@ -85,6 +94,8 @@ def hf_fields(
     n = int(get("block_count")) - mtp
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list) and arch == "gemma4":  # per layer type (see _gemma4)
+        kv_heads = kv_heads[0]
     if isinstance(kv_heads, list):  # per-layer counts: all must agree for our attention
         counts = {k for k in kv_heads if k}  # (0: a layer without attention)
         if len(counts) != 1:
@@ -92,7 +103,8 @@ def hf_fields(
         kv_heads = counts.pop()
     if "token_embd.weight" not in tensors:
         raise ConfigError(f"{source}: missing tensor 'token_embd.weight'")
-    ffn = int(get("feed_forward_length", 0) or 0)
+    ffn_raw = get("feed_forward_length", 0) or 0
+    ffn = min(ffn_raw) if isinstance(ffn_raw, list) else int(ffn_raw)
     out: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": tensors["token_embd.weight"].shape[0],
@@ -133,6 +145,8 @@ def hf_fields(
         out.update(_glm4moe(get, out["head_dim"], n, tensors, source))
     if arch == "minimax-m2":
         out.update(_minimax_m2(get, out["head_dim"], source))
+    if arch == "gemma4":
+        out.update(_gemma4(get, n, tensors, source, read))
     for key, field in (("eos_token_id", "eos_token_id"), ("bos_token_id", "bos_token_id")):
         tid = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(tid, int):
@@ -318,7 +332,79 @@ def _minimax_m2(get: Any, head_dim: int, source: str) -> dict[str, Any]:
     }
 
 
+def _gemma4(
+    get: Any,
+    n: int,
+    tensors: dict[str, GgufTensor],
+    source: str,
+    read: Callable[[str], Any] | None,
+) -> dict[str, Any]:
+    """Gemma-4 with the MoE block: the converter keeps each layer type's geometry in its own
+    keys (``key_length`` / ``head_count_kv`` entries of the global layers, ``*_swa`` and the
+    sliding entries for the others), which layers slide in ``sliding_window_pattern``, and the
+    global layers' proportional rope as ``rope_freqs`` (1 for a rotated pair, 1e30 for one left
+    as is). A global layer without ``attn_v`` takes V = K (``attention_k_eq_v``)."""
+    if not int(get("expert_count", 0) or 0):
+        raise ConfigError(f"{source}: a Gemma-4 file without experts (dense) is not supported")
+    if int(get("embedding_length_per_layer_input", 0) or 0):
+        raise ConfigError(
+            f"{source}: Gemma-4 with per-layer input embeddings (E2B / E4B) is not supported "
+            "from GGUF"
+        )
+    pattern = get("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) < n:
+        raise ConfigError(
+            f"{source}: 'gemma4.attention.sliding_window_pattern' must list {n} layers"
+        )
+    sliding = [bool(x) for x in pattern[:n]]
+    kv = get("attention.head_count_kv", int(get("attention.head_count")))
+    kv_of = kv if isinstance(kv, list) else [kv] * n
+    full = [i for i in range(n) if not sliding[i]]
+    swa = [i for i in range(n) if sliding[i]]
+    full_dim = int(get("attention.key_length"))
+    swa_dim = int(get("attention.key_length_swa", full_dim))
+    partial = 1.0
+    if read is not None and "rope_freqs.weight" in tensors:
+        freqs = read("rope_freqs.weight")
+        partial = float((freqs < 1e10).sum()) / (full_dim // 2)
+    ffn = get("feed_forward_length", 0) or 0
+    return {
+        "head_dim": swa_dim,
+        "global_head_dim": full_dim,
+        "num_key_value_heads": int(kv_of[swa[0]] if swa else kv_of[0]),
+        "per_layer_config": {
+            str(i): {"head_dim": full_dim, "num_key_value_heads": int(kv_of[i])} for i in full
+        },
+        "attention_k_eq_v": bool(full)
+        and all(f"blk.{i}.attn_v.weight" not in tensors for i in full),
+        "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding],
+        "sliding_window": int(get("attention.sliding_window")),
+        "rope_parameters": {
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(get("rope.freq_base_swa", 10000.0)),
+            },
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": partial,
+                "rope_theta": float(get("rope.freq_base", 1_000_000.0)),
+            },
+        },
+        "enable_moe_block": True,
+        "top_k_experts": int(get("expert_used_count")),
+        "num_kv_shared_layers": int(get("attention.shared_kv_layers", 0) or 0),
+        "use_double_wide_mlp": isinstance(ffn, list) and len(set(ffn)) > 1,
+        "hidden_size_per_layer_input": 0,
+        "final_logit_softcapping": get("final_logit_softcapping", None),
+        "attention_bias": False,
+    }
+
+
 def config_from_gguf(
-    meta: dict[str, Any], tensors: dict[str, GgufTensor], dtype: str, source: str
+    meta: dict[str, Any],
+    tensors: dict[str, GgufTensor],
+    dtype: str,
+    source: str,
+    read: Callable[[str], Any] | None = None,
 ) -> ModelConfig:
-    return from_dict(hf_fields(meta, tensors, dtype, source), source=source)
+    return from_dict(hf_fields(meta, tensors, dtype, source, read), source=source)

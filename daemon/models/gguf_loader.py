@@ -180,7 +180,14 @@ class GgufCheckpoint:
 
     def config(self, dtype: str | None = None) -> ModelConfig:
         infos = {n: t for n, (_, t) in self.tensors.items()}
-        cfg = config_from_gguf(self.metadata, infos, dtype or self.default_dtype(), str(self.path))
+
+        def read(name: str) -> torch.Tensor:
+            f, t = self.tensors[name]
+            return f.read_float(t)
+
+        cfg = config_from_gguf(
+            self.metadata, infos, dtype or self.default_dtype(), str(self.path), read
+        )
         block = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.expert_format == "bf16" and block is not None:
             cfg = dataclasses.replace(cfg, expert_format=block)
