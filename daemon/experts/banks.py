@@ -55,6 +55,10 @@ class ExpertBanks:
 
     @property
     def num_flat(self) -> int:
+        if self.format.startswith("layers:"):  # per-layer block banks: one bank per type
+            from .formats import get_format, layer_experts
+
+            return layer_experts(self) * len(get_format(self.format).layer_types or ())
         return int(self.gate_up.shape[0])
 
     @property
@@ -78,7 +82,11 @@ class ExpertBanks:
         return {**self.tensors(), **self.extra}
 
     def nbytes_per_expert(self) -> int:
-        """Bytes of one expert in every bank, scale banks of a quantised format included."""
+        """Bytes of one expert in every bank, scale banks of a quantised format included
+        (per-layer block banks: the mean over experts, rounded up)."""
+        if self.format.startswith("layers:"):
+            total = sum(t.numel() * t.element_size() for t in self.all_tensors().values())
+            return -(-total // self.num_flat)
         return sum(t[0].numel() * t.element_size() for t in self.all_tensors().values())
 
 

@@ -4,7 +4,10 @@
     out[t] = sum_k weights[t, k] * expert_{flat_ids[t, k]}(x[t])      (routes with id -1 skipped)
 
 for banks of a block format of ``formats.FORMATS`` ("q8_0", "q4_k", "q4_k/q8_0", ...: raw GGUF
-rows, the type of each projection in ``ExpertFormat.block_types``). The weights never widen to
+rows, the type of each projection in ``ExpertFormat.block_types``) or of a per-layer one
+("layers:q4_k/q6_k*2,q4_k,...", ``formats.layered_format``: each layer's banks and types are
+handed to the native call, which reads flat id f's rows from layer f / E's bank in that layer's
+types, so one call may mix layers of different types). The weights never widen to
 floats: each token's input is quantised to int8 per 32 inputs once per call and shared by every
 expert it routes to, each route's activation once before ``down``, and every weight row is an
 exact integer dot product per block with the scales applied in fp32 (vpdpbusd on AVX512-VNNI,
@@ -28,14 +31,14 @@ import torch
 from ..models import gguf_blocks
 from ..models.layers import dense_native, qlinear_native
 from .banks import ActivationSpec, ExpertBanks, activate
-from .formats import get_format
+from .formats import expert_rows, expert_tensors, get_format, layer_experts, layer_pair
 
 Tensor = torch.Tensor
 
 
 def is_block_format(name: str) -> bool:
     """Whether ``name`` is a GGUF block expert format (one this executor computes)."""
-    return get_format(name).block_types is not None
+    return get_format(name).in_blocks
 
 
 def available() -> bool:
@@ -43,32 +46,46 @@ def available() -> bool:
     return qlinear_native.available() and hasattr(dense_native._native, "QMoe")
 
 
-def _shapes(banks: ExpertBanks) -> tuple[str, str, int, int, int]:
-    """-> (gate_up type, down type, N, H, I), the banks checked against their schema."""
+def _shapes(banks: ExpertBanks) -> tuple[list[tuple[int, int, int, int]], int, int, int, int]:
+    """-> (per layer (gate_up address, down address, gate_up code, down code), E, N, H, I), the
+    banks checked against their schema (one layer of N experts for a single pair of types)."""
     fmt = get_format(banks.format)
-    if fmt.block_types is None:
+    if not fmt.in_blocks:
         raise ValueError(f"{banks.format!r} is not a GGUF block expert format")
     if banks.gate_up.dim() != 3 or banks.down.dim() != 3:
         raise ValueError("gate_up must be [N, 2I, bytes] and down [N, H, bytes]")
-    n, inter, h = banks.gate_up.shape[0], banks.gate_up.shape[1] // 2, banks.down.shape[1]
-    for name, (shape, dtype) in fmt.specs(h, inter, torch.float32).items():
-        t = getattr(banks, name)
+    n, inter, h = banks.num_flat, banks.gate_up.shape[1] // 2, banks.down.shape[1]
+    tensors = banks.all_tensors()
+    shapes = fmt.shapes(n, h, inter, torch.float32)
+    if set(shapes) != set(banks.extra) | {"gate_up", "down"}:
+        raise ValueError(f"{banks.format} banks must be {sorted(shapes)}, got {sorted(tensors)}")
+    for name, (shape, dtype) in shapes.items():
+        t = tensors[name]
         if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous CPU {dtype} tensor")
-        if tuple(t.shape) != (n, *shape):
-            raise ValueError(f"{name} must have shape {[n, *shape]}, got {list(t.shape)}")
-    for name, t, shape in (
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    for name, b, bshape in (
         ("gate_up_bias", banks.gate_up_bias, (n, 2 * inter)),
         ("down_bias", banks.down_bias, (n, h)),
     ):
-        if t is None:
+        if b is None:
             continue
-        if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+        if b.device.type != "cpu" or b.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"{name} must be a CPU float32 or bfloat16 tensor")
-        if tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {list(shape)} tensor")
-    gu, dn = fmt.block_types
-    return gu, dn, int(n), int(h), int(inter)
+        if tuple(b.shape) != bshape or not b.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {list(bshape)} tensor")
+    codes = gguf_blocks.QTYPE_CODES
+    if fmt.layer_types is None:
+        gu, dn = fmt.block_types or ("", "")
+        layers = [(banks.gate_up.data_ptr(), banks.down.data_ptr(), codes[gu], codes[dn])]
+        return layers, int(n), int(n), int(h), int(inter)
+    e = layer_experts(banks)
+    layers = []
+    for li, (gu, dn) in enumerate(fmt.layer_types):
+        gu_rows, dn_rows = (expert_rows(banks, p, li * e, e) for p in ("gate_up", "down"))
+        layers.append((gu_rows.data_ptr(), dn_rows.data_ptr(), codes[gu], codes[dn]))
+    return layers, e, int(n), int(h), int(inter)
 
 
 class BlockExecutor:
@@ -84,7 +101,7 @@ class BlockExecutor:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if not available():
             raise ImportError("the native dense extension `ftdense` is not built")
-        gu, dn, n, h, inter = _shapes(banks)
+        layers, per_layer, n, h, inter = _shapes(banks)
         biases = [b for b in (banks.gate_up_bias, banks.down_bias) if b is not None]
         if len({b.dtype for b in biases}) > 1:
             raise TypeError("gate_up_bias and down_bias must have the same dtype")
@@ -99,10 +116,10 @@ class BlockExecutor:
         self.isa_request = isa
         self.hidden_size = h
         self._moe = dense_native._native.QMoe(
-            gate_up=banks.gate_up.data_ptr(),
-            down=banks.down.data_ptr(),
-            gate_up_type=gguf_blocks.QTYPE_CODES[gu],
-            down_type=gguf_blocks.QTYPE_CODES[dn],
+            gate_up=0,  # every layer's addresses and types are in ``layers``
+            down=0,
+            gate_up_type=0,
+            down_type=0,
             gate_up_bias=0 if banks.gate_up_bias is None else banks.gate_up_bias.data_ptr(),
             down_bias=0 if banks.down_bias is None else banks.down_bias.data_ptr(),
             bias_bf16=bool(biases) and biases[0].dtype == torch.bfloat16,
@@ -113,6 +130,8 @@ class BlockExecutor:
             alpha=float(act.alpha),
             limit=float(act.limit),
             chunk_bytes=chunk_bytes,
+            layers=layers,
+            layer_experts=per_layer,
         )
 
     @property
@@ -155,7 +174,6 @@ def block_moe_reference(
     """What ``BlockExecutor.forward`` computes, in plain torch: x and each route's activation
     quantised as the kernels do (gguf_blocks.quantize_act), exact integer block products
     (gguf_blocks.qdot_reference), biases and gate weights in fp32, route terms summed per token."""
-    gu, dn = get_format(banks.format).block_types or ("", "")
     xf = x.float()
     ids = flat_ids.long()
     routed = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32)
@@ -163,10 +181,12 @@ def block_moe_reference(
         if fid < 0:
             continue
         tok, slot = torch.nonzero(ids == fid, as_tuple=True)
-        h = gguf_blocks.qdot_reference(banks.gate_up[fid], gu, xf[tok])
+        gu, dn = layer_pair(banks, fid)
+        w = expert_tensors(banks, fid)
+        h = gguf_blocks.qdot_reference(w["gate_up"], gu, xf[tok])
         if banks.gate_up_bias is not None:
             h = h + banks.gate_up_bias[fid].float()
-        y = gguf_blocks.qdot_reference(banks.down[fid], dn, activate(h, act))
+        y = gguf_blocks.qdot_reference(w["down"], dn, activate(h, act))
         if banks.down_bias is not None:
             y = y + banks.down_bias[fid].float()
         routed[tok, slot] = y * weights[tok, slot].float().unsqueeze(-1)

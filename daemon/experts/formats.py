@@ -25,6 +25,16 @@ scales live inside the blocks. The name is the type when both projections share 
 ffn_down wider); ``block_format`` builds it. H must be a multiple of the gate_up type's block and
 I of the down type's (256 for the K-quants). The CPU backend computes them with integer dot
 products (experts/block_executor.py); everything else dequantizes them per expert.
+
+Per-layer GGUF block formats (``layered_format``): a GGUF file whose expert types differ between
+layers (llama.cpp's Q4_K_M keeps the ffn_down of about half the layers in Q6_K) keeps each
+layer's blocks as they are. The name lists the (MoE) layers' pair formats in order, runs
+counted: "layers:q4_k/q6_k*2,q4_k*3,q4_k/q6_k". There is one bank per projection and type, each
+holding the layers of that type in layer order, E experts per layer: ``gate_up`` and ``down``
+for the types of the first layer, ``gate_up.<type>`` / ``down.<type>`` (in ``extra``) for the
+others. Flat id f = layer * E + e stays the address: ``expert_rows`` / ``expert_tensors`` find
+the bank and row (rank of the layer among those of its type * E + e). Nothing is padded, so the
+banks take the file's bytes.
 """
 
 from __future__ import annotations
@@ -234,6 +244,8 @@ class BankSpec:
     name: str
     shape: Shape  # (H, I) -> per-expert shape
     dtype: torch.dtype | None
+    # per-layer block formats: the MoE layers this bank holds, in order (None: every flat id)
+    layers: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -251,13 +263,50 @@ class ExpertFormat:
     dim_multiple: int = 1  # H and I must be multiples of this (the packing / scale block)
     # GGUF block formats: (gate_up type, down type) of models/gguf_blocks.py; None otherwise
     block_types: tuple[str, str] | None = None
+    # per-layer GGUF block formats: each MoE layer's (gate_up type, down type); None otherwise
+    layer_types: tuple[tuple[str, str], ...] | None = None
+
+    @property
+    def in_blocks(self) -> bool:
+        """Raw GGUF block rows (one pair of types, or one per layer): the integer-dot kernels'."""
+        return self.block_types is not None or self.layer_types is not None
 
     def multiples(self) -> tuple[int, int]:
         """What H and I must be multiples of."""
+        if self.layer_types is not None:
+            return (
+                max(gguf_blocks.BLOCK_INPUTS[gu] for gu, _ in self.layer_types),
+                max(gguf_blocks.BLOCK_INPUTS[dn] for _, dn in self.layer_types),
+            )
         if self.block_types is None:
             return self.dim_multiple, self.dim_multiple
         gu, dn = self.block_types
         return gguf_blocks.BLOCK_INPUTS[gu], gguf_blocks.BLOCK_INPUTS[dn]
+
+    def where(self, layer: int, proj: str) -> tuple[str, int]:
+        """Per-layer formats: (bank name, rank of ``layer`` in it) of projection ``proj``
+        (gate_up | down) of MoE layer ``layer``; its experts are rows [rank*E, (rank+1)*E)."""
+        for b in self.banks:
+            if b.layers is not None and b.name.partition(".")[0] == proj and layer in b.layers:
+                return b.name, b.layers.index(layer)
+        raise ValueError(f"expert format {self.name!r} has no layer {layer}")
+
+    def shapes(
+        self, num_flat: int, hidden: int, inter: int, float_dtype: torch.dtype
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{bank name: (whole bank's shape, dtype)} for ``num_flat`` experts."""
+        out = {}
+        per_layer = num_flat // len(self.layer_types) if self.layer_types else 0
+        if self.layer_types and per_layer * len(self.layer_types) != num_flat:
+            raise ValueError(
+                f"expert format {self.name!r} has {len(self.layer_types)} layers; "
+                f"{num_flat} experts are not a whole number per layer"
+            )
+        for name, (shape, dt) in self.specs(hidden, inter, float_dtype).items():
+            b = next(b for b in self.banks if b.name == name)
+            rows = num_flat if b.layers is None else per_layer * len(b.layers)
+            out[name] = ((rows, *shape), dt)
+        return out
 
     def check_dims(self, hidden: int, inter: int) -> None:
         mh, mi = self.multiples()
@@ -280,10 +329,13 @@ class ExpertFormat:
         return {b.name: (b.shape(hidden, inter), b.dtype or float_dtype) for b in self.banks}
 
     def nbytes_per_expert(self, hidden: int, inter: int, float_dtype: torch.dtype) -> int:
-        total = 0
-        for shape, dt in self.specs(hidden, inter, float_dtype).values():
-            total += torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-        return total
+        """Bytes of one expert; per-layer formats: the mean over layers, rounded up."""
+        total, layers = 0, len(self.layer_types or (None,))
+        for b in self.banks:
+            shape, dt = b.shape(hidden, inter), b.dtype or float_dtype
+            n = layers if b.layers is None else len(b.layers)
+            total += n * torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+        return -(-total // layers)
 
 
 _U8, _F32, _FP8 = torch.uint8, torch.float32, torch.float8_e4m3fn
@@ -380,12 +432,123 @@ for _gu in gguf_blocks.BLOCK_BYTES:
         FORMATS.setdefault(block_format(_gu, _dn), _block(_gu, _dn))
 
 
+# ---- per-layer GGUF block formats ---------------------------------------------------------------
+
+LAYERED = "layers:"
+_LAYERED: dict[str, ExpertFormat] = {}
+
+
+def layered_format(pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> str:
+    """The format name of experts whose MoE layer l has block types ``pairs[l]`` (gate_up,
+    down): the plain pair's name when every layer has the same, a per-layer name otherwise."""
+    if not pairs:
+        raise ValueError("no layers")
+    names = [block_format(gu, dn) for gu, dn in pairs]
+    for n, pair in zip(names, pairs, strict=True):
+        if n not in FORMATS or FORMATS[n].block_types != pair:
+            raise ValueError(f"{pair} is not a pair of GGUF block types")
+    if len(set(names)) == 1:
+        return names[0]
+    runs: list[list] = []
+    for n in names:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return LAYERED + ",".join(n if k == 1 else f"{n}*{k}" for n, k in runs)
+
+
+def _layered(name: str) -> ExpertFormat:
+    pairs: list[tuple[str, str]] = []
+    for run in name[len(LAYERED) :].split(","):
+        entry, _, count = run.partition("*")
+        fmt = FORMATS.get(entry)
+        if fmt is None or fmt.block_types is None or (count and not count.isdigit()):
+            raise ValueError(f"expert format {name!r}: {run!r} is not a GGUF block format run")
+        pairs.extend([fmt.block_types] * (int(count) if count else 1))
+    if layered_format(pairs) != name:
+        raise ValueError(f"expert format {name!r} is not in its canonical form")
+    banks: list[BankSpec] = []
+    for proj, col in (("gate_up", 0), ("down", 1)):
+        order = list(dict.fromkeys(p[col] for p in pairs))  # the first layer's type first
+        for i, t in enumerate(order):
+            layers = tuple(li for li, p in enumerate(pairs) if p[col] == t)
+            banks.append(BankSpec(proj if i == 0 else f"{proj}.{t}", _rows(proj, t), _U8, layers))
+
+    def quantize(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
+        raise ValueError(f"{name!r} is per layer: quantize_banks takes it, a layer at a time")
+
+    def dequantize(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        raise ValueError(f"{name!r} is per layer: dequantize_expert takes it (by flat id)")
+
+    return ExpertFormat(
+        name,
+        "GGUF block rows with their types per layer: " + name[len(LAYERED) :],
+        tuple(banks),
+        quantize,
+        dequantize,
+        layer_types=tuple(pairs),
+    )
+
+
+def _rows(proj: str, t: str) -> Shape:
+    """The per-expert shape of a block bank of type ``t`` for ``proj``."""
+    if proj == "gate_up":
+        return lambda h, i: (2 * i, gguf_blocks.row_bytes(t, h))
+    return lambda h, i: (h, gguf_blocks.row_bytes(t, i))
+
+
 def get_format(name: str) -> ExpertFormat:
     """The schema of ``name``; the error lists the known formats."""
+    if name.startswith(LAYERED):
+        if name not in _LAYERED:
+            _LAYERED[name] = _layered(name)
+        return _LAYERED[name]
     try:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown expert format {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+def is_known(name: str) -> bool:
+    """Whether ``name`` is an expert format (of ``FORMATS``, or a valid per-layer one)."""
+    try:
+        get_format(name)
+    except ValueError:
+        return False
+    return True
+
+
+def layer_experts(banks: ExpertBanks) -> int:
+    """Experts per MoE layer (E) of per-layer-format banks."""
+    fmt = get_format(banks.format)
+    assert fmt.layer_types is not None
+    first = next(b for b in fmt.banks if b.name == "gate_up")
+    assert first.layers is not None
+    return int(banks.gate_up.shape[0]) // len(first.layers)
+
+
+def expert_rows(banks: ExpertBanks, proj: str, first: int, count: int) -> Tensor:
+    """The [count, ...] rows of projection ``proj`` (gate_up | down) for flat ids
+    [first, first + count), a view: for a per-layer format they must lie in one layer."""
+    fmt = get_format(banks.format)
+    if fmt.layer_types is None:
+        return getattr(banks, proj)[first : first + count]  # type: ignore[no-any-return]
+    e = layer_experts(banks)
+    layer, off = divmod(first, e)
+    if count < 0 or off + count > e:
+        raise ValueError(f"flat ids [{first}, {first + count}) span more than one layer")
+    name, rank = fmt.where(layer, proj)
+    return banks.all_tensors()[name][rank * e + off : rank * e + off + count]
+
+
+def layer_pair(banks: ExpertBanks, fid: int) -> tuple[str, str]:
+    """(gate_up type, down type) of flat id ``fid`` of block-format banks."""
+    fmt = get_format(banks.format)
+    if fmt.layer_types is not None:
+        return fmt.layer_types[fid // layer_experts(banks)]
+    assert fmt.block_types is not None
+    return fmt.block_types
 
 
 # ---- bank-level helpers -----------------------------------------------------------------------
@@ -397,8 +560,8 @@ def allocate(
     """Exact-size, uninitialised banks of format ``name`` for ``num_flat`` experts."""
     fmt = get_format(name)
     t = {
-        n: torch.empty(num_flat, *s, dtype=dt)
-        for n, (s, dt) in fmt.specs(hidden, inter, float_dtype).items()
+        n: torch.empty(*s, dtype=dt)
+        for n, (s, dt) in fmt.shapes(num_flat, hidden, inter, float_dtype).items()
     }
     return ExpertBanks(
         gate_up=t.pop("gate_up"),
@@ -411,7 +574,10 @@ def allocate(
 
 
 def expert_tensors(banks: ExpertBanks, fid: int) -> dict[str, Tensor]:
-    """The weight tensors (no biases) of expert ``fid``, named as in the format's schema."""
+    """The weight tensors (no biases) of expert ``fid``, named as in the format's schema (a
+    per-layer format: "gate_up" and "down", in the types ``layer_pair`` says)."""
+    if get_format(banks.format).layer_types is not None:
+        return {p: expert_rows(banks, p, fid, 1)[0] for p in ("gate_up", "down")}
     return {
         "gate_up": banks.gate_up[fid],
         "down": banks.down[fid],
@@ -421,7 +587,10 @@ def expert_tensors(banks: ExpertBanks, fid: int) -> dict[str, Tensor]:
 
 def dequantize_expert(banks: ExpertBanks, fid: int) -> tuple[Tensor, Tensor]:
     """Expert ``fid`` as fp32 (gate_up [2I, H], down [H, I])."""
-    return get_format(banks.format).dequantize(expert_tensors(banks, fid))
+    fmt = get_format(banks.format)
+    if fmt.layer_types is not None:
+        fmt = FORMATS[block_format(*layer_pair(banks, fid))]
+    return fmt.dequantize(expert_tensors(banks, fid))
 
 
 def quantize_banks(
@@ -432,13 +601,18 @@ def quantize_banks(
     if banks.format != "bf16":
         raise ValueError(f"quantize_banks needs float (bf16-format) banks, got {banks.format!r}")
     n, two_i, h = banks.gate_up.shape
-    quantize = get_format(name).quantize
+    fmt = get_format(name)
     out = allocate(name, n, h, two_i // 2, banks.gate_up.dtype)
     dest = out.all_tensors()
     for fid in range(n):
-        q = quantize(banks.gate_up[fid].float(), banks.down[fid].float(), banks.gate_up.dtype)
-        for k, v in q.items():
-            dest[k][fid].copy_(v)
+        gu, dn = banks.gate_up[fid].float(), banks.down[fid].float()
+        if fmt.layer_types is not None:  # the layer's pair, into the banks of its types
+            q = FORMATS[block_format(*layer_pair(out, fid))].quantize(gu, dn, banks.gate_up.dtype)
+            for k, v in q.items():
+                expert_rows(out, k, fid, 1)[0].copy_(v)
+        else:
+            for k, v in fmt.quantize(gu, dn, banks.gate_up.dtype).items():
+                dest[k][fid].copy_(v)
         if progress is not None:
             progress(fid + 1, n)
     out.gate_up_bias, out.down_bias = banks.gate_up_bias, banks.down_bias
@@ -447,7 +621,7 @@ def quantize_banks(
 
 def dequantize_banks(banks: ExpertBanks) -> ExpertBanks:
     """Any format -> fp32 bf16-format banks (what ``moe_reference`` reads)."""
-    n = banks.gate_up.shape[0]
+    n = banks.num_flat
     pairs = [dequantize_expert(banks, fid) for fid in range(n)]
     return ExpertBanks(
         gate_up=torch.stack([p[0] for p in pairs]),
@@ -460,7 +634,7 @@ def dequantize_banks(banks: ExpertBanks) -> ExpertBanks:
 def dequantize_banks_to(banks: ExpertBanks, dtype: torch.dtype) -> ExpertBanks:
     """Any format -> float banks of ``dtype``, one expert at a time: the peak is the output plus
     one expert in fp32 (a whole fp32 copy of a pool is 100+ GB for gpt-oss-120b)."""
-    n, two_i = banks.gate_up.shape[:2]
+    n, two_i = banks.num_flat, banks.gate_up.shape[1]
     h, inter = banks.down.shape[1], two_i // 2
     # new_empty: a fake pool (a plan without weights) gets a fake output
     gate_up = banks.gate_up.new_empty((n, two_i, h), dtype=dtype)

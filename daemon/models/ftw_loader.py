@@ -11,7 +11,7 @@ from ..checkpoint.ftw import Spec, read_tensors
 from ..checkpoint.ftw_index import FtwError, FtwIndex, read_index
 from ..checkpoint.ftw_io import pin
 from ..experts.banks import ExpertBanks
-from ..experts.formats import FORMATS, get_format
+from ..experts.formats import get_format, is_known
 from .config import ModelConfig
 from .layers.common import Linear, dtype_of
 from .layers.qlinear_native import QuantWeight
@@ -49,7 +49,7 @@ def _expected(
     cfg: ModelConfig, model: CausalLM, expert_format: str, blocks: dict[str, tuple[str, Linear]]
 ) -> dict[str, Spec]:
     """Every tensor the model needs, with its shape and dtype."""
-    if expert_format not in FORMATS:
+    if not is_known(expert_format):
         raise FtwError(
             f"expert format {expert_format!r} of this FTW folder is unknown to this build"
         )
@@ -65,8 +65,8 @@ def _expected(
         want[name] = ((mod.weight.shape[0], row_bytes(fmt, mod.weight.shape[1])), torch.uint8)
     n, h, i = cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     dt = dtype_of(cfg.torch_dtype)
-    for name, (shape, bank_dt) in get_format(expert_format).specs(h, i, dt).items():
-        want[f"experts.{name}"] = ((n, *shape), bank_dt)
+    for name, (shape, bank_dt) in get_format(expert_format).shapes(n, h, i, dt).items():
+        want[f"experts.{name}"] = (shape, bank_dt)
     if cfg.expert_bias:
         want["experts.gate_up_bias"] = ((n, 2 * i), dt)
         want["experts.down_bias"] = ((n, h), dt)

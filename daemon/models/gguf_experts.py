@@ -1,15 +1,18 @@
 """GGUF expert tensors kept in their own block format instead of dequantized at load.
 
-When every ``ffn_{gate,up}_exps.weight`` of a file has one type and every ``ffn_down_exps.weight``
-one type (possibly another), both of them types the CPU's integer-dot kernels compute
-(models/gguf_blocks.py: Q8_0, Q4_K, ...), the experts load into banks of the matching block format
-(experts/formats.py: "q4_k", "q4_k/q8_0", ...): each stacked tensor's raw blocks are copied into
-its rows of the banks byte for byte, never widened to floats, so the experts take the file's size
-in RAM rather than two bytes a weight. The banks are flat_id-major with gate and up rows together
-per expert, which the file does not have, hence a copy rather than a memory map.
+When every layer's ``ffn_{gate,up}_exps.weight`` share one type and its ``ffn_down_exps.weight``
+has one (possibly another), all of them types the CPU's integer-dot kernels compute
+(models/gguf_blocks.py: Q8_0, Q4_K, Q6_K, ...), the experts load into banks of the matching block
+format (experts/formats.py): "q4_k", "q4_k/q8_0", ... when every layer has the same pair, and a
+per-layer format ("layers:q4_k/q6_k*2,q4_k,...", ``formats.layered_format``) when the pairs
+differ between layers, as in llama.cpp's Q4_K_M files, which keep the ffn_down of about half the
+layers in Q6_K. Each stacked tensor's raw blocks are copied into its rows of the banks byte for
+byte, never widened to floats, so the experts take the file's size in RAM rather than two bytes
+a weight. The banks are flat_id-major with gate and up rows together per expert, which the file
+does not have, hence a copy rather than a memory map.
 
-Files whose expert types differ between layers (llama.cpp's Q4_K_M keeps the ffn_down of some
-layers in Q6_K) or use a type without a kernel still dequantize at load, as before.
+Files whose gate and up types differ within a layer, or that use a type without a kernel, still
+dequantize at load.
 """
 
 from __future__ import annotations
@@ -19,57 +22,78 @@ import re
 
 import torch
 
-from ..experts.formats import FORMATS, block_format
+from ..experts.formats import (
+    FORMATS,
+    LAYERED,
+    block_format,
+    get_format,
+    is_known,
+    layered_format,
+)
 from ..formats.gguf_file import GgufFile, GgufTensor
 from . import gguf_blocks
 
 log = logging.getLogger(__name__)
 
 _WEIGHT = re.compile(r"\.ffn_(gate|up|down)_exps\.weight$")
+_LAYER_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
-def _types(tensors: dict[str, GgufTensor]) -> tuple[set[str], set[str]]:
-    """(types of the gate/up expert weights, types of the down expert weights), ggml names."""
-    gate_up: set[str] = set()
-    down: set[str] = set()
+def _layer_types(tensors: dict[str, GgufTensor]) -> dict[int, dict[str, str]]:
+    """{block number: {gate | up | down: ggml type name}} of the expert weights."""
+    out: dict[int, dict[str, str]] = {}
     for name, t in tensors.items():
-        m = _WEIGHT.search(name)
+        m = _LAYER_WEIGHT.match(name)
         if m:
-            (down if m.group(1) == "down" else gate_up).add(t.type_name)
-    return gate_up, down
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = t.type_name
+    return out
 
 
 def block_expert_format(tensors: dict[str, GgufTensor], hidden: int, inter: int) -> str | None:
-    """The block expert format the file's experts can stay in, None when they cannot (mixed
-    types across layers, a type without a kernel, sizes the blocks do not divide)."""
-    gate_up, down = _types(tensors)
-    if len(gate_up) != 1 or len(down) != 1:
+    """The block expert format the file's experts can stay in (one pair of types for every
+    layer, or a per-layer format), None when they cannot (gate and up of a layer of different
+    types, a fused or missing projection, a type without a kernel, sizes the blocks do not
+    divide)."""
+    layers = _layer_types(tensors)
+    pairs: list[tuple[str, str]] = []
+    for blk in sorted(layers):  # the MoE layers in order: flat ids count them
+        types = layers[blk]
+        if set(types) != {"gate", "up", "down"} or types["gate"] != types["up"]:
+            return None
+        gu, dn = types["gate"].lower(), types["down"].lower()
+        if gu not in gguf_blocks.QTYPE_CODES or dn not in gguf_blocks.QTYPE_CODES:
+            return None
+        fmt = FORMATS.get(block_format(gu, dn))
+        if fmt is None or fmt.block_types != (gu, dn):
+            return None  # e.g. MXFP4 experts: our own mxfp4 banks take them (gguf_loader)
+        pairs.append((gu, dn))
+    if not pairs:
         return None
-    gu, dn = next(iter(gate_up)).lower(), next(iter(down)).lower()
-    if gu not in gguf_blocks.QTYPE_CODES or dn not in gguf_blocks.QTYPE_CODES:
-        return None
-    fmt = FORMATS.get(block_format(gu, dn))
-    if fmt is None or fmt.block_types != (gu, dn):
-        return None
+    fmt = get_format(layered_format(pairs))
     mh, mi = fmt.multiples()
     return fmt.name if hidden % mh == 0 and inter % mi == 0 else None
 
 
 def kept(name: str, t: GgufTensor, expert_format: str) -> bool:
     """Whether tensor ``name`` loads raw into banks of ``expert_format``."""
-    fmt = FORMATS.get(expert_format)
-    return bool(fmt and fmt.block_types and _WEIGHT.search(name) and t.quantized)
+    if not is_known(expert_format):
+        return False
+    return bool(get_format(expert_format).in_blocks and _WEIGHT.search(name) and t.quantized)
 
 
 def log_kept(path_name: str, tensors: dict[str, GgufTensor], expert_format: str) -> None:
     """One line: which expert tensors stay quantized, and their size."""
     raw = [t for n, t in tensors.items() if kept(n, t, expert_format)]
     if raw:
+        shown = expert_format
+        if expert_format.startswith(LAYERED):  # the list of layers is long: the types it has
+            lt = get_format(expert_format).layer_types or ()
+            shown = "per-layer " + "+".join(sorted({block_format(*p) for p in lt}))
         log.info(
             "%s: keeping %d expert tensors quantized (%s experts, integer-dot kernels): %.1f MiB",
             path_name,
             len(raw),
-            expert_format,
+            shown,
             sum(t.nbytes for t in raw) / 2**20,
         )
 

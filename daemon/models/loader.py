@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..experts.banks import ExpertBanks
+from ..experts.formats import expert_rows
 from ..formats.errors import CheckpointError
 from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 from .config import ModelConfig
@@ -223,12 +224,13 @@ class Filler:
         rows = slice(0, h) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
         if kind == "weight":
             self._check(src, (e, h, i) if proj == "down" else (e, i, h), name, path)
-            bank = self.banks.down if proj == "down" else self.banks.gate_up
+            # the layer's rows: of its type's bank where the format keeps types per layer
+            dest = expert_rows(self.banks, "down" if proj == "down" else "gate_up", base, e)
         else:
             self._check(src, (e, h) if proj == "down" else (e, i), name, path)
             bias = self.banks.down_bias if proj == "down" else self.banks.gate_up_bias
-            bank = self._bias(bias, name, path)
-        src.into(bank[base : base + e, rows])
+            dest = self._bias(bias, name, path)[base : base + e]
+        src.into(dest[:, rows])
         part = f"{proj}_proj" if kind == "weight" else f"{proj}_bias"
         part = "down_proj_bias" if part == "down_bias" else part
         self.expert_filled.update((layer, part, x) for x in range(e))

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "decode_attention.h"
@@ -69,16 +70,29 @@ ftdense::QType qtype_code(int code) {
 
 }  // namespace
 
+// One layer's (gate_up address, down address, gate_up qtype, down qtype).
+using QMoeLayerArg = std::tuple<uintptr_t, uintptr_t, int, int>;
+
+// ``layers`` empty: one bank pair (gate_up, down) of one type pair holds all num_flat experts;
+// otherwise layer l holds flat ids [l * layer_experts, (l + 1) * layer_experts).
 ftdense::QMoeSpec qmoe_spec(uintptr_t gate_up, uintptr_t down, int gate_up_type, int down_type,
                             uintptr_t gate_up_bias, uintptr_t down_bias, bool bias_bf16,
                             int64_t num_flat, int hidden, int inter, int act, float alpha,
-                            float limit, int64_t chunk_bytes) {
+                            float limit, int64_t chunk_bytes,
+                            const std::vector<QMoeLayerArg>& layers, int64_t layer_experts) {
   if (act < 0 || act > 2) throw py::value_error("act must be 0 (silu), 1 (gptoss) or 2 (gelu_tanh)");
   ftdense::QMoeSpec s;
-  s.gate_up = reinterpret_cast<const uint8_t*>(gate_up);
-  s.down = reinterpret_cast<const uint8_t*>(down);
-  s.gate_up_type = qtype_code(gate_up_type);
-  s.down_type = qtype_code(down_type);
+  if (layers.empty()) {
+    s.layers.push_back({reinterpret_cast<const uint8_t*>(gate_up),
+                        reinterpret_cast<const uint8_t*>(down), qtype_code(gate_up_type),
+                        qtype_code(down_type)});
+    s.layer_experts = num_flat;
+  } else {
+    for (const auto& [gu, dn, gut, dnt] : layers)
+      s.layers.push_back({reinterpret_cast<const uint8_t*>(gu),
+                          reinterpret_cast<const uint8_t*>(dn), qtype_code(gut), qtype_code(dnt)});
+    s.layer_experts = layer_experts;
+  }
   s.gate_up_bias = reinterpret_cast<const void*>(gate_up_bias);
   s.down_bias = reinterpret_cast<const void*>(down_bias);
   s.bias_bf16 = bias_bf16;
@@ -234,7 +248,8 @@ PYBIND11_MODULE(ftdense, m) {
       .def(py::init(&qmoe_spec), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_type"),
            py::arg("down_type"), py::arg("gate_up_bias"), py::arg("down_bias"),
            py::arg("bias_bf16"), py::arg("num_flat"), py::arg("hidden"), py::arg("inter"),
-           py::arg("act"), py::arg("alpha"), py::arg("limit"), py::arg("chunk_bytes") = 256 << 10)
+           py::arg("act"), py::arg("alpha"), py::arg("limit"), py::arg("chunk_bytes") = 256 << 10,
+           py::arg("layers") = std::vector<QMoeLayerArg>{}, py::arg("layer_experts") = 0)
       .def(
           "forward",
           [](const ftdense::QMoeSpec& s, uintptr_t x, uintptr_t ids, uintptr_t w, uintptr_t out,

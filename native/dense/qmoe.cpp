@@ -145,9 +145,11 @@ void up_task(void* ctx, int64_t task) {
   const Group& g = c.groups[gi];
   const int64_t j0 = (task - c.up_first[gi]) * kUpRows, j1 = std::min(c.I, j0 + kUpRows);
   const int rows = static_cast<int>(j1 - j0);
-  const int64_t rb = qrow_bytes(s.gate_up_type, c.H);
-  const QRowFn fn = c.ks->row[static_cast<int>(s.gate_up_type)];
-  const uint8_t* wg = s.gate_up + (g.fid * 2 * c.I + j0) * rb;  // gate rows; up rows I later
+  const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
+  const int64_t e = g.fid % s.layer_experts;
+  const int64_t rb = qrow_bytes(L.gate_up_type, c.H);
+  const QRowFn fn = c.ks->row[static_cast<int>(L.gate_up_type)];
+  const uint8_t* wg = L.gate_up + (e * 2 * c.I + j0) * rb;  // gate rows; up rows I later
   const uint8_t* wu = wg + c.I * rb;
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(2 * rows * c.chunk_up));
@@ -186,13 +188,14 @@ void down_task(void* ctx, int64_t task) {
   const int64_t h0 = task * kDownRows, h1 = std::min(c.H, h0 + kDownRows);
   const int rows = static_cast<int>(h1 - h0);
   for (int t = 0; t < c.T; ++t) std::memset(c.out + t * c.H + h0, 0, sizeof(float) * rows);
-  const int64_t rb = qrow_bytes(s.down_type, c.I);
-  const QRowFn fn = c.ks->row[static_cast<int>(s.down_type)];
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(rows * c.chunk_down));
   float* y = scratch.data();
   for (const Group& g : c.groups) {
-    const uint8_t* wd = s.down + (g.fid * c.H + h0) * rb;
+    const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
+    const int64_t rb = qrow_bytes(L.down_type, c.I);
+    const QRowFn fn = c.ks->row[static_cast<int>(L.down_type)];
+    const uint8_t* wd = L.down + ((g.fid % s.layer_experts) * c.H + h0) * rb;
     for (int t0 = 0; t0 < g.n; t0 += c.chunk_down) {
       const int n = std::min(c.chunk_down, g.n - t0);
       const int r0 = g.begin + t0;
@@ -213,16 +216,22 @@ void down_task(void* ctx, int64_t task) {
 }  // namespace
 
 void qmoe_check(const QMoeSpec& s) {
-  if (!s.gate_up || !s.down) throw std::invalid_argument("gate_up and down are required");
   if (s.num_flat <= 0 || s.hidden <= 0 || s.inter <= 0)
     throw std::invalid_argument("bank shapes must be positive");
-  for (const QType t : {s.gate_up_type, s.down_type})
-    if (static_cast<int>(t) < 0 || static_cast<int>(t) >= kNumQTypes)
-      throw std::invalid_argument("unknown qtype " + std::to_string(static_cast<int>(t)));
-  if (s.hidden % qblock_inputs(s.gate_up_type))
-    throw std::invalid_argument("hidden size is not a multiple of the gate_up type's block");
-  if (s.inter % qblock_inputs(s.down_type))
-    throw std::invalid_argument("moe intermediate size is not a multiple of the down type's block");
+  if (s.layers.empty() || s.layer_experts <= 0 ||
+      s.num_flat != static_cast<int64_t>(s.layers.size()) * s.layer_experts)
+    throw std::invalid_argument("num_flat must be the number of layers times layer_experts");
+  for (const QMoeLayer& L : s.layers) {
+    if (!L.gate_up || !L.down) throw std::invalid_argument("gate_up and down are required");
+    for (const QType t : {L.gate_up_type, L.down_type})
+      if (static_cast<int>(t) < 0 || static_cast<int>(t) >= kNumQTypes)
+        throw std::invalid_argument("unknown qtype " + std::to_string(static_cast<int>(t)));
+    if (s.hidden % qblock_inputs(L.gate_up_type))
+      throw std::invalid_argument("hidden size is not a multiple of the gate_up type's block");
+    if (s.inter % qblock_inputs(L.down_type))
+      throw std::invalid_argument(
+          "moe intermediate size is not a multiple of the down type's block");
+  }
 }
 
 void qmoe_forward(Pool& pool, const QDotSet& ks, const QMoeSpec& spec, const float* x,

@@ -4,10 +4,13 @@
 //   out[t, :] = sum_k w[t, k] * (down_e @ act(gate_up_e @ x[t] + gate_up_bias_e) + down_bias_e)
 //   e = ids[t, k]; routes with e == -1 are skipped
 //
-// Banks (flat_id-major, as daemon/experts/banks.py; formats.py's block formats): gate_up is
-// [N][2I rows] of qrow_bytes(gate_up_type, H) bytes (gate rows [0, I), up rows [I, 2I)), down is
-// [N][H rows] of qrow_bytes(down_type, I) bytes. The two projections may have different types
-// (GGUF Q4_K_M files keep some ffn_down wider). Biases [N, 2I] and [N, H], fp32 or bf16, optional.
+// Banks (flat_id-major, as daemon/experts/banks.py; formats.py's block formats): flat id f is
+// expert f % E of layer f / E (E = layer_experts), and each layer has its own gate_up and down
+// addresses and types (QMoeLayer), so layers of different types (GGUF Q4_K_M files keep the
+// ffn_down of some layers in Q6_K) run in one call. Expert e of a layer: gate_up at
+// layer.gate_up + e * 2I * qrow_bytes(gate_up_type, H) (gate rows [0, I), up rows [I, 2I)),
+// down at layer.down + e * H * qrow_bytes(down_type, I). One layer with E = N is a single bank
+// of one type pair. Biases [N, 2I] and [N, H] (flat_id-major), fp32 or bf16, optional.
 // Every weight row is computed through QDotSet::row[type], so a type added to qdot.h's table
 // runs here without a change.
 //
@@ -24,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "pool.h"
 #include "qdot.h"
@@ -33,17 +37,23 @@ namespace ftdense {
 // The integer codes of daemon/experts/banks.py's Activation.
 enum class MoeAct : int { Silu = 0, GptOss = 1, GeluTanh = 2 };
 
-struct QMoeSpec {
+// The experts of one layer: E experts' rows from these addresses, in these types.
+struct QMoeLayer {
   const uint8_t* gate_up = nullptr;
   const uint8_t* down = nullptr;
   QType gate_up_type = QType::Q8_0;
   QType down_type = QType::Q8_0;
+};
+
+struct QMoeSpec {
+  std::vector<QMoeLayer> layers;  // N / layer_experts of them
+  int64_t layer_experts = 0;      // E
   const void* gate_up_bias = nullptr;  // nullable
   const void* down_bias = nullptr;     // nullable
   bool bias_bf16 = false;
   int64_t num_flat = 0;  // N
-  int hidden = 0;        // H, a multiple of gate_up_type's block
-  int inter = 0;         // I, a multiple of down_type's block
+  int hidden = 0;        // H, a multiple of every gate_up type's block
+  int inter = 0;         // I, a multiple of every down type's block
   MoeAct act = MoeAct::Silu;
   float alpha = 1.702f;  // GPT-OSS only
   float limit = 7.0f;    // GPT-OSS only
