@@ -354,3 +354,45 @@ def test_prompt_size_is_checked_before_tokenizing(daemon):
     assert status == 400 and "more than the context" in body["error"]["message"], body
     status, body = daemon.post("/v1/completions", {"model": m, "prompt": "ab" * 4_000_000})
     assert status == 400 and "characters" in body["error"]["message"], body
+
+
+def test_health_answers_while_a_large_prompt_is_tokenized(daemon):
+    """Tokenizing a prompt of megabytes runs off the event loop: /health (and every other
+    request) answers at once meanwhile. 2 MB is the most the default daemon tokenizes (the
+    context, 131072 tokens, times the longest token's 16 characters; more is refused before
+    tokenizing); it takes seconds, then the request is a 400 for its token count."""
+    import random
+    import time
+    import urllib.request
+
+    rng = random.Random(7)
+    words = ["alpha", "beta", "gamma", "delta", "tool_call", '{"k":', "12345", "\n"]
+    text = " ".join(rng.choice(words) for _ in range(400_000))[:2_000_000]
+    done: dict[str, object] = {}
+
+    def big() -> None:
+        body = {"model": daemon.model, "prompt": text, "max_tokens": 1}
+        done["answer"] = daemon.post("/v1/completions", body, timeout=300)
+        done["at"] = time.monotonic()
+
+    worker = threading.Thread(target=big)
+    sent = time.monotonic()
+    worker.start()
+    polls: list[tuple[float, float]] = []  # (sent at, seconds to answer)
+    while worker.is_alive():
+        t0 = time.monotonic()
+        with urllib.request.urlopen(daemon.url + "/health", timeout=60) as r:
+            assert r.status == 200
+        polls.append((t0, time.monotonic() - t0))
+        time.sleep(0.05)
+    worker.join()
+    status, body = done["answer"]
+    assert status == 400 and "the prompt has" in body["error"]["message"], body  # tokenized
+    finished = float(done["at"])  # type: ignore[arg-type]
+    took = finished - sent
+    during = [dt for at, dt in polls if sent + 0.2 < at and at + dt < finished]
+    assert took > 1.0 and len(during) >= 3, (took, len(during))  # the polls overlapped it
+    # with the loop held, one poll waits about as long as the tokenizing (seconds); a loaded
+    # test machine may delay a poll by a fraction of that
+    slowest = max(dt for _, dt in polls)
+    assert slowest < max(1.0, took / 4), (took, sorted(dt for _, dt in polls)[-3:])

@@ -44,6 +44,30 @@ def test_encode_matches_added_tokens_and_decode_can_skip_specials(tok: Tokenizer
     assert tok.decode(ids, skip_special_tokens=True) == "user\nhi<think>x</think>"
 
 
+def test_a_long_text_is_encoded_with_the_gil_released(tok: Tokenizer) -> None:
+    """``tokenizers.Tokenizer.encode`` holds the GIL throughout: a server worker tokenizing a
+    prompt of megabytes stopped the event loop for seconds. Long texts go through the
+    GIL-releasing batch call, with the same ids (added tokens included)."""
+    import threading
+    import time
+
+    text = ('<|im_start|>user\nalpha beta {"k": 12345}\n<|im_end|> ' * 6_000)[:300_000]
+    assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
+    short = text[:1000]
+    assert tok.encode(short) == tok.backend.encode(short, add_special_tokens=False).ids
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+    ticks, started = 0, time.monotonic()
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.002)
+        ticks += 1
+    took = time.monotonic() - started
+    worker.join()
+    # held GIL: this thread wakes once or twice in the whole call
+    assert took < 0.05 or ticks >= 10, (took, ticks)
+
+
 def _copy_tokenizer(src: Path, dst: Path, **files: dict) -> Path:
     dst.mkdir()
     shutil.copy(src / "tokenizer.json", dst / "tokenizer.json")

@@ -62,6 +62,10 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
+# texts this long are encoded with the GIL released (about 10-30 ms of work and more)
+GIL_FREE_ENCODE_CHARS = 16_384
+
+
 class Tokenizer:
     """Text <-> ids for one model, plus the ids of its special tokens."""
 
@@ -119,8 +123,15 @@ class Tokenizer:
         return cls(backend, eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; added tokens written in the text (e.g. <|im_start|>) match."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; added tokens written in the text (e.g. <|im_start|>) match.
+
+        A long text goes through ``encode_batch``: the same ids, but it releases the GIL while
+        it works, where ``encode`` holds it throughout (seconds for a prompt of megabytes, in
+        which the server's event loop, though the call runs on a worker thread, stood still)."""
+        if len(text) < GIL_FREE_ENCODE_CHARS:
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        (enc,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(enc.ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
