@@ -10,9 +10,13 @@ kernel serves every batch size. Four passes, separated by block barriers:
     B  classify  hit / miss of each first occurrence, in route order: refresh hits, bump freq,
                  number the misses (running prefix sum across chunks); scratch[id] becomes the
                  route's outcome (its slot, or its miss rank), copy_src[rank] its id
-    C  victims   one unique int64 key per slot ([BLOCK_S], the only tensor that grows with the
-                 cache), sorted once (bitonic); the q smallest keys are the victims, written to
-                 copy_dst[0:q] (one pass, not one per eviction)
+    C  victims   one unique int64 key per slot, sorted (bitonic); the q smallest keys are the
+                 victims, written to copy_dst[0:q] (one pass, not one per eviction). The sort
+                 is [BLOCK_S] wide, at most SORT_BLOCK (2048): a wider cache (CHUNKED) sorts
+                 each chunk of BLOCK_S slots into sort scratch, then a key's rank is the sum
+                 over chunks of the keys below it (a binary search in each sorted chunk), so
+                 no tensor grows with the cache either (a 4096- or 8192-wide sort spills
+                 registers and takes minutes of ptxas: tests/test_kernels_compiled.py)
     D  apply     the q fills update the maps; every route reads its slot from scratch/copy_dst
 scratch [num_flat] int32 is allocated by the launcher, filled with INT32_MAX (the dedupe needs
 a value above any position). Outcome codes are negative so no later route of the same id can
@@ -33,6 +37,7 @@ import triton.language as tl
 from .interp import for_device
 
 BLOCK_R = 1024  # routes per chunk: 8 per thread at 4 warps, whatever N is
+SORT_BLOCK = 2048  # the widest sort; wider caches are sorted in chunks of this many slots
 INT32_MAX = (1 << 31) - 1
 
 
@@ -60,6 +65,7 @@ def _slot_keys(
     freq_ptr,
     visits_ptr,
     step,
+    base,
     num_slots,
     num_experts,
     POLICY: tl.constexpr,
@@ -70,8 +76,9 @@ def _slot_keys(
     FREQ_SHIFT: tl.constexpr,
     KEY_MAX: tl.constexpr,
 ):
-    """[BLOCK_S] int64 eviction keys (smallest = victim) and the number of reserved slots."""
-    sl = tl.arange(0, BLOCK_S)
+    """[BLOCK_S] int64 eviction keys (smallest = victim) of slots base.., and the number of
+    reserved slots among them."""
+    sl = base + tl.arange(0, BLOCK_S)
     in_s = sl < num_slots
     res = tl.load(reserved_ptr + sl, mask=in_s, other=1)
     n_res = tl.sum(((res != 0) & in_s).to(tl.int64), axis=0)
@@ -91,6 +98,19 @@ def _slot_keys(
     key = (prio << IDX_BITS) | sl.to(tl.int64)
     blocked = (lu == step) | (res != 0) | (sl >= num_slots)
     return tl.where(blocked, KEY_MAX, key), n_res
+
+
+@triton.jit
+def _count_below(sorted_ptr, keys, BLOCK_S: tl.constexpr, LOG2_S: tl.constexpr):
+    """For each of ``keys``, how many of the BLOCK_S ascending keys at sorted_ptr are smaller
+    (a branchless binary search: LOG2_S probes, then one last compare)."""
+    pos = tl.zeros([BLOCK_S], dtype=tl.int32)
+    for i in tl.static_range(LOG2_S):
+        half = BLOCK_S >> (i + 1)
+        probe = tl.load(sorted_ptr + pos + (half - 1))
+        pos = tl.where(probe < keys, pos + half, pos)
+    last = tl.load(sorted_ptr + pos)
+    return pos + (last < keys).to(tl.int32)
 
 
 @triton.jit
@@ -186,6 +206,7 @@ def _decode_kernel(
     copy_src_ptr,
     copy_dst_ptr,
     num_copies_ptr,
+    sort_ptr,
     n,
     num_slots,
     num_experts,
@@ -193,6 +214,8 @@ def _decode_kernel(
     POLICY: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    LOG2_S: tl.constexpr,
     IDX_BITS: tl.constexpr,
     PRIO_MAX: tl.constexpr,
     FREQ_CAP: tl.constexpr,
@@ -213,18 +236,42 @@ def _decode_kernel(
 
     # Pass C. freq was bumped above, but only for the batch's ids: a resident one is a hit
     # (blocked, KEY_MAX), a missing one owns no slot, so no unblocked key changes.
-    keys, n_res = _slot_keys(
-        id_of_slot_ptr, last_used_ptr, last_visit_ptr, reserved_ptr, freq_ptr, visits_ptr,
-        step, num_slots, num_experts,
-        POLICY, BLOCK_S, IDX_BITS, PRIO_MAX, FREQ_CAP, FREQ_SHIFT, KEY_MAX,
-    )  # fmt: skip
+    j = tl.arange(0, BLOCK_S)
+    mask = (1 << IDX_BITS) - 1
+    if CHUNKED:
+        n_res = tl.zeros((), dtype=tl.int64)
+        for base in range(0, num_slots, BLOCK_S):
+            keys, n_res_chunk = _slot_keys(
+                id_of_slot_ptr, last_used_ptr, last_visit_ptr, reserved_ptr, freq_ptr,
+                visits_ptr, step, base, num_slots, num_experts,
+                POLICY, BLOCK_S, IDX_BITS, PRIO_MAX, FREQ_CAP, FREQ_SHIFT, KEY_MAX,
+            )  # fmt: skip
+            n_res += n_res_chunk
+            tl.store(sort_ptr + base + j, tl.sort(keys))
+    else:
+        keys, n_res = _slot_keys(
+            id_of_slot_ptr, last_used_ptr, last_visit_ptr, reserved_ptr, freq_ptr, visits_ptr,
+            step, 0, num_slots, num_experts,
+            POLICY, BLOCK_S, IDX_BITS, PRIO_MAX, FREQ_CAP, FREQ_SHIFT, KEY_MAX,
+        )  # fmt: skip
     m64 = m.to(tl.int64)
     q = (m64 * tl.load(ratio_ptr).to(tl.int64) + 32768) >> 16
     q = tl.minimum(tl.maximum(q, 1), m64)
     q = tl.minimum(q, tl.maximum(num_slots - n_res - n_hit, 0)).to(tl.int32)
-    sorted_keys = tl.sort(keys)
-    j = tl.arange(0, BLOCK_S)
-    tl.store(copy_dst_ptr + j, (sorted_keys & ((1 << IDX_BITS) - 1)).to(tl.int32), mask=j < q)
+    if CHUNKED:
+        # q <= the unblocked slots, whose keys are unique (the slot index is in the low bits):
+        # a key's rank among all of them is the sum over the sorted chunks of the keys below it
+        tl.debug_barrier()  # every chunk is sorted
+        for a in range(0, num_slots, BLOCK_S):
+            k = tl.load(sort_ptr + a + j)
+            rank = tl.zeros([BLOCK_S], dtype=tl.int32)
+            for b in range(0, num_slots, BLOCK_S):
+                rank += _count_below(sort_ptr + b, k, BLOCK_S, LOG2_S)
+            take = (rank < q) & (k != KEY_MAX)
+            tl.store(copy_dst_ptr + rank, (k & mask).to(tl.int32), mask=take)
+    else:
+        sorted_keys = tl.sort(keys)
+        tl.store(copy_dst_ptr + j, (sorted_keys & mask).to(tl.int32), mask=j < q)
     for c in range(0, n, BLOCK_R):
         pos = c + tl.arange(0, BLOCK_R)
         tail = (pos >= q) & (pos < n)
@@ -244,12 +291,19 @@ def _decode_kernel(
     tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_cpu)
 
 
+def sort_block(num_slots: int) -> int:
+    """The decode kernel's sort width (BLOCK_S) for a cache of ``num_slots``: the next power of
+    two, at most SORT_BLOCK (wider caches are sorted in chunks of it)."""
+    return min(max(2, triton.next_power_of_2(num_slots)), SORT_BLOCK)
+
+
 def decode_launch_options(block_s: int) -> dict[str, int]:
     """num_warps and maxnreg of the decode kernel. The route chunk and the sort's BLOCK_S int64
     keys live in registers: 8 warps up to 1024 slots, 16 warps above. The kernel runs as one
     block, so occupancy is moot: it may take the whole register file (ptxas otherwise caps
-    a 512-thread block at 64 registers and spills). Spill-free up to 4096 slots on sm_75..sm_90
-    (tests/test_kernels_compiled.py); wider caches spill a little."""
+    a 512-thread block at 64 registers and spills). Spill-free on sm_75..sm_90 at every cache
+    width, the chunked sort of caches wider than SORT_BLOCK included
+    (tests/test_kernels_compiled.py; an unchunked 8192-wide sort spilled 120-144 bytes)."""
     num_warps = 8 if block_s <= 1024 else 16
     return {"num_warps": num_warps, "maxnreg": min(255, 65536 // (32 * num_warps))}
 
@@ -267,12 +321,15 @@ def decode_step_triton(
     freq_shift: int,
     key_max: int,
     block_r: int = BLOCK_R,
+    block_s: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch one decode step; updates `st` in place.
 
     flat_ids [T, K] int32. Returns (slot_ids [T, K], cpu_ids [T, K], copy_src_flat [N],
     copy_dst_slot [N], num_copies [1]), all int32, N = T * K. ``block_r``: routes per chunk
-    (a power of two; tests use small ones to cross many chunk boundaries).
+    (a power of two; tests use small ones to cross many chunk boundaries). ``block_s``: the
+    sort width (a power of two; default ``sort_block(num_slots)``; tests use small ones to sort
+    in many chunks).
     """
     shape = flat_ids.shape
     ids = flat_ids.reshape(-1).to(torch.int32).contiguous()
@@ -285,16 +342,24 @@ def decode_step_triton(
 
     slot_ids, cpu_ids, src, dst, num_copies = out(n), out(n), out(n), out(n), out(1)
     scratch = torch.full((int(st.slot_of.shape[0]),), INT32_MAX, dtype=torch.int32, device=dev)
-    block_s = max(2, triton.next_power_of_2(num_slots))
+    if block_s is None:
+        block_s = sort_block(num_slots)
+    chunked = block_s < num_slots
+    # the sorted chunks (only a cache wider than one sort needs them)
+    sort_keys = torch.empty(
+        triton.cdiv(num_slots, block_s) * block_s if chunked else 1, dtype=torch.int64, device=dev
+    )
     kern = for_device(sys.modules[__name__], dev)._decode_kernel
     kern[(1,)](
         ids, scratch, st.slot_of, st.id_of_slot, st.last_used, st.last_visit, st.reserved,
         st.freq, st.visits, st.step, st.fill_ratio, st.stats,
-        slot_ids, cpu_ids, src, dst, num_copies,
+        slot_ids, cpu_ids, src, dst, num_copies, sort_keys,
         n, num_slots, num_experts, layer,
         POLICY=policy,
         BLOCK_R=block_r,
         BLOCK_S=block_s,
+        CHUNKED=chunked,
+        LOG2_S=block_s.bit_length() - 1,
         IDX_BITS=idx_bits,
         PRIO_MAX=prio_max,
         FREQ_CAP=freq_cap,

@@ -5,8 +5,8 @@ Run by tests/test_kernels_compiled.py: reads one launch spec as JSON on stdin
      "constexprs": {name: value}, "attrs": [[arg index, [["tt.divisibility", 16]]], ...],
      "options": {"num_warps": 8}, "targets": [75, 86, 89, 90]}
 and prints one JSON line per target as soon as it is done (so a later target that hangs does not
-hide the earlier results): {"cc", "ok", "error", "seconds", "regs", "stack", "local",
-"shared"}. Registers, stack and local memory come from ``cuobjdump -res-usage`` on the cubin
+hide the earlier results): {"cc", "ok", "error", "seconds", "cpu_seconds", "regs", "stack",
+"local", "shared"} (cpu_seconds: this process's and its ptxas's, load-independent). Registers, stack and local memory come from ``cuobjdump -res-usage`` on the cubin
 (the compiled kernel's metadata leaves them empty without a driver); a stack frame or local
 memory in a Triton kernel means register spills.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,7 @@ def compile_one(spec: dict, cc: int) -> dict:
     fn = getattr(importlib.import_module(spec["module"]), spec["fn"])
     attrs = {(int(i),): v for i, v in spec["attrs"]}
     src = ASTSource(fn, spec["signature"], spec["constexprs"], attrs)
-    started = time.monotonic()
+    started, cpu = time.monotonic(), cpu_seconds()
     k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=spec["options"])
     res = resources(k.asm["cubin"])
     return {
@@ -60,7 +61,18 @@ def compile_one(spec: dict, cc: int) -> dict:
         "shared": max(int(k.metadata.shared), res["shared_static"]),
         "num_warps": int(k.metadata.num_warps),
         "seconds": round(time.monotonic() - started, 2),
+        "cpu_seconds": round(cpu_seconds() - cpu, 2),
     }
+
+
+def cpu_seconds() -> float:
+    return sum(
+        r.ru_utime + r.ru_stime
+        for r in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+    )
 
 
 def main() -> None:

@@ -269,8 +269,9 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert plan.slot_ids.tolist() == [[0, 1]]
 
 
-def run_chunked(c: Case, block_r: int) -> None:
-    """The kernel with `block_r` routes per chunk against the reference, step by step."""
+def run_chunked(c: Case, block_r: int, block_s: int | None = None) -> None:
+    """The kernel with `block_r` routes per chunk (and a sort `block_s` wide: a cache wider
+    than it is sorted chunk by chunk) against the reference, step by step."""
     from freetokend.experts import slot_cache as sc
     from ftkernels.slot_cache import decode_step_triton
 
@@ -281,6 +282,7 @@ def run_chunked(c: Case, block_r: int) -> None:
             ker.state, ids.to(KDEV), layer, c.experts, int(c.policy),
             idx_bits=sc.idx_bits(c.slots), prio_max=sc.prio_max(c.slots),
             freq_cap=FREQ_CAP, freq_shift=FREQ_SHIFT, key_max=sc.KEY_MAX, block_r=block_r,
+            block_s=block_s,
         )  # fmt: skip
         for name, got in zip(vars(a), b, strict=True):
             assert torch.equal(getattr(a, name), got.cpu()), (i, name)
@@ -309,3 +311,28 @@ def test_triton_matches_reference_prefill_chunk() -> None:
         for bw in ((1.0, 1.0, True), (11.8, 47.5, False)):
             c = Case(layers, experts, 48, policy, bw, [(1, prefill), (0, decode), (1, prefill[:7])])
             run_chunked(c, 1024)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_steps=4, max_slots=12), hs.sampled_from([2, 4]))
+def test_triton_matches_reference_with_the_sort_in_chunks(c: Case, block_s: int) -> None:
+    """A cache wider than one sort (on a GPU: wider than SORT_BLOCK, 2048 slots, e.g. every
+    Qwen3-30B-A3B expert resident on an H200): chunks sorted apart, ranked across them."""
+    run_chunked(c, 4, block_s)
+
+
+def test_wide_cache_sorts_in_chunks_like_the_reference() -> None:
+    """Many chunks, a last chunk half full, victims from every chunk: 44 slots sorted 8 at a
+    time, a prefill that fills 40 of them, then decode steps that evict; both policies."""
+    from ftkernels.slot_cache import SORT_BLOCK, sort_block
+
+    assert sort_block(2000) == 2048 and sort_block(6144) == SORT_BLOCK == 2048
+    g = torch.Generator().manual_seed(9)
+    layers, experts = 2, 40
+    steps = [(0, torch.arange(0, 40, dtype=torch.int32).reshape(10, 4))]
+    for i in range(6):
+        layer = i % 2
+        ids = torch.randint(-1, experts, (6, 4), generator=g, dtype=torch.int32)
+        steps.append((layer, torch.where(ids >= 0, ids + layer * experts, ids)))
+    for policy, bw in zip(EvictionPolicy, ((1.0, 1.0, True), (11.8, 47.5, False)), strict=True):
+        run_chunked(Case(layers, experts, 44, policy, bw, steps), 16, 8)

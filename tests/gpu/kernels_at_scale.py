@@ -2,7 +2,8 @@
 (part of tests/gpu/check.sh; the pytest files cover small shapes). Every check runs; one line
 each; exit status 1 when any failed.
 
-- slot cache: Qwen3-30B-A3B (48 layers x 128 experts), 600 and 2000 slots, both policies,
+- slot cache: Qwen3-30B-A3B (48 layers x 128 experts), 600, 2000, 4000 and 6144 slots (6144:
+  every expert; above 2048 the sort runs in chunks), both policies,
   decode batches of 1 and 64 tokens and a 2048-token prefill chunk (16,384 routes): outputs and
   state bit-equal to the reference (run on the CPU);
 - copy_rows: zero-copy fills from a pinned host pool of Qwen3-30B-A3B gate_up rows, and one
@@ -97,7 +98,7 @@ def decode(h: int, i: int, k: int, tokens: int, gptoss: bool) -> None:
 
 def main() -> None:
     checks: list[tuple[str, Callable[[], None]]] = []
-    for slots in (600, 2000):
+    for slots in (600, 2000, 4000, 6144):
         for policy in EvictionPolicy:
             checks.append((f"slot cache, {slots} slots, {policy.name}",
                            lambda s=slots, p=policy: slot_cache(s, p)))  # fmt: skip
