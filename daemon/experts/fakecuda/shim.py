@@ -156,7 +156,8 @@ class DeviceShim(TorchFunctionMode):
         if func is torch.Tensor.__setitem__ and is_fake(first):
             return setitem(first, args[1], args[2])
         if func is torch.Tensor.copy_ and (is_fake(first) or is_fake(args[1])):
-            return aten.copy_.default(first, args[1])
+            nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            return aten.copy_.default(first, args[1], bool(nb))  # the tracker reads the flag
         if func is torch.Tensor.__invert__ and is_fake(first):
             # ``~mask``: its binding opens a CUDA device guard under inference mode
             return aten.bitwise_not.default(first)

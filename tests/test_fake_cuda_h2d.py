@@ -1,0 +1,43 @@
+"""The fake CUDA tracker's host -> device copies: a blocking one is a host sync (``h2d``), as on
+CUDA (the copy returns once the stream has run up to it); only ``non_blocking`` from pinned
+memory is asynchronous. ``engine.staging.to_device`` is that copy (and nothing on the host)."""
+
+from __future__ import annotations
+
+import torch
+
+from freetokend.engine.sampler import SamplingParams, sample
+from freetokend.engine.staging import to_device
+from freetokend.experts.fakecuda import FakeCudaAccelerator
+
+
+def test_blocking_and_pageable_copies_are_syncs_pinned_async_ones_not() -> None:
+    acc = FakeCudaAccelerator(vram_mib=1024)
+    with acc:
+        tr = acc.tracker
+        dev = torch.device("cuda", 0)
+        host = torch.arange(6)
+        torch.tensor([1, 2, 3], device="cuda")  # built on the host, then copied: blocking
+        host.to(dev)
+        host.to(dev, non_blocking=True)  # pageable: the driver may wait for the stream
+        torch.empty(6, dtype=torch.long, device=dev).copy_(host)
+        assert tr.syncs.by_kind["h2d"] == tr.syncs.total == tr.syncs.h2d == 4
+        assert tr.syncs.reads == 0 and tr.async_h2d == 0
+        pinned = tr.pin(torch.arange(6))
+        pinned[2:].to(dev, non_blocking=True)  # a view of pinned memory
+        torch.empty(6, dtype=torch.long, device=dev).copy_(pinned, non_blocking=True)
+        pinned.to(dev)  # pinned but blocking: still a sync
+        out = to_device(torch.tensor([7, 8]), dev)
+        assert out.device == dev
+        assert tr.async_h2d == 3 and tr.syncs.h2d == 5
+        # sampling rows with filters: their parameters cross once, asynchronously
+        logits = torch.randn(4, 50, device="cuda")
+        params = [SamplingParams(temperature=0.7, top_k=5, min_p=0.1), SamplingParams()] * 2
+        before, sent = tr.syncs.total, tr.async_h2d
+        sample(logits, params, [None] * 4)
+        assert tr.syncs.total == before and tr.async_h2d == sent + 1
+
+
+def test_staging_on_the_host_is_no_copy() -> None:
+    t = torch.arange(4)
+    assert to_device(t, torch.device("cpu")) is t
