@@ -52,7 +52,7 @@ def test_shim_placement_syncs_and_oom() -> None:
 
 
 CARDS = {"8GiB": 8192, "24GiB": 24576}
-CYCLES = [(QWEN3_30B, c) for c in CARDS] + [(TINY, "8GiB")]
+CYCLES = [(g, c) for g in (QWEN3_30B, TINY) for c in CARDS]
 
 
 @pytest.mark.parametrize("backend", ["fused", "offload", "hybrid"])
