@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks for the expert hierarchy, one command for a bare GPU machine (no network): Python
 # 3.12 with CUDA torch, Triton, numpy, grpcio and tokenizers preinstalled; the other wheels come
-# from .whl/ (run tests/gpu/fetch_wheels.sh on a machine with network first). About 8 minutes.
+# from .whl/ (run tests/gpu/fetch_wheels.sh on a machine with network first). Under 8 minutes:
+# each step has its own limit and none may run past a global deadline (DEADLINE_S, default 420 s
+# from the start; a step that would start with under 20 s left is skipped and listed), so the
+# worst case is DEADLINE_S + 10 s (the last step's kill grace) + 30 s (the CUDA probe): 460 s.
 #   0. install the wheels (--no-index) and the project with its native extensions into OUT/site
 #   1. the backend equality tests (fused / offload / hybrid vs cpu, token-equal) on real CUDA,
 #      with the dense part, KV pool and sampling on the GPU (engine/placement.py): every family,
@@ -12,25 +15,36 @@
 #      a random model of Qwen3-30B-A3B layer geometry (tests/gpu/bench_backends.py)
 # Every step runs whatever the previous one gave; each writes OUT/<step>.log, and OUT/summary.txt
 # lists the steps with their status. Without a CUDA device it installs, then skips steps 1-3.
-# Usage, from anywhere:  bash tests/gpu/check.sh [OUT]     (PYTHON=python3.12 by default)
+# Usage, from anywhere:  bash tests/gpu/check.sh [OUT]     (PYTHON=python3 by default; the
+# wheels' Python version, .whl/python-version, must be the interpreter's: fetch them with PYVER)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=$(realpath -m "${1:-/tmp/ft-gpu-check}")
 py=${PYTHON:-python3}
 wheels=${WHEELS:-.whl}
 site="$out/site"
+deadline_s=${DEADLINE_S:-420}
 mkdir -p "$out"
 : > "$out/summary.txt"
 status=0
+start=$(date +%s)
 
 note() { echo "$*" | tee -a "$out/summary.txt"; }
 
-# step NAME TIMEOUT_S CMD...: runs with a time limit, logs to OUT/NAME.log, never stops the script
+# step NAME TIMEOUT_S CMD...: runs with a time limit (at most what the deadline leaves), logs to
+# OUT/NAME.log, never stops the script
 step() {
-    local name=$1 limit=$2 rc t0
+    local name=$1 limit=$2 rc t0 left
     shift 2
     t0=$(date +%s)
-    echo "== $name"
+    left=$(( start + deadline_s - t0 ))
+    if [ "$left" -lt 20 ]; then
+        note "SKIP  $name: under 20 s left before the ${deadline_s} s deadline"
+        status=1
+        return 1
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name (limit $limit s)"
     timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
     rc=$?
     tail -n 25 "$out/$name.log"
@@ -44,7 +58,7 @@ step() {
     return $rc
 }
 
-"$py" - > "$out/env.txt" 2>&1 <<'EOF'
+timeout --kill-after=5 60 "$py" - > "$out/env.txt" 2>&1 <<'EOF'
 import platform, sys
 print("python", sys.version.split()[0], platform.machine())
 for m in ("torch", "triton", "numpy", "grpc", "tokenizers"):
@@ -59,24 +73,30 @@ if torch.cuda.is_available():
     print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
 EOF
 cat "$out/env.txt"
-command -v nvidia-smi > /dev/null && nvidia-smi >> "$out/env.txt" 2>&1
+command -v nvidia-smi > /dev/null && timeout 30 nvidia-smi >> "$out/env.txt" 2>&1
+
+pyver=$(timeout 30 "$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
 # -- 0. install ------------------------------------------------------------------------------
 if [ ! -f "$wheels/requirements.txt" ]; then
     note "FAIL  install: no $wheels/requirements.txt (run tests/gpu/fetch_wheels.sh where there is network)"
     exit 1
 fi
+if [ -f "$wheels/python-version" ] && [ "$(cat "$wheels/python-version")" != "$pyver" ]; then
+    note "FAIL  install: $wheels holds wheels for Python $(cat "$wheels/python-version"), $py is $pyver (PYVER=$pyver bash tests/gpu/fetch_wheels.sh)"
+    exit 1
+fi
 rm -rf "$site"
-step install 120 "$py" -m pip install -q --no-index --no-deps --find-links "$wheels" \
+step install 90 "$py" -m pip install -q --no-compile --no-index --no-deps --find-links "$wheels" \
     --target "$site" -r "$wheels/requirements.txt"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 # the project itself (freetokend, ftctl, ftkernels) and the C++ extensions, built here
-step build 300 "$py" -m pip install -q --no-index --no-deps --no-build-isolation \
+step build 240 "$py" -m pip install -q --no-compile --no-index --no-deps --no-build-isolation \
     --target "$site" .
-step import 60 "$py" -c "import freetokend, ftctl, ftkernels, ftnative, ftdense, transformers, hypothesis; print('imports ok')"
+step import 30 "$py" -c "import freetokend, ftctl, ftkernels, ftnative, ftdense, transformers, hypothesis; print('imports ok')"
 
-if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
-    note "SKIP  cuda steps: no CUDA device (torch.cuda.is_available() is False); install and build done"
+if ! timeout 30 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
+    note "SKIP  cuda steps: no CUDA device (torch.cuda.is_available() is False); install, build and import: see above"
     exit $status
 fi
 
@@ -84,10 +104,10 @@ fi
 export FT_TEST_ACCELERATOR=cuda
 unset TRITON_INTERPRET
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
-step backends 150 "${pytest[@]}" tests/test_moe_backends.py
-step placement 150 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
-step kernels 90 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
-step kernels_at_scale 90 "$py" tests/gpu/kernels_at_scale.py
-step bench 150 "$py" tests/gpu/bench_backends.py --layers 4 --out "$out/bench.txt"
-note "output in $out"
+step backends 120 "${pytest[@]}" tests/test_moe_backends.py
+step placement 120 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
+step kernels 60 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
+step kernels_at_scale 60 "$py" tests/gpu/kernels_at_scale.py
+step bench 90 "$py" tests/gpu/bench_backends.py --layers 4 --out "$out/bench.txt"
+note "output in $out ($(( $(date +%s) - start )) s)"
 exit $status

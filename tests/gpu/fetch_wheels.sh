@@ -20,6 +20,7 @@ abi="cp${pyver/./}"
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
     "${reqs[@]}"
 printf '%s\n' "${reqs[@]}" > "$dest/requirements.txt"
+echo "$pyver" > "$dest/python-version"  # check.sh refuses an interpreter of another version
 total=$(du -sm "$dest" | cut -f1)
 echo "$(ls "$dest"/*.whl | wc -l) wheels, ${total} MiB in $dest (Python $pyver)"
 if [ "$total" -ge 60 ]; then
