@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import FAMILIES, make_tiny
+from tiny_models import FAMILIES, VARIANTS, make_tiny
 
 from freetokend import LLM
 from freetokend.engine.placement import dense_device_bytes
@@ -66,7 +66,7 @@ def _llm(d: Path, backend: str, **kw: Any) -> LLM:
     return LLM(d, backend, max_model_len=128, kv_tokens=512, accelerator=ACCEL, **kw)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + tuple(VARIANTS))
 def test_device_path_matches_cpu_at_one_slot_and_all(
     family: str, tmp_path: Path, native_calls: _CountingNative
 ) -> None:

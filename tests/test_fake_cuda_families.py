@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from tiny_models import FAMILIES, make_tiny
+from tiny_models import FAMILIES, VARIANTS, make_tiny
 
 from freetokend import LLM
 from freetokend.engine.sampler import SamplingParams
@@ -25,9 +25,9 @@ BACKENDS = ("fused", "offload", "hybrid")
 HYBRID_COPIES_PER_MOE_LAYER = 1  # x, gate weights and the CPU share's ids, packed
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + tuple(VARIANTS))
 def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp(request.param)
+    d = tmp_path_factory.mktemp(request.param.replace(":", "-"))
     make_tiny(request.param, d, seed=3)
     return d
 

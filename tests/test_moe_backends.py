@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import FAMILIES, make_tiny
+from tiny_models import FAMILIES, VARIANTS, make_tiny
 
 from freetokend import LLM
 from freetokend.experts.device_backends import OffloadBackend
@@ -113,9 +113,10 @@ def test_bandwidth_profile_and_routing_record(model_dir, reference, tmp_path):
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + tuple(VARIANTS))
 def test_every_family_fused_and_hybrid_match_cpu(family, tmp_path):
-    """All six families through the accelerator backends (a light version of the sweep above)."""
+    """Every family and its second config (shared KV, per-layer embeddings, flat routing...)
+    through the accelerator backends (a light version of the sweep above)."""
     make_tiny(family, tmp_path, seed=11)
     prompts = _prompts()[:2]
 
