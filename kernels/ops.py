@@ -153,6 +153,43 @@ def _(
     return out(*flat_ids.shape), out(*flat_ids.shape), out(n), out(n), out(1)
 
 
+@torch.library.custom_op("ftkernels::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    rows: torch.Tensor,
+    max_len: int,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Decode attention of q[rows] over their KV pages, [n, heads, d] in q's dtype
+    (``paged_attention.paged_decode_attention``)."""
+    from . import paged_attention as k
+
+    return k.paged_decode_attention(
+        q, k_pages, v_pages, tables, lens, rows, max_len, scale, window, sinks
+    )
+
+
+@paged_decode_attention.register_fake
+def _(q, k_pages, v_pages, tables, lens, rows, max_len, scale, window, sinks):  # type: ignore[no-untyped-def]
+    from . import paged_attention as k
+
+    k._check(q, k_pages, v_pages, tables, lens, rows, sinks)
+    _same_device(q, k_pages, v_pages, tables, lens, rows, *([] if sinks is None else [sinks]))
+    n, heads, d = rows.shape[0], q.shape[1], q.shape[2]
+    keys = max_len if window is None else min(max_len, window)
+    splits, _ = k.splits_for(n, k_pages.shape[2], keys, d)
+    # the kernel's fp32 workspace
+    for shape in k.workspace_shapes(n, heads, d, splits):
+        q.new_empty(shape, dtype=torch.float32)
+    return q.new_empty((n, heads, d))
+
+
 def _same_device(*ts: torch.Tensor) -> None:
     """What a launch on a GPU requires: every pointer on the device of the first tensor."""
     dev = ts[0].device

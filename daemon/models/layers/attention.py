@@ -7,10 +7,13 @@ sigmoid output gate of Qwen3.5 (q_proj emits [q_h, gate_h] per head).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...engine import staging
 from ...engine.batch import ForwardBatch, SeqChunk
 from ..config import ModelConfig
 from . import dense_native
@@ -19,6 +22,36 @@ from .rope import Rope
 
 # Queries per attention block in prefill: bounds the [heads, block, context] score tensor.
 _Q_BLOCK = 512
+
+# Decode attention where the native CPU kernel does not apply (the KV pool on a device):
+#   "torch"   each sequence's pages gathered with torch ops, then `attend` (the default);
+#   "triton"  one launch of the batched paged decode kernel (kernels/paged_attention.py, the
+#             custom op ftkernels::paged_decode_attention) for every decode row of the batch,
+#             reading K/V in place through a device page table.
+# The default stays "torch" until a GPU run of tests/gpu/check.sh has verified the kernel (its
+# backends_triton step runs the backend equality tests with FT_ATTENTION_KERNEL=triton).
+# Set per process by the environment variable or `set_decode_kernel`.
+DECODE_KERNELS = ("torch", "triton")
+DECODE_KERNEL_ENV = "FT_ATTENTION_KERNEL"
+_decode_kernel = os.environ.get(DECODE_KERNEL_ENV) or "torch"
+if _decode_kernel not in DECODE_KERNELS:
+    raise ValueError(
+        f"{DECODE_KERNEL_ENV}={_decode_kernel!r}: choose one of {', '.join(DECODE_KERNELS)}"
+    )
+
+
+def set_decode_kernel(name: str) -> str:
+    """Select the device decode attention (``DECODE_KERNELS``); returns the previous one."""
+    global _decode_kernel
+    if name not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel {name!r}: choose one of {', '.join(DECODE_KERNELS)}")
+    old, _decode_kernel = _decode_kernel, name
+    return old
+
+
+def decode_kernel() -> str:
+    """The device decode attention in use: "torch" or "triton"."""
+    return _decode_kernel
 
 
 def attend(
@@ -101,6 +134,35 @@ class _DecodeTables:
             self.tables[i, :n] = torch.tensor(ch.state.pages[:n], dtype=torch.int32)
 
 
+class _KernelTables:
+    """The decode rows of one forward batch for the paged decode kernel, on the pool's device:
+    rows [n], lens [n] (keys including the row's own) and tables [n, max_pages] int32, sent in
+    one asynchronous copy (engine/staging) once per batch; ``max_len`` the longest, on the host."""
+
+    def __init__(self, batch: ForwardBatch, device: torch.device) -> None:
+        chunks = [ch for ch in batch.chunks if ch.length == 1]
+        self.n = len(chunks)
+        self.all_rows = self.n == sum(ch.length for ch in batch.chunks)  # rows 0..n-1 in order
+        pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
+        width = max(pages, default=0)
+        self.max_len = max((ch.context_len + 1 for ch in chunks), default=0)
+        host = torch.zeros(self.n, 2 + width, dtype=torch.int32)
+        for i, (ch, n) in enumerate(zip(chunks, pages, strict=True)):
+            host[i, 0], host[i, 1] = ch.start, ch.context_len + 1
+            host[i, 2 : 2 + n] = torch.tensor(ch.state.pages[:n], dtype=torch.int32)
+        meta = staging.to_device(host, device)
+        self.rows, self.lens, self.tables = meta[:, 0], meta[:, 1], meta[:, 2:]
+        self.index = self.rows.long()
+
+
+def _kernel_rows(batch: ForwardBatch, device: torch.device) -> _KernelTables:
+    """The batch's `_KernelTables`, built by its first attention layer."""
+    tables = batch.derived.get("decode_kernel_tables")
+    if tables is None:
+        tables = batch.derived["decode_kernel_tables"] = _KernelTables(batch, device)
+    return tables  # type: ignore[no-any-return]
+
+
 def _decode_rows(batch: ForwardBatch) -> _DecodeTables:
     """The batch's `_DecodeTables`, built by its first attention layer."""
     tables = batch.derived.get("decode_tables")
@@ -128,12 +190,13 @@ def paged_attention(
     out = torch.empty_like(q)
     kp, vp = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
     native = dense_native.attention_usable(q, kp, vp)
+    kernel = not native and _decode_kernel == "triton"
     for ch in batch.chunks:
         end = ch.context_len + ch.length
         if kv is not None:
             rows = slice(ch.start, ch.start + ch.length)
             batch.kv.write(kv_layer, ch.state.pages, ch.context_len, kv[0][rows], kv[1][rows])
-        if native and ch.length == 1:
+        if (native or kernel) and ch.length == 1:
             continue
         first = 0 if window is None else max(0, ch.context_len - window + 1)
         table = ch.state.pages if ch.table is None else ch.table
@@ -151,6 +214,14 @@ def paged_attention(
             dense_native.decode_attention(
                 q, kp, vp, dec.tables, dec.lens, scale, window, sinks, dec.rows, out
             )
+    elif kernel and any(ch.length == 1 for ch in batch.chunks):
+        from ftkernels.ops import paged_decode_attention as decode_op
+
+        kt = _kernel_rows(batch, q.device)
+        res = decode_op(q, kp, vp, kt.tables, kt.lens, kt.rows, kt.max_len, scale, window, sinks)
+        if kt.all_rows:
+            return res
+        out.index_copy_(0, kt.index, res)
     return out
 
 
