@@ -377,3 +377,28 @@ def test_kernels_compile_for_real_targets(
     print("\n" + report)
     request.node.user_properties.append(("kernel_registers", report))
     assert not problems, "\n".join(problems)
+
+
+def test_a_slow_compile_is_killed_at_its_cpu_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The guard itself: a compile over its CPU limit fails every target left, fast, and leaves
+    no process of the worker's group (ptxas included) behind (a fresh cache: nothing to re-read)."""
+    launch = next(x for x in record_launches(monkeypatch, (6144,)) if x.kernel == "_decode_kernel")
+    monkeypatch.setattr(sys.modules[__name__], "TARGET_CPU_SECONDS", 1)
+    procs: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def spawn(*a: Any, **kw: Any) -> subprocess.Popen:
+        procs.append(popen(*a, **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", spawn)
+    started = time.monotonic()
+    rows = _compile(launch, tmp_path, _Budget(60, 60))
+    assert [r["ok"] for r in rows] == [False] * len(TARGETS)
+    assert all("within 1 CPU s (killed)" in r["error"] for r in rows)
+    assert time.monotonic() - started < 45
+    (worker,) = procs
+    assert worker.returncode == -signal.SIGKILL
+    assert _group_cpu(worker.pid) == 0  # no member left
