@@ -220,3 +220,37 @@ def test_a_short_last_message_ranks_its_turn_end_second():
     assert recency.ranked(turns, kept, lambda label: False, 1000) == [900, 100]
     learned = lambda label: label == "turn-2"  # noqa: E731
     assert recency.ranked(cands, kept, learned, end) == [900, 100]  # the session's own edits
+
+
+def test_an_edit_is_labelled_on_the_sessions_own_path_not_anothers():
+    """Claude Code moves its reminder out of the first user message at its second request: the
+    edit lands inside that message, at the session's own system prompt end (a recent anchor).
+    Another session with the same start cached a path past that message's end; the label must
+    still be the session's recent anchor, not the deeper turn end of the other's path (which
+    taught the session that its edits land on old content and cost it its recent anchors)."""
+    pool = KVPool(1, 256, 16, 1, 2)
+    policy = SnapshotPolicy.parse("anchors", dict(MARKER_ANCHORS))
+    reuse = PrefixReuse(pool, True, policy, 4 * _state().nbytes)
+    w = list(range(20, 60))
+
+    def run(tokens: list[int]) -> None:
+        st = SeqState(recurrent=_state())
+        reuse.restore(tokens, st)
+        st.pages += pool.alloc(-(-len(tokens) // 16) - len(st.pages))
+        while st.num_tokens < len(tokens):
+            st.num_tokens = reuse.chunk_end(tokens, st.num_tokens, len(tokens), st)
+            reuse.after_forward(tokens, st, len(tokens))
+        reuse.release(tokens, st)
+        pool.free(st.pages)
+
+    system, task, reminder = w[:30], w[5:25], w[30:40] * 3
+    # another agent, same start: its snapshots are its head, root and two newest turn ends
+    other = _chatml(system, task, w[:30], w[10:40], w[:25], w[3:33]) + [2, 30]
+    run(other)
+    run(_chatml(system, task + reminder) + [2, 30])  # the reminder in the first user message
+    second = _chatml(system, task, w[1:31], w[2:32], reminder) + [2, 30]
+    run(second)
+    head = next(s for s in reuse.snapshots.snapshots() if s.head and s.pos == len(second))
+    weights = head.session.edits.weights
+    assert head.session.edits.own == 1
+    assert set(weights) == {"turn-2"}, weights  # the system prompt's end, second turn from last

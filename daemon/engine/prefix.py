@@ -198,13 +198,15 @@ class PrefixReuse:
         prev = latest if not start else None
         session = prev.next() if prev is not None else Session(self.edits.fork(EditModel.PRIOR))
         session.prompt_end = len(tokens)
+        ids = self.policy.anchor_ids
+        session.anchors = frozenset(i + 1 for i, t in enumerate(tokens) if t in ids)
         track = Track(session, parent=snap, frontier_after=limit)
         # Resuming at the end of the session's last prompt (an older prompt's end is an edit)
         appended = snap is not None and snap.kind == "prompt_end"
         appended &= latest is None or (snap is not None and snap.pos == latest.prompt_end)
         edited = not appended and not start
         edited &= (snap is not None and snap.had_children) or self.radix.diverges(tokens, matched)
-        if edited and (point := self._ideal_point(tokens, limit)) is not None:
+        if edited and (point := self._ideal_point(tokens, limit, prev)) is not None:
             pos, kind = point
             label = prev.recent.get(pos, kind) if prev is not None else kind
             session.edits.observe(label)
@@ -292,11 +294,16 @@ class PrefixReuse:
         ends = sum(1 for t in tokens[:limit] if self.policy.anchor_ids.get(t) == "end_of_turn")
         return ends < 2
 
-    def _ideal_point(self, tokens: list[int], limit: int) -> tuple[int, str] | None:
-        """The deepest snapshot point at or before ``limit`` (where the edit is) and its kind."""
+    def _ideal_point(
+        self, tokens: list[int], limit: int, prev: Session | None = None
+    ) -> tuple[int, str] | None:
+        """The deepest snapshot point at or before ``limit`` (where the edit is) and its kind;
+        with ``prev``, one that was an anchor of the session's previous prompt too (the cached
+        path can run past the session's own edit along another session sharing its start)."""
         for p in range(limit, 0, -1):
             if (kind := self.policy.kind_at(tokens, p)) is not None:
-                return p, kind
+                if prev is None or not prev.anchors or p in prev.anchors:
+                    return p, kind
         return None
 
     def _resume_point(self, tokens: list[int], limit: int) -> tuple[int, Snapshot | None]:

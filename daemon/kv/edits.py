@@ -103,6 +103,9 @@ class Session:
     recent_keys: list[bytes] = field(default_factory=list)
     head_key: bytes = b""  # the prefix key of the head snapshot this request took
     prompt_end: int = 0  # the length of this request's prompt
+    # the positions of its prompt's anchors: the next request's edit is labelled at the deepest
+    # of them still on its path (the cached path may go deeper: another session's prompt)
+    anchors: frozenset[int] = frozenset()
 
     successor: Session | None = None  # the session of the next request of this lineage
 
