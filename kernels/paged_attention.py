@@ -35,11 +35,16 @@ from .interp import for_device
 TARGET_PROGRAMS = 1024  # split programs aimed at when the batch alone does not fill the card
 SPLIT_BLOCK = 16  # splits merged per step of the reduce kernel
 NUM_WARPS = 4
+# no software pipelining of the gathered K/V loads: with Triton's default 3 stages the split
+# kernel spills at d 128 on sm_86+ (255 registers, 2.8 KiB of stack)
+NUM_STAGES = 1
 
 
 def block_n(head_dim: int) -> int:
-    """Keys per inner step: 64 at head dim 128, fewer for wider heads (register budget)."""
-    return max(16, min(64, 8192 // triton.next_power_of_2(head_dim)))
+    """Keys per inner step: 32 up to head dim 128, fewer for wider heads. The register budget
+    decides (compile test, fp32 IEEE dots, one stage): 64 keys at d 128 spill on every target,
+    32 take 168-190 registers; at d 64, 32 keys take 54, 64 keys 166."""
+    return max(16, min(32, 4096 // triton.next_power_of_2(head_dim)))
 
 
 def splits_for(batch: int, kv_heads: int, max_keys: int, head_dim: int) -> tuple[int, int]:
@@ -58,7 +63,9 @@ def workspace_shapes(
     return (batch, heads, splits, head_dim), (batch, heads, splits, 2)
 
 
-@triton.jit
+# the runtime integers are never specialised (a 1-page table or a single split would otherwise
+# compile another kernel mid-serving)
+@triton.jit(do_not_specialize=["max_pages", "window", "part"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, rows_ptr, wo_ptr, wml_ptr,
                   max_pages, window, part, scale,
                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -111,7 +118,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, rows_ptr, wo_ptr, wm
     tl.store(wml_ptr + slot * 2 + 1, l_i, mask=gm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(wo_ptr, wml_ptr, sinks_ptr, out_ptr, num_splits,
                    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    SB: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
@@ -217,7 +224,7 @@ def paged_decode_attention(
         int(ti.shape[1]), 0 if window is None else int(window), part, float(scale),
         H=heads, KVH=kvh, D=d, PAGE=page, G=g, G_PAD=max(16, triton.next_power_of_2(g)),
         D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n(d),
-        HAS_WINDOW=window is not None, num_warps=NUM_WARPS,
+        HAS_WINDOW=window is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     sk = sinks.contiguous() if sinks is not None else wml  # any pointer: unused
     mod._reduce_kernel[(n, heads)](

@@ -18,7 +18,9 @@ decode batches of 1..64 tokens, prefill chunks of 8192 tokens (65,536 routes); s
 2,000 slots (a 24 GiB card: the widest single sort, 2,048) and of the whole expert pool (6,144
 slots, an H200: sorted in chunks of 2,048, see kernels/slot_cache.py); gpt-oss-20b for the biased GPT-OSS
 activation; Mixtral-8x22B (H 6144, I 16384) for the longest bank rows (a gate_up row is
-100,663,296 words) and the widest GEMV grids. Registers per kernel and target are printed
+100,663,296 words) and the widest GEMV grids; paged decode attention at Qwen3-30B-A3B (32 q / 4 KV
+heads, d 128) and gpt-oss-20b (64 / 8, d 64, sinks, window 128 and full) geometry, 1..64
+sequences, contexts of 1 to 32k keys in 16-token bf16 pages. Registers per kernel and target are printed
 (``-s``) and attached to the test report as the property ``kernel_registers``.
 """
 
@@ -47,6 +49,7 @@ nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 
 import ftkernels.moe_decode as moe_decode_mod  # noqa: E402
+import ftkernels.paged_attention as paged_attention_mod  # noqa: E402
 import ftkernels.slot_cache as slot_cache_mod  # noqa: E402
 
 WORKER = Path(__file__).with_name("kernel_compile_worker.py")
@@ -194,24 +197,48 @@ def _copy_launches(shape: list[str]) -> None:
                 moe_decode_mod.copy_rows(dst, src, _meta(copies), _meta(copies), _meta(1))
 
 
+# paged decode attention: (q heads, kv heads, head dim, sinks, window) of Qwen3-30B-A3B and of
+# gpt-oss-20b's sliding layers (its full layers: the same without the window); contexts to 32k
+ATTENTION = ((32, 4, 128, False, None), (64, 8, 64, True, 128), (64, 8, 64, True, None))
+ATTENTION_BATCHES = (1, 8, 64)
+ATTENTION_CONTEXTS = (1, 4096, 32768)
+KV_PAGE = 16
+
+
+def _attention_launches(shape: list[str]) -> None:
+    for heads, kvh, d, sinks, window in ATTENTION:
+        for batch in ATTENTION_BATCHES:
+            for ctx in ATTENTION_CONTEXTS:
+                shape[0] = f"{heads}/{kvh} heads, d {d}, {batch} seqs x {ctx} keys, w {window}"
+                pages = batch * -(-ctx // KV_PAGE)
+                kp = _meta(pages, KV_PAGE, kvh, d, dtype=torch.bfloat16)
+                paged_attention_mod.paged_decode_attention(
+                    _meta(batch, heads, d, dtype=torch.bfloat16), kp, kp,
+                    _meta(batch, -(-ctx // KV_PAGE)), _meta(batch), _meta(batch), ctx, d**-0.5,
+                    window, _meta(heads, dtype=torch.bfloat16) if sinks else None,
+                )  # fmt: skip
+
+
 def record_launches(
     monkeypatch: pytest.MonkeyPatch, slot_counts: tuple[int, ...] = SLOTS
 ) -> list[Launch]:
     """Every launch of every kernel at the production shapes, in launch order."""
     out: list[Launch] = []
     shape = [""]
-    for mod in (slot_cache_mod, moe_decode_mod):
+    for mod in (slot_cache_mod, moe_decode_mod, paged_attention_mod):
         for name, value in list(vars(mod).items()):
             if isinstance(value, triton.runtime.JITFunction) and name in LAUNCHED:
                 monkeypatch.setattr(mod, name, _Recorder(value, mod.__name__, out, shape))
     _slot_cache_launches(shape, slot_counts)
     _moe_decode_launches(shape)
     _copy_launches(shape)
+    _attention_launches(shape)
     return out
 
 
 # kernels launched from Python; the other @triton.jit functions are their device helpers
-LAUNCHED = {"_decode_kernel", "_copy_rows_kernel", "_gate_up_kernel", "_down_kernel"}
+LAUNCHED = {"_decode_kernel", "_copy_rows_kernel", "_gate_up_kernel", "_down_kernel",
+            "_split_kernel", "_reduce_kernel"}  # fmt: skip
 
 
 def test_every_triton_kernel_is_covered() -> None:
@@ -220,8 +247,8 @@ def test_every_triton_kernel_is_covered() -> None:
     files = [p for d in ("kernels", "daemon", "ctl") for p in (root / d).rglob("*.py")]
     decorator = re.compile(r"^\s*@(triton\.)?jit\b", re.M)
     jit_files = {p.name for p in files if decorator.search(p.read_text(encoding="utf-8"))}
-    assert jit_files == {"slot_cache.py", "moe_decode.py"}, jit_files
-    for mod in (slot_cache_mod, moe_decode_mod):
+    assert jit_files == {"slot_cache.py", "moe_decode.py", "paged_attention.py"}, jit_files
+    for mod in (slot_cache_mod, moe_decode_mod, paged_attention_mod):
         jits = {n: v for n, v in vars(mod).items() if isinstance(v, triton.runtime.JITFunction)}
         for name in jits.keys() - LAUNCHED:
             callers = [n for n, f in jits.items() if n != name and f"{name}(" in f.src]
@@ -353,7 +380,8 @@ def test_kernels_compile_for_real_targets(
 
     problems, table = list(bad_grids), []
     for launch, rows in results:
-        keep = {"POLICY": "policy", "BLOCK_S": "sort", "CHUNKED": "chunked", "HAS_BIAS": "bias"}
+        keep = {"POLICY": "policy", "BLOCK_S": "sort", "CHUNKED": "chunked", "HAS_BIAS": "bias",
+                "D": "d", "G": "group", "HAS_WINDOW": "window", "HAS_SINKS": "sinks"}  # fmt: skip
         cx = " ".join(f"{keep[k]}={int(v)}" for k, v in launch.constexprs.items() if k in keep)
         label = f"{launch.kernel} {cx}".strip()
         problems += [f"{label}: {p}" for r in rows for p in _problems(launch, r)]

@@ -128,8 +128,10 @@ def test_split_counts() -> None:
     assert splits_for(1, 4, 32768, 128)[0] == 256
     # batch 64 fills the card by itself: 4 splits
     assert splits_for(64, 4, 32768, 128)[0] == 4
-    # a context of one block is never split
-    assert splits_for(1, 8, 64, 64) == (1, 64)
+    # a context of one block is never split; two blocks at batch 1 are
+    bn = paged_attention.block_n(64)
+    assert splits_for(1, 8, bn, 64) == (1, bn)
+    assert splits_for(1, 8, bn + 1, 64) == (2, bn)
 
 
 def test_bad_shapes_are_refused() -> None:
