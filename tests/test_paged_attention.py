@@ -13,7 +13,9 @@ outputs differ only in summation order (~1e-6); bf16 outputs by one rounding of 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,7 +157,9 @@ def no_native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
-def kernel_knob() -> Iterator[None]:
+def kernel_knob(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The knob on, and the kernel allowed on CPU tensors (it runs in the interpreter)."""
+    monkeypatch.setattr(attn, "_KERNEL_DEVICES", ("cuda", "cpu"))
     old = attn.set_decode_kernel("triton")
     yield
     attn.set_decode_kernel(old)
@@ -247,7 +251,21 @@ def test_knob_routes_decode_rows_through_the_kernel(
 def test_knob_refuses_unknown_names() -> None:
     with pytest.raises(ValueError, match="triton"):
         attn.set_decode_kernel("flash")
-    assert attn.decode_kernel() == "torch"  # the default until a GPU run verified the kernel
+    if not os.environ.get(attn.DECODE_KERNEL_ENV):
+        assert attn.decode_kernel() == "torch"  # the default until a GPU run verified it
+
+
+def test_knob_leaves_host_tensors_to_the_torch_path(
+    no_native: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the host (the cpu backend) the knob changes nothing: no interpreted kernel there."""
+    batch, q, kv = _pool_batch([12, 3], 0, 4, 2, 16, 16, seed=2)
+    monkeypatch.setattr(ops, "paged_decode_attention", None)  # a call would fail
+    old = attn.set_decode_kernel("triton")
+    try:
+        attn.paged_attention(batch, 0, q, kv, 0.25, None)
+    finally:
+        attn.set_decode_kernel(old)
 
 
 def test_fake_impl_on_the_fake_device() -> None:
@@ -268,3 +286,52 @@ def test_fake_impl_on_the_fake_device() -> None:
         with pytest.raises(RuntimeError, match="different devices"):
             ops.paged_decode_attention(q, kp, kp, tables.cpu(), lens, lens, 100, 0.1, None, None)
     assert mode is not None
+
+
+# -- the fake CUDA tier ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fake_cuda_engine_decodes_through_the_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """The knob on the fake card: every attention layer of a decode step calls the op (its fake
+    impl), the step still reads the host once and makes no blocking host -> device copy; the
+    kernel's rows / lens / page tables cross in one more asynchronous copy per step."""
+    from tiny_models import make_tiny
+
+    from freetokend import LLM
+    from freetokend.engine.sampler import SamplingParams
+
+    make_tiny(family, tmp_path, seed=3)
+    calls: list[int] = []
+    real = ops.paged_decode_attention
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[4].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "paged_decode_attention", counting)
+    old = attn.set_decode_kernel("triton")
+    llm = LLM(tmp_path, "fused", accelerator="fake-cuda", vram_mib=1024, kv_tokens=512)
+    try:
+        tr = llm.fake_device.tracker
+        llm.engine.add_request(
+            "a", list(range(3, 43)), SamplingParams(max_tokens=4, ignore_eos=True)
+        )
+        llm.engine.add_request(
+            "b", list(range(5, 20)), SamplingParams(max_tokens=4, ignore_eos=True)
+        )
+        llm.engine.step()  # the prompts: no decode row, no kernel
+        assert calls == []
+        layers = sum(isinstance(m, attn.Attention) for m in llm.model.modules())
+        assert layers > 0
+        for _ in range(2):
+            before, async_before = Counter(tr.syncs.by_kind), tr.async_h2d
+            llm.engine.step()
+            assert Counter(tr.syncs.by_kind) - before == Counter(d2h=1)
+            assert tr.async_h2d - async_before == 2  # the runner's metadata, the kernel's
+        assert calls == [2] * (2 * layers)
+    finally:
+        llm.close()
+        attn.set_decode_kernel(old)

@@ -8,7 +8,10 @@ each; exit status 1 when any failed.
   state bit-equal to the reference (run on the CPU);
 - copy_rows: zero-copy fills from a pinned host pool of Qwen3-30B-A3B gate_up rows, and one
   Mixtral-8x22B gate_up row (100,663,296 words: beyond the old grid's y limit);
-- moe_decode: Qwen3-30B-A3B and gpt-oss-20b geometry, 1 and 64 tokens, bf16 banks.
+- moe_decode: Qwen3-30B-A3B and gpt-oss-20b geometry, 1 and 64 tokens, bf16 banks;
+- paged decode attention: Qwen3-30B-A3B (32 q / 4 KV heads, d 128) and gpt-oss-20b (64 / 8,
+  d 64, sinks; window 128 and full) over bf16 16-token pages in scattered order, 1 sequence of
+  32k keys and 64 of ragged lengths up to 32k: against the torch reference on the GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
 from ftkernels.moe_decode import copy_rows, copy_rows_reference, moe_decode
+from ftkernels.ops import paged_decode_attention
+from ftkernels.paged_attention import paged_decode_attention_reference
 
 DEV = "cuda"
 
@@ -96,6 +101,34 @@ def decode(h: int, i: int, k: int, tokens: int, gptoss: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+def attention(
+    heads: int, kvh: int, d: int, sinks: bool, window: int | None, batch: int, longest: int = 32768
+) -> None:
+    g = torch.Generator(device=DEV).manual_seed(batch * 7 + d)
+    page = 16
+    if batch == 1:
+        lens = torch.tensor([longest], dtype=torch.int32)
+    else:  # ragged, the longest included, a one-key sequence too
+        cpu = torch.Generator().manual_seed(batch)
+        lens = torch.randint(1, longest, (batch,), generator=cpu, dtype=torch.int32)
+        lens[0], lens[1] = longest, 1
+    width = -(-longest // page)
+    pages = batch * width + 5
+    kp = torch.randn(pages, page, kvh, d, generator=g, device=DEV, dtype=torch.bfloat16)
+    vp = torch.randn(pages, page, kvh, d, generator=g, device=DEV, dtype=torch.bfloat16)
+    tables = torch.randperm(pages, generator=g, device=DEV)[: batch * width].view(batch, width)
+    tables = tables.int()
+    q = torch.randn(batch + 3, heads, d, generator=g, device=DEV, dtype=torch.bfloat16)
+    rows = torch.randperm(batch + 3, generator=g, device=DEV)[:batch].int()
+    sk = torch.randn(heads, generator=g, device=DEV).to(torch.bfloat16) if sinks else None
+    lens = lens.to(DEV)
+    args = (q, kp, vp, tables, lens, rows, longest, d**-0.5, window, sk)
+    got = paged_decode_attention(*args)
+    want = paged_decode_attention_reference(*args)
+    # both fp32 from the same bf16 K/V, each rounded once to bf16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-4)
+
+
 def main() -> None:
     checks: list[tuple[str, Callable[[], None]]] = []
     for slots in (600, 2000, 4000, 6144):
@@ -109,6 +142,14 @@ def main() -> None:
         for tokens in (1, 64):
             checks.append((f"moe_decode, {name}, {tokens} tokens",
                            lambda h=h, i=i, k=k, t=tokens, o=gptoss: decode(h, i, k, t, o)))  # fmt: skip
+    for name, (heads, kvh, d, sinks, window) in (
+        ("Qwen3-30B-A3B", (32, 4, 128, False, None)),
+        ("gpt-oss-20b sliding", (64, 8, 64, True, 128)),
+        ("gpt-oss-20b full", (64, 8, 64, True, None)),
+    ):
+        for batch in (1, 64):
+            checks.append((f"paged attention, {name}, {batch} seqs to 32k",
+                           lambda a=(heads, kvh, d, sinks, window, batch): attention(*a)))  # fmt: skip
     failed = 0
     for name, fn in checks:
         t0 = time.perf_counter()

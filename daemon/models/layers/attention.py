@@ -40,6 +40,11 @@ if _decode_kernel not in DECODE_KERNELS:
     )
 
 
+# where "triton" applies: a GPU (and the fake CUDA device, where the op's fake impl runs); on
+# the host the native kernel or the torch path serve (tests add "cpu": the Triton interpreter)
+_KERNEL_DEVICES = ("cuda",)
+
+
 def set_decode_kernel(name: str) -> str:
     """Select the device decode attention (``DECODE_KERNELS``); returns the previous one."""
     global _decode_kernel
@@ -190,7 +195,7 @@ def paged_attention(
     out = torch.empty_like(q)
     kp, vp = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
     native = dense_native.attention_usable(q, kp, vp)
-    kernel = not native and _decode_kernel == "triton"
+    kernel = not native and _decode_kernel == "triton" and q.device.type in _KERNEL_DEVICES
     for ch in batch.chunks:
         end = ch.context_len + ch.length
         if kv is not None:
