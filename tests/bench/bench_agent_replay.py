@@ -11,8 +11,11 @@ served turn by turn by one engine per policy and snapshot budget:
   interval:64  a snapshot every 64 tokens (the baseline)
   none         prefix cache on, no recurrent snapshots (a hybrid model then reuses nothing)
 
-Budgets are given in snapshots of the model: 4 (the default: 256 MB holds about four snapshots
-of a Qwen3.5-35B-A3B-sized recurrent state) and 2 (tight). Every turn greedily generates a few
+The harnesses' sessions are served one after another by the same engine and share the system
+prompt (and the task message), so a session's first requests run along another's cached path,
+as parallel agents of one harness do. Budgets are given in snapshots of the model: 4 (the
+default: 256 MB holds about four snapshots of a Qwen3.5-35B-A3B-sized recurrent state) and 2
+(tight). Every turn greedily generates a few
 tokens; outputs must be identical across policies (fp32). Prints per model, budget and harness:
 re-prefilled tokens (turns 1..), their ratio to the oracle, and the worst turn's TTFT (wall and
 process CPU time: the latter is steadier on a shared machine). Exit status 1 when outputs differ
