@@ -17,6 +17,7 @@ import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
+ATTENTION_KERNELS = ("torch", "triton")  # models/layers/attention.DECODE_KERNELS (tested)
 # experts/formats.FORMATS less bf16 and the mixed block formats (tested)
 QUANTIZE_FORMATS = ("fp8_block", "mxfp4", "nvfp4", "q8_0", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0")
 QUANTIZE_PRESETS = ("q4_k_m", "q8_0", "mxfp4")  # models/dense_quant.PRESETS (tested)
@@ -61,6 +62,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # simulated card, no data: placement, device bytes and host syncs; tokens are meaningless)
     accelerator: str = "auto"
     vram_mib: int | None = None  # the simulated card of accelerator fake-cuda, MiB (required)
+    # decode attention with the KV pool on a GPU: torch (pages gathered, torch ops) | triton
+    # (the paged decode kernel, kernels/paged_attention.py); torch until a GPU run of
+    # tests/gpu/check.sh verifies the kernel (process-wide: models/layers/attention.py)
+    attention_kernel: str = "torch"
     moe_slots: int | None = None  # accelerator expert slots; default: what fits free VRAM
     kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
     auto_switch: bool = False  # a request naming a resident, inactive model switches to it
@@ -129,6 +134,11 @@ def check_control(cfg: DaemonConfig) -> None:
     if cfg.accelerator not in ACCELERATORS:
         raise ConfigError(
             f"accelerator: {cfg.accelerator!r} is not one of {', '.join(ACCELERATORS)}"
+        )
+    if cfg.attention_kernel not in ATTENTION_KERNELS:
+        raise ConfigError(
+            f"attention_kernel: {cfg.attention_kernel!r} is not one of "
+            f"{', '.join(ATTENTION_KERNELS)}"
         )
     if (cfg.accelerator == "fake-cuda") != (cfg.vram_mib is not None):
         raise ConfigError("vram_mib: the simulated card, set with accelerator fake-cuda only")

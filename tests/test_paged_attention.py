@@ -335,3 +335,36 @@ def test_fake_cuda_engine_decodes_through_the_kernel(
     finally:
         llm.close()
         attn.set_decode_kernel(old)
+
+
+def test_daemon_setting_names_the_same_kernels() -> None:
+    from freetokend.config import ATTENTION_KERNELS, ConfigError, DaemonConfig
+
+    assert ATTENTION_KERNELS == attn.DECODE_KERNELS
+    assert DaemonConfig().attention_kernel == "torch"
+    DaemonConfig(attention_kernel="triton").check()
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        DaemonConfig(attention_kernel="flash").check()
+
+
+def test_the_daemon_applies_its_setting_when_it_loads_a_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    import freetokend.engine.llm as llm_mod
+    from freetokend.config import DaemonConfig
+    from freetokend.manager.control import ControlPlane
+
+    seen: list[str] = []
+    monkeypatch.setattr(llm_mod, "LLM", lambda *a, **kw: seen.append(attn.decode_kernel()))
+    plane = SimpleNamespace(
+        cfg=DaemonConfig(attention_kernel="triton"), state_dir=tmp_path,
+        _quantize=lambda p: None, _preset=lambda p: None, _bandwidth=lambda p, q: None,
+    )  # fmt: skip
+    old = attn.decode_kernel()
+    try:
+        ControlPlane._load_llm(plane, tmp_path, "m", "fused")  # type: ignore[arg-type]
+        assert seen == ["triton"]
+    finally:
+        attn.set_decode_kernel(old)

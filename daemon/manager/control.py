@@ -100,8 +100,10 @@ class ControlPlane:
 
     def _load_llm(self, path: Path, name: str, backend: str) -> Any:
         from ..engine.llm import LLM
+        from ..models.layers.attention import set_decode_kernel
 
         cfg = self.cfg
+        set_decode_kernel(cfg.attention_kernel)  # process-wide, the same for every model
         quantize = self._quantize(path)
         preset = self._preset(path)
         if preset is not None:

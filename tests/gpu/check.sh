@@ -105,7 +105,7 @@ export FT_TEST_ACCELERATOR=cuda
 unset TRITON_INTERPRET
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
 step backends 120 "${pytest[@]}" tests/test_moe_backends.py
-step backends_triton 120 env FT_ATTENTION_KERNEL=triton "${pytest[@]}" tests/test_moe_backends.py tests/test_paged_attention.py
+step backends_triton 120 env FREETOKEN_ATTENTION_KERNEL=triton "${pytest[@]}" tests/test_moe_backends.py tests/test_paged_attention.py
 step placement 120 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
 step kernels 60 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
 step kernels_at_scale 60 "$py" tests/gpu/kernels_at_scale.py

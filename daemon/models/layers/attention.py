@@ -29,10 +29,12 @@ _Q_BLOCK = 512
 #             custom op ftkernels::paged_decode_attention) for every decode row of the batch,
 #             reading K/V in place through a device page table.
 # The default stays "torch" until a GPU run of tests/gpu/check.sh has verified the kernel (its
-# backends_triton step runs the backend equality tests with FT_ATTENTION_KERNEL=triton).
-# Set per process by the environment variable or `set_decode_kernel`.
+# backends_triton step runs the backend equality tests with the kernel on). Process-wide: the
+# daemon's ``attention_kernel`` setting (config.py; the same FREETOKEN_ATTENTION_KERNEL
+# environment variable) through `set_decode_kernel` when it loads a model; a process that builds
+# LLMs itself (tests) starts from that environment variable.
 DECODE_KERNELS = ("torch", "triton")
-DECODE_KERNEL_ENV = "FT_ATTENTION_KERNEL"
+DECODE_KERNEL_ENV = "FREETOKEN_ATTENTION_KERNEL"
 _decode_kernel = os.environ.get(DECODE_KERNEL_ENV) or "torch"
 if _decode_kernel not in DECODE_KERNELS:
     raise ValueError(
