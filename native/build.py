@@ -20,8 +20,10 @@ _COMMON = [
     "cpu_features.cpp",
     "kernels_scalar.cpp",
     "kernels_emu512.cpp",
+    "kernels_bf16dot_scalar.cpp",
 ]
-_X86 = ["kernels_avx2.cpp", "kernels_avx512.cpp"]
+# kernels_bf16dot_avx512.cpp carries its own target attribute (avx512bf16) like the others.
+_X86 = ["kernels_avx2.cpp", "kernels_avx512.cpp", "kernels_bf16dot_avx512.cpp"]
 
 
 def _is_x86() -> bool:

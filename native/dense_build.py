@@ -13,8 +13,13 @@ from pathlib import Path
 from setuptools import Extension
 
 _NATIVE = Path(__file__).resolve().parent
-_KERNELS = ["cpu_features.cpp", "kernels_scalar.cpp", "kernels_emu512.cpp"]
-_X86 = ["kernels_avx2.cpp", "kernels_avx512.cpp"]
+_KERNELS = [
+    "cpu_features.cpp",
+    "kernels_scalar.cpp",
+    "kernels_emu512.cpp",
+    "kernels_bf16dot_scalar.cpp",
+]
+_X86 = ["kernels_avx2.cpp", "kernels_avx512.cpp", "kernels_bf16dot_avx512.cpp"]
 
 
 def dense_extension() -> Extension:
@@ -29,6 +34,7 @@ def dense_extension() -> Extension:
             "bindings.cpp",
             "pool.cpp",
             "dense_linear.cpp",
+            "dense_linear_bf16.cpp",
             "rms_norm.cpp",
             "decode_attention.cpp",
             "qlinear.cpp",

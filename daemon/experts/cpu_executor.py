@@ -43,10 +43,13 @@ except ImportError as e:  # extension not built: callers use the torch reference
     _native = None
     _import_error = e
 
-ISAS = ("auto", "avx512", "avx2", "scalar")
+# "avx512bf16": avx512 whose bf16 banks take the vdpbf16ps kernels (x and each act row rounded to
+# bf16, fp32 sums); "auto" picks it where the CPU has AVX512-BF16.
+ISAS = ("auto", "avx512bf16", "avx512", "avx2", "scalar")
 # The AVX-512 kernel bodies on emulated 16-lane vectors (slow, any CPU): lets the tests cover the
 # AVX-512 code geometry on machines without AVX-512. Never picked by "auto".
-TEST_ISAS = ("emu512",)
+# "emubf16": the bf16-dot contracts in plain C++ (the executor's bf16 layouts on any CPU).
+TEST_ISAS = ("emu512", "emubf16")
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 # Quantised expert formats the native kernels compute (the `qformat` codes of `ftnative`).
 QUANT_FORMATS = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
@@ -152,8 +155,10 @@ class CpuExecutor:
              (fp32 or bf16, same dtype); CPU, contiguous
     act      the expert activation (SILU or GPT-OSS clamped SwiGLU), fused before `down`
     threads  worker threads, each pinned to its own physical core; None = one per physical core
-    isa      "auto" (best available), or force "avx512", "avx2" or "scalar"; forcing a path this
-             CPU lacks raises RuntimeError
+    isa      "auto" (best available), or force "avx512bf16", "avx512", "avx2" or "scalar"; forcing
+             a path this CPU lacks raises RuntimeError. "avx512bf16" is "avx512" with bf16 banks
+             on vdpbf16ps (activations rounded to bf16: see `bf16_dot`); force "avx512" for the
+             fp32-activation kernels
     tile_min_tokens  experts with at least this many routes in a call use the tiled (prefill)
              kernel, fewer use the streaming matrix-vector kernel (decode); 12 is the measured
              bf16 crossover on Zen 3 (the tiled kernel pads each expert's tokens to 16s)
@@ -211,8 +216,15 @@ class CpuExecutor:
 
     @property
     def isa(self) -> str:
-        """The ISA path in use ("avx512", "avx2" or "scalar"; "emu512" in tests)."""
+        """The ISA path in use ("avx512bf16", "avx512", "avx2" or "scalar"; "emu512", "emubf16"
+        in tests)."""
         return str(self._exec.isa)
+
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether bf16 banks run the bf16-dot kernels (isa "avx512bf16", or "emubf16" in tests):
+        x and each act row are rounded to bf16, sums stay fp32."""
+        return bool(self._exec.bf16_dot)
 
     @property
     def threads(self) -> int:

@@ -12,6 +12,7 @@
 
 #include "decode_attention.h"
 #include "dense_linear.h"
+#include "dense_linear_bf16.h"
 #include "pool.h"
 #include "qlinear.h"
 #include "qmoe.h"
@@ -27,6 +28,7 @@ struct State {
   std::string isa = "auto";
   const ftnative::KernelSet* bf16 = nullptr;
   const ftnative::KernelSet* f32 = nullptr;
+  const ftnative::Bf16DotSet* bf16dot = nullptr;  // bf16 weights take it when set
   ftdense::RangeFn attention = nullptr;
   const ftdense::QDotSet* qdot = nullptr;
 };
@@ -41,14 +43,18 @@ void configure(int threads, int spin_us, const std::string& isa) {
   State& s = state();
   const auto* bf16 = &ftdense::kernel_set(isa, true);  // throws before anything changes
   const auto* f32 = &ftdense::kernel_set(isa, false);
-  const auto* qdot = &ftdense::qdot_set(isa);
+  const auto* bf16dot = ftdense::bf16dot_set(isa);
+  // attention and the integer dots know no bf16-dot ISAs: they take the base ones
+  const std::string base = isa == "avx512bf16" ? "avx512" : isa == "emubf16" ? "scalar" : isa;
+  const auto* qdot = &ftdense::qdot_set(base);
   auto pool = std::make_shared<ftdense::Pool>(threads, spin_us);
   std::lock_guard<std::mutex> lock(s.mu);
   s.pool = std::move(pool);  // the old pool ends when its last running call drops it
   s.bf16 = bf16;
   s.f32 = f32;
-  s.isa = bf16->isa;
-  s.attention = ftdense::range_kernel(s.isa);
+  s.bf16dot = bf16dot;
+  s.isa = bf16dot ? bf16dot->isa : bf16->isa;
+  s.attention = ftdense::range_kernel(bf16->isa);
   s.qdot = qdot;
 }
 
@@ -183,18 +189,21 @@ PYBIND11_MODULE(ftdense, m) {
         State& s = state();
         std::shared_ptr<ftdense::Pool> pool;
         const ftnative::KernelSet* ks;
+        const ftnative::Bf16DotSet* dot;
         {
           std::lock_guard<std::mutex> lock(s.mu);
           if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
           pool = s.pool;
           ks = bf16 ? s.bf16 : s.f32;
+          dot = bf16 && round_input ? s.bf16dot : nullptr;  // it rounds x to bf16
         }
         const ftdense::Input in{reinterpret_cast<const float*>(x), T, K, bf16, round_input};
         std::vector<ftdense::Output> outs;
         for (size_t i = 0; i < w.size(); ++i)
           outs.push_back({reinterpret_cast<const void*>(w[i]), N[i], reinterpret_cast<float*>(y[i])});
         py::gil_scoped_release release;
-        ftdense::linear(*pool, *ks, in, outs);
+        if (dot) ftdense::linear_bf16dot(*pool, *dot, in, outs);
+        else ftdense::linear(*pool, *ks, in, outs);
       },
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("y"),
       py::arg("bf16"), py::arg("round_input"),

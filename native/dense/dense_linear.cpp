@@ -119,7 +119,10 @@ void prepare_tile(Job& j) {
 }  // namespace
 
 const KernelSet& kernel_set(const std::string& isa, bool bf16) {
-  const std::string pick = isa == "auto" ? ftnative::supported_isas().front() : isa;
+  std::string pick = isa == "auto" ? ftnative::supported_isas().front() : isa;
+  // the fp32-FMA kernels of the bf16-dot ISAs (dense_linear_bf16.h takes their bf16 weights)
+  if (pick == "emubf16") pick = "scalar";
+  if (pick == "avx512bf16" && ftnative::isa_supported(pick)) pick = "avx512";
   if (pick == "emu512") return bf16 ? ftnative::kEmu512Bf16 : ftnative::kEmu512F32;
   if (pick != "scalar" && !ftnative::isa_supported(pick))
     throw std::invalid_argument("this CPU cannot run the '" + pick + "' kernels");

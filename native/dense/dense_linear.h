@@ -30,8 +30,9 @@ struct Output {
   float* y;  // [T, N]
 };
 
-// The kernel set for `isa` ("auto", "avx512", "avx2", "scalar", "emu512") and weight dtype;
-// throws std::invalid_argument for an ISA this CPU cannot run.
+// The kernel set for `isa` ("auto", "avx512bf16", "avx512", "avx2", "scalar", "emu512",
+// "emubf16") and weight dtype; throws std::invalid_argument for an ISA this CPU cannot run. The
+// bf16-dot ISAs give their fp32-FMA kernels here (avx512, scalar); see dense_linear_bf16.h.
 const ftnative::KernelSet& kernel_set(const std::string& isa, bool bf16);
 
 // Fewer tokens than this take the gemv path.

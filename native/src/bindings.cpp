@@ -99,5 +99,6 @@ PYBIND11_MODULE(ftnative, m) {
           py::arg("K"),
           "x [T,H] fp32, flat_ids [T,K] int32, weights [T,K] fp32, out [T,H] fp32 addresses.")
       .def_property_readonly("isa", &Executor::isa)
+      .def_property_readonly("bf16_dot", &Executor::bf16_dot)
       .def_property_readonly("threads", &Executor::threads);
 }

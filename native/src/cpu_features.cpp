@@ -25,9 +25,16 @@ bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
+
+// vdpbf16ps (the bf16-dot kernels, kernels_bf16dot.h).
+bool has_avx512bf16() {
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
 #else
 bool has_avx2() { return false; }
 bool has_avx512() { return false; }
+bool has_avx512bf16() { return false; }
 #endif
 
 int read_int(const std::string& path, int fallback) {
@@ -53,6 +60,7 @@ std::vector<int> allowed_cpus() {
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;
+  if (has_avx512bf16()) out.emplace_back("avx512bf16");  // avx512 plus bf16-dot for bf16 weights
   if (has_avx512()) out.emplace_back("avx512");
   if (has_avx2()) out.emplace_back("avx2");
   out.emplace_back("scalar");

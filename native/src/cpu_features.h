@@ -7,6 +7,7 @@
 namespace ftnative {
 
 // ISA paths the running CPU (and OS) supports, best first; always ends with "scalar".
+// "avx512bf16" is "avx512" whose bf16 weights take the vdpbf16ps kernels (kernels_bf16dot.h).
 std::vector<std::string> supported_isas();
 
 bool isa_supported(const std::string& isa);

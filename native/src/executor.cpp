@@ -14,9 +14,10 @@ namespace {
 
 const KernelSet* kernel_set(const std::string& isa, WDtype dt) {
   const bool bf16 = dt == WDtype::BF16;
+  if (isa == "emubf16") return bf16 ? &kScalarBf16 : &kScalarF32;  // bf16 banks: bkern_
   if (isa == "emu512") return bf16 ? &kEmu512Bf16 : &kEmu512F32;
 #ifndef FTNATIVE_NO_X86
-  if (isa == "avx512") return bf16 ? &kAvx512Bf16 : &kAvx512F32;
+  if (isa == "avx512" || isa == "avx512bf16") return bf16 ? &kAvx512Bf16 : &kAvx512F32;
   if (isa == "avx2") return bf16 ? &kAvx2Bf16 : &kAvx2F32;
 #else
   (void)isa;
@@ -24,11 +25,20 @@ const KernelSet* kernel_set(const std::string& isa, WDtype dt) {
   return bf16 ? &kScalarBf16 : &kScalarF32;
 }
 
+// The bf16-dot kernels of `isa`, or null where it has none.
+const Bf16DotSet* bf16dot_set(const std::string& isa) {
+  if (isa == "emubf16") return &kScalarBf16Dot;
+#ifndef FTNATIVE_NO_X86
+  if (isa == "avx512bf16") return &kAvx512Bf16Dot;
+#endif
+  return nullptr;
+}
+
 const QKernelSet* qkernel_set(const std::string& isa, QFormat f) {
   const int i = static_cast<int>(f);
   if (isa == "emu512") return &kEmu512Q[i];
 #ifndef FTNATIVE_NO_X86
-  if (isa == "avx512") return &kAvx512Q[i];
+  if (isa == "avx512" || isa == "avx512bf16") return &kAvx512Q[i];
   if (isa == "avx2") return &kAvx2Q[i];
 #endif
   return &kScalarQ[i];
@@ -36,13 +46,14 @@ const QKernelSet* qkernel_set(const std::string& isa, QFormat f) {
 
 std::string resolve_isa(const std::string& requested) {
   if (requested == "auto") return supported_isas().front();
-  if (requested == "emu512") return requested;  // test-only, portable
-  if (requested != "avx512" && requested != "avx2" && requested != "scalar")
-    throw std::invalid_argument("isa must be one of auto, avx512, avx2, scalar (or emu512 for "
-                                "tests); got '" + requested + "'");
+  if (requested == "emu512" || requested == "emubf16") return requested;  // test-only, portable
+  if (requested != "avx512bf16" && requested != "avx512" && requested != "avx2" &&
+      requested != "scalar")
+    throw std::invalid_argument("isa must be one of auto, avx512bf16, avx512, avx2, scalar (or "
+                                "emu512, emubf16 for tests); got '" + requested + "'");
   if (!isa_supported(requested))
     throw std::runtime_error("this CPU does not support the '" + requested +
-                             "' path (supported here: avx512/avx2 as detected, scalar)");
+                             "' path (supported here: avx512bf16/avx512/avx2 as detected, scalar)");
   return requested;
 }
 
@@ -87,6 +98,8 @@ Executor::Executor(const BankSpec& banks, const ActSpec& act, const ExecutorOpti
   if (banks.quant) {
     qkern_ = qkernel_set(isa_, banks.qformat);
     gemv_in_ = tile_in_ = InputLayout(qkern_->chunk, qkern_->perm);
+  } else if (banks.weight_dtype == WDtype::BF16 && (bkern_ = bf16dot_set(isa_))) {
+    gemv_in_ = tile_in_ = InputLayout(0, nullptr);  // natural order: W's pairs meet x's pairs
   } else {
     gemv_in_ = InputLayout(kern_->chunk, nullptr);
   }
@@ -156,6 +169,18 @@ void Executor::proj_gemv(Proj p, int64_t fid, int r0, int rows, const float* con
   const int k = geom(p).k;
   if (qkern_) qkern_->gemv(qmat(p, fid, r0), rows, k, xs, n, y, ldy);
   else kern_->gemv(wrows(p, fid, r0), k, rows, k, xs, n, y, ldy);
+}
+
+void Executor::proj_gemv(Proj p, int64_t fid, int r0, int rows, const uint16_t* const* xs,
+                         int n, float* y, int ldy) const {
+  const int k = geom(p).k;
+  bkern_->gemv(reinterpret_cast<const uint16_t*>(wrows(p, fid, r0)), k, rows, k, xs, n, y, ldy);
+}
+
+void Executor::proj_tile(Proj p, int64_t fid, int r0, int rows, const uint16_t* xp, int nb,
+                         float* y) const {
+  const int k = geom(p).k;
+  bkern_->tile(reinterpret_cast<const uint16_t*>(wrows(p, fid, r0)), k, rows, k, xp, nb, y);
 }
 
 void Executor::proj_tile(Proj p, int64_t fid, int r0, int rows, const float* xp, int nb,
@@ -234,33 +259,52 @@ void Executor::make_groups() {
 // Offsets into the act and panel buffers, and the input/act row pointers of small groups.
 void Executor::layout(int T) {
   const int64_t H = banks_.hidden, I = banks_.inter;
+  // bf16 pair panels pad an odd input count to even
+  const int64_t Hp = bkern_ ? H + (H & 1) : H, Ip = bkern_ ? I + (I & 1) : I;
   int64_t a_total = 0, p_total = 0;
   bool any_small = false;
   for (Group& g : groups_) {
     g.nb = g.tiled ? (g.n + kTileLanes - 1) / kTileLanes : 0;
     g.a_off = a_total;
     g.p_off = p_total;
-    a_total += (g.tiled ? int64_t{g.nb} * kTileLanes : g.n) * I;
-    p_total += int64_t{g.nb} * kTileLanes * H;
+    a_total += g.tiled ? int64_t{g.nb} * kTileLanes * Ip : g.n * I;
+    p_total += int64_t{g.nb} * kTileLanes * Hp;
     any_small |= !g.tiled;
   }
-  if (static_cast<int64_t>(act_buf_.size()) < a_total) act_buf_.resize(a_total);
-  if (static_cast<int64_t>(panel_buf_.size()) < p_total) panel_buf_.resize(p_total);
+  if (bkern_) {
+    if (static_cast<int64_t>(actb_.size()) < a_total) actb_.resize(a_total);
+    if (static_cast<int64_t>(panelb_.size()) < p_total) panelb_.resize(p_total);
+  } else {
+    if (static_cast<int64_t>(act_buf_.size()) < a_total) act_buf_.resize(a_total);
+    if (static_cast<int64_t>(panel_buf_.size()) < p_total) panel_buf_.resize(p_total);
+  }
 
-  // Inputs of small groups: x rows, de-interleaved when the gemv kernel wants it.
-  const bool shuffle = any_small && gemv_in_.chunk() > 0;
-  if (shuffle && static_cast<int64_t>(xs_.size()) < T * H) xs_.resize(T * H);
+  // Inputs of small groups: x rows, de-interleaved when the gemv kernel wants it (rounded to bf16
+  // on the bf16-dot path).
+  const bool shuffle = any_small && (gemv_in_.chunk() > 0 || bkern_);
+  if (shuffle && bkern_ && static_cast<int64_t>(xb_.size()) < T * H) xb_.resize(T * H);
+  if (shuffle && !bkern_ && static_cast<int64_t>(xs_.size()) < T * H) xs_.resize(T * H);
   const float* xsrc = shuffle ? xs_.data() : x_;
   shuffle_async_ = shuffle && T * H > (1 << 16);
   if (shuffle && !shuffle_async_) shuffle_rows(0, T);
   const int nroutes = static_cast<int>(keys_.size());
-  xin_.resize(nroutes);
-  ain_.resize(nroutes);
+  if (bkern_) {
+    xinb_.resize(nroutes);
+    ainb_.resize(nroutes);
+  } else {
+    xin_.resize(nroutes);
+    ain_.resize(nroutes);
+  }
   for (const Group& g : groups_) {
     if (g.tiled) continue;
     for (int s = 0; s < g.n; ++s) {
-      xin_[g.begin + s] = xsrc + rtok_[g.begin + s] * H;
-      ain_[g.begin + s] = act_buf_.data() + g.a_off + s * I;
+      if (bkern_) {
+        xinb_[g.begin + s] = xb_.data() + rtok_[g.begin + s] * H;
+        ainb_[g.begin + s] = actb_.data() + g.a_off + s * I;
+      } else {
+        xin_[g.begin + s] = xsrc + rtok_[g.begin + s] * H;
+        ain_[g.begin + s] = act_buf_.data() + g.a_off + s * I;
+      }
     }
   }
 }
@@ -293,7 +337,7 @@ void Executor::build_tasks(int T) {
 
   int64_t m = 0;  // widest group in tokens (tiled groups count their padded panel)
   for (const Group& g : groups_) m = std::max<int64_t>(m, g.tiled ? g.nb * kTileLanes : g.n);
-  const int64_t need = std::max<int64_t>(2 * jb_, hb_) * m;
+  const int64_t need = std::max<int64_t>(2 * jb_, hb_) * m;  // fp32 scratch either way
   for (auto& s : scratch_)
     if (static_cast<int64_t>(s.size()) < need) s.resize(need);
 }
@@ -340,17 +384,29 @@ void Executor::run_task(const Task& t, int worker) {
 
 void Executor::shuffle_rows(int t0, int t1) {
   const int64_t H = banks_.hidden;
+  if (bkern_) {
+    to_bf16(x_ + t0 * H, xb_.data() + t0 * H, (t1 - t0) * H);
+    return;
+  }
   for (int64_t t = t0; t < t1; ++t) gemv_in_.apply(x_ + t * H, xs_.data() + t * H, H);
 }
 
 // Panel block b of a tiled group: [H][16] with the inputs of routes 16b .. 16b+15 in the lanes.
 void Executor::pack_panel(const Group& g, int b) {
   const int64_t H = banks_.hidden;
-  float* p = panel_buf_.data() + g.p_off + b * H * kTileLanes;
   const float* rows[kTileLanes];
   int lanes = 0;
   for (; lanes < kTileLanes && b * kTileLanes + lanes < g.n; ++lanes)
     rows[lanes] = x_ + rtok_[g.begin + b * kTileLanes + lanes] * H;
+  if (bkern_) {  // bf16 pair panel [Hp / 2][16][2]; padding lanes and the odd pad input are 0
+    const int64_t Hp = H + (H & 1);
+    uint16_t* pb = panelb_.data() + g.p_off + b * Hp * kTileLanes;
+    for (int64_t j = 0; j < Hp; ++j)
+      for (int l = 0; l < kTileLanes; ++l)
+        pb[pair_panel_index(j, l)] = l < lanes && j < H ? to_bf16(rows[l][j]) : 0;
+    return;
+  }
+  float* p = panel_buf_.data() + g.p_off + b * H * kTileLanes;
   for (int64_t j = 0; j < H; ++j) {
     float* dst = p + tile_in_.index(j, H) * kTileLanes;
     for (int l = 0; l < lanes; ++l) dst[l] = rows[l][j];
@@ -382,16 +438,23 @@ void Executor::up_small(const Group& g, int j0, int j1, float* scratch) {
   const int jb = j1 - j0;
   float* gbuf = scratch;
   float* ubuf = scratch + g.n * jb;
-  proj_gemv(Proj::Gate, g.fid, j0, jb, &xin_[g.begin], g.n, gbuf, jb);
-  proj_gemv(Proj::Up, g.fid, j0, jb, &xin_[g.begin], g.n, ubuf, jb);
+  if (bkern_) {
+    proj_gemv(Proj::Gate, g.fid, j0, jb, &xinb_[g.begin], g.n, gbuf, jb);
+    proj_gemv(Proj::Up, g.fid, j0, jb, &xinb_[g.begin], g.n, ubuf, jb);
+  } else {
+    proj_gemv(Proj::Gate, g.fid, j0, jb, &xin_[g.begin], g.n, gbuf, jb);
+    proj_gemv(Proj::Up, g.fid, j0, jb, &xin_[g.begin], g.n, ubuf, jb);
+  }
   const int64_t bias_row = g.fid * 2 * I;
   for (int s = 0; s < g.n; ++s) {
-    float* a = act_buf_.data() + g.a_off + s * I;
+    float* a = bkern_ ? nullptr : act_buf_.data() + g.a_off + s * I;
+    uint16_t* ab = bkern_ ? actb_.data() + g.a_off + s * I : nullptr;
     for (int j = 0; j < jb; ++j) {
       const int64_t jj = j0 + j;
       const float gv = gbuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + jj);
       const float uv = ubuf[s * jb + j] + bias(banks_.gate_up_bias, bias_row + I + jj);
-      a[gemv_in_.index(jj, I)] = activate(gv, uv);
+      if (ab) ab[jj] = to_bf16(activate(gv, uv));
+      else a[gemv_in_.index(jj, I)] = activate(gv, uv);
     }
   }
 }
@@ -400,22 +463,38 @@ void Executor::up_small(const Group& g, int j0, int j1, float* scratch) {
 void Executor::up_tiled(const Group& g, int j0, int j1, float* scratch) {
   const int64_t I = banks_.inter;
   const int jb = j1 - j0;
-  const float* panel = panel_buf_.data() + g.p_off;
   float* gbuf = scratch;
   float* ubuf = scratch + int64_t{g.nb} * jb * kTileLanes;
-  proj_tile(Proj::Gate, g.fid, j0, jb, panel, g.nb, gbuf);
-  proj_tile(Proj::Up, g.fid, j0, jb, panel, g.nb, ubuf);
+  if (bkern_) {
+    const uint16_t* panel = panelb_.data() + g.p_off;
+    proj_tile(Proj::Gate, g.fid, j0, jb, panel, g.nb, gbuf);
+    proj_tile(Proj::Up, g.fid, j0, jb, panel, g.nb, ubuf);
+  } else {
+    const float* panel = panel_buf_.data() + g.p_off;
+    proj_tile(Proj::Gate, g.fid, j0, jb, panel, g.nb, gbuf);
+    proj_tile(Proj::Up, g.fid, j0, jb, panel, g.nb, ubuf);
+  }
   const int64_t bias_row = g.fid * 2 * I;
-  float* act = act_buf_.data() + g.a_off;
+  const int64_t Ip = I + (I & 1);  // bf16 act pair panels [nb][Ip / 2][16][2]
   for (int b = 0; b < g.nb; ++b)
     for (int j = 0; j < jb; ++j) {
       const float bg = bias(banks_.gate_up_bias, bias_row + j0 + j);
       const float bu = bias(banks_.gate_up_bias, bias_row + I + j0 + j);
       const float* gs = gbuf + (int64_t{b} * jb + j) * kTileLanes;
       const float* us = ubuf + (int64_t{b} * jb + j) * kTileLanes;
-      float* dst = act + (b * I + tile_in_.index(j0 + j, I)) * kTileLanes;
+      if (bkern_) {
+        uint16_t* dst = actb_.data() + g.a_off + b * Ip * kTileLanes;
+        for (int l = 0; l < kTileLanes; ++l)
+          dst[pair_panel_index(j0 + j, l)] = to_bf16(activate(gs[l] + bg, us[l] + bu));
+        continue;
+      }
+      float* dst = act_buf_.data() + g.a_off + (b * I + tile_in_.index(j0 + j, I)) * kTileLanes;
       for (int l = 0; l < kTileLanes; ++l) dst[l] = activate(gs[l] + bg, us[l] + bu);
     }
+  if (bkern_ && (I & 1) && j1 == I)  // the odd pad input of the last pair: 0 in every lane
+    for (int b = 0; b < g.nb; ++b)
+      for (int l = 0; l < kTileLanes; ++l)
+        actb_[g.a_off + b * Ip * kTileLanes + pair_panel_index(I, l)] = 0;
 }
 
 // Down phase for out[:, h0:h1]: this task owns those columns for every token, so it zeroes them
@@ -426,7 +505,9 @@ void Executor::down_block(int h0, int h1, float* scratch) {
   for (int64_t t = 0; t < T_; ++t) std::memset(out_ + t * H + h0, 0, sizeof(float) * hb);
   for (const Group& g : groups_) {
     const int64_t bias_row = g.fid * H + h0;
-    if (g.tiled) proj_tile(Proj::Down, g.fid, h0, hb, act_buf_.data() + g.a_off, g.nb, scratch);
+    if (bkern_ && g.tiled) proj_tile(Proj::Down, g.fid, h0, hb, actb_.data() + g.a_off, g.nb, scratch);
+    else if (bkern_) proj_gemv(Proj::Down, g.fid, h0, hb, &ainb_[g.begin], g.n, scratch, hb);
+    else if (g.tiled) proj_tile(Proj::Down, g.fid, h0, hb, act_buf_.data() + g.a_off, g.nb, scratch);
     else proj_gemv(Proj::Down, g.fid, h0, hb, &ain_[g.begin], g.n, scratch, hb);
     for (int s = 0; s < g.n; ++s) {
       float* o = out_ + rtok_[g.begin + s] * H + h0;

@@ -29,6 +29,11 @@
 // tile_min_tokens routes (decode), `tile` on 16-token panels otherwise (prefill). A tiled
 // expert whose last block would be mostly padding hands those routes to a second, gemv group;
 // its tasks run right after the tiled ones on the same row block, which is then still cached.
+//
+// bf16 banks under isa "avx512bf16" (or "emubf16", tests) take the bf16-dot kernels
+// (kernels_bf16dot.h): x is rounded to bf16 once per call (shared by every expert reading it;
+// the tiled groups' panels are packed from it in bf16), and each act row once, when the up phase
+// writes it; gate, up and down sums stay fp32, bias and activation are computed in fp32.
 #pragma once
 
 #include <atomic>
@@ -39,6 +44,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kernels_bf16dot.h"
 #include "thread_pool.h"
 
 namespace ftnative {
@@ -107,6 +113,7 @@ class Executor final : public PoolJob {
                int K);
 
   const std::string& isa() const { return isa_; }
+  bool bf16_dot() const { return bkern_ != nullptr; }  // bf16 banks on the bf16-dot kernels
   int threads() const { return pool_->size(); }
 
   void work(int worker) override;
@@ -160,6 +167,11 @@ class Executor final : public PoolJob {
                  int ldy) const;
   void proj_tile(Proj p, int64_t fid, int r0, int rows, const float* xp, int nb,
                  float* y) const;
+  // The same on the bf16-dot path: bf16 rows (natural order) and bf16 pair panels.
+  void proj_gemv(Proj p, int64_t fid, int r0, int rows, const uint16_t* const* xs, int n,
+                 float* y, int ldy) const;
+  void proj_tile(Proj p, int64_t fid, int r0, int rows, const uint16_t* xp, int nb,
+                 float* y) const;
   float activate(float gate, float up) const;
 
   BankSpec banks_;
@@ -167,6 +179,7 @@ class Executor final : public PoolJob {
   ExecutorOptions opts_;
   std::string isa_;
   const KernelSet* kern_;               // float banks
+  const Bf16DotSet* bkern_ = nullptr;   // bf16 banks on the bf16-dot path
   const QKernelSet* qkern_ = nullptr;   // quantised banks
   InputLayout gemv_in_;  // x rows and act rows of gemv groups
   InputLayout tile_in_;  // panel and act panel rows of tiled groups (in order for float banks)
@@ -184,6 +197,10 @@ class Executor final : public PoolJob {
   std::vector<const float*> ain_;  // small groups: per route, its act row
   std::vector<float> xs_;        // de-interleaved copy of x when gemv needs it
   std::vector<float> act_buf_, panel_buf_;
+  // bf16-dot path: x rounded to bf16 [T][H], act rows / act pair panels, input pair panels (same
+  // offsets as act_buf_ / panel_buf_, with H and I rounded up to even for the panels).
+  std::vector<uint16_t> xb_, actb_, panelb_;
+  std::vector<const uint16_t*> xinb_, ainb_;
   std::vector<std::vector<float>> scratch_;  // per worker
   std::vector<Task> tasks_;
   int phase_end_[3] = {0, 0, 0};  // tasks_[phase_end_[p-1], phase_end_[p]) belong to phase p
