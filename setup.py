@@ -28,6 +28,12 @@ def _ext_modules() -> list:
         from native.build import extensions  # type: ignore[import-not-found]
     except ImportError:
         return []
+    # The C++ sources compile one by one by default (minutes on 2 cores, over tests/gpu/check.sh's
+    # build limit under load); pybind11's helper compiles them on every core. FT_BUILD_JOBS=N
+    # caps the count.
+    from pybind11.setup_helpers import ParallelCompile
+
+    ParallelCompile("FT_BUILD_JOBS", default=0).install()
     return extensions()
 
 
