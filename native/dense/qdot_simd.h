@@ -99,6 +99,11 @@ __attribute__((target(QDOT_TARGET))) void row_simd(const uint8_t* w, int K, cons
   int t = 0;
   for (; t + 4 <= n; t += 4)
     Kernel::template run<4>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
-  for (; t < n; ++t)
-    Kernel::template run<1>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+  // The rest in one pass too: prefill routes an expert a few tokens (Qwen3-30B-A3B, 32 tokens:
+  // about 2 per expert), and a pass per token would unpack every weight block again.
+  const int64_t o = t;
+  const int8_t* qt = q + o * K;
+  if (n - t == 3) Kernel::template run<3>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+  if (n - t == 2) Kernel::template run<2>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+  if (n - t == 1) Kernel::template run<1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
 }

@@ -14,6 +14,12 @@ Qwen3-30B-A3B expert geometry, one MoE layer: H = 2048, I = 768, 128 experts, to
 
 Usage: python tests/bench/bench_native_executor.py [--iters N] [--threads N] [--formats a,b]
 Every decode call routes to 8 fresh random experts, so weights come from DRAM, not cache.
+
+--cpu-time (for a shared, noisy machine): only the GGUF block formats of --formats (default
+q4_k,q6_k,q8_0), one thread, banks quantised from random values; per round one call of every
+format at T = 1 and one at T = --prefill-t (fresh random routes each call), interleaved over
+--iters rounds, timed in the calling thread's CPU time; prints medians (ms per call and GB/s of
+the expert bytes the call reads: distinct experts x bytes per expert).
 """
 
 from __future__ import annotations
@@ -188,6 +194,50 @@ def bench_format(fmt: str, args: argparse.Namespace) -> tuple[int, float, float]
     return expert_bytes(banks), dec, bench_prefill(banks, exn, label, 1)
 
 
+def make_block_banks(fmt: str) -> ExpertBanks:
+    """Banks of a GGUF block format: every projection row tiled from 256 rows quantised from
+    random values (well-formed scales, so no inf/NaN/denormal slows a kernel)."""
+    b = allocate(fmt, E, H, INTER, torch.bfloat16)
+    for w, k in ((b.gate_up, H), (b.down, INTER)):
+        tile = gguf_blocks.quantize(torch.randn(256, k) * 0.02, fmt)
+        rows = w.view(-1, w.shape[-1])
+        for r0 in range(0, rows.shape[0], 256):
+            rows[r0 : r0 + 256].copy_(tile[: rows.shape[0] - r0])
+    return b
+
+
+def bench_blocks_cpu_time(args: argparse.Namespace) -> None:
+    """The --cpu-time mode (module docstring): medians of interleaved rounds, one thread."""
+    fmts = [f for f in args.formats.split(",") if is_block_format(f)] if args.formats else []
+    fmts = fmts or ["q4_k", "q6_k", "q8_0"]
+    dense_native.configure(1)
+    exs = {f: BlockExecutor(make_block_banks(f), ActivationSpec()) for f in fmts}
+    per_expert = {f: expert_bytes(ex.banks) for f, ex in exs.items()}
+    gen = torch.Generator().manual_seed(0)
+    sizes = (1, args.prefill_t)
+    times: dict[tuple[str, int], list[float]] = {(f, t): [] for f in fmts for t in sizes}
+    nbytes: dict[tuple[str, int], list[int]] = {key: [] for key in times}
+    for r in range(-2, args.iters):  # 2 warm-up rounds
+        for t in sizes:
+            x, ids, w = routes(t, gen)
+            distinct = int(torch.unique(ids).numel())
+            for f, ex in exs.items():
+                t0 = time.thread_time()
+                ex.forward(x, ids, w)
+                dt = time.thread_time() - t0
+                if r >= 0:
+                    times[f, t].append(dt)
+                    nbytes[f, t].append(distinct * per_expert[f])
+    isa = next(iter(exs.values())).isa
+    print(f"MoE layer H={H} I={INTER} E={E} top-{K}, 1 thread, qdot isa {isa}, thread CPU time,")
+    print(f"medians of {args.iters} interleaved rounds (fresh routes per call)")
+    print(f"{'format':8s} {'T':>4s} {'ms/call':>8s} {'GB/s':>6s} {'ms/token':>8s}")
+    for (f, t), ts in times.items():
+        sec = float(np.median(ts))
+        gbs = float(np.median(nbytes[f, t])) / sec / 1e9
+        print(f"{f:8s} {t:4d} {sec * 1e3:8.3f} {gbs:6.2f} {sec * 1e3 / t:8.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=40, help="decode calls per measurement")
@@ -198,7 +248,14 @@ def main() -> None:
         default=",".join((*QUANT_FORMATS, "q8_0", "q4_k")),
         help="quantised formats to add ('' none)",
     )
+    ap.add_argument("--cpu-time", action="store_true", help="block formats, 1 thread, CPU time")
+    ap.add_argument("--prefill-t", type=int, default=32, help="tokens of --cpu-time's batch")
     args = ap.parse_args()
+    if args.cpu_time:
+        if args.formats == ap.get_default("formats"):
+            args.formats = "q4_k,q6_k,q8_0"
+        bench_blocks_cpu_time(args)
+        return
 
     banks = make_banks()
     print(f"Qwen3-30B-A3B layer: {E} experts x {expert_bytes(banks) / 2**20:.1f} MiB bf16, top-{K}")
