@@ -195,7 +195,14 @@ def _check_against_dequantized(llm: LLM, deq: LLM, seed: int) -> None:
     got, want = llm.logits(ids), deq.logits(ids)
     err = (got - want).abs().max().item()
     assert 1e-3 < err and (got - want).norm() / want.norm() < 3e-2
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    # argmax may part only at near-ties of the reference (margin under 2 err, as greedy below):
+    # every rounding step (bf16 inputs of the projections, int8 activations of the blocks) turns
+    # an fp32 summation-order change into an ulp step, and the tiny model has positions whose top
+    # two are 0.02-0.04 apart (3 of 24 part there on the bf16-dot path, 1 on the fp32-FMA one)
+    parted = got.argmax(-1) != want.argmax(-1)
+    top2 = want.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1])[parted]
+    assert parted.float().mean() <= 0.2 and bool((margins < 2 * err).all()), margins
     a, b = llm.generate(ids, 16, ignore_eos=True), deq.generate(ids, 16, ignore_eos=True)
     if a != b:
         k = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
