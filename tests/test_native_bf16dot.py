@@ -16,7 +16,8 @@ and the fp32 (unrounded) reference is much further away than the bf16 one (asser
 really rounds).
 
 "avx512bf16" runs only where the CPU has AVX512-BF16 (skipped elsewhere); "emubf16" runs the same
-executor/dense layouts on the plain-C++ kernels everywhere.
+executor/dense layouts on the plain-C++ kernels everywhere. The path is opt-in ("auto" keeps the
+fp32-activation kernels): forced here by isa.
 """
 
 from __future__ import annotations
@@ -126,11 +127,13 @@ def test_experts_match_bf16_reference(
     assert max_err(out, exact) > 4 * max(max_err(out, ref), 1e-4)
 
 
-def test_auto_picks_bf16_dot_where_the_cpu_has_it() -> None:
+def test_bf16_dot_is_opt_in() -> None:
     banks = make_banks(3, 64, 32, bias=False)
     ex = CpuExecutor(banks, ACTS["silu"], threads=1)
-    has = "avx512bf16" in supported_isas()
-    assert ex.isa == supported_isas()[0] and ex.bf16_dot == has
+    assert ex.isa == supported_isas()[0] != "avx512bf16" and not ex.bf16_dot
+    if "avx512bf16" in supported_isas():  # listed right after avx512
+        assert supported_isas()[supported_isas().index("avx512bf16") - 1] == "avx512"
+        assert CpuExecutor(banks, ACTS["silu"], threads=1, isa="avx512bf16").bf16_dot
     # forcing the old path keeps the fp32-FMA kernels; fp32 banks never take bf16-dot
     if "avx512" in supported_isas():
         assert not CpuExecutor(banks, ACTS["silu"], threads=1, isa="avx512").bf16_dot
@@ -140,9 +143,8 @@ def test_auto_picks_bf16_dot_where_the_cpu_has_it() -> None:
 
 def test_experts_qwen3_geometry_decode_and_prefill() -> None:
     """H = 2048, I = 768 (Qwen3-30B-A3B experts), 4 experts, decode and a 48-token prefill."""
-    isa = supported_isas()[0]
-    if isa != "avx512bf16":
-        pytest.skip(f"this CPU lacks avx512bf16 (supports {supported_isas()})")
+    isa = "avx512bf16"
+    need_isa(isa)
     banks = make_banks(4, 2048, 768, bias=False, seed=3)
     for t, tmin in ((1, 12), (48, 12)):
         ex = CpuExecutor(banks, ACTS["silu"], threads=2, isa=isa, tile_min_tokens=tmin)

@@ -44,7 +44,7 @@ except ImportError as e:  # extension not built: callers use the torch reference
     _import_error = e
 
 # "avx512bf16": avx512 whose bf16 banks take the vdpbf16ps kernels (x and each act row rounded to
-# bf16, fp32 sums); "auto" picks it where the CPU has AVX512-BF16.
+# bf16, fp32 sums); opt-in: "auto" keeps the fp32-activation path.
 ISAS = ("auto", "avx512bf16", "avx512", "avx2", "scalar")
 # The AVX-512 kernel bodies on emulated 16-lane vectors (slow, any CPU): lets the tests cover the
 # AVX-512 code geometry on machines without AVX-512. Never picked by "auto".

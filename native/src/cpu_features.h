@@ -7,7 +7,8 @@
 namespace ftnative {
 
 // ISA paths the running CPU (and OS) supports, best first; always ends with "scalar".
-// "avx512bf16" is "avx512" whose bf16 weights take the vdpbf16ps kernels (kernels_bf16dot.h).
+// "avx512bf16" is "avx512" whose bf16 weights take the vdpbf16ps kernels (kernels_bf16dot.h);
+// listed right after "avx512" because it is opt-in ("auto" takes the first entry).
 std::vector<std::string> supported_isas();
 
 bool isa_supported(const std::string& isa);

@@ -61,8 +61,8 @@ def available() -> bool:
 def configure(threads: int | None = None, isa: str = "auto", spin_us: int = 50) -> None:
     """(Re)creates the pool: `threads` participants including the caller (default: torch's
     intra-op thread count at import), the kernels of `isa` ("auto", "avx512bf16", "avx512",
-    "avx2", "scalar", or "emu512" / "emubf16" in tests). "avx512bf16" (auto's pick where the CPU
-    has AVX512-BF16) runs bf16 weights on vdpbf16ps: the same x.to(bf16) @ W^T in fp32."""
+    "avx2", "scalar", or "emu512" / "emubf16" in tests). "avx512bf16" (opt-in: auto does not take
+    it) runs bf16 weights on vdpbf16ps: the same x.to(bf16) @ W^T in fp32."""
     if _native is None:
         raise ImportError("the native dense projection (extension module `ftdense`) is not built")
     _native.configure(threads or _DEFAULT_THREADS, spin_us, isa)
