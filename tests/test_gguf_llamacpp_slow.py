@@ -7,7 +7,8 @@ Quantized files (BF16, Q8_0, MXFP4, the K-quant mix): llama.cpp also quantizes t
 and experts of the types our integer-dot kernels compute), so the exact check is our load with
 every tensor dequantized against llama.cpp on an F32 file of the very weights the quantized file
 holds (1e-4: proves our dequantization and tensor layout); against llama.cpp on the quantized
-file itself we ask top-1 agreement >= 95 % and bound
+file itself we ask top-1 agreement >= 95 % (K-quants, whose inputs the two engines round in
+different blocks: each engine against the float model, see the test) and bound
 the median over positions of max |logit difference| (router flips make the per-position maximum
 jump at a few positions, so the maximum is printed, not bounded).
 
@@ -25,6 +26,7 @@ the file; max |dlogit| against llama.cpp on the F32 file of the same (dequantize
     mixtral q8_0      0.984   0.84   / 0.021    1.2e-6    (0.037 / 0.022 with Q8_0 experts kept)
     gpt_oss mxfp4     1.000   0.53   / 0.011    9.5e-7    (plain RoPE)
     qwen3_moe kmix    0.969   3.4    / 0.15     8.3e-6    (Q4_K/Q6_K + Q8_0/Q5_0/Q4_0 rows)
+                      0.891   3.97   / 0.183    8.3e-6    (experts kept in blocks, see the test)
     gpt_oss f32 YaRN  0.984   0.49   / 0.037    -         (llama.cpp's departure, below)
 Added later (same wheel version, rebuilt from source on Dec 1; 6 passed in 24 s):
     qwen3_next f32    1.000   8.5e-6 / 2.5e-6   -
@@ -139,7 +141,8 @@ def test_logits_match_llama_cpp(family, kind, over, builtin_model_dir, tmp_path,
     hf = make_tiny(family, tmp_path / "hf", seed=3, vocab_size=vocab, **over)[1]
     path = write_gguf(family, hf, tmp_path / f"{kind}.gguf", kind, tokenizer=builtin_model_dir)
     ours = _ours(path)
-    agree, err, med = _compare(ours, _llama_logits(path))
+    theirs = _llama_logits(path)
+    agree, err, med = _compare(ours, theirs)
     line = f"{family} {kind}: top-1 {agree:.3f}, max |dlogit| {err:.2e}, median {med:.2e}"
     if kind == "f32":
         print(line)
@@ -149,11 +152,29 @@ def test_logits_match_llama_cpp(family, kind, over, builtin_model_dir, tmp_path,
     same = write_gguf(family, hf, tmp_path / "same.gguf", "f32", tokenizer=builtin_model_dir)
     # the exact check on our dequantized load: experts and projections out of their blocks
     monkeypatch.setattr(gguf_experts, "block_expert_format", lambda *a: None)
-    exact = (_ours(path, dequantize_blocks=True) - _llama_logits(same)).abs().max().item()
+    floats = _llama_logits(same)
+    exact = (_ours(path, dequantize_blocks=True) - floats).abs().max().item()
     print(f"{line}; vs llama.cpp on the F32 of the same weights {exact:.2e}")
     assert exact < F32_TOL, exact
-    assert agree >= 0.95, line
     assert med < MEDIAN_TOL[kind], line
+    if kind != "kmix":
+        assert agree >= 0.95, line
+        return
+    # K-quants: llama.cpp rounds their inputs per 256 (Q8_K), we per 32, so the two engines
+    # carry independent activation roundings of about the same size (unlike Q8_0, where both
+    # round the same blocks alike), and against each other they add: each is measured against the
+    # float model instead (llama.cpp on the F32 of the same weights). Measured: ours top-1 0.922,
+    # median 0.120; llama.cpp's 0.969, 0.149; ours against llama.cpp 0.891, 0.183 (~ the two
+    # in quadrature, 0.191). Every position where we part from llama.cpp is one where one of the
+    # two parts from the float model: near-ties (margins 0.001-0.18) and router flips, two of
+    # ours also with the experts dequantized to bf16. A bug moves the median by O(1).
+    a_ours, _, med_ours = _compare(ours, floats)
+    a_theirs, _, med_theirs = _compare(theirs, floats)
+    print(f"kmix vs the F32: ours top-1 {a_ours:.3f} median {med_ours:.3f}; "
+          f"llama.cpp's {a_theirs:.3f} {med_theirs:.3f}")  # fmt: skip
+    assert med_ours < 1.25 * med_theirs and a_ours >= 0.9, (a_ours, med_ours, med_theirs)
+    top = [t.argmax(-1) for t in (ours, theirs, floats)]
+    assert bool(((top[0] == top[1]) | (top[0] != top[2]) | (top[1] != top[2])).all()), line
 
 
 def test_gpt_oss_yarn_departure(builtin_model_dir, tmp_path):
