@@ -92,8 +92,21 @@ CASES = [
     ("qwen3_5_moe", "bf16", Q35_ROPE),
     ("deepseek_v3", "f32", {}),
     ("deepseek_v3", "bf16", {}),
+    # the issue-16 families, as llama.cpp reads them (GLM-4.7-Flash written as deepseek2)
+    ("glm4_moe", "f32", {}),
+    ("glm4_moe", "q8_0", {}),
+    ("glm4_moe_lite", "f32", {}),
+    ("minimax_m2", "f32", {}),
+    ("minimax_m2", "q8_0", {}),
+    ("gemma4", "f32", {}),
 ]
 F32_TOL = 1e-4  # measured ~1e-6 (fp32 in both engines, F32 KV cache)
+# F32 files on which llama.cpp parts from transformers (and so from us: we match transformers on
+# these within 2e-5, tests/test_gguf_new_families.py), median over positions of max |dlogit|.
+# gemma4: measured 2.2e-3 from position 0 on (max 6.4e-2, one position), top-1 1.000. Part of it
+# is ggml's GELU, which reads an fp16 table: rounding our dense GELU's input and output to fp16
+# the same way brings the median to 1.6e-3; the rest is not explained yet (issue 12).
+F32_DEPARTS = {"gemma4": 5e-3}
 # Median over the 64 positions of max |logit difference| against llama.cpp on the quantized
 # file: its activation quantization, not ours (measured: see the module docstring).
 MEDIAN_TOL = {"bf16": 0.1, "q8_0": 0.15, "mxfp4": 0.15, "kmix": 0.4}
@@ -144,6 +157,10 @@ def test_logits_match_llama_cpp(family, kind, over, builtin_model_dir, tmp_path,
     theirs = _llama_logits(path)
     agree, err, med = _compare(ours, theirs)
     line = f"{family} {kind}: top-1 {agree:.3f}, max |dlogit| {err:.2e}, median {med:.2e}"
+    if kind == "f32" and family in F32_DEPARTS:
+        print(f"{line} (a known departure)")
+        assert agree == 1.0 and med < F32_DEPARTS[family], line
+        return
     if kind == "f32":
         print(line)
         assert agree == 1.0 and err < F32_TOL, line
