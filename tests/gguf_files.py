@@ -361,6 +361,20 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
     return done
 
 
+def assert_kept_rows_are_the_files(hf: Any, llm: Any, kept: list[str], label: str = "") -> None:
+    """``int_dot_reference`` computes with our raw rows, so it cannot see them misplaced: each
+    kept projection's rows, dequantized, must equal the weights ``dequantized_reference`` put
+    into ``hf`` from the file (llama's Q/K permutation undone row by row)."""
+    from freetokend.models.gguf_blocks import dequantize
+
+    for name in kept:
+        qw = llm.model.get_submodule(name).qweight
+        want = _hf_module(hf, name).weight.detach().float()
+        got = dequantize(qw.raw, qw.fmt)
+        assert got.shape == want.shape, name
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{label} {name} ({qw.fmt})"
+
+
 def _hf_module(hf: Any, ours: str) -> Any:
     """The transformers module of one of our projection names (the model's prefix varies)."""
     names = (ours, ours.replace(".shared_expert.", ".shared_experts."))  # DeepSeek's plural

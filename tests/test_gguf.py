@@ -13,7 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import dequantized_reference, int_dot_reference, write_gguf
+from gguf_files import (
+    assert_kept_rows_are_the_files,
+    dequantized_reference,
+    int_dot_reference,
+    write_gguf,
+)
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -38,22 +43,6 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
-
-
-def _assert_kept_rows_are_the_files(family: str, hf, llm, kept: list[str]) -> None:
-    """``int_dot_reference`` computes with our raw rows, so it cannot see them misplaced: each
-    kept projection's rows, dequantized, must equal the weights ``dequantized_reference`` put
-    into ``hf`` from the file (llama's Q/K permutation undone row by row)."""
-    from gguf_files import _hf_module
-
-    from freetokend.models.gguf_blocks import dequantize
-
-    for name in kept:
-        qw = llm.model.get_submodule(name).qweight
-        want = _hf_module(hf, name).weight.detach().float()
-        got = dequantize(qw.raw, qw.fmt)
-        assert got.shape == want.shape, name
-        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{family} {name} ({qw.fmt})"
 
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -99,7 +88,7 @@ def test_quantized_file_matches_its_dequantized_weights(
     dequantized_reference(family, hf, path)  # hf now holds exactly the file's weights
     kept = int_dot_reference(hf, llm)  # ... and computes the kept blocks as our kernels do
     assert ("lm_head" in kept) == (kind == "q8_0"), kept  # Q8_0 projections stay in blocks
-    _assert_kept_rows_are_the_files(family, hf, llm, kept)
+    assert_kept_rows_are_the_files(hf, llm, kept, family)
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < (ATOL_BLOCKS if kept else ATOL), f"{family} {kind}: max |logit diff| {err}"
@@ -152,7 +141,7 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path, exp
     kept = int_dot_reference(hf, llm)
     fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
     assert {"q4_k", "q6_k"} <= fmts, fmts  # the K-quant projections stay in their blocks
-    _assert_kept_rows_are_the_files(family, hf, llm, kept)
+    assert_kept_rows_are_the_files(hf, llm, kept, family)
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     assert err < ATOL_BLOCKS, f"{family} Q4_K_M mix: max |logit diff| {err}"

@@ -15,7 +15,14 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from gguf_files import ARCH, dequantized_reference, gguf_tensors, int_dot_reference, write_gguf
+from gguf_files import (
+    ARCH,
+    assert_kept_rows_are_the_files,
+    dequantized_reference,
+    gguf_tensors,
+    int_dot_reference,
+    write_gguf,
+)
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -166,10 +173,6 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, tmp_path, experts_d
     projection kept in its blocks holds the file's rows in the HF order (dequantized, equal to
     the weights transformers gets from the file through the converter's inverse transforms),
     and the logits agree with transformers computing those blocks as our kernels do."""
-    from gguf_files import _hf_module
-
-    from freetokend.models.gguf_blocks import dequantize
-
     hf = make_tiny(family, tmp_path / "hf", seed=3, **KMIX[family])[1]
     path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix")
     types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
@@ -179,12 +182,7 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, tmp_path, experts_d
     kept = int_dot_reference(hf, llm)
     fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
     assert {"q4_k", "q6_k"} <= fmts, fmts  # the K-quant projections stay in their blocks
-    for name in kept:
-        qw = llm.model.get_submodule(name).qweight
-        want = _hf_module(hf, name).weight.detach().float()
-        got = dequantize(qw.raw, qw.fmt)
-        assert got.shape == want.shape, name
-        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{family} {name} ({qw.fmt})"
+    assert_kept_rows_are_the_files(hf, llm, kept, family)
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().amax(-1)
     assert err.max() < ATOL_INT8_FLIP, f"{family} Q4_K_M mix: max |logit diff| per token {err}"

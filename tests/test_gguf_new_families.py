@@ -17,7 +17,12 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from gguf_files import dequantized_reference, int_dot_reference, write_gguf
+from gguf_files import (
+    assert_kept_rows_are_the_files,
+    dequantized_reference,
+    int_dot_reference,
+    write_gguf,
+)
 from tiny_models import VARIANTS, make_tiny
 
 from freetokend import LLM
@@ -73,19 +78,6 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():  # transformers' own greedy decoding, with its caches
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(ids) :].tolist()
-
-
-def _assert_kept_rows_are_the_files(hf, llm, kept: list[str]) -> None:
-    """The kept projections' raw rows, dequantized, are the file's weights in HF order
-    (``int_dot_reference`` computes with our rows, so it cannot see them misplaced)."""
-    from gguf_files import _hf_module
-
-    from freetokend.models.gguf_blocks import dequantize
-
-    for name in kept:
-        qw = llm.model.get_submodule(name).qweight
-        want = _hf_module(hf, name).weight.detach().float()
-        assert torch.allclose(dequantize(qw.raw, qw.fmt), want, rtol=1e-6, atol=1e-7), name
 
 
 def _meta(family: str) -> dict[str, str] | None:
@@ -199,7 +191,7 @@ def test_quantized_file_matches_its_dequantized_weights(case, kind, tmp_path, ex
     dequantized_reference(family, hf, path)  # hf now holds exactly the file's weights
     kept = int_dot_reference(hf, llm)  # ... and computes the kept blocks as our kernels do
     assert ("lm_head" in kept) == (kind == "q8_0"), kept
-    _assert_kept_rows_are_the_files(hf, llm, kept)
+    assert_kept_rows_are_the_files(hf, llm, kept, family)
     ids = _prompt(24, seed=2)
     err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
     tol = ATOL_BLOCKS_MLA if family == "glm4_moe_lite" else ATOL_BLOCKS
@@ -225,7 +217,7 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path, exp
     kept = int_dot_reference(hf, llm)
     fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
     assert {"q4_k", "q6_k"} <= fmts, fmts
-    _assert_kept_rows_are_the_files(hf, llm, kept)
+    assert_kept_rows_are_the_files(hf, llm, kept, family)
     ids = _prompt(24, seed=2)
     rows = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max(1).values
     # an activation rounding to the other int8 code moves one position's logits by up to 0.03
