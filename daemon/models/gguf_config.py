@@ -160,17 +160,24 @@ def mxfp4_experts(tensors: dict[str, GgufTensor]) -> bool:
     return bool(exps) and all(t.type_name == "MXFP4" for t in exps)
 
 
+def _yarn(get: Any, **extra: Any) -> dict[str, Any]:
+    """The rope fields of a file's YaRN scaling (``rope.scaling.*``), or none without it."""
+    if get("rope.scaling.type", None) != "yarn":
+        return {}
+    return {
+        "rope_type": "yarn",
+        "factor": float(get("rope.scaling.factor")),
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
+        **extra,
+    }
+
+
 def _gptoss(get: Any) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base"))}
-    if get("rope.scaling.type", None) == "yarn":
-        rope.update(
-            rope_type="yarn",
-            factor=float(get("rope.scaling.factor")),
-            original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
-            beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-            truncate=False,  # GPT-OSS's YaRN keeps the fractional correction range
-        )
+    # GPT-OSS's YaRN keeps the fractional correction range
+    rope.update(_yarn(get, truncate=False))
     return {
         "rope_parameters": rope,
         "sliding_window": int(get("attention.sliding_window")),
@@ -286,14 +293,7 @@ def _plain_rope(get: Any, head_dim: int, rotary_dim: int) -> dict[str, Any]:
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "partial_rotary_factor": rotary_dim / head_dim,
     }
-    if get("rope.scaling.type", None) == "yarn":
-        rope.update(
-            rope_type="yarn",
-            factor=float(get("rope.scaling.factor")),
-            original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
-            beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-        )
+    rope.update(_yarn(get))
     return rope
 
 
