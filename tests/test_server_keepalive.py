@@ -17,7 +17,7 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,8 +29,9 @@ from freetokend.server import sse
 from freetokend.server.app import create_app
 from freetokend.server.run import build_state, load_llm
 
-STALL_S = 0.6  # the first engine step (prefill) takes this long
-PING_S = 0.1
+STALL_MIN_S = 0.3  # a stalled engine step (a long prefill) takes at least this long,
+PINGS = 3  # and lasts until this many pings went out (30 s at most), so a loaded machine's
+PING_S = 0.1  # slow request setup cannot eat the silence the assertions count pings in
 
 
 # --- the keepalive generator ---------------------------------------------------------------
@@ -100,6 +101,7 @@ def test_closing_cancels_the_wait_for_the_next_frame() -> None:
 
 
 STALL = threading.Event()  # set: the engine's next step stalls (a long prefill)
+PINGED = threading.Semaphore(0)  # released once per ping sent
 MODEL = "builtin-qwen35moe-tiny"
 HELLO: Any = [{"role": "user", "content": "Hello"}]
 
@@ -116,12 +118,29 @@ def url() -> Iterator[str]:
     def step() -> Any:
         if STALL.is_set():
             STALL.clear()
-            time.sleep(STALL_S)
+            while PINGED.acquire(blocking=False):  # pings of earlier streams
+                pass
+            started = time.monotonic()
+            for _ in range(PINGS):
+                assert PINGED.acquire(timeout=30), "the stalled stream sent no pings"
+            time.sleep(max(0.0, STALL_MIN_S - (time.monotonic() - started)))
         return real_step()
+
+    real_keepalive = sse.keepalive
+
+    def counted_keepalive(
+        frames: AsyncIterator[bytes], ping: Callable[[], bytes], interval: float
+    ) -> AsyncIterator[bytes]:
+        def counted() -> bytes:
+            PINGED.release()
+            return ping()
+
+        return real_keepalive(frames, counted, interval)
 
     engine.step = step
     mp = pytest.MonkeyPatch()
     mp.setattr(sse, "KEEPALIVE_S", PING_S)
+    mp.setattr(sse, "keepalive", counted_keepalive)
     server = uvicorn.Server(
         uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning")
     )
