@@ -28,6 +28,10 @@ ATOL = 2e-4
 # terms in their own order (per ISA), the torch reference in another; a misplaced block or scale
 # moves logits by 0.1 and more
 ATOL_BLOCKS = 2e-3
+# transformers' own GGUF load of a K-quant mix: its fp32 norms and attention part from ours by
+# ~1e-6, and the kernels' int8 inputs step by amax / 127 per group of 256 (llama.cpp's Q8_K)
+# wherever that moves a value across a rounding boundary: measured 1.8e-2 (2e-3 with groups of 32)
+ATOL_BLOCKS_TF = 3e-2
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 
 
@@ -219,7 +223,7 @@ def test_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path, exp
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float()
     err = (ours - ref).abs().max().item()
-    assert err < (ATOL if kind == "f32" else ATOL_BLOCKS), (
+    assert err < {"f32": ATOL, "q8_0": ATOL_BLOCKS, "kmix": ATOL_BLOCKS_TF}[kind], (
         f"qwen3moe {kind} vs transformers' GGUF loader: {err}"
     )
 

@@ -152,6 +152,18 @@ def test_activation_quantisation() -> None:
     assert s[0, 1].item() == 64 - 127 + 32
 
 
+def test_activation_quantisation_in_groups_of_256() -> None:
+    """llama.cpp's Q8_K: one scale 1 / (127 / amax) per 256 inputs, amax over all of them."""
+    x = torch.zeros(1, 512)
+    x[0, :3] = torch.tensor([1.0, -2.0, 0.5])
+    x[0, 200] = 4.0  # the group's amax, in another block of 32
+    q, d, s = gb.quantize_act(x, 256)
+    assert d.shape == (1, 16) and bool((d[0, :8] == 1 / (127 / 4.0)).all())
+    assert bool((d[0, 8:] == 0).all()) and bool((q[0, 256:] == 0).all())
+    assert q[0, :3].tolist() == [32, -64, 16] and q[0, 200].item() == 127  # 31.75 -> 32
+    assert s[0, 0].item() == 32 - 64 + 16 and s[0, 6].item() == 127
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_qdot_reference_against_dequantised_oracle(fmt: str) -> None:
     g = torch.Generator().manual_seed(2)

@@ -272,8 +272,9 @@ def test_gguf_per_layer_expert_types_stay_in_blocks(  # type: ignore[no-untyped-
     deq.moe.executor = _FloatExperts(deq)
 
     # each MoE layer's call on the same inputs (so the same routes): the kept blocks against
-    # fp64 on the dequantized blocks; only the int8 activations part them (measured 1.2e-2 on
-    # each layer of both cases); a wrong layer's bank, row or type is O(1) here (flat ids read
+    # fp64 on the dequantized blocks; only the int8 activations part them (measured 1.6-1.8e-2
+    # on each layer of both cases with the K-quants' 256-input activation groups, 1.2e-2 when
+    # they read 32-input ones); a wrong layer's bank, row or type is O(1) here (flat ids read
     # one layer off, as an off-by-one layer table would: 1.4 on every layer)
     calls = _record_moe_calls(llm, _prompt(24, seed=4))
     assert len(calls) == 3
@@ -282,15 +283,16 @@ def test_gguf_per_layer_expert_types_stay_in_blocks(  # type: ignore[no-untyped-
         assert bool(((fid // e == layer) | (fid < 0)).all())  # flat ids of this layer only
         want64 = moe_reference(x.double(), fid, w.double(), _f64(exact), llm.moe.act)
         assert ((out.double() - want64).norm() / want64.norm()).item() < 3e-2, layer
-    # teacher-forced, against the dequantized experts: test_gguf_experts.py's bound (measured
-    # ||d|| / ||logits|| 1.5e-2, top-1 all equal). Greedy decoding is checked against the torch
+    # teacher-forced, against the dequantized experts (measured ||d|| / ||logits|| 5.4e-2 for
+    # gate_up, 2.0e-2 for q4_k_m, top-1 all equal; 1.5e-2 for both when the K-quants read
+    # 32-input activation groups instead of llama.cpp's 256). Greedy decoding is checked against the torch
     # block reference instead: on this tiny random model the int8 activations flip router
     # near-ties (a uniform q4_k/q6_k file, on the single-pair path, parts from its dequantized
     # load by up to 8e-2 relative on other prompts, measured), which the dequantized load
     # cannot tell from a bug.
     ids = _prompt(24, seed=4)
     got, want = llm.logits(ids), deq.logits(ids)
-    assert 1e-3 < (got - want).abs().max() and (got - want).norm() / want.norm() < 3e-2
+    assert 1e-3 < (got - want).abs().max() and (got - want).norm() / want.norm() < 8e-2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
     seq = llm.generate(ids, 16, ignore_eos=True)
     assert seq == oracle.generate(ids, 16, ignore_eos=True)

@@ -7,8 +7,7 @@ Quantized files (BF16, Q8_0, MXFP4, the K-quant mix): llama.cpp also quantizes t
 and experts of the types our integer-dot kernels compute), so the exact check is our load with
 every tensor dequantized against llama.cpp on an F32 file of the very weights the quantized file
 holds (1e-4: proves our dequantization and tensor layout); against llama.cpp on the quantized
-file itself we ask top-1 agreement >= 95 % (K-quants, whose inputs the two engines round in
-different blocks: each engine against the float model, see the test) and bound
+file itself we ask top-1 agreement >= 95 % and bound
 the median over positions of max |logit difference| (router flips make the per-position maximum
 jump at a few positions, so the maximum is printed, not bounded).
 
@@ -26,7 +25,9 @@ the file; max |dlogit| against llama.cpp on the F32 file of the same (dequantize
     mixtral q8_0      0.984   0.84   / 0.021    1.2e-6    (0.037 / 0.022 with Q8_0 experts kept)
     gpt_oss mxfp4     1.000   0.53   / 0.011    9.5e-7    (plain RoPE)
     qwen3_moe kmix    0.969   3.4    / 0.15     8.3e-6    (Q4_K/Q6_K + Q8_0/Q5_0/Q4_0 rows)
-                      0.891   3.97   / 0.183    8.3e-6    (experts kept in blocks, see the test)
+                      0.891   3.97   / 0.183    8.3e-6    (experts kept in blocks, K-quant
+                                                           inputs rounded per 32 inputs)
+                      0.984   0.83   / 0.085    8.3e-6    (Dec 2: per 256, llama.cpp's Q8_K)
     gpt_oss f32 YaRN  0.984   0.49   / 0.037    -         (llama.cpp's departure, below)
 Added later (same wheel version, rebuilt from source on Dec 1; 6 passed in 24 s):
     qwen3_next f32    1.000   8.5e-6 / 2.5e-6   -
@@ -37,7 +38,9 @@ Added later (same wheel version, rebuilt from source on Dec 1; 6 passed in 24 s)
     deepseek_v3 bf16  0.969   0.022  / 0.011    2.0e-6
 That rebuilt llama.cpp segfaults in decode on every Q8_0 file (the earlier qwen3_moe q8_0 case
 included), so the hybrids and deepseek2 are checked quantized in BF16 here; their Q8_0 files
-are checked against transformers on the dequantized weights (test_gguf_hybrid_mla.py).
+are checked against transformers on the dequantized weights (test_gguf_hybrid_mla.py). (On
+Dec 2 the same wheel ran every Q8_0 case: qwen3_moe 0.984 0.058 / 0.022, olmoe 0.984 0.26 /
+0.019, mixtral 0.984 0.040 / 0.021, glm4_moe 0.984 0.044 / 0.029, minimax_m2 1.000 0.042 / 0.023.)
 Known departures, not our bugs, handled here:
 - llama.cpp's YaRN rounds the correction range to whole dimensions (floor/ceil in
   ggml_rope_yarn_corr_dims); GPT-OSS (transformers ``truncate=False``, and we) keeps it
@@ -109,7 +112,7 @@ F32_TOL = 1e-4  # measured ~1e-6 (fp32 in both engines, F32 KV cache)
 F32_DEPARTS = {"gemma4": 5e-3}
 # Median over the 64 positions of max |logit difference| against llama.cpp on the quantized
 # file: its activation quantization, not ours (measured: see the module docstring).
-MEDIAN_TOL = {"bf16": 0.1, "q8_0": 0.15, "mxfp4": 0.15, "kmix": 0.4}
+MEDIAN_TOL = {"bf16": 0.1, "q8_0": 0.15, "mxfp4": 0.15, "kmix": 0.2}
 IDS = torch.randint(2, 400, (64,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -174,24 +177,7 @@ def test_logits_match_llama_cpp(family, kind, over, builtin_model_dir, tmp_path,
     print(f"{line}; vs llama.cpp on the F32 of the same weights {exact:.2e}")
     assert exact < F32_TOL, exact
     assert med < MEDIAN_TOL[kind], line
-    if kind != "kmix":
-        assert agree >= 0.95, line
-        return
-    # K-quants: llama.cpp rounds their inputs per 256 (Q8_K), we per 32, so the two engines
-    # carry independent activation roundings of about the same size (unlike Q8_0, where both
-    # round the same blocks alike), and against each other they add: each is measured against the
-    # float model instead (llama.cpp on the F32 of the same weights). Measured: ours top-1 0.922,
-    # median 0.120; llama.cpp's 0.969, 0.149; ours against llama.cpp 0.891, 0.183 (~ the two
-    # in quadrature, 0.191). Every position where we part from llama.cpp is one where one of the
-    # two parts from the float model: near-ties (margins 0.001-0.18) and router flips, two of
-    # ours also with the experts dequantized to bf16. A bug moves the median by O(1).
-    a_ours, _, med_ours = _compare(ours, floats)
-    a_theirs, _, med_theirs = _compare(theirs, floats)
-    print(f"kmix vs the F32: ours top-1 {a_ours:.3f} median {med_ours:.3f}; "
-          f"llama.cpp's {a_theirs:.3f} {med_theirs:.3f}")  # fmt: skip
-    assert med_ours < 1.25 * med_theirs and a_ours >= 0.9, (a_ours, med_ours, med_theirs)
-    top = [t.argmax(-1) for t in (ours, theirs, floats)]
-    assert bool(((top[0] == top[1]) | (top[0] != top[2]) | (top[1] != top[2])).all()), line
+    assert agree >= 0.95, line
 
 
 def test_gpt_oss_yarn_departure(builtin_model_dir, tmp_path):

@@ -52,14 +52,31 @@ def _case(t: int, n: int, k: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_activation_quantisation_bit_exact(isa: str) -> None:
+@pytest.mark.parametrize("group", [32, 256])
+def test_activation_quantisation_bit_exact(isa: str, group: int) -> None:
     _need(isa)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 256, generator=g) * torch.logspace(-3, 3, 5)[:, None]
+    x = torch.randn(6, 512, generator=g) * torch.logspace(-3, 3, 6)[:, None]
     x[1, 40:72] = 0.0
     x[2, :32] = torch.arange(32) - 15.5  # amax 16.5: halves of 127/16.5 steps, ties included
-    for got, want in zip(ql.quantize_act(x, isa), gb.quantize_act(x), strict=True):
+    x[3, 256:] = 0.0  # an all-zero group of 256
+    for got, want in zip(ql.quantize_act(x, isa, group), gb.quantize_act(x, group), strict=True):
         assert torch.equal(got, want)
+
+
+def test_qlinear_many_mixes_activation_groups() -> None:
+    """One call with outputs of both groups (a GGUF Q4_K_M file's q/k/v can be Q4_K, Q6_K and
+    Q5_0): each reads the input quantised in its own group, as the reference does."""
+    x, w32 = _case(3, 40, 512, "q5_0", seed=5)
+    x = x * torch.linspace(0.05, 3.0, 512)  # group amaxes far from their 32-input blocks'
+    _, wk = _case(3, 70, 512, "q4_k", seed=6)
+    _, w6 = _case(3, 9, 512, "q6_k", seed=7)
+    outs = ql.qlinear_many(x, [w32, wk, w6])
+    for got, w in zip(outs, [w32, wk, w6], strict=True):
+        torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    # the group matters at this tolerance: the K-quant output read with 32-input groups parts
+    as32 = gb.qdot_reference(wk.raw, "q4_k", x, group=32)
+    assert (as32 - outs[1]).abs().max().item() > 100 * ATOL
 
 
 @pytest.mark.parametrize("isa", ISAS)

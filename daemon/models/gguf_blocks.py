@@ -7,10 +7,12 @@ A quantised matrix [R, C] is a uint8 tensor [R, row_bytes(fmt, C)]: each row is 
 of that row along C (the input dim), byte for byte as llama.cpp stores them, so a GGUF tensor's
 raw data can be used unchanged and ours written to GGUF unchanged.
 
-Activations are quantised per 32 inputs (``quantize_act``): fp32 scale amax / 127, int8 values
-nearest-even of x * (127 / amax), and each block's sum of values (the K-quants' mins use it). The
-native kernels compute exact integer block dot products against each format's integer weights
-and combine them in fp32, as ``qdot_reference``.
+Activations are quantised per group of inputs (``quantize_act``), as llama.cpp does: int8 values
+nearest-even of x * (127 / amax) with one fp32 scale per group, 32 inputs for the 32-input
+formats (scale amax / 127, llama.cpp's Q8_0) and 256 for the K-quants (scale 1 / (127 / amax),
+its Q8_K), and each 32 inputs' sum of values (the K-quants' mins use it). The native kernels
+compute exact integer block dot products against each format's integer weights and combine them
+in fp32, as ``qdot_reference``.
 """
 
 from __future__ import annotations
@@ -100,27 +102,37 @@ def dequantize(raw: Tensor, fmt: str) -> Tensor:
 # ---- activations and the integer-dot reference ------------------------------------------------
 
 
-def quantize_act(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def act_group(fmt: str) -> int:
+    """The activation group the kernels of weight format ``fmt`` read: 32 or 256 inputs."""
+    return 256 if BLOCK_INPUTS[fmt] == 256 else ACT_BLOCK
+
+
+def quantize_act(x: Tensor, group: int = ACT_BLOCK) -> tuple[Tensor, Tensor, Tensor]:
     """x [T, K] -> (q [T, K] int8, d [T, K/32] fp32, s [T, K/32] int16): what ftdense computes,
-    bit for bit."""
+    bit for bit, in groups of ``group`` (32 or 256) inputs; d holds each 32 inputs' group scale."""
     t, k = x.shape
-    b = x.float().reshape(t, k // ACT_BLOCK, ACT_BLOCK)
+    b = x.float().reshape(t, k // group, group)
     amax = b.abs().amax(-1)
     inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
-    q = torch.round(b * inv[..., None])  # round half to even, as the kernels
+    q = torch.round(b * inv[..., None]).reshape(t, k // ACT_BLOCK, ACT_BLOCK)  # half to even
+    if group == ACT_BLOCK:
+        d = amax / 127
+    else:  # llama.cpp's Q8_K scale
+        d = torch.where(amax > 0, 1.0 / torch.where(inv > 0, inv, 1.0), 0.0)
     return (
         q.to(torch.int8).reshape(t, k),
-        amax / 127,
+        d.repeat_interleave(group // ACT_BLOCK, -1),
         q.sum(-1).to(torch.int16),
     )
 
 
-def qdot_reference(raw: Tensor, fmt: str, x: Tensor) -> Tensor:
+def qdot_reference(raw: Tensor, fmt: str, x: Tensor, group: int | None = None) -> Tensor:
     """y [T, N] = x @ W^T the way the native kernels compute it: activations quantised by
-    ``quantize_act``, exact integer dot products per block of 32 (of the integer form's weights
-    with the int8 activations), then sum_blocks d_x (a * dot + b * sum_x), here in fp64."""
+    ``quantize_act`` in the format's group (or ``group``), exact integer dot products per block
+    of 32 (of the integer form's weights with the int8 activations), then
+    sum_blocks d_x (a * dot + b * sum_x), here in fp64."""
     f = int_form(raw, fmt)
-    xq, dx, sx = quantize_act(x)
+    xq, dx, sx = quantize_act(x, act_group(fmt) if group is None else group)
     t, nb = dx.shape
     # Integers below 2^53 are exact in fp64 whatever the summation order.
     dots = torch.einsum("nbi,tbi->tnb", f.wi.double(), xq.double().reshape(t, nb, ACT_BLOCK))

@@ -215,19 +215,22 @@ PYBIND11_MODULE(ftdense, m) {
   });
   m.def(
       "quantize_act",
-      [](uintptr_t x, int T, int K, uintptr_t q, uintptr_t d, uintptr_t s, const std::string& isa) {
-        if (K % ftdense::kQActBlock) throw py::value_error("K must be a multiple of 32");
+      [](uintptr_t x, int T, int K, uintptr_t q, uintptr_t d, uintptr_t s, const std::string& isa,
+         int group) {
+        if (group != ftdense::kQActBlock && group != 256)
+          throw py::value_error("group must be 32 or 256");
+        if (K % group) throw py::value_error("K must be a multiple of the group");
         const ftdense::QDotSet* ks;
         auto pool = qdot_call(isa, ks);
         py::gil_scoped_release release;
-        ftdense::quantize_rows(*pool, *ks, reinterpret_cast<const float*>(x), T, K,
+        ftdense::quantize_rows(*pool, *ks, reinterpret_cast<const float*>(x), T, K, group,
                                reinterpret_cast<int8_t*>(q), reinterpret_cast<float*>(d),
                                reinterpret_cast<int16_t*>(s));
       },
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("q"), py::arg("d"), py::arg("s"),
-      py::arg("isa") = "",
-      "Activation quantisation (qdot.h): x [T,K] fp32 -> q [T,K] int8, d [T,K/32] fp32, "
-      "s [T,K/32] int16 addresses.");
+      py::arg("isa") = "", py::arg("group") = ftdense::kQActBlock,
+      "Activation quantisation (qdot.h) in groups of 32 or 256 inputs: x [T,K] fp32 -> "
+      "q [T,K] int8, d [T,K/32] fp32, s [T,K/32] int16 addresses.");
   m.def(
       "qlinear",
       [](uintptr_t x, int T, int K, const std::vector<uintptr_t>& w, const std::vector<int>& N,

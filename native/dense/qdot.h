@@ -21,11 +21,15 @@
 //         MXFP4;                                                  w = d * (q - 16)
 //   Q4_0 18 bytes per 32 inputs: fp16 d, qs[16] as MXFP4;         w = d * (q - 8)
 //
-// Activations (one format for every weight type, computed once per token per layer input and
-// shared by every projection that reads it): per block of 32 inputs an fp32 scale
-// d = amax / 127, int8 q = nearest-even(x * (127 / amax)) in [-127, 127] (all zero when amax is
-// 0), and the block's sum of q as int16 (Q4_K's mins need it). A row of K inputs is q [K],
-// d [K/32], s [K/32]; T rows are stored back to back (row t at q + t*K, d + t*K/32).
+// Activations (computed once per token per layer input and shared by every projection that
+// reads it): int8 q = nearest-even(x * (127 / amax)) in [-127, 127] (all zero when amax is 0)
+// with one fp32 scale per group of inputs, amax the group's largest |x|, as llama.cpp's Q8_0 and
+// Q8_K: a group is 32 inputs for the 32-input weight types (d = amax / 127) and 256 for the
+// K-quants (d = 1 / (127 / amax), llama.cpp's Q8_K rounding), act_group(). The layout does not
+// depend on the group: a row of K inputs is q [K], d [K/32], s [K/32], with d the scale of the
+// group holding those 32 inputs (so a 256-group's scale appears 8 times) and s the 32 inputs'
+// sum of q as int16 (Q4_K's mins need it). T rows are stored back to back (row t at q + t*K,
+// d + t*K/32). The K-quant kernels may read one d per 256 inputs.
 //
 // A kernel computes y[t * ldy] = sum over blocks of (scales) * (exact integer block dot), for
 // n activation rows against one weight row; the weight row stays in L1 across the n rows.
@@ -45,11 +49,17 @@ enum class QType : int { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0
 constexpr int kNumQTypes = 7;
 constexpr int kQActBlock = 32;
 
+// The activation group (see above) the kernels of weight type t read: 256 for the K-quants.
+inline int act_group(QType t) {
+  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K ? 256 : kQActBlock;
+}
+
 // Bytes of one weight row of K inputs (K a multiple of the type's block: 32 or 256).
 int64_t qrow_bytes(QType t, int64_t K);
 int qblock_inputs(QType t);
 
-using QuantizeFn = void (*)(const float* x, int K, int8_t* q, float* d, int16_t* s);
+// group: 32 or 256 (K a multiple of it).
+using QuantizeFn = void (*)(const float* x, int K, int group, int8_t* q, float* d, int16_t* s);
 using QRowFn = void (*)(const uint8_t* w, int K, const int8_t* q, const float* d,
                         const int16_t* s, int n, float* y, int64_t ldy);
 

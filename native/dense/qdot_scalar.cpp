@@ -16,20 +16,23 @@ const std::array<float, 256> kE8m0Half = [] {
 
 namespace {
 
-void quantize(const float* x, int K, int8_t* q, float* d, int16_t* s) {
-  for (int b = 0; b < K / kQActBlock; ++b) {
-    const float* xb = x + b * kQActBlock;
+void quantize(const float* x, int K, int group, int8_t* q, float* d, int16_t* s) {
+  for (int g = 0; g < K / group; ++g) {
+    const float* xg = x + g * group;
     float amax = 0.f;
-    for (int i = 0; i < kQActBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    for (int i = 0; i < group; ++i) amax = std::fmax(amax, std::fabs(xg[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int i = 0; i < kQActBlock; ++i) {
-      const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-      q[b * kQActBlock + i] = static_cast<int8_t>(v);
-      sum += v;
+    const float scale = group == kQActBlock ? amax / 127.f : (amax > 0.f ? 1.f / inv : 0.f);
+    for (int b = g * group / kQActBlock; b < (g + 1) * group / kQActBlock; ++b) {
+      int sum = 0;
+      for (int i = 0; i < kQActBlock; ++i) {
+        const int v = static_cast<int>(std::nearbyint(x[b * kQActBlock + i] * inv));
+        q[b * kQActBlock + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      d[b] = scale;
+      s[b] = static_cast<int16_t>(sum);
     }
-    d[b] = amax / 127.f;
-    s[b] = static_cast<int16_t>(sum);
   }
 }
 

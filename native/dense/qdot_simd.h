@@ -31,38 +31,40 @@ QDOT_FN int hsum8i(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-__attribute__((target(QDOT_TARGET))) void quantize_simd(const float* x, int K, int8_t* q,
-                                                        float* d, int16_t* s) {
+__attribute__((target(QDOT_TARGET))) void quantize_simd(const float* x, int K, int group,
+                                                        int8_t* q, float* d, int16_t* s) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int b = 0; b < K / kQActBlock; ++b) {
-    const float* xb = x + b * kQActBlock;
-    __m256 v[4];
+  for (int g = 0; g < K / group; ++g) {
+    const float* xg = x + g * group;
     __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
-    }
+    for (int i = 0; i < group; i += 8)
+      m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xg + i), absmask));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float scale = group == kQActBlock ? amax / 127.f : (amax > 0.f ? 1.f / inv : 0.f);
     const __m256 vinv = _mm256_set1_ps(inv);
-    __m256i qi[4];
-    for (int i = 0; i < 4; ++i)
-      qi[i] = _mm256_cvtps_epi32(  // current rounding mode: nearest even, as the scalar path
-          _mm256_round_ps(_mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
-                                         _mm256_add_epi32(qi[2], qi[3]));
-    // int32 -> int8 keeping order: packs interleave 128-bit lanes, the permute restores them.
-    const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
-    const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
-    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-    const __m256i ordered =
-        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQActBlock), ordered);
-    d[b] = amax / 127.f;
-    s[b] = static_cast<int16_t>(hsum8i(sum));
+    for (int b = g * group / kQActBlock; b < (g + 1) * group / kQActBlock; ++b) {
+      const float* xb = x + b * kQActBlock;
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i)
+        qi[i] = _mm256_cvtps_epi32(  // current rounding mode: nearest even, as the scalar path
+            _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), vinv),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                           _mm256_add_epi32(qi[2], qi[3]));
+      // int32 -> int8 keeping order: packs interleave 128-bit lanes, the permute restores them.
+      const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+      const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+      const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+      const __m256i ordered =
+          _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQActBlock), ordered);
+      d[b] = scale;
+      s[b] = static_cast<int16_t>(hsum8i(sum));
+    }
   }
 }
 

@@ -36,7 +36,7 @@ bool has_avx2() {
 struct QuantJob {
   const QDotSet* ks;
   const float* x;
-  int K;
+  int K, group;
   int8_t* q;
   float* d;
   int16_t* s;
@@ -45,17 +45,22 @@ struct QuantJob {
 void quant_task(void* ctx, int64_t t) {
   const QuantJob& j = *static_cast<const QuantJob*>(ctx);
   const int64_t na = j.K / kQActBlock;
-  j.ks->quantize(j.x + t * j.K, j.K, j.q + t * j.K, j.d + t * na, j.s + t * na);
+  j.ks->quantize(j.x + t * j.K, j.K, j.group, j.q + t * j.K, j.d + t * na, j.s + t * na);
 }
+
+// The quantised input rows of one activation group (qdot.h).
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> s;
+};
 
 struct Job {
   const QDotSet* ks;
   const std::vector<QOutput>* outs;
   std::vector<int64_t> first_task;  // per output, then the total
   int T = 0, K = 0, chunk = 1;
-  const int8_t* q = nullptr;
-  const float* d = nullptr;
-  const int16_t* s = nullptr;
+  Acts a32, a256;  // the input in each group an output reads (empty when none does)
 };
 
 void dot_task(void* ctx, int64_t task) {
@@ -67,6 +72,7 @@ void dot_task(void* ctx, int64_t task) {
   const int r1 = std::min(out.N, r0 + kRowsPerTask);
   const int64_t rb = qrow_bytes(out.type, j.K), na = j.K / kQActBlock;
   const QRowFn fn = j.ks->row[static_cast<int>(out.type)];
+  const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
   const uint8_t* end = out.w + r1 * rb;
   for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
     const int n = std::min(j.chunk, j.T - t0);
@@ -74,8 +80,8 @@ void dot_task(void* ctx, int64_t task) {
     for (int r = r0; r < r1; ++r) {
       const uint8_t* want = std::min(end, out.w + r * rb + rb + kPrefetchBytes);
       for (; ahead < want; ahead += 64) __builtin_prefetch(ahead, 0, 3);
-      fn(out.w + r * rb, j.K, j.q + static_cast<int64_t>(t0) * j.K, j.d + t0 * na,
-         j.s + t0 * na, n, out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
+      fn(out.w + r * rb, j.K, a.q.data() + static_cast<int64_t>(t0) * j.K, a.d.data() + t0 * na,
+         a.s.data() + t0 * na, n, out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
     }
   }
 }
@@ -125,9 +131,9 @@ const QDotSet& qdot_set(const std::string& isa) {
   throw std::invalid_argument("qdot isa '" + isa + "' is not one this CPU runs");
 }
 
-void quantize_rows(Pool& pool, const QDotSet& ks, const float* x, int T, int K, int8_t* q,
-                   float* d, int16_t* s) {
-  QuantJob j{&ks, x, K, q, d, s};
+void quantize_rows(Pool& pool, const QDotSet& ks, const float* x, int T, int K, int group,
+                   int8_t* q, float* d, int16_t* s) {
+  QuantJob j{&ks, x, K, group, q, d, s};
   if (T <= 2)
     for (int t = 0; t < T; ++t) quant_task(&j, t);
   else
@@ -138,19 +144,22 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
              const std::vector<QOutput>& outs) {
   if (T <= 0 || outs.empty()) return;
   const int64_t na = static_cast<int64_t>(K) / kQActBlock;
-  std::vector<int8_t> q(static_cast<size_t>(T) * K);
-  std::vector<float> d(static_cast<size_t>(T * na));
-  std::vector<int16_t> s(static_cast<size_t>(T * na));
-  quantize_rows(pool, ks, x, T, K, q.data(), d.data(), s.data());
   Job j;
+  for (const int group : {kQActBlock, 256}) {
+    const bool read = std::any_of(outs.begin(), outs.end(),
+                                  [&](const QOutput& o) { return act_group(o.type) == group; });
+    if (!read) continue;
+    Acts& a = group == kQActBlock ? j.a32 : j.a256;
+    a.q.resize(static_cast<size_t>(T) * K);
+    a.d.resize(static_cast<size_t>(T * na));
+    a.s.resize(static_cast<size_t>(T * na));
+    quantize_rows(pool, ks, x, T, K, group, a.q.data(), a.d.data(), a.s.data());
+  }
   j.ks = &ks;
   j.outs = &outs;
   j.T = T;
   j.K = K;
   j.chunk = static_cast<int>(std::max<int64_t>(1, kChunkBytes / K));
-  j.q = q.data();
-  j.d = d.data();
-  j.s = s.data();
   j.first_task.push_back(0);
   for (const QOutput& o : outs)
     j.first_task.push_back(j.first_task.back() + (o.N + kRowsPerTask - 1) / kRowsPerTask);

@@ -1,6 +1,6 @@
 // Dense projections y_i = x W_i^T with block-quantised weights (qdot.h formats): the input rows
-// are quantised to int8 once per call, shared by every weight of the call (q/k/v, gate/up), then
-// integer dot products run over a Pool split by output rows.
+// are quantised to int8 once per call (once per activation group the outputs read, qdot.h),
+// shared by every weight of the call (q/k/v, gate/up), then integer dot products run over a Pool split by output rows.
 //
 // Decode (few tokens): each task streams a block of weight rows once. Prefill (many tokens): a
 // task walks its rows for one chunk of tokens at a time, so each weight row is read from memory
@@ -27,8 +27,9 @@ struct QOutput {
 void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
              const std::vector<QOutput>& outs);
 
-// The activation quantisation of qdot.h on T rows (q [T*K], d and s [T*K/32]).
-void quantize_rows(Pool& pool, const QDotSet& ks, const float* x, int T, int K, int8_t* q,
-                   float* d, int16_t* s);
+// The activation quantisation of qdot.h on T rows (q [T*K], d and s [T*K/32]) in groups of
+// `group` inputs (32 or 256, K a multiple of it).
+void quantize_rows(Pool& pool, const QDotSet& ks, const float* x, int T, int K, int group,
+                   int8_t* q, float* d, int16_t* s);
 
 }  // namespace ftdense

@@ -50,6 +50,7 @@ struct Call {
   std::vector<int> pos;    // [T*K]: sorted position of route (t, k), -1 when skipped
   std::vector<int> rtok;   // per sorted route: its token
   std::vector<float> rw;   // per sorted route: its gate weight
+  std::vector<uint16_t> rgroup;  // per sorted route: the activation group its gate_up reads
   std::vector<Group> groups;
   std::vector<int64_t> up_first;  // first up task of each group, then the total
   std::unique_ptr<std::atomic<int>[]> up_left;  // per group: up tasks not finished yet
@@ -101,12 +102,15 @@ void plan(Call& c, const int32_t* ids, const float* w) {
   c.pos.assign(static_cast<size_t>(R), -1);
   c.rtok.resize(keys.size());
   c.rw.resize(keys.size());
+  c.rgroup.resize(keys.size());
   for (size_t p = 0; p < keys.size(); ++p) {
     const int64_t fid = static_cast<int64_t>(keys[p] >> 32);
     const int64_t r = static_cast<int64_t>(keys[p] & 0xFFFFFFFFu);
     c.pos[r] = static_cast<int>(p);
     c.rtok[p] = static_cast<int>(r / c.K);
     c.rw[p] = w[r];
+    const QMoeLayer& L = c.spec->layers[static_cast<size_t>(fid / c.spec->layer_experts)];
+    c.rgroup[p] = static_cast<uint16_t>(act_group(L.gate_up_type));
     if (c.groups.empty() || c.groups.back().fid != fid)
       c.groups.push_back({fid, static_cast<int>(p), 0});
     ++c.groups.back().n;
@@ -118,16 +122,21 @@ void plan(Call& c, const int32_t* ids, const float* w) {
   for (size_t g = 0; g < c.groups.size(); ++g) c.up_left[g].store(static_cast<int>(blocks));
 }
 
-// Phase quant, one task per token: quantise x[t] into its first route's row, copy to the rest.
+// Phase quant, one task per token: quantise x[t] into the first row of its routes that read
+// each activation group (qdot.h; layers of different types can read different ones), copy to
+// the rest.
 void quant_task(void* ctx, int64_t t) {
   Call& c = *static_cast<Call*>(ctx);
-  int first = -1;
+  int first32 = -1, first256 = -1;
   for (int k = 0; k < c.K; ++k) {
     const int p = c.pos[t * c.K + k];
     if (p < 0) continue;
+    const int group = c.rgroup[static_cast<size_t>(p)];
+    int& first = group == kQActBlock ? first32 : first256;
     if (first < 0) {
       first = p;
-      c.ks->quantize(c.x + t * c.H, static_cast<int>(c.H), c.xin.qr(p), c.xin.dr(p), c.xin.sr(p));
+      c.ks->quantize(c.x + t * c.H, static_cast<int>(c.H), group, c.xin.qr(p), c.xin.dr(p),
+                     c.xin.sr(p));
       continue;
     }
     std::memcpy(c.xin.qr(p), c.xin.qr(first), static_cast<size_t>(c.H));
@@ -177,8 +186,8 @@ void up_task(void* ctx, int64_t task) {
   // The last block of this expert to finish quantises its act rows for the down phase.
   if (c.up_left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1)
     for (int r = g.begin; r < g.begin + g.n; ++r)
-      c.ks->quantize(c.act.data() + r * c.I, static_cast<int>(c.I), c.ain.qr(r), c.ain.dr(r),
-                     c.ain.sr(r));
+      c.ks->quantize(c.act.data() + r * c.I, static_cast<int>(c.I), act_group(L.down_type),
+                     c.ain.qr(r), c.ain.dr(r), c.ain.sr(r));
 }
 
 // Phase down, one task per block of kDownRows rows of H, over every expert.

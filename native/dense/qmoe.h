@@ -15,8 +15,9 @@
 // runs here without a change.
 //
 // A call runs three phases on the Pool (each a Pool::run, so a barrier between them):
-//   quant  per token: x[t] quantised once (qdot.h's activation format), copied to each of its
-//          routes' input rows; routes are sorted by expert, so an expert's inputs are contiguous
+//   quant  per token: x[t] quantised once per activation group its routes read (qdot.h),
+//          copied to each of its routes' input rows; routes are sorted by expert, so an
+//          expert's inputs are contiguous
 //   up     per (expert, block of I rows): gate and up rows, bias, activation -> the route's act
 //          row in fp32; the task that finishes an expert's last block quantises its act rows
 //   down   per block of H rows: for every expert, its down rows against the quantised act rows,

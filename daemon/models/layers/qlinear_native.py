@@ -77,7 +77,7 @@ def _ensure_configured() -> None:
         dense_native.configure()
 
 
-def quantize_act(x: Tensor, isa: str = "") -> tuple[Tensor, Tensor, Tensor]:
+def quantize_act(x: Tensor, isa: str = "", group: int = 32) -> tuple[Tensor, Tensor, Tensor]:
     """The native activation quantisation (for tests): see ``gguf_blocks.quantize_act``."""
     _ensure_configured()
     t, k = x.shape
@@ -86,7 +86,7 @@ def quantize_act(x: Tensor, isa: str = "") -> tuple[Tensor, Tensor, Tensor]:
     d = torch.empty(t, k // gguf_blocks.ACT_BLOCK, dtype=torch.float32)
     s = torch.empty(t, k // gguf_blocks.ACT_BLOCK, dtype=torch.int16)
     dense_native._native.quantize_act(
-        xf.data_ptr(), t, k, q.data_ptr(), d.data_ptr(), s.data_ptr(), isa
+        xf.data_ptr(), t, k, q.data_ptr(), d.data_ptr(), s.data_ptr(), isa, group
     )
     return q, d, s
 
