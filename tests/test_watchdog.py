@@ -87,13 +87,22 @@ def test_a_stuck_engine_stops_the_pings_and_a_blocked_loop_sends_none(
             await asyncio.sleep(seconds)
             return len(pings) - before
 
-        got = {"running": await count(0.4)}
+        async def pinged(n: int) -> int:
+            """Waits (30 s at most, not a fixed window a loaded machine may not fill) for
+            ``n`` more pings; the count seen."""
+            before, deadline = len(pings), time.monotonic() + 30
+            while len(pings) < before + n and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return len(pings) - before
+
+        got = {"running": await pinged(5)}
         engine.free.clear()  # the engine thread is stuck inside step() from now on
-        await asyncio.sleep(0.4)  # > stale_s: the heartbeat is stale
+        deadline = time.monotonic() + 30
+        while dog.engine_alive() and time.monotonic() < deadline:  # > stale_s: stale heartbeat
+            await asyncio.sleep(0.01)
         got["stuck"] = await count(0.4)
         engine.free.set()
-        await asyncio.sleep(0.05)
-        got["recovered"] = await count(0.4)
+        got["recovered"] = await pinged(5)
         before = len(pings)
         time.sleep(0.4)  # the event loop itself blocked (a deadlock on the loop thread)
         got["loop blocked"] = len(pings) - before
@@ -132,27 +141,34 @@ def test_the_daemon_pings_under_watchdogsec() -> None:
     log = open(folder / "log", "w+")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
     got: list[str] = []
-    ready_at = 0.0
+    pinged_at: list[float] = []  # when each WATCHDOG=1 arrived
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and got.count("WATCHDOG=1") < 6:
             try:
-                got.extend(sock.recv(4096).decode().split("\n"))
+                message = sock.recv(4096).decode().split("\n")
             except TimeoutError:
                 assert proc.poll() is None, "the daemon exited: " + (folder / "log").read_text()
-            if not ready_at and "READY=1" in got:
-                ready_at = time.monotonic()
-        took = time.monotonic() - ready_at
+                continue
+            got.extend(message)
+            pinged_at += [time.monotonic()] * message.count("WATCHDOG=1")
     finally:
         proc.terminate()
         proc.wait(30)
+        log.seek(0)
+        logged = log.read()
         log.close()
         sock.close()
         shutil.rmtree(folder, ignore_errors=True)
     assert "READY=1" in got and got.count("WATCHDOG=1") >= 6, got
     assert got.index("READY=1") < got.index("WATCHDOG=1")
-    # six pings at 0.5 s: ~2.5 s; an idle engine must not pass for a stuck one
-    assert took < 6.0, f"pings withheld while the engine idled: 6 took {took:.1f} s"
+    # an idle engine must not pass for a stuck one: a withheld ping is logged (not timed here,
+    # which a loaded machine's scheduling would blur)
+    assert "engine thread stuck" not in logged, logged[-2000:]
+    # a ping every 0.5 s (WatchdogSec/4), not one per WatchdogSec: the median gap, which a
+    # loaded machine's occasional late wake-up does not move
+    gaps = sorted(b - a for a, b in zip(pinged_at, pinged_at[1:], strict=False))
+    assert gaps[len(gaps) // 2] < 1.0, f"pings {gaps} s apart, not every 0.5 s"
 
 
 def test_a_ping_that_cannot_be_sent_does_not_stop_the_watchdog(tmp_path: Path) -> None:
@@ -188,8 +204,11 @@ def test_a_slow_idle_spill_keeps_the_heartbeat_fresh(
     monkeypatch.setattr(bridge_mod, "IDLE_WAIT_S", 0.02)
     real_write = spill_mod.SnapshotSpill._write
     written: list[float] = []
+    beat_before: list[float] = []  # the engine's heartbeat as each file's write began
+    holder: dict[str, EngineBridge] = {}
 
     def slow_write(self: Any, *args: Any) -> int:
+        beat_before.append(holder["bridge"].beat)
         time.sleep(per_file)  # a slow disk
         size = real_write(self, *args)
         written.append(time.monotonic())
@@ -211,14 +230,13 @@ def test_a_slow_idle_spill_keeps_the_heartbeat_fresh(
                 core.step()
         assert prefix.unspilled()
         core.spill_idle_s = 0.0  # the next idle wake-up spills
-        bridge = EngineBridge(core, 1, 0, Metrics())
+        bridge = holder["bridge"] = EngineBridge(core, 1, 0, Metrics())
         loop = asyncio.new_event_loop()
-        oldest, started = 0.0, time.monotonic()
+        started = time.monotonic()
         bridge.start(loop)
         try:
-            deadline = started + 30
+            deadline = started + 60
             while not (written and not prefix.unspilled()) and time.monotonic() < deadline:
-                oldest = max(oldest, time.monotonic() - bridge.beat)
                 time.sleep(0.005)
         finally:
             bridge.stop()
@@ -228,7 +246,11 @@ def test_a_slow_idle_spill_keeps_the_heartbeat_fresh(
         torch.set_num_threads(threads)
     took = written[-1] - started if written else 0.0
     assert len(written) >= 3 and took > stale, (len(written), took)  # the spill outlasts it
-    assert oldest < stale, f"heartbeat {oldest:.2f} s old during a {took:.2f} s spill"
+    # each file written refreshed the heartbeat before the next began, so the watchdog saw
+    # it at most one file old (asserted by order, not by a wall-clock bound: a loaded machine
+    # slows every file alike)
+    stale_at = [i for i in range(1, len(written)) if beat_before[i] < written[i - 1]]
+    assert not stale_at, f"no heartbeat between files {stale_at} and the ones before them"
 
 
 def test_the_bandwidth_bench_and_parking_beat_per_unit(
