@@ -25,7 +25,15 @@ def _anthropic(d, model: str):
 
 
 def _log_lines(d, needle: str) -> int:
-    time.sleep(0.2)  # the log is read by a thread
+    """Lines naming ``needle`` once the daemon's log caught up with the requests sent so far:
+    a fence request with a new name logs after them (one stream, read in order by a thread),
+    so waiting for its line, not a fixed time, makes every earlier line visible."""
+    fence = f"fence-{uuid.uuid4().hex[:8]}"
+    assert _chat(d, fence)[0] == 200
+    deadline = time.monotonic() + 60
+    while not any(fence in line for line in d.log):
+        assert time.monotonic() < deadline, "the fence request's log line never came"
+        time.sleep(0.05)
     return sum(needle in line for line in d.log)
 
 

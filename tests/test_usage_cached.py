@@ -18,7 +18,7 @@ SYSTEM = "You are a careful coding agent. " + "Read the files before you edit th
 
 def computed(daemon) -> float:  # type: ignore[no-untyped-def]
     """The engine's count once its stats settled (no request running)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:
         m = daemon.metrics()
         if m.get("freetoken_requests_running", 0) == 0 or time.monotonic() > deadline:
@@ -28,7 +28,7 @@ def computed(daemon) -> float:  # type: ignore[no-untyped-def]
 
 def settled_delta(daemon, before: float) -> float:  # type: ignore[no-untyped-def]
     """Prompt tokens computed since ``before`` (waits for the stats of the finished request)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (now := computed(daemon)) == before and time.monotonic() < deadline:
         time.sleep(0.05)
     return now - before

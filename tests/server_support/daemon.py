@@ -64,7 +64,7 @@ class Daemon:
     log: list[str] = field(default_factory=list)
     log_path: Path | None = None  # the whole stderr+stdout of the process
 
-    def get(self, path: str, timeout: float = 10) -> tuple[int, bytes]:
+    def get(self, path: str, timeout: float = 60) -> tuple[int, bytes]:
         try:
             with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
                 return r.status, r.read()
