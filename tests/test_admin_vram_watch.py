@@ -65,7 +65,7 @@ def test_watcher_shrinks_and_grows_through_safe_points(control: ControlPlane) ->
     watcher = VramWatcher(
         read,
         control.slot_sizes,
-        lambda n: control.cache.resize(n, None, source="vram").wait(5),
+        lambda n: control.cache.resize(n, None, source="vram").wait(60),
         low_bytes=64 * MB,
         high_bytes=128 * MB,
     )
@@ -80,7 +80,7 @@ def test_watcher_shrinks_and_grows_through_safe_points(control: ControlPlane) ->
     other["bytes"] = 0
     assert watcher.check_once() == 40  # back to the target, not beyond
     assert control.cache.info().host_pool_ptrs == ptrs and watcher.resizes == 3
-    control.cache.resize(36, None).wait(5)  # ftctl sets a new target
+    control.cache.resize(36, None).wait(60)  # ftctl sets a new target
     assert control.slot_sizes() == sizes._replace(current=36, target=36)
 
 
