@@ -74,7 +74,8 @@ def test_text_usage_and_eos_not_in_text(tok):
 
 def test_stop_string_across_tokens_aborts_the_engine_request(tok):
     eos = tok.token_to_id("<|im_end|>")
-    engine = FakeEngine({"1": tok.encode("one two STOP three four")}, eos)
+    # the script's end waits for the abort: the stop string must cause it, not race it
+    engine = FakeEngine({"1": tok.encode("one two STOP three four")}, eos, until_aborted={"1"})
 
     async def main():
         bridge, metrics = await start(engine)
@@ -91,7 +92,8 @@ def test_stop_string_across_tokens_aborts_the_engine_request(tok):
 
 def test_concurrent_requests_and_abort_of_one(tok):
     eos = tok.token_to_id("<|im_end|>")
-    engine = FakeEngine({"1": tok.encode("aaaa bbbb"), "2": tok.encode("cccc dddd eeee")}, eos)
+    scripts = {"1": tok.encode("aaaa bbbb"), "2": tok.encode("cccc dddd eeee")}
+    engine = FakeEngine(scripts, eos, until_aborted={"2"})  # "b" ends only by its abort
 
     async def main():
         bridge, metrics = await start(engine)

@@ -2,12 +2,15 @@
 
 Each request emits the ids of its script, one per ``step()``, then finishes ("stop" if the
 script ends in an EOS id, else "length"). ``fail_next_step`` makes the next step raise.
+The scripts named in ``until_aborted`` hold their last id until the request is aborted (30 s at
+most), so a test that aborts one mid-script does not race the script's end.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from freetokend.engine.core import EngineStats, StepOutput
@@ -19,11 +22,20 @@ class _Req:
     prompt: list[int]
     script: list[int]
     sent: int = 0
+    hold: bool = False  # the last id waits for an abort
+    held_since: float | None = None
 
 
 class FakeEngine:
-    def __init__(self, scripts: dict[str, list[int]], eos: int, max_model_len: int = 64) -> None:
+    def __init__(
+        self,
+        scripts: dict[str, list[int]],
+        eos: int,
+        max_model_len: int = 64,
+        until_aborted: Iterable[str] = (),
+    ) -> None:
         self.scripts = scripts  # prompt key (str of first id) -> ids to emit
+        self.until_aborted = frozenset(until_aborted)  # keys whose last id waits for an abort
         self.eos = frozenset({eos})
         self.max_model_len = max_model_len
         self._lock = threading.Lock()
@@ -40,9 +52,12 @@ class FakeEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the context ({self.max_model_len})"
             )
-        script = self.scripts[str(prompt_ids[0])][: params.max_tokens]
+        key = str(prompt_ids[0])
+        script = self.scripts[key][: params.max_tokens]
         with self._lock:
-            self._reqs[request_id] = _Req(request_id, list(prompt_ids), script)
+            self._reqs[request_id] = _Req(
+                request_id, list(prompt_ids), script, hold=key in self.until_aborted
+            )
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -67,6 +82,10 @@ class FakeEngine:
         outs = []
         with self._lock:
             for req in list(self._reqs.values()):
+                if req.hold and req.sent == len(req.script) - 1:
+                    req.held_since = req.held_since or time.monotonic()
+                    if time.monotonic() - req.held_since < 30:
+                        continue  # no abort yet: nothing to emit this step
                 tok = req.script[req.sent]
                 req.sent += 1
                 done = req.sent == len(req.script)
