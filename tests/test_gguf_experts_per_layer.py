@@ -296,9 +296,11 @@ def test_gguf_per_layer_expert_types_stay_in_blocks(  # type: ignore[no-untyped-
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
     seq = llm.generate(ids, 16, ignore_eos=True)
     assert seq == oracle.generate(ids, 16, ignore_eos=True)
-    # fp64 reference sums against fp32 kernels over a bf16 model: measured <= 1.9e-2; a wrong
-    # layer's bank, row or type moves the logits by O(1) (the dequantized load's scale)
-    assert (llm.logits(ids + seq) - oracle.logits(ids + seq)).abs().max() < 5e-2
+    # fp64 reference sums against fp32 kernels over a bf16 model: an ulp apart, then a step of
+    # a bf16 or int8 rounding further on: measured <= 1.9e-2 with 32-input activation groups,
+    # 5.8e-2 (gate_up) with the K-quants' 256; a wrong layer's bank, row or type moves the
+    # logits by O(1) (the dequantized load's scale)
+    assert (llm.logits(ids + seq) - oracle.logits(ids + seq)).abs().max() < 0.1
 
     # an accelerator backend dequantizes the per-layer banks for the device (stand-in: the
     # offload path and its slot cache on the CPU) and computes float experts as ``deq`` does

@@ -16,6 +16,10 @@ __attribute__((target(QDOT_TARGET))) inline __m256i dot_u8s8(__m256i u, __m256i 
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+__attribute__((target(QDOT_TARGET))) inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
 #include "qdot_simd.h"
 #include "qdot_simd32.h"
 #include "qdot_simd_k.h"

@@ -6,6 +6,8 @@
 //   dot_u8s8(u, s)  8 int32 lanes, each the sum of 4 adjacent products u8 x s8 (maddubs + madd
 //                   on AVX2: exact, as |u * s| * 2 stays below 2^15 for the values used here;
 //                   vpdpbusd on VNNI)
+//   madd_acc(acc, a, b)  acc + the int32 pair sums of the int16 products a x b (madd + add on
+//                   AVX2, vpdpwssd on VNNI)
 // and includes the three inside its own anonymous namespace (after <immintrin.h> and <cstring>).
 //
 // Signed weights: |w| as the unsigned operand and x carrying w's sign (the usual sign trick; both
@@ -72,16 +74,6 @@ QDOT_FN float fp16s(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
   return _cvtsh_ss(h);
-}
-
-// Lane j = the sum of the 8 int32 lanes of v[j] (8 sub-block dot products -> one vector).
-QDOT_FN __m256i reduce8(const __m256i* v) {
-  const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  // u0 = [v0..v3 over the low 128 bits | v0..v3 over the high 128 bits], u1 likewise v4..v7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                          _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
 // The 32 nibbles of 16 bytes in input order: low nibbles (inputs 0-15), then high (16-31). The

@@ -1,5 +1,6 @@
 // AVX512-VNNI qdot kernels (qdot.h): vpdpbusd on 256-bit vectors (needs AVX512VL too), the same
-// bodies as the AVX2 file with the maddubs + madd pair replaced by one instruction.
+// bodies as the AVX2 file with the maddubs + madd pair replaced by one instruction, and madd +
+// add by vpdpwssd.
 #include <immintrin.h>
 
 #include <cstring>
@@ -15,6 +16,10 @@ namespace {
 
 __attribute__((target(QDOT_TARGET))) inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+
+__attribute__((target(QDOT_TARGET))) inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpwssd_epi32(acc, a, b);
 }
 
 #include "qdot_simd.h"
