@@ -6,14 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 # Property tests draw the same examples on every run of `make test`, so CI is reproducible and
 # a red run is never bad luck; `make fuzz` draws fresh ones (the "explore" profile) to look for
 # new counterexamples, which then become @example lines. No per-example deadline (Hypothesis'
-# default is 200 ms): on a loaded machine a slow example is not a failing one.
-settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
-settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
+# default is 200 ms) and no too-slow data-generation check: on a loaded machine a slow example
+# is not a failing one.
+_UNTIMED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("ci", derandomize=True, print_blob=True, **_UNTIMED)
+settings.register_profile("explore", derandomize=False, print_blob=True, **_UNTIMED)
 settings.load_profile("ci")
 
 
