@@ -385,3 +385,35 @@ def _hf_module(hf: Any, ours: str) -> Any:
             except AttributeError:
                 continue
     raise KeyError(f"no module for {ours!r} in {type(hf).__name__}")
+
+
+def against_transformers_gguf_loader(
+    family: str, folder: Path, kind: str, tokenizer: Path, **over: Any
+) -> float:
+    """Max |logit diff| between ``LLM`` and transformers' own GGUF loader
+    (``from_pretrained(gguf_file=...)``: its metadata map, name map, dequantizers and undoing
+    of the converter's transforms) on one file of ``kind``, written from a tiny checkpoint of
+    ``family`` (``over``: its config overrides) with ``tokenizer``'s vocabulary, which
+    transformers requires. transformers must build the same model class with every parameter
+    taken from the file (nothing left at its random init); the projections we keep in blocks
+    compute in it as our kernels do (``int_dot_reference``)."""
+    import transformers as tf
+    from tiny_models import make_tiny
+
+    from freetokend import LLM
+    from freetokend.engine.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(tokenizer).vocab_size
+    hf = make_tiny(family, folder / "hf", seed=3, vocab_size=vocab, **over)[1]
+    path = write_gguf(family, hf, folder / "m.gguf", kind, tokenizer=tokenizer)
+    ref, info = tf.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=path.name, dtype=torch.float32, output_loading_info=True
+    )
+    assert ref.config.model_type == hf.config.model_type, type(ref).__name__
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    llm = LLM(path, max_model_len=64, kv_tokens=256, dtype="float32")
+    int_dot_reference(ref, llm)
+    ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = ref.eval()(torch.tensor([ids])).logits[0].float()
+    return float((llm.logits(ids) - want).abs().max())

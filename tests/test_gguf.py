@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_files import (
+    against_transformers_gguf_loader,
     assert_kept_rows_are_the_files,
     dequantized_reference,
     int_dot_reference,
@@ -199,34 +200,47 @@ def test_split_set_loads_from_any_part(tmp_path, builtin_model_dir):
     assert Tokenizer.from_dir(tmp_path / "ftw").encode(text) == ref_tok.encode(text)
 
 
-@pytest.mark.parametrize("kind", ["f32", "q8_0", "kmix"])
-def test_against_transformers_gguf_loader(kind, builtin_model_dir, tmp_path, experts_dequantized):
-    """transformers reads the same file with its own name map and dequantizers. Its qwen3moe
-    mapping ignores ``expert_feed_forward_length`` (the expert width falls back to 768), so
-    the tiny model uses that width."""
-    import transformers as tf
+# transformers' GGUF loader (5.24) cannot read these files; strict, so a transformers that
+# learns them turns the case into a failure that asks for the xfail to go.
+_TF_GPT_OSS = pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="transformers' gpt-oss metadata: the YaRN keys are read from field.parts[0] (the "
+    "key's length, not its value), so float() fails on every gpt-oss file (gpt-oss' configs are "
+    "YaRN); past it, attention.key_length is not mapped (head_dim falls back to 64), its "
+    "GptOssTensorProcessor is registered as 'gpt_oss' but looked up by the file's 'gpt-oss' "
+    "(and expects ffn_*_projs names no converter writes), so the experts (gate_up_proj has no "
+    "GGUF name; down_proj and the sinks are looked up without the file's '.weight') stay random",
+)
+_TF_MIXTRAL = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="transformers' 'llama' GGUF map has no expert_count / expert_used_count: a Mixtral "
+    "file becomes a dense LlamaForCausalLM, the ffn_*_exps tensors are dropped and its dense "
+    "MLP stays random; a MixtralConfig passed in fails on 'mixtral' not being a gguf-py arch",
+)
+# Its qwen3moe mapping ignores expert_feed_forward_length (the expert width falls back to 768)
+_TF_OVER = {"qwen3_moe": dict(mlp_only_layers=[], moe_intermediate_size=768, num_hidden_layers=2)}
 
-    from freetokend.engine.tokenizer import Tokenizer
 
-    over = dict(mlp_only_layers=[], moe_intermediate_size=768, num_hidden_layers=2)
-    if kind == "kmix":
-        over.update(hidden_size=256)
-    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # transformers wants a vocab
-    hf = make_tiny("qwen3_moe", tmp_path / "hf", seed=3, vocab_size=vocab, **over)[1]
-    write_gguf("qwen3_moe", hf, tmp_path / "m.gguf", kind, tokenizer=builtin_model_dir)
-    ref_model = tf.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
-    ).eval()
-    ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    llm = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32")
-    int_dot_reference(ref_model, llm)  # the blocks we keep, computed as our kernels do
-    ours = llm.logits(ids)
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([ids])).logits[0].float()
-    err = (ours - ref).abs().max().item()
-    assert err < (ATOL if kind == "f32" else ATOL_BLOCKS), (
-        f"qwen3moe {kind} vs transformers' GGUF loader: {err}"
-    )
+@pytest.mark.parametrize(
+    "family, kind",
+    [
+        ("qwen3_moe", "f32"),
+        ("qwen3_moe", "q8_0"),
+        ("qwen3_moe", "kmix"),
+        *(pytest.param("gpt_oss", k, marks=_TF_GPT_OSS) for k in ("f32", "q8_0", "mxfp4")),
+        *(pytest.param("mixtral", k, marks=_TF_MIXTRAL) for k in ("f32", "q8_0")),
+    ],
+)
+def test_against_transformers_gguf_loader(
+    family, kind, builtin_model_dir, tmp_path, experts_dequantized
+):
+    """transformers reads the same file with its own metadata map, name map and dequantizers."""
+    over = dict(_TF_OVER.get(family, {}), **({"hidden_size": 256} if kind == "kmix" else {}))
+    err = against_transformers_gguf_loader(family, tmp_path, kind, builtin_model_dir, **over)
+    tol = ATOL if kind in ("f32", "mxfp4") else ATOL_BLOCKS  # MXFP4 files: all else F32
+    assert err < tol, f"{family} {kind} vs transformers' GGUF loader: {err}"
 
 
 def test_ftw_from_a_quantized_gguf_keeps_the_blocks(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from gguf_files import (
     ARCH,
+    against_transformers_gguf_loader,
     assert_kept_rows_are_the_files,
     dequantized_reference,
     gguf_tensors,
@@ -319,21 +320,7 @@ def test_qwen35moe_against_transformers_gguf_loader(
 ):
     """transformers reads the same qwen35moe file with its own undoing of the converter's
     transforms (its name map, SubtractOne, LogNegate, tiled-to-grouped value heads)."""
-    import transformers as tf
-
-    from freetokend.engine.tokenizer import Tokenizer
-
-    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # transformers wants a vocabulary
-    hf = make_tiny("qwen3_5_moe", tmp_path / "hf", seed=3, vocab_size=vocab)[1]
-    write_gguf("qwen3_5_moe", hf, tmp_path / "m.gguf", kind, tokenizer=builtin_model_dir)
-    ref_model = tf.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
-    ).eval()
-    ids = torch.randint(2, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    llm = LLM(tmp_path / "m.gguf", max_model_len=64, kv_tokens=256, dtype="float32")
-    int_dot_reference(ref_model, llm)  # the blocks we keep, computed as our kernels do
-    ours = llm.logits(ids)
-    err = (ours - _hf_logits(ref_model, ids)).abs().max().item()
+    err = against_transformers_gguf_loader("qwen3_5_moe", tmp_path, kind, builtin_model_dir)
     assert err < (ATOL_BLOCKS if kind == "q8_0" else ATOL), (
         f"qwen35moe {kind} vs transformers' GGUF loader: {err}"
     )
