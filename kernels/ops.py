@@ -190,6 +190,36 @@ def _(q, k_pages, v_pages, tables, lens, rows, max_len, scale, window, sinks):  
     return q.new_empty((n, heads, d))
 
 
+@torch.library.custom_op("ftkernels::deltanet_decode", mutates_args=("states",))
+def deltanet_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: list[torch.Tensor],
+    state_ptrs: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """One Gated DeltaNet decode step of every row, o [n, H, dv] fp32; updates layer ``layer``
+    of each row's state in place (``deltanet.deltanet_decode``: the kernel reaches the states
+    through ``state_ptrs``; ``states`` names them so that the mutation is declared)."""
+    from . import deltanet as k_
+
+    return k_.deltanet_decode(q, k, v, g, beta, states, state_ptrs, layer)
+
+
+@deltanet_decode.register_fake
+def _(q, k, v, g, beta, states, state_ptrs, layer):  # type: ignore[no-untyped-def]
+    from . import deltanet as k_
+
+    k_._check(q, k, v, g, beta, states, layer, every_state=False)
+    _same_device(v, q, k, g, beta, state_ptrs, *states[:1])
+    if state_ptrs.shape != (q.shape[0],) or state_ptrs.dtype != torch.int64:
+        raise ValueError(f"state_ptrs must be int64 ({q.shape[0]},), got {state_ptrs.dtype}")
+    return v.new_empty(v.shape, dtype=torch.float32)
+
+
 def _same_device(*ts: torch.Tensor) -> None:
     """What a launch on a GPU requires: every pointer on the device of the first tensor."""
     dev = ts[0].device

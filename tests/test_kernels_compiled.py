@@ -20,7 +20,9 @@ slots, an H200: sorted in chunks of 2,048, see kernels/slot_cache.py); gpt-oss-2
 activation; Mixtral-8x22B (H 6144, I 16384) for the longest bank rows (a gate_up row is
 100,663,296 words) and the widest GEMV grids; paged decode attention at Qwen3-30B-A3B (32 q / 4 KV
 heads, d 128) and gpt-oss-20b (64 / 8, d 64, sinks, window 128 and full) geometry, 1..64
-sequences, contexts of 1 to 32k keys in 16-token bf16 pages. Registers per kernel and target are printed
+sequences, contexts of 1 to 32k keys in 16-token bf16 pages; the Gated DeltaNet decode step at
+Qwen3-Next-80B-A3B (16 key / 32 value heads, dk = dv = 128) and Qwen3.5-397B-A17B (16 / 64)
+geometry, 1 and 64 sequences, fp32 and bf16 beta (the model's dtype). Registers per kernel and target are printed
 (``-s``) and attached to the test report as the property ``kernel_registers``.
 """
 
@@ -48,6 +50,7 @@ nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
 
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 
+import ftkernels.deltanet as deltanet_mod  # noqa: E402
 import ftkernels.moe_decode as moe_decode_mod  # noqa: E402
 import ftkernels.paged_attention as paged_attention_mod  # noqa: E402
 import ftkernels.slot_cache as slot_cache_mod  # noqa: E402
@@ -219,13 +222,32 @@ def _attention_launches(shape: list[str]) -> None:
                 )  # fmt: skip
 
 
+# Gated DeltaNet decode: (key heads, value heads, dk, dv) of Qwen3-Next-80B-A3B, Qwen3.5-397B-A17B
+DELTANET = ((16, 32, 128, 128), (16, 64, 128, 128))
+DELTANET_LAYERS = 48  # linear-attention layers of a state: the layer offset's range
+
+
+def _deltanet_launches(shape: list[str]) -> None:
+    for kh, heads, dk, dv in DELTANET:
+        for batch in ATTENTION_BATCHES[::2]:
+            for beta in (torch.float32, torch.bfloat16):
+                shape[0] = f"{kh}/{heads} heads, dk {dk}, dv {dv}, {batch} seqs, beta {beta}"
+                qk = _meta(batch, kh, dk, dtype=torch.float32)
+                states = [_meta(DELTANET_LAYERS, heads, dk, dv, dtype=torch.float32)] * batch
+                deltanet_mod.deltanet_decode(
+                    qk, qk, _meta(batch, heads, dv, dtype=torch.float32),
+                    _meta(batch, heads, dtype=torch.float32), _meta(batch, heads, dtype=beta),
+                    states, _meta(batch, dtype=torch.int64), DELTANET_LAYERS - 1,
+                )  # fmt: skip
+
+
 def record_launches(
     monkeypatch: pytest.MonkeyPatch, slot_counts: tuple[int, ...] = SLOTS
 ) -> list[Launch]:
     """Every launch of every kernel at the production shapes, in launch order."""
     out: list[Launch] = []
     shape = [""]
-    for mod in (slot_cache_mod, moe_decode_mod, paged_attention_mod):
+    for mod in (slot_cache_mod, moe_decode_mod, paged_attention_mod, deltanet_mod):
         for name, value in list(vars(mod).items()):
             if isinstance(value, triton.runtime.JITFunction) and name in LAUNCHED:
                 monkeypatch.setattr(mod, name, _Recorder(value, mod.__name__, out, shape))
@@ -233,12 +255,13 @@ def record_launches(
     _moe_decode_launches(shape)
     _copy_launches(shape)
     _attention_launches(shape)
+    _deltanet_launches(shape)
     return out
 
 
 # kernels launched from Python; the other @triton.jit functions are their device helpers
 LAUNCHED = {"_decode_kernel", "_copy_rows_kernel", "_gate_up_kernel", "_down_kernel",
-            "_split_kernel", "_reduce_kernel"}  # fmt: skip
+            "_split_kernel", "_reduce_kernel", "_recurrent_step_kernel"}  # fmt: skip
 
 
 def test_every_triton_kernel_is_covered() -> None:
@@ -247,8 +270,10 @@ def test_every_triton_kernel_is_covered() -> None:
     files = [p for d in ("kernels", "daemon", "ctl") for p in (root / d).rglob("*.py")]
     decorator = re.compile(r"^\s*@(triton\.)?jit\b", re.M)
     jit_files = {p.name for p in files if decorator.search(p.read_text(encoding="utf-8"))}
-    assert jit_files == {"slot_cache.py", "moe_decode.py", "paged_attention.py"}, jit_files
-    for mod in (slot_cache_mod, moe_decode_mod, paged_attention_mod):
+    assert jit_files == {"slot_cache.py", "moe_decode.py", "paged_attention.py", "deltanet.py"}, (
+        jit_files
+    )
+    for mod in (slot_cache_mod, moe_decode_mod, paged_attention_mod, deltanet_mod):
         jits = {n: v for n, v in vars(mod).items() if isinstance(v, triton.runtime.JITFunction)}
         for name in jits.keys() - LAUNCHED:
             callers = [n for n, f in jits.items() if n != name and f"{name}(" in f.src]
@@ -381,8 +406,11 @@ def test_kernels_compile_for_real_targets(
     problems, table = list(bad_grids), []
     for launch, rows in results:
         keep = {"POLICY": "policy", "BLOCK_S": "sort", "CHUNKED": "chunked", "HAS_BIAS": "bias",
-                "D": "d", "G": "group", "HAS_WINDOW": "window", "HAS_SINKS": "sinks"}  # fmt: skip
+                "D": "d", "G": "group", "HAS_WINDOW": "window", "HAS_SINKS": "sinks",
+                "H": "heads", "HK": "kheads", "DK": "dk", "BV": "bv"}  # fmt: skip
         cx = " ".join(f"{keep[k]}={int(v)}" for k, v in launch.constexprs.items() if k in keep)
+        if "beta_ptr" in launch.signature:  # the DeltaNet step compiles per beta dtype
+            cx += f" beta={launch.signature['beta_ptr'].lstrip('*')}"
         label = f"{launch.kernel} {cx}".strip()
         problems += [f"{label}: {p}" for r in rows for p in _problems(launch, r)]
         cells = {
@@ -393,8 +421,8 @@ def test_kernels_compile_for_real_targets(
             )
             for r in rows
         }
-        table.append(f"{label:<50} " + " ".join(f"{cells[cc]:>14}" for cc in TARGETS))
-    header = f"{'kernel':<50} " + " ".join(f"{'sm_' + str(cc):>14}" for cc in TARGETS)
+        table.append(f"{label:<62} " + " ".join(f"{cells[cc]:>14}" for cc in TARGETS))
+    header = f"{'kernel':<62} " + " ".join(f"{'sm_' + str(cc):>14}" for cc in TARGETS)
     legend = (
         "cells: registers per thread / spilled bytes per thread (stack + local) / shared KiB "
         "per block / compile CPU seconds"

@@ -5,6 +5,13 @@ Per value head the state S [k_dim, v_dim] evolves per token t as
 with q, k L2-normalised and q scaled by k_dim^-1/2. Prefill uses the chunked (WY) form of the
 same recurrence; single-token decode uses the recurrence itself. Both read and update the
 sequence's RecurrentState in place.
+
+Decode rows on a GPU with the ``attention_kernel`` setting at "triton" (attention.decode_kernel:
+one process-wide switch for the device decode kernels) take one launch per layer of the batched
+recurrent step (kernels/deltanet.py, the custom op ftkernels::deltanet_decode) for every decode
+row of the batch, each sequence's state updated in place through a table of state addresses
+sent once per batch. Otherwise (the default, and always on the host) the torch recurrence runs
+per sequence.
 """
 
 from __future__ import annotations
@@ -13,12 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.batch import ForwardBatch
+from ...engine import staging
+from ...engine.batch import ForwardBatch, SeqChunk
 from ...kv.seq_state import RecurrentState
 from ..config import ModelConfig
+from .attention import decode_kernel
 from .common import Linear, Weight, param
 
 _CHUNK = 64
+
+# where the "triton" setting applies: a GPU (and the fake CUDA device, where the op's fake impl
+# runs); tests add "cpu" (the kernel in the Triton interpreter)
+_KERNEL_DEVICES = ("cuda",)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -79,6 +92,36 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = _CHUNK):  # type: i
     return out, state
 
 
+class _DecodeStates:
+    """The decode rows of one forward batch for the recurrent step kernel, built once per batch
+    by its first DeltaNet layer: their chunks and state tensors, and on the device in one
+    asynchronous copy (engine/staging) their rows (int64, for index_select / index_copy) and
+    the states' addresses (the kernel's table)."""
+
+    def __init__(self, batch: ForwardBatch, device: torch.device) -> None:
+        from ftkernels.deltanet import state_pointers
+
+        self.chunks: list[SeqChunk] = [ch for ch in batch.chunks if ch.length == 1]
+        self.n = len(self.chunks)
+        self.all_rows = self.n == sum(ch.length for ch in batch.chunks)  # rows 0..n-1 in order
+        states = []
+        for ch in self.chunks:
+            assert ch.state.recurrent is not None, "linear attention needs a recurrent state"
+            states.append(ch.state.recurrent.ssm)
+        self.states: list[torch.Tensor] = states
+        rows = torch.tensor([ch.start for ch in self.chunks], dtype=torch.int64)
+        meta = staging.to_device(torch.stack([rows, state_pointers(states)]), device)
+        self.index, self.ptrs = meta[0], meta[1]
+
+
+def _decode_states(batch: ForwardBatch, device: torch.device) -> _DecodeStates:
+    """The batch's `_DecodeStates`, built by its first DeltaNet layer."""
+    dec = batch.derived.get("deltanet_decode_states")
+    if dec is None:
+        dec = batch.derived["deltanet_decode_states"] = _DecodeStates(batch, device)
+    return dec  # type: ignore[no-any-return]
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, lin_layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -127,34 +170,67 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight.float()
         return F.silu(F.conv1d(xc.unsqueeze(0), w, groups=self.conv_dim)[0]).t()  # [n, C]
 
+    def _rule_inputs(
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """q, k [n, kh, dk] (L2-normalised, q scaled; not repeated per value head), v
+        [n, vh, dv], g and beta [n, vh] from the conv output [n, C] and the a / b projections."""
+        n = mixed.shape[0]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = _l2norm(q.reshape(n, self.kh, self.dk)) * self.dk**-0.5
+        k = _l2norm(k.reshape(n, self.kh, self.dk))
+        v = v.reshape(n, self.vh, self.dv)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        return q, k, v, g, beta
+
     def _mix(
         self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, st: RecurrentState
     ) -> torch.Tensor:
         n = qkv.shape[0]
-        mixed = self._conv(qkv, st)
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = _l2norm(q.reshape(n, self.kh, self.dk))
-        k = _l2norm(k.reshape(n, self.kh, self.dk))
+        q, k, v, g, beta = self._rule_inputs(self._conv(qkv, st), a, b)
         rep = self.vh // self.kh
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        q = q * self.dk**-0.5
-        v = v.reshape(n, self.vh, self.dv)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
         o, st.ssm[self.lin_layer] = rule(q, k, v, g, beta, st.ssm[self.lin_layer])
         return o  # [n, vh, dv]
+
+    def _decode(
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dec: _DecodeStates
+    ) -> torch.Tensor:
+        """The decode rows through the recurrent step kernel: the conv per sequence (its own
+        state), then one launch for all rows; o [n, vh, dv] fp32 in ``dec``'s row order."""
+        from ftkernels.ops import deltanet_decode
+
+        convs = []
+        for ch in dec.chunks:
+            assert ch.state.recurrent is not None
+            convs.append(self._conv(qkv[ch.start : ch.start + 1], ch.state.recurrent))
+        if not dec.all_rows:
+            a, b = a.index_select(0, dec.index), b.index_select(0, dec.index)
+        q, k, v, g, beta = self._rule_inputs(torch.cat(convs), a, b)
+        return deltanet_decode(q, k, v, g, beta, dec.states, dec.ptrs, self.lin_layer)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         a, b = self.in_proj_a(x), self.in_proj_b(x)
         o = torch.empty(x.shape[0], self.vh, self.dv, device=x.device)
+        kernel = decode_kernel() == "triton" and x.device.type in _KERNEL_DEVICES
         for ch in batch.chunks:
+            if kernel and ch.length == 1:
+                continue
             rows = slice(ch.start, ch.start + ch.length)
             st = ch.state.recurrent
             assert st is not None, "linear attention needs a recurrent state"
             o[rows] = self._mix(qkv[rows], a[rows], b[rows], st)
+        if kernel and any(ch.length == 1 for ch in batch.chunks):
+            dec = _decode_states(batch, x.device)
+            res = self._decode(qkv, a, b, dec)
+            if dec.all_rows:
+                o = res
+            else:
+                o.index_copy_(0, dec.index, res)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.weight.float()
         o = o * F.silu(z.view_as(o))
         return self.out_proj(o.reshape(x.shape[0], -1))
