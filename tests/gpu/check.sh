@@ -10,7 +10,8 @@
 #      with the dense part, KV pool and sampling on the GPU (engine/placement.py): every family,
 #      logits within tolerance, resizes mid-decode
 #   2. the Triton kernels against their references: pytest shapes on CUDA tensors, then
-#      production shapes (tests/gpu/kernels_at_scale.py)
+#      production shapes (tests/gpu/kernels_at_scale.py); the paged decode attention and the
+#      Gated DeltaNet decode step also inside the models (backends_triton)
 #   3. a decode/prefill table: fused vs offload vs hybrid, cache capped at 8 and 24 GiB cards, on
 #      a random model of Qwen3-30B-A3B layer geometry (tests/gpu/bench_backends.py)
 # Every step runs whatever the previous one gave; each writes OUT/<step>.log, and OUT/summary.txt
@@ -105,7 +106,7 @@ export FT_TEST_ACCELERATOR=cuda
 unset TRITON_INTERPRET
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
 step backends 120 "${pytest[@]}" tests/test_moe_backends.py
-step backends_triton 120 env FREETOKEN_ATTENTION_KERNEL=triton "${pytest[@]}" tests/test_moe_backends.py tests/test_paged_attention.py
+step backends_triton 120 env FREETOKEN_ATTENTION_KERNEL=triton "${pytest[@]}" tests/test_moe_backends.py tests/test_paged_attention.py tests/test_deltanet_kernel.py
 step placement 120 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
 step kernels 60 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
 step kernels_at_scale 60 "$py" tests/gpu/kernels_at_scale.py

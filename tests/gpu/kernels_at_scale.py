@@ -11,7 +11,11 @@ each; exit status 1 when any failed.
 - moe_decode: Qwen3-30B-A3B and gpt-oss-20b geometry, 1 and 64 tokens, bf16 banks;
 - paged decode attention: Qwen3-30B-A3B (32 q / 4 KV heads, d 128) and gpt-oss-20b (64 / 8,
   d 64, sinks; window 128 and full) over bf16 16-token pages in scattered order, 1 sequence of
-  32k keys and 64 of ragged lengths up to 32k: against the torch reference on the GPU.
+  32k keys and 64 of ragged lengths up to 32k: against the torch reference on the GPU;
+- Gated DeltaNet decode step: Qwen3-Next-80B-A3B (16 key / 32 value heads, dk = dv = 128) and
+  Qwen3.5-397B-A17B (16 / 64) geometry, 1 and 64 sequences, each with its own state tensor,
+  bf16 beta, four steps on alternating layers: outputs and states against the torch reference
+  on the GPU.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import torch
 
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
+from ftkernels.deltanet import deltanet_decode_reference, state_pointers
 from ftkernels.moe_decode import copy_rows, copy_rows_reference, moe_decode
-from ftkernels.ops import paged_decode_attention
+from ftkernels.ops import deltanet_decode, paged_decode_attention
 from ftkernels.paged_attention import paged_decode_attention_reference
 
 DEV = "cuda"
@@ -129,6 +134,29 @@ def attention(
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-4)
 
 
+def deltanet(kh: int, heads: int, batch: int, d: int = 128, layers: int = 4) -> None:
+    g = torch.Generator(device=DEV).manual_seed(batch + heads)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=DEV)
+
+    states = [rnd(layers, heads, d, d) * 0.1 for _ in range(batch)]
+    ref = [s.clone() for s in states]
+    ptrs = state_pointers(states).to(DEV)
+    for step in range(4):
+        layer = (2 * step + 1) % layers
+        q = torch.nn.functional.normalize(rnd(batch, kh, d), dim=-1) * d**-0.5
+        k = torch.nn.functional.normalize(rnd(batch, kh, d), dim=-1)
+        v, gate = rnd(batch, heads, d), -rnd(batch, heads).abs()
+        beta = torch.sigmoid(rnd(batch, heads)).to(torch.bfloat16)
+        got = deltanet_decode(q, k, v, gate, beta, states, ptrs, layer)
+        want = deltanet_decode_reference(q, k, v, gate, beta, ref, layer)
+        # both fp32 from the same inputs: summation order only
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for s, r in zip(states, ref, strict=True):
+        torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-4)
+
+
 def main() -> None:
     checks: list[tuple[str, Callable[[], None]]] = []
     for slots in (600, 2000, 4000, 6144):
@@ -150,6 +178,10 @@ def main() -> None:
         for batch in (1, 64):
             checks.append((f"paged attention, {name}, {batch} seqs to 32k",
                            lambda a=(heads, kvh, d, sinks, window, batch): attention(*a)))  # fmt: skip
+    for name, (kh, heads) in (("Qwen3-Next-80B-A3B", (16, 32)), ("Qwen3.5-397B-A17B", (16, 64))):
+        for batch in (1, 64):
+            checks.append((f"deltanet decode, {name}, {batch} seqs",
+                           lambda a=(kh, heads, batch): deltanet(*a)))  # fmt: skip
     failed = 0
     for name, fn in checks:
         t0 = time.perf_counter()
