@@ -144,6 +144,11 @@ def deltanet_decode(
     out = torch.empty(n, heads, dv, dtype=torch.float32, device=v.device)
     if n == 0:
         return out
+    if v.device.type != "cpu" and triton.knobs.runtime.interpret:
+        # TRITON_INTERPRET=1 with device tensors: the interpreter copies the arguments to the
+        # host, but the table holds device addresses; the reference computes the same
+        out.copy_(deltanet_decode_reference(q, k, v, g, beta, states, layer))
+        return out
     bv = block_v(dk, dv)
     qc, kc, vc, gc, bc = (t.contiguous() for t in (q, k, v, g, beta))
     mod = for_device(sys.modules[__name__], v.device)

@@ -10,7 +10,8 @@ Decode rows on a GPU with the ``attention_kernel`` setting at "triton" (attentio
 one process-wide switch for the device decode kernels) take one launch per layer of the batched
 recurrent step (kernels/deltanet.py, the custom op ftkernels::deltanet_decode) for every decode
 row of the batch, each sequence's state updated in place through a table of state addresses
-sent once per batch. Otherwise (the default, and always on the host) the torch recurrence runs
+sent once per batch; the causal conv before it runs batched over those rows too (a fixed number
+of torch ops per layer, not a few per sequence). Otherwise (the default, and always on the host) the torch recurrence runs
 per sequence.
 """
 
@@ -109,6 +110,7 @@ class _DecodeStates:
             assert ch.state.recurrent is not None, "linear attention needs a recurrent state"
             states.append(ch.state.recurrent.ssm)
         self.states: list[torch.Tensor] = states
+        self.convs: list[torch.Tensor] = [ch.state.recurrent.conv for ch in self.chunks]  # type: ignore[union-attr]
         rows = torch.tensor([ch.start for ch in self.chunks], dtype=torch.int64)
         meta = staging.to_device(torch.stack([rows, state_pointers(states)]), device)
         self.index, self.ptrs = meta[0], meta[1]
@@ -199,18 +201,27 @@ class GatedDeltaNet(nn.Module):
     def _decode(
         self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dec: _DecodeStates
     ) -> torch.Tensor:
-        """The decode rows through the recurrent step kernel: the conv per sequence (its own
-        state), then one launch for all rows; o [n, vh, dv] fp32 in ``dec``'s row order."""
+        """The decode rows through the recurrent step kernel: the conv batched over the rows,
+        then one launch for all rows; o [n, vh, dv] fp32 in ``dec``'s row order."""
         from ftkernels.ops import deltanet_decode
 
-        convs = []
-        for ch in dec.chunks:
-            assert ch.state.recurrent is not None
-            convs.append(self._conv(qkv[ch.start : ch.start + 1], ch.state.recurrent))
         if not dec.all_rows:
-            a, b = a.index_select(0, dec.index), b.index_select(0, dec.index)
-        q, k, v, g, beta = self._rule_inputs(torch.cat(convs), a, b)
+            qkv, a, b = (t.index_select(0, dec.index) for t in (qkv, a, b))
+        mixed = self._conv_decode(qkv, dec.convs)
+        q, k, v, g, beta = self._rule_inputs(mixed, a, b)
         return deltanet_decode(q, k, v, g, beta, dec.states, dec.ptrs, self.lin_layer)
+
+    def _conv_decode(self, x: torch.Tensor, convs: list[torch.Tensor]) -> torch.Tensor:
+        """`_conv` of one token for each of n sequences at once: x [n, C], convs each row's
+        conv state [L, C, kernel - 1] (updated in place) -> [n, C]. A fixed number of launches
+        for the batch (one gather, one multi-tensor copy back) instead of a few per sequence."""
+        prev = torch.stack([c[self.lin_layer] for c in convs])  # [n, C, kernel - 1]
+        xn = x.unsqueeze(-1).to(prev.dtype)
+        xc = torch.cat([prev, xn], dim=-1)  # [n, C, kernel]
+        kept = torch.cat([prev[:, :, 1:], xn], dim=-1)  # the new states, each contiguous
+        torch._foreach_copy_([c[self.lin_layer] for c in convs], list(kept.unbind(0)))
+        w = self.conv1d.weight.float()[:, 0]  # [C, kernel]
+        return F.silu((xc * w).sum(-1))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
