@@ -220,6 +220,31 @@ def _(q, k, v, g, beta, states, state_ptrs, layer):  # type: ignore[no-untyped-d
     return v.new_empty(v.shape, dtype=torch.float32)
 
 
+@torch.library.custom_op("ftkernels::deltanet_prefill", mutates_args=("state",))
+def deltanet_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """n tokens of one sequence through Gated DeltaNet, o [n, H, dv] fp32; updates ``state``
+    [H, dk, dv] in place (``deltanet.deltanet_prefill``)."""
+    from . import deltanet as k_
+
+    return k_.deltanet_prefill(q, k, v, g, beta, state)
+
+
+@deltanet_prefill.register_fake
+def _(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
+    from . import deltanet as k_
+
+    k_._check_prefill(q, k, v, g, beta, state)
+    _same_device(v, q, k, g, beta, state)
+    return v.new_empty(v.shape, dtype=torch.float32)
+
+
 def _same_device(*ts: torch.Tensor) -> None:
     """What a launch on a GPU requires: every pointer on the device of the first tensor."""
     dev = ts[0].device

@@ -1,5 +1,6 @@
-"""The Gated DeltaNet decode-step kernel (kernels/deltanet.py) against its torch reference, the
-reference against the model's recurrence, and the layer's kernel path against its torch path.
+"""The Gated DeltaNet kernels (kernels/deltanet.py: the batched decode step and the chunked
+prefill) against their torch references, the references against the model's recurrence and
+chunked form, and the layer's kernel path against its torch path.
 
 The kernel runs in the Triton interpreter on CPU tensors (ftkernels.interp), or compiled on CUDA
 with FT_TEST_ACCELERATOR=cuda (tests/gpu/check.sh).
@@ -30,6 +31,8 @@ from ftkernels.deltanet import (
     block_v,
     deltanet_decode,
     deltanet_decode_reference,
+    deltanet_prefill,
+    deltanet_prefill_reference,
     state_pointers,
 )
 
@@ -156,6 +159,87 @@ def test_reference_is_the_model_recurrence() -> None:
         torch.testing.assert_close(states[b][1], st, rtol=1e-6, atol=1e-6)
 
 
+# -- the chunked prefill ----------------------------------------------------------------------
+
+
+def _prefill(args: tuple[torch.Tensor, ...], state: torch.Tensor, chunk: int) -> torch.Tensor:
+    dev_state = state.to(DEV)
+    out = deltanet_prefill(*(t.to(DEV) for t in args), dev_state, chunk=chunk).cpu()
+    state.copy_(dev_state.cpu())
+    return out
+
+
+@pytest.mark.parametrize(
+    "n,kh,heads,dk,dv,chunk,dtype,decay",
+    [
+        (37, 1, 2, 16, 32, 16, torch.float32, 2.0),  # GQA 2, dk != dv, 3 chunks, the last partial
+        (5, 2, 4, 16, 16, 32, torch.float32, 2.0),  # shorter than one chunk, GQA 2
+        (40, 4, 4, 32, 16, 16, torch.float32, 2.0),  # q/k already repeated, dk > dv
+        (20, 2, 4, 48, 24, 16, torch.float32, 2.0),  # dk over two dk blocks (masked), dv 24
+        (33, 2, 2, 16, 16, 16, torch.bfloat16, 2.0),  # bf16 inputs
+        (24, 1, 2, 16, 16, 16, torch.float32, 30.0),  # strong decay: e^c underflows in a chunk
+    ],
+)
+def test_prefill_matches_reference(
+    n: int, kh: int, heads: int, dk: int, dv: int, chunk: int, dtype: torch.dtype, decay: float
+) -> None:
+    g = torch.Generator().manual_seed(n + dk)
+    q, k, v, gate, beta = _inputs(n, kh, heads, dk, dv, dtype, dtype, g)
+    args = (q, k, v, (gate.float() * decay / 2).to(dtype), beta)
+    state = torch.randn(heads, dk, dv, generator=g)
+    ref_state = state.clone()
+    got = _prefill(args, state, chunk)
+    want = deltanet_prefill_reference(*args, ref_state)
+    assert got.dtype == torch.float32 and got.shape == (n, heads, dv)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(state, ref_state, **TOL)
+
+
+def test_prefill_reference_is_the_model_chunked_form() -> None:
+    """The token-by-token reference equals the model's `delta_rule_chunked` (64-token chunks,
+    q and k repeated as the layer does): the prefill kernel computes what the model does."""
+    g = torch.Generator().manual_seed(8)
+    n, kh, heads, dk, dv = 70, 2, 4, 16, 8
+    args = _inputs(n, kh, heads, dk, dv, torch.float32, torch.bfloat16, g)
+    state = torch.randn(heads, dk, dv, generator=g)
+    model_state = state.clone()
+    got = deltanet_prefill_reference(*args, state)
+    q, k, v, gate, beta = args
+    o, st = dn.delta_rule_chunked(
+        q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1), v, gate, beta, model_state
+    )
+    torch.testing.assert_close(got, o, **TOL)
+    torch.testing.assert_close(state, st, **TOL)
+
+
+def test_prefill_then_decode_continue_the_state() -> None:
+    """A prompt through the prefill kernel, then decode steps through the decode kernel on the
+    same state tensor: the model's chunked form then its recurrence give the same."""
+    g = torch.Generator().manual_seed(12)
+    kh, heads, dk, dv = 1, 2, 16, 16
+    ssm = torch.zeros(2, heads, dk, dv)
+    ref = torch.zeros(heads, dk, dv)
+    prompt = _inputs(21, kh, heads, dk, dv, torch.float32, torch.float32, g)
+    got = [_prefill(prompt, ssm[1], 16)]
+    q, k, v, gate, beta = prompt
+    rep = heads // kh
+    o, ref = dn.delta_rule_chunked(
+        q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, gate, beta, ref
+    )
+    want = [o]
+    for _ in range(3):
+        step = _inputs(1, kh, heads, dk, dv, torch.float32, torch.float32, g)
+        got.append(_kernel(step, [ssm], 1))
+        q, k, v, gate, beta = step
+        o, ref = dn.delta_rule_recurrent(
+            q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, gate, beta, ref
+        )
+        want.append(o)
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), **TOL)
+    torch.testing.assert_close(ssm[1], ref, **TOL)
+    assert not ssm[0].any()
+
+
 def test_bad_inputs_are_refused() -> None:
     g = torch.Generator().manual_seed(2)
     args = _inputs(2, 2, 4, 8, 8, torch.float32, torch.float32, g)
@@ -248,27 +332,34 @@ def test_layer_decode_rows_go_through_the_kernel(
     tmp_path: Path, kernel_knob: None, monkeypatch: pytest.MonkeyPatch, family: str,
     lengths: list[int],
 ) -> None:  # fmt: skip
-    """With the setting at triton the layer's decode rows take one op call for the batch (a
-    prefill chunk beside them keeps the torch path) and give the torch path's outputs, conv and
-    recurrent states."""
+    """With the setting at triton the layer's decode rows take one op call for the batch, a
+    prefill chunk beside them one call of the prefill op, and give the torch path's outputs,
+    conv and recurrent states."""
     cfg, layer = _layer(tmp_path, family)
     assert layer.vh > layer.kh  # the GQA layout the kernel indexes itself
     batch = _batch(cfg, lengths, seed=len(lengths))
     ref = _copy(batch)
     x = torch.randn(sum(lengths), cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     calls: list[int] = []
-    real = ops.deltanet_decode
+    prefills: list[int] = []
+    real, real_prefill = ops.deltanet_decode, ops.deltanet_prefill
 
     def counting(*args):  # type: ignore[no-untyped-def]
         calls.append(args[0].shape[0])
         return real(*args)
 
+    def counting_prefill(*args):  # type: ignore[no-untyped-def]
+        prefills.append(args[0].shape[0])
+        return real_prefill(*args)
+
     monkeypatch.setattr(ops, "deltanet_decode", counting)
+    monkeypatch.setattr(ops, "deltanet_prefill", counting_prefill)
     got = layer(x, batch)
     assert calls == [sum(n == 1 for n in lengths)]
+    assert prefills == [n for n in lengths if n > 1]
     attn.set_decode_kernel("torch")
     want = layer(x, ref)
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(prefills) == len([n for n in lengths if n > 1])
     torch.testing.assert_close(got, want, **TOL)
     for a, b in zip(batch.chunks, ref.chunks, strict=True):
         sa, sb = a.state.recurrent, b.state.recurrent
@@ -283,9 +374,10 @@ def test_layer_on_the_host_keeps_the_torch_path(
     """The setting changes nothing for host tensors (the cpu backend): no kernel there."""
     cfg, layer = _layer(tmp_path, "qwen3_5_moe")
     monkeypatch.setattr(ops, "deltanet_decode", None)  # a call would fail
+    monkeypatch.setattr(ops, "deltanet_prefill", None)
     old = attn.set_decode_kernel("triton")
     try:
-        layer(torch.randn(2, cfg.hidden_size), _batch(cfg, [1, 1], seed=1))
+        layer(torch.randn(5, cfg.hidden_size), _batch(cfg, [1, 3, 1], seed=1))
     finally:
         attn.set_decode_kernel(old)
 
@@ -297,8 +389,8 @@ def test_layer_on_the_host_keeps_the_torch_path(
 def test_fake_cuda_engine_decodes_through_the_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:
-    """The setting on the fake card: every DeltaNet layer of a decode step calls the op (its
-    fake impl) once for both sequences; the step still reads the host once and makes no
+    """The setting on the fake card: every DeltaNet layer runs each prompt through the prefill
+    op and calls the decode op (their fake impls) once per decode step for both sequences; the step still reads the host once and makes no
     blocking host -> device copy; the state table crosses in one more asynchronous copy per
     step (beside the runner's metadata and the attention kernel's tables)."""
     from tiny_models import make_tiny
@@ -314,7 +406,15 @@ def test_fake_cuda_engine_decodes_through_the_kernel(
         calls.append(args[0].shape[0])
         return real(*args)
 
+    prefills: list[int] = []
+    real_prefill = ops.deltanet_prefill
+
+    def counting_prefill(*args):  # type: ignore[no-untyped-def]
+        prefills.append(args[0].shape[0])
+        return real_prefill(*args)
+
     monkeypatch.setattr(ops, "deltanet_decode", counting)
+    monkeypatch.setattr(ops, "deltanet_prefill", counting_prefill)
     old = attn.set_decode_kernel("triton")
     llm = LLM(tmp_path, "fused", accelerator="fake-cuda", vram_mib=1024, kv_tokens=512)
     try:
@@ -322,10 +422,11 @@ def test_fake_cuda_engine_decodes_through_the_kernel(
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         llm.engine.add_request("a", list(range(3, 43)), params)
         llm.engine.add_request("b", list(range(5, 20)), params)
-        llm.engine.step()  # the prompts: no decode row, no kernel
+        llm.engine.step()  # the prompts: the prefill op per sequence and layer, no decode row
         assert calls == []
         layers = sum(isinstance(m, dn.GatedDeltaNet) for m in llm.model.modules())
         assert layers > 0
+        assert sorted(prefills) == sorted([40, 15] * layers)
         for _ in range(2):
             before, async_before = Counter(tr.syncs.by_kind), tr.async_h2d
             llm.engine.step()

@@ -22,7 +22,8 @@ activation; Mixtral-8x22B (H 6144, I 16384) for the longest bank rows (a gate_up
 heads, d 128) and gpt-oss-20b (64 / 8, d 64, sinks, window 128 and full) geometry, 1..64
 sequences, contexts of 1 to 32k keys in 16-token bf16 pages; the Gated DeltaNet decode step at
 Qwen3-Next-80B-A3B (16 key / 32 value heads, dk = dv = 128) and Qwen3.5-397B-A17B (16 / 64)
-geometry, 1 and 64 sequences, fp32 and bf16 beta (the model's dtype). Registers per kernel and target are printed
+geometry, 1 and 64 sequences, fp32 and bf16 beta (the model's dtype), and its chunked prefill at
+the same geometry over prefill chunks of 8192 tokens. Registers per kernel and target are printed
 (``-s``) and attached to the test report as the property ``kernel_registers``.
 """
 
@@ -239,6 +240,16 @@ def _deltanet_launches(shape: list[str]) -> None:
                     _meta(batch, heads, dtype=torch.float32), _meta(batch, heads, dtype=beta),
                     states, _meta(batch, dtype=torch.int64), DELTANET_LAYERS - 1,
                 )  # fmt: skip
+        for beta in (torch.float32, torch.bfloat16):
+            shape[0] = (
+                f"{kh}/{heads} heads, dk {dk}, dv {dv}, prefill {PREFILL_TOKENS}, beta {beta}"
+            )
+            qk = _meta(PREFILL_TOKENS, kh, dk, dtype=torch.float32)
+            gb = _meta(PREFILL_TOKENS, heads, dtype=torch.float32)
+            deltanet_mod.deltanet_prefill(
+                qk, qk, _meta(PREFILL_TOKENS, heads, dv, dtype=torch.float32), gb,
+                gb.to(beta), _meta(heads, dk, dv, dtype=torch.float32),
+            )  # fmt: skip
 
 
 def record_launches(
@@ -261,7 +272,7 @@ def record_launches(
 
 # kernels launched from Python; the other @triton.jit functions are their device helpers
 LAUNCHED = {"_decode_kernel", "_copy_rows_kernel", "_gate_up_kernel", "_down_kernel",
-            "_split_kernel", "_reduce_kernel", "_recurrent_step_kernel"}  # fmt: skip
+            "_split_kernel", "_reduce_kernel", "_recurrent_step_kernel", "_prefill_kernel"}  # fmt: skip
 
 
 def test_every_triton_kernel_is_covered() -> None:
@@ -407,7 +418,7 @@ def test_kernels_compile_for_real_targets(
     for launch, rows in results:
         keep = {"POLICY": "policy", "BLOCK_S": "sort", "CHUNKED": "chunked", "HAS_BIAS": "bias",
                 "D": "d", "G": "group", "HAS_WINDOW": "window", "HAS_SINKS": "sinks",
-                "H": "heads", "HK": "kheads", "DK": "dk", "BV": "bv"}  # fmt: skip
+                "H": "heads", "HK": "kheads", "DK": "dk", "BV": "bv", "C": "chunk"}  # fmt: skip
         cx = " ".join(f"{keep[k]}={int(v)}" for k, v in launch.constexprs.items() if k in keep)
         if "beta_ptr" in launch.signature:  # the DeltaNet step compiles per beta dtype
             cx += f" beta={launch.signature['beta_ptr'].lstrip('*')}"

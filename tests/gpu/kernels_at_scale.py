@@ -15,7 +15,9 @@ each; exit status 1 when any failed.
 - Gated DeltaNet decode step: Qwen3-Next-80B-A3B (16 key / 32 value heads, dk = dv = 128) and
   Qwen3.5-397B-A17B (16 / 64) geometry, 1 and 64 sequences, each with its own state tensor,
   bf16 beta, four steps on alternating layers: outputs and states against the torch reference
-  on the GPU.
+  on the GPU;
+- Gated DeltaNet chunked prefill: the same geometry, prompts of 100 and 8192 tokens, against
+  the model's torch chunked form (models/layers/deltanet.py) on the GPU; both timed (printed).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import torch
 
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
+from freetokend.models.layers.deltanet import delta_rule_chunked
 from ftkernels.deltanet import deltanet_decode_reference, state_pointers
 from ftkernels.moe_decode import copy_rows, copy_rows_reference, moe_decode
-from ftkernels.ops import deltanet_decode, paged_decode_attention
+from ftkernels.ops import deltanet_decode, deltanet_prefill, paged_decode_attention
 from ftkernels.paged_attention import paged_decode_attention_reference
 
 DEV = "cuda"
@@ -157,6 +160,38 @@ def deltanet(kh: int, heads: int, batch: int, d: int = 128, layers: int = 4) -> 
         torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-4)
 
 
+def deltanet_prompt(kh: int, heads: int, n: int, d: int = 128) -> None:
+    g = torch.Generator(device=DEV).manual_seed(n + heads)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=DEV)
+
+    q = torch.nn.functional.normalize(rnd(n, kh, d), dim=-1) * d**-0.5
+    k = torch.nn.functional.normalize(rnd(n, kh, d), dim=-1)
+    v, gate = rnd(n, heads, d), -rnd(n, heads).abs() * 0.1
+    beta = torch.sigmoid(rnd(n, heads)).to(torch.bfloat16)
+    state = rnd(heads, d, d) * 0.1
+    ref = state.clone()
+    rep = heads // kh
+    times = []
+    for _ in range(2):  # the first includes the kernel's compile
+        s, r = state.clone(), ref.clone()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = deltanet_prefill(q, k, v, gate, beta, s)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        want, r = delta_rule_chunked(
+            q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, gate, beta, r
+        )
+        torch.cuda.synchronize()
+        times.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+    print(f"    {heads} heads, {n} tokens: kernel {times[1][0]:.2f} ms, torch chunked "
+          f"{times[1][1]:.2f} ms (second run)")  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(s, r, rtol=1e-3, atol=1e-3)
+
+
 def main() -> None:
     checks: list[tuple[str, Callable[[], None]]] = []
     for slots in (600, 2000, 4000, 6144):
@@ -182,6 +217,9 @@ def main() -> None:
         for batch in (1, 64):
             checks.append((f"deltanet decode, {name}, {batch} seqs",
                            lambda a=(kh, heads, batch): deltanet(*a)))  # fmt: skip
+        for n in (100, 8192):
+            checks.append((f"deltanet prefill, {name}, {n} tokens",
+                           lambda a=(kh, heads, n): deltanet_prompt(*a)))  # fmt: skip
     failed = 0
     for name, fn in checks:
         t0 = time.perf_counter()

@@ -33,7 +33,8 @@ _Q_BLOCK = 512
 # daemon's ``attention_kernel`` setting (config.py; the same FREETOKEN_ATTENTION_KERNEL
 # environment variable) through `set_decode_kernel` when it loads a model; a process that builds
 # LLMs itself (tests) starts from that environment variable. The same switch selects the Gated
-# DeltaNet decode step on the device (models/layers/deltanet.py, kernels/deltanet.py).
+# DeltaNet kernels on the device, decode step and chunked prefill (models/layers/deltanet.py,
+# kernels/deltanet.py).
 DECODE_KERNELS = ("torch", "triton")
 DECODE_KERNEL_ENV = "FREETOKEN_ATTENTION_KERNEL"
 _decode_kernel = os.environ.get(DECODE_KERNEL_ENV) or "torch"

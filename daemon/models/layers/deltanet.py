@@ -11,7 +11,8 @@ one process-wide switch for the device decode kernels) take one launch per layer
 recurrent step (kernels/deltanet.py, the custom op ftkernels::deltanet_decode) for every decode
 row of the batch, each sequence's state updated in place through a table of state addresses
 sent once per batch; the causal conv before it runs batched over those rows too (a fixed number
-of torch ops per layer, not a few per sequence). Otherwise (the default, and always on the host) the torch recurrence runs
+of torch ops per layer, not a few per sequence). A prefill chunk takes one launch of the chunked
+kernel (ftkernels::deltanet_prefill) on its sequence's state. Otherwise (the default, and always on the host) the torch recurrence runs
 per sequence.
 """
 
@@ -187,10 +188,19 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, g, beta
 
     def _mix(
-        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, st: RecurrentState
+        self,
+        qkv: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        st: RecurrentState,
+        kernel: bool = False,
     ) -> torch.Tensor:
         n = qkv.shape[0]
         q, k, v, g, beta = self._rule_inputs(self._conv(qkv, st), a, b)
+        if kernel:  # the chunked form as one launch (kernels/deltanet.py)
+            from ftkernels.ops import deltanet_prefill
+
+            return deltanet_prefill(q, k, v, g, beta, st.ssm[self.lin_layer])
         rep = self.vh // self.kh
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
@@ -234,7 +244,7 @@ class GatedDeltaNet(nn.Module):
             rows = slice(ch.start, ch.start + ch.length)
             st = ch.state.recurrent
             assert st is not None, "linear attention needs a recurrent state"
-            o[rows] = self._mix(qkv[rows], a[rows], b[rows], st)
+            o[rows] = self._mix(qkv[rows], a[rows], b[rows], st, kernel)
         if kernel and any(ch.length == 1 for ch in batch.chunks):
             dec = _decode_states(batch, x.device)
             res = self._decode(qkv, a, b, dec)
