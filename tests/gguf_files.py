@@ -349,6 +349,11 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
         qw = getattr(mod, "qweight", None)
         if qw is None:
             continue
+        fused = _fused_target(hf, name)
+        if fused is not None:
+            if name.rpartition(".")[2] == _FUSED[fused.rpartition(".")[2]][0]:
+                done += _fused_reference(hf, llm, fused)
+            continue
         target = _hf_module(hf, name)
 
         def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
@@ -361,6 +366,72 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
     return done
 
 
+# Qwen3-Next's linear attention: our in_proj_qkv and in_proj_z are transformers' one
+# in_proj_qkvz, our in_proj_b and in_proj_a its in_proj_ba, whose rows are grouped per key head
+# ([q, k, v, z] and [b, a] each; families/qwen3_next.py splits them)
+_FUSED = {
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
+_PART_OF = {part: fused for fused, parts in _FUSED.items() for part in parts}
+
+
+def _fused_target(hf: Any, name: str) -> str | None:
+    """transformers' fused projection that our ``name`` is part of (Qwen3-Next; Qwen3.5 has
+    the parts apart), or None."""
+    prefix, _, last = name.rpartition(".")
+    if last not in _PART_OF:
+        return None
+    try:
+        _hf_module(hf, name)
+    except KeyError:
+        return f"{prefix}.{_PART_OF[last]}"
+    return None
+
+
+def _fused_reference(hf: Any, llm: Any, fused: str) -> list[str]:
+    """transformers' fused projection computed from our kept parts as the kernels do, their
+    outputs regrouped per key head; -> the parts' names."""
+    from freetokend.models.gguf_blocks import qdot_reference
+
+    prefix, _, last = fused.rpartition(".")
+    names = [f"{prefix}.{p}" for p in _FUSED[last]]
+    qws = [llm.model.get_submodule(n).qweight for n in names]
+    if any(q is None for q in qws):
+        raise AssertionError(f"{fused}: its parts {names} are kept in blocks together")
+    cfg = llm.config
+    kh, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    # the per-key-head pieces of each part's output, in the fused order
+    pieces = [[kh * dk, kh * dk, -1], [-1]] if last == "in_proj_qkvz" else [[-1], [-1]]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        xf = x.reshape(-1, qws[0].cols).float()
+        n, groups = xf.shape[0], []
+        for qw, sizes in zip(qws, pieces, strict=True):
+            y = qdot_reference(qw.raw, qw.fmt, xf)
+            sizes = [s if s > 0 else y.shape[1] - sum(t for t in sizes if t > 0) for s in sizes]
+            groups += [t.reshape(n, kh, -1) for t in y.split(sizes, -1)]
+        return torch.cat(groups, -1).reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    _hf_module(hf, fused).forward = forward
+    return names
+
+
+def _hf_weight(hf: Any, llm: Any, name: str) -> torch.Tensor:
+    """transformers' weight for our projection ``name`` (Qwen3-Next's fused ones split as we
+    load them)."""
+    fused = _fused_target(hf, name)
+    if fused is None:
+        return _hf_module(hf, name).weight.detach().float()
+    from freetokend.models.families import qwen3_next
+
+    split = qwen3_next._split_qkvz if fused.endswith("qkvz") else qwen3_next._split_ba
+    w = _hf_module(hf, fused).weight.detach().float()
+    last = fused.rpartition(".")[2]
+    parts = dict(split(llm.config, f"{last}.weight", w))
+    return parts[name.rpartition(".")[2] + ".weight"]
+
+
 def assert_kept_rows_are_the_files(hf: Any, llm: Any, kept: list[str], label: str = "") -> None:
     """``int_dot_reference`` computes with our raw rows, so it cannot see them misplaced: each
     kept projection's rows, dequantized, must equal the weights ``dequantized_reference`` put
@@ -369,7 +440,7 @@ def assert_kept_rows_are_the_files(hf: Any, llm: Any, kept: list[str], label: st
 
     for name in kept:
         qw = llm.model.get_submodule(name).qweight
-        want = _hf_module(hf, name).weight.detach().float()
+        want = _hf_weight(hf, llm, name)
         got = dequantize(qw.raw, qw.fmt)
         assert got.shape == want.shape, name
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{label} {name} ({qw.fmt})"

@@ -32,7 +32,10 @@ from freetokend.models.config import ConfigError
 from freetokend.models.gguf_config import hf_fields
 
 ATOL = 2e-4
-ATOL_BLOCKS = 2e-3  # projections kept in GGUF blocks (see test_gguf.py)
+# projections kept in GGUF blocks: one int8 input flipped across a rounding boundary moves the
+# logits by ~2e-2 (test_gguf.py's ATOL_BLOCKS; measured 1.6e-2 for qwen3_next's Q8_0 file once
+# its linear-attention projections stay in blocks too)
+ATOL_BLOCKS = 5e-2
 FAMILIES = ("qwen3_next", "qwen3_5_moe", "deepseek_v3")
 
 

@@ -29,7 +29,6 @@ from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
 from . import gguf_experts
 from .config import ModelConfig
-from .dense_quant import tensor_class
 from .gguf_arch import (
     KV_B_PARTS,
     Fix,
@@ -270,9 +269,9 @@ class GgufCheckpoint:
 
 
 def _block_linear(model: CausalLM, canon: str, src: object) -> Linear | None:
-    """The projection ``canon`` belongs to when its GGUF tensor can stay in its blocks: a
-    classified dense projection (``dense_quant.tensor_class``: the layers the quantize presets
-    already run on the integer-dot kernels) of a type those kernels compute, with the shape the
+    """The projection ``canon`` belongs to when its GGUF tensor can stay in its blocks: any
+    `Linear` (attention, linear attention, MLPs, shared experts, routers, lm_head: llama.cpp
+    computes each from the file's blocks) of a type those kernels compute, with the shape the
     model expects, read from one tensor whose converter transform (if any) only reorders rows."""
     from .gguf_blocks import BLOCK_BYTES
 
@@ -283,36 +282,44 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> Linear | None:
     if fmt not in BLOCK_BYTES or not canon.endswith(".weight") or len(t.shape) != 2:
         return None
     layer = canon[: -len(".weight")]
-    if tensor_class(layer) is None:
-        return None
     try:
         mod = model.get_submodule(layer)
     except AttributeError:
         return None
-    if not isinstance(mod, Linear) or tuple(mod.weight.shape) != t.shape:
-        return None
-    if src.fix is not None and _row_order(src.fix, t.shape[0]) is None:
+    rows = t.shape[0]
+    if src.fix is not None:
+        order = _row_order(src.fix, rows)
+        if order is None:
+            return None
+        rows = len(order)
+    if not isinstance(mod, Linear) or tuple(mod.weight.shape) != (rows, t.shape[1]):
         return None
     return mod
 
 
 def _row_order(fix: Fix, rows: int) -> torch.Tensor | None:
-    """The row indices ``fix`` amounts to when it only reorders rows (llama's Q/K permutation,
-    Qwen3.5's value-head order), found by applying it to the row numbers; None for any other
-    transform (values changed, shape changed, columns moved)."""
+    """The row indices ``fix`` amounts to when it only reorders or selects whole rows (llama's
+    Q/K permutation, Qwen3.5's value-head order, Qwen3-Next's b and a rows of ``ssm_ba``), found
+    by applying it to the row numbers; None for any other transform (values changed, columns
+    moved, rows repeated)."""
     probe = torch.arange(rows, dtype=torch.float64).unsqueeze(1)
     try:
         out = fix(probe)
     except (RuntimeError, ValueError, IndexError):
         return None
-    if out.shape != probe.shape or not torch.equal(out.sort(0).values, probe):
+    if out.dim() != 2 or out.shape[1] != 1 or not 0 < out.shape[0] <= rows:
         return None
-    return out[:, 0].long()
+    idx = out[:, 0]
+    if not torch.equal(idx, idx.round()) or idx.unique().numel() != idx.numel():
+        return None
+    if bool((idx < 0).any()) or bool((idx >= rows).any()):
+        return None
+    return idx.long()
 
 
 def _keep_blocks(mod: Linear, src: _Source) -> None:
-    """Loads the GGUF rows raw into ``mod`` (a row-reordering transform moves whole rows: a
-    row's blocks move together); the float weight it replaces was never touched, so never
+    """Loads the GGUF rows raw into ``mod`` (a row-reordering or row-selecting transform moves
+    whole rows: a row's blocks move together); the float weight it replaces was never touched, so never
     resident."""
     raw = src.f.read_raw(src.t)
     if src.fix is not None:
@@ -408,15 +415,16 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)
         _check_types(ck, cfg)
-        in_blocks = {
-            name: mod
+        in_blocks = {  # by our name: one GGUF tensor can fill several (ssm_ba)
+            canon: (name, mod)
             for name, canon, src in ck.sources(cfg)
             if (mod := _block_linear(model, canon, src)) is not None
         }
-        ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, frozenset(in_blocks))
+        kept_names = frozenset(name for name, _ in in_blocks.values())
+        ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
         for name, canon, src in ck.sources(cfg):
-            if name in in_blocks and isinstance(src, _Source):
-                _keep_blocks(in_blocks[name], src)
+            if canon in in_blocks and isinstance(src, _Source):
+                _keep_blocks(in_blocks[canon][1], src)
                 filler.filled.add(canon)
                 continue
             if canon.startswith("experts:"):
