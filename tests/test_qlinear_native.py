@@ -64,6 +64,31 @@ def test_activation_quantisation_bit_exact(isa: str, group: int) -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp16_activation_scales_bit_exact(isa: str) -> None:
+    """llama.cpp's rounding (set_fp16_act_scales): 32-input scales on fp16 values, subnormal
+    (amax below 127 * 2^-14) and beyond fp16's range (kept in fp32) included; 256-input
+    groups untouched."""
+    _need(isa)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 512, generator=g) * torch.logspace(-6, 7, 7)[:, None]
+    plain = gb.quantize_act(x, 32)
+    ql.set_fp16_act_scales(True)
+    try:
+        for group in (32, 256):
+            for got, want in zip(
+                ql.quantize_act(x, isa, group), gb.quantize_act(x, group), strict=True
+            ):
+                assert torch.equal(got, want)
+        d = gb.quantize_act(x, 32)[1]
+    finally:
+        ql.set_fp16_act_scales(False)
+    d16 = plain[1].to(torch.float16).float()
+    assert torch.equal(d[:-1], d16[:-1]) and not torch.equal(d, plain[1])
+    assert torch.equal(d[-1], plain[1][-1])  # amax ~1e7: beyond fp16, kept
+    assert torch.equal(ql.quantize_act(x, isa, 32)[1], plain[1])  # off again
+
+
 def test_qlinear_many_mixes_activation_groups() -> None:
     """One call with outputs of both groups (a GGUF Q4_K_M file's q/k/v can be Q4_K, Q6_K and
     Q5_0): each reads the input quantised in its own group, as the reference does."""

@@ -10,9 +10,10 @@ raw data can be used unchanged and ours written to GGUF unchanged.
 Activations are quantised per group of inputs (``quantize_act``), as llama.cpp does: int8 values
 nearest-even of x * (127 / amax) with one fp32 scale per group, 32 inputs for the 32-input
 formats (scale amax / 127, llama.cpp's Q8_0) and 256 for the K-quants (scale 1 / (127 / amax),
-its Q8_K), and each 32 inputs' sum of values (the K-quants' mins use it). The native kernels
-compute exact integer block dot products against each format's integer weights and combine them
-in fp32, as ``qdot_reference``.
+its Q8_K), and each 32 inputs' sum of values (the K-quants' mins use it). llama.cpp also rounds
+the Q8_0 scale to fp16, which ours do with ``qlinear_native.set_fp16_act_scales(True)``. The
+native kernels compute exact integer block dot products against each format's integer weights
+and combine them in fp32, as ``qdot_reference``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def dequantize(raw: Tensor, fmt: str) -> Tensor:
 # ---- activations and the integer-dot reference ------------------------------------------------
 
 
+_FP16_ACT_SCALES = [False]  # set_fp16_act_scales (layers/qlinear_native.py) keeps it in step
+
+
 def act_group(fmt: str) -> int:
     """The activation group the kernels of weight format ``fmt`` read: 32 or 256 inputs."""
     return 256 if BLOCK_INPUTS[fmt] == 256 else ACT_BLOCK
@@ -113,12 +117,18 @@ def quantize_act(x: Tensor, group: int = ACT_BLOCK) -> tuple[Tensor, Tensor, Ten
     t, k = x.shape
     b = x.float().reshape(t, k // group, group)
     amax = b.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    # a tensor over a tensor: `127.0 / t` is t.reciprocal() * 127, rounded twice
+    inv = torch.where(
+        amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0
+    )
     q = torch.round(b * inv[..., None]).reshape(t, k // ACT_BLOCK, ACT_BLOCK)  # half to even
     if group == ACT_BLOCK:
         d = amax / 127
+        if _FP16_ACT_SCALES[0]:  # llama.cpp's Q8_0 scale is fp16 (where fp16 holds it)
+            d16 = d.to(torch.float16).float()
+            d = torch.where(d16.isfinite(), d16, d)
     else:  # llama.cpp's Q8_K scale
-        d = torch.where(amax > 0, 1.0 / torch.where(inv > 0, inv, 1.0), 0.0)
+        d = torch.where(amax > 0, torch.ones_like(inv) / torch.where(inv > 0, inv, 1.0), 0.0)
     return (
         q.to(torch.int8).reshape(t, k),
         d.repeat_interleave(group // ACT_BLOCK, -1),

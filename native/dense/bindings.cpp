@@ -208,6 +208,8 @@ PYBIND11_MODULE(ftdense, m) {
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("y"),
       py::arg("bf16"), py::arg("round_input"),
       "x [T,K] fp32 address; for each i: w[i] [N[i],K] bf16|fp32, y[i] [T,N[i]] fp32 addresses.");
+  m.def("set_fp16_act_scales", &ftdense::set_fp16_act_scales, py::arg("on"),
+        "Round 32-input activation scales to fp16, as llama.cpp's Q8_0 (qdot.h; process-wide).");
   m.def("qdot_isas", &ftdense::qdot_isas, "Integer-dot ISA paths this CPU runs, best first.");
   m.def("qdot_isa", [] {
     std::lock_guard<std::mutex> lock(state().mu);

@@ -30,6 +30,9 @@
 // group holding those 32 inputs (so a 256-group's scale appears 8 times) and s the 32 inputs'
 // sum of q as int16 (Q4_K's mins need it). T rows are stored back to back (row t at q + t*K,
 // d + t*K/32). The K-quant kernels may read one d per 256 inputs.
+// llama.cpp stores its Q8_0 activation scale as fp16: with set_fp16_act_scales(true) ours is
+// rounded the same way (off by default: fp32 is exact), which makes our results on a GGUF file
+// bit-comparable with llama.cpp's (the opt-in oracle tests).
 //
 // A kernel computes y[t * ldy] = sum over blocks of (scales) * (exact integer block dot), for
 // n activation rows against one weight row; the weight row stays in L1 across the n rows.
@@ -76,6 +79,9 @@ extern const QDotSet kQDotScalar;
 extern const QDotSet kQDotAvx2;
 extern const QDotSet kQDotVnni;  // AVX512-VNNI + AVX512VL on 256-bit vectors (vpdpbusd)
 #endif
+
+// The llama.cpp rounding of 32-input activation scales (above); process-wide.
+void set_fp16_act_scales(bool on);
 
 // ISA names this CPU runs, best first: "vnni", "avx2", "scalar".
 std::vector<std::string> qdot_isas();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,38 @@ inline float load_fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
   return fp16_to_f32(h);
+}
+
+// x rounded to the nearest fp16 value (ties to even), as a float; a magnitude fp16 cannot hold
+// (65520 and above, which would round to infinity) comes back unchanged.
+inline float round_to_fp16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  const uint32_t sign = b & 0x80000000u, mag = b & 0x7FFFFFFFu;
+  if (mag >= 0x477FF000u) return x;
+  float r;
+  if (mag < 0x38800000u) {  // below 2^-14: an fp16 subnormal, a multiple of 2^-24
+    float a;
+    std::memcpy(&a, &mag, sizeof a);
+    r = std::nearbyint(a * 16777216.f) / 16777216.f;
+  } else {  // 10 mantissa bits kept, half an ulp added, ties to even
+    const uint32_t kept = (mag + 0x0FFFu + ((mag >> 13) & 1u)) & ~0x1FFFu;
+    std::memcpy(&r, &kept, sizeof r);
+  }
+  uint32_t rb;
+  std::memcpy(&rb, &r, sizeof rb);
+  rb |= sign;
+  std::memcpy(&r, &rb, sizeof r);
+  return r;
+}
+
+// qdot.h's llama.cpp rounding switch (qdot_scalar.cpp): 32-input groups' scales rounded to fp16.
+extern std::atomic<bool> g_fp16_act_scales;
+
+// The scale of a 32-input activation group of largest magnitude amax.
+inline float act_scale32(float amax) {
+  const float d = amax / 127.f;
+  return g_fp16_act_scales.load(std::memory_order_relaxed) ? round_to_fp16(d) : d;
 }
 
 // Q4_K: the 6-bit scales and mins of the 8 sub-blocks from the 12 packed bytes.

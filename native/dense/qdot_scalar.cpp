@@ -8,6 +8,10 @@
 
 namespace ftdense {
 
+std::atomic<bool> g_fp16_act_scales{false};
+
+void set_fp16_act_scales(bool on) { g_fp16_act_scales.store(on); }
+
 const std::array<float, 256> kE8m0Half = [] {
   std::array<float, 256> t{};
   for (int e = 0; e < 256; ++e) t[e] = e8m0_half(static_cast<uint8_t>(e));
@@ -22,7 +26,7 @@ void quantize(const float* x, int K, int group, int8_t* q, float* d, int16_t* s)
     float amax = 0.f;
     for (int i = 0; i < group; ++i) amax = std::fmax(amax, std::fabs(xg[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    const float scale = group == kQActBlock ? amax / 127.f : (amax > 0.f ? 1.f / inv : 0.f);
+    const float scale = group == kQActBlock ? act_scale32(amax) : (amax > 0.f ? 1.f / inv : 0.f);
     for (int b = g * group / kQActBlock; b < (g + 1) * group / kQActBlock; ++b) {
       int sum = 0;
       for (int i = 0; i < kQActBlock; ++i) {

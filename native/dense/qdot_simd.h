@@ -46,7 +46,7 @@ __attribute__((target(QDOT_TARGET))) void quantize_simd(const float* x, int K, i
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    const float scale = group == kQActBlock ? amax / 127.f : (amax > 0.f ? 1.f / inv : 0.f);
+    const float scale = group == kQActBlock ? act_scale32(amax) : (amax > 0.f ? 1.f / inv : 0.f);
     const __m256 vinv = _mm256_set1_ps(inv);
     for (int b = g * group / kQActBlock; b < (g + 1) * group / kQActBlock; ++b) {
       const float* xb = x + b * kQActBlock;

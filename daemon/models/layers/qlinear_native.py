@@ -77,6 +77,14 @@ def _ensure_configured() -> None:
         dense_native.configure()
 
 
+def set_fp16_act_scales(on: bool) -> None:
+    """Round the 32-input activation scales to fp16 as llama.cpp's Q8_0 does (process-wide, the
+    kernels and ``gguf_blocks.quantize_act`` alike; off by default): for bit comparisons with
+    llama.cpp on the same file (tests/test_gguf_llamacpp_slow.py)."""
+    dense_native._native.set_fp16_act_scales(on)
+    gguf_blocks._FP16_ACT_SCALES[0] = on
+
+
 def quantize_act(x: Tensor, isa: str = "", group: int = 32) -> tuple[Tensor, Tensor, Tensor]:
     """The native activation quantisation (for tests): see ``gguf_blocks.quantize_act``."""
     _ensure_configured()
