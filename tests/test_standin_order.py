@@ -48,6 +48,8 @@ class _NoWait(Transfer):
 
 def test_copies_land_only_when_waited_on() -> None:
     acc = StandinAccelerator()
+    poisoned = acc.empty((2, 3), torch.bfloat16)
+    assert bool(poisoned.isnan().all()) and bool((acc.empty((4,), torch.uint8) == 255).all())
     dst, src = torch.zeros(3, 4), torch.arange(12.0).reshape(3, 4)
     first = acc.copy_rows([(dst, src, [0], [2])])
     second = acc.copy_rows([(dst, src, [1], [1])])

@@ -191,6 +191,17 @@ class StandinAccelerator(Accelerator):
         self._queue: deque[_StreamTransfer] = deque()
         self._lock = threading.RLock()
 
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Poisoned, not uninitialised: NaN floats, all-ones bytes. A slot read before its copy
+        landed must show, and memory the allocator hands back from a freed bank of the same
+        experts would otherwise hold the right weights (a missed wait then passes by luck)."""
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.view(torch.uint8).fill_(0xFF)
+        return t
+
     def copy_rows(self, pairs: RowCopies) -> Transfer:
         self._count(pairs)
         return self._enqueue(lambda: _do_copies(pairs, self._rng))
