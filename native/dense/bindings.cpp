@@ -17,6 +17,7 @@
 #include "qlinear.h"
 #include "qmoe.h"
 #include "rms_norm.h"
+#include "rope.h"
 
 namespace py = pybind11;
 
@@ -137,6 +138,18 @@ PYBIND11_MODULE(ftdense, m) {
       },
       py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("scale"), py::arg("eps"), py::arg("y"),
       "x, y [rows, dim] fp32, scale [dim] fp32 addresses (small: runs on the caller, GIL held).");
+  m.def(
+      "rope",
+      [](uintptr_t x, int64_t n, int heads, int head_dim, int rot, bool interleaved, uintptr_t cos,
+         uintptr_t sin, uintptr_t y) {
+        if (rot < 0 || rot % 2 || rot > head_dim) throw py::value_error("bad rotary dims");
+        ftdense::rope(reinterpret_cast<const float*>(x), n, heads, head_dim, rot, interleaved,
+                      reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin),
+                      reinterpret_cast<float*>(y));
+      },
+      py::arg("x"), py::arg("n"), py::arg("heads"), py::arg("head_dim"), py::arg("rot"),
+      py::arg("interleaved"), py::arg("cos"), py::arg("sin"), py::arg("y"),
+      "x, y [n, heads, head_dim] fp32, cos/sin [n, rot/2] fp32 addresses (rope.h; GIL held).");
   m.def("attention_isa", [] {
     std::lock_guard<std::mutex> lock(state().mu);
     return std::string(state().attention ? ftdense::range_kernel_name(state().attention) : "");

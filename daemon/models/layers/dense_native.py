@@ -159,6 +159,35 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def rope_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `rope` takes x [N, heads, head_dim] with cos/sin [N, rot/2]: fp32 CPU tensors,
+    no autograd."""
+    return (
+        _on()
+        and hasattr(_native, "rope")
+        and x.dim() == 3
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (x, cos, sin))
+        and cos.dim() == 2
+        and cos.shape == sin.shape
+        and cos.shape[0] == x.shape[0]
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, interleaved: bool
+) -> torch.Tensor:
+    """``Rope.apply`` in one native call, bit for bit (native/dense/rope.h: torch's ~10 small
+    ops cost more than the arithmetic at decode). Check `rope_usable` first."""
+    xc, c, s = x.contiguous(), cos.contiguous(), sin.contiguous()
+    n, heads, hd = xc.shape
+    y = torch.empty_like(xc)
+    _native.rope(
+        xc.data_ptr(), n, heads, hd, rot, interleaved, c.data_ptr(), s.data_ptr(), y.data_ptr()
+    )
+    return y
+
+
 def linear_reference(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..config import RopeConfig
+from . import dense_native
 
 
 def inv_frequencies(rope: RopeConfig) -> torch.Tensor:
@@ -81,6 +82,15 @@ class Rope:
         r = self.cfg.rotary_dim
         if r == 0:
             return x
+        if dense_native.rope_usable(x, cos, sin) and cos.shape[1] == r // 2:
+            return dense_native.rope(x, cos, sin, r, self.cfg.interleaved)
+        return self.apply_reference(x, cos, sin)
+
+    def apply_reference(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """`apply` in plain torch (the device path, and the native kernel's reference)."""
+        r = self.cfg.rotary_dim
         half = r // 2
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.cfg.interleaved:  # pairs (x0, x1), (x2, x3), ...; output in half-split order
