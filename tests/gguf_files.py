@@ -357,7 +357,7 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
         target = _hf_module(hf, name)
 
         def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
-            y = qdot_reference(qw.raw, qw.fmt, x.reshape(-1, qw.cols).float())
+            y = qdot_reference(qw.raw, qw.fmt, qw.permuted_input(x.reshape(-1, qw.cols).float()))
             y = y if bias is None else y + bias.float()
             return y.reshape(*x.shape[:-1], qw.rows).to(x.dtype)
 
@@ -408,7 +408,7 @@ def _fused_reference(hf: Any, llm: Any, fused: str) -> list[str]:
         xf = x.reshape(-1, qws[0].cols).float()
         n, groups = xf.shape[0], []
         for qw, sizes in zip(qws, pieces, strict=True):
-            y = qdot_reference(qw.raw, qw.fmt, xf)
+            y = qdot_reference(qw.raw, qw.fmt, qw.permuted_input(xf))
             sizes = [s if s > 0 else y.shape[1] - sum(t for t in sizes if t > 0) for s in sizes]
             groups += [t.reshape(n, kh, -1) for t in y.split(sizes, -1)]
         return torch.cat(groups, -1).reshape(*x.shape[:-1], -1).to(x.dtype)
@@ -436,12 +436,10 @@ def assert_kept_rows_are_the_files(hf: Any, llm: Any, kept: list[str], label: st
     """``int_dot_reference`` computes with our raw rows, so it cannot see them misplaced: each
     kept projection's rows, dequantized, must equal the weights ``dequantized_reference`` put
     into ``hf`` from the file (llama's Q/K permutation undone row by row)."""
-    from freetokend.models.gguf_blocks import dequantize
-
     for name in kept:
         qw = llm.model.get_submodule(name).qweight
         want = _hf_weight(hf, llm, name)
-        got = dequantize(qw.raw, qw.fmt)
+        got = qw.dequantize()  # in our input order (QuantWeight.in_perm)
         assert got.shape == want.shape, name
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{label} {name} ({qw.fmt})"
 

@@ -57,7 +57,8 @@ columns as above:
     minimax_m2 kmix   1.000   0.061  / 0.037    7.5e-6
     qwen3_next q8_0   0.984   0.73   / 0.040    1.7e-5
     qwen3_next kmix   0.984   0.066  / 7.2e-7   1.0e-4
-    qwen3_5_moe, deepseek_v3 quantized: below 0.95, xfail (see _Q35_FLOAT, _MLA_FLOAT)
+    qwen3_5_moe kmix  0.984   0.087  / 0.034    6.5e-5    (ssm_out in blocks, inputs reordered)
+    qwen3_5_moe q8_0, deepseek_v3 quantized: below 0.95, xfail (see _Q35_Q8, _MLA_FLOAT)
 With fp32 activation scales (our default) the standard families agree 0.969-1.000 (qwen3_moe
 Q8_0 0.984, median 0.022; K-quant mix 0.984, 0.085), gpt_oss's K-quant mix 0.891.
 Known departures, not our bugs, handled here:
@@ -98,16 +99,14 @@ Q35_ROPE = {
     }
 }
 KMIX = {"mlp_only_layers": [], "hidden_size": 256, "moe_intermediate_size": 96}
-# Quantized files where we compute some projections from dequantized floats and llama.cpp from
-# the blocks against int8 activations (measured Dec 2, fp16 activation scales: top-1 0.922 / 0.875
-# for qwen3_5_moe Q8_0 / K-quant mix, 0.922 / 0.906 for deepseek_v3; median |dlogit| 0.076 /
-# 0.24, 0.029 / 0.16). Qwen3.5's ssm_out has its input columns (value heads) in the converter's
-# tiled order, which blocks cannot be moved back to; DeepSeek-V3's attn_k_b / attn_v_b are joined
-# into a float kv_b_proj for our MLA. Qwen3-Next, whose projections all stay in blocks, agrees
-# (0.984 / 0.984).
-_Q35_FLOAT = pytest.mark.xfail(
-    reason="Qwen3.5's ssm_out computed from floats (its tiled input columns)", strict=False
-)
+# Quantized files on which we part from llama.cpp more than elsewhere (measured Dec 2, fp16
+# activation scales). DeepSeek-V3 (top-1 0.922 Q8_0, 0.906 K-quant mix; median |dlogit| 0.029,
+# 0.16): its attn_k_b / attn_v_b are joined into a float kv_b_proj for our MLA, llama.cpp
+# computes them from the blocks against int8 inputs. Qwen3.5's Q8_0 file (0.922, median 0.043;
+# 0.859 before its ssm_out stayed in blocks with its inputs reordered, QuantWeight.in_perm):
+# every projection is in blocks now; not explained yet (its K-quant mix agrees, 0.984, and so
+# does Qwen3-Next's Q8_0, 0.984).
+_Q35_Q8 = pytest.mark.xfail(reason="Qwen3.5 Q8_0: 0.922 top-1, not explained yet", strict=False)
 _MLA_FLOAT = pytest.mark.xfail(
     reason="DeepSeek-V3's attn_k_b / attn_v_b computed from a float kv_b_proj", strict=False
 )
@@ -146,9 +145,8 @@ CASES = [
     ("qwen3_next", "q8_0", {"mlp_only_layers": []}),
     ("qwen3_next", "kmix", {"hidden_size": 256, "mlp_only_layers": [],
                             "shared_expert_intermediate_size": 32}),
-    pytest.param("qwen3_5_moe", "q8_0", Q35_ROPE, marks=_Q35_FLOAT),
-    pytest.param("qwen3_5_moe", "kmix", {**Q35_ROPE, "hidden_size": 256,
-                 "shared_expert_intermediate_size": 32}, marks=_Q35_FLOAT),
+    pytest.param("qwen3_5_moe", "q8_0", Q35_ROPE, marks=_Q35_Q8),
+    ("qwen3_5_moe", "kmix", {**Q35_ROPE, "hidden_size": 256, "shared_expert_intermediate_size": 32}),
     pytest.param("deepseek_v3", "q8_0", {}, marks=_MLA_FLOAT),
     pytest.param("deepseek_v3", "kmix", {"hidden_size": 256, "intermediate_size": 64,
                  "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 32,

@@ -89,6 +89,29 @@ def test_fp16_activation_scales_bit_exact(isa: str) -> None:
     assert torch.equal(ql.quantize_act(x, isa, 32)[1], plain[1])  # off again
 
 
+def test_input_permutation() -> None:
+    """QuantWeight.in_perm: blocks whose inputs are in another order than the model's (input j
+    of the blocks is model input in_perm[j]) compute x @ W^T on the model's x, alone and beside
+    a plain weight in one qlinear_many, and dequantize to the model's order."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 256, generator=g) / 16
+    perm = torch.randperm(256, generator=g)
+    file_w = w[:, perm]  # the file's column j holds the model's input perm[j]
+    qw = dataclasses.replace(ql.QuantWeight.from_float(file_w, "q8_0"), in_perm=perm)
+    plain = ql.QuantWeight.from_float(w, "q4_k")
+    x = torch.randn(3, 256, generator=g)
+    assert torch.equal(qw.dequantize(), gb.dequantize(qw.raw, "q8_0")[:, perm.argsort()])
+    assert (qw.dequantize() - w).abs().max() < 0.01
+    got, other = ql.qlinear_many(x, [qw, plain])
+    torch.testing.assert_close(got, ql.qlinear_reference(x, qw), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(other, ql.qlinear_reference(x, plain), rtol=RTOL, atol=ATOL)
+    assert ((got - x @ w.t()).norm() / (x @ w.t()).norm()).item() < 0.02
+    unpermuted = ql.qlinear(x, dataclasses.replace(qw, in_perm=None))
+    assert (unpermuted - got).abs().max() > 0.1  # the order matters
+
+
 def test_qlinear_many_mixes_activation_groups() -> None:
     """One call with outputs of both groups (a GGUF Q4_K_M file's q/k/v can be Q4_K, Q6_K and
     Q5_0): each reads the input quantised in its own group, as the reference does."""

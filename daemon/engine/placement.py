@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from ..experts.accelerator import Accelerator
-from ..models import gguf_blocks
 from ..models.layers import dense_native
 from ..models.layers.common import Linear
 from ..models.layers.rope import Rope
@@ -132,8 +131,8 @@ def place_dense(model: nn.Module, acc: Accelerator) -> Placement:
         qw = lin.qweight
         if qw is None:
             continue
-        raw = qw.raw.to(dev)  # the packed blocks cross once; the bf16 matrix is made there
-        w = gguf_blocks.dequantize(raw, qw.fmt).to(DEVICE_DTYPE)
+        # the packed blocks cross once; the bf16 matrix is made there
+        w = qw.dequantize(dev).to(DEVICE_DTYPE)
         lin.weight = nn.Parameter(w, requires_grad=False)
         lin.qweight = None
     if any(p.is_meta for p in model.parameters()):

@@ -25,15 +25,23 @@ def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.
     ``qblocks.<fmt>.<layer>`` for a projection kept in GGUF blocks (its raw rows, in place of its
     empty float placeholder; see ``ftw_loader``) and ``experts.<bank>`` (gate_up, down, biases
     and the format's scale banks)."""
-    blocks = {
+    quantized = {
         name: mod.qweight
         for name, mod in model.named_modules()
         if isinstance(mod, Linear) and mod.qweight is not None
     }
+    # blocks whose inputs are in another order (QuantWeight.in_perm) are stored dequantized
+    blocks = {n: q for n, q in quantized.items() if q.in_perm is None}
     out = [
         (f"model.{n}", p.data)
         for n, p in model.named_parameters()
-        if n.removesuffix(".weight") not in blocks
+        if n.removesuffix(".weight") not in quantized
+    ]
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    out += [
+        (f"model.{n}.weight", q.dequantize().to(dtype))
+        for n, q in quantized.items()
+        if q.in_perm is not None
     ]
     out += [(f"{QBLOCKS}.{q.fmt}.{name}", q.raw) for name, q in blocks.items()]
     return out + [(f"experts.{n}", t) for n, t in banks.all_tensors().items()]

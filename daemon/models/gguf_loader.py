@@ -289,9 +289,9 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> Linear | None:
     rows = t.shape[0]
     if src.fix is not None:
         order = _row_order(src.fix, rows)
-        if order is None:
+        if order is None and _input_order(src.fix, t.shape[1]) is None:
             return None
-        rows = len(order)
+        rows = rows if order is None else len(order)
     if not isinstance(mod, Linear) or tuple(mod.weight.shape) != (rows, t.shape[1]):
         return None
     return mod
@@ -317,16 +317,35 @@ def _row_order(fix: Fix, rows: int) -> torch.Tensor | None:
     return idx.long()
 
 
+def _input_order(fix: Fix, cols: int) -> torch.Tensor | None:
+    """QuantWeight.in_perm for a ``fix`` that only reorders whole columns (Qwen3.5's tiled value
+    heads at the input of ``ssm_out``): input j of the file's rows is the model's input
+    in_perm[j]; None for any other transform."""
+    probe = torch.arange(cols, dtype=torch.float64).unsqueeze(0)
+    try:
+        out = fix(probe)
+    except (RuntimeError, ValueError, IndexError):
+        return None
+    if out.shape != probe.shape or not torch.equal(out.sort(1).values, probe):
+        return None
+    return out[0].long().argsort()  # out[0, i]: the file column of model column i
+
+
 def _keep_blocks(mod: Linear, src: _Source) -> None:
     """Loads the GGUF rows raw into ``mod`` (a row-reordering or row-selecting transform moves
     whole rows: a row's blocks move together); the float weight it replaces was never touched, so never
     resident."""
     raw = src.f.read_raw(src.t)
+    perm = None
     if src.fix is not None:
         order = _row_order(src.fix, src.t.shape[0])
-        assert order is not None  # _block_linear checked
-        raw = raw[order]
-    mod.qweight = QuantWeight.from_raw(raw, src.t.type_name.lower(), src.t.shape[1])
+        if order is not None:
+            raw = raw[order]
+        else:
+            perm = _input_order(src.fix, src.t.shape[1])
+            assert perm is not None  # _block_linear checked
+    qw = QuantWeight.from_raw(raw, src.t.type_name.lower(), src.t.shape[1])
+    mod.qweight = dataclasses.replace(qw, in_perm=perm) if perm is not None else qw
     mod.weight = torch.nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
 
 

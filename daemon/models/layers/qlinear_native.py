@@ -25,12 +25,18 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """One quantised matrix [rows, cols]: ``raw`` [rows, row_bytes(fmt, cols)] uint8."""
+    """One quantised matrix [rows, cols]: ``raw`` [rows, row_bytes(fmt, cols)] uint8.
+
+    ``in_perm`` (int64 [cols], or None): the raw rows' inputs in another order than the model's,
+    input j of the blocks being the model's input ``in_perm[j]`` (a GGUF converter that moved
+    whole input columns, such as Qwen3.5's tiled value heads of ``ssm_out``: blocks cannot move
+    columns back, so the input moves instead). ``dequantize`` returns the model's order."""
 
     raw: Tensor
     fmt: str
     rows: int
     cols: int
+    in_perm: Tensor | None = None
 
     @classmethod
     def from_float(cls, w: Tensor, fmt: str) -> QuantWeight:
@@ -47,9 +53,19 @@ class QuantWeight:
             raise ValueError(f"{fmt} rows of {cols} inputs are uint8 [R, {want}]")
         return cls(raw.contiguous(), fmt, raw.shape[0], cols)
 
-    def dequantize(self) -> Tensor:
-        """[rows, cols] fp32."""
-        return gguf_blocks.dequantize(self.raw, self.fmt)
+    def dequantize(self, device: torch.device | None = None) -> Tensor:
+        """[rows, cols] fp32 in the model's input order, made on ``device`` (default: the
+        blocks'; the packed rows cross, not the float matrix)."""
+        w = gguf_blocks.dequantize(self.raw.to(device) if device else self.raw, self.fmt)
+        if self.in_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.in_perm.to(w.device)] = w
+        return out
+
+    def permuted_input(self, x: Tensor) -> Tensor:
+        """x [T, cols] in the blocks' input order."""
+        return x if self.in_perm is None else x[:, self.in_perm.to(x.device)]
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +129,11 @@ def qlinear_many(
     for w in weights:
         if w.cols != k:
             raise ValueError(f"x has {k} features but a weight expects {w.cols}")
+    if any(w.in_perm is not None for w in weights) and len(weights) > 1:  # its own input order
+        bs = list(biases) + [None] * (len(weights) - len(biases))
+        return [qlinear_many(x, (w,), (b,), isa)[0] for w, b in zip(weights, bs, strict=True)]
+    if weights and weights[0].in_perm is not None:
+        x = weights[0].permuted_input(x)
     _ensure_configured()
     xf = x.float().contiguous()
     ys = [torch.empty(t, w.rows, dtype=torch.float32) for w in weights]
@@ -139,5 +160,5 @@ def qlinear(x: Tensor, w: QuantWeight, bias: Tensor | None = None, isa: str = ""
 
 def qlinear_reference(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
     """What ``qlinear`` computes, in plain torch (same activation quantisation)."""
-    y = gguf_blocks.qdot_reference(w.raw, w.fmt, x)
+    y = gguf_blocks.qdot_reference(w.raw, w.fmt, w.permuted_input(x))
     return y + bias.float() if bias is not None else y
