@@ -57,6 +57,9 @@ columns as above:
     minimax_m2 kmix   1.000   0.061  / 0.037    7.5e-6
     qwen3_next q8_0   0.984   0.73   / 0.040    1.7e-5
     qwen3_next kmix   0.984   0.066  / 7.2e-7   1.0e-4
+    olmoe bf16        1.000   0.012  / 7.3e-3   1.4e-6    (ours in bf16 against its BF16 dots)
+    mixtral bf16      1.000   0.010  / 6.0e-3   1.1e-6
+    gpt_oss bf16      0.984   0.81   / 5.4e-3   9.5e-7    (plain RoPE)
     qwen3_5_moe kmix  0.984   0.087  / 0.034    6.5e-5    (ssm_out in blocks, inputs reordered)
     qwen3_5_moe q8_0  1.000   0      / 0        7.5e-6    (32-wide shared expert: no F16 tensor)
     qwen3_5_moe q8_0 with the F16 shared-expert down (0.922), deepseek_v3 quantized (0.922 /
@@ -142,6 +145,9 @@ CASES = [
     ("gemma4", "f32", {}),
     # added Dec 2: the K-quant mix (Q4_K_M-like) for every family llama.cpp reads, Q8_0 for the
     # hybrids and MLA (the wheel that segfaulted on Q8_0 files before runs them now)
+    ("olmoe", "bf16", {"clip_qkv": None, "num_key_value_heads": 4}),
+    ("mixtral", "bf16", {}),
+    ("gpt_oss", "bf16", PLAIN_ROPE),
     ("olmoe", "kmix", {"clip_qkv": None, "num_key_value_heads": 4, "hidden_size": 256,
                        "intermediate_size": 96}),
     ("mixtral", "kmix", {"hidden_size": 256, "intermediate_size": 96, "head_dim": 64}),
