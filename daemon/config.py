@@ -64,8 +64,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vram_mib: int | None = None  # the simulated card of accelerator fake-cuda, MiB (required)
     # decode attention with the KV pool on a GPU: torch (pages gathered, torch ops) | triton
     # (the paged decode kernel, kernels/paged_attention.py, and the Gated DeltaNet decode step
-    # and chunked prefill, kernels/deltanet.py); torch until a GPU run of tests/gpu/check.sh verifies the kernels
-    # (process-wide: models/layers/attention.py)
+    # and chunked prefill, kernels/deltanet.py); torch until a GPU run of tests/gpu/check.sh
+    # verifies the kernels (process-wide: models/layers/attention.py)
     attention_kernel: str = "torch"
     moe_slots: int | None = None  # accelerator expert slots; default: what fits free VRAM
     kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)

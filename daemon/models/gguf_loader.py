@@ -272,7 +272,8 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> Linear | None:
     """The projection ``canon`` belongs to when its GGUF tensor can stay in its blocks: any
     `Linear` (attention, linear attention, MLPs, shared experts, routers, lm_head: llama.cpp
     computes each from the file's blocks) of a type those kernels compute, with the shape the
-    model expects, read from one tensor whose converter transform (if any) only reorders rows."""
+    model expects, read from one tensor whose converter transform (if any) only reorders or
+    selects rows, or only reorders input columns (then the input moves: ``_input_order``)."""
     from .gguf_blocks import BLOCK_BYTES
 
     if not isinstance(src, _Source):
@@ -333,8 +334,8 @@ def _input_order(fix: Fix, cols: int) -> torch.Tensor | None:
 
 def _keep_blocks(mod: Linear, src: _Source) -> None:
     """Loads the GGUF rows raw into ``mod`` (a row-reordering or row-selecting transform moves
-    whole rows: a row's blocks move together); the float weight it replaces was never touched, so never
-    resident."""
+    whole rows: a row's blocks move together; a column reorder becomes the weight's in_perm);
+    the float weight it replaces was never touched, so never resident."""
     raw = src.f.read_raw(src.t)
     perm = None
     if src.fix is not None:

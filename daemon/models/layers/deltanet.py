@@ -12,8 +12,8 @@ recurrent step (kernels/deltanet.py, the custom op ftkernels::deltanet_decode) f
 row of the batch, each sequence's state updated in place through a table of state addresses
 sent once per batch; the causal conv before it runs batched over those rows too (a fixed number
 of torch ops per layer, not a few per sequence). A prefill chunk takes one launch of the chunked
-kernel (ftkernels::deltanet_prefill) on its sequence's state. Otherwise (the default, and always on the host) the torch recurrence runs
-per sequence.
+kernel (ftkernels::deltanet_prefill) on its sequence's state. Otherwise (the default, and always
+on the host) the torch recurrence runs per sequence.
 """
 
 from __future__ import annotations
