@@ -432,6 +432,42 @@ def _hf_weight(hf: Any, llm: Any, name: str) -> torch.Tensor:
     return parts[name.rpartition(".")[2] + ".weight"]
 
 
+def prompt(n: int, seed: int) -> list[int]:
+    """n random token ids of the tiny models' vocabulary, seeded."""
+    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' teacher-forced logits [len(ids), vocab] fp32."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def kmix_logit_errors(
+    family: str, hf: Any, folder: Path, want_types: set[str], expert_types: Any = None
+) -> tuple[Any, torch.Tensor]:
+    """A Q4_K_M-like file of ``hf`` (``quantize``'s kmix) in ``folder``, holding at least the
+    GGUF types ``want_types``, loaded in fp32; transformers gets the file's dequantized weights
+    and computes the projections we keep in blocks as our kernels do, the K-quant ones among
+    them, whose rows must be the file's. -> (the LLM, max |logit diff| per position of a
+    24-token prompt)."""
+    import gguf
+
+    from freetokend import LLM
+
+    path = write_gguf(family, hf, folder / "m-Q4_K_M.gguf", "kmix", expert_types=expert_types)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert want_types <= types, types
+    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    dequantized_reference(family, hf, path)
+    kept = int_dot_reference(hf, llm)
+    fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
+    assert {"q4_k", "q6_k"} <= fmts, fmts  # the K-quant projections stay in their blocks
+    assert_kept_rows_are_the_files(hf, llm, kept, family)
+    ids = prompt(24, seed=2)
+    return llm, (llm.logits(ids) - hf_logits(hf, ids)).abs().amax(-1)
+
+
 def assert_kept_rows_are_the_files(hf: Any, llm: Any, kept: list[str], label: str = "") -> None:
     """``int_dot_reference`` computes with our raw rows, so it cannot see them misplaced: each
     kept projection's rows, dequantized, must equal the weights ``dequantized_reference`` put

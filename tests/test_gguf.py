@@ -18,7 +18,14 @@ from gguf_files import (
     assert_kept_rows_are_the_files,
     dequantized_reference,
     int_dot_reference,
+    kmix_logit_errors,
     write_gguf,
+)
+from gguf_files import (
+    hf_logits as _hf_logits,
+)
+from gguf_files import (
+    prompt as _prompt,
 )
 from tiny_models import make_tiny
 
@@ -40,15 +47,6 @@ FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 def _tiny(family: str, d, seed: int = 3):
     over = {"mlp_only_layers": []} if family == "qwen3_moe" else {}  # llama.cpp's qwen3moe
     return make_tiny(family, d / "hf", seed=seed, **over)[1]
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -132,24 +130,13 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path, exp
     """A Q4_K_M-like file: Q4_K rows, Q6_K for output / attn_v, Q4_0 / Q5_0 / Q8_0 where rows
     are not multiples of 256 (as real Q4_K_M files carry). GPT-OSS files keep their experts in
     MXFP4 whatever the mix: the K-quants are its dense parts."""
-    import gguf
-
     hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
     mxfp4 = (Q.MXFP4, Q.MXFP4) if family == "gpt_oss" else None
-    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix", expert_types=mxfp4)
-    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     want = {"Q4_K", "Q6_K", "Q5_0", "MXFP4"} if mxfp4 else {"Q4_K", "Q6_K", "Q4_0"}
-    assert want <= types, types
-    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
+    llm, rows = kmix_logit_errors(family, hf, tmp_path, want, expert_types=mxfp4)
     if mxfp4:
         assert llm.banks.format == "mxfp4"
-    dequantized_reference(family, hf, path)
-    kept = int_dot_reference(hf, llm)
-    fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
-    assert {"q4_k", "q6_k"} <= fmts, fmts  # the K-quant projections stay in their blocks
-    assert_kept_rows_are_the_files(hf, llm, kept, family)
-    ids = _prompt(24, seed=2)
-    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max().item()
+    err = rows.max().item()
     assert err < ATOL_BLOCKS, f"{family} Q4_K_M mix: max |logit diff| {err}"
 
 

@@ -19,11 +19,17 @@ import torch
 from gguf_files import (
     ARCH,
     against_transformers_gguf_loader,
-    assert_kept_rows_are_the_files,
     dequantized_reference,
     gguf_tensors,
     int_dot_reference,
+    kmix_logit_errors,
     write_gguf,
+)
+from gguf_files import (
+    hf_logits as _hf_logits,
+)
+from gguf_files import (
+    prompt as _prompt,
 )
 from tiny_models import make_tiny
 
@@ -38,15 +44,6 @@ ATOL = 2e-4
 # its linear-attention projections stay in blocks too)
 ATOL_BLOCKS = 5e-2
 FAMILIES = ("qwen3_next", "qwen3_5_moe", "deepseek_v3")
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -179,17 +176,7 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, tmp_path, experts_d
     the weights transformers gets from the file through the converter's inverse transforms),
     and the logits agree with transformers computing those blocks as our kernels do."""
     hf = make_tiny(family, tmp_path / "hf", seed=3, **KMIX[family])[1]
-    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix")
-    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
-    assert {"Q4_K", "Q6_K", "Q4_0"} <= types, types
-    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
-    dequantized_reference(family, hf, path)
-    kept = int_dot_reference(hf, llm)
-    fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
-    assert {"q4_k", "q6_k"} <= fmts, fmts  # the K-quant projections stay in their blocks
-    assert_kept_rows_are_the_files(hf, llm, kept, family)
-    ids = _prompt(24, seed=2)
-    err = (llm.logits(ids) - _hf_logits(hf, ids)).abs().amax(-1)
+    _, err = kmix_logit_errors(family, hf, tmp_path, {"Q4_K", "Q6_K", "Q4_0"})
     assert err.max() < ATOL_INT8_FLIP, f"{family} Q4_K_M mix: max |logit diff| per token {err}"
 
 

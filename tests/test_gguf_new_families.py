@@ -22,7 +22,14 @@ from gguf_files import (
     assert_kept_rows_are_the_files,
     dequantized_reference,
     int_dot_reference,
+    kmix_logit_errors,
     write_gguf,
+)
+from gguf_files import (
+    hf_logits as _hf_logits,
+)
+from gguf_files import (
+    prompt as _prompt,
 )
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from tiny_models import VARIANTS, make_tiny
@@ -65,15 +72,6 @@ def _tiny(case: str, d, seed: int = 3):
     family = case.split(":")[0]
     over = _OVER.get(case, VARIANTS.get(case, {}))
     return family, make_tiny(family, d / "hf", seed=seed, **over)[1]
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(2, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -211,17 +209,7 @@ def test_k_quant_mix_matches_its_dequantized_weights(family, over, tmp_path, exp
     """A Q4_K_M-like file (Q4_K rows, Q6_K for output / attn_v / down experts, Q4_0 / Q5_0 /
     Q8_0 for rows shorter than 256), as real GLM / MiniMax Q4_K_M files mix them."""
     hf = make_tiny(family, tmp_path / "hf", seed=3, **over)[1]
-    path = write_gguf(family, hf, tmp_path / "m-Q4_K_M.gguf", "kmix")
-    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
-    assert {"Q4_K", "Q6_K", "Q4_0"} <= types, types
-    llm = LLM(path, max_model_len=256, kv_tokens=2048, dtype="float32")
-    dequantized_reference(family, hf, path)
-    kept = int_dot_reference(hf, llm)
-    fmts = {llm.model.get_submodule(n).qweight.fmt for n in kept}
-    assert {"q4_k", "q6_k"} <= fmts, fmts
-    assert_kept_rows_are_the_files(hf, llm, kept, family)
-    ids = _prompt(24, seed=2)
-    rows = (llm.logits(ids) - _hf_logits(hf, ids)).abs().max(1).values
+    _, rows = kmix_logit_errors(family, hf, tmp_path, {"Q4_K", "Q6_K", "Q4_0"})
     # an activation rounding to the other int8 code moves one position's logits by up to 0.03
     # (seen once for MiniMax here); a misplaced block moves every position
     close = (rows < ATOL_BLOCKS).float().mean().item()
