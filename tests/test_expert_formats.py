@@ -9,17 +9,19 @@ from hypothesis import strategies as st
 
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.formats import (
-    E2M1_VALUES,
     FORMATS,
     allocate,
     dequantize_banks,
     dequantize_expert,
+    get_format,
+    quantize_banks,
+)
+from freetokend.experts.microscale import (
+    E2M1_VALUES,
     e2m1_decode,
     e2m1_encode,
     e8m0_decode,
-    get_format,
     pack_nibbles,
-    quantize_banks,
     unpack_nibbles,
 )
 

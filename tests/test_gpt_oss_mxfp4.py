@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny
 
 from freetokend import LLM
-from freetokend.experts.formats import _mx_quant
+from freetokend.experts.microscale import mx_quant as _mx_quant
 from freetokend.models.config import ConfigError, ModelConfig
 from freetokend.models.loader import CheckpointError
 

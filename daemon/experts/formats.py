@@ -9,7 +9,8 @@ Weights are stored as the model computes ``W x``: rows are output features, the 
 dim is the input dim. ``gate_up`` is [2I, H] (gate rows then up rows), ``down`` is [H, I]. Biases
 (GPT-OSS) stay in the model's float dtype in every format and are not part of a schema.
 
-Bit layouts (tested on hand-made values in tests/test_expert_formats.py):
+Bit layouts (the codecs are in experts/microscale.py; tested on hand-made values in
+tests/test_expert_formats.py):
   e2m1 (FP4) code, 4 bits: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa; codes 0..7
       are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes 8..15 the same negated (8 is -0).
   packing: two codes per uint8 along the input dim, element 2j in the LOW nibble and element
@@ -46,123 +47,18 @@ import torch
 
 from ..models import gguf_blocks
 from .banks import ExpertBanks
+from .microscale import (
+    cdiv,
+    fp8_dequant,
+    fp8_quant,
+    mx_dequant,
+    mx_quant,
+    nv_dequant,
+    nv_global,
+    nv_quant,
+)
 
 Tensor = torch.Tensor
-
-# ---- bit-level codecs -------------------------------------------------------------------------
-
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-)
-E2M1_MAX = 6.0
-FP8_MAX = 448.0
-E8M0_BIAS = 127
-# Midpoints between neighbouring e2m1 magnitudes; a value on a midpoint rounds to the code with
-# an even mantissa bit (round half to even): down at 0.25, 1.25, 2.5, 5; up at 0.75, 1.75, 3.5.
-_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_TIES_UP = (0.75, 1.75, 3.5)
-
-
-def e2m1_encode(x: Tensor) -> Tensor:
-    """fp32 values (already divided by their scale) -> uint8 codes 0..15, nearest, ties to even,
-    saturating at +-6."""
-    mag = x.float().abs().clamp(max=E2M1_MAX).contiguous()  # bucketize copies otherwise
-    code = torch.bucketize(mag, _MIDS.to(x.device), right=False)  # on a midpoint: the lower code
-    for tie in _TIES_UP:
-        code = code + (mag == tie).long()
-    return (code | (torch.signbit(x).long() << 3)).to(torch.uint8)
-
-
-def e2m1_decode(codes: Tensor) -> Tensor:
-    """uint8 codes 0..15 -> fp32 values."""
-    return E2M1_VALUES.to(codes.device)[codes.long()]
-
-
-def pack_nibbles(codes: Tensor) -> Tensor:
-    """[..., C] codes -> [..., C/2] uint8; element 2j in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: Tensor) -> Tensor:
-    """[..., C/2] uint8 -> [..., C] codes; inverse of ``pack_nibbles``."""
-    both = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
-    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def e8m0_decode(e: Tensor) -> Tensor:
-    """uint8 biased exponents -> fp32 powers of two 2^(e - 127)."""
-    return torch.exp2(e.float() - E8M0_BIAS)
-
-
-# ---- per-matrix block quantisers ([R, C] fp32, blocks along C, the input dim) -----------------
-
-
-def _mx_quant(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
-    """[R, C] -> (packed [R, C/2] uint8, e8m0 scales [R, C/block] uint8).
-
-    The scale is the smallest power of two with amax / scale <= 6, so nothing saturates."""
-    r, c = w.shape
-    blocks = w.float().reshape(r, c // block, block)
-    amax = blocks.abs().amax(-1)
-    mant, exp = torch.frexp(amax / E2M1_MAX)  # amax/6 = mant * 2^exp, mant in [0.5, 1)
-    exp = torch.where(mant == 0.5, exp - 1, exp)  # exact powers of two: ceil(log2) = exp - 1
-    exp = torch.where(amax == 0, torch.full_like(exp, -E8M0_BIAS), exp)
-    exp = exp + (amax / torch.exp2(exp.float()) > E2M1_MAX).int()  # guard the division's rounding
-    exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS)
-    codes = e2m1_encode(blocks / torch.exp2(exp.float()).unsqueeze(-1)).reshape(r, c)
-    return pack_nibbles(codes), (exp + E8M0_BIAS).to(torch.uint8)
-
-
-def _mx_dequant(packed: Tensor, scales: Tensor, block: int = 32) -> Tensor:
-    vals = e2m1_decode(unpack_nibbles(packed))
-    return vals * e8m0_decode(scales).repeat_interleave(block, dim=-1)
-
-
-def _nv_quant(w: Tensor, glob: float, block: int = 16) -> tuple[Tensor, Tensor]:
-    """[R, C] with the tensor's global scale -> (packed [R, C/2] uint8, fp8 scales [R, C/block])."""
-    r, c = w.shape
-    blocks = w.float().reshape(r, c // block, block)
-    bs = (blocks.abs().amax(-1) / E2M1_MAX / glob).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
-    eff = (bs.float() * glob).unsqueeze(-1)  # the block's effective scale
-    q = torch.where(eff > 0, blocks / torch.where(eff > 0, eff, 1.0), 0.0)
-    return pack_nibbles(e2m1_encode(q).reshape(r, c)), bs
-
-
-def _nv_dequant(packed: Tensor, scales: Tensor, glob: Tensor, block: int = 16) -> Tensor:
-    vals = e2m1_decode(unpack_nibbles(packed))
-    return vals * scales.float().repeat_interleave(block, dim=-1) * glob.float()
-
-
-def _nv_global(w: Tensor) -> float:
-    """Per-tensor scale so the largest block scale lands on fp8's max: amax / (6 * 448)."""
-    amax = float(w.float().abs().max())
-    return amax / (E2M1_MAX * FP8_MAX) if amax > 0 else 1.0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _fp8_quant(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
-    """[R, C] -> (fp8 e4m3 [R, C], fp32 scales [ceil(R/128), ceil(C/128)]); w = q * scale."""
-    r, c = w.shape
-    rb, cb = _cdiv(r, block), _cdiv(c, block)
-    padded = torch.zeros(rb * block, cb * block)
-    padded[:r, :c] = w.float()
-    amax = padded.reshape(rb, block, cb, block).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = (w.float() / _expand(scale, r, c, block)).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
-
-
-def _expand(scale: Tensor, r: int, c: int, block: int) -> Tensor:
-    """[Rb, Cb] block scales -> [r, c] per element."""
-    return scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:r, :c]
-
-
-def _fp8_dequant(q: Tensor, scale: Tensor, block: int = 128) -> Tensor:
-    return q.float() * _expand(scale.float(), q.shape[0], q.shape[1], block)
-
 
 # ---- the formats ------------------------------------------------------------------------------
 
@@ -183,8 +79,8 @@ def _bf16_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
 def _fp8_block_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
     # gate and up are blocked separately (as the checkpoints store them), so I need not be a
     # multiple of 128: scale rows [0, ceil(I/128)) cover gate, the rest cover up.
-    (gq, gs), (uq, us) = (_fp8_quant(h) for h in _halves(gate_up))
-    dq, ds = _fp8_quant(down)
+    (gq, gs), (uq, us) = (fp8_quant(h) for h in _halves(gate_up))
+    dq, ds = fp8_quant(down)
     return {
         "gate_up": torch.cat([gq, uq]),
         "down": dq,
@@ -196,27 +92,27 @@ def _fp8_block_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) ->
 def _fp8_block_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
     g, u = _halves(t["gate_up"])
     gs, us = _halves(t["gate_up_scale"])
-    gate_up = torch.cat([_fp8_dequant(g, gs), _fp8_dequant(u, us)])
-    return gate_up, _fp8_dequant(t["down"], t["down_scale"])
+    gate_up = torch.cat([fp8_dequant(g, gs), fp8_dequant(u, us)])
+    return gate_up, fp8_dequant(t["down"], t["down_scale"])
 
 
 def _mxfp4_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
-    gq, gs = _mx_quant(gate_up)
-    dq, ds = _mx_quant(down)
+    gq, gs = mx_quant(gate_up)
+    dq, ds = mx_quant(down)
     return {"gate_up": gq, "down": dq, "gate_up_scale": gs, "down_scale": ds}
 
 
 def _mxfp4_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-    return _mx_dequant(t["gate_up"], t["gate_up_scale"]), _mx_dequant(t["down"], t["down_scale"])
+    return mx_dequant(t["gate_up"], t["gate_up_scale"]), mx_dequant(t["down"], t["down_scale"])
 
 
 def _nvfp4_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
     # gate and up keep separate global scales, as NVFP4 checkpoints store them per projection.
     halves = _halves(gate_up)
-    globs = [_nv_global(h) for h in halves]
-    (gq, gs), (uq, us) = (_nv_quant(h, g) for h, g in zip(halves, globs, strict=True))
-    dglob = _nv_global(down)
-    dq, ds = _nv_quant(down, dglob)
+    globs = [nv_global(h) for h in halves]
+    (gq, gs), (uq, us) = (nv_quant(h, g) for h, g in zip(halves, globs, strict=True))
+    dglob = nv_global(down)
+    dq, ds = nv_quant(down, dglob)
     return {
         "gate_up": torch.cat([gq, uq]),
         "down": dq,
@@ -230,8 +126,8 @@ def _nvfp4_quant(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dic
 def _nvfp4_dequant(t: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
     (g, u), (gs, us) = _halves(t["gate_up"]), _halves(t["gate_up_scale"])
     glob = t["gate_up_global"]
-    gate_up = torch.cat([_nv_dequant(g, gs, glob[0]), _nv_dequant(u, us, glob[1])])
-    return gate_up, _nv_dequant(t["down"], t["down_scale"], t["down_global"][0])
+    gate_up = torch.cat([nv_dequant(g, gs, glob[0]), nv_dequant(u, us, glob[1])])
+    return gate_up, nv_dequant(t["down"], t["down_scale"], t["down_global"][0])
 
 
 Shape = Callable[[int, int], tuple[int, ...]]
@@ -389,8 +285,8 @@ FORMATS: dict[str, ExpertFormat] = {
             (
                 BankSpec("gate_up", lambda h, i: (2 * i, h), _FP8),
                 BankSpec("down", lambda h, i: (h, i), _FP8),
-                BankSpec("gate_up_scale", lambda h, i: (2 * _cdiv(i, 128), _cdiv(h, 128)), _F32),
-                BankSpec("down_scale", lambda h, i: (_cdiv(h, 128), _cdiv(i, 128)), _F32),
+                BankSpec("gate_up_scale", lambda h, i: (2 * cdiv(i, 128), cdiv(h, 128)), _F32),
+                BankSpec("down_scale", lambda h, i: (cdiv(h, 128), cdiv(i, 128)), _F32),
             ),
             _fp8_block_quant,
             _fp8_block_dequant,
