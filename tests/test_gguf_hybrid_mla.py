@@ -263,6 +263,10 @@ def test_ftw_from_the_gguf_gives_the_same_logits(f32, tmp_path):
     from freetokend.models.ftw_convert import convert
 
     family, _, path, llm = f32
+    # an accelerator backend dequantizes it for the device in the model's order (placement)
+    dev = LLM(path, "fused", accelerator="standin", max_model_len=256, kv_tokens=2048)
+    dev_w = dev.model.get_submodule("layers.0.linear_attn.out_proj").weight
+    assert torch.equal(dev_w.float(), want.to(dev_w.dtype).float())
     convert(path, tmp_path / "ftw")
     ftw = LLM(tmp_path / "ftw", max_model_len=256, kv_tokens=2048)
     assert ftw.config.family == family
@@ -287,6 +291,10 @@ def test_qwen35_ssm_out_stays_in_blocks_with_its_inputs_reordered(tmp_path, expe
     dequantized_reference("qwen3_5_moe", hf, path)
     want = hf.get_submodule("model.layers.0.linear_attn.out_proj").weight.detach().float()
     assert torch.allclose(out.qweight.dequantize(), want, rtol=1e-6, atol=1e-7)
+    # an accelerator backend dequantizes it for the device in the model's order (placement)
+    dev = LLM(path, "fused", accelerator="standin", max_model_len=256, kv_tokens=2048)
+    dev_w = dev.model.get_submodule("layers.0.linear_attn.out_proj").weight
+    assert torch.equal(dev_w.float(), want.to(dev_w.dtype).float())
     convert(path, tmp_path / "ftw")
     ftw = LLM(tmp_path / "ftw", max_model_len=256, kv_tokens=2048)
     ftw_out = ftw.model.get_submodule("layers.0.linear_attn.out_proj")

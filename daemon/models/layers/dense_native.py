@@ -164,7 +164,6 @@ def rope_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     no autograd."""
     return (
         _on()
-        and hasattr(_native, "rope")
         and x.dim() == 3
         and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (x, cos, sin))
         and cos.dim() == 2
