@@ -263,10 +263,6 @@ def test_ftw_from_the_gguf_gives_the_same_logits(f32, tmp_path):
     from freetokend.models.ftw_convert import convert
 
     family, _, path, llm = f32
-    # an accelerator backend dequantizes it for the device in the model's order (placement)
-    dev = LLM(path, "fused", accelerator="standin", max_model_len=256, kv_tokens=2048)
-    dev_w = dev.model.get_submodule("layers.0.linear_attn.out_proj").weight
-    assert torch.equal(dev_w.float(), want.to(dev_w.dtype).float())
     convert(path, tmp_path / "ftw")
     ftw = LLM(tmp_path / "ftw", max_model_len=256, kv_tokens=2048)
     assert ftw.config.family == family
