@@ -268,7 +268,17 @@ class GgufCheckpoint:
         )
 
 
-def _block_linear(model: CausalLM, canon: str, src: object) -> Linear | None:
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """A projection loaded in its GGUF blocks: the module, and the rows (``order``) or the
+    input order (``in_perm``) the converter's transform amounts to (None: as in the file)."""
+
+    mod: Linear
+    order: torch.Tensor | None = None
+    in_perm: torch.Tensor | None = None
+
+
+def _block_linear(model: CausalLM, canon: str, src: object) -> _Kept | None:
     """The projection ``canon`` belongs to when its GGUF tensor can stay in its blocks: any
     `Linear` (attention, linear attention, MLPs, shared experts, routers, lm_head: llama.cpp
     computes each from the file's blocks) of a type those kernels compute, with the shape the
@@ -287,15 +297,16 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> Linear | None:
         mod = model.get_submodule(layer)
     except AttributeError:
         return None
-    rows = t.shape[0]
+    order = perm = None
     if src.fix is not None:
-        order = _row_order(src.fix, rows)
-        if order is None and _input_order(src.fix, t.shape[1]) is None:
+        order = _row_order(src.fix, t.shape[0])
+        perm = None if order is not None else _input_order(src.fix, t.shape[1])
+        if order is None and perm is None:
             return None
-        rows = rows if order is None else len(order)
+    rows = t.shape[0] if order is None else len(order)
     if not isinstance(mod, Linear) or tuple(mod.weight.shape) != (rows, t.shape[1]):
         return None
-    return mod
+    return _Kept(mod, order, perm)
 
 
 def _row_order(fix: Fix, rows: int) -> torch.Tensor | None:
@@ -332,21 +343,16 @@ def _input_order(fix: Fix, cols: int) -> torch.Tensor | None:
     return out[0].long().argsort()  # out[0, i]: the file column of model column i
 
 
-def _keep_blocks(mod: Linear, src: _Source) -> None:
-    """Loads the GGUF rows raw into ``mod`` (a row-reordering or row-selecting transform moves
-    whole rows: a row's blocks move together; a column reorder becomes the weight's in_perm);
-    the float weight it replaces was never touched, so never resident."""
+def _keep_blocks(kept: _Kept, src: _Source) -> None:
+    """Loads the GGUF rows raw into ``kept.mod`` (a row-reordering or row-selecting transform
+    moves whole rows: a row's blocks move together; a column reorder becomes the weight's
+    in_perm); the float weight it replaces was never touched, so never resident."""
     raw = src.f.read_raw(src.t)
-    perm = None
-    if src.fix is not None:
-        order = _row_order(src.fix, src.t.shape[0])
-        if order is not None:
-            raw = raw[order]
-        else:
-            perm = _input_order(src.fix, src.t.shape[1])
-            assert perm is not None  # _block_linear checked
+    if kept.order is not None:
+        raw = raw[kept.order]
     qw = QuantWeight.from_raw(raw, src.t.type_name.lower(), src.t.shape[1])
-    mod.qweight = dataclasses.replace(qw, in_perm=perm) if perm is not None else qw
+    mod = kept.mod
+    mod.qweight = dataclasses.replace(qw, in_perm=kept.in_perm) if kept.in_perm is not None else qw
     mod.weight = torch.nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
 
 
@@ -436,9 +442,9 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         _check_experts(ck, cfg)
         _check_types(ck, cfg)
         in_blocks = {  # by our name: one GGUF tensor can fill several (ssm_ba)
-            canon: (name, mod)
+            canon: (name, keep)
             for name, canon, src in ck.sources(cfg)
-            if (mod := _block_linear(model, canon, src)) is not None
+            if (keep := _block_linear(model, canon, src)) is not None
         }
         kept_names = frozenset(name for name, _ in in_blocks.values())
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
