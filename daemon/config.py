@@ -67,6 +67,11 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # and chunked prefill, kernels/deltanet.py); torch until a GPU run of tests/gpu/check.sh
     # verifies the kernels (process-wide: models/layers/attention.py)
     attention_kernel: str = "torch"
+    # decode steps as CUDA graphs, one per batch-size bucket (1, 2, 4, 8) and page-table width,
+    # captured at load (engine/graphs.py): a real GPU with the fused or offload backend only;
+    # elsewhere (hybrid, a model without a static decode form, a failed capture) decode runs
+    # without graphs and one log line says why
+    cuda_graphs: bool = False
     moe_slots: int | None = None  # accelerator expert slots; default: what fits free VRAM
     kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
     auto_switch: bool = False  # a request naming a resident, inactive model switches to it

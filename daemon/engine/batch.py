@@ -32,6 +32,20 @@ class SeqChunk:
 
 
 @dataclass
+class DecodeMeta:
+    """A batch of decode rows (one token each) in static form, on the KV pool's device: shapes
+    depend only on the row count B and the page-table width W, never on context lengths, so
+    one captured CUDA graph serves every step of that (B, W) (engine/graphs.py). Rows are
+    0..B-1 in order (padding rows included)."""
+
+    lens: torch.Tensor  # [B] int32 keys each row attends over, its own included (>= 1)
+    slots: torch.Tensor  # [B] int64 KV row written: page * page_size + position % page_size
+    tables: torch.Tensor  # [B, W] int32 page tables, padded with a valid page (masked by lens)
+    rows: torch.Tensor  # [B] int32 0..B-1
+    max_len: int  # W * page_size: the bound of ``lens``, fixed per (B, W)
+
+
+@dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
@@ -43,3 +57,6 @@ class ForwardBatch:
     max_position: int | None = None
     # what layers derive once per batch and share (e.g. the decode rows' page tables)
     derived: dict[str, Any] = field(default_factory=dict)
+    # a decode batch in static form (engine/graphs.py): attention writes and reads the pool
+    # through it, on the device, instead of through ``chunks`` (host page lists)
+    decode: DecodeMeta | None = None

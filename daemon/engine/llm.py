@@ -105,6 +105,8 @@ class LLM:
                  blocks (native integer-dot kernels on the CPU) and experts, by the named mix
                  per tensor class of models/dense_quant.py; ``quantize_experts`` is the
                  experts-only form
+    cuda_graphs  capture decode steps as CUDA graphs per batch bucket at load (engine/graphs.py;
+                 a real GPU with fused or offload, else logged and eager)
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class LLM:
         name: str | None = None,
         quantize_experts: str | None = None,
         quantize: str | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         if moe_backend not in BACKENDS:
             raise ValueError(
@@ -208,6 +211,8 @@ class LLM:
         )
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, kv)
+        if cuda_graphs:
+            self._capture_graphs(backend)
         self._tokenizer: Any = None
         self._chat_template: Any = None
         prefix = None
@@ -247,6 +252,20 @@ class LLM:
         prefix.spill = SnapshotSpill(self._store, fp, int(budget_mb * 2**20))
         assert prefix.snapshots is not None
         prefix.snapshots.keep_prefix = True
+
+    def _capture_graphs(self, backend: str) -> None:
+        """``cuda_graphs``: decode graphs per batch bucket (engine/graphs.py), captured now;
+        where they cannot be, one log line says why and decode runs eagerly."""
+        from .graphs import DecodeGraphs, graphs_blocker
+
+        blocker = graphs_blocker(backend, self.placement.device, self.model)
+        if blocker is not None:
+            log.info("cuda graphs: off (%s); decode runs without graphs", blocker)
+            return
+        graphs = DecodeGraphs(self.runner, self.runner.kv.pages_for(self.max_model_len))
+        with self._device_scope():
+            if graphs.capture_all():
+                self.runner.graphs = graphs
 
     def _place(self, backend: str, accelerator: str) -> Placement:
         """The host for the cpu backend; else the dense part moves to the accelerator (raises

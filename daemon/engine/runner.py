@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,8 +21,12 @@ from ..kv.seq_state import SeqState
 from ..models.layers.deltanet import GatedDeltaNet
 from ..models.model import CausalLM
 from .batch import ForwardBatch, SeqChunk
+from .graphs import decode_forward, pack_decode, static_decode_blocker, width_for
 from .placement import HOST, Placement
 from .staging import to_device
+
+if TYPE_CHECKING:
+    from .graphs import DecodeGraphs
 
 
 @contextmanager
@@ -78,6 +83,10 @@ class ModelRunner:
             layer_shapes=model.kv_layer_shapes,
             device=placement.device,
         )
+        # decode batches on a device run in static form (engine/graphs.py) where the model
+        # has one; ``graphs`` (set by the LLM with cuda_graphs on) replays them captured
+        self.static_decode = placement.on_device and static_decode_blocker(model) is None
+        self.graphs: DecodeGraphs | None = None
 
     def new_state(self) -> SeqState:
         st = SeqState()
@@ -101,8 +110,51 @@ class ModelRunner:
         state.pages = []
         state.num_tokens = 0
 
+    @contextmanager
+    def decode_scope(self, rows: int) -> Iterator[None]:
+        """What a decode step of ``rows`` rows runs in: the MoE backend's step hooks, one torch
+        thread, the placement's scope (a captured graph is captured within it too)."""
+        static = hasattr(self.moe, "static_step")
+        self.moe.begin_step(rows, prefill=False)
+        if static:
+            self.moe.static_step = True  # type: ignore[attr-defined]
+        try:
+            with _torch_threads(1), self.placement.scope():
+                yield
+        finally:
+            if static:
+                self.moe.static_step = False  # type: ignore[attr-defined]
+            self.moe.end_step()
+
+    def _static_decode(self, work: list[Work]) -> torch.Tensor:
+        """A decode batch (one token per item, logits of each) in static form: replayed from a
+        captured graph when ``graphs`` has one for it, else eagerly, the same function."""
+        for w in work:
+            self.reserve(w.state, w.state.num_tokens + 1)
+        states, tokens = [w.state for w in work], [w.tokens[0] for w in work]
+        logits = None
+        if self.graphs is not None:
+            with self.decode_scope(len(work)):
+                logits = self.graphs.run(states, tokens)
+        if logits is None:
+            ps = self.kv.page_size
+            pages = max(self.kv.pages_for(st.num_tokens + 1) for st in states)
+            host = pack_decode(states, tokens, ps, len(work), width_for(pages))
+            meta = to_device(host, self.placement.device)
+            with self.decode_scope(len(work)):
+                logits = decode_forward(self, meta)
+        for st in states:
+            st.num_tokens += 1
+        return logits
+
     def forward(self, work: list[Work]) -> torch.Tensor:
         """Runs all work items as one batch; returns logits [num items with want_logits, vocab]."""
+        if (
+            self.static_decode
+            and work
+            and all(len(w.tokens) == 1 and w.want_logits and not w.all_logits for w in work)
+        ):
+            return self._static_decode(work)
         ids: list[int] = []
         pos: list[int] = []
         chunks: list[SeqChunk] = []

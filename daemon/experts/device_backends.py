@@ -75,6 +75,8 @@ class FusedBackend:
     ) -> None:
         self.acc, self.num_experts, self.act = acc, num_experts, act
         self.dev = _device_banks(acc, banks, banks.num_flat)
+        self.static_step = False  # a static decode step (engine/graphs.py, set by the runner):
+        # the per-route kernels at any route count, never moe_grouped's host read of counts
         rows = list(range(banks.num_flat))
         acc.copy_rows(_row_copies(self.dev, banks, rows, rows)).wait()
 
@@ -91,7 +93,7 @@ class FusedBackend:
         # ids and gate weights come from the router, wherever it ran: the compute is on `dev`
         flat = expert_ids.to(dev).long() + moe_layer * e
         xd, wd = x.to(dev), weights.to(dev)
-        if dev.type == "cuda" and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
+        if dev.type == "cuda" and (self.static_step or flat.numel() <= DECODE_KERNEL_MAX_ROUTES):
             out = _kernel(xd, flat, wd, self.dev, self.act)  # no host read of the ids
         else:
             out = moe_grouped(xd, flat, wd, self.dev, self.act, moe_layer * e, e)
@@ -132,6 +134,8 @@ class OffloadBackend:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-branch")
         self._prefill: _PrefillStream | None = None
         self._warned_fallback = False
+        self.static_step = False  # a static decode step (engine/graphs.py, set by the runner):
+        # the per-route kernels at any route count, never moe_grouped's host read of counts
         # Decode fills from the device-side copy list (no host sync): always on the stand-in
         # (its worker runs the torch reference), on CUDA when the zero-copy check passes.
         # ``device_kernels``: the Triton fill and GEMV kernels (None: on CUDA only; True: also
@@ -222,7 +226,7 @@ class OffloadBackend:
             cpu_future = self._pool.submit(self._cpu_part, xh, cpu_ids, wh)
         self._fill(plan).wait()
         xd, wd = x.to(dev), weights.to(dev)
-        if self.device_kernels and flat.numel() <= DECODE_KERNEL_MAX_ROUTES:
+        if self.device_kernels and (self.static_step or flat.numel() <= DECODE_KERNEL_MAX_ROUTES):
             out = self._decode_kernel(xd, plan.slot_ids, wd)
         elif dev.type == "cpu":  # the stand-in
             out = moe_reference(xd, plan.slot_ids.long(), wd, self.slots, self.act)
@@ -263,8 +267,9 @@ class OffloadBackend:
 
     def _cpu_possible(self, routes: int) -> bool:
         """Whether the plan may send a route to the CPU: hybrid splits misses by q*; offload
-        only overflows when the step routes to more experts than there are unreserved slots."""
-        return self.hybrid or routes > self.cache.num_slots
+        only overflows when the step routes to more experts than there are unreserved slots
+        (at most the layer's experts: a batch of many routes shares them)."""
+        return self.hybrid or min(routes, self.num_experts) > self.cache.num_slots
 
     def _fill(self, plan: DecodePlan) -> Transfer:
         return self._fill_from_host(

@@ -131,6 +131,7 @@ class ControlPlane:
             spill_idle_s=cfg.spill_idle_s,
             quantize_experts=None if preset else quantize,
             quantize=preset,
+            cuda_graphs=cfg.cuda_graphs,
         )
 
     def _registered_names(self) -> list[str]:

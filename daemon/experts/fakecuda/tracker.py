@@ -23,7 +23,9 @@ fake mode's ``DataDependentOutputException``), while data-dependent shapes get t
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +82,61 @@ class SyncLog:
         return self.total - self.h2d
 
 
+OpEntry = tuple[str, tuple[Any, ...], tuple[Any, ...]]
+
+
+class OpRecorder:
+    """The device ops of a stretch of code, in order: (op, what its inputs are, its outputs'
+    (shape, dtype)). An input is described by its kind, not its value: a device tensor by
+    (shape, dtype), a host tensor by ``"host"`` and its shape (a copy from the host inside a
+    CUDA graph replays from the captured address), and a plain number or list by its value,
+    since a graph bakes it in (a page index or slice bound that changes per step makes the op
+    differ between steps, as it would make a captured graph wrong). Two steps with equal
+    ``entries`` have a static shape path: one captured graph replays either of them."""
+
+    def __init__(self) -> None:
+        self.entries: list[OpEntry] = []
+
+    def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        flat = tree_flatten((args, kwargs))[0]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not any(_is_cuda(t) for t in (*flat, *outs)):
+            return  # host work: not part of what a graph replays
+        ins = tuple(_describe(a) for a in flat)
+        self.entries.append((str(func), ins, tuple(_describe(t) for t in outs)))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def first_difference(self, other: OpRecorder) -> str | None:
+        """None when both recorded the same sequence; else where and how they part."""
+        for i, (a, b) in enumerate(zip(self.entries, other.entries, strict=False)):
+            if a != b:
+                return f"op {i}: {a} != {b}"
+        if len(self.entries) != len(other.entries):
+            n = min(len(self.entries), len(other.entries))
+            longer = self.entries if len(self.entries) > n else other.entries
+            return f"{len(self.entries)} vs {len(other.entries)} ops; op {n}: {longer[n]}"
+        return None
+
+    def host_inputs(self) -> list[OpEntry]:
+        """The ops that read a host tensor (an h2d copy, or a host index into the device)."""
+        return [e for e in self.entries if any(_is_host_desc(d) for d in e[1])]
+
+
+def _describe(a: object) -> Any:
+    if isinstance(a, torch.Tensor):
+        kind = "cuda" if _is_cuda(a) else "host"
+        return (kind, tuple(a.shape), str(a.dtype).removeprefix("torch."))
+    if isinstance(a, torch.device | torch.dtype | torch.layout | torch.memory_format):
+        return str(a)
+    return a
+
+
+def _is_host_desc(d: object) -> bool:
+    return isinstance(d, tuple) and len(d) == 3 and d[0] == "host"
+
+
 class _HostBytes:
     """Live and peak bytes of fake host tensors."""
 
@@ -120,6 +177,7 @@ class DeviceTracker(TorchDispatchMode):
         self._pinned: dict[int, StorageWeakRef] = {}  # storages marked pinned (``pin``)
         # fake host tensors (banks of a model without its weights): counted, never limited
         self.host = _HostBytes()
+        self.recorder: OpRecorder | None = None  # ``record()``: the device ops, in order
 
     # -- memory ------------------------------------------------------------------------------
     def sweep(self) -> int:
@@ -171,6 +229,17 @@ class DeviceTracker(TorchDispatchMode):
         else:
             self.syncs.add("h2d")
 
+    # -- recording ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def record(self) -> Iterator[OpRecorder]:
+        """Records every op that touches the device while the block runs (``OpRecorder``)."""
+        rec, prev = OpRecorder(), self.recorder
+        self.recorder = rec
+        try:
+            yield rec
+        finally:
+            self.recorder = prev
+
     # -- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(
         self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None
@@ -195,6 +264,8 @@ class DeviceTracker(TorchDispatchMode):
                 self._note(t)
             elif isinstance(t, FakeTensor):
                 self.host.note(t)
+        if self.recorder is not None:
+            self.recorder.add(func, args, kwargs, out)
         return out
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:

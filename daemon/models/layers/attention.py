@@ -196,6 +196,8 @@ def paged_attention(
     read back (fp32, in query blocks); decode rows on the CPU go through one native call that
     reads the pages in place (no gather, no fp32 copy of the context). Returns [N, heads, d].
     """
+    if batch.decode is not None:
+        return _static_decode(batch, kv_layer, q, kv, scale, window, sinks)
     out = torch.empty_like(q)
     kp, vp = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
     native = dense_native.attention_usable(q, kp, vp)
@@ -232,6 +234,73 @@ def paged_attention(
             return res
         out.index_copy_(0, kt.index, res)
     return out
+
+
+def _static_decode(
+    batch: ForwardBatch,
+    kv_layer: int,
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`paged_attention` of a decode batch in static form (``batch.decode``): the rows' K/V go
+    to their pool rows by one device-side index copy, and the attention reads a page table of
+    fixed width masked by ``lens`` on the device, so no shape, index or bound depends on a
+    context length (a captured CUDA graph replays it for any step of the same batch and
+    width)."""
+    dm = batch.decode
+    assert dm is not None
+    kp, vp = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
+    if kv is not None:
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, dm.slots, kv[0].to(kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, dm.slots, kv[1].to(vp.dtype))
+    if _decode_kernel == "triton" and q.device.type in _KERNEL_DEVICES:
+        from ftkernels.ops import paged_decode_attention as decode_op
+
+        return decode_op(  # type: ignore[no-any-return]
+            q, kp, vp, dm.tables, dm.lens, dm.rows, dm.max_len, scale, window, sinks
+        )
+    return masked_decode(q, kp, vp, dm.tables, dm.lens, scale, window, sinks)
+
+
+def masked_decode(
+    q: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention in torch over whole page tables, keys past ``lens`` masked: q [B,
+    heads, d]; kp, vp [pages, page_size, kv_heads, d]; tables [B, W]; lens [B] keys per row
+    (its own included) -> [B, heads, d] in q's dtype. The same math as `attend` for one query
+    at position lens - 1 (window and sinks included); every shape is fixed by (B, W)."""
+    b, heads, d = q.shape
+    kv_heads = kp.shape[2]
+    idx = tables.long()
+    k = kp[idx].flatten(1, 2).float()  # [B, L, kv_heads, d], L = W * page_size
+    v = vp[idx].flatten(1, 2).float()
+    qg = q.float().view(b, kv_heads, heads // kv_heads, d)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, kv_heads, group, L]
+    pos = torch.arange(k.shape[1], device=q.device)
+    ln = lens.long().view(b, 1)
+    allowed = pos.view(1, -1) < ln  # [B, L]
+    if window is not None:
+        allowed = allowed & (pos.view(1, -1) >= ln - window)
+    scores = scores.masked_fill(~allowed.view(b, 1, 1, -1), float("-inf"))
+    # keys past lens are pages never written (any bits, NaN among them): 0 * NaN is NaN
+    v = v.masked_fill(~allowed.view(b, -1, 1, 1), 0.0)
+    if sinks is not None:
+        sink = sinks.float().view(1, kv_heads, heads // kv_heads, 1).expand(b, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
+    return out.reshape(b, heads, d).to(q.dtype)
 
 
 class Attention(nn.Module):
