@@ -12,10 +12,12 @@
 #   2. the Triton kernels against their references: pytest shapes on CUDA tensors, then
 #      production shapes (tests/gpu/kernels_at_scale.py); the paged decode attention and the
 #      Gated DeltaNet decode step also inside the models (backends_triton)
-#   3. a decode/prefill table: fused vs offload vs hybrid, cache capped at 8 and 24 GiB cards, on
+#   3. decode with CUDA graphs on vs off (engine/graphs.py): fused and offload, batches 1 and 3,
+#      the same greedy tokens and both tok/s (tests/gpu/graphs_check.py)
+#   4. a decode/prefill table: fused vs offload vs hybrid, cache capped at 8 and 24 GiB cards, on
 #      a random model of Qwen3-30B-A3B layer geometry (tests/gpu/bench_backends.py)
 # Every step runs whatever the previous one gave; each writes OUT/<step>.log, and OUT/summary.txt
-# lists the steps with their status. Without a CUDA device it installs, then skips steps 1-3.
+# lists the steps with their status. Without a CUDA device it installs, then skips steps 1-4.
 # Usage, from anywhere:  bash tests/gpu/check.sh [OUT]     (PYTHON=python3 by default; the
 # wheels' Python version, .whl/python-version, must be the interpreter's: fetch them with PYVER)
 set -uo pipefail
@@ -101,7 +103,7 @@ if ! timeout 30 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_availab
     exit $status
 fi
 
-# -- 1..3 on the GPU ---------------------------------------------------------------------------
+# -- 1..4 on the GPU ---------------------------------------------------------------------------
 export FT_TEST_ACCELERATOR=cuda
 unset TRITON_INTERPRET
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
@@ -110,6 +112,8 @@ step backends_triton 120 env FREETOKEN_ATTENTION_KERNEL=triton "${pytest[@]}" te
 step placement 120 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
 step kernels 60 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
 step kernels_at_scale 60 "$py" tests/gpu/kernels_at_scale.py
+# (writes the 4-layer checkpoint bench reuses)
+step graphs 90 "$py" tests/gpu/graphs_check.py --layers 4 --out "$out/graphs.txt"
 step bench 90 "$py" tests/gpu/bench_backends.py --layers 4 --out "$out/bench.txt"
 note "output in $out ($(( $(date +%s) - start )) s)"
 exit $status
