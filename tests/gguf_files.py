@@ -357,7 +357,7 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
         target = _hf_module(hf, name)
 
         def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
-            y = qdot_reference(qw.raw, qw.fmt, qw.permuted_input(x.reshape(-1, qw.cols).float()))
+            y = qdot_reference(qw.gguf_raw(), qw.fmt, qw.permuted_input(x.reshape(-1, qw.cols).float()))
             y = y if bias is None else y + bias.float()
             return y.reshape(*x.shape[:-1], qw.rows).to(x.dtype)
 
@@ -408,7 +408,7 @@ def _fused_reference(hf: Any, llm: Any, fused: str) -> list[str]:
         xf = x.reshape(-1, qws[0].cols).float()
         n, groups = xf.shape[0], []
         for qw, sizes in zip(qws, pieces, strict=True):
-            y = qdot_reference(qw.raw, qw.fmt, qw.permuted_input(xf))
+            y = qdot_reference(qw.gguf_raw(), qw.fmt, qw.permuted_input(xf))
             sizes = [s if s > 0 else y.shape[1] - sum(t for t in sizes if t > 0) for s in sizes]
             groups += [t.reshape(n, kh, -1) for t in y.split(sizes, -1)]
         return torch.cat(groups, -1).reshape(*x.shape[:-1], -1).to(x.dtype)

@@ -124,7 +124,7 @@ def test_quantized_dense_weights_become_bf16_on_the_device(tmp_path: Path) -> No
         qw = getattr(host_lin[name], "qweight", None)
         if qw is not None:
             quantized += 1
-            want = gguf_blocks.dequantize(qw.raw, qw.fmt).to(torch.bfloat16)
+            want = gguf_blocks.dequantize(qw.gguf_raw(), qw.fmt).to(torch.bfloat16)
             assert mod.weight.dtype == torch.bfloat16 and torch.equal(mod.weight.cpu(), want), name
     assert quantized > 0
     assert dense_device_bytes(host.model) == dense_device_bytes(dev.model)

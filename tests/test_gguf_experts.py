@@ -33,7 +33,13 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
 from freetokend.experts.block_executor import BlockExecutor, available, block_moe_reference
-from freetokend.experts.formats import FORMATS, allocate, dequantize_banks, quantize_banks
+from freetokend.experts.formats import (
+    FORMATS,
+    allocate,
+    dequantize_banks,
+    expert_tensors,
+    quantize_banks,
+)
 from freetokend.models import gguf_blocks, gguf_experts
 from freetokend.models.layers import qlinear_native
 
@@ -80,13 +86,19 @@ def test_native_matches_the_block_reference_on_every_isa(fmt: str, act: str, t: 
     scale = ref.abs().max().item()
     assert scale > 0.1
     assert (ref - deq).abs().max() > 1e-4  # the int8 activations do move it: the oracles differ
-    for isa in ISAS:
+    interleaved = _banks(fmt, bias)  # the cpu backend's layout: q4_k rows regrouped by 8
+    runs = [(isa, b) for isa in ISAS for b in (banks, interleaved)]
+    for isa, b in runs:
         # chunk_bytes: 16-token chunks, so prefill crosses chunk boundaries
-        out = BlockExecutor(banks, spec, isa, chunk_bytes=16 * H).forward(x, ids, w)
+        ex = BlockExecutor(b, spec, isa, chunk_bytes=16 * H, interleave=b is interleaved)
+        out = ex.forward(x, ids, w)
         err = (out - ref).abs().max().item()
         assert err <= 1e-3 * scale, f"{isa}: max |native - reference| {err} (scale {scale})"
         rel = ((out - deq).norm() / deq.norm()).item()
         assert rel < 3e-2, f"{isa}: relative error against the dequantized experts {rel}"
+    assert interleaved.interleaved == ("q4_k" in fmt) and not banks.interleaved
+    # the reference reads GGUF rows back from the interleaved banks
+    assert torch.equal(block_moe_reference(x, ids, w, interleaved, spec), ref)
     if bias:  # the biases are read: without them the result moves by far more than the bound
         nob = ExpertBanks(banks.gate_up, banks.down, format=banks.format)
         assert (block_moe_reference(x, ids, w, nob, spec) - ref).abs().max() > 10e-3 * scale
@@ -259,8 +271,11 @@ def test_gguf_experts_stay_quantized_and_match_the_dequantized_load(  # type: ig
         raw = f.read_raw(f.tensors["blk.1.ffn_up_exps.weight"])
         down = f.read_raw(f.tensors["blk.0.ffn_down_exps.weight"])
     e = hf.config.num_experts
-    assert torch.equal(llm.banks.gate_up[e : 2 * e, INTER:], raw)
-    assert torch.equal(llm.banks.down[:e], down)
+    # GGUF rows: q4_k banks are interleaved in place for the cpu backend's kernels
+    assert llm.banks.interleaved == ("q4_k" in fmt)
+    rows = [expert_tensors(llm.banks, fid) for fid in range(2 * e)]
+    assert torch.equal(torch.stack([r["gate_up"] for r in rows[e:]])[:, INTER:], raw)
+    assert torch.equal(torch.stack([r["down"] for r in rows[:e]]), down)
 
     monkeypatch.setattr(gguf_experts, "block_expert_format", lambda *a: None)
     deq = LLM(path, "cpu", max_model_len=128, kv_tokens=512)  # dequantized at load, as before

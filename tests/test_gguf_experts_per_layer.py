@@ -32,6 +32,7 @@ from freetokend.experts.formats import (
     allocate,
     dequantize_banks,
     expert_rows,
+    expert_tensors,
     get_format,
     layered_format,
     quantize_banks,
@@ -244,12 +245,13 @@ def test_gguf_per_layer_expert_types_stay_in_blocks(  # type: ignore[no-untyped-
     # the banks hold the file's blocks byte for byte, and nothing else: RAM = the file's bytes
     file_bytes, raw = _expert_bytes(path)
     e = hf.config.num_experts
-    for b in range(3):
-        gate_up = expert_rows(llm.banks, "gate_up", b * e, e)
+    for b in range(3):  # GGUF rows (expert_tensors undoes the cpu backend's interleaving)
+        rows = [expert_tensors(llm.banks, fid) for fid in range(b * e, (b + 1) * e)]
+        gate_up = torch.stack([r["gate_up"] for r in rows])
         assert torch.equal(gate_up[:, :INTER], raw[f"blk.{b}.ffn_gate_exps.weight"])
         assert torch.equal(gate_up[:, INTER:], raw[f"blk.{b}.ffn_up_exps.weight"])
         assert torch.equal(
-            expert_rows(llm.banks, "down", b * e, e), raw[f"blk.{b}.ffn_down_exps.weight"]
+            torch.stack([r["down"] for r in rows]), raw[f"blk.{b}.ffn_down_exps.weight"]
         )
     bank_bytes = sum(t.nbytes for t in llm.banks.all_tensors().values())
     assert bank_bytes == file_bytes

@@ -10,6 +10,7 @@ rtol = atol = 1e-4 (a wrong block, scale, nibble or token shifts results by >= 1
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -93,7 +94,6 @@ def test_input_permutation() -> None:
     """QuantWeight.in_perm: blocks whose inputs are in another order than the model's (input j
     of the blocks is model input in_perm[j]) compute x @ W^T on the model's x, alone and beside
     a plain weight in one qlinear_many, and dequantize to the model's order."""
-    import dataclasses
 
     g = torch.Generator().manual_seed(9)
     w = torch.randn(40, 256, generator=g) / 16
@@ -123,7 +123,7 @@ def test_qlinear_many_mixes_activation_groups() -> None:
     for got, w in zip(outs, [w32, wk, w6], strict=True):
         torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
     # the group matters at this tolerance: the K-quant output read with 32-input groups parts
-    as32 = gb.qdot_reference(wk.raw, "q4_k", x, group=32)
+    as32 = gb.qdot_reference(wk.gguf_raw(), "q4_k", x, group=32)
     assert (as32 - outs[1]).abs().max().item() > 100 * ATOL
 
 
@@ -164,7 +164,7 @@ def test_many_tokens_and_oracle(isa: str, fmt: str) -> None:
 
 def test_raw_gguf_rows_and_errors() -> None:
     x, w = _case(2, 8, 256, "q4_k")
-    same = ql.QuantWeight.from_raw(w.raw.clone(), "q4_k", 256)
+    same = ql.QuantWeight.from_raw(w.gguf_raw().clone(), "q4_k", 256)
     assert torch.equal(ql.qlinear(x, same), ql.qlinear(x, w))
     with pytest.raises(ValueError, match="uint8"):
         ql.QuantWeight.from_raw(w.raw[:, :-1], "q4_k", 256)
@@ -187,3 +187,51 @@ def test_dispatch_follows_the_configured_isa() -> None:
     if "vnni" in ql.isas():  # the dense AVX-512 path pairs with vpdpbusd
         dense_native.configure(2, isa="avx512")
         assert ql.configured_isa() == "vnni"
+
+
+def test_interleave_round_trip_and_layout() -> None:
+    """``interleave`` is a byte permutation within each group of 8 rows, undone by
+    ``deinterleave``; a super-block of a group holds the 8 rows' d first (native/dense/qdot.h)."""
+    raw = gb.quantize(torch.randn(24, 512) / 20, "q4_k")
+    packed = gb.interleave(raw, "q4_k")
+    assert packed.shape == raw.shape and not torch.equal(packed, raw)
+    assert torch.equal(gb.deinterleave(packed, "q4_k"), raw)
+    assert torch.equal(packed[:8].reshape(-1)[:16], raw[:8, :2].reshape(-1))  # d of rows 0..7
+    # the second group starts where row 8 does, with its own rows only
+    assert torch.equal(packed[8:16].reshape(-1).sort().values, raw[8:16].reshape(-1).sort().values)
+    assert gb.interleavable("q4_k", 16) and not gb.interleavable("q4_k", 12)
+    assert not gb.interleavable("q6_k", 16)
+    with pytest.raises(ValueError, match="8g"):
+        gb.interleave(raw[:12], "q4_k")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 40])
+def test_interleaved_q4_k_matches_the_reference(isa: str, t: int) -> None:
+    """Q4_K rows interleaved by 8 (the layout the constructors pick): every ISA's group kernel
+    against the reference over the GGUF rows, for one token, pairs of tokens and a remainder."""
+    _need(isa)
+    x, w = _case(t, 48, 768, "q4_k", seed=11)
+    assert w.interleaved and w.code == gb.INTERLEAVED_CODES["q4_k"]
+    plain = dataclasses.replace(w, raw=w.gguf_raw(), interleaved=False)
+    got = ql.qlinear(x, w, isa=isa)
+    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got, ql.qlinear(x, plain, isa=isa), rtol=RTOL, atol=ATOL)
+    assert torch.equal(w.dequantize(), plain.dequantize())
+    # read as plain rows, the interleaved bytes give other results: the layout is what is tested
+    misread = dataclasses.replace(w, interleaved=False)
+    assert not torch.allclose(ql.qlinear(x, misread, isa=isa), got, atol=0.1)
+
+
+def test_rows_not_a_multiple_of_8_stay_plain() -> None:
+    x, w = _case(2, 12, 256, "q4_k")
+    assert not w.interleaved
+    torch.testing.assert_close(ql.qlinear(x, w), ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    import ftdense
+
+    y = torch.empty(2, 12)
+    with pytest.raises(ValueError, match="multiple of 8"):  # the native check behind it
+        ftdense.qlinear(
+            x.data_ptr(), 2, 256, [w.raw.data_ptr()], [12], [gb.INTERLEAVED_CODES["q4_k"]],
+            [y.data_ptr()], "",
+        )  # fmt: skip

@@ -102,7 +102,8 @@ class CpuBackend:
             from .block_executor import BlockExecutor, is_block_format
 
             if is_block_format(banks.format):  # integer dots on ftdense's shared pool
-                self.executor = BlockExecutor(banks, act)
+                # the cpu backend's banks are read by nothing else: interleaved in place
+                self.executor = BlockExecutor(banks, act, interleave=True)
             else:
                 from .cpu_executor import CpuExecutor
 

@@ -31,7 +31,15 @@ import torch
 from ..models import gguf_blocks
 from ..models.layers import dense_native, qlinear_native
 from .banks import ActivationSpec, ExpertBanks, activate
-from .formats import expert_rows, expert_tensors, get_format, layer_experts, layer_pair
+from .formats import (
+    expert_rows,
+    expert_tensors,
+    get_format,
+    interleave_banks,
+    interleaves,
+    layer_experts,
+    layer_pair,
+)
 
 Tensor = torch.Tensor
 
@@ -75,16 +83,35 @@ def _shapes(banks: ExpertBanks) -> tuple[list[tuple[int, int, int, int]], int, i
             raise TypeError(f"{name} must be a CPU float32 or bfloat16 tensor")
         if tuple(b.shape) != bshape or not b.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {list(bshape)} tensor")
-    codes = gguf_blocks.QTYPE_CODES
+
+    def code(proj: str, qtype: str, rows: int) -> int:  # the kernels' code of the bank's layout
+        if banks.interleaved and interleaves(proj, qtype, rows):
+            return gguf_blocks.INTERLEAVED_CODES[qtype]
+        return gguf_blocks.QTYPE_CODES[qtype]
+
     if fmt.layer_types is None:
         gu, dn = fmt.block_types or ("", "")
-        layers = [(banks.gate_up.data_ptr(), banks.down.data_ptr(), codes[gu], codes[dn])]
+        layers = [
+            (
+                banks.gate_up.data_ptr(),
+                banks.down.data_ptr(),
+                code("gate_up", gu, 2 * inter),
+                code("down", dn, h),
+            )
+        ]
         return layers, int(n), int(n), int(h), int(inter)
     e = layer_experts(banks)
     layers = []
     for li, (gu, dn) in enumerate(fmt.layer_types):
         gu_rows, dn_rows = (expert_rows(banks, p, li * e, e) for p in ("gate_up", "down"))
-        layers.append((gu_rows.data_ptr(), dn_rows.data_ptr(), codes[gu], codes[dn]))
+        layers.append(
+            (
+                gu_rows.data_ptr(),
+                dn_rows.data_ptr(),
+                code("gate_up", gu, 2 * inter),
+                code("down", dn, h),
+            )
+        )
     return layers, e, int(n), int(h), int(inter)
 
 
@@ -92,15 +119,24 @@ class BlockExecutor:
     """Routed-expert sum of one MoE layer over block-format ``banks`` (CPU, contiguous; biases
     optional, fp32 or bf16). ``isa`` "" runs ftdense's configured path; "vnni", "avx2" or
     "scalar" force one (tests). ``chunk_bytes``: quantised input bytes per token chunk of an
-    expert with many routes (prefill), sized to stay in L2."""
+    expert with many routes (prefill), sized to stay in L2. ``interleave``: regroup the q4_k
+    banks' rows in place for the faster kernels (``formats.interleave_banks``), for banks that
+    nothing else reads raw (the cpu backend's)."""
 
     def __init__(
-        self, banks: ExpertBanks, act: ActivationSpec, isa: str = "", chunk_bytes: int = 256 << 10
+        self,
+        banks: ExpertBanks,
+        act: ActivationSpec,
+        isa: str = "",
+        chunk_bytes: int = 256 << 10,
+        interleave: bool = False,
     ) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if not available():
             raise ImportError("the native dense extension `ftdense` is not built")
+        if interleave:  # the banks are this executor's alone (formats.interleave_banks)
+            interleave_banks(banks)
         layers, per_layer, n, h, inter = _shapes(banks)
         biases = [b for b in (banks.gate_up_bias, banks.down_bias) if b is not None]
         if len({b.dtype for b in biases}) > 1:

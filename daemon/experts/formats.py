@@ -471,14 +471,46 @@ def allocate(
 
 def expert_tensors(banks: ExpertBanks, fid: int) -> dict[str, Tensor]:
     """The weight tensors (no biases) of expert ``fid``, named as in the format's schema (a
-    per-layer format: "gate_up" and "down", in the types ``layer_pair`` says)."""
+    per-layer format: "gate_up" and "down", in the types ``layer_pair`` says); GGUF rows even
+    when the banks are interleaved (a copy then)."""
     if get_format(banks.format).layer_types is not None:
-        return {p: expert_rows(banks, p, fid, 1)[0] for p in ("gate_up", "down")}
-    return {
-        "gate_up": banks.gate_up[fid],
-        "down": banks.down[fid],
-        **{n: t[fid] for n, t in banks.extra.items()},
-    }
+        out = {p: expert_rows(banks, p, fid, 1)[0] for p in ("gate_up", "down")}
+    else:
+        out = {
+            "gate_up": banks.gate_up[fid],
+            "down": banks.down[fid],
+            **{n: t[fid] for n, t in banks.extra.items()},
+        }
+    if banks.interleaved:
+        for proj, qtype in zip(("gate_up", "down"), layer_pair(banks, fid), strict=True):
+            if interleaves(proj, qtype, out[proj].shape[0]):
+                out[proj] = gguf_blocks.deinterleave(out[proj], qtype)
+    return out
+
+
+def interleaves(proj: str, qtype: str, rows: int) -> bool:
+    """Whether ``interleave_banks`` interleaves an expert's ``rows`` rows of ``proj`` in
+    ``qtype``: gate_up's groups of 8 must not straddle its gate and up halves."""
+    return gguf_blocks.interleavable(qtype, rows // 2 if proj == "gate_up" else rows)
+
+
+def interleave_banks(banks: ExpertBanks) -> None:
+    """In place, one expert at a time: the rows of every GGUF block projection whose type has
+    an interleaved layout (``gguf_blocks.interleave``: q4_k) regrouped by 8 as the native
+    kernels read them fastest; sets ``banks.interleaved`` when any was (``expert_tensors`` still gives
+    GGUF rows). Only for banks that nothing else reads raw: the cpu backend's."""
+    fmt = get_format(banks.format)
+    if banks.interleaved or not fmt.in_blocks:
+        return
+    per_layer = layer_experts(banks) if fmt.layer_types is not None else banks.num_flat
+    pairs = fmt.layer_types if fmt.layer_types is not None else [fmt.block_types or ("", "")]
+    for li, types in enumerate(pairs):
+        for proj, qtype in zip(("gate_up", "down"), types, strict=True):
+            rows = expert_rows(banks, proj, li * per_layer, per_layer)
+            if interleaves(proj, qtype, rows.shape[1]):
+                for expert in rows:
+                    expert.copy_(gguf_blocks.interleave(expert, qtype))
+                banks.interleaved = True
 
 
 def dequantize_expert(banks: ExpertBanks, fid: int) -> tuple[Tensor, Tensor]:

@@ -43,7 +43,7 @@ def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.
         for n, q in quantized.items()
         if q.in_perm is not None
     ]
-    out += [(f"{QBLOCKS}.{q.fmt}.{name}", q.raw) for name, q in blocks.items()]
+    out += [(f"{QBLOCKS}.{q.fmt}.{name}", q.gguf_raw()) for name, q in blocks.items()]
     return out + [(f"experts.{n}", t) for n, t in banks.all_tensors().items()]
 
 

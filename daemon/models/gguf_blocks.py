@@ -43,6 +43,9 @@ QTYPE_CODES = {
     "q5_0": 5,
     "q4_0": 6,
 }  # fmt: skip  (ftdense's qtype codes: native/dense/qdot.h QType)
+# The codes of the same formats with their rows interleaved by 8 (``interleave``).
+INTERLEAVED_CODES = {"q4_k": 7}
+INTERLEAVE_ROWS = 8
 ACT_BLOCK = 32
 
 _QUANTIZE: dict[str, Callable[[Tensor], Tensor]] = {
@@ -63,6 +66,51 @@ _INT_FORM: dict[str, Callable[[Tensor], IntForm]] = {
     "q5_0": b32.int_form_q5_0,
     "q4_0": b32.int_form_q4_0,
 }
+
+
+def interleavable(fmt: str, rows: int) -> bool:
+    """Whether a [rows, *] matrix of ``fmt`` has an interleaved layout (``interleave``)."""
+    return fmt in INTERLEAVED_CODES and rows > 0 and rows % INTERLEAVE_ROWS == 0
+
+
+def _q4_k_groups(raw: Tensor) -> tuple[int, int]:
+    rows, nbytes = raw.shape
+    if raw.dtype != torch.uint8 or rows % INTERLEAVE_ROWS or nbytes % 144:
+        raise ValueError(f"q4_k rows are uint8 [8g, 144s], got {raw.dtype} {list(raw.shape)}")
+    return rows // INTERLEAVE_ROWS, nbytes // 144
+
+
+def interleave(raw: Tensor, fmt: str) -> Tensor:
+    """GGUF rows [R, bytes] (R a multiple of 8) -> the same bytes with each group of 8 rows
+    interleaved as the native kernels of ``INTERLEAVED_CODES`` read them (native/dense/qdot.h):
+    per super-block, the 8 rows' d, their dmin, their scale bytes as 32-bit words, then their
+    nibbles 4 bytes a row at a time. ``deinterleave`` undoes it."""
+    if fmt != "q4_k":
+        raise ValueError(f"no interleaved layout for {fmt!r}")
+    g, nsb = _q4_k_groups(raw)
+    x = raw.view(g, 8, nsb, 144).permute(0, 2, 1, 3)  # [g, sb, row, 144]
+    parts = (
+        x[..., 0:2].reshape(g, nsb, 16),
+        x[..., 2:4].reshape(g, nsb, 16),
+        x[..., 4:16].reshape(g, nsb, 8, 3, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 96),
+        x[..., 16:144].reshape(g, nsb, 8, 4, 8, 4).permute(0, 1, 4, 3, 2, 5).reshape(g, nsb, 1024),
+    )
+    return torch.cat(parts, dim=-1).reshape(raw.shape)
+
+
+def deinterleave(raw: Tensor, fmt: str) -> Tensor:
+    """``interleave``'s inverse: the GGUF rows."""
+    if fmt != "q4_k":
+        raise ValueError(f"no interleaved layout for {fmt!r}")
+    g, nsb = _q4_k_groups(raw)
+    y = raw.reshape(g, nsb, 1152)
+    parts = (
+        y[..., 0:16].reshape(g, nsb, 8, 2),
+        y[..., 16:32].reshape(g, nsb, 8, 2),
+        y[..., 32:128].reshape(g, nsb, 3, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 12),
+        y[..., 128:].reshape(g, nsb, 8, 4, 8, 4).permute(0, 1, 4, 3, 2, 5).reshape(g, nsb, 8, 128),
+    )
+    return torch.cat(parts, dim=-1).permute(0, 2, 1, 3).reshape(raw.shape)
 
 
 def row_bytes(fmt: str, cols: int) -> int:

@@ -34,6 +34,15 @@
 // rounded the same way (off by default: fp32 is exact), which makes our results on a GGUF file
 // bit-comparable with llama.cpp's (the opt-in oracle tests).
 //
+// Interleaved rows (Q4_K_X8): the rows of a matrix in groups of 8, each group's super-blocks
+// in input order, super-block sb of a group (8 * 144 bytes at group + sb * 1152) holding the 8
+// rows' Q4_K super-blocks sb rearranged (qdot_simd_x8.h): d of rows 0..7 (fp16 each), dmin of
+// rows 0..7, the 12 scale bytes of each row as three 32-bit words (word w of row r at 32 + 32w +
+// 4r), then the 128 nibble bytes: 32 words of 8 rows, word 4 * i4 + c of row r (at 128 + 32 *
+// (4 * i4 + c) + 4r) being bytes 32c + 4 * i4 .. 32c + 4 * i4 + 3 of that row's qs. A group
+// starts at row 8g's offset of the plain layout (8g * row bytes), so addressing is unchanged.
+// Its kernel computes the group's 8 rows per call: y[t * ldy + r], r < 8.
+//
 // A kernel computes y[t * ldy] = sum over blocks of (scales) * (exact integer block dot), for
 // n activation rows against one weight row; the weight row stays in L1 across the n rows.
 // Products are exact in int32 (Q6_K's 16-input scales multiply the integer sums before the
@@ -48,14 +57,23 @@
 namespace ftdense {
 
 // The codes are the Python side's (models/gguf_blocks.QTYPE_CODES) and index QDotSet::row.
-enum class QType : int { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0 = 5, Q4_0 = 6 };
-constexpr int kNumQTypes = 7;
+// Q4_K_X8: Q4_K rows interleaved by 8 (below); the same bytes per row.
+enum class QType : int {
+  Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0 = 5, Q4_0 = 6, Q4_K_X8 = 7
+};
+constexpr int kNumQTypes = 8;
 constexpr int kQActBlock = 32;
 
 // The activation group (see above) the kernels of weight type t read: 256 for the K-quants.
 inline int act_group(QType t) {
-  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K ? 256 : kQActBlock;
+  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K || t == QType::Q4_K_X8
+             ? 256
+             : kQActBlock;
 }
+
+// Weight rows one kernel call computes: 8 for the interleaved types (their row counts are
+// multiples of 8, and callers step by it), else 1.
+inline int qtype_rows(QType t) { return t == QType::Q4_K_X8 ? 8 : 1; }
 
 // Bytes of one weight row of K inputs (K a multiple of the type's block: 32 or 256).
 int64_t qrow_bytes(QType t, int64_t K);

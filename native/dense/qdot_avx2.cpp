@@ -20,9 +20,14 @@ __attribute__((target(QDOT_TARGET))) inline __m256i madd_acc(__m256i acc, __m256
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 
+__attribute__((target(QDOT_TARGET))) inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, dot_u8s8(u, s));
+}
+
 #include "qdot_simd.h"
 #include "qdot_simd32.h"
 #include "qdot_simd_k.h"
+#include "qdot_simd_x8.h"
 
 #undef QDOT_FN
 #undef QDOT_TARGET
@@ -33,6 +38,7 @@ const QDotSet kQDotAvx2 = {"avx2",
                             quantize_simd,
                             {row_simd<Signed32<DecodeQ8_0>>, row_simd<ScaleMin<false>>,
                              row_simd<Q6K>, row_simd<ScaleMin<true>>, row_simd<Signed32<DecodeMxfp4>>,
-                             row_simd<Signed32<DecodeQ5_0>>, row_simd<Signed32<DecodeQ4_0>>}};
+                             row_simd<Signed32<DecodeQ5_0>>, row_simd<Signed32<DecodeQ4_0>>,
+                             group_simd<Q4KX8>}};
 
 }  // namespace ftdense

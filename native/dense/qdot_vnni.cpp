@@ -22,9 +22,14 @@ __attribute__((target(QDOT_TARGET))) inline __m256i madd_acc(__m256i acc, __m256
   return _mm256_dpwssd_epi32(acc, a, b);
 }
 
+__attribute__((target(QDOT_TARGET))) inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
+}
+
 #include "qdot_simd.h"
 #include "qdot_simd32.h"
 #include "qdot_simd_k.h"
+#include "qdot_simd_x8.h"
 
 #undef QDOT_FN
 #undef QDOT_TARGET
@@ -35,6 +40,7 @@ const QDotSet kQDotVnni = {"vnni",
                             quantize_simd,
                             {row_simd<Signed32<DecodeQ8_0>>, row_simd<ScaleMin<false>>,
                              row_simd<Q6K>, row_simd<ScaleMin<true>>, row_simd<Signed32<DecodeMxfp4>>,
-                             row_simd<Signed32<DecodeQ5_0>>, row_simd<Signed32<DecodeQ4_0>>}};
+                             row_simd<Signed32<DecodeQ5_0>>, row_simd<Signed32<DecodeQ4_0>>,
+                             group_simd<Q4KX8>}};
 
 }  // namespace ftdense

@@ -158,6 +158,7 @@ void up_task(void* ctx, int64_t task) {
   const int64_t e = g.fid % s.layer_experts;
   const int64_t rb = qrow_bytes(L.gate_up_type, c.H);
   const QRowFn fn = c.ks->row[static_cast<int>(L.gate_up_type)];
+  const int step = qtype_rows(L.gate_up_type);  // I and kUpRows are multiples of it
   const uint8_t* wg = L.gate_up + (e * 2 * c.I + j0) * rb;  // gate rows; up rows I later
   const uint8_t* wu = wg + c.I * rb;
   thread_local std::vector<float> scratch;
@@ -168,7 +169,7 @@ void up_task(void* ctx, int64_t task) {
   for (int t0 = 0; t0 < g.n; t0 += c.chunk_up) {
     const int n = std::min(c.chunk_up, g.n - t0);
     const int r0 = g.begin + t0;
-    for (int j = 0; j < rows; ++j) {
+    for (int j = 0; j < rows; j += step) {
       fn(wg + j * rb, static_cast<int>(c.H), c.xin.qr(r0), c.xin.dr(r0), c.xin.sr(r0), n, yg + j,
          rows);
       fn(wu + j * rb, static_cast<int>(c.H), c.xin.qr(r0), c.xin.dr(r0), c.xin.sr(r0), n, yu + j,
@@ -204,11 +205,12 @@ void down_task(void* ctx, int64_t task) {
     const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
     const int64_t rb = qrow_bytes(L.down_type, c.I);
     const QRowFn fn = c.ks->row[static_cast<int>(L.down_type)];
+    const int step = qtype_rows(L.down_type);  // H and kDownRows are multiples of it
     const uint8_t* wd = L.down + ((g.fid % s.layer_experts) * c.H + h0) * rb;
     for (int t0 = 0; t0 < g.n; t0 += c.chunk_down) {
       const int n = std::min(c.chunk_down, g.n - t0);
       const int r0 = g.begin + t0;
-      for (int h = 0; h < rows; ++h)
+      for (int h = 0; h < rows; h += step)
         fn(wd + h * rb, static_cast<int>(c.I), c.ain.qr(r0), c.ain.dr(r0), c.ain.sr(r0), n, y + h,
            rows);
       for (int t = 0; t < n; ++t) {
@@ -235,6 +237,8 @@ void qmoe_check(const QMoeSpec& s) {
     for (const QType t : {L.gate_up_type, L.down_type})
       if (static_cast<int>(t) < 0 || static_cast<int>(t) >= kNumQTypes)
         throw std::invalid_argument("unknown qtype " + std::to_string(static_cast<int>(t)));
+    if (s.inter % qtype_rows(L.gate_up_type) || s.hidden % qtype_rows(L.down_type))
+      throw std::invalid_argument("interleaved rows come in groups of 8: a row count is not a multiple");
     if (s.hidden % qblock_inputs(L.gate_up_type))
       throw std::invalid_argument("hidden size is not a multiple of the gate_up type's block");
     if (s.inter % qblock_inputs(L.down_type))

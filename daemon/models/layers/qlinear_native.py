@@ -12,6 +12,7 @@ activation quantisation); the dequantised oracle is ``x @ weight.dequantize().T`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,11 @@ Tensor = torch.Tensor
 class QuantWeight:
     """One quantised matrix [rows, cols]: ``raw`` [rows, row_bytes(fmt, cols)] uint8.
 
+    ``interleaved``: ``raw`` holds the rows interleaved by 8 (``gguf_blocks.interleave``), the
+    layout the native kernels read fastest (one activation load serves 8 rows); the
+    constructors choose it for the formats that have it when the kernels are built, and
+    ``gguf_raw()`` gives the GGUF rows back (dequantisation, the reference, FTW files).
+
     ``in_perm`` (int64 [cols], or None): the raw rows' inputs in another order than the model's,
     input j of the blocks being the model's input ``in_perm[j]`` (a GGUF converter that moved
     whole input columns, such as Qwen3.5's tiled value heads of ``ssm_out``: blocks cannot move
@@ -37,11 +43,12 @@ class QuantWeight:
     rows: int
     cols: int
     in_perm: Tensor | None = None
+    interleaved: bool = False
 
     @classmethod
     def from_float(cls, w: Tensor, fmt: str) -> QuantWeight:
         """Quantise [rows, cols] (ValueError when cols does not fit the format's block)."""
-        return cls(gguf_blocks.quantize(w, fmt), fmt, w.shape[0], w.shape[1])
+        return cls(gguf_blocks.quantize(w, fmt), fmt, w.shape[0], w.shape[1]).for_kernels()
 
     @classmethod
     def from_raw(cls, raw: Tensor, fmt: str, cols: int) -> QuantWeight:
@@ -51,12 +58,38 @@ class QuantWeight:
         want = gguf_blocks.row_bytes(fmt, cols)
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != want:
             raise ValueError(f"{fmt} rows of {cols} inputs are uint8 [R, {want}]")
-        return cls(raw.contiguous(), fmt, raw.shape[0], cols)
+        return cls(raw.contiguous(), fmt, raw.shape[0], cols).for_kernels()
+
+    def for_kernels(self) -> QuantWeight:
+        """This matrix in the layout the native kernels read fastest: rows interleaved by 8
+        where the format has such a layout, the kernels are built and the rows are on the CPU."""
+        if (
+            self.interleaved
+            or not gguf_blocks.interleavable(self.fmt, self.rows)
+            or self.raw.device.type != "cpu"
+            or not available()
+        ):
+            return self
+        raw = gguf_blocks.interleave(self.raw, self.fmt)
+        return dataclasses.replace(self, raw=raw, interleaved=True)
+
+    def gguf_raw(self) -> Tensor:
+        """The rows in GGUF's layout (``raw`` itself unless interleaved)."""
+        return gguf_blocks.deinterleave(self.raw, self.fmt) if self.interleaved else self.raw
+
+    @property
+    def code(self) -> int:
+        """The native kernels' qtype code of ``raw``'s layout."""
+        codes = gguf_blocks.INTERLEAVED_CODES if self.interleaved else gguf_blocks.QTYPE_CODES
+        return codes[self.fmt]
 
     def dequantize(self, device: torch.device | None = None) -> Tensor:
         """[rows, cols] fp32 in the model's input order, made on ``device`` (default: the
         blocks'; the packed rows cross, not the float matrix)."""
-        w = gguf_blocks.dequantize(self.raw.to(device) if device else self.raw, self.fmt)
+        raw = self.raw.to(device) if device else self.raw
+        if self.interleaved:
+            raw = gguf_blocks.deinterleave(raw, self.fmt)
+        w = gguf_blocks.dequantize(raw, self.fmt)
         if self.in_perm is None:
             return w
         out = torch.empty_like(w)
@@ -143,7 +176,7 @@ def qlinear_many(
         k,
         [w.raw.data_ptr() for w in weights],
         [w.rows for w in weights],
-        [gguf_blocks.QTYPE_CODES[w.fmt] for w in weights],
+        [w.code for w in weights],
         [y.data_ptr() for y in ys],
         isa,
     )
@@ -160,5 +193,5 @@ def qlinear(x: Tensor, w: QuantWeight, bias: Tensor | None = None, isa: str = ""
 
 def qlinear_reference(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
     """What ``qlinear`` computes, in plain torch (same activation quantisation)."""
-    y = gguf_blocks.qdot_reference(w.raw, w.fmt, w.permuted_input(x))
+    y = gguf_blocks.qdot_reference(w.gguf_raw(), w.fmt, w.permuted_input(x))
     return y + bias.float() if bias is not None else y
