@@ -189,30 +189,42 @@ def test_dispatch_follows_the_configured_isa() -> None:
         assert ql.configured_isa() == "vnni"
 
 
-def test_interleave_round_trip_and_layout() -> None:
+@pytest.mark.parametrize("fmt", sorted(gb.INTERLEAVED_CODES))
+def test_interleave_round_trip_and_layout(fmt: str) -> None:
     """``interleave`` is a byte permutation within each group of 8 rows, undone by
-    ``deinterleave``; a super-block of a group holds the 8 rows' d first (native/dense/qdot.h)."""
-    raw = gb.quantize(torch.randn(24, 512) / 20, "q4_k")
-    packed = gb.interleave(raw, "q4_k")
+    ``deinterleave`` (native/dense/qdot.h's layouts: a super-block of a group starts with the 8
+    rows' fp16 d)."""
+    raw = gb.quantize(torch.randn(27, 512) / 20, fmt)  # 3 groups and 3 plain rows
+    packed = gb.interleave(raw, fmt)
+    assert torch.equal(packed[24:], raw[24:])
+    raw = raw[:24]
+    assert torch.equal(gb.interleave(raw, fmt), packed[:24])
+    packed = packed[:24]
     assert packed.shape == raw.shape and not torch.equal(packed, raw)
-    assert torch.equal(gb.deinterleave(packed, "q4_k"), raw)
-    assert torch.equal(packed[:8].reshape(-1)[:16], raw[:8, :2].reshape(-1))  # d of rows 0..7
-    # the second group starts where row 8 does, with its own rows only
+    assert torch.equal(gb.deinterleave(packed, fmt), raw)
+    d_at = {"q4_k": slice(0, 2), "q6_k": slice(208, 210)}[fmt]
+    assert torch.equal(packed[:8].reshape(-1)[:16], raw[:8, d_at].reshape(-1))  # d of rows 0..7
+    # the second group starts where row 8 does, with its own rows' bytes only
     assert torch.equal(packed[8:16].reshape(-1).sort().values, raw[8:16].reshape(-1).sort().values)
-    assert gb.interleavable("q4_k", 16) and not gb.interleavable("q4_k", 12)
-    assert not gb.interleavable("q6_k", 16)
-    with pytest.raises(ValueError, match="8g"):
-        gb.interleave(raw[:12], "q4_k")
+    assert gb.interleavable(fmt, 16) and gb.interleavable(fmt, 12) and not gb.interleavable(fmt, 7)
+    with pytest.raises(ValueError, match="R >= 8"):
+        gb.interleave(raw[:7], fmt)
+    assert not gb.interleavable("q8_0", 16)
+    with pytest.raises(ValueError, match="no interleaved layout"):
+        gb.interleave(gb.quantize(torch.randn(8, 64), "q8_0"), "q8_0")
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", sorted(gb.INTERLEAVED_CODES))
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 40])
-def test_interleaved_q4_k_matches_the_reference(isa: str, t: int) -> None:
-    """Q4_K rows interleaved by 8 (the layout the constructors pick): every ISA's group kernel
-    against the reference over the GGUF rows, for one token, pairs of tokens and a remainder."""
+@pytest.mark.parametrize("rows", [48, 77])
+def test_interleaved_rows_match_the_reference(isa: str, fmt: str, t: int, rows: int) -> None:
+    """Rows interleaved by 8 (the layout the constructors pick for q4_k and q6_k): every ISA's
+    group kernel against the reference over the GGUF rows, for one token, a few and many, with
+    and without plain rows after the last whole group (77 = 9 * 8 + 5, across two row tasks)."""
     _need(isa)
-    x, w = _case(t, 48, 768, "q4_k", seed=11)
-    assert w.interleaved and w.code == gb.INTERLEAVED_CODES["q4_k"]
+    x, w = _case(t, rows, 768, fmt, seed=11)
+    assert w.interleaved and w.code == gb.INTERLEAVED_CODES[fmt]
     plain = dataclasses.replace(w, raw=w.gguf_raw(), interleaved=False)
     got = ql.qlinear(x, w, isa=isa)
     torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
@@ -223,15 +235,15 @@ def test_interleaved_q4_k_matches_the_reference(isa: str, t: int) -> None:
     assert not torch.allclose(ql.qlinear(x, misread, isa=isa), got, atol=0.1)
 
 
-def test_rows_not_a_multiple_of_8_stay_plain() -> None:
-    x, w = _case(2, 12, 256, "q4_k")
+def test_fewer_than_8_rows_stay_plain() -> None:
+    x, w = _case(2, 7, 256, "q4_k")
     assert not w.interleaved
     torch.testing.assert_close(ql.qlinear(x, w), ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
     import ftdense
 
-    y = torch.empty(2, 12)
-    with pytest.raises(ValueError, match="multiple of 8"):  # the native check behind it
+    y = torch.empty(2, 7)
+    with pytest.raises(ValueError, match="at least 8"):  # the native check behind it
         ftdense.qlinear(
-            x.data_ptr(), 2, 256, [w.raw.data_ptr()], [12], [gb.INTERLEAVED_CODES["q4_k"]],
+            x.data_ptr(), 2, 256, [w.raw.data_ptr()], [7], [gb.INTERLEAVED_CODES["q4_k"]],
             [y.data_ptr()], "",
         )  # fmt: skip

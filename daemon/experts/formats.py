@@ -491,7 +491,10 @@ def expert_tensors(banks: ExpertBanks, fid: int) -> dict[str, Tensor]:
 def interleaves(proj: str, qtype: str, rows: int) -> bool:
     """Whether ``interleave_banks`` interleaves an expert's ``rows`` rows of ``proj`` in
     ``qtype``: gate_up's groups of 8 must not straddle its gate and up halves."""
-    return gguf_blocks.interleavable(qtype, rows // 2 if proj == "gate_up" else rows)
+    per_half = rows // 2 if proj == "gate_up" else rows  # whole groups only (qmoe.h)
+    return (
+        gguf_blocks.interleavable(qtype, per_half) and per_half % gguf_blocks.INTERLEAVE_ROWS == 0
+    )
 
 
 def interleave_banks(banks: ExpertBanks) -> None:

@@ -71,8 +71,8 @@ std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::
 ftdense::QType qtype_code(int code) {
   if (code < 0 || code >= ftdense::kNumQTypes)
     throw py::value_error(
-        "qtype must be 0 (q8_0), 1 (q4_k), 2 (q6_k), 3 (q5_k), 4 (mxfp4), 5 (q5_0), 6 (q4_0) or 7 "
-        "(q4_k interleaved by 8)");
+        "qtype must be 0 (q8_0), 1 (q4_k), 2 (q6_k), 3 (q5_k), 4 (mxfp4), 5 (q5_0), 6 (q4_0), 7 (q4_k) or 8 (q6_k) "
+        "interleaved by 8");
   return static_cast<ftdense::QType>(code);
 }
 
@@ -258,8 +258,8 @@ PYBIND11_MODULE(ftdense, m) {
           const ftdense::QType t = qtype_code(types[i]);
           if (K % ftdense::qblock_inputs(t))
             throw py::value_error("K is not a multiple of the weight type's block");
-          if (N[i] % ftdense::qtype_rows(t))
-            throw py::value_error("interleaved rows come in groups of 8: N must be a multiple of 8");
+          if (N[i] < ftdense::qtype_rows(t))
+            throw py::value_error("interleaved rows come in groups of 8: N must be at least 8");
           outs.push_back({reinterpret_cast<const uint8_t*>(w[i]), N[i], t,
                           reinterpret_cast<float*>(y[i])});
         }
@@ -271,7 +271,7 @@ PYBIND11_MODULE(ftdense, m) {
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("types"),
       py::arg("y"), py::arg("isa") = "",
       "x [T,K] fp32 address; for each i: w[i] [N[i]] rows of GGUF blocks of qtype types[i] "
-      "(0 q8_0, 1 q4_k, 2 q6_k, 3 q5_k, 4 mxfp4, 5 q5_0, 6 q4_0, 7 q4_k rows interleaved by 8), y[i] [T,N[i]] fp32. isa '' = the configured one.");
+      "(0 q8_0, 1 q4_k, 2 q6_k, 3 q5_k, 4 mxfp4, 5 q5_0, 6 q4_0; 7 q4_k, 8 q6_k rows interleaved by 8), y[i] [T,N[i]] fp32. isa '' = the configured one.");
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "
                                 "the bank addresses.")

@@ -41,6 +41,10 @@
 // 4r), then the 128 nibble bytes: 32 words of 8 rows, word 4 * i4 + c of row r (at 128 + 32 *
 // (4 * i4 + c) + 4r) being bytes 32c + 4 * i4 .. 32c + 4 * i4 + 3 of that row's qs. A group
 // starts at row 8g's offset of the plain layout (8g * row bytes), so addressing is unchanged.
+// Q6_K_X8 likewise (8 * 210 bytes a super-block): d of rows 0..7, the 16 scale bytes of each row
+// as four 32-bit words (word v of row r at 16 + 32v + 4r), then for each half h < 2 and i4 < 8
+// three 32-byte words at 144 + 96 * (8h + i4), lane r holding bytes 4 * i4 .. 4 * i4 + 3 of row
+// r's ql[64h ..], ql[64h + 32 ..] and qh[32h ..].
 // Its kernel computes the group's 8 rows per call: y[t * ldy + r], r < 8.
 //
 // A kernel computes y[t * ldy] = sum over blocks of (scales) * (exact integer block dot), for
@@ -57,23 +61,31 @@
 namespace ftdense {
 
 // The codes are the Python side's (models/gguf_blocks.QTYPE_CODES) and index QDotSet::row.
-// Q4_K_X8: Q4_K rows interleaved by 8 (below); the same bytes per row.
+// Q4_K_X8, Q6_K_X8: Q4_K and Q6_K rows interleaved by 8 (below); the same bytes per row.
 enum class QType : int {
-  Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0 = 5, Q4_0 = 6, Q4_K_X8 = 7
+  Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0 = 5, Q4_0 = 6, Q4_K_X8 = 7, Q6_K_X8 = 8
 };
-constexpr int kNumQTypes = 8;
+constexpr int kNumQTypes = 9;
 constexpr int kQActBlock = 32;
 
 // The activation group (see above) the kernels of weight type t read: 256 for the K-quants.
 inline int act_group(QType t) {
-  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K || t == QType::Q4_K_X8
+  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K || t == QType::Q4_K_X8 ||
+                 t == QType::Q6_K_X8
              ? 256
              : kQActBlock;
 }
 
 // Weight rows one kernel call computes: 8 for the interleaved types (their row counts are
 // multiples of 8, and callers step by it), else 1.
-inline int qtype_rows(QType t) { return t == QType::Q4_K_X8 ? 8 : 1; }
+inline int qtype_rows(QType t) { return t == QType::Q4_K_X8 || t == QType::Q6_K_X8 ? 8 : 1; }
+
+// The plain type of an interleaved one (itself otherwise): a matrix of R rows in an interleaved
+// type holds R / 8 whole groups, then its last R % 8 rows in the plain type (qlinear.h; the
+// expert banks of qmoe.h have whole groups only).
+inline QType qtype_base(QType t) {
+  return t == QType::Q4_K_X8 ? QType::Q4_K : t == QType::Q6_K_X8 ? QType::Q6_K : t;
+}
 
 // Bytes of one weight row of K inputs (K a multiple of the type's block: 32 or 256).
 int64_t qrow_bytes(QType t, int64_t K);

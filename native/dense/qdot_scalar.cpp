@@ -174,25 +174,38 @@ void row_q6_k(const uint8_t* w, int K, const int8_t* q, const float* d, const in
   }
 }
 
-// Q4_K_X8 (qdot.h): each of the group's 8 rows gathered back into its plain Q4_K row, then
-// computed as one.
-void group_q4_k_x8(const uint8_t* w, int K, const int8_t* q, const float* d, const int16_t* s,
-                   int n, float* y, int64_t ldy) {
+// The interleaved types (qdot.h): each of the group's 8 rows gathered back into its plain row,
+// then computed as one.
+void gather_q4_k(const uint8_t* g, int r, uint8_t* o) {
+  std::memcpy(o, g + 2 * r, 2);
+  std::memcpy(o + 2, g + 16 + 2 * r, 2);
+  for (int wd = 0; wd < 3; ++wd) std::memcpy(o + 4 + 4 * wd, g + 32 + 32 * wd + 4 * r, 4);
+  for (int c = 0; c < 4; ++c)
+    for (int i4 = 0; i4 < 8; ++i4)
+      std::memcpy(o + 16 + 32 * c + 4 * i4, g + 128 + 32 * (4 * i4 + c) + 4 * r, 4);
+}
+
+void gather_q6_k(const uint8_t* g, int r, uint8_t* o) {
+  std::memcpy(o + 208, g + 2 * r, 2);
+  for (int v = 0; v < 4; ++v) std::memcpy(o + 192 + 4 * v, g + 16 + 32 * v + 4 * r, 4);
+  for (int h = 0; h < 2; ++h)
+    for (int i4 = 0; i4 < 8; ++i4) {
+      const uint8_t* p = g + 144 + 96 * (8 * h + i4) + 4 * r;
+      std::memcpy(o + 64 * h + 4 * i4, p, 4);
+      std::memcpy(o + 64 * h + 32 + 4 * i4, p + 32, 4);
+      std::memcpy(o + 128 + 32 * h + 4 * i4, p + 64, 4);
+    }
+}
+
+template <int kBytes, void (*Gather)(const uint8_t*, int, uint8_t*), QRowFn Row>
+void group_x8(const uint8_t* w, int K, const int8_t* q, const float* d, const int16_t* s, int n,
+              float* y, int64_t ldy) {
   const int nsb = K / 256;
   thread_local std::vector<uint8_t> row;
-  row.resize(static_cast<size_t>(nsb) * kQ4KBytes);
+  row.resize(static_cast<size_t>(nsb) * kBytes);
   for (int r = 0; r < 8; ++r) {
-    for (int sb = 0; sb < nsb; ++sb) {
-      const uint8_t* g = w + sb * 8 * kQ4KBytes;
-      uint8_t* o = row.data() + sb * kQ4KBytes;
-      std::memcpy(o, g + 2 * r, 2);
-      std::memcpy(o + 2, g + 16 + 2 * r, 2);
-      for (int wd = 0; wd < 3; ++wd) std::memcpy(o + 4 + 4 * wd, g + 32 + 32 * wd + 4 * r, 4);
-      for (int c = 0; c < 4; ++c)
-        for (int i4 = 0; i4 < 8; ++i4)
-          std::memcpy(o + 16 + 32 * c + 4 * i4, g + 128 + 32 * (4 * i4 + c) + 4 * r, 4);
-    }
-    row_scale_min<false>(row.data(), K, q, d, s, n, y + r, ldy);
+    for (int sb = 0; sb < nsb; ++sb) Gather(w + sb * 8 * kBytes, r, row.data() + sb * kBytes);
+    Row(row.data(), K, q, d, s, n, y + r, ldy);
   }
 }
 
@@ -203,6 +216,8 @@ const QDotSet kQDotScalar = {"scalar",
                              {row_signed32<kQ80Bytes, decode_q8_0>, row_scale_min<false>, row_q6_k,
                               row_scale_min<true>, row_signed32<kMxfp4Bytes, decode_mxfp4>,
                               row_signed32<kQ50Bytes, decode_q5_0>,
-                              row_signed32<kQ40Bytes, decode_q4_0>, group_q4_k_x8}};
+                              row_signed32<kQ40Bytes, decode_q4_0>,
+                              group_x8<kQ4KBytes, gather_q4_k, row_scale_min<false>>,
+                              group_x8<kQ6KBytes, gather_q6_k, row_q6_k>}};
 
 }  // namespace ftdense

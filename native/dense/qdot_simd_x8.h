@@ -15,20 +15,30 @@ QDOT_FN __m256i bcast32(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
-// vpshufb controls (both 128-bit halves alike): kLaneByte[b] takes byte b of every 32-bit lane
-// to the lane's low byte, zeroing the rest (the byte as an int32); kLanePair[h] takes bytes 2h
-// and 2h + 1 to the lane's two int16 (zero extended).
+// vpshufb controls (both 128-bit halves alike), per 32-bit lane: byte[b] takes the lane's byte
+// b to its low byte, zeroing the rest (the byte as an int32); pair[h] its bytes 2h and 2h + 1 to
+// the low bytes of its two int16 (zero extended); high[b] byte b to the high bytes of both
+// int16, and pair_high[h] bytes 2h and 2h + 1 to them (an arithmetic shift by 8 then sign
+// extends: Q6_K's signed scales).
 struct LaneControls {
   uint8_t byte[4][32];
   uint8_t pair[2][32];
+  uint8_t high[4][32];
+  uint8_t pair_high[2][32];
 };
 constexpr LaneControls make_lane_controls() {
   LaneControls c{};
   for (int i = 0; i < 32; ++i) {
     const int k = (i % 16) / 4, pos = i % 4;
-    for (int b = 0; b < 4; ++b) c.byte[b][i] = pos == 0 ? static_cast<uint8_t>(4 * k + b) : 0x80;
-    for (int h = 0; h < 2; ++h)
-      c.pair[h][i] = pos % 2 == 0 ? static_cast<uint8_t>(4 * k + 2 * h + pos / 2) : 0x80;
+    const auto at = [k](int b) { return static_cast<uint8_t>(4 * k + b); };
+    for (int b = 0; b < 4; ++b) {
+      c.byte[b][i] = pos == 0 ? at(b) : 0x80;
+      c.high[b][i] = pos % 2 == 1 ? at(b) : 0x80;
+    }
+    for (int h = 0; h < 2; ++h) {
+      c.pair[h][i] = pos % 2 == 0 ? at(2 * h + pos / 2) : 0x80;
+      c.pair_high[h][i] = pos % 2 == 1 ? at(2 * h + pos / 2) : 0x80;
+    }
   }
   return c;
 }
@@ -48,6 +58,7 @@ constexpr int kX8PrefetchBytes = 4096;
 // of row r's 32 nibble bytes of chunk c: low nibbles are inputs 64c + 4 * i4 + (0..3) (sub-block
 // 2c), high nibbles the same + 32 (sub-block 2c + 1).
 struct Q4KX8 {
+  static constexpr int kMaxTokens = 3;  // 8 accumulators a token: 24 of the 32 registers
   template <int NT>
   __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
                                                        const float* d, const int16_t* s, float* y,
@@ -64,17 +75,23 @@ struct Q4KX8 {
       // callers do not prefetch interleaved rows: a group's burst of lines would stall the core)
       for (int i = 0; i < 8 * kQ4KBytes; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kX8PrefetchBytes + i), _MM_HINT_T0);
-      for (int u = 0; u < NT; ++u) {
-        const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256;
-        __m256i acc[8];
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
-        for (int i4 = 0; i4 < 8; ++i4)
-          for (int c = 0; c < 4; ++c) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (4 * i4 + c)));
-            acc[2 * c] = dot_acc(acc[2 * c], _mm256_and_si256(v, low), bcast32(xs + 64 * c + 4 * i4));
-            acc[2 * c + 1] = dot_acc(acc[2 * c + 1], _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                     bcast32(xs + 64 * c + 32 + 4 * i4));
+      // each weight word is unpacked once and read against the NT tokens
+      __m256i acc[NT][8];
+      for (int u = 0; u < NT; ++u)
+        for (int j = 0; j < 8; ++j) acc[u][j] = _mm256_setzero_si256();
+      for (int i4 = 0; i4 < 8; ++i4)
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (4 * i4 + c)));
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int u = 0; u < NT; ++u) {
+            const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
+            acc[u][2 * c] = dot_acc(acc[u][2 * c], lo, bcast32(xs));
+            acc[u][2 * c + 1] = dot_acc(acc[u][2 * c + 1], hi, bcast32(xs + 32));
           }
+        }
+      {
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
         const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
         const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 96));
@@ -85,39 +102,157 @@ struct Q4KX8 {
         const __m256i mlo = _mm256_and_si256(w1, six);
         const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low),
                                             _mm256_and_si256(_mm256_srli_epi32(w1, 2), top));
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const int b = j & 3;  // byte b of each lane, zero extended
-          const __m256i sc = _mm256_shuffle_epi8(j < 4 ? sclo : schi, load_ctl(kLaneControls.byte[b]));
-          sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(acc[j], sc));
+        __m256i sc[8], mp[4];  // each row's scale j as an int32; its mins (2p, 2p + 1) as int16
+        for (int j = 0; j < 8; ++j)
+          sc[j] = _mm256_shuffle_epi8(j < 4 ? sclo : schi, load_ctl(kLaneControls.byte[j & 3]));
+        for (int p = 0; p < 4; ++p)
+          mp[p] = _mm256_shuffle_epi8(p < 2 ? mlo : mhi, load_ctl(kLaneControls.pair[p & 1]));
+        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+        const __m256 dm0 =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+        for (int u = 0; u < NT; ++u) {
+          __m256i sumi = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j) sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(acc[u][j], sc[j]));
+          // sum_j m_j * (sum of the activations of sub-block j), two sub-blocks a madd
+          const int16_t* su = s + u * na + sb * 8;
+          __m256i mins = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) mins = madd_acc(mins, mp[p], bcast32(su + 2 * p));
+          const __m256 dx = _mm256_set1_ps(d[u * na + sb * 8]);
+          res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(dw0, dx), res[u]);
+          res[u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm0, dx), res[u]);
         }
-        // sum_j m_j * (sum of the activations of sub-block j), two sub-blocks a madd
-        const int16_t* su = s + u * na + sb * 8;
-        __m256i mins = _mm256_setzero_si256();
-        for (int p = 0; p < 4; ++p) {
-          mins = madd_acc(mins, _mm256_shuffle_epi8(p < 2 ? mlo : mhi, load_ctl(kLaneControls.pair[p & 1])),
-                          bcast32(su + 2 * p));
-        }
-        const __m256 dx = _mm256_set1_ps(d[u * na + sb * 8]);
-        const __m256 dw = _mm256_mul_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk))), dx);
-        const __m256 dm = _mm256_mul_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16))), dx);
-        res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), dw, res[u]);
-        res[u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, res[u]);
       }
     }
     for (int u = 0; u < NT; ++u) _mm256_storeu_ps(y + u * ldy, res[u]);  // lane r: row r
   }
 };
 
+// The 16 sums of 16 activations of a super-block's 256 (xs) as int16, in order: two madds give
+// each 32 inputs' 4-input sums and three hadds the 16-input sums (lanes [g0 g2 g4 g6 | g1 g3 g5
+// g7] of each 128 inputs); the caller reads pairs (g, g + 1) as one int32.
+QDOT_FN void sums16(const int8_t* xs, int16_t* out) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  alignas(32) int32_t part[16];
+  for (int half = 0; half < 2; ++half) {
+    __m256i t[4];
+    for (int j = 0; j < 4; ++j)
+      t[j] = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(ones8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                          xs + 128 * half + 32 * j))),
+          ones16);
+    const __m256i s =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(part + 8 * half), s);
+  }
+  for (int half = 0; half < 2; ++half)
+    for (int k = 0; k < 4; ++k) {
+      out[8 * half + 2 * k] = static_cast<int16_t>(part[8 * half + k]);
+      out[8 * half + 2 * k + 1] = static_cast<int16_t>(part[8 * half + 4 + k]);
+    }
+}
+
+// Q6_K x8: per super-block the 8 rows' fp16 d (16 bytes), their 16 int8 scales as four 32-byte
+// words (word v of row r at 16 + 32v + 4r: scales 4v..4v+3), then for each half h and i4 < 8
+// three words at 144 + 96 * (8h + i4): lane r of the first two holds bytes 4 * i4 .. + 3 of row
+// r's ql[64h .. 64h + 31] and ql[64h + 32 ..], of the third the same of qh[32h ..]. From them
+// the values of inputs 128h + 32k + 4 * i4 + (0..3), k < 4 (qdot.h's Q6_K packing), unsigned
+// (q in 0..63); their maddubs pair sums times the 16-input scale accumulate into int32 lanes,
+// and 32 * sum_g sc_g * (the 16 inputs' activation sum) is taken off once per super-block.
+struct Q6KX8 {
+  static constexpr int kMaxTokens = 4;
+  template <int NT>
+  __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
+                                                       const float* d, const int16_t*, float* y,
+                                                       int64_t ldy) {
+    const int nsb = K / 256, na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    __m256 res[NT];
+    for (int u = 0; u < NT; ++u) res[u] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = w + sb * 8 * kQ6KBytes;
+      for (int i = 0; i < 8 * kQ6KBytes; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kX8PrefetchBytes + i), _MM_HINT_T0);
+      __m256i words[4];
+      for (int v = 0; v < 4; ++v)
+        words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+      // per token kChains accumulators (madd_acc's latency); each weight word is unpacked once
+      // for the NT tokens
+      constexpr int kChains = NT <= 2 ? 8 : 4;
+      __m256i acc[NT][kChains];
+      for (int u = 0; u < NT; ++u)
+        for (int c = 0; c < kChains; ++c) acc[u][c] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h)
+        for (int half = 0; half < 2; ++half) {
+          __m256i sc[4];  // scale g = 8h + 2k + half of each row, as two equal int16
+          for (int k = 0; k < 4; ++k) {
+            const int g = 8 * h + 2 * k + half;
+            sc[k] = _mm256_srai_epi16(
+                _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.high[g % 4])), 8);
+          }
+          for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+            const uint8_t* p = blk + 144 + 96 * (8 * h + i4);
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+            const __m256i v[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, low),
+                                _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
+                _mm256_or_si256(_mm256_and_si256(l1, low),
+                                _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                _mm256_and_si256(hb, top)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
+            for (int u = 0; u < NT; ++u) {
+              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
+              for (int k = 0; k < 4; ++k) {
+                const int c = kChains == 8 ? k + 4 * (i4 & 1) : k;
+                // madd + add, not madd_acc: on Zen 4 vpdpwssd measured slower here (T = 1)
+                acc[u][c] = _mm256_add_epi32(
+                    acc[u][c],
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], bcast32(xs + 32 * k)), sc[k]));
+              }
+            }
+          }
+        }
+      __m256i scp[8];  // scale pairs (2p, 2p + 1) of each row as int16
+      for (int p = 0; p < 8; ++p)
+        scp[p] = _mm256_srai_epi16(
+            _mm256_shuffle_epi8(words[p / 2], load_ctl(kLaneControls.pair_high[p % 2])), 8);
+      for (int u = 0; u < NT; ++u) {
+        // 32 * sum_g sc_g * sum16_g: scale pairs (g, g + 1) against the sums' pairs
+        alignas(32) int16_t s16[16];
+        sums16(q + static_cast<int64_t>(u) * K + sb * 256, s16);
+        __m256i corr = _mm256_setzero_si256();
+        for (int p = 0; p < 8; ++p) corr = madd_acc(corr, scp[p], bcast32(s16 + 2 * p));
+        __m256i sumi = _mm256_slli_epi32(corr, 5);
+        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+        for (int c = 0; c < kChains; ++c) sumi = _mm256_add_epi32(sumi, acc[u][c]);
+        res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi),
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
+      }
+    }
+    for (int u = 0; u < NT; ++u) _mm256_storeu_ps(y + u * ldy, res[u]);  // lane r: row r
+  }
+};
+
+// Kernel::kMaxTokens tokens a pass while they last (each weight word unpacked once for them),
+// then the rest in one pass.
 template <class Kernel>
 __attribute__((target(QDOT_TARGET))) void group_simd(const uint8_t* w, int K, const int8_t* q,
                                                      const float* d, const int16_t* s, int n,
                                                      float* y, int64_t ldy) {
+  constexpr int kMax = Kernel::kMaxTokens;
   const int64_t na = K / kQActBlock;
   int t = 0;
-  for (; t + 2 <= n; t += 2)
-    Kernel::template run<2>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
-  if (t < n) Kernel::template run<1>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+  for (; t + kMax <= n; t += kMax)
+    Kernel::template run<kMax>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+  const int64_t o = t;
+  const int8_t* qt = q + o * K;
+  if constexpr (kMax > 3)
+    if (n - t == 3) Kernel::template run<3>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+  if constexpr (kMax > 2)
+    if (n - t == 2) Kernel::template run<2>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+  if (n - t == 1) Kernel::template run<1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
 }

@@ -72,18 +72,23 @@ void dot_task(void* ctx, int64_t task) {
   const int r1 = std::min(out.N, r0 + kRowsPerTask);
   const int64_t rb = qrow_bytes(out.type, j.K), na = j.K / kQActBlock;
   const QRowFn fn = j.ks->row[static_cast<int>(out.type)];
-  const int step = qtype_rows(out.type);  // r0 and r1 are multiples of it (qlinear checks N)
+  const QRowFn plain = j.ks->row[static_cast<int>(qtype_base(out.type))];
+  const int step = qtype_rows(out.type);  // r0 is a multiple of it
+  const int grouped = out.N / step * step;  // rows past it are plain rows (qdot.h)
   const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
   const uint8_t* end = out.w + r1 * rb;
   for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
     const int n = std::min(j.chunk, j.T - t0);
     const uint8_t* ahead = out.w + r0 * rb;
-    for (int r = r0; r < r1; r += step) {
-      const uint8_t* want = std::min(end, out.w + (r + step) * rb + kPrefetchBytes);
+    for (int r = r0; r < r1;) {
+      const bool group = step > 1 && r < grouped;
+      const uint8_t* want = std::min(end, out.w + (r + 1) * rb + kPrefetchBytes);
       if (step == 1)  // interleaved kernels prefetch their own stream (qdot_simd_x8.h)
         for (; ahead < want; ahead += 64) __builtin_prefetch(ahead, 0, 3);
-      fn(out.w + r * rb, j.K, a.q.data() + static_cast<int64_t>(t0) * j.K, a.d.data() + t0 * na,
-         a.s.data() + t0 * na, n, out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
+      (group ? fn : plain)(out.w + r * rb, j.K, a.q.data() + static_cast<int64_t>(t0) * j.K,
+                           a.d.data() + t0 * na, a.s.data() + t0 * na, n,
+                           out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
+      r += group ? step : 1;
     }
   }
 }
@@ -98,7 +103,7 @@ struct QTypeSize {
 // Indexed by QType (qdot.h).
 constexpr QTypeSize kQTypeSizes[kNumQTypes] = {
     {32, kQ80Bytes},  {256, kQ4KBytes}, {256, kQ6KBytes}, {256, kQ5KBytes},
-    {32, kMxfp4Bytes}, {32, kQ50Bytes},  {32, kQ40Bytes}, {256, kQ4KBytes}};
+    {32, kMxfp4Bytes}, {32, kQ50Bytes},  {32, kQ40Bytes}, {256, kQ4KBytes}, {256, kQ6KBytes}};
 
 }  // namespace
 
