@@ -111,6 +111,7 @@ def deinterleave(raw: Tensor, fmt: str) -> Tensor:
 def _interleave(raw: Tensor, fmt: str) -> Tensor:
     g, nsb = _groups(raw, fmt)
     x = raw.view(g, 8, nsb, BLOCK_BYTES[fmt]).permute(0, 2, 1, 3)  # [g, sb, row, bytes]
+    parts: tuple[Tensor, ...]
     if fmt == "q4_k":
         parts = (
             x[..., 0:2].reshape(g, nsb, 16),
