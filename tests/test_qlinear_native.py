@@ -197,11 +197,16 @@ def test_interleave_round_trip_and_layout(fmt: str) -> None:
     raw = gb.quantize(torch.randn(27, 512) / 20, fmt)  # 3 groups and 3 plain rows
     packed = gb.interleave(raw, fmt)
     assert torch.equal(packed[24:], raw[24:])
+    assert torch.equal(packed, gb.interleave(raw, fmt, native=False))  # native vs torch
+    assert torch.equal(gb.deinterleave(packed, fmt), gb.deinterleave(packed, fmt, native=False))
     raw = raw[:24]
     assert torch.equal(gb.interleave(raw, fmt), packed[:24])
     packed = packed[:24]
     assert packed.shape == raw.shape and not torch.equal(packed, raw)
     assert torch.equal(gb.deinterleave(packed, fmt), raw)
+    # the native byte moves (used at load) against the torch permutes
+    assert torch.equal(packed, gb.interleave(raw, fmt, native=False))
+    assert torch.equal(gb.deinterleave(packed, fmt, native=False), raw)
     d_at = {"q4_k": slice(0, 2), "q6_k": slice(208, 210)}[fmt]
     assert torch.equal(packed[:8].reshape(-1)[:16], raw[:8, d_at].reshape(-1))  # d of rows 0..7
     # the second group starts where row 8 does, with its own rows' bytes only

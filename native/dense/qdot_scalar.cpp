@@ -7,6 +7,7 @@
 
 #include "qdot.h"
 #include "qdot_common.h"
+#include "qdot_x8_layout.h"
 
 namespace ftdense {
 
@@ -174,37 +175,17 @@ void row_q6_k(const uint8_t* w, int K, const int8_t* q, const float* d, const in
   }
 }
 
-// The interleaved types (qdot.h): each of the group's 8 rows gathered back into its plain row,
-// then computed as one.
-void gather_q4_k(const uint8_t* g, int r, uint8_t* o) {
-  std::memcpy(o, g + 2 * r, 2);
-  std::memcpy(o + 2, g + 16 + 2 * r, 2);
-  for (int wd = 0; wd < 3; ++wd) std::memcpy(o + 4 + 4 * wd, g + 32 + 32 * wd + 4 * r, 4);
-  for (int c = 0; c < 4; ++c)
-    for (int i4 = 0; i4 < 8; ++i4)
-      std::memcpy(o + 16 + 32 * c + 4 * i4, g + 128 + 32 * (4 * i4 + c) + 4 * r, 4);
-}
-
-void gather_q6_k(const uint8_t* g, int r, uint8_t* o) {
-  std::memcpy(o + 208, g + 2 * r, 2);
-  for (int v = 0; v < 4; ++v) std::memcpy(o + 192 + 4 * v, g + 16 + 32 * v + 4 * r, 4);
-  for (int h = 0; h < 2; ++h)
-    for (int i4 = 0; i4 < 8; ++i4) {
-      const uint8_t* p = g + 144 + 96 * (8 * h + i4) + 4 * r;
-      std::memcpy(o + 64 * h + 4 * i4, p, 4);
-      std::memcpy(o + 64 * h + 32 + 4 * i4, p + 32, 4);
-      std::memcpy(o + 128 + 32 * h + 4 * i4, p + 64, 4);
-    }
-}
-
-template <int kBytes, void (*Gather)(const uint8_t*, int, uint8_t*), QRowFn Row>
+// The interleaved types (qdot.h): each of the group's 8 rows gathered back into its plain row
+// (qdot_x8_layout.h), then computed as one.
+template <QType kBase, QRowFn Row>
 void group_x8(const uint8_t* w, int K, const int8_t* q, const float* d, const int16_t* s, int n,
               float* y, int64_t ldy) {
-  const int nsb = K / 256;
+  const int nsb = K / 256, bytes = x8_block_bytes(kBase);
   thread_local std::vector<uint8_t> row;
-  row.resize(static_cast<size_t>(nsb) * kBytes);
+  row.resize(static_cast<size_t>(nsb) * bytes);
   for (int r = 0; r < 8; ++r) {
-    for (int sb = 0; sb < nsb; ++sb) Gather(w + sb * 8 * kBytes, r, row.data() + sb * kBytes);
+    for (int sb = 0; sb < nsb; ++sb)
+      x8_move(kBase, const_cast<uint8_t*>(w) + sb * 8 * bytes, r, row.data() + sb * bytes, true);
     Row(row.data(), K, q, d, s, n, y + r, ldy);
   }
 }
@@ -217,7 +198,7 @@ const QDotSet kQDotScalar = {"scalar",
                               row_scale_min<true>, row_signed32<kMxfp4Bytes, decode_mxfp4>,
                               row_signed32<kQ50Bytes, decode_q5_0>,
                               row_signed32<kQ40Bytes, decode_q4_0>,
-                              group_x8<kQ4KBytes, gather_q4_k, row_scale_min<false>>,
-                              group_x8<kQ6KBytes, gather_q6_k, row_q6_k>}};
+                              group_x8<QType::Q4_K, row_scale_min<false>>,
+                              group_x8<QType::Q6_K, row_q6_k>}};
 
 }  // namespace ftdense

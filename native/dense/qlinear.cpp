@@ -1,9 +1,11 @@
 #include "qlinear.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "qdot_common.h"
+#include "qdot_x8_layout.h"
 
 
 namespace ftdense {
@@ -171,6 +173,23 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
   for (const QOutput& o : outs)
     j.first_task.push_back(j.first_task.back() + (o.N + kRowsPerTask - 1) / kRowsPerTask);
   pool.run(dot_task, &j, j.first_task.back());
+}
+
+void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo) {
+  if (base != QType::Q4_K && base != QType::Q6_K)
+    throw std::invalid_argument("only q4_k and q6_k rows have an interleaved layout");
+  const int bytes = x8_block_bytes(base), nsb = K / 256;
+  const int64_t rb = qrow_bytes(base, K), grouped = rows / 8 * 8;
+  for (int64_t g = 0; g < grouped; g += 8)
+    for (int r = 0; r < 8; ++r)
+      for (int sb = 0; sb < nsb; ++sb) {
+        const int64_t row_at = (g + r) * rb + sb * bytes, group_at = g * rb + sb * 8 * bytes;
+        if (undo)
+          x8_move(base, const_cast<uint8_t*>(src) + group_at, r, dst + row_at, true);
+        else
+          x8_move(base, dst + group_at, r, const_cast<uint8_t*>(src) + row_at, false);
+      }
+  std::memcpy(dst + grouped * rb, src + grouped * rb, static_cast<size_t>((rows - grouped) * rb));
 }
 
 }  // namespace ftdense

@@ -32,4 +32,9 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
 void quantize_rows(Pool& pool, const QDotSet& ks, const float* x, int T, int K, int group,
                    int8_t* q, float* d, int16_t* s);
 
+// Rows [rows, qrow_bytes(base, K)] of Q4_K or Q6_K (base) in the interleaved layout of qdot.h
+// (whole groups of 8, the last rows % 8 copied as they are) from the plain rows, or back with
+// undo; src and dst do not overlap.
+void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo);
+
 }  // namespace ftdense

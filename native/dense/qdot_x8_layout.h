@@ -1,0 +1,56 @@
+// Where each byte of a plain Q4_K / Q6_K super-block goes in the interleaved layouts of qdot.h
+// (Q4_K_X8, Q6_K_X8): one table of segments per type, shared by the scalar kernels (which gather
+// each row back) and by qinterleave (which builds the layout at load).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "qdot.h"
+#include "qdot_common.h"
+
+namespace ftdense {
+
+// `len` bytes at `row` of row r's super-block sit at `group + stride * r` of its group's.
+struct X8Segment {
+  int row, group, stride, len;
+};
+
+inline const std::vector<X8Segment>& x8_segments(QType base) {
+  static const std::vector<X8Segment> q4k = [] {
+    std::vector<X8Segment> s = {{0, 0, 2, 2}, {2, 16, 2, 2}};
+    for (int w = 0; w < 3; ++w) s.push_back({4 + 4 * w, 32 + 32 * w, 4, 4});
+    for (int c = 0; c < 4; ++c)
+      for (int i4 = 0; i4 < 8; ++i4) s.push_back({16 + 32 * c + 4 * i4, 128 + 32 * (4 * i4 + c), 4, 4});
+    return s;
+  }();
+  static const std::vector<X8Segment> q6k = [] {
+    std::vector<X8Segment> s = {{208, 0, 2, 2}};
+    for (int v = 0; v < 4; ++v) s.push_back({192 + 4 * v, 16 + 32 * v, 4, 4});
+    for (int h = 0; h < 2; ++h)
+      for (int i4 = 0; i4 < 8; ++i4) {
+        const int at = 144 + 96 * (8 * h + i4);
+        s.push_back({64 * h + 4 * i4, at, 4, 4});
+        s.push_back({64 * h + 32 + 4 * i4, at + 32, 4, 4});
+        s.push_back({128 + 32 * h + 4 * i4, at + 64, 4, 4});
+      }
+    return s;
+  }();
+  return base == QType::Q4_K ? q4k : q6k;
+}
+
+inline int x8_block_bytes(QType base) { return base == QType::Q4_K ? kQ4KBytes : kQ6KBytes; }
+
+// Row r's plain super-block from its group's interleaved one (gather) or back (!gather).
+inline void x8_move(QType base, uint8_t* group, int r, uint8_t* row, bool gather) {
+  for (const X8Segment& s : x8_segments(base)) {
+    uint8_t* g = group + s.group + s.stride * r;
+    if (gather)
+      std::memcpy(row + s.row, g, static_cast<size_t>(s.len));
+    else
+      std::memcpy(g, row + s.row, static_cast<size_t>(s.len));
+  }
+}
+
+}  // namespace ftdense
