@@ -193,6 +193,13 @@ class GgufFile:
         rows = t.shape[:-1]
         return out.view(*rows, -1) if rows else out
 
+    def read_raw_into(self, t: GgufTensor, dest: torch.Tensor, offset: int = 0) -> None:
+        """Reads the tensor's stored bytes [offset, offset + dest's size) straight into ``dest``
+        (contiguous uint8): a part of a quantized tensor with no copy of the whole."""
+        assert dest.is_contiguous() and dest.dtype == torch.uint8
+        assert offset + dest.numel() <= t.nbytes
+        self._pread(t, dest, offset, dest.numel())
+
     def read_into(self, t: GgufTensor, dest: torch.Tensor, offset: int = 0) -> None:
         """Reads a native-type tensor's bytes [offset, offset + dest's size) straight into
         ``dest`` (contiguous, same dtype)."""

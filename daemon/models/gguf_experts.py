@@ -110,4 +110,16 @@ class RawStack:
         self.shape = t.shape
 
     def into(self, dest: torch.Tensor) -> None:
-        dest.copy_(self.f.read_raw(self.t).view(dest.shape))
+        """Each expert's rows read straight into its part of ``dest`` (a bank's gate or up half
+        is contiguous per expert): never the whole stacked tensor in memory besides the bank."""
+        if dest.dim() != 3 or dest.shape[0] * dest[0].numel() != self.t.nbytes:
+            raise ValueError(f"{self.t.name}: {self.t.nbytes} bytes cannot fill {list(dest.shape)}")
+        per = dest[0].numel()
+        for e in range(dest.shape[0]):
+            part = dest[e]
+            if part.is_contiguous():
+                self.f.read_raw_into(self.t, part, e * per)
+            else:
+                buf = torch.empty(part.shape, dtype=torch.uint8)
+                self.f.read_raw_into(self.t, buf, e * per)
+                part.copy_(buf)
