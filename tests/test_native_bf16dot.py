@@ -265,3 +265,40 @@ def test_bf16_model_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Non
     err = float((old - new).abs().max())
     assert 0 < err < E2E_LOGIT_BOUND, err  # > 0: the experts really took the rounded path
     assert new_greedy == old_greedy
+
+
+def test_the_cpu_bf16_dot_option(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """``cpu_bf16_dot`` (daemon config, LLM): on an AVX512-BF16 CPU the experts and the dense
+    pool take the bf16-dot kernels, with the default's greedy tokens; on a CPU without it the
+    log says so and the default kernels run."""
+    import logging
+
+    from tiny_models import make_tiny
+
+    from freetokend import LLM
+    from freetokend.config import DaemonConfig
+    from freetokend.experts import cpu_executor
+
+    assert DaemonConfig().cpu_bf16_dot is False
+    path, _ = make_tiny("qwen3_moe", tmp_path / "m", seed=3, dtype=torch.bfloat16)
+    ids = list(range(5, 29))
+    kw = dict(moe_backend="cpu", max_model_len=256, kv_tokens=1024)
+    try:
+        plain = LLM(path, **kw)
+        want = plain.generate(ids, max_tokens=12, ignore_eos=True)
+        assert plain.cpu_isa == "auto" and not plain.moe.executor.bf16_dot
+        del plain
+        if "avx512bf16" in supported_isas():
+            fast = LLM(path, cpu_bf16_dot=True, **kw)
+            assert fast.cpu_isa == "avx512bf16" and fast.moe.executor.bf16_dot
+            assert dense_native._native.isa() == "avx512bf16"
+            assert fast.generate(ids, max_tokens=12, ignore_eos=True) == want
+            del fast
+        lacking = [i for i in supported_isas() if i != "avx512bf16"]
+        monkeypatch.setattr(cpu_executor, "supported_isas", lambda: lacking)
+        with caplog.at_level(logging.WARNING):
+            slow = LLM(path, cpu_bf16_dot=True, **kw)
+        assert slow.cpu_isa == "auto" and not slow.moe.executor.bf16_dot
+        assert "cpu_bf16_dot: this CPU lacks AVX512-BF16" in caplog.text
+    finally:
+        dense_native.configure(isa="auto")  # the pool is process-wide

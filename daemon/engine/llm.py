@@ -107,6 +107,10 @@ class LLM:
                  experts-only form
     cuda_graphs  capture decode steps as CUDA graphs per batch bucket at load (engine/graphs.py;
                  a real GPU with fused or offload, else logged and eager)
+    cpu_bf16_dot bf16 weights on the CPU (dense projections and bf16 experts) on vdpbf16ps where
+                 the CPU has AVX512-BF16: activations rounded to bf16 as llama.cpp's BF16 path
+                 does (the dense projections round them already); else logged, and the fp32
+                 activation kernels run
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class LLM:
         quantize_experts: str | None = None,
         quantize: str | None = None,
         cuda_graphs: bool = False,
+        cpu_bf16_dot: bool = False,
     ) -> None:
         if moe_backend not in BACKENDS:
             raise ValueError(
@@ -189,6 +194,7 @@ class LLM:
                 snapshots = device_snapshot_bytes(
                     self.model, int(snapshot_budget_mb * 2**20), self.placement.on_device
                 )
+                self.cpu_isa = _cpu_isa(cpu_bf16_dot, threads)
                 self.moe = self._backend(backend, act, moe_slots, bandwidth, threads,
                                          max_step_tokens, kv, snapshots)  # fmt: skip
                 if record_routing is not None:
@@ -291,6 +297,7 @@ class LLM:
             moe_slots=moe_slots,
             bandwidth=bandwidth,
             threads=threads,
+            cpu_isa=self.cpu_isa,
             # the KV pool is allocated after the slots: on a device, they leave it room
             slot_budget=_slot_budget(
                 self.model,
@@ -486,3 +493,22 @@ class LLM:
         if out and out[-1] in self.engine.eos and not params.ignore_eos:
             out = out[:-1]
         return self.tokenizer.decode(out, skip_special_tokens=True)
+
+
+def _cpu_isa(bf16_dot: bool, threads: int | None) -> str:
+    """The CPU kernels' path for ``cpu_bf16_dot``: "avx512bf16" (the dense pool configured for
+    it too, process-wide) where the CPU has AVX512-BF16, else "auto" (logged when asked)."""
+    if not bf16_dot:
+        return "auto"
+    from ..experts import cpu_executor
+    from ..models.layers import dense_native
+
+    if "avx512bf16" not in cpu_executor.supported_isas() or not dense_native.available():
+        log.warning(
+            "cpu_bf16_dot: this CPU lacks AVX512-BF16 (runs %s); the fp32-activation kernels run",
+            ", ".join(cpu_executor.supported_isas()) or "no native kernels",
+        )
+        return "auto"
+    dense_native.configure(threads, isa="avx512bf16")
+    log.info("cpu_bf16_dot: bf16 weights on vdpbf16ps (activations rounded to bf16)")
+    return "avx512bf16"

@@ -86,9 +86,11 @@ class CpuBackend:
         act: ActivationSpec,
         threads: int | None = None,
         fake: bool = False,
+        isa: str = "auto",
     ) -> None:
         """``fake``: the banks have no data (fake device runs): a shape-checking stand-in
-        replaces the native executor."""
+        replaces the native executor. ``isa``: the float executor's path (cpu_executor.ISAS;
+        "avx512bf16" for ``cpu_bf16_dot``)."""
         self.banks = banks
         self.num_experts = num_experts
         self.act = act
@@ -107,7 +109,7 @@ class CpuBackend:
             else:
                 from .cpu_executor import CpuExecutor
 
-                self.executor = CpuExecutor(banks, act, threads=threads)
+                self.executor = CpuExecutor(banks, act, threads=threads, isa=isa)
         except (ImportError, ModuleNotFoundError) as e:
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
             if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight
@@ -211,13 +213,15 @@ def create_backend(
     bandwidth: tuple[float, float] | None = None,
     threads: int | None = None,
     slot_budget: SlotBudget | None = None,
+    cpu_isa: str = "auto",
 ) -> MoEBackend:
     """Builds the MoE backend named at the CLI/config boundary.
 
     auto: no accelerator -> cpu; with one -> offload, upgraded to hybrid when a bandwidth profile
     (B_P, B_H) says the CPU branch pays (B_H > B_P). ``accelerator`` is a name or an accelerator
     object (``FakeCudaAccelerator`` for the fake device of tests and ``ftctl plan``).
-    ``slot_budget``: how the default slot count (``moe_slots`` None) is sized.
+    ``slot_budget``: how the default slot count (``moe_slots`` None) is sized. ``cpu_isa``: the
+    CPU expert executor's path (``CpuBackend``'s isa).
     """
     from .accelerator import StandinAccelerator, create_accelerator
 
@@ -225,7 +229,7 @@ def create_backend(
     given = accelerator if isinstance(accelerator, Accelerator) else None
     fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
-        return CpuBackend(banks, num_experts, act, threads=threads, fake=fake)
+        return CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
     from .device_backends import FusedBackend, OffloadBackend
 
     host_format = banks.format
@@ -251,7 +255,7 @@ def create_backend(
     else:
         slots = moe_slots
     cpu = (
-        CpuBackend(banks, num_experts, act, threads=threads, fake=fake)
+        CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
         if name == "hybrid"
         else None
     )

@@ -132,6 +132,7 @@ class ControlPlane:
             quantize_experts=None if preset else quantize,
             quantize=preset,
             cuda_graphs=cfg.cuda_graphs,
+            cpu_bf16_dot=cfg.cpu_bf16_dot,
         )
 
     def _registered_names(self) -> list[str]:
