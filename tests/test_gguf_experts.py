@@ -273,6 +273,11 @@ def test_gguf_experts_stay_quantized_and_match_the_dequantized_load(  # type: ig
     e = hf.config.num_experts
     # GGUF rows: q4_k banks are interleaved in place for the cpu backend's kernels
     assert llm.banks.interleaved == ("q4_k" in fmt)
+    if llm.banks.interleaved:  # FTW stores GGUF rows: these banks are not written as they are
+        from freetokend.models.ftw_convert import model_tensors
+
+        with pytest.raises(ValueError, match="interleaved"):
+            model_tensors(llm.model, llm.banks)
     rows = [expert_tensors(llm.banks, fid) for fid in range(2 * e)]
     assert torch.equal(torch.stack([r["gate_up"] for r in rows[e:]])[:, INTER:], raw)
     assert torch.equal(torch.stack([r["down"] for r in rows[:e]]), down)

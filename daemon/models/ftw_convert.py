@@ -44,6 +44,10 @@ def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.
         if q.in_perm is not None
     ]
     out += [(f"{QBLOCKS}.{q.fmt}.{name}", q.gguf_raw()) for name, q in blocks.items()]
+    # FTW stores GGUF rows: banks a cpu backend interleaved in place (formats.interleave_banks)
+    # would need their rows back first; ``convert`` reads them fresh from load_model
+    if banks.interleaved:
+        raise ValueError("interleaved expert banks cannot be written to FTW as they are")
     return out + [(f"experts.{n}", t) for n, t in banks.all_tensors().items()]
 
 
