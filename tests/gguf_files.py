@@ -357,7 +357,9 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
         target = _hf_module(hf, name)
 
         def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
-            y = qdot_reference(qw.gguf_raw(), qw.fmt, qw.permuted_input(x.reshape(-1, qw.cols).float()))
+            y = qdot_reference(
+                qw.gguf_raw(), qw.fmt, qw.permuted_input(x.reshape(-1, qw.cols).float())
+            )
             y = y if bias is None else y + bias.float()
             return y.reshape(*x.shape[:-1], qw.rows).to(x.dtype)
 
