@@ -52,7 +52,7 @@ class ExpertBanks:
     down_bias: torch.Tensor | None = None
     format: str = "bf16"
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    # GGUF block banks whose q4_k projections have their rows interleaved by 8 per expert
+    # GGUF block banks whose q4_k / q6_k projections have their rows interleaved by 8 per expert
     # (``formats.interleave_banks``, for the native kernels); ``formats.expert_tensors`` undoes it
     interleaved: bool = False
 

@@ -120,7 +120,7 @@ class BlockExecutor:
     optional, fp32 or bf16). ``isa`` "" runs ftdense's configured path; "vnni", "avx2" or
     "scalar" force one (tests). ``chunk_bytes``: quantised input bytes per token chunk of an
     expert with many routes (prefill), sized to stay in L2. ``interleave``: regroup the q4_k
-    banks' rows in place for the faster kernels (``formats.interleave_banks``), for banks that
+    and q6_k banks' rows in place for the faster kernels (``formats.interleave_banks``), for banks that
     nothing else reads raw (the cpu backend's)."""
 
     def __init__(

@@ -102,38 +102,40 @@ def interleave(raw: Tensor, fmt: str, native: bool = True) -> Tensor:
     kernels compute them with the plain type's). ``deinterleave`` undoes it. With the extension
     built (and ``native``) its byte moves run (qinterleave: ~5x torch's permutes at load); the
     torch permutes are the reference."""
-    if native and _native_interleave(raw, fmt) is not None:
-        return _native_interleave(raw, fmt, undo=False)  # type: ignore[return-value]
+    if native and _native_moves(raw, fmt):
+        return _native_move(raw, fmt, undo=False)
     return _with_tail(raw, fmt, _interleave)
 
 
 def deinterleave(raw: Tensor, fmt: str, native: bool = True) -> Tensor:
     """``interleave``'s inverse: the GGUF rows."""
-    if native and _native_interleave(raw, fmt) is not None:
-        return _native_interleave(raw, fmt, undo=True)  # type: ignore[return-value]
+    if native and _native_moves(raw, fmt):
+        return _native_move(raw, fmt, undo=True)
     return _with_tail(raw, fmt, _deinterleave)
 
 
-def _native_interleave(raw: Tensor, fmt: str, undo: bool | None = None) -> Tensor | None:
-    """The native byte moves of ``interleave`` (undo False) or ``deinterleave`` (True) of
-    ``raw``; None when they cannot run here (not built, not a contiguous CPU uint8 matrix of
-    at least 8 rows). ``undo`` None only asks."""
+def _native_moves(raw: Tensor, fmt: str) -> bool:
+    """Whether the native byte moves (ftdense.qinterleave) can take ``raw``: the extension is
+    built and it is a CPU uint8 matrix of at least 8 rows of ``fmt``."""
     try:
         import ftdense  # type: ignore[import-not-found]
     except ImportError:
-        return None
-    if (
-        not hasattr(ftdense, "qinterleave")
-        or fmt not in INTERLEAVED_CODES
-        or raw.dtype != torch.uint8
-        or raw.dim() != 2
-        or raw.device.type != "cpu"
-        or raw.shape[0] < INTERLEAVE_ROWS
-        or raw.shape[1] % BLOCK_BYTES[fmt]
-    ):
-        return None
-    if undo is None:
-        return raw
+        return False
+    return (
+        hasattr(ftdense, "qinterleave")
+        and fmt in INTERLEAVED_CODES
+        and raw.dtype == torch.uint8
+        and raw.dim() == 2
+        and raw.device.type == "cpu"
+        and raw.shape[0] >= INTERLEAVE_ROWS
+        and raw.shape[1] % BLOCK_BYTES[fmt] == 0
+    )
+
+
+def _native_move(raw: Tensor, fmt: str, undo: bool) -> Tensor:
+    """``interleave`` (undo False) or ``deinterleave`` of ``raw`` by the native byte moves."""
+    import ftdense
+
     src = raw.contiguous()
     out = torch.empty_like(src)
     cols = raw.shape[1] // BLOCK_BYTES[fmt] * BLOCK_INPUTS[fmt]

@@ -44,8 +44,10 @@
 // Q6_K_X8 likewise (8 * 210 bytes a super-block): d of rows 0..7, the 16 scale bytes of each row
 // as four 32-bit words (word v of row r at 16 + 32v + 4r), then for each half h < 2 and i4 < 8
 // three 32-byte words at 144 + 96 * (8h + i4), lane r holding bytes 4 * i4 .. 4 * i4 + 3 of row
-// r's ql[64h ..], ql[64h + 32 ..] and qh[32h ..].
-// Its kernel computes the group's 8 rows per call: y[t * ldy + r], r < 8.
+// r's ql[64h ..], ql[64h + 32 ..] and qh[32h ..]. The last R % 8 rows of a matrix whose row
+// count R is not a multiple of 8 stay plain rows (qtype_base), right after the last group.
+// An interleaved kernel computes a group's 8 rows per call: y[t * ldy + r], r < 8
+// (qdot_x8_layout.h has the byte map; qdot_simd_x8.h the SIMD kernels).
 //
 // A kernel computes y[t * ldy] = sum over blocks of (scales) * (exact integer block dot), for
 // n activation rows against one weight row; the weight row stays in L1 across the n rows.
@@ -76,8 +78,8 @@ inline int act_group(QType t) {
              : kQActBlock;
 }
 
-// Weight rows one kernel call computes: 8 for the interleaved types (their row counts are
-// multiples of 8, and callers step by it), else 1.
+// Weight rows one kernel call computes: 8 for the interleaved types (callers step by it over
+// the whole groups), else 1.
 inline int qtype_rows(QType t) { return t == QType::Q4_K_X8 || t == QType::Q6_K_X8 ? 8 : 1; }
 
 // The plain type of an interleaved one (itself otherwise): a matrix of R rows in an interleaved
