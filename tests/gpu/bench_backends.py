@@ -1,6 +1,6 @@
-"""Decode and prefill throughput of fused / offload / hybrid on a random model of Qwen3-30B-A3B
-layer geometry (H 2048, 128 experts of I 768, top-8, 32 query / 4 KV heads) with few layers;
-prints one table (part of tests/gpu/check.sh).
+"""Decode and prefill throughput of fused / offload / hybrid, and of the cpu backend beside them,
+on a random model of Qwen3-30B-A3B layer geometry (H 2048, 128 experts of I 768, top-8, 32 query
+/ 4 KV heads) with few layers; prints one table (part of tests/gpu/check.sh).
 
 The expert cache is capped at what 8 GiB and 24 GiB cards leave for experts of the FULL 48-layer
 model: slots = num_flat x cap / (48-layer expert bytes), so the per-layer hit rates are those
@@ -75,6 +75,8 @@ def main() -> None:
     expert_bytes = 3 * 2048 * 768 * 2  # gate, up, down in bf16
     full = FULL_LAYERS * 128 * expert_bytes
     cases: list[tuple[str, dict[str, object]]] = [("fused (all experts)", {"moe_backend": "fused"})]
+    # the baseline the GPU backends exist to beat: every expert and the dense part on the CPU
+    cases.append(("cpu (no accelerator)", {"moe_backend": "cpu"}))
     for cap in CAPS_GIB:
         slots = max(1, min(num_flat, round(num_flat * EXPERT_SHARE[cap] * GIB / full)))
         for backend in ("offload", "hybrid"):
