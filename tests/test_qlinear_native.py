@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from freetokend.models import gguf_blocks as gb
+from freetokend.models import gguf_interleave as gi
 from freetokend.models.layers import dense_native
 from freetokend.models.layers import qlinear_native as ql
 from tests.native_support import single_threaded_reference  # noqa: F401 (autouse fixture)
@@ -189,38 +190,38 @@ def test_dispatch_follows_the_configured_isa() -> None:
         assert ql.configured_isa() == "vnni"
 
 
-@pytest.mark.parametrize("fmt", sorted(gb.INTERLEAVED_CODES))
+@pytest.mark.parametrize("fmt", sorted(gi.INTERLEAVED_CODES))
 def test_interleave_round_trip_and_layout(fmt: str) -> None:
     """``interleave`` is a byte permutation within each group of 8 rows, undone by
     ``deinterleave`` (native/dense/qdot.h's layouts: a super-block of a group starts with the 8
     rows' fp16 d)."""
     raw = gb.quantize(torch.randn(27, 512) / 20, fmt)  # 3 groups and 3 plain rows
-    packed = gb.interleave(raw, fmt)
+    packed = gi.interleave(raw, fmt)
     assert torch.equal(packed[24:], raw[24:])
-    assert torch.equal(packed, gb.interleave(raw, fmt, native=False))  # native vs torch
-    assert torch.equal(gb.deinterleave(packed, fmt), gb.deinterleave(packed, fmt, native=False))
+    assert torch.equal(packed, gi.interleave(raw, fmt, native=False))  # native vs torch
+    assert torch.equal(gi.deinterleave(packed, fmt), gi.deinterleave(packed, fmt, native=False))
     raw = raw[:24]
-    assert torch.equal(gb.interleave(raw, fmt), packed[:24])
+    assert torch.equal(gi.interleave(raw, fmt), packed[:24])
     packed = packed[:24]
     assert packed.shape == raw.shape and not torch.equal(packed, raw)
-    assert torch.equal(gb.deinterleave(packed, fmt), raw)
+    assert torch.equal(gi.deinterleave(packed, fmt), raw)
     # the native byte moves (used at load) against the torch permutes
-    assert torch.equal(packed, gb.interleave(raw, fmt, native=False))
-    assert torch.equal(gb.deinterleave(packed, fmt, native=False), raw)
+    assert torch.equal(packed, gi.interleave(raw, fmt, native=False))
+    assert torch.equal(gi.deinterleave(packed, fmt, native=False), raw)
     d_at = {"q4_k": slice(0, 2), "q6_k": slice(208, 210)}[fmt]
     assert torch.equal(packed[:8].reshape(-1)[:16], raw[:8, d_at].reshape(-1))  # d of rows 0..7
     # the second group starts where row 8 does, with its own rows' bytes only
     assert torch.equal(packed[8:16].reshape(-1).sort().values, raw[8:16].reshape(-1).sort().values)
-    assert gb.interleavable(fmt, 16) and gb.interleavable(fmt, 12) and not gb.interleavable(fmt, 7)
+    assert gi.interleavable(fmt, 16) and gi.interleavable(fmt, 12) and not gi.interleavable(fmt, 7)
     with pytest.raises(ValueError, match="R >= 8"):
-        gb.interleave(raw[:7], fmt)
-    assert not gb.interleavable("q8_0", 16)
+        gi.interleave(raw[:7], fmt)
+    assert not gi.interleavable("q8_0", 16)
     with pytest.raises(ValueError, match="no interleaved layout"):
-        gb.interleave(gb.quantize(torch.randn(8, 64), "q8_0"), "q8_0")
+        gi.interleave(gb.quantize(torch.randn(8, 64), "q8_0"), "q8_0")
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", sorted(gb.INTERLEAVED_CODES))
+@pytest.mark.parametrize("fmt", sorted(gi.INTERLEAVED_CODES))
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 40])
 @pytest.mark.parametrize("rows", [48, 77])
 def test_interleaved_rows_match_the_reference(isa: str, fmt: str, t: int, rows: int) -> None:
@@ -229,7 +230,7 @@ def test_interleaved_rows_match_the_reference(isa: str, fmt: str, t: int, rows: 
     and without plain rows after the last whole group (77 = 9 * 8 + 5, across two row tasks)."""
     _need(isa)
     x, w = _case(t, rows, 768, fmt, seed=11)
-    assert w.interleaved and w.code == gb.INTERLEAVED_CODES[fmt]
+    assert w.interleaved and w.code == gi.INTERLEAVED_CODES[fmt]
     plain = dataclasses.replace(w, raw=w.gguf_raw(), interleaved=False)
     got = ql.qlinear(x, w, isa=isa)
     torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
@@ -249,6 +250,6 @@ def test_fewer_than_8_rows_stay_plain() -> None:
     y = torch.empty(2, 7)
     with pytest.raises(ValueError, match="at least 8"):  # the native check behind it
         ftdense.qlinear(
-            x.data_ptr(), 2, 256, [w.raw.data_ptr()], [7], [gb.INTERLEAVED_CODES["q4_k"]],
+            x.data_ptr(), 2, 256, [w.raw.data_ptr()], [7], [gi.INTERLEAVED_CODES["q4_k"]],
             [y.data_ptr()], "",
         )  # fmt: skip

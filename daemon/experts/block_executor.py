@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import gguf_blocks
+from ..models import gguf_blocks, gguf_interleave
 from ..models.layers import dense_native, qlinear_native
 from .banks import ActivationSpec, ExpertBanks, activate
 from .formats import (
@@ -86,7 +86,7 @@ def _shapes(banks: ExpertBanks) -> tuple[list[tuple[int, int, int, int]], int, i
 
     def code(proj: str, qtype: str, rows: int) -> int:  # the kernels' code of the bank's layout
         if banks.interleaved and interleaves(proj, qtype, rows):
-            return gguf_blocks.INTERLEAVED_CODES[qtype]
+            return gguf_interleave.INTERLEAVED_CODES[qtype]
         return gguf_blocks.QTYPE_CODES[qtype]
 
     if fmt.layer_types is None:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import gguf_blocks
+from ..models import gguf_blocks, gguf_interleave
 from .banks import ExpertBanks
 from .microscale import (
     cdiv,
@@ -484,7 +484,7 @@ def expert_tensors(banks: ExpertBanks, fid: int) -> dict[str, Tensor]:
     if banks.interleaved:
         for proj, qtype in zip(("gate_up", "down"), layer_pair(banks, fid), strict=True):
             if interleaves(proj, qtype, out[proj].shape[0]):
-                out[proj] = gguf_blocks.deinterleave(out[proj], qtype)
+                out[proj] = gguf_interleave.deinterleave(out[proj], qtype)
     return out
 
 
@@ -493,13 +493,14 @@ def interleaves(proj: str, qtype: str, rows: int) -> bool:
     ``qtype``: gate_up's groups of 8 must not straddle its gate and up halves."""
     per_half = rows // 2 if proj == "gate_up" else rows  # whole groups only (qmoe.h)
     return (
-        gguf_blocks.interleavable(qtype, per_half) and per_half % gguf_blocks.INTERLEAVE_ROWS == 0
+        gguf_interleave.interleavable(qtype, per_half)
+        and per_half % gguf_interleave.INTERLEAVE_ROWS == 0
     )
 
 
 def interleave_banks(banks: ExpertBanks) -> None:
     """In place, one expert at a time: the rows of every GGUF block projection whose type has
-    an interleaved layout (``gguf_blocks.interleave``: q4_k, q6_k) regrouped by 8 as the native
+    an interleaved layout (``gguf_interleave.interleave``: q4_k, q6_k) regrouped by 8 as the native
     kernels read them fastest; sets ``banks.interleaved`` when any was (``expert_tensors``
     still gives GGUF rows). Only for banks that nothing else reads raw: the cpu backend's."""
     fmt = get_format(banks.format)
@@ -512,7 +513,7 @@ def interleave_banks(banks: ExpertBanks) -> None:
             rows = expert_rows(banks, proj, li * per_layer, per_layer)
             if interleaves(proj, qtype, rows.shape[1]):
                 for expert in rows:
-                    expert.copy_(gguf_blocks.interleave(expert, qtype))
+                    expert.copy_(gguf_interleave.interleave(expert, qtype))
                 banks.interleaved = True
 
 

@@ -116,10 +116,4 @@ class RawStack:
             raise ValueError(f"{self.t.name}: {self.t.nbytes} bytes cannot fill {list(dest.shape)}")
         per = dest[0].numel()
         for e in range(dest.shape[0]):
-            part = dest[e]
-            if part.is_contiguous():
-                self.f.read_raw_into(self.t, part, e * per)
-            else:
-                buf = torch.empty(part.shape, dtype=torch.uint8)
-                self.f.read_raw_into(self.t, buf, e * per)
-                part.copy_(buf)
+            self.f.read_raw_into(self.t, dest[e], e * per)  # asserts each part is contiguous

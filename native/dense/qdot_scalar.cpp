@@ -185,7 +185,7 @@ void group_x8(const uint8_t* w, int K, const int8_t* q, const float* d, const in
   row.resize(static_cast<size_t>(nsb) * bytes);
   for (int r = 0; r < 8; ++r) {
     for (int sb = 0; sb < nsb; ++sb)
-      x8_move(kBase, const_cast<uint8_t*>(w) + sb * 8 * bytes, r, row.data() + sb * bytes, true);
+      x8_gather(kBase, w + sb * 8 * bytes, r, row.data() + sb * bytes);
     Row(row.data(), K, q, d, s, n, y + r, ldy);
   }
 }

@@ -42,15 +42,16 @@ inline const std::vector<X8Segment>& x8_segments(QType base) {
 
 inline int x8_block_bytes(QType base) { return base == QType::Q4_K ? kQ4KBytes : kQ6KBytes; }
 
-// Row r's plain super-block from its group's interleaved one (gather) or back (!gather).
-inline void x8_move(QType base, uint8_t* group, int r, uint8_t* row, bool gather) {
-  for (const X8Segment& s : x8_segments(base)) {
-    uint8_t* g = group + s.group + s.stride * r;
-    if (gather)
-      std::memcpy(row + s.row, g, static_cast<size_t>(s.len));
-    else
-      std::memcpy(g, row + s.row, static_cast<size_t>(s.len));
-  }
+// Row r's plain super-block from its group's interleaved one.
+inline void x8_gather(QType base, const uint8_t* group, int r, uint8_t* row) {
+  for (const X8Segment& s : x8_segments(base))
+    std::memcpy(row + s.row, group + s.group + s.stride * r, static_cast<size_t>(s.len));
+}
+
+// Row r's plain super-block into its group's interleaved one.
+inline void x8_scatter(QType base, const uint8_t* row, int r, uint8_t* group) {
+  for (const X8Segment& s : x8_segments(base))
+    std::memcpy(group + s.group + s.stride * r, row + s.row, static_cast<size_t>(s.len));
 }
 
 }  // namespace ftdense

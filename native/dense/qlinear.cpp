@@ -185,9 +185,9 @@ void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int
       for (int sb = 0; sb < nsb; ++sb) {
         const int64_t row_at = (g + r) * rb + sb * bytes, group_at = g * rb + sb * 8 * bytes;
         if (undo)
-          x8_move(base, const_cast<uint8_t*>(src) + group_at, r, dst + row_at, true);
+          x8_gather(base, src + group_at, r, dst + row_at);
         else
-          x8_move(base, dst + group_at, r, const_cast<uint8_t*>(src) + row_at, false);
+          x8_scatter(base, src + row_at, r, dst + group_at);
       }
   std::memcpy(dst + grouped * rb, src + grouped * rb, static_cast<size_t>((rows - grouped) * rb));
 }

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import gguf_blocks
+from .. import gguf_blocks, gguf_interleave
 from . import dense_native
 
 Tensor = torch.Tensor
@@ -28,7 +28,7 @@ Tensor = torch.Tensor
 class QuantWeight:
     """One quantised matrix [rows, cols]: ``raw`` [rows, row_bytes(fmt, cols)] uint8.
 
-    ``interleaved``: ``raw`` holds the rows interleaved by 8 (``gguf_blocks.interleave``), the
+    ``interleaved``: ``raw`` holds the rows interleaved by 8 (``gguf_interleave.interleave``), the
     layout the native kernels read fastest (one activation load serves 8 rows); the
     constructors choose it for the formats that have it when the kernels are built, and
     ``gguf_raw()`` gives the GGUF rows back (dequantisation, the reference, FTW files).
@@ -65,22 +65,22 @@ class QuantWeight:
         where the format has such a layout, the kernels are built and the rows are on the CPU."""
         if (
             self.interleaved
-            or not gguf_blocks.interleavable(self.fmt, self.rows)
+            or not gguf_interleave.interleavable(self.fmt, self.rows)
             or self.raw.device.type != "cpu"
             or not available()
         ):
             return self
-        raw = gguf_blocks.interleave(self.raw, self.fmt)
+        raw = gguf_interleave.interleave(self.raw, self.fmt)
         return dataclasses.replace(self, raw=raw, interleaved=True)
 
     def gguf_raw(self) -> Tensor:
         """The rows in GGUF's layout (``raw`` itself unless interleaved)."""
-        return gguf_blocks.deinterleave(self.raw, self.fmt) if self.interleaved else self.raw
+        return gguf_interleave.deinterleave(self.raw, self.fmt) if self.interleaved else self.raw
 
     @property
     def code(self) -> int:
         """The native kernels' qtype code of ``raw``'s layout."""
-        codes = gguf_blocks.INTERLEAVED_CODES if self.interleaved else gguf_blocks.QTYPE_CODES
+        codes = gguf_interleave.INTERLEAVED_CODES if self.interleaved else gguf_blocks.QTYPE_CODES
         return codes[self.fmt]
 
     def dequantize(self, device: torch.device | None = None) -> Tensor:
@@ -88,7 +88,7 @@ class QuantWeight:
         blocks'; the packed rows cross, not the float matrix)."""
         raw = self.raw.to(device) if device else self.raw
         if self.interleaved:
-            raw = gguf_blocks.deinterleave(raw, self.fmt)
+            raw = gguf_interleave.deinterleave(raw, self.fmt)
         w = gguf_blocks.dequantize(raw, self.fmt)
         if self.in_perm is None:
             return w
