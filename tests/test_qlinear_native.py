@@ -241,6 +241,25 @@ def test_interleaved_rows_match_the_reference(isa: str, fmt: str, t: int, rows: 
     assert not torch.allclose(ql.qlinear(x, misread, isa=isa), got, atol=0.1)
 
 
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 9])
+def test_interleaved_q6_k_isas_agree_bit_for_bit(t: int) -> None:
+    """The VNNI q6_k group kernel sums each 16-input group in int32 and scales it once (vpdpbusd),
+    the AVX2 one scales every pair sum (maddubs + madd): the same integers, then the same float
+    steps, so the outputs are equal bit for bit, for every token count of a pass (4) and past it;
+    huge activations and weights at the extremes make any int16 saturation or lost bit show."""
+    _need("vnni")
+    _need("avx2")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(t, 1024, generator=g) * 50.0
+    w = torch.randn(64, 1024, generator=g)
+    w[:, ::7] *= 30.0  # blocks with one large weight: scales and values at their ends
+    qw = ql.QuantWeight.from_float(w, "q6_k")
+    assert qw.interleaved
+    got = ql.qlinear(x, qw, isa="vnni")
+    assert torch.equal(got, ql.qlinear(x, qw, isa="avx2"))
+    torch.testing.assert_close(got, ql.qlinear_reference(x, qw), rtol=RTOL, atol=ATOL * 100)
+
+
 def test_fewer_than_8_rows_stay_plain() -> None:
     x, w = _case(2, 7, 256, "q4_k")
     assert not w.interleaved

@@ -24,6 +24,9 @@ __attribute__((target(QDOT_TARGET))) inline __m256i dot_acc(__m256i acc, __m256i
   return _mm256_add_epi32(acc, dot_u8s8(u, s));
 }
 
+// dot_acc is one instruction (kernels may accumulate longer before scaling)
+constexpr bool kDotFused = false;
+
 #include "qdot_simd.h"
 #include "qdot_simd32.h"
 #include "qdot_simd_k.h"

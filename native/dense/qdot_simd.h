@@ -8,6 +8,9 @@
 //                   vpdpbusd on VNNI)
 //   madd_acc(acc, a, b)  acc + the int32 pair sums of the int16 products a x b (madd + add on
 //                   AVX2, vpdpwssd on VNNI)
+//   dot_acc(acc, u, s)  acc + dot_u8s8(u, s)
+//   kDotFused    constexpr bool: dot_acc is one instruction (VNNI), so a kernel may sum longer
+//                in int32 before it scales (the Q6_K x8 kernel does)
 // and includes the three inside its own anonymous namespace (after <immintrin.h> and <cstring>).
 //
 // Signed weights: |w| as the unsigned operand and x carrying w's sign (the usual sign trick; both

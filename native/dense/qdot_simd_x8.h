@@ -19,12 +19,14 @@ QDOT_FN __m256i bcast32(const void* p) {
 // b to its low byte, zeroing the rest (the byte as an int32); pair[h] its bytes 2h and 2h + 1 to
 // the low bytes of its two int16 (zero extended); high[b] byte b to the high bytes of both
 // int16, and pair_high[h] bytes 2h and 2h + 1 to them (an arithmetic shift by 8 then sign
-// extends: Q6_K's signed scales).
+// extends: Q6_K's signed scales); top[b] byte b to the lane's top byte (a shift by 24 then
+// sign extends it to an int32).
 struct LaneControls {
   uint8_t byte[4][32];
   uint8_t pair[2][32];
   uint8_t high[4][32];
   uint8_t pair_high[2][32];
+  uint8_t top[4][32];
 };
 constexpr LaneControls make_lane_controls() {
   LaneControls c{};
@@ -34,6 +36,7 @@ constexpr LaneControls make_lane_controls() {
     for (int b = 0; b < 4; ++b) {
       c.byte[b][i] = pos == 0 ? at(b) : 0x80;
       c.high[b][i] = pos % 2 == 1 ? at(b) : 0x80;
+      c.top[b][i] = pos == 3 ? at(b) : 0x80;
     }
     for (int h = 0; h < 2; ++h) {
       c.pair[h][i] = pos % 2 == 0 ? at(2 * h + pos / 2) : 0x80;
@@ -153,14 +156,32 @@ QDOT_FN void sums16(const int8_t* xs, int16_t* out) {
     }
 }
 
+// Q6_K x8: the 4 unsigned 6-bit values (q in 0..63) of inputs 128h + 32k + 4 * i4 + (0..3),
+// k < 4, of each row (lane) of super-block ``blk`` (Q6KX8's layout), v[k].
+QDOT_FN void q6k_x8_values(const uint8_t* blk, int h, int i4, __m256i low, __m256i top,
+                           __m256i* v) {
+  const uint8_t* p = blk + 144 + 96 * (8 * h + i4);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+  v[0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+  v[1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+  v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top));
+  v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+}
+
 // Q6_K x8: per super-block the 8 rows' fp16 d (16 bytes), their 16 int8 scales as four 32-byte
 // words (word v of row r at 16 + 32v + 4r: scales 4v..4v+3), then for each half h and i4 < 8
 // three words at 144 + 96 * (8h + i4): lane r of the first two holds bytes 4 * i4 .. + 3 of row
 // r's ql[64h .. 64h + 31] and ql[64h + 32 ..], of the third the same of qh[32h ..]. From them
 // the values of inputs 128h + 32k + 4 * i4 + (0..3), k < 4 (qdot.h's Q6_K packing), unsigned
-// (q in 0..63); their maddubs pair sums times the 16-input scale accumulate into int32 lanes,
-// and 32 * sum_g sc_g * (the 16 inputs' activation sum) is taken off once per super-block.
+// (q in 0..63); with kDotFused (vpdpbusd) each 16-input group's sum is exact in int32 and
+// multiplied by its scale once, else maddubs pair sums are multiplied by the scale (madd) and
+// accumulated; 32 * sum_g sc_g * (the 16 inputs' activation sum) is taken off once per
+// super-block. Both give the same integers, so the same floats.
 struct Q6KX8 {
+  // 4 tokens a pass in both forms (kDotFused at 3 measured slower for 4 tokens: a 3 + 1 split)
   static constexpr int kMaxTokens = 4;
   template <int NT>
   __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
@@ -178,46 +199,67 @@ struct Q6KX8 {
       for (int v = 0; v < 4; ++v)
         words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-      // per token kChains accumulators (madd_acc's latency); each weight word is unpacked once
-      // for the NT tokens
-      constexpr int kChains = NT <= 2 ? 8 : 4;
-      __m256i acc[NT][kChains];
-      for (int u = 0; u < NT; ++u)
-        for (int c = 0; c < kChains; ++c) acc[u][c] = _mm256_setzero_si256();
-      for (int h = 0; h < 2; ++h)
-        for (int half = 0; half < 2; ++half) {
-          __m256i sc[4];  // scale g = 8h + 2k + half of each row, as two equal int16
-          for (int k = 0; k < 4; ++k) {
-            const int g = 8 * h + 2 * k + half;
-            sc[k] = _mm256_srai_epi16(
-                _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.high[g % 4])), 8);
+      __m256i sumi[NT];
+      if constexpr (kDotFused) {
+        // vpdpbusd sums each 16-input group (4 i4 steps of 4 inputs) exactly in int32, times
+        // its scale once: one multiply per 4 inputs and lane instead of maddubs + madd
+        for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h)
+          for (int half = 0; half < 2; ++half) {
+            __m256i acc[NT][4];
+            for (int u = 0; u < NT; ++u)
+              for (int k = 0; k < 4; ++k) acc[u][k] = _mm256_setzero_si256();
+            for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+              __m256i v[4];
+              q6k_x8_values(blk, h, i4, low, top, v);
+              for (int u = 0; u < NT; ++u) {
+                const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
+                for (int k = 0; k < 4; ++k) acc[u][k] = dot_acc(acc[u][k], v[k], bcast32(xs + 32 * k));
+              }
+            }
+            for (int k = 0; k < 4; ++k) {
+              const int g = 8 * h + 2 * k + half;  // scale g of each row as an int32
+              const __m256i sc = _mm256_srai_epi32(
+                  _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.top[g % 4])), 24);
+              for (int u = 0; u < NT; ++u)
+                sumi[u] = _mm256_add_epi32(sumi[u], _mm256_mullo_epi32(acc[u][k], sc));
+            }
           }
-          for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
-            const uint8_t* p = blk + 144 + 96 * (8 * h + i4);
-            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
-            const __m256i v[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, low),
-                                _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
-                _mm256_or_si256(_mm256_and_si256(l1, low),
-                                _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                _mm256_and_si256(hb, top)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
-            for (int u = 0; u < NT; ++u) {
-              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
-              for (int k = 0; k < 4; ++k) {
-                const int c = kChains == 8 ? k + 4 * (i4 & 1) : k;
-                // madd + add, not madd_acc: on Zen 4 vpdpwssd measured slower here (T = 1)
-                acc[u][c] = _mm256_add_epi32(
-                    acc[u][c],
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], bcast32(xs + 32 * k)), sc[k]));
+      } else {
+        // per token kChains accumulators (madd_acc's latency); each weight word is unpacked
+        // once for the NT tokens
+        constexpr int kChains = NT <= 2 ? 8 : 4;
+        __m256i acc[NT][kChains];
+        for (int u = 0; u < NT; ++u)
+          for (int c = 0; c < kChains; ++c) acc[u][c] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h)
+          for (int half = 0; half < 2; ++half) {
+            __m256i sc[4];  // scale g = 8h + 2k + half of each row, as two equal int16
+            for (int k = 0; k < 4; ++k) {
+              const int g = 8 * h + 2 * k + half;
+              sc[k] = _mm256_srai_epi16(
+                  _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.high[g % 4])), 8);
+            }
+            for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+              __m256i v[4];
+              q6k_x8_values(blk, h, i4, low, top, v);
+              for (int u = 0; u < NT; ++u) {
+                const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
+                for (int k = 0; k < 4; ++k) {
+                  const int c = kChains == 8 ? k + 4 * (i4 & 1) : k;
+                  // madd + add, not madd_acc: on Zen 4 vpdpwssd measured slower here (T = 1)
+                  acc[u][c] = _mm256_add_epi32(
+                      acc[u][c],
+                      _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], bcast32(xs + 32 * k)), sc[k]));
+                }
               }
             }
           }
+        for (int u = 0; u < NT; ++u) {
+          sumi[u] = acc[u][0];
+          for (int c = 1; c < kChains; ++c) sumi[u] = _mm256_add_epi32(sumi[u], acc[u][c]);
         }
+      }
       __m256i scp[8];  // scale pairs (2p, 2p + 1) of each row as int16
       for (int p = 0; p < 8; ++p)
         scp[p] = _mm256_srai_epi16(
@@ -228,10 +270,8 @@ struct Q6KX8 {
         sums16(q + static_cast<int64_t>(u) * K + sb * 256, s16);
         __m256i corr = _mm256_setzero_si256();
         for (int p = 0; p < 8; ++p) corr = madd_acc(corr, scp[p], bcast32(s16 + 2 * p));
-        __m256i sumi = _mm256_slli_epi32(corr, 5);
-        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
-        for (int c = 0; c < kChains; ++c) sumi = _mm256_add_epi32(sumi, acc[u][c]);
-        res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi),
+        const __m256i total = _mm256_sub_epi32(sumi[u], _mm256_slli_epi32(corr, 5));
+        res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
                                  _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
       }
     }

@@ -26,6 +26,9 @@ __attribute__((target(QDOT_TARGET))) inline __m256i dot_acc(__m256i acc, __m256i
   return _mm256_dpbusd_epi32(acc, u, s);
 }
 
+// dot_acc is one instruction (kernels may accumulate longer before scaling)
+constexpr bool kDotFused = true;
+
 #include "qdot_simd.h"
 #include "qdot_simd32.h"
 #include "qdot_simd_k.h"
