@@ -104,6 +104,36 @@ def test_native_matches_the_block_reference_on_every_isa(fmt: str, act: str, t: 
         assert (block_moe_reference(x, ids, w, nob, spec) - ref).abs().max() > 10e-3 * scale
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_task_sizes_follow_the_pool_and_cover_partial_blocks(threads: int, t: int) -> None:
+    """Rows per task follow the pool's size (qmoe.cpp's kUpRows / kDownRows: the largest that
+    leaves 4 tasks a thread), so 1 to 8 threads cut the rows differently; an intermediate size
+    of 160 leaves a partial last up block at 128 (and 64, 32) rows. Every cut sums the same."""
+    from freetokend.models.layers import dense_native
+
+    g = torch.Generator().manual_seed(21)
+    n, inter, h = 12, 160, 512
+    fb = ExpertBanks(
+        torch.randn(n, 2 * inter, h, generator=g) * 0.06,
+        torch.randn(n, h, inter, generator=g) * 0.06,
+    )
+    banks = quantize_banks(fb, "q8_0")
+    spec = ACTS["silu"][0]
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(n, generator=g)[:8] for _ in range(t)]).int()
+    w = torch.rand(t, 8, generator=g)
+    ref = block_moe_reference(x, ids, w, banks, spec)
+    dense_native.configure(threads=threads)
+    try:
+        ex = BlockExecutor(banks, spec)
+        assert ex.threads == threads
+        out = ex.forward(x, ids, w)
+    finally:
+        dense_native.configure()
+    assert (out - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
 def test_bf16_biases_and_every_route_of_a_token_on_one_expert() -> None:
     spec = ACTS["gptoss"][0]
     banks = _banks("q4_k", bias=True, seed=3)
