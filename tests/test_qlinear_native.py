@@ -223,11 +223,12 @@ def test_interleave_round_trip_and_layout(fmt: str) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", sorted(gi.INTERLEAVED_CODES))
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 40])
-@pytest.mark.parametrize("rows", [48, 77])
+@pytest.mark.parametrize("rows", [48, 77, 2053])
 def test_interleaved_rows_match_the_reference(isa: str, fmt: str, t: int, rows: int) -> None:
     """Rows interleaved by 8 (the layout the constructors pick for q4_k and q6_k): every ISA's
     group kernel against the reference over the GGUF rows, for one token, a few and many, with
-    and without plain rows after the last whole group (77 = 9 * 8 + 5, across two row tasks)."""
+    and without plain rows after the last whole group (77 = 9 * 8 + 5, across two 64-row tasks;
+    2053 = 8 * 256 + 5, in 256-row tasks: qlinear.cpp sizes them by the rows and the pool)."""
     _need(isa)
     x, w = _case(t, rows, 768, fmt, seed=11)
     assert w.interleaved and w.code == gi.INTERLEAVED_CODES[fmt]

@@ -12,7 +12,11 @@ namespace ftdense {
 
 namespace {
 
-constexpr int kRowsPerTask = 64;         // weight rows per task (decode: 64 row streams per task)
+// Weight rows per task: the largest of these that leaves kTasksPerThread tasks a thread. A task
+// reads its rows as one sequential stream, whose start costs memory latency; measured at T = 1,
+// 2 threads, from DRAM (A/B against 64-row tasks, subprocesses alternated): see the commit.
+constexpr int kRowsPerTask[] = {256, 128, 64};
+constexpr int kTasksPerThread = 4;
 constexpr int64_t kChunkBytes = 256 << 10;  // a token chunk's quantised input stays in L2
 // Weight bytes requested ahead of the row being computed. One task reads its rows as one
 // sequential stream, which the hardware prefetchers alone do not keep deep enough to reach the
@@ -61,7 +65,7 @@ struct Job {
   const QDotSet* ks;
   const std::vector<QOutput>* outs;
   std::vector<int64_t> first_task;  // per output, then the total
-  int T = 0, K = 0, chunk = 1;
+  int T = 0, K = 0, chunk = 1, rows_per_task = 64;
   Acts a32, a256;  // the input in each group an output reads (empty when none does)
 };
 
@@ -70,8 +74,8 @@ void dot_task(void* ctx, int64_t task) {
   size_t o = 0;
   while (task >= j.first_task[o + 1]) ++o;
   const QOutput& out = (*j.outs)[o];
-  const int r0 = static_cast<int>(task - j.first_task[o]) * kRowsPerTask;
-  const int r1 = std::min(out.N, r0 + kRowsPerTask);
+  const int r0 = static_cast<int>(task - j.first_task[o]) * j.rows_per_task;
+  const int r1 = std::min(out.N, r0 + j.rows_per_task);
   const int64_t rb = qrow_bytes(out.type, j.K), na = j.K / kQActBlock;
   const QRowFn fn = j.ks->row[static_cast<int>(out.type)];
   const QRowFn plain = j.ks->row[static_cast<int>(qtype_base(out.type))];
@@ -79,6 +83,10 @@ void dot_task(void* ctx, int64_t task) {
   const int grouped = out.N / step * step;  // rows past it are plain rows (qdot.h)
   const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
   const uint8_t* end = out.w + r1 * rb;
+  if (step > 1)  // the interleaved kernels prefetch kPrefetchBytes past what they read: the start
+    for (const uint8_t* p = out.w + r0 * rb; p < std::min(end, out.w + r0 * rb + kPrefetchBytes);
+         p += 64)
+      __builtin_prefetch(p, 0, 3);
   for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
     const int n = std::min(j.chunk, j.T - t0);
     const uint8_t* ahead = out.w + r0 * rb;
@@ -169,9 +177,16 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
   j.T = T;
   j.K = K;
   j.chunk = static_cast<int>(std::max<int64_t>(1, kChunkBytes / K));
+  const int64_t want = static_cast<int64_t>(kTasksPerThread) * pool.threads();
+  for (const int r : kRowsPerTask) {
+    j.rows_per_task = r;
+    int64_t tasks = 0;
+    for (const QOutput& o : outs) tasks += (o.N + r - 1) / r;
+    if (tasks >= want) break;
+  }
   j.first_task.push_back(0);
   for (const QOutput& o : outs)
-    j.first_task.push_back(j.first_task.back() + (o.N + kRowsPerTask - 1) / kRowsPerTask);
+    j.first_task.push_back(j.first_task.back() + (o.N + j.rows_per_task - 1) / j.rows_per_task);
   pool.run(dot_task, &j, j.first_task.back());
 }
 
