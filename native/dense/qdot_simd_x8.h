@@ -204,11 +204,14 @@ struct Q6KX8 {
         // vpdpbusd sums each 16-input group (4 i4 steps of 4 inputs) exactly in int32, times
         // its scale once: one multiply per 4 inputs and lane instead of maddubs + madd
         for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+#pragma GCC unroll 2
         for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 2
           for (int half = 0; half < 2; ++half) {
             __m256i acc[NT][4];
             for (int u = 0; u < NT; ++u)
               for (int k = 0; k < 4; ++k) acc[u][k] = _mm256_setzero_si256();
+#pragma GCC unroll 4
             for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
               __m256i v[4];
               q6k_x8_values(blk, h, i4, low, top, v);
