@@ -5,6 +5,7 @@
 
 #include "qdot.h"
 #include "qdot_common.h"
+#include "row_tasks.h"
 
 namespace ftdense {
 

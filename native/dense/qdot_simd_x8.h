@@ -51,11 +51,10 @@ QDOT_FN __m256i load_ctl(const uint8_t* p) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// Weight bytes an interleaved kernel requests ahead of the super-block it computes, a
-// super-block's lines per super-block (2.3, 4 and 8 KiB measured alike, 2 threads from DRAM:
-// Q4_K at 1.2-1.3x the plain kernel's rate; when the callers prefetched whole groups instead,
-// the burst stalled the core and it read at 0.87x).
-constexpr int kX8PrefetchBytes = 4096;
+// An interleaved kernel requests row_tasks.h's kStreamAheadBytes ahead of the super-block it
+// computes, a super-block's lines per super-block (2 threads from DRAM: Q4_K at 1.2-1.3x the
+// plain kernel's rate; when the callers prefetched whole groups instead, the burst stalled the
+// core and it read at 0.87x; the callers prefetch only a stream's first lines).
 
 // Q4_K x8: per super-block the 8 rows' fp16 d and dmin (16 bytes each), their packed 6-bit
 // scales as three 32-byte words (word w of row r at 32 + 32w + 4r), then the nibbles: vector
@@ -76,10 +75,10 @@ struct Q4KX8 {
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = w + sb * 8 * kQ4KBytes;
       const uint8_t* qs = blk + 128;
-      // the stream kX8PrefetchBytes ahead, a super-block's worth of lines per super-block (the
-      // callers do not prefetch interleaved rows: a group's burst of lines would stall the core)
+      // the stream kStreamAheadBytes ahead, a super-block's worth of lines per super-block (the
+      // callers prefetch only a stream's first lines: a group's burst would stall the core)
       for (int i = 0; i < 8 * kQ4KBytes; i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kX8PrefetchBytes + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
       // each weight word is unpacked once and read against the NT tokens
       __m256i acc[NT][8];
       for (int u = 0; u < NT; ++u)
@@ -194,7 +193,7 @@ struct Q6KX8 {
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = w + sb * 8 * kQ6KBytes;
       for (int i = 0; i < 8 * kQ6KBytes; i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kX8PrefetchBytes + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
       __m256i words[4];
       for (int v = 0; v < 4; ++v)
         words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));

@@ -6,25 +6,23 @@
 
 #include "qdot_common.h"
 #include "qdot_x8_layout.h"
+#include "row_tasks.h"
 
 
 namespace ftdense {
 
 namespace {
 
-// Weight rows per task: the largest of these that leaves kTasksPerThread tasks a thread. A task
-// reads its rows as one sequential stream, whose start costs memory latency (measured at T = 1,
-// 2 threads, from DRAM, against 64-row tasks in alternated runs on a noisy machine: Q4_K
-// 65536 x 2048 at 21-30 GB/s instead of 13-24).
+// Weight rows per task (row_tasks.h's rule; measured at T = 1, 2 threads, from DRAM, against
+// 64-row tasks in alternated runs on a noisy machine: Q4_K 65536 x 2048 at 21-30 GB/s instead
+// of 13-24).
 constexpr int kRowsPerTask[] = {256, 128, 64};
-constexpr int kTasksPerThread = 4;
 constexpr int64_t kChunkBytes = 256 << 10;  // a token chunk's quantised input stays in L2
-// Weight bytes requested ahead of the row being computed. One task reads its rows as one
-// sequential stream, which the hardware prefetchers alone do not keep deep enough to reach the
-// memory bandwidth from one core (measured on a busy 2-core VM, one thread, T = 1, thread CPU
-// time: Q4_K read 6.5 GB/s from DRAM without and 9 GB/s with it, on a core that computes 16 GB/s
-// from cache; 12 KiB ahead measured the same as 4).
-constexpr int64_t kPrefetchBytes = 4096;
+// Plain rows are prefetched kStreamAheadBytes ahead of the row being computed: one task reads
+// its rows as one sequential stream, which the hardware prefetchers alone do not keep deep
+// enough to reach the memory bandwidth from one core (measured on a busy 2-core VM, one
+// thread, T = 1, thread CPU time: Q4_K read 6.5 GB/s from DRAM without and 9 GB/s with it, on
+// a core that computes 16 GB/s from cache).
 
 #ifndef FTNATIVE_NO_X86
 bool has_vnni() {
@@ -84,16 +82,13 @@ void dot_task(void* ctx, int64_t task) {
   const int grouped = out.N / step * step;  // rows past it are plain rows (qdot.h)
   const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
   const uint8_t* end = out.w + r1 * rb;
-  if (step > 1)  // the interleaved kernels prefetch kPrefetchBytes past what they read: the start
-    for (const uint8_t* p = out.w + r0 * rb; p < std::min(end, out.w + r0 * rb + kPrefetchBytes);
-         p += 64)
-      __builtin_prefetch(p, 0, 3);
+  if (step > 1) prefetch_stream_start<3>(out.w + r0 * rb, end);  // (plain rows: below)
   for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
     const int n = std::min(j.chunk, j.T - t0);
     const uint8_t* ahead = out.w + r0 * rb;
     for (int r = r0; r < r1;) {
       const bool group = step > 1 && r < grouped;
-      const uint8_t* want = std::min(end, out.w + (r + 1) * rb + kPrefetchBytes);
+      const uint8_t* want = std::min(end, out.w + (r + 1) * rb + kStreamAheadBytes);
       if (step == 1)  // interleaved kernels prefetch their own stream (qdot_simd_x8.h)
         for (; ahead < want; ahead += 64) __builtin_prefetch(ahead, 0, 3);
       (group ? fn : plain)(out.w + r * rb, j.K, a.q.data() + static_cast<int64_t>(t0) * j.K,
@@ -178,13 +173,11 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
   j.T = T;
   j.K = K;
   j.chunk = static_cast<int>(std::max<int64_t>(1, kChunkBytes / K));
-  const int64_t want = static_cast<int64_t>(kTasksPerThread) * pool.threads();
-  for (const int r : kRowsPerTask) {
-    j.rows_per_task = r;
+  j.rows_per_task = task_rows(kRowsPerTask, int64_t{kTasksPerThread} * pool.threads(), [&](int r) {
     int64_t tasks = 0;
     for (const QOutput& o : outs) tasks += (o.N + r - 1) / r;
-    if (tasks >= want) break;
-  }
+    return tasks;
+  });
   j.first_task.push_back(0);
   for (const QOutput& o : outs)
     j.first_task.push_back(j.first_task.back() + (o.N + j.rows_per_task - 1) / j.rows_per_task);

@@ -1,5 +1,7 @@
 #include "qmoe.h"
 
+#include "row_tasks.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -7,30 +9,19 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ftdense {
 
 namespace {
 
-// Rows per task, the largest of these that still leaves kTasksPerThread tasks a thread: up
-// tasks take rows of I (gate and up rows each), down tasks rows of H. Each task reads its rows
-// as sequential streams, and a stream's start costs memory latency: measured at T = 1 on 2
-// threads (Qwen3-30B-A3B geometry, Q4_K_M experts from DRAM), 32 / 64 rows ran the up phase
-// at ~16 GB/s, 128 / 256 with the streams read one after the other at ~22.
+// Rows per task (row_tasks.h's rule): up tasks take rows of I (gate and up rows each), down
+// tasks rows of H. Measured at T = 1 on 2 threads (Qwen3-30B-A3B geometry, Q4_K_M experts from
+// DRAM): 32 / 64 rows ran the up phase at ~16 GB/s, 128 / 256 with the streams read one after
+// the other at ~22.
 constexpr int kUpRows[] = {128, 64, 32};
 constexpr int kDownRows[] = {256, 128, 64};
-constexpr int kTasksPerThread = 4;
-constexpr int64_t kStreamAhead = 4096;  // the x8 kernels' prefetch distance (qdot_simd_x8.h)
-
-// The first of ``sizes`` (largest first) that cuts ``n`` rows, ``times`` over, into at least
-// ``want`` tasks; the last one when none does.
-template <size_t N>
-int task_rows(const int (&sizes)[N], int64_t n, int64_t times, int64_t want) {
-  for (const int r : sizes)
-    if (times * ((n + r - 1) / r) >= want) return r;
-  return sizes[N - 1];
-}
 
 // A route's quantised row of K inputs inside a buffer of many (qdot.h's layout, row r at q + r*K).
 struct QRows {
@@ -132,9 +123,9 @@ void plan(Call& c, const int32_t* ids, const float* w) {
       c.groups.push_back({fid, static_cast<int>(p), 0});
     ++c.groups.back().n;
   }
-  const int64_t want = static_cast<int64_t>(kTasksPerThread) * c.threads;
-  c.up_rows = task_rows(kUpRows, c.I, static_cast<int64_t>(c.groups.size()), want);
-  c.down_rows = task_rows(kDownRows, c.H, 1, want);
+  const int64_t want = int64_t{kTasksPerThread} * c.threads, groups = c.groups.size();
+  c.up_rows = task_rows(kUpRows, want, [&](int r) { return groups * ((c.I + r - 1) / r); });
+  c.down_rows = task_rows(kDownRows, want, [&](int r) { return (c.H + r - 1) / r; });
   const int64_t blocks = (c.I + c.up_rows - 1) / c.up_rows;
   c.up_first.push_back(0);
   for (size_t g = 0; g < c.groups.size(); ++g) c.up_first.push_back(c.up_first.back() + blocks);
@@ -186,12 +177,9 @@ void up_task(void* ctx, int64_t task) {
   float* yg = scratch.data();
   float* yu = yg + rows * c.chunk_up;
   const int64_t bias_row = g.fid * 2 * c.I;
-  // The streams' first lines (the kernels prefetch kStreamAhead past what they read, so a
-  // stream's start would otherwise be demand misses): the gate rows' now, the up rows' into L2
-  for (int64_t i = 0; i < kStreamAhead; i += 64) {
-    __builtin_prefetch(wg + i, 0, 3);
-    __builtin_prefetch(wu + i, 0, 2);
-  }
+  // the streams' first lines: the gate rows' now, the up rows' (read after them) into L2
+  prefetch_stream_start<3>(wg, wg + rows * rb);
+  prefetch_stream_start<2>(wu, wu + rows * rb);
   for (int t0 = 0; t0 < g.n; t0 += c.chunk_up) {
     const int n = std::min(c.chunk_up, g.n - t0);
     const int r0 = g.begin + t0;
@@ -227,21 +215,26 @@ void down_task(void* ctx, int64_t task) {
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(rows * c.chunk_down));
   float* y = scratch.data();
-  const auto rows_of = [&](const Group& g) {
+  // this task's rows of group g's expert: its weight stream
+  const auto stream = [&](const Group& g) -> std::pair<const uint8_t*, const uint8_t*> {
     const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
-    return L.down + ((g.fid % s.layer_experts) * c.H + h0) * qrow_bytes(L.down_type, c.I);
+    const int64_t rb = qrow_bytes(L.down_type, c.I);
+    const uint8_t* first = L.down + ((g.fid % s.layer_experts) * c.H + h0) * rb;
+    return {first, first + rows * rb};
   };
-  for (int64_t i = 0; i < kStreamAhead; i += 64) __builtin_prefetch(rows_of(c.groups[0]) + i, 0, 3);
+  const auto [first, end] = stream(c.groups[0]);
+  prefetch_stream_start<3>(first, end);
   for (size_t gi = 0; gi < c.groups.size(); ++gi) {
     const Group& g = c.groups[gi];
     const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
     const int64_t rb = qrow_bytes(L.down_type, c.I);
     const QRowFn fn = c.ks->row[static_cast<int>(L.down_type)];
     const int step = qtype_rows(L.down_type);  // H and down_rows are multiples of it
-    const uint8_t* wd = rows_of(g);
-    if (gi + 1 < c.groups.size())  // the next expert's first lines, into L2 (see up_task)
-      for (int64_t i = 0; i < kStreamAhead; i += 64)
-        __builtin_prefetch(rows_of(c.groups[gi + 1]) + i, 0, 2);
+    const uint8_t* wd = stream(g).first;
+    if (gi + 1 < c.groups.size()) {  // the next expert's first lines, into L2 (see up_task)
+      const auto [next, next_end] = stream(c.groups[gi + 1]);
+      prefetch_stream_start<2>(next, next_end);
+    }
     for (int t0 = 0; t0 < g.n; t0 += c.chunk_down) {
       const int n = std::min(c.chunk_down, g.n - t0);
       const int r0 = g.begin + t0;
