@@ -4,6 +4,7 @@ memory is asynchronous. ``engine.staging.to_device`` is that copy (and nothing o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from freetokend.engine.sampler import SamplingParams, sample
@@ -41,3 +42,26 @@ def test_blocking_and_pageable_copies_are_syncs_pinned_async_ones_not() -> None:
 def test_staging_on_the_host_is_no_copy() -> None:
     t = torch.arange(4)
     assert to_device(t, torch.device("cpu")) is t
+
+
+def test_interleaved_dense_weights_are_undone_on_the_card() -> None:
+    """Dense q4_k / q6_k weights are interleaved by 8 for the CPU kernels (gguf_interleave);
+    placement (engine/placement.place_dense, through QuantWeight.dequantize) sends the packed
+    rows and undoes the layout on the device, where the native byte moves do not run: the torch
+    permutes (checked against the native moves in test_qlinear_native) run there, with one copy
+    of the packed bytes and no read back to the host. (The block dequantization after it does
+    not run on the fake device: its fp16 views are beyond the shim.)"""
+    from freetokend.models import gguf_interleave
+    from freetokend.models.layers import qlinear_native
+
+    if not qlinear_native.available():
+        pytest.skip("ftdense is not built: nothing is interleaved")
+    for fmt in ("q4_k", "q6_k"):
+        qw = qlinear_native.QuantWeight.from_float(torch.randn(20, 512) * 0.05, fmt)
+        assert qw.interleaved
+        acc = FakeCudaAccelerator(vram_mib=1024)
+        with acc:
+            tr = acc.tracker
+            raw = gguf_interleave.deinterleave(qw.raw.to(torch.device("cuda", 0)), fmt)
+            assert raw.device.type == "cuda" and raw.shape == qw.raw.shape, fmt
+            assert tr.syncs.reads == 0 and tr.syncs.h2d == 1, (fmt, tr.syncs)
