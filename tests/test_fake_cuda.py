@@ -276,3 +276,35 @@ def test_kernel_ops_run_the_kernels_and_have_fake_shapes() -> None:
             None, None, False, 1.0, 7.0,
         )  # fmt: skip
         assert y.shape == (2, 8) and y.dtype == torch.float32 and y.device.type == "cuda"
+
+
+def test_async_copy_to_pinned_host_memory_is_read_only_after_its_event() -> None:
+    """A non_blocking copy into pinned host memory is queued, not a sync; reading the buffer
+    before a wait on an event recorded after it raises (stale bytes on CUDA); views do not."""
+    acc = FakeCudaAccelerator(vram_mib=1024)
+    with acc:
+        tr = acc.tracker
+        dev = torch.zeros(4, 8, device="cuda")
+        buf = acc.host_buffer((64,), torch.float32)
+        syncs = tr.syncs.total
+        handle = acc.to_host_async(buf[:32], dev.reshape(-1))
+        assert tr.async_d2h == 1 and tr.syncs.total == syncs  # queued, no host wait
+        view = buf[:32].view(4, 8)  # a view reads nothing
+        with pytest.raises(RuntimeError, match="not waited on"):
+            view + 1
+        handle.wait()
+        assert tr.syncs.by_kind["event"] == 1  # the wait is the host's, counted
+        assert (view + 1).shape == (4, 8)
+        # an event recorded before the copy does not cover it
+        early = torch.cuda.Event()
+        early.record()
+        acc.to_host_async(buf[32:], dev.reshape(-1))
+        early.synchronize()
+        with pytest.raises(RuntimeError, match="not waited on"):
+            buf[32:].sum()
+        torch.cuda.synchronize()  # the whole device: every queued copy landed
+        assert buf[32:].sum().shape == ()
+        # into pageable memory the copy is a blocking read
+        reads = tr.syncs.by_kind["d2h"]
+        torch.empty(32).copy_(dev.reshape(-1), non_blocking=True)
+        assert tr.syncs.by_kind["d2h"] == reads + 1 and tr.async_d2h == 2

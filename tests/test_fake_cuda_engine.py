@@ -5,13 +5,15 @@ a resize down and up, with the real CUDA code path of every MoE backend.
 What is checked: no host/device mix (it would raise), every dense weight, the KV pool and the
 rope tables on the device, the device peak within the simulated card (a resize included), and
 the host syncs of a decode step, counted exactly: the dense part runs on the device, so the step's
-one read is its sampled token ids; hybrid adds one packed copy per MoE layer (its CPU share's
-activations, gate weights and expert ids). A change that adds a sync to the decode step fails
-here. The tokens are not checked: the fake device holds no data (its outputs reach the host as
+one read is its sampled token ids; hybrid adds, per MoE layer, one asynchronous packed copy of
+its CPU share's activations, gate weights and expert ids into page-locked memory, and its CPU
+branch's wait for that copy (an ``event`` wait: in the branch's own thread on a GPU, inline on
+the fake card). A change that adds a sync to the decode step fails here. The tokens are not checked: the fake device holds no data (its outputs reach the host as
 zeros), only that they are valid ids."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,13 @@ MIB = 1 << 20
 VRAM_MIB = 1024  # 512 MiB usable after the simulated CUDA context
 PROMPT = 512
 DECODE_STEPS = 3
-# host syncs of one decode step per MoE layer (see the module docstring), besides the token ids
+# host waits of one decode step per MoE layer (see the module docstring), besides the token ids
 SYNCS_PER_MOE_LAYER = {"fused": 0, "offload": 0, "hybrid": 1}
+
+
+def _decode_syncs(backend: str, moe_layers: int) -> Counter[str]:
+    """The syncs of one decode step by kind: the token ids' read, hybrid's branch waits."""
+    return Counter(d2h=1, event=SYNCS_PER_MOE_LAYER[backend] * moe_layers) + Counter()
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +68,21 @@ def test_engine_runs_on_the_fake_card(tiny_dir: Path, backend: str) -> None:
         llm.engine.add_request("r", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
         _step(llm)  # the whole prompt in one step (max_step_tokens 512)
         assert tr.peak <= tr.capacity
-        per_step = []
+        per_step, copied = [], []
         h2d = tr.syncs.h2d  # the load's (weights to the card): blocking, once
         for _ in range(DECODE_STEPS):
-            before = tr.syncs.total
+            before, async_before = Counter(tr.syncs.by_kind), tr.async_d2h
             _step(llm)
-            per_step.append(tr.syncs.total - before)
-        expected = 1 + SYNCS_PER_MOE_LAYER[backend] * moe_layers
-        assert per_step == [expected] * DECODE_STEPS, (tr.syncs.by_kind, per_step)
+            per_step.append(Counter(tr.syncs.by_kind) - before)
+            copied.append(tr.async_d2h - async_before)
+        want = _decode_syncs(backend, moe_layers)
+        assert per_step == [want] * DECODE_STEPS, (tr.syncs.by_kind, per_step)
+        # hybrid's inputs cross asynchronously, once per MoE layer; nothing else does
+        assert copied == [SYNCS_PER_MOE_LAYER[backend] * moe_layers] * DECODE_STEPS, copied
         assert tr.syncs.h2d == h2d  # no blocking host -> device copy in a decode step
-        assert set(tr.syncs.by_kind) == {"d2h", "h2d"}  # copies back to the host, no scalar reads
+        # copies back to the host and branch waits, no scalar reads
+        assert set(tr.syncs.by_kind) <= {"d2h", "h2d", "event"}, tr.syncs.by_kind
+        expected = want.total()
         print(f"\n{backend}: {expected} host syncs per decode step over {moe_layers} MoE layers")
         # a seeded sampled request: its generator lives on the device, still one read per step
         llm.engine.add_request(
@@ -212,7 +224,7 @@ def test_parking_frees_the_dense_weights_on_the_card(tiny_dir: Path, backend: st
         _step(llm)
         before = tr.syncs.total
         _step(llm)
-        assert tr.syncs.total - before == 1 + SYNCS_PER_MOE_LAYER[backend] * 2
+        assert tr.syncs.total - before == _decode_syncs(backend, 2).total()
     finally:
         llm.close()
 

@@ -2,8 +2,9 @@
 device code path of each architecture (GQA with sinks, MLA, Gated DeltaNet, Gemma-4's per-layer
 geometry, sigmoid group routing...) runs with no host/device mix (a mix raises on the fake card as
 on a GPU), nothing dense on the host, and a decode step reads the host exactly once (its sampled
-token ids), plus one packed copy per MoE layer for hybrid's CPU share, and makes no blocking host
--> device copy (the tracker's ``h2d``, a sync on CUDA too).
+token ids), plus, per MoE layer for hybrid's CPU share, one asynchronous packed copy into
+page-locked memory and the branch's wait for it, and makes no blocking host -> device copy (the
+tracker's ``h2d``, a sync on CUDA too).
 
 test_fake_cuda_engine.py checks one model in depth (prefill size, resize, threads); this file
 checks the breadth. Values are not checked here (the fake card holds none): the CPU stand-in
@@ -22,7 +23,7 @@ from freetokend import LLM
 from freetokend.engine.sampler import SamplingParams
 
 BACKENDS = ("fused", "offload", "hybrid")
-HYBRID_COPIES_PER_MOE_LAYER = 1  # x, gate weights and the CPU share's ids, packed
+HYBRID_COPIES_PER_MOE_LAYER = 1  # x, gate weights and the CPU share's ids, packed (each way)
 
 
 @pytest.fixture(scope="module", params=FAMILIES + tuple(VARIANTS))
@@ -47,21 +48,26 @@ def test_decode_step_reads_the_host_once(family_dir: Path, backend: str) -> None
             rec = llm.runner.new_state().recurrent  # the engine's sequences get theirs here
         if rec is not None:
             assert rec.ssm.device.type == rec.conv.device.type == "cuda"
-        per_step, sent = [], []
+        per_step, sent, fetched = [], [], []
         for _ in range(2):
-            before, async_before = Counter(tr.syncs.by_kind), tr.async_h2d
+            before, async_before = Counter(tr.syncs.by_kind), (tr.async_h2d, tr.async_d2h)
             llm.engine.step()
             per_step.append(Counter(tr.syncs.by_kind) - before)
-            sent.append(tr.async_h2d - async_before)
+            sent.append(tr.async_h2d - async_before[0])
+            fetched.append(tr.async_d2h - async_before[1])
         hybrid = HYBRID_COPIES_PER_MOE_LAYER * llm.config.num_moe_layers
-        want = 1 + (hybrid if backend == "hybrid" else 0)
+        hybrid = hybrid if backend == "hybrid" else 0
         # reads: the token ids (+ hybrid's copies); no blocking host -> device copy (``h2d``: on
         # CUDA it waits for the stream as a read does): the step's metadata crosses pinned and
         # non-blocking, once, not per attention layer
         assert [n["h2d"] for n in per_step] == [0, 0], per_step
-        assert per_step == [Counter(d2h=want)] * 2, (dict(tr.syncs.by_kind), per_step)
-        # the asynchronous copies: the step's metadata (+ hybrid's CPU share joining per layer)
-        assert sent == [want] * 2, sent
+        # the token ids' read; hybrid's CPU branch waits for its inputs' copy (no blocking read)
+        want = Counter(d2h=1, event=hybrid) + Counter()
+        assert per_step == [want] * 2, (dict(tr.syncs.by_kind), per_step)
+        # the asynchronous copies: the step's metadata (+ hybrid's CPU share joining per layer),
+        # and hybrid's inputs to the host
+        assert sent == [1 + hybrid] * 2, sent
+        assert fetched == [hybrid] * 2, fetched
         assert tr.peak <= tr.capacity
     finally:
         llm.close()

@@ -15,7 +15,9 @@ Host syncs per decode step (``host_syncs_per_decode_step``): every point where t
 for the device, of all kinds: reads of device data (``d2h`` copies, scalar reads, data-dependent
 shapes) and blocking host -> device copies (``h2d``: a copy from pageable memory, or without
 ``non_blocking``, returns only once the stream has run up to it, so it stalls the host as a read
-does). ``host_syncs_by_kind`` splits the figure ({"d2h": .., "h2d": ..}). It is the MoE layers'
+does). ``host_syncs_by_kind`` splits the figure ({"d2h": .., "h2d": ..}, and hybrid's ``event``: its
+CPU branch's wait, per MoE layer, for its inputs' asynchronous copy to page-locked memory, in the
+branch's own thread on a GPU, so the step's thread goes on queueing). It is the MoE layers'
 syncs (measured on the simulated layers, scaled to all) plus the sampled token ids (one read);
 the dense part's metadata (token ids, positions, page tables, sampling parameters) crosses in
 one non-blocking copy from pinned memory (engine/staging.py), no sync: tests/

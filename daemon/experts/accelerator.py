@@ -53,6 +53,42 @@ class Transfer(ABC):
         """Make subsequent compute see the copied data."""
 
 
+class HostCopy(ABC):
+    """A handle on a device -> host copy in flight (``Accelerator.to_host_async``)."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block the calling thread until the host buffer holds the copied bytes."""
+
+
+class _Landed(HostCopy):
+    def wait(self) -> None:
+        pass
+
+
+class _Deferred(HostCopy):
+    """The stand-in's queued device -> host copy: it lands when a thread waits for it, so a read
+    of the buffer before the wait sees the buffer's poison, not the data."""
+
+    def __init__(self, job: Callable[[], object]) -> None:
+        self._job: Callable[[], object] | None = job
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._job is not None:
+                self._job()
+                self._job = None
+
+
+class _EventCopy(HostCopy):
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()  # this thread waits; the stream and other threads go on
+
+
 class Accelerator(ABC):
     name: str
     device: torch.device
@@ -70,6 +106,18 @@ class Accelerator(ABC):
         """A layer's output back to where its input lives (``device``: the host while dense
         layers run there): a device -> host copy, the host sync the fake device counts."""
         return t.to(device)
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor that copies to and from the device use without a host sync
+        (page-locked on CUDA). Reused by its owner: allocate once, not per step."""
+        return torch.empty(shape, dtype=dtype)
+
+    def to_host_async(self, dst: torch.Tensor, src: torch.Tensor) -> HostCopy:
+        """``dst`` (a ``host_buffer`` view) <- ``src`` (on the device), queued after the work
+        already on the stream; the caller goes on at once, and whoever reads ``dst`` calls
+        ``wait()`` on the handle first (on any thread)."""
+        dst.copy_(src)
+        return _Landed()
 
     @abstractmethod
     def copy_rows(self, pairs: RowCopies) -> Transfer:
@@ -202,6 +250,12 @@ class StandinAccelerator(Accelerator):
             t.view(torch.uint8).fill_(0xFF)
         return t
 
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(shape, dtype)  # poisoned too: a read before its copy landed shows
+
+    def to_host_async(self, dst: torch.Tensor, src: torch.Tensor) -> HostCopy:
+        return _Deferred(lambda: dst.copy_(src))  # lands at wait(), as an event would signal
+
     def copy_rows(self, pairs: RowCopies) -> Transfer:
         self._count(pairs)
         return self._enqueue(lambda: _do_copies(pairs, self._rng))
@@ -321,6 +375,17 @@ class CudaAccelerator(Accelerator):
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
         return _CudaTransfer(ev)
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def to_host_async(self, dst: torch.Tensor, src: torch.Tensor) -> HostCopy:
+        # from the compute stream (the data is produced there), into page-locked memory: the
+        # copy is queued and an event marks it, which the reading thread waits on
+        dst.copy_(src, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return _EventCopy(ev)
 
     def device_fill_ok(self, src: torch.Tensor) -> bool:
         """Runs the zero-copy fill once on row 0 of ``src`` and compares it with a plain copy

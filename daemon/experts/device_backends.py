@@ -21,12 +21,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .accelerator import Accelerator, BankPairs, RowCopies, Transfer
+from .accelerator import Accelerator, BankPairs, HostCopy, RowCopies, Transfer
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .grouped import moe_grouped
 from .slot_cache import FILL_ALL_Q16, DecodePlan, EvictionPolicy, SlotCache
 
 log = logging.getLogger(__name__)
+_HOST = torch.device("cpu")
 
 # Decode steps with at most this many routes (T * K) use the per-route GEMV kernels; larger
 # batches share experts between tokens, where grouping by expert (moe_reference) reads less.
@@ -65,6 +66,80 @@ def _kernel(
         x, rows.int(), weights, b.gate_up, b.down, b.gate_up_bias, b.down_bias,
         int(a.kind), a.alpha, a.limit,
     )  # fmt: skip
+
+
+# The hybrid CPU share of a step with at most this many rows crosses through the backend's
+# page-locked buffers (decode); a larger one (an on-demand prefill layer) takes a plain copy
+# rather than growing them to the prompt's size.
+STAGED_MAX_ROWS = 256
+
+
+class _HybridStaging:
+    """The hybrid CPU share's crossings when the dense part runs on the device: per MoE layer
+    one asynchronous device -> host copy of its inputs (activations, gate weights and expert
+    ids packed in one buffer) and one asynchronous host -> device copy of its output, both
+    through page-locked buffers allocated once and grown to the largest step.
+
+    The host thread that runs the step never waits: it queues the packing and the copy, hands
+    the CPU branch the copy's handle and goes on to queue the fills and the device GEMVs. The
+    branch waits for the copy in its own thread, computes, writes its output into the output
+    buffer and the step joins it on the device. Reuse is safe without further waits: the next
+    layer's input copy is queued behind this layer's output copy on the same stream, and the
+    branch writes the output buffer only after its input copy (hence that output copy) landed;
+    the step joins each branch before it queues the next one."""
+
+    def __init__(self, acc: Accelerator) -> None:
+        self.acc = acc
+        self._in: torch.Tensor | None = None  # fp32: x | weights | ids (int32 bits), row-major
+        self._out: torch.Tensor | None = None  # fp32 [rows, hidden]
+
+    def send(
+        self, x: torch.Tensor, weights: torch.Tensor, cpu_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HostCopy]:
+        """Host views (x [T, H] fp32, weights [T, K] fp32, ids [T, K] int32) of the packed copy
+        and its handle: none of them may be read before ``handle.wait()``."""
+        packed = pack_cpu_inputs(x, weights, cpu_ids)
+        n = packed.numel()
+        if self._in is None or self._in.numel() < n:
+            self._in = self.acc.host_buffer((_grown(n),), torch.float32)
+        buf = self._in[:n]
+        handle = self.acc.to_host_async(buf, packed)
+        return (*unpack_cpu_inputs(buf, x.shape[0], x.shape[1]), handle)
+
+    def output(self, rows: int, hidden: int) -> torch.Tensor:
+        """The page-locked [rows, hidden] fp32 buffer the branch writes its result into."""
+        if self._out is None or self._out.shape[0] < rows or self._out.shape[1] != hidden:
+            self._out = self.acc.host_buffer((_grown(rows), hidden), torch.float32)
+        return self._out[:rows]
+
+
+def pack_cpu_inputs(x: torch.Tensor, weights: torch.Tensor, cpu_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], weights [T, K] and cpu_ids [T, K] (int32) in one flat fp32 tensor: x | weights
+    | the ids' bits (reinterpreted, not converted), so that they cross in one copy."""
+    return torch.cat(
+        [
+            x.float().reshape(-1),
+            weights.float().reshape(-1),
+            cpu_ids.int().reshape(-1).view(torch.float32),
+        ]
+    )
+
+
+def unpack_cpu_inputs(
+    buf: torch.Tensor, t: int, h: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contiguous views (x [T, H] fp32, weights [T, K] fp32, ids [T, K] int32) of a
+    ``pack_cpu_inputs`` buffer."""
+    k = (buf.numel() - t * h) // (2 * t)
+    xh = buf[: t * h].view(t, h)
+    wh = buf[t * h : t * (h + k)].view(t, k)
+    ids = buf[t * (h + k) :].view(torch.int32).view(t, k)
+    return xh, wh, ids
+
+
+def _grown(n: int) -> int:
+    """``n`` rounded up to a power of two (buffers grow a few times, then stay)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 class FusedBackend:
@@ -132,6 +207,7 @@ class OffloadBackend:
         self.prefill_min_tokens = prefill_min_tokens
         self.prefill_overlap = prefill_overlap
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-branch")
+        self._staging = _HybridStaging(acc)
         self._prefill: _PrefillStream | None = None
         self._warned_fallback = False
         self.static_step = False  # a static decode step (engine/graphs.py, set by the runner):
@@ -151,6 +227,7 @@ class OffloadBackend:
         }
         self._gpu_routes = torch.zeros((), dtype=torch.int64, device=acc.device)
         self._cpu_routes = torch.zeros((), dtype=torch.int64)  # host: summed without a read
+        self._cpu_routes_dev = torch.zeros((), dtype=torch.int64, device=acc.device)  # staged
         self.host_format = banks.format  # the checkpoint's expert format (create_backend sets it)
 
     @property
@@ -158,7 +235,9 @@ class OffloadBackend:
         """Route and prefill counters (reading them syncs with the device once)."""
         return {
             **self._counters,
-            "cpu_routes": self._counters["cpu_routes"] + int(self._cpu_routes),
+            "cpu_routes": self._counters["cpu_routes"]
+            + int(self._cpu_routes)
+            + int(self._cpu_routes_dev),
             "gpu_routes": self._counters["gpu_routes"] + int(self._gpu_routes),
         }
 
@@ -217,13 +296,9 @@ class OffloadBackend:
         plan = self.cache.decode_step(flat.to(dev), layer)
         cpu_future: Future[torch.Tensor] | None = None
         if self._cpu_possible(flat.numel()):
-            # the CPU branch must know its experts (and, when the dense part runs on the
-            # device, its activations): one device -> host copy, counted as a host sync
-            xh, wh, cpu_ids = self._cpu_inputs(x, weights, plan.cpu_ids)
             # submitted first: it runs while the fills and the device compute proceed; routes
             # it does not own are -1 (skipped), so no host read decides whether to submit
-            self._cpu_routes = self._cpu_routes + (cpu_ids >= 0).sum()
-            cpu_future = self._pool.submit(self._cpu_part, xh, cpu_ids, wh)
+            cpu_future = self._submit_cpu(x, weights, plan.cpu_ids)
         self._fill(plan).wait()
         xd, wd = x.to(dev), weights.to(dev)
         if self.device_kernels and (self.static_step or flat.numel() <= DECODE_KERNEL_MAX_ROUTES):
@@ -237,33 +312,47 @@ class OffloadBackend:
         if cpu_future is not None:  # the CPU share joins where the layer's input lives
             from ..engine.staging import to_device  # (engine imports this module)
 
-            # from pinned memory: the copy is queued, the host does not wait for the stream
-            # (a copy from the executor's pageable output may, as a blocking one does)
+            # from page-locked memory: the copy is queued, the host does not wait for the
+            # stream (a copy from the executor's pageable output may, as a blocking one does)
             out = out + to_device(cpu_future.result(), out.device)
         return out
 
-    def _cpu_inputs(
+    def _submit_cpu(
         self, x: torch.Tensor, weights: torch.Tensor, cpu_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x [T, H] fp32, weights [T, K] fp32, cpu_ids [T, K] int32) on the host for the CPU
-        branch. Inputs on the host (dense layers there): only the ids cross. Inputs on the
-        device: all three are packed into one fp32 buffer (the ids' bits reinterpreted, not
-        converted) so that they cross in ONE copy."""
+    ) -> Future[torch.Tensor]:
+        """Starts the CPU branch on its routes (``cpu_ids`` [T, K] on the device, -1 where the
+        device owns the route); its result is [T, H] fp32 on the host.
+
+        Dense part on the accelerator's device: its inputs cross in one asynchronous copy
+        (``_HybridStaging``) that the branch waits for in its own thread, and its output lands
+        in a page-locked buffer. Inputs on the host (dense layers there): only the ids cross,
+        in one copy, and so does a prefill layer too large for the buffers."""
+        if x.device == self.acc.device and x.shape[0] <= STAGED_MAX_ROWS:
+            xh, wh, ids, ready = self._staging.send(x, weights, cpu_ids)
+            self._cpu_routes_dev += (cpu_ids >= 0).sum()  # read with the counters only
+            out = self._staging.output(x.shape[0], x.shape[1])
+            return self._pool.submit(self._cpu_staged, xh, ids, wh, ready, out)
         if x.device.type == "cpu":
-            return x, weights, self.acc.to_host(cpu_ids, x.device)
-        t, h = x.shape
-        k = cpu_ids.shape[1]
-        packed = torch.cat(
-            [
-                x.float(),
-                weights.float().reshape(t, k),
-                cpu_ids.int().reshape(t, k).view(torch.float32),
-            ],
-            dim=1,
-        )
-        host = self.acc.to_host(packed, torch.device("cpu"))
-        xh, wh, ids = host.split([h, k, k], dim=1)
-        return xh.contiguous(), wh.contiguous(), ids.contiguous().view(torch.int32)
+            xh, wh, ids = x, weights, self.acc.to_host(cpu_ids, _HOST)
+        else:  # one blocking copy, counted as a host sync
+            host = self.acc.to_host(pack_cpu_inputs(x, weights, cpu_ids), _HOST)
+            xh, wh, ids = unpack_cpu_inputs(host, x.shape[0], x.shape[1])
+        self._cpu_routes = self._cpu_routes + (ids >= 0).sum()
+        return self._pool.submit(self._cpu_part, xh, ids, wh)
+
+    def _cpu_staged(
+        self,
+        x: torch.Tensor,
+        cpu_ids: torch.Tensor,
+        weights: torch.Tensor,
+        ready: HostCopy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        # the buffers were made under the step's inference mode, which is per thread
+        with torch.inference_mode():
+            ready.wait()  # in the branch's thread: the step's thread never waits for the copy
+            out.copy_(self._cpu_part(x, cpu_ids, weights))
+        return out
 
     def _cpu_possible(self, routes: int) -> bool:
         """Whether the plan may send a route to the CPU: hybrid splits misses by q*; offload

@@ -74,6 +74,12 @@ class FakeCudaAccelerator(CudaAccelerator):
             return torch.zeros(out.shape, dtype=out.dtype)
         return out
 
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A fake host tensor (no memory behind it), marked pinned for the tracker: copies into
+        it with ``non_blocking`` are asynchronous, and a host op that reads it before the copy's
+        event was waited on raises (``DeviceTracker``)."""
+        return self.tracker.pin(self.session.host_empty(shape, dtype))
+
     def device_fill_ok(self, src: torch.Tensor) -> bool:
         return True  # assumed: ``pin`` registers the pool mapped (checked on a real GPU only)
 

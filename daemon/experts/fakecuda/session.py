@@ -55,7 +55,10 @@ class FakeStream:
         return ev
 
     def synchronize(self) -> None:
-        pass
+        session = active_session()
+        if session is not None:
+            session.tracker.syncs.add("synchronize")
+            session.tracker.drained()
 
     def query(self) -> bool:
         return True
@@ -66,15 +69,23 @@ class FakeEvent:
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         self.recorded = False
+        self._covers: frozenset[int] = frozenset()
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.recorded = True
+        session = active_session()
+        # the asynchronous device -> host copies queued before it (the fake device has one
+        # stream in order), which a host wait on this event lets the host read
+        self._covers = session.tracker.arriving() if session is not None else frozenset()
 
     def wait(self, stream: FakeStream | None = None) -> None:
         pass
 
     def synchronize(self) -> None:
-        pass
+        """A host wait: counted as a sync (kind ``event``)."""
+        session = active_session()
+        if session is not None:
+            session.tracker.arrived(self._covers)
 
     def query(self) -> bool:
         return True
@@ -176,6 +187,7 @@ class FakeCudaSession:
     def _patches(self) -> dict[str, Any]:
         def synchronize(device: object = None) -> None:
             self.tracker.syncs.add("synchronize")
+            self.tracker.drained()
 
         @contextlib.contextmanager
         def stream(s: object) -> Iterator[None]:

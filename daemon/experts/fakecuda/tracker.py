@@ -16,7 +16,12 @@ work queued before it on the stream: the host stalls as it does for a read. Only
 ``non_blocking`` copy from pinned memory is asynchronous; pinned sources are those marked with
 ``DeviceTracker.pin`` (the CPU build of torch has no pinned allocator; ``engine.staging`` marks
 its buffers so) or that report ``is_pinned()``. Such copies are counted apart
-(``async_h2d``), not as syncs. Each is counted with a label. The fake tensors hold no data, so scalar reads still raise (the
+(``async_h2d``), not as syncs. The same holds the other way: a ``non_blocking`` copy from the
+device into a pinned host tensor is queued (``async_d2h``), and its bytes are the host's only
+after an event recorded after it was waited on (``FakeEvent.synchronize``, counted as a sync of
+kind ``event``: a host wait, though on a GPU it may be another thread's): a host op other than a
+view that reads that tensor before the wait raises, as it would read stale bytes on CUDA. Each is counted with
+a label. The fake tensors hold no data, so scalar reads still raise (the
 fake mode's ``DataDependentOutputException``), while data-dependent shapes get their worst case
 (every element selected) so that memory is an upper bound.
 """
@@ -174,6 +179,9 @@ class DeviceTracker(TorchDispatchMode):
         self.peak = 0
         self.syncs = SyncLog()
         self.async_h2d = 0  # non_blocking copies from pinned memory: no sync
+        self.async_d2h = 0  # non_blocking copies into pinned memory: no sync
+        # host storages written by an async d2h whose event nobody waited on yet
+        self._arriving: dict[int, StorageWeakRef] = {}
         self._pinned: dict[int, StorageWeakRef] = {}  # storages marked pinned (``pin``)
         # fake host tensors (banks of a model without its weights): counted, never limited
         self.host = _HostBytes()
@@ -229,6 +237,33 @@ class DeviceTracker(TorchDispatchMode):
         else:
             self.syncs.add("h2d")
 
+    def arriving(self) -> frozenset[int]:
+        """The host storages an event recorded now covers (``FakeEvent.record``)."""
+        return frozenset(self._arriving)
+
+    def arrived(self, keys: frozenset[int]) -> None:
+        """An event covering ``keys`` was waited on: their bytes are on the host."""
+        self.syncs.add("event")
+        for k in keys:
+            self._arriving.pop(k, None)
+
+    def drained(self) -> None:
+        """The host waited for the whole device (``torch.cuda.synchronize``, a stream's)."""
+        self._arriving.clear()
+
+    def _check_arrived(self, func: Any, args: tuple, kwargs: dict) -> None:
+        for k in [k for k, ref in self._arriving.items() if ref.expired()]:
+            del self._arriving[k]
+        if not self._arriving:
+            return
+        for t in tree_flatten((args, kwargs))[0]:
+            if _is_host(t) and t.untyped_storage()._cdata in self._arriving:
+                raise RuntimeError(
+                    f"{func}: reads a host buffer whose asynchronous device -> host copy was "
+                    "not waited on (wait on the copy's event first: on CUDA this reads stale "
+                    "bytes)"
+                )
+
     # -- recording ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def record(self) -> Iterator[OpRecorder]:
@@ -245,6 +280,8 @@ class DeviceTracker(TorchDispatchMode):
         self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self._arriving and not _metadata_only(func) and not self._async_d2h(func, args, kwargs):
+            self._check_arrived(func, args, kwargs)
         self._count_sync(func, args, kwargs)
         if func in _DYNAMIC and _is_cuda(args[0]):
             out = self._worst_case(func, args, kwargs)
@@ -281,6 +318,10 @@ class DeviceTracker(TorchDispatchMode):
                 self.syncs.add("d2h")
             elif _is_host(args[0]) and to == "cuda":
                 self._h2d(args[0], bool(kwargs.get("non_blocking", False)))
+        elif self._async_d2h(func, args, kwargs):
+            self.async_d2h += 1
+            st = args[0].untyped_storage()
+            self._arriving[st._cdata] = StorageWeakRef(st)
         elif func is aten.copy_.default and _is_cuda(args[1]) and not _is_cuda(args[0]):
             self.syncs.add("d2h")
         elif func is aten.copy_.default and _is_cuda(args[0]) and _is_host(args[1]):
@@ -292,6 +333,13 @@ class DeviceTracker(TorchDispatchMode):
             self.syncs.add("bool_index")
         elif func is aten.index_put_.default and _is_cuda(args[0]) and _has_bool(args[1]):
             self.syncs.add("bool_index")
+
+    def _async_d2h(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """A ``non_blocking`` copy_ from the device into pinned host memory."""
+        if func is not aten.copy_.default or not (_is_cuda(args[1]) and _is_host(args[0])):
+            return False
+        nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return bool(nb) and self.is_pinned(args[0])
 
     def _worst_case(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Outputs of a data-dependent op sized as if every element were selected / distinct."""
@@ -318,6 +366,20 @@ class DeviceTracker(TorchDispatchMode):
             else:
                 out.append(i)
         return aten.index.Tensor(x, out)
+
+
+def _metadata_only(func: Any) -> bool:
+    """An op that reads no element of its inputs: a view, or a query of sizes or the device."""
+    return bool(func.is_view) or func.namespace == "prim" or func in _METADATA
+
+
+_METADATA = {
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+    aten.sym_storage_offset.default,
+    aten.is_pinned.default,
+}
 
 
 def _alive(live: dict[int, tuple[StorageWeakRef, int]], key: int) -> bool:
