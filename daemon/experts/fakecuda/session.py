@@ -57,8 +57,7 @@ class FakeStream:
     def synchronize(self) -> None:
         session = active_session()
         if session is not None:
-            session.tracker.syncs.add("synchronize")
-            session.tracker.drained()
+            session.tracker.synchronized()
 
     def query(self) -> bool:
         return True
@@ -186,8 +185,7 @@ class FakeCudaSession:
 
     def _patches(self) -> dict[str, Any]:
         def synchronize(device: object = None) -> None:
-            self.tracker.syncs.add("synchronize")
-            self.tracker.drained()
+            self.tracker.synchronized()
 
         @contextlib.contextmanager
         def stream(s: object) -> Iterator[None]:

@@ -247,8 +247,10 @@ class DeviceTracker(TorchDispatchMode):
         for k in keys:
             self._arriving.pop(k, None)
 
-    def drained(self) -> None:
-        """The host waited for the whole device (``torch.cuda.synchronize``, a stream's)."""
+    def synchronized(self) -> None:
+        """The host waited for the whole device (``torch.cuda.synchronize``, a stream's): a
+        sync, after which every queued copy has landed."""
+        self.syncs.add("synchronize")
         self._arriving.clear()
 
     def _check_arrived(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -256,7 +258,9 @@ class DeviceTracker(TorchDispatchMode):
             del self._arriving[k]
         if not self._arriving:
             return
-        for t in tree_flatten((args, kwargs))[0]:
+        # a copy's destination is written, not read (an async copy into it is the arrival)
+        reads = args[1:] if func is aten.copy_.default else args
+        for t in tree_flatten((reads, kwargs))[0]:
             if _is_host(t) and t.untyped_storage()._cdata in self._arriving:
                 raise RuntimeError(
                     f"{func}: reads a host buffer whose asynchronous device -> host copy was "
@@ -280,7 +284,7 @@ class DeviceTracker(TorchDispatchMode):
         self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self._arriving and not _metadata_only(func) and not self._async_d2h(func, args, kwargs):
+        if self._arriving and not _metadata_only(func):
             self._check_arrived(func, args, kwargs)
         self._count_sync(func, args, kwargs)
         if func in _DYNAMIC and _is_cuda(args[0]):
