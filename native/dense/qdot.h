@@ -102,7 +102,14 @@ struct QDotSet {
   const char* isa;
   QuantizeFn quantize;
   QRowFn row[kNumQTypes];
+  // Per interleaved type, a kernel of two adjacent groups a call (16 rows, the second group's
+  // bytes right after the first's, y[t * ldy + r] for r < 16): two weight streams read side by
+  // side, for one token (callers use it for n == 1). Null where the set has none.
+  QRowFn pair[kNumQTypes];
 };
+
+// The two-group kernel of ``t`` in ``ks`` (null when none).
+inline QRowFn pair_kernel(const QDotSet& ks, QType t) { return ks.pair[static_cast<int>(t)]; }
 
 // Defined in qdot_<isa>.cpp; the SIMD sets are compiled with target attributes and may only run
 // once qdot_isas() lists them.

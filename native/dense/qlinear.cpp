@@ -78,6 +78,7 @@ void dot_task(void* ctx, int64_t task) {
   const int64_t rb = qrow_bytes(out.type, j.K), na = j.K / kQActBlock;
   const QRowFn fn = j.ks->row[static_cast<int>(out.type)];
   const QRowFn plain = j.ks->row[static_cast<int>(qtype_base(out.type))];
+  const QRowFn pair = pair_kernel(*j.ks, out.type);
   const int step = qtype_rows(out.type);  // r0 is a multiple of it
   const int grouped = out.N / step * step;  // rows past it are plain rows (qdot.h)
   const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
@@ -91,10 +92,12 @@ void dot_task(void* ctx, int64_t task) {
       const uint8_t* want = std::min(end, out.w + (r + 1) * rb + kStreamAheadBytes);
       if (step == 1)  // interleaved kernels prefetch their own stream (qdot_simd_x8.h)
         for (; ahead < want; ahead += 64) __builtin_prefetch(ahead, 0, 3);
-      (group ? fn : plain)(out.w + r * rb, j.K, a.q.data() + static_cast<int64_t>(t0) * j.K,
-                           a.d.data() + t0 * na, a.s.data() + t0 * na, n,
-                           out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
-      r += group ? step : 1;
+      const bool two = pair && n == 1 && r + 2 * step <= std::min(grouped, r1);  // side by side
+      (two ? pair : group ? fn : plain)(out.w + r * rb, j.K,
+                                        a.q.data() + static_cast<int64_t>(t0) * j.K,
+                                        a.d.data() + t0 * na, a.s.data() + t0 * na, n,
+                                        out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
+      r += two ? 2 * step : group ? step : 1;
     }
   }
 }

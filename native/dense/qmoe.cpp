@@ -133,6 +133,18 @@ void plan(Call& c, const int32_t* ids, const float* w) {
   for (size_t g = 0; g < c.groups.size(); ++g) c.up_left[g].store(static_cast<int>(blocks));
 }
 
+// ``rows`` weight rows from ``w`` (row bytes ``rb``, K inputs) against routes [r0, r0 + n) of
+// ``in``: y[t * rows + row]. ``step`` rows a call of ``fn``; with one route, two interleaved
+// groups a call of ``pair`` where the set has it (two weight streams side by side).
+void rows_call(QRowFn fn, QRowFn pair, int step, int rows, const uint8_t* w, int64_t rb, int K,
+               QRows& in, int r0, int n, float* y) {
+  int j = 0;
+  if (pair && n == 1)
+    for (; j + 2 * step <= rows; j += 2 * step)
+      pair(w + j * rb, K, in.qr(r0), in.dr(r0), in.sr(r0), n, y + j, rows);
+  for (; j < rows; j += step) fn(w + j * rb, K, in.qr(r0), in.dr(r0), in.sr(r0), n, y + j, rows);
+}
+
 // Phase quant, one task per token: quantise x[t] into the first row of its routes that read
 // each activation group (qdot.h; layers of different types can read different ones), copy to
 // the rest.
@@ -169,6 +181,7 @@ void up_task(void* ctx, int64_t task) {
   const int64_t e = g.fid % s.layer_experts;
   const int64_t rb = qrow_bytes(L.gate_up_type, c.H);
   const QRowFn fn = c.ks->row[static_cast<int>(L.gate_up_type)];
+  const QRowFn pair = pair_kernel(*c.ks, L.gate_up_type);
   const int step = qtype_rows(L.gate_up_type);  // I and up_rows are multiples of it
   const uint8_t* wg = L.gate_up + (e * 2 * c.I + j0) * rb;  // gate rows; up rows I later
   const uint8_t* wu = wg + c.I * rb;
@@ -183,12 +196,8 @@ void up_task(void* ctx, int64_t task) {
   for (int t0 = 0; t0 < g.n; t0 += c.chunk_up) {
     const int n = std::min(c.chunk_up, g.n - t0);
     const int r0 = g.begin + t0;
-    for (int j = 0; j < rows; j += step)
-      fn(wg + j * rb, static_cast<int>(c.H), c.xin.qr(r0), c.xin.dr(r0), c.xin.sr(r0), n, yg + j,
-         rows);
-    for (int j = 0; j < rows; j += step)
-      fn(wu + j * rb, static_cast<int>(c.H), c.xin.qr(r0), c.xin.dr(r0), c.xin.sr(r0), n, yu + j,
-         rows);
+    rows_call(fn, pair, step, rows, wg, rb, static_cast<int>(c.H), c.xin, r0, n, yg);
+    rows_call(fn, pair, step, rows, wu, rb, static_cast<int>(c.H), c.xin, r0, n, yu);
     for (int t = 0; t < n; ++t) {
       float* a = c.act.data() + (r0 + t) * c.I + j0;
       for (int j = 0; j < rows; ++j) {
@@ -229,6 +238,7 @@ void down_task(void* ctx, int64_t task) {
     const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
     const int64_t rb = qrow_bytes(L.down_type, c.I);
     const QRowFn fn = c.ks->row[static_cast<int>(L.down_type)];
+    const QRowFn pair = pair_kernel(*c.ks, L.down_type);
     const int step = qtype_rows(L.down_type);  // H and down_rows are multiples of it
     const uint8_t* wd = stream(g).first;
     if (gi + 1 < c.groups.size()) {  // the next expert's first lines, into L2 (see up_task)
@@ -238,9 +248,7 @@ void down_task(void* ctx, int64_t task) {
     for (int t0 = 0; t0 < g.n; t0 += c.chunk_down) {
       const int n = std::min(c.chunk_down, g.n - t0);
       const int r0 = g.begin + t0;
-      for (int h = 0; h < rows; h += step)
-        fn(wd + h * rb, static_cast<int>(c.I), c.ain.qr(r0), c.ain.dr(r0), c.ain.sr(r0), n, y + h,
-           rows);
+      rows_call(fn, pair, step, rows, wd, rb, static_cast<int>(c.I), c.ain, r0, n, y);
       for (int t = 0; t < n; ++t) {
         const int r = r0 + t;
         float* o = c.out + static_cast<int64_t>(c.rtok[r]) * c.H + h0;
