@@ -16,6 +16,14 @@ Peers that are not installed (transformers, llama-cpp-python) are skipped; none 
 dependency. llama.cpp, opt-in, built from source (~6+ min on 2 cores; the converter also wants
 the `gguf` package):
     .venv/bin/pip install gguf && .venv/bin/pip install llama-cpp-python --no-binary :all:
+On a CPU with AMX (Sapphire Rapids and later) llama-cpp-python 0.3.36's native build repacks
+Q4_K weights for its AMX kernels and segfaults on the first Q4_K_M decode here (the row reads
+"worker killed by SIGSEGV"; ggml-org/llama.cpp#20824 is the same crash); build it without AMX,
+keeping its AVX-512 paths, for a peer that runs:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON \
+      -DGGML_F16C=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" .venv/bin/pip install --force-reinstall \
+      --no-deps llama-cpp-python --no-binary :all:
 From other code: `run_decode_benchmark(...)` returns the rows and prints nothing unless asked.
 Each engine runs with both OpenMP wait policies and keeps its better one per round (see _measure);
 figures are medians of the repeats within a run and of the rounds across runs.
@@ -185,7 +193,18 @@ def _worker(
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    if proc.returncode < 0:  # a crash prints nothing: name the signal
+        tail.insert(0, f"worker killed by {_signal_name(-proc.returncode)}")
     raise RuntimeError(f"{kind} worker failed (rc {proc.returncode}): {' | '.join(tail)}")
+
+
+def _signal_name(num: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _available(engine: str) -> bool:
