@@ -86,6 +86,15 @@ void dot_task(void* ctx, int64_t task) {
   if (step > 1) prefetch_stream_start<3>(out.w + r0 * rb, end);  // (plain rows: below)
   for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
     const int n = std::min(j.chunk, j.T - t0);
+    const int8_t* q = a.q.data() + static_cast<int64_t>(t0) * j.K;
+    float* y = out.y + static_cast<int64_t>(t0) * out.N;
+    if (step == 1 && n == 1 && r1 - r0 >= kTwoStreamRows) {
+      two_streams(r1 - r0, out.w + r0 * rb, rb, [&](int i) {
+        plain(out.w + (r0 + i) * rb, j.K, q, a.d.data() + t0 * na, a.s.data() + t0 * na, n,
+              y + r0 + i, out.N);
+      });
+      continue;
+    }
     const uint8_t* ahead = out.w + r0 * rb;
     for (int r = r0; r < r1;) {
       const bool group = step > 1 && r < grouped;
@@ -93,10 +102,8 @@ void dot_task(void* ctx, int64_t task) {
       if (step == 1)  // interleaved kernels prefetch their own stream (qdot_simd_x8.h)
         for (; ahead < want; ahead += 64) __builtin_prefetch(ahead, 0, 3);
       const bool two = pair && n == 1 && r + 2 * step <= std::min(grouped, r1);  // side by side
-      (two ? pair : group ? fn : plain)(out.w + r * rb, j.K,
-                                        a.q.data() + static_cast<int64_t>(t0) * j.K,
-                                        a.d.data() + t0 * na, a.s.data() + t0 * na, n,
-                                        out.y + static_cast<int64_t>(t0) * out.N + r, out.N);
+      (two ? pair : group ? fn : plain)(out.w + r * rb, j.K, q, a.d.data() + t0 * na,
+                                        a.s.data() + t0 * na, n, y + r, out.N);
       r += two ? 2 * step : group ? step : 1;
     }
   }

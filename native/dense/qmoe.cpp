@@ -134,10 +134,17 @@ void plan(Call& c, const int32_t* ids, const float* w) {
 }
 
 // ``rows`` weight rows from ``w`` (row bytes ``rb``, K inputs) against routes [r0, r0 + n) of
-// ``in``: y[t * rows + row]. ``step`` rows a call of ``fn``; with one route, two interleaved
-// groups a call of ``pair`` where the set has it (two weight streams side by side).
+// ``in``: y[t * rows + row]. ``step`` rows a call of ``fn``; with one route, two weight streams
+// side by side: two interleaved groups a call of ``pair`` where the set has it, plain rows by
+// halves (two_streams).
 void rows_call(QRowFn fn, QRowFn pair, int step, int rows, const uint8_t* w, int64_t rb, int K,
                QRows& in, int r0, int n, float* y) {
+  if (step == 1 && n == 1 && rows >= kTwoStreamRows) {
+    two_streams(rows, w, rb, [&](int r) {
+      fn(w + r * rb, K, in.qr(r0), in.dr(r0), in.sr(r0), n, y + r, rows);
+    });
+    return;
+  }
   int j = 0;
   if (pair && n == 1)
     for (; j + 2 * step <= rows; j += 2 * step)

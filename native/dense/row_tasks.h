@@ -35,4 +35,28 @@ inline void prefetch_stream_start(const uint8_t* p, const uint8_t* end) {
     __builtin_prefetch(q, 0, Locality);
 }
 
+// Fewest plain rows a task splits into two streams (two_streams).
+constexpr int kTwoStreamRows = 16;
+
+// Plain rows [0, rows) (``rb`` bytes each from ``w``) for one token as two streams: row i of
+// each half in turn, each half's lines requested kStreamAheadBytes ahead; ``row(r)`` computes
+// row r. A core reads two sequential streams faster than one (the interleaved kernels' pair
+// calls, qdot_simd_x8.h). Decode of the Q8_0 benchmark file, 2 threads, Sapphire Rapids: 27.0 ->
+// 20.7 ms/token, the block MoE's plain rows (no prefetch before) 14.8 -> 9.0 ms, lm_head 6.3 ->
+// 5.5 ms.
+template <class RowFn>
+inline void two_streams(int rows, const uint8_t* w, int64_t rb, RowFn&& row) {
+  const int h = rows / 2;
+  const int start[2] = {0, h}, stop[2] = {h, rows};
+  const uint8_t* ahead[2] = {w, w + h * rb};
+  for (int i = 0; i < rows - h; ++i)
+    for (int s = 0; s < 2; ++s) {
+      const int r = start[s] + i;
+      if (r >= stop[s]) continue;
+      const uint8_t* want = std::min(w + stop[s] * rb, w + (r + 1) * rb + kStreamAheadBytes);
+      for (; ahead[s] < want; ahead[s] += 64) __builtin_prefetch(ahead[s], 0, 3);
+      row(r);
+    }
+}
+
 }  // namespace ftdense
