@@ -199,6 +199,7 @@ const QDotSet kQDotScalar = {"scalar",
                               row_signed32<kQ50Bytes, decode_q5_0>,
                               row_signed32<kQ40Bytes, decode_q4_0>,
                               group_x8<QType::Q4_K, row_scale_min<false>>,
-                              group_x8<QType::Q6_K, row_q6_k>}};
+                              group_x8<QType::Q6_K, row_q6_k>},
+                             {}};  // no pair kernels (qdot.h)
 
 }  // namespace ftdense
