@@ -63,78 +63,67 @@ QDOT_FN __m256i load_ctl(const uint8_t* p) {
 // 2c), high nibbles the same + 32 (sub-block 2c + 1).
 struct Q4KX8 {
   static constexpr int kMaxTokens = 3;  // 8 accumulators a token: 24 of the 32 registers
-  // G adjacent groups side by side (G = 2 with NT = 1: pair_simd)
-  template <int NT, int G = 1>
-  __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
-                                                       const float* d, const int16_t* s, float* y,
-                                                       int64_t ldy) {
-    const int nsb = K / 256, na = K / 32;
-    const int64_t gstride = int64_t{nsb} * 8 * kQ4KBytes;
+  static constexpr int kBlockBytes = kQ4KBytes;  // per row and super-block
+  // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
+      const uint8_t* blk, int K, const int8_t* q, const float* d, const int16_t* s, int sb,
+      __m256* res) {
+    const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), top = _mm256_set1_epi32(0x30303030);
-    __m256 resg[G][NT];
-    for (int g = 0; g < G; ++g)
-      for (int u = 0; u < NT; ++u) resg[g][u] = _mm256_setzero_ps();
-    for (int sb = 0; sb < nsb; ++sb)
-#pragma GCC unroll 2
-      for (int g = 0; g < G; ++g) {
-        __m256* res = resg[g];
-        const uint8_t* blk = w + g * gstride + sb * 8 * kQ4KBytes;
-        const uint8_t* qs = blk + 128;
-        // the stream kStreamAheadBytes ahead, a super-block's worth of lines per super-block (the
-        // callers prefetch only a stream's first lines: a group's burst would stall the core)
-        for (int i = 0; i < 8 * kQ4KBytes; i += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
-        // each weight word is unpacked once and read against the NT tokens
-        __m256i acc[NT][8];
-        for (int u = 0; u < NT; ++u)
-          for (int j = 0; j < 8; ++j) acc[u][j] = _mm256_setzero_si256();
-        for (int i4 = 0; i4 < 8; ++i4)
-          for (int c = 0; c < 4; ++c) {
-            const __m256i v =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (4 * i4 + c)));
-            const __m256i lo = _mm256_and_si256(v, low);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            for (int u = 0; u < NT; ++u) {
-              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
-              acc[u][2 * c] = dot_acc(acc[u][2 * c], lo, bcast32(xs));
-              acc[u][2 * c + 1] = dot_acc(acc[u][2 * c + 1], hi, bcast32(xs + 32));
-            }
-          }
-        {
-          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
-          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
-          const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 96));
-          // bytes sc_0..3 | sc_4..7 | m_0..3 | m_4..7 of each row (qdot.h's packing)
-          const __m256i sclo = _mm256_and_si256(w0, six);
-          const __m256i schi = _mm256_or_si256(_mm256_and_si256(w2, low),
-                                               _mm256_and_si256(_mm256_srli_epi32(w0, 2), top));
-          const __m256i mlo = _mm256_and_si256(w1, six);
-          const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low),
-                                              _mm256_and_si256(_mm256_srli_epi32(w1, 2), top));
-          __m256i sc[8], mp[4];  // each row's scale j as an int32; its mins (2p, 2p + 1) as int16
-          for (int j = 0; j < 8; ++j)
-            sc[j] = _mm256_shuffle_epi8(j < 4 ? sclo : schi, load_ctl(kLaneControls.byte[j & 3]));
-          for (int p = 0; p < 4; ++p)
-            mp[p] = _mm256_shuffle_epi8(p < 2 ? mlo : mhi, load_ctl(kLaneControls.pair[p & 1]));
-          const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-          const __m256 dm0 =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-          for (int u = 0; u < NT; ++u) {
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 8; ++j) sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(acc[u][j], sc[j]));
-            // sum_j m_j * (sum of the activations of sub-block j), two sub-blocks a madd
-            const int16_t* su = s + u * na + sb * 8;
-            __m256i mins = _mm256_setzero_si256();
-            for (int p = 0; p < 4; ++p) mins = madd_acc(mins, mp[p], bcast32(su + 2 * p));
-            const __m256 dx = _mm256_set1_ps(d[u * na + sb * 8]);
-            res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(dw0, dx), res[u]);
-            res[u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm0, dx), res[u]);
-          }
+    const uint8_t* qs = blk + 128;
+    // the stream kStreamAheadBytes ahead, a super-block's worth of lines per super-block (the
+    // callers prefetch only a stream's first lines: a group's burst would stall the core)
+    for (int i = 0; i < 8 * kQ4KBytes; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
+    // each weight word is unpacked once and read against the NT tokens
+    __m256i acc[NT][8];
+    for (int u = 0; u < NT; ++u)
+      for (int j = 0; j < 8; ++j) acc[u][j] = _mm256_setzero_si256();
+    for (int i4 = 0; i4 < 8; ++i4)
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (4 * i4 + c)));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int u = 0; u < NT; ++u) {
+          const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
+          acc[u][2 * c] = dot_acc(acc[u][2 * c], lo, bcast32(xs));
+          acc[u][2 * c + 1] = dot_acc(acc[u][2 * c + 1], hi, bcast32(xs + 32));
         }
       }
-    for (int g = 0; g < G; ++g)  // lane r of group g: row 8g + r
-      for (int u = 0; u < NT; ++u) _mm256_storeu_ps(y + u * ldy + 8 * g, resg[g][u]);
+    {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
+      const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 96));
+      // bytes sc_0..3 | sc_4..7 | m_0..3 | m_4..7 of each row (qdot.h's packing)
+      const __m256i sclo = _mm256_and_si256(w0, six);
+      const __m256i schi = _mm256_or_si256(_mm256_and_si256(w2, low),
+                                           _mm256_and_si256(_mm256_srli_epi32(w0, 2), top));
+      const __m256i mlo = _mm256_and_si256(w1, six);
+      const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low),
+                                          _mm256_and_si256(_mm256_srli_epi32(w1, 2), top));
+      __m256i sc[8], mp[4];  // each row's scale j as an int32; its mins (2p, 2p + 1) as int16
+      for (int j = 0; j < 8; ++j)
+        sc[j] = _mm256_shuffle_epi8(j < 4 ? sclo : schi, load_ctl(kLaneControls.byte[j & 3]));
+      for (int p = 0; p < 4; ++p)
+        mp[p] = _mm256_shuffle_epi8(p < 2 ? mlo : mhi, load_ctl(kLaneControls.pair[p & 1]));
+      const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+      const __m256 dm0 =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+      for (int u = 0; u < NT; ++u) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(acc[u][j], sc[j]));
+        // sum_j m_j * (sum of the activations of sub-block j), two sub-blocks a madd
+        const int16_t* su = s + u * na + sb * 8;
+        __m256i mins = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) mins = madd_acc(mins, mp[p], bcast32(su + 2 * p));
+        const __m256 dx = _mm256_set1_ps(d[u * na + sb * 8]);
+        res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(dw0, dx), res[u]);
+        res[u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm0, dx), res[u]);
+      }
+    }
   }
 };
 
@@ -189,111 +178,121 @@ QDOT_FN void q6k_x8_values(const uint8_t* blk, int h, int i4, __m256i low, __m25
 struct Q6KX8 {
   // 4 tokens a pass in both forms (kDotFused at 3 measured slower for 4 tokens: a 3 + 1 split)
   static constexpr int kMaxTokens = 4;
-  // G adjacent groups side by side (G = 2 with NT = 1: pair_simd)
-  template <int NT, int G = 1>
-  __attribute__((target(QDOT_TARGET))) static void run(const uint8_t* w, int K, const int8_t* q,
-                                                       const float* d, const int16_t*, float* y,
-                                                       int64_t ldy) {
-    const int nsb = K / 256, na = K / 32;
-    const int64_t gstride = int64_t{nsb} * 8 * kQ6KBytes;
+  static constexpr int kBlockBytes = kQ6KBytes;  // per row and super-block
+  // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
+      const uint8_t* blk, int K, const int8_t* q, const float* d, const int16_t*, int sb,
+      __m256* res) {
+    const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-    __m256 resg[G][NT];
-    for (int g = 0; g < G; ++g)
-      for (int u = 0; u < NT; ++u) resg[g][u] = _mm256_setzero_ps();
-    for (int sb = 0; sb < nsb; ++sb)
-#pragma GCC unroll 2
-      for (int g = 0; g < G; ++g) {
-        __m256* res = resg[g];
-        const uint8_t* blk = w + g * gstride + sb * 8 * kQ6KBytes;
-        for (int i = 0; i < 8 * kQ6KBytes; i += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
-        __m256i words[4];
-        for (int v = 0; v < 4; ++v)
-          words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-        __m256i sumi[NT];
-        if constexpr (kDotFused) {
-          // vpdpbusd sums each 16-input group (4 i4 steps of 4 inputs) exactly in int32, times
-          // its scale once: one multiply per 4 inputs and lane instead of maddubs + madd
-          for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+    for (int i = 0; i < 8 * kQ6KBytes; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
+    __m256i words[4];
+    for (int v = 0; v < 4; ++v)
+      words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i sumi[NT];
+    if constexpr (kDotFused) {
+      // vpdpbusd sums each 16-input group (4 i4 steps of 4 inputs) exactly in int32, times
+      // its scale once: one multiply per 4 inputs and lane instead of maddubs + madd
+      for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
   #pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
   #pragma GCC unroll 2
-            for (int half = 0; half < 2; ++half) {
-              __m256i acc[NT][4];
-              for (int u = 0; u < NT; ++u)
-                for (int k = 0; k < 4; ++k) acc[u][k] = _mm256_setzero_si256();
-  #pragma GCC unroll 4
-              for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
-                __m256i v[4];
-                q6k_x8_values(blk, h, i4, low, top, v);
-                for (int u = 0; u < NT; ++u) {
-                  const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
-                  for (int k = 0; k < 4; ++k) acc[u][k] = dot_acc(acc[u][k], v[k], bcast32(xs + 32 * k));
-                }
-              }
-              for (int k = 0; k < 4; ++k) {
-                const int g = 8 * h + 2 * k + half;  // scale g of each row as an int32
-                const __m256i sc = _mm256_srai_epi32(
-                    _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.top[g % 4])), 24);
-                for (int u = 0; u < NT; ++u)
-                  sumi[u] = _mm256_add_epi32(sumi[u], _mm256_mullo_epi32(acc[u][k], sc));
-              }
-            }
-        } else {
-          // per token kChains accumulators (madd_acc's latency); each weight word is unpacked
-          // once for the NT tokens
-          constexpr int kChains = NT <= 2 ? 8 : 4;
-          __m256i acc[NT][kChains];
+        for (int half = 0; half < 2; ++half) {
+          __m256i acc[NT][4];
           for (int u = 0; u < NT; ++u)
-            for (int c = 0; c < kChains; ++c) acc[u][c] = _mm256_setzero_si256();
-          for (int h = 0; h < 2; ++h)
-            for (int half = 0; half < 2; ++half) {
-              __m256i sc[4];  // scale g = 8h + 2k + half of each row, as two equal int16
-              for (int k = 0; k < 4; ++k) {
-                const int g = 8 * h + 2 * k + half;
-                sc[k] = _mm256_srai_epi16(
-                    _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.high[g % 4])), 8);
-              }
-              for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
-                __m256i v[4];
-                q6k_x8_values(blk, h, i4, low, top, v);
-                for (int u = 0; u < NT; ++u) {
-                  const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
-                  for (int k = 0; k < 4; ++k) {
-                    const int c = kChains == 8 ? k + 4 * (i4 & 1) : k;
-                    // madd + add, not madd_acc: on Zen 4 vpdpwssd measured slower here (T = 1)
-                    acc[u][c] = _mm256_add_epi32(
-                        acc[u][c],
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], bcast32(xs + 32 * k)), sc[k]));
-                  }
-                }
-              }
+            for (int k = 0; k < 4; ++k) acc[u][k] = _mm256_setzero_si256();
+  #pragma GCC unroll 4
+          for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+            __m256i v[4];
+            q6k_x8_values(blk, h, i4, low, top, v);
+            for (int u = 0; u < NT; ++u) {
+              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
+              for (int k = 0; k < 4; ++k) acc[u][k] = dot_acc(acc[u][k], v[k], bcast32(xs + 32 * k));
             }
-          for (int u = 0; u < NT; ++u) {
-            sumi[u] = acc[u][0];
-            for (int c = 1; c < kChains; ++c) sumi[u] = _mm256_add_epi32(sumi[u], acc[u][c]);
+          }
+          for (int k = 0; k < 4; ++k) {
+            const int g = 8 * h + 2 * k + half;  // scale g of each row as an int32
+            const __m256i sc = _mm256_srai_epi32(
+                _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.top[g % 4])), 24);
+            for (int u = 0; u < NT; ++u)
+              sumi[u] = _mm256_add_epi32(sumi[u], _mm256_mullo_epi32(acc[u][k], sc));
           }
         }
-        __m256i scp[8];  // scale pairs (2p, 2p + 1) of each row as int16
-        for (int p = 0; p < 8; ++p)
-          scp[p] = _mm256_srai_epi16(
-              _mm256_shuffle_epi8(words[p / 2], load_ctl(kLaneControls.pair_high[p % 2])), 8);
-        for (int u = 0; u < NT; ++u) {
-          // 32 * sum_g sc_g * sum16_g: scale pairs (g, g + 1) against the sums' pairs
-          alignas(32) int16_t s16[16];
-          sums16(q + static_cast<int64_t>(u) * K + sb * 256, s16);
-          __m256i corr = _mm256_setzero_si256();
-          for (int p = 0; p < 8; ++p) corr = madd_acc(corr, scp[p], bcast32(s16 + 2 * p));
-          const __m256i total = _mm256_sub_epi32(sumi[u], _mm256_slli_epi32(corr, 5));
-          res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
-                                   _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
+    } else {
+      // per token kChains accumulators (madd_acc's latency); each weight word is unpacked
+      // once for the NT tokens
+      constexpr int kChains = NT <= 2 ? 8 : 4;
+      __m256i acc[NT][kChains];
+      for (int u = 0; u < NT; ++u)
+        for (int c = 0; c < kChains; ++c) acc[u][c] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h)
+        for (int half = 0; half < 2; ++half) {
+          __m256i sc[4];  // scale g = 8h + 2k + half of each row, as two equal int16
+          for (int k = 0; k < 4; ++k) {
+            const int g = 8 * h + 2 * k + half;
+            sc[k] = _mm256_srai_epi16(
+                _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.high[g % 4])), 8);
+          }
+          for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+            __m256i v[4];
+            q6k_x8_values(blk, h, i4, low, top, v);
+            for (int u = 0; u < NT; ++u) {
+              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
+              for (int k = 0; k < 4; ++k) {
+                const int c = kChains == 8 ? k + 4 * (i4 & 1) : k;
+                // madd + add, not madd_acc: on Zen 4 vpdpwssd measured slower here (T = 1)
+                acc[u][c] = _mm256_add_epi32(
+                    acc[u][c],
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], bcast32(xs + 32 * k)), sc[k]));
+              }
+            }
+          }
         }
+      for (int u = 0; u < NT; ++u) {
+        sumi[u] = acc[u][0];
+        for (int c = 1; c < kChains; ++c) sumi[u] = _mm256_add_epi32(sumi[u], acc[u][c]);
       }
-    for (int g = 0; g < G; ++g)  // lane r of group g: row 8g + r
-      for (int u = 0; u < NT; ++u) _mm256_storeu_ps(y + u * ldy + 8 * g, resg[g][u]);
+    }
+    __m256i scp[8];  // scale pairs (2p, 2p + 1) of each row as int16
+    for (int p = 0; p < 8; ++p)
+      scp[p] = _mm256_srai_epi16(
+          _mm256_shuffle_epi8(words[p / 2], load_ctl(kLaneControls.pair_high[p % 2])), 8);
+    for (int u = 0; u < NT; ++u) {
+      // 32 * sum_g sc_g * sum16_g: scale pairs (g, g + 1) against the sums' pairs
+      alignas(32) int16_t s16[16];
+      sums16(q + static_cast<int64_t>(u) * K + sb * 256, s16);
+      __m256i corr = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) corr = madd_acc(corr, scp[p], bcast32(s16 + 2 * p));
+      const __m256i total = _mm256_sub_epi32(sumi[u], _mm256_slli_epi32(corr, 5));
+      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                               _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
+    }
   }
 };
+
+// An interleaved kernel over K inputs for NT tokens and G adjacent groups (8G rows, the groups'
+// bytes one after the other; G = 2 with NT = 1: pair_simd), super-block by super-block, the
+// groups' streams side by side: y[u * ldy + 8g + r] is row r of group g.
+template <class Kernel, int NT, int G>
+__attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const int8_t* q,
+                                                 const float* d, const int16_t* s, float* y,
+                                                 int64_t ldy) {
+  const int nsb = K / 256;
+  const int64_t gstride = int64_t{nsb} * 8 * Kernel::kBlockBytes;
+  __m256 res[G][NT];
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < NT; ++u) res[g][u] = _mm256_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb)
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g)
+      Kernel::template block<NT>(w + g * gstride + sb * 8 * Kernel::kBlockBytes, K, q, d, s, sb,
+                                 res[g]);
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < NT; ++u) _mm256_storeu_ps(y + u * ldy + 8 * g, res[g][u]);
+}
 
 // Kernel::kMaxTokens tokens a pass while they last (each weight word unpacked once for them),
 // then the rest in one pass.
@@ -305,14 +304,14 @@ __attribute__((target(QDOT_TARGET))) void group_simd(const uint8_t* w, int K, co
   const int64_t na = K / kQActBlock;
   int t = 0;
   for (; t + kMax <= n; t += kMax)
-    Kernel::template run<kMax>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+    x8_run<Kernel, kMax, 1>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
   const int64_t o = t;
   const int8_t* qt = q + o * K;
   if constexpr (kMax > 3)
-    if (n - t == 3) Kernel::template run<3>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+    if (n - t == 3) x8_run<Kernel, 3, 1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
   if constexpr (kMax > 2)
-    if (n - t == 2) Kernel::template run<2>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
-  if (n - t == 1) Kernel::template run<1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+    if (n - t == 2) x8_run<Kernel, 2, 1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+  if (n - t == 1) x8_run<Kernel, 1, 1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
 }
 
 // Two adjacent groups (16 rows: the second group's bytes follow the first's) for n tokens, one
@@ -327,5 +326,5 @@ __attribute__((target(QDOT_TARGET))) void pair_simd(const uint8_t* w, int K, con
                                                     float* y, int64_t ldy) {
   const int64_t na = K / kQActBlock;
   for (int t = 0; t < n; ++t)
-    Kernel::template run<1, 2>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
+    x8_run<Kernel, 1, 2>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
 }
