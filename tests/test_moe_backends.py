@@ -148,10 +148,10 @@ def test_hybrid_inputs_cross_through_the_staging_buffers(model_dir, reference):
 
 def test_staging_packs_exactly_and_lands_only_at_the_wait():
     from freetokend.experts.accelerator import StandinAccelerator
-    from freetokend.experts.device_backends import _HybridStaging
+    from freetokend.experts.hybrid_staging import HybridStaging
 
     acc = StandinAccelerator()
-    staging = _HybridStaging(acc)
+    staging = HybridStaging(acc)
     g = torch.Generator().manual_seed(0)
     for t in (1, 3, 2, 9):  # grows for 3 and 9, reused for 2
         x = torch.randn(t, 16, generator=g, dtype=torch.float32).to(torch.bfloat16)
