@@ -36,6 +36,7 @@ def dense_extension() -> Extension:
             "dense_linear.cpp",
             "dense_linear_bf16.cpp",
             "rms_norm.cpp",
+            "decode_step.cpp",
             "rope.cpp",
             "decode_attention.cpp",
             "qlinear.cpp",

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from ..models.layers import dense_native
 from .staging import to_device
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -92,7 +93,11 @@ def sample(
     batch = logits.shape[0]
     if len(params) != batch or len(generators) != batch:
         raise ValueError(f"{batch} rows but {len(params)} params and {len(generators)} generators")
-    out = torch.argmax(logits, dim=-1)  # greedy rows keep this; ties -> lowest id
+    # greedy rows keep this; ties -> lowest id (on the CPU one native pass: torch's argmax over a
+    # 50k vocabulary cost 0.3 ms of a decode step)
+    out = dense_native.argmax(logits)
+    if out is None:
+        out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

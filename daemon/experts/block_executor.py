@@ -203,6 +203,11 @@ class BlockExecutor:
         )
         return out
 
+    def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
+        """``forward`` on raw addresses the caller has checked (models/layers/cpu_decode.py):
+        x [t, H] fp32, ids [t, k] int32, w [t, k] fp32, out [t, H] fp32."""
+        self._moe.forward(x, ids, w, out, t, k, self.isa_request)
+
 
 def block_moe_reference(
     x: Tensor, flat_ids: Tensor, weights: Tensor, banks: ExpertBanks, act: ActivationSpec

@@ -248,3 +248,8 @@ class CpuExecutor:
             x.data_ptr(), flat_ids.data_ptr(), weights.data_ptr(), out.data_ptr(), t, k
         )
         return out
+
+    def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
+        """``forward`` on raw addresses the caller has checked (models/layers/cpu_decode.py):
+        x [t, H] fp32, ids [t, k] int32, w [t, k] fp32, out [t, H] fp32."""
+        self._exec.forward(x, ids, w, out, t, k)

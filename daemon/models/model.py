@@ -13,6 +13,7 @@ from torch import nn
 
 from ..engine.batch import ForwardBatch
 from .config import ModelConfig
+from .layers import cpu_decode
 from .layers.attention import Attention
 from .layers.common import DenseMLP, Linear, RMSNorm, Weight, dtype_of
 from .layers.deltanet import GatedDeltaNet
@@ -42,6 +43,15 @@ class DecoderLayer(nn.Module):
             if moe_index >= 0
             else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         )
+        self._decode_plan: cpu_decode.LayerPlan | None = None
+        self._plan_made = False
+
+    def decode_plan(self) -> cpu_decode.LayerPlan | None:
+        """The layer's native CPU decode plan (layers/cpu_decode.py), made at its first decode
+        step; None when the layer does not qualify."""
+        if not self._plan_made:
+            self._decode_plan, self._plan_made = cpu_decode.plan_for(self), True
+        return self._decode_plan
 
     def forward(
         self, h: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
@@ -66,12 +76,13 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         counters = {"linear": 0, "attn": 0}
-        layers = []
+        layers: list[DecoderLayer] = []
         for i, kind in enumerate(cfg.layer_types):
             key = "linear" if kind == "linear_attention" else "attn"
             layers.append(DecoderLayer(cfg, i, counters[key], dtype))
             counters[key] += 1
         self.layers = nn.ModuleList(layers)
+        self._decoder_layers: list[DecoderLayer] = layers  # the same, typed (the decode plans)
         self.num_linear_layers = counters["linear"]
         self.num_attention_layers = counters["attn"]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
@@ -93,8 +104,13 @@ class CausalLM(nn.Module):
         """-> logits [len(batch.logits_rows), vocab] fp32."""
         h = self.embed_tokens.weight[batch.token_ids].float()
         cos, sin = self.rope.cos_sin(batch.positions, batch.max_position)
-        for layer in self.layers:
-            h = layer(h, batch, self.rope, cos, sin)
+        step = cpu_decode.start(batch, h, cos, sin, self.rope.cfg)
+        for layer in self._decoder_layers:
+            plan = layer.decode_plan() if step is not None else None
+            if plan is not None and step is not None:
+                plan.run(h, step)  # in place: h is this forward's own tensor
+            else:
+                h = layer(h, batch, self.rope, cos, sin)
         h = self.norm(h[batch.logits_rows])
         return self.lm_head(h)
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "decode_step.h"
 #include "dense_linear.h"
 #include "dense_linear_bf16.h"
 #include "pool.h"
@@ -151,6 +152,55 @@ PYBIND11_MODULE(ftdense, m) {
       py::arg("x"), py::arg("n"), py::arg("heads"), py::arg("head_dim"), py::arg("rot"),
       py::arg("interleaved"), py::arg("cos"), py::arg("sin"), py::arg("y"),
       "x, y [n, heads, head_dim] fp32, cos/sin [n, rot/2] fp32 addresses (rope.h; GIL held).");
+  m.def(
+      "add_rms_norm",
+      [](uintptr_t h, uintptr_t delta, int64_t rows, int dim, uintptr_t scale, float eps,
+         uintptr_t y) {
+        ftdense::add_rms_norm(reinterpret_cast<float*>(h), reinterpret_cast<const float*>(delta),
+                              rows, dim, reinterpret_cast<const float*>(scale), eps,
+                              reinterpret_cast<float*>(y));
+      },
+      py::arg("h"), py::arg("delta"), py::arg("rows"), py::arg("dim"), py::arg("scale"),
+      py::arg("eps"), py::arg("y"),
+      "h [rows, dim] += delta; y = rms_norm(h) (fp32 addresses; decode_step.h; GIL held).");
+  m.def(
+      "add_rows",
+      [](uintptr_t h, uintptr_t delta, int64_t n) {
+        ftdense::add_rows(reinterpret_cast<float*>(h), reinterpret_cast<const float*>(delta), n);
+      },
+      py::arg("h"), py::arg("delta"), py::arg("n"), "h [n] += delta [n] (fp32 addresses).");
+  m.def(
+      "route_topk",
+      [](uintptr_t logits, int64_t T, int E, int k, bool softmax_first, bool renorm,
+         int32_t id_offset, uintptr_t ids, uintptr_t w) {
+        if (k < 1 || k > E) throw py::value_error("k must be in [1, E]");
+        ftdense::route_topk(reinterpret_cast<const float*>(logits), T, E, k, softmax_first, renorm,
+                            id_offset, reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(w));
+      },
+      py::arg("logits"), py::arg("T"), py::arg("E"), py::arg("k"), py::arg("softmax_first"),
+      py::arg("renorm"), py::arg("id_offset"), py::arg("ids"), py::arg("w"),
+      "Router logits [T, E] fp32 -> ids [T, k] int32 (+ id_offset), w [T, k] fp32 (decode_step.h).");
+  m.def(
+      "kv_store",
+      [](uintptr_t k, uintptr_t v, int64_t n, int64_t width, uintptr_t slots, uintptr_t k_pool,
+         uintptr_t v_pool, bool bf16) {
+        ftdense::kv_store(reinterpret_cast<const float*>(k), reinterpret_cast<const float*>(v), n,
+                          width, reinterpret_cast<const int64_t*>(slots),
+                          reinterpret_cast<void*>(k_pool), reinterpret_cast<void*>(v_pool), bf16);
+      },
+      py::arg("k"), py::arg("v"), py::arg("n"), py::arg("width"), py::arg("slots"),
+      py::arg("k_pool"), py::arg("v_pool"), py::arg("bf16"),
+      "k, v [n, width] fp32 (v 0: K alone) -> pool rows slots [n] int64 of k_pool / v_pool "
+      "(bf16 or fp32; decode_step.h).");
+  m.def(
+      "argmax_rows",
+      [](uintptr_t logits, int64_t B, int64_t V, uintptr_t out) {
+        if (V < 1) throw py::value_error("V must be >= 1");
+        ftdense::argmax_rows(reinterpret_cast<const float*>(logits), B, V,
+                             reinterpret_cast<int64_t*>(out));
+      },
+      py::arg("logits"), py::arg("B"), py::arg("V"), py::arg("out"),
+      "out [B] int64 = argmax of each row of logits [B, V] fp32 (first of ties, NaN first).");
   m.def("attention_isa", [] {
     std::lock_guard<std::mutex> lock(state().mu);
     return std::string(state().attention ? ftdense::range_kernel_name(state().attention) : "");

@@ -159,6 +159,24 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """``torch.argmax(logits, dim=-1)`` of [B, V] fp32 CPU logits in one native pass (the first
+    of equal maxima; NaN counts as the largest), or None where the native path does not apply.
+    torch's takes ~135 us for a 50k vocabulary on one thread, a vectorised pass ~10."""
+    if not (
+        _on()
+        and logits.dim() == 2
+        and logits.dtype == torch.float32
+        and logits.device.type == "cpu"
+        and logits.shape[1] > 0
+    ):
+        return None
+    lc = logits.contiguous()
+    out = torch.empty(lc.shape[0], dtype=torch.int64)
+    _native.argmax_rows(lc.data_ptr(), lc.shape[0], lc.shape[1], out.data_ptr())
+    return out
+
+
 def rope_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether `rope` takes x [N, heads, head_dim] with cos/sin [N, rot/2]: fp32 CPU tensors,
     no autograd."""

@@ -1,0 +1,117 @@
+"""Where one decode step of freetoken's `cpu` backend spends its time, by part.
+
+    .venv/bin/python tests/bench/profile_decode.py MODEL [--threads 2] [--tokens 64]
+        [--quantize q4_k_m] [--quantize-experts q4_k] [--bf16-dot]
+
+MODEL is a checkpoint folder or a GGUF file (the decode benchmark's are in
+/tmp/ftbench_decode: `mid/`, `mid-q4_k_m.gguf`, ...). After a warm-up, it decodes --tokens
+greedy tokens --rounds times with a wall-clock timer around each part of the forward (the dense
+projections split into lm_head and the rest, the routed experts, decode attention, norms, the
+router's top-k, rope) and prints milliseconds per token for each, the median round's; "glue" is the
+step's time less the parts (Python, torch's small ops, the scheduler and the sampler). The timers
+cost a few microseconds a call, so the step is a little slower than in bench_decode.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+_acc: dict[str, float] = defaultdict(float)
+
+
+def _timed(label: Callable[..., str] | str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        name = label if isinstance(label, str) else label(*args, **kwargs)
+        _acc[name] += time.perf_counter() - t0
+        return out
+
+    return wrapper
+
+
+def _instrument(vocab: int) -> None:
+    """Timers around the parts, patched where the forward looks them up."""
+    from freetokend.experts import backend
+    from freetokend.models.layers import attention, common, moe
+
+    def linear_label(self: Any, x: Any) -> str:
+        rows = self.qweight.rows if self.qweight is not None else self.weight.shape[0]
+        return "lm_head" if rows == vocab else "dense projections"
+
+    common.Linear.forward = _timed(linear_label, common.Linear.forward)  # type: ignore[method-assign]
+    proj = _timed("dense projections", common.project)
+    attention.project = proj  # type: ignore[attr-defined]
+    common.project = proj
+    attention.paged_attention = _timed("decode attention", attention.paged_attention)  # type: ignore[attr-defined]
+    common.RMSNorm.forward = _timed("norms", common.RMSNorm.forward)  # type: ignore[method-assign]
+    moe.route = _timed("router top-k", moe.route)  # type: ignore[attr-defined]
+    backend.CpuBackend.forward = _timed("routed experts", backend.CpuBackend.forward)  # type: ignore[method-assign]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--quantize-experts", default=None)
+    ap.add_argument("--bf16-dot", action="store_true")
+    a = ap.parse_args()
+
+    import torch
+
+    from freetokend import LLM
+    from freetokend.engine.sampler import SamplingParams
+    from freetokend.models.layers import rope
+
+    torch.set_num_threads(a.threads)
+    llm = LLM(
+        a.model,
+        moe_backend="cpu",
+        threads=a.threads,
+        max_model_len=4096,
+        quantize=a.quantize,
+        quantize_experts=a.quantize_experts,
+        cpu_bf16_dot=a.bf16_dot,
+    )
+    vocab = llm.config.vocab_size
+    _instrument(vocab)
+    rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
+    step = _timed("step", llm.engine.step)
+    prompt = [(7 * i + 3) % (vocab - 1) for i in range(16)]
+    rounds: list[dict[str, float]] = []
+    for r in range(a.rounds + 1):  # the first is the warm-up
+        llm.engine.add_request(
+            f"p{r}", prompt, SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)
+        )
+        step()  # the prefill
+        _acc.clear()
+        n = 0
+        while llm.engine.has_unfinished():
+            step()
+            n += 1
+        rounds.append({k: v * 1e3 / n for k, v in _acc.items()})
+    rounds = rounds[1:]
+    mid = sorted(rounds, key=lambda t: t["step"])[len(rounds) // 2]
+    parts = {k: v for k, v in mid.items() if k != "step"}
+    print(f"{a.model}: {llm.config.num_layers} layers, {a.threads} threads")
+    print(f"{'part':<20} {'ms/token':>9}")
+    for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"{k:<20} {v:9.3f}")
+    print(f"{'glue':<20} {mid['step'] - sum(parts.values()):9.3f}")
+    steps = sorted(t["step"] for t in rounds)
+    print(f"{'step':<20} {mid['step']:9.3f}   (rounds: {', '.join(f'{s:.2f}' for s in steps)})")
+    print(f"median step {statistics.median(steps):.3f} ms = {1e3 / statistics.median(steps):.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The native CPU decode path (models/layers/cpu_decode.py) against the generic layers, and its
+small native steps (native/dense/decode_step.h) against their torch references.
+
+The fast path calls the generic path's own kernels, so a decode step differs only where the
+native top-k's softmax rounds differently from torch's (routing weights, last bits): logits
+within 1e-4 (measured below 1e-5 on these models, whose logits are of order 1-5) and the same
+greedy tokens, over several decode rows of different lengths at once. Both the bf16 path
+(dense_native projections, ftnative's expert executor) and the GGUF-block path (q4_k_m preset:
+integer dots, the block MoE) are covered; transformers checks the path too, through every test
+that decodes a qualifying model on the cpu backend (test_engine_families and others).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.engine.runner import Work
+from freetokend.models.layers import cpu_decode, dense_native, qlinear_native
+from freetokend.models.layers.moe import SparseMoE, route
+
+pytestmark = pytest.mark.skipif(not qlinear_native.available(), reason="ftdense not built")
+nat = dense_native._native
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    # hidden 256, o_proj inputs 4 x 64: the q4_k_m preset quantizes every projection
+    path, _ = make_tiny(
+        "qwen3_moe",
+        tmp_path_factory.mktemp("cpu-decode"),
+        seed=3,
+        dtype=torch.bfloat16,
+        hidden_size=256,
+        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return path
+
+
+def _decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Logits [steps, rows, vocab] of greedy decode steps of all prompts batched together."""
+    runner = llm.runner
+    states = [runner.new_state() for _ in prompts]
+    toks = [
+        int(runner.forward([Work(st, p)])[0].argmax())
+        for st, p in zip(states, prompts, strict=True)
+    ]
+    logits, tokens = [], []
+    for _ in range(steps):
+        lg = runner.forward([Work(st, [t]) for st, t in zip(states, toks, strict=True)])
+        logits.append(lg.clone())
+        toks = lg.argmax(-1).tolist()
+        tokens.append(toks)
+    for st in states:
+        runner.release(st)
+    return torch.stack(logits), tokens
+
+
+@pytest.mark.parametrize("quantize", [None, "q4_k_m"])
+def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(
+        str(ckpt), moe_backend="cpu", quantize=quantize, prefix_cache=False, max_model_len=256
+    )
+    runs = [0]
+    run = cpu_decode.LayerPlan.run
+
+    def counted(self, h, step):  # type: ignore[no-untyped-def]
+        runs[0] += 1
+        return run(self, h, step)
+
+    monkeypatch.setattr(cpu_decode.LayerPlan, "run", counted)
+    prompts = [[5, 17, 90, 3], [42] * 19, list(range(20, 60))]  # page-crossing lengths too
+    old = cpu_decode.set_enabled(False)
+    try:
+        ref, ref_tokens = _decode(llm, prompts, 12)
+    finally:
+        cpu_decode.set_enabled(old)
+    assert runs[0] == 0
+    got, tokens = _decode(llm, prompts, 12)
+    # every MoE layer (this model also has a dense-MLP layer, which keeps the generic path)
+    moe_layers = sum(isinstance(layer.mlp, SparseMoE) for layer in llm.model.layers)
+    assert 0 < moe_layers < llm.config.num_layers
+    assert runs[0] == 12 * moe_layers  # each decode step took the fast path in each of them
+    assert tokens == ref_tokens
+    assert (got - ref).abs().max().item() < TOL
+    assert ref.abs().max().item() > 0.5  # real logits, not zeros
+
+
+def test_float32_layers_keep_the_generic_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path, _ = make_tiny("qwen3_moe", tmp_path, seed=1)
+    llm = LLM(str(path), moe_backend="cpu", dtype="float32", prefix_cache=False, max_model_len=64)
+    llm.generate([1, 2, 3], 3, ignore_eos=True)
+    assert all(layer.decode_plan() is None for layer in llm.model.layers)
+
+
+def test_add_rms_norm_is_add_then_rms_norm() -> None:
+    g = torch.Generator().manual_seed(0)
+    h, d = torch.randn(3, 96, generator=g), torch.randn(3, 96, generator=g)
+    scale = torch.rand(96, generator=g) + 0.5
+    want_h = h + d
+    want = dense_native.rms_norm(want_h, scale, 1e-6)
+    y = torch.empty(3, 96)
+    nat.add_rms_norm(h.data_ptr(), d.data_ptr(), 3, 96, scale.data_ptr(), 1e-6, y.data_ptr())
+    assert torch.equal(h, want_h) and torch.equal(y, want)
+    ref = torch.nn.functional.rms_norm(want_h, (96,), scale, 1e-6)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("softmax_first", "renorm"), [(True, True), (True, False), (False, False)])
+def test_route_topk_matches_route(softmax_first: bool, renorm: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 64, generator=g) * 3
+    want_ids, want_w = route(logits, 6, softmax_first, renorm)
+    ids = torch.empty(5, 6, dtype=torch.int32)
+    w = torch.empty(5, 6)
+    nat.route_topk(
+        logits.data_ptr(), 5, 64, 6, softmax_first, renorm, 128, ids.data_ptr(), w.data_ptr()
+    )
+    assert torch.equal(ids.long() - 128, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+    # a tie keeps the lower expert first (torch.topk leaves the order of ties unspecified)
+    logits[0, 40] = logits[0, 9] = 50.0
+    nat.route_topk(
+        logits.data_ptr(), 1, 64, 6, softmax_first, renorm, 0, ids.data_ptr(), w.data_ptr()
+    )
+    assert ids[0, :2].tolist() == [9, 40]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_store_is_the_pool_cast(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 24, generator=g), torch.randn(2, 24, generator=g)
+    k[0, 0], k[0, 1], v[1, 2] = math.nan, math.inf, 1.0 + 2**-9  # NaN, inf, a rounding tie
+    kp, vp = torch.zeros(10, 24, dtype=dtype), torch.zeros(10, 24, dtype=dtype)
+    slots = torch.tensor([7, 2], dtype=torch.int64)
+    want_k, want_v = kp.clone(), vp.clone()
+    want_k[slots], want_v[slots] = k.to(dtype), v.to(dtype)
+    nat.kv_store(
+        k.data_ptr(),
+        v.data_ptr(),
+        2,
+        24,
+        slots.data_ptr(),
+        kp.data_ptr(),
+        vp.data_ptr(),
+        dtype == torch.bfloat16,
+    )
+    # bit for bit but NaN, whose payload torch's vectorised cast sets otherwise (0xFFFF)
+    torch.testing.assert_close(kp, want_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(vp, want_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 17, 50257])
+def test_argmax_is_torch_argmax(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(4, vocab, generator=g)
+    x[1] = -math.inf
+    if vocab > 3:
+        x[2, vocab - 3] = x[2, vocab - 1] = 1e9  # ties: the first
+        x[3, vocab // 2] = x[3, vocab - 1] = math.nan  # NaN is the largest: the first
+    got = dense_native.argmax(x)
+    assert got is not None and torch.equal(got, torch.argmax(x, dim=-1))
