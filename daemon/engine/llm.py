@@ -19,6 +19,7 @@ from ..experts import accelerator as accelerators
 from ..experts.accelerator import Accelerator
 from ..experts.backend import (
     BACKENDS,
+    CpuBackend,
     RoutingRecorder,
     SlotBudget,
     create_backend,
@@ -29,6 +30,7 @@ from ..experts.banks import ActivationSpec, activation_of
 from ..models.config import ModelConfig
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
+from ..models.hugepages import back_with_huge_pages, weight_tensors
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import kv_bytes_per_token
 from ..models.registry import family_spec
@@ -111,6 +113,9 @@ class LLM:
                  the CPU has AVX512-BF16: activations rounded to bf16 as llama.cpp's BF16 path
                  does (the dense projections round them already); else logged, and the fp32
                  activation kernels run
+    huge_pages   with the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge
+                 pages after load (models/hugepages.py: fewer TLB misses in the weight streams
+                 of every token; where the kernel refuses, logged and left as they are)
     """
 
     def __init__(
@@ -141,6 +146,7 @@ class LLM:
         quantize: str | None = None,
         cuda_graphs: bool = False,
         cpu_bf16_dot: bool = False,
+        huge_pages: bool = True,
     ) -> None:
         if moe_backend not in BACKENDS:
             raise ValueError(
@@ -197,6 +203,8 @@ class LLM:
                 self.cpu_isa = _cpu_isa(cpu_bf16_dot, threads)
                 self.moe = self._backend(backend, act, moe_slots, bandwidth, threads,
                                          max_step_tokens, kv, snapshots)  # fmt: skip
+                if huge_pages and isinstance(self.moe, CpuBackend):  # the CPU streams them
+                    back_with_huge_pages(weight_tensors(self.model, self.moe.banks))
                 if record_routing is not None:
                     self.moe = RoutingRecorder(self.moe, record_routing)
                 self.runner = ModelRunner(self.model, self.moe, kv, page_size, self.placement)

@@ -133,6 +133,7 @@ class ControlPlane:
             quantize=preset,
             cuda_graphs=cfg.cuda_graphs,
             cpu_bf16_dot=cfg.cpu_bf16_dot,
+            huge_pages=cfg.huge_pages,
         )
 
     def _registered_names(self) -> list[str]:

@@ -1,15 +1,17 @@
 """Where one decode step of freetoken's `cpu` backend spends its time, by part.
 
     .venv/bin/python tests/bench/profile_decode.py MODEL [--threads 2] [--tokens 64]
-        [--quantize q4_k_m] [--quantize-experts q4_k] [--bf16-dot]
+        [--quantize q4_k_m] [--quantize-experts q4_k] [--bf16-dot] [--generic]
 
 MODEL is a checkpoint folder or a GGUF file (the decode benchmark's are in
 /tmp/ftbench_decode: `mid/`, `mid-q4_k_m.gguf`, ...). After a warm-up, it decodes --tokens
 greedy tokens --rounds times with a wall-clock timer around each part of the forward (the dense
 projections split into lm_head and the rest, the routed experts, decode attention, norms, the
 router's top-k, rope) and prints milliseconds per token for each, the median round's; "glue" is the
-step's time less the parts (Python, torch's small ops, the scheduler and the sampler). The timers
-cost a few microseconds a call, so the step is a little slower than in bench_decode.py.
+step's time less the parts (Python, torch's small ops, the scheduler and the sampler). Layers that
+take the native decode path (models/layers/cpu_decode.py) count as one part, "native decode
+layers", unless --generic switches that path off. The timers cost a few microseconds a call, so
+the step is a little slower than in bench_decode.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _timed(label: Callable[..., str] | str, fn: Callable[..., Any]) -> Callable[
 def _instrument(vocab: int) -> None:
     """Timers around the parts, patched where the forward looks them up."""
     from freetokend.experts import backend
-    from freetokend.models.layers import attention, common, moe
+    from freetokend.models.layers import attention, common, cpu_decode, moe
 
     def linear_label(self: Any, x: Any) -> str:
         rows = self.qweight.rows if self.qweight is not None else self.weight.shape[0]
@@ -52,6 +54,7 @@ def _instrument(vocab: int) -> None:
     common.RMSNorm.forward = _timed("norms", common.RMSNorm.forward)  # type: ignore[method-assign]
     moe.route = _timed("router top-k", moe.route)  # type: ignore[attr-defined]
     backend.CpuBackend.forward = _timed("routed experts", backend.CpuBackend.forward)  # type: ignore[method-assign]
+    cpu_decode.LayerPlan.run = _timed("native decode layers", cpu_decode.LayerPlan.run)  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -65,15 +68,17 @@ def main() -> None:
     ap.add_argument("--quantize", default=None)
     ap.add_argument("--quantize-experts", default=None)
     ap.add_argument("--bf16-dot", action="store_true")
+    ap.add_argument("--generic", action="store_true", help="without the native decode path")
     a = ap.parse_args()
 
     import torch
 
     from freetokend import LLM
     from freetokend.engine.sampler import SamplingParams
-    from freetokend.models.layers import rope
+    from freetokend.models.layers import cpu_decode, rope
 
     torch.set_num_threads(a.threads)
+    cpu_decode.set_enabled(not a.generic)
     llm = LLM(
         a.model,
         moe_backend="cpu",
