@@ -340,6 +340,7 @@ class EngineCore:
                 [reqs[i].params for i in live],
                 [reqs[i].generator for i in live],
                 place.fetch,
+                host=not place.on_device,
             )
             for j, i in enumerate(live):
                 ids[i] = got[j]

@@ -69,12 +69,14 @@ def sample_rows(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     fetch: Callable[[torch.Tensor], torch.Tensor] = _same,
+    host: bool = False,
 ) -> tuple[list[int | None], dict[int, str]]:
     """Next token per row of ``logits`` [B, V] (None where that row failed) and {row: reason}.
-    ``fetch`` brings the sampled ids to the host (logits on a device: the step's one read)."""
+    ``fetch`` brings the sampled ids to the host (logits on a device: the step's one read);
+    ``host``: the model runs on the CPU (``sample``'s native argmax may serve)."""
     saved = [g.get_state() if g is not None else None for g in generators]
     try:
-        return list(fetch(sample(logits, params, generators)).tolist()), {}
+        return list(fetch(sample(logits, params, generators, host)).tolist()), {}
     except Exception:
         log.warning("batched sampling failed; sampling row by row", exc_info=True)
     ids: list[int | None] = []
@@ -83,7 +85,7 @@ def sample_rows(
         if g is not None and state is not None:
             g.set_state(state)
         try:
-            ids.append(int(fetch(sample(logits[i : i + 1], [p], [g]))[0]))
+            ids.append(int(fetch(sample(logits[i : i + 1], [p], [g], host))[0]))
         except Exception as e:
             ids.append(None)
             errors[i] = _why("sampling", e)

@@ -85,8 +85,11 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    host: bool = False,
 ) -> torch.Tensor:
     """logits [B, V] float32 -> next token ids [B] int64 (one SamplingParams/generator per row).
+    ``host``: the model runs on the CPU, so the greedy argmax may take the native pass (not on
+    an accelerator's CPU stand-in, which runs the device code path).
 
     The sampled rows' parameters reach the logits' device in one asynchronous copy (``staging``):
     no host sync before the token ids are read."""
@@ -95,7 +98,7 @@ def sample(
         raise ValueError(f"{batch} rows but {len(params)} params and {len(generators)} generators")
     # greedy rows keep this; ties -> lowest id (on the CPU one native pass: torch's argmax over a
     # 50k vocabulary cost 0.3 ms of a decode step)
-    out = dense_native.argmax(logits)
+    out = dense_native.argmax(logits) if host else None
     if out is None:
         out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -96,7 +96,9 @@ def main() -> None:
     rounds: list[dict[str, float]] = []
     for r in range(a.rounds + 1):  # the first is the warm-up
         llm.engine.add_request(
-            f"p{r}", prompt, SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)
+            f"p{r}",
+            prompt,
+            SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True),
         )
         step()  # the prefill
         _acc.clear()
@@ -115,7 +117,9 @@ def main() -> None:
     print(f"{'glue':<20} {mid['step'] - sum(parts.values()):9.3f}")
     steps = sorted(t["step"] for t in rounds)
     print(f"{'step':<20} {mid['step']:9.3f}   (rounds: {', '.join(f'{s:.2f}' for s in steps)})")
-    print(f"median step {statistics.median(steps):.3f} ms = {1e3 / statistics.median(steps):.1f} tok/s")
+    print(
+        f"median step {statistics.median(steps):.3f} ms = {1e3 / statistics.median(steps):.1f} tok/s"
+    )
 
 
 if __name__ == "__main__":

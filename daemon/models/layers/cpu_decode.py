@@ -54,7 +54,7 @@ def _project(mods: list[Linear]) -> Project | None:
         codes = [q.code for q in qws]  # type: ignore[union-attr]
         qlinear = dense_native._native.qlinear
 
-        def run_q(x: int, t: int, ys: list[int]) -> None:
+        def run_q(x: int, t: int, ys: list[int], _keep: object = qws) -> None:
             qlinear(x, t, k, ptrs, rows, codes, ys, "")
 
         return run_q
@@ -67,7 +67,7 @@ def _project(mods: list[Linear]) -> Project | None:
     wrows = [w.shape[0] for w in ws]
     linear = dense_native._native.linear
 
-    def run_bf16(x: int, t: int, ys: list[int]) -> None:
+    def run_bf16(x: int, t: int, ys: list[int], _keep: object = ws) -> None:
         linear(x, t, k, wptrs, wrows, ys, True, True)
 
     return run_bf16
@@ -79,9 +79,9 @@ def _rows(m: Linear) -> int:
 
 class LayerPlan:
     """One qualifying decoder layer's weights as addresses and the native calls that decode it.
-    It holds the layer's tensors (their addresses stay valid while it lives); the model's
+    It holds the tensors behind those addresses (they stay valid while it lives); the model's
     weights do not change after load on the CPU (placement moves them to a device, where the
-    fast path does not run)."""
+    fast path does not run), and the norms' fp32 scales are taken once, here."""
 
     def __init__(
         self,
@@ -92,7 +92,8 @@ class LayerPlan:
         o: Project,
         router: Project,
     ) -> None:
-        self.layer = layer  # keeps every tensor whose address is held below alive
+        # attn and moe hold the projections' tensors (the closures keep them too); no reference
+        # back to the layer, so an unloaded model's weights go with its last reference
         self.attn, self.moe = attn, moe
         self.qkv, self.o, self.router = qkv, o, router
         self.hidden = _rows(attn.o_proj)
