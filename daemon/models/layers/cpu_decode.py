@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...engine.batch import ForwardBatch
+from ..config import RopeConfig
 from . import dense_native, qlinear_native
 from .attention import Attention
 from .common import Linear, RMSNorm
@@ -239,7 +240,7 @@ def set_enabled(on: bool) -> bool:
 
 
 def start(
-    batch: ForwardBatch, h: Tensor, cos: Tensor, sin: Tensor, rope_cfg: object
+    batch: ForwardBatch, h: Tensor, cos: Tensor, sin: Tensor, rope_cfg: RopeConfig
 ) -> DecodeStep | None:
     """A `DecodeStep` when this forward is a decode step the fast path can run: every chunk one
     row, the residual stream, KV pool and MoE executor on the CPU with native kernels on."""
@@ -264,8 +265,8 @@ def start(
     kp = batch.kv.k[0]
     if kp.device.type != "cpu" or kp.dtype not in (torch.bfloat16, torch.float32):
         return None
-    rot = int(getattr(rope_cfg, "rotary_dim", 0))
+    rot = rope_cfg.rotary_dim
     if rot == 0 or cos.shape[-1] != rot // 2:
         return None
     c, s = cos.float().contiguous(), sin.float().contiguous()
-    return DecodeStep(batch, moe, c, s, rot, bool(getattr(rope_cfg, "interleaved", False)))
+    return DecodeStep(batch, moe, c, s, rot, rope_cfg.interleaved)
