@@ -52,9 +52,10 @@ QDOT_FN __m256i load_ctl(const uint8_t* p) {
 }
 
 // An interleaved kernel requests row_tasks.h's kStreamAheadBytes ahead of the super-block it
-// computes, a super-block's lines per super-block (2 threads from DRAM: Q4_K at 1.2-1.3x the
-// plain kernel's rate; when the callers prefetched whole groups instead, the burst stalled the
-// core and it read at 0.87x; the callers prefetch only a stream's first lines).
+// computes, into L2 (row_tasks.h says why), a super-block's lines per super-block (2 threads
+// from DRAM: Q4_K at 1.2-1.3x the plain kernel's rate; when the callers prefetched whole groups
+// instead, the burst stalled the core and it read at 0.87x; the callers prefetch only a
+// stream's first lines).
 
 // Q4_K x8: per super-block the 8 rows' fp16 d and dmin (16 bytes each), their packed 6-bit
 // scales as three 32-byte words (word w of row r at 32 + 32w + 4r), then the nibbles: vector
@@ -76,7 +77,7 @@ struct Q4KX8 {
     // the stream kStreamAheadBytes ahead, a super-block's worth of lines per super-block (the
     // callers prefetch only a stream's first lines: a group's burst would stall the core)
     for (int i = 0; i < 8 * kQ4KBytes; i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T1);
     // each weight word is unpacked once and read against the NT tokens
     __m256i acc[NT][8];
     for (int u = 0; u < NT; ++u)
@@ -187,7 +188,7 @@ struct Q6KX8 {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     for (int i = 0; i < 8 * kQ6KBytes; i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T1);
     __m256i words[4];
     for (int v = 0; v < 4; ++v)
       words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));

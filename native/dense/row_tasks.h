@@ -10,8 +10,14 @@
 namespace ftdense {
 
 // Weight bytes requested ahead of what a kernel reads (qdot_simd_x8.h's kernels, qlinear.cpp's
-// plain rows): 2.3, 4 and 8 KiB measured alike on 2 threads from DRAM, 12 KiB the same as 4.
-constexpr int64_t kStreamAheadBytes = 4096;
+// plain rows), into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few L1 miss
+// slots until its line lands, an L2 one lets more lines be in flight. AMD EPYC (Zen 4) VM, 2
+// threads, T = 1 from DRAM (bench_qlinear.py, 4096 x 4096), time over the bf16 gemv's in the
+// same run, two builds alternated twice: into L1 4 KiB ahead q4_k 0.45/0.50x, q6_k 0.59/0.69x,
+// q8_0 1.06/1.10x; into L2 8 KiB ahead 0.36/0.35x, 0.44/0.46x, 0.61/0.66x; decode of the Q4_K_M
+// benchmark file in the same runs 14.2/11.2 -> 12.2/10.7 ms/token. Into L2, 4 and 8 KiB ahead
+// measured alike. (Sapphire Rapids, into L1: 2.3, 4 and 8 KiB alike.)
+constexpr int64_t kStreamAheadBytes = 8192;
 
 // Tasks a pool thread should get at least: enough to even out threads that start late.
 constexpr int kTasksPerThread = 4;
@@ -39,11 +45,11 @@ inline void prefetch_stream_start(const uint8_t* p, const uint8_t* end) {
 constexpr int kTwoStreamRows = 16;
 
 // Plain rows [0, rows) (``rb`` bytes each from ``w``) for one token as two streams: row i of
-// each half in turn, each half's lines requested kStreamAheadBytes ahead; ``row(r)`` computes
-// row r. A core reads two sequential streams faster than one (the interleaved kernels' pair
-// calls, qdot_simd_x8.h). Decode of the Q8_0 benchmark file, 2 threads, Sapphire Rapids: 27.0 ->
-// 20.7 ms/token, the block MoE's plain rows (no prefetch before) 14.8 -> 9.0 ms, lm_head 6.3 ->
-// 5.5 ms.
+// each half in turn, each half's lines requested kStreamAheadBytes ahead (into L2); ``row(r)``
+// computes row r. A core reads two sequential streams faster than one (the interleaved
+// kernels' pair calls, qdot_simd_x8.h). Decode of the Q8_0 benchmark file, 2 threads, Sapphire
+// Rapids: 27.0 -> 20.7 ms/token, the block MoE's plain rows (no prefetch before) 14.8 -> 9.0 ms,
+// lm_head 6.3 -> 5.5 ms.
 template <class RowFn>
 inline void two_streams(int rows, const uint8_t* w, int64_t rb, RowFn&& row) {
   const int h = rows / 2;
@@ -54,7 +60,7 @@ inline void two_streams(int rows, const uint8_t* w, int64_t rb, RowFn&& row) {
       const int r = start[s] + i;
       if (r >= stop[s]) continue;
       const uint8_t* want = std::min(w + stop[s] * rb, w + (r + 1) * rb + kStreamAheadBytes);
-      for (; ahead[s] < want; ahead[s] += 64) __builtin_prefetch(ahead[s], 0, 3);
+      for (; ahead[s] < want; ahead[s] += 64) __builtin_prefetch(ahead[s], 0, 2);
       row(r);
     }
 }
