@@ -16,8 +16,8 @@ with Q6_K for attn_v, ffn_down_exps and output, as llama.cpp's mix; quantized by
 gguf_blocks, as the gguf package has no K-quant quantizer) stays in its blocks too.
 
 --generate N: the child loads the file as the daemon does (``LLM``, the CPU backend, a 4096-token
-KV pool) and decodes N tokens before its peak RSS is read: the figure while serving, the KV pool
-and the decode's activations included.
+KV pool) and decodes N tokens before its peak RSS is read: the figure while serving, the KV pool's
+written pages and the decode's activations included.
 """
 
 from __future__ import annotations
@@ -202,9 +202,8 @@ def main() -> None:
         kv = r["kv_bytes"]
         print(
             f"served: {r['generated']} tokens decoded in {r['generate_s']:.2f} s before the peak; "
-            f"KV pool {kv / 2**30:.2f} GiB (its default size, allocated up front); peak over "
-            f"baseline less the KV pool {(peak - base - kv) / 2**30:.2f} GiB "
-            f"(/ file size {(peak - base - kv) / size:.3f})"
+            f"KV pool {kv / 2**30:.2f} GiB reserved (its default size; only the pages written "
+            "so far are resident, so it is part of the peak only as far as it was used)"
         )
 
 
