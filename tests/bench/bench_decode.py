@@ -62,7 +62,8 @@ CACHE = Path("/tmp/ftbench_decode")
 #   *-q8_0, *-q4_k_m   llama.cpp: its quantizer's preset on the BF16 GGUF (what users download);
 #              freetoken: our `quantize` preset of the BF16 checkpoint (models/dense_quant.py)
 #   freetoken-gguf-*   freetoken loading llama.cpp's quantized file itself: the same file, so
-#              the same bytes (quant types without a native kernel are dequantized at load)
+#              the same bytes (quant types without a native kernel are dequantized at load;
+#              MXFP4 experts become our own mxfp4 banks, the float executor's)
 #   freetoken-bf16dot  the BF16 checkpoint with cpu_bf16_dot (vdpbf16ps, activations rounded to
 #              bf16 as llama.cpp's BF16 path; the plain row where the CPU lacks AVX512-BF16)
 #   freetoken-q4_k     our experts only in GGUF q4_k blocks (quantize_experts="q4_k", integer
@@ -75,6 +76,7 @@ ENGINES = (
     "llama.cpp",
     "freetoken-mxfp4",
     "llama.cpp-mxfp4",
+    "freetoken-gguf-mxfp4",
     "freetoken-q8_0",
     "llama.cpp-q8_0",
     "freetoken-gguf-q8_0",
@@ -94,6 +96,7 @@ _PAIRS = (
     ("freetoken", "llama.cpp"),
     ("freetoken-bf16dot", "llama.cpp"),
     ("freetoken-mxfp4", "llama.cpp-mxfp4"),
+    ("freetoken-gguf-mxfp4", "llama.cpp-mxfp4"),
     ("freetoken-q8_0", "llama.cpp-q8_0"),
     ("freetoken-gguf-q8_0", "llama.cpp-q8_0"),
     ("freetoken-q4_k_m", "llama.cpp-q4_k_m"),

@@ -251,6 +251,8 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true", help="block formats, 1 thread, CPU time")
     ap.add_argument("--prefill-t", type=int, default=32, help="tokens of --cpu-time's batch")
     args = ap.parse_args()
+    if args.iters < 1 or args.prefill_iters < 1:
+        ap.error("--iters and --prefill-iters take at least 1")
     if args.cpu_time:
         if args.formats == ap.get_default("formats"):
             args.formats = "q4_k,q6_k,q8_0"
