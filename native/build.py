@@ -42,6 +42,7 @@ def extensions() -> list[Extension]:
         "ftnative",
         sources,
         include_dirs=[str(_SRC.relative_to(root))],
+        depends=[str(p.relative_to(root)) for p in _SRC.glob("*.h")],  # (see dense_build.py)
         cxx_std=17,
         extra_compile_args=["-O3", "-Wall", "-Wextra", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],

@@ -54,6 +54,10 @@ def dense_extension() -> Extension:
         "ftdense",
         [str(p.relative_to(root)) for p in (*own, *shared)],  # setuptools wants relative paths
         include_dirs=[str((_NATIVE / d).relative_to(root)) for d in ("dense", "src")],
+        # the headers too: without them setuptools skips a build after a header-only change
+        depends=[
+            str(p.relative_to(root)) for d in ("dense", "src") for p in (_NATIVE / d).glob("*.h")
+        ],
         cxx_std=17,
         extra_compile_args=["-O3", "-Wall", "-Wextra", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
