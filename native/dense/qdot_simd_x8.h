@@ -65,6 +65,7 @@ QDOT_FN __m256i load_ctl(const uint8_t* p) {
 struct Q4KX8 {
   static constexpr int kMaxTokens = 3;  // 8 accumulators a token: 24 of the 32 registers
   static constexpr int kBlockBytes = kQ4KBytes;  // per row and super-block
+  static constexpr bool kSums16 = false;  // block's s: the quantiser's 32-input sums (qdot.h)
   // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
@@ -180,10 +181,13 @@ struct Q6KX8 {
   // 4 tokens a pass in both forms (kDotFused at 3 measured slower for 4 tokens: a 3 + 1 split)
   static constexpr int kMaxTokens = 4;
   static constexpr int kBlockBytes = kQ6KBytes;  // per row and super-block
+  // block's s: the super-block's 16-input activation sums (sums16), 16 a token, which x8_run
+  // computes once for the groups it runs side by side
+  static constexpr bool kSums16 = true;
   // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
-      const uint8_t* blk, int K, const int8_t* q, const float* d, const int16_t*, int sb,
+      const uint8_t* blk, int K, const int8_t* q, const float* d, const int16_t* s16, int sb,
       __m256* res) {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
@@ -263,10 +267,8 @@ struct Q6KX8 {
           _mm256_shuffle_epi8(words[p / 2], load_ctl(kLaneControls.pair_high[p % 2])), 8);
     for (int u = 0; u < NT; ++u) {
       // 32 * sum_g sc_g * sum16_g: scale pairs (g, g + 1) against the sums' pairs
-      alignas(32) int16_t s16[16];
-      sums16(q + static_cast<int64_t>(u) * K + sb * 256, s16);
       __m256i corr = _mm256_setzero_si256();
-      for (int p = 0; p < 8; ++p) corr = madd_acc(corr, scp[p], bcast32(s16 + 2 * p));
+      for (int p = 0; p < 8; ++p) corr = madd_acc(corr, scp[p], bcast32(s16 + 16 * u + 2 * p));
       const __m256i total = _mm256_sub_epi32(sumi[u], _mm256_slli_epi32(corr, 5));
       res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
                                _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
@@ -286,11 +288,16 @@ __attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const 
   __m256 res[G][NT];
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < NT; ++u) res[g][u] = _mm256_setzero_ps();
-  for (int sb = 0; sb < nsb; ++sb)
+  for (int sb = 0; sb < nsb; ++sb) {
+    alignas(32) int16_t s16[NT][16];  // (Kernel::kSums16) once for the G groups
+    if constexpr (Kernel::kSums16)
+      for (int u = 0; u < NT; ++u) sums16(q + u * int64_t{K} + sb * 256, s16[u]);
+    const int16_t* sk = Kernel::kSums16 ? &s16[0][0] : s;
 #pragma GCC unroll 2
     for (int g = 0; g < G; ++g)
-      Kernel::template block<NT>(w + g * gstride + sb * 8 * Kernel::kBlockBytes, K, q, d, s, sb,
+      Kernel::template block<NT>(w + g * gstride + sb * 8 * Kernel::kBlockBytes, K, q, d, sk, sb,
                                  res[g]);
+  }
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < NT; ++u) _mm256_storeu_ps(y + u * ldy + 8 * g, res[g][u]);
 }
