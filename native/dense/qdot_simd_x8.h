@@ -78,7 +78,7 @@ struct Q4KX8 {
     // the stream kStreamAheadBytes ahead, a super-block's worth of lines per super-block (the
     // callers prefetch only a stream's first lines: a group's burst would stall the core)
     for (int i = 0; i < 8 * kQ4KBytes; i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T1);
+      prefetch_ahead(blk + kStreamAheadBytes + i);
     // each weight word is unpacked once and read against the NT tokens
     __m256i acc[NT][8];
     for (int u = 0; u < NT; ++u)
@@ -192,7 +192,7 @@ struct Q6KX8 {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     for (int i = 0; i < 8 * kQ6KBytes; i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAheadBytes + i), _MM_HINT_T1);
+      prefetch_ahead(blk + kStreamAheadBytes + i);
     __m256i words[4];
     for (int v = 0; v < 4; ++v)
       words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));

@@ -99,8 +99,7 @@ void dot_task(void* ctx, int64_t task) {
     for (int r = r0; r < r1;) {
       const bool group = step > 1 && r < grouped;
       const uint8_t* want = std::min(end, out.w + (r + 1) * rb + kStreamAheadBytes);
-      if (step == 1)  // interleaved kernels prefetch their own stream (qdot_simd_x8.h)
-        for (; ahead < want; ahead += 64) __builtin_prefetch(ahead, 0, 2);
+      if (step == 1) prefetch_until(ahead, want);  // (x8 kernels prefetch their own stream)
       const bool two = pair && n == 1 && r + 2 * step <= std::min(grouped, r1);  // side by side
       (two ? pair : group ? fn : plain)(out.w + r * rb, j.K, q, a.d.data() + t0 * na,
                                         a.s.data() + t0 * na, n, y + r, out.N);

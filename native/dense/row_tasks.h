@@ -19,6 +19,15 @@ namespace ftdense {
 // measured alike. (Sapphire Rapids, into L1: 2.3, 4 and 8 KiB alike.)
 constexpr int64_t kStreamAheadBytes = 8192;
 
+// The line at p of a weight stream, requested ahead into L2 (kStreamAheadBytes says why).
+inline void prefetch_ahead(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+// The lines from ``ahead`` up to ``want`` requested (prefetch_ahead), ``ahead`` moved past them:
+// a stream kept kStreamAheadBytes ahead of what is computed as the caller sets ``want``.
+inline void prefetch_until(const uint8_t*& ahead, const uint8_t* want) {
+  for (; ahead < want; ahead += 64) prefetch_ahead(ahead);
+}
+
 // Tasks a pool thread should get at least: enough to even out threads that start late.
 constexpr int kTasksPerThread = 4;
 
@@ -60,7 +69,7 @@ inline void two_streams(int rows, const uint8_t* w, int64_t rb, RowFn&& row) {
       const int r = start[s] + i;
       if (r >= stop[s]) continue;
       const uint8_t* want = std::min(w + stop[s] * rb, w + (r + 1) * rb + kStreamAheadBytes);
-      for (; ahead[s] < want; ahead[s] += 64) __builtin_prefetch(ahead[s], 0, 2);
+      prefetch_until(ahead[s], want);
       row(r);
     }
 }
