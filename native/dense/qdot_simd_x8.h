@@ -51,11 +51,11 @@ QDOT_FN __m256i load_ctl(const uint8_t* p) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// An interleaved kernel requests row_tasks.h's kStreamAheadBytes ahead of the super-block it
-// computes, into L2 (row_tasks.h says why), a super-block's lines per super-block (2 threads
-// from DRAM: Q4_K at 1.2-1.3x the plain kernel's rate; when the callers prefetched whole groups
+// An interleaved kernel's caller (x8_run) requests its weight bytes row_tasks.h's kX8AheadBytes
+// ahead, into L2, a super-block's lines for each super-block a group computes (2 threads from
+// DRAM: Q4_K at 1.2-1.3x the plain kernel's rate; when the callers prefetched whole groups
 // instead, the burst stalled the core and it read at 0.87x; the callers prefetch only a
-// stream's first lines).
+// stream's first lines); ``block`` requests the lines at ``pf`` (none if null).
 
 // Q4_K x8: per super-block the 8 rows' fp16 d and dmin (16 bytes each), their packed 6-bit
 // scales as three 32-byte words (word w of row r at 32 + 32w + 4r), then the nibbles: vector
@@ -69,16 +69,14 @@ struct Q4KX8 {
   // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
-      const uint8_t* blk, int K, const int8_t* q, const float* d, const int16_t* s, int sb,
-      __m256* res) {
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s, int sb, __m256* res) {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), top = _mm256_set1_epi32(0x30303030);
     const uint8_t* qs = blk + 128;
-    // the stream kStreamAheadBytes ahead, a super-block's worth of lines per super-block (the
-    // callers prefetch only a stream's first lines: a group's burst would stall the core)
-    for (int i = 0; i < 8 * kQ4KBytes; i += 64)
-      prefetch_ahead(blk + kStreamAheadBytes + i);
+    if (pf != nullptr)
+      for (int i = 0; i < 8 * kQ4KBytes; i += 64) prefetch_ahead(pf + i);
     // each weight word is unpacked once and read against the NT tokens
     __m256i acc[NT][8];
     for (int u = 0; u < NT; ++u)
@@ -187,12 +185,12 @@ struct Q6KX8 {
   // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
-      const uint8_t* blk, int K, const int8_t* q, const float* d, const int16_t* s16, int sb,
-      __m256* res) {
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s16, int sb, __m256* res) {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-    for (int i = 0; i < 8 * kQ6KBytes; i += 64)
-      prefetch_ahead(blk + kStreamAheadBytes + i);
+    if (pf != nullptr)
+      for (int i = 0; i < 8 * kQ6KBytes; i += 64) prefetch_ahead(pf + i);
     __m256i words[4];
     for (int v = 0; v < 4; ++v)
       words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
@@ -284,7 +282,13 @@ __attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const 
                                                  const float* d, const int16_t* s, float* y,
                                                  int64_t ldy) {
   const int nsb = K / 256;
-  const int64_t gstride = int64_t{nsb} * 8 * Kernel::kBlockBytes;
+  constexpr int64_t kSbBytes = 8 * Kernel::kBlockBytes;  // a group's super-block
+  const int64_t gstride = nsb * kSbBytes;
+  // The G groups' bytes (one region) are requested as one linear stream kX8AheadBytes ahead,
+  // at the rate they are read: G super-blocks' lines per super-block (row_tasks.h), past the
+  // stream's end where the caller says (X8Stream).
+  const X8Stream stream = tl_x8_stream;
+  const uintptr_t w0 = reinterpret_cast<uintptr_t>(w) + kX8AheadBytes;
   __m256 res[G][NT];
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < NT; ++u) res[g][u] = _mm256_setzero_ps();
@@ -294,9 +298,11 @@ __attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const 
       for (int u = 0; u < NT; ++u) sums16(q + u * int64_t{K} + sb * 256, s16[u]);
     const int16_t* sk = Kernel::kSums16 ? &s16[0][0] : s;
 #pragma GCC unroll 2
-    for (int g = 0; g < G; ++g)
-      Kernel::template block<NT>(w + g * gstride + sb * 8 * Kernel::kBlockBytes, K, q, d, sk, sb,
-                                 res[g]);
+    for (int g = 0; g < G; ++g) {
+      const uintptr_t pf = x8_request(stream, w0 + (sb * G + g) * kSbBytes);
+      Kernel::template block<NT>(w + g * gstride + sb * kSbBytes,
+                                 reinterpret_cast<const uint8_t*>(pf), K, q, d, sk, sb, res[g]);
+    }
   }
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < NT; ++u) _mm256_storeu_ps(y + u * ldy + 8 * g, res[g][u]);

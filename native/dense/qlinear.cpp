@@ -84,6 +84,9 @@ void dot_task(void* ctx, int64_t task) {
   const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
   const uint8_t* end = out.w + r1 * rb;
   if (step > 1) prefetch_stream_start<3>(out.w + r0 * rb, end);  // (plain rows: below)
+  // the interleaved kernels request nothing past this task's rows (the next task is any
+  // thread's)
+  const X8StreamScope stream(end, nullptr, nullptr);
   for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
     const int n = std::min(j.chunk, j.T - t0);
     const int8_t* q = a.q.data() + static_cast<int64_t>(t0) * j.K;

@@ -136,9 +136,12 @@ void plan(Call& c, const int32_t* ids, const float* w) {
 // ``rows`` weight rows from ``w`` (row bytes ``rb``, K inputs) against routes [r0, r0 + n) of
 // ``in``: y[t * rows + row]. ``step`` rows a call of ``fn``; with one route, two weight streams
 // side by side: two interleaved groups a call of ``pair`` where the set has it, plain rows by
-// halves (two_streams).
+// halves (two_streams). ``next`` .. ``next_end``: the stream the caller reads after this one
+// (null: none), where the interleaved kernels' requests past this one's end go (X8Stream).
 void rows_call(QRowFn fn, QRowFn pair, int step, int rows, const uint8_t* w, int64_t rb, int K,
-               QRows& in, int r0, int n, float* y) {
+               QRows& in, int r0, int n, float* y, const uint8_t* next,
+               const uint8_t* next_end) {
+  const X8StreamScope stream(w + rows * rb, next, next_end);  // (the interleaved kernels)
   if (step == 1 && n == 1 && rows >= kTwoStreamRows) {
     two_streams(rows, w, rb, [&](int r) {
       fn(w + r * rb, K, in.qr(r0), in.dr(r0), in.sr(r0), n, y + r, rows);
@@ -203,8 +206,11 @@ void up_task(void* ctx, int64_t task) {
   for (int t0 = 0; t0 < g.n; t0 += c.chunk_up) {
     const int n = std::min(c.chunk_up, g.n - t0);
     const int r0 = g.begin + t0;
-    rows_call(fn, pair, step, rows, wg, rb, static_cast<int>(c.H), c.xin, r0, n, yg);
-    rows_call(fn, pair, step, rows, wu, rb, static_cast<int>(c.H), c.xin, r0, n, yu);
+    const bool again = t0 + c.chunk_up < g.n;  // the gate rows are read next, for more routes
+    rows_call(fn, pair, step, rows, wg, rb, static_cast<int>(c.H), c.xin, r0, n, yg, wu,
+              wu + rows * rb);
+    rows_call(fn, pair, step, rows, wu, rb, static_cast<int>(c.H), c.xin, r0, n, yu,
+              again ? wg : nullptr, again ? wg + rows * rb : nullptr);
     for (int t = 0; t < n; ++t) {
       float* a = c.act.data() + (r0 + t) * c.I + j0;
       for (int j = 0; j < rows; ++j) {
@@ -255,7 +261,14 @@ void down_task(void* ctx, int64_t task) {
     for (int t0 = 0; t0 < g.n; t0 += c.chunk_down) {
       const int n = std::min(c.chunk_down, g.n - t0);
       const int r0 = g.begin + t0;
-      rows_call(fn, pair, step, rows, wd, rb, static_cast<int>(c.I), c.ain, r0, n, y);
+      // read next: these rows again (more routes), the next expert's, or nothing
+      std::pair<const uint8_t*, const uint8_t*> next{nullptr, nullptr};
+      if (t0 + c.chunk_down < g.n)
+        next = {wd, wd + rows * rb};
+      else if (gi + 1 < c.groups.size())
+        next = stream(c.groups[gi + 1]);
+      rows_call(fn, pair, step, rows, wd, rb, static_cast<int>(c.I), c.ain, r0, n, y,
+                next.first, next.second);
       for (int t = 0; t < n; ++t) {
         const int r = r0 + t;
         float* o = c.out + static_cast<int64_t>(c.rtok[r]) * c.H + h0;

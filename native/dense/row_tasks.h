@@ -19,6 +19,51 @@ namespace ftdense {
 // measured alike. (Sapphire Rapids, into L1: 2.3, 4 and 8 KiB alike.)
 constexpr int64_t kStreamAheadBytes = 8192;
 
+// How far ahead the interleaved kernels (qdot_simd_x8.h's x8_run) request their weight bytes,
+// the G groups of a call read side by side taken as one region requested linearly. Farther than
+// the plain rows' distance: a call of two groups reads 18-27 KiB (K = 2048) as two streams, and
+// at 8 KiB ahead the requests did not keep the reads from stalling. AMD EPYC (Zen 4) VM, the
+// pair kernels alone over 400 MB of groups (K = 2048), two processes at once (one per core),
+// GB/s per process, two passes: 8 KiB ahead Q4_K 12.0-12.9, Q6_K 12.1-13.4; 16 KiB 14.1-17.3,
+// 13.6-16.9; 24 KiB 13.4-18.3, 10.2-21.0; 32 KiB 15.1-20.0, 15.6-22.5; 48 and 64 KiB no better
+// and less steady. (Each group's stream 16 KiB ahead in its own order, group g of the next
+// call following group g of this one: Q4_K 13.9-14.8, Q6_K 11.8-15.4, below the linear
+// request at 16 KiB.)
+constexpr int64_t kX8AheadBytes = 32768;
+
+// The weight stream the interleaved kernels are reading, as their caller names it: x8_run's
+// requests that would pass ``end`` go as far past the start of ``next`` (the stream the caller
+// reads after this one) while they stay inside it, and nowhere after that, instead of into
+// bytes nobody reads next (another task's rows, an expert not routed). Per thread, set for a
+// span of calls by X8StreamScope; with none set (end null) requests go where they point.
+struct X8Stream {
+  uintptr_t end = 0, next = 0, next_end = 0;
+};
+inline thread_local X8Stream tl_x8_stream;
+
+class X8StreamScope {
+ public:
+  X8StreamScope(const uint8_t* end, const uint8_t* next, const uint8_t* next_end)
+      : saved_(tl_x8_stream) {
+    tl_x8_stream = {reinterpret_cast<uintptr_t>(end), reinterpret_cast<uintptr_t>(next),
+                    reinterpret_cast<uintptr_t>(next_end)};
+  }
+  ~X8StreamScope() { tl_x8_stream = saved_; }
+  X8StreamScope(const X8StreamScope&) = delete;
+  X8StreamScope& operator=(const X8StreamScope&) = delete;
+
+ private:
+  X8Stream saved_;
+};
+
+// Where the request for the line at address p goes under stream ``s`` (see X8Stream): p, its
+// place in the next stream, or 0 (no request).
+inline uintptr_t x8_request(const X8Stream& s, uintptr_t p) {
+  if (s.end == 0 || p < s.end) return p;
+  const uintptr_t q = s.next + (p - s.end);
+  return s.next != 0 && q < s.next_end ? q : 0;
+}
+
 // The line at p of a weight stream, requested ahead into L2 (kStreamAheadBytes says why).
 inline void prefetch_ahead(const void* p) { __builtin_prefetch(p, 0, 2); }
 
