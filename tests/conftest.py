@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-import pytest
-from hypothesis import HealthCheck, settings
+# The checkout's root must not be importable as a folder of modules: its `kernels/` (installed as
+# `ftkernels`) would shadow the PyPI package `kernels` that transformers (>= 5.25) imports, and
+# every transformers oracle would fail with "cannot import name 'CUDAProperties' from 'kernels'".
+# `python -m pytest` puts the working directory first on sys.path; take it off here, and keep
+# child processes started from the checkout (`python -m freetokend.cli`, cwd=REPO) from adding it.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Property tests draw the same examples on every run of `make test`, so CI is reproducible and
 # a red run is never bad luck; `make fuzz` draws fresh ones (the "explore" profile) to look for
