@@ -14,6 +14,8 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
+# No test reaches the network: transformers' kernels from the Hub (its `kernels` package) off.
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -57,9 +57,12 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def oracle(ckpt: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    hf = AutoModelForCausalLM.from_pretrained(ckpt)  # CPU: transformers dequantizes the experts
+    # the experts dequantized by transformers' own MXFP4 code; asked for, since with triton and
+    # the `kernels` package installed it would otherwise fetch GPT-OSS kernels from the Hub
+    qc = Mxfp4Config(dequantize=True)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=qc)
     return hf.float().eval()
 
 
