@@ -66,6 +66,7 @@ struct Q4KX8 {
   static constexpr int kMaxTokens = 3;  // 8 accumulators a token: 24 of the 32 registers
   static constexpr int kBlockBytes = kQ4KBytes;  // per row and super-block
   static constexpr bool kSums16 = false;  // block's s: the quantiser's 32-input sums (qdot.h)
+  static constexpr bool kPairBlock = false;  // (Q6KX8's block_pair)
   // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
@@ -272,6 +273,84 @@ struct Q6KX8 {
                                _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
     }
   }
+
+  // The pair kernel's super-block (x8_run with G = 2, NT = 1; VNNI only): super-block sb of
+  // the two groups at b[0] and b[1] in one pass, added into res[0] and res[1]. The same
+  // integers as block<1> on each: each activation dword is broadcast once for both groups,
+  // each 6-bit value assembled by one vpternlogd (bits 0-3 from the ql word, 4-5 from the qh
+  // word masked and shifted into place), and nothing but the accumulators is held across the
+  // loops; block<1> called for each group in turn was compiled with some 150 stack spills and
+  // reloads per super-block (its scale words and broadcasts did not fit the 32 registers).
+  static constexpr bool kPairBlock = kDotFused;
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_pair(
+      const uint8_t* const* b, const uint8_t* const* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s16, int sb, __m256* const* res) {
+    static_assert(NT == 1, "one token a pass");
+    const int na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i even = _mm256_set1_epi8(0x33), odd = _mm256_set1_epi8(static_cast<char>(0xCC));
+    constexpr int kPick = 0xE4;  // vpternlogd (a, b, c): c ? a : b, bit by bit
+    for (int g = 0; g < 2; ++g)
+      if (pf[g] != nullptr)
+        for (int i = 0; i < 8 * kQ6KBytes; i += 64) prefetch_ahead(pf[g] + i);
+    const int8_t* xq = q + sb * 256;
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {
+        __m256i acc[2][4];
+        for (int g = 0; g < 2; ++g)
+          for (int k = 0; k < 4; ++k) acc[g][k] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+          __m256i x[4];
+          for (int k = 0; k < 4; ++k) x[k] = bcast32(xq + 128 * h + 4 * i4 + 32 * k);
+          for (int g = 0; g < 2; ++g) {
+            const uint8_t* p = b[g] + 144 + 96 * (8 * h + i4);
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+            // qh bits (0, 1) and (4, 5) of each byte, and (2, 3) and (6, 7): each shifted so
+            // the value's two bits land on bits 4-5 with zeros above (q6k_x8_values' v[k])
+            const __m256i he = _mm256_and_si256(hb, even), ho = _mm256_and_si256(hb, odd);
+            const __m256i v0 = _mm256_ternarylogic_epi32(l0, _mm256_slli_epi16(he, 4), low, kPick);
+            const __m256i v1 = _mm256_ternarylogic_epi32(l1, _mm256_slli_epi16(ho, 2), low, kPick);
+            const __m256i v2 = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l0, 4), he, low, kPick);
+            const __m256i v3 = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l1, 4),
+                                                         _mm256_srli_epi16(ho, 2), low, kPick);
+            acc[g][0] = dot_acc(acc[g][0], v0, x[0]);
+            acc[g][1] = dot_acc(acc[g][1], v1, x[1]);
+            acc[g][2] = dot_acc(acc[g][2], v2, x[2]);
+            acc[g][3] = dot_acc(acc[g][3], v3, x[3]);
+          }
+        }
+        for (int g = 0; g < 2; ++g)
+          for (int k = 0; k < 4; ++k) {
+            const int j = 8 * h + 2 * k + half;  // scale j of each row as an int32
+            const __m256i word =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[g] + 16 + 32 * (j / 4)));
+            const __m256i sc = _mm256_srai_epi32(
+                _mm256_shuffle_epi8(word, load_ctl(kLaneControls.top[j % 4])), 24);
+            sumi[g] = _mm256_add_epi32(sumi[g], _mm256_mullo_epi32(acc[g][k], sc));
+          }
+      }
+    const __m256 dx = _mm256_set1_ps(d[sb * 8]);
+    for (int g = 0; g < 2; ++g) {
+      // 32 * sum_j sc_j * sum16_j, scale pairs (j, j + 1) against the sums' pairs (block's)
+      __m256i corr = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {
+        const __m256i word =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[g] + 16 + 32 * (p / 2)));
+        const __m256i scp = _mm256_srai_epi16(
+            _mm256_shuffle_epi8(word, load_ctl(kLaneControls.pair_high[p % 2])), 8);
+        corr = madd_acc(corr, scp, bcast32(s16 + 2 * p));
+      }
+      const __m256i total = _mm256_sub_epi32(sumi[g], _mm256_slli_epi32(corr, 5));
+      const __m256 dw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[g])));
+      *res[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dw, dx), *res[g]);
+    }
+  }
 };
 
 // An interleaved kernel over K inputs for NT tokens and G adjacent groups (8G rows, the groups'
@@ -297,11 +376,21 @@ __attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const 
     if constexpr (Kernel::kSums16)
       for (int u = 0; u < NT; ++u) sums16(q + u * int64_t{K} + sb * 256, s16[u]);
     const int16_t* sk = Kernel::kSums16 ? &s16[0][0] : s;
+    if constexpr (G == 2 && NT == 1 && Kernel::kPairBlock) {
+      const uint8_t* blks[2] = {w + sb * kSbBytes, w + gstride + sb * kSbBytes};
+      const uint8_t* pfs[2];
+      __m256* outs[2] = {res[0], res[1]};
+      for (int g = 0; g < 2; ++g)
+        pfs[g] = reinterpret_cast<const uint8_t*>(
+            x8_request(stream, w0 + (sb * G + g) * kSbBytes));
+      Kernel::template block_pair<NT>(blks, pfs, K, q, d, sk, sb, outs);
+    } else {
 #pragma GCC unroll 2
-    for (int g = 0; g < G; ++g) {
-      const uintptr_t pf = x8_request(stream, w0 + (sb * G + g) * kSbBytes);
-      Kernel::template block<NT>(w + g * gstride + sb * kSbBytes,
-                                 reinterpret_cast<const uint8_t*>(pf), K, q, d, sk, sb, res[g]);
+      for (int g = 0; g < G; ++g) {
+        const uintptr_t pf = x8_request(stream, w0 + (sb * G + g) * kSbBytes);
+        Kernel::template block<NT>(w + g * gstride + sb * kSbBytes,
+                                   reinterpret_cast<const uint8_t*>(pf), K, q, d, sk, sb, res[g]);
+      }
     }
   }
   for (int g = 0; g < G; ++g)
