@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from native_support import single_threaded_reference  # noqa: F401 (autouse fixture)
 
 from freetokend.models import gguf_blocks as gb
 from freetokend.models import gguf_interleave as gi
 from freetokend.models.layers import dense_native
 from freetokend.models.layers import qlinear_native as ql
-from native_support import single_threaded_reference  # noqa: F401 (autouse fixture)
 
 pytestmark = pytest.mark.skipif(
     not ql.available(), reason="ftdense extension not built (pip install -e .)"
