@@ -36,6 +36,7 @@ from freetokend.experts.block_executor import BlockExecutor, available, block_mo
 from freetokend.experts.formats import (
     FORMATS,
     allocate,
+    block_format,
     dequantize_banks,
     expert_tensors,
     quantize_banks,
@@ -46,7 +47,7 @@ from freetokend.models.layers import qlinear_native
 pytestmark = pytest.mark.skipif(not available(), reason="ftdense not built")
 
 ISAS = qlinear_native.isas()  # every integer-dot path this CPU runs ("vnni", "avx2", "scalar")
-FMTS = ("q8_0", "q4_k", "q4_k/q8_0", "q8_0/q4_k")
+FMTS = ("q8_0", "q4_k", "q4_k/q8_0", "q8_0/q4_k", "mxfp4/mxfp4")
 ACTS = {
     "silu": (ActivationSpec(), False),
     "gptoss": (ActivationSpec(Activation.GPTOSS, 1.702, 0.9), True),  # clamps hit, with biases
@@ -168,11 +169,11 @@ def _float() -> tuple[torch.Tensor, torch.Tensor]:
 def test_formats_table_has_every_pair_of_block_types() -> None:
     for gu in gguf_blocks.BLOCK_BYTES:
         for dn in gguf_blocks.BLOCK_BYTES:
-            name = gu if gu == dn else f"{gu}/{dn}"
-            if name == "mxfp4":  # our own MXFP4 bank layout keeps the name (formats.py)
-                assert FORMATS[name].block_types is None
-                continue
+            # GGUF's MXFP4 blocks throughout are "mxfp4/mxfp4": "mxfp4" is our own layout
+            name = gu if gu == dn and gu != "mxfp4" else f"{gu}/{dn}"
+            assert block_format(gu, dn) == name
             assert FORMATS[name].block_types == (gu, dn)
+    assert FORMATS["mxfp4"].block_types is None
     fmt = FORMATS["q4_k/q8_0"]
     assert fmt.specs(H, 64, torch.bfloat16) == {
         "gate_up": ((128, H // 256 * 144), torch.uint8),
@@ -283,7 +284,12 @@ def test_quantize_experts_q4_k_greedy_matches_the_dequantized_experts(tiny) -> N
 
 @pytest.mark.parametrize(
     ("types", "fmt"),
-    [((Q.Q4_K, Q.Q4_K), "q4_k"), ((Q.Q8_0, Q.Q8_0), "q8_0"), ((Q.Q4_K, Q.Q8_0), "q4_k/q8_0")],
+    [
+        ((Q.Q4_K, Q.Q4_K), "q4_k"),
+        ((Q.Q8_0, Q.Q8_0), "q8_0"),
+        ((Q.Q4_K, Q.Q8_0), "q4_k/q8_0"),
+        ((Q.MXFP4, Q.MXFP4), "mxfp4/mxfp4"),
+    ],
 )
 def test_gguf_experts_stay_quantized_and_match_the_dequantized_load(  # type: ignore[no-untyped-def]
     tiny, tmp_path: Path, monkeypatch, caplog, types, fmt

@@ -239,8 +239,11 @@ _U8, _F32, _FP8 = torch.uint8, torch.float32, torch.float8_e4m3fn
 
 def block_format(gate_up: str, down: str) -> str:
     """The name of the GGUF block format with gate_up rows of type ``gate_up`` and down rows of
-    type ``down`` (gguf_blocks names, e.g. "q4_k")."""
-    return gate_up if gate_up == down else f"{gate_up}/{down}"
+    type ``down`` (gguf_blocks names, e.g. "q4_k"). A type whose name a non-block format has
+    (our own "mxfp4" bank layout) is always written as a pair: GGUF MXFP4 blocks throughout are
+    "mxfp4/mxfp4"."""
+    taken = gate_up in FORMATS and FORMATS[gate_up].block_types is None
+    return gate_up if gate_up == down and not taken else f"{gate_up}/{down}"
 
 
 def _block(gu: str, dn: str) -> ExpertFormat:
@@ -321,8 +324,7 @@ FORMATS: dict[str, ExpertFormat] = {
         ),
     )
 }
-# Every pair of block types. A name the table already has (our own mxfp4 layout, should the
-# block tables gain GGUF's) keeps its format; the pair then exists only mixed with another type.
+# Every pair of block types (GGUF's MXFP4 blocks as "mxfp4/mxfp4": "mxfp4" is our own layout).
 for _gu in gguf_blocks.BLOCK_BYTES:
     for _dn in gguf_blocks.BLOCK_BYTES:
         FORMATS.setdefault(block_format(_gu, _dn), _block(_gu, _dn))

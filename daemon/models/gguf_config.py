@@ -125,8 +125,6 @@ def hf_fields(
         "torch_dtype": dtype,
         "num_nextn_predict_layers": mtp,
     }
-    if mxfp4_experts(tensors):  # kept packed in our mxfp4 banks (same codes and scales)
-        out["quantization_config"] = {"quant_method": "mxfp4"}
     if (clip := get("attention.clamp_kqv", None)) is not None:
         out["clip_qkv"] = float(clip)
     if arch in ("qwen3moe", "qwen3next"):  # layers without a router are dense
@@ -152,12 +150,6 @@ def hf_fields(
         if isinstance(tid, int):
             out[field] = tid
     return out
-
-
-def mxfp4_experts(tensors: dict[str, GgufTensor]) -> bool:
-    """True when every stacked expert weight is MXFP4 (GPT-OSS files)."""
-    exps = [t for n, t in tensors.items() if re.search(r"\.ffn_(gate|up|down)_exps\.weight$", n)]
-    return bool(exps) and all(t.type_name == "MXFP4" for t in exps)
 
 
 def _yarn(get: Any, **extra: Any) -> dict[str, Any]:

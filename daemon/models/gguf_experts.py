@@ -65,7 +65,7 @@ def block_expert_format(tensors: dict[str, GgufTensor], hidden: int, inter: int)
             return None
         fmt = FORMATS.get(block_format(gu, dn))
         if fmt is None or fmt.block_types != (gu, dn):
-            return None  # e.g. MXFP4 experts: our own mxfp4 banks take them (gguf_loader)
+            return None
         pairs.append((gu, dn))
     if not pairs:
         return None

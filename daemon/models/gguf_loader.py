@@ -243,10 +243,7 @@ class GgufCheckpoint:
         quant = [
             t
             for name, (_, t) in self.tensors.items()
-            if t.quantized
-            and name not in kept
-            and not (packed == "mxfp4" and t.type_name == "MXFP4")
-            and not gguf_experts.kept(name, t, packed)
+            if t.quantized and name not in kept and not gguf_experts.kept(name, t, packed)
         ]
         if not quant:
             return
@@ -356,33 +353,12 @@ def _keep_blocks(kept: _Kept, src: _Source) -> None:
     mod.weight = torch.nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
 
 
-def _mxfp4_repack(src: _Source) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml MXFP4 blocks -> our mxfp4 banks. A ggml block of 32 values is 17 bytes: the e8m0
-    scale, then 16 bytes whose low nibbles are values 0..15 and high nibbles values 16..31
-    (e2m1 codes; ggml's table holds the values doubled and halves the scale, the same numbers).
-    Ours pairs neighbours: value 2j in the low nibble, 2j+1 in the high one.
-    -> blocks uint8 [E, rows, cols / 2], scales uint8 [E, rows, cols / 32]."""
-    t = src.t
-    if t.type_name != "MXFP4":
-        raise CheckpointError(f"{t.path}: tensor '{t.name}' is {t.type_name}; expected MXFP4")
-    raw = src.f.read_raw(t)  # [E, rows, cols / 32 * 17]
-    e, rows = t.shape[0], t.shape[1]
-    raw = raw.view(e, rows, -1, 17)
-    scales = raw[..., 0].contiguous()
-    qs = raw[..., 1:]
-    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # [E, rows, nb, 32] in value order
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.reshape(e, rows, -1), scales
-
-
 def _check_types(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
     """Refuses, before loading, a tensor of a type we can neither keep nor dequantize."""
     from ..formats.gguf_file import can_dequantize
 
     seen: dict[str, bool] = {}
     for name, (_, t) in ck.tensors.items():
-        if cfg.expert_format == "mxfp4" and t.type_name == "MXFP4":
-            continue
         if t.type_name not in seen:
             seen[t.type_name] = can_dequantize(t.type_name)
         if not seen[t.type_name]:
@@ -430,9 +406,9 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
         infos = {n: t for n, (_, t) in ck.tensors.items()}
         kept = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
         block = kept is not None and cfg.expert_format == kept
-        if cfg.expert_format not in ("bf16", "mxfp4") and not block:
+        if cfg.expert_format != "bf16" and not block:
             raise CheckpointError(
-                f"{path}: GGUF experts load as float or mxfp4 banks, or in the block format "
+                f"{path}: GGUF experts load as float banks or in the block format "
                 f"of the file's expert tensors; not {cfg.expert_format}"
             )
         family_spec(cfg.family)
@@ -457,17 +433,6 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
                 _, layer, key = canon.split(":")
                 m = _EXPS.match(key)
                 assert m is not None and isinstance(src, _Source)
-                if banks.format == "mxfp4" and m.group(2) == "weight":
-                    if src.fix is not None:
-                        raise CheckpointError(
-                            f"{src.t.path}: tensor '{name}': fused gate/up MXFP4 experts are "
-                            "not supported"
-                        )
-                    blocks, scales = _mxfp4_repack(src)
-                    filler.expert_stack_mxfp4(
-                        int(layer), m.group(1), blocks, scales, name, src.t.path
-                    )
-                    continue
                 if block and m.group(2) == "weight":  # the raw blocks, as the file has them
                     if src.fix is not None:
                         raise CheckpointError(

@@ -240,45 +240,6 @@ class Filler:
         if done <= self.expert_filled:  # both halves of the fused gate/up bias are in
             self.expert_filled.update((layer, "gate_up_proj_bias", x) for x in range(e))
 
-    def expert_stack_mxfp4(
-        self,
-        layer: int,
-        proj: str,
-        blocks: torch.Tensor,
-        scales: torch.Tensor,
-        name: str,
-        path: Path,
-    ) -> None:
-        """One projection of all experts of a layer in our mxfp4 layout: ``blocks`` uint8
-        [E, rows, cols / 2] (element 2j in the low nibble), ``scales`` uint8 e8m0
-        [E, rows, cols / 32]."""
-        base, e, i, h = (
-            self._moe_base(layer, name, path),
-            self.cfg.num_experts,
-            self.cfg.moe_intermediate_size,
-            self.cfg.hidden_size,
-        )
-        rows, cols = (h, i) if proj == "down" else (i, h)
-        if tuple(blocks.shape) != (e, rows, cols // 2):
-            raise CheckpointError(
-                f"{path}: tensor '{name}' holds {list(blocks.shape[:2])} rows of experts; "
-                f"expected {[e, rows]}"
-            )
-        sel = slice(0, h) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
-        bank = self.banks.down if proj == "down" else self.banks.gate_up
-        scale = self.banks.extra["down_scale" if proj == "down" else "gate_up_scale"]
-        bank[base : base + e, sel].copy_(blocks)
-        scale[base : base + e, sel].copy_(scales)
-        parts = ("down_proj_blocks", "down_proj_scales") if proj == "down" else (f"{proj}_mx",)
-        self.expert_filled.update((layer, p, x) for p in parts for x in range(e))
-        gate_up = {(layer, f"{p}_mx", x) for p in ("gate", "up") for x in range(e)}
-        if gate_up <= self.expert_filled:
-            self.expert_filled.update(
-                (layer, p, x)
-                for p in ("gate_up_proj_blocks", "gate_up_proj_scales")
-                for x in range(e)
-            )
-
     def _moe_base(self, layer: int, name: str, path: Path) -> int:
         if layer >= self.cfg.num_layers or self.cfg.moe_layer_index[layer] < 0:
             raise CheckpointError(

@@ -63,7 +63,7 @@ CACHE = Path("/tmp/ftbench_decode")
 #              freetoken: our `quantize` preset of the BF16 checkpoint (models/dense_quant.py)
 #   freetoken-gguf-*   freetoken loading llama.cpp's quantized file itself: the same file, so
 #              the same bytes (quant types without a native kernel are dequantized at load;
-#              MXFP4 experts become our own mxfp4 banks, the float executor's)
+#              MXFP4 experts stay in their blocks: block format "mxfp4/mxfp4", integer rows)
 #   freetoken-bf16dot  the BF16 checkpoint with cpu_bf16_dot (vdpbf16ps, activations rounded to
 #              bf16 as llama.cpp's BF16 path; the plain row where the CPU lacks AVX512-BF16)
 #   freetoken-q4_k     our experts only in GGUF q4_k blocks (quantize_experts="q4_k", integer
