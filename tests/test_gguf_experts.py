@@ -41,7 +41,7 @@ from freetokend.experts.formats import (
     expert_tensors,
     quantize_banks,
 )
-from freetokend.models import gguf_blocks, gguf_experts
+from freetokend.models import gguf_blocks, gguf_experts, gguf_interleave
 from freetokend.models.layers import qlinear_native
 
 pytestmark = pytest.mark.skipif(not available(), reason="ftdense not built")
@@ -97,7 +97,7 @@ def test_native_matches_the_block_reference_on_every_isa(fmt: str, act: str, t: 
         assert err <= 1e-3 * scale, f"{isa}: max |native - reference| {err} (scale {scale})"
         rel = ((out - deq).norm() / deq.norm()).item()
         assert rel < 3e-2, f"{isa}: relative error against the dequantized experts {rel}"
-    assert interleaved.interleaved == ("q4_k" in fmt) and not banks.interleaved
+    assert interleaved.interleaved == _interleaves(fmt) and not banks.interleaved
     # the reference reads GGUF rows back from the interleaved banks
     assert torch.equal(block_moe_reference(x, ids, w, interleaved, spec), ref)
     if bias:  # the biases are read: without them the result moves by far more than the bound
@@ -160,6 +160,11 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="not a GGUF block"):
         BlockExecutor(quantize_banks(ExpertBanks(*_float(), None, None), "mxfp4"), ActivationSpec())
     assert torch.equal(ex.forward(x, torch.full_like(ids, -1), w), torch.zeros(2, H))
+
+
+def _interleaves(fmt: str) -> bool:
+    """Whether a type of ``fmt`` has an interleaved layout (q4_k, mxfp4 here; q6_k not used)."""
+    return any(t in gguf_interleave.INTERLEAVED_CODES for t in FORMATS[fmt].block_types or ())
 
 
 def _float() -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +313,7 @@ def test_gguf_experts_stay_quantized_and_match_the_dequantized_load(  # type: ig
         down = f.read_raw(f.tensors["blk.0.ffn_down_exps.weight"])
     e = hf.config.num_experts
     # GGUF rows: q4_k banks are interleaved in place for the cpu backend's kernels
-    assert llm.banks.interleaved == ("q4_k" in fmt)
+    assert llm.banks.interleaved == _interleaves(fmt)
     if llm.banks.interleaved:  # FTW stores GGUF rows: these banks are not written as they are
         from freetokend.models.ftw_convert import model_tensors
 

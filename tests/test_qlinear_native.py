@@ -208,8 +208,9 @@ def test_interleave_round_trip_and_layout(fmt: str) -> None:
     # the native byte moves (used at load) against the torch permutes
     assert torch.equal(packed, gi.interleave(raw, fmt, native=False))
     assert torch.equal(gi.deinterleave(packed, fmt, native=False), raw)
-    d_at = {"q4_k": slice(0, 2), "q6_k": slice(208, 210)}[fmt]
-    assert torch.equal(packed[:8].reshape(-1)[:16], raw[:8, d_at].reshape(-1))  # d of rows 0..7
+    d_at = {"q4_k": slice(0, 2), "q6_k": slice(208, 210), "mxfp4": slice(0, 1)}[fmt]
+    n = 8 * (d_at.stop - d_at.start)  # d of rows 0..7 (mxfp4: the first block's e8m0 bytes)
+    assert torch.equal(packed[:8].reshape(-1)[:n], raw[:8, d_at].reshape(-1))
     # the second group starts where row 8 does, with its own rows' bytes only
     assert torch.equal(packed[8:16].reshape(-1).sort().values, raw[8:16].reshape(-1).sort().values)
     assert gi.interleavable(fmt, 16) and gi.interleavable(fmt, 12) and not gi.interleavable(fmt, 7)
@@ -240,6 +241,31 @@ def test_interleaved_rows_match_the_reference(isa: str, fmt: str, t: int, rows: 
     # read as plain rows, the interleaved bytes give other results: the layout is what is tested
     misread = dataclasses.replace(w, interleaved=False)
     assert not torch.allclose(ql.qlinear(x, misread, isa=isa), got, atol=0.1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", [1, 4, 6])
+def test_interleaved_mxfp4_any_block_count_and_every_scale(isa: str, t: int) -> None:
+    """MXFP4_X8's unit is one block of 32 inputs: K = 96 (no super-block) works, and every e8m0
+    byte the blocks can hold, subnormal half scales (e < 2) included, scales as the plain rows'
+    table (e8m0_half) does; random codes cover all 16 values, signs included."""
+    _need(isa)
+    g = torch.Generator().manual_seed(3)
+    rows, k = 24, 96
+    raw = torch.randint(0, 256, (rows, k // 32, 17), dtype=torch.uint8, generator=g)
+    raw[..., 0] = (
+        torch.tensor([0, 1, 2, 3, 100, 127, 128, 140], dtype=torch.uint8)
+        .repeat(rows * (k // 32) // 8)
+        .view(rows, k // 32)
+    )
+    w = ql.QuantWeight.from_raw(raw.view(rows, -1), "mxfp4", k)
+    assert w.interleaved and w.code == gi.INTERLEAVED_CODES["mxfp4"]
+    plain = dataclasses.replace(w, raw=w.gguf_raw(), interleaved=False)
+    x = torch.randn(t, k, generator=g)
+    got = ql.qlinear(x, w, isa=isa)
+    ref = ql.qlinear_reference(x, w)
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL * float(ref.abs().max()))
+    torch.testing.assert_close(got, ql.qlinear(x, plain, isa=isa), rtol=RTOL, atol=0.0)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 9])

@@ -1,5 +1,5 @@
-"""Our interleaved layout of GGUF K-quant rows (native/dense/qdot.h's Q4_K_X8, Q6_K_X8): each
-whole group of 8 rows regrouped per super-block, so that the native kernels read one activation
+"""Our interleaved layout of GGUF K-quant and MXFP4 rows (native/dense/qdot.h's Q4_K_X8,
+Q6_K_X8, MXFP4_X8): each whole group of 8 rows regrouped per super-block (MXFP4: per block), so that the native kernels read one activation
 word for 8 rows. The same bytes as the GGUF rows (gguf_blocks.py), rearranged; ``deinterleave``
 gives the GGUF rows back. The torch permutes here are the reference of the native byte moves
 (ftdense.qinterleave) that run at load.
@@ -16,7 +16,7 @@ from .gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, QTYPE_CODES
 Tensor = torch.Tensor
 
 # The codes of the same formats with their rows interleaved by 8 (``interleave``).
-INTERLEAVED_CODES = {"q4_k": 7, "q6_k": 8}
+INTERLEAVED_CODES = {"q4_k": 7, "q6_k": 8, "mxfp4": 9}
 INTERLEAVE_ROWS = 8
 
 
@@ -106,6 +106,11 @@ def _interleave(raw: Tensor, fmt: str) -> Tensor:
             x[..., 4:16].reshape(g, nsb, 8, 3, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 96),
             x[..., 16:].reshape(g, nsb, 8, 4, 8, 4).permute(0, 1, 4, 3, 2, 5).reshape(g, nsb, 1024),
         )
+    elif fmt == "mxfp4":  # per block: the 8 e8m0 bytes, then 4-byte words of the 8 rows' qs
+        parts = (
+            x[..., 0].reshape(g, nsb, 8),
+            x[..., 1:].reshape(g, nsb, 8, 4, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 128),
+        )
     else:  # q6_k: ql [128], qh [64], scales [16], d
         ql = x[..., 0:128].reshape(g, nsb, 8, 2, 2, 8, 4).permute(0, 1, 3, 5, 4, 2, 6)
         qh = x[..., 128:192].reshape(g, nsb, 8, 2, 8, 4).permute(0, 1, 3, 4, 2, 5).unsqueeze(4)
@@ -129,6 +134,11 @@ def _deinterleave(raw: Tensor, fmt: str) -> Tensor:
             .reshape(g, nsb, 8, 4, 8, 4)
             .permute(0, 1, 4, 3, 2, 5)
             .reshape(g, nsb, 8, 128),
+        )
+    elif fmt == "mxfp4":
+        parts = (
+            y[..., 0:8].reshape(g, nsb, 8, 1),
+            y[..., 8:].reshape(g, nsb, 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 16),
         )
     else:
         body = y[..., 144:].reshape(g, nsb, 2, 8, 3, 8, 4)

@@ -180,7 +180,7 @@ void row_q6_k(const uint8_t* w, int K, const int8_t* q, const float* d, const in
 template <QType kBase, QRowFn Row>
 void group_x8(const uint8_t* w, int K, const int8_t* q, const float* d, const int16_t* s, int n,
               float* y, int64_t ldy) {
-  const int nsb = K / 256, bytes = x8_block_bytes(kBase);
+  const int nsb = K / x8_block_inputs(kBase), bytes = x8_block_bytes(kBase);
   thread_local std::vector<uint8_t> row;
   row.resize(static_cast<size_t>(nsb) * bytes);
   for (int r = 0; r < 8; ++r) {
@@ -199,7 +199,8 @@ const QDotSet kQDotScalar = {"scalar",
                               row_signed32<kQ50Bytes, decode_q5_0>,
                               row_signed32<kQ40Bytes, decode_q4_0>,
                               group_x8<QType::Q4_K, row_scale_min<false>>,
-                              group_x8<QType::Q6_K, row_q6_k>},
+                              group_x8<QType::Q6_K, row_q6_k>,
+                              group_x8<QType::MXFP4, row_signed32<kMxfp4Bytes, decode_mxfp4>>},
                              {}};  // no pair kernels (qdot.h)
 
 }  // namespace ftdense

@@ -1,6 +1,6 @@
-// 256-bit qdot kernels for K-quant rows interleaved by 8 (qdot.h's Q4_K_X8 and Q6_K_X8): one call
-// computes 8 weight rows for n tokens, y[t * ldy + r] for r < 8. Included by qdot_<isa>.cpp after
-// qdot_simd.h, which also defines
+// 256-bit qdot kernels for K-quant and MXFP4 rows interleaved by 8 (qdot.h's Q4_K_X8, Q6_K_X8,
+// MXFP4_X8): one call computes 8 weight rows for n tokens, y[t * ldy + r] for r < 8. Included by
+// qdot_<isa>.cpp after qdot_simd.h, which also defines
 //   dot_acc(acc, u, s)  acc + dot_u8s8(u, s) (one vpdpbusd on VNNI)
 //
 // With the rows interleaved, each 32-byte load holds 4 consecutive weight bytes of each of the 8
@@ -67,6 +67,7 @@ struct Q4KX8 {
   static constexpr int kBlockBytes = kQ4KBytes;  // per row and super-block
   static constexpr bool kSums16 = false;  // block's s: the quantiser's 32-input sums (qdot.h)
   static constexpr bool kPairBlock = false;  // (Q6KX8's block_pair)
+  static constexpr int kSbInputs = 256;  // inputs of one unit (block's sb)
   // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
@@ -282,12 +283,12 @@ struct Q6KX8 {
   // loops; block<1> called for each group in turn was compiled with some 150 stack spills and
   // reloads per super-block (its scale words and broadcasts did not fit the 32 registers).
   static constexpr bool kPairBlock = kDotFused;
+  static constexpr int kSbInputs = 256;
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_pair(
       const uint8_t* const* b, const uint8_t* const* pf, int K, const int8_t* q, const float* d,
       const int16_t* s16, int sb, __m256* const* res) {
     static_assert(NT == 1, "one token a pass");
-    const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i even = _mm256_set1_epi8(0x33), odd = _mm256_set1_epi8(static_cast<char>(0xCC));
     constexpr int kPick = 0xE4;  // vpternlogd (a, b, c): c ? a : b, bit by bit
@@ -353,6 +354,55 @@ struct Q6KX8 {
   }
 };
 
+// MXFP4 x8: per block of 32 inputs the 8 rows' e8m0 bytes, then four words, lane r of word c
+// holding bytes 4c .. 4c + 3 of row r's nibble bytes (low nibbles: inputs 4c .. 4c + 3, high
+// nibbles: 16 + 4c ..). Each code becomes its doubled e2m1 value plus 12 (0 .. 24, unsigned:
+// no sign trick), and 12 times the block's activation sum (the quantiser's s) comes off the
+// integer sum: one table lookup and one vpdpbusd per word and half, 8 rows a lane each.
+struct Mxfp4X8 {
+  static constexpr int kMaxTokens = 4;
+  static constexpr int kBlockBytes = kMxfp4Bytes;  // per row and block
+  static constexpr bool kSums16 = false;
+  static constexpr bool kPairBlock = false;
+  static constexpr int kSbInputs = 32;  // the unit is one block (sb counts blocks)
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s, int sb, __m256* res) {
+    const int na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4,
+                                           0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8,
+                                           6, 4, 0);  // kMxfp4Values + 12, both halves
+    if (pf != nullptr)
+      for (int i = 0; i < 8 * kMxfp4Bytes; i += 64) prefetch_ahead(pf + i);
+    __m256i acc[NT];
+    for (int u = 0; u < NT; ++u) acc[u] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * c));
+      const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+      const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+      for (int u = 0; u < NT; ++u) {
+        const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 32 + 4 * c;
+        acc[u] = dot_acc(acc[u], lo, bcast32(xs));
+        acc[u] = dot_acc(acc[u], hi, bcast32(xs + 16));
+      }
+    }
+    // the rows' half scales 2^(e - 128), as e8m0_half (qdot_common.h): subnormal for e < 2
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256 dw = _mm256_castsi256_ps(
+        _mm256_blendv_epi8(normal, small, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+    for (int u = 0; u < NT; ++u) {
+      const __m256i total =
+          _mm256_sub_epi32(acc[u], _mm256_set1_epi32(12 * s[u * na + sb]));
+      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                               _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb])), res[u]);
+    }
+  }
+};
+
 // An interleaved kernel over K inputs for NT tokens and G adjacent groups (8G rows, the groups'
 // bytes one after the other; G = 2 with NT = 1: pair_simd), super-block by super-block, the
 // groups' streams side by side: y[u * ldy + 8g + r] is row r of group g.
@@ -360,8 +410,8 @@ template <class Kernel, int NT, int G>
 __attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const int8_t* q,
                                                  const float* d, const int16_t* s, float* y,
                                                  int64_t ldy) {
-  const int nsb = K / 256;
-  constexpr int64_t kSbBytes = 8 * Kernel::kBlockBytes;  // a group's super-block
+  const int nsb = K / Kernel::kSbInputs;
+  constexpr int64_t kSbBytes = 8 * Kernel::kBlockBytes;  // a group's super-block (unit)
   const int64_t gstride = nsb * kSbBytes;
   // The G groups' bytes (one region) are requested as one linear stream kX8AheadBytes ahead,
   // at the rate they are read: G super-blocks' lines per super-block (row_tasks.h), past the

@@ -121,7 +121,8 @@ struct QTypeSize {
 // Indexed by QType (qdot.h).
 constexpr QTypeSize kQTypeSizes[kNumQTypes] = {
     {32, kQ80Bytes},  {256, kQ4KBytes}, {256, kQ6KBytes}, {256, kQ5KBytes},
-    {32, kMxfp4Bytes}, {32, kQ50Bytes},  {32, kQ40Bytes}, {256, kQ4KBytes}, {256, kQ6KBytes}};
+    {32, kMxfp4Bytes}, {32, kQ50Bytes},  {32, kQ40Bytes}, {256, kQ4KBytes}, {256, kQ6KBytes},
+    {32, kMxfp4Bytes}};
 
 }  // namespace
 
@@ -197,9 +198,9 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
 }
 
 void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo) {
-  if (base != QType::Q4_K && base != QType::Q6_K)
-    throw std::invalid_argument("only q4_k and q6_k rows have an interleaved layout");
-  const int bytes = x8_block_bytes(base), nsb = K / 256;
+  if (base != QType::Q4_K && base != QType::Q6_K && base != QType::MXFP4)
+    throw std::invalid_argument("only q4_k, q6_k and mxfp4 rows have an interleaved layout");
+  const int bytes = x8_block_bytes(base), nsb = K / x8_block_inputs(base);
   const int64_t rb = qrow_bytes(base, K), grouped = rows / 8 * 8;
   for (int64_t g = 0; g < grouped; g += 8)
     for (int r = 0; r < 8; ++r)
