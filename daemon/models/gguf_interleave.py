@@ -125,6 +125,7 @@ def _interleave(raw: Tensor, fmt: str) -> Tensor:
 def _deinterleave(raw: Tensor, fmt: str) -> Tensor:
     g, nsb = _groups(raw, fmt)
     y = raw.reshape(g, nsb, 8 * BLOCK_BYTES[fmt])
+    parts: tuple[Tensor, ...]
     if fmt == "q4_k":
         parts = (
             y[..., 0:16].reshape(g, nsb, 8, 2),

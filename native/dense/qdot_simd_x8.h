@@ -286,8 +286,8 @@ struct Q6KX8 {
   static constexpr int kSbInputs = 256;
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_pair(
-      const uint8_t* const* b, const uint8_t* const* pf, int K, const int8_t* q, const float* d,
-      const int16_t* s16, int sb, __m256* const* res) {
+      const uint8_t* const* b, const uint8_t* const* pf, int /*K: sb * 256 indexes q*/,
+      const int8_t* q, const float* d, const int16_t* s16, int sb, __m256* const* res) {
     static_assert(NT == 1, "one token a pass");
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i even = _mm256_set1_epi8(0x33), odd = _mm256_set1_epi8(static_cast<char>(0xCC));
