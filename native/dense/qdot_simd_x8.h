@@ -371,9 +371,9 @@ struct Mxfp4X8 {
       const int16_t* s, int sb, __m256* res) {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4,
-                                           0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8,
-                                           6, 4, 0);  // kMxfp4Values + 12, both halves
+    const __m256i table = _mm256_add_epi8(  // kMxfp4Values + 12 in both halves: 0 .. 24
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))),
+        _mm256_set1_epi8(12));
     if (pf != nullptr)
       for (int i = 0; i < 8 * kMxfp4Bytes; i += 64) prefetch_ahead(pf + i);
     __m256i acc[NT];
