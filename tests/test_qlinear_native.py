@@ -103,7 +103,7 @@ def test_input_permutation() -> None:
     qw = dataclasses.replace(ql.QuantWeight.from_float(file_w, "q8_0"), in_perm=perm)
     plain = ql.QuantWeight.from_float(w, "q4_k")
     x = torch.randn(3, 256, generator=g)
-    assert torch.equal(qw.dequantize(), gb.dequantize(qw.raw, "q8_0")[:, perm.argsort()])
+    assert torch.equal(qw.dequantize(), gb.dequantize(qw.gguf_raw(), "q8_0")[:, perm.argsort()])
     assert (qw.dequantize() - w).abs().max() < 0.01
     got, other = ql.qlinear_many(x, [qw, plain])
     torch.testing.assert_close(got, ql.qlinear_reference(x, qw), rtol=RTOL, atol=ATOL)
@@ -208,7 +208,12 @@ def test_interleave_round_trip_and_layout(fmt: str) -> None:
     # the native byte moves (used at load) against the torch permutes
     assert torch.equal(packed, gi.interleave(raw, fmt, native=False))
     assert torch.equal(gi.deinterleave(packed, fmt, native=False), raw)
-    d_at = {"q4_k": slice(0, 2), "q6_k": slice(208, 210), "mxfp4": slice(0, 1)}[fmt]
+    d_at = {
+        "q4_k": slice(0, 2),
+        "q6_k": slice(208, 210),
+        "mxfp4": slice(0, 1),
+        "q8_0": slice(0, 2),
+    }[fmt]
     n = 8 * (d_at.stop - d_at.start)  # d of rows 0..7 (mxfp4: the first block's e8m0 bytes)
     assert torch.equal(packed[:8].reshape(-1)[:n], raw[:8, d_at].reshape(-1))
     # the second group starts where row 8 does, with its own rows' bytes only
@@ -216,9 +221,9 @@ def test_interleave_round_trip_and_layout(fmt: str) -> None:
     assert gi.interleavable(fmt, 16) and gi.interleavable(fmt, 12) and not gi.interleavable(fmt, 7)
     with pytest.raises(ValueError, match="R >= 8"):
         gi.interleave(raw[:7], fmt)
-    assert not gi.interleavable("q8_0", 16)
+    assert not gi.interleavable("q5_0", 16)
     with pytest.raises(ValueError, match="no interleaved layout"):
-        gi.interleave(gb.quantize(torch.randn(8, 64), "q8_0"), "q8_0")
+        gi.interleave(gb.quantize(torch.randn(8, 64), "q5_0"), "q5_0")
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -262,6 +267,32 @@ def test_interleaved_mxfp4_any_block_count_and_every_scale(isa: str, t: int) -> 
     assert w.interleaved and w.code == gi.INTERLEAVED_CODES["mxfp4"]
     plain = dataclasses.replace(w, raw=w.gguf_raw(), interleaved=False)
     x = torch.randn(t, k, generator=g)
+    got = ql.qlinear(x, w, isa=isa)
+    ref = ql.qlinear_reference(x, w)
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL * float(ref.abs().max()))
+    torch.testing.assert_close(got, ql.qlinear(x, plain, isa=isa), rtol=RTOL, atol=0.0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", [1, 4, 7])
+def test_interleaved_q8_0_extreme_bytes(isa: str, t: int) -> None:
+    """Q8_0_X8 at the int8 extremes: weights of -128 and 127 (the VNNI kernel flips every byte
+    to q + 128 and takes 128 x the block's activation sum off; AVX2 takes |q| against x signed
+    by q, whose maddubs pairs would saturate on the flipped bytes) against activations at
+    +-127 (a token of +-max), with K = 96 (three blocks, no super-block): exact integer block
+    sums, so the same floats as the plain rows."""
+    _need(isa)
+    g = torch.Generator().manual_seed(5)
+    rows, k = 24, 96
+    q = torch.randint(-128, 128, (rows, k // 32, 32), dtype=torch.int8, generator=g)
+    q[:8] = torch.where(q[:8] >= 0, 127, -128).to(torch.int8)  # a group of extremes only
+    d = (torch.rand(rows, k // 32, 1, generator=g) * 0.01 + 1e-3).half()
+    raw = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).view(rows, -1)
+    w = ql.QuantWeight.from_raw(raw, "q8_0", k)
+    assert w.interleaved and w.code == gi.INTERLEAVED_CODES["q8_0"]
+    plain = dataclasses.replace(w, raw=w.gguf_raw(), interleaved=False)
+    x = torch.randn(t, k, generator=g)
+    x[0] = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)  # every activation byte at +-127
     got = ql.qlinear(x, w, isa=isa)
     ref = ql.qlinear_reference(x, w)
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL * float(ref.abs().max()))

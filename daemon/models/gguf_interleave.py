@@ -1,6 +1,6 @@
-"""Our interleaved layout of GGUF K-quant and MXFP4 rows (native/dense/qdot.h's Q4_K_X8,
-Q6_K_X8, MXFP4_X8): each whole group of 8 rows regrouped per super-block (MXFP4: per block), so that the native kernels read one activation
-word for 8 rows. The same bytes as the GGUF rows (gguf_blocks.py), rearranged; ``deinterleave``
+"""Our interleaved layout of GGUF K-quant, MXFP4 and Q8_0 rows (native/dense/qdot.h's Q4_K_X8,
+Q6_K_X8, MXFP4_X8, Q8_0_X8): each whole group of 8 rows regrouped per super-block (MXFP4, Q8_0:
+per block), so that the native kernels read one activation word for 8 rows. The same bytes as the GGUF rows (gguf_blocks.py), rearranged; ``deinterleave``
 gives the GGUF rows back. The torch permutes here are the reference of the native byte moves
 (ftdense.qinterleave) that run at load.
 """
@@ -16,7 +16,7 @@ from .gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, QTYPE_CODES
 Tensor = torch.Tensor
 
 # The codes of the same formats with their rows interleaved by 8 (``interleave``).
-INTERLEAVED_CODES = {"q4_k": 7, "q6_k": 8, "mxfp4": 9}
+INTERLEAVED_CODES = {"q4_k": 7, "q6_k": 8, "mxfp4": 9, "q8_0": 10}
 INTERLEAVE_ROWS = 8
 
 
@@ -111,6 +111,11 @@ def _interleave(raw: Tensor, fmt: str) -> Tensor:
             x[..., 0].reshape(g, nsb, 8),
             x[..., 1:].reshape(g, nsb, 8, 4, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 128),
         )
+    elif fmt == "q8_0":  # per block: the 8 fp16 d, then 4-byte words of the 8 rows' q
+        parts = (
+            x[..., 0:2].reshape(g, nsb, 16),
+            x[..., 2:].reshape(g, nsb, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 256),
+        )
     else:  # q6_k: ql [128], qh [64], scales [16], d
         ql = x[..., 0:128].reshape(g, nsb, 8, 2, 2, 8, 4).permute(0, 1, 3, 5, 4, 2, 6)
         qh = x[..., 128:192].reshape(g, nsb, 8, 2, 8, 4).permute(0, 1, 3, 4, 2, 5).unsqueeze(4)
@@ -140,6 +145,11 @@ def _deinterleave(raw: Tensor, fmt: str) -> Tensor:
         parts = (
             y[..., 0:8].reshape(g, nsb, 8, 1),
             y[..., 8:].reshape(g, nsb, 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 16),
+        )
+    elif fmt == "q8_0":
+        parts = (
+            y[..., 0:16].reshape(g, nsb, 8, 2),
+            y[..., 16:].reshape(g, nsb, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 32),
         )
     else:
         body = y[..., 144:].reshape(g, nsb, 2, 8, 3, 8, 4)

@@ -47,7 +47,9 @@
 // r's ql[64h ..], ql[64h + 32 ..] and qh[32h ..]. MXFP4_X8 per block of 32 inputs (8 * 17
 // bytes): the 8 rows' e8m0 bytes, then four 32-byte words, lane r of word c holding bytes
 // 4c .. 4c + 3 of row r's 16 nibble bytes (low nibbles: inputs 4c .. 4c + 3; high: + 16); its
-// unit is the 32-input block, not a super-block (any K a multiple of 32). The last R % 8 rows
+// unit is the 32-input block, not a super-block (any K a multiple of 32). Q8_0_X8 per block of
+// 32 inputs (8 * 34 bytes): the 8 rows' fp16 d, then eight 32-byte words, lane r of word c
+// holding row r's int8 q[4c .. 4c + 3] (unit: the block, as MXFP4_X8). The last R % 8 rows
 // of a matrix whose row count R is not a multiple of 8 stay plain rows (qtype_base), right
 // after the last group.
 // An interleaved kernel computes a group's 8 rows per call: y[t * ldy + r], r < 8
@@ -67,13 +69,13 @@
 namespace ftdense {
 
 // The codes are the Python side's (models/gguf_blocks.QTYPE_CODES) and index QDotSet::row.
-// Q4_K_X8, Q6_K_X8, MXFP4_X8: Q4_K, Q6_K and MXFP4 rows interleaved by 8 (below); the same
-// bytes per row.
+// Q4_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8: Q4_K, Q6_K, MXFP4 and Q8_0 rows interleaved by 8
+// (below); the same bytes per row.
 enum class QType : int {
   Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0 = 5, Q4_0 = 6, Q4_K_X8 = 7, Q6_K_X8 = 8,
-  MXFP4_X8 = 9
+  MXFP4_X8 = 9, Q8_0_X8 = 10
 };
-constexpr int kNumQTypes = 10;
+constexpr int kNumQTypes = 11;
 constexpr int kQActBlock = 32;
 
 // The activation group (see above) the kernels of weight type t read: 256 for the K-quants.
@@ -87,7 +89,10 @@ inline int act_group(QType t) {
 // Weight rows one kernel call computes: 8 for the interleaved types (callers step by it over
 // the whole groups), else 1.
 inline int qtype_rows(QType t) {
-  return t == QType::Q4_K_X8 || t == QType::Q6_K_X8 || t == QType::MXFP4_X8 ? 8 : 1;
+  return t == QType::Q4_K_X8 || t == QType::Q6_K_X8 || t == QType::MXFP4_X8 ||
+                 t == QType::Q8_0_X8
+             ? 8
+             : 1;
 }
 
 // The plain type of an interleaved one (itself otherwise): a matrix of R rows in an interleaved
@@ -97,6 +102,7 @@ inline QType qtype_base(QType t) {
   return t == QType::Q4_K_X8    ? QType::Q4_K
          : t == QType::Q6_K_X8  ? QType::Q6_K
          : t == QType::MXFP4_X8 ? QType::MXFP4
+         : t == QType::Q8_0_X8  ? QType::Q8_0
                                 : t;
 }
 

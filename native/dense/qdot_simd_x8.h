@@ -1,6 +1,6 @@
-// 256-bit qdot kernels for K-quant and MXFP4 rows interleaved by 8 (qdot.h's Q4_K_X8, Q6_K_X8,
-// MXFP4_X8): one call computes 8 weight rows for n tokens, y[t * ldy + r] for r < 8. Included by
-// qdot_<isa>.cpp after qdot_simd.h, which also defines
+// 256-bit qdot kernels for K-quant, MXFP4 and Q8_0 rows interleaved by 8 (qdot.h's Q4_K_X8,
+// Q6_K_X8, MXFP4_X8, Q8_0_X8): one call computes 8 weight rows for n tokens, y[t * ldy + r] for
+// r < 8. Included by qdot_<isa>.cpp after qdot_simd.h, which also defines
 //   dot_acc(acc, u, s)  acc + dot_u8s8(u, s) (one vpdpbusd on VNNI)
 //
 // With the rows interleaved, each 32-byte load holds 4 consecutive weight bytes of each of the 8
@@ -397,6 +397,52 @@ struct Mxfp4X8 {
     for (int u = 0; u < NT; ++u) {
       const __m256i total =
           _mm256_sub_epi32(acc[u], _mm256_set1_epi32(12 * s[u * na + sb]));
+      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                               _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb])), res[u]);
+    }
+  }
+};
+
+// Q8_0 x8: per block of 32 inputs the 8 rows' fp16 d, then eight words, lane r of word c
+// holding row r's int8 q[4c .. 4c + 3]. With vpdpbusd (kDotFused) each byte is flipped to
+// q + 128 (unsigned) and 128 times the block's activation sum comes off the int32 sum, one op a
+// word shared by the tokens; maddubs would saturate its int16 pairs on that, so AVX2 takes the
+// sign trick (|q| against x signed by q: pairs of at most 2 * 128 * 127).
+struct Q80X8 {
+  static constexpr int kMaxTokens = 4;  // 2 accumulators a token
+  static constexpr int kBlockBytes = kQ80Bytes;  // per row and block
+  static constexpr bool kSums16 = false;
+  static constexpr bool kPairBlock = false;
+  static constexpr int kSbInputs = 32;  // the unit is one block (sb counts blocks)
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s, int sb, __m256* res) {
+    const int na = K / 32;
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    if (pf != nullptr)
+      for (int i = 0; i < 8 * kQ80Bytes; i += 64) prefetch_ahead(pf + i);
+    __m256i acc[NT][2];  // even and odd words: two chains a token
+    for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+      if constexpr (kDotFused) {
+        const __m256i uv = _mm256_xor_si256(v, flip);  // q + 128
+        for (int u = 0; u < NT; ++u)
+          acc[u][c & 1] = dot_acc(acc[u][c & 1], uv, bcast32(q + u * int64_t{K} + sb * 32 + 4 * c));
+      } else {
+        const __m256i av = _mm256_abs_epi8(v);
+        for (int u = 0; u < NT; ++u) {
+          const __m256i xv = bcast32(q + u * int64_t{K} + sb * 32 + 4 * c);
+          acc[u][c & 1] = dot_acc(acc[u][c & 1], av, _mm256_sign_epi8(xv, v));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    for (int u = 0; u < NT; ++u) {
+      __m256i total = _mm256_add_epi32(acc[u][0], acc[u][1]);
+      if constexpr (kDotFused)
+        total = _mm256_sub_epi32(total, _mm256_set1_epi32(128 * s[u * na + sb]));
       res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
                                _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb])), res[u]);
     }

@@ -1,6 +1,7 @@
-// Where each byte of a plain Q4_K / Q6_K super-block (MXFP4 block) goes in the interleaved
-// layouts of qdot.h (Q4_K_X8, Q6_K_X8, MXFP4_X8): one table of segments per type, shared by the scalar kernels (which gather
-// each row back) and by qinterleave (which builds the layout at load).
+// Where each byte of a plain Q4_K / Q6_K super-block (MXFP4, Q8_0 block) goes in the
+// interleaved layouts of qdot.h (Q4_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): one table of segments
+// per type, shared by the scalar kernels (which gather each row back) and by qinterleave (which
+// builds the layout at load).
 #pragma once
 
 #include <cstdint>
@@ -42,15 +43,28 @@ inline const std::vector<X8Segment>& x8_segments(QType base) {
     for (int c = 0; c < 4; ++c) s.push_back({1 + 4 * c, 8 + 32 * c, 4, 4});
     return s;
   }();
-  return base == QType::Q4_K ? q4k : base == QType::Q6_K ? q6k : mxfp4;
+  static const std::vector<X8Segment> q8_0 = [] {  // a block of 32 inputs
+    std::vector<X8Segment> s = {{0, 0, 2, 2}};
+    for (int c = 0; c < 8; ++c) s.push_back({2 + 4 * c, 16 + 32 * c, 4, 4});
+    return s;
+  }();
+  return base == QType::Q4_K   ? q4k
+         : base == QType::Q6_K ? q6k
+         : base == QType::Q8_0 ? q8_0
+                               : mxfp4;
 }
 
 // A row's bytes and inputs in one unit of the interleaved layout (a Q4_K / Q6_K super-block, an
-// MXFP4 block); a group's unit is 8 times the bytes.
+// MXFP4 / Q8_0 block); a group's unit is 8 times the bytes.
 inline int x8_block_bytes(QType base) {
-  return base == QType::Q4_K ? kQ4KBytes : base == QType::Q6_K ? kQ6KBytes : kMxfp4Bytes;
+  return base == QType::Q4_K   ? kQ4KBytes
+         : base == QType::Q6_K ? kQ6KBytes
+         : base == QType::Q8_0 ? kQ80Bytes
+                               : kMxfp4Bytes;
 }
-inline int x8_block_inputs(QType base) { return base == QType::MXFP4 ? 32 : 256; }
+inline int x8_block_inputs(QType base) {
+  return base == QType::MXFP4 || base == QType::Q8_0 ? 32 : 256;
+}
 
 // Row r's plain super-block from its group's interleaved one.
 inline void x8_gather(QType base, const uint8_t* group, int r, uint8_t* row) {

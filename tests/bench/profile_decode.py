@@ -57,6 +57,35 @@ def _instrument(vocab: int) -> None:
     cpu_decode.LayerPlan.run = _timed("native decode layers", cpu_decode.LayerPlan.run)  # type: ignore[method-assign]
 
 
+def _instrument_native() -> None:
+    """Timers inside the native decode layers instead: each projection group, the experts and
+    every small native op (attention, norms, rope, routing) as its own part."""
+    from freetokend.models.layers import cpu_decode, dense_native
+
+    class _Timed:
+        def __init__(self, mod: Any) -> None:
+            self._mod = mod
+
+        def __getattr__(self, name: str) -> Any:
+            return _timed(f"native {name}", getattr(self._mod, name))
+
+    dense_native._native = _Timed(dense_native._native)  # type: ignore[assignment]
+    run = cpu_decode.LayerPlan.run
+
+    def plan_run(self: Any, h: Any, step: Any) -> None:
+        if not getattr(self, "_timed", False):
+            self.qkv = _timed("native qkv", self.qkv)
+            self.o = _timed("native o", self.o)
+            self.router = _timed("native router", self.router)
+            self._timed = True
+        if not getattr(step, "_timed", False):
+            step.experts = _timed("native experts", step.experts)
+            step._timed = True
+        run(self, h, step)
+
+    cpu_decode.LayerPlan.run = plan_run  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -69,6 +98,11 @@ def main() -> None:
     ap.add_argument("--quantize-experts", default=None)
     ap.add_argument("--bf16-dot", action="store_true")
     ap.add_argument("--generic", action="store_true", help="without the native decode path")
+    ap.add_argument(
+        "--split-native",
+        action="store_true",
+        help="time each call inside the native decode layers (projections, experts, small ops)",
+    )
     a = ap.parse_args()
 
     import torch
@@ -90,6 +124,8 @@ def main() -> None:
     )
     vocab = llm.config.vocab_size
     _instrument(vocab)
+    if a.split_native:
+        _instrument_native()
     rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
     step = _timed("step", llm.engine.step)
     prompt = [(7 * i + 3) % (vocab - 1) for i in range(16)]
