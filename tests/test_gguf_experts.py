@@ -47,7 +47,7 @@ from freetokend.models.layers import qlinear_native
 pytestmark = pytest.mark.skipif(not available(), reason="ftdense not built")
 
 ISAS = qlinear_native.isas()  # every integer-dot path this CPU runs ("vnni", "avx2", "scalar")
-FMTS = ("q8_0", "q4_k", "q4_k/q8_0", "q8_0/q4_k", "mxfp4/mxfp4")
+FMTS = ("q8_0", "q4_k", "q4_k/q8_0", "q8_0/q4_k", "mxfp4/mxfp4", "q5_k/q6_k")
 ACTS = {
     "silu": (ActivationSpec(), False),
     "gptoss": (ActivationSpec(Activation.GPTOSS, 1.702, 0.9), True),  # clamps hit, with biases
@@ -163,7 +163,7 @@ def test_bad_inputs_are_refused() -> None:
 
 
 def _interleaves(fmt: str) -> bool:
-    """Whether a type of ``fmt`` has an interleaved layout (q4_k, mxfp4 here; q6_k not used)."""
+    """Whether a type of ``fmt`` has an interleaved layout (gguf_interleave.INTERLEAVED_CODES)."""
     return any(t in gguf_interleave.INTERLEAVED_CODES for t in FORMATS[fmt].block_types or ())
 
 

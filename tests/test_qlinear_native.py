@@ -213,6 +213,7 @@ def test_interleave_round_trip_and_layout(fmt: str) -> None:
         "q6_k": slice(208, 210),
         "mxfp4": slice(0, 1),
         "q8_0": slice(0, 2),
+        "q5_k": slice(0, 2),
     }[fmt]
     n = 8 * (d_at.stop - d_at.start)  # d of rows 0..7 (mxfp4: the first block's e8m0 bytes)
     assert torch.equal(packed[:8].reshape(-1)[:n], raw[:8, d_at].reshape(-1))

@@ -502,10 +502,10 @@ def interleaves(proj: str, qtype: str, rows: int) -> bool:
 
 def interleave_banks(banks: ExpertBanks) -> None:
     """In place, one expert at a time: the rows of every GGUF block projection whose type has
-    an interleaved layout (``gguf_interleave.interleave``: q4_k, q6_k, mxfp4, q8_0) regrouped by
-    8 as the native kernels read them fastest; sets ``banks.interleaved`` when any was
-    (``expert_tensors`` still gives GGUF rows). Only for banks that nothing else reads raw: the
-    cpu backend's."""
+    an interleaved layout (``gguf_interleave.interleave``: q4_k, q5_k, q6_k, mxfp4, q8_0)
+    regrouped by 8 as the native kernels read them fastest; sets ``banks.interleaved`` when any
+    was (``expert_tensors`` still gives GGUF rows). Only for banks that nothing else reads raw:
+    the cpu backend's."""
     fmt = get_format(banks.format)
     if banks.interleaved or not fmt.in_blocks:
         return

@@ -1,5 +1,5 @@
 """Our interleaved layout of GGUF K-quant, MXFP4 and Q8_0 rows (native/dense/qdot.h's Q4_K_X8,
-Q6_K_X8, MXFP4_X8, Q8_0_X8): each whole group of 8 rows regrouped per super-block (MXFP4, Q8_0:
+Q5_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): each whole group of 8 rows regrouped per super-block (MXFP4, Q8_0:
 per block), so that the native kernels read one activation word for 8 rows. The same bytes as the GGUF rows (gguf_blocks.py), rearranged; ``deinterleave``
 gives the GGUF rows back. The torch permutes here are the reference of the native byte moves
 (ftdense.qinterleave) that run at load.
@@ -16,7 +16,7 @@ from .gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, QTYPE_CODES
 Tensor = torch.Tensor
 
 # The codes of the same formats with their rows interleaved by 8 (``interleave``).
-INTERLEAVED_CODES = {"q4_k": 7, "q6_k": 8, "mxfp4": 9, "q8_0": 10}
+INTERLEAVED_CODES = {"q4_k": 7, "q6_k": 8, "mxfp4": 9, "q8_0": 10, "q5_k": 11}
 INTERLEAVE_ROWS = 8
 
 
@@ -99,12 +99,15 @@ def _interleave(raw: Tensor, fmt: str) -> Tensor:
     g, nsb = _groups(raw, fmt)
     x = raw.view(g, 8, nsb, BLOCK_BYTES[fmt]).permute(0, 2, 1, 3)  # [g, sb, row, bytes]
     parts: tuple[Tensor, ...]
-    if fmt == "q4_k":
+    if fmt in ("q4_k", "q5_k"):  # q5_k: the qh words (8 of 4 bytes a row) before the nibbles
+        qs = 48 if fmt == "q5_k" else 16
+        qh = (x[..., 16:48].reshape(g, nsb, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 256),)
         parts = (
             x[..., 0:2].reshape(g, nsb, 16),
             x[..., 2:4].reshape(g, nsb, 16),
             x[..., 4:16].reshape(g, nsb, 8, 3, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 96),
-            x[..., 16:].reshape(g, nsb, 8, 4, 8, 4).permute(0, 1, 4, 3, 2, 5).reshape(g, nsb, 1024),
+            *(qh if fmt == "q5_k" else ()),
+            x[..., qs:].reshape(g, nsb, 8, 4, 8, 4).permute(0, 1, 4, 3, 2, 5).reshape(g, nsb, 1024),
         )
     elif fmt == "mxfp4":  # per block: the 8 e8m0 bytes, then 4-byte words of the 8 rows' qs
         parts = (
@@ -131,12 +134,17 @@ def _deinterleave(raw: Tensor, fmt: str) -> Tensor:
     g, nsb = _groups(raw, fmt)
     y = raw.reshape(g, nsb, 8 * BLOCK_BYTES[fmt])
     parts: tuple[Tensor, ...]
-    if fmt == "q4_k":
+    if fmt in ("q4_k", "q5_k"):
+        qs = 384 if fmt == "q5_k" else 128
+        qh = (
+            y[..., 128:384].reshape(g, nsb, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 32),
+        )
         parts = (
             y[..., 0:16].reshape(g, nsb, 8, 2),
             y[..., 16:32].reshape(g, nsb, 8, 2),
             y[..., 32:128].reshape(g, nsb, 3, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 12),
-            y[..., 128:]
+            *(qh if fmt == "q5_k" else ()),
+            y[..., qs:]
             .reshape(g, nsb, 8, 4, 8, 4)
             .permute(0, 1, 4, 3, 2, 5)
             .reshape(g, nsb, 8, 128),

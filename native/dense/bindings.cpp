@@ -73,7 +73,7 @@ ftdense::QType qtype_code(int code) {
   if (code < 0 || code >= ftdense::kNumQTypes)
     throw py::value_error(
         "qtype must be 0 (q8_0), 1 (q4_k), 2 (q6_k), 3 (q5_k), 4 (mxfp4), 5 (q5_0), 6 (q4_0), "
-        "or 7 (q4_k), 8 (q6_k), 9 (mxfp4), 10 (q8_0) interleaved by 8");
+        "or 7 (q4_k), 8 (q6_k), 9 (mxfp4), 10 (q8_0), 11 (q5_k) interleaved by 8");
   return static_cast<ftdense::QType>(code);
 }
 
@@ -321,8 +321,8 @@ PYBIND11_MODULE(ftdense, m) {
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("types"),
       py::arg("y"), py::arg("isa") = "",
       "x [T,K] fp32 address; for each i: w[i] [N[i]] rows of GGUF blocks of qtype types[i] "
-      "(0 q8_0, 1 q4_k, 2 q6_k, 3 q5_k, 4 mxfp4, 5 q5_0, 6 q4_0; 7 q4_k, 8 q6_k, 9 mxfp4, 10 q8_0 "
-      "rows interleaved by 8), y[i] [T,N[i]] fp32. isa '' = the configured one.");
+      "(0 q8_0, 1 q4_k, 2 q6_k, 3 q5_k, 4 mxfp4, 5 q5_0, 6 q4_0; 7 q4_k, 8 q6_k, 9 mxfp4, 10 q8_0, "
+      "11 q5_k rows interleaved by 8), y[i] [T,N[i]] fp32. isa '' = the configured one.");
   m.def(
       "qinterleave",
       [](int qtype, uintptr_t src, uintptr_t dst, int64_t rows, int K, bool undo) {
@@ -335,7 +335,7 @@ PYBIND11_MODULE(ftdense, m) {
       },
       py::arg("qtype"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("K"),
       py::arg("undo") = false,
-      "Plain q8_0 (0) / q4_k (1) / q6_k (2) / mxfp4 (4) rows [rows, bytes] at src -> the interleaved layout at dst "
+      "Plain q8_0 (0) / q4_k (1) / q6_k (2) / q5_k (3) / mxfp4 (4) rows [rows, bytes] at src -> the interleaved layout at dst "
       "(qdot.h), or back with undo.");
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "

@@ -49,7 +49,10 @@
 // 4c .. 4c + 3 of row r's 16 nibble bytes (low nibbles: inputs 4c .. 4c + 3; high: + 16); its
 // unit is the 32-input block, not a super-block (any K a multiple of 32). Q8_0_X8 per block of
 // 32 inputs (8 * 34 bytes): the 8 rows' fp16 d, then eight 32-byte words, lane r of word c
-// holding row r's int8 q[4c .. 4c + 3] (unit: the block, as MXFP4_X8). The last R % 8 rows
+// holding row r's int8 q[4c .. 4c + 3] (unit: the block, as MXFP4_X8). Q5_K_X8 per super-block
+// (8 * 176 bytes): d, dmin and the scale words as Q4_K_X8's, then eight 32-byte words of qh (lane
+// r of word i4 holding row r's qh[4 * i4 .. 4 * i4 + 3]), then the nibbles as Q4_K_X8's at 384
+// instead of 128. The last R % 8 rows
 // of a matrix whose row count R is not a multiple of 8 stay plain rows (qtype_base), right
 // after the last group.
 // An interleaved kernel computes a group's 8 rows per call: y[t * ldy + r], r < 8
@@ -69,19 +72,19 @@
 namespace ftdense {
 
 // The codes are the Python side's (models/gguf_blocks.QTYPE_CODES) and index QDotSet::row.
-// Q4_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8: Q4_K, Q6_K, MXFP4 and Q8_0 rows interleaved by 8
-// (below); the same bytes per row.
+// Q4_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8, Q5_K_X8: Q4_K, Q6_K, MXFP4, Q8_0 and Q5_K rows
+// interleaved by 8 (below); the same bytes per row.
 enum class QType : int {
   Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_K = 3, MXFP4 = 4, Q5_0 = 5, Q4_0 = 6, Q4_K_X8 = 7, Q6_K_X8 = 8,
-  MXFP4_X8 = 9, Q8_0_X8 = 10
+  MXFP4_X8 = 9, Q8_0_X8 = 10, Q5_K_X8 = 11
 };
-constexpr int kNumQTypes = 11;
+constexpr int kNumQTypes = 12;
 constexpr int kQActBlock = 32;
 
 // The activation group (see above) the kernels of weight type t read: 256 for the K-quants.
 inline int act_group(QType t) {
   return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K || t == QType::Q4_K_X8 ||
-                 t == QType::Q6_K_X8
+                 t == QType::Q6_K_X8 || t == QType::Q5_K_X8
              ? 256
              : kQActBlock;
 }
@@ -90,7 +93,7 @@ inline int act_group(QType t) {
 // the whole groups), else 1.
 inline int qtype_rows(QType t) {
   return t == QType::Q4_K_X8 || t == QType::Q6_K_X8 || t == QType::MXFP4_X8 ||
-                 t == QType::Q8_0_X8
+                 t == QType::Q8_0_X8 || t == QType::Q5_K_X8
              ? 8
              : 1;
 }
@@ -103,6 +106,7 @@ inline QType qtype_base(QType t) {
          : t == QType::Q6_K_X8  ? QType::Q6_K
          : t == QType::MXFP4_X8 ? QType::MXFP4
          : t == QType::Q8_0_X8  ? QType::Q8_0
+         : t == QType::Q5_K_X8  ? QType::Q5_K
                                 : t;
 }
 

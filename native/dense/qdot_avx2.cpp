@@ -44,7 +44,7 @@ const QDotSet kQDotAvx2 = {"avx2",
                              row_simd<Q6K>, row_simd<ScaleMin<true>>, row_simd<Signed32<DecodeMxfp4>>,
                              row_simd<Signed32<DecodeQ5_0>>, row_simd<Signed32<DecodeQ4_0>>,
                              group_simd<Q4KX8>, group_simd<Q6KX8>, group_simd<Mxfp4X8>,
-                             group_simd<Q80X8>},
+                             group_simd<Q80X8>, group_simd<Q5KX8>},
                             {}};  // no pair kernels (qdot.h)
 
 }  // namespace ftdense

@@ -201,7 +201,8 @@ const QDotSet kQDotScalar = {"scalar",
                               group_x8<QType::Q4_K, row_scale_min<false>>,
                               group_x8<QType::Q6_K, row_q6_k>,
                               group_x8<QType::MXFP4, row_signed32<kMxfp4Bytes, decode_mxfp4>>,
-                              group_x8<QType::Q8_0, row_signed32<kQ80Bytes, decode_q8_0>>},
+                              group_x8<QType::Q8_0, row_signed32<kQ80Bytes, decode_q8_0>>,
+                              group_x8<QType::Q5_K, row_scale_min<true>>},
                              {}};  // no pair kernels (qdot.h)
 
 }  // namespace ftdense

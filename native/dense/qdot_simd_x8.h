@@ -51,6 +51,12 @@ QDOT_FN __m256i load_ctl(const uint8_t* p) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// Bit j (j < 8, a constant once unrolled) of each byte moved to bit 4 by a 16-bit shift; the
+// caller masks bit 4 (bits shifted across the byte boundary land elsewhere for j in 0..7).
+QDOT_FN __m256i shift_bit_to_4(__m256i v, int j) {
+  return j <= 4 ? _mm256_slli_epi16(v, 4 - j) : _mm256_srli_epi16(v, j - 4);
+}
+
 // An interleaved kernel's caller (x8_run) requests its weight bytes row_tasks.h's kX8AheadBytes
 // ahead, into L2, a super-block's lines for each super-block a group computes (2 threads from
 // DRAM: Q4_K at 1.2-1.3x the plain kernel's rate; when the callers prefetched whole groups
@@ -62,9 +68,13 @@ QDOT_FN __m256i load_ctl(const uint8_t* p) {
 // v = 4 * i4 + c (c < 4, the 64-input chunk; i4 < 8) holds, in lane r, bytes 4 * i4 .. 4 * i4 + 3
 // of row r's 32 nibble bytes of chunk c: low nibbles are inputs 64c + 4 * i4 + (0..3) (sub-block
 // 2c), high nibbles the same + 32 (sub-block 2c + 1).
-struct Q4KX8 {
+// Q5_K x8 (kFive): the same, with eight qh words between the scales and the nibbles (lane r of
+// word i4 holding row r's qh[4 * i4 .. + 3]: bit j of each byte is the fifth bit of input
+// 32j + the byte's index), the nibbles at 384; the values are 0..31, the same arithmetic.
+template <bool kFive>
+struct ScaleMinX8 {
   static constexpr int kMaxTokens = 3;  // 8 accumulators a token: 24 of the 32 registers
-  static constexpr int kBlockBytes = kQ4KBytes;  // per row and super-block
+  static constexpr int kBlockBytes = kFive ? kQ5KBytes : kQ4KBytes;  // per row and super-block
   static constexpr bool kSums16 = false;  // block's s: the quantiser's 32-input sums (qdot.h)
   static constexpr bool kPairBlock = false;  // (Q6KX8's block_pair)
   static constexpr int kSbInputs = 256;  // inputs of one unit (block's sb)
@@ -76,25 +86,35 @@ struct Q4KX8 {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), top = _mm256_set1_epi32(0x30303030);
-    const uint8_t* qs = blk + 128;
+    const __m256i fifth = _mm256_set1_epi8(0x10);
+    const uint8_t* qs = blk + (kFive ? 384 : 128);
     if (pf != nullptr)
-      for (int i = 0; i < 8 * kQ4KBytes; i += 64) prefetch_ahead(pf + i);
+      for (int i = 0; i < 8 * kBlockBytes; i += 64) prefetch_ahead(pf + i);
     // each weight word is unpacked once and read against the NT tokens
     __m256i acc[NT][8];
     for (int u = 0; u < NT; ++u)
       for (int j = 0; j < 8; ++j) acc[u][j] = _mm256_setzero_si256();
-    for (int i4 = 0; i4 < 8; ++i4)
+    for (int i4 = 0; i4 < 8; ++i4) {
+      __m256i qh = _mm256_setzero_si256();
+      if constexpr (kFive)
+        qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * i4));
       for (int c = 0; c < 4; ++c) {
         const __m256i v =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (4 * i4 + c)));
-        const __m256i lo = _mm256_and_si256(v, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m256i lo = _mm256_and_si256(v, low);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (kFive) {  // bits 2c and 2c + 1 of each qh byte to bit 4 (16-bit shifts:
+          // no bit crosses into bit 4 of the other byte for shifts of at most 4 left, 3 right)
+          lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bit_to_4(qh, 2 * c), fifth));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bit_to_4(qh, 2 * c + 1), fifth));
+        }
         for (int u = 0; u < NT; ++u) {
           const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
           acc[u][2 * c] = dot_acc(acc[u][2 * c], lo, bcast32(xs));
           acc[u][2 * c + 1] = dot_acc(acc[u][2 * c + 1], hi, bcast32(xs + 32));
         }
       }
+    }
     {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
@@ -128,6 +148,9 @@ struct Q4KX8 {
     }
   }
 };
+
+using Q4KX8 = ScaleMinX8<false>;
+using Q5KX8 = ScaleMinX8<true>;
 
 // The 16 sums of 16 activations of a super-block's 256 (xs) as int16, in order: two madds give
 // each 32 inputs' 4-input sums and three hadds the 16-input sums (lanes [g0 g2 g4 g6 | g1 g3 g5

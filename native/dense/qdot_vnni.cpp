@@ -46,9 +46,9 @@ const QDotSet kQDotVnni = {"vnni",
                              row_simd<Q6K>, row_simd<ScaleMin<true>>, row_simd<Signed32<DecodeMxfp4>>,
                              row_simd<Signed32<DecodeQ5_0>>, row_simd<Signed32<DecodeQ4_0>>,
                              group_simd<Q4KX8>, group_simd<Q6KX8>, group_simd<Mxfp4X8>,
-                             group_simd<Q80X8>},
+                             group_simd<Q80X8>, group_simd<Q5KX8>},
                             {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                              pair_simd<Q4KX8>, pair_simd<Q6KX8>, pair_simd<Mxfp4X8>,
-                             pair_simd<Q80X8>}};
+                             pair_simd<Q80X8>, pair_simd<Q5KX8>}};
 
 }  // namespace ftdense

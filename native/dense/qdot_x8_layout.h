@@ -1,5 +1,5 @@
-// Where each byte of a plain Q4_K / Q6_K super-block (MXFP4, Q8_0 block) goes in the
-// interleaved layouts of qdot.h (Q4_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): one table of segments
+// Where each byte of a plain Q4_K / Q5_K / Q6_K super-block (MXFP4, Q8_0 block) goes in the
+// interleaved layouts of qdot.h (Q4_K_X8, Q5_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): one table of segments
 // per type, shared by the scalar kernels (which gather each row back) and by qinterleave (which
 // builds the layout at load).
 #pragma once
@@ -43,6 +43,14 @@ inline const std::vector<X8Segment>& x8_segments(QType base) {
     for (int c = 0; c < 4; ++c) s.push_back({1 + 4 * c, 8 + 32 * c, 4, 4});
     return s;
   }();
+  static const std::vector<X8Segment> q5k = [] {  // Q4_K's, with qh words before the nibbles
+    std::vector<X8Segment> s = {{0, 0, 2, 2}, {2, 16, 2, 2}};
+    for (int w = 0; w < 3; ++w) s.push_back({4 + 4 * w, 32 + 32 * w, 4, 4});
+    for (int i4 = 0; i4 < 8; ++i4) s.push_back({16 + 4 * i4, 128 + 32 * i4, 4, 4});
+    for (int c = 0; c < 4; ++c)
+      for (int i4 = 0; i4 < 8; ++i4) s.push_back({48 + 32 * c + 4 * i4, 384 + 32 * (4 * i4 + c), 4, 4});
+    return s;
+  }();
   static const std::vector<X8Segment> q8_0 = [] {  // a block of 32 inputs
     std::vector<X8Segment> s = {{0, 0, 2, 2}};
     for (int c = 0; c < 8; ++c) s.push_back({2 + 4 * c, 16 + 32 * c, 4, 4});
@@ -51,6 +59,7 @@ inline const std::vector<X8Segment>& x8_segments(QType base) {
   return base == QType::Q4_K   ? q4k
          : base == QType::Q6_K ? q6k
          : base == QType::Q8_0 ? q8_0
+         : base == QType::Q5_K ? q5k
                                : mxfp4;
 }
 
@@ -60,6 +69,7 @@ inline int x8_block_bytes(QType base) {
   return base == QType::Q4_K   ? kQ4KBytes
          : base == QType::Q6_K ? kQ6KBytes
          : base == QType::Q8_0 ? kQ80Bytes
+         : base == QType::Q5_K ? kQ5KBytes
                                : kMxfp4Bytes;
 }
 inline int x8_block_inputs(QType base) {

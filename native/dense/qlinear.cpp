@@ -122,7 +122,7 @@ struct QTypeSize {
 constexpr QTypeSize kQTypeSizes[kNumQTypes] = {
     {32, kQ80Bytes},  {256, kQ4KBytes}, {256, kQ6KBytes}, {256, kQ5KBytes},
     {32, kMxfp4Bytes}, {32, kQ50Bytes},  {32, kQ40Bytes}, {256, kQ4KBytes}, {256, kQ6KBytes},
-    {32, kMxfp4Bytes}, {32, kQ80Bytes}};
+    {32, kMxfp4Bytes}, {32, kQ80Bytes}, {256, kQ5KBytes}};
 
 }  // namespace
 
@@ -198,8 +198,10 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
 }
 
 void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo) {
-  if (base != QType::Q4_K && base != QType::Q6_K && base != QType::MXFP4 && base != QType::Q8_0)
-    throw std::invalid_argument("only q4_k, q6_k, mxfp4 and q8_0 rows have an interleaved layout");
+  if (base != QType::Q4_K && base != QType::Q6_K && base != QType::MXFP4 && base != QType::Q8_0 &&
+      base != QType::Q5_K)
+    throw std::invalid_argument(
+        "only q4_k, q5_k, q6_k, mxfp4 and q8_0 rows have an interleaved layout");
   const int bytes = x8_block_bytes(base), nsb = K / x8_block_inputs(base);
   const int64_t rb = qrow_bytes(base, K), grouped = rows / 8 * 8;
   for (int64_t g = 0; g < grouped; g += 8)
