@@ -101,12 +101,12 @@ def _interleave(raw: Tensor, fmt: str) -> Tensor:
     parts: tuple[Tensor, ...]
     if fmt in ("q4_k", "q5_k"):  # q5_k: the qh words (8 of 4 bytes a row) before the nibbles
         qs = 48 if fmt == "q5_k" else 16
-        qh = (x[..., 16:48].reshape(g, nsb, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 256),)
+        five = (x[..., 16:48].reshape(g, nsb, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 256),)
         parts = (
             x[..., 0:2].reshape(g, nsb, 16),
             x[..., 2:4].reshape(g, nsb, 16),
             x[..., 4:16].reshape(g, nsb, 8, 3, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 96),
-            *(qh if fmt == "q5_k" else ()),
+            *(five if fmt == "q5_k" else ()),
             x[..., qs:].reshape(g, nsb, 8, 4, 8, 4).permute(0, 1, 4, 3, 2, 5).reshape(g, nsb, 1024),
         )
     elif fmt == "mxfp4":  # per block: the 8 e8m0 bytes, then 4-byte words of the 8 rows' qs
@@ -136,14 +136,14 @@ def _deinterleave(raw: Tensor, fmt: str) -> Tensor:
     parts: tuple[Tensor, ...]
     if fmt in ("q4_k", "q5_k"):
         qs = 384 if fmt == "q5_k" else 128
-        qh = (
+        five = (
             y[..., 128:384].reshape(g, nsb, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 32),
         )
         parts = (
             y[..., 0:16].reshape(g, nsb, 8, 2),
             y[..., 16:32].reshape(g, nsb, 8, 2),
             y[..., 32:128].reshape(g, nsb, 3, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nsb, 8, 12),
-            *(qh if fmt == "q5_k" else ()),
+            *(five if fmt == "q5_k" else ()),
             y[..., qs:]
             .reshape(g, nsb, 8, 4, 8, 4)
             .permute(0, 1, 4, 3, 2, 5)

@@ -335,7 +335,8 @@ PYBIND11_MODULE(ftdense, m) {
       },
       py::arg("qtype"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("K"),
       py::arg("undo") = false,
-      "Plain q8_0 (0) / q4_k (1) / q6_k (2) / q5_k (3) / mxfp4 (4) rows [rows, bytes] at src -> the interleaved layout at dst "
+      "Plain q8_0 (0) / q4_k (1) / q6_k (2) / q5_k (3) / mxfp4 (4) rows [rows, bytes] at src -> "
+      "the interleaved layout at dst "
       "(qdot.h), or back with undo.");
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "

@@ -52,9 +52,8 @@
 // holding row r's int8 q[4c .. 4c + 3] (unit: the block, as MXFP4_X8). Q5_K_X8 per super-block
 // (8 * 176 bytes): d, dmin and the scale words as Q4_K_X8's, then eight 32-byte words of qh (lane
 // r of word i4 holding row r's qh[4 * i4 .. 4 * i4 + 3]), then the nibbles as Q4_K_X8's at 384
-// instead of 128. The last R % 8 rows
-// of a matrix whose row count R is not a multiple of 8 stay plain rows (qtype_base), right
-// after the last group.
+// instead of 128. The last R % 8 rows of a matrix whose row count R is not a multiple of 8 stay
+// plain rows (qtype_base), right after the last group.
 // An interleaved kernel computes a group's 8 rows per call: y[t * ldy + r], r < 8
 // (qdot_x8_layout.h has the byte map; qdot_simd_x8.h the SIMD kernels).
 //

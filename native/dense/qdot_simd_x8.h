@@ -1,6 +1,6 @@
 // 256-bit qdot kernels for K-quant, MXFP4 and Q8_0 rows interleaved by 8 (qdot.h's Q4_K_X8,
-// Q6_K_X8, MXFP4_X8, Q8_0_X8): one call computes 8 weight rows for n tokens, y[t * ldy + r] for
-// r < 8. Included by qdot_<isa>.cpp after qdot_simd.h, which also defines
+// Q5_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): one call computes 8 weight rows for n tokens,
+// y[t * ldy + r] for r < 8. Included by qdot_<isa>.cpp after qdot_simd.h, which also defines
 //   dot_acc(acc, u, s)  acc + dot_u8s8(u, s) (one vpdpbusd on VNNI)
 //
 // With the rows interleaved, each 32-byte load holds 4 consecutive weight bytes of each of the 8
@@ -452,7 +452,8 @@ struct Q80X8 {
       if constexpr (kDotFused) {
         const __m256i uv = _mm256_xor_si256(v, flip);  // q + 128
         for (int u = 0; u < NT; ++u)
-          acc[u][c & 1] = dot_acc(acc[u][c & 1], uv, bcast32(q + u * int64_t{K} + sb * 32 + 4 * c));
+          acc[u][c & 1] =
+              dot_acc(acc[u][c & 1], uv, bcast32(q + u * int64_t{K} + sb * 32 + 4 * c));
       } else {
         const __m256i av = _mm256_abs_epi8(v);
         for (int u = 0; u < NT; ++u) {

@@ -1,7 +1,7 @@
 // Where each byte of a plain Q4_K / Q5_K / Q6_K super-block (MXFP4, Q8_0 block) goes in the
-// interleaved layouts of qdot.h (Q4_K_X8, Q5_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): one table of segments
-// per type, shared by the scalar kernels (which gather each row back) and by qinterleave (which
-// builds the layout at load).
+// interleaved layouts of qdot.h (Q4_K_X8, Q5_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): one table of
+// segments per type, shared by the scalar kernels (which gather each row back) and by qinterleave
+// (which builds the layout at load).
 #pragma once
 
 #include <cstdint>
@@ -48,7 +48,8 @@ inline const std::vector<X8Segment>& x8_segments(QType base) {
     for (int w = 0; w < 3; ++w) s.push_back({4 + 4 * w, 32 + 32 * w, 4, 4});
     for (int i4 = 0; i4 < 8; ++i4) s.push_back({16 + 4 * i4, 128 + 32 * i4, 4, 4});
     for (int c = 0; c < 4; ++c)
-      for (int i4 = 0; i4 < 8; ++i4) s.push_back({48 + 32 * c + 4 * i4, 384 + 32 * (4 * i4 + c), 4, 4});
+      for (int i4 = 0; i4 < 8; ++i4)
+        s.push_back({48 + 32 * c + 4 * i4, 384 + 32 * (4 * i4 + c), 4, 4});
     return s;
   }();
   static const std::vector<X8Segment> q8_0 = [] {  // a block of 32 inputs
@@ -63,8 +64,8 @@ inline const std::vector<X8Segment>& x8_segments(QType base) {
                                : mxfp4;
 }
 
-// A row's bytes and inputs in one unit of the interleaved layout (a Q4_K / Q6_K super-block, an
-// MXFP4 / Q8_0 block); a group's unit is 8 times the bytes.
+// A row's bytes and inputs in one unit of the interleaved layout (a Q4_K / Q5_K / Q6_K
+// super-block, an MXFP4 / Q8_0 block); a group's unit is 8 times the bytes.
 inline int x8_block_bytes(QType base) {
   return base == QType::Q4_K   ? kQ4KBytes
          : base == QType::Q6_K ? kQ6KBytes
