@@ -59,7 +59,8 @@ CACHE = Path("/tmp/ftbench_decode")
 #   freetoken / llama.cpp / hf      the BF16 checkpoint (llama.cpp: the converter's BF16 GGUF)
 #   *-mxfp4    routed experts MXFP4, the rest BF16: ours quantized at load (quantize_experts),
 #              llama.cpp's by its own quantizer (MXFP4_MOE, non-expert tensors kept BF16)
-#   *-q8_0, *-q4_k_m   llama.cpp: its quantizer's preset on the BF16 GGUF (what users download);
+#   *-q8_0, *-q4_k_m, *-q5_k_m   llama.cpp: its quantizer's preset on the BF16 GGUF (what users
+#              download; q5_k_m: llama.cpp's file only, no preset of ours);
 #              freetoken: our `quantize` preset of the BF16 checkpoint (models/dense_quant.py)
 #   freetoken-gguf-*   freetoken loading llama.cpp's quantized file itself: the same file, so
 #              the same bytes (quant types without a native kernel are dequantized at load;
@@ -83,9 +84,11 @@ ENGINES = (
     "freetoken-q4_k_m",
     "llama.cpp-q4_k_m",
     "freetoken-gguf-q4_k_m",
+    "llama.cpp-q5_k_m",
+    "freetoken-gguf-q5_k_m",
     "freetoken-q4_k",
 )
-LLAMA_QUANTS = ("mxfp4", "q8_0", "q4_k_m")  # llama.cpp files quantized from the BF16 GGUF
+LLAMA_QUANTS = ("mxfp4", "q8_0", "q4_k_m", "q5_k_m")  # llama.cpp files quantized from the BF16 GGUF
 _PEER_MODULE = {e: "llama_cpp" for e in ENGINES if e.startswith("llama.cpp")} | {
     "hf": "transformers"
 }
@@ -101,6 +104,7 @@ _PAIRS = (
     ("freetoken-gguf-q8_0", "llama.cpp-q8_0"),
     ("freetoken-q4_k_m", "llama.cpp-q4_k_m"),
     ("freetoken-gguf-q4_k_m", "llama.cpp-q4_k_m"),
+    ("freetoken-gguf-q5_k_m", "llama.cpp-q5_k_m"),
 )
 
 

@@ -120,10 +120,10 @@ GGML_TYPE_BF16 = 30  # ggml.h (llama-cpp-python exports no constant for it)
 
 def quantize_gguf(src_gguf: Path, out: Path, ftype: str) -> Path:
     """``src_gguf`` (BF16) -> GGUF quantized by llama.cpp's own quantizer (cached; redone when the
-    source changed). ``ftype``: "q8_0" and "q4_k_m" are llama.cpp's presets as users download
-    them (its own per-tensor mix: Q4_K_M puts Q6_K on some tensors); "mxfp4" is MXFP4_MOE with
-    every non-expert tensor kept BF16, so the pair with our experts-only MXFP4 reads the same
-    bytes."""
+    source changed). ``ftype``: "q8_0", "q4_k_m" and "q5_k_m" are llama.cpp's presets as users
+    download them (its own per-tensor mix: Q4_K_M and Q5_K_M put Q6_K on some tensors); "mxfp4"
+    is MXFP4_MOE with every non-expert tensor kept BF16, so the pair with our experts-only MXFP4
+    reads the same bytes."""
     import ctypes
 
     import llama_cpp as L
@@ -131,6 +131,7 @@ def quantize_gguf(src_gguf: Path, out: Path, ftype: str) -> Path:
     ftypes = {
         "q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0,
         "q4_k_m": L.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+        "q5_k_m": L.LLAMA_FTYPE_MOSTLY_Q5_K_M,
         "mxfp4": L.LLAMA_FTYPE_MOSTLY_MXFP4_MOE,
     }
     stamp = {
