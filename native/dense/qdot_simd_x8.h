@@ -382,12 +382,15 @@ struct Q6KX8 {
 // nibbles: 16 + 4c ..). Each code becomes its doubled e2m1 value plus 12 (0 .. 24, unsigned:
 // no sign trick), and 12 times the block's activation sum (the quantiser's s) comes off the
 // integer sum: one table lookup and one vpdpbusd per word and half, 8 rows a lane each.
-struct Mxfp4X8 {
-  static constexpr int kMaxTokens = 4;
-  static constexpr int kBlockBytes = kMxfp4Bytes;  // per row and block
+// (Block32X8: what the kernels whose unit is one 32-input block share.)
+struct Block32X8 {
   static constexpr bool kSums16 = false;
   static constexpr bool kPairBlock = false;
   static constexpr int kSbInputs = 32;  // the unit is one block (sb counts blocks)
+};
+struct Mxfp4X8 : Block32X8 {
+  static constexpr int kMaxTokens = 4;
+  static constexpr int kBlockBytes = kMxfp4Bytes;  // per row and block
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
       const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
@@ -431,12 +434,9 @@ struct Mxfp4X8 {
 // q + 128 (unsigned) and 128 times the block's activation sum comes off the int32 sum, one op a
 // word shared by the tokens; maddubs would saturate its int16 pairs on that, so AVX2 takes the
 // sign trick (|q| against x signed by q: pairs of at most 2 * 128 * 127).
-struct Q80X8 {
+struct Q80X8 : Block32X8 {
   static constexpr int kMaxTokens = 4;  // 2 accumulators a token
   static constexpr int kBlockBytes = kQ80Bytes;  // per row and block
-  static constexpr bool kSums16 = false;
-  static constexpr bool kPairBlock = false;
-  static constexpr int kSbInputs = 32;  // the unit is one block (sb counts blocks)
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
       const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,

@@ -64,17 +64,11 @@ inline const std::vector<X8Segment>& x8_segments(QType base) {
                                : mxfp4;
 }
 
-// A row's bytes and inputs in one unit of the interleaved layout (a Q4_K / Q5_K / Q6_K
-// super-block, an MXFP4 / Q8_0 block); a group's unit is 8 times the bytes.
+// A row's inputs and bytes in one unit of the interleaved layout: the type's block (a Q4_K /
+// Q5_K / Q6_K super-block, an MXFP4 / Q8_0 block); a group's unit is 8 times the bytes.
+inline int x8_block_inputs(QType base) { return qblock_inputs(base); }
 inline int x8_block_bytes(QType base) {
-  return base == QType::Q4_K   ? kQ4KBytes
-         : base == QType::Q6_K ? kQ6KBytes
-         : base == QType::Q8_0 ? kQ80Bytes
-         : base == QType::Q5_K ? kQ5KBytes
-                               : kMxfp4Bytes;
-}
-inline int x8_block_inputs(QType base) {
-  return base == QType::MXFP4 || base == QType::Q8_0 ? 32 : 256;
+  return static_cast<int>(qrow_bytes(base, qblock_inputs(base)));
 }
 
 // Row r's plain super-block from its group's interleaved one.
