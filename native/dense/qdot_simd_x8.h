@@ -73,7 +73,10 @@ QDOT_FN __m256i shift_bit_to_4(__m256i v, int j) {
 // 32j + the byte's index), the nibbles at 384; the values are 0..31, the same arithmetic.
 template <bool kFive>
 struct ScaleMinX8 {
-  static constexpr int kMaxTokens = 3;  // 8 accumulators a token: 24 of the 32 registers
+  // decode's form: 8 accumulators a token, 3 tokens; with VNNI, passes of more tokens take the
+  // tokens-wide form (block_wide: 2 accumulators and a sum a token)
+  static constexpr int kWideTokens = 8;
+  static constexpr int kMaxTokens = kDotFused ? kWideTokens : 3;
   static constexpr int kBlockBytes = kFive ? kQ5KBytes : kQ4KBytes;  // per row and super-block
   static constexpr bool kSums16 = false;  // block's s: the quantiser's 32-input sums (qdot.h)
   static constexpr bool kPairBlock = false;  // (Q6KX8's block_pair)
@@ -83,6 +86,10 @@ struct ScaleMinX8 {
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
       const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
       const int16_t* s, int sb, __m256* res) {
+    if constexpr (NT > 3) {
+      block_wide<NT>(blk, pf, K, q, d, s, sb, res);
+      return;
+    }
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), top = _mm256_set1_epi32(0x30303030);
@@ -145,6 +152,76 @@ struct ScaleMinX8 {
         res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(dw0, dx), res[u]);
         res[u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm0, dx), res[u]);
       }
+    }
+  }
+
+  // The same sums for NT > 3 tokens (prefill; VNNI's 32 registers): sub-blocks 2c and 2c + 1
+  // at a time, their scales applied before the next pair, so a token holds two accumulators and
+  // its scaled sum: each weight word is unpacked once for up to 8 tokens instead of 3.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_wide(
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s, int sb, __m256* res) {
+    const int na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), top = _mm256_set1_epi32(0x30303030);
+    const __m256i fifth = _mm256_set1_epi8(0x10);
+    const uint8_t* qs = blk + (kFive ? 384 : 128);
+    if (pf != nullptr)
+      for (int i = 0; i < 8 * kBlockBytes; i += 64) prefetch_ahead(pf + i);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
+    const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 96));
+    __m256i sumi[NT];
+    for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i acc[NT][2];
+      for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
+      for (int i4 = 0; i4 < 8; ++i4) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (4 * i4 + c)));
+        __m256i lo = _mm256_and_si256(v, low);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (kFive) {
+          const __m256i qh =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * i4));
+          lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bit_to_4(qh, 2 * c), fifth));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bit_to_4(qh, 2 * c + 1), fifth));
+        }
+        for (int u = 0; u < NT; ++u) {
+          const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
+          acc[u][0] = dot_acc(acc[u][0], lo, bcast32(xs));
+          acc[u][1] = dot_acc(acc[u][1], hi, bcast32(xs + 32));
+        }
+      }
+      // scales 2c and 2c + 1 of each row as int32 (c < 2: the low word's bytes, else the high)
+      const __m256i word =
+          c < 2 ? _mm256_and_si256(w0, six)
+                : _mm256_or_si256(_mm256_and_si256(w2, low),
+                                  _mm256_and_si256(_mm256_srli_epi32(w0, 2), top));
+      const __m256i sc0 = _mm256_shuffle_epi8(word, load_ctl(kLaneControls.byte[(2 * c) & 3]));
+      const __m256i sc1 =
+          _mm256_shuffle_epi8(word, load_ctl(kLaneControls.byte[(2 * c + 1) & 3]));
+      for (int u = 0; u < NT; ++u)
+        sumi[u] = _mm256_add_epi32(
+            sumi[u], _mm256_add_epi32(_mm256_mullo_epi32(acc[u][0], sc0),
+                                      _mm256_mullo_epi32(acc[u][1], sc1)));
+    }
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
+    const __m256i mlo = _mm256_and_si256(w1, six);
+    const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low),
+                                        _mm256_and_si256(_mm256_srli_epi32(w1, 2), top));
+    __m256i mp[4];
+    for (int p = 0; p < 4; ++p)
+      mp[p] = _mm256_shuffle_epi8(p < 2 ? mlo : mhi, load_ctl(kLaneControls.pair[p & 1]));
+    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dm0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    for (int u = 0; u < NT; ++u) {
+      const int16_t* su = s + u * na + sb * 8;
+      __m256i mins = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) mins = madd_acc(mins, mp[p], bcast32(su + 2 * p));
+      const __m256 dx = _mm256_set1_ps(d[u * na + sb * 8]);
+      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[u]), _mm256_mul_ps(dw0, dx), res[u]);
+      res[u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm0, dx), res[u]);
     }
   }
 };
@@ -519,6 +596,17 @@ __attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const 
 
 // Kernel::kMaxTokens tokens a pass while they last (each weight word unpacked once for them),
 // then the rest in one pass.
+// The last r < kMaxTokens tokens in one pass (x8_run with NT = r, r <= R).
+template <class Kernel, int R>
+__attribute__((target(QDOT_TARGET))) void group_rest(int r, const uint8_t* w, int K,
+                                                     const int8_t* q, const float* d,
+                                                     const int16_t* s, float* y, int64_t ldy) {
+  if constexpr (R >= 1) {
+    if (r == R) x8_run<Kernel, R, 1>(w, K, q, d, s, y, ldy);
+    else group_rest<Kernel, R - 1>(r, w, K, q, d, s, y, ldy);
+  }
+}
+
 template <class Kernel>
 __attribute__((target(QDOT_TARGET))) void group_simd(const uint8_t* w, int K, const int8_t* q,
                                                      const float* d, const int16_t* s, int n,
@@ -529,12 +617,7 @@ __attribute__((target(QDOT_TARGET))) void group_simd(const uint8_t* w, int K, co
   for (; t + kMax <= n; t += kMax)
     x8_run<Kernel, kMax, 1>(w, K, q + t * int64_t{K}, d + t * na, s + t * na, y + t * ldy, ldy);
   const int64_t o = t;
-  const int8_t* qt = q + o * K;
-  if constexpr (kMax > 3)
-    if (n - t == 3) x8_run<Kernel, 3, 1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
-  if constexpr (kMax > 2)
-    if (n - t == 2) x8_run<Kernel, 2, 1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
-  if (n - t == 1) x8_run<Kernel, 1, 1>(w, K, qt, d + o * na, s + o * na, y + o * ldy, ldy);
+  group_rest<Kernel, kMax - 1>(n - t, w, K, q + o * K, d + o * na, s + o * na, y + o * ldy, ldy);
 }
 
 // Two adjacent groups (16 rows: the second group's bytes follow the first's) for n tokens, one
