@@ -1,7 +1,8 @@
 """Our interleaved layout of GGUF K-quant, MXFP4 and Q8_0 rows (native/dense/qdot.h's Q4_K_X8,
-Q5_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): each whole group of 8 rows regrouped per super-block (MXFP4, Q8_0:
-per block), so that the native kernels read one activation word for 8 rows. The same bytes as the GGUF rows (gguf_blocks.py), rearranged; ``deinterleave``
-gives the GGUF rows back. The torch permutes here are the reference of the native byte moves
+Q5_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8): each whole group of 8 rows regrouped per super-block
+(MXFP4, Q8_0: per block), so that the native kernels read one activation word for 8 rows. The
+same bytes as the GGUF rows (gguf_blocks.py), rearranged; ``deinterleave`` gives the GGUF rows
+back. The torch permutes here are the reference of the native byte moves
 (ftdense.qinterleave) that run at load.
 """
 

@@ -88,7 +88,8 @@ ENGINES = (
     "freetoken-gguf-q5_k_m",
     "freetoken-q4_k",
 )
-LLAMA_QUANTS = ("mxfp4", "q8_0", "q4_k_m", "q5_k_m")  # llama.cpp files quantized from the BF16 GGUF
+# llama.cpp files quantized from the BF16 GGUF
+LLAMA_QUANTS = ("mxfp4", "q8_0", "q4_k_m", "q5_k_m")
 _PEER_MODULE = {e: "llama_cpp" for e in ENGINES if e.startswith("llama.cpp")} | {
     "hf": "transformers"
 }
