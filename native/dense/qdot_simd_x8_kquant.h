@@ -1,0 +1,399 @@
+// The K-quant kernels of qdot_simd_x8.h (Q4_K_X8, Q5_K_X8, Q6_K_X8): included by it, after its
+// shared helpers (bcast32, kLaneControls, shift_bit_to_4) and before x8_run, which calls a
+// kernel's `block` (and Q6_K's `block_pair`) per super-block.
+#pragma once
+
+// Q4_K x8: per super-block the 8 rows' fp16 d and dmin (16 bytes each), their packed 6-bit
+// scales as three 32-byte words (word w of row r at 32 + 32w + 4r), then the nibbles: vector
+// v = 4 * i4 + c (c < 4, the 64-input chunk; i4 < 8) holds, in lane r, bytes 4 * i4 .. 4 * i4 + 3
+// of row r's 32 nibble bytes of chunk c: low nibbles are inputs 64c + 4 * i4 + (0..3) (sub-block
+// 2c), high nibbles the same + 32 (sub-block 2c + 1).
+// Q5_K x8 (kFive): the same, with eight qh words between the scales and the nibbles (lane r of
+// word i4 holding row r's qh[4 * i4 .. + 3]: bit j of each byte is the fifth bit of input
+// 32j + the byte's index), the nibbles at 384; the values are 0..31, the same arithmetic.
+template <bool kFive>
+struct ScaleMinX8 {
+  // decode's form: 8 accumulators a token, 3 tokens; with VNNI, passes of more tokens take the
+  // tokens-wide form (block_wide: 2 accumulators and a sum a token)
+  static constexpr int kWideTokens = 8;
+  static constexpr int kMaxTokens = kDotFused ? kWideTokens : 3;
+  static constexpr int kBlockBytes = kFive ? kQ5KBytes : kQ4KBytes;  // per row and super-block
+  static constexpr bool kSums16 = false;  // block's s: the quantiser's 32-input sums (qdot.h)
+  static constexpr bool kPairBlock = false;  // (Q6KX8's block_pair)
+  static constexpr int kSbInputs = 256;  // inputs of one unit (block's sb)
+  // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s, int sb, __m256* res) {
+    if constexpr (NT > 3) {
+      block_wide<NT>(blk, pf, K, q, d, s, sb, res);
+      return;
+    }
+    request(pf);
+    // each weight word is unpacked once and read against the NT tokens
+    __m256i acc[NT][8];
+    for (int u = 0; u < NT; ++u)
+      for (int j = 0; j < 8; ++j) acc[u][j] = _mm256_setzero_si256();
+    for (int i4 = 0; i4 < 8; ++i4) {
+      const __m256i qh = fifth_bits(blk, i4);
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo, hi;
+        values(blk, qh, i4, c, lo, hi);
+        for (int u = 0; u < NT; ++u) {
+          const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
+          acc[u][2 * c] = dot_acc(acc[u][2 * c], lo, bcast32(xs));
+          acc[u][2 * c + 1] = dot_acc(acc[u][2 * c + 1], hi, bcast32(xs + 32));
+        }
+      }
+    }
+    const __m256i sclo = scale_bytes(blk, false), schi = scale_bytes(blk, true);
+    __m256i sumi[NT];
+    for (int u = 0; u < NT; ++u) {
+      sumi[u] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        sumi[u] = _mm256_add_epi32(
+            sumi[u], _mm256_mullo_epi32(acc[u][j], scale(j < 4 ? sclo : schi, j)));
+    }
+    finish<NT>(blk, K, d, s, sb, sumi, res);
+  }
+
+  // The same sums for NT > 3 tokens (prefill; VNNI's 32 registers): sub-blocks 2c and 2c + 1
+  // at a time, their scales applied before the next pair, so a token holds two accumulators and
+  // its scaled sum: each weight word is unpacked once for up to 8 tokens instead of 3.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_wide(
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s, int sb, __m256* res) {
+    request(pf);
+    __m256i sumi[NT];
+    for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i acc[NT][2];
+      for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
+      for (int i4 = 0; i4 < 8; ++i4) {
+        __m256i lo, hi;
+        values(blk, fifth_bits(blk, i4), i4, c, lo, hi);
+        for (int u = 0; u < NT; ++u) {
+          const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
+          acc[u][0] = dot_acc(acc[u][0], lo, bcast32(xs));
+          acc[u][1] = dot_acc(acc[u][1], hi, bcast32(xs + 32));
+        }
+      }
+      const __m256i word = scale_bytes(blk, c >= 2);  // scales 2c and 2c + 1 of each row
+      const __m256i sc0 = scale(word, 2 * c), sc1 = scale(word, 2 * c + 1);
+      for (int u = 0; u < NT; ++u)
+        sumi[u] = _mm256_add_epi32(
+            sumi[u], _mm256_add_epi32(_mm256_mullo_epi32(acc[u][0], sc0),
+                                      _mm256_mullo_epi32(acc[u][1], sc1)));
+    }
+    finish<NT>(blk, K, d, s, sb, sumi, res);
+  }
+
+ private:
+  // The super-block's lines at pf requested (none if null).
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void request(
+      const uint8_t* pf) {
+    if (pf != nullptr)
+      for (int i = 0; i < 8 * kBlockBytes; i += 64) prefetch_ahead(pf + i);
+  }
+
+  // Q5_K: qh word i4 (its lanes' fifth bits); Q4_K: zeros, not read.
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline __m256i fifth_bits(
+      const uint8_t* blk, int i4) {
+    if constexpr (kFive)
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * i4));
+    return _mm256_setzero_si256();
+  }
+
+  // Nibble word 4 * i4 + c as the values of sub-blocks 2c (lo) and 2c + 1 (hi); Q5_K adds bits
+  // 2c and 2c + 1 of each qh byte as bit 4 (16-bit shifts: no bit crosses into bit 4 of the
+  // other byte for shifts of at most 4 left, 3 right).
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void values(
+      const uint8_t* blk, __m256i qh, int i4, int c, __m256i& lo, __m256i& hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const uint8_t* qs = blk + (kFive ? 384 : 128);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (4 * i4 + c)));
+    lo = _mm256_and_si256(v, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (kFive) {
+      const __m256i fifth = _mm256_set1_epi8(0x10);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bit_to_4(qh, 2 * c), fifth));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bit_to_4(qh, 2 * c + 1), fifth));
+    }
+  }
+
+  // Each row's 6-bit scales 0..3 (high: 4..7) as the bytes of its lane (qdot.h's packing).
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline __m256i scale_bytes(
+      const uint8_t* blk, bool high) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
+    if (!high) return _mm256_and_si256(w0, _mm256_set1_epi32(0x3F3F3F3F));
+    const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 96));
+    const __m256i top = _mm256_set1_epi32(0x30303030);
+    return _mm256_or_si256(_mm256_and_si256(w2, _mm256_set1_epi8(0x0F)),
+                           _mm256_and_si256(_mm256_srli_epi32(w0, 2), top));
+  }
+
+  // Scale j of each row as an int32, from scale_bytes(j >= 4).
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline __m256i scale(__m256i bytes,
+                                                                                 int j) {
+    return _mm256_shuffle_epi8(bytes, load_ctl(kLaneControls.byte[j & 3]));
+  }
+
+  // res[u] += d * sumi[u] - dmin * sum_j m_j * (sum of the activations of sub-block j), the
+  // mins two sub-blocks a madd.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void finish(
+      const uint8_t* blk, int K, const float* d, const int16_t* s, int sb, const __m256i* sumi,
+      __m256* res) {
+    const int na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi32(0x3F3F3F3F);
+    const __m256i top = _mm256_set1_epi32(0x30303030);
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
+    const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 96));
+    const __m256i mlo = _mm256_and_si256(w1, six);
+    const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low),
+                                        _mm256_and_si256(_mm256_srli_epi32(w1, 2), top));
+    __m256i mp[4];  // each row's mins (2p, 2p + 1) as int16
+    for (int p = 0; p < 4; ++p)
+      mp[p] = _mm256_shuffle_epi8(p < 2 ? mlo : mhi, load_ctl(kLaneControls.pair[p & 1]));
+    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dm0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    for (int u = 0; u < NT; ++u) {
+      const int16_t* su = s + u * na + sb * 8;
+      __m256i mins = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) mins = madd_acc(mins, mp[p], bcast32(su + 2 * p));
+      const __m256 dx = _mm256_set1_ps(d[u * na + sb * 8]);
+      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[u]), _mm256_mul_ps(dw0, dx), res[u]);
+      res[u] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm0, dx), res[u]);
+    }
+  }
+};
+
+using Q4KX8 = ScaleMinX8<false>;
+using Q5KX8 = ScaleMinX8<true>;
+
+// The 16 sums of 16 activations of a super-block's 256 (xs) as int16, in order: two madds give
+// each 32 inputs' 4-input sums and three hadds the 16-input sums (lanes [g0 g2 g4 g6 | g1 g3 g5
+// g7] of each 128 inputs); the caller reads pairs (g, g + 1) as one int32.
+QDOT_FN void sums16(const int8_t* xs, int16_t* out) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  alignas(32) int32_t part[16];
+  for (int half = 0; half < 2; ++half) {
+    __m256i t[4];
+    for (int j = 0; j < 4; ++j)
+      t[j] = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(ones8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                          xs + 128 * half + 32 * j))),
+          ones16);
+    const __m256i s =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(part + 8 * half), s);
+  }
+  for (int half = 0; half < 2; ++half)
+    for (int k = 0; k < 4; ++k) {
+      out[8 * half + 2 * k] = static_cast<int16_t>(part[8 * half + k]);
+      out[8 * half + 2 * k + 1] = static_cast<int16_t>(part[8 * half + 4 + k]);
+    }
+}
+
+// Q6_K x8: the 4 unsigned 6-bit values (q in 0..63) of inputs 128h + 32k + 4 * i4 + (0..3),
+// k < 4, of each row (lane) of super-block ``blk`` (Q6KX8's layout), v[k].
+QDOT_FN void q6k_x8_values(const uint8_t* blk, int h, int i4, __m256i low, __m256i top,
+                           __m256i* v) {
+  const uint8_t* p = blk + 144 + 96 * (8 * h + i4);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+  v[0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+  v[1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+  v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top));
+  v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+}
+
+// Q6_K x8: per super-block the 8 rows' fp16 d (16 bytes), their 16 int8 scales as four 32-byte
+// words (word v of row r at 16 + 32v + 4r: scales 4v..4v+3), then for each half h and i4 < 8
+// three words at 144 + 96 * (8h + i4): lane r of the first two holds bytes 4 * i4 .. + 3 of row
+// r's ql[64h .. 64h + 31] and ql[64h + 32 ..], of the third the same of qh[32h ..]. From them
+// the values of inputs 128h + 32k + 4 * i4 + (0..3), k < 4 (qdot.h's Q6_K packing), unsigned
+// (q in 0..63); with kDotFused (vpdpbusd) each 16-input group's sum is exact in int32 and
+// multiplied by its scale once, else maddubs pair sums are multiplied by the scale (madd) and
+// accumulated; 32 * sum_g sc_g * (the 16 inputs' activation sum) is taken off once per
+// super-block. Both give the same integers, so the same floats.
+struct Q6KX8 {
+  // 4 tokens a pass in both forms (kDotFused at 3 measured slower for 4 tokens: a 3 + 1 split)
+  static constexpr int kMaxTokens = 4;
+  static constexpr int kBlockBytes = kQ6KBytes;  // per row and super-block
+  // block's s: the super-block's 16-input activation sums (sums16), 16 a token, which x8_run
+  // computes once for the groups it runs side by side
+  static constexpr bool kSums16 = true;
+  // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
+      const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
+      const int16_t* s16, int sb, __m256* res) {
+    const int na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    if (pf != nullptr)
+      for (int i = 0; i < 8 * kQ6KBytes; i += 64) prefetch_ahead(pf + i);
+    __m256i words[4];
+    for (int v = 0; v < 4; ++v)
+      words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i sumi[NT];
+    if constexpr (kDotFused) {
+      // vpdpbusd sums each 16-input group (4 i4 steps of 4 inputs) exactly in int32, times
+      // its scale once: one multiply per 4 inputs and lane instead of maddubs + madd
+      for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+  #pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h)
+  #pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          __m256i acc[NT][4];
+          for (int u = 0; u < NT; ++u)
+            for (int k = 0; k < 4; ++k) acc[u][k] = _mm256_setzero_si256();
+  #pragma GCC unroll 4
+          for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+            __m256i v[4];
+            q6k_x8_values(blk, h, i4, low, top, v);
+            for (int u = 0; u < NT; ++u) {
+              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
+              for (int k = 0; k < 4; ++k) acc[u][k] = dot_acc(acc[u][k], v[k], bcast32(xs + 32 * k));
+            }
+          }
+          for (int k = 0; k < 4; ++k) {
+            const int g = 8 * h + 2 * k + half;  // scale g of each row as an int32
+            const __m256i sc = _mm256_srai_epi32(
+                _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.top[g % 4])), 24);
+            for (int u = 0; u < NT; ++u)
+              sumi[u] = _mm256_add_epi32(sumi[u], _mm256_mullo_epi32(acc[u][k], sc));
+          }
+        }
+    } else {
+      // per token kChains accumulators (madd_acc's latency); each weight word is unpacked
+      // once for the NT tokens
+      constexpr int kChains = NT <= 2 ? 8 : 4;
+      __m256i acc[NT][kChains];
+      for (int u = 0; u < NT; ++u)
+        for (int c = 0; c < kChains; ++c) acc[u][c] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h)
+        for (int half = 0; half < 2; ++half) {
+          __m256i sc[4];  // scale g = 8h + 2k + half of each row, as two equal int16
+          for (int k = 0; k < 4; ++k) {
+            const int g = 8 * h + 2 * k + half;
+            sc[k] = _mm256_srai_epi16(
+                _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.high[g % 4])), 8);
+          }
+          for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+            __m256i v[4];
+            q6k_x8_values(blk, h, i4, low, top, v);
+            for (int u = 0; u < NT; ++u) {
+              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
+              for (int k = 0; k < 4; ++k) {
+                const int c = kChains == 8 ? k + 4 * (i4 & 1) : k;
+                // madd + add, not madd_acc: on Zen 4 vpdpwssd measured slower here (T = 1)
+                acc[u][c] = _mm256_add_epi32(
+                    acc[u][c],
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], bcast32(xs + 32 * k)), sc[k]));
+              }
+            }
+          }
+        }
+      for (int u = 0; u < NT; ++u) {
+        sumi[u] = acc[u][0];
+        for (int c = 1; c < kChains; ++c) sumi[u] = _mm256_add_epi32(sumi[u], acc[u][c]);
+      }
+    }
+    __m256i scp[8];  // scale pairs (2p, 2p + 1) of each row as int16
+    for (int p = 0; p < 8; ++p)
+      scp[p] = _mm256_srai_epi16(
+          _mm256_shuffle_epi8(words[p / 2], load_ctl(kLaneControls.pair_high[p % 2])), 8);
+    for (int u = 0; u < NT; ++u) {
+      // 32 * sum_g sc_g * sum16_g: scale pairs (g, g + 1) against the sums' pairs
+      __m256i corr = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) corr = madd_acc(corr, scp[p], bcast32(s16 + 16 * u + 2 * p));
+      const __m256i total = _mm256_sub_epi32(sumi[u], _mm256_slli_epi32(corr, 5));
+      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                               _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
+    }
+  }
+
+  // The pair kernel's super-block (x8_run with G = 2, NT = 1; VNNI only): super-block sb of
+  // the two groups at b[0] and b[1] in one pass, added into res[0] and res[1]. The same
+  // integers as block<1> on each: each activation dword is broadcast once for both groups,
+  // each 6-bit value assembled by one vpternlogd (bits 0-3 from the ql word, 4-5 from the qh
+  // word masked and shifted into place), and nothing but the accumulators is held across the
+  // loops; block<1> called for each group in turn was compiled with some 150 stack spills and
+  // reloads per super-block (its scale words and broadcasts did not fit the 32 registers).
+  static constexpr bool kPairBlock = kDotFused;
+  static constexpr int kSbInputs = 256;
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_pair(
+      const uint8_t* const* b, const uint8_t* const* pf, int /*K: sb * 256 indexes q*/,
+      const int8_t* q, const float* d, const int16_t* s16, int sb, __m256* const* res) {
+    static_assert(NT == 1, "one token a pass");
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i even = _mm256_set1_epi8(0x33), odd = _mm256_set1_epi8(static_cast<char>(0xCC));
+    constexpr int kPick = 0xE4;  // vpternlogd (a, b, c): c ? a : b, bit by bit
+    for (int g = 0; g < 2; ++g)
+      if (pf[g] != nullptr)
+        for (int i = 0; i < 8 * kQ6KBytes; i += 64) prefetch_ahead(pf[g] + i);
+    const int8_t* xq = q + sb * 256;
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {
+        __m256i acc[2][4];
+        for (int g = 0; g < 2; ++g)
+          for (int k = 0; k < 4; ++k) acc[g][k] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+          __m256i x[4];
+          for (int k = 0; k < 4; ++k) x[k] = bcast32(xq + 128 * h + 4 * i4 + 32 * k);
+          for (int g = 0; g < 2; ++g) {
+            const uint8_t* p = b[g] + 144 + 96 * (8 * h + i4);
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+            // qh bits (0, 1) and (4, 5) of each byte, and (2, 3) and (6, 7): each shifted so
+            // the value's two bits land on bits 4-5 with zeros above (q6k_x8_values' v[k])
+            const __m256i he = _mm256_and_si256(hb, even), ho = _mm256_and_si256(hb, odd);
+            const __m256i v0 = _mm256_ternarylogic_epi32(l0, _mm256_slli_epi16(he, 4), low, kPick);
+            const __m256i v1 = _mm256_ternarylogic_epi32(l1, _mm256_slli_epi16(ho, 2), low, kPick);
+            const __m256i v2 = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l0, 4), he, low, kPick);
+            const __m256i v3 = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l1, 4),
+                                                         _mm256_srli_epi16(ho, 2), low, kPick);
+            acc[g][0] = dot_acc(acc[g][0], v0, x[0]);
+            acc[g][1] = dot_acc(acc[g][1], v1, x[1]);
+            acc[g][2] = dot_acc(acc[g][2], v2, x[2]);
+            acc[g][3] = dot_acc(acc[g][3], v3, x[3]);
+          }
+        }
+        for (int g = 0; g < 2; ++g)
+          for (int k = 0; k < 4; ++k) {
+            const int j = 8 * h + 2 * k + half;  // scale j of each row as an int32
+            const __m256i word =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[g] + 16 + 32 * (j / 4)));
+            const __m256i sc = _mm256_srai_epi32(
+                _mm256_shuffle_epi8(word, load_ctl(kLaneControls.top[j % 4])), 24);
+            sumi[g] = _mm256_add_epi32(sumi[g], _mm256_mullo_epi32(acc[g][k], sc));
+          }
+      }
+    const __m256 dx = _mm256_set1_ps(d[sb * 8]);
+    for (int g = 0; g < 2; ++g) {
+      // 32 * sum_j sc_j * sum16_j, scale pairs (j, j + 1) against the sums' pairs (block's)
+      __m256i corr = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {
+        const __m256i word =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[g] + 16 + 32 * (p / 2)));
+        const __m256i scp = _mm256_srai_epi16(
+            _mm256_shuffle_epi8(word, load_ctl(kLaneControls.pair_high[p % 2])), 8);
+        corr = madd_acc(corr, scp, bcast32(s16 + 2 * p));
+      }
+      const __m256i total = _mm256_sub_epi32(sumi[g], _mm256_slli_epi32(corr, 5));
+      const __m256 dw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[g])));
+      *res[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dw, dx), *res[g]);
+    }
+  }
+};
