@@ -80,34 +80,31 @@ enum class QType : int {
 constexpr int kNumQTypes = 12;
 constexpr int kQActBlock = 32;
 
+// The plain type of each type, indexed by QType: itself for a plain type, for an interleaved
+// one the type its rows hold (a matrix of R rows in an interleaved type holds R / 8 whole
+// groups, then its last R % 8 rows in the plain type: qlinear.h; the expert banks of qmoe.h
+// have whole groups only).
+constexpr QType kQTypeBase[kNumQTypes] = {
+    QType::Q8_0, QType::Q4_K, QType::Q6_K,  QType::Q5_K, QType::MXFP4, QType::Q5_0,
+    QType::Q4_0, QType::Q4_K, QType::Q6_K, QType::MXFP4, QType::Q8_0, QType::Q5_K};
+inline QType qtype_base(QType t) { return kQTypeBase[static_cast<int>(t)]; }
+
+// Whether plain type `base` has an interleaved layout (some type's base, not itself).
+inline bool qtype_has_x8(QType base) {
+  for (int i = 0; i < kNumQTypes; ++i)
+    if (kQTypeBase[i] == base && static_cast<QType>(i) != base) return true;
+  return false;
+}
+
 // The activation group (see above) the kernels of weight type t read: 256 for the K-quants.
 inline int act_group(QType t) {
-  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K || t == QType::Q4_K_X8 ||
-                 t == QType::Q6_K_X8 || t == QType::Q5_K_X8
-             ? 256
-             : kQActBlock;
+  const QType b = qtype_base(t);
+  return b == QType::Q4_K || b == QType::Q5_K || b == QType::Q6_K ? 256 : kQActBlock;
 }
 
 // Weight rows one kernel call computes: 8 for the interleaved types (callers step by it over
 // the whole groups), else 1.
-inline int qtype_rows(QType t) {
-  return t == QType::Q4_K_X8 || t == QType::Q6_K_X8 || t == QType::MXFP4_X8 ||
-                 t == QType::Q8_0_X8 || t == QType::Q5_K_X8
-             ? 8
-             : 1;
-}
-
-// The plain type of an interleaved one (itself otherwise): a matrix of R rows in an interleaved
-// type holds R / 8 whole groups, then its last R % 8 rows in the plain type (qlinear.h; the
-// expert banks of qmoe.h have whole groups only).
-inline QType qtype_base(QType t) {
-  return t == QType::Q4_K_X8    ? QType::Q4_K
-         : t == QType::Q6_K_X8  ? QType::Q6_K
-         : t == QType::MXFP4_X8 ? QType::MXFP4
-         : t == QType::Q8_0_X8  ? QType::Q8_0
-         : t == QType::Q5_K_X8  ? QType::Q5_K
-                                : t;
-}
+inline int qtype_rows(QType t) { return qtype_base(t) != t ? 8 : 1; }
 
 // Bytes of one weight row of K inputs (K a multiple of the type's block: 32 or 256).
 int64_t qrow_bytes(QType t, int64_t K);

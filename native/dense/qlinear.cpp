@@ -198,8 +198,7 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
 }
 
 void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo) {
-  if (base != QType::Q4_K && base != QType::Q6_K && base != QType::MXFP4 && base != QType::Q8_0 &&
-      base != QType::Q5_K)
+  if (!qtype_has_x8(base))
     throw std::invalid_argument(
         "only q4_k, q5_k, q6_k, mxfp4 and q8_0 rows have an interleaved layout");
   const int bytes = x8_block_bytes(base), nsb = K / x8_block_inputs(base);
