@@ -45,9 +45,9 @@ def test_staging_on_the_host_is_no_copy() -> None:
 
 
 def test_interleaved_dense_weights_are_undone_on_the_card() -> None:
-    """Dense q4_k / q6_k weights are interleaved by 8 for the CPU kernels (gguf_interleave);
-    placement (engine/placement.place_dense, through QuantWeight.dequantize) sends the packed
-    rows and undoes the layout on the device, where the native byte moves do not run: the torch
+    """Dense weights of every interleaved format (q4_k, q5_k, q6_k, mxfp4, q8_0) are interleaved
+    by 8 for the CPU kernels (gguf_interleave); placement (engine/placement.place_dense, through
+    QuantWeight.dequantize) sends the packed rows and undoes the layout on the device, where the native byte moves do not run: the torch
     permutes (checked against the native moves in test_qlinear_native) run there, with one copy
     of the packed bytes and no read back to the host. (The block dequantization after it does
     not run on the fake device: its fp16 views are beyond the shim.)"""
@@ -56,7 +56,7 @@ def test_interleaved_dense_weights_are_undone_on_the_card() -> None:
 
     if not qlinear_native.available():
         pytest.skip("ftdense is not built: nothing is interleaved")
-    for fmt in ("q4_k", "q6_k"):
+    for fmt in sorted(gguf_interleave.INTERLEAVED_CODES):
         qw = qlinear_native.QuantWeight.from_float(torch.randn(20, 512) * 0.05, fmt)
         assert qw.interleaved
         acc = FakeCudaAccelerator(vram_mib=1024)
