@@ -73,8 +73,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # without graphs and one log line says why
     cuda_graphs: bool = False
     # bf16 weights on the CPU on vdpbf16ps where it has AVX512-BF16 (activations rounded to
-    # bf16, as llama.cpp's BF16 path); elsewhere logged and off. Off: fp32-activation experts
-    cpu_bf16_dot: bool = False
+    # bf16, as llama.cpp's BF16 path); elsewhere logged and off. Off: fp32-activation kernels
+    cpu_bf16_dot: bool = True
     # with the cpu backend, weights collapsed into 2 MiB transparent huge pages after load
     # (models/hugepages.py: fewer TLB misses per token; about 0.5 s a GB of load time)
     huge_pages: bool = True

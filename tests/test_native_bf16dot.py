@@ -232,8 +232,8 @@ def _logits(llm, ids: list[int]) -> torch.Tensor:
 
 # A bf16 checkpoint end to end: the bf16-dot path (x and act rows rounded to bf16 in the experts)
 # against the fp32-activation path (isa "avx512") of the same engine, logits of prefill + decode.
-# The existing fp32-tolerance tests keep the old path: their checkpoints are fp32 (fp32 banks never
-# take bf16-dot) or they force an ISA. Measured here: max |logit diff| 0.0084 with max |logit|
+# The fp32-tolerance tests keep the old path: their checkpoints are fp32 (fp32 banks never take
+# bf16-dot), they force an ISA, or they pass cpu_bf16_dot=False. Measured here: max |logit diff| 0.0084 with max |logit|
 # 1.77 (3 layers of 2^-9 input rounding); the bound is 4x that.
 E2E_LOGIT_BOUND = 0.035
 
@@ -255,7 +255,8 @@ def test_bf16_model_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Non
     for isa in ("avx512", "avx512bf16"):
         mode["isa"] = isa
         made.clear()
-        llm = LLM(path, moe_backend="cpu", max_model_len=256, kv_tokens=1024)
+        dot = isa == "avx512bf16"  # the dense pool follows (cpu_bf16_dot, on by default)
+        llm = LLM(path, moe_backend="cpu", max_model_len=256, kv_tokens=1024, cpu_bf16_dot=dot)
         logits = _logits(llm, ids)
         assert made and all(ex.isa == isa and ex.bf16_dot == (isa == "avx512bf16") for ex in made)
         greedy = llm.generate(ids, max_tokens=16, ignore_eos=True)
@@ -268,9 +269,10 @@ def test_bf16_model_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_the_cpu_bf16_dot_option(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    """``cpu_bf16_dot`` (daemon config, LLM): on an AVX512-BF16 CPU the experts and the dense
-    pool take the bf16-dot kernels, with the default's greedy tokens; on a CPU without it the
-    log says so and the default kernels run."""
+    """``cpu_bf16_dot`` (daemon config, LLM; on by default): on an AVX512-BF16 CPU the experts
+    and the dense pool take the bf16-dot kernels, with the fp32-activation kernels' greedy
+    tokens, and leave them again when it is off; on a CPU without it the log says so and the
+    fp32-activation kernels run."""
     import logging
 
     from tiny_models import make_tiny
@@ -279,26 +281,32 @@ def test_the_cpu_bf16_dot_option(tmp_path, monkeypatch: pytest.MonkeyPatch, capl
     from freetokend.config import DaemonConfig
     from freetokend.experts import cpu_executor
 
-    assert DaemonConfig().cpu_bf16_dot is False
+    assert DaemonConfig().cpu_bf16_dot is True
     path, _ = make_tiny("qwen3_moe", tmp_path / "m", seed=3, dtype=torch.bfloat16)
     ids = list(range(5, 29))
     kw = dict(moe_backend="cpu", max_model_len=256, kv_tokens=1024)
     try:
-        plain = LLM(path, **kw)
+        plain = LLM(path, cpu_bf16_dot=False, **kw)
         want = plain.generate(ids, max_tokens=12, ignore_eos=True)
         assert plain.cpu_isa == "auto" and not plain.moe.executor.bf16_dot
         del plain
         if "avx512bf16" in supported_isas():
-            fast = LLM(path, cpu_bf16_dot=True, **kw)
+            fast = LLM(path, **kw)  # the default
             assert fast.cpu_isa == "avx512bf16" and fast.moe.executor.bf16_dot
             assert dense_native._native.isa() == "avx512bf16"
             assert fast.generate(ids, max_tokens=12, ignore_eos=True) == want
             del fast
+            # off again in the same process: the process-wide dense pool leaves bf16-dot too
+            again = LLM(path, cpu_bf16_dot=False, **kw)
+            assert again.cpu_isa == "auto" and not again.moe.executor.bf16_dot
+            assert dense_native._native.isa() != "avx512bf16"
+            del again
         lacking = [i for i in supported_isas() if i != "avx512bf16"]
         monkeypatch.setattr(cpu_executor, "supported_isas", lambda: lacking)
-        with caplog.at_level(logging.WARNING):
-            slow = LLM(path, cpu_bf16_dot=True, **kw)
+        with caplog.at_level(logging.INFO):
+            slow = LLM(path, **kw)
         assert slow.cpu_isa == "auto" and not slow.moe.executor.bf16_dot
+        assert dense_native._native.isa() != "avx512bf16"
         assert "cpu_bf16_dot: this CPU lacks AVX512-BF16" in caplog.text
     finally:
         dense_native.configure(isa="auto")  # the pool is process-wide

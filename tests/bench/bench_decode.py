@@ -65,14 +65,15 @@ CACHE = Path("/tmp/ftbench_decode")
 #   freetoken-gguf-*   freetoken loading llama.cpp's quantized file itself: the same file, so
 #              the same bytes (quant types without a native kernel are dequantized at load;
 #              MXFP4 experts stay in their blocks: block format "mxfp4/mxfp4", integer rows)
-#   freetoken-bf16dot  the BF16 checkpoint with cpu_bf16_dot (vdpbf16ps, activations rounded to
-#              bf16 as llama.cpp's BF16 path; the plain row where the CPU lacks AVX512-BF16)
+#   freetoken-fp32act  the BF16 checkpoint with cpu_bf16_dot off: the fp32-activation kernels
+#              (the "freetoken" row takes vdpbf16ps, activations rounded to bf16 as llama.cpp's
+#              BF16 path, where the CPU has AVX512-BF16; the same kernels as this row elsewhere)
 #   freetoken-q4_k     our experts only in GGUF q4_k blocks (quantize_experts="q4_k", integer
 #              dot products: experts/block_executor.py), dense bf16: against "freetoken" it
 #              isolates the experts' format
 ENGINES = (
     "freetoken",
-    "freetoken-bf16dot",
+    "freetoken-fp32act",
     "hf",
     "llama.cpp",
     "freetoken-mxfp4",
@@ -98,7 +99,7 @@ MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 nibbles and one E8M0 scale a block
 _PAIRS = (
     ("freetoken", "hf"),
     ("freetoken", "llama.cpp"),
-    ("freetoken-bf16dot", "llama.cpp"),
+    ("freetoken-fp32act", "llama.cpp"),
     ("freetoken-mxfp4", "llama.cpp-mxfp4"),
     ("freetoken-gguf-mxfp4", "llama.cpp-mxfp4"),
     ("freetoken-q8_0", "llama.cpp-q8_0"),
@@ -296,7 +297,7 @@ def run_decode_benchmark(
     # hits every engine alike; each reports the median of its rounds.
     variant: dict[str, dict[str, object]] = {
         "freetoken-mxfp4": {"quantize_experts": "mxfp4"},
-        "freetoken-bf16dot": {"cpu_bf16_dot": True},
+        "freetoken-fp32act": {"cpu_bf16_dot": False},
         "freetoken-q8_0": {"quantize": "q8_0"},
         "freetoken-q4_k_m": {"quantize": "q4_k_m"},
         "freetoken-q4_k": {"quantize_experts": "q4_k"},

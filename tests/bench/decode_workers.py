@@ -102,7 +102,7 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
         max_model_len=4096,
         quantize_experts=a.get("quantize_experts"),
         quantize=a.get("quantize"),
-        cpu_bf16_dot=bool(a.get("cpu_bf16_dot")),
+        cpu_bf16_dot=bool(a.get("cpu_bf16_dot", True)),  # LLM's default
     )
     ids = iter(range(1 << 30))
 
@@ -122,8 +122,7 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
 
     out = _measure(gen, prefill, a, lambda p, n: llm.generate(p, n, ignore_eos=True))
     out["isa"] = getattr(getattr(llm.moe, "executor", None), "isa", "torch")
-    if a.get("cpu_bf16_dot"):
-        out["isa"] = f"{out['isa']}, dense {llm.cpu_isa}"
+    out["isa"] = f"{out['isa']}, dense {llm.cpu_isa}"
     if a.get("quantize"):  # the dense layers' integer-dot path
         from freetokend.models.layers import qlinear_native
 

@@ -1,7 +1,7 @@
 """Where one decode step of freetoken's `cpu` backend spends its time, by part.
 
     .venv/bin/python tests/bench/profile_decode.py MODEL [--threads 2] [--tokens 64]
-        [--quantize q4_k_m] [--quantize-experts q4_k] [--bf16-dot] [--generic]
+        [--quantize q4_k_m] [--quantize-experts q4_k] [--fp32-act] [--generic]
 
 MODEL is a checkpoint folder or a GGUF file (the decode benchmark's are in
 /tmp/ftbench_decode: `mid/`, `mid-q4_k_m.gguf`, ...). After a warm-up, it decodes --tokens
@@ -96,7 +96,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quantize", default=None)
     ap.add_argument("--quantize-experts", default=None)
-    ap.add_argument("--bf16-dot", action="store_true")
+    ap.add_argument(
+        "--fp32-act",
+        action="store_true",
+        help="bf16 weights on the fp32-activation kernels (cpu_bf16_dot off)",
+    )
     ap.add_argument("--generic", action="store_true", help="without the native decode path")
     ap.add_argument(
         "--split-native",
@@ -120,7 +124,7 @@ def main() -> None:
         max_model_len=4096,
         quantize=a.quantize,
         quantize_experts=a.quantize_experts,
-        cpu_bf16_dot=a.bf16_dot,
+        cpu_bf16_dot=not a.fp32_act,
     )
     vocab = llm.config.vocab_size
     _instrument(vocab)
