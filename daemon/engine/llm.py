@@ -112,7 +112,7 @@ class LLM:
     cpu_bf16_dot bf16 weights on the CPU (dense projections and bf16 experts) on vdpbf16ps where
                  the CPU has AVX512-BF16 (default on): activations rounded to bf16 as llama.cpp's
                  BF16 path and HF's bf16 forward do (the dense projections round them anyway);
-                 prefill about 1.6x and decode no slower than the fp32-activation kernels, which
+                 prefill about 1.6x the fp32-activation kernels, decode about the same; those
                  run where the CPU lacks it (logged) and with ``cpu_bf16_dot=False``
     huge_pages   with the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge
                  pages after load (models/hugepages.py: fewer TLB misses in the weight streams
