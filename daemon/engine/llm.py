@@ -522,6 +522,6 @@ def _cpu_isa(bf16_dot: bool, threads: int | None) -> str:
             "cpu_bf16_dot: this CPU lacks AVX512-BF16 (runs %s); the fp32-activation kernels run",
             ", ".join(cpu_executor.supported_isas()) or "no native kernels",
         )
-    if dense_native._native.configured() and dense_native._native.isa() == "avx512bf16":
+    if dense_native.configured_isa() == "avx512bf16":
         dense_native.configure(threads, isa="auto")
     return "auto"

@@ -61,7 +61,14 @@ QDOT_FN __m256i shift_bit_to_4(__m256i v, int j) {
 // ahead, into L2, a super-block's lines for each super-block a group computes (2 threads from
 // DRAM: Q4_K at 1.2-1.3x the plain kernel's rate; when the callers prefetched whole groups
 // instead, the burst stalled the core and it read at 0.87x; the callers prefetch only a
-// stream's first lines); ``block`` requests the lines at ``pf`` (none if null).
+// stream's first lines); ``block`` requests the lines at ``pf`` (none if null): request_unit.
+
+// The lines of one unit of the 8 rows (kRowBytes bytes a row) at pf requested; none if pf is null.
+template <int kRowBytes>
+__attribute__((target(QDOT_TARGET), always_inline)) inline void request_unit(const uint8_t* pf) {
+  if (pf != nullptr)
+    for (int i = 0; i < 8 * kRowBytes; i += 64) prefetch_ahead(pf + i);
+}
 
 #include "qdot_simd_x8_kquant.h"
 #include "qdot_simd_x8_block32.h"

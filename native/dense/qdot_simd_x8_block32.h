@@ -12,6 +12,14 @@ struct Block32X8 {
   static constexpr bool kSums16 = false;
   static constexpr bool kPairBlock = false;
   static constexpr int kSbInputs = 32;  // the unit is one block (sb counts blocks)
+
+ protected:
+  // res += total (the block's integer sums of the 8 rows) * dw (their scales) * token u's d.
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void add_scaled(
+      __m256i total, __m256 dw, const float* d, int u, int na, int sb, __m256& res) {
+    res = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                          _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb])), res);
+  }
 };
 struct Mxfp4X8 : Block32X8 {
   static constexpr int kMaxTokens = 4;
@@ -25,8 +33,7 @@ struct Mxfp4X8 : Block32X8 {
     const __m256i table = _mm256_add_epi8(  // kMxfp4Values + 12 in both halves: 0 .. 24
         _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))),
         _mm256_set1_epi8(12));
-    if (pf != nullptr)
-      for (int i = 0; i < 8 * kMxfp4Bytes; i += 64) prefetch_ahead(pf + i);
+    request_unit<kMxfp4Bytes>(pf);
     __m256i acc[NT];
     for (int u = 0; u < NT; ++u) acc[u] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
@@ -45,12 +52,9 @@ struct Mxfp4X8 : Block32X8 {
     const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
     const __m256 dw = _mm256_castsi256_ps(
         _mm256_blendv_epi8(normal, small, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
-    for (int u = 0; u < NT; ++u) {
-      const __m256i total =
-          _mm256_sub_epi32(acc[u], _mm256_set1_epi32(12 * s[u * na + sb]));
-      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
-                               _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb])), res[u]);
-    }
+    for (int u = 0; u < NT; ++u)
+      add_scaled(_mm256_sub_epi32(acc[u], _mm256_set1_epi32(12 * s[u * na + sb])), dw, d, u, na,
+                 sb, res[u]);
   }
 };
 
@@ -68,8 +72,7 @@ struct Q80X8 : Block32X8 {
       const int16_t* s, int sb, __m256* res) {
     const int na = K / 32;
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    if (pf != nullptr)
-      for (int i = 0; i < 8 * kQ80Bytes; i += 64) prefetch_ahead(pf + i);
+    request_unit<kQ80Bytes>(pf);
     __m256i acc[NT][2];  // even and odd words: two chains a token
     for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
@@ -92,8 +95,7 @@ struct Q80X8 : Block32X8 {
       __m256i total = _mm256_add_epi32(acc[u][0], acc[u][1]);
       if constexpr (kDotFused)
         total = _mm256_sub_epi32(total, _mm256_set1_epi32(128 * s[u * na + sb]));
-      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
-                               _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb])), res[u]);
+      add_scaled(total, dw, d, u, na, sb, res[u]);
     }
   }
 };

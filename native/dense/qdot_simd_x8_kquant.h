@@ -30,7 +30,7 @@ struct ScaleMinX8 {
       block_wide<NT>(blk, pf, K, q, d, s, sb, res);
       return;
     }
-    request(pf);
+    request_unit<kBlockBytes>(pf);
     // each weight word is unpacked once and read against the NT tokens
     __m256i acc[NT][8];
     for (int u = 0; u < NT; ++u)
@@ -65,7 +65,7 @@ struct ScaleMinX8 {
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_wide(
       const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
       const int16_t* s, int sb, __m256* res) {
-    request(pf);
+    request_unit<kBlockBytes>(pf);
     __m256i sumi[NT];
     for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
@@ -91,13 +91,6 @@ struct ScaleMinX8 {
   }
 
  private:
-  // The super-block's lines at pf requested (none if null).
-  __attribute__((target(QDOT_TARGET), always_inline)) static inline void request(
-      const uint8_t* pf) {
-    if (pf != nullptr)
-      for (int i = 0; i < 8 * kBlockBytes; i += 64) prefetch_ahead(pf + i);
-  }
-
   // Q5_K: qh word i4 (its lanes' fifth bits); Q4_K: zeros, not read.
   __attribute__((target(QDOT_TARGET), always_inline)) static inline __m256i fifth_bits(
       const uint8_t* blk, int i4) {
@@ -235,8 +228,7 @@ struct Q6KX8 {
       const int16_t* s16, int sb, __m256* res) {
     const int na = K / 32;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-    if (pf != nullptr)
-      for (int i = 0; i < 8 * kQ6KBytes; i += 64) prefetch_ahead(pf + i);
+    request_unit<kQ6KBytes>(pf);
     __m256i words[4];
     for (int v = 0; v < 4; ++v)
       words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
@@ -336,9 +328,7 @@ struct Q6KX8 {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i even = _mm256_set1_epi8(0x33), odd = _mm256_set1_epi8(static_cast<char>(0xCC));
     constexpr int kPick = 0xE4;  // vpternlogd (a, b, c): c ? a : b, bit by bit
-    for (int g = 0; g < 2; ++g)
-      if (pf[g] != nullptr)
-        for (int i = 0; i < 8 * kQ6KBytes; i += 64) prefetch_ahead(pf[g] + i);
+    for (int g = 0; g < 2; ++g) request_unit<kQ6KBytes>(pf[g]);
     const int8_t* xq = q + sb * 256;
     __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int h = 0; h < 2; ++h)

@@ -118,18 +118,23 @@ namespace {
 struct QTypeSize {
   int inputs, bytes;  // per block
 };
-// Indexed by QType (qdot.h).
-constexpr QTypeSize kQTypeSizes[kNumQTypes] = {
-    {32, kQ80Bytes},  {256, kQ4KBytes}, {256, kQ6KBytes}, {256, kQ5KBytes},
-    {32, kMxfp4Bytes}, {32, kQ50Bytes},  {32, kQ40Bytes}, {256, kQ4KBytes}, {256, kQ6KBytes},
-    {32, kMxfp4Bytes}, {32, kQ80Bytes}, {256, kQ5KBytes}};
+// The plain types, indexed by QType (qdot.h); an interleaved type has its plain type's sizes
+// (qtype_base): the same bytes, regrouped.
+constexpr QTypeSize kPlainSizes[] = {{32, kQ80Bytes},   {256, kQ4KBytes}, {256, kQ6KBytes},
+                                     {256, kQ5KBytes},  {32, kMxfp4Bytes}, {32, kQ50Bytes},
+                                     {32, kQ40Bytes}};
+
+static_assert(sizeof kPlainSizes / sizeof kPlainSizes[0] == static_cast<int>(QType::Q4_K_X8),
+              "the plain types come first, the interleaved ones after them");
+
+const QTypeSize& qtype_size(QType t) { return kPlainSizes[static_cast<int>(qtype_base(t))]; }
 
 }  // namespace
 
-int qblock_inputs(QType t) { return kQTypeSizes[static_cast<int>(t)].inputs; }
+int qblock_inputs(QType t) { return qtype_size(t).inputs; }
 
 int64_t qrow_bytes(QType t, int64_t K) {
-  const QTypeSize& z = kQTypeSizes[static_cast<int>(t)];
+  const QTypeSize& z = qtype_size(t);
   return K / z.inputs * z.bytes;
 }
 

@@ -68,6 +68,14 @@ def configure(threads: int | None = None, isa: str = "auto", spin_us: int = 50) 
     _native.configure(threads or _DEFAULT_THREADS, spin_us, isa)
 
 
+def configured_isa() -> str:
+    """The kernels the pool was configured with ("avx512bf16", "avx512", "avx2", "scalar", ...);
+    "" when the extension is not built or configure() was not called."""
+    if _native is None or not _native.configured():
+        return ""
+    return str(_native.isa())
+
+
 def weight_usable(w: torch.Tensor) -> bool:
     """Whether `linear` takes this weight: extension built, a contiguous bf16 CPU tensor that
     needs no gradient."""
