@@ -10,7 +10,11 @@ fresh subprocess with the same thread count (decode_workers.py), and prints one 
 engine's fraction of the decode roofline (read bandwidth / weight bytes read per token).
 The quantized rows (see ENGINES) pair ours with llama.cpp's at about the same bytes per token,
 measured for both engines from the loaded tensors (llama.cpp's from its file); the
-"freetoken-gguf-*" rows load llama.cpp's own quantized file, the same bytes.
+"freetoken-gguf-*" rows load llama.cpp's own quantized file, the same bytes. Each pair's line
+compares the greedy tokens of one prompt and, on the same input, each engine's logits of another
+position by position (top-1 equal, how many of the rest are near ties, the relative difference):
+greedy tokens part for good at the first near tie, and this random model's logits are flat
+(the top two of a position are often within 0.01), so that count alone says little.
 
 Peers that are not installed (transformers, llama-cpp-python) are skipped; none is a project
 dependency. llama.cpp, opt-in, built from source (~6+ min on 2 cores; the converter also wants
@@ -163,7 +167,8 @@ class Report:
         lines.append(
             f"(medians over rounds x repeats, engines interleaved per round; MB/token measured"
             f" from the loaded tensors where the engine reports it; agree = greedy tokens equal"
-            f" to the bf16 freetoken row's; load = 1-min load average while the engine ran, on"
+            f" to the bf16 freetoken row's; same input = each engine's logits of one 48-token"
+            f" prompt, position by position; load = 1-min load average while the engine ran, on"
             f" {os.cpu_count()} CPUs: a shared machine slows every engine)"
         )
         by_name = {r.engine: r for r in self.rows}
@@ -177,11 +182,38 @@ class Report:
             if isinstance(a, list) and isinstance(b, list) and b:
                 same = sum(x == y for x, y in zip(a, b, strict=False))
                 agree = f", greedy tokens equal {same}/{len(b)}"
+            fa, fb = ours.extra.get("logits_file"), peer.extra.get("logits_file")
+            if isinstance(fa, str) and isinstance(fb, str):
+                agree += "; " + logits_agreement(fa, fb)
             lines.append(
                 f"{us} / {them}: decode {ours.decode_tok_s / peer.decode_tok_s:.2f}x,"
                 f" prefill {pre:.2f}x{agree}"
             )
         return "\n".join(lines)
+
+
+def logits_agreement(ours: str, peer: str) -> str:
+    """Both engines' logits of one prompt (.npy files [T, vocab], decode_workers' ``logits``)
+    compared position by position: top-1 equal, the relative difference ||ours - peer|| /
+    ||peer||, and how many of the other positions are near ties, where the peer's margin of its
+    top-1 over ours is below that position's largest |difference| (noise of that size swaps
+    them, as two int8 roundings of the same activations do)."""
+    import numpy as np
+
+    o, p = np.load(ours), np.load(peer)
+    if o.shape != p.shape:
+        return f"logits shapes differ ({o.shape} vs {p.shape})"
+    ot, pt = o.argmax(-1), p.argmax(-1)
+    rows = np.arange(len(p))
+    margin = p[rows, pt] - p[rows, ot]
+    noise = np.abs(o - p).max(-1)
+    other = ot != pt
+    ties = int((other & (margin < noise)).sum())
+    rel = float(np.linalg.norm(o - p) / np.linalg.norm(p))
+    return (
+        f"same input, top-1 equal {int((~other).sum())}/{len(p)} (of the {int(other.sum())}"
+        f" other, {ties} near a tie), logits differ by {rel:.2%}"
+    )
 
 
 def _worker(
@@ -307,9 +339,11 @@ def run_decode_benchmark(
         variant[f"llama.cpp-{q}"] = {"gguf": path}
         variant[f"freetoken-gguf-{q}"] = {"gguf": path, "load_gguf": True}
     runs: dict[str, list[Row]] = {e: [] for e in engines}
+    (cache / "logits").mkdir(parents=True, exist_ok=True)
     for r in range(rounds):
         for engine in engines:
             args = {**common, **variant.get(engine, {})}
+            args["logits_out"] = str(cache / "logits" / f"{engine}.npy")
             needs_file = engine.startswith("llama.cpp") or "gguf" in engine
             if not _available(engine) or (needs_file and not args["gguf"]):
                 runs[engine] = [Row(engine, note="not installed: skipped")]

@@ -23,6 +23,9 @@ from typing import Any
 # Stamps of each produced token, for one generation: prefill ends at the first.
 GenFn = Callable[[list[int], int], list[float]]
 GREEDY_TOKENS = 16  # greedy tokens compared between engines
+# prompt tokens whose logits each engine writes (``logits_out``): compared position by position
+# on the same input (teacher-forced), so one near-tie does not part every later token
+LOGITS_TOKENS = 48
 
 
 def _prompts(vocab: int, seed: int) -> Iterator[list[int]]:
@@ -38,13 +41,23 @@ def _measure(
     prefill_fn: Callable[[list[int]], float],
     a: dict[str, Any],
     greedy: Callable[[list[int], int], list[int]] | None = None,
+    logits: Callable[[list[int]], Any] | None = None,
 ) -> dict[str, Any]:
     """Medians over `repeats`; `greedy` (when the engine exposes tokens): the greedy tokens of a
-    fixed prompt, for the agreement check between engines."""
+    fixed prompt, for the agreement check between engines; `logits` (likewise): every
+    position's logits [T, vocab] of a fixed prompt, saved to ``a["logits_out"]`` (.npy) when
+    the caller asks."""
     import statistics
 
+    fixed = next(_prompts(int(a["vocab"]), 11))
+    tokens = greedy(fixed[:16], GREEDY_TOKENS) if greedy else None
+    extra: dict[str, Any] = {}
+    if logits is not None and a.get("logits_out"):
+        import numpy as np
+
+        np.save(a["logits_out"], np.asarray(logits(fixed[:LOGITS_TOKENS]), dtype=np.float32))
+        extra["logits_file"] = a["logits_out"]
     prompts = _prompts(int(a["vocab"]), 7)
-    tokens = greedy(next(_prompts(int(a["vocab"]), 11))[:16], GREEDY_TOKENS) if greedy else None
     gen(next(prompts)[: a["prompt_tokens"]], 4)  # warm-up
     prefill_fn(next(prompts)[: a["prefill_tokens"]])
     load = os.getloadavg()[0]  # the machine may be shared: reported beside the figures
@@ -62,6 +75,7 @@ def _measure(
         "decode_all": decode,
         "prefill_all": prefill,
         "load": max(load, os.getloadavg()[0]),
+        **extra,
     }
 
 
@@ -120,7 +134,13 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
         stamps = gen(prompt, 1)
         return stamps[0] - t0
 
-    out = _measure(gen, prefill, a, lambda p, n: llm.generate(p, n, ignore_eos=True))
+    out = _measure(
+        gen,
+        prefill,
+        a,
+        lambda p, n: llm.generate(p, n, ignore_eos=True),
+        lambda p: llm.logits(p).numpy(),
+    )
     out["isa"] = getattr(getattr(llm.moe, "executor", None), "isa", "torch")
     out["isa"] = f"{out['isa']}, dense {llm.cpu_isa}"
     if a.get("quantize"):  # the dense layers' integer-dot path
@@ -231,7 +251,25 @@ def llama_cpp(a: dict[str, Any]) -> dict[str, Any]:
                 break
         return out
 
-    return _measure(gen, prefill, a, greedy)
+    def logits(prompt: list[int]) -> Any:
+        # a context of its own: logits_all on the measured one would compute lm_head for every
+        # prefill token. The file is mapped again, not read again.
+        import numpy as np
+
+        ctx = Llama(
+            model_path=a["gguf"],
+            n_ctx=len(prompt) + 16,
+            n_threads=a["threads"],
+            n_threads_batch=a["threads"],
+            logits_all=True,
+            verbose=False,
+        )
+        ctx.eval(prompt)
+        out = np.array(ctx.scores[: len(prompt)], dtype=np.float32)
+        ctx.close()
+        return out
+
+    return _measure(gen, prefill, a, greedy, logits)
 
 
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
