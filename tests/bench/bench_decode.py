@@ -28,6 +28,14 @@ keeping its AVX-512 paths, for a peer that runs:
       -DGGML_F16C=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
       -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" .venv/bin/pip install --force-reinstall \
       --no-deps llama-cpp-python --no-binary :all:
+On a CPU with AVX-512, `--isa avx2` runs every freetoken kernel on its AVX2 path, as on a laptop
+or desktop without AVX-512; the llama.cpp rows then want a build without AVX-512 too (`--target`
+keeps it beside the installed one; `--llama-path` puts it first for those rows):
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF" .venv/bin/pip install --no-cache-dir \
+      --no-deps --target /tmp/llama_avx2 llama-cpp-python==0.3.36 --no-binary :all:
+(--no-cache-dir: pip's cache would hand back the wheel built earlier, whatever CMAKE_ARGS say)
+    ... bench_decode.py --isa avx2 --llama-path /tmp/llama_avx2 --engines freetoken llama.cpp ...
 From other code: `run_decode_benchmark(...)` returns the rows and prints nothing unless asked.
 Each engine runs with both OpenMP wait policies and keeps its better one per round (see _measure);
 figures are medians of the repeats within a run and of the rounds across runs.
@@ -210,9 +218,10 @@ def logits_agreement(ours: str, peer: str) -> str:
     other = ot != pt
     ties = int((other & (margin < noise)).sum())
     rel = float(np.linalg.norm(o - p) / np.linalg.norm(p))
+    ties_note = f" (of the {int(other.sum())} other, {ties} near a tie)" if other.any() else ""
     return (
-        f"same input, top-1 equal {int((~other).sum())}/{len(p)} (of the {int(other.sum())}"
-        f" other, {ties} near a tie), logits differ by {rel:.2%}"
+        f"same input, top-1 equal {int((~other).sum())}/{len(p)}{ties_note},"
+        f" logits differ by {rel:.2%}"
     )
 
 
@@ -220,6 +229,10 @@ def _worker(
     kind: str, args: dict[str, object], threads: int, timeout: float, omp_passive: bool = False
 ) -> dict[str, object]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if kind == "llama.cpp" and args.get("llama_path"):  # another build of llama-cpp-python
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(args["llama_path"]), env.get("PYTHONPATH", "")) if p
+        )
     env.pop("OMP_WAIT_POLICY", None)
     if omp_passive:
         env["OMP_WAIT_POLICY"] = "passive"
@@ -292,8 +305,12 @@ def run_decode_benchmark(
     omp_variants: bool = True,
     rounds: int = 2,
     experts: int = 128,
+    isa: str = "",
+    llama_path: str = "",
 ) -> Report:
-    """Builds what is missing, measures, returns the report (prints progress when `verbose`)."""
+    """Builds what is missing, measures, returns the report (prints progress when `verbose`).
+    ``isa``: every freetoken kernel on that path ("avx2", "scalar"; "" the CPU's best);
+    ``llama_path``: a folder holding another build of llama-cpp-python, for the llama.cpp rows."""
     say = print if verbose else (lambda *_: None)
     needs_gguf = any(e.startswith("llama.cpp") or "gguf" in e for e in engines)
     want_llama = needs_gguf and installed_version() is not None
@@ -319,6 +336,8 @@ def run_decode_benchmark(
         "prompt_tokens": prompt_tokens,
         "prefill_tokens": prefill_tokens,
         "gguf": str(gguf) if gguf else None,
+        "isa": isa,
+        "llama_path": llama_path,
     }
     say("memory bandwidth ...")
     bw = max(
@@ -408,6 +427,19 @@ def main() -> None:
         action="store_true",
         help="run each engine once with the default OpenMP wait policy (not also with passive)",
     )
+    ap.add_argument(
+        "--isa",
+        default="",
+        choices=("", "avx2", "avx512", "scalar"),
+        help="run every freetoken kernel on this path, as on a CPU that has no more (avx2: a "
+        "laptop or desktop without AVX-512); default: the best this CPU runs",
+    )
+    ap.add_argument(
+        "--llama-path",
+        default="",
+        help="a folder with another build of llama-cpp-python (pip install --target), put first "
+        "on the llama.cpp rows' PYTHONPATH: e.g. an AVX2-only build beside --isa avx2",
+    )
     a = ap.parse_args()
     report = run_decode_benchmark(
         tuple(a.engines),
@@ -421,6 +453,8 @@ def main() -> None:
         omp_variants=not a.no_omp_variants,
         rounds=a.rounds,
         experts=a.experts,
+        isa=a.isa,
+        llama_path=a.llama_path,
     )
     print(report.table())
 

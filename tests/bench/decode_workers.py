@@ -109,6 +109,15 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
     from freetokend.engine.sampler import SamplingParams
 
     torch.set_num_threads(a["threads"])
+    if a.get("isa"):  # every kernel on one path (bench_decode's --isa), as on a CPU with no more
+        from freetokend.engine import llm as llm_module
+        from freetokend.models.layers import dense_native
+
+        def forced(bf16_dot: bool, threads: int | None) -> str:
+            dense_native.configure(threads, isa=a["isa"])  # projections and integer dots
+            return str(a["isa"])  # the float expert executor's path
+
+        llm_module._cpu_isa = forced  # what LLM asks for its CPU kernels' path
     llm = LLM(
         a["gguf"] if a.get("load_gguf") else a["model"],  # llama.cpp's file itself, or ours
         moe_backend="cpu",
