@@ -81,7 +81,7 @@ PYBIND11_MODULE(ftnative, m) {
            py::arg("down_bias"), py::arg("weight_dtype"), py::arg("bias_dtype"),
            py::arg("num_flat"), py::arg("hidden"), py::arg("inter"), py::arg("act"),
            py::arg("alpha"), py::arg("limit"), py::arg("threads") = 0, py::arg("isa") = "auto",
-           py::arg("tile_min_tokens") = 12, py::arg("spin_us") = 20, py::arg("pin") = true,
+           py::arg("tile_min_tokens") = 12, py::arg("spin_us") = 0, py::arg("pin") = true,
            py::arg("qformat") = -1, py::arg("gate_up_scale") = 0, py::arg("down_scale") = 0,
            py::arg("gate_up_global") = 0, py::arg("down_global") = 0,
            "Bank addresses (0 = no bias), dtype codes 0 fp32 / 1 bf16, shapes N, H, I. "

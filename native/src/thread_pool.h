@@ -4,8 +4,10 @@
 // returns when the job reports itself finished and no worker is still inside it. Jobs hand out
 // their own work (an atomic task counter), so a worker that wakes late simply finds less to do
 // and the caller never waits for a worker that has not started. After a job, workers spin for
-// `spin_us` before sleeping so that back-to-back calls (one per MoE layer) wake them in
-// well under a microsecond; a sleeping worker is woken through a condition variable (futex).
+// `spin_us` before sleeping, so that back-to-back calls wake them in well under a microsecond; a
+// sleeping worker is woken through a condition variable (futex). The executor's default is 0:
+// in a model its calls are a layer apart, and spinning pinned workers slow the dense projections
+// run between them (cpu_executor.CpuExecutor's spin_us).
 #pragma once
 
 #include <atomic>
