@@ -166,9 +166,9 @@ class CpuExecutor:
              spin takes that core from whatever else runs there); 0, the default, sleeps at
              once. A model's next call to the executor comes a layer later, after the dense
              projections on ftdense's own pool, which a spinning worker slows: with one worker
-             per core, a 48-layer model of tiny weights decoded at 3.6-4.4 ms a token at 0 and
-             6.0-6.1 ms at 20 us (2 cores, Zen 4). A sleeping worker wakes in ~5-20 us, small
-             next to a real layer's streaming.
+             per core, a 48-layer model of tiny weights decoded at 3.4-4.4 ms a token at 0 and
+             4.6-6.1 ms at 20 us (four paired runs, 2 cores, Zen 4). A sleeping worker wakes in
+             ~5-20 us, small next to a real layer's streaming.
     """
 
     def __init__(
