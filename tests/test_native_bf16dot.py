@@ -293,13 +293,13 @@ def test_the_cpu_bf16_dot_option(tmp_path, monkeypatch: pytest.MonkeyPatch, capl
         if "avx512bf16" in supported_isas():
             fast = LLM(path, **kw)  # the default
             assert fast.cpu_isa == "avx512bf16" and fast.moe.executor.bf16_dot
-            assert dense_native._native.isa() == "avx512bf16"
+            assert dense_native.configured_isa() == "avx512bf16"
             assert fast.generate(ids, max_tokens=12, ignore_eos=True) == want
             del fast
             # off again in the same process: the process-wide dense pool leaves bf16-dot too
             again = LLM(path, cpu_bf16_dot=False, **kw)
             assert again.cpu_isa == "auto" and not again.moe.executor.bf16_dot
-            assert dense_native._native.isa() != "avx512bf16"
+            assert dense_native.configured_isa() != "avx512bf16"
             del again
             dense_native.configure(isa="avx512bf16")  # as an earlier model would leave it
         lacking = [i for i in supported_isas() if i != "avx512bf16"]
@@ -307,7 +307,7 @@ def test_the_cpu_bf16_dot_option(tmp_path, monkeypatch: pytest.MonkeyPatch, capl
         with caplog.at_level(logging.INFO):
             slow = LLM(path, **kw)
         assert slow.cpu_isa == "auto" and not slow.moe.executor.bf16_dot
-        assert dense_native._native.isa() != "avx512bf16"
+        assert dense_native.configured_isa() != "avx512bf16"
         assert "cpu_bf16_dot: this CPU lacks AVX512-BF16" in caplog.text
     finally:
         dense_native.configure(isa="auto")  # the pool is process-wide
