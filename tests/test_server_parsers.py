@@ -198,3 +198,61 @@ def test_unsupported_schema_is_a_value_error(grammars):
     factory = grammars[0]
     with pytest.raises(ValueError, match="bogus"):
         factory.json_schema({"type": "bogus"})
+
+
+def test_grammar_never_spells_a_surrogate(grammars):
+    """xgrammar takes ``ED A0-BF xx`` (a UTF-16 surrogate in UTF-8 form, no valid UTF-8) as
+    one string character; decoded, it is three U+FFFD, past ``maxLength``. Logits that favour
+    exactly those bytes (ED first, then A0-BF, then 80-9F, then letters) must still give a
+    string that is valid UTF-8 and within its length: ED followed by 80-9F (U+D000-U+D7FF)."""
+    factory, tok, vocab, eos = grammars
+    decoded = factory.info.decoded_vocab
+    byte_id = {b[0]: i for i, b in enumerate(decoded) if len(b) == 1}
+    bias = torch.zeros(vocab)
+    bias[byte_id[0xED]] = 40.0
+    for b in range(0xA0, 0xC0):
+        bias[byte_id[b]] = 30.0
+    for b in range(0x80, 0xA0):
+        bias[byte_id[b]] = 20.0
+    for b in b"abcdefgh":
+        bias[byte_id[b]] = 10.0
+    bias[byte_id[ord('"')]] = 5.0
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}}
+    schema["required"] = ["city"]
+    forced = (ToolSyntax.QWEN3_JSON, [("get_weather", schema)])
+    for constraint in (factory.json_schema(schema), factory.forced_tool_call(*forced)):
+        ids = []
+        for _ in range(200):
+            logits = bias.clone()
+            constraint.fill_mask(logits)
+            tid = int(logits.argmax())
+            constraint.accept(tid)
+            ids.append(tid)
+            if constraint.is_terminated():
+                break
+        assert ids[-1] == eos
+        raw = b"".join(decoded[i] for i in ids[:-1])
+        assert b"\xed" in raw  # the favoured lead byte was taken ...
+        text = raw.decode("utf-8")  # ... and only ever completed as valid UTF-8
+        value = json.loads(text[text.index("{") : text.rindex("}") + 1])
+        city = value.get("arguments", value)["city"]
+        assert 1 <= len(city) <= 6 and "\ufffd" not in city
+
+
+@pytest.mark.parametrize("syntax", [JSON_THINK, XML_THINK])
+def test_lone_surrogate_escape_in_a_call_becomes_a_replacement_char(syntax):
+    """``"\\ud800"`` is valid JSON a grammar lets through, but has no UTF-8 form: left in
+    the arguments, encoding the response would fail."""
+    if syntax is JSON_THINK:
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "R\\ud800m", '
+        text += '"days": 2, "tags": ["\\ud83d\\ude00"]}}\n</tool_call>'
+        want = {"city": "R\ufffdm", "days": 2, "tags": ["\U0001f600"]}
+    else:
+        text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nR\\udc00m\n</parameter>\n"
+        text += '<parameter=days>\n2\n</parameter>\n<parameter=tags>\n["\\udbff"]\n</parameter>\n'
+        text += "</function>\n</tool_call>"
+        want = {"city": "R\\udc00m", "days": 2, "tags": ["\ufffd"]}
+    (call,) = run(syntax, text, [text])
+    assert isinstance(call, ToolCall)
+    assert json.loads(call.arguments) == want
+    call.arguments.encode("utf-8")

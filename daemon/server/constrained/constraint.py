@@ -40,13 +40,53 @@ def _reason(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
 
 
+class SurrogateBytes:
+    """The tokens that would spell a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8.
+
+    xgrammar's string rules accept the three bytes ``ED A0-BF 80-BF`` as one character,
+    though they are no valid UTF-8: the text decodes them as three U+FFFD, so a string the
+    grammar held to ``maxLength`` came back longer (and not the characters generated).
+    ``inside``: tokens holding ``ED A0-BF``; ``ends_ed``: tokens ending in ``ED``;
+    ``starts_high``: tokens starting with ``A0-BF`` (barred right after an ``ends_ed``).
+    """
+
+    def __init__(self, decoded_vocab: list[bytes]) -> None:
+        inside: list[int] = []
+        ends_ed: set[int] = set()
+        starts_high: list[int] = []
+        for i, b in enumerate(decoded_vocab):
+            if not b:
+                continue
+            if _SURROGATE.search(b):
+                inside.append(i)
+            if b[-1] == 0xED:
+                ends_ed.add(i)
+            if 0xA0 <= b[0] <= 0xBF:
+                starts_high.append(i)
+        self.inside = torch.tensor(inside, dtype=torch.long)
+        self.ends_ed = ends_ed
+        self.starts_high = torch.tensor(starts_high, dtype=torch.long)
+
+
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _bar(logits: torch.Tensor, ids: torch.Tensor) -> None:
+    if ids.numel():
+        logits.index_fill_(0, ids.to(logits.device, non_blocking=True), float("-inf"))
+
+
 class GrammarConstraint:
     """Masks disallowed tokens to -inf; terminates once the grammar and a stop token are done."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, vocab_size: int, surrogates: SurrogateBytes
+    ) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
         self._vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
+        self._surrogates = surrogates
+        self._after_ed = False  # the last token ended in byte ED
         self._dead = False
 
     def fill_mask(self, logits: torch.Tensor) -> None:
@@ -59,8 +99,12 @@ class GrammarConstraint:
         xgr.apply_token_bitmask_inplace(view, mask, vocab_size=n)
         if width > n:
             logits[n:] = float("-inf")
+        _bar(logits, self._surrogates.inside)
+        if self._after_ed:
+            _bar(logits, self._surrogates.starts_high)
 
     def accept(self, token_id: int) -> None:
+        self._after_ed = token_id in self._surrogates.ends_ed
         if not self._matcher.accept_token(token_id):
             # The sampler picked a masked token (should not happen); stop rather than loop.
             self._dead = True
@@ -76,6 +120,7 @@ class GrammarFactory:
         self, tokenizer_json: Path, vocab_size: int, stop_token_ids: list[int], threads: int = 2
     ) -> None:
         self.info = load_tokenizer_info(tokenizer_json, vocab_size, stop_token_ids)
+        self._surrogates = SurrogateBytes(self.info.decoded_vocab)
         self._compiler = xgr.GrammarCompiler(
             self.info, max_threads=threads, cache_limit_bytes=CACHE_LIMIT_BYTES
         )
@@ -94,7 +139,7 @@ class GrammarFactory:
             ) from None
 
     def _wrap(self, compiled: xgr.CompiledGrammar) -> GrammarConstraint:
-        return GrammarConstraint(compiled, self.info.vocab_size)
+        return GrammarConstraint(compiled, self.info.vocab_size, self._surrogates)
 
     def json_object(self) -> GrammarConstraint:
         return self._wrap(self._timed(self._compiler.compile_builtin_json_grammar))

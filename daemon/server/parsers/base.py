@@ -10,6 +10,7 @@ marker (``"<tool_"``) is held back until the next piece decides.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +21,9 @@ from ..limits import json_shape
 def loads_bounded(text: str) -> Any:
     """``json.loads`` (control characters allowed) for model output: ValueError for text that
     is not JSON or nests deeper than the request limits (which would overflow the stack when
-    the value is dumped or rendered again)."""
+    the value is dumped or rendered again). A lone surrogate escape (``"\\ud800"``, which JSON
+    grammars accept) becomes U+FFFD: it has no UTF-8 form, so the response could not be
+    encoded."""
     try:
         value = json.loads(text, strict=False)
     except RecursionError:
@@ -29,6 +32,22 @@ def loads_bounded(text: str) -> Any:
         json_shape(value, "arguments")
     except InvalidRequest as e:
         raise ValueError(e.message) from None
+    if _SURROGATE_ESCAPE.search(text):
+        value = _without_surrogates(value)
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
     return value
 
 
