@@ -76,6 +76,15 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
         return run(self, h, step)
 
     monkeypatch.setattr(cpu_decode.LayerPlan, "run", counted)
+    finals = [0]
+    final = cpu_decode.final_norm
+
+    def counted_final(*args):  # type: ignore[no-untyped-def]
+        y = final(*args)
+        finals[0] += y is not None
+        return y
+
+    monkeypatch.setattr(cpu_decode, "final_norm", counted_final)
     prompts = [[5, 17, 90, 3], [42] * 19, list(range(20, 60))]  # page-crossing lengths too
     old = cpu_decode.set_enabled(False)
     try:
@@ -88,6 +97,7 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
     moe_layers = sum(isinstance(layer.mlp, SparseMoE) for layer in llm.model.layers)
     assert 0 < moe_layers < llm.config.num_layers
     assert runs[0] == 12 * moe_layers  # each decode step took the fast path in each of them
+    assert finals[0] == 12  # and its last norm, once a step
     assert tokens == ref_tokens
     assert (got - ref).abs().max().item() < TOL
     assert ref.abs().max().item() > 0.5  # real logits, not zeros

@@ -111,8 +111,12 @@ class CausalLM(nn.Module):
                 plan.run(h, step)  # in place: h is this forward's own tensor
             else:
                 h = layer(h, batch, self.rope, cos, sin)
-        h = self.norm(h[batch.logits_rows])
-        return self.lm_head(h)
+        x = None
+        if step is not None:
+            x = cpu_decode.final_norm(step, h, self.norm, batch.logits_rows.shape[0])
+        if x is None:
+            x = self.norm(h[batch.logits_rows])
+        return self.lm_head(x)
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
