@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -41,39 +42,47 @@ def _reason(exc: Exception) -> str:
 
 
 class SurrogateBytes:
-    """The tokens that would spell a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8.
+    """Bitmasks that bar the tokens spelling a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8.
 
     xgrammar's string rules accept the three bytes ``ED A0-BF 80-BF`` as one character,
     though they are no valid UTF-8: the text decodes them as three U+FFFD, so a string the
     grammar held to ``maxLength`` came back longer (and not the characters generated).
-    ``inside``: tokens holding ``ED A0-BF``; ``ends_ed``: tokens ending in ``ED``;
-    ``starts_high``: tokens starting with ``A0-BF`` (barred right after an ``ends_ed``).
+    ``keep_always`` clears the bits of tokens holding ``ED A0-BF``; ``keep_after_ed`` those of
+    tokens starting with ``A0-BF``, for the step after a token of ``ends_ed`` (ending in ``ED``).
+    The masks are ANDed into xgrammar's own token bitmask ([1, ceil(V/32)] int32, bit j of word
+    i allowing token 32i + j) before it is applied: no extra op on the logits. None: no such
+    token.
     """
 
-    def __init__(self, decoded_vocab: list[bytes]) -> None:
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
         inside: list[int] = []
-        ends_ed: set[int] = set()
+        self.ends_ed: set[int] = set()
         starts_high: list[int] = []
-        for i, b in enumerate(decoded_vocab):
+        for i, b in enumerate(decoded_vocab[:vocab_size]):
             if not b:
                 continue
             if _SURROGATE.search(b):
                 inside.append(i)
             if b[-1] == 0xED:
-                ends_ed.add(i)
+                self.ends_ed.add(i)
             if 0xA0 <= b[0] <= 0xBF:
                 starts_high.append(i)
-        self.inside = torch.tensor(inside, dtype=torch.long)
-        self.ends_ed = ends_ed
-        self.starts_high = torch.tensor(starts_high, dtype=torch.long)
+        words = (vocab_size + 31) // 32
+        self.keep_always = _keep_mask(inside, words)
+        self.keep_after_ed = _keep_mask(starts_high, words)
+
+
+def _keep_mask(barred: list[int], words: int) -> torch.Tensor | None:
+    """An xgrammar-layout bitmask with every bit set but those of ``barred``."""
+    if not barred:
+        return None
+    keep = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+    ids = np.asarray(barred, dtype=np.int64)
+    np.bitwise_and.at(keep, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return torch.from_numpy(keep.view(np.int32)).view(1, words)
 
 
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
-
-
-def _bar(logits: torch.Tensor, ids: torch.Tensor) -> None:
-    if ids.numel():
-        logits.index_fill_(0, ids.to(logits.device, non_blocking=True), float("-inf"))
 
 
 class GrammarConstraint:
@@ -92,6 +101,10 @@ class GrammarConstraint:
     def fill_mask(self, logits: torch.Tensor) -> None:
         """``logits``: [V'] for this request (V' may exceed the tokenizer's V: padding)."""
         self._matcher.fill_next_token_bitmask(self._bitmask)
+        sur = self._surrogates
+        for keep in (sur.keep_always, sur.keep_after_ed if self._after_ed else None):
+            if keep is not None:
+                self._bitmask &= keep
         width = logits.shape[-1]
         n = min(width, self._vocab_size)
         view = logits.view(1, width)
@@ -99,9 +112,6 @@ class GrammarConstraint:
         xgr.apply_token_bitmask_inplace(view, mask, vocab_size=n)
         if width > n:
             logits[n:] = float("-inf")
-        _bar(logits, self._surrogates.inside)
-        if self._after_ed:
-            _bar(logits, self._surrogates.starts_high)
 
     def accept(self, token_id: int) -> None:
         self._after_ed = token_id in self._surrogates.ends_ed
@@ -120,7 +130,7 @@ class GrammarFactory:
         self, tokenizer_json: Path, vocab_size: int, stop_token_ids: list[int], threads: int = 2
     ) -> None:
         self.info = load_tokenizer_info(tokenizer_json, vocab_size, stop_token_ids)
-        self._surrogates = SurrogateBytes(self.info.decoded_vocab)
+        self._surrogates = SurrogateBytes(self.info.decoded_vocab, self.info.vocab_size)
         self._compiler = xgr.GrammarCompiler(
             self.info, max_threads=threads, cache_limit_bytes=CACHE_LIMIT_BYTES
         )
