@@ -5,6 +5,7 @@ the tool's schema."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -200,11 +201,24 @@ def test_unsupported_schema_is_a_value_error(grammars):
         factory.json_schema({"type": "bogus"})
 
 
-def test_grammar_never_spells_a_surrogate(grammars):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                os.environ.get("FT_TEST_ACCELERATOR") != "cuda", reason="tests/gpu/check.sh"
+            ),
+        ),
+    ],
+)
+def test_grammar_never_spells_a_surrogate(grammars, device):
     """xgrammar takes ``ED A0-BF xx`` (a UTF-16 surrogate in UTF-8 form, no valid UTF-8) as
     one string character; decoded, it is three U+FFFD, past ``maxLength``. Logits that favour
     exactly those bytes (ED first, then A0-BF, then 80-9F, then letters) must still give a
-    string that is valid UTF-8 and within its length: ED followed by 80-9F (U+D000-U+D7FF)."""
+    string that is valid UTF-8 and within its length: ED followed by 80-9F (U+D000-U+D7FF).
+    On CUDA logits too (tests/gpu/check.sh), where the mask crosses to the device."""
     factory, tok, vocab, eos = grammars
     decoded = factory.info.decoded_vocab
     byte_id = {b[0]: i for i, b in enumerate(decoded) if len(b) == 1}
@@ -224,7 +238,7 @@ def test_grammar_never_spells_a_surrogate(grammars):
         ids = []
         for _ in range(200):
             with torch.inference_mode():  # as the engine's logits are
-                logits = bias.clone()
+                logits = bias.to(device, copy=True)
             constraint.fill_mask(logits)  # outside it, as the engine calls it
             tid = int(logits.argmax())
             constraint.accept(tid)

@@ -8,7 +8,7 @@
 #   0. install the wheels (--no-index) and the project with its native extensions into OUT/site
 #   1. the backend equality tests (fused / offload / hybrid vs cpu, token-equal) on real CUDA,
 #      with the dense part, KV pool and sampling on the GPU (engine/placement.py): every family,
-#      logits within tolerance, resizes mid-decode
+#      logits within tolerance, resizes mid-decode; a grammar's mask on CUDA logits (grammar)
 #   2. the Triton kernels against their references: pytest shapes on CUDA tensors, then
 #      production shapes (tests/gpu/kernels_at_scale.py); the paged decode attention and the
 #      Gated DeltaNet decode step also inside the models (backends_triton)
@@ -108,6 +108,7 @@ export FT_TEST_ACCELERATOR=cuda
 unset TRITON_INTERPRET
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
 step backends 120 "${pytest[@]}" tests/test_moe_backends.py
+step grammar 60 "${pytest[@]}" tests/test_server_parsers.py -k "surrogate and cuda"
 step backends_triton 120 env FREETOKEN_ATTENTION_KERNEL=triton "${pytest[@]}" tests/test_moe_backends.py tests/test_paged_attention.py tests/test_deltanet_kernel.py
 step placement 120 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
 step kernels 60 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
