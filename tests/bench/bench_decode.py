@@ -7,7 +7,11 @@ Qwen3-30B-A3B layer geometry (decode_ckpt.py), converts it to GGUF BF16 with the
 the installed llama-cpp-python's source distribution (decode_llama.py), measures the machine's
 memory-read bandwidth, then each engine's batch-1 decode and 512-token prefill speed, each in a
 fresh subprocess with the same thread count (decode_workers.py), and prints one table with each
-engine's fraction of the decode roofline (read bandwidth / weight bytes read per token).
+engine's fraction of the decode roofline (read bandwidth / weight bytes read per token). Every
+round measures the read bandwidth again before its engines (a shared machine's moves by up to 2x
+between minutes) and an engine's roofline fraction is the median over its rounds of its speed
+against that round's bandwidth; each (ours, peer) line gives the decode ratio of the medians and
+the median of the rounds' paired ratios (the two engines ran minutes apart in each round).
 The quantized rows (see ENGINES) pair ours with llama.cpp's at about the same bytes per token,
 measured for both engines from the loaded tensors (llama.cpp's from its file); the
 "freetoken-gguf-*" rows load llama.cpp's own quantized file, the same bytes. Each pair's line
@@ -240,11 +244,16 @@ def run_decode_benchmark(
         "isa": isa,
         "llama_path": llama_path,
     }
-    say("memory bandwidth ...")
-    bw = max(
-        float(_worker("membw", {"threads": threads}, threads, 300, passive)["read_bytes_s"])  # type: ignore[arg-type]
-        for passive in ((False, True) if omp_variants else (False,))
-    )
+
+    def read_ceiling() -> float:
+        # the machine's read bandwidth moves between rounds on a shared VM (2 threads, huge
+        # pages: 34 and 60 GB/s minutes apart), so every round measures its own, beside its
+        # engines, and each engine's roofline is taken against its rounds' (Report)
+        return max(
+            float(_worker("membw", {"threads": threads}, threads, 300, passive)["read_bytes_s"])  # type: ignore[arg-type]
+            for passive in ((False, True) if omp_variants else (False,))
+        )
+
     # Rounds interleave the engines (A B C A B C ...), so a slow spell of a shared machine
     # hits every engine alike; each reports the median of its rounds.
     variant: dict[str, dict[str, object]] = {
@@ -260,7 +269,10 @@ def run_decode_benchmark(
         variant[f"freetoken-gguf-{q}"] = {"gguf": path, "load_gguf": True}
     runs: dict[str, list[Row]] = {e: [] for e in engines}
     (cache / "logits").mkdir(parents=True, exist_ok=True)
+    ceilings: list[float] = []
     for r in range(rounds):
+        say(f"memory bandwidth (round {r + 1} of {rounds}) ...")
+        ceilings.append(read_ceiling())
         for engine in engines:
             args = {**common, **variant.get(engine, {})}
             args["logits_out"] = str(cache / "logits" / f"{engine}.npy")
@@ -269,7 +281,9 @@ def run_decode_benchmark(
                 runs[engine] = [Row(engine, note="not installed: skipped")]
                 continue
             say(f"{engine} (round {r + 1} of {rounds}) ...")
-            runs[engine].append(_measure(engine, args, threads, omp_variants))
+            row = _measure(engine, args, threads, omp_variants)
+            row.extra["round"] = r
+            runs[engine].append(row)
     rows = [median_row(runs[e]) for e in engines]
     ref = next((r.extra.get("greedy") for r in rows if r.engine == "freetoken"), None)
     for row in rows:
@@ -287,7 +301,7 @@ def run_decode_benchmark(
         if isinstance(tokens, list) and isinstance(ref, list) and row.engine != "freetoken":
             same = sum(a == b for a, b in zip(tokens, ref, strict=False))
             row.note += f", agree {same}/{len(ref)}"
-    return Report(bw, g.bytes_per_token(), threads, rows, _PAIRS)
+    return Report(ceilings, g.bytes_per_token(), threads, rows, _PAIRS)
 
 
 def main() -> None:

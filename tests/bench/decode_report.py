@@ -19,11 +19,17 @@ class Row:
 
 @dataclass
 class Report:
-    read_bytes_s: float
+    read_rounds: list[float]  # the memory-read bandwidth measured in each round (bytes/s)
     bytes_per_token: int
     threads: int
     rows: list[Row]
     pairs: tuple[tuple[str, str], ...] = ()  # (ours, peer) engines compared line by line
+
+    @property
+    def read_bytes_s(self) -> float:
+        import statistics
+
+        return statistics.median(self.read_rounds)
 
     @property
     def roofline_tok_s(self) -> float:
@@ -32,10 +38,24 @@ class Report:
     def _bytes(self, r: Row) -> int:
         return r.bytes_per_token or self.bytes_per_token
 
+    def roofline_fraction(self, r: Row) -> float:
+        """The median over the row's rounds of its decode speed against the read bandwidth
+        measured in the same round (the row's median speed against the median bandwidth when
+        it does not say its rounds)."""
+        import statistics
+
+        by_round = _rounds(r, "decode")
+        if not by_round or any(i >= len(self.read_rounds) for i in by_round):
+            return (r.decode_tok_s or 0.0) * self._bytes(r) / self.read_bytes_s
+        return statistics.median(
+            tok_s * self._bytes(r) / self.read_rounds[i] for i, tok_s in by_round.items()
+        )
+
     def table(self) -> str:
         gb = 1e9
         lines = [
-            f"memory read bandwidth ({self.threads} threads): {self.read_bytes_s / gb:.1f} GB/s;"
+            f"memory read bandwidth ({self.threads} threads): {self.read_bytes_s / gb:.1f} GB/s"
+            f" (median; rounds: {', '.join(f'{b / gb:.1f}' for b in self.read_rounds)});"
             f" weights read per decoded token (BF16): {self.bytes_per_token / 1e6:.0f} MB;"
             f" decode roofline (BF16): {self.roofline_tok_s:.1f} tok/s",
             f"{'engine':<16} {'MB/token':>8} {'decode tok/s':>12} {'ms/token':>9} {'GB/s':>6}"
@@ -48,7 +68,7 @@ class Report:
                     f"{r.engine:<16} {mb} {'-':>12} {'-':>9} {'-':>6} {'-':>9} {'-':>14}  {r.note}"
                 )
                 continue
-            frac = r.decode_tok_s * self._bytes(r) / self.read_bytes_s
+            frac = self.roofline_fraction(r)
             lines.append(
                 f"{r.engine:<16} {mb} {r.decode_tok_s:12.1f} {1e3 / r.decode_tok_s:9.1f}"
                 f" {r.decode_tok_s * self._bytes(r) / gb:6.1f} {frac:9.0%}"
@@ -76,8 +96,8 @@ class Report:
             if isinstance(fa, str) and isinstance(fb, str):
                 agree += "; " + logits_agreement(fa, fb)
             lines.append(
-                f"{us} / {them}: decode {ours.decode_tok_s / peer.decode_tok_s:.2f}x,"
-                f" prefill {pre:.2f}x{agree}"
+                f"{us} / {them}: decode {ours.decode_tok_s / peer.decode_tok_s:.2f}x"
+                f"{paired_ratios(ours, peer)}, prefill {pre:.2f}x{agree}"
             )
         return "\n".join(lines)
 
@@ -107,15 +127,48 @@ def logits_agreement(ours: str, peer: str) -> str:
     )
 
 
-def median_row(rows: list[Row]) -> Row:
-    """Median decode and median prefill over an engine's rounds (its notes from the first)."""
+def _rounds(r: Row, what: str) -> dict[int, float]:
+    """The row's ``what`` ("decode" or "prefill") tok/s by round, as median_row kept them."""
+    got = r.extra.get(f"{what}_rounds")
+    return {int(k): float(v) for k, v in got.items()} if isinstance(got, dict) else {}
+
+
+def paired_ratios(ours: Row, peer: Row) -> str:
+    """ ", paired rounds median X (a, b, ...)": ours over the peer's decode in each round both
+    ran, and their median; "" when fewer than two rounds pair up. The ratio of the two medians
+    can pair one engine's slow spell with the other's fast one; a round's two runs are minutes
+    apart."""
     import statistics
 
-    ok = [r for r in rows if r.decode_tok_s is not None]
+    a, b = _rounds(ours, "decode"), _rounds(peer, "decode")
+    both = sorted(set(a) & set(b))
+    if len(both) < 2:
+        return ""
+    ratios = [a[i] / b[i] for i in both]
+    listed = ", ".join(f"{x:.2f}" for x in ratios)
+    return f" (paired rounds: median {statistics.median(ratios):.2f}x of {listed})"
+
+
+def median_row(rows: list[Row]) -> Row:
+    """Median decode and median prefill over an engine's rounds (its notes from the first);
+    extra's ``decode_rounds`` and ``prefill_rounds`` keep each round's figure by the round
+    number its row carried in extra["round"] (its place in ``rows`` when none)."""
+    import statistics
+
+    def round_of(r: Row, i: int) -> int:
+        got = r.extra.get("round", i)
+        return got if isinstance(got, int) else i
+
+    ok = [(round_of(r, i), r) for i, r in enumerate(rows) if r.decode_tok_s is not None]
     if not ok:
         return rows[0]
-    dec = statistics.median(r.decode_tok_s for r in ok if r.decode_tok_s is not None)
-    pre = statistics.median(r.prefill_tok_s or 0.0 for r in ok)
-    first = ok[0]
+    dec = statistics.median(r.decode_tok_s for _, r in ok if r.decode_tok_s is not None)
+    pre = statistics.median(r.prefill_tok_s or 0.0 for _, r in ok)
+    first = ok[0][1]
     note = first.note + (f", rounds {len(ok)}" if len(ok) > 1 else "")
-    return Row(first.engine, dec, pre, note, first.extra)
+    extra = {
+        **first.extra,
+        "decode_rounds": {i: r.decode_tok_s for i, r in ok},
+        "prefill_rounds": {i: r.prefill_tok_s or 0.0 for i, r in ok},
+    }
+    return Row(first.engine, dec, pre, note, extra)
