@@ -177,3 +177,21 @@ def test_argmax_is_torch_argmax(vocab: int) -> None:
         x[3, vocab // 2] = x[3, vocab - 1] = math.nan  # NaN is the largest: the first
     got = dense_native.argmax(x)
     assert got is not None and torch.equal(got, torch.argmax(x, dim=-1))
+
+
+def test_step_buffers_are_reused_per_thread_and_row_count() -> None:
+    import threading
+
+    first = cpu_decode._step_buffers(3)
+    first[("x", 8, torch.float32)] = torch.empty(3, 8)
+    assert cpu_decode._step_buffers(3) is first  # the next step of 3 rows: the same buffers
+    assert cpu_decode._step_buffers(2) is not first
+    other: list[object] = []
+    th = threading.Thread(target=lambda: other.append(cpu_decode._step_buffers(3)))
+    th.start()
+    th.join()
+    assert other[0] is not first  # another engine thread never shares a step's buffers
+    for t in range(10, 10 + cpu_decode._KEEP_ROW_COUNTS):  # row counts come and go
+        cpu_decode._step_buffers(t)
+    assert cpu_decode._step_buffers(3) is not first  # the oldest were dropped
+    assert len(cpu_decode._local.by_rows) == cpu_decode._KEEP_ROW_COUNTS

@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> logits [len(batch.logits_rows), vocab] fp32."""
-        h = self.embed_tokens.weight[batch.token_ids].float()
+        h = self.embed_tokens.weight.index_select(0, batch.token_ids).float()
         cos, sin = self.rope.cos_sin(batch.positions, batch.max_position)
         step = cpu_decode.start(batch, h, cos, sin, self.rope.cfg)
         for layer in self._decoder_layers:

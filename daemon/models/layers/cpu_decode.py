@@ -20,6 +20,7 @@ layer, and every step that is not all decode rows on the CPU, takes the generic 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -125,15 +126,13 @@ class LayerPlan:
         rot, inter = step.rot, step.interleaved
         nat.rope(q, t, heads, d, rot, inter, step.cos, step.sin, qr)
         nat.rope(k, t, kvh, d, rot, inter, step.cos, step.sin, kr)
-        kp, vp = step.kv.k[a.kv_layer], step.kv.v[a.kv_layer]
-        bf16 = kp.dtype == torch.bfloat16
-        nat.kv_store(kr, v, t, kvh * d, step.slots, kp.data_ptr(), vp.data_ptr(), bf16)
+        kp, vp, num_pages, page_size = step.kv_layer(a.kv_layer)
+        bf16 = step.kv_bf16
+        nat.kv_store(kr, v, t, kvh * d, step.slots, kp, vp, bf16)
         att = step.buf("att", self.q_rows)
-        num_pages, page_size = kp.shape[0], kp.shape[1]
         nat.decode_attention(
             qr, t, att, heads, t, step.rows, step.lens, step.tables, step.width,
-            kp.data_ptr(), vp.data_ptr(), bf16, num_pages, page_size, kvh, d, a.scale,
-            a.window or 0, 0,
+            kp, vp, bf16, num_pages, page_size, kvh, d, a.scale, a.window or 0, 0,
         )  # fmt: skip
         o = step.buf("o", hid)
         self.o(att, t, [o])
@@ -199,30 +198,56 @@ class DecodeStep:
         )
         ps = batch.kv.page_size
         pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
-        self.width = max(pages)
-        tables = torch.zeros(self.t, self.width, dtype=torch.int32)
-        for i, (ch, n) in enumerate(zip(chunks, pages, strict=True)):
-            tables[i, :n] = torch.tensor(ch.state.pages[:n], dtype=torch.int32)
+        self.width = width = max(pages)
+        t = self.t
+        # one int32 tensor: the page tables [t, width] (zero padded), each row's start, each
+        # row's context length after this token; one int64 tensor: the KV slots. Two tensors
+        # built from lists a step, not a zeros and a tensor per row: each torch op costs tens of
+        # microseconds here (caches cold after the weight streams)
+        ints: list[int] = []
+        for ch, n in zip(chunks, pages, strict=True):
+            ints += ch.state.pages[:n]
+            ints += [0] * (width - n)
+        ints += [ch.start for ch in chunks]
+        ints += [ch.context_len + 1 for ch in chunks]
         slots = [ch.state.pages[ch.context_len // ps] * ps + ch.context_len % ps for ch in chunks]
-        meta = (
-            torch.tensor([[ch.start, ch.context_len + 1] for ch in chunks], dtype=torch.int32)
-            .t()
-            .contiguous()
-        )
-        self._keep = (tables, meta, torch.tensor(slots, dtype=torch.int64), cos, sin)
-        self.tables, self.rows, self.lens = (
-            tables.data_ptr(),
-            meta[0].data_ptr(),
-            meta[1].data_ptr(),
-        )
-        self.slots = self._keep[2].data_ptr()
+        meta = torch.tensor(ints, dtype=torch.int32)
+        self._keep = (meta, torch.tensor(slots, dtype=torch.int64), cos, sin)
+        at, size = meta.data_ptr(), meta.element_size()
+        self.tables = at
+        self.rows = at + t * width * size
+        self.lens = at + (t * width + t) * size
+        self.slots = self._keep[1].data_ptr()
         self.cos, self.sin = cos.data_ptr(), sin.data_ptr()
         self.rot, self.interleaved = rot, interleaved
-        self._bufs: dict[tuple[str, int], Tensor] = {}
+        self._bufs = _step_buffers(t)
+        kv = batch.kv
+        self.kv_bf16 = kv.dtype == torch.bfloat16
+        # a uniform pool is one tensor [layers, pages, page_size, ...] per K and V: a layer's
+        # pages are at a fixed stride from its base, no select op a layer and step
+        k, v = kv.k, kv.v
+        if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+            self._k_base, self._v_base = k.data_ptr(), v.data_ptr()
+            self._k_layer = k.stride(0) * k.element_size()
+            self._v_layer = v.stride(0) * v.element_size()
+            self._pages = (int(k.shape[1]), int(k.shape[2]))
+
+    def kv_layer(self, layer: int) -> tuple[int, int, int, int]:
+        """Pool layer ``layer``'s K and V addresses, its pages and page size."""
+        k = self.kv.k
+        if isinstance(k, list):
+            kp, vp = k[layer], self.kv.v[layer]
+            return kp.data_ptr(), vp.data_ptr(), int(kp.shape[0]), int(kp.shape[1])
+        return (
+            self._k_base + layer * self._k_layer,
+            self._v_base + layer * self._v_layer,
+            *self._pages,
+        )
 
     def tensor(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        """This step's [t, cols] buffer ``name``."""
-        key = (name, cols)
+        """This step's [t, cols] buffer ``name``: the same tensor for every step of ``t`` rows
+        on this thread (reused, not zeroed)."""
+        key = (name, cols, dtype)
         b = self._bufs.get(key)
         if b is None:
             b = self._bufs[key] = torch.empty(self.t, cols, dtype=dtype)
@@ -231,6 +256,29 @@ class DecodeStep:
     def buf(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> int:
         """The address of this step's [t, cols] buffer ``name``."""
         return self.tensor(name, cols, dtype).data_ptr()
+
+
+# Step buffers by row count, per thread (two engine threads may decode at once): a decode step
+# allocated some 15 of them, each torch.empty a cold-cache op. Nothing outlives its step: the
+# layers read and write them in place and the final norm's output is consumed by lm_head within
+# the same forward. A few row counts are kept (batches come and go), the oldest dropped.
+_KEEP_ROW_COUNTS = 4
+_local = threading.local()
+
+
+def _step_buffers(t: int) -> dict[tuple[str, int, torch.dtype], Tensor]:
+    by_rows: dict[int, dict[tuple[str, int, torch.dtype], Tensor]] | None = getattr(
+        _local, "by_rows", None
+    )
+    if by_rows is None:
+        by_rows = _local.by_rows = {}
+    bufs = by_rows.pop(t, None)
+    if bufs is None:
+        bufs = {}
+        while len(by_rows) >= _KEEP_ROW_COUNTS:
+            del by_rows[next(iter(by_rows))]
+    by_rows[t] = bufs  # the most recent last
+    return bufs
 
 
 def final_norm(step: DecodeStep, h: Tensor, norm: RMSNorm, rows: int) -> Tensor | None:
@@ -285,8 +333,7 @@ def start(
     moe = batch.moe
     if type(moe) is not CpuBackend or not hasattr(moe.executor, "forward_addresses"):
         return None
-    kp = batch.kv.k[0]
-    if kp.device.type != "cpu" or kp.dtype not in (torch.bfloat16, torch.float32):
+    if batch.kv.device.type != "cpu" or batch.kv.dtype not in (torch.bfloat16, torch.float32):
         return None
     rot = rope_cfg.rotary_dim
     if rot == 0 or cos.shape[-1] != rot // 2:
