@@ -249,10 +249,11 @@ def run_decode_benchmark(
         # the machine's read bandwidth moves between rounds on a shared VM (2 threads, huge
         # pages: 34 and 60 GB/s minutes apart), so every round measures its own, beside its
         # engines, and each engine's roofline is taken against its rounds' (Report)
-        return max(
-            float(_worker("membw", {"threads": threads}, threads, 300, passive)["read_bytes_s"])  # type: ignore[arg-type]
+        reads = (
+            _worker("membw", {"threads": threads}, threads, 300, passive)["read_bytes_s"]
             for passive in ((False, True) if omp_variants else (False,))
         )
+        return max(float(r) for r in reads)  # type: ignore[arg-type]
 
     # Rounds interleave the engines (A B C A B C ...), so a slow spell of a shared machine
     # hits every engine alike; each reports the median of its rounds.

@@ -82,28 +82,29 @@ def _measure(
 # ---- memory bandwidth ---------------------------------------------------------------------------
 def membw(a: dict[str, Any]) -> dict[str, Any]:
     """Read bandwidth of fp32 sums over 16 MiB slices of a 1 GiB tensor with `threads` torch
-    threads, best slice of `passes` (default 8): short reads, so some run undisturbed on a shared
-    machine (a long sum never does), each from DRAM (a slice comes back after 1 GiB of others). The tensor sits in 2 MiB huge pages where the kernel
-    gives them (models/hugepages.py, as freetoken's weights; llama.cpp's mmap of its file gets
-    large page-cache folios): on this kind of VM a read of 4 KiB pages measured 48.7 GB/s against
-    59.5 GB/s (2 threads, medians of 7), so a 4 KiB ceiling could sit below what an engine reads.
-    A plain sum was the fastest torch reduction measured (amax, dot, column sums: 4-10 GB/s)."""
+    threads, best slice of 8 passes: short reads, so some run undisturbed on a shared machine (a
+    long sum never does), each from DRAM (a slice comes back after 1 GiB of others). The tensor
+    sits in 2 MiB huge pages where the kernel gives them (models/hugepages.py, as freetoken's
+    weights; llama.cpp's mmap of its file gets large page-cache folios): on this kind of VM a
+    read of 4 KiB pages measured 48.7 GB/s against 59.5 GB/s (2 threads, medians of 7), so a
+    4 KiB ceiling could sit below what an engine reads. A plain sum was the fastest torch
+    reduction measured (amax, dot, column sums: 4-10 GB/s)."""
     import torch
 
     from freetokend.models.hugepages import back_with_huge_pages
 
     torch.set_num_threads(a["threads"])
     x = torch.ones(256 << 20, dtype=torch.float32)
-    huge = back_with_huge_pages([x]) > 0
+    back_with_huge_pages([x])
     n = 4 << 20  # fp32 elements per 16 MiB slice
     slices = [x[i : i + n] for i in range(0, x.numel(), n)]
     best = float("inf")
-    for _ in range(int(a.get("passes", 8))):
+    for _ in range(8):
         for s in slices:
             t0 = time.perf_counter()
             s.sum()
             best = min(best, time.perf_counter() - t0)
-    return {"read_bytes_s": n * 4 / best, "huge_pages": huge}
+    return {"read_bytes_s": n * 4 / best}
 
 
 # ---- freetoken ----------------------------------------------------------------------------------
