@@ -76,15 +76,21 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
         return run(self, h, step)
 
     monkeypatch.setattr(cpu_decode.LayerPlan, "run", counted)
-    finals = [0]
-    final = cpu_decode.final_norm
+    finals, embeds = [0], [0]
+    final, embed = cpu_decode.HeadPlan.final_norm, cpu_decode.HeadPlan.embed
 
     def counted_final(*args):  # type: ignore[no-untyped-def]
         y = final(*args)
         finals[0] += y is not None
         return y
 
-    monkeypatch.setattr(cpu_decode, "final_norm", counted_final)
+    def counted_embed(*args):  # type: ignore[no-untyped-def]
+        h = embed(*args)
+        embeds[0] += h is not None
+        return h
+
+    monkeypatch.setattr(cpu_decode.HeadPlan, "final_norm", counted_final)
+    monkeypatch.setattr(cpu_decode.HeadPlan, "embed", counted_embed)
     prompts = [[5, 17, 90, 3], [42] * 19, list(range(20, 60))]  # page-crossing lengths too
     old = cpu_decode.set_enabled(False)
     try:
@@ -97,7 +103,7 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
     moe_layers = sum(isinstance(layer.mlp, SparseMoE) for layer in llm.model.layers)
     assert 0 < moe_layers < llm.config.num_layers
     assert runs[0] == 12 * moe_layers  # each decode step took the fast path in each of them
-    assert finals[0] == 12  # and its last norm, once a step
+    assert finals[0] == embeds[0] == 12  # and its embedding gather and last norm, once a step
     assert tokens == ref_tokens
     assert (got - ref).abs().max().item() < TOL
     assert ref.abs().max().item() > 0.5  # real logits, not zeros
@@ -108,6 +114,22 @@ def test_float32_layers_keep_the_generic_path(tmp_path) -> None:  # type: ignore
     llm = LLM(str(path), moe_backend="cpu", dtype="float32", prefix_cache=False, max_model_len=64)
     llm.generate([1, 2, 3], 3, ignore_eos=True)
     assert all(layer.decode_plan() is None for layer in llm.model.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embed_rows_is_index_select_then_float(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(50, 72, generator=g) * 3).to(dtype)
+    ids = torch.tensor([7, 0, 49, 7])
+    y = torch.full((4, 72), float("nan"))
+    nat.embed_rows(w.data_ptr(), dtype == torch.bfloat16, 50, 72, ids.data_ptr(), 4, y.data_ptr())
+    assert torch.equal(y, w.index_select(0, ids).float())
+    for bad in ([50], [-1], [3, 50]):  # nothing written before the check fails
+        bad_ids = torch.tensor(bad)
+        y.fill_(1.0)
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            nat.embed_rows(w.data_ptr(), False, 50, 72, bad_ids.data_ptr(), len(bad), y.data_ptr())
+        assert bool((y == 1.0).all())
 
 
 def test_add_rms_norm_is_add_then_rms_norm() -> None:

@@ -98,13 +98,26 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.rope)
+        self._decode_head: cpu_decode.HeadPlan | None = None
+
+    def decode_head(self) -> cpu_decode.HeadPlan:
+        """The embedding and last norm as the native decode path calls them, made at the first
+        decode step and again when either module's weight was replaced."""
+        head = self._decode_head
+        if head is None or not head.matches(self.embed_tokens.weight, self.norm):
+            head = self._decode_head = cpu_decode.HeadPlan(self.embed_tokens.weight, self.norm)
+        return head
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> logits [len(batch.logits_rows), vocab] fp32."""
-        h = self.embed_tokens.weight.index_select(0, batch.token_ids).float()
+        embed = self.embed_tokens.weight
         cos, sin = self.rope.cos_sin(batch.positions, batch.max_position)
-        step = cpu_decode.start(batch, h, cos, sin, self.rope.cfg)
+        step = cpu_decode.start(batch, embed, cos, sin, self.rope.cfg)
+        head = self.decode_head() if step is not None else None
+        h = head.embed(step, batch.token_ids) if head is not None and step is not None else None
+        if h is None:
+            h = embed.index_select(0, batch.token_ids).float()
         for layer in self._decoder_layers:
             plan = layer.decode_plan() if step is not None else None
             if plan is not None and step is not None:
@@ -112,8 +125,8 @@ class CausalLM(nn.Module):
             else:
                 h = layer(h, batch, self.rope, cos, sin)
         x = None
-        if step is not None:
-            x = cpu_decode.final_norm(step, h, self.norm, batch.logits_rows.shape[0])
+        if head is not None and step is not None:
+            x = head.final_norm(step, h, batch.logits_rows.shape[0])
         if x is None:
             x = self.norm(h[batch.logits_rows])
         return self.lm_head(x)

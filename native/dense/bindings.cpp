@@ -193,6 +193,18 @@ PYBIND11_MODULE(ftdense, m) {
       "k, v [n, width] fp32 (v 0: K alone) -> pool rows slots [n] int64 of k_pool / v_pool "
       "(bf16 or fp32; decode_step.h).");
   m.def(
+      "embed_rows",
+      [](uintptr_t w, bool bf16, int64_t vocab, int64_t dim, uintptr_t ids, int64_t n,
+         uintptr_t y) {
+        if (vocab < 1 || dim < 1 || n < 0) throw py::value_error("bad embedding shape");
+        ftdense::embed_rows(reinterpret_cast<const void*>(w), bf16, vocab, dim,
+                            reinterpret_cast<const int64_t*>(ids), n, reinterpret_cast<float*>(y));
+      },
+      py::arg("w"), py::arg("bf16"), py::arg("vocab"), py::arg("dim"), py::arg("ids"),
+      py::arg("n"), py::arg("y"),
+      "y [n, dim] fp32 = rows ids [n] int64 of w [vocab, dim] (bf16 or fp32 addresses; "
+      "decode_step.h; IndexError for an id outside the vocabulary).");
+  m.def(
       "argmax_rows",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t out) {
         if (V < 1) throw py::value_error("V must be >= 1");

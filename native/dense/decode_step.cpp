@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -14,6 +16,26 @@ namespace ftdense {
 
 void add_rows(float* h, const float* delta, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] += delta[i];
+}
+
+void embed_rows(const void* w, bool bf16, int64_t vocab, int64_t dim, const int64_t* ids,
+                int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= vocab)
+      throw std::out_of_range("token id " + std::to_string(ids[i]) + " is outside the vocabulary (" +
+                              std::to_string(vocab) + " ids)");
+  for (int64_t i = 0; i < n; ++i) {
+    float* out = y + i * dim;
+    if (!bf16) {
+      std::memcpy(out, static_cast<const float*>(w) + ids[i] * dim, sizeof(float) * dim);
+      continue;
+    }
+    const uint16_t* row = static_cast<const uint16_t*>(w) + ids[i] * dim;
+    for (int64_t j = 0; j < dim; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(row[j]) << 16;
+      std::memcpy(out + j, &bits, sizeof(float));
+    }
+  }
 }
 
 void add_rms_norm(float* h, const float* delta, int64_t rows, int dim, const float* scale,

@@ -26,6 +26,12 @@ void route_topk(const float* logits, int64_t T, int E, int k, bool softmax_first
 void kv_store(const float* k, const float* v, int64_t n, int64_t width, const int64_t* slots,
               void* k_pool, void* v_pool, bool bf16);
 
+// y [n, dim] fp32 = rows ids [n] of the embedding w [vocab, dim] (bf16, widened exactly, or fp32),
+// as torch's index_select then float(): a decode step's first op. Throws std::out_of_range for an
+// id outside [0, vocab) before writing anything.
+void embed_rows(const void* w, bool bf16, int64_t vocab, int64_t dim, const int64_t* ids,
+                int64_t n, float* y);
+
 // out[b] = the index of the largest of logits [B, V] row b (the first of equal ones; the first
 // NaN where a row has one), as torch.argmax: greedy sampling's one op over the vocabulary.
 void argmax_rows(const float* logits, int64_t B, int64_t V, int64_t* out);

@@ -281,23 +281,65 @@ def _step_buffers(t: int) -> dict[tuple[str, int, torch.dtype], Tensor]:
     return bufs
 
 
-def final_norm(step: DecodeStep, h: Tensor, norm: RMSNorm, rows: int) -> Tensor | None:
-    """The model's last norm on a fast-path step when every row's logits are wanted, as one
-    native call into a step buffer: no gather of the rows, no module call. ``rows``: how many
-    logits rows the batch wants; each chunk of a decode step is one row and wants at most its
-    own, in order, so ``rows == t`` means all of them. In the decode benchmark's model (Q4_K_M
-    file, caches cold after the weight streams) the gather took 36-73 us and the module's norm
-    71 us a step, this call 57 us (medians). None where it does not apply: the caller gathers
-    and calls the module."""
-    if rows != step.t or type(norm) is not RMSNorm or not h.is_contiguous():
-        return None
-    scale = norm._fp32_scale()
-    if scale.device.type != "cpu":
-        return None
-    d = scale.shape[0]
-    y = step.tensor("final", d)
-    dense_native._native.rms_norm(h.data_ptr(), step.t, d, scale.data_ptr(), norm.eps, y.data_ptr())
-    return y
+class HeadPlan:
+    """The model's two ends on fast-path steps: the embedding gather (one native call into a step
+    buffer, no index_select and float()) and the last norm (one native call with its fp32 scale
+    taken once, not looked up in the norm's cache a step: that lookup alone measured 26 us a step
+    with caches cold after the weight streams, the gather 62-74 us, in the decode benchmark's
+    model, Q4_K_M file). Like `LayerPlan`, it holds the tensors behind its addresses; `matches`
+    says whether the model still has them (a module moved between devices gets new ones)."""
+
+    def __init__(self, embed: Tensor, norm: RMSNorm) -> None:
+        self.embed_w, self.norm_w = embed, getattr(norm, "weight", None)
+        self.embed_ok = (
+            embed.device.type == "cpu"
+            and embed.dim() == 2
+            and embed.dtype in (torch.bfloat16, torch.float32)
+            and embed.is_contiguous()
+        )
+        self.vocab, self.dim = int(embed.shape[0]), int(embed.shape[-1])
+        self.embed_ptr = embed.data_ptr() if self.embed_ok else 0
+        self.bf16 = embed.dtype == torch.bfloat16
+        scale = norm._fp32_scale() if type(norm) is RMSNorm else None
+        self.scale = scale if scale is not None and scale.device.type == "cpu" else None
+        self.scale_ptr = self.scale.data_ptr() if self.scale is not None else 0
+        self.eps = float(getattr(norm, "eps", 0.0))
+
+    def matches(self, embed: Tensor, norm: RMSNorm) -> bool:
+        return embed is self.embed_w and getattr(norm, "weight", None) is self.norm_w
+
+    def embed(self, step: DecodeStep, token_ids: Tensor) -> Tensor | None:
+        """The step's rows of the embedding as fp32 [t, hidden] (a step buffer: the layers update
+        it in place, nothing reads it after the step), or None where the gather does not apply
+        (the caller indexes the weight)."""
+        if (
+            not self.embed_ok
+            or token_ids.dtype != torch.int64
+            or token_ids.device.type != "cpu"
+            or not token_ids.is_contiguous()
+            or token_ids.shape[0] != step.t
+        ):
+            return None
+        h = step.tensor("h", self.dim)
+        dense_native._native.embed_rows(
+            self.embed_ptr, self.bf16, self.vocab, self.dim, token_ids.data_ptr(), step.t,
+            h.data_ptr(),
+        )  # fmt: skip
+        return h
+
+    def final_norm(self, step: DecodeStep, h: Tensor, rows: int) -> Tensor | None:
+        """The model's last norm when every row's logits are wanted, as one native call into a
+        step buffer: no gather of the rows, no module call. ``rows``: how many logits rows the
+        batch wants; each chunk of a decode step is one row and wants at most its own, in order,
+        so ``rows == t`` means all of them. None where it does not apply: the caller gathers and
+        calls the module."""
+        if rows != step.t or self.scale is None or not h.is_contiguous():
+            return None
+        y = step.tensor("final", self.dim)
+        dense_native._native.rms_norm(
+            h.data_ptr(), step.t, self.dim, self.scale_ptr, self.eps, y.data_ptr()
+        )
+        return y
 
 
 _enabled = [True]
@@ -311,10 +353,11 @@ def set_enabled(on: bool) -> bool:
 
 
 def start(
-    batch: ForwardBatch, h: Tensor, cos: Tensor, sin: Tensor, rope_cfg: RopeConfig
+    batch: ForwardBatch, embed: Tensor, cos: Tensor, sin: Tensor, rope_cfg: RopeConfig
 ) -> DecodeStep | None:
     """A `DecodeStep` when this forward is a decode step the fast path can run: every chunk one
-    row, the residual stream, KV pool and MoE executor on the CPU with native kernels on."""
+    row, the residual stream (where the embedding ``embed`` is: the model's fp32 rows of it), KV
+    pool and MoE executor on the CPU with native kernels on."""
     from ...experts.backend import CpuBackend
 
     if (
@@ -324,11 +367,7 @@ def start(
         or not qlinear_native.available()
     ):
         return None
-    if (
-        h.device.type != "cpu"
-        or h.dtype != torch.float32
-        or not all(ch.length == 1 for ch in batch.chunks)
-    ):
+    if embed.device.type != "cpu" or not all(ch.length == 1 for ch in batch.chunks):
         return None
     moe = batch.moe
     if type(moe) is not CpuBackend or not hasattr(moe.executor, "forward_addresses"):
