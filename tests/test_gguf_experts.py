@@ -105,6 +105,32 @@ def test_native_matches_the_block_reference_on_every_isa(fmt: str, act: str, t: 
         assert (block_moe_reference(x, ids, w, nob, spec) - ref).abs().max() > 10e-3 * scale
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k/q6_k", "mxfp4/mxfp4", "q8_0"])
+def test_one_token_stream_modes_agree(fmt: str) -> None:
+    """The block MoE reads a token's experts either way row_tasks.h allows (two interleaved
+    groups side by side with requests ahead, or one group a call with none): the same floats."""
+    from freetokend.models.layers import dense_native
+
+    spec, _ = ACTS["silu"]
+    banks = _banks(fmt, False)
+    x, ids, w = _routes(1, seed=9)
+    ref = block_moe_reference(x, ids, w, banks, spec)
+    nat = dense_native._native
+    try:
+        outs = {}
+        for mode in ("pair", "single"):
+            assert nat.x8_streams(mode) == mode
+            for isa in ISAS:
+                ex = BlockExecutor(banks, spec, isa, interleave=True)
+                outs[mode, isa] = ex.forward(x, ids, w)
+    finally:
+        nat.x8_streams("auto")
+    for isa in ISAS:
+        assert torch.equal(outs["pair", isa], outs["single", isa]), isa
+        err = (outs["single", isa] - ref).abs().max().item()
+        assert err <= 1e-3 * ref.abs().max().item(), isa
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("t", [1, 2, 5])
 def test_task_sizes_follow_the_pool_and_cover_partial_blocks(threads: int, t: int) -> None:

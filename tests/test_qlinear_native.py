@@ -249,6 +249,38 @@ def test_interleaved_rows_match_the_reference(isa: str, fmt: str, t: int, rows: 
     assert not torch.allclose(ql.qlinear(x, misread, isa=isa), got, atol=0.1)
 
 
+@pytest.fixture
+def x8_streams() -> Iterator[None]:
+    """Puts the one-token read mode of interleaved weights back to "auto" after a test."""
+    yield
+    dense_native._native.x8_streams("auto")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", sorted(gi.INTERLEAVED_CODES))
+def test_one_token_stream_modes_agree(isa: str, fmt: str, x8_streams: None) -> None:
+    """The two ways one token reads interleaved rows (row_tasks.h: two groups side by side with
+    requests, where the ISA has pair kernels, or one group a call with none) give the same
+    floats; "auto" picks single on AMD CPUs, pair elsewhere."""
+    _need(isa)
+    nat = dense_native._native
+    x, w = _case(1, 2053, 768, fmt, seed=5)
+    assert nat.x8_streams("pair") == "pair"
+    pair = ql.qlinear(x, w, isa=isa)
+    assert nat.x8_streams("single") == "single"
+    single = ql.qlinear(x, w, isa=isa)
+    assert torch.equal(pair, single)
+    torch.testing.assert_close(single, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    assert nat.x8_streams("") == "single"  # "" reads the mode
+    vendor = next(
+        (ln.split(":")[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("vendor_id")),
+        "",
+    )
+    assert nat.x8_streams("auto") == ("single" if vendor == "AuthenticAMD" else "pair")
+    with pytest.raises(ValueError, match="auto, pair or single"):
+        nat.x8_streams("triple")
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("t", [1, 4, 6])
 def test_interleaved_mxfp4_any_block_count_and_every_scale(isa: str, t: int) -> None:

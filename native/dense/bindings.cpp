@@ -19,6 +19,7 @@
 #include "qmoe.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "row_tasks.h"
 
 namespace py = pybind11;
 
@@ -286,6 +287,20 @@ PYBIND11_MODULE(ftdense, m) {
       "x [T,K] fp32 address; for each i: w[i] [N[i],K] bf16|fp32, y[i] [T,N[i]] fp32 addresses.");
   m.def("set_fp16_act_scales", &ftdense::set_fp16_act_scales, py::arg("on"),
         "Round 32-input activation scales to fp16, as llama.cpp's Q8_0 (qdot.h; process-wide).");
+  m.def(
+      "x8_streams",
+      [](const std::string& mode) {
+        if (mode == "auto") ftdense::set_x8_streams(ftdense::X8Streams::kAuto);
+        else if (mode == "pair") ftdense::set_x8_streams(ftdense::X8Streams::kPair);
+        else if (mode == "single") ftdense::set_x8_streams(ftdense::X8Streams::kSingle);
+        else if (!mode.empty())
+          throw py::value_error("x8_streams: mode must be auto, pair or single (or empty)");
+        return std::string(ftdense::x8_single_stream() ? "single" : "pair");
+      },
+      py::arg("mode") = "",
+      "How one-token calls read interleaved GGUF weights (row_tasks.h): 'single' (one group a "
+      "call, no software requests), 'pair' (two groups side by side, requested ahead) or "
+      "'auto' (single on AMD CPUs); '' changes nothing. Returns the mode in force.");
   m.def("qdot_isas", &ftdense::qdot_isas, "Integer-dot ISA paths this CPU runs, best first.");
   m.def("qdot_isa", [] {
     std::lock_guard<std::mutex> lock(state().mu);

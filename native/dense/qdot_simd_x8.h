@@ -149,6 +149,8 @@ __attribute__((target(QDOT_TARGET))) void group_simd(const uint8_t* w, int K, co
 // core's full rate); two streams measured 1.13x that for Q4_K on 1 thread, and decode of the
 // Q4_K_M benchmark file (2 threads) went from 15.9 to 14.1 ms/token, its Q6_K lm_head from 5.0
 // to 4.1 ms. Two groups' accumulators need the 32 vector registers of AVX-512 (the VNNI set).
+// The callers take it in the pair mode only (row_tasks.h's X8Streams: not on AMD CPUs by default,
+// where one group a call with no requests read faster).
 template <class Kernel>
 __attribute__((target(QDOT_TARGET))) void pair_simd(const uint8_t* w, int K, const int8_t* q,
                                                     const float* d, const int16_t* s, int n,

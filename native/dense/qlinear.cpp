@@ -1,8 +1,13 @@
 #include "qlinear.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
+
+#ifndef FTNATIVE_NO_X86
+#include <cpuid.h>
+#endif
 
 #include "qdot_common.h"
 #include "qdot_x8_layout.h"
@@ -12,6 +17,23 @@
 namespace ftdense {
 
 namespace {
+
+std::atomic<int> g_x8_streams{static_cast<int>(X8Streams::kAuto)};
+
+bool amd_cpu() {
+#ifndef FTNATIVE_NO_X86
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  char vendor[13];
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  vendor[12] = 0;
+  return std::strcmp(vendor, "AuthenticAMD") == 0;
+#else
+  return false;
+#endif
+}
 
 // Weight rows per task (row_tasks.h's rule; measured at T = 1, 2 threads, from DRAM, against
 // 64-row tasks in alternated runs on a noisy machine: Q4_K 65536 x 2048 at 21-30 GB/s instead
@@ -78,15 +100,16 @@ void dot_task(void* ctx, int64_t task) {
   const int64_t rb = qrow_bytes(out.type, j.K), na = j.K / kQActBlock;
   const QRowFn fn = j.ks->row[static_cast<int>(out.type)];
   const QRowFn plain = j.ks->row[static_cast<int>(qtype_base(out.type))];
-  const QRowFn pair = pair_kernel(*j.ks, out.type);
+  const bool single = x8_single_stream();  // (row_tasks.h)
+  const QRowFn pair = single ? nullptr : pair_kernel(*j.ks, out.type);
   const int step = qtype_rows(out.type);  // r0 is a multiple of it
   const int grouped = out.N / step * step;  // rows past it are plain rows (qdot.h)
   const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
   const uint8_t* end = out.w + r1 * rb;
-  if (step > 1) prefetch_stream_start<3>(out.w + r0 * rb, end);  // (plain rows: below)
+  if (step > 1 && !single) prefetch_stream_start<3>(out.w + r0 * rb, end);  // (plain: below)
   // the interleaved kernels request nothing past this task's rows (the next task is any
-  // thread's)
-  const X8StreamScope stream(end, nullptr, nullptr);
+  // thread's), nothing at all in the single-stream mode
+  const X8StreamScope stream(end, nullptr, nullptr, single);
   for (int t0 = 0; t0 < j.T; t0 += j.chunk) {
     const int n = std::min(j.chunk, j.T - t0);
     const int8_t* q = a.q.data() + static_cast<int64_t>(t0) * j.K;
@@ -200,6 +223,14 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
   for (const QOutput& o : outs)
     j.first_task.push_back(j.first_task.back() + (o.N + j.rows_per_task - 1) / j.rows_per_task);
   pool.run(dot_task, &j, j.first_task.back());
+}
+
+void set_x8_streams(X8Streams mode) { g_x8_streams.store(static_cast<int>(mode)); }
+
+bool x8_single_stream() {
+  static const bool amd = amd_cpu();
+  const auto mode = static_cast<X8Streams>(g_x8_streams.load(std::memory_order_relaxed));
+  return mode == X8Streams::kSingle || (mode == X8Streams::kAuto && amd);
 }
 
 void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo) {

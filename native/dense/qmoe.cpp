@@ -141,7 +141,9 @@ void plan(Call& c, const int32_t* ids, const float* w) {
 void rows_call(QRowFn fn, QRowFn pair, int step, int rows, const uint8_t* w, int64_t rb, int K,
                QRows& in, int r0, int n, float* y, const uint8_t* next,
                const uint8_t* next_end) {
-  const X8StreamScope stream(w + rows * rb, next, next_end);  // (the interleaved kernels)
+  const bool single = x8_single_stream();  // (row_tasks.h)
+  if (single) pair = nullptr;
+  const X8StreamScope stream(w + rows * rb, next, next_end, single);  // (interleaved kernels)
   if (step == 1 && n == 1 && rows >= kTwoStreamRows) {
     two_streams(rows, w, rb, [&](int r) {
       fn(w + r * rb, K, in.qr(r0), in.dr(r0), in.sr(r0), n, y + r, rows);
@@ -201,8 +203,12 @@ void up_task(void* ctx, int64_t task) {
   float* yu = yg + rows * c.chunk_up;
   const int64_t bias_row = g.fid * 2 * c.I;
   // the streams' first lines: the gate rows' now, the up rows' (read after them) into L2
-  prefetch_stream_start<3>(wg, wg + rows * rb);
-  prefetch_stream_start<2>(wu, wu + rows * rb);
+  // (plain rows always; interleaved ones unless in the single-stream mode, row_tasks.h)
+  const bool request = step == 1 || !x8_single_stream();
+  if (request) {
+    prefetch_stream_start<3>(wg, wg + rows * rb);
+    prefetch_stream_start<2>(wu, wu + rows * rb);
+  }
   for (int t0 = 0; t0 < g.n; t0 += c.chunk_up) {
     const int n = std::min(c.chunk_up, g.n - t0);
     const int r0 = g.begin + t0;
@@ -245,7 +251,13 @@ void down_task(void* ctx, int64_t task) {
     return {first, first + rows * rb};
   };
   const auto [first, end] = stream(c.groups[0]);
-  prefetch_stream_start<3>(first, end);
+  // (plain rows always; interleaved ones unless in the single-stream mode, row_tasks.h)
+  const bool single = x8_single_stream();
+  const auto request = [&](const Group& g) {
+    return !single ||
+           qtype_rows(s.layers[static_cast<size_t>(g.fid / s.layer_experts)].down_type) == 1;
+  };
+  if (request(c.groups[0])) prefetch_stream_start<3>(first, end);
   for (size_t gi = 0; gi < c.groups.size(); ++gi) {
     const Group& g = c.groups[gi];
     const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
@@ -256,7 +268,7 @@ void down_task(void* ctx, int64_t task) {
     const uint8_t* wd = stream(g).first;
     if (gi + 1 < c.groups.size()) {  // the next expert's first lines, into L2 (see up_task)
       const auto [next, next_end] = stream(c.groups[gi + 1]);
-      prefetch_stream_start<2>(next, next_end);
+      if (request(c.groups[gi + 1])) prefetch_stream_start<2>(next, next_end);
     }
     for (int t0 = 0; t0 < g.n; t0 += c.chunk_down) {
       const int n = std::min(c.chunk_down, g.n - t0);

@@ -36,17 +36,20 @@ constexpr int64_t kX8AheadBytes = 32768;
 // reads after this one) while they stay inside it, and nowhere after that, instead of into
 // bytes nobody reads next (another task's rows, an expert not routed). Per thread, set for a
 // span of calls by X8StreamScope; with none set (end null) requests go where they point.
+// ``none``: the kernels request nothing (x8_single_stream below).
 struct X8Stream {
   uintptr_t end = 0, next = 0, next_end = 0;
+  bool none = false;
 };
 inline thread_local X8Stream tl_x8_stream;
 
 class X8StreamScope {
  public:
-  X8StreamScope(const uint8_t* end, const uint8_t* next, const uint8_t* next_end)
+  X8StreamScope(const uint8_t* end, const uint8_t* next, const uint8_t* next_end,
+                bool none = false)
       : saved_(tl_x8_stream) {
     tl_x8_stream = {reinterpret_cast<uintptr_t>(end), reinterpret_cast<uintptr_t>(next),
-                    reinterpret_cast<uintptr_t>(next_end)};
+                    reinterpret_cast<uintptr_t>(next_end), none};
   }
   ~X8StreamScope() { tl_x8_stream = saved_; }
   X8StreamScope(const X8StreamScope&) = delete;
@@ -59,10 +62,26 @@ class X8StreamScope {
 // Where the request for the line at address p goes under stream ``s`` (see X8Stream): p, its
 // place in the next stream, or 0 (no request).
 inline uintptr_t x8_request(const X8Stream& s, uintptr_t p) {
+  if (s.none) return 0;
   if (s.end == 0 || p < s.end) return p;
   const uintptr_t q = s.next + (p - s.end);
   return s.next != 0 && q < s.next_end ? q : 0;
 }
+
+// How the callers read interleaved weights for one token (qlinear.cpp, qmoe.cpp). Single: one
+// group a call, nothing requested by the kernels or their callers, the hardware prefetchers
+// following one sequential stream. Otherwise: two groups side by side (the pair kernels) with
+// the requests above. AMD EPYC (Zen 4) VM, T = 1 from DRAM, the modes alternated in one process
+// over 400 MB of weights (K = 2048), single over pair, 2 threads: Q4_K 1.08-1.10x, Q6_K
+// 1.16-1.17x, Q8_0 1.07-1.10x, MXFP4 1.12x; 1 thread: Q4_K 1.34x, Q6_K 1.40x (pair without the
+// requests: 0.55-0.82x, single with them: 1.00-1.25x); decode of the benchmark's GGUF files,
+// alternated per 48 tokens, same tokens: Q4_K_M 1.09x, Q5_K_M 1.08x, Q8_0 1.06x, MXFP4 1.05x.
+// Pairs were measured 1.13x over single groups (both with requests, 1 thread) on a Sapphire
+// Rapids VM, where one core read one stream at about 10 GB/s. So "auto" takes single on AMD
+// CPUs and pairs elsewhere; set_x8_streams chooses (ftdense.x8_streams).
+enum class X8Streams { kAuto, kPair, kSingle };
+void set_x8_streams(X8Streams mode);
+bool x8_single_stream();  // the mode in force ("auto" resolved by the CPU's vendor)
 
 // The line at p of a weight stream, requested ahead into L2 (kStreamAheadBytes says why).
 inline void prefetch_ahead(const void* p) { __builtin_prefetch(p, 0, 2); }

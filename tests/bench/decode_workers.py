@@ -158,6 +158,10 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
     )
     out["isa"] = getattr(getattr(llm.moe, "executor", None), "isa", "torch")
     out["isa"] = f"{out['isa']}, dense {llm.cpu_isa}"
+    if a.get("load_gguf"):  # how one token reads the interleaved GGUF rows (row_tasks.h)
+        from freetokend.models.layers import dense_native
+
+        out["isa"] = f"{out['isa']}, x8 {dense_native._native.x8_streams()}"
     if a.get("quantize"):  # the dense layers' integer-dot path
         from freetokend.models.layers import qlinear_native
 
