@@ -22,8 +22,8 @@ void embed_rows(const void* w, bool bf16, int64_t vocab, int64_t dim, const int6
                 int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i)
     if (ids[i] < 0 || ids[i] >= vocab)
-      throw std::out_of_range("token id " + std::to_string(ids[i]) + " is outside the vocabulary (" +
-                              std::to_string(vocab) + " ids)");
+      throw std::out_of_range("token id " + std::to_string(ids[i]) +
+                              " is outside the vocabulary (" + std::to_string(vocab) + " ids)");
   for (int64_t i = 0; i < n; ++i) {
     float* out = y + i * dim;
     if (!bf16) {

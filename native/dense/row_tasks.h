@@ -76,6 +76,8 @@ inline uintptr_t x8_request(const X8Stream& s, uintptr_t p) {
 // 1.16-1.17x, Q8_0 1.07-1.10x, MXFP4 1.12x; 1 thread: Q4_K 1.34x, Q6_K 1.40x (pair without the
 // requests: 0.55-0.82x, single with them: 1.00-1.25x); decode of the benchmark's GGUF files,
 // alternated per 48 tokens, same tokens: Q4_K_M 1.09x, Q5_K_M 1.08x, Q8_0 1.06x, MXFP4 1.05x.
+// The AVX2 kernels (no pair kernels: the requests alone) on the same VM, 2 threads: Q4_K 1.05x,
+// Q6_K 1.08x without them.
 // Pairs were measured 1.13x over single groups (both with requests, 1 thread) on a Sapphire
 // Rapids VM, where one core read one stream at about 10 GB/s. So "auto" takes single on AMD
 // CPUs and pairs elsewhere; set_x8_streams chooses (ftdense.x8_streams).
