@@ -106,7 +106,8 @@ void dot_task(void* ctx, int64_t task) {
   const int grouped = out.N / step * step;  // rows past it are plain rows (qdot.h)
   const Acts& a = act_group(out.type) == kQActBlock ? j.a32 : j.a256;
   const uint8_t* end = out.w + r1 * rb;
-  if (step > 1 && !single) prefetch_stream_start<3>(out.w + r0 * rb, end);  // (plain: below)
+  if (step > 1 && starts_stream(step))  // (plain rows: below)
+    prefetch_stream_start<3>(out.w + r0 * rb, end);
   // the interleaved kernels request nothing past this task's rows (the next task is any
   // thread's), nothing at all in the single-stream mode
   const X8StreamScope stream(end, nullptr, nullptr, single);

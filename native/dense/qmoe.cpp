@@ -203,9 +203,7 @@ void up_task(void* ctx, int64_t task) {
   float* yu = yg + rows * c.chunk_up;
   const int64_t bias_row = g.fid * 2 * c.I;
   // the streams' first lines: the gate rows' now, the up rows' (read after them) into L2
-  // (plain rows always; interleaved ones unless in the single-stream mode, row_tasks.h)
-  const bool request = step == 1 || !x8_single_stream();
-  if (request) {
+  if (starts_stream(step)) {
     prefetch_stream_start<3>(wg, wg + rows * rb);
     prefetch_stream_start<2>(wu, wu + rows * rb);
   }
@@ -251,11 +249,9 @@ void down_task(void* ctx, int64_t task) {
     return {first, first + rows * rb};
   };
   const auto [first, end] = stream(c.groups[0]);
-  // (plain rows always; interleaved ones unless in the single-stream mode, row_tasks.h)
-  const bool single = x8_single_stream();
   const auto request = [&](const Group& g) {
-    return !single ||
-           qtype_rows(s.layers[static_cast<size_t>(g.fid / s.layer_experts)].down_type) == 1;
+    const QMoeLayer& L = s.layers[static_cast<size_t>(g.fid / s.layer_experts)];
+    return starts_stream(qtype_rows(L.down_type));
   };
   if (request(c.groups[0])) prefetch_stream_start<3>(first, end);
   for (size_t gi = 0; gi < c.groups.size(); ++gi) {

@@ -85,6 +85,12 @@ enum class X8Streams { kAuto, kPair, kSingle };
 void set_x8_streams(X8Streams mode);
 bool x8_single_stream();  // the mode in force ("auto" resolved by the CPU's vendor)
 
+// Whether a caller starts a weight stream of rows read ``rows_per_call`` a kernel call with
+// prefetch_stream_start (below): plain rows (1) always, interleaved ones (8) unless single.
+inline bool starts_stream(int rows_per_call) {
+  return rows_per_call == 1 || !x8_single_stream();
+}
+
 // The line at p of a weight stream, requested ahead into L2 (kStreamAheadBytes says why).
 inline void prefetch_ahead(const void* p) { __builtin_prefetch(p, 0, 2); }
 

@@ -4,6 +4,7 @@ with the (ours, peer) comparisons: speed ratios, greedy tokens and logits on the
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -27,8 +28,6 @@ class Report:
 
     @property
     def read_bytes_s(self) -> float:
-        import statistics
-
         return statistics.median(self.read_rounds)
 
     @property
@@ -42,8 +41,6 @@ class Report:
         """The median over the row's rounds of its decode speed against the read bandwidth
         measured in the same round (the row's median speed against the median bandwidth when
         it does not say its rounds)."""
-        import statistics
-
         by_round = _rounds(r, "decode")
         if not by_round or any(i >= len(self.read_rounds) for i in by_round):
             return (r.decode_tok_s or 0.0) * self._bytes(r) / self.read_bytes_s
@@ -138,8 +135,6 @@ def paired_ratios(ours: Row, peer: Row) -> str:
     ran, and their median; "" when fewer than two rounds pair up. The ratio of the two medians
     can pair one engine's slow spell with the other's fast one; a round's two runs are minutes
     apart."""
-    import statistics
-
     a, b = _rounds(ours, "decode"), _rounds(peer, "decode")
     both = sorted(set(a) & set(b))
     if len(both) < 2:
@@ -153,7 +148,6 @@ def median_row(rows: list[Row]) -> Row:
     """Median decode and median prefill over an engine's rounds (its notes from the first);
     extra's ``decode_rounds`` and ``prefill_rounds`` keep each round's figure by the round
     number its row carried in extra["round"] (its place in ``rows`` when none)."""
-    import statistics
 
     def round_of(r: Row, i: int) -> int:
         got = r.extra.get("round", i)
