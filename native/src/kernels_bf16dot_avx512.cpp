@@ -77,6 +77,27 @@ FT_TARGET void gemv_rows(const uint16_t* w, int64_t ldw, int rows, int k,
   for (int r = r0; r < rows; ++r) gemv_block<1, TT>(w + r * ldw, ldw, k, xs, y + r, ldy, 1);
 }
 
+// One token, rows in order: one sequential stream; two sums per row so the dot chain is not
+// latency-bound when the row comes from cache.
+FT_TARGET void gemv_seq(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* x,
+                        float* y) {
+  const int k64 = k - k % 64, k32 = k - k % 32;
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* wr = w + r * ldw;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int i = 0; i < k64; i += 64) {
+      a0 = dp(a0, _mm512_loadu_si512(wr + i), _mm512_loadu_si512(x + i));
+      a1 = dp(a1, _mm512_loadu_si512(wr + i + 32), _mm512_loadu_si512(x + i + 32));
+    }
+    if (k64 < k32) a0 = dp(a0, _mm512_loadu_si512(wr + k64), _mm512_loadu_si512(x + k64));
+    if (k32 < k) {
+      const __mmask32 m = static_cast<__mmask32>((1ull << (k - k32)) - 1);
+      a1 = dp(a1, _mm512_maskz_loadu_epi16(m, wr + k32), _mm512_maskz_loadu_epi16(m, x + k32));
+    }
+    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+}
+
 FT_TARGET void gemv(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* const* xs,
                     int n, float* y, int ldy) {
   // Up to 4 tokens share each weight load (16 accumulators); a lone token takes 8 rows at once.
@@ -159,6 +180,6 @@ FT_TARGET void tile(const uint16_t* w, int64_t ldw, int rows, int k, const uint1
 
 }  // namespace
 
-const Bf16DotSet kAvx512Bf16Dot = {"avx512bf16", gemv, tile};
+const Bf16DotSet kAvx512Bf16Dot = {"avx512bf16", gemv, tile, gemv_seq};
 
 }  // namespace ftnative
