@@ -135,8 +135,10 @@ def test_one_token_stream_modes_agree(fmt: str) -> None:
 @pytest.mark.parametrize("t", [1, 2, 5])
 def test_task_sizes_follow_the_pool_and_cover_partial_blocks(threads: int, t: int) -> None:
     """Rows per task follow the pool's size (qmoe.cpp's kUpRows / kDownRows: the largest that
-    leaves 4 tasks a thread), so 1 to 8 threads cut the rows differently; an intermediate size
-    of 160 leaves a partial last up block at 128 (and 64, 32) rows. Every cut sums the same."""
+    leaves 4 tasks a thread; at 1 or 2 tokens the decode lists, 2 a thread, from 384 / 512 rows
+    down), so 1 to 8 threads cut the rows differently; an intermediate size of 160 leaves a
+    partial last up block at 128 (and 64, 32) rows, or one block shorter than 384 or 256 rows.
+    Every cut sums the same."""
     from freetokend.models.layers import dense_native
 
     g = torch.Generator().manual_seed(21)
