@@ -10,6 +10,7 @@
 #include <emmintrin.h>
 #endif
 
+#include "kernels_bf16dot.h"
 #include "rms_norm.h"
 
 namespace ftdense {
@@ -31,10 +32,7 @@ void embed_rows(const void* w, bool bf16, int64_t vocab, int64_t dim, const int6
       continue;
     }
     const uint16_t* row = static_cast<const uint16_t*>(w) + ids[i] * dim;
-    for (int64_t j = 0; j < dim; ++j) {
-      const uint32_t bits = static_cast<uint32_t>(row[j]) << 16;
-      std::memcpy(out + j, &bits, sizeof(float));
-    }
+    for (int64_t j = 0; j < dim; ++j) out[j] = ftnative::bf16_to_f32(row[j]);
   }
 }
 

@@ -1,5 +1,6 @@
 #include "qmoe.h"
 
+#include "kernels_bf16dot.h"
 #include "row_tasks.h"
 
 #include <algorithm>
@@ -15,6 +16,8 @@
 namespace ftdense {
 
 namespace {
+
+using ftnative::bf16_to_f32;
 
 // Rows per task (row_tasks.h's rule): up tasks take rows of I (gate and up rows each), down
 // tasks rows of H. Measured at T = 1 on 2 threads (Qwen3-30B-A3B geometry, Q4_K_M experts from
@@ -75,13 +78,6 @@ struct Call {
   int chunk_up = 1, chunk_down = 1;  // tokens per chunk
   int up_rows = 32, down_rows = 64;  // rows per task (kUpRows, kDownRows)
 };
-
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 inline float bias_at(const QMoeSpec& s, const void* base, int64_t i) {
   if (!base) return 0.f;

@@ -49,6 +49,14 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(b >> 16);
 }
 
+// bf16 bits -> fp32, exactly (the 16 bits above 16 zero bits).
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = to_bf16(x[i]);
 }

@@ -1,18 +1,10 @@
 // Plain C++ bf16-dot kernels (kernels_bf16dot.h): the vdpbf16ps contracts without the
 // instruction, so the executor's and the dense path's bf16 layouts run in tests on any CPU.
-#include <cstring>
 
 #include "kernels_bf16dot.h"
 
 namespace ftnative {
 namespace {
-
-inline float f32(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 void gemv(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* const* xs, int n,
           float* y, int ldy) {
@@ -20,7 +12,7 @@ void gemv(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* const
     for (int r = 0; r < rows; ++r) {
       const uint16_t* wr = w + r * ldw;
       float acc = 0.f;
-      for (int i = 0; i < k; ++i) acc += f32(wr[i]) * f32(xs[s][i]);
+      for (int i = 0; i < k; ++i) acc += bf16_to_f32(wr[i]) * bf16_to_f32(xs[s][i]);
       y[static_cast<int64_t>(s) * ldy + r] = acc;
     }
 }
@@ -36,7 +28,8 @@ void tile(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* xp, i
       for (int lane = 0; lane < kTileLanes; ++lane) {
         float acc = 0.f;
         for (int i = 0; i < k; ++i)
-          acc += f32(w[r * ldw + i]) * f32(xp[b * block + pair_panel_index(i, lane)]);
+          acc += bf16_to_f32(w[r * ldw + i]) *
+                 bf16_to_f32(xp[b * block + pair_panel_index(i, lane)]);
         y[(static_cast<int64_t>(b) * rows + r) * kTileLanes + lane] = acc;
       }
 }
