@@ -222,6 +222,46 @@ def test_logprobs(openai_client, daemon):
         assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)
 
 
+def test_logprobs_name_tokens_by_id_when_asked(openai_client, daemon):
+    """vLLM's return_tokens_as_token_ids: "token_id:<id>" names, so byte tokens (all U+FFFD as
+    text) keep one top_logprobs entry each; the values and the text stay as without it."""
+    body = {"model": daemon.model, "prompt": [40, 41, 42], "max_tokens": 8, "temperature": 0}
+    body |= {"ignore_eos": True, "logprobs": 5}
+    _, plain = daemon.post("/v1/completions", body)
+    _, named = daemon.post("/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    a, b = plain["choices"][0], named["choices"][0]
+    assert a["text"] == b["text"]
+    lp = b["logprobs"]
+    assert lp["token_logprobs"] == a["logprobs"]["token_logprobs"]
+    assert lp["text_offset"] == a["logprobs"]["text_offset"]
+    for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert tok.startswith("token_id:") and int(tok.removeprefix("token_id:")) >= 0
+        assert len(top) == 5 and all(k.startswith("token_id:") for k in top)
+        assert top[tok] == value == max(top.values())  # greedy: the chosen one leads
+    stream = openai_client.completions.create(
+        model=daemon.model,
+        prompt=[40, 41, 42],
+        max_tokens=8,
+        temperature=0,
+        logprobs=5,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    streamed = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert streamed == lp["tokens"]
+    chat = {"model": daemon.model, "messages": HELLO, "max_tokens": 4, "temperature": 0}
+    chat |= {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    _, c = daemon.post("/v1/chat/completions", chat)
+    for e in c["choices"][0]["logprobs"]["content"]:
+        assert e["token"].startswith("token_id:")
+        assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
+
+
 def test_completions_text_and_token_ids(openai_client, daemon):
     r = openai_client.completions.create(
         model=daemon.model, prompt="Hello the", max_tokens=5, temperature=0

@@ -18,7 +18,7 @@ from ..schemas.openai import CompletionRequest
 from ..service import ModelService
 from ..state import server_state
 from .common import decode_body, new_id, respond
-from .openai_chat_out import usage_dict
+from .openai_chat_out import token_name, usage_dict
 
 
 def prompt_of(body: CompletionRequest, svc: ModelService) -> str | list[int]:
@@ -86,22 +86,29 @@ def sampling_of(body: CompletionRequest) -> Sampling:
     )
 
 
-def legacy_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def legacy_logprobs(lps: list[TokenLogprob], offset: int, as_ids: bool) -> dict[str, Any]:
+    """The Completions API's logprobs: its top_logprobs map a token's name to its logprob, so
+    tokens of the same text share one entry unless ``as_ids`` names them by id."""
     offsets, pos = [], offset
     for lp in lps:
         offsets.append(pos)
         pos += len(lp.text)
     return {
-        "tokens": [lp.text for lp in lps],
+        "tokens": [token_name(lp.token_id, lp.text, as_ids) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{text: value for _, text, value in lp.top} for lp in lps],
+        "top_logprobs": [
+            {token_name(tid, text, as_ids): value for tid, text, value in lp.top} for lp in lps
+        ],
         "text_offset": offsets,
     }
 
 
 class CompletionOutput:
-    def __init__(self, gen: Generation, model: str, echo: str, include_usage: bool) -> None:
+    def __init__(
+        self, gen: Generation, model: str, echo: str, include_usage: bool, as_ids: bool = False
+    ) -> None:
         self.gen, self.model, self.echo, self.include_usage = gen, model, echo, include_usage
+        self.as_ids = as_ids
         self.id = new_id("cmpl-")
 
     def _obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -122,7 +129,7 @@ class CompletionOutput:
         choice = {
             "index": 0,
             "text": self.echo + text,
-            "logprobs": legacy_logprobs(lps, len(self.echo)) if lps else None,
+            "logprobs": legacy_logprobs(lps, len(self.echo), self.as_ids) if lps else None,
             "finish_reason": self._reason(),
         }
         return self._obj([choice], usage=usage_dict(self.gen.usage))
@@ -138,7 +145,9 @@ class CompletionOutput:
             offset = len(self.echo)
         try:
             async for chunk in self.gen.chunks():
-                lp = legacy_logprobs(chunk.logprobs, offset) if chunk.logprobs else None
+                lp = (
+                    legacy_logprobs(chunk.logprobs, offset, self.as_ids) if chunk.logprobs else None
+                )
                 offset += len(chunk.text)
                 choice = {"index": 0, "text": chunk.text, "logprobs": lp, "finish_reason": None}
                 yield sse.data(self._obj([choice]))
@@ -170,6 +179,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
         ids, text = await asyncio.to_thread(prompt_ids, prompt, svc)
     gen = await svc.start_ids(ids, sampling)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    out = CompletionOutput(gen, svc.name, text if body.echo else "", include_usage)
+    echo = text if body.echo else ""
+    out = CompletionOutput(gen, svc.name, echo, include_usage, body.return_tokens_as_token_ids)
 
     return await respond(request, "completions", gen, out, started, body.stream)

@@ -154,7 +154,10 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     req = to_chat_request(body)
     gen, _ = await svc.start_chat(req)
     out = ChatOutput(
-        gen, svc.name, include_usage=bool(body.stream_options and body.stream_options.include_usage)
+        gen,
+        svc.name,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        as_ids=body.return_tokens_as_token_ids,
     )
 
     return await respond(request, "chat", gen, out, started, body.stream)

@@ -21,12 +21,19 @@ def usage_dict(u: Usage) -> dict[str, Any]:
     }
 
 
-def logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
-    def one(text: str, value: float) -> dict[str, Any]:
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+def token_name(token_id: int, text: str, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or "token_id:<id>" when the request set vLLM's
+    ``return_tokens_as_token_ids``."""
+    return f"token_id:{token_id}" if as_ids else text
 
-    entry = one(lp.text, lp.logprob)
-    entry["top_logprobs"] = [one(text, value) for _, text, value in lp.top]
+
+def logprob_entry(lp: TokenLogprob, as_ids: bool = False) -> dict[str, Any]:
+    def one(tid: int, text: str, value: float) -> dict[str, Any]:
+        name = token_name(tid, text, as_ids)
+        return {"token": name, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    entry = one(lp.token_id, lp.text, lp.logprob)
+    entry["top_logprobs"] = [one(tid, text, value) for tid, text, value in lp.top]
     return entry
 
 
@@ -38,8 +45,11 @@ def finish_reason(gen: Generation, called_tools: bool) -> str:
 
 
 class ChatOutput:
-    def __init__(self, gen: Generation, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, gen: Generation, model: str, include_usage: bool, as_ids: bool = False
+    ) -> None:
         self.gen = gen
+        self.as_ids = as_ids
         self.model = model
         self.include_usage = include_usage
         self.id = new_id("chatcmpl-")
@@ -69,7 +79,7 @@ class ChatOutput:
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
-            "logprobs": {"content": [logprob_entry(x) for x in lps]} if lps else None,
+            "logprobs": {"content": [logprob_entry(x, self.as_ids) for x in lps]} if lps else None,
             "finish_reason": finish_reason(self.gen, bool(calls)),
         }
         return {
@@ -112,7 +122,7 @@ class ChatOutput:
         yield self._chunk({"role": "assistant", "content": ""})
         try:
             async for chunk in self.gen.chunks():
-                lps = [logprob_entry(x) for x in chunk.logprobs]
+                lps = [logprob_entry(x, self.as_ids) for x in chunk.logprobs]
                 if not chunk.events and lps:
                     yield self._chunk({}, logprobs={"content": lps})
                 for i, ev in enumerate(chunk.events):

@@ -92,6 +92,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's: logprobs name each token "token_id:<id>" rather than by its text, so tokens whose
+    # text is not unique (byte-level tokens all decode to U+FFFD) stay apart
+    return_tokens_as_token_ids: bool = False
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
