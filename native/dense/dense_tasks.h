@@ -12,7 +12,7 @@
 
 namespace ftdense::tasks {
 
-constexpr int kGemvRows = 256;     // rows per gemv task: 8 streams x 32 rows
+constexpr int kGemvRows = 256;     // rows per gemv task
 constexpr int kTileRowsTask = 64;  // rows per tile task; stay in L2 across chunks
 
 // KS: the kernel set (gemv, tile); X: the prepared input's element; W: what a weight row

@@ -64,11 +64,11 @@ inline void cpu_relax() {
 }
 
 constexpr int kUpRows = 64;  // rows of I per up-phase task (gate and up rows each)
-// The same for a call of the bf16-dot kernels in which every expert takes the gemv (decode): a
-// task's rows are one sequential stream (gemv_seq), and longer streams read faster. Measured on
-// Zen 4, 2 threads, Qwen3-30B-A3B geometry bf16 experts from DRAM, against 64 / 128 rows and
-// gemv's 8 streams: 1.03-1.15x for the MoE call (the larger gains when the machine's read
-// bandwidth was low), 1.00-1.04x for a whole decode step (four paired runs).
+// The same for a call of the bf16-dot kernels in which every expert takes the gemv with one
+// route (decode): a task's rows are one sequential stream (the kernels' one-token gemv), and
+// longer streams read faster. Measured on Zen 4, 2 threads, Qwen3-30B-A3B geometry bf16 experts
+// from DRAM, against 64 / 128 rows read as 8 streams: 1.03-1.15x for the MoE call (the larger
+// gains when the machine's read bandwidth was low), 1.00-1.04x for a whole decode step.
 constexpr int kUpRowsSeq = 256;
 
 }  // namespace
@@ -173,9 +173,7 @@ void Executor::proj_gemv(Proj p, int64_t fid, int r0, int rows, const float* con
 void Executor::proj_gemv(Proj p, int64_t fid, int r0, int rows, const uint16_t* const* xs,
                          int n, float* y, int ldy) const {
   const int k = geom(p).k;
-  const auto* w = reinterpret_cast<const uint16_t*>(wrows(p, fid, r0));
-  if (n == 1) bkern_->gemv_seq(w, k, rows, k, xs[0], y);  // y[r]: ldy does not matter
-  else bkern_->gemv(w, k, rows, k, xs, n, y, ldy);
+  bkern_->gemv(reinterpret_cast<const uint16_t*>(wrows(p, fid, r0)), k, rows, k, xs, n, y, ldy);
 }
 
 void Executor::proj_tile(Proj p, int64_t fid, int r0, int rows, const uint16_t* xp, int nb,
@@ -321,7 +319,7 @@ void Executor::build_tasks(int T) {
   phase_end_[0] = static_cast<int>(tasks_.size());
 
   // Row blocks outer, an expert's groups inner: its second group re-reads the block from cache.
-  bool seq = bkern_ != nullptr;  // every group on gemv_seq: no tiled groups, one route each
+  bool seq = bkern_ != nullptr;  // every group one route on the gemv: its rows in order
   for (const Group& g : groups_) seq = seq && !g.tiled && g.n == 1;
   jb_ = seq ? kUpRowsSeq : kUpRows;
   const int ngroups = static_cast<int>(groups_.size());

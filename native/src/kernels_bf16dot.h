@@ -10,9 +10,6 @@
 //
 //   gemv  y[s * ldy + r] = sum_i W[r, i] * xs[s][i], r < rows, s < n; W bf16 rows `ldw`
 //         elements apart, xs bf16 rows in natural order (W's 32-bit pairs meet x's pairs).
-//   gemv_seq  gemv of one token (n = 1, y[r]) that reads the rows in order, one memory stream:
-//         for a block of rows that is short (an expert's task), where gemv's several streams
-//         each get too few rows to run at full speed.
 //   tile  inputs as a panel of nb blocks of 16 tokens whose lanes hold input PAIRS:
 //         xp[((b * k2 + p) * 16 + lane) * 2 + e] = x_{16 b + lane}[2 p + e], k2 = (k + 1) / 2
 //         (an odd k pads the last pair with 0), and
@@ -28,8 +25,6 @@ namespace ftnative {
 
 using Bf16GemvFn = void (*)(const uint16_t* w, int64_t ldw, int rows, int k,
                             const uint16_t* const* xs, int n, float* y, int ldy);
-using Bf16SeqFn = void (*)(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* x,
-                           float* y);
 using Bf16TileFn = void (*)(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* xp,
                             int nb, float* y);
 
@@ -37,7 +32,6 @@ struct Bf16DotSet {
   const char* isa;
   Bf16GemvFn gemv;
   Bf16TileFn tile;
-  Bf16SeqFn gemv_seq;
 };
 
 // fp32 -> bf16 bits, round to nearest even; NaN -> quiet NaN (torch's rounding).

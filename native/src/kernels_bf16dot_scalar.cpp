@@ -17,10 +17,6 @@ void gemv(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* const
     }
 }
 
-void gemv_seq(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* x, float* y) {
-  gemv(w, ldw, rows, k, &x, 1, y, rows);
-}
-
 void tile(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* xp, int nb, float* y) {
   const int64_t block = static_cast<int64_t>((k + 1) / 2) * 2 * kTileLanes;
   for (int b = 0; b < nb; ++b)
@@ -36,6 +32,6 @@ void tile(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* xp, i
 
 }  // namespace
 
-const Bf16DotSet kScalarBf16Dot = {"emubf16", gemv, tile, gemv_seq};
+const Bf16DotSet kScalarBf16Dot = {"emubf16", gemv, tile};
 
 }  // namespace ftnative
