@@ -228,7 +228,8 @@ def test_logprobs_name_tokens_by_id_when_asked(openai_client, daemon):
     body = {"model": daemon.model, "prompt": [40, 41, 42], "max_tokens": 8, "temperature": 0}
     body |= {"ignore_eos": True, "logprobs": 5}
     _, plain = daemon.post("/v1/completions", body)
-    _, named = daemon.post("/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    status, named = daemon.post("/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    assert status == 200, named
     a, b = plain["choices"][0], named["choices"][0]
     assert a["text"] == b["text"]
     lp = b["logprobs"]
@@ -256,8 +257,11 @@ def test_logprobs_name_tokens_by_id_when_asked(openai_client, daemon):
     assert streamed == lp["tokens"]
     chat = {"model": daemon.model, "messages": HELLO, "max_tokens": 4, "temperature": 0}
     chat |= {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
-    _, c = daemon.post("/v1/chat/completions", chat)
-    for e in c["choices"][0]["logprobs"]["content"]:
+    status, c = daemon.post("/v1/chat/completions", chat)
+    assert status == 200, c
+    entries = c["choices"][0]["logprobs"]["content"]
+    assert 1 <= len(entries) <= 4
+    for e in entries:
         assert e["token"].startswith("token_id:")
         assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
 
