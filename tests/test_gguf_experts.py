@@ -163,6 +163,37 @@ def test_task_sizes_follow_the_pool_and_cover_partial_blocks(threads: int, t: in
     assert (out - ref).abs().max() <= 1e-3 * ref.abs().max()
 
 
+def test_the_dense_pool_spins_by_what_shares_its_cores() -> None:
+    """dense_native.SPIN_US_*: a step of GGUF block experts (all of it on ftdense's pool) leaves
+    the pool's workers spinning longer than a step of float experts (their own executor's
+    threads); each backend sets its value at every step, over the other's."""
+    import ftdense
+
+    from freetokend.experts.backend import CpuBackend
+    from freetokend.models.layers import dense_native
+
+    assert dense_native.SPIN_US_OWN > dense_native.SPIN_US_SHARED
+    spec = ACTS["silu"][0]
+    block = CpuBackend(_banks("q4_k", bias=False), N, spec, threads=1)
+    fb = ExpertBanks(*_float(), None, None)
+    floats = CpuBackend(fb, N, spec, threads=1)
+    assert isinstance(block.executor, BlockExecutor)
+    assert not isinstance(floats.executor, BlockExecutor)
+    try:
+        for backend, want in [
+            (block, dense_native.SPIN_US_OWN),
+            (floats, dense_native.SPIN_US_SHARED),
+            (block, dense_native.SPIN_US_OWN),
+        ]:
+            backend.begin_step(1)
+            assert ftdense.spin_us() == want
+        with pytest.raises(ValueError, match="spin_us"):
+            ftdense.set_spin(-1)
+    finally:
+        dense_native.configure()
+    assert ftdense.spin_us() == dense_native.SPIN_US_SHARED  # a new pool: the default
+
+
 def test_bf16_biases_and_every_route_of_a_token_on_one_expert() -> None:
     spec = ACTS["gptoss"][0]
     banks = _banks("q4_k", bias=True, seed=3)

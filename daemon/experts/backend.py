@@ -95,6 +95,7 @@ class CpuBackend:
         self.num_experts = num_experts
         self.act = act
         self.executor: object | None = None
+        self._dense_spin: int | None = None
         if fake:
             from .fakecuda import FakeCpuExecutor
 
@@ -110,6 +111,11 @@ class CpuBackend:
                 from .cpu_executor import CpuExecutor
 
                 self.executor = CpuExecutor(banks, act, threads=threads, isa=isa)
+            from ..models.layers import dense_native
+
+            own = isinstance(self.executor, BlockExecutor)  # every decode job on ftdense's pool
+            self._dense_spin = dense_native.SPIN_US_OWN if own else dense_native.SPIN_US_SHARED
+            self._set_spin = dense_native.set_spin
         except (ImportError, ModuleNotFoundError) as e:
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
             if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight
@@ -118,7 +124,10 @@ class CpuBackend:
                 self.banks = dequantize_banks(banks)
 
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
-        pass
+        # the dense pool's spin for this model's steps (dense_native.SPIN_US_*), set every step:
+        # the pool is the process's, and another resident model may have run in between
+        if self._dense_spin is not None:
+            self._set_spin(self._dense_spin)
 
     def end_step(self) -> None:
         pass

@@ -121,6 +121,19 @@ PYBIND11_MODULE(ftdense, m) {
   m.doc() = "freetoken dense CPU projections y = x W^T (bf16/fp32 weights, fp32 in and out)";
   m.def("configure", &configure, py::arg("threads"), py::arg("spin_us") = 50,
         py::arg("isa") = "auto", "(Re)creates the thread pool (the caller counts as one thread).");
+  m.def(
+      "set_spin",
+      [](int spin_us) {
+        if (spin_us < 0) throw py::value_error("spin_us must be >= 0");
+        std::lock_guard<std::mutex> lock(state().mu);
+        if (!state().pool) throw std::runtime_error("ftdense.configure() was not called");
+        state().pool->set_spin_us(spin_us);
+      },
+      py::arg("spin_us"), "How long the pool's idle workers spin before sleeping (microseconds).");
+  m.def("spin_us", [] {
+    std::lock_guard<std::mutex> lock(state().mu);
+    return state().pool ? state().pool->spin_us() : -1;
+  });
   m.def("configured", [] {
     std::lock_guard<std::mutex> lock(state().mu);
     return static_cast<bool>(state().pool);

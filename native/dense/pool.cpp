@@ -78,7 +78,7 @@ void Pool::run(TaskFn fn, void* ctx, int64_t tasks) {
 void Pool::worker_main() {
   uint64_t seen = 0;
   for (;;) {
-    const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_);
+    const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_.load());
     uint64_t g = generation_.load();
     while (g == seen && Clock::now() < spin_end) {
       for (int i = 0; i < 64 && g == seen; ++i) {

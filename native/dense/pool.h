@@ -28,6 +28,10 @@ class Pool {
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
+  // How long workers spin after a job before sleeping; takes effect from their next job's end.
+  void set_spin_us(int us) { spin_us_.store(us); }
+  int spin_us() const { return spin_us_.load(); }
+
   // Blocks until every task ran. Safe from several threads: while one job holds the workers,
   // another caller runs its own tasks inline (the GIL is released during jobs, so two engine
   // threads may well call at once).
@@ -38,7 +42,7 @@ class Pool {
   void drain();
 
   std::vector<std::thread> workers_;
-  const int spin_us_;
+  std::atomic<int> spin_us_;
   const long owner_pid_;
 
   // The current job; written before open_ is set, read by workers only while open_.
