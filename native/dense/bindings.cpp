@@ -119,8 +119,9 @@ ftdense::QMoeSpec qmoe_spec(uintptr_t gate_up, uintptr_t down, int gate_up_type,
 
 PYBIND11_MODULE(ftdense, m) {
   m.doc() = "freetoken dense CPU projections y = x W^T (bf16/fp32 weights, fp32 in and out)";
-  m.def("configure", &configure, py::arg("threads"), py::arg("spin_us") = 50,
-        py::arg("isa") = "auto", "(Re)creates the thread pool (the caller counts as one thread).");
+  // spin_us has no default here: dense_native.configure passes its SPIN_US_SHARED
+  m.def("configure", &configure, py::arg("threads"), py::arg("spin_us"), py::arg("isa") = "auto",
+        "(Re)creates the thread pool (the caller counts as one thread).");
   m.def(
       "set_spin",
       [](int spin_us) {
