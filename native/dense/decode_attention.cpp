@@ -73,7 +73,7 @@ void run_task(void* ctx, int64_t t) {
     for (int h = tk.h0; h < tk.h1; ++h) {
       float* part = base + (h - tk.h0) * pf;
       const KeyRange kr{q + static_cast<int64_t>(h) * G * d, G, r.scale, table, h, b0, b1,
-                        part, part + G, part + 2 * G};
+                        part, part + G, part + 2 * G, tk.k1};
       j.fn(*j.kv, kr);
     }
   }

@@ -42,6 +42,8 @@ struct KeyRange {
   float* m;    // [G] in/out: max logit
   float* l;    // [G] in/out: sum of exp(logit - m)
   float* acc;  // [G, d] in/out: sum of exp(logit - m) * v
+  int64_t ahead_end;  // keys [k1, ahead_end) come next (the same head, the same task): a kernel
+                      // may prefetch them while it works on [k0, k1)
 };
 
 using RangeFn = void (*)(const KvPages& kv, const KeyRange& r);

@@ -95,13 +95,40 @@ FT_INLINE void logits(const float* q, int d, const void* const* kp, int t, float
 }
 
 // Logits of GB heads (8 / GB keys at a time, the tile's tail one at a time).
+// The next tile's K and V slices of this KV head, prefetched a key at a time as the logits loop
+// walks the current tile: a burst of the whole tile's prefetches at the tile's start overflows
+// the miss buffers, and the prefetches past them do little (cold KV, 3000 keys: 1.2x slower).
+struct Ahead {
+  const char* k[kT];
+  const char* v[kT];
+  int n;  // keys
+  int64_t slice;  // bytes of a key's slice
+};
+
+FT_INLINE void prefetch_key(const Ahead* a, int t) {
+  if (a == nullptr || t >= a->n) return;
+  for (int64_t b = 0; b < a->slice; b += 64) {
+    _mm_prefetch(a->k[t] + b, _MM_HINT_T0);
+    _mm_prefetch(a->v[t] + b, _MM_HINT_T0);
+  }
+}
+
+// Logits of GB heads (8 / GB keys at a time, the tile's tail one at a time); prefetches `ahead`
+// (when given) alongside, key t of the next tile beside key t of this one.
 template <bool BF16, int GB>
 FT_TARGET void logits_heads(const float* q, int d, const void* const* kp, int nt, float scale,
-                            float* s) {
+                            float* s, const Ahead* ahead) {
   constexpr int KB = 8 / GB;
   int t = 0;
-  for (; t + KB <= nt; t += KB) logits<BF16, GB, KB>(q, d, kp, t, scale, s);
-  for (; t < nt; ++t) logits<BF16, GB, 1>(q, d, kp, t, scale, s);
+  for (; t + KB <= nt; t += KB) {
+    for (int k = 0; k < KB; ++k) prefetch_key(ahead, t + k);
+    logits<BF16, GB, KB>(q, d, kp, t, scale, s);
+  }
+  for (; t < nt; ++t) {
+    prefetch_key(ahead, t);
+    logits<BF16, GB, 1>(q, d, kp, t, scale, s);
+  }
+  for (; ahead != nullptr && t < ahead->n; ++t) prefetch_key(ahead, t);
 }
 
 // acc[i, c:c+8*CB] = acc * corr[i] + sum_t p[i * kT + t] * V[t, c:c+8*CB] for GB heads.
@@ -176,7 +203,8 @@ FT_TARGET void range(const KvPages& kv, const KeyRange& r) {
   float* corr = s + G * kT;
   const void* kp[kT];
   const void* vp[kT];
-  const int64_t slice = static_cast<int64_t>(d) * esize;
+  Ahead ahead;
+  ahead.slice = static_cast<int64_t>(d) * esize;
   const auto address = [&](int64_t p) {  // byte offset of key p's slice of this KV head
     return (static_cast<int64_t>(r.table[p / kv.page_size]) * kv.page_size + p % kv.page_size) *
                row_bytes + head_bytes;
@@ -188,18 +216,19 @@ FT_TARGET void range(const KvPages& kv, const KeyRange& r) {
       kp[t] = static_cast<const char*>(kv.k) + off;
       vp[t] = static_cast<const char*>(kv.v) + off;
     }
-    // The next tile's slices: a KV head's slice is a quarter or less of a pool row and pages are
-    // scattered, so the hardware prefetchers (which stop at 4 KiB boundaries) miss most of them.
-    const int64_t t1 = std::min<int64_t>(r.k1, t0 + 2 * kT);
-    for (int64_t p = t0 + kT; p < t1; ++p) {
-      const int64_t off = address(p);
-      for (int64_t b = 0; b < slice; b += 64) {
-        _mm_prefetch(static_cast<const char*>(kv.k) + off + b, _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char*>(kv.v) + off + b, _MM_HINT_T0);
-      }
+    // The next tile's slices (past k1 too, up to ahead_end: this head's next range in the task):
+    // a KV head's slice is a quarter or less of a pool row and pages are scattered, so the
+    // hardware prefetchers (which stop at 4 KiB boundaries) miss most of them.
+    const int64_t t1 = std::min<int64_t>(std::max(r.k1, r.ahead_end), t0 + 2 * kT);
+    ahead.n = static_cast<int>(std::max<int64_t>(0, t1 - t0 - kT));
+    for (int i = 0; i < ahead.n; ++i) {
+      const int64_t off = address(t0 + kT + i);
+      ahead.k[i] = static_cast<const char*>(kv.k) + off;
+      ahead.v[i] = static_cast<const char*>(kv.v) + off;
     }
     head_blocks(G, [&](auto gb, int g0) {
-      logits_heads<BF16, decltype(gb)::value>(r.q + g0 * d, d, kp, nt, r.scale, s + g0 * kT);
+      logits_heads<BF16, decltype(gb)::value>(r.q + g0 * d, d, kp, nt, r.scale, s + g0 * kT,
+                                              g0 == 0 ? &ahead : nullptr);
     });
     for (int g = 0; g < G; ++g) softmax_tile(s + g * kT, nt, r.m[g], r.l[g], corr[g]);
     head_blocks(G, [&](auto gb, int g0) {
