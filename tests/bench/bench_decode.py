@@ -40,6 +40,9 @@ keeps it beside the installed one; `--llama-path` puts it first for those rows):
       --no-deps --target /tmp/llama_avx2 llama-cpp-python==0.3.36 --no-binary :all:
 (--no-cache-dir: pip's cache would hand back the wheel built earlier, whatever CMAKE_ARGS say)
     ... bench_decode.py --isa avx2 --llama-path /tmp/llama_avx2 --engines freetoken llama.cpp ...
+Decode after a short prompt (16 tokens, the default) is nearly all weight reads; an agent's turn
+decodes after thousands of tokens of context, where attention over the KV pages is a large part
+of each step: `--prompt-tokens 3000 --decode-tokens 32 --prefill-tokens 64` measures that.
 From other code: `run_decode_benchmark(...)` returns the rows and prints nothing unless asked.
 Each engine runs with both OpenMP wait policies and keeps its better one per round (see _measure);
 figures are medians of the repeats within a run and of the rounds across runs.
@@ -312,7 +315,12 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=16,
+        help="context before decode (16); thousands for decode as an agent's turn sees it",
+    )
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=CACHE)
