@@ -72,7 +72,7 @@ FT_INLINE __m256 exp_neg(__m256 x) {
 
 // Logits of GB heads (q [GB, d]) for keys [t, t + KB) of the tile: s[i * kT + t + k].
 template <bool BF16, int GB, int KB>
-FT_INLINE void logits(const float* q, int d, const void* const* kp, int t, float scale,
+FT_INLINE void logits(const float* q, int d, const char* const* kp, int t, float scale,
                       float* s) {
   __m256 a[GB * KB];
   for (int i = 0; i < GB * KB; ++i) a[i] = _mm256_setzero_ps();
@@ -123,7 +123,7 @@ FT_INLINE void prefetch_key(const Ahead* a, int t) {
 // Logits of GB heads (8 / GB keys at a time, the tile's tail one at a time); prefetches `ahead`
 // (when given) alongside, key t of the next tile beside key t of this one.
 template <bool BF16, int GB>
-FT_TARGET void logits_heads(const float* q, int d, const void* const* kp, int nt, float scale,
+FT_TARGET void logits_heads(const float* q, int d, const char* const* kp, int nt, float scale,
                             float* s, const Ahead* ahead) {
   constexpr int KB = 8 / GB;
   int t = 0;
@@ -140,7 +140,7 @@ FT_TARGET void logits_heads(const float* q, int d, const void* const* kp, int nt
 
 // acc[i, c:c+8*CB] = acc * corr[i] + sum_t p[i * kT + t] * V[t, c:c+8*CB] for GB heads.
 template <bool BF16, int GB, int CB>
-FT_INLINE void accumulate(float* acc, int d, const void* const* vp, int nt, const float* p,
+FT_INLINE void accumulate(float* acc, int d, const char* const* vp, int nt, const float* p,
                           const float* corr, int c) {
   __m256 a[GB * CB];
   for (int i = 0; i < GB; ++i)
@@ -160,7 +160,7 @@ FT_INLINE void accumulate(float* acc, int d, const void* const* vp, int nt, cons
 }
 
 template <bool BF16, int GB>
-FT_TARGET void accumulate_heads(float* acc, int d, const void* const* vp, int nt, const float* p,
+FT_TARGET void accumulate_heads(float* acc, int d, const char* const* vp, int nt, const float* p,
                                 const float* corr) {
   constexpr int CB = 8 / GB;
   int c = 0;
@@ -171,12 +171,21 @@ FT_TARGET void accumulate_heads(float* acc, int d, const void* const* vp, int nt
 // Folds the tile's logits s [G, kT] of head g into its running state; s becomes e^(s - m).
 FT_TARGET void softmax_tile(float* s, int nt, float& m, float& l, float& corr) {
   float mt = kNegInf;
-  for (int t = 0; t < nt; ++t) mt = std::max(mt, s[t]);
+  int t = 0;
+  if (nt >= 8) {  // vector max, not a scalar chain over the tile
+    __m256 vmax = _mm256_loadu_ps(s);
+    for (t = 8; t + 8 <= nt; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    mt = _mm_cvtss_f32(h);
+  }
+  for (; t < nt; ++t) mt = std::max(mt, s[t]);
   const float mn = std::max(m, mt);
   corr = m == kNegInf ? 0.0f : std::exp(m - mn);
   const __m256 vm = _mm256_set1_ps(mn);
   __m256 vs = _mm256_setzero_ps();
-  int t = 0;
+  t = 0;
   for (; t + 8 <= nt; t += 8) {
     const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
     _mm256_storeu_ps(s + t, e);
@@ -208,31 +217,32 @@ FT_TARGET void range(const KvPages& kv, const KeyRange& r) {
   buf.resize(static_cast<size_t>(G) * (kT + 1));
   float* s = buf.data();
   float* corr = s + G * kT;
-  const void* kp[kT];
-  const void* vp[kT];
+  const char* kp[kT];
+  const char* vp[kT];
   Ahead ahead;
   ahead.slice = static_cast<int64_t>(d) * esize;
-  const auto address = [&](int64_t p) {  // byte offset of key p's slice of this KV head
-    return (static_cast<int64_t>(r.table[p / kv.page_size]) * kv.page_size + p % kv.page_size) *
-               row_bytes + head_bytes;
+  // Pointers to the slices of keys [p0, p0 + n) of this KV head, walking the page table (one
+  // division per call, not two per key).
+  const auto slices = [&](int64_t p0, int n, const char** ko, const char** vo) {
+    int64_t pg = p0 / kv.page_size;
+    int row = static_cast<int>(p0 % kv.page_size);
+    for (int i = 0; i < n; ++i) {
+      const int64_t off =
+          (static_cast<int64_t>(r.table[pg]) * kv.page_size + row) * row_bytes + head_bytes;
+      ko[i] = static_cast<const char*>(kv.k) + off;
+      vo[i] = static_cast<const char*>(kv.v) + off;
+      if (++row == kv.page_size) row = 0, ++pg;
+    }
   };
   for (int64_t t0 = r.k0; t0 < r.k1; t0 += kT) {
     const int nt = static_cast<int>(std::min<int64_t>(kT, r.k1 - t0));
-    for (int t = 0; t < nt; ++t) {
-      const int64_t off = address(t0 + t);
-      kp[t] = static_cast<const char*>(kv.k) + off;
-      vp[t] = static_cast<const char*>(kv.v) + off;
-    }
+    slices(t0, nt, kp, vp);
     // The next tile's slices (past k1 too, up to ahead_end: this head's next range in the task):
     // a KV head's slice is a quarter or less of a pool row and pages are scattered, so the
     // hardware prefetchers (which stop at 4 KiB boundaries) miss most of them.
     const int64_t t1 = std::min<int64_t>(std::max(r.k1, r.ahead_end), t0 + 2 * kT);
     ahead.n = static_cast<int>(std::max<int64_t>(0, t1 - t0 - kT));
-    for (int i = 0; i < ahead.n; ++i) {
-      const int64_t off = address(t0 + kT + i);
-      ahead.k[i] = static_cast<const char*>(kv.k) + off;
-      ahead.v[i] = static_cast<const char*>(kv.v) + off;
-    }
+    slices(t0 + kT, ahead.n, ahead.k, ahead.v);
     head_blocks(G, [&](auto gb, int g0) {
       logits_heads<BF16, decltype(gb)::value>(r.q + g0 * d, d, kp, nt, r.scale, s + g0 * kT,
                                               g0 == 0 ? &ahead : nullptr);
