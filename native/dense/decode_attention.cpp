@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <vector>
 
 #include "cpu_features.h"
+#include "kernels_bf16dot.h"
 
 namespace ftdense {
 
@@ -21,11 +21,8 @@ constexpr int64_t kMinSplitKeys = 512;
 constexpr int kTasksPerThread = 4;
 
 inline float widen(const void* base, int64_t i, bool bf16) {
-  if (!bf16) return static_cast<const float*>(base)[i];
-  const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return bf16 ? ftnative::bf16_to_f32(static_cast<const uint16_t*>(base)[i])
+              : static_cast<const float*>(base)[i];
 }
 
 // Keys of a task that every one of its KV heads folds in before the next block: with all KV

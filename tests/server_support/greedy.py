@@ -5,10 +5,10 @@ The built-in model is tiny, random and computes in bf16: a row's logits differ a
 a batch of one and a mixed batch (other matmul shapes), and a small difference that flips a
 near-tie of its router sends a token to other experts, which moves its logits by up to ~1
 (measured: a prompt whose first token led by 0.41 alone lost it in a batch with one other
-prompt of anywhere from 4 to 60 tokens; transformers' fp32 forward agrees with it alone). Equal output is a real check that other requests do not reach
-into this one only for a prompt that the batch's shape does not move, so the probe's prompt is
-one whose every step wins by ``MARGIN`` (in logprob) and whose tokens stay the same beside each
-of ``FILLERS``.
+prompt of anywhere from 4 to 60 tokens; transformers' fp32 forward agrees with it alone).
+Equal output is a real check that other requests do not reach into this one only for a prompt
+that the batch's shape does not move, so the probe's prompt is one whose every step wins by
+``MARGIN`` (in logprob) and whose tokens stay the same beside each of ``FILLERS``.
 
 The margins are read by token id (``return_tokens_as_token_ids``): the Completions API keys its
 top_logprobs by token text, and on this model about half of the steps have two candidates of the
