@@ -77,18 +77,33 @@ FT_TARGET void gemv_rows(const uint16_t* w, int64_t ldw, int rows, int k,
   for (int r = r0; r < rows; ++r) gemv_block<1, TT>(w + r * ldw, ldw, k, xs, y + r, ldy, 1);
 }
 
+// How far ahead of its reads gemv_seq requests weight lines, into L2 (prefetcht1). The hardware
+// prefetchers alone left a bf16 decode step at ~87% of the read bandwidth. Zen 4 VM, 2 threads,
+// the bf16 benchmark model's decode (dense projections, experts and lm_head all on gemv_seq),
+// distances alternated in one process, medians of 7-10 rounds against none: 2 KiB 1.044x and
+// 1.053x (slow-memory spells, ~21 ms/token), 1.023x (fast spell, ~13 ms); 4 KiB 1.048x and
+// 1.054x; 16 KiB 1.008x; two streams (halves of the rows in turn, as row_tasks.h's two_streams)
+// at 2 KiB 1.046x, no better than one.
+constexpr int kSeqAheadBytes = 2048;
+
 // One token, rows in order: one sequential stream, where gemv_rows reads 8 side by side (each
 // too short in an expert's task of rows). Measured against gemv_rows<8, 1> on Zen 4, 2 threads,
 // from DRAM: the dense projections alone 1.01-1.08x (lm_head, qkv and o sizes), a bf16 decode
 // step 0.98-1.04x, then 1.012x and 1.029x over 10 and 16 alternated rounds. Two sums a row, so
-// the dot chain is not latency-bound on rows in cache.
+// the dot chain is not latency-bound on rows in cache. The stream's first kSeqAheadBytes are
+// requested at once (into L1), the rest kSeqAheadBytes ahead as the rows are read.
 FT_TARGET void gemv_seq(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* x,
                         float* y) {
   const int k64 = k - k % 64, k32 = k - k % 32;
+  const char* start = reinterpret_cast<const char*>(w);
+  for (int b = 0; b < kSeqAheadBytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
   for (int r = 0; r < rows; ++r) {
     const uint16_t* wr = w + r * ldw;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (int i = 0; i < k64; i += 64) {
+    for (int i = 0; i < k64; i += 64) {  // 128 bytes of the row: two lines requested ahead
+      const char* ahead = reinterpret_cast<const char*>(wr + i) + kSeqAheadBytes;
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      _mm_prefetch(ahead + 64, _MM_HINT_T1);
       a0 = dp(a0, _mm512_loadu_si512(wr + i), _mm512_loadu_si512(x + i));
       a1 = dp(a1, _mm512_loadu_si512(wr + i + 32), _mm512_loadu_si512(x + i + 32));
     }
