@@ -91,7 +91,9 @@ constexpr int kSeqAheadBytes = 2048;
 // from DRAM: the dense projections alone 1.01-1.08x (lm_head, qkv and o sizes), a bf16 decode
 // step 0.98-1.04x, then 1.012x and 1.029x over 10 and 16 alternated rounds. Two sums a row, so
 // the dot chain is not latency-bound on rows in cache. The stream's first kSeqAheadBytes are
-// requested at once (into L1), the rest kSeqAheadBytes ahead as the rows are read.
+// requested at once (into L1), the rest kSeqAheadBytes ahead as the rows are read: the rows lie
+// back to back (every caller passes ldw = k), so the bytes ahead are the next rows'. A task's
+// last requests fall past its rows (harmless: a prefetch never faults).
 FT_TARGET void gemv_seq(const uint16_t* w, int64_t ldw, int rows, int k, const uint16_t* x,
                         float* y) {
   const int k64 = k - k % 64, k32 = k - k % 32;
