@@ -94,10 +94,10 @@ FT_INLINE void logits(const float* q, int d, const char* const* kp, int t, float
   }
 }
 
-// The next tile's K and V slices of this KV head, prefetched a key at a time as the logits loop
-// walks the current tile. Before, the whole tile's prefetches went out in one burst at the
-// tile's start, and only up to the end of the range (a 64-key block), so every second tile had
-// none. Measured with the KV pages out of cache (32 query / 4 KV heads, d 128, bf16, 2 threads,
+// A tile's K and V slices of this KV head. The next tile's are prefetched a key at a time as
+// the logits loop walks the current tile. Before, the whole tile's prefetches went out in one
+// burst at the tile's start, and only up to the end of the range (a 64-key block), so every
+// second tile had none. Measured with the KV pages out of cache (32 query / 4 KV heads, d 128, bf16, 2 threads,
 // alternated in one process): 1.14x, 1.09x, 1.39x, 1.39x faster at 80, 464, 3000 and 12000
 // keys; spreading the burst alone, still stopping at the block's end, gave 1.06x to 1.23x, and
 // prefetching 2 or 3 tiles ahead was slower than 1. Into L2 (T1), not L1: a tile's K and V
@@ -105,14 +105,14 @@ FT_INLINE void logits(const float* q, int d, const char* const* kp, int t, float
 // lines still in use; T1 over T0, the same setting: 1.32x to 1.38x at 464 and 3000 keys cold,
 // 1.04x to 1.10x at 12000 (and 1.27x there with the pages in L3); a whole Q4_K_M decode step
 // after a 3000-token prompt, alternated in one process: 1.029x.
-struct Ahead {
+struct TileSlices {
   const char* k[kT];
   const char* v[kT];
   int n;  // keys
   int64_t slice;  // bytes of a key's slice
 };
 
-FT_INLINE void prefetch_key(const Ahead* a, int t) {
+FT_INLINE void prefetch_key(const TileSlices* a, int t) {
   if (a == nullptr || t >= a->n) return;
   for (int64_t b = 0; b < a->slice; b += 64) {
     _mm_prefetch(a->k[t] + b, _MM_HINT_T1);
@@ -124,7 +124,7 @@ FT_INLINE void prefetch_key(const Ahead* a, int t) {
 // (when given) alongside, key t of the next tile beside key t of this one.
 template <bool BF16, int GB>
 FT_TARGET void logits_heads(const float* q, int d, const char* const* kp, int nt, float scale,
-                            float* s, const Ahead* ahead) {
+                            float* s, const TileSlices* ahead) {
   constexpr int KB = 8 / GB;
   int t = 0;
   for (; t + KB <= nt; t += KB) {
@@ -217,39 +217,40 @@ FT_TARGET void range(const KvPages& kv, const KeyRange& r) {
   buf.resize(static_cast<size_t>(G) * (kT + 1));
   float* s = buf.data();
   float* corr = s + G * kT;
-  const char* kp[kT];
-  const char* vp[kT];
-  Ahead ahead;
-  ahead.slice = static_cast<int64_t>(d) * esize;
+  // This tile's slices and the next tile's: the next becomes this at the tile's end (ahead_end
+  // >= k1, so the next tile's keys are the first of those looked ahead at).
+  TileSlices tiles[2];
+  TileSlices *cur = &tiles[0], *ahead = &tiles[1];
+  tiles[0].slice = tiles[1].slice = static_cast<int64_t>(d) * esize;
   // Pointers to the slices of keys [p0, p0 + n) of this KV head, walking the page table (one
   // division per call, not two per key).
-  const auto slices = [&](int64_t p0, int n, const char** ko, const char** vo) {
+  const auto slices = [&](int64_t p0, int n, TileSlices& a) {
+    a.n = n;
     int64_t pg = p0 / kv.page_size;
     int row = static_cast<int>(p0 % kv.page_size);
     for (int i = 0; i < n; ++i) {
       const int64_t off =
           (static_cast<int64_t>(r.table[pg]) * kv.page_size + row) * row_bytes + head_bytes;
-      ko[i] = static_cast<const char*>(kv.k) + off;
-      vo[i] = static_cast<const char*>(kv.v) + off;
+      a.k[i] = static_cast<const char*>(kv.k) + off;
+      a.v[i] = static_cast<const char*>(kv.v) + off;
       if (++row == kv.page_size) row = 0, ++pg;
     }
   };
-  for (int64_t t0 = r.k0; t0 < r.k1; t0 += kT) {
+  slices(r.k0, static_cast<int>(std::min<int64_t>(kT, r.k1 - r.k0)), *cur);
+  for (int64_t t0 = r.k0; t0 < r.k1; t0 += kT, std::swap(cur, ahead)) {
     const int nt = static_cast<int>(std::min<int64_t>(kT, r.k1 - t0));
-    slices(t0, nt, kp, vp);
     // The next tile's slices (past k1 too, up to ahead_end: this head's next range in the task):
     // a KV head's slice is a quarter or less of a pool row and pages are scattered, so the
     // hardware prefetchers (which stop at 4 KiB boundaries) miss most of them.
     const int64_t t1 = std::min<int64_t>(std::max(r.k1, r.ahead_end), t0 + 2 * kT);
-    ahead.n = static_cast<int>(std::max<int64_t>(0, t1 - t0 - kT));
-    slices(t0 + kT, ahead.n, ahead.k, ahead.v);
+    slices(t0 + kT, static_cast<int>(std::max<int64_t>(0, t1 - t0 - kT)), *ahead);
     head_blocks(G, [&](auto gb, int g0) {
-      logits_heads<BF16, decltype(gb)::value>(r.q + g0 * d, d, kp, nt, r.scale, s + g0 * kT,
-                                              g0 == 0 ? &ahead : nullptr);
+      logits_heads<BF16, decltype(gb)::value>(r.q + g0 * d, d, cur->k, nt, r.scale, s + g0 * kT,
+                                              g0 == 0 ? ahead : nullptr);
     });
     for (int g = 0; g < G; ++g) softmax_tile(s + g * kT, nt, r.m[g], r.l[g], corr[g]);
     head_blocks(G, [&](auto gb, int g0) {
-      accumulate_heads<BF16, decltype(gb)::value>(r.acc + g0 * d, d, vp, nt, s + g0 * kT,
+      accumulate_heads<BF16, decltype(gb)::value>(r.acc + g0 * d, d, cur->v, nt, s + g0 * kT,
                                                    corr + g0);
     });
   }
