@@ -37,6 +37,7 @@ def dense_extension() -> Extension:
             "dense_linear_bf16.cpp",
             "rms_norm.cpp",
             "decode_step.cpp",
+            "decode_layers.cpp",
             "rope.cpp",
             "decode_attention.cpp",
             "qlinear.cpp",

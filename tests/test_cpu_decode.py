@@ -69,13 +69,13 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
         str(ckpt), moe_backend="cpu", quantize=quantize, prefix_cache=False, max_model_len=256
     )
     runs = [0]
-    run = cpu_decode.LayerPlan.run
+    run = cpu_decode.DecodeStep.run
 
-    def counted(self, h, step):  # type: ignore[no-untyped-def]
-        runs[0] += 1
-        return run(self, h, step)
+    def counted(self, plans, h):  # type: ignore[no-untyped-def]
+        runs[0] += len(plans)
+        return run(self, plans, h)
 
-    monkeypatch.setattr(cpu_decode.LayerPlan, "run", counted)
+    monkeypatch.setattr(cpu_decode.DecodeStep, "run", counted)
     finals, embeds = [0], [0]
     final, embed = cpu_decode.HeadPlan.final_norm, cpu_decode.HeadPlan.embed
 
@@ -217,3 +217,58 @@ def test_step_buffers_are_reused_per_thread_and_row_count() -> None:
         cpu_decode._step_buffers(t)
     assert cpu_decode._step_buffers(3) is not first  # the oldest were dropped
     assert len(cpu_decode._local.by_rows) == cpu_decode._KEEP_ROW_COUNTS
+
+
+def test_decode_layers_times_its_parts_when_asked(ckpt) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(str(ckpt), moe_backend="cpu", prefix_cache=False, max_model_len=64)
+    parts = nat.decode_parts()
+    seconds = torch.zeros(len(parts), dtype=torch.float64)
+    cpu_decode.set_timings(seconds)
+    try:
+        llm.generate([1, 2, 3], 4, ignore_eos=True)
+    finally:
+        cpu_decode.set_timings(None)
+    assert (seconds > 0).all(), dict(zip(parts, seconds.tolist(), strict=True))
+    seen = seconds.clone()
+    llm.generate([1, 2, 3], 4, ignore_eos=True)
+    assert torch.equal(seconds, seen)  # switched off: nothing added
+    with pytest.raises(ValueError, match="float64"):
+        cpu_decode.set_timings(torch.zeros(len(parts)))
+
+
+def test_decode_layer_specs_are_checked() -> None:
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    one = (False, 64, [w.data_ptr()], [64], [])
+    scale = torch.ones(64)
+    args = dict(
+        hidden=64, heads=4, kv_heads=2, head_dim=16, attn_scale=0.25, window=0,
+        scales=[scale.data_ptr()] * 2, eps=[1e-6] * 2,
+        qkv=(False, 64, [w.data_ptr()] * 3, [64, 32, 32], []), o=one,
+        router=(False, 64, [w.data_ptr()], [8], []), experts=8, top_k=2,
+        softmax_first=True, renorm=False, moe_index=0, kv_layer=0,
+    )  # fmt: skip
+    layer = nat.DecodeLayer(**args)
+    with pytest.raises(ValueError, match="norms"):
+        nat.DecodeLayer(**{**args, "scales": [scale.data_ptr()] * 3, "eps": [1e-6] * 3})
+    h = torch.zeros(1, 64)
+    meta = torch.tensor([0, 0, 1], dtype=torch.int32)
+    slots = torch.zeros(1, dtype=torch.int64)
+    kv = torch.zeros(2, 4, 2, 16)
+    step = dict(
+        h=h.data_ptr(), t=1, cos=scale.data_ptr(), sin=scale.data_ptr(), rot=16,
+        interleaved=False, slots=slots.data_ptr(), tables=meta.data_ptr(),
+        rows=meta.data_ptr() + 4, lens=meta.data_ptr() + 8, width=1,
+        kv=[(kv[0].data_ptr(), kv[1].data_ptr(), False, 1, 4)], num_experts=8,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="no experts"):
+        nat.decode_layers([layer], **step, qmoe=None, experts=None)
+    with pytest.raises(ValueError, match="kv_layer"):
+        nat.decode_layers([layer], **{**step, "kv": []}, qmoe=None, experts=print)
+    bad_qkv = {**args, "qkv": (False, 64, [w.data_ptr()] * 3, [64, 64, 32], [])}
+    with pytest.raises(ValueError, match="qkv rows"):
+        nat.decode_layers([nat.DecodeLayer(**bad_qkv)], **step, qmoe=None, experts=print)
+    calls: list[tuple[int, ...]] = []
+    nat.decode_layers(
+        [layer], **step, qmoe=None, experts=lambda *a: calls.append(a)
+    )  # zero weights: a step that runs, the experts called back once with t=1, k=2
+    assert len(calls) == 1 and calls[0][4:] == (1, 2)

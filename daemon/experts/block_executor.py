@@ -203,6 +203,12 @@ class BlockExecutor:
         )
         return out
 
+    def native_spec(self) -> object | None:
+        """The ``ftdense.QMoe`` this executor calls, for a caller that runs it inside its own
+        native call on ftdense's configured kernels (models/layers/cpu_decode.py), or None when
+        this executor asked for another ISA than the configured one."""
+        return self._moe if not self.isa_request else None
+
     def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
         """``forward`` on raw addresses the caller has checked (models/layers/cpu_decode.py):
         x [t, H] fp32, ids [t, k] int32, w [t, k] fp32, out [t, H] fp32."""

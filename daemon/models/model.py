@@ -118,12 +118,18 @@ class CausalLM(nn.Module):
         h = head.embed(step, batch.token_ids) if head is not None and step is not None else None
         if h is None:
             h = embed.index_select(0, batch.token_ids).float()
+        plans: list[cpu_decode.LayerPlan] = []  # a run of layers the native call decodes
         for layer in self._decoder_layers:
             plan = layer.decode_plan() if step is not None else None
-            if plan is not None and step is not None:
-                plan.run(h, step)  # in place: h is this forward's own tensor
-            else:
-                h = layer(h, batch, self.rope, cos, sin)
+            if plan is not None:
+                plans.append(plan)
+                continue
+            if plans and step is not None:
+                step.run(plans, h)  # in place: h is this forward's own tensor
+                plans = []
+            h = layer(h, batch, self.rope, cos, sin)
+        if plans and step is not None:
+            step.run(plans, h)
         x = None
         if head is not None and step is not None:
             x = head.final_norm(step, h, batch.logits_rows.shape[0])

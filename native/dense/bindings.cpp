@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "decode_layers.h"
 #include "decode_step.h"
 #include "dense_linear.h"
 #include "dense_linear_bf16.h"
@@ -76,6 +77,107 @@ ftdense::QType qtype_code(int code) {
         "qtype must be 0 (q8_0), 1 (q4_k), 2 (q6_k), 3 (q5_k), 4 (mxfp4), 5 (q5_0), 6 (q4_0), "
         "or 7 (q4_k), 8 (q6_k), 9 (mxfp4), 10 (q8_0), 11 (q5_k) interleaved by 8");
   return static_cast<ftdense::QType>(code);
+}
+
+
+// (quant, K, weight addresses, rows, GGUF types) -> a projection group of decode_layers.h.
+using ProjArg = std::tuple<bool, int, std::vector<uintptr_t>, std::vector<int>, std::vector<int>>;
+
+ftdense::ProjGroup proj_group(const ProjArg& a) {
+  const auto& [quant, K, w, rows, types] = a;
+  ftdense::ProjGroup g;
+  g.quant = quant;
+  g.K = K;
+  for (uintptr_t p : w) g.w.push_back(reinterpret_cast<const void*>(p));
+  g.rows = rows;
+  if (quant)
+    for (int c : types) g.types.push_back(qtype_code(c));
+  return g;
+}
+
+ftdense::DecodeLayerSpec decode_layer_spec(int hidden, int heads, int kv_heads, int head_dim,
+                                           float attn_scale, int window,
+                                           const std::vector<uintptr_t>& scales,
+                                           const std::vector<float>& eps, const ProjArg& qkv,
+                                           const ProjArg& o, const ProjArg& router, int experts,
+                                           int top_k, bool softmax_first, bool renorm,
+                                           int moe_index, int kv_layer) {
+  if (scales.size() != eps.size() || (scales.size() != 2 && scales.size() != 4))
+    throw py::value_error("scales and eps: 2 norms, or 4 with per-head q and k norms");
+  ftdense::DecodeLayerSpec l;
+  l.hidden = hidden;
+  l.heads = heads;
+  l.kv_heads = kv_heads;
+  l.head_dim = head_dim;
+  l.q_rows = heads * head_dim;
+  l.kv_rows = kv_heads * head_dim;
+  l.attn_scale = attn_scale;
+  l.window = window;
+  l.head_norm = scales.size() == 4;
+  for (size_t i = 0; i < scales.size(); ++i) {
+    l.scale[i] = reinterpret_cast<const float*>(scales[i]);
+    l.eps[i] = eps[i];
+  }
+  l.qkv = proj_group(qkv);
+  l.o = proj_group(o);
+  l.router = proj_group(router);
+  l.experts = experts;
+  l.top_k = top_k;
+  l.softmax_first = softmax_first;
+  l.renorm = renorm;
+  l.moe_index = moe_index;
+  l.kv_layer = kv_layer;
+  return l;
+}
+
+// (k address, v address, bf16, pages, page size) of one layer of the KV pool.
+using KvArg = std::tuple<uintptr_t, uintptr_t, bool, int64_t, int>;
+
+void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& layers, uintptr_t h,
+                        int t, uintptr_t cos, uintptr_t sin, int rot, bool interleaved,
+                        uintptr_t slots, uintptr_t tables, uintptr_t rows, uintptr_t lens,
+                        int64_t width, const std::vector<KvArg>& kv, int num_experts,
+                        const ftdense::QMoeSpec* qmoe, py::object experts, uintptr_t timings) {
+  if (!qmoe && experts.is_none()) throw py::value_error("decode_layers: no experts given");
+  ftdense::DecodeStepArgs step;
+  step.t = t;
+  step.cos = reinterpret_cast<const float*>(cos);
+  step.sin = reinterpret_cast<const float*>(sin);
+  step.rot = rot;
+  step.interleaved = interleaved;
+  step.slots = reinterpret_cast<const int64_t*>(slots);
+  step.tables = reinterpret_cast<const int32_t*>(tables);
+  step.rows = reinterpret_cast<const int32_t*>(rows);
+  step.lens = reinterpret_cast<const int32_t*>(lens);
+  step.width = width;
+  step.num_experts = num_experts;
+  for (const auto& [k, v, bf16, pages, page_size] : kv)
+    step.kv.push_back({reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v), bf16,
+                       pages, page_size, 0, 0});
+  State& s = state();
+  std::shared_ptr<ftdense::Pool> pool;
+  ftdense::DecodeKernels ks;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
+    pool = s.pool;
+    ks = {pool.get(), s.qdot, s.bf16, s.bf16dot, s.attention};
+  }
+  ftdense::ExpertsFn fn;
+  if (qmoe) {
+    fn = [&ks, qmoe](const float* x, const int32_t* ids, const float* w, float* out, int T,
+                     int K) { ftdense::qmoe_forward(*ks.pool, *ks.qdot, *qmoe, x, ids, w, out, T, K); };
+  } else {
+    fn = [&experts](const float* x, const int32_t* ids, const float* w, float* out, int T,
+                    int K) {
+      py::gil_scoped_acquire gil;
+      experts(reinterpret_cast<uintptr_t>(x), reinterpret_cast<uintptr_t>(ids),
+              reinterpret_cast<uintptr_t>(w), reinterpret_cast<uintptr_t>(out), T, K);
+    };
+  }
+  py::gil_scoped_release release;
+  ftdense::decode_layers(ks, layers, step, reinterpret_cast<float*>(h), fn,
+                         reinterpret_cast<double*>(timings));
 }
 
 }  // namespace
@@ -379,6 +481,27 @@ PYBIND11_MODULE(ftdense, m) {
       "Plain q8_0 (0) / q4_k (1) / q6_k (2) / q5_k (3) / mxfp4 (4) rows [rows, bytes] at src -> "
       "the interleaved layout at dst "
       "(qdot.h), or back with undo.");
+  py::class_<ftdense::DecodeLayerSpec>(
+      m, "DecodeLayer",
+      "One standard attention + MoE decoder layer for decode_layers (decode_layers.h); borrows "
+      "the weight and norm-scale addresses.")
+      .def(py::init(&decode_layer_spec), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("attn_scale"), py::arg("window"), py::arg("scales"),
+           py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("router"), py::arg("experts"),
+           py::arg("top_k"), py::arg("softmax_first"), py::arg("renorm"), py::arg("moe_index"),
+           py::arg("kv_layer"));
+  m.def("decode_layers", &decode_layers_call, py::arg("layers"), py::arg("h"), py::arg("t"),
+        py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("interleaved"), py::arg("slots"),
+        py::arg("tables"), py::arg("rows"), py::arg("lens"), py::arg("width"), py::arg("kv"),
+        py::arg("num_experts"), py::arg("qmoe"), py::arg("experts"), py::arg("timings") = 0,
+        "Decodes h [t, hidden] fp32 (address) through `layers` in place, in one call "
+        "(decode_layers.h). kv: per KV layer (k, v, bf16, pages, page size); experts: a QMoe "
+        "(on this module's pool) or, when qmoe is None, experts(x, ids, w, out, t, k) on "
+        "addresses; timings: 0 or the address of 10 float64 seconds added per part.");
+  m.def("decode_parts", [] {
+    return std::vector<std::string>{"qkv", "o", "router", "experts", "attention", "norms",
+                                    "rope", "kv_store", "route_topk", "add_rows"};
+  }, "The names of decode_layers' timed parts, in order.");
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "
                                 "the bank addresses.")

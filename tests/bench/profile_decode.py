@@ -54,36 +54,21 @@ def _instrument(vocab: int) -> None:
     common.RMSNorm.forward = _timed("norms", common.RMSNorm.forward)  # type: ignore[method-assign]
     moe.route = _timed("router top-k", moe.route)  # type: ignore[attr-defined]
     backend.CpuBackend.forward = _timed("routed experts", backend.CpuBackend.forward)  # type: ignore[method-assign]
-    cpu_decode.LayerPlan.run = _timed("native decode layers", cpu_decode.LayerPlan.run)  # type: ignore[method-assign]
+    cpu_decode.DecodeStep.run = _timed("native decode layers", cpu_decode.DecodeStep.run)  # type: ignore[method-assign]
 
 
-def _instrument_native() -> None:
+def _instrument_native() -> Any:
     """Timers inside the native decode layers instead: each projection group, the experts and
-    every small native op (attention, norms, rope, routing) as its own part."""
+    every small native op (attention, norms, rope, routing) as its own part, timed by the native
+    call itself (cpu_decode.set_timings). Returns the seconds tensor."""
+    import torch
+
     from freetokend.models.layers import cpu_decode, dense_native
 
-    class _Timed:
-        def __init__(self, mod: Any) -> None:
-            self._mod = mod
-
-        def __getattr__(self, name: str) -> Any:
-            return _timed(f"native {name}", getattr(self._mod, name))
-
-    dense_native._native = _Timed(dense_native._native)  # type: ignore[assignment]
-    run = cpu_decode.LayerPlan.run
-
-    def plan_run(self: Any, h: Any, step: Any) -> None:
-        if not getattr(self, "_timed", False):
-            self.qkv = _timed("native qkv", self.qkv)
-            self.o = _timed("native o", self.o)
-            self.router = _timed("native router", self.router)
-            self._timed = True
-        if not getattr(step, "_timed", False):
-            step.experts = _timed("native experts", step.experts)
-            step._timed = True
-        run(self, h, step)
-
-    cpu_decode.LayerPlan.run = plan_run  # type: ignore[method-assign]
+    parts = dense_native._native.decode_parts()
+    seconds = torch.zeros(len(parts), dtype=torch.float64)
+    cpu_decode.set_timings(seconds)
+    return parts, seconds
 
 
 def main() -> None:
@@ -128,8 +113,7 @@ def main() -> None:
     )
     vocab = llm.config.vocab_size
     _instrument(vocab)
-    if a.split_native:
-        _instrument_native()
+    native = _instrument_native() if a.split_native else None
     rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
     step = _timed("step", llm.engine.step)
     prompt = [(7 * i + 3) % (vocab - 1) for i in range(16)]
@@ -142,19 +126,29 @@ def main() -> None:
         )
         step()  # the prefill
         _acc.clear()
+        if native is not None:
+            native[1].zero_()
         n = 0
         while llm.engine.has_unfinished():
             step()
             n += 1
+        if native is not None:  # inside "native decode layers"
+            _acc.update({f"  native {p}": float(v) for p, v in zip(*native, strict=True)})
         rounds.append({k: v * 1e3 / n for k, v in _acc.items()})
     rounds = rounds[1:]
     mid = sorted(rounds, key=lambda t: t["step"])[len(rounds) // 2]
-    parts = {k: v for k, v in mid.items() if k != "step"}
+    parts = {k: v for k, v in mid.items() if k != "step" and not k.startswith(" ")}
     print(f"{a.model}: {llm.config.num_layers} layers, {a.threads} threads")
     print(f"{'part':<20} {'ms/token':>9}")
     for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"{k:<20} {v:9.3f}")
     print(f"{'glue':<20} {mid['step'] - sum(parts.values()):9.3f}")
+    inner = {k: v for k, v in mid.items() if k.startswith(" ")}
+    if inner:
+        print("inside the native decode layers:")
+        for k, v in sorted(inner.items(), key=lambda kv: -kv[1]):
+            print(f"{k:<20} {v:9.3f}")
+        print(f"{'  calls, Python':<20} {mid['native decode layers'] - sum(inner.values()):9.3f}")
     steps = sorted(t["step"] for t in rounds)
     print(f"{'step':<20} {mid['step']:9.3f}   (rounds: {', '.join(f'{s:.2f}' for s in steps)})")
     print(

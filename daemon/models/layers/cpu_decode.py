@@ -3,26 +3,29 @@
 At one token a step's arithmetic is small next to what Python and torch's dispatch cost per op:
 the generic layer (attention.py, moe.py) runs some 40 torch ops and module calls per layer
 besides its kernels, measured at 0.8 ms a layer on a 2-core Sapphire Rapids VM (a 4-layer model
-with tiny weights decoded at 4.4 ms a token). A standard attention + MoE layer decoded here
-makes about a dozen calls into ``ftdense`` instead, each on raw addresses of buffers allocated
-once per step:
+with tiny weights decoded at 4.4 ms a token). A run of standard attention + MoE layers decodes
+here in one call into ``ftdense`` (native/dense/decode_layers.h), which makes the layer's dozen
+kernel calls itself on step buffers of its own:
 
     x = norm(h); q, k, v = qkv(x); q, k = head norms; q, k = rope; store k, v in the pool;
     a = decode attention; o = o_proj(a); h += o, x = norm(h) (one call); logits = router(x);
     ids, w = top-k (native); m = experts(x, ids, w); h += m
 
-The kernels are the generic path's own (dense_native, qlinear_native, the MoE executors), so
-the step computes the same numbers but for the routing weights: the native top-k's softmax
-rounds differently from torch's in the last bits (tests/test_cpu_decode.py bounds the logits'
-difference and checks the greedy tokens). ``plan_for`` says which layers qualify; any other
-layer, and every step that is not all decode rows on the CPU, takes the generic path.
+Before, Python made those calls one by one: about 0.15 ms a step of interpreter work and argument
+conversion on the decode benchmark's 4-layer model (Q4_K_M file), with every core but the
+caller's idle meanwhile. The kernels are the generic path's own (dense_native, qlinear_native, the
+MoE executors: a GGUF-block executor's experts run inside the call, ftnative's float executor is
+called back through Python), so the step computes the same numbers but for the routing weights:
+the native top-k's softmax rounds differently from torch's in the last bits
+(tests/test_cpu_decode.py bounds the logits' difference and checks the greedy tokens).
+``plan_for`` says which layers qualify; any other layer, and every step that is not all decode
+rows on the CPU, takes the generic path.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,12 +41,13 @@ if TYPE_CHECKING:
     from ..model import DecoderLayer
 
 Tensor = torch.Tensor
-# A projection group on addresses: (input address, rows T, output addresses) -> None.
-Project = Callable[[int, int, list[int]], None]
+# One projection group as decode_layers takes it: (GGUF blocks?, K, weight addresses, rows,
+# GGUF type codes).
+Proj = tuple[bool, int, list[int], list[int], list[int]]
 
 
-def _project(mods: list[Linear]) -> Project | None:
-    """One native call computing every module of ``mods`` from the same input (the generic
+def _project(mods: list[Linear]) -> Proj | None:
+    """Every module of ``mods`` computed from the same input in one native call (the generic
     path's ``project``), or None when they do not all take the same native path (bias-free:
     GGUF blocks in the models' input order, or bf16 weights)."""
     if any(m.bias is not None for m in mods):
@@ -54,99 +58,50 @@ def _project(mods: list[Linear]) -> Project | None:
         ptrs = [q.raw.data_ptr() for q in qws]  # type: ignore[union-attr]
         rows = [q.rows for q in qws]  # type: ignore[union-attr]
         codes = [q.code for q in qws]  # type: ignore[union-attr]
-        qlinear = dense_native._native.qlinear
-
-        def run_q(x: int, t: int, ys: list[int], _keep: object = qws) -> None:
-            qlinear(x, t, k, ptrs, rows, codes, ys, "")
-
-        return run_q
+        return True, k, ptrs, rows, codes
     ws = [m.weight for m in mods]
     if any(q is not None for q in qws) or not all(
         dense_native.weight_usable(w) and w.shape[1] == k for w in ws
     ):
         return None
-    wptrs = [w.data_ptr() for w in ws]
-    wrows = [w.shape[0] for w in ws]
-    linear = dense_native._native.linear
-
-    def run_bf16(x: int, t: int, ys: list[int], _keep: object = ws) -> None:
-        linear(x, t, k, wptrs, wrows, ys, True, True)
-
-    return run_bf16
-
-
-def _rows(m: Linear) -> int:
-    return m.qweight.rows if m.qweight is not None else int(m.weight.shape[0])
+    return False, k, [w.data_ptr() for w in ws], [int(w.shape[0]) for w in ws], []
 
 
 class LayerPlan:
-    """One qualifying decoder layer's weights as addresses and the native calls that decode it.
-    It holds the tensors behind those addresses (they stay valid while it lives); the model's
-    weights do not change after load on the CPU (placement moves them to a device, where the
-    fast path does not run), and the norms' fp32 scales are taken once, here."""
+    """One qualifying decoder layer as ``ftdense.DecodeLayer``: its weights and norm scales as
+    addresses. It holds the tensors behind those addresses (they stay valid while it lives); the
+    model's weights do not change after load on the CPU (placement moves them to a device, where
+    the fast path does not run), and the norms' fp32 scales are taken once, here."""
 
     def __init__(
-        self,
-        layer: DecoderLayer,
-        attn: Attention,
-        moe: SparseMoE,
-        qkv: Project,
-        o: Project,
-        router: Project,
+        self, layer: DecoderLayer, attn: Attention, moe: SparseMoE, qkv: Proj, o: Proj, router: Proj
     ) -> None:
-        # attn and moe hold the projections' tensors (the closures keep them too); no reference
-        # back to the layer, so an unloaded model's weights go with its last reference
+        # attn and moe hold the projections' tensors; no reference back to the layer, so an
+        # unloaded model's weights go with its last reference
         self.attn, self.moe = attn, moe
-        self.qkv, self.o, self.router = qkv, o, router
-        self.hidden = _rows(attn.o_proj)
-        self.q_rows, self.kv_rows = _rows(attn.q_proj), _rows(attn.k_proj)
-        self.experts = _rows(moe.router)
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.qk_norm == "head":
             norms += [attn.q_norm, attn.k_norm]
         self.scales = [n._fp32_scale() for n in norms]
-        self.eps = [n.eps for n in norms]
-        self.scale_ptrs = [s.data_ptr() for s in self.scales]
-
-    def run(self, h: Tensor, step: DecodeStep) -> None:
-        """Decodes ``h`` [T, hidden] (fp32, contiguous) through the layer, in place."""
-        nat = dense_native._native
-        a, m, t = self.attn, self.moe, step.t
-        heads, kvh, d, hid = a.heads, a.kv_heads, a.head_dim, self.hidden
-        x, q, k, v = (
-            step.buf(n, c)
-            for n, c in (("x", hid), ("q", self.q_rows), ("k", self.kv_rows), ("v", self.kv_rows))
+        self.native = dense_native._native.DecodeLayer(
+            hidden=qkv[1],
+            heads=attn.heads,
+            kv_heads=attn.kv_heads,
+            head_dim=attn.head_dim,
+            attn_scale=attn.scale,
+            window=attn.window or 0,
+            scales=[s.data_ptr() for s in self.scales],
+            eps=[n.eps for n in norms],
+            qkv=qkv,
+            o=o,
+            router=router,
+            experts=router[3][0],
+            top_k=moe.top_k,
+            softmax_first=moe.kind == "softmax",
+            renorm=moe.renorm,
+            moe_index=moe.moe_index,
+            kv_layer=attn.kv_layer,
         )
-        nat.rms_norm(h.data_ptr(), t, hid, self.scale_ptrs[0], self.eps[0], x)
-        self.qkv(x, t, [q, k, v])
-        if a.qk_norm == "head":
-            nat.rms_norm(q, t * heads, d, self.scale_ptrs[2], self.eps[2], q)
-            nat.rms_norm(k, t * kvh, d, self.scale_ptrs[3], self.eps[3], k)
-        qr, kr = step.buf("qr", self.q_rows), step.buf("kr", self.kv_rows)
-        rot, inter = step.rot, step.interleaved
-        nat.rope(q, t, heads, d, rot, inter, step.cos, step.sin, qr)
-        nat.rope(k, t, kvh, d, rot, inter, step.cos, step.sin, kr)
-        kp, vp, num_pages, page_size = step.kv_layer(a.kv_layer)
-        bf16 = step.kv_bf16
-        nat.kv_store(kr, v, t, kvh * d, step.slots, kp, vp, bf16)
-        att = step.buf("att", self.q_rows)
-        nat.decode_attention(
-            qr, t, att, heads, t, step.rows, step.lens, step.tables, step.width,
-            kp, vp, bf16, num_pages, page_size, kvh, d, a.scale, a.window or 0, 0,
-        )  # fmt: skip
-        o = step.buf("o", hid)
-        self.o(att, t, [o])
-        nat.add_rms_norm(h.data_ptr(), o, t, hid, self.scale_ptrs[1], self.eps[1], x)
-        logits = step.buf("logits", self.experts)
-        self.router(x, t, [logits])
-        ids, w = step.buf("ids", m.top_k, torch.int32), step.buf("w", m.top_k)
-        offset = m.moe_index * step.num_experts
-        nat.route_topk(
-            logits, t, self.experts, m.top_k, m.kind == "softmax", m.renorm, offset, ids, w
-        )
-        out = step.buf("moe", hid)
-        step.experts(x, ids, w, out, t, m.top_k)
-        nat.add_rows(h.data_ptr(), out, t * hid)
 
 
 def plan_for(layer: DecoderLayer) -> LayerPlan | None:
@@ -177,7 +132,7 @@ def plan_for(layer: DecoderLayer) -> LayerPlan | None:
 
 class DecodeStep:
     """What every layer of one decode step shares: the rows' KV slots and page tables, the rope
-    rows, and fp32 buffers allocated once per step (layers of one model have the same shapes)."""
+    rows, the KV pool's layers and the MoE executor; ``run`` decodes a run of layers."""
 
     def __init__(
         self,
@@ -190,12 +145,13 @@ class DecodeStep:
     ) -> None:
         chunks = batch.chunks
         self.t = len(chunks)
-        self.kv = batch.kv
         self.num_experts = moe.num_experts
-        # (x, ids, w, out, t, k) addresses -> None: the expert executor's native call
-        self.experts: Callable[[int, int, int, int, int, int], None] = (
-            moe.executor.forward_addresses  # type: ignore[attr-defined]
-        )
+        # the experts: a GGUF-block executor's native spec (run inside the call, on ftdense's
+        # pool), else its (x, ids, w, out, t, k) address call, made back through Python
+        executor: Any = moe.executor
+        spec = getattr(executor, "native_spec", None)
+        self.qmoe = spec() if spec is not None else None
+        self.experts = None if self.qmoe is not None else executor.forward_addresses
         ps = batch.kv.page_size
         pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
         self.width = width = max(pages)
@@ -221,28 +177,16 @@ class DecodeStep:
         self.cos, self.sin = cos.data_ptr(), sin.data_ptr()
         self.rot, self.interleaved = rot, interleaved
         self._bufs = _step_buffers(t)
-        kv = batch.kv
-        self.kv_bf16 = kv.dtype == torch.bfloat16
-        # a uniform pool is one tensor [layers, pages, page_size, ...] per K and V: a layer's
-        # pages are at a fixed stride from its base, no select op a layer and step
-        k, v = kv.k, kv.v
-        if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-            self._k_base, self._v_base = k.data_ptr(), v.data_ptr()
-            self._k_layer = k.stride(0) * k.element_size()
-            self._v_layer = v.stride(0) * v.element_size()
-            self._pages = (int(k.shape[1]), int(k.shape[2]))
+        self.kv = _kv_layers(batch.kv)
 
-    def kv_layer(self, layer: int) -> tuple[int, int, int, int]:
-        """Pool layer ``layer``'s K and V addresses, its pages and page size."""
-        k = self.kv.k
-        if isinstance(k, list):
-            kp, vp = k[layer], self.kv.v[layer]
-            return kp.data_ptr(), vp.data_ptr(), int(kp.shape[0]), int(kp.shape[1])
-        return (
-            self._k_base + layer * self._k_layer,
-            self._v_base + layer * self._v_layer,
-            *self._pages,
-        )
+    def run(self, plans: list[LayerPlan], h: Tensor) -> None:
+        """Decodes ``h`` [t, hidden] (fp32, contiguous) through ``plans``' layers, in place, in
+        one native call."""
+        dense_native._native.decode_layers(
+            [p.native for p in plans], h.data_ptr(), self.t, self.cos, self.sin, self.rot,
+            self.interleaved, self.slots, self.tables, self.rows, self.lens, self.width, self.kv,
+            self.num_experts, self.qmoe, self.experts, _timings[0],
+        )  # fmt: skip
 
     def tensor(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
         """This step's [t, cols] buffer ``name``: the same tensor for every step of ``t`` rows
@@ -253,9 +197,52 @@ class DecodeStep:
             b = self._bufs[key] = torch.empty(self.t, cols, dtype=dtype)
         return b
 
-    def buf(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> int:
-        """The address of this step's [t, cols] buffer ``name``."""
-        return self.tensor(name, cols, dtype).data_ptr()
+
+# The KV pool's layers as decode_layers takes them, for the last pool seen: (k, v, bf16, pages,
+# page size) per layer. A uniform pool is one tensor [layers, pages, page_size, ...] per K and
+# V, its layers at a fixed stride from its base; a pool of per-layer tensors lists them.
+_kv_seen: list[tuple[tuple[int, ...], list[tuple[int, int, bool, int, int]]]] = []
+
+
+def _kv_layers(kv: Any) -> list[tuple[int, int, bool, int, int]]:
+    k, v = kv.k, kv.v
+    bf16 = kv.dtype == torch.bfloat16
+    ks = k if isinstance(k, list) else [k]
+    key = (id(kv), bf16, *(x.data_ptr() for x in ks), *(s for x in ks for s in x.shape))
+    seen = _kv_seen[0] if _kv_seen else None
+    if seen is not None and seen[0] == key:
+        return seen[1]
+    if isinstance(k, list):
+        out = [
+            (kp.data_ptr(), vp.data_ptr(), bf16, int(kp.shape[0]), int(kp.shape[1]))
+            for kp, vp in zip(k, v, strict=True)
+        ]
+    else:
+        kb, vb = k.data_ptr(), v.data_ptr()
+        kl, vl = k.stride(0) * k.element_size(), v.stride(0) * v.element_size()
+        pages, size = int(k.shape[1]), int(k.shape[2])
+        out = [(kb + i * kl, vb + i * vl, bf16, pages, size) for i in range(int(k.shape[0]))]
+    _kv_seen[:] = [(key, out)]
+    return out
+
+
+# decode_layers' part timings (tests/bench/profile_decode.py): 0, or the address of a float64
+# tensor of len(ftdense.decode_parts()) seconds the calls add to.
+_timings = [0]
+
+
+def set_timings(seconds: Tensor | None) -> None:
+    """Have every decode step add its parts' times to ``seconds`` (float64, contiguous, one per
+    ``ftdense.decode_parts()``; it must outlive the steps), or stop with None."""
+    if seconds is not None:
+        parts = len(dense_native._native.decode_parts())
+        if (
+            seconds.dtype != torch.float64
+            or seconds.numel() != parts
+            or not seconds.is_contiguous()
+        ):
+            raise ValueError(f"timings must be a contiguous float64 tensor of {parts} values")
+    _timings[0] = seconds.data_ptr() if seconds is not None else 0
 
 
 # Step buffers by row count, per thread (two engine threads may decode at once): a decode step
