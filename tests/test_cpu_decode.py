@@ -71,8 +71,11 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
     runs = [0]
     run = cpu_decode.DecodeStep.run
 
+    experts: set[str] = set()
+
     def counted(self, plans, h):  # type: ignore[no-untyped-def]
         runs[0] += len(plans)
+        experts.add("qmoe" if self.qmoe else "float" if self.float_experts else "callback")
         return run(self, plans, h)
 
     monkeypatch.setattr(cpu_decode.DecodeStep, "run", counted)
@@ -104,6 +107,9 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
     assert 0 < moe_layers < llm.config.num_layers
     assert runs[0] == 12 * moe_layers  # each decode step took the fast path in each of them
     assert finals[0] == embeds[0] == 12  # and its embedding gather and last norm, once a step
+    # the experts ran inside the native call on ftdense's pool: the block executor's QMoe, or
+    # ftnative's float executor through its entry (executor_bridge.h)
+    assert experts == {"qmoe" if quantize else "float"}
     assert tokens == ref_tokens
     assert (got - ref).abs().max().item() < TOL
     assert ref.abs().max().item() > 0.5  # real logits, not zeros
@@ -261,14 +267,18 @@ def test_decode_layer_specs_are_checked() -> None:
         kv=[(kv[0].data_ptr(), kv[1].data_ptr(), False, 1, 4)], num_experts=8,
     )  # fmt: skip
     with pytest.raises(ValueError, match="no experts"):
-        nat.decode_layers([layer], **step, qmoe=None, experts=None)
+        nat.decode_layers([layer], **step, qmoe=None, float_experts=None, experts=None)
     with pytest.raises(ValueError, match="kv_layer"):
-        nat.decode_layers([layer], **{**step, "kv": []}, qmoe=None, experts=print)
+        nat.decode_layers(
+            [layer], **{**step, "kv": []}, qmoe=None, float_experts=None, experts=print
+        )
     bad_qkv = {**args, "qkv": (False, 64, [w.data_ptr()] * 3, [64, 64, 32], [])}
     with pytest.raises(ValueError, match="qkv rows"):
-        nat.decode_layers([nat.DecodeLayer(**bad_qkv)], **step, qmoe=None, experts=print)
+        nat.decode_layers(
+            [nat.DecodeLayer(**bad_qkv)], **step, qmoe=None, float_experts=None, experts=print
+        )
     calls: list[tuple[int, ...]] = []
     nat.decode_layers(
-        [layer], **step, qmoe=None, experts=lambda *a: calls.append(a)
+        [layer], **step, qmoe=None, float_experts=None, experts=lambda *a: calls.append(a)
     )  # zero weights: a step that runs, the experts called back once with t=1, k=2
     assert len(calls) == 1 and calls[0][4:] == (1, 2)

@@ -253,6 +253,12 @@ class CpuExecutor:
         )
         return out
 
+    def native_entry(self) -> tuple[int, int]:
+        """(function address, executor address) with which another native module runs this
+        executor's call on its own thread pool (native/src/executor_bridge.h; the decode step of
+        models/layers/cpu_decode.py, on ftdense's pool); valid while this executor lives."""
+        return tuple(self._exec.forward_on_entry)  # type: ignore[return-value]
+
     def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
         """``forward`` on raw addresses the caller has checked (models/layers/cpu_decode.py):
         x [t, H] fp32, ids [t, k] int32, w [t, k] fp32, out [t, H] fp32."""

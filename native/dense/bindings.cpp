@@ -6,12 +6,14 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "decode_attention.h"
 #include "decode_layers.h"
+#include "executor_bridge.h"
 #include "decode_step.h"
 #include "dense_linear.h"
 #include "dense_linear_bf16.h"
@@ -137,8 +139,11 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
                         int t, uintptr_t cos, uintptr_t sin, int rot, bool interleaved,
                         uintptr_t slots, uintptr_t tables, uintptr_t rows, uintptr_t lens,
                         int64_t width, const std::vector<KvArg>& kv, int num_experts,
-                        const ftdense::QMoeSpec* qmoe, py::object experts, uintptr_t timings) {
-  if (!qmoe && experts.is_none()) throw py::value_error("decode_layers: no experts given");
+                        const ftdense::QMoeSpec* qmoe,
+                        std::optional<std::tuple<uintptr_t, uintptr_t>> float_experts,
+                        py::object experts, uintptr_t timings) {
+  if (!qmoe && !float_experts && experts.is_none())
+    throw py::value_error("decode_layers: no experts given");
   ftdense::DecodeStepArgs step;
   step.t = t;
   step.cos = reinterpret_cast<const float*>(cos);
@@ -164,9 +169,21 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
     ks = {pool.get(), s.qdot, s.bf16, s.bf16dot, s.attention};
   }
   ftdense::ExpertsFn fn;
+  // an ftnative executor's call on this module's pool (executor_bridge.h)
+  const ftnative::ExternalPool ext{
+      [](void* p, void (*task)(void*, int64_t), void* ctx, int64_t tasks) {
+        static_cast<ftdense::Pool*>(p)->run(task, ctx, tasks);
+      },
+      pool.get(), pool->threads()};
   if (qmoe) {
     fn = [&ks, qmoe](const float* x, const int32_t* ids, const float* w, float* out, int T,
                      int K) { ftdense::qmoe_forward(*ks.pool, *ks.qdot, *qmoe, x, ids, w, out, T, K); };
+  } else if (float_experts) {
+    const auto [entry, exec] = *float_experts;
+    const auto forward_on = reinterpret_cast<ftnative::ForwardOnFn>(entry);
+    void* e = reinterpret_cast<void*>(exec);
+    fn = [&ext, forward_on, e](const float* x, const int32_t* ids, const float* w, float* out,
+                               int T, int K) { forward_on(e, x, ids, w, out, T, K, &ext); };
   } else {
     fn = [&experts](const float* x, const int32_t* ids, const float* w, float* out, int T,
                     int K) {
@@ -493,11 +510,12 @@ PYBIND11_MODULE(ftdense, m) {
   m.def("decode_layers", &decode_layers_call, py::arg("layers"), py::arg("h"), py::arg("t"),
         py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("interleaved"), py::arg("slots"),
         py::arg("tables"), py::arg("rows"), py::arg("lens"), py::arg("width"), py::arg("kv"),
-        py::arg("num_experts"), py::arg("qmoe"), py::arg("experts"), py::arg("timings") = 0,
+        py::arg("num_experts"), py::arg("qmoe"), py::arg("float_experts"), py::arg("experts"),
+        py::arg("timings") = 0,
         "Decodes h [t, hidden] fp32 (address) through `layers` in place, in one call "
-        "(decode_layers.h). kv: per KV layer (k, v, bf16, pages, page size); experts: a QMoe "
-        "(on this module's pool) or, when qmoe is None, experts(x, ids, w, out, t, k) on "
-        "addresses; timings: 0 or the address of 10 float64 seconds added per part.");
+        "(decode_layers.h). kv: per KV layer (k, v, bf16, pages, page size); the experts: a QMoe "
+        "(qmoe), an ftnative Executor's forward_on_entry (float_experts; both on this module's "
+        "pool) or experts(x, ids, w, out, t, k) on addresses; timings: 0 or the address of 10 float64 seconds added per part.");
   m.def("decode_parts", [] {
     return std::vector<std::string>{"qkv", "o", "router", "experts", "attention", "norms",
                                     "rope", "kv_store", "route_topk", "add_rows"};

@@ -98,6 +98,18 @@ PYBIND11_MODULE(ftnative, m) {
           py::arg("x"), py::arg("flat_ids"), py::arg("weights"), py::arg("out"), py::arg("T"),
           py::arg("K"),
           "x [T,H] fp32, flat_ids [T,K] int32, weights [T,K] fp32, out [T,H] fp32 addresses.")
+      .def_property_readonly(
+          "forward_on_entry",
+          [](Executor& e) {
+            const ftnative::ForwardOnFn fn = [](void* exec, const float* x, const int32_t* ids,
+                                               const float* w, float* out, int T, int K,
+                                               const ftnative::ExternalPool* ext) {
+              static_cast<Executor*>(exec)->forward_on(*ext, x, ids, w, out, T, K);
+            };
+            return std::make_tuple(reinterpret_cast<uintptr_t>(fn), reinterpret_cast<uintptr_t>(&e));
+          },
+          "(function address, executor address): forward on another module's thread pool "
+          "(executor_bridge.h); valid while this executor lives.")
       .def_property_readonly("isa", &Executor::isa)
       .def_property_readonly("bf16_dot", &Executor::bf16_dot)
       .def_property_readonly("threads", &Executor::threads);

@@ -189,23 +189,40 @@ void Executor::proj_tile(Proj p, int64_t fid, int r0, int rows, const float* xp,
   else kern_->tile(wrows(p, fid, r0), k, rows, k, xp, nb, y);
 }
 
-void Executor::forward(const float* x, const int32_t* ids, const float* weights, float* out,
+bool Executor::prepare(const float* x, const int32_t* ids, const float* weights, float* out,
                        int T, int K) {
-  std::lock_guard<std::mutex> lock(call_mu_);
   const int64_t H = banks_.hidden;
-  if (T <= 0) return;
+  if (T <= 0) return false;
   x_ = x;
   out_ = out;
   T_ = T;
   plan(ids, weights, T, K);
   if (groups_.empty()) {
     std::memset(out, 0, sizeof(float) * T * H);
-    return;
+    return false;
   }
   build_tasks(T);
   next_.store(0);
   for (auto& d : done_) d.store(0);
-  pool_->run(*this);
+  return true;
+}
+
+void Executor::forward(const float* x, const int32_t* ids, const float* weights, float* out,
+                       int T, int K) {
+  std::lock_guard<std::mutex> lock(call_mu_);
+  if (prepare(x, ids, weights, out, T, K)) pool_->run(*this);
+}
+
+void Executor::forward_on(const ExternalPool& ext, const float* x, const int32_t* ids,
+                          const float* weights, float* out, int T, int K) {
+  std::lock_guard<std::mutex> lock(call_mu_);
+  if (!prepare(x, ids, weights, out, T, K)) return;
+  // participant i works with scratch_[i]: no more of them than this executor has workers
+  const int64_t n = std::clamp(ext.threads, 1, pool_->size());
+  ext.run(
+      ext.pool,
+      [](void* self, int64_t i) { static_cast<Executor*>(self)->work(static_cast<int>(i)); },
+      this, n);
 }
 
 void Executor::plan(const int32_t* ids, const float* weights, int T, int K) {

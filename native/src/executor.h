@@ -45,6 +45,7 @@
 
 #include "kernels.h"
 #include "kernels_bf16dot.h"
+#include "executor_bridge.h"
 #include "thread_pool.h"
 
 namespace ftnative {
@@ -112,6 +113,11 @@ class Executor final : public PoolJob {
   void forward(const float* x, const int32_t* flat_ids, const float* weights, float* out, int T,
                int K);
 
+  // forward with the tasks run on `ext` instead of this executor's own workers
+  // (executor_bridge.h): at most threads() of its threads take part.
+  void forward_on(const ExternalPool& ext, const float* x, const int32_t* flat_ids,
+                  const float* weights, float* out, int T, int K);
+
   const std::string& isa() const { return isa_; }
   bool bf16_dot() const { return bkern_ != nullptr; }  // bf16 banks on the bf16-dot kernels
   int threads() const { return pool_->size(); }
@@ -120,6 +126,10 @@ class Executor final : public PoolJob {
   bool finished() const override;
 
  private:
+  // forward up to the tasks' start; false when there is nothing to run (out zeroed)
+  bool prepare(const float* x, const int32_t* flat_ids, const float* weights, float* out, int T,
+               int K);
+
   struct Group {
     int64_t fid;
     int begin, n;   // routes [begin, begin + n) of the sorted route arrays

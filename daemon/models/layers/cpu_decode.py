@@ -14,8 +14,9 @@ kernel calls itself on step buffers of its own:
 Before, Python made those calls one by one: about 0.15 ms a step of interpreter work and argument
 conversion on the decode benchmark's 4-layer model (Q4_K_M file), with every core but the
 caller's idle meanwhile. The kernels are the generic path's own (dense_native, qlinear_native, the
-MoE executors: a GGUF-block executor's experts run inside the call, ftnative's float executor is
-called back through Python), so the step computes the same numbers but for the routing weights:
+MoE executors, run inside the call on ftdense's pool: the float executor's too, through
+native/src/executor_bridge.h, where before each layer handed the cores to its own pool and back),
+so the step computes the same numbers but for the routing weights:
 the native top-k's softmax rounds differently from torch's in the last bits
 (tests/test_cpu_decode.py bounds the logits' difference and checks the greedy tokens).
 ``plan_for`` says which layers qualify; any other layer, and every step that is not all decode
@@ -146,12 +147,18 @@ class DecodeStep:
         chunks = batch.chunks
         self.t = len(chunks)
         self.num_experts = moe.num_experts
-        # the experts: a GGUF-block executor's native spec (run inside the call, on ftdense's
-        # pool), else its (x, ids, w, out, t, k) address call, made back through Python
+        # the experts, run inside the call on ftdense's pool: a GGUF-block executor's native
+        # spec, or ftnative's float executor through its entry (native/src/executor_bridge.h);
+        # any other executor's (x, ids, w, out, t, k) address call is made back through Python
         executor: Any = moe.executor
         spec = getattr(executor, "native_spec", None)
+        entry = getattr(executor, "native_entry", None)
         self.qmoe = spec() if spec is not None else None
-        self.experts = None if self.qmoe is not None else executor.forward_addresses
+        self.float_experts = entry() if entry is not None and self.qmoe is None else None
+        self._executor = executor  # what the addresses point into
+        self.experts = None
+        if self.qmoe is None and self.float_experts is None:
+            self.experts = executor.forward_addresses
         ps = batch.kv.page_size
         pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
         self.width = width = max(pages)
@@ -185,7 +192,7 @@ class DecodeStep:
         dense_native._native.decode_layers(
             [p.native for p in plans], h.data_ptr(), self.t, self.cos, self.sin, self.rot,
             self.interleaved, self.slots, self.tables, self.rows, self.lens, self.width, self.kv,
-            self.num_experts, self.qmoe, self.experts, _timings[0],
+            self.num_experts, self.qmoe, self.float_experts, self.experts, _timings[0],
         )  # fmt: skip
 
     def tensor(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
