@@ -23,7 +23,8 @@ def test_median_row_keeps_each_round_by_its_number() -> None:
     assert row.decode_tok_s == 15.0  # median of 10 and 20
     assert row.extra["decode_rounds"] == {0: 10.0, 2: 20.0}
     assert row.extra["prefill_rounds"] == {0: 100.0, 2: 102.0}
-    assert row.note == "note, rounds 2"
+    assert row.note == "note, rounds 2 of 3 (1 failed: worker failed)"  # not dropped unsaid
+    assert median_row(_rounds("a", [10.0, 20.0])).note == "note, rounds 2"
 
 
 def test_roofline_is_taken_against_each_rounds_own_ceiling() -> None:

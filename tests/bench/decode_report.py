@@ -160,6 +160,9 @@ def median_row(rows: list[Row]) -> Row:
     pre = statistics.median(r.prefill_tok_s or 0.0 for _, r in ok)
     first = ok[0][1]
     note = first.note + (f", rounds {len(ok)}" if len(ok) > 1 else "")
+    failed = [r for r in rows if r.decode_tok_s is None]
+    if failed:  # a round that failed is dropped from the medians, and said so
+        note += f" of {len(rows)} ({len(failed)} failed: {failed[0].note[:120]})"
     extra = {
         **first.extra,
         "decode_rounds": {i: r.decode_tok_s for i, r in ok},
