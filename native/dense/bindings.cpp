@@ -13,10 +13,10 @@
 
 #include "decode_attention.h"
 #include "decode_layers.h"
-#include "executor_bridge.h"
 #include "decode_step.h"
 #include "dense_linear.h"
 #include "dense_linear_bf16.h"
+#include "executor_bridge.h"
 #include "pool.h"
 #include "qlinear.h"
 #include "qmoe.h"
@@ -80,7 +80,6 @@ ftdense::QType qtype_code(int code) {
         "or 7 (q4_k), 8 (q6_k), 9 (mxfp4), 10 (q8_0), 11 (q5_k) interleaved by 8");
   return static_cast<ftdense::QType>(code);
 }
-
 
 // (quant, K, weight addresses, rows, GGUF types) -> a projection group of decode_layers.h.
 using ProjArg = std::tuple<bool, int, std::vector<uintptr_t>, std::vector<int>, std::vector<int>>;
@@ -177,7 +176,9 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
       pool.get(), pool->threads()};
   if (qmoe) {
     fn = [&ks, qmoe](const float* x, const int32_t* ids, const float* w, float* out, int T,
-                     int K) { ftdense::qmoe_forward(*ks.pool, *ks.qdot, *qmoe, x, ids, w, out, T, K); };
+                     int K) {
+      ftdense::qmoe_forward(*ks.pool, *ks.qdot, *qmoe, x, ids, w, out, T, K);
+    };
   } else if (float_experts) {
     const auto [entry, exec] = *float_experts;
     const auto forward_on = reinterpret_cast<ftnative::ForwardOnFn>(entry);
@@ -515,11 +516,16 @@ PYBIND11_MODULE(ftdense, m) {
         "Decodes h [t, hidden] fp32 (address) through `layers` in place, in one call "
         "(decode_layers.h). kv: per KV layer (k, v, bf16, pages, page size); the experts: a QMoe "
         "(qmoe), an ftnative Executor's forward_on_entry (float_experts; both on this module's "
-        "pool) or experts(x, ids, w, out, t, k) on addresses; timings: 0 or the address of 10 float64 seconds added per part.");
-  m.def("decode_parts", [] {
-    return std::vector<std::string>{"qkv", "o", "router", "experts", "attention", "norms",
-                                    "rope", "kv_store", "route_topk", "add_rows"};
-  }, "The names of decode_layers' timed parts, in order.");
+        "pool) or experts(x, ids, w, out, t, k) on addresses; timings: 0 or the address of "
+        "len(decode_parts()) float64 seconds the call adds to.");
+  m.def(
+      "decode_parts",
+      [] {
+        return std::vector<std::string>{"qkv",       "o",     "router", "experts",
+                                        "attention", "norms", "rope",   "kv_store",
+                                        "route_topk", "add_rows"};
+      },
+      "The names of decode_layers' timed parts, in order (decode_layers.h's DecodePart).");
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "
                                 "the bank addresses.")

@@ -106,7 +106,8 @@ PYBIND11_MODULE(ftnative, m) {
                                                const ftnative::ExternalPool* ext) {
               static_cast<Executor*>(exec)->forward_on(*ext, x, ids, w, out, T, K);
             };
-            return std::make_tuple(reinterpret_cast<uintptr_t>(fn), reinterpret_cast<uintptr_t>(&e));
+            return std::make_tuple(reinterpret_cast<uintptr_t>(fn),
+                                   reinterpret_cast<uintptr_t>(&e));
           },
           "(function address, executor address): forward on another module's thread pool "
           "(executor_bridge.h); valid while this executor lives.")
