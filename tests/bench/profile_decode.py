@@ -1,7 +1,8 @@
 """Where one decode step of freetoken's `cpu` backend spends its time, by part.
 
     .venv/bin/python tests/bench/profile_decode.py MODEL [--threads 2] [--tokens 64]
-        [--quantize q4_k_m] [--quantize-experts q4_k] [--fp32-act] [--generic]
+        [--quantize q4_k_m] [--quantize-experts q4_k] [--fp32-act] [--isa avx2] [--generic]
+        [--split-native]
 
 MODEL is a checkpoint folder or a GGUF file (the decode benchmark's are in
 /tmp/ftbench_decode: `mid/`, `mid-q4_k_m.gguf`, ...). After a warm-up, it decodes --tokens
@@ -86,6 +87,12 @@ def main() -> None:
         action="store_true",
         help="bf16 weights on the fp32-activation kernels (cpu_bf16_dot off)",
     )
+    ap.add_argument(
+        "--isa",
+        default="",
+        choices=("", "avx2", "avx512", "scalar"),
+        help="every kernel on this path, as bench_decode's --isa (avx2: a CPU without AVX-512)",
+    )
     ap.add_argument("--generic", action="store_true", help="without the native decode path")
     ap.add_argument(
         "--split-native",
@@ -102,6 +109,15 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     cpu_decode.set_enabled(not a.generic)
+    if a.isa:  # as bench_decode's workers force it (decode_workers.freetoken)
+        from freetokend.engine import llm as llm_module
+        from freetokend.models.layers import dense_native
+
+        def forced(bf16_dot: bool, threads: int | None) -> str:
+            dense_native.configure(threads, isa=a.isa)
+            return str(a.isa)
+
+        llm_module._cpu_isa = forced  # type: ignore[assignment]
     llm = LLM(
         a.model,
         moe_backend="cpu",
