@@ -64,13 +64,29 @@ void configure(int threads, int spin_us, const std::string& isa) {
   s.qdot = qdot;
 }
 
-// The pool and the qdot set of a call: `isa` empty for the configured one.
-std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::QDotSet*& ks) {
+// What a call runs on, copied under the lock: the call holds its own reference to the pool
+// (configure may replace it meanwhile).
+struct Configured {
+  std::shared_ptr<ftdense::Pool> pool;
+  const ftnative::KernelSet* bf16;
+  const ftnative::KernelSet* f32;
+  const ftnative::Bf16DotSet* bf16dot;
+  ftdense::RangeFn attention;
+  const ftdense::QDotSet* qdot;
+};
+
+Configured configured() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
-  ks = isa.empty() ? s.qdot : &ftdense::qdot_set(isa);
-  return s.pool;
+  return {s.pool, s.bf16, s.f32, s.bf16dot, s.attention, s.qdot};
+}
+
+// The pool and the qdot set of a call: `isa` empty for the configured one.
+std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::QDotSet*& ks) {
+  Configured c = configured();
+  ks = isa.empty() ? c.qdot : &ftdense::qdot_set(isa);
+  return c.pool;
 }
 
 ftdense::QType qtype_code(int code) {
@@ -158,15 +174,9 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
   for (const auto& [k, v, bf16, pages, page_size] : kv)
     step.kv.push_back({reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v), bf16,
                        pages, page_size, 0, 0});
-  State& s = state();
-  std::shared_ptr<ftdense::Pool> pool;
-  ftdense::DecodeKernels ks;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
-    pool = s.pool;
-    ks = {pool.get(), s.qdot, s.bf16, s.bf16dot, s.attention};
-  }
+  const Configured c = configured();
+  const std::shared_ptr<ftdense::Pool>& pool = c.pool;
+  const ftdense::DecodeKernels ks{pool.get(), c.qdot, c.bf16, c.bf16dot, c.attention};
   ftdense::ExpertsFn fn;
   // an ftnative executor's call on this module's pool (executor_bridge.h)
   const ftnative::ExternalPool ext{
@@ -358,15 +368,7 @@ PYBIND11_MODULE(ftdense, m) {
          uintptr_t lens, uintptr_t tables, int64_t table_stride, uintptr_t k, uintptr_t v,
          bool bf16, int64_t num_pages, int page_size, int kv_heads, int d, float scale, int window,
          uintptr_t sinks) {
-        State& s = state();
-        std::shared_ptr<ftdense::Pool> pool;
-        ftdense::RangeFn fn;
-        {
-          std::lock_guard<std::mutex> lock(s.mu);
-          if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
-          pool = s.pool;
-          fn = s.attention;
-        }
+        const Configured c = configured();
         const ftdense::KvPages kv{reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
                                   bf16, num_pages, page_size, kv_heads, d};
         const ftdense::DecodeRows r{reinterpret_cast<const float*>(q),
@@ -382,7 +384,7 @@ PYBIND11_MODULE(ftdense, m) {
                                     window,
                                     reinterpret_cast<const float*>(sinks)};
         py::gil_scoped_release release;
-        ftdense::decode_attention(*pool, fn, kv, r);
+        ftdense::decode_attention(*c.pool, c.attention, kv, r);
       },
       py::arg("q"), py::arg("q_rows"), py::arg("out"), py::arg("heads"), py::arg("n"),
       py::arg("rows"), py::arg("lens"), py::arg("tables"), py::arg("table_stride"), py::arg("k"),
@@ -397,24 +399,16 @@ PYBIND11_MODULE(ftdense, m) {
          const std::vector<uintptr_t>& y, bool bf16, bool round_input) {
         if (w.size() != N.size() || w.size() != y.size())
           throw py::value_error("w, N and y must have the same length");
-        State& s = state();
-        std::shared_ptr<ftdense::Pool> pool;
-        const ftnative::KernelSet* ks;
-        const ftnative::Bf16DotSet* dot;
-        {
-          std::lock_guard<std::mutex> lock(s.mu);
-          if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
-          pool = s.pool;
-          ks = bf16 ? s.bf16 : s.f32;
-          dot = bf16 && round_input ? s.bf16dot : nullptr;  // it rounds x to bf16
-        }
+        const Configured c = configured();
+        const ftnative::KernelSet* ks = bf16 ? c.bf16 : c.f32;
+        const auto* dot = bf16 && round_input ? c.bf16dot : nullptr;  // it rounds x to bf16
         const ftdense::Input in{reinterpret_cast<const float*>(x), T, K, bf16, round_input};
         std::vector<ftdense::Output> outs;
         for (size_t i = 0; i < w.size(); ++i)
           outs.push_back({reinterpret_cast<const void*>(w[i]), N[i], reinterpret_cast<float*>(y[i])});
         py::gil_scoped_release release;
-        if (dot) ftdense::linear_bf16dot(*pool, *dot, in, outs);
-        else ftdense::linear(*pool, *ks, in, outs);
+        if (dot) ftdense::linear_bf16dot(*c.pool, *dot, in, outs);
+        else ftdense::linear(*c.pool, *ks, in, outs);
       },
       py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("y"),
       py::arg("bf16"), py::arg("round_input"),
