@@ -32,6 +32,7 @@ def dense_extension() -> Extension:
         _NATIVE / "dense" / n
         for n in (
             "bindings.cpp",
+            "bindings_decode.cpp",
             "pool.cpp",
             "dense_linear.cpp",
             "dense_linear_bf16.cpp",

@@ -97,9 +97,9 @@ FT_INLINE void logits(const float* q, int d, const char* const* kp, int t, float
 // A tile's K and V slices of this KV head. The next tile's are prefetched a key at a time as
 // the logits loop walks the current tile. Before, the whole tile's prefetches went out in one
 // burst at the tile's start, and only up to the end of the range (a 64-key block), so every
-// second tile had none. Measured with the KV pages out of cache (32 query / 4 KV heads, d 128, bf16, 2 threads,
-// alternated in one process): 1.14x, 1.09x, 1.39x, 1.39x faster at 80, 464, 3000 and 12000
-// keys; spreading the burst alone, still stopping at the block's end, gave 1.06x to 1.23x, and
+// second tile had none. Measured with the KV pages out of cache (32 query / 4 KV heads, d 128,
+// bf16, 2 threads, alternated in one process): 1.14x, 1.09x, 1.39x, 1.39x faster at 80, 464,
+// 3000 and 12000 keys; spreading the burst alone, still stopping at the block's end, gave 1.06x to 1.23x, and
 // prefetching 2 or 3 tiles ahead was slower than 1. Into L2 (T1), not L1: a tile's K and V
 // slices and the next tile's are more than L1 holds with q and acc, and T0 prefetches pushed out
 // lines still in use; T1 over T0, the same setting: 1.32x to 1.38x at 464 and 3000 keys cold,

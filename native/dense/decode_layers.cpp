@@ -52,9 +52,7 @@ void project(const DecodeKernels& ks, const ProjGroup& g, const float* x, int t,
   std::vector<Output> outs;
   outs.reserve(g.w.size());
   for (size_t i = 0; i < g.w.size(); ++i) outs.push_back({g.w[i], g.rows[i], ys[i]});
-  const Input in{x, t, g.K, true, true};
-  if (ks.bf16dot) linear_bf16dot(*ks.pool, *ks.bf16dot, in, outs);
-  else linear(*ks.pool, *ks.bf16, in, outs);
+  linear_any(*ks.pool, *ks.bf16, ks.bf16dot, Input{x, t, g.K, true, true}, outs);
 }
 
 class Clock {

@@ -66,4 +66,10 @@ void linear_bf16dot(Pool& pool, const Bf16DotSet& ks, const Input& in,
   tasks::run<Job, uint16_t>(pool, j);
 }
 
+void linear_any(Pool& pool, const ftnative::KernelSet& ks, const Bf16DotSet* dot,
+                const Input& in, const std::vector<Output>& outs) {
+  if (dot && in.bf16 && in.round_input) linear_bf16dot(pool, *dot, in, outs);
+  else linear(pool, ks, in, outs);
+}
+
 }  // namespace ftdense

@@ -20,4 +20,9 @@ const ftnative::Bf16DotSet* bf16dot_set(const std::string& isa);
 void linear_bf16dot(Pool& pool, const ftnative::Bf16DotSet& ks, const Input& in,
                     const std::vector<Output>& outs);
 
+// bf16 weights with a rounded input on `dot` when it is set (the configured bf16-dot kernels),
+// anything else on `ks`: the choice every caller makes.
+void linear_any(Pool& pool, const ftnative::KernelSet& ks, const ftnative::Bf16DotSet* dot,
+                const Input& in, const std::vector<Output>& outs);
+
 }  // namespace ftdense

@@ -1,0 +1,37 @@
+// What the `ftdense` module's binding files share (bindings.cpp owns the state): the configured
+// pool and kernels, and the GGUF type codes as Python passes them.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <memory>
+
+#include "decode_attention.h"
+#include "dense_linear.h"
+#include "kernels_bf16dot.h"
+#include "pool.h"
+#include "qdot.h"
+
+namespace ftdense_py {
+
+// What a call runs on, copied under the lock: the call holds its own reference to the pool
+// (configure may replace it meanwhile).
+struct Configured {
+  std::shared_ptr<ftdense::Pool> pool;
+  const ftnative::KernelSet* bf16;
+  const ftnative::KernelSet* f32;
+  const ftnative::Bf16DotSet* bf16dot;  // bf16 weights take it when set
+  ftdense::RangeFn attention;
+  const ftdense::QDotSet* qdot;
+};
+
+// Throws std::runtime_error before ftdense.configure() ran.
+Configured configured();
+
+// A qtype code (0 q8_0 ... 11 q5_k interleaved) checked; py::value_error otherwise.
+ftdense::QType qtype_code(int code);
+
+// decode_layers' classes and functions (bindings_decode.cpp).
+void bind_decode_layers(pybind11::module_& m);
+
+}  // namespace ftdense_py

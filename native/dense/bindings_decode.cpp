@@ -1,0 +1,164 @@
+// `ftdense`'s decode_layers (decode_layers.h): a decoder layer's spec as Python builds it, and
+// the one call that decodes a run of layers.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "bindings_common.h"
+#include "decode_layers.h"
+#include "executor_bridge.h"
+#include "qmoe.h"
+
+namespace py = pybind11;
+
+namespace ftdense_py {
+namespace {
+
+// (quant, K, weight addresses, rows, GGUF types) -> a projection group of decode_layers.h.
+using ProjArg = std::tuple<bool, int, std::vector<uintptr_t>, std::vector<int>, std::vector<int>>;
+
+ftdense::ProjGroup proj_group(const ProjArg& a) {
+  const auto& [quant, K, w, rows, types] = a;
+  ftdense::ProjGroup g;
+  g.quant = quant;
+  g.K = K;
+  for (uintptr_t p : w) g.w.push_back(reinterpret_cast<const void*>(p));
+  g.rows = rows;
+  if (quant)
+    for (int c : types) g.types.push_back(qtype_code(c));
+  return g;
+}
+
+ftdense::DecodeLayerSpec decode_layer_spec(int hidden, int heads, int kv_heads, int head_dim,
+                                           float attn_scale, int window,
+                                           const std::vector<uintptr_t>& scales,
+                                           const std::vector<float>& eps, const ProjArg& qkv,
+                                           const ProjArg& o, const ProjArg& router, int experts,
+                                           int top_k, bool softmax_first, bool renorm,
+                                           int moe_index, int kv_layer) {
+  if (scales.size() != eps.size() || (scales.size() != 2 && scales.size() != 4))
+    throw py::value_error("scales and eps: 2 norms, or 4 with per-head q and k norms");
+  ftdense::DecodeLayerSpec l;
+  l.hidden = hidden;
+  l.heads = heads;
+  l.kv_heads = kv_heads;
+  l.head_dim = head_dim;
+  l.q_rows = heads * head_dim;
+  l.kv_rows = kv_heads * head_dim;
+  l.attn_scale = attn_scale;
+  l.window = window;
+  l.head_norm = scales.size() == 4;
+  for (size_t i = 0; i < scales.size(); ++i) {
+    l.scale[i] = reinterpret_cast<const float*>(scales[i]);
+    l.eps[i] = eps[i];
+  }
+  l.qkv = proj_group(qkv);
+  l.o = proj_group(o);
+  l.router = proj_group(router);
+  l.experts = experts;
+  l.top_k = top_k;
+  l.softmax_first = softmax_first;
+  l.renorm = renorm;
+  l.moe_index = moe_index;
+  l.kv_layer = kv_layer;
+  return l;
+}
+
+// (k address, v address, bf16, pages, page size) of one layer of the KV pool.
+using KvArg = std::tuple<uintptr_t, uintptr_t, bool, int64_t, int>;
+
+void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& layers, uintptr_t h,
+                        int t, uintptr_t cos, uintptr_t sin, int rot, bool interleaved,
+                        uintptr_t slots, uintptr_t tables, uintptr_t rows, uintptr_t lens,
+                        int64_t width, const std::vector<KvArg>& kv, int num_experts,
+                        const ftdense::QMoeSpec* qmoe,
+                        std::optional<std::tuple<uintptr_t, uintptr_t>> float_experts,
+                        py::object experts, uintptr_t timings) {
+  if (!qmoe && !float_experts && experts.is_none())
+    throw py::value_error("decode_layers: no experts given");
+  ftdense::DecodeStepArgs step;
+  step.t = t;
+  step.cos = reinterpret_cast<const float*>(cos);
+  step.sin = reinterpret_cast<const float*>(sin);
+  step.rot = rot;
+  step.interleaved = interleaved;
+  step.slots = reinterpret_cast<const int64_t*>(slots);
+  step.tables = reinterpret_cast<const int32_t*>(tables);
+  step.rows = reinterpret_cast<const int32_t*>(rows);
+  step.lens = reinterpret_cast<const int32_t*>(lens);
+  step.width = width;
+  step.num_experts = num_experts;
+  for (const auto& [k, v, bf16, pages, page_size] : kv)
+    step.kv.push_back({reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v), bf16,
+                       pages, page_size, 0, 0});
+  const Configured c = configured();
+  const std::shared_ptr<ftdense::Pool>& pool = c.pool;
+  const ftdense::DecodeKernels ks{pool.get(), c.qdot, c.bf16, c.bf16dot, c.attention};
+  ftdense::ExpertsFn fn;
+  // an ftnative executor's call on this module's pool (executor_bridge.h)
+  const ftnative::ExternalPool ext{
+      [](void* p, void (*task)(void*, int64_t), void* ctx, int64_t tasks) {
+        static_cast<ftdense::Pool*>(p)->run(task, ctx, tasks);
+      },
+      pool.get(), pool->threads()};
+  if (qmoe) {
+    fn = [&ks, qmoe](const float* x, const int32_t* ids, const float* w, float* out, int T,
+                     int K) {
+      ftdense::qmoe_forward(*ks.pool, *ks.qdot, *qmoe, x, ids, w, out, T, K);
+    };
+  } else if (float_experts) {
+    const auto [entry, exec] = *float_experts;
+    const auto forward_on = reinterpret_cast<ftnative::ForwardOnFn>(entry);
+    void* e = reinterpret_cast<void*>(exec);
+    fn = [&ext, forward_on, e](const float* x, const int32_t* ids, const float* w, float* out,
+                               int T, int K) { forward_on(e, x, ids, w, out, T, K, &ext); };
+  } else {
+    fn = [&experts](const float* x, const int32_t* ids, const float* w, float* out, int T,
+                    int K) {
+      py::gil_scoped_acquire gil;
+      experts(reinterpret_cast<uintptr_t>(x), reinterpret_cast<uintptr_t>(ids),
+              reinterpret_cast<uintptr_t>(w), reinterpret_cast<uintptr_t>(out), T, K);
+    };
+  }
+  py::gil_scoped_release release;
+  ftdense::decode_layers(ks, layers, step, reinterpret_cast<float*>(h), fn,
+                         reinterpret_cast<double*>(timings));
+}
+
+}  // namespace
+
+void bind_decode_layers(py::module_& m) {
+  py::class_<ftdense::DecodeLayerSpec>(
+      m, "DecodeLayer",
+      "One standard attention + MoE decoder layer for decode_layers (decode_layers.h); borrows "
+      "the weight and norm-scale addresses.")
+      .def(py::init(&decode_layer_spec), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("attn_scale"), py::arg("window"), py::arg("scales"),
+           py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("router"), py::arg("experts"),
+           py::arg("top_k"), py::arg("softmax_first"), py::arg("renorm"), py::arg("moe_index"),
+           py::arg("kv_layer"));
+  m.def("decode_layers", &decode_layers_call, py::arg("layers"), py::arg("h"), py::arg("t"),
+        py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("interleaved"), py::arg("slots"),
+        py::arg("tables"), py::arg("rows"), py::arg("lens"), py::arg("width"), py::arg("kv"),
+        py::arg("num_experts"), py::arg("qmoe"), py::arg("float_experts"), py::arg("experts"),
+        py::arg("timings") = 0,
+        "Decodes h [t, hidden] fp32 (address) through `layers` in place, in one call "
+        "(decode_layers.h). kv: per KV layer (k, v, bf16, pages, page size); the experts: a QMoe "
+        "(qmoe), an ftnative Executor's forward_on_entry (float_experts; both on this module's "
+        "pool) or experts(x, ids, w, out, t, k) on addresses; timings: 0 or the address of "
+        "len(decode_parts()) float64 seconds the call adds to.");
+  m.def(
+      "decode_parts",
+      [] {
+        return std::vector<std::string>{"qkv",       "o",     "router", "experts",
+                                        "attention", "norms", "rope",   "kv_store",
+                                        "route_topk", "add_rows"};
+      },
+      "The names of decode_layers' timed parts, in order (decode_layers.h's DecodePart).");
+}
+
+}  // namespace ftdense_py
