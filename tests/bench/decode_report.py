@@ -96,6 +96,7 @@ class Report:
                 f"{us} / {them}: decode {ours.decode_tok_s / peer.decode_tok_s:.2f}x"
                 f"{paired_ratios(ours, peer)}, prefill {pre:.2f}x{agree}"
             )
+        lines += spell_lines(self.rows, self.pairs)
         return "\n".join(lines)
 
 
@@ -167,5 +168,87 @@ def median_row(rows: list[Row]) -> Row:
         **first.extra,
         "decode_rounds": {i: r.decode_tok_s for i, r in ok},
         "prefill_rounds": {i: r.prefill_tok_s or 0.0 for i, r in ok},
+        "decode_samples": [s for _, r in ok for s in _samples(r)],
     }
     return Row(first.engine, dec, pre, note, extra)
+
+
+def _samples(r: Row) -> list[tuple[float, float, float]]:
+    """(tok/s, read bytes/s before, after) of each decode repeat the row's worker bracketed
+    with bandwidth reads (decode_workers' ``decode_bw``); already gathered ones as they are."""
+    got = r.extra.get("decode_samples")
+    if isinstance(got, list):
+        return [(float(a), float(b), float(c)) for a, b, c in got]
+    speeds, bws = r.extra.get("decode_all"), r.extra.get("decode_bw")
+    if not isinstance(speeds, list) or not isinstance(bws, list):
+        return []
+    return [(float(t), float(b[0]), float(b[1])) for t, b in zip(speeds, bws, strict=False)]
+
+
+STEADY = 0.10  # a repeat whose two bandwidth reads differ by more straddled a change: left out
+SPELLS = 1.3  # bandwidths this far apart (max / min) split into a slow and a fast spell
+
+
+def spell_lines(rows: list[Row], pairs: tuple[tuple[str, str], ...]) -> list[str]:
+    """Each (ours, peer) pair compared within spells of the machine's memory bandwidth.
+
+    A shared VM's read bandwidth sits at one of two levels that change minutes apart (here ~37
+    and ~68 GB/s), and an engine's speed follows it, so two engines measured minutes apart can
+    differ by the machine alone. Every decode repeat carries the bandwidth read just before and
+    just after it; the steady ones (the two within STEADY) are split at the geometric mean of the
+    lowest and highest bandwidth when those are SPELLS apart, and each pair is compared within a
+    spell: the ratio of median speeds, and each engine's median speed against the bandwidth
+    beside it (the share of the read ceiling it reached then)."""
+    steady: dict[str, list[tuple[float, float]]] = {}
+    left_out = 0
+    for r in rows:
+        for tok_s, before, after in _samples(r):
+            if abs(before - after) > STEADY * max(before, after):
+                left_out += 1
+                continue
+            steady.setdefault(r.engine, []).append((tok_s, (before + after) / 2))
+    bws = [bw for got in steady.values() for _, bw in got]
+    if not bws:
+        return []
+    lo, hi = min(bws), max(bws)
+    split = (lo * hi) ** 0.5 if hi >= SPELLS * lo else None
+    gb = 1e9
+    spells = (
+        [("slow", lambda bw: bw < split), ("fast", lambda bw: bw >= split)]
+        if split is not None
+        else [("all", lambda bw: True)]
+    )
+    head = (
+        f"decode within spells of the read bandwidth (each repeat's, read just before and after"
+        f" it; {left_out} repeat(s) that straddled a change left out): "
+        + (
+            f"slow below {split / gb:.1f} GB/s, fast above"
+            if split is not None
+            else f"one spell, {lo / gb:.1f}-{hi / gb:.1f} GB/s"
+        )
+    )
+    lines = [head]
+    by_name = {r.engine: r for r in rows}
+    for us, them in pairs:
+        if us not in steady or them not in steady:
+            continue
+        parts = []
+        for name, inside in spells:
+            a = [(t, bw) for t, bw in steady[us] if inside(bw)]
+            b = [(t, bw) for t, bw in steady[them] if inside(bw)]
+            if not a or not b:
+                parts.append(f"{name}: -" + (" (ours only)" if a else " (peer only)" if b else ""))
+                continue
+            ta = statistics.median(t for t, _ in a)
+            tb = statistics.median(t for t, _ in b)
+            fa = statistics.median(t * by_name[us].bytes_per_token / bw for t, bw in a)
+            fb = statistics.median(t * by_name[them].bytes_per_token / bw for t, bw in b)
+            read = statistics.median(bw for _, bw in a + b) / gb
+            both = by_name[us].bytes_per_token and by_name[them].bytes_per_token
+            share = f"; {fa:.0%} vs {fb:.0%} of the read" if both else ""
+            parts.append(
+                f"{name} (~{read:.0f} GB/s): {ta / tb:.2f}x ({ta:.1f} vs {tb:.1f} tok/s{share};"
+                f" repeats {len(a)}, {len(b)})"
+            )
+        lines.append(f"{us} / {them}: " + ", ".join(parts))
+    return lines

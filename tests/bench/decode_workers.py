@@ -7,8 +7,10 @@ the same treatment: a warm-up generation (page faults, allocator, thread pools),
 rounds of (a) a prefill of `prefill_tokens` prompt tokens producing one token and (b) a decode of
 `decode_tokens` tokens after a `prompt_tokens` prompt, each with a fresh random prompt so no
 prompt cache helps. Decode speed is (tokens - 1) / (time of last token - time of first token):
-pure decode steps, the prefill that produced the first token left out. The best round counts
-(the machine is shared; a disturbed round is slower, never faster).
+pure decode steps, the prefill that produced the first token left out; the median repeat counts.
+Each decode is bracketed by two short reads of the machine's memory bandwidth (_read_probe),
+reported beside it: on a shared VM the bandwidth moves between two levels minutes apart, and
+bench_decode compares the engines within each level (decode_report.spell_lines).
 """
 
 from __future__ import annotations
@@ -60,12 +62,15 @@ def _measure(
     prompts = _prompts(int(a["vocab"]), 7)
     gen(next(prompts)[: a["prompt_tokens"]], 4)  # warm-up
     prefill_fn(next(prompts)[: a["prefill_tokens"]])
+    probe = _read_probe(int(a["threads"]))
     load = os.getloadavg()[0]  # the machine may be shared: reported beside the figures
-    decode, prefill = [], []
+    decode, prefill, bandwidth = [], [], []
     for _ in range(a["repeats"]):
         secs = prefill_fn(next(prompts)[: a["prefill_tokens"]])
         prefill.append(a["prefill_tokens"] / secs)
+        before = probe()
         stamps = gen(next(prompts)[: a["prompt_tokens"]], a["decode_tokens"])
+        bandwidth.append([before, probe()])
         assert len(stamps) == a["decode_tokens"], (len(stamps), a["decode_tokens"])
         decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     return {
@@ -73,6 +78,7 @@ def _measure(
         "prefill_tok_s": statistics.median(prefill),
         "greedy": tokens,
         "decode_all": decode,
+        "decode_bw": bandwidth,  # read bytes/s just before and just after each decode
         "prefill_all": prefill,
         "load": max(load, os.getloadavg()[0]),
         **extra,
@@ -80,6 +86,36 @@ def _measure(
 
 
 # ---- memory bandwidth ---------------------------------------------------------------------------
+def _read_probe(threads: int) -> Callable[[], float]:
+    """A short read-bandwidth measurement to take beside an engine's decode: the best 16 MiB
+    slice of one pass over 256 MiB (as membw's, ~10 ms), on `threads` torch threads. Each call
+    then sleeps 20 ms so that torch's OpenMP workers, which spin a while after a region, are
+    asleep before the engine runs again."""
+    import torch
+
+    from freetokend.models.hugepages import back_with_huge_pages
+
+    x = torch.ones(64 << 20, dtype=torch.float32)
+    back_with_huge_pages([x])
+    n = 4 << 20  # fp32 elements per 16 MiB slice; 16 slices, so each read comes from DRAM
+    slices = [x[i : i + n] for i in range(0, x.numel(), n)]
+
+    def probe() -> float:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        best = float("inf")
+        for s in slices:
+            t0 = time.perf_counter()
+            s.sum()
+            best = min(best, time.perf_counter() - t0)
+        torch.set_num_threads(prev)
+        time.sleep(0.02)
+        return n * 4 / best
+
+    probe()  # the first pass finds the slices written by ones() in cache
+    return probe
+
+
 def membw(a: dict[str, Any]) -> dict[str, Any]:
     """Read bandwidth of fp32 sums over 16 MiB slices of a 1 GiB tensor with `threads` torch
     threads, best slice of 8 passes: short reads, so some run undisturbed on a shared machine (a
