@@ -12,6 +12,10 @@ round measures the read bandwidth again before its engines (a shared machine's m
 between minutes) and an engine's roofline fraction is the median over its rounds of its speed
 against that round's bandwidth; each (ours, peer) line gives the decode ratio of the medians and
 the median of the rounds' paired ratios (the two engines ran minutes apart in each round).
+Every decode repeat also carries the read bandwidth measured just before and after it, and a last
+block of lines compares each pair within the slow and the fast level of the machine's bandwidth
+(decode_report.spell_lines): a shared VM's moves between two levels, so engines measured minutes
+apart can differ by the machine alone.
 The quantized rows (see ENGINES) pair ours with llama.cpp's at about the same bytes per token,
 measured for both engines from the loaded tensors (llama.cpp's from its file); the
 "freetoken-gguf-*" rows load llama.cpp's own quantized file, the same bytes. Each pair's line
