@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings_common.h"
 #include "decode_attention.h"
 #include "decode_step.h"
 #include "dense_linear.h"
@@ -20,7 +21,6 @@
 #include "rms_norm.h"
 #include "rope.h"
 #include "row_tasks.h"
-#include "bindings_common.h"
 
 namespace py = pybind11;
 using ftdense_py::configured;
@@ -71,7 +71,6 @@ std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::
   ks = isa.empty() ? c.qdot : &ftdense::qdot_set(isa);
   return c.pool;
 }
-
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -154,9 +155,8 @@ void bind_decode_layers(py::module_& m) {
   m.def(
       "decode_parts",
       [] {
-        return std::vector<std::string>{"qkv",       "o",     "router", "experts",
-                                        "attention", "norms", "rope",   "kv_store",
-                                        "route_topk", "add_rows"};
+        return std::vector<std::string>(ftdense::kDecodePartNames.begin(),
+                                        ftdense::kDecodePartNames.end());
       },
       "The names of decode_layers' timed parts, in order (decode_layers.h's DecodePart).");
 }

@@ -99,12 +99,12 @@ FT_INLINE void logits(const float* q, int d, const char* const* kp, int t, float
 // burst at the tile's start, and only up to the end of the range (a 64-key block), so every
 // second tile had none. Measured with the KV pages out of cache (32 query / 4 KV heads, d 128,
 // bf16, 2 threads, alternated in one process): 1.14x, 1.09x, 1.39x, 1.39x faster at 80, 464,
-// 3000 and 12000 keys; spreading the burst alone, still stopping at the block's end, gave 1.06x to 1.23x, and
-// prefetching 2 or 3 tiles ahead was slower than 1. Into L2 (T1), not L1: a tile's K and V
-// slices and the next tile's are more than L1 holds with q and acc, and T0 prefetches pushed out
-// lines still in use; T1 over T0, the same setting: 1.32x to 1.38x at 464 and 3000 keys cold,
-// 1.04x to 1.10x at 12000 (and 1.27x there with the pages in L3); a whole Q4_K_M decode step
-// after a 3000-token prompt, alternated in one process: 1.029x.
+// 3000 and 12000 keys; spreading the burst alone, still stopping at the block's end, gave 1.06x
+// to 1.23x, and prefetching 2 or 3 tiles ahead was slower than 1. Into L2 (T1), not L1: a
+// tile's K and V slices and the next tile's are more than L1 holds with q and acc, and T0
+// prefetches pushed out lines still in use; T1 over T0, the same setting: 1.32x to 1.38x at 464
+// and 3000 keys cold, 1.04x to 1.10x at 12000 (and 1.27x there with the pages in L3); a whole
+// Q4_K_M decode step after a 3000-token prompt, alternated in one process: 1.029x.
 struct TileSlices {
   const char* k[kT];
   const char* v[kT];

@@ -85,6 +85,11 @@ enum DecodePart : int {
   kPartKvStore, kPartTopk, kPartAdd, kNumDecodeParts
 };
 
+// Their names, in DecodePart's order (ftdense.decode_parts()).
+inline constexpr std::array<const char*, kNumDecodeParts> kDecodePartNames = {
+    "qkv", "o", "router", "experts", "attention", "norms", "rope", "kv_store", "route_topk",
+    "add_rows"};
+
 // Throws std::invalid_argument for a spec the step cannot run (checked before any work).
 void decode_layers_check(const std::vector<const DecodeLayerSpec*>& layers,
                          const DecodeStepArgs& step);

@@ -93,27 +93,44 @@ def _read_probe(threads: int) -> Callable[[], float]:
     asleep before the engine runs again."""
     import torch
 
-    from freetokend.models.hugepages import back_with_huge_pages
-
-    x = torch.ones(64 << 20, dtype=torch.float32)
-    back_with_huge_pages([x])
-    n = 4 << 20  # fp32 elements per 16 MiB slice; 16 slices, so each read comes from DRAM
-    slices = [x[i : i + n] for i in range(0, x.numel(), n)]
+    slices = _slices(256 << 20)  # 16 slices, so each read comes from DRAM
 
     def probe() -> float:
         prev = torch.get_num_threads()
         torch.set_num_threads(threads)
-        best = float("inf")
+        got = _best_read(slices, 1)
+        torch.set_num_threads(prev)
+        time.sleep(0.02)
+        return got
+
+    probe()  # the first pass finds the slices written by ones() in cache
+    return probe
+
+
+_SLICE = 16 << 20  # bytes read by one timed sum
+
+
+def _slices(nbytes: int) -> list[Any]:
+    """``nbytes`` of fp32 ones in 2 MiB huge pages where the kernel gives them, as 16 MiB slices."""
+    import torch
+
+    from freetokend.models.hugepages import back_with_huge_pages
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    back_with_huge_pages([x])
+    n = _SLICE // 4
+    return [x[i : i + n] for i in range(0, x.numel(), n)]
+
+
+def _best_read(slices: list[Any], passes: int) -> float:
+    """Bytes/s of the fastest slice sum over ``passes`` passes through ``slices``."""
+    best = float("inf")
+    for _ in range(passes):
         for s in slices:
             t0 = time.perf_counter()
             s.sum()
             best = min(best, time.perf_counter() - t0)
-        torch.set_num_threads(prev)
-        time.sleep(0.02)
-        return n * 4 / best
-
-    probe()  # the first pass finds the slices written by ones() in cache
-    return probe
+    return _SLICE / best
 
 
 def membw(a: dict[str, Any]) -> dict[str, Any]:
@@ -127,23 +144,25 @@ def membw(a: dict[str, Any]) -> dict[str, Any]:
     reduction measured (amax, dot, column sums: 4-10 GB/s)."""
     import torch
 
-    from freetokend.models.hugepages import back_with_huge_pages
-
     torch.set_num_threads(a["threads"])
-    x = torch.ones(256 << 20, dtype=torch.float32)
-    back_with_huge_pages([x])
-    n = 4 << 20  # fp32 elements per 16 MiB slice
-    slices = [x[i : i + n] for i in range(0, x.numel(), n)]
-    best = float("inf")
-    for _ in range(8):
-        for s in slices:
-            t0 = time.perf_counter()
-            s.sum()
-            best = min(best, time.perf_counter() - t0)
-    return {"read_bytes_s": n * 4 / best}
+    return {"read_bytes_s": _best_read(_slices(1 << 30), 8)}
 
 
 # ---- freetoken ----------------------------------------------------------------------------------
+def force_isa(isa: str) -> None:
+    """Every freetoken kernel of LLMs made after this call on the ``isa`` path ("avx2",
+    "avx512", "scalar"), as on a CPU that has no more (bench_decode's and profile_decode's
+    --isa)."""
+    from freetokend.engine import llm as llm_module
+    from freetokend.models.layers import dense_native
+
+    def forced(bf16_dot: bool, threads: int | None) -> str:
+        dense_native.configure(threads, isa=isa)  # projections and integer dots
+        return isa  # the float expert executor's path
+
+    llm_module._cpu_isa = forced  # what LLM asks for its CPU kernels' path
+
+
 def freetoken(a: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -152,14 +171,7 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(a["threads"])
     if a.get("isa"):  # every kernel on one path (bench_decode's --isa), as on a CPU with no more
-        from freetokend.engine import llm as llm_module
-        from freetokend.models.layers import dense_native
-
-        def forced(bf16_dot: bool, threads: int | None) -> str:
-            dense_native.configure(threads, isa=a["isa"])  # projections and integer dots
-            return str(a["isa"])  # the float expert executor's path
-
-        llm_module._cpu_isa = forced  # what LLM asks for its CPU kernels' path
+        force_isa(str(a["isa"]))
     llm = LLM(
         a["gguf"] if a.get("load_gguf") else a["model"],  # llama.cpp's file itself, or ours
         moe_backend="cpu",

@@ -109,15 +109,10 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     cpu_decode.set_enabled(not a.generic)
-    if a.isa:  # as bench_decode's workers force it (decode_workers.freetoken)
-        from freetokend.engine import llm as llm_module
-        from freetokend.models.layers import dense_native
+    if a.isa:  # as bench_decode's workers force it
+        from decode_workers import force_isa  # beside this script
 
-        def forced(bf16_dot: bool, threads: int | None) -> str:
-            dense_native.configure(threads, isa=a.isa)
-            return str(a.isa)
-
-        llm_module._cpu_isa = forced  # type: ignore[assignment]
+        force_isa(a.isa)
     llm = LLM(
         a.model,
         moe_backend="cpu",
