@@ -115,6 +115,47 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
     assert ref.abs().max().item() > 0.5  # real logits, not zeros
 
 
+@pytest.mark.parametrize("quantize", [None, "q4_k_m"])
+def test_whole_forward_in_one_call_matches_part_by_part(tmp_path, quantize, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # every layer MoE: the embedding, the layers, the last norm and lm_head in one native call
+    path, _ = make_tiny(
+        "qwen3_moe", tmp_path, seed=5, dtype=torch.bfloat16, hidden_size=256, head_dim=64,
+        num_attention_heads=4, num_key_value_heads=2, mlp_only_layers=[],
+    )  # fmt: skip
+    llm = LLM(
+        str(path), moe_backend="cpu", quantize=quantize, prefix_cache=False, max_model_len=256
+    )
+    assert llm.model.lm_head.qweight is not None if quantize else True
+    calls: list[bool] = []
+    layers = nat.decode_layers
+
+    class Counted:  # the module's other functions as they are
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return getattr(nat, name)
+
+        def decode_layers(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(args[-1] is not None)
+            return layers(*args, **kwargs)
+
+    monkeypatch.setattr(dense_native, "_native", Counted())
+    prompts = [[5, 17, 90, 3], [42] * 19, list(range(20, 60))]
+    seconds = torch.zeros(len(nat.decode_parts()), dtype=torch.float64)
+    cpu_decode.set_timings(seconds)
+    try:
+        got, tokens = _decode(llm, prompts, 10)
+    finally:
+        cpu_decode.set_timings(None)
+    assert calls == [True] * 10  # one call a step, with the model's ends
+    assert (seconds > 0).all()  # the embedding and lm_head timed as parts of it too
+    calls.clear()
+    monkeypatch.setattr(cpu_decode.HeadPlan, "whole", lambda *a: None)
+    ref, ref_tokens = _decode(llm, prompts, 10)
+    assert calls == [False] * 10  # the layers' call alone; the ends part by part
+    assert tokens == ref_tokens
+    assert torch.equal(got, ref)  # the same kernels on the same inputs
+    assert ref.abs().max().item() > 0.5
+
+
 def test_float32_layers_keep_the_generic_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path, _ = make_tiny("qwen3_moe", tmp_path, seed=1)
     llm = LLM(str(path), moe_backend="cpu", dtype="float32", prefix_cache=False, max_model_len=64)
@@ -234,7 +275,10 @@ def test_decode_layers_times_its_parts_when_asked(ckpt) -> None:  # type: ignore
         llm.generate([1, 2, 3], 4, ignore_eos=True)
     finally:
         cpu_decode.set_timings(None)
-    assert (seconds > 0).all(), dict(zip(parts, seconds.tolist(), strict=True))
+    timed = dict(zip(parts, seconds.tolist(), strict=True))
+    # this model's dense-MLP layer keeps the ends outside the call (no whole forward)
+    assert timed.pop("embed") == timed.pop("lm_head") == 0
+    assert all(v > 0 for v in timed.values()), timed
     seen = seconds.clone()
     llm.generate([1, 2, 3], 4, ignore_eos=True)
     assert torch.equal(seconds, seen)  # switched off: nothing added
@@ -282,3 +326,23 @@ def test_decode_layer_specs_are_checked() -> None:
         [layer], **step, qmoe=None, float_experts=None, experts=lambda *a: calls.append(a)
     )  # zero weights: a step that runs, the experts called back once with t=1, k=2
     assert len(calls) == 1 and calls[0][4:] == (1, 2)
+    ids = torch.zeros(1, dtype=torch.int64)
+    logits = torch.zeros(1, 64)
+    head = (w.data_ptr(), True, 64, ids.data_ptr(), scale.data_ptr(), 1e-6, one, logits.data_ptr())
+    nat.decode_layers(
+        [layer], **step, qmoe=None, float_experts=None, experts=lambda *a: None, ends=head
+    )  # zero weights: zero logits
+    assert not logits.any()
+    with pytest.raises(ValueError, match="lm_head"):
+        nat.decode_layers(
+            [layer], **step, qmoe=None, float_experts=None, experts=print,
+            ends=(*head[:6], (False, 32, [w.data_ptr()], [64], []), head[7]),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="need a layer"):
+        nat.decode_layers([], **step, qmoe=None, float_experts=None, experts=print, ends=head)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        bad = torch.full((1,), 64, dtype=torch.int64)
+        nat.decode_layers(
+            [layer], **step, qmoe=None, float_experts=None, experts=print,
+            ends=(*head[:3], bad.data_ptr(), *head[4:]),
+        )  # fmt: skip

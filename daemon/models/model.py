@@ -104,8 +104,10 @@ class CausalLM(nn.Module):
         """The embedding and last norm as the native decode path calls them, made at the first
         decode step and again when either module's weight was replaced."""
         head = self._decode_head
-        if head is None or not head.matches(self.embed_tokens.weight, self.norm):
-            head = self._decode_head = cpu_decode.HeadPlan(self.embed_tokens.weight, self.norm)
+        if head is None or not head.matches(self.embed_tokens.weight, self.norm, self.lm_head):
+            head = self._decode_head = cpu_decode.HeadPlan(
+                self.embed_tokens.weight, self.norm, self.lm_head
+            )
         return head
 
     @torch.inference_mode()
@@ -115,6 +117,13 @@ class CausalLM(nn.Module):
         cos, sin = self.rope.cos_sin(batch.positions, batch.max_position)
         step = cpu_decode.start(batch, embed, cos, sin, self.rope.cfg)
         head = self.decode_head() if step is not None else None
+        if head is not None and step is not None:
+            # every layer planned: one native call from the token ids to the logits
+            every = [p for p in (la.decode_plan() for la in self._decoder_layers) if p is not None]
+            if len(every) == len(self._decoder_layers):
+                logits = head.whole(step, every, batch.token_ids, batch.logits_rows.shape[0])
+                if logits is not None:
+                    return logits
         h = head.embed(step, batch.token_ids) if head is not None and step is not None else None
         if h is None:
             h = embed.index_select(0, batch.token_ids).float()

@@ -72,15 +72,37 @@ ftdense::DecodeLayerSpec decode_layer_spec(int hidden, int heads, int kv_heads, 
 // (k address, v address, bf16, pages, page size) of one layer of the KV pool.
 using KvArg = std::tuple<uintptr_t, uintptr_t, bool, int64_t, int>;
 
+// The model's ends (decode_layers.h's DecodeEnds): (embedding address or 0, bf16, vocab, token
+// ids address, final norm scale address, eps, lm_head projection, logits address or 0).
+using EndsArg =
+    std::tuple<uintptr_t, bool, int64_t, uintptr_t, uintptr_t, float, ProjArg, uintptr_t>;
+
+ftdense::DecodeEnds decode_ends(const EndsArg& a) {
+  const auto& [embed, bf16, vocab, ids, scale, eps, lm_head, logits] = a;
+  ftdense::DecodeEnds e;
+  e.embed = reinterpret_cast<const void*>(embed);
+  e.embed_bf16 = bf16;
+  e.vocab = vocab;
+  e.ids = reinterpret_cast<const int64_t*>(ids);
+  e.norm_scale = reinterpret_cast<const float*>(scale);
+  e.norm_eps = eps;
+  if (logits) e.lm_head = proj_group(lm_head);
+  e.logits = reinterpret_cast<float*>(logits);
+  return e;
+}
+
 void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& layers, uintptr_t h,
                         int t, uintptr_t cos, uintptr_t sin, int rot, bool interleaved,
                         uintptr_t slots, uintptr_t tables, uintptr_t rows, uintptr_t lens,
                         int64_t width, const std::vector<KvArg>& kv, int num_experts,
                         const ftdense::QMoeSpec* qmoe,
                         std::optional<std::tuple<uintptr_t, uintptr_t>> float_experts,
-                        py::object experts, uintptr_t timings) {
+                        py::object experts, uintptr_t timings,
+                        const std::optional<EndsArg>& ends_arg) {
   if (!qmoe && !float_experts && experts.is_none())
     throw py::value_error("decode_layers: no experts given");
+  std::optional<ftdense::DecodeEnds> ends;
+  if (ends_arg) ends = decode_ends(*ends_arg);
   ftdense::DecodeStepArgs step;
   step.t = t;
   step.cos = reinterpret_cast<const float*>(cos);
@@ -127,7 +149,7 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
   }
   py::gil_scoped_release release;
   ftdense::decode_layers(ks, layers, step, reinterpret_cast<float*>(h), fn,
-                         reinterpret_cast<double*>(timings));
+                         reinterpret_cast<double*>(timings), ends ? &*ends : nullptr);
 }
 
 }  // namespace
@@ -146,12 +168,15 @@ void bind_decode_layers(py::module_& m) {
         py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("interleaved"), py::arg("slots"),
         py::arg("tables"), py::arg("rows"), py::arg("lens"), py::arg("width"), py::arg("kv"),
         py::arg("num_experts"), py::arg("qmoe"), py::arg("float_experts"), py::arg("experts"),
-        py::arg("timings") = 0,
+        py::arg("timings") = 0, py::arg("ends") = py::none(),
         "Decodes h [t, hidden] fp32 (address) through `layers` in place, in one call "
         "(decode_layers.h). kv: per KV layer (k, v, bf16, pages, page size); the experts: a QMoe "
         "(qmoe), an ftnative Executor's forward_on_entry (float_experts; both on this module's "
         "pool) or experts(x, ids, w, out, t, k) on addresses; timings: 0 or the address of "
-        "len(decode_parts()) float64 seconds the call adds to.");
+        "len(decode_parts()) float64 seconds the call adds to; ends: None, or the model's ends "
+        "(embedding address or 0, bf16, vocab, token ids address, final norm scale address, "
+        "eps, lm_head projection, logits address or 0): the embedding rows gathered into h "
+        "first, lm_head(norm(h)) written to the logits after the last layer.");
   m.def(
       "decode_parts",
       [] {

@@ -89,7 +89,7 @@ void check_group(const ProjGroup& g, int K, size_t outputs, const char* what) {
 }  // namespace
 
 void decode_layers_check(const std::vector<const DecodeLayerSpec*>& layers,
-                         const DecodeStepArgs& step) {
+                         const DecodeStepArgs& step, const DecodeEnds* ends) {
   if (step.t < 1 || !step.cos || !step.sin || !step.slots || !step.tables || !step.rows ||
       !step.lens || step.width < 1 || step.rot < 2 || step.rot % 2)
     throw std::invalid_argument("decode layers: bad step arguments");
@@ -114,13 +114,24 @@ void decode_layers_check(const std::vector<const DecodeLayerSpec*>& layers,
     check_group(l->router, l->hidden, 1, "router");
     if (l->router.rows[0] != l->experts)
       throw std::invalid_argument("decode layers: router rows != experts");
+    if (l->hidden != layers[0]->hidden)
+      throw std::invalid_argument("decode layers: layers of different widths");
+  }
+  if (!ends) return;
+  if (layers.empty()) throw std::invalid_argument("decode layers: the model's ends need a layer");
+  const int hidden = layers[0]->hidden;
+  if (ends->embed && (ends->vocab < 1 || !ends->ids))
+    throw std::invalid_argument("decode layers: bad embedding");
+  if (ends->logits) {
+    if (!ends->norm_scale) throw std::invalid_argument("decode layers: missing final norm scale");
+    check_group(ends->lm_head, hidden, 1, "lm_head");
   }
 }
 
 void decode_layers(const DecodeKernels& ks, const std::vector<const DecodeLayerSpec*>& layers,
                    const DecodeStepArgs& step, float* h, const ExpertsFn& experts,
-                   double* timings) {
-  decode_layers_check(layers, step);
+                   double* timings, const DecodeEnds* ends) {
+  decode_layers_check(layers, step, ends);
   const int t = step.t;
   size_t need = 0;
   for (const DecodeLayerSpec* l : layers) {
@@ -132,6 +143,10 @@ void decode_layers(const DecodeKernels& ks, const std::vector<const DecodeLayerS
   thread_local Scratch scratch;
   float* base = scratch.get(need);
   Clock clock(timings);
+  if (ends && ends->embed) {
+    embed_rows(ends->embed, ends->embed_bf16, ends->vocab, layers[0]->hidden, ends->ids, t, h);
+    clock.lap(kPartEmbed);
+  }
   for (const DecodeLayerSpec* lp : layers) {
     const DecodeLayerSpec& l = *lp;
     float* p = base;
@@ -190,6 +205,13 @@ void decode_layers(const DecodeKernels& ks, const std::vector<const DecodeLayerS
     clock.lap(kPartExperts);
     add_rows(h, moe, int64_t(T) * l.hidden);
     clock.lap(kPartAdd);
+  }
+  if (ends && ends->logits) {
+    const int hidden = layers[0]->hidden;
+    float* x = base;  // the layers' scratch is free again
+    rms_norm(h, t, hidden, ends->norm_scale, ends->norm_eps, x);
+    project(ks, ends->lm_head, x, t, {ends->logits});
+    clock.lap(kPartLmHead);
   }
 }
 

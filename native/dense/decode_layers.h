@@ -9,6 +9,9 @@
 //   x = norm(h); q, k, v = qkv(x); [q, k = per-head norms]; q, k = rope; store k, v in the pool;
 //   a = decode attention; o = o_proj(a); h += o, x = norm(h); logits = router(x);
 //   ids, w = top-k; m = experts(x, ids, w); h += m
+// A call that runs the whole forward also takes the model's two ends (DecodeEnds): the
+// embedding rows into h before the first layer, and after the last the final norm and lm_head
+// into the step's logits, so a decode step makes one call from the token ids to the logits.
 #pragma once
 
 #include <array>
@@ -66,6 +69,21 @@ struct DecodeStepArgs {
   int num_experts = 0;
 };
 
+// The model's ends around the layers (decode_layers' `ends`; null: neither). embed: h's rows
+// gathered from the embedding first (bf16 or fp32 [vocab, hidden], ids [t] int64; null: h holds
+// them already); logits: [t, lm_head rows] = lm_head(rms_norm(h)) after the last layer, with
+// norm_scale (fp32 [hidden]) and norm_eps (null: no head).
+struct DecodeEnds {
+  const void* embed = nullptr;
+  bool embed_bf16 = false;
+  int64_t vocab = 0;
+  const int64_t* ids = nullptr;
+  const float* norm_scale = nullptr;
+  float norm_eps = 0.0f;
+  ProjGroup lm_head;
+  float* logits = nullptr;
+};
+
 // What the step's calls run on: the pool and kernels configured in the module.
 struct DecodeKernels {
   Pool* pool = nullptr;
@@ -82,22 +100,23 @@ using ExpertsFn = std::function<void(const float* x, const int32_t* ids, const f
 // Parts of a step timed when the caller asks (seconds added to timings[part]).
 enum DecodePart : int {
   kPartQkv, kPartO, kPartRouter, kPartExperts, kPartAttention, kPartNorms, kPartRope,
-  kPartKvStore, kPartTopk, kPartAdd, kNumDecodeParts
+  kPartKvStore, kPartTopk, kPartAdd, kPartEmbed, kPartLmHead, kNumDecodeParts
 };
 
 // Their names, in DecodePart's order (ftdense.decode_parts()).
 inline constexpr std::array<const char*, kNumDecodeParts> kDecodePartNames = {
     "qkv", "o", "router", "experts", "attention", "norms", "rope", "kv_store", "route_topk",
-    "add_rows"};
+    "add_rows", "embed", "lm_head"};
 
 // Throws std::invalid_argument for a spec the step cannot run (checked before any work).
 void decode_layers_check(const std::vector<const DecodeLayerSpec*>& layers,
-                         const DecodeStepArgs& step);
+                         const DecodeStepArgs& step, const DecodeEnds* ends = nullptr);
 
 // Decodes h [t, hidden] through `layers` in order, in place. `experts` computes every layer's
-// routed experts; timings: null, or kNumDecodeParts doubles.
+// routed experts; ends: null, or the embedding before and the head after (DecodeEnds); timings:
+// null, or kNumDecodeParts doubles.
 void decode_layers(const DecodeKernels& ks, const std::vector<const DecodeLayerSpec*>& layers,
                    const DecodeStepArgs& step, float* h, const ExpertsFn& experts,
-                   double* timings);
+                   double* timings, const DecodeEnds* ends = nullptr);
 
 }  // namespace ftdense

@@ -11,7 +11,8 @@ projections split into lm_head and the rest, the routed experts, decode attentio
 router's top-k, rope) and prints milliseconds per token for each, the median round's; "glue" is the
 step's time less the parts (Python, torch's small ops, the scheduler and the sampler). Layers that
 take the native decode path (models/layers/cpu_decode.py) count as one part, "native decode
-layers", unless --generic switches that path off. The timers cost a few microseconds a call, so
+layers" (with the embedding gather, the last norm and lm_head inside it when every layer takes
+that path: then a step is one native call), unless --generic switches that path off. The timers cost a few microseconds a call, so
 the step is a little slower than in bench_decode.py.
 """
 

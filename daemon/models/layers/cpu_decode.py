@@ -186,13 +186,14 @@ class DecodeStep:
         self._bufs = _step_buffers(t)
         self.kv = _kv_layers(batch.kv)
 
-    def run(self, plans: list[LayerPlan], h: Tensor) -> None:
+    def run(self, plans: list[LayerPlan], h: Tensor, ends: Any = None) -> None:
         """Decodes ``h`` [t, hidden] (fp32, contiguous) through ``plans``' layers, in place, in
-        one native call."""
+        one native call; ``ends``: the model's ends as `HeadPlan.whole` passes them (None:
+        the layers alone)."""
         dense_native._native.decode_layers(
             [p.native for p in plans], h.data_ptr(), self.t, self.cos, self.sin, self.rot,
             self.interleaved, self.slots, self.tables, self.rows, self.lens, self.width, self.kv,
-            self.num_experts, self.qmoe, self.float_experts, self.experts, _timings[0],
+            self.num_experts, self.qmoe, self.float_experts, self.experts, _timings[0], ends,
         )  # fmt: skip
 
     def tensor(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -280,11 +281,18 @@ class HeadPlan:
     buffer, no index_select and float()) and the last norm (one native call with its fp32 scale
     taken once, not looked up in the norm's cache a step: that lookup alone measured 26 us a step
     with caches cold after the weight streams, the gather 62-74 us, in the decode benchmark's
-    model, Q4_K_M file). Like `LayerPlan`, it holds the tensors behind its addresses; `matches`
-    says whether the model still has them (a module moved between devices gets new ones)."""
+    model, Q4_K_M file). When every layer has a plan, `whole` runs them inside the layers' call
+    with lm_head too (the step one native call from token ids to logits). Like `LayerPlan`, it
+    holds the tensors behind its addresses; `matches` says whether the model still has them (a
+    module moved between devices gets new ones)."""
 
-    def __init__(self, embed: Tensor, norm: RMSNorm) -> None:
+    def __init__(self, embed: Tensor, norm: RMSNorm, lm_head: Linear) -> None:
         self.embed_w, self.norm_w = embed, getattr(norm, "weight", None)
+        self.lm_w = _weight_of(lm_head)
+        # lm_head as decode_layers projects it: GGUF blocks or bf16 rows on the CPU, no bias
+        self.lm: Proj | None = None
+        if lm_head.qweight is None or lm_head.qweight.raw.device.type == "cpu":
+            self.lm = _project([lm_head])
         self.embed_ok = (
             embed.device.type == "cpu"
             and embed.dim() == 2
@@ -299,20 +307,50 @@ class HeadPlan:
         self.scale_ptr = self.scale.data_ptr() if self.scale is not None else 0
         self.eps = float(getattr(norm, "eps", 0.0))
 
-    def matches(self, embed: Tensor, norm: RMSNorm) -> bool:
-        return embed is self.embed_w and getattr(norm, "weight", None) is self.norm_w
+    def matches(self, embed: Tensor, norm: RMSNorm, lm_head: Linear) -> bool:
+        return (
+            embed is self.embed_w
+            and getattr(norm, "weight", None) is self.norm_w
+            and _weight_of(lm_head) is self.lm_w
+        )
+
+    def whole(
+        self, step: DecodeStep, plans: list[LayerPlan], token_ids: Tensor, rows: int
+    ) -> Tensor | None:
+        """The step's logits [t, vocab] fp32 from one native call: the embedding rows, every
+        layer of ``plans`` (the model's, all of them), the last norm and lm_head. None where
+        that does not apply (an end the native call cannot run, or logits not wanted for every
+        row): the caller goes part by part."""
+        if (
+            self.lm is None
+            or rows != step.t
+            or self.scale is None
+            or not self._ids_usable(step, token_ids)
+        ):
+            return None
+        h = step.tensor("h", self.dim)
+        logits = torch.empty(step.t, sum(self.lm[3]), dtype=torch.float32)
+        ends = (
+            self.embed_ptr, self.bf16, self.vocab, token_ids.data_ptr(), self.scale_ptr,
+            self.eps, self.lm, logits.data_ptr(),
+        )  # fmt: skip
+        step.run(plans, h, ends)
+        return logits
+
+    def _ids_usable(self, step: DecodeStep, token_ids: Tensor) -> bool:
+        return (
+            self.embed_ok
+            and token_ids.dtype == torch.int64
+            and token_ids.device.type == "cpu"
+            and token_ids.is_contiguous()
+            and token_ids.shape[0] == step.t
+        )
 
     def embed(self, step: DecodeStep, token_ids: Tensor) -> Tensor | None:
         """The step's rows of the embedding as fp32 [t, hidden] (a step buffer: the layers update
         it in place, nothing reads it after the step), or None where the gather does not apply
         (the caller indexes the weight)."""
-        if (
-            not self.embed_ok
-            or token_ids.dtype != torch.int64
-            or token_ids.device.type != "cpu"
-            or not token_ids.is_contiguous()
-            or token_ids.shape[0] != step.t
-        ):
+        if not self._ids_usable(step, token_ids):
             return None
         h = step.tensor("h", self.dim)
         dense_native._native.embed_rows(
@@ -334,6 +372,11 @@ class HeadPlan:
             h.data_ptr(), step.t, self.dim, self.scale_ptr, self.eps, y.data_ptr()
         )
         return y
+
+
+def _weight_of(lm: Linear) -> object:
+    """What holds a projection's weight: its GGUF blocks when quantized, else the tensor."""
+    return lm.qweight if lm.qweight is not None else lm.weight
 
 
 _enabled = [True]
