@@ -115,45 +115,118 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
     assert ref.abs().max().item() > 0.5  # real logits, not zeros
 
 
-@pytest.mark.parametrize("quantize", [None, "q4_k_m"])
-def test_whole_forward_in_one_call_matches_part_by_part(tmp_path, quantize, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    # every layer MoE: the embedding, the layers, the last norm and lm_head in one native call
+@pytest.fixture(scope="module")
+def all_moe(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    # every layer MoE: the whole forward (embedding, layers, last norm, lm_head) is native
     path, _ = make_tiny(
-        "qwen3_moe", tmp_path, seed=5, dtype=torch.bfloat16, hidden_size=256, head_dim=64,
-        num_attention_heads=4, num_key_value_heads=2, mlp_only_layers=[],
+        "qwen3_moe", tmp_path_factory.mktemp("all-moe"), seed=5, dtype=torch.bfloat16,
+        hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+        mlp_only_layers=[],
     )  # fmt: skip
+    return path
+
+
+class _CountedCalls:
+    """ftdense with its decode_layers calls counted: True for a call with the model's ends."""
+
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(nat, name)
+
+    def decode_layers(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls.append(args[-1] is not None)
+        return nat.decode_layers(*args, **kwargs)
+
+
+@pytest.mark.parametrize("quantize", [None, "q4_k_m"])
+def test_whole_forward_in_one_call_matches_part_by_part(all_moe, quantize, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     llm = LLM(
-        str(path), moe_backend="cpu", quantize=quantize, prefix_cache=False, max_model_len=256
+        str(all_moe), moe_backend="cpu", quantize=quantize, prefix_cache=False, max_model_len=512
     )
-    assert llm.model.lm_head.qweight is not None if quantize else True
-    calls: list[bool] = []
-    layers = nat.decode_layers
+    assert (llm.model.lm_head.qweight is not None) == bool(quantize)
+    counted = _CountedCalls()
+    monkeypatch.setattr(dense_native, "_native", counted)
+    # three rows, then one alone (its rope rows read from the table in place); the first prompt
+    # so long that the lane's page tables (16 pages wide) grow during the steps
+    prompts = [[i % 90 + 1 for i in range(250)], [42] * 19, list(range(20, 60))]
 
-    class Counted:  # the module's other functions as they are
-        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-            return getattr(nat, name)
+    def run(ends: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        seconds = torch.zeros(len(nat.decode_parts()), dtype=torch.float64)
+        cpu_decode.set_timings(seconds)
+        try:
+            got, tokens = _decode(llm, prompts, 10)
+            one, one_tokens = _decode(llm, prompts[2:], 4)
+        finally:
+            cpu_decode.set_timings(None)
+        timed = dict(zip(nat.decode_parts(), seconds.tolist(), strict=True))
+        # the embedding and lm_head timed as parts of the call when it runs them
+        assert (timed.pop("embed") > 0) == (timed.pop("lm_head") > 0) == ends
+        assert all(v > 0 for v in timed.values()), timed
+        return [got, one], [*tokens, *one_tokens]
 
-        def decode_layers(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(args[-1] is not None)
-            return layers(*args, **kwargs)
-
-    monkeypatch.setattr(dense_native, "_native", Counted())
-    prompts = [[5, 17, 90, 3], [42] * 19, list(range(20, 60))]
-    seconds = torch.zeros(len(nat.decode_parts()), dtype=torch.float64)
-    cpu_decode.set_timings(seconds)
-    try:
-        got, tokens = _decode(llm, prompts, 10)
-    finally:
-        cpu_decode.set_timings(None)
-    assert calls == [True] * 10  # one call a step, with the model's ends
-    assert (seconds > 0).all()  # the embedding and lm_head timed as parts of it too
-    calls.clear()
+    lane, lane_tokens = run(True)  # the runner's lane: one call a step
+    assert counted.calls == [True] * 14
+    counted.calls.clear()
+    monkeypatch.setattr(cpu_decode.DecodeLane, "make", lambda *a: None)
+    llm.runner._lane = llm.runner._no_lane = None
+    whole, whole_tokens = run(True)  # the model's forward, every layer planned: one call a step
+    assert counted.calls == [True] * 14
+    counted.calls.clear()
     monkeypatch.setattr(cpu_decode.HeadPlan, "whole", lambda *a: None)
-    ref, ref_tokens = _decode(llm, prompts, 10)
-    assert calls == [False] * 10  # the layers' call alone; the ends part by part
-    assert tokens == ref_tokens
-    assert torch.equal(got, ref)  # the same kernels on the same inputs
-    assert ref.abs().max().item() > 0.5
+    parts, parts_tokens = run(False)  # the layers' call, the ends part by part
+    assert counted.calls == [False] * 14
+    assert lane_tokens == whole_tokens == parts_tokens
+    for a, b, c in zip(lane, whole, parts, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)  # the same kernels on the same inputs
+    assert parts[0].abs().max().item() > 0.5
+
+
+def test_the_lane_follows_the_batch(all_moe, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # rows joining and leaving between steps: the runner's lane is made again for each new set
+    llm = LLM(str(all_moe), moe_backend="cpu", prefix_cache=False, max_model_len=256)
+    runner = llm.runner
+    made = []
+    make = cpu_decode.DecodeLane.make
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        lane = make(*args)
+        made.append(lane)
+        return lane
+
+    monkeypatch.setattr(cpu_decode.DecodeLane, "make", counted)
+    a, b = runner.new_state(), runner.new_state()
+    ta = int(runner.forward([Work(a, [3, 4, 5])])[0].argmax())
+    tb = int(runner.forward([Work(b, [7, 8])])[0].argmax())
+    got = []
+    for batch in ([a], [a], [a, b], [a, b], [b], [b], [a]):
+        toks = {id(a): ta, id(b): tb}
+        lg = runner.forward([Work(st, [toks[id(st)]]) for st in batch])
+        got.append(lg.clone())
+        for st, t in zip(batch, lg.argmax(-1).tolist(), strict=True):
+            if st is a:
+                ta = t
+            else:
+                tb = t
+    assert len(made) == 4 and all(m is not None for m in made)  # [a], [a, b], [b], [a]
+    # the same steps through the model's forward give the same logits
+    monkeypatch.setattr(cpu_decode.DecodeLane, "make", lambda *a: None)
+    runner._lane = runner._no_lane = None
+    runner.release(a)
+    runner.release(b)
+    a, b = runner.new_state(), runner.new_state()
+    ta = int(runner.forward([Work(a, [3, 4, 5])])[0].argmax())
+    tb = int(runner.forward([Work(b, [7, 8])])[0].argmax())
+    for batch, want in zip(([a], [a], [a, b], [a, b], [b], [b], [a]), got, strict=True):
+        toks = {id(a): ta, id(b): tb}
+        lg = runner.forward([Work(st, [toks[id(st)]]) for st in batch])
+        assert torch.equal(lg, want)
+        for st, t in zip(batch, lg.argmax(-1).tolist(), strict=True):
+            if st is a:
+                ta = t
+            else:
+                tb = t
 
 
 def test_float32_layers_keep_the_generic_path(tmp_path) -> None:  # type: ignore[no-untyped-def]

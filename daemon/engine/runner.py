@@ -18,6 +18,8 @@ import torch
 from ..experts.backend import MoEBackend
 from ..kv.pool import KVPool
 from ..kv.seq_state import SeqState
+from ..models.layers import cpu_decode
+from ..models.layers.cpu_decode import DecodeLane
 from ..models.layers.deltanet import GatedDeltaNet
 from ..models.model import CausalLM
 from .batch import ForwardBatch, SeqChunk
@@ -87,6 +89,10 @@ class ModelRunner:
         # has one; ``graphs`` (set by the LLM with cuda_graphs on) replays them captured
         self.static_decode = placement.on_device and static_decode_blocker(model) is None
         self.graphs: DecodeGraphs | None = None
+        # decode steps of the same rows on the CPU: one native call each (cpu_decode.DecodeLane);
+        # _no_lane: the (model, KV pool, experts) a lane was refused for
+        self._lane: DecodeLane | None = None
+        self._no_lane: tuple[object, ...] | None = None
 
     def new_state(self) -> SeqState:
         st = SeqState()
@@ -147,14 +153,44 @@ class ModelRunner:
             st.num_tokens += 1
         return logits
 
+    def _lane_decode(self, work: list[Work]) -> torch.Tensor | None:
+        """A decode batch through the runner's lane (models/layers/cpu_decode.py), or None where
+        the model's forward runs it."""
+        states = [w.state for w in work]
+        model, kv, moe = self.model, self.kv, self.moe
+        lane = self._lane
+        if lane is None or not lane.fits(model, kv, moe, states):
+            refused = (model, kv, moe, getattr(moe, "executor", None), cpu_decode.enabled())
+            if self._no_lane is not None and all(
+                a is b for a, b in zip(refused, self._no_lane, strict=True)
+            ):
+                return None
+            lane = self._lane = DecodeLane.make(model, kv, moe, states)
+            self._no_lane = refused if lane is None else None
+            if lane is None:
+                return None
+        for st in states:
+            self.reserve(st, st.num_tokens + 1)
+        moe.begin_step(len(work), prefill=False)
+        try:
+            logits = lane.forward([w.tokens[0] for w in work])
+        finally:
+            moe.end_step()
+        for st in states:
+            st.num_tokens += 1
+        return logits
+
     def forward(self, work: list[Work]) -> torch.Tensor:
         """Runs all work items as one batch; returns logits [num items with want_logits, vocab]."""
-        if (
-            self.static_decode
-            and work
-            and all(len(w.tokens) == 1 and w.want_logits and not w.all_logits for w in work)
-        ):
+        decode = bool(work) and all(
+            len(w.tokens) == 1 and w.want_logits and not w.all_logits for w in work
+        )
+        if decode and self.static_decode:
             return self._static_decode(work)
+        if decode and not self.placement.on_device:
+            logits = self._lane_decode(work)
+            if logits is not None:
+                return logits
         ids: list[int] = []
         pos: list[int] = []
         chunks: list[SeqChunk] = []

@@ -12,7 +12,8 @@ router's top-k, rope) and prints milliseconds per token for each, the median rou
 step's time less the parts (Python, torch's small ops, the scheduler and the sampler). Layers that
 take the native decode path (models/layers/cpu_decode.py) count as one part, "native decode
 layers" (with the embedding gather, the last norm and lm_head inside it when every layer takes
-that path: then a step is one native call), unless --generic switches that path off. The timers cost a few microseconds a call, so
+that path: then a step is one native call, made by the runner's decode lane), unless --generic
+switches that path off. The timers cost a few microseconds a call, so
 the step is a little slower than in bench_decode.py.
 """
 
@@ -57,6 +58,8 @@ def _instrument(vocab: int) -> None:
     moe.route = _timed("router top-k", moe.route)  # type: ignore[attr-defined]
     backend.CpuBackend.forward = _timed("routed experts", backend.CpuBackend.forward)  # type: ignore[method-assign]
     cpu_decode.DecodeStep.run = _timed("native decode layers", cpu_decode.DecodeStep.run)  # type: ignore[method-assign]
+    # the runner's decode lane: the same call, with its few writes of the step's rows
+    cpu_decode.DecodeLane.forward = _timed("native decode layers", cpu_decode.DecodeLane.forward)  # type: ignore[method-assign]
 
 
 def _instrument_native() -> Any:

@@ -20,7 +20,11 @@ so the step computes the same numbers but for the routing weights:
 the native top-k's softmax rounds differently from torch's in the last bits
 (tests/test_cpu_decode.py bounds the logits' difference and checks the greedy tokens).
 ``plan_for`` says which layers qualify; any other layer, and every step that is not all decode
-rows on the CPU, takes the generic path.
+rows on the CPU, takes the generic path. When every layer qualifies, the call also gathers the
+embedding rows first and runs the last norm and lm_head after (`HeadPlan.whole`), and the
+engine's runner keeps a `DecodeLane` for consecutive decode steps of the same rows: one native
+call a step from the token ids to the logits, with the step's rows written in place instead of a
+batch, a plan and buffers built anew each step.
 """
 
 from __future__ import annotations
@@ -147,18 +151,8 @@ class DecodeStep:
         chunks = batch.chunks
         self.t = len(chunks)
         self.num_experts = moe.num_experts
-        # the experts, run inside the call on ftdense's pool: a GGUF-block executor's native
-        # spec, or ftnative's float executor through its entry (native/src/executor_bridge.h);
-        # any other executor's (x, ids, w, out, t, k) address call is made back through Python
-        executor: Any = moe.executor
-        spec = getattr(executor, "native_spec", None)
-        entry = getattr(executor, "native_entry", None)
-        self.qmoe = spec() if spec is not None else None
-        self.float_experts = entry() if entry is not None and self.qmoe is None else None
-        self._executor = executor  # what the addresses point into
-        self.experts = None
-        if self.qmoe is None and self.float_experts is None:
-            self.experts = executor.forward_addresses
+        self._executor = moe.executor  # what the addresses point into
+        self.qmoe, self.float_experts, self.experts = _experts_of(moe.executor)
         ps = batch.kv.page_size
         pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
         self.width = width = max(pages)
@@ -204,6 +198,19 @@ class DecodeStep:
         if b is None:
             b = self._bufs[key] = torch.empty(self.t, cols, dtype=dtype)
         return b
+
+
+def _experts_of(executor: Any) -> tuple[Any, Any, Any]:
+    """decode_layers' (qmoe, float_experts, experts) for a MoE executor: the experts run inside
+    the call on ftdense's pool, a GGUF-block executor's native spec or ftnative's float executor
+    through its entry (native/src/executor_bridge.h); any other executor's (x, ids, w, out, t,
+    k) address call is made back through Python."""
+    spec = getattr(executor, "native_spec", None)
+    entry = getattr(executor, "native_entry", None)
+    qmoe = spec() if spec is not None else None
+    float_experts = entry() if entry is not None and qmoe is None else None
+    experts = executor.forward_addresses if qmoe is None and float_experts is None else None
+    return qmoe, float_experts, experts
 
 
 # The KV pool's layers as decode_layers takes them, for the last pool seen: (k, v, bf16, pages,
@@ -293,6 +300,7 @@ class HeadPlan:
         self.lm: Proj | None = None
         if lm_head.qweight is None or lm_head.qweight.raw.device.type == "cpu":
             self.lm = _project([lm_head])
+        self.lm_rows = sum(self.lm[3]) if self.lm is not None else 0
         self.embed_ok = (
             embed.device.type == "cpu"
             and embed.dim() == 2
@@ -329,7 +337,7 @@ class HeadPlan:
         ):
             return None
         h = step.tensor("h", self.dim)
-        logits = torch.empty(step.t, sum(self.lm[3]), dtype=torch.float32)
+        logits = torch.empty(step.t, self.lm_rows, dtype=torch.float32)
         ends = (
             self.embed_ptr, self.bf16, self.vocab, token_ids.data_ptr(), self.scale_ptr,
             self.eps, self.lm, logits.data_ptr(),
@@ -382,6 +390,11 @@ def _weight_of(lm: Linear) -> object:
 _enabled = [True]
 
 
+def enabled() -> bool:
+    """Whether the fast path is on (`set_enabled`)."""
+    return _enabled[0]
+
+
 def set_enabled(on: bool) -> bool:
     """Switch the fast path on or off process-wide (tests and benchmarks compare the two);
     returns the previous setting."""
@@ -416,3 +429,150 @@ def start(
         return None
     c, s = cos.float().contiguous(), sin.float().contiguous()
     return DecodeStep(batch, moe, c, s, rot, rope_cfg.interleaved)
+
+
+class DecodeLane:
+    """Consecutive decode steps of the same rows (one token each, logits of each), each one
+    native call with nothing rebuilt between them: the rows' token ids, positions, KV slots,
+    page tables and lengths live in tensors of the lane's own, written in place, and the rope
+    rows are read from the table where there is one row. A step through the model's forward
+    builds its batch, plan and step buffers anew (some 0.3 ms of Python a step on caches cold
+    after the weight streams, measured on the decode benchmark's model); the engine's runner
+    keeps a lane while its decode batch stays the same rows (``fits``) and the model, KV pool
+    and experts are the ones it was made for (``current``). ``make`` says whether a model
+    qualifies: the whole-forward path of `HeadPlan.whole` on every layer."""
+
+    # page-table width grows in these steps (pages a row), so a long decode rebuilds it rarely
+    _WIDTH_STEP = 16
+
+    def __init__(
+        self,
+        model: Any,
+        kv: Any,
+        moe: CpuBackend,
+        states: list[Any],
+        head: HeadPlan,
+        plans: list[LayerPlan],
+    ) -> None:
+        self.model, self.kv, self.moe, self.head = model, kv, moe, head
+        self.executor = moe.executor  # what the addresses point into
+        self.states = list(states)
+        self.plans = plans  # holds the addresses' tensors
+        self.natives = [p.native for p in plans]
+        self.qmoe, self.float_experts, self.experts = _experts_of(moe.executor)
+        self.num_experts = moe.num_experts
+        self.rope = model.rope
+        self.rot = model.rope.cfg.rotary_dim
+        self.interleaved = model.rope.cfg.interleaved
+        t = self.t = len(states)
+        self.ids = torch.zeros(t, dtype=torch.int64)
+        self.pos = torch.zeros(t, dtype=torch.int64)
+        self.slots = torch.zeros(t, dtype=torch.int64)
+        self.h = torch.empty(t, head.dim)
+        half = self.rot // 2
+        self.cos_rows = torch.empty(t, half)
+        self.sin_rows = torch.empty(t, half)
+        self._ids, self._pos, self._slots = self.ids.numpy(), self.pos.numpy(), self.slots.numpy()
+        self._tables(max(len(st.pages) for st in states))
+
+    def _tables(self, pages: int) -> None:
+        """(Re)makes the int32 tensor of page tables [t, width], row starts and lengths."""
+        t, step = self.t, self._WIDTH_STEP
+        self.width = width = max(step, -(-pages // step) * step)
+        self.meta = torch.zeros(t * width + 2 * t, dtype=torch.int32)
+        self._meta = self.meta.numpy()
+        self._meta[t * width : t * width + t] = range(t)
+        self._pages: list[list[int]] = [[] for _ in range(t)]  # what each table row holds
+        at = self.meta.data_ptr()
+        self.tables, self.rows, self.lens = at, at + t * width * 4, at + (t * width + t) * 4
+
+    @classmethod
+    def make(cls, model: Any, kv: Any, moe: Any, states: list[Any]) -> DecodeLane | None:
+        """A lane for decode steps of ``states``' rows, or None where the model's forward must
+        run them (a layer or an end off the native path, the pool or experts elsewhere)."""
+        from ...experts.backend import CpuBackend
+        from ..model import CausalLM
+
+        if (
+            not _enabled[0]
+            or type(model) is not CausalLM
+            or not dense_native._on()
+            or not qlinear_native.available()
+            or type(moe) is not CpuBackend
+            or not hasattr(moe.executor, "forward_addresses")
+            or kv.device.type != "cpu"
+            or kv.dtype not in (torch.bfloat16, torch.float32)
+        ):
+            return None
+        embed = model.embed_tokens.weight
+        cfg = model.rope.cfg
+        if (
+            embed.device.type != "cpu"
+            or cfg.rotary_dim == 0
+            or model.rope.inv_freq.device.type != "cpu"
+        ):
+            return None
+        plans = [layer.decode_plan() for layer in model._decoder_layers]
+        head = model.decode_head()
+        if not all(p is not None for p in plans) or head.lm is None or head.scale is None:
+            return None
+        if not head.embed_ok:
+            return None
+        return cls(model, kv, moe, states, head, plans)  # type: ignore[arg-type]
+
+    def fits(self, model: Any, kv: Any, moe: Any, states: list[Any]) -> bool:
+        """Whether this lane runs the next step of ``states``: the same rows in the same order,
+        the same model ends, KV pool and experts, the fast path still on."""
+        return (
+            _enabled[0]
+            and len(states) == self.t
+            and all(a is b for a, b in zip(states, self.states, strict=True))
+            and kv is self.kv
+            and moe is self.moe
+            and moe.executor is self.executor
+            and model.decode_head() is self.head
+        )
+
+    def forward(self, tokens: list[int]) -> Tensor:
+        """Logits [t, vocab] fp32 of one decode step: row i feeds ``tokens[i]`` after its
+        state's cached tokens (the pages for it reserved; the caller counts it cached after)."""
+        ps = self.kv.page_size
+        t, width = self.t, self.width
+        need = max(len(st.pages) for st in self.states)
+        if need > width:
+            self._tables(need)
+            width = self.width
+        top = 0
+        for i, st in enumerate(self.states):
+            p = st.num_tokens
+            pages = st.pages
+            if pages != self._pages[i]:
+                row = self._meta[i * width : (i + 1) * width]
+                row[:] = 0
+                row[: len(pages)] = pages
+                self._pages[i] = list(pages)
+            self._ids[i] = tokens[i]
+            self._pos[i] = p
+            self._slots[i] = pages[p // ps] * ps + p % ps
+            self._meta[t * width + t + i] = p + 1
+            top = max(top, p)
+        cos, sin = self.rope.table(top)
+        if t == 1:  # the table's row itself: [1, rot / 2] contiguous
+            off = top * cos.shape[1] * cos.element_size()
+            c, s = cos.data_ptr() + off, sin.data_ptr() + off
+        else:
+            torch.index_select(cos, 0, self.pos, out=self.cos_rows)
+            torch.index_select(sin, 0, self.pos, out=self.sin_rows)
+            c, s = self.cos_rows.data_ptr(), self.sin_rows.data_ptr()
+        head = self.head
+        logits = torch.empty(t, head.lm_rows, dtype=torch.float32)
+        ends = (
+            head.embed_ptr, head.bf16, head.vocab, self.ids.data_ptr(), head.scale_ptr,
+            head.eps, head.lm, logits.data_ptr(),
+        )  # fmt: skip
+        dense_native._native.decode_layers(
+            self.natives, self.h.data_ptr(), t, c, s, self.rot, self.interleaved,
+            self.slots.data_ptr(), self.tables, self.rows, self.lens, width, _kv_layers(self.kv),
+            self.num_experts, self.qmoe, self.float_experts, self.experts, _timings[0], ends,
+        )  # fmt: skip
+        return logits

@@ -72,6 +72,13 @@ class Rope:
         # index_select, not advanced indexing: the same rows, a lighter op (a decode step's)
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
+    def table(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables [n, rotary_dim / 2] (fp32, contiguous), grown to hold row
+        ``top``: what `cos_sin` indexes, for a caller that reads the rows in place."""
+        if top >= self._cos.shape[0]:
+            self._grow(max(top + 1, 2 * self._cos.shape[0], 256))
+        return self._cos, self._sin
+
     def _grow(self, n: int) -> None:
         dev = self.inv_freq.device
         freqs = torch.arange(n, dtype=torch.float32, device=dev).unsqueeze(-1) * self.inv_freq
