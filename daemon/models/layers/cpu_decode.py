@@ -438,9 +438,9 @@ class DecodeLane:
     rows are read from the table where there is one row. A step through the model's forward
     builds its batch, plan and step buffers anew (some 0.3 ms of Python a step on caches cold
     after the weight streams, measured on the decode benchmark's model); the engine's runner
-    keeps a lane while its decode batch stays the same rows (``fits``) and the model, KV pool
-    and experts are the ones it was made for (``current``). ``make`` says whether a model
-    qualifies: the whole-forward path of `HeadPlan.whole` on every layer."""
+    keeps a lane while its decode batch stays the same rows and the model's ends, KV pool and
+    experts are the ones it was made for (``fits``). ``make`` says whether a model qualifies:
+    every layer planned and both ends native, as `HeadPlan.whole` takes them."""
 
     # page-table width grows in these steps (pages a row), so a long decode rebuilds it rarely
     _WIDTH_STEP = 16
