@@ -20,7 +20,7 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.engine.runner import Work
-from freetokend.models.layers import cpu_decode, dense_native, qlinear_native
+from freetokend.models.layers import cpu_decode, decode_lane, dense_native, qlinear_native
 from freetokend.models.layers.moe import SparseMoE, route
 
 pytestmark = pytest.mark.skipif(not qlinear_native.available(), reason="ftdense not built")
@@ -169,7 +169,7 @@ def test_whole_forward_in_one_call_matches_part_by_part(all_moe, quantize, monke
     lane, lane_tokens = run(True)  # the runner's lane: one call a step
     assert counted.calls == [True] * 14
     counted.calls.clear()
-    monkeypatch.setattr(cpu_decode.DecodeLane, "make", lambda *a: None)
+    monkeypatch.setattr(decode_lane.DecodeLane, "make", lambda *a: None)
     llm.runner._lane = llm.runner._no_lane = None
     whole, whole_tokens = run(True)  # the model's forward, every layer planned: one call a step
     assert counted.calls == [True] * 14
@@ -188,14 +188,14 @@ def test_the_lane_follows_the_batch(all_moe, monkeypatch) -> None:  # type: igno
     llm = LLM(str(all_moe), moe_backend="cpu", prefix_cache=False, max_model_len=256)
     runner = llm.runner
     made = []
-    make = cpu_decode.DecodeLane.make
+    make = decode_lane.DecodeLane.make
 
     def counted(*args):  # type: ignore[no-untyped-def]
         lane = make(*args)
         made.append(lane)
         return lane
 
-    monkeypatch.setattr(cpu_decode.DecodeLane, "make", counted)
+    monkeypatch.setattr(decode_lane.DecodeLane, "make", counted)
     a, b = runner.new_state(), runner.new_state()
     ta = int(runner.forward([Work(a, [3, 4, 5])])[0].argmax())
     tb = int(runner.forward([Work(b, [7, 8])])[0].argmax())
@@ -211,7 +211,7 @@ def test_the_lane_follows_the_batch(all_moe, monkeypatch) -> None:  # type: igno
                 tb = t
     assert len(made) == 4 and all(m is not None for m in made)  # [a], [a, b], [b], [a]
     # the same steps through the model's forward give the same logits
-    monkeypatch.setattr(cpu_decode.DecodeLane, "make", lambda *a: None)
+    monkeypatch.setattr(decode_lane.DecodeLane, "make", lambda *a: None)
     runner._lane = runner._no_lane = None
     runner.release(a)
     runner.release(b)

@@ -19,7 +19,7 @@ from ..experts.backend import MoEBackend
 from ..kv.pool import KVPool
 from ..kv.seq_state import SeqState
 from ..models.layers import cpu_decode
-from ..models.layers.cpu_decode import DecodeLane
+from ..models.layers.decode_lane import DecodeLane
 from ..models.layers.deltanet import GatedDeltaNet
 from ..models.model import CausalLM
 from .batch import ForwardBatch, SeqChunk
@@ -89,7 +89,7 @@ class ModelRunner:
         # has one; ``graphs`` (set by the LLM with cuda_graphs on) replays them captured
         self.static_decode = placement.on_device and static_decode_blocker(model) is None
         self.graphs: DecodeGraphs | None = None
-        # decode steps of the same rows on the CPU: one native call each (cpu_decode.DecodeLane);
+        # decode steps of the same rows on the CPU: one native call each (layers/decode_lane.py);
         # _no_lane: the (model, KV pool, experts) a lane was refused for
         self._lane: DecodeLane | None = None
         self._no_lane: tuple[object, ...] | None = None
@@ -154,7 +154,7 @@ class ModelRunner:
         return logits
 
     def _lane_decode(self, work: list[Work]) -> torch.Tensor | None:
-        """A decode batch through the runner's lane (models/layers/cpu_decode.py), or None where
+        """A decode batch through the runner's lane (models/layers/decode_lane.py), or None where
         the model's forward runs it."""
         states = [w.state for w in work]
         model, kv, moe = self.model, self.kv, self.moe

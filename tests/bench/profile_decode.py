@@ -43,7 +43,7 @@ def _timed(label: Callable[..., str] | str, fn: Callable[..., Any]) -> Callable[
 def _instrument(vocab: int) -> None:
     """Timers around the parts, patched where the forward looks them up."""
     from freetokend.experts import backend
-    from freetokend.models.layers import attention, common, cpu_decode, moe
+    from freetokend.models.layers import attention, common, cpu_decode, decode_lane, moe
 
     def linear_label(self: Any, x: Any) -> str:
         rows = self.qweight.rows if self.qweight is not None else self.weight.shape[0]
@@ -59,7 +59,7 @@ def _instrument(vocab: int) -> None:
     backend.CpuBackend.forward = _timed("routed experts", backend.CpuBackend.forward)  # type: ignore[method-assign]
     cpu_decode.DecodeStep.run = _timed("native decode layers", cpu_decode.DecodeStep.run)  # type: ignore[method-assign]
     # the runner's decode lane: the same call, with its few writes of the step's rows
-    cpu_decode.DecodeLane.forward = _timed("native decode layers", cpu_decode.DecodeLane.forward)  # type: ignore[method-assign]
+    decode_lane.DecodeLane.forward = _timed("native decode layers", decode_lane.DecodeLane.forward)  # type: ignore[method-assign]
 
 
 def _instrument_native() -> Any:

@@ -21,16 +21,14 @@ the native top-k's softmax rounds differently from torch's in the last bits
 (tests/test_cpu_decode.py bounds the logits' difference and checks the greedy tokens).
 ``plan_for`` says which layers qualify; any other layer, and every step that is not all decode
 rows on the CPU, takes the generic path. When every layer qualifies, the call also gathers the
-embedding rows first and runs the last norm and lm_head after (`HeadPlan.whole`), and the
-engine's runner keeps a `DecodeLane` for consecutive decode steps of the same rows: one native
-call a step from the token ids to the logits, with the step's rows written in place instead of a
-batch, a plan and buffers built anew each step.
+embedding rows first and runs the last norm and lm_head after (`HeadPlan.whole`); the engine's
+runner then decodes consecutive steps of the same rows through a lane (decode_lane.py).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -152,7 +150,7 @@ class DecodeStep:
         self.t = len(chunks)
         self.num_experts = moe.num_experts
         self._executor = moe.executor  # what the addresses point into
-        self.qmoe, self.float_experts, self.experts = _experts_of(moe.executor)
+        self.qmoe, self.float_experts, self.experts = experts_of(moe.executor)
         ps = batch.kv.page_size
         pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
         self.width = width = max(pages)
@@ -178,7 +176,7 @@ class DecodeStep:
         self.cos, self.sin = cos.data_ptr(), sin.data_ptr()
         self.rot, self.interleaved = rot, interleaved
         self._bufs = _step_buffers(t)
-        self.kv = _kv_layers(batch.kv)
+        self.kv = kv_layers(batch.kv)
 
     def run(self, plans: list[LayerPlan], h: Tensor, ends: Any = None) -> None:
         """Decodes ``h`` [t, hidden] (fp32, contiguous) through ``plans``' layers, in place, in
@@ -187,7 +185,7 @@ class DecodeStep:
         dense_native._native.decode_layers(
             [p.native for p in plans], h.data_ptr(), self.t, self.cos, self.sin, self.rot,
             self.interleaved, self.slots, self.tables, self.rows, self.lens, self.width, self.kv,
-            self.num_experts, self.qmoe, self.float_experts, self.experts, _timings[0], ends,
+            self.num_experts, self.qmoe, self.float_experts, self.experts, timings(), ends,
         )  # fmt: skip
 
     def tensor(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -200,7 +198,7 @@ class DecodeStep:
         return b
 
 
-def _experts_of(executor: Any) -> tuple[Any, Any, Any]:
+def experts_of(executor: Any) -> tuple[Any, Any, Any]:
     """decode_layers' (qmoe, float_experts, experts) for a MoE executor: the experts run inside
     the call on ftdense's pool, a GGUF-block executor's native spec or ftnative's float executor
     through its entry (native/src/executor_bridge.h); any other executor's (x, ids, w, out, t,
@@ -219,7 +217,7 @@ def _experts_of(executor: Any) -> tuple[Any, Any, Any]:
 _kv_seen: list[tuple[tuple[int, ...], list[tuple[int, int, bool, int, int]]]] = []
 
 
-def _kv_layers(kv: Any) -> list[tuple[int, int, bool, int, int]]:
+def kv_layers(kv: Any) -> list[tuple[int, int, bool, int, int]]:
     k, v = kv.k, kv.v
     bf16 = kv.dtype == torch.bfloat16
     ks = k if isinstance(k, list) else [k]
@@ -244,6 +242,12 @@ def _kv_layers(kv: Any) -> list[tuple[int, int, bool, int, int]]:
 # decode_layers' part timings (tests/bench/profile_decode.py): 0, or the address of a float64
 # tensor of len(ftdense.decode_parts()) seconds the calls add to.
 _timings = [0]
+
+
+def timings() -> int:
+    """What decode_layers' ``timings`` argument is now: 0, or the `set_timings` tensor's
+    address."""
+    return _timings[0]
 
 
 def set_timings(seconds: Tensor | None) -> None:
@@ -329,21 +333,24 @@ class HeadPlan:
         layer of ``plans`` (the model's, all of them), the last norm and lm_head. None where
         that does not apply (an end the native call cannot run, or logits not wanted for every
         row): the caller goes part by part."""
-        if (
-            self.lm is None
-            or rows != step.t
-            or self.scale is None
-            or not self._ids_usable(step, token_ids)
-        ):
+        if not self.whole_ok or rows != step.t or not self._ids_usable(step, token_ids):
             return None
-        h = step.tensor("h", self.dim)
         logits = torch.empty(step.t, self.lm_rows, dtype=torch.float32)
-        ends = (
+        step.run(plans, step.tensor("h", self.dim), self.ends(token_ids, logits))
+        return logits
+
+    def ends(self, token_ids: Tensor, logits: Tensor) -> tuple[Any, ...]:
+        """decode_layers' ``ends`` (DecodeEnds): the rows of ``token_ids`` (int64, contiguous)
+        gathered first, lm_head's output written to ``logits`` (fp32 [t, lm_rows]) last."""
+        return (
             self.embed_ptr, self.bf16, self.vocab, token_ids.data_ptr(), self.scale_ptr,
             self.eps, self.lm, logits.data_ptr(),
         )  # fmt: skip
-        step.run(plans, h, ends)
-        return logits
+
+    @property
+    def whole_ok(self) -> bool:
+        """Whether both ends can run inside the layers' call (`whole`, the runner's lane)."""
+        return self.lm is not None and self.scale is not None and self.embed_ok
 
     def _ids_usable(self, step: DecodeStep, token_ids: Tensor) -> bool:
         return (
@@ -402,177 +409,37 @@ def set_enabled(on: bool) -> bool:
     return old
 
 
+def on_cpu(embed: Tensor, kv: Any, moe: Any) -> bool:
+    """Whether decode steps can take the fast path at all: it is on, the native kernels are
+    built, and the embedding (where the residual stream is), the KV pool (bf16 or fp32) and a
+    CPU backend's native-callable experts are on the CPU."""
+    from ...experts.backend import CpuBackend
+
+    return (
+        _enabled[0]
+        and dense_native._on()
+        and qlinear_native.available()
+        and embed.device.type == "cpu"
+        and type(moe) is CpuBackend
+        and hasattr(moe.executor, "forward_addresses")
+        and kv.device.type == "cpu"
+        and kv.dtype in (torch.bfloat16, torch.float32)
+    )
+
+
 def start(
     batch: ForwardBatch, embed: Tensor, cos: Tensor, sin: Tensor, rope_cfg: RopeConfig
 ) -> DecodeStep | None:
     """A `DecodeStep` when this forward is a decode step the fast path can run: every chunk one
     row, the residual stream (where the embedding ``embed`` is: the model's fp32 rows of it), KV
     pool and MoE executor on the CPU with native kernels on."""
-    from ...experts.backend import CpuBackend
-
-    if (
-        not _enabled[0]
-        or batch.decode is not None
-        or not dense_native._on()
-        or not qlinear_native.available()
-    ):
-        return None
-    if embed.device.type != "cpu" or not all(ch.length == 1 for ch in batch.chunks):
+    if batch.decode is not None or not all(ch.length == 1 for ch in batch.chunks):
         return None
     moe = batch.moe
-    if type(moe) is not CpuBackend or not hasattr(moe.executor, "forward_addresses"):
-        return None
-    if batch.kv.device.type != "cpu" or batch.kv.dtype not in (torch.bfloat16, torch.float32):
+    if not on_cpu(embed, batch.kv, moe):
         return None
     rot = rope_cfg.rotary_dim
     if rot == 0 or cos.shape[-1] != rot // 2:
         return None
     c, s = cos.float().contiguous(), sin.float().contiguous()
-    return DecodeStep(batch, moe, c, s, rot, rope_cfg.interleaved)
-
-
-class DecodeLane:
-    """Consecutive decode steps of the same rows (one token each, logits of each), each one
-    native call with nothing rebuilt between them: the rows' token ids, positions, KV slots,
-    page tables and lengths live in tensors of the lane's own, written in place, and the rope
-    rows are read from the table where there is one row. A step through the model's forward
-    builds its batch, plan and step buffers anew (some 0.3 ms of Python a step on caches cold
-    after the weight streams, measured on the decode benchmark's model); the engine's runner
-    keeps a lane while its decode batch stays the same rows and the model's ends, KV pool and
-    experts are the ones it was made for (``fits``). ``make`` says whether a model qualifies:
-    every layer planned and both ends native, as `HeadPlan.whole` takes them."""
-
-    # page-table width grows in these steps (pages a row), so a long decode rebuilds it rarely
-    _WIDTH_STEP = 16
-
-    def __init__(
-        self,
-        model: Any,
-        kv: Any,
-        moe: CpuBackend,
-        states: list[Any],
-        head: HeadPlan,
-        plans: list[LayerPlan],
-    ) -> None:
-        self.model, self.kv, self.moe, self.head = model, kv, moe, head
-        self.executor = moe.executor  # what the addresses point into
-        self.states = list(states)
-        self.plans = plans  # holds the addresses' tensors
-        self.natives = [p.native for p in plans]
-        self.qmoe, self.float_experts, self.experts = _experts_of(moe.executor)
-        self.num_experts = moe.num_experts
-        self.rope = model.rope
-        self.rot = model.rope.cfg.rotary_dim
-        self.interleaved = model.rope.cfg.interleaved
-        t = self.t = len(states)
-        self.ids = torch.zeros(t, dtype=torch.int64)
-        self.pos = torch.zeros(t, dtype=torch.int64)
-        self.slots = torch.zeros(t, dtype=torch.int64)
-        self.h = torch.empty(t, head.dim)
-        half = self.rot // 2
-        self.cos_rows = torch.empty(t, half)
-        self.sin_rows = torch.empty(t, half)
-        self._ids, self._pos, self._slots = self.ids.numpy(), self.pos.numpy(), self.slots.numpy()
-        self._tables(max(len(st.pages) for st in states))
-
-    def _tables(self, pages: int) -> None:
-        """(Re)makes the int32 tensor of page tables [t, width], row starts and lengths."""
-        t, step = self.t, self._WIDTH_STEP
-        self.width = width = max(step, -(-pages // step) * step)
-        self.meta = torch.zeros(t * width + 2 * t, dtype=torch.int32)
-        self._meta = self.meta.numpy()
-        self._meta[t * width : t * width + t] = range(t)
-        self._pages: list[list[int]] = [[] for _ in range(t)]  # what each table row holds
-        at = self.meta.data_ptr()
-        self.tables, self.rows, self.lens = at, at + t * width * 4, at + (t * width + t) * 4
-
-    @classmethod
-    def make(cls, model: Any, kv: Any, moe: Any, states: list[Any]) -> DecodeLane | None:
-        """A lane for decode steps of ``states``' rows, or None where the model's forward must
-        run them (a layer or an end off the native path, the pool or experts elsewhere)."""
-        from ...experts.backend import CpuBackend
-        from ..model import CausalLM
-
-        if (
-            not _enabled[0]
-            or type(model) is not CausalLM
-            or not dense_native._on()
-            or not qlinear_native.available()
-            or type(moe) is not CpuBackend
-            or not hasattr(moe.executor, "forward_addresses")
-            or kv.device.type != "cpu"
-            or kv.dtype not in (torch.bfloat16, torch.float32)
-        ):
-            return None
-        embed = model.embed_tokens.weight
-        cfg = model.rope.cfg
-        if (
-            embed.device.type != "cpu"
-            or cfg.rotary_dim == 0
-            or model.rope.inv_freq.device.type != "cpu"
-        ):
-            return None
-        plans = [layer.decode_plan() for layer in model._decoder_layers]
-        head = model.decode_head()
-        if not all(p is not None for p in plans) or head.lm is None or head.scale is None:
-            return None
-        if not head.embed_ok:
-            return None
-        return cls(model, kv, moe, states, head, plans)  # type: ignore[arg-type]
-
-    def fits(self, model: Any, kv: Any, moe: Any, states: list[Any]) -> bool:
-        """Whether this lane runs the next step of ``states``: the same rows in the same order,
-        the same model ends, KV pool and experts, the fast path still on."""
-        return (
-            _enabled[0]
-            and len(states) == self.t
-            and all(a is b for a, b in zip(states, self.states, strict=True))
-            and kv is self.kv
-            and moe is self.moe
-            and moe.executor is self.executor
-            and model.decode_head() is self.head
-        )
-
-    def forward(self, tokens: list[int]) -> Tensor:
-        """Logits [t, vocab] fp32 of one decode step: row i feeds ``tokens[i]`` after its
-        state's cached tokens (the pages for it reserved; the caller counts it cached after)."""
-        ps = self.kv.page_size
-        t, width = self.t, self.width
-        need = max(len(st.pages) for st in self.states)
-        if need > width:
-            self._tables(need)
-            width = self.width
-        top = 0
-        for i, st in enumerate(self.states):
-            p = st.num_tokens
-            pages = st.pages
-            if pages != self._pages[i]:
-                row = self._meta[i * width : (i + 1) * width]
-                row[:] = 0
-                row[: len(pages)] = pages
-                self._pages[i] = list(pages)
-            self._ids[i] = tokens[i]
-            self._pos[i] = p
-            self._slots[i] = pages[p // ps] * ps + p % ps
-            self._meta[t * width + t + i] = p + 1
-            top = max(top, p)
-        cos, sin = self.rope.table(top)
-        if t == 1:  # the table's row itself: [1, rot / 2] contiguous
-            off = top * cos.shape[1] * cos.element_size()
-            c, s = cos.data_ptr() + off, sin.data_ptr() + off
-        else:
-            torch.index_select(cos, 0, self.pos, out=self.cos_rows)
-            torch.index_select(sin, 0, self.pos, out=self.sin_rows)
-            c, s = self.cos_rows.data_ptr(), self.sin_rows.data_ptr()
-        head = self.head
-        logits = torch.empty(t, head.lm_rows, dtype=torch.float32)
-        ends = (
-            head.embed_ptr, head.bf16, head.vocab, self.ids.data_ptr(), head.scale_ptr,
-            head.eps, head.lm, logits.data_ptr(),
-        )  # fmt: skip
-        dense_native._native.decode_layers(
-            self.natives, self.h.data_ptr(), t, c, s, self.rot, self.interleaved,
-            self.slots.data_ptr(), self.tables, self.rows, self.lens, width, _kv_layers(self.kv),
-            self.num_experts, self.qmoe, self.float_experts, self.experts, _timings[0], ends,
-        )  # fmt: skip
-        return logits
+    return DecodeStep(batch, cast("CpuBackend", moe), c, s, rot, rope_cfg.interleaved)
