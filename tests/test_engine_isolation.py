@@ -105,3 +105,36 @@ def test_top_k_above_the_vocabulary_is_the_whole_vocabulary():
         SamplingParams(top_k=2**63).validate()
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=frozenset(range(1000))).validate()
+
+
+def test_an_all_greedy_host_batch_skips_the_guarded_sampler_and_picks_the_same(llm, monkeypatch):
+    """Greedy rows with no grammar and no logprobs take one argmax of the host logits
+    (core._greedy_ids), not sample_rows; the tokens are the ones sample_rows picks."""
+    from freetokend.engine import core
+
+    calls = []
+    real = core.sample_rows
+    monkeypatch.setattr(core, "sample_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reqs = {"a": (GREEDY, None), "b": (GREEDY, None), "c": (GREEDY, None)}
+    fast = _run(llm, reqs)
+    assert calls == []
+    monkeypatch.setattr(core, "_greedy_ids", lambda reqs, logits: None)
+    slow = _run(llm, reqs)
+    assert calls  # the guarded sampler ran every step
+    assert {r: [o.token_id for o in v] for r, v in fast.items()} == {
+        r: [o.token_id for o in v] for r, v in slow.items()
+    }
+    assert all(len(v) == 6 and NO_TOKEN not in [o.token_id for o in v] for v in fast.values())
+
+
+def test_a_row_asking_for_logprobs_keeps_the_batch_on_the_guarded_sampler(llm, monkeypatch):
+    from freetokend.engine import core
+
+    calls = []
+    real = core.sample_rows
+    monkeypatch.setattr(core, "sample_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with_lp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    got = _run(llm, {"a": (GREEDY, None), "lp": (with_lp, None)})
+    assert len(calls) >= 6
+    assert all(o.top_logprobs is not None and len(o.top_logprobs) == 2 for o in got["lp"])
+    assert [o.token_id for o in got["a"]] == [o.token_id for o in got["lp"]]

@@ -27,6 +27,7 @@ import torch
 
 from ..kv.pool import KVPoolFull
 from ..kv.seq_state import SeqState
+from ..models.layers import dense_native
 from .prefix import PrefixReuse
 from .row_guard import fill_masks, sample_rows
 from .runner import ModelRunner, Work
@@ -328,6 +329,9 @@ class EngineCore:
         device copy, no sync); logprobs cost one more read.
         """
         place = self.runner.placement
+        greedy = None if place.on_device else _greedy_ids(reqs, logits)
+        if greedy is not None:  # the common CPU decode: no masks, generators or logprobs
+            return self._emit(reqs, list(greedy), {}, {})
         errors = fill_masks([r.constraint for r in reqs], logits)
         ids: list[int | None] = [None] * len(reqs)
         live = [i for i in range(len(reqs)) if i not in errors]
@@ -346,7 +350,17 @@ class EngineCore:
                 ids[i] = got[j]
                 if j in bad:
                     errors[i] = bad[j]
-        lp = self._logprobs(reqs, logits, ids, errors)
+        return self._emit(reqs, ids, errors, self._logprobs(reqs, logits, ids, errors))
+
+    def _emit(
+        self,
+        reqs: list[_Request],
+        ids: list[int | None],
+        errors: dict[int, str],
+        lp: dict[int, tuple[float, list[tuple[int, float]]]],
+    ) -> list[StepOutput]:
+        """Each request's step output from its sampled token (None or a row of ``errors``:
+        that request fails alone) and its logprobs, its grammar told the token."""
         outs = []
         for i, req in enumerate(reqs):
             tok = ids[i]
@@ -443,3 +457,16 @@ class EngineCore:
         if len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
             return "length"
         return None
+
+
+def _greedy_ids(reqs: list[_Request], logits: torch.Tensor) -> list[int] | None:
+    """The next token of every row of host ``logits`` when each request is greedy with no
+    grammar and no logprobs (one native argmax, what ``sample_rows`` would pick), else None."""
+    if not reqs:  # a step of prefill chunks alone
+        return []
+    for r in reqs:
+        p = r.params
+        if p.temperature != 0.0 or r.constraint is not None or p.logprobs is not None:
+            return None
+    ids = dense_native.argmax(logits)
+    return None if ids is None else ids.tolist()
