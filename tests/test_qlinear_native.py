@@ -363,3 +363,25 @@ def test_fewer_than_8_rows_stay_plain() -> None:
             x.data_ptr(), 2, 256, [w.raw.data_ptr()], [7], [gi.INTERLEAVED_CODES["q4_k"]],
             [y.data_ptr()], "",
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", [1, 3, 5])
+def test_q4_k_groups_at_the_largest_sums(isa: str, t: int) -> None:
+    """Every nibble 15, every 6-bit scale and min 63 and the activations at +-127 after their
+    quantisation: the largest integer sums a Q4_K super-block gives (the VNNI group kernel reads
+    the high nibbles in place, 16 times their value, and shifts each sub-block's sum back: it
+    must neither overflow nor round), each ISA's interleaved rows against the reference."""
+    _need(isa)
+    k, n = 512, 16
+    block = torch.full((144,), 0xFF, dtype=torch.uint8)  # scales, mins and nibbles all ones
+    block[0:4] = torch.tensor([0x00, 0x1C, 0x00, 0x00], dtype=torch.uint8)  # d 2^-8, dmin 0
+    raw = block.repeat(n, k // 256)
+    w = ql.QuantWeight.from_raw(raw, "q4_k", k)
+    assert w.interleaved
+    x = torch.ones(t, k)
+    x[:, 1::2] = -1.0
+    x[-1, :256] = 1.0  # one token's first super-block all +127: the high nibbles' sum at its top
+    got = ql.qlinear(x, w, isa=isa)
+    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    assert got[-1].abs().max().item() > 900  # 256 * 15 * 63 / 256: not cancelled out
