@@ -326,7 +326,8 @@ class EngineCore:
 
         Logits on a device are sampled there; the host reads the token ids (one copy). Grammar
         masks are applied where the logits are (a constraint sends its bitmask there: a host ->
-        device copy, no sync); logprobs cost one more read.
+        device copy, no sync); logprobs cost one more read. A host batch of greedy requests
+        with neither takes one native argmax (_greedy_ids), the pick sample_rows makes.
         """
         place = self.runner.placement
         greedy = None if place.on_device else _greedy_ids(reqs, logits)
