@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freetokend import LLM
-from freetokend.engine import row_guard
+from freetokend.engine import core, row_guard
 from freetokend.engine.core import NO_TOKEN
 from freetokend.engine.sampler import SamplingParams, filtered_probs, sample
 
@@ -107,14 +107,21 @@ def test_top_k_above_the_vocabulary_is_the_whole_vocabulary():
         SamplingParams(stop_token_ids=frozenset(range(1000))).validate()
 
 
-def test_an_all_greedy_host_batch_skips_the_guarded_sampler_and_picks_the_same(llm, monkeypatch):
-    """Greedy rows with no grammar and no logprobs take one argmax of the host logits
-    (core._greedy_ids), not sample_rows; the tokens are the ones sample_rows picks."""
-    from freetokend.engine import core
-
-    calls = []
+@pytest.fixture
+def sample_rows_calls(monkeypatch):
+    """A list that gets one entry each time the engine calls the guarded sampler."""
+    calls: list[int] = []
     real = core.sample_rows
     monkeypatch.setattr(core, "sample_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_an_all_greedy_host_batch_skips_the_guarded_sampler_and_picks_the_same(
+    llm, monkeypatch, sample_rows_calls
+):
+    """Greedy rows with no grammar and no logprobs take one argmax of the host logits
+    (core._greedy_ids), not sample_rows; the tokens are the ones sample_rows picks."""
+    calls = sample_rows_calls
     reqs = {"a": (GREEDY, None), "b": (GREEDY, None), "c": (GREEDY, None)}
     fast = _run(llm, reqs)
     assert calls == []
@@ -127,12 +134,8 @@ def test_an_all_greedy_host_batch_skips_the_guarded_sampler_and_picks_the_same(l
     assert all(len(v) == 6 and NO_TOKEN not in [o.token_id for o in v] for v in fast.values())
 
 
-def test_a_row_asking_for_logprobs_keeps_the_batch_on_the_guarded_sampler(llm, monkeypatch):
-    from freetokend.engine import core
-
-    calls = []
-    real = core.sample_rows
-    monkeypatch.setattr(core, "sample_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_a_row_asking_for_logprobs_keeps_the_batch_on_the_guarded_sampler(llm, sample_rows_calls):
+    calls = sample_rows_calls
     with_lp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
     got = _run(llm, {"a": (GREEDY, None), "lp": (with_lp, None)})
     assert len(calls) >= 6

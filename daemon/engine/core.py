@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -332,7 +332,7 @@ class EngineCore:
         place = self.runner.placement
         greedy = None if place.on_device else _greedy_ids(reqs, logits)
         if greedy is not None:  # the common CPU decode: no masks, generators or logprobs
-            return self._emit(reqs, list(greedy), {}, {})
+            return self._emit(reqs, greedy, {}, {})
         errors = fill_masks([r.constraint for r in reqs], logits)
         ids: list[int | None] = [None] * len(reqs)
         live = [i for i in range(len(reqs)) if i not in errors]
@@ -356,7 +356,7 @@ class EngineCore:
     def _emit(
         self,
         reqs: list[_Request],
-        ids: list[int | None],
+        ids: Sequence[int | None],
         errors: dict[int, str],
         lp: dict[int, tuple[float, list[tuple[int, float]]]],
     ) -> list[StepOutput]:
@@ -467,7 +467,7 @@ def _greedy_ids(reqs: list[_Request], logits: torch.Tensor) -> list[int] | None:
         return []
     for r in reqs:
         p = r.params
-        if p.temperature != 0.0 or r.constraint is not None or p.logprobs is not None:
+        if not p.greedy or r.constraint is not None or p.logprobs is not None:
             return None
     ids = dense_native.argmax(logits)
     return None if ids is None else ids.tolist()

@@ -16,7 +16,7 @@ struct ScaleMinX8 {
   // decode's form: 8 accumulators a token, 3 tokens; passes of more tokens take the
   // tokens-wide form (block_wide: 2 accumulators and a sum a token), up to 8 with VNNI's 32
   // registers and 4 with AVX2's 16. AVX2 had no wide form before (3 tokens a pass, 24
-  // accumulators in 16 registers); Intel Xeon VM, one core, Q4_K 2048 x 4096 rows in cache, 32
+  // accumulators in 16 registers); Intel Xeon VM, one core, Q4_K 4096 rows of 2048 in cache, 32
   // tokens: 1.4x (4 a pass) and 1.1x (6: spills); prefill 512 of the Q4_K_M benchmark file, 2
   // threads, builds alternated: 1.15x and 1.26x.
   static constexpr int kWideTokens = 8;
