@@ -101,3 +101,42 @@ def test_chaos_order_keeps_the_tokens(model_dir, reference, monkeypatch, seed) -
     assert _generate(model_dir, "offload", moe_slots=probe.banks.num_flat) == reference
     assert _generate(model_dir, "hybrid", moe_slots=6, bandwidth=(1.0, 2.0)) == reference
     assert made and all(a.order == "chaos" and a.stats.copies > 0 for a in made)
+
+
+def test_reclaim_poisons_a_copy_list_the_transfer_does_not_hold(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The reclaim mode itself: a held copy list lands right after the caller dropped it; one
+    that ``_hold`` skipped is reused (poisoned) before the copy reads it."""
+    src = torch.arange(12.0).reshape(3, 4)
+
+    def fill(acc: StandinAccelerator) -> torch.Tensor:
+        dst = torch.zeros(3, 4)
+        one = torch.tensor([1], dtype=torch.int32)
+        acc.fill_rows([(dst, src)], one, one + 1, one.clone()).wait()
+        return dst
+
+    assert torch.equal(fill(StandinAccelerator(reclaim=True))[1], src[2])
+    assert torch.equal(fill(StandinAccelerator())[1], src[2])
+    monkeypatch.setattr(StandinAccelerator, "_hold", lambda self, transfer, tensors: None)
+    assert not torch.equal(fill(StandinAccelerator(reclaim=True))[1], src[2])
+    assert torch.equal(fill(StandinAccelerator())[1], src[2])  # reclaim off: nothing reused
+
+
+def test_prefill_overlap_holds_its_copy_lists(model_dir, reference, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Prefill overlap issues layer l + 1's fill and drops its plan before layer l computes;
+    on CUDA the next allocations then reuse the copy list's blocks before the copy stream
+    reads them, unless the transfer holds them (``record_stream``). The stand-in's reclaim
+    mode reuses what is not held as soon as ``fill_rows`` returns."""
+    made: list[StandinAccelerator] = []
+
+    def reclaiming(name: str) -> StandinAccelerator:
+        made.append(StandinAccelerator(reclaim=True))
+        return made[-1]
+
+    monkeypatch.setattr(acc_mod, "create_accelerator", reclaiming)
+    probe = LLM(model_dir, max_model_len=64, kv_tokens=64)
+    slots = min(2 * probe.config.num_experts + 1, probe.banks.num_flat)  # streams whole layers
+    llm = LLM(model_dir, "offload", moe_slots=slots, max_model_len=128, kv_tokens=512)
+    assert isinstance(llm.moe, OffloadBackend) and llm.moe.prefill_overlap
+    assert llm.generate(_prompts(), max_tokens=6, ignore_eos=True) == reference
+    assert llm.moe.counters["prefill_layers_streamed"] > 0
+    assert made and all(a.reclaim for a in made) and llm.moe.acc in made

@@ -126,7 +126,6 @@ class Accelerator(ABC):
         ``dst`` lives on the device, ``src`` in (pinned) host memory; rows are whole experts.
         """
 
-    @abstractmethod
     def fill_rows(
         self,
         pairs: BankPairs,
@@ -140,8 +139,32 @@ class Accelerator(ABC):
 
         ``dst_idx``, ``src_idx`` [C] and ``count`` [1] are int32 tensors on the device, as the
         slot cache's decode kernel leaves them: the host never reads them (no sync per layer).
+        The caller may drop them as soon as this returns (the transfer holds them).
         ``kernel``: run the Triton copy kernel (always on CUDA; on the stand-in, tests).
         """
+        transfer = self._queue_fill(pairs, dst_idx, src_idx, count, kernel)
+        self._hold(transfer, (dst_idx, src_idx, count))
+        return transfer
+
+    @abstractmethod
+    def _queue_fill(
+        self,
+        pairs: BankPairs,
+        dst_idx: torch.Tensor,
+        src_idx: torch.Tensor,
+        count: torch.Tensor,
+        kernel: bool,
+    ) -> Transfer:
+        """Queue ``fill_rows``'s copies on the transfer path."""
+
+    @abstractmethod
+    def _hold(self, transfer: Transfer, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Keep the device memory of ``tensors``, which ``transfer`` reads, from being reused
+        until the transfer has run. They were made on the compute stream, and the caller may
+        drop them when the issuing call returns: a caching allocator then hands their blocks
+        to the compute stream's next allocation, which may write them before the transfer
+        stream has read them (a prefill layer's copy list, overwritten by the layer's compute:
+        wrong experts in the slots, or an illegal address)."""
 
     def device_fill_ok(self, src: torch.Tensor) -> bool:
         """Whether ``fill_rows`` works from this host bank (checked once per backend)."""
@@ -203,15 +226,28 @@ def _do_fill(
         stats.bytes += n * sum(src[0].numel() * src.element_size() for _, src in pairs)
 
 
+def _poison(t: torch.Tensor) -> None:
+    """NaN floats, all-ones bytes (-1 as a signed integer)."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.view(torch.uint8).fill_(0xFF)
+
+
 class _StreamTransfer(Transfer):
     """A copy queued on the stand-in's transfer stream; ``wait`` is the compute side reaching
-    the event recorded after it."""
+    the event recorded after it. ``held``: the inputs kept from reuse until it lands."""
 
     def __init__(self, acc: StandinAccelerator, job: Callable[[], None]) -> None:
         self.acc, self.job, self.done = acc, job, False
+        self.held: tuple[torch.Tensor, ...] = ()
 
     def wait(self) -> None:
         self.acc._reach(self)
+
+    def land(self) -> None:
+        self.job()
+        self.done, self.held = True, ()
 
 
 class StandinAccelerator(Accelerator):
@@ -224,17 +260,22 @@ class StandinAccelerator(Accelerator):
     ``order="chaos"`` (tests): queued copies may also land early, at any later accelerator call,
     and the rows of one transfer land in a random order, as a GPU allows; correct code gives
     the same output in both modes.
+    ``reclaim=True`` (tests): when ``fill_rows`` returns, the copy-list tensors its transfer
+    does not hold (``_hold``) are poisoned, as CUDA's caching allocator hands the blocks a
+    caller dropped to the compute stream's next allocation before the transfer stream has
+    read them; a copy list that is not held then lands wrong experts.
     """
 
     name = "standin"
     ORDERS = ("stream", "chaos")
 
-    def __init__(self, order: str = "stream", seed: int = 0) -> None:
+    def __init__(self, order: str = "stream", seed: int = 0, reclaim: bool = False) -> None:
         super().__init__()
         if order not in self.ORDERS:
             raise ValueError(f"unknown stand-in order {order!r}; choose one of {self.ORDERS}")
         self.device = torch.device("cpu")
         self.order = order
+        self.reclaim = reclaim
         self._rng = random.Random(seed) if order == "chaos" else None
         self._queue: deque[_StreamTransfer] = deque()
         self._lock = threading.RLock()
@@ -244,10 +285,7 @@ class StandinAccelerator(Accelerator):
         landed must show, and memory the allocator hands back from a freed bank of the same
         experts would otherwise hold the right weights (a missed wait then passes by luck)."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        else:
-            t.view(torch.uint8).fill_(0xFF)
+        _poison(t)
         return t
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -268,8 +306,41 @@ class StandinAccelerator(Accelerator):
         count: torch.Tensor,
         kernel: bool = False,
     ) -> Transfer:
+        """``Accelerator.fill_rows``, then (``reclaim``) the allocator's view of the caller's
+        copy list once the call has returned."""
+        transfer = super().fill_rows(pairs, dst_idx, src_idx, count, kernel)
+        if self.reclaim:
+            self._reclaim(transfer, (dst_idx, src_idx, count))
+        return transfer
+
+    def _queue_fill(
+        self,
+        pairs: BankPairs,
+        dst_idx: torch.Tensor,
+        src_idx: torch.Tensor,
+        count: torch.Tensor,
+        kernel: bool,
+    ) -> Transfer:
         stats, rng = self.stats, self._rng
         return self._enqueue(lambda: _do_fill(pairs, dst_idx, src_idx, count, kernel, stats, rng))
+
+    def _hold(self, transfer: Transfer, tensors: tuple[torch.Tensor, ...]) -> None:
+        assert isinstance(transfer, _StreamTransfer)
+        with self._lock:
+            if not transfer.done:  # a transfer that landed (chaos) reads nothing any more
+                transfer.held += tensors
+
+    def _reclaim(self, transfer: Transfer, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Poison the ``inputs`` a still-queued ``transfer`` does not hold: memory the next
+        allocation may take and write before the transfer reads it."""
+        assert isinstance(transfer, _StreamTransfer)
+        with self._lock:
+            if transfer.done:
+                return
+            held = {id(t) for t in transfer.held}
+            for t in inputs:
+                if id(t) not in held:
+                    _poison(t)
 
     def synchronize(self) -> None:
         with self._lock:
@@ -295,8 +366,7 @@ class StandinAccelerator(Accelerator):
                 self.stats.overlapped += 1  # the caller went on while the copy was queued
             while self._queue:
                 head = self._queue.popleft()
-                head.job()
-                head.done = True
+                head.land()
                 if head is t:
                     break
             self._land_early()
@@ -306,9 +376,7 @@ class StandinAccelerator(Accelerator):
         if self._rng is None or not self._queue:
             return
         for _ in range(self._rng.randrange(len(self._queue) + 1)):
-            head = self._queue.popleft()
-            head.job()
-            head.done = True
+            self._queue.popleft().land()
 
 
 def _runs(drows: list[int], srows: list[int]) -> list[tuple[int, int, int]]:
@@ -345,6 +413,8 @@ class CudaAccelerator(Accelerator):
         self._count(pairs)
         # The destination slots may still be read by compute queued before this call.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Nothing to ``_hold``: the row lists are read here on the host, the source is the
+        # long-lived pinned pool, and the destination banks outlive every transfer.
         with torch.cuda.stream(self.copy_stream):
             for dst, src, drows, srows in pairs:
                 # one copy per run of consecutive rows (a prefill layer is one run)
@@ -355,13 +425,13 @@ class CudaAccelerator(Accelerator):
             ev.record(self.copy_stream)
         return _CudaTransfer(ev)
 
-    def fill_rows(
+    def _queue_fill(
         self,
         pairs: BankPairs,
         dst_idx: torch.Tensor,
         src_idx: torch.Tensor,
         count: torch.Tensor,
-        kernel: bool = True,
+        kernel: bool,
     ) -> Transfer:
         from ftkernels.ops import copy_rows
 
@@ -375,6 +445,17 @@ class CudaAccelerator(Accelerator):
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
         return _CudaTransfer(ev)
+
+    def _hold(self, transfer: Transfer, tensors: tuple[torch.Tensor, ...]) -> None:
+        # The allocator is told the copy stream uses these blocks: when they are freed it
+        # records an event on the copy stream and reuses them only once that has passed.
+        # A reference kept in the transfer until ``wait`` would not do: a transfer dropped
+        # unwaited (an error between issue and wait) would free them under the copy.
+        for t in tensors:
+            self._record_on_copy_stream(t)
+
+    def _record_on_copy_stream(self, t: torch.Tensor) -> None:
+        t.record_stream(self.copy_stream)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -89,5 +89,11 @@ class FakeCudaAccelerator(CudaAccelerator):
         self.pinned_bytes += t.numel() * t.element_size()
         return self.tracker.pin(t)  # non_blocking copies from it are then asynchronous
 
+    def _record_on_copy_stream(self, t: torch.Tensor) -> None:
+        """The fake stream is no ``torch.Stream``; what a GPU's ``record_stream`` would
+        refuse, a tensor not on the device, is refused here too."""
+        if t.device.type != "cuda":
+            raise RuntimeError(f"record_stream: device tensor expected, got one on {t.device}")
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)  # the session's stand-in counts it
