@@ -32,7 +32,7 @@ from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import back_with_huge_pages, weight_tensors
 from ..models.loader import load_model, model_config, model_kind
-from ..models.model import kv_bytes_per_token
+from ..models.model import decode_attention_bytes, kv_bytes_per_token
 from ..models.registry import family_spec
 from .core import NO_TOKEN, EngineCore
 from .placement import (
@@ -53,16 +53,40 @@ _DEFAULT_KV_TOKENS = 131072
 
 
 def _slot_budget(
-    model: Any, cfg: ModelConfig, step_tokens: int, kv_tokens: int, snapshot_bytes: int
+    model: Any,
+    cfg: ModelConfig,
+    step_tokens: int,
+    kv_tokens: int,
+    snapshot_bytes: int,
+    attention_bytes: int = 0,
 ) -> SlotBudget:
     """What the default slot count leaves free on the device: the KV pool (K + V of every
-    attention layer per token, allocated after the slots), one step's MoE activations and the
-    recurrent-state snapshots' budget when they live there."""
+    attention layer per token, allocated after the slots), one step's MoE activations, the
+    recurrent-state snapshots' budget when they live there and decode attention's work
+    buffers (``attention_bytes``)."""
     kv = kv_bytes_per_token(model)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
     return SlotBudget(
-        kv_reserve_tokens=kv_tokens, kv_bytes_per_token=kv, activation_bytes=act + snapshot_bytes
+        kv_reserve_tokens=kv_tokens,
+        kv_bytes_per_token=kv,
+        activation_bytes=act + snapshot_bytes,
+        attention_bytes=attention_bytes,
     )
+
+
+def _context_limit(max_model_len: int | None, cfg: ModelConfig, kv_tokens: int) -> int:
+    """The longest context served: ``max_model_len`` (default: the model's, bounded by the KV
+    pool), never above the model's."""
+    limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    return limit if max_model_len is not None else min(limit, kv_tokens)
+
+
+def _decode_keys(max_len: int, page_size: int) -> int:
+    """Keys of the widest page table a decode step of a ``max_len`` context runs over: the
+    eager static step's power-of-two width (engine/graphs.width_for; graphs are no wider)."""
+    from .graphs import width_for
+
+    return width_for(-(-max_len // page_size)) * page_size
 
 
 def _enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
@@ -201,9 +225,14 @@ class LLM:
                 snapshots = device_snapshot_bytes(
                     self.model, int(snapshot_budget_mb * 2**20), self.placement.on_device
                 )
+                # Default context: the model's, bounded by the KV pool (default 131072 tokens
+                # on the host, where pages are committed only when written; on a card, its
+                # share of VRAM). Agents ask for max_tokens 32000 on top of long prompts.
+                self.max_model_len = _context_limit(max_model_len, cfg, kv)
+                self.slot_budget = self._budget(kv, snapshots, max_step_tokens, max_batch,
+                                                page_size)  # fmt: skip
                 self.cpu_isa = _cpu_isa(cpu_bf16_dot, threads)
-                self.moe = self._backend(backend, act, moe_slots, bandwidth, threads,
-                                         max_step_tokens, kv, snapshots)  # fmt: skip
+                self.moe = self._backend(backend, act, moe_slots, bandwidth, threads)
                 if huge_pages and isinstance(self.moe, CpuBackend):  # the CPU streams them
                     back_with_huge_pages(weight_tensors(self.model, self.moe.banks))
                 if record_routing is not None:
@@ -218,14 +247,6 @@ class LLM:
         except BaseException:
             self._exit_fake_device()
             raise
-        # Default context: the model's, bounded by the KV pool (default 131072 tokens on the
-        # host, where pages are committed only when written; on a card, its share of VRAM).
-        # Agents ask for max_tokens 32000 on top of long prompts.
-        self.max_model_len = min(
-            max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
-        if max_model_len is None:
-            self.max_model_len = min(self.max_model_len, kv)
         if cuda_graphs:
             self._capture_graphs(backend)
         self._tokenizer: Any = None
@@ -291,8 +312,23 @@ class LLM:
         acc: Accelerator = self.fake_device or accelerators.create_accelerator(accelerator)
         return place_dense(self.model, acc)
 
+    def _budget(
+        self, kv_tokens: int, snapshots: int, step_tokens: int, max_batch: int, page_size: int
+    ) -> SlotBudget:
+        """The slot budget: on a device, the KV pool (allocated after the slots) and decode
+        attention's work buffers at the widest decode batch (the engine's, or the largest graph
+        bucket with its padding rows) over the longest context."""
+        from .graphs import BATCH_BUCKETS
+
+        on_device = self.placement.on_device
+        rows = max(max_batch, *BATCH_BUCKETS)
+        keys = _decode_keys(self.max_model_len, page_size)
+        attn = decode_attention_bytes(self.model, rows, keys, page_size) if on_device else 0
+        return _slot_budget(self.model, self.config, step_tokens,
+                            kv_tokens if on_device else 0, snapshots, attn)  # fmt: skip
+
     def _backend(  # type: ignore[no-untyped-def]
-        self, name, act, moe_slots, bandwidth, threads, max_step_tokens, kv_tokens, snapshots
+        self, name, act, moe_slots, bandwidth, threads
     ) -> Any:
         cfg = self.config
         acc = self.placement.acc
@@ -307,14 +343,7 @@ class LLM:
             bandwidth=bandwidth,
             threads=threads,
             cpu_isa=self.cpu_isa,
-            # the KV pool is allocated after the slots: on a device, they leave it room
-            slot_budget=_slot_budget(
-                self.model,
-                cfg,
-                max_step_tokens,
-                kv_tokens if self.placement.on_device else 0,
-                snapshots,
-            ),
+            slot_budget=self.slot_budget,
         )
 
     def _device_scope(self) -> AbstractContextManager[Any]:

@@ -52,6 +52,7 @@ SNAPSHOT_MIB = 256  # LLM's default snapshot budget
 # syncs are counted per layer and scaled to all layers. Fake ops cost ~1 ms each on a CPU.
 SIM_LAYERS = 4
 PAGE_SIZE = 16  # the engine's default KV page
+DECODE_ROWS = 32  # the engine's default max_batch: the widest decode step (graph buckets: 8)
 _HOST_PARTS = ("embeddings", "attention", "norms", "router", "shared_experts", "lm_head")
 
 
@@ -150,7 +151,8 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
     from ..experts.device_backends import FusedBackend, OffloadBackend
     from ..experts.formats import allocate
     from ..kv.pool import KVPool
-    from ..models.model import kv_bytes_per_token
+    from ..models.model import decode_attention_bytes, kv_bytes_per_token
+    from .graphs import width_for
 
     layers, experts = cfg.num_moe_layers, cfg.num_experts
     kv_per_token = kv_bytes_per_token(model)
@@ -162,6 +164,12 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
         kv_tokens, kv_per_token, acc if on_device else None, DEFAULT_KV_TOKENS
     )
     plan.parts_mib["kv_cache"] = plan.kv_tokens * kv_per_token / MIB
+    attention = 0
+    if on_device:  # decode attention's work buffers at the widest batch, longest context
+        context = min(cfg.max_position_embeddings, plan.kv_tokens)
+        keys = width_for(-(-context // PAGE_SIZE)) * PAGE_SIZE  # the eager step's table
+        attention = decode_attention_bytes(model, DECODE_ROWS, keys, PAGE_SIZE)
+        plan.parts_mib["decode_attention"] = attention / MIB
     with acc.session.fake_mode:
         banks = allocate(
             cfg.expert_format, layers * experts, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -177,6 +185,7 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
             PROMPT_TOKENS, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size
         )
         + device_snapshot_bytes(model, SNAPSHOT_MIB * MIB, on_device),
+        attention_bytes=attention,
     )
     be: Any = create_backend(
         plan.backend, banks, layers, experts, act, accelerator=acc, slot_budget=budget

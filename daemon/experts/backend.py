@@ -161,12 +161,24 @@ class SlotBudget:
                        (the rest covers activations, kernels' work buffers and fragmentation)
     kv_bytes_per_token K + V bytes of one token over all attention layers (0: KV on the host)
     activation_bytes   device bytes a step's activations and work buffers take at peak
+    attention_bytes    device bytes decode attention's work buffers take at peak, at the widest
+                       decode batch over the longest context (``models.model``'s
+                       ``decode_attention_bytes``; 0: KV on the host)
     """
 
     kv_reserve_tokens: int = 8192
     memory_ratio: float = 0.9
     kv_bytes_per_token: int = 0
     activation_bytes: int = 0
+    attention_bytes: int = 0
+
+    @property
+    def step_bytes(self) -> int:
+        """Device bytes kept free for a step's work beyond the KV pool (and beyond
+        ``memory_ratio``'s share): MoE activations (with the snapshots' budget, where the
+        caller counts it there) and decode attention's work buffers. Summed, not the larger of
+        the two: cheap (the attention's buffers are bounded) and safe."""
+        return self.activation_bytes + self.attention_bytes
 
 
 def moe_activation_bytes(tokens: int, top_k: int, hidden: int, inter: int) -> int:
@@ -297,9 +309,9 @@ def _default_slots(
     banks: ExpertBanks, acc: Accelerator, num_experts: int, budget: SlotBudget
 ) -> int:
     """Slots that fit the device: ``memory_ratio`` of its free memory (what already lives there
-    is not free), less the KV reserve and the activations, over one slot's bytes (a slot holds
-    one expert in the device format: every bank). Without a device memory limit (the CPU
-    stand-in): half of all experts. At least one slot, at most every expert.
+    is not free), less the KV reserve and a step's work (``step_bytes``), over one slot's bytes
+    (a slot holds one expert in the device format: every bank). Without a device memory limit
+    (the CPU stand-in): half of all experts. At least one slot, at most every expert.
 
     Raises ``torch.OutOfMemoryError`` when not even one slot fits."""
     info = acc.mem_get_info()
@@ -309,13 +321,13 @@ def _default_slots(
     slot = banks.nbytes_per_expert()
     # the slot cache's own state: slot_of/freq [N] int32, per-slot maps ~21 bytes each
     state = 8 * banks.num_flat
-    reserve = budget.kv_reserve_tokens * budget.kv_bytes_per_token + budget.activation_bytes
+    reserve = budget.kv_reserve_tokens * budget.kv_bytes_per_token + budget.step_bytes
     room = int(free * budget.memory_ratio) - reserve - state
     n = room // (slot + 21)
     if n < 1:
         raise torch.OutOfMemoryError(
             f"no expert slot fits the device: {free >> 20} MiB free, {reserve >> 20} MiB kept for "
-            f"KV and activations, {slot >> 20} MiB per slot"
+            f"KV, activations and attention work buffers, {slot >> 20} MiB per slot"
         )
     n = min(n, banks.num_flat)
     log.info(

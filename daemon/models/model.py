@@ -14,7 +14,7 @@ from torch import nn
 from ..engine.batch import ForwardBatch
 from .config import ModelConfig
 from .layers import cpu_decode
-from .layers.attention import Attention
+from .layers.attention import Attention, decode_workspace_bytes
 from .layers.common import DenseMLP, Linear, RMSNorm, Weight, dtype_of
 from .layers.deltanet import GatedDeltaNet
 from .layers.mla import MLAttention
@@ -163,3 +163,17 @@ def kv_bytes_per_token(model: CausalLM) -> int:
         return 2 * sum(h * d for h, d in model.kv_layer_shapes) * itemsize
     heads, head_dim = model.kv_geometry
     return 2 * model.num_attention_layers * heads * head_dim * itemsize
+
+
+def decode_attention_bytes(model: CausalLM, rows: int, keys: int, page_size: int) -> int:
+    """Device bytes decode attention's work buffers take at peak for ``rows`` decode rows over
+    page tables of ``keys`` keys (``attention.decode_workspace_bytes`` at the model's widest
+    pool layer); 0 without attention layers."""
+    if model.num_attention_layers == 0:
+        return 0
+    kv_heads, head_dim = max(
+        model.kv_layer_shapes or (model.kv_geometry,), key=lambda s: s[0] * s[1]
+    )
+    return decode_workspace_bytes(
+        rows, keys, model.cfg.num_heads, kv_heads, head_dim, page_size, model.dtype.itemsize
+    )

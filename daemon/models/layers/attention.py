@@ -269,6 +269,71 @@ def _static_decode(
     return masked_decode(q, kp, vp, dm.tables, dm.lens, scale, window, sinks)
 
 
+# `masked_decode` gathers its rows' keys and values into fp32 work buffers; it takes the keys in
+# chunks of whole pages so that those buffers stay within this many bytes at any batch and
+# context. Gathered whole, batch 8 over 131072 keys of 8 KV heads of dim 64 took about 8 GB a
+# layer: more than a card keeps free, so the capture of the widest graph ran out of memory. The
+# slot budget keeps what they take free (``decode_workspace_bytes``, models/model.py). A
+# context whose buffers fit runs as one chunk (the ops of the whole form, unchanged); a longer
+# one costs a few small ops per chunk (at 256 MiB, batch 8 over 131072 keys of GPT-OSS's
+# attention, 64 query heads on 8 KV heads of dim 64: 24 chunks), where the gather itself reads
+# gigabytes.
+DECODE_WORKSPACE_BYTES = 256 << 20
+
+
+def _key_bytes(heads: int, kv_heads: int, head_dim: int, kv_itemsize: int) -> int:
+    """Work bytes of one key of one row in `masked_decode` at their peak, an upper bound over
+    its phases: the keys (or values) gathered in the pool's dtype, in fp32 and the contiguous
+    copy an einsum makes of them (2 x 4 bytes an element), and the [heads] scores, their
+    masked or exponentiated copy and the probabilities (with a sink: concatenated, then copied
+    by the einsum) in fp32, plus the row's mask and key position."""
+    e = kv_heads * head_dim
+    return e * (kv_itemsize + 8) + 12 * heads + 16
+
+
+def _fixed_bytes(rows: int, heads: int, head_dim: int) -> int:
+    """Work bytes of `masked_decode` that do not grow with the keys: the fp32 queries, the
+    running maxima, sums and weighted values (old and new), the output."""
+    return 4 * rows * heads * (4 * head_dim + 6)
+
+
+def decode_chunk_pages(
+    rows: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    kv_itemsize: int,
+    workspace: int = DECODE_WORKSPACE_BYTES,
+) -> int:
+    """Pages of keys `masked_decode` takes at a time for ``rows`` rows: the most whose work
+    buffers fit ``workspace`` bytes, at least one."""
+    per_page = rows * page_size * _key_bytes(heads, kv_heads, head_dim, kv_itemsize)
+    return max(1, (workspace - _fixed_bytes(rows, heads, head_dim)) // per_page)
+
+
+def decode_workspace_bytes(
+    rows: int,
+    keys: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    kv_itemsize: int,
+    workspace: int = DECODE_WORKSPACE_BYTES,
+) -> int:
+    """Device bytes `masked_decode`'s work buffers take at peak for ``rows`` rows over page
+    tables of ``keys`` keys (``heads`` query heads over ``kv_heads`` KV heads of ``head_dim``,
+    pool entries of ``kv_itemsize`` bytes): ``workspace`` at most, unless a single page of
+    every row takes more. The Triton decode kernel's workspace is far smaller: this bounds
+    both."""
+    pages = -(-keys // page_size)
+    step = min(pages, decode_chunk_pages(rows, heads, kv_heads, head_dim, page_size,
+                                         kv_itemsize, workspace))  # fmt: skip
+    per_key = _key_bytes(heads, kv_heads, head_dim, kv_itemsize)
+    return rows * step * page_size * per_key + _fixed_bytes(rows, heads, head_dim)
+
+
 def masked_decode(
     q: torch.Tensor,
     kp: torch.Tensor,
@@ -278,33 +343,111 @@ def masked_decode(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    workspace: int = DECODE_WORKSPACE_BYTES,
 ) -> torch.Tensor:
     """Decode attention in torch over whole page tables, keys past ``lens`` masked: q [B,
     heads, d]; kp, vp [pages, page_size, kv_heads, d]; tables [B, W]; lens [B] keys per row
     (its own included) -> [B, heads, d] in q's dtype. The same math as `attend` for one query
-    at position lens - 1 (window and sinks included); every shape is fixed by (B, W)."""
+    at position lens - 1 (window and sinks included); every shape is fixed by (B, W). The keys
+    go in chunks of pages whose work buffers fit ``workspace`` bytes (`decode_chunk_pages`)."""
     b, heads, d = q.shape
-    kv_heads = kp.shape[2]
-    idx = tables.long()
-    k = kp[idx].flatten(1, 2).float()  # [B, L, kv_heads, d], L = W * page_size
-    v = vp[idx].flatten(1, 2).float()
+    kv_heads, page = kp.shape[2], kp.shape[1]
     qg = q.float().view(b, kv_heads, heads // kv_heads, d)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, kv_heads, group, L]
-    pos = torch.arange(k.shape[1], device=q.device)
     ln = lens.long().view(b, 1)
+    step = decode_chunk_pages(b, heads, kv_heads, d, page, kp.element_size(), workspace)
+    if step >= tables.shape[1]:
+        out = _decode_whole(qg, kp, vp, tables, ln, scale, window, sinks)
+    else:
+        out = _decode_chunked(qg, kp, vp, tables, ln, scale, window, sinks, step)
+    return out.reshape(b, heads, d).to(q.dtype)
+
+
+def _scores_and_values(
+    qg: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    idx: torch.Tensor,
+    first: int,
+    ln: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scores [B, kv_heads, group, L] of queries ``qg`` [B, kv_heads, group, d] over the
+    keys of pages ``idx`` [B, P] (keys ``first`` .. ``first`` + L of each row), -inf where the
+    row does not see the key, and those keys' values [B, L, kv_heads, d] in fp32, 0 there."""
+    b = qg.shape[0]
+    k = kp[idx].flatten(1, 2).float()  # [B, L, kv_heads, d], L = P * page_size
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+    del k  # the values' buffers take its place
+    pos = torch.arange(first, first + scores.shape[-1], device=qg.device)
     allowed = pos.view(1, -1) < ln  # [B, L]
     if window is not None:
         allowed = allowed & (pos.view(1, -1) >= ln - window)
     scores = scores.masked_fill(~allowed.view(b, 1, 1, -1), float("-inf"))
     # keys past lens are pages never written (any bits, NaN among them): 0 * NaN is NaN
-    v = v.masked_fill(~allowed.view(b, -1, 1, 1), 0.0)
+    v = vp[idx].flatten(1, 2).float().masked_fill(~allowed.view(b, -1, 1, 1), 0.0)
+    return scores, v
+
+
+def _decode_whole(
+    qg: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    tables: torch.Tensor,
+    ln: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`masked_decode` over every key at once: [B, kv_heads, group, d] fp32."""
+    scores, v = _scores_and_values(qg, kp, vp, tables.long(), 0, ln, scale, window)
     if sinks is not None:
-        sink = sinks.float().view(1, kv_heads, heads // kv_heads, 1).expand(b, -1, -1, 1)
+        sink = sinks.float().view(1, *qg.shape[1:3], 1).expand(qg.shape[0], -1, -1, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
-    return out.reshape(b, heads, d).to(q.dtype)
+    del scores
+    return torch.einsum("bkgl,blkd->bkgd", probs, v)
+
+
+def _decode_chunked(
+    qg: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    tables: torch.Tensor,
+    ln: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    step: int,
+) -> torch.Tensor:
+    """`masked_decode` over ``step`` pages of keys at a time, their softmax combined online (a
+    running maximum rescales the sum and the weighted values kept so far): [B, kv_heads,
+    group, d] fp32. The maximum starts finite, so a chunk a row sees no key of adds zeros
+    instead of NaN (exp(-inf - -inf))."""
+    stat = (*qg.shape[:3], 1)
+    m = torch.full(stat, torch.finfo(torch.float32).min, device=qg.device)
+    total = torch.zeros(stat, device=qg.device)
+    acc = torch.zeros_like(qg)
+    page = kp.shape[1]
+    for p0 in range(0, tables.shape[1], step):
+        idx = tables[:, p0 : p0 + step].long()
+        scores, v = _scores_and_values(qg, kp, vp, idx, p0 * page, ln, scale, window)
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(scores - m_new)
+        del scores
+        total = total * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.einsum("bkgl,blkd->bkgd", p, v)
+        m = m_new
+        del p, v  # not alive beside the next chunk's keys
+    if sinks is not None:  # one more logit per head in the denominator
+        sink = sinks.float().view(1, *qg.shape[1:3], 1)
+        m_new = torch.maximum(m, sink)
+        alpha = torch.exp(m - m_new)
+        total = total * alpha + torch.exp(sink - m_new)
+        acc = acc * alpha
+    return acc / total
 
 
 class Attention(nn.Module):
