@@ -223,8 +223,11 @@ def _decode_kernel(
     KEY_MAX: tl.constexpr,
 ):
     step = tl.load(step_ptr) + 1
-    tl.store(step_ptr, step)
     visit = tl.load(visits_ptr + layer) + 1
+    # Every thread loads these scalars and one thread stores them: without a barrier a warp
+    # that loads after that store counts one step more than the others (last_used, the keys)
+    tl.debug_barrier()
+    tl.store(step_ptr, step)
     tl.store(visits_ptr + layer, visit)
     _dedupe(ids_ptr, scratch_ptr, n, BLOCK_R)
     tl.debug_barrier()  # every first position is known

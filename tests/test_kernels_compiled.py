@@ -24,7 +24,8 @@ sequences, contexts of 1 to 32k keys in 16-token bf16 pages; the Gated DeltaNet 
 Qwen3-Next-80B-A3B (16 key / 32 value heads, dk = dv = 128) and Qwen3.5-397B-A17B (16 / 64)
 geometry, 1 and 64 sequences, fp32 and bf16 beta (the model's dtype), and its chunked prefill at
 the same geometry over prefill chunks of 8192 tokens. Registers per kernel and target are printed
-(``-s``) and attached to the test report as the property ``kernel_registers``.
+(``-s``) and attached to the test report as the property ``kernel_registers``. The slot-cache
+kernel's step and visit counters are checked in its compiled IR: stored behind a block barrier.
 """
 
 from __future__ import annotations
@@ -446,6 +447,49 @@ def test_kernels_compile_for_real_targets(
     print("\n" + report)
     request.node.user_properties.append(("kernel_registers", report))
     assert not problems, "\n".join(problems)
+
+
+def _ttir(jit: Any, launch: Launch, cc: int) -> list[str]:
+    """Lines of the Triton IR of ``launch`` (of ``jit``) compiled for sm_``cc`` in this process
+    (TRITON_CACHE_DIR set by the caller)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): v for i, v in launch.attrs}
+    src = ASTSource(jit, launch.signature, launch.constexprs, attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=launch.options)
+    return str(kernel.asm["ttir"]).splitlines()
+
+
+def _lines(lines: list[str], pattern: str) -> list[int]:
+    return [i for i, line in enumerate(lines) if re.search(pattern, line)]
+
+
+@pytest.mark.skipif(not CUOBJDUMP.is_file(), reason="triton without its NVIDIA tools")
+def test_slot_kernel_stores_step_and_visits_after_every_warp_read_them(
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Every thread of the decode kernel loads the step counter and the layer's visit count;
+    one thread stores them back incremented. Without a block barrier in between, a warp that
+    loads after that store runs the step with one more (its hits' last_used, its keys'
+    blocking). Only a GPU shows the race; here the order, in the kernel as compiled."""
+    jit = slot_cache_mod._decode_kernel  # recording swaps it for a recorder
+    launches = record_launches(monkeypatch, SLOTS[:1])
+    launch = next(x for x in launches if x.kernel == "_decode_kernel")
+    store = getattr(request.config, "cache", None)  # the cache the compile test fills
+    cache = Path(store.mkdir("ft_triton_targets")) if store else tmp_path_factory.mktemp("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    lines = _ttir(jit, launch, 90)
+    visit = re.search(r"(%\S+) = tt\.addptr %visits_ptr, %layer\b", "\n".join(lines))
+    assert visit is not None
+    barriers = _lines(lines, r"\b(ttg|gpu)\.barrier\b")
+    for ptr in ("%step_ptr", visit.group(1)):
+        loads, stores = _lines(lines, rf"tt\.load {ptr}\b"), _lines(lines, rf"tt\.store {ptr}\b")
+        assert loads and stores, ptr
+        assert any(max(loads) < b < min(stores) for b in barriers), f"no barrier before {ptr}"
 
 
 def test_a_slow_compile_is_killed_at_its_cpu_limit(
