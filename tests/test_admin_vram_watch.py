@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from freetokend.config import DaemonConfig
-from freetokend.experts.vram_watch import SlotSizes, VramReading, VramWatcher, nvml_reader
+from freetokend.experts.vram_watch import (
+    SlotSizes,
+    VramReading,
+    VramWatcher,
+    nvml_reader,
+    torch_unallocated,
+)
 from freetokend.experts.vram_watch import plan_resize as plan
 from freetokend.manager.control import ControlPlane
 from freetokend.server.errors import ModelNotFound
@@ -28,6 +35,61 @@ def test_plan_resize() -> None:
     assert plan(350 * MB, small, 100 * MB, 300 * MB) == 70  # grow by what leaves 300 free
     assert plan(900 * MB, small, 100 * MB, 300 * MB) == 100  # up to the target, not beyond
     assert plan(50 * MB, s._replace(current=8), 100 * MB, 300 * MB) is None
+
+
+def test_our_allocator_cache_counts_as_free() -> None:
+    """NVML counts what torch's caching allocator keeps reserved as used: the activations a
+    long prefill freed into the cache must not shrink the slots (then empty_cache, grow, and
+    shrink again at the next prefill). The same bytes held by live tensors, and another
+    process's, still shrink them."""
+    cap, slot = 1024 * MB, 8 * MB
+    mem = {"reserved": 512 * MB, "allocated": 512 * MB, "other": 0}  # 64 slots of 8 MiB
+    slots = {"now": 64}
+
+    def read() -> VramReading:  # NVML: reserved blocks are used, whatever they hold
+        return VramReading(cap - mem["other"] - mem["reserved"], cap)
+
+    def resize(n: int) -> None:
+        slots["now"] = n
+
+    watcher = VramWatcher(
+        read, lambda: SlotSizes(slots["now"], 64, slot, 8), resize, 128 * MB, 256 * MB,
+        unallocated=lambda: mem["reserved"] - mem["allocated"],
+    )  # fmt: skip
+    assert watcher.check_once() is None  # 512 MiB free, at the target
+    mem["reserved"] += 400 * MB  # a long prefill's activations, freed into the cache
+    assert read().free < watcher.low and watcher.check_once() is None
+    mem["allocated"] += 400 * MB  # the same bytes in live tensors: 16 MiB short of low
+    assert watcher.check_once() == 62 and watcher.resizes == 1
+    mem["allocated"] = mem["reserved"] = 496 * MB  # 62 slots; the cache handed back
+    mem["other"] = 416 * MB  # another process: 16 MiB short again
+    assert watcher.check_once() == 60
+
+
+def test_unallocated_bytes_come_from_torchs_allocator(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Reserved minus allocated of the device current when the watcher was made (its own
+    thread's current device may be another); 0 without CUDA."""
+    import torch
+
+    asked: list[int] = []
+
+    def stat(value: int) -> Callable[[int], int]:
+        def read(device: int) -> int:
+            asked.append(device)
+            return value
+
+        return read
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert torch_unallocated()() == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", stat(900 * MB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", stat(500 * MB))
+    read = torch_unallocated()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert read() == 400 * MB and asked == [1, 1]
+    assert torch_unallocated(2)() == 400 * MB and asked[2:] == [2, 2]
 
 
 def test_without_nvml_the_watcher_says_why() -> None:

@@ -8,6 +8,11 @@ free and below the cache's target size (what ftctl or the config asked for), it 
 fits while leaving ``high`` free, so a grow never triggers the next shrink. Resizes go through
 the same queued, safe-point path as ``ftctl cache --moe``.
 
+Free memory as NVML reports it counts the blocks torch's caching allocator keeps reserved but
+holds no tensor in as used, though our next allocations take them first: after one long prefill
+they would push free memory under ``low`` (shrink, ``empty_cache``, grow, and shrink again at the
+next prefill). So those bytes count as free (``torch_unallocated``).
+
 Without NVML (no NVIDIA driver, no GPU) the watcher logs why once and stays off.
 """
 
@@ -34,6 +39,25 @@ class SlotSizes(NamedTuple):
 
 
 Reader = Callable[[], VramReading]
+# bytes our allocator has reserved on the device but holds no tensor in
+Unallocated = Callable[[], int]
+
+
+def torch_unallocated(device: int | None = None) -> Unallocated:
+    """A reader of the bytes torch's caching allocator keeps reserved but unallocated on the
+    CUDA ``device`` (default: the current one of the calling thread, fixed now: the watcher
+    reads it from its own thread); always 0 without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return lambda: 0
+    index = torch.cuda.current_device() if device is None else device
+
+    def read() -> int:
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return max(0, int(cached))
+
+    return read
 
 
 def nvml_reader(device_uuid: str | None = None) -> tuple[Reader | None, str]:
@@ -78,10 +102,14 @@ class VramWatcher:
         low_bytes: int,
         high_bytes: int,
         poll_s: float = 2.0,
+        unallocated: Unallocated | None = None,
     ) -> None:
         """``sizes`` describes the active model's slot cache (None: it has none); ``resize``
-        applies a new slot count and returns once it is applied."""
+        applies a new slot count and returns once it is applied. ``unallocated``: the bytes our
+        allocator holds reserved without a tensor in them, counted as free (default:
+        ``torch_unallocated()`` of the current CUDA device)."""
         self.read, self.sizes, self.resize = read, sizes, resize
+        self.unallocated = unallocated or torch_unallocated()
         self.low, self.high, self.poll_s = low_bytes, high_bytes, poll_s
         self.resizes = 0
         self._stop = threading.Event()
@@ -93,12 +121,13 @@ class VramWatcher:
         if sizes is None:
             return None
         reading = self.read()
-        new = plan_resize(reading.free, sizes, self.low, self.high)
+        cached = self.unallocated()
+        new = plan_resize(reading.free + cached, sizes, self.low, self.high)
         if new is None or new == sizes.current:
             return None
         log.info(
-            "VRAM watcher: %d MiB free of %d MiB; expert slots %d -> %d",
-            reading.free >> 20, reading.total >> 20, sizes.current, new,
+            "VRAM watcher: %d MiB free (+%d MiB cached by us) of %d MiB; expert slots %d -> %d",
+            reading.free >> 20, cached >> 20, reading.total >> 20, sizes.current, new,
         )  # fmt: skip
         self.resize(new)
         self.resizes += 1
