@@ -24,8 +24,9 @@ fills and GEMVs stay on the device). Everything else runs eagerly with one log l
 static decode form (Gated DeltaNet, MLA, Gemma-4's own top level), a step with a prompt chunk, a
 batch above the largest bucket or a context above the widest table, a failed capture. A replay
 checks that the tensors the graphs read (KV pool, rope tables, expert banks, dense weights) are
-still where they were captured; after a resize or a park they have moved, and the graphs are
-captured again (logged) before the next replay.
+still where they were captured; after a resize they have moved, and the graphs are captured
+again (logged) before the next replay. A park (manager/models.py) releases the graphs with their
+memory pool (``release``) and unpark captures them again.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ class DecodeGraphs:
         self.widths = width_buckets(self.max_pages, min_width)
         self.min_width = min_width
         self._capture = capture
-        self.pad_page = runner.kv.alloc(1)[0]
+        self.pad_page: int | None = runner.kv.alloc(1)[0]
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.disabled: str | None = None  # why graphs are off (a failed capture)
         self.replays = 0
@@ -230,6 +231,8 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         capture = self._capture or cuda_capture(torch.cuda.graph_pool_handle())
         self.graphs.clear()
+        if self.pad_page is None:  # released (a park)
+            self.pad_page = self.runner.kv.alloc(1)[0]
         self._grow_rope()  # the rope table at the widest bound first: no capture sees it grow
         joins = getattr(self.runner.moe, "_cpu_possible", None)
         top_k = max(1, self.runner.cfg.top_k)
@@ -259,6 +262,18 @@ class DecodeGraphs:
                 "(a route may go to the CPU)", skipped,
             )  # fmt: skip
         return True
+
+    def release(self) -> None:
+        """Drops the captured graphs (with them their memory pool) and frees the scratch page,
+        for a park: the device is the next model's. ``capture_all`` captures them again (so
+        does the next ``run``: the stale fingerprint asks for it)."""
+        self.graphs.clear()
+        self._fingerprint = ()
+        if self.pad_page is not None:
+            self.runner.kv.free([self.pad_page])
+            self.pad_page = None
+        if self.runner.kv.device.type == "cuda":
+            torch.cuda.empty_cache()  # the pool's blocks back to the driver
 
     def _grow_rope(self) -> None:
         rope = self.runner.model.rope

@@ -11,12 +11,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .accelerator import Accelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
+
+if TYPE_CHECKING:
+    from .device_backends import FusedBackend
 
 log = logging.getLogger(__name__)
 
@@ -251,24 +254,13 @@ def create_backend(
     fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
-    from .device_backends import FusedBackend, OffloadBackend
-
-    host_format = banks.format
-    if banks.format != "bf16":
-        # The accelerator backends compute from float banks (moe_reference, the Triton kernels):
-        # quantized experts are dequantized once (e2m1 and e8m0 values are exact in bf16),
-        # one expert at a time into the bf16 banks (never a whole fp32 copy of the pool).
-        from .formats import dequantize_banks_to
-
-        log.warning(
-            "moe_backend %s: %s experts are dequantized to bf16 (the cpu backend computes them "
-            "packed)", name, banks.format,
-        )  # fmt: skip
-        banks = dequantize_banks_to(banks, torch.bfloat16)
+    from .device_backends import OffloadBackend
 
     acc = given if given is not None else create_accelerator(str(accelerator))
     if name == "fused":
-        return FusedBackend(banks, num_experts, act, acc)
+        return fused_backend(banks, num_experts, act, acc)
+    host_format = banks.format
+    banks = accelerator_banks(banks, name)
     for t in banks.tensors().values():  # host pool filled first, registered (pinned) after
         acc.pin(t)
     if moe_slots is None:
@@ -303,6 +295,34 @@ def create_backend(
 
         be._pool = InlinePool()  # type: ignore[assignment]
     return be
+
+
+def accelerator_banks(banks: ExpertBanks, backend: str) -> ExpertBanks:
+    """The banks the accelerator backend ``backend`` computes from, for a host pool ``banks``
+    of any format: ``banks`` themselves when float; quantized experts dequantized to bf16."""
+    if banks.format == "bf16":
+        return banks
+    # The accelerator backends compute from float banks (moe_reference, the Triton kernels):
+    # quantized experts are dequantized once (e2m1 and e8m0 values are exact in bf16), one
+    # expert at a time into the bf16 banks (never a whole fp32 copy of the pool).
+    from .formats import dequantize_banks_to
+
+    log.warning(
+        "moe_backend %s: %s experts are dequantized to bf16 (the cpu backend computes them "
+        "packed)", backend, banks.format,
+    )  # fmt: skip
+    return dequantize_banks_to(banks, torch.bfloat16)
+
+
+def fused_backend(
+    banks: ExpertBanks, num_experts: int, act: ActivationSpec, acc: Accelerator
+) -> FusedBackend:
+    """The ``fused`` backend of host pool ``banks`` (any format) on ``acc``: every expert on the
+    device in the format it computes from (``accelerator_banks``). Load builds it so, and so
+    does unparking a parked one (manager/parking.py), from the host pool that stays packed."""
+    from .device_backends import FusedBackend
+
+    return FusedBackend(accelerator_banks(banks, "fused"), num_experts, act, acc)
 
 
 def _default_slots(

@@ -4,7 +4,7 @@ A loaded model keeps its host pool (dense weights and the complete expert pool) 
 it is unloaded or the host-pool budget needs the room (least recently active first, never the
 active model). Switching to a resident model reads no weight file: the hub lets the old model
 finish its requests, then ``park`` frees the old model's device caches (expert slots, KV pages,
-fused banks) and ``unpark`` restores the new model's to the sizes it had.
+fused banks, decode graphs) and ``unpark`` restores the new model's to the sizes it had.
 
 Threads: load/unload/switch run in the caller's thread (the admin service calls them from a
 worker thread); park/unpark run at a hub safe point (step lock held).
@@ -27,7 +27,7 @@ from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resi
 from ..engine.resize import slot_backend as _slot_backend
 from .hub import EngineHub
 from .lane import Lane
-from .parking import park_fused, unpark_fused
+from .parking import park_fused, park_graphs, unpark_fused, unpark_graphs
 from .ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -223,12 +223,14 @@ class ModelManager:
 
 
 def park(model: ResidentModel) -> None:
-    """Free the device caches of an idle model (expert slots, KV pages, fused banks) and move
-    its dense weights to the host; its host pool stays. The sizes are kept for ``unpark``."""
+    """Free the device caches of an idle model (decode graphs, expert slots, KV pages, fused
+    banks) and move its dense weights to the host; its host pool stays. The sizes are kept for
+    ``unpark``."""
     if model.parked is not None:
         return
     llm = model.llm
     sizes = current_sizes(llm.moe, llm.runner.kv)
+    park_graphs(llm.runner)  # first: their scratch KV page must go before the pool shrinks
     be = _slot_backend(llm.moe)
     if be is not None:
         resize_expert_slots(be, 1)
@@ -256,6 +258,8 @@ def unpark(model: ResidentModel) -> None:
         resize_expert_slots(be, sizes.moe_slots)
     heartbeat.beat()
     resize_kv_pages(llm.runner.kv, llm.engine.prefix, sizes.kv_pages)
+    heartbeat.beat()
+    unpark_graphs(llm.runner)  # last: a graph reads the weights, experts and pool where they are
     model.parked = None
 
 
