@@ -1,120 +1,365 @@
 #!/usr/bin/env bash
-# GPU checks for the expert hierarchy, one command for a bare GPU machine (no network): Python
-# 3.12 with CUDA torch, Triton, numpy, grpcio and tokenizers preinstalled; the other wheels come
-# from .whl/ (run tests/gpu/fetch_wheels.sh on a machine with network first). Under 8 minutes:
-# each step has its own limit and none may run past a global deadline (DEADLINE_S, default 420 s
-# from the start; a step that would start with under 20 s left is skipped and listed), so the
-# worst case is DEADLINE_S + 10 s (the last step's kill grace) + 30 s (the CUDA probe): 460 s.
-#   0. install the wheels (--no-index) and the project with its native extensions into OUT/site
-#   1. the backend equality tests (fused / offload / hybrid vs cpu, token-equal) on real CUDA,
-#      with the dense part, KV pool and sampling on the GPU (engine/placement.py): every family,
-#      logits within tolerance, resizes mid-decode; a grammar's mask on CUDA logits (grammar)
-#   2. the Triton kernels against their references: pytest shapes on CUDA tensors, then
-#      production shapes (tests/gpu/kernels_at_scale.py); the paged decode attention and the
-#      Gated DeltaNet decode step also inside the models (backends_triton)
-#   3. decode with CUDA graphs on vs off (engine/graphs.py): fused and offload, batches 1 and 3,
-#      the same greedy tokens and both tok/s (tests/gpu/graphs_check.py)
-#   4. a decode/prefill table: fused vs offload vs hybrid, cache capped at 8 and 24 GiB cards, on
-#      a random model of Qwen3-30B-A3B layer geometry (tests/gpu/bench_backends.py)
-# Every step runs whatever the previous one gave; each writes OUT/<step>.log, and OUT/summary.txt
-# lists the steps with their status. Without a CUDA device it installs, then skips steps 1-4.
-# Usage, from anywhere:  bash tests/gpu/check.sh [OUT]     (PYTHON=python3 by default; the
-# wheels' Python version, .whl/python-version, must be the interpreter's: fetch them with PYVER)
+# GPU checks, one command for a bare GPU machine lent for minutes (no network): Python 3.12 with
+# CUDA torch, Triton, numpy, grpcio and tokenizers preinstalled; the other wheels come from .whl/
+# (run tests/gpu/fetch_wheels.sh on a machine with network first). The first run must be the
+# informative one: the GPU-only probes run first, the broad pytest files last.
+#
+# Budget: each step has its own limit; they add up to 450 s, the deadline (DEADLINE_S, counted
+# from the start), so every step gets its whole limit even when each before it runs to its own
+# (less 5 s for each one killed at its limit: the kill's grace). A step never runs past the
+# deadline; one that would start with under 10 s left is skipped and listed. The last steps (class "broad") may also use what earlier steps left
+# unused, all but the limits of the steps after them. Worst case DEADLINE_S + 5 s: 7.6 minutes,
+# the machine's start-up apart. Steps (limits in s):
+#   setup   cuda 10       torch's CUDA device, nvidia-smi (no device: the GPU steps are skipped)
+#           install 25    the wheels into OUT/site (pip --no-index --no-deps --target)
+#           env 15        versions against pyproject's bounds: tests/gpu/env_check.py where the
+#                         checkout has it (a mismatch fails the step, the run goes on; STOP_ON_ENV=1
+#                         stops it), else the versions printed
+#           build 50      ftnative and ftdense (tests/gpu/build_native.py: both at once, every
+#                         core); the Python packages are linked into OUT/site, not copied
+#           import 10     freetokend, ftctl, ftkernels, ftnative, ftdense, transformers, hypothesis
+#                         from OUT/site (python -P: not the checkout's root)
+#   gpu     kernels 60    (a) the Triton kernels at production shapes against torch references
+#                         on the GPU, trimmed set, new checks stop at 45 s (kernels_at_scale.py)
+#           sync 30       (b) fused and offload decode steps' forward passes under
+#                         torch.cuda.set_sync_debug_mode("error"), tiny qwen3_moe and the
+#                         built-in model (tests/gpu/probes.py sync)
+#           prefill 30    (c) offload with 2 x E slots, 5 prompts of 2048 tokens streaming each
+#                         layer's experts with overlap: logits against fused (probes.py prefill)
+#           memcheck 25   (c) compute-sanitizer --tool memcheck on a tiny model's fused and
+#                         offload runs (probes.py tiny-run); skipped where the tool is missing
+#           memory 25     (d) peak max_memory_reserved through graph capture and a batch-8
+#                         decode against what SlotBudget left beside the slots (probes.py memory)
+#           zerocopy 15   (e) zero-copy fills after unload + reload at the same host address,
+#                         the CUDA error state clean after (probes.py zerocopy)
+#           park 20       (f) park / unpark of fused mxfp4 and q8_0 experts with CUDA graphs on
+#                         (probes.py park)
+#           hybrid 25     (g) hybrid at B_P / B_H = 1/4 against fused, and a timeline of its
+#                         CPU share overlapping its GPU share (probes.py hybrid; OUT/hybrid_trace.json)
+#   after   graphs 35     decode with CUDA graphs on vs off, fused and offload (graphs_check.py)
+#           bench 35      the fused / offload / hybrid / cpu table (bench_backends.py), on a
+#                         1-layer model of Qwen3-30B-A3B geometry (written once, shared with graphs)
+#   broad   backends 15   tests/test_moe_backends.py on CUDA (every family, token-equal to cpu)
+#           kernel_tests 10  test_slot_cache.py, test_moe_decode_kernels.py (Hypothesis: 8
+#                         examples a property that sets no count of its own, hypothesis_gpu.py)
+#           placement 5   test_dense_placement.py, test_device_resize.py (not the fake card)
+#           grammar 5     test_server_parsers.py: a grammar's mask on CUDA logits
+#           triton 5      FREETOKEN_ATTENTION_KERNEL=triton: paged attention, DeltaNet, backends
+# Every step writes OUT/<step>.log; OUT/summary.txt gets one line a step as it finishes: PASS,
+# FAIL or SKIP, its time, and a verdict (the log's VERDICT: line, or its last line).
+# Usage, from anywhere:  bash tests/gpu/check.sh [--dry-run] [OUT]   (default /tmp/ft-gpu-check)
+#   --dry-run (or DRY_RUN=1): print the plan (steps, order, limits, their sum against the
+#   deadline, what this machine would skip) and run nothing.
+#   PYTHON=python3  WHEELS=.whl  DEADLINE_S=450  STOP_ON_ENV=0
+#   (the wheels' Python version, .whl/python-version, must be the interpreter's)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
+root=$(pwd)
+dry=${DRY_RUN:-0}
+if [ "${1:-}" = "--dry-run" ]; then
+    dry=1
+    shift
+fi
 out=$(realpath -m "${1:-/tmp/ft-gpu-check}")
 py=${PYTHON:-python3}
 wheels=${WHEELS:-.whl}
 site="$out/site"
-deadline_s=${DEADLINE_S:-420}
+deadline_s=${DEADLINE_S:-450}
+start=$(date +%s)
+status=0
+
+# ---- the plan: name, class, limit (s), what; run in this order ----------------------------
+names=()
+classes=()
+limits=()
+whats=()
+plan() {
+    names+=("$1")
+    classes+=("$2")
+    limits+=("$3")
+    whats+=("$4")
+}
+plan cuda setup 10 "torch's CUDA device, nvidia-smi"
+plan install setup 25 "wheels from $wheels into OUT/site"
+plan env setup 15 "versions against pyproject's bounds (tests/gpu/env_check.py, else printed)"
+plan build setup 50 "ftnative + ftdense, both at once on every core (build_native.py)"
+plan import setup 10 "the project's packages and extensions import"
+plan kernels gpu 60 "(a) kernels at production shapes vs torch references (kernels_at_scale.py)"
+plan sync gpu 30 "(b) fused/offload decode forward passes under sync debug mode 'error'"
+plan prefill gpu 30 "(c) offload 2xE slots, 5 x 2048-token prompts, logits vs fused"
+plan memcheck gpu 25 "(c) compute-sanitizer memcheck on a tiny model run"
+plan memory gpu 25 "(d) peak reserved (graph capture, batch-8 decode) vs SlotBudget"
+plan zerocopy gpu 15 "(e) zero-copy fill after unload + reload at the same address"
+plan park gpu 20 "(f) park/unpark of fused quantized experts with CUDA graphs"
+plan hybrid gpu 25 "(g) hybrid B_P/B_H = 1/4 vs fused, CPU/GPU overlap timeline"
+plan graphs after 35 "CUDA graphs on vs off (graphs_check.py)"
+plan bench after 35 "fused/offload/hybrid/cpu table (bench_backends.py)"
+plan backends broad 15 "test_moe_backends.py on CUDA"
+plan kernel_tests broad 10 "test_slot_cache.py, test_moe_decode_kernels.py"
+plan placement broad 5 "test_dense_placement.py, test_device_resize.py"
+plan grammar broad 5 "test_server_parsers.py: grammar mask on CUDA logits"
+plan triton broad 5 "triton attention: paged attention, DeltaNet, backends"
+
+total=0
+for l in "${limits[@]}"; do total=$(( total + l )); done
+
+sanitizer() {
+    local s
+    s=$(command -v compute-sanitizer 2> /dev/null)
+    if [ -z "$s" ]; then
+        for s in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer; do
+            [ -x "$s" ] && break
+        done
+    fi
+    [ -x "${s:-}" ] && echo "$s"
+}
+
+# ---- dry run -------------------------------------------------------------------------------
+if [ "$dry" = 1 ]; then
+    echo "PLAN tests/gpu/check.sh: ${#names[@]} steps in this order, limits in seconds"
+    for i in "${!names[@]}"; do
+        printf '  %2d  %-13s %-6s %4d  %s\n' "$(( i + 1 ))" "${names[$i]}" "${classes[$i]}" \
+            "${limits[$i]}" "${whats[$i]}"
+    done
+    if [ "$total" -le "$deadline_s" ]; then
+        echo "TOTAL $total s of limits within the $deadline_s s deadline (DEADLINE_S)"
+    else
+        echo "TOTAL $total s of limits OVER the $deadline_s s deadline (DEADLINE_S): the last steps would be cut"
+    fi
+    skips=()
+    timeout 30 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" 2> /dev/null
+    case $? in
+        0) ;;
+        3) skips+=("no CUDA device: every gpu, after and broad step (install, env, build, import run)") ;;
+        *) skips+=("no torch in $py: cuda fails, so every step after import is skipped") ;;
+    esac
+    [ -n "$(sanitizer)" ] || skips+=("no compute-sanitizer (PATH, /usr/local/cuda*/bin): memcheck")
+    [ -f tests/gpu/env_check.py ] || skips+=("no tests/gpu/env_check.py: env prints the versions instead")
+    [ -f "$wheels/requirements.txt" ] || skips+=("no $wheels/requirements.txt: install fails (run tests/gpu/fetch_wheels.sh)")
+    command -v nvidia-smi > /dev/null || skips+=("no nvidia-smi: cuda prints torch's view only")
+    if [ ${#skips[@]} -eq 0 ]; then
+        echo "WOULD SKIP nothing on this machine"
+    else
+        for s in "${skips[@]}"; do echo "WOULD SKIP $s"; done
+    fi
+    echo "OUT would be $out"
+    exit 0
+fi
+
 mkdir -p "$out"
 : > "$out/summary.txt"
-status=0
-start=$(date +%s)
 
 note() { echo "$*" | tee -a "$out/summary.txt"; }
 
-# step NAME TIMEOUT_S CMD...: runs with a time limit (at most what the deadline leaves), logs to
-# OUT/NAME.log, never stops the script
+# the limits of the steps after step $1 (by name), for the broad steps' share of unused time
+limits_after() {
+    local i sum=0 seen=0
+    for i in "${!names[@]}"; do
+        [ $seen = 1 ] && sum=$(( sum + limits[i] ))
+        [ "${names[$i]}" = "$1" ] && seen=1
+    done
+    echo $sum
+}
+
+# step NAME LIMIT CLASS CMD...: runs CMD with its limit (at most what the deadline leaves; a
+# broad step may take what earlier steps left unused), logs to OUT/NAME.log, appends the
+# verdict to OUT/summary.txt, never stops the script
 step() {
-    local name=$1 limit=$2 rc t0 left
-    shift 2
+    local name=$1 limit=$2 class=$3 rc t0 left spare verdict
+    shift 3
     t0=$(date +%s)
     left=$(( start + deadline_s - t0 ))
-    if [ "$left" -lt 20 ]; then
-        note "SKIP  $name: under 20 s left before the ${deadline_s} s deadline"
+    if [ "$left" -lt 10 ]; then
+        note "SKIP  $name: under 10 s left before the ${deadline_s} s deadline"
         status=1
         return 1
     fi
+    if [ "$class" = broad ]; then
+        spare=$(( left - $(limits_after "$name") - 5 ))
+        [ "$spare" -gt "$limit" ] && limit=$spare
+    fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (limit $limit s)"
-    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" > "$out/$name.log" 2>&1
     rc=$?
-    tail -n 25 "$out/$name.log"
+    tail -n 15 "$out/$name.log"
+    verdict=$(grep -a '^VERDICT: ' "$out/$name.log" | tail -n 1 | cut -c10-)
+    [ -n "$verdict" ] || verdict=$(grep -av '^\s*$' "$out/$name.log" | tail -n 1)
+    verdict=${verdict:0:240}
+    [ -n "$verdict" ] && verdict=": $verdict"
     if [ $rc -eq 0 ]; then
-        note "PASS  $name ($(( $(date +%s) - t0 )) s)"
+        note "PASS  $name ($(( $(date +%s) - t0 )) of $limit s)$verdict"
+    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        echo "(timed out after $limit s)" >> "$out/$name.log"
+        note "FAIL  $name (timed out at $limit s)$verdict"
+        status=1
     else
-        [ $rc -eq 124 ] && echo "(timed out after $limit s)" >> "$out/$name.log"
-        note "FAIL  $name (exit $rc, $(( $(date +%s) - t0 )) s): see $out/$name.log"
+        note "FAIL  $name (exit $rc, $(( $(date +%s) - t0 )) s)$verdict; see $out/$name.log"
         status=1
     fi
     return $rc
 }
 
-timeout --kill-after=5 60 "$py" - > "$out/env.txt" 2>&1 <<'EOF'
+# the limit of a planned step
+limit_of() {
+    local i
+    for i in "${!names[@]}"; do
+        if [ "${names[$i]}" = "$1" ]; then
+            echo "${limits[$i]}"
+            return
+        fi
+    done
+    echo 0
+}
+
+# -v: a killed step's log still says which tests passed
+pytest=("$py" -m pytest -v -p no:cacheprovider -o addopts="" -rfE --durations=5)
+probes=("$py" tests/gpu/probes.py --work "$out/models" --out "$out")
+bench_model="$out/models/qwen3-30b-geometry"
+cuda=0
+
+run() {  # run NAME: the planned step NAME
+    local name=$1 lim class s
+    lim=$(limit_of "$name")
+    class=setup
+    for s in "${!names[@]}"; do [ "${names[$s]}" = "$name" ] && class=${classes[$s]}; done
+    case $name in
+        cuda)
+            if step cuda "$lim" setup "$py" - <<'EOF'
+import platform, subprocess, sys
+print("python", sys.version.split()[0], platform.machine())
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+if not torch.cuda.is_available():
+    print("VERDICT: no CUDA device: the GPU steps are skipped")
+    sys.exit(3)
+name, cap = torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0)
+free, total = torch.cuda.mem_get_info()
+try:
+    print(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=5).stdout)
+except (OSError, subprocess.TimeoutExpired) as e:
+    print("nvidia-smi:", e)
+print(f"VERDICT: {name}, sm_{cap[0]}{cap[1]}, {free >> 20} of {total >> 20} MiB free")
+EOF
+            then
+                cuda=1
+            fi
+            ;;
+        install)
+            local pyver
+            pyver=$(timeout 10 "$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+            if [ ! -f "$wheels/requirements.txt" ]; then
+                note "FAIL  install: no $wheels/requirements.txt (run tests/gpu/fetch_wheels.sh where there is network)"
+                status=1
+                return
+            fi
+            if [ -f "$wheels/python-version" ] && [ "$(cat "$wheels/python-version")" != "$pyver" ]; then
+                note "FAIL  install: $wheels holds wheels for Python $(cat "$wheels/python-version"), $py is $pyver (PYVER=$pyver bash tests/gpu/fetch_wheels.sh)"
+                status=1
+                return
+            fi
+            rm -rf "$site"
+            step install "$lim" setup "$py" -m pip install -q --no-compile --no-index --no-deps \
+                --find-links "$wheels" --target "$site" -r "$wheels/requirements.txt"
+            ;;
+        env)
+            local rc=0
+            if [ -f tests/gpu/env_check.py ]; then
+                step env "$lim" setup "$py" tests/gpu/env_check.py || rc=$?
+            else
+                step env "$lim" setup "$py" - <<'EOF' || rc=$?
 import platform, sys
 print("python", sys.version.split()[0], platform.machine())
-for m in ("torch", "triton", "numpy", "grpc", "tokenizers"):
+for m in ("torch", "triton", "numpy", "grpc", "tokenizers", "transformers", "safetensors",
+          "xgrammar", "hypothesis", "pytest", "setuptools", "pybind11"):
     try:
         mod = __import__(m)
         print(m, getattr(mod, "__version__", "?"))
     except Exception as e:  # noqa: BLE001
         print(m, "MISSING:", e)
-import torch
-print("cuda", torch.version.cuda, "devices", torch.cuda.device_count())
-if torch.cuda.is_available():
-    print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+print("VERDICT: versions printed (tests/gpu/env_check.py not in this checkout: no bounds checked)")
 EOF
-cat "$out/env.txt"
-command -v nvidia-smi > /dev/null && timeout 30 nvidia-smi >> "$out/env.txt" 2>&1
+            fi
+            if [ $rc -ne 0 ] && [ "${STOP_ON_ENV:-0}" = 1 ]; then
+                note "STOP  env: version mismatch and STOP_ON_ENV=1"
+                exit 1
+            fi
+            ;;
+        build)
+            # the packages: links into the checkout (setup.py's layout), nothing copied
+            mkdir -p "$site"
+            ln -sfn "$root/daemon" "$site/freetokend"
+            ln -sfn "$root/ctl" "$site/ftctl"
+            ln -sfn "$root/kernels" "$site/ftkernels"
+            step build "$lim" setup "$py" tests/gpu/build_native.py "$site" "$out/build"
+            ;;
+        import)
+            step import "$lim" setup "$py" -P -c "import freetokend, ftctl, ftkernels, ftnative, ftdense, transformers, hypothesis; print('VERDICT: imports ok:', ', '.join(m.__name__ + ' ' + m.__file__ for m in (freetokend, ftnative, ftdense)))"
+            ;;
+        kernels)
+            step kernels "$lim" gpu "$py" tests/gpu/kernels_at_scale.py --budget $(( lim - 15 ))
+            ;;
+        sync | prefill | memory | zerocopy | park | hybrid)
+            step "$name" "$lim" gpu "${probes[@]}" "$name"
+            ;;
+        memcheck)
+            local san
+            san=$(sanitizer)
+            if [ -z "$san" ]; then
+                note "SKIP  memcheck: no compute-sanitizer (not in PATH nor /usr/local/cuda*/bin)"
+                return
+            fi
+            step memcheck "$lim" gpu env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool memcheck \
+                --error-exitcode 3 --print-limit 20 "${probes[@]}" tiny-run
+            ;;
+        graphs)  # (writes the checkpoint bench reuses)
+            step graphs "$lim" after "$py" tests/gpu/graphs_check.py --layers 1 \
+                --model "$bench_model" --out "$out/graphs.txt"
+            ;;
+        bench)
+            step bench "$lim" after "$py" tests/gpu/bench_backends.py --layers 1 \
+                --model "$bench_model" --out "$out/bench.txt"
+            ;;
+        backends)
+            step backends "$lim" "$class" "${pytest[@]}" tests/test_moe_backends.py
+            ;;
+        kernel_tests)
+            step kernel_tests "$lim" "$class" env PYTHONPATH="$root/tests/gpu:$PYTHONPATH" \
+                "${pytest[@]}" -p hypothesis_gpu --hypothesis-profile=gpu \
+                tests/test_slot_cache.py tests/test_moe_decode_kernels.py
+            ;;
+        placement)
+            step placement "$lim" "$class" "${pytest[@]}" tests/test_dense_placement.py \
+                tests/test_device_resize.py -k "not fake_card"
+            ;;
+        grammar)
+            step grammar "$lim" "$class" "${pytest[@]}" tests/test_server_parsers.py -k "surrogate and cuda"
+            ;;
+        triton)
+            step triton "$lim" "$class" env FREETOKEN_ATTENTION_KERNEL=triton "${pytest[@]}" \
+                tests/test_paged_attention.py tests/test_deltanet_kernel.py tests/test_moe_backends.py
+            ;;
+        *)
+            note "FAIL  $name: no such step in check.sh"
+            status=1
+            ;;
+    esac
+}
 
-pyver=$(timeout 30 "$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-
-# -- 0. install ------------------------------------------------------------------------------
-if [ ! -f "$wheels/requirements.txt" ]; then
-    note "FAIL  install: no $wheels/requirements.txt (run tests/gpu/fetch_wheels.sh where there is network)"
-    exit 1
-fi
-if [ -f "$wheels/python-version" ] && [ "$(cat "$wheels/python-version")" != "$pyver" ]; then
-    note "FAIL  install: $wheels holds wheels for Python $(cat "$wheels/python-version"), $py is $pyver (PYVER=$pyver bash tests/gpu/fetch_wheels.sh)"
-    exit 1
-fi
-rm -rf "$site"
-step install 90 "$py" -m pip install -q --no-compile --no-index --no-deps --find-links "$wheels" \
-    --target "$site" -r "$wheels/requirements.txt"
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-# the project itself (freetokend, ftctl, ftkernels) and the C++ extensions, built here
-step build 240 "$py" -m pip install -q --no-compile --no-index --no-deps --no-build-isolation \
-    --target "$site" .
-step import 30 "$py" -c "import freetokend, ftctl, ftkernels, ftnative, ftdense, transformers, hypothesis; print('imports ok')"
-
-if ! timeout 30 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
-    note "SKIP  cuda steps: no CUDA device (torch.cuda.is_available() is False); install, build and import: see above"
-    exit $status
-fi
-
-# -- 1..4 on the GPU ---------------------------------------------------------------------------
-export FT_TEST_ACCELERATOR=cuda
-unset TRITON_INTERPRET
-pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="" --durations=10)
-step backends 120 "${pytest[@]}" tests/test_moe_backends.py
-step grammar 60 "${pytest[@]}" tests/test_server_parsers.py -k "surrogate and cuda"
-step backends_triton 120 env FREETOKEN_ATTENTION_KERNEL=triton "${pytest[@]}" tests/test_moe_backends.py tests/test_paged_attention.py tests/test_deltanet_kernel.py
-step placement 120 "${pytest[@]}" tests/test_dense_placement.py tests/test_device_resize.py -k "not fake_card"
-step kernels 60 "${pytest[@]}" tests/test_slot_cache.py tests/test_moe_decode_kernels.py
-step kernels_at_scale 60 "$py" tests/gpu/kernels_at_scale.py
-# (writes the 4-layer checkpoint bench reuses)
-step graphs 90 "$py" tests/gpu/graphs_check.py --layers 4 --out "$out/graphs.txt"
-step bench 90 "$py" tests/gpu/bench_backends.py --layers 4 --out "$out/bench.txt"
-note "output in $out ($(( $(date +%s) - start )) s)"
+echo "plan: ${#names[@]} steps, $total s of limits, deadline $deadline_s s; output in $out"
+for i in "${!names[@]}"; do
+    name=${names[$i]}
+    if [ "$name" = install ] || [ "$name" = cuda ]; then
+        run "$name"
+        [ "$name" = install ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+        continue
+    fi
+    if [ "${classes[$i]}" != setup ] && [ $cuda = 0 ]; then
+        note "SKIP  $name: no CUDA device (see $out/cuda.log)"
+        continue
+    fi
+    [ "${classes[$i]}" = gpu ] && export FT_TEST_ACCELERATOR=cuda && unset TRITON_INTERPRET
+    run "$name"
+done
+note "output in $out ($(( $(date +%s) - start )) s of the $deadline_s s deadline)"
 exit $status

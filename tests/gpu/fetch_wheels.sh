@@ -22,7 +22,7 @@ abi="cp${pyver/./}"
 printf '%s\n' "${reqs[@]}" > "$dest/requirements.txt"
 echo "$pyver" > "$dest/python-version"  # check.sh refuses an interpreter of another version
 total=$(du -sm "$dest" | cut -f1)
-echo "$(ls "$dest"/*.whl | wc -l) wheels, ${total} MiB in $dest (Python $pyver)"
+echo "$(find "$dest" -maxdepth 1 -name '*.whl' | wc -l) wheels, ${total} MiB in $dest (Python $pyver)"
 if [ "$total" -ge 60 ]; then
     echo "over the 60 MiB budget" >&2
     exit 1

@@ -1,27 +1,35 @@
 """The compiled Triton kernels against their torch references at production shapes, on CUDA
-(part of tests/gpu/check.sh; the pytest files cover small shapes). Every check runs; one line
-each; exit status 1 when any failed.
+(step ``kernels`` of tests/gpu/check.sh; the pytest files cover small shapes). Every check runs
+until the time budget; one line each, then a ``VERDICT:`` line; exit status 1 when any failed.
 
-- slot cache: Qwen3-30B-A3B (48 layers x 128 experts), 600, 2000, 4000 and 6144 slots (6144:
-  every expert; above 2048 the sort runs in chunks), both policies,
-  decode batches of 1 and 64 tokens and a 2048-token prefill chunk (16,384 routes): outputs and
-  state bit-equal to the reference (run on the CPU);
+The references run on the GPU too (plain torch, the same math as on the CPU; integer state is
+exact, fp32 sums differ in order only), so a 16,384-route dedupe is milliseconds, not the
+CPU reference's 10 s. By default the trimmed set (about a minute, compiles included: one
+compile per kernel configuration); ``--full`` every configuration below.
+
+- slot cache: Qwen3-30B-A3B (48 layers x 128 experts); trimmed: 2000 slots with the aged-
+  frequency policy (one 2048-wide sort) and 6144 slots with LRU (every expert: above 2048 the
+  sort runs in chunks); full: 600, 2000, 4000 and 6144 slots, both policies. Decode batches of
+  1 and 64 tokens and 2048-token prefill chunks (16,384 routes): outputs and state bit-equal;
 - copy_rows: zero-copy fills from a pinned host pool of Qwen3-30B-A3B gate_up rows, and one
   Mixtral-8x22B gate_up row (100,663,296 words: beyond the old grid's y limit);
-- moe_decode: Qwen3-30B-A3B and gpt-oss-20b geometry, 1 and 64 tokens, bf16 banks;
+- moe_decode: Qwen3-30B-A3B and gpt-oss-20b geometry, bf16 banks; trimmed: 64 and 1 tokens
+  (one each), full: both;
 - paged decode attention: Qwen3-30B-A3B (32 q / 4 KV heads, d 128) and gpt-oss-20b (64 / 8,
   d 64, sinks; window 128 and full) over bf16 16-token pages in scattered order, 1 sequence of
-  32k keys and 64 of ragged lengths up to 32k: against the torch reference on the GPU;
+  32k keys and 64 of ragged lengths up to 32k (trimmed: one batch per geometry);
 - Gated DeltaNet decode step: Qwen3-Next-80B-A3B (16 key / 32 value heads, dk = dv = 128) and
-  Qwen3.5-397B-A17B (16 / 64) geometry, 1 and 64 sequences, each with its own state tensor,
-  bf16 beta, four steps on alternating layers: outputs and states against the torch reference
-  on the GPU;
-- Gated DeltaNet chunked prefill: the same geometry, prompts of 100 and 8192 tokens, against
-  the model's torch chunked form (models/layers/deltanet.py) on the GPU; both timed (printed).
+  Qwen3.5-397B-A17B (16 / 64) geometry, 1 and 64 sequences (trimmed: one each), each with its
+  own state tensor, bf16 beta, four steps on alternating layers: outputs and states;
+- Gated DeltaNet chunked prefill: the same geometry, prompts of 100 and 8192 tokens (trimmed:
+  one each), against the model's torch chunked form (models/layers/deltanet.py); both timed.
+
+    python tests/gpu/kernels_at_scale.py [--full] [--budget SECONDS]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import traceback
@@ -30,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from freetokend.experts.banks import Activation, ActivationSpec, ExpertBanks, moe_reference
-from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
+from freetokend.experts.slot_cache import EvictionPolicy, SlotCache, decode_step_reference
 from freetokend.models.layers.deltanet import delta_rule_chunked
 from ftkernels.deltanet import deltanet_decode_reference, state_pointers
 from ftkernels.moe_decode import copy_rows, copy_rows_reference, moe_decode
@@ -43,7 +51,9 @@ DEV = "cuda"
 def slot_cache(slots: int, policy: EvictionPolicy) -> None:
     layers, experts, k = 48, 128, 8
     g = torch.Generator().manual_seed(slots)
-    ref = SlotCache(layers, experts, slots, policy)
+    # the reference: plain torch on the GPU (its [N, N] dedupe of a prefill chunk's 16,384
+    # routes is 10 s on the CPU), called directly (SlotCache dispatches CUDA ids to the kernel)
+    ref = SlotCache(layers, experts, slots, policy, device=DEV)
     ker = SlotCache(layers, experts, slots, policy, device=DEV, force_kernel=True)
     for c in (ref, ker):
         c.set_fill_policy(11.8, 47.5)
@@ -52,59 +62,63 @@ def slot_cache(slots: int, policy: EvictionPolicy) -> None:
         layer = step % layers
         ids = (
             torch.randint(0, experts, (tokens, k), generator=g, dtype=torch.int32) + layer * experts
-        )
-        a, b = ref.decode_step(ids, layer), ker.decode_step(ids.to(DEV), layer)
+        ).to(DEV)
+        a = decode_step_reference(ref.state, ids, layer, experts, policy)
+        b = ker.decode_step(ids, layer)
         for name in vars(a):
-            assert torch.equal(getattr(a, name), getattr(b, name).cpu()), (step, name)
+            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
         for name, t in vars(ref.state).items():
-            assert torch.equal(t, getattr(ker.state, name).cpu()), (step, name)
+            assert torch.equal(t, getattr(ker.state, name)), (step, name)
 
 
 def copy_qwen3() -> None:
-    g = torch.Generator().manual_seed(0)
-    src = torch.randn(64, 1536, 2048, generator=g).to(torch.bfloat16).pin_memory()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    dev_src = torch.randn(64, 1536, 2048, generator=g, device=DEV).to(torch.bfloat16)
+    src = torch.empty(dev_src.shape, dtype=torch.bfloat16).pin_memory()
+    src.copy_(dev_src)  # random rows made on the GPU, one copy into the pinned pool
     dst = torch.zeros(32, 1536, 2048, dtype=torch.bfloat16, device=DEV)
-    ref = dst.cpu()
-    d = torch.randperm(32, generator=g)[:24].int()
-    s = torch.randperm(64, generator=g)[:24].int()
-    count = torch.tensor([20], dtype=torch.int32)
-    copy_rows(dst, src, d.to(DEV), s.to(DEV), count.to(DEV))
-    copy_rows_reference(ref, src, d, s, count)
+    ref = dst.clone()
+    d = torch.randperm(32, generator=g, device=DEV)[:24].int()
+    s = torch.randperm(64, generator=g, device=DEV)[:24].int()
+    count = torch.tensor([20], dtype=torch.int32, device=DEV)
+    copy_rows(dst, src, d, s, count)
+    copy_rows_reference(ref, dev_src, d, s, count)
     torch.cuda.synchronize()
-    assert torch.equal(dst.cpu(), ref)
+    assert torch.equal(dst, ref)
 
 
 def copy_mixtral_row() -> None:
     src = torch.empty(1, 2 * 16384, 6144, dtype=torch.bfloat16).pin_memory()
-    src.view(torch.int16).copy_(
-        torch.arange(src.numel(), dtype=torch.int32).view_as(src).to(torch.int16)
-    )
+    words = torch.arange(src.numel(), dtype=torch.int32, device=DEV).to(torch.int16)
+    src.view(torch.int16).copy_(words.view(src.shape))
     dst = torch.zeros(2, 2 * 16384, 6144, dtype=torch.bfloat16, device=DEV)
     one = torch.tensor([1], dtype=torch.int32, device=DEV)
     copy_rows(dst, src, one, one - 1, one)
     torch.cuda.synchronize()
-    assert torch.equal(dst[1].cpu(), src[0]) and not dst[0].any()
+    assert torch.equal(dst[1].view(torch.int16), words.view(src.shape)[0]) and not dst[0].any()
 
 
 def decode(h: int, i: int, k: int, tokens: int, gptoss: bool) -> None:
-    g = torch.Generator().manual_seed(tokens)
+    g = torch.Generator(device=DEV).manual_seed(tokens)
     slots = 64
 
     def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g, device=DEV) * 0.05).to(torch.bfloat16)
 
     banks = ExpertBanks(rnd(slots, 2 * i, h), rnd(slots, h, i),
                         rnd(slots, 2 * i) if gptoss else None, rnd(slots, h) if gptoss else None)  # fmt: skip
     act = ActivationSpec(Activation.GPTOSS, 1.702, 7.0) if gptoss else ActivationSpec()
-    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(slots, generator=g)[:k] for _ in range(tokens)]).int()
+    x = torch.randn(tokens, h, generator=g, device=DEV).to(torch.bfloat16)
+    ids = torch.stack(
+        [torch.randperm(slots, generator=g, device=DEV)[:k] for _ in range(tokens)]
+    ).int()
     ids[0, 0] = -1
-    w = torch.rand(tokens, k, generator=g)
-    dev = [None if t is None else t.to(DEV) for t in banks.tensors().values()]
+    w = torch.rand(tokens, k, generator=g, device=DEV)
+    dev = list(banks.tensors().values())
     if not gptoss:
         dev += [None, None]
-    got = moe_decode(x.to(DEV), ids.to(DEV), w.to(DEV), *dev, gptoss, act.alpha, act.limit).cpu()
-    want = moe_reference(x, ids, w, banks, act)
+    got = moe_decode(x, ids, w, *dev, gptoss, act.alpha, act.limit)
+    want = moe_reference(x, ids, w, banks, act)  # fp32 on the GPU
     # both take fp32 products of bf16 weights; only the order of the fp32 sums differs
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
@@ -192,44 +206,77 @@ def deltanet_prompt(kh: int, heads: int, n: int, d: int = 128) -> None:
     torch.testing.assert_close(s, r, rtol=1e-3, atol=1e-3)
 
 
-def main() -> None:
-    checks: list[tuple[str, Callable[[], None]]] = []
-    for slots in (600, 2000, 4000, 6144):
-        for policy in EvictionPolicy:
-            checks.append((f"slot cache, {slots} slots, {policy.name}",
-                           lambda s=slots, p=policy: slot_cache(s, p)))  # fmt: skip
-    checks += [("copy_rows, Qwen3 gate_up rows, pinned host", copy_qwen3),
-               ("copy_rows, one Mixtral-8x22B gate_up row", copy_mixtral_row)]  # fmt: skip
-    for name, (h, i, k), gptoss in (("Qwen3-30B-A3B", (2048, 768, 8), False),
-                                    ("gpt-oss-20b", (2880, 2880, 4), True)):  # fmt: skip
-        for tokens in (1, 64):
-            checks.append((f"moe_decode, {name}, {tokens} tokens",
-                           lambda h=h, i=i, k=k, t=tokens, o=gptoss: decode(h, i, k, t, o)))  # fmt: skip
-    for name, (heads, kvh, d, sinks, window) in (
-        ("Qwen3-30B-A3B", (32, 4, 128, False, None)),
-        ("gpt-oss-20b sliding", (64, 8, 64, True, 128)),
-        ("gpt-oss-20b full", (64, 8, 64, True, None)),
+Check = tuple[str, Callable[[], None]]
+
+
+def checks(full: bool) -> list[Check]:
+    """In the order they run (the budget cuts the tail): slot cache, copies, GEMVs, attention,
+    DeltaNet."""
+    out: list[Check] = []
+    slot_cases = (
+        [(s, p) for s in (600, 2000, 4000, 6144) for p in EvictionPolicy]
+        if full
+        else [(2000, EvictionPolicy.AGED_FREQ), (6144, EvictionPolicy.LRU)]
+    )
+    for slots, policy in slot_cases:
+        out.append((f"slot cache, {slots} slots, {policy.name}",
+                    lambda s=slots, p=policy: slot_cache(s, p)))  # fmt: skip
+    out += [("copy_rows, Qwen3 gate_up rows, pinned host", copy_qwen3),
+            ("copy_rows, one Mixtral-8x22B gate_up row", copy_mixtral_row)]  # fmt: skip
+    for name, (h, i, k), gptoss, trimmed in (("Qwen3-30B-A3B", (2048, 768, 8), False, 64),
+                                             ("gpt-oss-20b", (2880, 2880, 4), True, 1)):  # fmt: skip
+        for tokens in (1, 64) if full else (trimmed,):
+            out.append((f"moe_decode, {name}, {tokens} tokens",
+                        lambda h=h, i=i, k=k, t=tokens, o=gptoss: decode(h, i, k, t, o)))  # fmt: skip
+    for name, (heads, kvh, d, sinks, window), trimmed in (
+        ("Qwen3-30B-A3B", (32, 4, 128, False, None), 64),
+        ("gpt-oss-20b sliding", (64, 8, 64, True, 128), 1),
+        ("gpt-oss-20b full", (64, 8, 64, True, None), 64),
     ):
-        for batch in (1, 64):
-            checks.append((f"paged attention, {name}, {batch} seqs to 32k",
-                           lambda a=(heads, kvh, d, sinks, window, batch): attention(*a)))  # fmt: skip
-    for name, (kh, heads) in (("Qwen3-Next-80B-A3B", (16, 32)), ("Qwen3.5-397B-A17B", (16, 64))):
-        for batch in (1, 64):
-            checks.append((f"deltanet decode, {name}, {batch} seqs",
-                           lambda a=(kh, heads, batch): deltanet(*a)))  # fmt: skip
-        for n in (100, 8192):
-            checks.append((f"deltanet prefill, {name}, {n} tokens",
-                           lambda a=(kh, heads, n): deltanet_prompt(*a)))  # fmt: skip
-    failed = 0
-    for name, fn in checks:
+        for batch in (1, 64) if full else (trimmed,):
+            out.append((f"paged attention, {name}, {batch} seqs to 32k",
+                        lambda a=(heads, kvh, d, sinks, window, batch): attention(*a)))  # fmt: skip
+    for name, (kh, heads), batch_t, n_t in (("Qwen3-Next-80B-A3B", (16, 32), 64, 8192),
+                                            ("Qwen3.5-397B-A17B", (16, 64), 1, 100)):  # fmt: skip
+        for batch in (1, 64) if full else (batch_t,):
+            out.append((f"deltanet decode, {name}, {batch} seqs",
+                        lambda a=(kh, heads, batch): deltanet(*a)))  # fmt: skip
+        for n in (100, 8192) if full else (n_t,):
+            out.append((f"deltanet prefill, {name}, {n} tokens",
+                        lambda a=(kh, heads, n): deltanet_prompt(*a)))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="every configuration (several minutes)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="start no check after this many seconds (the rest: listed, not run)")  # fmt: skip
+    ap.add_argument("--list", action="store_true", help="print the checks and exit")
+    args = ap.parse_args()
+    todo = checks(args.full)
+    if args.list:
+        print("\n".join(name for name, _ in todo))
+        return
+    failed, passed, not_run = 0, 0, []
+    start = time.perf_counter()
+    for name, fn in todo:
+        if args.budget is not None and time.perf_counter() - start > args.budget:
+            not_run.append(name)
+            print(f"{name:52s}    -    NOT RUN (past the {args.budget:.0f} s budget)", flush=True)
+            continue
         t0 = time.perf_counter()
         try:
             fn()
             status = "PASS"
+            passed += 1
         except Exception:  # noqa: BLE001 - report and go on with the next check
             failed += 1
             status = "FAIL\n" + traceback.format_exc(limit=3)
         print(f"{name:52s} {time.perf_counter() - t0:6.1f} s  {status}", flush=True)
+    tail = f", {len(not_run)} not run (budget {args.budget:.0f} s)" if not_run else ""
+    print(f"VERDICT: {passed} passed, {failed} failed{tail} "
+          f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
     sys.exit(1 if failed else 0)
 
 
