@@ -157,7 +157,9 @@ def test_kv_shrink_waits_for_running_requests(
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == baseline
 
 
-def test_switch_waits_for_the_old_model_then_parks_it(builtin_model_dir: Path, baseline) -> None:
+def test_switch_waits_for_the_old_model_then_parks_it(
+    builtin_model_dir: Path, baseline, baseline_alone
+) -> None:
     """A -> B while A decodes: A's requests finish first, B's wait; A's device caches are
     released at the swap and restored (same sizes, same host pool) when switching back."""
     from freetokend.manager.models import ModelManager
@@ -185,7 +187,7 @@ def test_switch_waits_for_the_old_model_then_parks_it(builtin_model_dir: Path, b
                 order.append(o.request_id)
     assert mgr.finish_switch(ticket, 5) == "b" and hub.active is b.lane
     assert order[-1] == "on-b" and set(order[:-1]) == {"r0", "r1", "r2"}
-    assert [out[f"r{i}"] for i in range(3)] == baseline and out["on-b"] == baseline[1]
+    assert [out[f"r{i}"] for i in range(3)] == baseline and out["on-b"] == baseline_alone[1]
     assert a.parked == CacheSizes(40, 32) and a.llm.runner.kv.num_pages == 1
     assert a.llm.moe.cache.num_slots == 1 and b.parked is None
     back = mgr.switch("a")
