@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import cpu_isa
 from .banks import ActivationSpec, ExpertBanks
 from .formats import get_format
 
@@ -182,6 +183,7 @@ class CpuExecutor:
         spin_us: int = 0,
     ) -> None:
         _require_native()
+        isa = cpu_isa.resolve(isa, supported_isas())  # FREETOKEN_CPU_ISA forces "auto"
         if isa not in ISAS + TEST_ISAS:
             raise ValueError(f"isa must be one of {', '.join(ISAS)}; got {isa!r}")
         if isa in ISAS[1:] and isa not in supported_isas():

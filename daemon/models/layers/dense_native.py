@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ...runtime import cpu_isa
+
 _native: Any
 try:
     import ftdense as _native  # type: ignore[import-not-found,no-redef]
@@ -77,6 +79,7 @@ def configure(threads: int | None = None, isa: str = "auto", spin_us: int = SPIN
     it) runs bf16 weights on vdpbf16ps: the same x.to(bf16) @ W^T in fp32."""
     if _native is None:
         raise ImportError("the native dense projection (extension module `ftdense`) is not built")
+    isa = cpu_isa.resolve(isa)  # FREETOKEN_CPU_ISA forces "auto"
     _native.configure(threads or _DEFAULT_THREADS, spin_us, isa)
 
 

@@ -1,0 +1,2 @@
+"""The bottom layer: small facts about the process and the machine that every other package may
+use and that import none of them."""
