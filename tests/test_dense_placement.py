@@ -4,9 +4,10 @@ With ``fused``, ``offload`` and ``hybrid`` the dense weights, KV pool and recurr
 the accelerator's device and the forward runs the device code path: torch ops, never the native
 host kernels of ``ftdense`` (counted here: a call fails the test). The ``cpu`` backend keeps the
 host path (those kernels run). The outside oracle is the ``cpu`` backend, itself checked against
-transformers in test_engine_families.py: greedy tokens identical for every tiny family, at one
-slot and at every expert resident, and logits within ``LOGIT_ATOL`` (fp32 checkpoints; the device
-path sums attention, norms and projections in torch's order, the host kernels in theirs).
+transformers in test_engine_families.py: greedy tokens identical for every tiny family up to a
+near-tie (greedy_check.py), at one slot and at every expert resident, and logits within
+``LOGIT_ATOL`` (fp32 checkpoints; the device path sums attention, norms and projections in
+torch's order, the host kernels in theirs).
 tests/gpu/check.sh runs this file on a real GPU (FT_TEST_ACCELERATOR=cuda).
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from greedy_check import assert_greedy_agrees
 from tiny_models import FAMILIES, VARIANTS, make_tiny
 
 from freetokend import LLM
@@ -88,7 +90,7 @@ def test_device_path_matches_cpu_at_one_slot_and_all(
         out = llm.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True)
         logits = llm.logits(prompts[0])
         assert native_calls.calls == 0, f"{backend}: the device path called ftdense"
-        assert out == ref, (family, backend, kw)
+        assert_greedy_agrees(out, ref, prompts, cpu, what=(family, backend, kw))
         err = (logits - ref_logits).abs().max().item()
         assert err < LOGIT_ATOL, (family, backend, kw, err)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from greedy_check import assert_greedy_agrees
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -70,7 +71,8 @@ def test_resize_mid_decode_changes_no_token(model_dir: Path, backend: str) -> No
         return LLM(model_dir, backend, max_model_len=128, kv_tokens=KV_TOKENS,
                    accelerator=ACCEL, moe_slots=4, prefix_cache=False)  # fmt: skip
 
-    ref = _serve(load())
+    ref_llm = load()
+    ref = _serve(ref_llm)
     llm = load()
     pool = llm.runner.kv
     assert llm.runner.placement.on_device
@@ -98,7 +100,14 @@ def test_resize_mid_decode_changes_no_token(model_dir: Path, backend: str) -> No
 
     got = _serve(llm, between)
     assert done == ["slots down", "kv up, slots up", "kv down, slots down"]
-    assert got == ref
+    # hybrid moves routes between the device's torch ops and the host kernels as the slots
+    # change: the greedy rows may part at a near-tie; the seeded row (r1) is compared exactly
+    greedy = [i for i, sp in enumerate(_params()) if sp.temperature == 0]
+    assert_greedy_agrees(
+        [got[f"r{i}"] for i in greedy], [ref[f"r{i}"] for i in greedy],
+        [_prompts()[i] for i in greedy], ref_llm, what=backend,
+    )  # fmt: skip
+    assert got["r1"] == ref["r1"]
     assert pool.num_pages == pages and llm.moe.cache.num_slots == 2
 
 
