@@ -419,3 +419,25 @@ def test_decode_layer_specs_are_checked() -> None:
             [layer], **step, qmoe=None, float_experts=None, experts=print,
             ends=(*head[:3], bad.data_ptr(), *head[4:]),
         )  # fmt: skip
+
+
+def test_a_process_whose_first_forward_is_a_decode_step(ckpt) -> None:  # type: ignore[no-untyped-def]
+    """A one-token prompt as a fresh process's first request is a decode step before any
+    projection configured ftdense's pool: the fast path configures it (it raised "configure()
+    was not called" before). In a child process: in this one, earlier tests configured it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from freetokend import LLM; "
+        f"llm = LLM({str(ckpt)!r}, 'cpu', max_model_len=64, kv_tokens=256); "
+        "print(llm.generate([2], 3, ignore_eos=True))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    fresh = eval(run.stdout.strip().splitlines()[-1])  # noqa: S307 - our child's printed list
+    assert fresh == LLM(ckpt, "cpu", max_model_len=64, kv_tokens=256).generate(
+        [2], 3, ignore_eos=True
+    )

@@ -145,8 +145,7 @@ class BlockExecutor:
             raise RuntimeError(
                 f"this CPU cannot run the {isa!r} path; it runs {qlinear_native.isas()}"
             )
-        if not dense_native._native.configured():
-            dense_native.configure()
+        dense_native.ensure_configured()
         self.banks = banks  # keeps the tensors alive: the native side holds their addresses
         self.act = act
         self.isa_request = isa

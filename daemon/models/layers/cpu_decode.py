@@ -442,4 +442,5 @@ def start(
     if rot == 0 or cos.shape[-1] != rot // 2:
         return None
     c, s = cos.float().contiguous(), sin.float().contiguous()
+    dense_native.ensure_configured()  # a process's first forward may be this step
     return DecodeStep(batch, cast("CpuBackend", moe), c, s, rot, rope_cfg.interleaved)

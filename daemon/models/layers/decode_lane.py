@@ -91,6 +91,7 @@ class DecodeLane:
         head = model.decode_head()
         if len(plans) != len(layers) or not head.whole_ok:
             return None
+        dense_native.ensure_configured()  # a process's first forward may be this step
         return cls(kv, moe, states, model.rope, head, plans)
 
     def fits(self, model: Any, kv: Any, moe: Any, states: list[Any]) -> bool:

@@ -90,6 +90,13 @@ def set_spin(spin_us: int) -> None:
         _native.set_spin(spin_us)
 
 
+def ensure_configured() -> None:
+    """Configures the pool with its defaults unless it is configured: every native call that
+    runs on the pool raises without one (the first one of a process configures it)."""
+    if not _native.configured():
+        configure()
+
+
 def configured_isa() -> str:
     """The kernels the pool was configured with ("avx512bf16", "avx512", "avx2", "scalar", ...);
     "" when the extension is not built or configure() was not called."""
@@ -136,8 +143,7 @@ def linear_many(
     for w in weights:
         if w.shape[1] != k:
             raise ValueError(f"x has {k} features but a weight expects {w.shape[1]}")
-    if not _native.configured():
-        configure()
+    ensure_configured()
     xf = x.float().contiguous()
     ys = [torch.empty(t, w.shape[0], dtype=torch.float32) for w in weights]
     _native.linear(
@@ -289,8 +295,7 @@ def decode_attention(
     Returns ``out`` [N, heads, d] fp32 (new when not given; only the query rows are written).
     Check `attention_usable` first.
     """
-    if not _native.configured():
-        configure()
+    ensure_configured()
     qc = q.contiguous()
     n_rows, heads, d = qc.shape
     if rows is None:

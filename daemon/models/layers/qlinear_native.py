@@ -122,8 +122,7 @@ def configured_isa() -> str:
 
 
 def _ensure_configured() -> None:
-    if not dense_native._native.configured():
-        dense_native.configure()
+    dense_native.ensure_configured()
 
 
 def set_fp16_act_scales(on: bool) -> None:
