@@ -6,7 +6,8 @@ Run by tests/test_kernels_compiled.py: reads one launch spec as JSON on stdin
      "options": {"num_warps": 8}, "targets": [75, 86, 89, 90]}
 and prints one JSON line per target as soon as it is done (so a later target that hangs does not
 hide the earlier results): {"cc", "ok", "error", "seconds", "cpu_seconds", "regs", "stack",
-"local", "shared"} (cpu_seconds: this process's and its ptxas's, load-independent). Registers, stack and local memory come from ``cuobjdump -res-usage`` on the cubin
+"local", "shared"} (cpu_seconds: this process's and its ptxas's, load-independent); with
+"ttir": true in the spec, each row also carries the kernel's Triton IR as text ("ttir"). Registers, stack and local memory come from ``cuobjdump -res-usage`` on the cubin
 (the compiled kernel's metadata leaves them empty without a driver); a stack frame or local
 memory in a Triton kernel means register spills.
 """
@@ -56,8 +57,10 @@ def compile_one(spec: dict, cc: int) -> dict:
     started, cpu = time.monotonic(), cpu_seconds()
     k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=spec["options"])
     res = resources(k.asm["cubin"])
+    ir = {"ttir": str(k.asm["ttir"])} if spec.get("ttir") else {}
     return {
         **res,
+        **ir,
         "shared": max(int(k.metadata.shared), res["shared_static"]),
         "num_warps": int(k.metadata.num_warps),
         "seconds": round(time.monotonic() - started, 2),

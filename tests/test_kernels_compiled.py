@@ -449,16 +449,24 @@ def test_kernels_compile_for_real_targets(
     assert not problems, "\n".join(problems)
 
 
-def _ttir(jit: Any, launch: Launch, cc: int) -> list[str]:
-    """Lines of the Triton IR of ``launch`` (of ``jit``) compiled for sm_``cc`` in this process
-    (TRITON_CACHE_DIR set by the caller)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    attrs = {(i,): v for i, v in launch.attrs}
-    src = ASTSource(jit, launch.signature, launch.constexprs, attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=launch.options)
-    return str(kernel.asm["ttir"]).splitlines()
+def _ttir(launch: Launch, cc: int, cache: Path) -> list[str]:
+    """Lines of the Triton IR of ``launch`` compiled for sm_``cc``, by the worker in a process
+    of its own: in this one, an interpreted twin of the kernel module (kernels/interp.py) may
+    have left triton's library functions in interpreter mode by then."""
+    spec = {
+        "module": launch.module, "fn": launch.fn, "signature": launch.signature,
+        "constexprs": launch.constexprs, "attrs": launch.attrs, "options": launch.options,
+        "targets": [cc], "ttir": True,
+    }  # fmt: skip
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "TRITON_DEFAULT_FP_FUSION": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [sys.executable, str(WORKER)], input=json.dumps(spec), capture_output=True, text=True,
+        env=env, timeout=300,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert rows and rows[0]["ok"], (rows, run.stderr[-2000:])
+    return str(rows[0]["ttir"]).splitlines()
 
 
 def _lines(lines: list[str], pattern: str) -> list[int]:
@@ -475,14 +483,11 @@ def test_slot_kernel_stores_step_and_visits_after_every_warp_read_them(
     one thread stores them back incremented. Without a block barrier in between, a warp that
     loads after that store runs the step with one more (its hits' last_used, its keys'
     blocking). Only a GPU shows the race; here the order, in the kernel as compiled."""
-    jit = slot_cache_mod._decode_kernel  # recording swaps it for a recorder
     launches = record_launches(monkeypatch, SLOTS[:1])
     launch = next(x for x in launches if x.kernel == "_decode_kernel")
     store = getattr(request.config, "cache", None)  # the cache the compile test fills
     cache = Path(store.mkdir("ft_triton_targets")) if store else tmp_path_factory.mktemp("triton")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    lines = _ttir(jit, launch, 90)
+    lines = _ttir(launch, 90, cache)
     visit = re.search(r"(%\S+) = tt\.addptr %visits_ptr, %layer\b", "\n".join(lines))
     assert visit is not None
     barriers = _lines(lines, r"\b(ttg|gpu)\.barrier\b")
