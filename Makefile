@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test fuzz install install-test lint clean
+.PHONY: run test test-isas fuzz install install-test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,20 @@ fuzz: $(TEST_STAMP)
 	for i in $$(seq $(FUZZ_RUNS)); do \
 		$(PY) -m pytest -q -p no:cacheprovider --hypothesis-profile=explore \
 			$$(grep -l '@given' tests/test_*.py | grep -v _slow) || exit 1; \
+	done
+
+# The kernel and model tests on each CPU kernel path in turn (FREETOKEN_CPU_ISA: what "auto"
+# takes; avx512 runs emulated where the CPU lacks it, scalar anywhere), as on CPUs that have no
+# more than that path. Slower than make test; not part of it.
+ISA_PATHS ?= avx512 avx2 scalar
+ISA_TESTS ?= tests/test_native_executor.py tests/test_native_formats.py tests/test_dense_native.py \
+	tests/test_qlinear_native.py tests/test_decode_attention.py tests/test_rope_native.py \
+	tests/test_gguf_blocks.py tests/test_cpu_decode.py tests/test_cpu_batch_invariance.py \
+	tests/test_engine_families.py tests/test_quantize_experts.py
+test-isas: $(TEST_STAMP)
+	for isa in $(ISA_PATHS); do \
+		echo "== FREETOKEN_CPU_ISA=$$isa"; \
+		FREETOKEN_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
 
 lint: $(TEST_STAMP)
