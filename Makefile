@@ -50,7 +50,7 @@ ISA_TESTS ?= tests/test_native_executor.py tests/test_native_formats.py tests/te
 test-isas: $(TEST_STAMP)
 	for isa in $(ISA_PATHS); do \
 		echo "== FREETOKEN_CPU_ISA=$$isa"; \
-		FREETOKEN_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
+		FREETOKEN_CPU_ISA=$$isa $(PY) -m pytest -p no:cacheprovider $(ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
 
 lint: $(TEST_STAMP)

@@ -21,6 +21,7 @@ from freetokend.models import gguf_blocks as gb
 from freetokend.models import gguf_interleave as gi
 from freetokend.models.layers import dense_native
 from freetokend.models.layers import qlinear_native as ql
+from freetokend.runtime import cpu_isa
 
 pytestmark = pytest.mark.skipif(
     not ql.available(), reason="ftdense extension not built (pip install -e .)"
@@ -177,7 +178,9 @@ def test_raw_gguf_rows_and_errors() -> None:
         ql.qlinear(x, w, isa="sve")
 
 
-def test_dispatch_follows_the_configured_isa() -> None:
+def test_dispatch_follows_the_configured_isa(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_isa.ENV, raising=False)  # "auto" as the CPU picks it (make test-isas)
+    dense_native.configure(2)
     best = ql.isas()[0]
     assert ql.configured_isa() == best  # "auto": vnni where the CPU has it
     dense_native.configure(2, isa="scalar")
