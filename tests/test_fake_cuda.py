@@ -126,7 +126,7 @@ def test_default_slots_fit_the_card(card) -> None:
 
 
 def test_decode_batches_of_32_sequences_do_not_stream_layers() -> None:
-    """A step of 40 decode sequences (no prompt) is served by the cache: no prefill lease, no
+    """A step of 40 decode sequences (no prompt) is served by the cache: no prefill stream, no
     whole-layer copies, the cached experts stay."""
     acc = FakeCudaAccelerator(vram_mib=8192)
     g = QWEN3_30B
@@ -139,7 +139,7 @@ def test_decode_batches_of_32_sequences_do_not_stream_layers() -> None:
         ids, w = routes(g, 40)
         before = acc.stats.bytes
         be.begin_step(40)  # decode: prefill=False
-        assert be.cache.lease is None
+        assert be._prefill is None  # no layer streaming, no slots reserved for it
         be.forward(0, x, ids, w)
         be.end_step()
         assert be._counters["prefill_layers_streamed"] == 0

@@ -19,6 +19,7 @@ from hypothesis import strategies as hs
 from freetokend.experts.slot_cache import (
     FREQ_CAP,
     FREQ_SHIFT,
+    DecodePlan,
     EvictionPolicy,
     SlotCache,
     SlotState,
@@ -151,33 +152,28 @@ def test_reference_properties(c: Case) -> None:
         check_step(c, before, cache.state, layer, ids, plan)
 
 
+def reserve_step_slots(cache: SlotCache, plan: DecodePlan) -> None:
+    """What a prompt step does with a layer's slots while that layer computes
+    (device_backends._PrefillStream): they are reserved for the next lookup."""
+    slots = plan.slot_ids.reshape(-1).long()
+    cache.state.reserved[slots[slots >= 0]] = 1
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), hs.integers(0, 3))
-def test_reference_properties_with_prefill_lease(c: Case, lease_at: int) -> None:
-    """Lent slots are never victims while lent; seeding keeps the maps inverse."""
+def test_reference_properties_with_reserved_slots(c: Case, reserve_at: int) -> None:
+    """The slots a step used, reserved for the next step as a prompt step reserves them, are
+    never its victims (check_step: victims and q come from the unreserved slots)."""
     cache = make_cache(c)
-    lease = None
     for i, (layer, ids) in enumerate(c.steps):
-        if i == lease_at:
-            lease = cache.borrow_prefill()
-            if lease is None:
-                assert c.slots < 2 * c.experts
         before = cache.state.clone()
         plan = cache.decode_step(ids, layer)
         check_step(c, before, cache.state, layer, ids, plan)
-        if lease is not None:
-            lent = set(range(lease.base, c.slots))
-            assert not lent & set(plan.copy_dst_slot.tolist())
-    if lease is not None:
-        cache.seed(c.layers - 1, lease.buffer(c.layers - 1))
-        cache.release_prefill()
-        st = cache.state
-        for s, f in enumerate(st.id_of_slot.tolist()):
-            assert f < 0 or int(st.slot_of[f]) == s
-        # every expert of the seeded layer is resident now (in its buffer slot or before)
-        base = (c.layers - 1) * c.experts
-        assert all(int(st.slot_of[base + e]) >= 0 for e in range(c.experts))
-        assert int(st.reserved.count_nonzero()) == 0
+        lent = set(torch.nonzero(before.reserved).flatten().tolist())
+        assert not lent & set(plan.copy_dst_slot.tolist())
+        cache.state.reserved.zero_()  # the reserving layer has computed
+        if i == reserve_at:
+            reserve_step_slots(cache, plan)
 
 
 def test_q_formula_design_example() -> None:
@@ -210,38 +206,34 @@ def test_lru_evicts_least_recent_and_refreshes_hits() -> None:
     assert cache.stats() == {"hits": 1, "misses": 4, "fills": 4, "cpu_routes": 0}
 
 
-def test_borrow_needs_two_layers_of_slots() -> None:
-    assert SlotCache(2, 4, 7).borrow_prefill() is None
-    cache = SlotCache(2, 4, 8)
-    lease = cache.borrow_prefill()
-    assert lease is not None and lease.base == 0
-    assert cache.borrow_prefill() is None  # already lent
-    assert lease.buffer(1).tolist() == [4, 5, 6, 7]
-
-
 # -- Triton kernel vs reference (interpreter: tiny sizes) ------------------------------------
 triton = pytest.importorskip("triton")
 # tests/gpu/check.sh: the kernel compiled, on CUDA tensors, against the reference on the CPU
 KDEV = "cuda" if os.environ.get("FT_TEST_ACCELERATOR") == "cuda" else "cpu"
 
 
-def run_both(c: Case, lease_at: int = -1) -> None:
+def run_both(c: Case, reserve_at: int = -1) -> None:
+    """Kernel and reference step for step; after step ``reserve_at`` its slots are reserved for
+    the next step in both (as a prompt step reserves them)."""
     ref, ker = make_cache(c), make_cache(c, KDEV)
     ker.force_kernel = True
     for i, (layer, ids) in enumerate(c.steps):
-        if i == lease_at:
-            assert (ref.borrow_prefill() is None) == (ker.borrow_prefill() is None)
         a, b = ref.decode_step(ids, layer), ker.decode_step(ids.to(KDEV), layer)
         for name in vars(a):
             assert torch.equal(getattr(a, name), getattr(b, name).cpu()), (i, name)
         for name, t in vars(ref.state).items():
             assert torch.equal(t, getattr(ker.state, name).cpu()), (i, name)
+        ref.state.reserved.zero_()
+        ker.state.reserved.zero_()
+        if i == reserve_at:
+            reserve_step_slots(ref, a)
+            reserve_step_slots(ker, b)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(max_steps=5, max_slots=9), hs.integers(-1, 3))
-def test_triton_matches_reference(c: Case, lease_at: int) -> None:
-    run_both(c, lease_at)
+def test_triton_matches_reference(c: Case, reserve_at: int) -> None:
+    run_both(c, reserve_at)
 
 
 def test_triton_matches_reference_long_sequence() -> None:

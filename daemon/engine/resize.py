@@ -88,16 +88,14 @@ def _kept_order(cache: SlotCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def resize_expert_slots(be: OffloadBackend, num_slots: int) -> int:
     """Give ``be`` a slot cache of ``num_slots`` slots; returns how many experts stayed resident.
 
-    Must run between steps (no prefill lease out). The old slot banks are released BEFORE the
-    new ones are allocated, so device memory never holds both (a shrink asked for by VRAM
-    pressure must not itself need old + new); the experts carried over are copied again from
-    the host pool, their source of truth. On CUDA the freed blocks go back to the driver.
+    Must run between steps. The old slot banks are released BEFORE the new ones are allocated,
+    so device memory never holds both (a shrink asked for by VRAM pressure must not itself need
+    old + new); the experts carried over are copied again from the host pool, their source of
+    truth. On CUDA the freed blocks go back to the driver.
     """
     if not 1 <= num_slots <= be.host.num_flat:
         raise ResizeError(f"moe slots must be in [1, {be.host.num_flat}], got {num_slots}")
     old = be.cache
-    if old.lease is not None:
-        raise RuntimeError("expert slot resize while a prefill lease is out (not a safe point)")
     new = SlotCache(
         old.num_layers,
         old.num_experts,

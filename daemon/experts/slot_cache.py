@@ -6,7 +6,7 @@ State (all on the cache's device, so a decode step needs no host sync and can be
     id_of_slot [num_slots]  int32  slot -> flat_id, or -1 when empty
     last_used  [num_slots]  int64  value of `step` when the slot was last hit or filled
     last_visit [num_slots]  int64  visit count of the slot's own layer when last hit or filled
-    reserved   [num_slots]  int8   1 = lent to the prefill double buffer, never a victim
+    reserved   [num_slots]  int8   1 = held by a prefill layer still computing, never a victim
     freq       [num_flat]   int32  lookups of each flat id so far (saturating), resident or not
     visits     [num_layers] int64  decode steps run for each layer
     step       [1]          int64  decode steps run for any layer
@@ -258,22 +258,8 @@ def decode_step(
     return decode_step_reference(st, flat_ids, layer, num_experts, policy)
 
 
-@dataclass(frozen=True)
-class PrefillLease:
-    """2 * num_experts contiguous slots lent to prefill: layer l uses buffer l % 2,
-    expert e of layer l sits in slot `base + (l % 2) * num_experts + e`."""
-
-    base: int
-    num_experts: int
-
-    def buffer(self, layer: int) -> torch.Tensor:
-        """[num_experts] int64 slot of each expert of `layer` in its buffer."""
-        start = self.base + (layer % 2) * self.num_experts
-        return torch.arange(start, start + self.num_experts)
-
-
 class SlotCache:
-    """Owner of a SlotState: configuration, the decode step, the prefill lease and statistics."""
+    """Owner of a SlotState: configuration, the decode step and statistics."""
 
     def __init__(
         self,
@@ -288,7 +274,6 @@ class SlotCache:
         self.policy = policy
         self.force_kernel = force_kernel
         self.state = SlotState.empty(num_layers, num_experts, num_slots, device)
-        self.lease: PrefillLease | None = None
 
     def set_fill_policy(self, b_p: float, b_h: float, fill_all: bool = False) -> None:
         """Set q* from measured bandwidths (in place: captured graphs see the new value)."""
@@ -303,44 +288,3 @@ class SlotCache:
     def stats(self) -> dict[str, int]:
         """Read the counters (one host sync)."""
         return dict(zip(STAT_NAMES, self.state.stats.tolist(), strict=True))
-
-    def reset_stats(self) -> None:
-        self.state.stats.zero_()
-
-    # -- prefill (host side, not graph-captured) --------------------------------------------
-    def borrow_prefill(self) -> PrefillLease | None:
-        """Lend the top 2 * num_experts slots as two full-layer buffers, evicting what they
-        hold. None when the pool is too small or already lent: prefill on demand instead."""
-        need = 2 * self.num_experts
-        if self.lease is not None or self.num_slots < need:
-            return None
-        base = self.num_slots - need
-        self._clear(torch.arange(base, self.num_slots, device=self.state.id_of_slot.device))
-        self.state.reserved[base:] = 1
-        self.lease = PrefillLease(base, self.num_experts)
-        return self.lease
-
-    def seed(self, layer: int, slots: torch.Tensor) -> None:
-        """Turn a prefill buffer into cache entries: slots[e] holds expert e of `layer`.
-        Experts already resident elsewhere keep their slot; their buffer slot is freed."""
-        st = self.state
-        slots = slots.to(st.id_of_slot.device).long()
-        flat = layer * self.num_experts + torch.arange(slots.numel(), device=slots.device)
-        fresh = st.slot_of[flat] < 0
-        st.reserved[slots] = 0
-        st.slot_of[flat[fresh]] = slots[fresh].int()
-        st.id_of_slot[slots[fresh]] = flat[fresh].int()
-        st.last_used[slots[fresh]] = st.step[0]
-        st.last_visit[slots[fresh]] = st.visits[layer]
-
-    def release_prefill(self) -> None:
-        """End the lease: slots not seeded become empty, ordinary slots."""
-        if self.lease is not None:
-            self.state.reserved[self.lease.base :] = 0
-            self.lease = None
-
-    def _clear(self, slots: torch.Tensor) -> None:
-        st = self.state
-        old = st.id_of_slot[slots].long()
-        st.slot_of[old[old >= 0]] = -1
-        st.id_of_slot[slots] = -1
