@@ -20,8 +20,8 @@ from freetokend.admin import admin_pb2_grpc as pb_grpc
 from freetokend.admin.gate import SocketBusy, claim_path
 from freetokend.admin.paths import client_socket, daemon_socket, user_socket
 from freetokend.admin.peercred import AccessPolicy, PeerCred, peer_credentials
-from freetokend.admin.sdnotify import notify
 from freetokend.admin.server import AdminServer
+from freetokend.runtime.sdnotify import notify
 
 NOBODY = 65534
 

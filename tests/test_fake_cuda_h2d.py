@@ -1,6 +1,6 @@
 """The fake CUDA tracker's host -> device copies: a blocking one is a host sync (``h2d``), as on
 CUDA (the copy returns once the stream has run up to it); only ``non_blocking`` from pinned
-memory is asynchronous. ``engine.staging.to_device`` is that copy (and nothing on the host)."""
+memory is asynchronous. ``runtime.staging.to_device`` is that copy (and nothing on the host)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from freetokend.engine.sampler import SamplingParams, sample
-from freetokend.engine.staging import to_device
 from freetokend.experts.fakecuda import FakeCudaAccelerator
+from freetokend.runtime.staging import to_device
 
 
 def test_blocking_and_pageable_copies_are_syncs_pinned_async_ones_not() -> None:

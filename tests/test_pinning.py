@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-from freetokend.experts import pinning
 from freetokend.experts.accelerator import CudaAccelerator
+from freetokend.runtime import pinning
 
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered

@@ -173,7 +173,7 @@ def test_the_daemon_pings_under_watchdogsec() -> None:
 
 def test_a_ping_that_cannot_be_sent_does_not_stop_the_watchdog(tmp_path: Path) -> None:
     """systemd not reading (a full notify queue): the ping fails fast, the loop goes on."""
-    from freetokend.admin.sdnotify import notify
+    from freetokend.runtime.sdnotify import notify
 
     path = tmp_path / "notify"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as reader:
@@ -259,9 +259,10 @@ def test_the_bandwidth_bench_and_parking_beat_per_unit(
     """The bench (run at a safe point: the engine thread waits on it) beats per copy
     iteration and after the decode pass; moving dense weights beats per module."""
     from freetokend import LLM
-    from freetokend.engine import heartbeat, placement
+    from freetokend.engine import placement
     from freetokend.experts.accelerator import StandinAccelerator
     from freetokend.experts.bandwidth import measure
+    from freetokend.runtime import heartbeat
 
     beats: list[float] = []
     monkeypatch.setattr(heartbeat, "beat", lambda: beats.append(time.monotonic()))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime import pinning
 from .ftw_index import ALIGN, FtwError, align_up
 
 log = logging.getLogger(__name__)
@@ -186,13 +187,11 @@ def fsync_path(path: Path) -> None:
 
 def pin(tensors: list[torch.Tensor]) -> int:
     """Page-locks filled host tensors for DMA and zero-copy reads (cudaHostRegister, portable |
-    mapped, through the process-wide registry in experts.pinning) when CUDA is available;
+    mapped, through the process-wide registry in runtime.pinning) when CUDA is available;
     returns how many are pinned. Each registration is undone on unload or when its tensor is
     collected."""
     if not torch.cuda.is_available():
         return 0
-    from ..experts import pinning
-
     pinned = 0
     for t in tensors:
         size = t.numel() * t.element_size()

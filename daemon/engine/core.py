@@ -28,11 +28,11 @@ import torch
 from ..kv.pool import KVPoolFull
 from ..kv.seq_state import SeqState
 from ..models.layers import dense_native
+from ..runtime.staging import to_device
 from .prefix import PrefixReuse
 from .row_guard import fill_masks, sample_rows
 from .runner import ModelRunner, Work
 from .sampler import SamplingParams, logprobs_of
-from .staging import to_device
 
 log = logging.getLogger(__name__)
 

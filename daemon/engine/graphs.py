@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..runtime.staging import pinned
 from .batch import DecodeMeta, ForwardBatch
-from .staging import pinned
 
 if TYPE_CHECKING:
     from ..kv.seq_state import SeqState

@@ -38,7 +38,7 @@ from ..experts.accelerator import Accelerator
 from ..models.layers import dense_native
 from ..models.layers.common import Linear
 from ..models.layers.rope import Rope
-from . import heartbeat
+from ..runtime import heartbeat
 from .sampler import SamplingParams, make_generator
 
 MIB = 1 << 20

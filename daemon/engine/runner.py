@@ -22,10 +22,10 @@ from ..models.layers import cpu_decode
 from ..models.layers.decode_lane import DecodeLane
 from ..models.layers.deltanet import GatedDeltaNet
 from ..models.model import CausalLM
+from ..runtime.staging import to_device
 from .batch import ForwardBatch, SeqChunk
 from .graphs import decode_forward, pack_decode, static_decode_blocker, width_for
 from .placement import HOST, Placement
-from .staging import to_device
 
 if TYPE_CHECKING:
     from .graphs import DecodeGraphs

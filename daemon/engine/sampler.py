@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from ..models.layers import dense_native
-from .staging import to_device
+from ..runtime.staging import to_device
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # Ints a tensor of int64 can hold: anything larger overflows when the sampler builds its

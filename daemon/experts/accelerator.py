@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import pinning
+from ..runtime import pinning
 
 ACCELERATORS = ("auto", "standin", "cuda", "fake-cuda")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import heartbeat
+from ..runtime import heartbeat
 from .accelerator import Accelerator
 from .banks import ExpertBanks
 

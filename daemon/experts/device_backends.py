@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..runtime.staging import to_device
 from .accelerator import Accelerator, BankPairs, HostCopy, RowCopies, Transfer
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .grouped import moe_grouped
@@ -237,8 +238,6 @@ class OffloadBackend:
         self._gpu_routes += (plan.slot_ids >= 0).sum()
         out = self.acc.to_host(out, x.device)
         if cpu_future is not None:  # the CPU share joins where the layer's input lives
-            from ..engine.staging import to_device  # (engine imports this module)
-
             # from page-locked memory: the copy is queued, the host does not wait for the
             # stream (a copy from the executor's pageable output may, as a blocking one does)
             out = out + to_device(cpu_future.result(), out.device)

@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..engine import heartbeat
+from ..runtime import heartbeat
 from ..store import AnchorRecord, Store
 from ..store.private import FILE_MODE, private_dir
 from .pool import KVPool

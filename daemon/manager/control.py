@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from ..admin import sdnotify
 from ..config import DaemonConfig
 from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
+from ..runtime import sdnotify
 from ..server.parts import (
     IDLE_WAIT_S,
     EngineBridge,

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine import heartbeat
 from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
 from ..engine.resize import slot_backend as _slot_backend
+from ..runtime import heartbeat
 from .hub import EngineHub
 from .lane import Lane
 from .parking import park_fused, park_graphs, unpark_fused, unpark_graphs

@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from ..engine import heartbeat
+from ..runtime import heartbeat
 from .errors import InvalidRequest, Overloaded
 
 log = structlog.get_logger("freetokend.bridge")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from ..admin import sdnotify
+from ..runtime import sdnotify
 
 log = structlog.get_logger("freetokend.watchdog")
 

@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...runtime import staging
 from .generator import GeneratorFactory
 from .shim import DeviceShim
 from .tracker import DeviceTracker
@@ -33,7 +34,8 @@ _ACTIVE: list[FakeCudaSession] = []  # the open session (at most one)
 
 def active_session() -> FakeCudaSession | None:
     """The open fake session of this process, if any (code that must tell the fake device
-    from a real one: ``engine.staging`` marks its buffers pinned for the tracker)."""
+    from a real one: ``engine.graphs`` cannot capture on it; ``runtime.staging`` is handed the
+    tracker's pin while the session is open)."""
     return _ACTIVE[0] if _ACTIVE else None
 
 
@@ -140,6 +142,7 @@ class FakeCudaSession:
             raise
         self._stack = stack
         _ACTIVE.append(self)
+        staging.set_fake_pin(lambda t: self.tracker.pin(t))
 
     def close(self) -> None:
         if self._stack is None:
@@ -149,6 +152,7 @@ class FakeCudaSession:
         finally:
             self._stack = None
             _ACTIVE.clear()
+            staging.set_fake_pin(None)
             _LOCK.release()
 
     @contextlib.contextmanager

@@ -14,7 +14,7 @@ device="cuda")``, ``.to("cuda")`` or ``copy_`` from host memory without ``non_bl
 from pageable memory with it. On CUDA such a copy returns once it is done, which waits for the
 work queued before it on the stream: the host stalls as it does for a read. Only a
 ``non_blocking`` copy from pinned memory is asynchronous; pinned sources are those marked with
-``DeviceTracker.pin`` (the CPU build of torch has no pinned allocator; ``engine.staging`` marks
+``DeviceTracker.pin`` (the CPU build of torch has no pinned allocator; ``runtime.staging`` marks
 its buffers so) or that report ``is_pinned()``. Such copies are counted apart
 (``async_h2d``), not as syncs. The same holds the other way: a ``non_blocking`` copy from the
 device into a pinned host tensor is queued (``async_d2h``), and its bytes are the host's only

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine import staging
 from ...engine.batch import ForwardBatch, SeqChunk
+from ...runtime import staging
 from ..config import ModelConfig
 from . import dense_native
 from .common import Linear, RMSNorm, param, project

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine import staging
 from ...engine.batch import ForwardBatch, SeqChunk
 from ...kv.seq_state import RecurrentState
+from ...runtime import staging
 from ..config import ModelConfig
 from .attention import decode_kernel
 from .common import Linear, Weight, param

@@ -15,16 +15,27 @@ for the tracker instead, which then counts the copy as asynchronous, not as a sy
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# How the open fake CUDA session marks a host tensor pinned (its tracker's ``pin``), installed by
+# experts/fakecuda/session.py while the session is open; None: real page-locked memory. Passed
+# in rather than imported: this module sits below the fake device's package.
+_fake_pin: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def set_fake_pin(pin: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Install (a fake CUDA session opening) or remove (closing: None) the fake device's pin."""
+    global _fake_pin
+    _fake_pin = pin
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """``t`` (a host tensor) in page-locked memory."""
-    from ..experts.fakecuda.session import active_session
-
-    session = active_session()
-    if session is not None:
-        return session.tracker.pin(t)
+    pin = _fake_pin
+    if pin is not None:
+        return pin(t)
     return t.pin_memory()
 
 
