@@ -25,9 +25,9 @@ import uvicorn
 from server_support.daemon import state_dir
 
 from freetokend.config import resolve
+from freetokend.manager.control import ControlPlane
 from freetokend.server import sse
 from freetokend.server.app import create_app
-from freetokend.server.run import build_state, load_llm
 
 STALL_MIN_S = 0.3  # a stalled engine step (a long prefill) takes at least this long,
 PINGS = 3  # and lasts until this many pings went out (30 s at most), so a loaded machine's
@@ -134,9 +134,18 @@ HELLO: Any = [{"role": "user", "content": "Hello"}]
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     """The app served by uvicorn in a thread of this process (so the stall and the ping
-    interval can be set), with real HTTP for the SDKs."""
-    cfg = resolve({"state_dir": str(state_dir())}, None, env={})
-    state = build_state(load_llm(cfg), cfg)
+    interval can be set), with real HTTP for the SDKs. The state is built as ``serve()``
+    builds it (the control plane, without its admin socket, VRAM watcher and session spills
+    into the shared state folder); the stall is in the engine hub's step, which the bridge
+    drives."""
+    cli = {
+        "state_dir": str(state_dir()),
+        "admin_socket": "off",
+        "vram_watch": False,
+        "spill_budget_mb": 0,
+    }
+    control = ControlPlane(resolve(cli, None, env={}))
+    state = control.start()
     engine = state.bridge.engine
     real_step = engine.step
 
@@ -182,6 +191,7 @@ def url() -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         mp.undo()
+        control.stop()
 
 
 def raw_stream(url: str, path: str, body: dict[str, Any]) -> str:

@@ -11,7 +11,6 @@ import asyncio
 import signal
 import sys
 import time
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -21,10 +20,6 @@ import uvicorn
 from ..config import DaemonConfig
 from .access import HttpAccess
 from .app import create_app
-from .bridge import EngineBridge
-from .metrics import Metrics
-from .model_names import ModelNames
-from .service import ModelService
 from .state import ServerState
 
 log = structlog.get_logger("freetokend")
@@ -75,41 +70,6 @@ class DrainingServer(uvicorn.Server):
                     flush=True,
                 )
                 _hook(self.state, "on_listening", host, port)
-
-
-def load_llm(cfg: DaemonConfig) -> Any:
-    from ..engine.llm import LLM
-
-    if cfg.model:
-        model_dir = Path(cfg.model).expanduser()
-    else:
-        from ..models.builtin import ensure_builtin_model
-
-        model_dir = ensure_builtin_model(Path(cfg.state_dir or "."))
-    log.info("loading model", model_dir=str(model_dir), moe_backend=cfg.moe_backend)
-    started = time.monotonic()
-    llm = LLM(
-        model_dir,
-        moe_backend=cfg.moe_backend,
-        max_batch=cfg.max_batch,
-        max_model_len=cfg.max_model_len,
-        name=cfg.served_model_name,
-    )
-    log.info(
-        "model loaded",
-        name=llm.name,
-        family=llm.config.family,
-        seconds=round(time.monotonic() - started, 2),
-    )
-    return llm
-
-
-def build_state(llm: Any, cfg: DaemonConfig) -> ServerState:
-    metrics = Metrics()
-    bridge = EngineBridge(llm.engine, cfg.max_batch, cfg.max_queue, metrics)
-    names = ModelNames(cfg.model_aliases, cfg.strict_model_names)
-    service = ModelService(llm, bridge, metrics, names)
-    return ServerState(service=service, bridge=bridge, metrics=metrics)
 
 
 def _hook(state: ServerState, name: str, *args: Any) -> None:
