@@ -147,9 +147,6 @@ class EngineHub:
             self._safe_point()
         return ticket
 
-    def pending_ops(self) -> int:
-        return len(self._ops)
-
     # ---- safe point (step lock held, no step in flight) --------------------------------------
     def _safe_point(self) -> None:
         self._run_ops()

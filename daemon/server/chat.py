@@ -69,10 +69,6 @@ class ChatRequest:
         return self.output_format != "text" or self.tool_choice in ("required", "function")
 
 
-def text_message(role: str, text: str) -> dict[str, Any]:
-    return {"role": role, "content": text}
-
-
 def check_role(role: str, where: str) -> str:
     """``developer`` is the Responses/o-series name of ``system``; others are 400."""
     if role == "developer":
