@@ -20,7 +20,7 @@ from freetokend.experts.vram_watch import (
 )
 from freetokend.experts.vram_watch import plan_resize as plan
 from freetokend.manager.control import ControlPlane
-from freetokend.server.errors import ModelNotFound
+from freetokend.server.errors import NotFound
 
 MB = 2**20
 
@@ -171,9 +171,9 @@ def test_auto_switch_routes_to_a_resident_model(
     assert asyncio.run(request("o")) == "other"
     assert asyncio.run(request(first)) == first
     control.names.strict = True
-    with pytest.raises(ModelNotFound, match="does not exist"):
+    with pytest.raises(NotFound, match="does not exist"):
         router.check_model("missing")
     control.manager.auto_switch = False
-    with pytest.raises(ModelNotFound, match="not active.*ftctl models switch other"):
+    with pytest.raises(NotFound, match="not active.*ftctl models switch other"):
         router.check_model("other")
     assert control.manager.models["other"].weight_loads == 1

@@ -19,7 +19,7 @@ import contextvars
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..server.parts import ModelNames, ModelNotFound
+from ..server.parts import ModelNames, NotFound
 from .hub import EngineHub
 from .lane import Lane
 from .models import ModelManager
@@ -92,7 +92,7 @@ class ServiceRouter:
                 f"The model {name!r} does not exist; this daemon serves {current!r} "
                 f"(load another with `ftctl models load DIR`)."
             )
-        raise ModelNotFound(msg, param="model")
+        raise NotFound(msg, param="model")
 
     async def _service(self) -> Any:
         name = _target.get()

@@ -39,13 +39,9 @@ class InvalidRequest(APIError):
     """400: the body is malformed or a field has a bad value (``param`` names it)."""
 
 
-class ModelNotFound(APIError):
-    status = 404
-    openai_type = "invalid_request_error"
-    anthropic_type = "not_found_error"
-
-
 class NotFound(APIError):
+    """404: no such model, or no such route."""
+
     status = 404
     openai_type = "invalid_request_error"
     anthropic_type = "not_found_error"

@@ -8,7 +8,7 @@ imports nothing else from the server; the server reaches the manager only throug
 from __future__ import annotations
 
 from .bridge import IDLE_WAIT_S, EngineBridge
-from .errors import ModelNotFound
+from .errors import NotFound
 from .metrics import Metrics
 from .model_names import ModelNames
 from .service import ModelService
@@ -20,8 +20,8 @@ __all__ = [
     "EngineBridge",
     "Metrics",
     "ModelNames",
-    "ModelNotFound",
     "ModelService",
+    "NotFound",
     "ServerState",
     "Watchdog",
     "watchdog_seconds",

@@ -23,7 +23,7 @@ import jinja2
 from ..engine.sampler import SamplingParams
 from .bridge import EngineBridge, Submission
 from .chat import ChatRequest, Sampling, check_sampling
-from .errors import InvalidRequest, ModelNotFound
+from .errors import InvalidRequest, NotFound
 from .generation import Generation
 from .limits import check_chat
 from .model_names import ModelNames
@@ -125,7 +125,7 @@ class ModelService:
             return
         if serve_unknown and not self.names.is_alias(name) and self.names.fallback(name, self.name):
             return
-        raise ModelNotFound(
+        raise NotFound(
             f"The model {target!r} does not exist; this daemon serves {self.name!r}.",
             param="model",
         )
