@@ -411,7 +411,3 @@ def _without_generator(func: Any, kwargs: dict) -> dict:
 
 def _has_bool(indices: list) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
-
-
-def fake_cuda_tensor(t: object) -> bool:
-    return isinstance(t, FakeTensor) and t.device.type == "cuda"
