@@ -342,7 +342,7 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
     per 32 values, exact block dot products), on the same raw rows; returns their names. With
     ``dequantized_reference`` before it, transformers is then the oracle for the whole file,
     activation quantization included, so a router that flips on the int8 inputs flips in both."""
-    from freetokend.models.gguf_blocks import qdot_reference
+    from freetokend.formats.gguf_blocks import qdot_reference
 
     done = []
     for name, mod in llm.model.named_modules():
@@ -394,7 +394,7 @@ def _fused_target(hf: Any, name: str) -> str | None:
 def _fused_reference(hf: Any, llm: Any, fused: str) -> list[str]:
     """transformers' fused projection computed from our kept parts as the kernels do, their
     outputs regrouped per key head; -> the parts' names."""
-    from freetokend.models.gguf_blocks import qdot_reference
+    from freetokend.formats.gguf_blocks import qdot_reference
 
     prefix, _, last = fused.rpartition(".")
     names = [f"{prefix}.{p}" for p in _FUSED[last]]

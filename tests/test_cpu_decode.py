@@ -20,8 +20,9 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.engine.runner import Work
-from freetokend.models.layers import cpu_decode, decode_lane, dense_native, qlinear_native
+from freetokend.models.layers import cpu_decode, decode_lane
 from freetokend.models.layers.moe import SparseMoE, route
+from freetokend.native import dense_native, qlinear_native
 
 pytestmark = pytest.mark.skipif(not qlinear_native.available(), reason="ftdense not built")
 nat = dense_native._native

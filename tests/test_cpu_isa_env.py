@@ -11,7 +11,7 @@ import torch
 from freetokend.experts.banks import ActivationSpec, ExpertBanks
 from freetokend.experts.cpu_executor import CpuExecutor, supported_isas
 from freetokend.experts.cpu_executor import available as executor_built
-from freetokend.models.layers import dense_native
+from freetokend.native import dense_native
 from freetokend.runtime import cpu_isa
 
 AVX2_ONLY = ["avx2", "scalar"]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from freetokend.kv.pool import KVPool
-from freetokend.models.layers import dense_native
 from freetokend.models.layers.attention import attend
+from freetokend.native import dense_native
 
 pytestmark = pytest.mark.skipif(
     not dense_native.available(), reason="ftdense extension not built (pip install -e .)"

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from freetokend.engine.batch import ForwardBatch, SeqChunk
 from freetokend.kv.seq_state import SeqState
+from freetokend.models.batch import ForwardBatch, SeqChunk
 from freetokend.models.config import ModelConfig
 from freetokend.models.layers import attention as attn
 from freetokend.models.layers import deltanet as dn
@@ -325,6 +325,15 @@ def _copy(batch: ForwardBatch) -> ForwardBatch:
                         batch.logits_rows)  # fmt: skip
 
 
+def _assert_states_close(batch: ForwardBatch, ref: ForwardBatch, rtol: float, atol: float) -> None:
+    """Recurrent states within the tolerance, conv states equal."""
+    for a, b in zip(batch.chunks, ref.chunks, strict=True):
+        sa, sb = a.state.recurrent, b.state.recurrent
+        assert sa is not None and sb is not None
+        torch.testing.assert_close(sa.ssm, sb.ssm, rtol=rtol, atol=atol)
+        assert torch.equal(sa.conv, sb.conv)
+
+
 @pytest.mark.parametrize(
     "family,lengths", [("qwen3_5_moe", [1, 1, 1]), ("qwen3_next", [1, 5, 1, 1])], ids=str
 )
@@ -361,25 +370,29 @@ def test_layer_decode_rows_go_through_the_kernel(
     want = layer(x, ref)
     assert len(calls) == 1 and len(prefills) == len([n for n in lengths if n > 1])
     torch.testing.assert_close(got, want, **TOL)
-    for a, b in zip(batch.chunks, ref.chunks, strict=True):
-        sa, sb = a.state.recurrent, b.state.recurrent
-        assert sa is not None and sb is not None
-        torch.testing.assert_close(sa.ssm, sb.ssm, **TOL)
-        assert torch.equal(sa.conv, sb.conv)
+    _assert_states_close(batch, ref, **TOL)
 
 
 def test_layer_on_the_host_keeps_the_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The setting changes nothing for host tensors (the cpu backend): no kernel there."""
+    """The setting changes nothing for host tensors (the cpu backend): no kernel there, and
+    the torch path's outputs and states, bit for bit."""
     cfg, layer = _layer(tmp_path, "qwen3_5_moe")
+    batch = _batch(cfg, [1, 3, 1], seed=1)
+    ref = _copy(batch)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(ops, "deltanet_decode", None)  # a call would fail
     monkeypatch.setattr(ops, "deltanet_prefill", None)
     old = attn.set_decode_kernel("triton")
     try:
-        layer(torch.randn(5, cfg.hidden_size), _batch(cfg, [1, 3, 1], seed=1))
+        got = layer(x, batch)
+        attn.set_decode_kernel("torch")
+        want = layer(x, ref)
     finally:
         attn.set_decode_kernel(old)
+    assert torch.equal(got, want)
+    _assert_states_close(batch, ref, rtol=0.0, atol=0.0)
 
 
 # -- the fake CUDA tier -----------------------------------------------------------------------

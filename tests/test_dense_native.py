@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freetokend.models.layers import dense_native
 from freetokend.models.layers.common import Linear, project
+from freetokend.native import dense_native
 
 pytestmark = pytest.mark.skipif(
     not dense_native.available(), reason="ftdense extension not built (pip install -e .)"

@@ -24,7 +24,7 @@ from tiny_models import FAMILIES, VARIANTS, make_tiny
 
 from freetokend import LLM
 from freetokend.engine.placement import dense_device_bytes
-from freetokend.models.layers import dense_native
+from freetokend.native import dense_native
 
 ACCEL = os.environ.get("FT_TEST_ACCELERATOR", "standin")
 LOGIT_ATOL = 1e-4  # measured max 6.2e-6 (gemma4), most families ~1e-6 (fp32 weights)
@@ -111,7 +111,7 @@ def test_seeded_sampling_on_the_device_draws_the_host_tokens(tmp_path: Path) -> 
 def test_quantized_dense_weights_become_bf16_on_the_device(tmp_path: Path) -> None:
     """A q8_0 preset: the device gets each projection dequantized to bf16 (the packed blocks
     are gone), exactly the blocks' values; the plan counts them at that size."""
-    from freetokend.models import gguf_blocks
+    from freetokend.formats import gguf_blocks
     from freetokend.models.layers.common import Linear
 
     make_tiny("qwen3_moe", tmp_path, seed=4)

@@ -51,8 +51,8 @@ def test_interleaved_dense_weights_are_undone_on_the_card() -> None:
     permutes (checked against the native moves in test_qlinear_native) run there, with one copy
     of the packed bytes and no read back to the host. (The block dequantization after it does
     not run on the fake device: its fp16 views are beyond the shim.)"""
-    from freetokend.models import gguf_interleave
-    from freetokend.models.layers import qlinear_native
+    from freetokend.formats import gguf_interleave
+    from freetokend.native import qlinear_native
 
     if not qlinear_native.available():
         pytest.skip("ftdense is not built: nothing is interleaved")

@@ -1,4 +1,4 @@
-"""GGUF block formats in plain torch (freetokend.models.gguf_blocks).
+"""GGUF block formats in plain torch (freetokend.formats.gguf_blocks).
 
 The byte layouts are checked against the `gguf` package's dequantisers (llama.cpp's own Python
 reference, an outside oracle) on random raw bytes for every format, and q8_0/q4_k also against an
@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as G
 from gguf import quants
 
-from freetokend.models import gguf_blocks as gb
+from freetokend.formats import gguf_blocks as gb
 
 FMTS = list(gb.QTYPE_CODES)
 GGUF_TYPES = {

@@ -41,8 +41,9 @@ from freetokend.experts.formats import (
     expert_tensors,
     quantize_banks,
 )
-from freetokend.models import gguf_blocks, gguf_experts, gguf_interleave
-from freetokend.models.layers import qlinear_native
+from freetokend.formats import gguf_blocks, gguf_interleave
+from freetokend.models import gguf_experts
+from freetokend.native import qlinear_native
 
 pytestmark = pytest.mark.skipif(not available(), reason="ftdense not built")
 
@@ -109,7 +110,7 @@ def test_native_matches_the_block_reference_on_every_isa(fmt: str, act: str, t: 
 def test_one_token_stream_modes_agree(fmt: str) -> None:
     """The block MoE reads a token's experts either way row_tasks.h allows (two interleaved
     groups side by side with requests ahead, or one group a call with none): the same floats."""
-    from freetokend.models.layers import dense_native
+    from freetokend.native import dense_native
 
     spec, _ = ACTS["silu"]
     banks = _banks(fmt, False)
@@ -139,7 +140,7 @@ def test_task_sizes_follow_the_pool_and_cover_partial_blocks(threads: int, t: in
     down), so 1 to 8 threads cut the rows differently; an intermediate size of 160 leaves a
     partial last up block at 128 (and 64, 32) rows, or one block shorter than 384 or 256 rows.
     Every cut sums the same."""
-    from freetokend.models.layers import dense_native
+    from freetokend.native import dense_native
 
     g = torch.Generator().manual_seed(21)
     n, inter, h = 12, 160, 512
@@ -170,7 +171,7 @@ def test_the_dense_pool_spins_by_what_shares_its_cores() -> None:
     import ftdense
 
     from freetokend.experts.backend import CpuBackend
-    from freetokend.models.layers import dense_native
+    from freetokend.native import dense_native
 
     assert dense_native.SPIN_US_OWN > dense_native.SPIN_US_SHARED
     spec = ACTS["silu"][0]

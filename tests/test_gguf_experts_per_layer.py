@@ -39,7 +39,7 @@ from freetokend.experts.formats import (
 )
 from freetokend.formats.gguf_file import GgufFile
 from freetokend.models import gguf_experts
-from freetokend.models.layers import qlinear_native
+from freetokend.native import qlinear_native
 
 pytestmark = pytest.mark.skipif(not available(), reason="ftdense not built")
 
@@ -141,7 +141,7 @@ def test_native_per_layer_banks_match_the_references_on_every_isa(
 
 
 def test_native_layer_table_is_checked(layered: ExpertBanks) -> None:
-    from freetokend.models.layers import dense_native
+    from freetokend.native import dense_native
 
     n = E * len(PAIRS)
     x, w = torch.randn(2, H), torch.rand(2, K)

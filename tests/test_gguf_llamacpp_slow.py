@@ -87,7 +87,7 @@ from tiny_models import hf_config, make_tiny
 from freetokend import LLM
 from freetokend.engine.tokenizer import Tokenizer
 from freetokend.models import gguf_experts
-from freetokend.models.layers import qlinear_native as ql
+from freetokend.native import qlinear_native as ql
 
 pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -36,7 +36,7 @@ from freetokend.experts.banks import (
     moe_reference,
 )
 from freetokend.experts.cpu_executor import CpuExecutor, available, supported_isas
-from freetokend.models.layers import dense_native
+from freetokend.native import dense_native
 
 pytestmark = pytest.mark.skipif(
     not available() or not dense_native.available(),

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetokend.engine.batch import ForwardBatch, SeqChunk
 from freetokend.kv.pool import KVPool
 from freetokend.kv.seq_state import SeqState
+from freetokend.models.batch import ForwardBatch, SeqChunk
 from freetokend.models.layers import attention as attn
-from freetokend.models.layers import dense_native
+from freetokend.native import dense_native
 from ftkernels import ops, paged_attention
 from ftkernels.paged_attention import (
     paged_decode_attention,
@@ -199,6 +199,25 @@ def _pool_batch(
     return batch, q, kv
 
 
+def _reference_on_pool(
+    batch: ForwardBatch,
+    q: torch.Tensor,
+    lens: list[int],
+    scale: float,
+    window: int | None,
+    sk: torch.Tensor | None,
+) -> torch.Tensor:
+    """The reference on a decode-only batch's pool pages (the rows' K/V already written)."""
+    width = max(batch.kv.pages_for(n) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, ch in enumerate(batch.chunks):
+        tables[i, : len(ch.state.pages)] = torch.tensor(ch.state.pages)
+    return paged_decode_attention_reference(
+        q, batch.kv.k[0], batch.kv.v[0], tables, torch.tensor(lens, dtype=torch.int32),
+        torch.arange(len(lens), dtype=torch.int32), max(lens), scale, window, sk,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "window,sinks", [(None, False), (None, True), (8, True), (100, False)], ids=str
 )
@@ -211,14 +230,7 @@ def test_reference_matches_the_model_attention(
     batch, q, kv = _pool_batch(lens, 0, heads, kvh, d, 16, seed=11)
     sk = torch.randn(heads) if sinks else None
     want = attn.paged_attention(batch, 0, q, kv, d**-0.5, window, sk)
-    width = max(batch.kv.pages_for(n) for n in lens)
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    for i, ch in enumerate(batch.chunks):
-        tables[i, : len(ch.state.pages)] = torch.tensor(ch.state.pages)
-    got = paged_decode_attention_reference(
-        q, batch.kv.k[0], batch.kv.v[0], tables, torch.tensor(lens, dtype=torch.int32),
-        torch.arange(len(lens), dtype=torch.int32), max(lens), d**-0.5, window, sk,
-    )  # fmt: skip
+    got = _reference_on_pool(batch, q, lens, d**-0.5, window, sk)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -249,23 +261,29 @@ def test_knob_routes_decode_rows_through_the_kernel(
 
 
 def test_knob_refuses_unknown_names() -> None:
+    """A refused name leaves the knob as the environment set it: its variable when given
+    (tests/gpu/check.sh runs with triton), else torch, the default until a GPU run verified the
+    kernel."""
     with pytest.raises(ValueError, match="triton"):
         attn.set_decode_kernel("flash")
-    if not os.environ.get(attn.DECODE_KERNEL_ENV):
-        assert attn.decode_kernel() == "torch"  # the default until a GPU run verified it
+    assert attn.decode_kernel() == (os.environ.get(attn.DECODE_KERNEL_ENV) or "torch")
 
 
 def test_knob_leaves_host_tensors_to_the_torch_path(
     no_native: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the host (the cpu backend) the knob changes nothing: no interpreted kernel there."""
-    batch, q, kv = _pool_batch([12, 3], 0, 4, 2, 16, 16, seed=2)
+    """On the host (the cpu backend) the knob changes nothing: no interpreted kernel there,
+    and the torch path's output (the reference's)."""
+    lens = [12, 3]
+    batch, q, kv = _pool_batch(lens, 0, 4, 2, 16, 16, seed=2)
     monkeypatch.setattr(ops, "paged_decode_attention", None)  # a call would fail
     old = attn.set_decode_kernel("triton")
     try:
-        attn.paged_attention(batch, 0, q, kv, 0.25, None)
+        got = attn.paged_attention(batch, 0, q, kv, 0.25, None)
     finally:
         attn.set_decode_kernel(old)
+    want = _reference_on_pool(batch, q, lens, 0.25, None, None)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_fake_impl_on_the_fake_device() -> None:

@@ -17,10 +17,10 @@ import pytest
 import torch
 from native_support import single_threaded_reference  # noqa: F401 (autouse fixture)
 
-from freetokend.models import gguf_blocks as gb
-from freetokend.models import gguf_interleave as gi
-from freetokend.models.layers import dense_native
-from freetokend.models.layers import qlinear_native as ql
+from freetokend.formats import gguf_blocks as gb
+from freetokend.formats import gguf_interleave as gi
+from freetokend.native import dense_native
+from freetokend.native import qlinear_native as ql
 from freetokend.runtime import cpu_isa
 
 pytestmark = pytest.mark.skipif(

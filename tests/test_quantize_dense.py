@@ -26,7 +26,7 @@ from freetokend.models.dense_quant import (
     dequantized_state,
     tensor_class,
 )
-from freetokend.models.layers import qlinear_native
+from freetokend.native import qlinear_native
 
 KW = dict(dtype="float32", prefix_cache=False, max_model_len=128, kv_tokens=512)
 TOL = 0.08

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from freetokend.models.config import RopeConfig
-from freetokend.models.layers import dense_native
 from freetokend.models.layers.rope import Rope
+from freetokend.native import dense_native
 
 pytestmark = pytest.mark.skipif(
     not dense_native.available(), reason="ftdense extension not built (pip install -e .)"

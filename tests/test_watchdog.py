@@ -191,7 +191,7 @@ def test_a_slow_idle_spill_keeps_the_heartbeat_fresh(
     builtin_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The idle spill runs on the engine thread and can outlast the watchdog's stale time (many
-    snapshots, a slow disk); each file written is progress (engine/heartbeat.py), so a busy
+    snapshots, a slow disk); each file written is progress (runtime/heartbeat.py), so a busy
     engine is not taken for a stuck one. Before the fix the heartbeat aged through the whole
     spill: here ~0.3 s per file, 0.6 s stale time, several files."""
     import torch

@@ -27,7 +27,7 @@ import torch
 
 from ..kv.pool import KVPoolFull
 from ..kv.seq_state import SeqState
-from ..models.layers import dense_native
+from ..native import dense_native
 from ..runtime.staging import to_device
 from .prefix import PrefixReuse
 from .row_guard import fill_masks, sample_rows

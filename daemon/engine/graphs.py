@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..models.batch import DecodeMeta, ForwardBatch
 from ..runtime.staging import pinned
-from .batch import DecodeMeta, ForwardBatch
 
 if TYPE_CHECKING:
     from ..kv.seq_state import SeqState

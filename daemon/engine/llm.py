@@ -538,7 +538,7 @@ def _cpu_isa(bf16_dot: bool, threads: int | None) -> str:
     it too, process-wide) where the CPU has AVX512-BF16, else "auto" (logged when asked for); on
     "auto" the dense pool leaves "avx512bf16" if an earlier model of this process put it there."""
     from ..experts import cpu_executor
-    from ..models.layers import dense_native
+    from ..native import dense_native
 
     if not dense_native.available():
         return "auto"

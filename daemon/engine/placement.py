@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from ..experts.accelerator import Accelerator
-from ..models.layers import dense_native
 from ..models.layers.common import Linear
 from ..models.layers.rope import Rope
+from ..native import dense_native
 from ..runtime import heartbeat
 from .sampler import SamplingParams, make_generator
 

@@ -20,7 +20,7 @@ CPU branch's wait, per MoE layer, for its inputs' asynchronous copy to page-lock
 branch's own thread on a GPU, so the step's thread goes on queueing). It is the MoE layers'
 syncs (measured on the simulated layers, scaled to all) plus the sampled token ids (one read);
 the dense part's metadata (token ids, positions, page tables, sampling parameters) crosses in
-one non-blocking copy from pinned memory (engine/staging.py), no sync: tests/
+one non-blocking copy from pinned memory (runtime/staging.py), no sync: tests/
 test_fake_cuda_engine.py and test_fake_cuda_families.py count whole engine steps, h2d included.
 """
 

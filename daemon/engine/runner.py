@@ -18,12 +18,12 @@ import torch
 from ..experts.backend import MoEBackend
 from ..kv.pool import KVPool
 from ..kv.seq_state import SeqState
+from ..models.batch import ForwardBatch, SeqChunk
 from ..models.layers import cpu_decode
 from ..models.layers.decode_lane import DecodeLane
 from ..models.layers.deltanet import GatedDeltaNet
 from ..models.model import CausalLM
 from ..runtime.staging import to_device
-from .batch import ForwardBatch, SeqChunk
 from .graphs import decode_forward, pack_decode, static_decode_blocker, width_for
 from .placement import HOST, Placement
 
@@ -205,7 +205,7 @@ class ModelRunner:
                 rows.extend(range(len(ids) - n, len(ids)))
             elif w.want_logits:
                 rows.append(len(ids) - 1)
-        # the step's metadata in one host tensor, one asynchronous copy (engine/staging.py):
+        # the step's metadata in one host tensor, one asynchronous copy (runtime/staging.py):
         # token ids | positions | logits rows | each chunk's page table
         tables = [ch.state.pages[: self.kv.pages_for(ch.context_len + ch.length)] for ch in chunks]
         meta = ids + pos + rows + [pg for t in tables for pg in t]

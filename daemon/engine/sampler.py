@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from ..models.layers import dense_native
+from ..native import dense_native
 from ..runtime.staging import to_device
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts

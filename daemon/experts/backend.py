@@ -114,7 +114,7 @@ class CpuBackend:
                 from .cpu_executor import CpuExecutor
 
                 self.executor = CpuExecutor(banks, act, threads=threads, isa=isa)
-            from ..models.layers import dense_native
+            from ..native import dense_native
 
             own = isinstance(self.executor, BlockExecutor)  # every decode job on ftdense's pool
             self._dense_spin = dense_native.SPIN_US_OWN if own else dense_native.SPIN_US_SHARED

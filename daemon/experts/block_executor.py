@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models import gguf_blocks, gguf_interleave
-from ..models.layers import dense_native, qlinear_native
+from ..formats import gguf_blocks, gguf_interleave
+from ..native import dense_native, qlinear_native
 from .banks import ActivationSpec, ExpertBanks, activate
 from .formats import (
     expert_rows,

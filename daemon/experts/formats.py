@@ -18,7 +18,7 @@ tests/test_expert_formats.py):
   e8m0 (MX scale): uint8 e means 2^(e - 127); 255 is NaN and never written here.
   fp8: torch.float8_e4m3fn (bias 7, 3 mantissa bits, max 448, no infinities).
 
-GGUF block formats (one per pair of models/gguf_blocks.py types, generated from its tables):
+GGUF block formats (one per pair of formats/gguf_blocks.py types, generated from its tables):
 ``gate_up`` and ``down`` are uint8 rows of GGUF blocks, byte for byte as llama.cpp stores them
 (``gate_up`` [2I, row_bytes(t, H)], ``down`` [H, row_bytes(t', I)]), with no scale banks: the
 scales live inside the blocks. The name is the type when both projections share it ("q8_0",
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import gguf_blocks, gguf_interleave
+from ..formats import gguf_blocks, gguf_interleave
 from .banks import ExpertBanks
 from .microscale import (
     cdiv,
@@ -157,7 +157,7 @@ class ExpertFormat:
     # {bank name: per-expert tensor} -> (gate_up fp32 [2I, H], down fp32 [H, I])
     dequantize: Callable[[Mapping[str, Tensor]], tuple[Tensor, Tensor]]
     dim_multiple: int = 1  # H and I must be multiples of this (the packing / scale block)
-    # GGUF block formats: (gate_up type, down type) of models/gguf_blocks.py; None otherwise
+    # GGUF block formats: (gate_up type, down type) of formats/gguf_blocks.py; None otherwise
     block_types: tuple[str, str] | None = None
     # per-layer GGUF block formats: each MoE layer's (gate_up type, down type); None otherwise
     layer_types: tuple[tuple[str, str], ...] | None = None

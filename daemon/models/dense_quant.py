@@ -1,6 +1,6 @@
 """Dense weights quantized after loading (``LLM(quantize=...)``, ``--quantize``): the `Linear`
-layers of a float checkpoint turned into GGUF block rows (models/gguf_blocks.py) that the native
-integer-dot kernels read (layers/qlinear_native.py), and the experts into one of the expert bank
+layers of a float checkpoint turned into GGUF block rows (formats/gguf_blocks.py) that the native
+integer-dot kernels read (native/qlinear_native.py), and the experts into one of the expert bank
 formats (models/expert_quant.py).
 
 A preset is a named mix per tensor class (the class of a Linear is read from its name):
@@ -44,7 +44,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import gguf_blocks
+from ..formats import gguf_blocks
 from .layers.common import Linear
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine.batch import ForwardBatch
+from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers.common import Linear, RMSNorm, Weight, dtype_of
 from .layers.gemma4 import Gemma4DecoderLayer

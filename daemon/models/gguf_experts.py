@@ -2,7 +2,7 @@
 
 When every layer's ``ffn_{gate,up}_exps.weight`` share one type and its ``ffn_down_exps.weight``
 has one (possibly another), all of them types the CPU's integer-dot kernels compute
-(models/gguf_blocks.py: Q8_0, Q4_K, Q6_K, ...), the experts load into banks of the matching block
+(formats/gguf_blocks.py: Q8_0, Q4_K, Q6_K, ...), the experts load into banks of the matching block
 format (experts/formats.py): "q4_k", "q4_k/q8_0", ... when every layer has the same pair, and a
 per-layer format ("layers:q4_k/q6_k*2,q4_k,...", ``formats.layered_format``) when the pairs
 differ between layers, as in llama.cpp's Q4_K_M files, which keep the ffn_down of about half the
@@ -30,8 +30,8 @@ from ..experts.formats import (
     is_known,
     layered_format,
 )
+from ..formats import gguf_blocks
 from ..formats.gguf_file import GgufFile, GgufTensor
-from . import gguf_blocks
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ import torch
 
 from ..experts.banks import ExpertBanks
 from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
+from ..native.qlinear_native import QuantWeight
 from . import gguf_experts
 from .config import ModelConfig
 from .gguf_arch import (
@@ -40,7 +41,6 @@ from .gguf_arch import (
 )
 from .gguf_config import config_from_gguf, gguf_arch
 from .layers.common import Linear
-from .layers.qlinear_native import QuantWeight
 from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
 from .registry import family_spec
@@ -281,7 +281,7 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> _Kept | None:
     computes each from the file's blocks) of a type those kernels compute, with the shape the
     model expects, read from one tensor whose converter transform (if any) only reorders or
     selects rows, or only reorders input columns (then the input moves: ``_input_order``)."""
-    from .gguf_blocks import BLOCK_BYTES
+    from ..formats.gguf_blocks import BLOCK_BYTES
 
     if not isinstance(src, _Source):
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine.batch import ForwardBatch
+from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import cpu_decode
 from .layers.attention import Attention, decode_workspace_bytes

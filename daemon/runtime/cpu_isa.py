@@ -4,7 +4,7 @@
 for "auto" onto one path, as on a CPU that has no more: "avx2", "scalar", or "avx512". Where the
 CPU lacks AVX-512, "avx512" runs the AVX-512 kernel bodies on emulated 16-lane vectors
 ("emu512": slow, the same arithmetic), so the AVX-512 code is tested on an AVX2-only machine.
-The expert executor (experts/cpu_executor.py) and the dense pool (models/layers/dense_native.py)
+The expert executor (experts/cpu_executor.py) and the dense pool (native/dense_native.py)
 both resolve "auto" here. A path given explicitly (a test's parameter, bench --isa) is kept.
 """
 

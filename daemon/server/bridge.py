@@ -101,7 +101,7 @@ class EngineBridge:
     def beat(self) -> float:
         """The engine side's last sign of life: the engine thread's own beat, or a unit of
         progress inside a long operation (a spilled file, a bench iteration, a moved module:
-        engine/heartbeat.py), whichever is later."""
+        runtime/heartbeat.py), whichever is later."""
         return max(self._beat, heartbeat.last())
 
     @property

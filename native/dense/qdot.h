@@ -70,7 +70,7 @@
 
 namespace ftdense {
 
-// The codes are the Python side's (models/gguf_blocks.QTYPE_CODES) and index QDotSet::row.
+// The codes are the Python side's (formats/gguf_blocks.QTYPE_CODES) and index QDotSet::row.
 // Q4_K_X8, Q6_K_X8, MXFP4_X8, Q8_0_X8, Q5_K_X8: Q4_K, Q6_K, MXFP4, Q8_0 and Q5_K rows
 // interleaved by 8 (below); the same bytes per row.
 enum class QType : int {

@@ -28,7 +28,7 @@ import torch
 
 from freetokend.experts.banks import ActivationSpec, ExpertBanks
 from freetokend.experts.cpu_executor import CpuExecutor, supported_isas
-from freetokend.models.layers import dense_native
+from freetokend.native import dense_native
 
 H, INTER, DENSE = 2048, 768, 2048
 PATHS = ("avx512", "avx512bf16")

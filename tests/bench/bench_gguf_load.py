@@ -109,7 +109,7 @@ def build(kind: str, min_gb: float) -> Path:
         if t in (Q.Q4_K, Q.Q6_K):  # rows of raw blocks, [..., row bytes]
             import torch
 
-            from freetokend.models import gguf_blocks
+            from freetokend.formats import gguf_blocks
 
             fmt = "q4_k" if t == Q.Q4_K else "q6_k"
             raw = gguf_blocks.quantize(torch.from_numpy(a.reshape(-1, shape[-1])), fmt)

@@ -38,8 +38,8 @@ from freetokend.experts.banks import ActivationSpec, ExpertBanks
 from freetokend.experts.block_executor import BlockExecutor, is_block_format
 from freetokend.experts.cpu_executor import QUANT_FORMATS, CpuExecutor
 from freetokend.experts.formats import allocate, get_format
-from freetokend.models import gguf_blocks
-from freetokend.models.layers import dense_native
+from freetokend.formats import gguf_blocks
+from freetokend.native import dense_native
 
 H, INTER, E, K = 2048, 768, 128, 8
 GIB = 1024**3

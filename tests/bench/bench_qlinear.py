@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import torch
 
-from freetokend.models import gguf_blocks
-from freetokend.models.layers import dense_native
-from freetokend.models.layers import qlinear_native as ql
+from freetokend.formats import gguf_blocks
+from freetokend.native import dense_native
+from freetokend.native import qlinear_native as ql
 
 GB = 1e9
 

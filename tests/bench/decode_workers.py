@@ -154,7 +154,7 @@ def force_isa(isa: str) -> None:
     "avx512", "scalar"), as on a CPU that has no more (bench_decode's and profile_decode's
     --isa)."""
     from freetokend.engine import llm as llm_module
-    from freetokend.models.layers import dense_native
+    from freetokend.native import dense_native
 
     def forced(bf16_dot: bool, threads: int | None) -> str:
         dense_native.configure(threads, isa=isa)  # projections and integer dots
@@ -207,11 +207,11 @@ def freetoken(a: dict[str, Any]) -> dict[str, Any]:
     out["isa"] = getattr(getattr(llm.moe, "executor", None), "isa", "torch")
     out["isa"] = f"{out['isa']}, dense {llm.cpu_isa}"
     if a.get("load_gguf"):  # how one token reads the interleaved GGUF rows (row_tasks.h)
-        from freetokend.models.layers import dense_native
+        from freetokend.native import dense_native
 
         out["isa"] = f"{out['isa']}, x8 {dense_native._native.x8_streams()}"
     if a.get("quantize"):  # the dense layers' integer-dot path
-        from freetokend.models.layers import qlinear_native
+        from freetokend.native import qlinear_native
 
         out["isa"] = f"{out['isa']}, dense qdot {qlinear_native.configured_isa()}"
     out["bytes_per_token"] = _freetoken_bytes_per_token(llm)

@@ -68,7 +68,8 @@ def _instrument_native() -> Any:
     call itself (cpu_decode.set_timings). Returns the seconds tensor."""
     import torch
 
-    from freetokend.models.layers import cpu_decode, dense_native
+    from freetokend.models.layers import cpu_decode
+    from freetokend.native import dense_native
 
     parts = dense_native._native.decode_parts()
     seconds = torch.zeros(len(parts), dtype=torch.float64)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.batch import ForwardBatch, SeqChunk
+from ...native import dense_native
 from ...runtime import staging
+from ..batch import ForwardBatch, SeqChunk
 from ..config import ModelConfig
-from . import dense_native
 from .common import Linear, RMSNorm, param, project
 from .rope import Rope
 
@@ -150,7 +150,7 @@ class _DecodeTables:
 class _KernelTables:
     """The decode rows of one forward batch for the paged decode kernel, on the pool's device:
     rows [n], lens [n] (keys including the row's own) and tables [n, max_pages] int32, sent in
-    one asynchronous copy (engine/staging) once per batch; ``max_len`` the longest, on the host."""
+    one asynchronous copy (runtime/staging) once per batch; ``max_len`` the longest, on the host."""
 
     def __init__(self, batch: ForwardBatch, device: torch.device) -> None:
         chunks = [ch for ch in batch.chunks if ch.length == 1]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import dense_native, qlinear_native
+from ...native import dense_native, qlinear_native
 
 
 def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -43,7 +43,7 @@ class Linear(nn.Module):
         self.qweight: qlinear_native.QuantWeight | None = None
 
     def quantize_(self, fmt: str) -> None:
-        """Replaces the float weight by ``fmt`` blocks (models/gguf_blocks.py) computed by the native
+        """Replaces the float weight by ``fmt`` blocks (formats/gguf_blocks.py) computed by the native
         integer-dot kernels; `weight` becomes an empty placeholder of the same dtype."""
         w = self.weight.detach()
         self.qweight = qlinear_native.QuantWeight.from_float(w.float(), fmt)

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ...engine.batch import ForwardBatch
+from ...native import dense_native, qlinear_native
+from ..batch import ForwardBatch
 from ..config import RopeConfig
-from . import dense_native, qlinear_native
 from .attention import Attention
 from .common import Linear, RMSNorm
 from .moe import SparseMoE

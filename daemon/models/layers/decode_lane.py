@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import cpu_decode, dense_native
+from ...native import dense_native
+from . import cpu_decode
 
 if TYPE_CHECKING:
     from ...experts.backend import CpuBackend

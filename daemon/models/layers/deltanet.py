@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.batch import ForwardBatch, SeqChunk
 from ...kv.seq_state import RecurrentState
 from ...runtime import staging
+from ..batch import ForwardBatch, SeqChunk
 from ..config import ModelConfig
 from .attention import decode_kernel
 from .common import Linear, Weight, param
@@ -97,7 +97,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = _CHUNK):  # type: i
 class _DecodeStates:
     """The decode rows of one forward batch for the recurrent step kernel, built once per batch
     by its first DeltaNet layer: their chunks and state tensors, and on the device in one
-    asynchronous copy (engine/staging) their rows (int64, for index_select / index_copy) and
+    asynchronous copy (runtime/staging) their rows (int64, for index_select / index_copy) and
     the states' addresses (the kernel's table)."""
 
     def __init__(self, batch: ForwardBatch, device: torch.device) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.batch import ForwardBatch
+from ..batch import ForwardBatch
 from ..config import ModelConfig
 from .attention import paged_attention
 from .common import DenseMLP, Linear, RMSNorm, dtype_of, gelu_tanh, param, project

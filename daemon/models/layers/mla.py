@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.batch import ForwardBatch
+from ..batch import ForwardBatch
 from ..config import ModelConfig
 from .common import Linear, RMSNorm
 from .rope import Rope

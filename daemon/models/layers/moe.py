@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...engine.batch import ForwardBatch
+from ..batch import ForwardBatch
 from ..config import ModelConfig
 from .common import DenseMLP, Linear, param
 

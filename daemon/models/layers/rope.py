@@ -7,8 +7,8 @@ import math
 
 import torch
 
+from ...native import dense_native
 from ..config import RopeConfig
-from . import dense_native
 
 
 def inv_frequencies(rope: RopeConfig) -> torch.Tensor:

@@ -103,7 +103,7 @@ def dequantize(raw: Tensor, fmt: str) -> Tensor:
 # ---- activations and the integer-dot reference ------------------------------------------------
 
 
-_FP16_ACT_SCALES = [False]  # set_fp16_act_scales (layers/qlinear_native.py) keeps it in step
+_FP16_ACT_SCALES = [False]  # set_fp16_act_scales (native/qlinear_native.py) keeps it in step
 
 
 def act_group(fmt: str) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...runtime import cpu_isa
+from ..runtime import cpu_isa
 
 _native: Any
 try:

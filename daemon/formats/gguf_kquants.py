@@ -1,5 +1,5 @@
 """The GGUF K-quant formats (super-blocks of 256 inputs) q4_k, q5_k and q6_k as raw bytes, in plain
-torch: round-to-nearest quantisers and the integer form (models/gguf_blocks32.IntForm) that is
+torch: round-to-nearest quantisers and the integer form (formats/gguf_blocks32.IntForm) that is
 their dequantisation and the native kernels' reference. Layouts, as llama.cpp stores them:
 
   q4_k  144 bytes: fp16 d, fp16 dmin, scales[12] (6-bit scale sc_j and min m_j of the 8

@@ -1,7 +1,7 @@
 """Native CPU projections with GGUF block-quantised weights (q8_0, q4_k, q6_k, q5_k, mxfp4, q5_0,
 q4_0; extension `ftdense`, native/dense/qlinear.h and qdot.h).
 
-    y = x @ W^T,  W given as raw GGUF rows (models/gguf_blocks.py), x [T, K] fp32
+    y = x @ W^T,  W given as raw GGUF rows (formats/gguf_blocks.py), x [T, K] fp32
 
 The input rows are quantised to int8 per 32 inputs ONCE per call and shared by every weight of the
 call (``qlinear_many``: q/k/v, gate/up); the weights never widen to floats: the kernels take exact
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import gguf_blocks, gguf_interleave
+from ..formats import gguf_blocks, gguf_interleave
 from . import dense_native
 
 Tensor = torch.Tensor

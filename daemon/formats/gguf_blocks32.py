@@ -1,6 +1,6 @@
 """The GGUF block formats of 32 inputs (q8_0, q4_0, q5_0, mxfp4) as raw bytes, in plain torch, and
 the pieces every format's code shares (fp16 bytes, the integer form). Entry points are in
-models/gguf_blocks.py; the byte layouts, as llama.cpp stores them:
+formats/gguf_blocks.py; the byte layouts, as llama.cpp stores them:
 
   q8_0   34 bytes: fp16 d, int8 q[32];                                  w = d q
   q4_0   18 bytes: fp16 d, qs[16]; input i < 16 is the low nibble of qs[i], input 16 + i its
