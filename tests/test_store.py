@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from freetokend.experts.bandwidth import BandwidthProfile
+from freetokend.runtime.bandwidth import BandwidthProfile
 from freetokend.store import AnchorRecord, BandwidthRow, RequestEntry, Store, StoreError
 from freetokend.store.db import APP_ID
 from freetokend.store.schema import MIGRATIONS

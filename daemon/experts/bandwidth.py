@@ -6,22 +6,13 @@ result in the state store; the hybrid backend reads it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ..runtime import heartbeat
+from ..runtime.bandwidth import BandwidthProfile
 from .accelerator import Accelerator
 from .banks import ExpertBanks
-
-
-@dataclass(frozen=True)
-class BandwidthProfile:
-    b_p: float  # bytes/s, pinned host -> accelerator, whole experts the way decode fills them
-    b_h: float  # bytes/s of expert weights streamed by the CPU executor at batch 1
-    expert_format: str
-    accelerator: str
-    expert_bytes: int
 
 
 def _distinct_experts(banks: ExpertBanks, n: int, seed: int = 0) -> list[int]:

@@ -13,7 +13,8 @@ from typing import Any
 from ..engine.resize import slot_backend
 from ..experts.accelerator import create_accelerator
 from ..experts.backend import CpuBackend
-from ..experts.bandwidth import BandwidthProfile, measure
+from ..experts.bandwidth import measure
+from ..runtime.bandwidth import BandwidthProfile
 from .hub import NOT_YET
 from .models import ModelManager
 from .store_api import ControlStore

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from ..experts.bandwidth import BandwidthProfile
+from ..runtime.bandwidth import BandwidthProfile
 
 log = logging.getLogger(__name__)
 

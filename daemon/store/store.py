@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ..runtime.bandwidth import BandwidthProfile
 from . import anchors, bandwidth, models, request_log
 from .anchors import AnchorRecord
 from .bandwidth import BandwidthRow
@@ -24,9 +24,6 @@ from .models import ModelRecord
 from .private import private_dir, private_file, restrict
 from .request_log import RequestEntry
 from .schema import MIGRATIONS
-
-if TYPE_CHECKING:
-    from ..experts.bandwidth import BandwidthProfile
 
 
 class Store:
@@ -94,8 +91,6 @@ class Store:
 
     def bandwidth(self, expert_format: str, accelerator: str) -> BandwidthProfile | None:
         """ControlStore: the latest profile of this host for the format and accelerator."""
-        from ..experts.bandwidth import BandwidthProfile
-
         row = self.latest_bandwidth(accelerator, expert_format)
         if row is None:
             return None
