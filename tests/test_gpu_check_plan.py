@@ -1,9 +1,13 @@
 """tests/gpu/check.sh's plan, from its dry run (nothing installed, built or run): the step limits
 add up within the deadline, the GPU-only probes come before the broad pytest files, and the
-header comment states every step's limit as the plan has it."""
+header comment states every step's limit as the plan has it. The probes check.sh names exist in
+tests/gpu/probes.py, and the ones added for the CUDA fixes (copy-list hold, pinning's refused
+calls, the VRAM watcher, the slot-cache kernel under a long decode) run in their CPU smoke mode."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -50,8 +54,10 @@ def test_limits_fit_the_deadline_and_gpu_probes_run_first(
     rank = {"setup": 0, "gpu": 1, "after": 2, "broad": 3}
     assert order == sorted(order, key=rank.__getitem__), order  # setup, gpu, after, broad
     names = [name for name, _, _ in steps]
-    assert {"kernels", "sync", "prefill", "memory", "zerocopy", "park", "hybrid"} <= set(names)
+    assert {"kernels", "slotstress", "sync", "prefill", "memory", "zerocopy", "park",
+            "hybrid"} <= set(names)  # fmt: skip
     assert names.index("backends") > names.index("hybrid")  # the broad equality tests last
+    assert names.index("slotstress") == names.index("kernels") + 1  # its compiles cached
     # what it would skip here is said (a CI machine has no CUDA device)
     assert "WOULD SKIP" in out
     if "no CUDA device" not in out:
@@ -62,12 +68,42 @@ def test_header_states_each_limit_and_a_short_deadline_is_flagged(
     plan: tuple[list[tuple[str, str, int]], str],
 ) -> None:
     steps, _ = plan
-    header = "\n".join(
-        line for line in SCRIPT.read_text().splitlines()[:60] if line.startswith("#")
-    )
+    lines = SCRIPT.read_text().splitlines()
+    header = "\n".join(itertools.takewhile(lambda line: line.startswith("#"), lines))
     for name, _, limit in steps:
         assert re.search(rf"\b{name} {limit}\b", header), f"header: no '{name} {limit}'"
     total = sum(limit for _, _, limit in steps)
     assert f"add up to {total} s" in header
     _, out = _dry_run(DEADLINE_S=str(total - 1))
     assert "OVER the" in out
+
+
+def test_the_probes_check_sh_names_exist() -> None:
+    """Every ``probes.py`` subcommand check.sh runs is one, the four fixes' probes among them."""
+    named = set()
+    for line in SCRIPT.read_text().splitlines():
+        m = re.search(r'"\$\{probes\[@\]\}" (.*)$', line)
+        if m:
+            words = m.group(1).split()  # the probes, then options (--budget ...)
+            named |= set(itertools.takewhile(re.compile(r"[a-z][a-z-]*").fullmatch, words))
+    spec = importlib.util.spec_from_file_location("gpu_probes", SCRIPT.parent / "probes.py")
+    assert spec is not None and spec.loader is not None
+    probes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probes)
+    assert named and named <= set(probes.PROBES), named - set(probes.PROBES)
+    assert {"copylist", "pinerrors", "vram", "slotstress"} <= named
+
+
+def test_the_fixes_probes_smoke_on_the_cpu(tmp_path: Path) -> None:
+    """The new probes on the CPU stand-in (the API they drive; the device checks n/a): each
+    passes, and the copy-list control shows the race without the hold."""
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "probes.py"), "copylist", "pinerrors", "vram",
+         "slotstress", "--device", "standin", "--steps", "3", "--work", str(tmp_path / "w"),
+         "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    verdicts = [line for line in out.stdout.splitlines() if line.startswith("VERDICT: ")]
+    assert len(verdicts) == 5 and verdicts[-1].startswith("VERDICT: PASS copylist, pinerrors")
+    assert "without the hold the slots come out wrong" in out.stdout

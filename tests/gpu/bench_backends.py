@@ -87,17 +87,19 @@ def main() -> None:
         f"prefill {args.prefill} tokens, decode {args.decode} tokens (batch 1)",
         f"{'case':44s} {'prefill tok/s':>14s} {'decode tok/s':>13s}  same tokens as fused",
     ]
+    print("\n".join(lines), flush=True)
     ref = None
-    for name, kw in cases:
+    for name, kw in cases:  # each row printed when done: a table cut at its limit keeps them
         try:
             p, dcd, out = run(d, args, **kw)
         except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end of the table
             lines.append(f"{name:44s} FAILED: {type(e).__name__}: {e}"[:300])
+            print(lines[-1], flush=True)
             continue
         ref = ref if ref is not None else out
         lines.append(f"{name:44s} {p:14.1f} {dcd:13.2f}  {out == ref}")
+        print(lines[-1], flush=True)
     text = "\n".join(lines)
-    print(text)
     if args.out:
         args.out.write_text(text + "\n")
     sys.exit(1 if "FAILED" in text else 0)

@@ -12,35 +12,50 @@
 # the machine's start-up apart. Steps (limits in s):
 #   setup   cuda 10       torch's CUDA device, nvidia-smi (no device: the GPU steps are skipped)
 #           install 25    the wheels into OUT/site (pip --no-index --no-deps --target)
-#           env 15        versions against pyproject's bounds: tests/gpu/env_check.py where the
+#           env 10        versions against pyproject's bounds: tests/gpu/env_check.py where the
 #                         checkout has it (a mismatch fails the step, the run goes on; STOP_ON_ENV=1
-#                         stops it), else the versions printed
+#                         stops it), else the versions printed (metadata only: about a second)
 #           build 50      ftnative and ftdense (tests/gpu/build_native.py: both at once, every
 #                         core); the Python packages are linked into OUT/site, not copied
 #           import 10     freetokend, ftctl, ftkernels, ftnative, ftdense, transformers, hypothesis
 #                         from OUT/site (python -P: not the checkout's root)
 #   gpu     kernels 60    (a) the Triton kernels at production shapes against torch references
 #                         on the GPU, trimmed set, new checks stop at 45 s (kernels_at_scale.py)
+#           slotstress 15  (a) the slot-cache kernel (its barrier on the step / visit counters)
+#                         against its reference every step of up to 1000 decode steps at 2000
+#                         and 6144 slots; none starts 8 s into the probe, the count that ran is said
+#                         (probes.py slotstress; right after kernels: its compiles are cached)
 #           sync 30       (b) fused and offload decode steps' forward passes under
 #                         torch.cuda.set_sync_debug_mode("error"), tiny qwen3_moe and the
 #                         built-in model (tests/gpu/probes.py sync)
-#           prefill 30    (c) offload with 2 x E slots, 5 prompts of 2048 tokens streaming each
-#                         layer's experts with overlap: logits against fused (probes.py prefill)
+#           prefill 35    (c) a prefill copy list held for the copy stream (fill_rows'
+#                         record_stream: the list dropped and its memory rewritten while the
+#                         copy stream is stalled; also captured in a CUDA graph), then offload
+#                         with 2 x E slots, 5 prompts of 2048 tokens streaming each layer's
+#                         experts with overlap: logits against fused (probes.py copylist prefill)
 #           memcheck 25   (c) compute-sanitizer --tool memcheck on a tiny model's fused and
 #                         offload runs (probes.py tiny-run); skipped where the tool is missing
-#           memory 25     (d) peak max_memory_reserved through graph capture and a batch-8
-#                         decode against what SlotBudget left beside the slots (probes.py memory)
-#           zerocopy 15   (e) zero-copy fills after unload + reload at the same host address,
-#                         the CUDA error state clean after (probes.py zerocopy)
+#           memory 27     (d) the VRAM watcher: 4 GiB allocated and freed, torch_unallocated and
+#                         NVML's free agree, no shrink with the low edge just above NVML's free;
+#                         then peak max_memory_reserved through graph capture and a batch-8
+#                         decode of offload (graphs on: fills and their record_stream captured)
+#                         against what SlotBudget left beside the slots (probes.py vram memory)
+#           zerocopy 18   (e) pinning.py's refused register (712) / unregister (713) leave no CUDA
+#                         error set (torch op, Triton kernel, sync after); zero-copy fills after
+#                         unload + reload at the same host address, the CUDA error state clean
+#                         after (probes.py pinerrors zerocopy)
 #           park 20       (f) park / unpark of fused mxfp4 and q8_0 experts with CUDA graphs on
 #                         (probes.py park)
 #           hybrid 25     (g) hybrid at B_P / B_H = 1/4 against fused, and a timeline of its
 #                         CPU share overlapping its GPU share (probes.py hybrid; OUT/hybrid_trace.json)
-#   after   graphs 35     decode with CUDA graphs on vs off, fused and offload (graphs_check.py)
-#           bench 35      the fused / offload / hybrid / cpu table (bench_backends.py), on a
-#                         1-layer model of Qwen3-30B-A3B geometry (written once, shared with graphs)
-#   broad   backends 15   tests/test_moe_backends.py on CUDA (every family, token-equal to cpu)
-#           kernel_tests 10  test_slot_cache.py, test_moe_decode_kernels.py (Hypothesis: 8
+#   after   graphs 35     decode with CUDA graphs on vs off, fused and offload (graphs_check.py);
+#                         offload with half the experts in slots captures its fills (fill_rows,
+#                         record_stream on the copy list) in the graphs: a failed capture fails it
+#           bench 25      the fused / offload / hybrid / cpu table (bench_backends.py), on a
+#                         1-layer model of Qwen3-30B-A3B geometry (written once, shared with
+#                         graphs); rows print as they finish, so a cut table keeps its first rows
+#   broad   backends 10   tests/test_moe_backends.py on CUDA (every family, token-equal to cpu)
+#           kernel_tests 5  test_slot_cache.py, test_moe_decode_kernels.py (Hypothesis: 8
 #                         examples a property that sets no count of its own, hypothesis_gpu.py)
 #           placement 5   test_dense_placement.py, test_device_resize.py (not the fake card)
 #           grammar 5     test_server_parsers.py: a grammar's mask on CUDA logits
@@ -81,25 +96,25 @@ plan() {
 }
 plan cuda setup 10 "torch's CUDA device, nvidia-smi"
 plan install setup 25 "wheels from $wheels into OUT/site"
-plan env setup 15 "versions against pyproject's bounds (tests/gpu/env_check.py, else printed)"
+plan env setup 10 "versions against pyproject's bounds (tests/gpu/env_check.py, else printed)"
 plan build setup 50 "ftnative + ftdense, both at once on every core (build_native.py)"
 plan import setup 10 "the project's packages and extensions import"
 plan kernels gpu 60 "(a) kernels at production shapes vs torch references (kernels_at_scale.py)"
+plan slotstress gpu 15 "(a) slot-cache kernel vs reference, <=1000 decode steps at 2000 and 6144 slots"
 plan sync gpu 30 "(b) fused/offload decode forward passes under sync debug mode 'error'"
-plan prefill gpu 30 "(c) offload 2xE slots, 5 x 2048-token prompts, logits vs fused"
+plan prefill gpu 35 "(c) copy list held for the copy stream; offload 2xE slots, 5 x 2048 tokens vs fused"
 plan memcheck gpu 25 "(c) compute-sanitizer memcheck on a tiny model run"
-plan memory gpu 25 "(d) peak reserved (graph capture, batch-8 decode) vs SlotBudget"
-plan zerocopy gpu 15 "(e) zero-copy fill after unload + reload at the same address"
+plan memory gpu 27 "(d) VRAM watcher vs torch/NVML; peak reserved (graphs, batch-8 decode) vs SlotBudget"
+plan zerocopy gpu 18 "(e) refused (un)register leaves no CUDA error; zero-copy fill after reload"
 plan park gpu 20 "(f) park/unpark of fused quantized experts with CUDA graphs"
 plan hybrid gpu 25 "(g) hybrid B_P/B_H = 1/4 vs fused, CPU/GPU overlap timeline"
 plan graphs after 35 "CUDA graphs on vs off (graphs_check.py)"
-plan bench after 35 "fused/offload/hybrid/cpu table (bench_backends.py)"
-plan backends broad 15 "test_moe_backends.py on CUDA"
-plan kernel_tests broad 10 "test_slot_cache.py, test_moe_decode_kernels.py"
+plan bench after 25 "fused/offload/hybrid/cpu table (bench_backends.py)"
+plan backends broad 10 "test_moe_backends.py on CUDA"
+plan kernel_tests broad 5 "test_slot_cache.py, test_moe_decode_kernels.py"
 plan placement broad 5 "test_dense_placement.py, test_device_resize.py"
 plan grammar broad 5 "test_server_parsers.py: grammar mask on CUDA logits"
 plan triton broad 5 "triton attention: paged attention, DeltaNet, backends"
-
 total=0
 for l in "${limits[@]}"; do total=$(( total + l )); done
 
@@ -299,7 +314,19 @@ EOF
         kernels)
             step kernels "$lim" gpu "$py" tests/gpu/kernels_at_scale.py --budget $(( lim - 15 ))
             ;;
-        sync | prefill | memory | zerocopy | park | hybrid)
+        slotstress)  # no decode step starts after lim - 7 s (start-up and exit: the rest)
+            step slotstress "$lim" gpu "${probes[@]}" slotstress --budget $(( lim - 7 ))
+            ;;
+        prefill)  # the copy-list hold first: small, and its verdict stands if prefill is cut
+            step prefill "$lim" gpu "${probes[@]}" copylist prefill
+            ;;
+        memory)  # the watcher's 4 GiB is given back (empty_cache) before memory sizes the card
+            step memory "$lim" gpu "${probes[@]}" vram memory
+            ;;
+        zerocopy)
+            step zerocopy "$lim" gpu "${probes[@]}" pinerrors zerocopy
+            ;;
+        sync | park | hybrid)
             step "$name" "$lim" gpu "${probes[@]}" "$name"
             ;;
         memcheck)

@@ -23,14 +23,39 @@ show. Each ends with one ``VERDICT:`` line; exit status 0 pass, 1 fail.
             rest on the CPU) against ``fused``, teacher-forced decode logits; a timeline of each
             MoE layer's CPU share (host clock) and GPU share (CUDA events on the compute
             stream) must show them overlapping; written as a Chrome trace (OUT/hybrid_trace.json)
+  copylist  a prefill's device-side copy list held for the copy stream (``Accelerator.fill_rows``
+            -> ``_hold``: ``record_stream``): the copy stream stalled (``torch.cuda._sleep``),
+            the list's tensors dropped as soon as ``fill_rows`` returns and same-size tensors
+            allocated and written on the compute stream at once; the slots must hold the rows
+            the list named. Then the same without the hold (a control: the rows should come out
+            wrong, which shows the probe sees the race), and ``fill_rows`` captured in a CUDA
+            graph with lists made inside the capture (record_stream during capture), replayed
+  pinerrors a host buffer registered (or unregistered) behind the registry's back: pinning.py's
+            ``register`` fails with 712 (``unregister`` with 713) and leaves no CUDA error set
+            (it reads ``cudaGetLastError`` through ctypes: that lookup must find the runtime);
+            a torch op, a Triton kernel and a synchronize after must not raise. A control shows
+            that the runtime keeps such an error and torch's next op raises it
+  vram      the VRAM watcher (experts/vram_watch.py) against the real allocator: a ~4 GiB block
+            allocated and freed, ``torch_unallocated()`` reads it, NVML's free dropped by it
+            (skipped with a note without pynvml); ``check_once`` with the band's low edge just
+            above NVML's free does not shrink (with ``unallocated`` zero, a control, it does)
+  slotstress  the slot-cache kernel (kernels/slot_cache.py, its barrier on the step and visit
+            counters) against its torch reference every step of up to ``--steps`` decode steps
+            (random batches of 1-64 tokens, random layers) at 2000 slots (aged frequency) and
+            6144 slots (LRU, the sort in chunks), Qwen3-30B-A3B geometry; plans and state equal
+            each step. Bounded by ``--budget``: no step starts past it; how many ran is said
   smoke     every probe above in turn, in this process (for ``--device standin``)
+
+Several probes may be named (``probes.py copylist prefill``): they run in that order in one
+process, each with its own ``VERDICT:`` line, then one line for all of them (the last).
 
 ``--device cuda`` (default) is the real thing. ``--device standin`` runs the same code paths on
 the CPU stand-in accelerator, smaller models and fewer tokens, with the device-only checks
 marked n/a: API mistakes show without a GPU. ``--device fake-cuda`` (sync, memory): the fake CUDA
 card of DESIGN §7, its sync counter and its device bytes in place of the real ones.
 
-    python tests/gpu/probes.py PROBE [--device cuda|standin|fake-cuda] [--work DIR] [--out DIR]
+    python tests/gpu/probes.py PROBE [PROBE ...] [--device cuda|standin|fake-cuda] [--work DIR]
+                               [--out DIR]
 """
 
 from __future__ import annotations
@@ -308,6 +333,100 @@ def probe_prefill(a: argparse.Namespace, p: Probe) -> None:
             close(llm)
 
 
+# ---- the prefill copy list, held for the copy stream ---------------------------------------
+def _copylist_round(
+    a: argparse.Namespace, acc: Any, host: torch.Tensor, dst: torch.Tensor, seed: int
+) -> int:
+    """One ``fill_rows`` whose copy list is dropped at once and its memory contended: the copy
+    stream stalled first (CUDA), then same-size int32 tensors allocated right after the drop
+    and filled with another row index on the compute stream. Returns the slots that came out
+    other than the list named (0: right)."""
+    real = a.device == "cuda"
+    slots, rows = dst.shape[0], host.shape[0]
+    copies = slots * 3 // 4
+    other = 3  # what the contending tensors hold: a valid slot, row and count, but not the list
+    g = torch.Generator().manual_seed(seed)
+    d_list = torch.randperm(slots, generator=g)[:copies].int()
+    s_list = torch.randperm(rows, generator=g)[:copies].int()
+    want = torch.full(tuple(dst.shape), -1, dtype=torch.int32)
+    want[d_list.long()] = host.cpu()[s_list.long()]
+    dst.fill_(-1)
+    dev = acc.device
+    d, s = d_list.to(dev), s_list.to(dev)
+    n = torch.tensor([copies], dtype=torch.int32, device=dev)
+    if real:  # the copy stream busy: the fill's kernel reads its list ~50 ms from now
+        with torch.cuda.stream(acc.copy_stream):
+            torch.cuda._sleep(a.sleep_cycles)
+    transfer = acc.fill_rows([(dst, host)], d, s, n, kernel=real)
+    del d, s, n  # the caller's last references: the blocks go back to the allocator
+    # the compute stream's next allocations of the same sizes, written at once (not stalled)
+    contend = [torch.full((copies if i % 3 else 1,), other, dtype=torch.int32, device=dev)
+               for i in range(48)]  # fmt: skip
+    transfer.wait()
+    acc.synchronize()
+    got = dst.cpu()
+    del contend
+    return int((got != want).any(dim=1).sum())
+
+
+def probe_copylist(a: argparse.Namespace, p: Probe) -> None:
+    from freetokend.experts.accelerator import StandinAccelerator, create_accelerator
+
+    real = a.device == "cuda"
+    # the stand-in's reclaim mode poisons the list tensors a transfer does not hold, as CUDA's
+    # allocator hands them to the next allocation
+    acc = create_accelerator("cuda") if real else StandinAccelerator(reclaim=True)
+    rows, width, slots = 64, 4096 if real else 64, 32
+    host = acc.host_buffer((rows, width), torch.int32)  # pinned on CUDA: read in place
+    host.copy_(torch.arange(rows * width, dtype=torch.int32).view(rows, width))
+    dst = acc.empty((slots, width), torch.int32)
+    if not real:
+        p.note(f"{a.device}: the stand-in's reclaim mode in place of the allocator, no graphs")
+    with p.part("fill_rows: list dropped at once, its memory contended, copy stream stalled"):
+        p.check(acc.device_fill_ok(host), "zero-copy fills from the pinned pool work")
+        wrong = [_copylist_round(a, acc, host, dst, seed) for seed in range(4)]
+        p.check(not any(wrong), f"4 fills, slots other than the list named: {wrong}")
+    with p.part("control: the same without the hold (no record_stream)"):
+        acc._hold = lambda transfer, tensors: None  # type: ignore[method-assign]
+        try:
+            wrong = [_copylist_round(a, acc, host, dst, 10 + seed) for seed in range(4)]
+        finally:
+            del acc._hold
+        if any(wrong):
+            p.say(f"without the hold the slots come out wrong ({wrong} of {slots} slots in "
+                  "4 fills): the probe sees the race")  # fmt: skip
+        else:
+            p.note("control: no wrong slot without the hold either: this card's allocator "
+                   "did not hand the blocks on, the check above shows nothing")  # fmt: skip
+    if not real:
+        return
+    with p.part("fill_rows in a CUDA graph: lists made inside the capture, record_stream there"):
+        copies = slots * 3 // 4
+        base_d = torch.zeros(copies, dtype=torch.int32, device="cuda")
+        base_s = torch.zeros(copies, dtype=torch.int32, device="cuda")
+        base_n = torch.tensor([copies], dtype=torch.int32, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            d, s, n = base_d + 0, base_s + 0, base_n + 0  # from the graph's pool, in-graph
+            transfer = acc.fill_rows([(dst, host)], d, s, n, kernel=True)
+            del d, s, n
+            transfer.wait()
+        for seed in (20, 21):
+            g = torch.Generator().manual_seed(seed)
+            d_list = torch.randperm(slots, generator=g)[:copies].int()
+            s_list = torch.randperm(rows, generator=g)[:copies].int()
+            base_d.copy_(d_list)
+            base_s.copy_(s_list)
+            want = torch.full((slots, width), -1, dtype=torch.int32)
+            want[d_list.long()] = host[s_list.long()]
+            dst.fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            p.check(torch.equal(dst.cpu(), want), f"replay {seed - 19}: the slots the list named")
+        del graph
+    acc.close()
+
+
 # ---- the compute-sanitizer target ----------------------------------------------------------
 def probe_tiny_run(a: argparse.Namespace, p: Probe) -> None:
     d = tiny(a)
@@ -446,35 +565,129 @@ def probe_memory(a: argparse.Namespace, p: Probe) -> None:
             del ballast
 
 
+# ---- the VRAM watcher against the real allocator -------------------------------------------
+def _nvml_free(a: argparse.Namespace, p: Probe) -> Callable[[], int] | None:
+    """NVML's free bytes of the device torch uses (by UUID, as the daemon's watcher reads
+    it), or None (noted) without pynvml or a driver."""
+    from freetokend.experts.vram_watch import nvml_reader
+
+    uuid = None
+    if a.device == "cuda":
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    read, why = nvml_reader(uuid)
+    if read is None:
+        p.note(f"NVML {why}: its part is skipped")
+        return None
+    return lambda: read().free
+
+
+def probe_vram(a: argparse.Namespace, p: Probe) -> None:
+    from freetokend.experts.vram_watch import (
+        SlotSizes,
+        VramReading,
+        VramWatcher,
+        torch_unallocated,
+    )
+
+    real = a.device == "cuda"
+    size = a.alloc_mib * MIB
+    sizes = SlotSizes(current=64, target=64, slot_bytes=32 * MIB, min_slots=8)
+    with p.part(f"{size // MIB} MiB allocated and freed: torch_unallocated, NVML's free"):
+        unallocated = torch_unallocated()
+        nvml = _nvml_free(a, p) if real else None
+        if not real:
+            p.check(unallocated() == 0, f"{a.device}: no CUDA, torch_unallocated reads 0")
+            p.note(f"{a.device}: no device memory; the watcher reads a simulated card")
+            cached = size  # what a card would show after the free: all of it kept by torch
+            free_now = lambda: 2048 * MIB  # noqa: E731
+        else:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            # NVML where it answers, else the driver's view through torch (the same count)
+            free_now = nvml or (lambda: int(torch.cuda.mem_get_info()[0]))
+            base, free0 = unallocated(), free_now()
+            block = torch.empty(size, dtype=torch.uint8, device="cuda")
+            free1 = free_now()
+            del block
+            cached, free = unallocated() - base, free_now()
+            p.check(abs(cached - size) <= 64 * MIB,
+                    f"torch_unallocated()() reads {cached / MIB:.0f} MiB more after the free "
+                    f"(of {size // MIB} MiB)")  # fmt: skip
+            if nvml is not None:
+                drop = free0 - free1
+                ok = abs(drop - size) <= 256 * MIB
+                p.check(ok, f"NVML's free dropped by {drop / MIB:.0f} MiB at the allocation")
+            p.say(f"after the free: {free / MIB:.0f} MiB free ({free0 / MIB:.0f} before the "
+                  f"allocation): torch keeps the block, {'NVML' if nvml else 'the driver'} "
+                  "counts it used")  # fmt: skip
+
+        def read() -> VramReading:  # as nvml_reader's, on the free bytes read above
+            return VramReading(free_now(), 8192 * MIB if not real else torch.cuda.mem_get_info()[1])
+
+        # the low edge just above the free memory the reading shows
+        low = read().free + 64 * MIB
+        high = low + 2 * size
+        p.say(f"band: low {low / MIB:.0f} MiB, high {high / MIB:.0f} MiB; {sizes.current} slots "
+              f"of {sizes.slot_bytes // MIB} MiB")  # fmt: skip
+        shrunk: list[int] = []
+        kw: dict[str, Any] = {} if real else {"unallocated": lambda: cached}
+        watcher = VramWatcher(read, lambda: sizes, shrunk.append, low, high, **kw)
+        got = watcher.check_once()
+        how = "the default, torch_unallocated()" if real else "simulated"
+        p.check(got is None and not shrunk,
+                f"check_once (unallocated: {how}): no resize ({got}, {shrunk})")  # fmt: skip
+        control: list[int] = []
+        zero = VramWatcher(read, lambda: sizes, control.append, low, high, unallocated=lambda: 0)
+        got = zero.check_once()
+        p.check(got is not None and got < sizes.current,
+                f"control, unallocated counted 0: check_once shrinks to {got} slots")  # fmt: skip
+    if real:
+        torch.cuda.empty_cache()  # the next probe (memory) sizes against a clean card
+        p.say(f"after empty_cache: {torch.cuda.mem_get_info()[0] / MIB:.0f} MiB free")
+
+
 # ---- zero-copy after unload / reload -------------------------------------------------------
 class FakeCudart:
-    """The two cudart calls of pinning.py on the CPU (smoke mode): registrations by address,
-    a second register of a live one refused (cudaErrorHostMemoryAlreadyRegistered, 712), an
-    unregister of none refused (cudaErrorHostMemoryNotRegistered, 713)."""
+    """The cudart calls of pinning.py on the CPU (smoke mode): registrations by address, a
+    second register of a live one refused (cudaErrorHostMemoryAlreadyRegistered, 712), an
+    unregister of none refused (cudaErrorHostMemoryNotRegistered, 713); a refused call leaves
+    its error as the last error, as the runtime does, until ``cudaGetLastError`` reads it."""
 
     def __init__(self) -> None:
         self.live: set[int] = set()
+        self.last = 0
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
         if ptr in self.live:
+            self.last = 712
             return 712
         self.live.add(ptr)
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
         if ptr not in self.live:
+            self.last = 713
             return 713
         self.live.discard(ptr)
         return 0
 
+    def cudaGetLastError(self) -> int:  # noqa: N802
+        err, self.last = self.last, 0
+        return err
+
 
 def _cudart_lib() -> Any:
-    """The process's loaded libcudart (the one torch uses), for its last-error state."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
-        if "libcudart.so" in path:
-            return ctypes.CDLL(path)
-    return None
+    """The process's loaded libcudart (the one torch uses; pinning.py's pattern, which also
+    matches a wheel's hashed copy), for its last-error state; None when none is mapped."""
+    from freetokend.runtime import pinning
+
+    path = pinning._mapped_library(pinning.CUDART_NAME)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    lib.cudaPeekAtLastError.restype = lib.cudaGetLastError.restype = ctypes.c_int
+    return lib
 
 
 def cuda_error_state(p: Probe) -> None:
@@ -493,8 +706,8 @@ def cuda_error_state(p: Probe) -> None:
 
 
 def probe_zerocopy(a: argparse.Namespace, p: Probe) -> None:
-    from freetokend.experts import pinning
     from freetokend.experts.accelerator import create_accelerator
+    from freetokend.runtime import pinning
 
     real = a.device == "cuda"
     cudart = FakeCudart()
@@ -565,6 +778,142 @@ def probe_zerocopy(a: argparse.Namespace, p: Probe) -> None:
         p.check(outs[0] == outs[1], "the same tokens after the reload")
         if real:
             cuda_error_state(p)
+
+
+# ---- pinning.py's failed calls leave no CUDA error behind ----------------------------------
+class RecordingCudart:
+    """pinning.py's runtime (``_cudart()``) with the codes its two calls return recorded; any
+    other attribute (``cudaGetLastError`` where the runtime binds one) is the runtime's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.codes: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        err = int(self.inner.cudaHostRegister(ptr, size, flags))
+        self.codes.append(("register", err))
+        return err
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        err = int(self.inner.cudaHostUnregister(ptr))
+        self.codes.append(("unregister", err))
+        return err
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _device_work(a: argparse.Namespace, p: Probe, what: str) -> None:
+    """A torch op (torch checks ``cudaGetLastError`` after its launches), a Triton kernel
+    (ftkernels' copy_rows) and a synchronize: none may raise an error left pending."""
+    from ftkernels.moe_decode import copy_rows
+
+    dev = "cuda" if a.device == "cuda" else "cpu"
+    try:
+        x = torch.arange(8 * 16, dtype=torch.float32, device=dev).view(8, 16)
+        y = (x * 2).sum()  # the torch op
+        dst = torch.zeros(2, 16, device=dev)
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        copy_rows(dst, x, one, one * 5, one)  # the Triton kernel: dst[1] <- x[5]
+        synchronize(a)
+        ok = y.item() == 2 * sum(range(128)) and torch.equal(dst[1].cpu(), x[5].cpu())
+        p.check(ok, f"{what}: a torch op, a Triton kernel and a synchronize after: no error")
+    except Exception as e:  # noqa: BLE001 - the failure this probe looks for
+        p.check(False, f"{what}: device work after raised {type(e).__name__}: {str(e)[:160]}")
+
+
+def probe_pinerrors(a: argparse.Namespace, p: Probe) -> None:
+    from freetokend.runtime import pinning
+
+    real = a.device == "cuda"
+    runtime: Any = torch.cuda.cudart() if real else FakeCudart()
+    lib = _cudart_lib() if real else None
+    if real and lib is None:
+        p.note("libcudart not mapped: the runtime's last error is not read")
+
+    def peek() -> int | None:
+        if not real:
+            return int(runtime.last)
+        return None if lib is None else int(lib.cudaPeekAtLastError())
+
+    def error_clear(what: str) -> None:
+        err = peek()
+        if err is not None:
+            p.check(err == 0, f"{what}: the runtime's last error after: {err}")
+
+    get = pinning._loaded_get_last_error()  # what pinning.py clears the last error with
+    rec = RecordingCudart(runtime)
+    inner = pinning._cudart
+    pinning._cudart = lambda: rec  # type: ignore[assignment]
+    if not real:
+        p.note(f"{a.device}: a recording cudart with a last-error slot, Triton interpreted")
+    try:
+        with p.part("the runtime's cudaGetLastError, found through ctypes"):
+            own = getattr(torch.cuda.cudart(), "cudaGetLastError", None) if real else None
+            if real:
+                path = pinning._mapped_library(pinning.CUDART_NAME)
+                p.check(get is not None, f"ctypes lookup of cudaGetLastError: {path}")
+                p.say(f"torch's cudart binds cudaGetLastError itself: {own is not None} "
+                      "(pinning.py asks it first)")  # fmt: skip
+            else:
+                p.say(f"no libcudart on the {a.device}: lookup {get}")
+            error_clear("before")
+        with p.part("register: the buffer registered behind the registry's back (712)"):
+            t = torch.ones(8 * MIB, dtype=torch.uint8)
+            ptr, size = t.data_ptr(), t.numel()
+            err = int(runtime.cudaHostRegister(ptr, size, pinning.HOST_REGISTER_FLAGS))
+            p.check(err == 0, f"cudaHostRegister directly (portable | mapped): {err}")
+            try:
+                if real and get is not None:
+                    _control(p, runtime, get, peek, ptr, size, pinning.HOST_REGISTER_FLAGS)
+                got = pinning.register(t)
+                p.check(got == 712, f"pinning.register: {got} (712, already registered)")
+                p.check(not pinning.is_registered(t), "not taken into the registry")
+                error_clear("register")
+                _device_work(a, p, "register")
+            finally:
+                if err == 0:  # the probe's own registration, undone behind the registry too
+                    runtime.cudaHostUnregister(ptr)
+                if peek() and get is not None:
+                    get()  # nothing of the probe's own calls left for the next probe
+        with p.part("unregister: the buffer unregistered behind the registry's back (713)"):
+            t = torch.ones(8 * MIB, dtype=torch.uint8)
+            p.check(pinning.register(t) == 0, "pinning.register: 0")
+            err = int(runtime.cudaHostUnregister(t.data_ptr()))
+            p.check(err == 0, f"cudaHostUnregister directly: {err}")
+            rec.codes.clear()
+            pinning.unregister(t)
+            p.check(rec.codes == [("unregister", 713)],
+                    f"pinning.unregister's call: {rec.codes} (713, not registered)")  # fmt: skip
+            p.check(not pinning.is_registered(t), "gone from the registry")
+            error_clear("unregister")
+            _device_work(a, p, "unregister")
+    finally:
+        pinning._cudart = inner  # type: ignore[method-assign]
+
+
+def _control(
+    p: Probe,
+    runtime: Any,
+    get: Callable[[], int],
+    peek: Callable[[], int | None],
+    ptr: int,
+    size: int,
+    flags: int,
+) -> None:
+    """The runtime keeps a refused register's error as the last error and torch's next op
+    raises it: what pinning.py clears. Left cleared (by torch's own check or here)."""
+    err = int(runtime.cudaHostRegister(ptr, size, flags))
+    pending = peek()
+    try:
+        torch.ones(4, device="cuda").add_(1)
+        raised = "nothing"
+    except Exception as e:  # noqa: BLE001 - torch's error class for it varies by version
+        raised = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    if peek():
+        get()
+    p.say(f"control: a second direct register returns {err}, the last error is then "
+          f"{pending}, and torch's next op raises {raised}")  # fmt: skip
 
 
 # ---- park / unpark -------------------------------------------------------------------------
@@ -784,21 +1133,93 @@ def probe_hybrid(a: argparse.Namespace, p: Probe) -> None:
             close(llm)
 
 
+# ---- the slot-cache kernel under a long decode -----------------------------------------------
+def _slot_mismatches(want: Any, got: Any, ref: Any, ker: Any) -> list[str]:
+    """The plan's and the state's tensors that differ (one host read for all of them)."""
+    pairs = [(f"plan.{k}", v, getattr(got, k)) for k, v in vars(want).items()]
+    pairs += [(f"state.{k}", v, getattr(ker, k)) for k, v in vars(ref).items()]
+    bad = [name for name, x, y in pairs if x.shape != y.shape]
+    same = [(name, x, y) for name, x, y in pairs if x.shape == y.shape]
+    flags = torch.stack([(x != y).any() for _, x, y in same]).tolist()
+    return bad + [name for (name, _, _), f in zip(same, flags, strict=True) if f]
+
+
+def probe_slotstress(a: argparse.Namespace, p: Probe) -> None:
+    from freetokend.experts.slot_cache import EvictionPolicy, SlotCache, decode_step_reference
+
+    start = time.perf_counter()
+    real = a.device == "cuda"
+    dev = "cuda" if real else "cpu"
+    # Qwen3-30B-A3B: 48 MoE layers of 128 experts, top-8; the two caches kernels_at_scale.py
+    # checks (compiled there already: the same constants); the stand-in interprets the kernel
+    if real:
+        layers, experts, k, batches = 48, 128, 8, (1, 2, 3, 4, 8, 16, 64)
+        cases = [(2000, EvictionPolicy.AGED_FREQ), (6144, EvictionPolicy.LRU)]
+    else:
+        layers, experts, k, batches = 4, 8, 2, (1, 2, 3)
+        cases = [(6, EvictionPolicy.AGED_FREQ), (20, EvictionPolicy.LRU)]
+        p.note(f"{a.device}: small caches, the kernel in the Triton interpreter")
+    for i, (slots, policy) in enumerate(cases):
+        # each case may run until its share of the budget has passed (the first: half)
+        until = start + a.budget * (i + 1) / len(cases)
+        what = f"{slots} slots, {policy.name}"
+        if time.perf_counter() >= until:
+            p.check(False, f"{what}: not started, the {a.budget:.0f} s budget is spent")
+            continue
+        with p.part(f"{what}: up to {a.steps} decode steps, kernel against the reference"):
+            g = torch.Generator().manual_seed(slots)
+            ref = SlotCache(layers, experts, slots, policy, device=dev)
+            ker = SlotCache(layers, experts, slots, policy, device=dev, force_kernel=True)
+            for c in (ref, ker):
+                c.set_fill_policy(11.8, 47.5)  # q* below m: misses left to the CPU too
+            ran, bad, t0, first = 0, None, time.perf_counter(), 0.0
+            while ran < a.steps and (ran == 0 or time.perf_counter() < until):
+                tokens = batches[int(torch.randint(len(batches), (1,), generator=g))]
+                layer = int(torch.randint(layers, (1,), generator=g))
+                ids = torch.randint(0, experts, (tokens, k), generator=g, dtype=torch.int32)
+                ids += layer * experts
+                pad = torch.rand(tokens, k, generator=g) < 0.05  # a few routes ignored (-1)
+                ids = torch.where(pad, -1, ids).to(dev)
+                want = decode_step_reference(ref.state, ids, layer, experts, policy)
+                got = ker.decode_step(ids, layer)
+                diff = _slot_mismatches(want, got, ref.state, ker.state)
+                ran += 1
+                if ran == 1:
+                    first = time.perf_counter() - t0  # the kernel's compile (or cache load)
+                if diff:
+                    bad = f"step {ran}: {tokens} tokens, layer {layer}: {', '.join(diff)}"
+                    break
+            took = time.perf_counter() - t0
+            per = (took - first) / max(1, ran - 1) * 1e3
+            p.say(f"{what}: {ran} steps in {took:.1f} s (first {first:.1f} s, then "
+                  f"{per:.2f} ms a step); stats {ker.stats()}")  # fmt: skip
+            p.check(bad is None,
+                    f"{what}: {ran} of {a.steps} steps, plan and state equal to the reference"
+                    + (f"; differs at {bad}" if bad else ""))  # fmt: skip
+            if bad is None and ran < a.steps:
+                p.note(f"{what}: {ran} of {a.steps} steps within the budget")
+
+
 PROBES: dict[str, Callable[[argparse.Namespace, Probe], None]] = {
     "sync": probe_sync,
+    "copylist": probe_copylist,
     "prefill": probe_prefill,
     "tiny-run": probe_tiny_run,
+    "vram": probe_vram,
     "memory": probe_memory,
+    "pinerrors": probe_pinerrors,
     "zerocopy": probe_zerocopy,
     "park": probe_park,
     "hybrid": probe_hybrid,
+    "slotstress": probe_slotstress,
 }
 FAKE_CUDA = ("sync", "memory", "tiny-run")  # the probes the fake card can stand in for
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("probe", choices=[*PROBES, "smoke"])
+    ap.add_argument("probe", nargs="+", choices=[*PROBES, "smoke"],
+                    help="one or more, run in this order in one process")  # fmt: skip
     ap.add_argument("--device", default="cuda", choices=["cuda", "standin", "fake-cuda"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/ft-gpu-probes"),
                     help="where the test checkpoints are written (once)")  # fmt: skip
@@ -811,26 +1232,44 @@ def main() -> None:
     ap.add_argument("--free-mib", type=int, default=480, help="memory: the card's free MiB")
     ap.add_argument("--vram-mib", type=int,
                     help="fake-cuda: the simulated card (1024; memory: 560)")  # fmt: skip
+    ap.add_argument("--sleep-cycles", type=int, default=100_000_000,
+                    help="copylist: the copy stream's stall (GPU cycles, ~50 ms)")  # fmt: skip
+    ap.add_argument("--alloc-mib", type=int, default=4096, help="vram: the block allocated")
+    ap.add_argument("--steps", type=int, help="slotstress: decode steps a cache (1000; standin 8)")
+    ap.add_argument("--budget", type=float, default=60.0,
+                    help="slotstress: no step starts this many seconds after it began")  # fmt: skip
     a = ap.parse_args()
     cuda = a.device == "cuda"
     a.prompt = a.prompt or (2048 if cuda else 256)
     a.decode = a.decode or (16 if cuda else 6)
     a.long_decode = a.long_decode or (448 if cuda else 8)
+    a.steps = a.steps or (1000 if cuda else 8)
     if cuda and not torch.cuda.is_available():
         sys.exit("probes: no CUDA device (use --device standin for the CPU smoke run)")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    names = list(PROBES) if a.probe == "smoke" else [a.probe]
+    names = [n for x in a.probe for n in (PROBES if x == "smoke" else [x])]
     if a.device == "fake-cuda":
         names = [n for n in names if n in FAKE_CUDA]
     worst = 0
+    done: list[Probe] = []
     for name in names:
         print(f"== {name} ({a.device})", flush=True)
         t0 = time.perf_counter()
-        p = Probe(f"{name} ({a.device})")
+        p = Probe(name)
         with p.part(name):
             PROBES[name](a, p)
+        p.name = f"{name} ({a.device})"
         worst = max(worst, p.verdict())
+        p.name = name
+        done.append(p)
         print(f"   {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    if len(done) > 1:  # the step's verdict: every probe's, the failed ones first
+        failed = [f"FAIL {p.name}: {'; '.join(p.failures)[:150]}" for p in done if p.failures]
+        passed = [p.name for p in done if not p.failures]
+        notes = sum(len(p.notes) for p in done)
+        text = "; ".join(failed + ([f"PASS {', '.join(passed)}"] if passed else []))
+        tail = f" [{notes} note(s) above]" if notes else ""
+        print(f"VERDICT: {text} ({a.device}){tail}")
     sys.exit(worst)
 
 
