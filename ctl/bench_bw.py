@@ -1,5 +1,5 @@
 """``ftctl bench bw``: measure B_P (host -> accelerator expert copies) and B_H (CPU expert
-execution) on the daemon's machine with its active model, and store the profile (DESIGN §1)."""
+execution) on the daemon's machine with its active model, and store the profile (ARCHITECTURE §4.3)."""
 
 from __future__ import annotations
 

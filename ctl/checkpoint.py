@@ -1,4 +1,4 @@
-"""`ftctl checkpoint`: convert a model folder into FTW, the pre-laid-out weight format (DESIGN §4).
+"""`ftctl checkpoint`: convert a model folder into FTW, the pre-laid-out weight format (ARCHITECTURE §7).
 
     ftctl checkpoint --model DIR --out DIR [--force] [--quantize-experts mxfp4|nvfp4|fp8_block|q8_0|q6_k|q5_k|q4_k|q5_0|q4_0]
 

@@ -1,4 +1,4 @@
-"""`ftctl plan`: will this model fit my card? A dry run on a simulated GPU (DESIGN §7).
+"""`ftctl plan`: will this model fit my card? A dry run on a simulated GPU (ARCHITECTURE §9.2).
 
     ftctl plan --model DIR [--vram 8GiB] [--ram 32GiB] [--backend auto] [--kv-tokens N] [--json]
 

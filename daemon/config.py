@@ -90,7 +90,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vram_low_mb: int = 1024  # free VRAM below this: shrink the expert cache at a safe point
     vram_high_mb: int = 3072  # free VRAM above this: grow it back towards its target size
     vram_poll_s: float = 2.0  # seconds between NVML readings
-    # ---- agent state reuse (DESIGN §2) ----
+    # ---- agent state reuse (ARCHITECTURE §5) ----
     prefix_cache: bool = True  # reuse KV and recurrent-state snapshots across requests
     snapshot_policy: str = "anchors"  # anchors | anchors:all | interval:N | none
     snapshot_budget_mb: float = 256.0  # RAM for recurrent-state snapshots (own LRU)

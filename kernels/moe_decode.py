@@ -1,4 +1,4 @@
-"""Triton kernels of the offload backend's decode step that need no host sync (DESIGN §1).
+"""Triton kernels of the offload backend's decode step that need no host sync (ARCHITECTURE §4.2).
 
 The slot cache's decode kernel leaves its result on the device: slot ids per route and a
 fixed-shape copy list with a valid count. These kernels consume them there:

@@ -1,4 +1,4 @@
-"""Coding-agent sessions as real harnesses send them, for the snapshot-policy benchmark (DESIGN §2).
+"""Coding-agent sessions as real harnesses send them, for the snapshot-policy benchmark (ARCHITECTURE §5.3).
 
 One seeded task script (the assistant's reasoning, tool calls, realistic tool outputs, the user's
 follow-up instructions) is replayed by five harnesses, each editing its context the way the real

@@ -1,4 +1,4 @@
-"""Scripted coding-agent sessions in the three context-editing styles of DESIGN §2.
+"""Scripted coding-agent sessions in the three context-editing styles of ARCHITECTURE §5.3.
 
 A session is a fixed script of turns (the assistant's reasoning and tool call, then the tool's
 output), drawn from a seeded generator. What the agent SENDS at turn t is the history up to t,

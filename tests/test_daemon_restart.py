@@ -1,5 +1,5 @@
 """A daemon restarted in the middle of an agent session resumes it: the next turn re-prefills
-only the suffix after the last prompt the old daemon saw (DESIGN §2, snapshot spill).
+only the suffix after the last prompt the old daemon saw (ARCHITECTURE §5.4, snapshot spill).
 
 Two ways a daemon goes away: SIGTERM (the drain writes the session snapshots on the way out)
 and SIGKILL after an idle moment (the engine wrote them when it went idle; nothing written at

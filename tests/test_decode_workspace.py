@@ -1,4 +1,4 @@
-"""Decode attention's work buffers at the longest context, on the fake CUDA card (DESIGN §7).
+"""Decode attention's work buffers at the longest context, on the fake CUDA card (ARCHITECTURE §9.2).
 
 The torch decode attention (``attention.masked_decode``) gathers its rows' keys and values into
 fp32 buffers. Gathered whole at batch 8 over a long context they took gigabytes per layer, more

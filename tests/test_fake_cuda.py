@@ -1,4 +1,4 @@
-"""The fake-CUDA tier (DESIGN §7): the real CUDA code path on FakeTensorMode with device cuda.
+"""The fake-CUDA tier (ARCHITECTURE §9.2): the real CUDA code path on FakeTensorMode with device cuda.
 
 Placement (a host/device mix raises as on a GPU), device bytes against simulated 8 and 24 GiB
 cards, and host syncs per decode step, for fused / offload / hybrid on a tiny geometry and on

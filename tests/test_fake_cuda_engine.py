@@ -1,4 +1,4 @@
-"""The whole engine on the fake CUDA device (DESIGN §7): ``LLM(..., accelerator="fake-cuda",
+"""The whole engine on the fake CUDA device (ARCHITECTURE §9.2): ``LLM(..., accelerator="fake-cuda",
 vram_mib=N)`` loads a tiny checkpoint, runs a 512-token prefill, decode steps and (slot backends)
 a resize down and up, with the real CUDA code path of every MoE backend.
 

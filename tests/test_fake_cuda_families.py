@@ -1,4 +1,4 @@
-"""Every family's dense part on the fake CUDA card (DESIGN §7, engine/placement.py): the real
+"""Every family's dense part on the fake CUDA card (ARCHITECTURE §9.2, engine/placement.py): the real
 device code path of each architecture (GQA with sinks, MLA, Gated DeltaNet, Gemma-4's per-layer
 geometry, sigmoid group routing...) runs with no host/device mix (a mix raises on the fake card as
 on a GPU), nothing dense on the host, and a decode step reads the host exactly once (its sampled

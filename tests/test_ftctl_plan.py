@@ -1,4 +1,4 @@
-"""`ftctl plan`: a dry run on the fake CUDA device from config.json alone (DESIGN §7)."""
+"""`ftctl plan`: a dry run on the fake CUDA device from config.json alone (ARCHITECTURE §9.2)."""
 
 from __future__ import annotations
 

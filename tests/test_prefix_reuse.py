@@ -1,4 +1,4 @@
-"""Prefix reuse (DESIGN §2): outputs with reuse equal outputs without, across agent sessions in the
+"""Prefix reuse (ARCHITECTURE §5): outputs with reuse equal outputs without, across agent sessions in the
 three context-editing styles; cached-token accounting against an independent oracle; no leaked
 or corrupted KV pages; eviction under a small pool; the snapshot budget."""
 

@@ -65,7 +65,7 @@ def make_cache(c: Case, device: str = "cpu") -> SlotCache:
 
 
 def expected_q(m: int, n_hit: int, free: int, bw: tuple[float, float, bool]) -> int:
-    """DESIGN §1: q = clamp(round(m * B_P / B_H), 1, m); q = m when filling all."""
+    """ARCHITECTURE §4.3: q = clamp(round(m * B_P / B_H), 1, m); q = m when filling all."""
     b_p, b_h, fill_all = bw
     if m == 0:
         return 0
@@ -177,7 +177,7 @@ def test_reference_properties_with_reserved_slots(c: Case, reserve_at: int) -> N
 
 
 def test_q_formula_design_example() -> None:
-    """DESIGN §1: B_P 11.8, B_H 47.5 GB/s, m = 4 -> q = 1; offload fills everything."""
+    """ARCHITECTURE §4.3: B_P 11.8, B_H 47.5 GB/s, m = 4 -> q = 1; offload fills everything."""
     assert fill_count(fill_ratio_q16(11.8, 47.5), 4, 0, 100) == 1
     assert fill_count(fill_ratio_q16(11.8, 47.5), 12, 0, 100) == 3
     assert fill_count(fill_ratio_q16(11.8, 47.5, fill_all=True), 4, 0, 100) == 4

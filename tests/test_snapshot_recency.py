@@ -1,4 +1,4 @@
-"""Recency in the snapshot policy (DESIGN §2, kv/recency.py): an edit of a session's newest
+"""Recency in the snapshot policy (ARCHITECTURE §5.3, kv/recency.py): an edit of a session's newest
 content resumes at its anchor on its first occurrence, with the default settings; the recency
 candidates of a prompt; the budget shared with the learned edit frontier."""
 

@@ -1,4 +1,4 @@
-"""FTW, the fast weight format (DESIGN §4): the checkpoint pre-laid-out in runtime layout.
+"""FTW, the fast weight format (ARCHITECTURE §7): the checkpoint pre-laid-out in runtime layout.
 
 Not a quantisation: every dense parameter and every flat_id-major expert bank is one raw,
 4 KiB-aligned extent (``dense.bin``, ``experts.bin``), indexed by ``ftw.json`` (see

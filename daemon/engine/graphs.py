@@ -1,4 +1,4 @@
-"""A decode step in static form, and CUDA graphs of it per batch-size bucket (DESIGN §1).
+"""A decode step in static form, and CUDA graphs of it per batch-size bucket (ARCHITECTURE §4.6).
 
 A decode batch (every row one token) of an attention-only model runs through one function,
 ``decode_forward``, whose inputs are a single device tensor of metadata, ``meta`` [B, 4 + W]

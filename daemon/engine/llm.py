@@ -102,7 +102,7 @@ class LLM:
     """A loaded model with its tokenizer, chat template and engine.
 
     model_dir    HF checkpoint folder (config.json, safetensors, tokenizer files)
-    moe_backend  cpu | fused | offload | hybrid | auto (DESIGN §1); every backend but cpu also
+    moe_backend  cpu | fused | offload | hybrid | auto (ARCHITECTURE §4.5); every backend but cpu also
                  puts the dense weights, KV pool and sampling on the accelerator (placement.py)
     max_model_len  context limit (default: the model's, at most kv_tokens)
     kv_tokens    KV pool size in tokens over all sequences (default: 131072 with the cpu backend;
@@ -112,7 +112,7 @@ class LLM:
                  free memory, see ``SlotBudget``)
     accelerator  auto | standin (CPU stand-in, for tests) | cuda | fake-cuda (the real CUDA code
                  path on a simulated card of ``vram_mib`` MiB, no data: placement, device bytes
-                 and host syncs are checked on a CPU machine, DESIGN §7; the fake session is
+                 and host syncs are checked on a CPU machine, ARCHITECTURE §9.2; the fake session is
                  entered in this thread until ``close()``, and the tokens are meaningless)
     vram_mib     the simulated card of ``fake-cuda`` (required there, refused elsewhere)
     bandwidth    (B_P, B_H) in bytes/s for the hybrid q* split (default: the stored profile)
@@ -420,7 +420,7 @@ class LLM:
         return self._tokenizer_json
 
     def _anchor_ids(self) -> dict[int, str]:
-        """The family's anchor tokens that this tokenizer has (DESIGN §2)."""
+        """The family's anchor tokens that this tokenizer has (ARCHITECTURE §5.2)."""
         if not self._has_tokenizer():
             return {}
         out = {}

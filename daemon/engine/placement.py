@@ -1,4 +1,4 @@
-"""Where the dense part of a model lives and runs (DESIGN §1: dense weights and the KV pool in
+"""Where the dense part of a model lives and runs (ARCHITECTURE §4.6: dense weights and the KV pool in
 VRAM, only the routed experts cached).
 
 Two placements, chosen once at load from the resolved MoE backend:

@@ -1,4 +1,4 @@
-"""Dry run of a model on a simulated card (DESIGN §7): will this model fit my 8 GB card?
+"""Dry run of a model on a simulated card (ARCHITECTURE §9.2): will this model fit my 8 GB card?
 
 ``plan_model`` reads only ``config.json``: the dense weights are built on the meta device and
 the expert pool as fake (data-less) host banks, so a model can be planned before it is

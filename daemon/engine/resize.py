@@ -1,4 +1,4 @@
-"""Elastic memory (DESIGN §3): resize a loaded model's expert slot cache and KV pool in place.
+"""Elastic memory (ARCHITECTURE §6.1): resize a loaded model's expert slot cache and KV pool in place.
 
 These functions run between engine steps (the engine hub calls them at a safe point: no
 forward step in flight). They never touch the host pool (``ExpertBanks`` on the host): only the

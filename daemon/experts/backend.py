@@ -1,4 +1,4 @@
-"""MoE backends: who computes the routed experts of a MoE layer (DESIGN §1).
+"""MoE backends: who computes the routed experts of a MoE layer (ARCHITECTURE §4.5).
 
 Every backend implements one call: the gate-weighted sum of the routed experts for a batch of
 tokens, returned in fp32. Backends are chosen by name only at the CLI/config boundary

@@ -1,4 +1,4 @@
-"""Expert banks: the runtime layout of a model's routed experts (DESIGN §1).
+"""Expert banks: the runtime layout of a model's routed experts (ARCHITECTURE §4.1).
 
 Every bank is one tensor whose first dimension is ``flat_id = layer_index * num_experts + expert``
 (``layer_index`` counts MoE layers only). The host pool, the slot cache and the CPU executor all

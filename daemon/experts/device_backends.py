@@ -1,4 +1,4 @@
-"""Accelerator MoE backends: ``fused``, ``offload`` and ``hybrid`` (DESIGN §1).
+"""Accelerator MoE backends: ``fused``, ``offload`` and ``hybrid`` (ARCHITECTURE §4).
 
 fused    every bank copied to the accelerator once; experts computed there.
 offload  the accelerator holds a SlotCache of expert slots (one pool for all layers); every miss

@@ -1,7 +1,7 @@
 """The hybrid backend's crossings (device_backends.OffloadBackend) when the dense part runs on
 the accelerator's device: the CPU share's inputs (activations, gate weights, expert ids) packed
 into one buffer and copied to the host asynchronously, its output written into a page-locked
-buffer that joins the device without a host wait (DESIGN §1, the q* split)."""
+buffer that joins the device without a host wait (ARCHITECTURE §4.3, the q* split)."""
 
 from __future__ import annotations
 

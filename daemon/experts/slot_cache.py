@@ -1,4 +1,4 @@
-"""SlotCache: one global pool of device expert slots shared by all MoE layers (DESIGN §1).
+"""SlotCache: one global pool of device expert slots shared by all MoE layers (ARCHITECTURE §4.2).
 
 State (all on the cache's device, so a decode step needs no host sync and can be graph-captured):
 
@@ -58,7 +58,7 @@ class EvictionPolicy(enum.IntEnum):
 
 
 def fill_ratio_q16(b_p: float, b_h: float, fill_all: bool = False) -> int:
-    """B_P / B_H in Q16 (DESIGN §1 q* policy); FILL_ALL_Q16 for `offload` or when B_H <= B_P."""
+    """B_P / B_H in Q16 (ARCHITECTURE §4.3 q* policy); FILL_ALL_Q16 for `offload` or when B_H <= B_P."""
     if fill_all or b_h <= b_p:
         return FILL_ALL_Q16
     return max(0, int(round(b_p / b_h * FILL_ALL_Q16)))

@@ -1,4 +1,4 @@
-"""VRAM watcher (DESIGN §3): shrink the expert slot cache when other processes take VRAM, grow
+"""VRAM watcher (ARCHITECTURE §6.2): shrink the expert slot cache when other processes take VRAM, grow
 it back when they release it.
 
 Every ``poll_s`` seconds the watcher reads the GPU's free memory through NVML (nvidia-ml-py);

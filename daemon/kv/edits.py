@@ -1,4 +1,4 @@
-"""Where agents edit their context, learned online (DESIGN §2), to choose which snapshots to keep.
+"""Where agents edit their context, learned online (ARCHITECTURE §5.3), to choose which snapshots to keep.
 
 Edits land at both ends of an agent's context:
 

@@ -1,4 +1,4 @@
-"""The newest anchors of a prompt: where edits of a session's newest content land (DESIGN §2).
+"""The newest anchors of a prompt: where edits of a session's newest content land (ARCHITECTURE §5.3).
 
 An agent's next request mostly rewrites what its last one ended with: the template drops the
 reasoning of the assistant turns after the last user message once a new one arrives, clients drop

@@ -1,4 +1,4 @@
-"""Recurrent-state snapshots at positions, with their own byte budget and LRU (DESIGN §2).
+"""Recurrent-state snapshots at positions, with their own byte budget and LRU (ARCHITECTURE §5.2).
 
 A snapshot is the whole RecurrentState (conv + delta-rule state of every linear-attention layer)
 of a sequence right after position ``pos``, keyed by a hash of the token prefix ``tokens[:pos]``.

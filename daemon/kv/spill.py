@@ -1,5 +1,5 @@
 """Snapshot spill: recurrent-state snapshots and the KV of their prefix on disk, so a restarted
-engine resumes an agent session by prefilling only the suffix (DESIGN §2).
+engine resumes an agent session by prefilling only the suffix (ARCHITECTURE §5.4).
 
 A hybrid model resumes at position p only with BOTH the recurrent state after p and the KV of
 the full-attention layers for positions [0, p). The KV is not recomputable from the snapshot, so

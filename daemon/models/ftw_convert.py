@@ -1,4 +1,4 @@
-"""Writes an FTW folder (DESIGN §4) from any checkpoint ``load_model`` reads: an HF folder, an
+"""Writes an FTW folder (ARCHITECTURE §7) from any checkpoint ``load_model`` reads: an HF folder, an
 FTW folder or a GGUF file (whose config, tokenizer and chat template are written out as the HF
 files they describe, so the FTW folder is self-contained)."""
 

@@ -435,7 +435,7 @@ def load_model(
         from .gguf_loader import load_gguf
 
         return load_gguf(model_dir, cfg)
-    if kind == "ftw":  # pre-laid-out FTW folder (DESIGN §4)
+    if kind == "ftw":  # pre-laid-out FTW folder (ARCHITECTURE §7)
         from .ftw_loader import load_ftw
 
         stored = ModelConfig.from_hf(model_dir).torch_dtype

@@ -1,4 +1,4 @@
-"""Anchor metadata (DESIGN §2): which recurrent-state snapshots exist for a model, where they sit,
+"""Anchor metadata (ARCHITECTURE §5.4): which recurrent-state snapshots exist for a model, where they sit,
 and the file they were spilled to, so a restarted daemon knows what it has."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bandwidth profiles (DESIGN §1): B_P and B_H per host, accelerator and expert format."""
+"""Bandwidth profiles (ARCHITECTURE §4.3): B_P and B_H per host, accelerator and expert format."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The store's schema, as ordered migrations. Never edit a shipped step: append a new one.
 
-v1  bandwidth profiles (DESIGN §1) and the model registry
-v2  prefix-reuse anchors (DESIGN §2: snapshot metadata and spill files) and the request log
+v1  bandwidth profiles (ARCHITECTURE §4.3) and the model registry
+v2  prefix-reuse anchors (ARCHITECTURE §5.4: snapshot metadata and spill files) and the request log
 """
 
 from __future__ import annotations

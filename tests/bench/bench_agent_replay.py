@@ -1,5 +1,5 @@
 """Agent replay: re-prefilled tokens and TTFT per harness under snapshot policies, against an
-oracle floor (DESIGN §2).
+oracle floor (ARCHITECTURE §5.3).
 
 Scripted coding-agent sessions as five real harnesses send them (tests/agent_harnesses.py:
 qwen, claude-code, opencode, codex, sweagent) are rendered through a chat template (Qwen3's

@@ -1,4 +1,4 @@
-"""The GPU probes of tests/gpu/check.sh, one subcommand each: what the CPU tiers (DESIGN §7) cannot
+"""The GPU probes of tests/gpu/check.sh, one subcommand each: what the CPU tiers (ARCHITECTURE §9) cannot
 show. Each ends with one ``VERDICT:`` line; exit status 0 pass, 1 fail.
 
   sync      decode steps of ``fused`` and ``offload`` (batches 1 and 3, expert fills every few
@@ -52,7 +52,7 @@ process, each with its own ``VERDICT:`` line, then one line for all of them (the
 ``--device cuda`` (default) is the real thing. ``--device standin`` runs the same code paths on
 the CPU stand-in accelerator, smaller models and fewer tokens, with the device-only checks
 marked n/a: API mistakes show without a GPU. ``--device fake-cuda`` (sync, memory): the fake CUDA
-card of DESIGN §7, its sync counter and its device bytes in place of the real ones.
+card of ARCHITECTURE §9.2, its sync counter and its device bytes in place of the real ones.
 
     python tests/gpu/probes.py PROBE [PROBE ...] [--device cuda|standin|fake-cuda] [--work DIR]
                                [--out DIR]

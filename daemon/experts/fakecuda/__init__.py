@@ -1,4 +1,4 @@
-"""The fake CUDA device (DESIGN §7): the real CUDA code path on a CPU machine, with device
+"""The fake CUDA device (ARCHITECTURE §9.2): the real CUDA code path on a CPU machine, with device
 placement checked, device bytes counted against a simulated card and host syncs counted."""
 
 from .accelerator import FakeCudaAccelerator

@@ -1,4 +1,4 @@
-"""``FakeCudaAccelerator``: the CUDA accelerator's own code on a fake device (DESIGN §7).
+"""``FakeCudaAccelerator``: the CUDA accelerator's own code on a fake device (ARCHITECTURE §9.2).
 
 It is ``CudaAccelerator`` with the runtime it needs supplied by a ``FakeCudaSession``: the copy
 paths, streams and events of the real class run unchanged, on fake tensors. What it cannot

@@ -27,7 +27,7 @@ class FamilySpec:
     experts_transposed_interleaved: bool = False
     # (regex on our name, converter): checkpoint tensors that split or reorder into our parameters
     converters: tuple[tuple[str, Converter], ...] = ()
-    # semantic anchors (DESIGN §2): token string -> kind. A recurrent-state snapshot is taken right
+    # semantic anchors (ARCHITECTURE §5.2): token string -> kind. A recurrent-state snapshot is taken right
     # after each such token; tokens the tokenizer does not have are ignored.
     anchors: tuple[tuple[str, str], ...] = ()
 
