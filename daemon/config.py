@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
+MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")  # experts/backend.create_backend
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 ATTENTION_KERNELS = ("torch", "triton")  # models/layers/attention.DECODE_KERNELS (tested)
 # experts/formats.FORMATS less bf16 and the mixed block formats (tested)
