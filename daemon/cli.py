@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from .config import MOE_BACKENDS, QUANTIZE_FORMATS, QUANTIZE_PRESETS, ConfigError, resolve
-from .manager.flags import add_control_flags
+from .config import ConfigError, Setting, resolve, settings
 
 DESCRIPTION = """\
 Serve a Mixture-of-Experts model over HTTP: OpenAI (/v1/chat/completions, /v1/completions,
@@ -29,7 +29,54 @@ seconds), then the daemon exits 0.
 """
 
 
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=MODEL, got {text!r}")
+    return name.strip(), value.strip()
+
+
+class _Pairs(argparse.Action):
+    """A repeatable NAME=VALUE flag that collects a dict (a table in TOML)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), **dict([values])})
+
+
+def _add_flag(group: Any, s: Setting) -> None:
+    """One setting's flag; its value is None when not given, so lower layers can fill it."""
+    default = s.default_text
+    kw: dict[str, Any] = {
+        "dest": s.key,
+        "help": f"{s.help} (default: {default})" if default is not None else s.help,
+    }
+    if s.metavar:
+        kw["metavar"] = s.metavar
+    if s.choices:
+        kw["choices"] = s.choices
+    if s.kind in ("int", "float"):
+        kw["type"] = int if s.kind == "int" else float
+    elif s.kind == "bool":
+        kw.update(type=_bool, metavar=s.metavar or "BOOL")
+    elif s.kind == "list":
+        kw["action"] = "append"
+    elif s.kind == "dict":
+        kw.update(type=_pair, action=_Pairs)
+    group.add_argument(s.flag, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every DaemonConfig field as a flag (config.settings: name, kind, default, help), then
+    --config."""
     p = argparse.ArgumentParser(
         prog="freetokend",
         description=DESCRIPTION,
@@ -37,80 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=None,  # None = not given, so lower layers can fill it
     )
-    p.add_argument(
-        "--model",
-        metavar="PATH",
-        help="HF or FTW model folder, or a .gguf file (default: the built-in tiny model, "
-        "generated on first use)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        metavar="NAME",
-        help="model id clients send (default: the folder name)",
-    )
-    p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="TCP port; 0 picks a free one (default: 1919)")
-    p.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help="state folder: built-in model, databases (default: $FREETOKEN_STATE_DIR, else "
-        "$XDG_STATE_HOME/freetoken, else ~/.local/state/freetoken)",
-    )
-    p.add_argument(
-        "--admin-socket",
-        metavar="PATH",
-        help="admin gRPC unix socket for ftctl (default: $RUNTIME_DIRECTORY/admin.sock under "
-        "systemd, else a per-user runtime path; off = none)",
-    )
-    p.add_argument(
-        "--moe-backend",
-        choices=MOE_BACKENDS,
-        help="where experts run (default: auto: cpu without a GPU)",
-    )
-    p.add_argument(
-        "--quantize-experts",
-        choices=QUANTIZE_FORMATS,
-        help="quantize float checkpoints' routed experts at load (mxfp4: 4.25 bits a weight, "
-        "about 1/4 of the RAM and of the bytes read per token; checkpoints already quantized "
-        "load as stored); default: as stored",
-    )
-    p.add_argument(
-        "--quantize",
-        choices=QUANTIZE_PRESETS,
-        help="quantize float checkpoints' dense layers (GGUF block formats, native integer "
-        "dot products on the CPU) and experts at load, by a named mix per tensor class "
-        "(models/dense_quant.py); --quantize-experts is the experts-only form",
-    )
-    p.add_argument(
-        "--max-batch", type=int, metavar="N", help="requests decoded together (default: 32)"
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        metavar="N",
-        help="requests waiting beyond the batch before 429/529 (default: 64)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        metavar="N",
-        help="context limit in tokens (default: the model's, at most 32768)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        metavar="S",
-        help="seconds SIGTERM waits for requests in flight (default: 30)",
-    )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        metavar="KEY",
-        help="require this API key (Authorization: Bearer KEY or x-api-key: KEY); repeat for "
-        "several keys. Prefer FREETOKEN_API_KEY or the config file: a flag shows in ps "
-        "(default: no key)",
-    )
-    add_control_flags(p)
+    groups: dict[str | None, Any] = {None: p}
+    for s in settings():
+        if s.section not in groups:
+            groups[s.section] = p.add_argument_group(s.section)
+        _add_flag(groups[s.section], s)
     p.add_argument("--config", metavar="FILE", help="TOML settings file")
     return p
 
@@ -118,8 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     config_file = args.pop("config")
-    if args.get("model_aliases"):  # --model-alias pairs -> the config's table
-        args["model_aliases"] = dict(args["model_aliases"])
     try:
         cfg = resolve(args, config_file)
     except ConfigError as e:

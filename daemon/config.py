@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
+MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")  # experts/backend.create_backend
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 ATTENTION_KERNELS = ("torch", "triton")  # models/layers/attention.DECODE_KERNELS (tested)
 # experts/formats.FORMATS less bf16 and the mixed block formats (tested)
@@ -29,75 +30,261 @@ class ConfigError(ValueError):
     """A setting we cannot use; the message names the key and where it came from."""
 
 
-class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Every knob; config/freetokend.toml documents each one with its default."""
+def about(
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    flag: str | None = None,
+) -> msgspec.Meta:
+    """A setting's help text, beside its field: the ``--help`` line of its flag (which adds the
+    default where the field has a plain one) and the description in its JSON schema.
+    ``metavar`` names the value in ``--help``; ``choices`` are the values the flag takes;
+    ``flag`` is the flag's name where it is not the key's (``--model-alias``)."""
+    extra = {"metavar": metavar, "choices": choices, "flag": flag}
+    return msgspec.Meta(description=help, extra={k: v for k, v in extra.items() if v})
 
-    model: str | None = None  # model folder; None = the built-in tiny model
-    served_model_name: str | None = None  # the id clients send; default: the folder name
-    host: str = "127.0.0.1"
-    port: int = 1919
-    state_dir: str | None = None  # default: $STATE_DIRECTORY (systemd), else XDG state home
-    # admin gRPC socket; default: $RUNTIME_DIRECTORY/admin.sock (systemd), else a per-user
-    # runtime path; "off" = no admin socket
-    admin_socket: str | None = None
-    moe_backend: str = "auto"
-    # quantize float checkpoints' experts at load: mxfp4 | nvfp4 | fp8_block (quantized
-    # checkpoints load as stored); None = every checkpoint as stored
-    quantize_experts: str | None = None
-    # quantize float checkpoints' dense layers and experts at load by a preset: q4_k_m | q8_0 |
-    # mxfp4 (the mix per tensor class: models/dense_quant.py); excludes quantize_experts
-    quantize: str | None = None
-    max_batch: int = 32  # requests decoded together (the continuous batch)
-    max_queue: int = 64  # requests waiting beyond the batch before 429/529
-    max_model_len: int | None = None  # context limit; default: the model's (capped)
-    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+
+# The first key of each group of settings after the first group, with the group's title.
+SECTIONS: dict[str, str] = {
+    "api_key": "HTTP access",
+    "accelerator": "control plane (devices, models, caches; ftctl changes models and cache sizes "
+    "at run time)",
+    "prefix_cache": "agent state reuse",
+}
+
+
+class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every knob, each with its help text (its ``freetokend`` flag, made by ``settings()``);
+    config/freetokend.toml documents each one with its default."""
+
+    model: Annotated[
+        str | None,
+        about(
+            "HF or FTW model folder, or a .gguf file (default: the built-in tiny model, "
+            "generated on first use)",
+            metavar="PATH",
+        ),
+    ] = None
+    served_model_name: Annotated[
+        str | None, about("model id clients send (default: the folder name)", metavar="NAME")
+    ] = None
+    host: Annotated[str, about("address to listen on")] = "127.0.0.1"
+    port: Annotated[int, about("TCP port; 0 picks a free one")] = 1919
+    state_dir: Annotated[
+        str | None,
+        about(
+            "state folder: built-in model, databases (default: $STATE_DIRECTORY under "
+            "systemd, else $XDG_STATE_HOME/freetoken, else ~/.local/state/freetoken)",
+            metavar="DIR",
+        ),
+    ] = None
+    admin_socket: Annotated[
+        str | None,
+        about(
+            "admin gRPC unix socket for ftctl (default: $RUNTIME_DIRECTORY/admin.sock under "
+            "systemd, else a per-user runtime path; off = none)",
+            metavar="PATH",
+        ),
+    ] = None
+    moe_backend: Annotated[
+        str,
+        about(
+            "where experts run; auto: cpu without a GPU, else offload, or hybrid where the "
+            "stored bandwidth profile says the CPU pays",
+            choices=MOE_BACKENDS,
+        ),
+    ] = "auto"
+    quantize_experts: Annotated[
+        str | None,
+        about(
+            "quantize float checkpoints' routed experts at load (mxfp4: 4.25 bits a weight, "
+            "about 1/4 of the RAM and of the bytes read per token; checkpoints already "
+            "quantized load as stored); default: as stored",
+            choices=QUANTIZE_FORMATS,
+        ),
+    ] = None
+    quantize: Annotated[
+        str | None,
+        about(
+            "quantize float checkpoints' dense layers (GGUF block formats, native integer dot "
+            "products on the CPU) and experts at load, by a named mix per tensor class "
+            "(models/dense_quant.py); --quantize-experts is the experts-only form (the two "
+            "exclude each other)",
+            choices=QUANTIZE_PRESETS,
+        ),
+    ] = None
+    max_batch: Annotated[
+        int, about("requests decoded together, the continuous batch", metavar="N")
+    ] = 32
+    max_queue: Annotated[
+        int, about("requests waiting beyond the batch before 429/529", metavar="N")
+    ] = 64
+    # the cap: engine/llm._context_limit
+    max_model_len: Annotated[
+        int | None,
+        about(
+            "context limit in tokens, never above the model's own (default: the model's, "
+            "at most the KV pool's size in tokens)",
+            metavar="N",
+        ),
+    ] = None
+    drain_timeout: Annotated[
+        float, about("seconds SIGTERM waits for requests in flight", metavar="S")
+    ] = 30.0
     # ---- HTTP access (server/access.py) ----
-    # API keys clients must send (Authorization: Bearer KEY or x-api-key: KEY): one key, a
-    # comma-separated string of keys, or a list; None = no key needed
-    api_key: str | list[str] | None = None
-    allowed_hosts: list[str] = []  # Host names accepted besides loopback ones; "*" = any
-    allowed_origins: list[str] = []  # browser Origins accepted besides loopback; "*" = any
+    # a config file or the environment may also give one key or a comma-separated string
+    api_key: Annotated[
+        str | list[str] | None,
+        about(
+            "require this API key (Authorization: Bearer KEY or x-api-key: KEY); repeat for "
+            "several keys. Prefer FREETOKEN_API_KEY or the config file: a flag shows in ps "
+            "(default: no key)",
+            metavar="KEY",
+        ),
+    ] = None
+    allowed_hosts: Annotated[
+        list[str],
+        about(
+            "a Host name accepted besides the loopback ones (the rest are refused: DNS "
+            "rebinding); * = any; repeat for several (default: loopback names only)",
+            metavar="NAME",
+        ),
+    ] = []
+    allowed_origins: Annotated[
+        list[str],
+        about(
+            "a browser Origin accepted besides loopback ones; * = any; repeat for several "
+            "(default: loopback origins only)",
+            metavar="ORIGIN",
+        ),
+    ] = []
     # ---- control plane (models, elastic caches, VRAM watcher) ----
-    # auto | cuda | standin (CPU stand-in, for tests) | fake-cuda (the CUDA code path on a
-    # simulated card, no data: placement, device bytes and host syncs; tokens are meaningless)
-    accelerator: str = "auto"
-    vram_mib: int | None = None  # the simulated card of accelerator fake-cuda, MiB (required)
-    # decode attention with the KV pool on a GPU: torch (pages gathered, torch ops) | triton
-    # (the paged decode kernel, kernels/paged_attention.py, and the Gated DeltaNet decode step
-    # and chunked prefill, kernels/deltanet.py); torch until a GPU run of tests/gpu/check.sh
-    # verifies the kernels (process-wide: models/layers/attention.py)
-    attention_kernel: str = "torch"
-    # decode steps as CUDA graphs, one per batch-size bucket (1, 2, 4, 8) and page-table width,
-    # captured at load (engine/graphs.py): a real GPU with the fused or offload backend only;
-    # elsewhere (hybrid, a model without a static decode form, a failed capture) decode runs
-    # without graphs and one log line says why
-    cuda_graphs: bool = False
-    # bf16 weights on the CPU on vdpbf16ps where it has AVX512-BF16 (activations rounded to
-    # bf16, as llama.cpp's BF16 path); elsewhere logged and off. Off: fp32-activation kernels
-    cpu_bf16_dot: bool = True
-    # with the cpu backend, weights collapsed into 2 MiB transparent huge pages after load
-    # (models/hugepages.py: fewer TLB misses per token; about 0.5 s a GB of load time)
-    huge_pages: bool = True
-    moe_slots: int | None = None  # accelerator expert slots; default: what fits free VRAM
-    kv_tokens: int | None = None  # KV pool size in tokens; default: the engine's (131072)
-    auto_switch: bool = False  # a request naming a resident, inactive model switches to it
-    # a request naming no resident or registered model is answered by the active model
-    # (the response names it); true = such a request is a 404
-    strict_model_names: bool = False
-    model_aliases: dict[str, str] = msgspec.field(default_factory=dict)  # name -> model name
-    host_pool_budget_gb: float = 0.0  # host RAM for resident models' weights; 0 = 3/4 of RAM
-    vram_watch: bool = True  # shrink the expert cache under VRAM pressure (NVML), grow it back
-    vram_low_mb: int = 1024  # free VRAM below this: shrink the expert cache at a safe point
-    vram_high_mb: int = 3072  # free VRAM above this: grow it back towards its target size
-    vram_poll_s: float = 2.0  # seconds between NVML readings
+    accelerator: Annotated[
+        str,
+        about(
+            "expert device; fake-cuda: the CUDA code path on a simulated card of --vram-mib "
+            "without data (placement, device bytes and host syncs; tokens are meaningless); "
+            "standin: a CPU stand-in, for tests",
+            choices=ACCELERATORS,
+        ),
+    ] = "auto"
+    vram_mib: Annotated[
+        int | None,
+        about(
+            "the fake-cuda card's memory in MiB, required with it and refused otherwise",
+            metavar="N",
+        ),
+    ] = None
+    # process-wide (models/layers/attention.py); triton runs kernels/paged_attention.py and the
+    # Gated DeltaNet decode step and chunked prefill of kernels/deltanet.py
+    attention_kernel: Annotated[
+        str,
+        about(
+            "decode attention with the KV pool on a GPU: torch (pages gathered, torch ops) or "
+            "triton (the paged decode and Gated DeltaNet kernels); torch until a GPU run of "
+            "tests/gpu/check.sh verifies the kernels",
+            choices=ATTENTION_KERNELS,
+        ),
+    ] = "torch"
+    cuda_graphs: Annotated[
+        bool,
+        about(
+            "capture decode steps as CUDA graphs at load, one per batch-size bucket (1, 2, 4, "
+            "8) and page-table width (engine/graphs.py): a real GPU with the fused or offload "
+            "backend only; elsewhere (hybrid, a model without a static decode form, a failed "
+            "capture) decode runs without graphs and one log line says why"
+        ),
+    ] = False
+    cpu_bf16_dot: Annotated[
+        bool,
+        about(
+            "bf16 weights on the CPU on vdpbf16ps where it has AVX512-BF16 (activations rounded "
+            "to bf16, as llama.cpp's BF16 path); elsewhere logged and off. Off: fp32-activation "
+            "kernels"
+        ),
+    ] = True
+    huge_pages: Annotated[
+        bool,
+        about(
+            "with the cpu backend, collapse the weights into 2 MiB transparent huge pages after "
+            "load (models/hugepages.py): fewer TLB misses per token, about 0.5 s a GB of load "
+            "time"
+        ),
+    ] = True
+    moe_slots: Annotated[
+        int | None,
+        about("expert slots on the accelerator (default: what fits its free memory)", metavar="N"),
+    ] = None
+    kv_tokens: Annotated[
+        int | None,
+        about(
+            "KV pool size in tokens (default: 131072 with the cpu backend; on an accelerator, "
+            "a quarter of the memory its dense weights leave)",
+            metavar="N",
+        ),
+    ] = None
+    auto_switch: Annotated[
+        bool, about("a request naming a resident, inactive model switches to it")
+    ] = False
+    strict_model_names: Annotated[
+        bool,
+        about(
+            "a request naming no loaded or registered model is a 404; false: the active model "
+            "answers and the response names it"
+        ),
+    ] = False
+    model_aliases: Annotated[
+        dict[str, str],
+        about(
+            "requests naming NAME go to MODEL (repeatable; TOML: [model_aliases] table)",
+            metavar="NAME=MODEL",
+            flag="model-alias",
+        ),
+    ] = msgspec.field(default_factory=dict)
+    host_pool_budget_gb: Annotated[
+        float, about("host RAM for resident models' weights; 0 = 3/4 of RAM", metavar="GB")
+    ] = 0.0
+    vram_watch: Annotated[
+        bool, about("shrink the expert cache under VRAM pressure (NVML), grow it back")
+    ] = True
+    vram_low_mb: Annotated[
+        int, about("free VRAM below this: shrink the expert cache at a safe point", metavar="MB")
+    ] = 1024
+    vram_high_mb: Annotated[
+        int,
+        about(
+            "free VRAM above this: grow the expert cache back towards its target size",
+            metavar="MB",
+        ),
+    ] = 3072
+    vram_poll_s: Annotated[float, about("seconds between NVML readings", metavar="S")] = 2.0
     # ---- agent state reuse (ARCHITECTURE §5) ----
-    prefix_cache: bool = True  # reuse KV and recurrent-state snapshots across requests
-    snapshot_policy: str = "anchors"  # anchors | anchors:all | interval:N | none
-    snapshot_budget_mb: float = 256.0  # RAM for recurrent-state snapshots (own LRU)
-    # disk for session snapshots (with their prefix KV) in the state folder, so a restarted
-    # daemon resumes agent sessions; 0 = keep none on disk
-    spill_budget_mb: float = 2048.0
-    spill_idle_s: float = 2.0  # write new session snapshots after this many idle seconds
+    prefix_cache: Annotated[
+        bool, about("reuse KV and recurrent-state snapshots across requests")
+    ] = True
+    snapshot_policy: Annotated[
+        str,
+        about(
+            "where hybrid models save recurrent state: anchors (agent turn and tool "
+            "boundaries), anchors:all, interval:N, none",
+            metavar="P",
+        ),
+    ] = "anchors"
+    snapshot_budget_mb: Annotated[
+        float, about("RAM for recurrent-state snapshots, their own LRU", metavar="MB")
+    ] = 256.0
+    spill_budget_mb: Annotated[
+        float,
+        about(
+            "disk for session snapshots (with their prefix KV) in the state folder, so a "
+            "restart resumes agent sessions without re-prefilling them; 0 = none",
+            metavar="MB",
+        ),
+    ] = 2048.0
+    spill_idle_s: Annotated[
+        float, about("write new session snapshots after this many idle seconds", metavar="S")
+    ] = 2.0
 
     def check(self) -> DaemonConfig:
         if self.moe_backend not in MOE_BACKENDS:
@@ -139,6 +326,77 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 FIELDS: tuple[str, ...] = DaemonConfig.__struct_fields__
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One DaemonConfig field as a command line shows it."""
+
+    key: str
+    kind: str  # str | int | float | bool | list (a repeatable flag) | dict (NAME=VALUE pairs)
+    default: Any  # the field's default (None: unset, computed at run time)
+    help: str
+    metavar: str | None
+    choices: tuple[str, ...] | None
+    flag: str  # --key with - for _, unless about(flag=...) names another
+    section: str | None  # the title of its group (SECTIONS); None: the first group
+
+    @property
+    def default_text(self) -> str | None:
+        """The default as --help writes it; None where there is no plain one to write (unset,
+        empty: the help text says what happens then)."""
+        value = self.default
+        if value is None or value == [] or value == {}:
+            return None
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_KINDS = {
+    msgspec.inspect.StrType: "str",
+    msgspec.inspect.IntType: "int",
+    msgspec.inspect.FloatType: "float",
+    msgspec.inspect.BoolType: "bool",
+    msgspec.inspect.ListType: "list",
+    msgspec.inspect.DictType: "dict",
+}
+
+
+def _kind(t: msgspec.inspect.Type) -> str:
+    """The field's value kind; ``str | list[str]`` (api_key) is a list on a command line."""
+    types = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
+    kinds = [_KINDS[type(x)] for x in types if not isinstance(x, msgspec.inspect.NoneType)]
+    return "list" if "list" in kinds else kinds[0]
+
+
+def settings() -> tuple[Setting, ...]:
+    """Every DaemonConfig field in declaration order, with its help text and flag."""
+    info = msgspec.inspect.type_info(DaemonConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
+    out: list[Setting] = []
+    section: str | None = None
+    for field in info.fields:
+        meta = field.type
+        assert isinstance(meta, msgspec.inspect.Metadata), f"{field.name}: no about(...)"
+        extra = meta.extra or {}
+        section = SECTIONS.get(field.name, section)
+        default = field.default
+        if default is msgspec.NODEFAULT:
+            default = field.default_factory()
+        out.append(
+            Setting(
+                key=field.name,
+                kind=_kind(meta.type),
+                default=default,
+                help=(meta.extra_json_schema or {})["description"],
+                metavar=extra.get("metavar"),
+                choices=extra.get("choices"),
+                flag="--" + extra.get("flag", field.name.replace("_", "-")),
+                section=section,
+            )
+        )
+    return tuple(out)
 
 
 def check_control(cfg: DaemonConfig) -> None:

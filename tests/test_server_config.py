@@ -81,3 +81,43 @@ def test_help_and_config_errors(capsys, tmp_path: Path):
     bad.write_text("this is = not toml =\n")
     assert main(["--config", str(bad)]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_every_setting_has_a_flag_with_help(capsys):
+    """The flags come from DaemonConfig's fields (config.settings): each field has one, with
+    its help text and, where the field has a plain default, that default."""
+    from freetokend.config import FIELDS, settings
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert [s.key for s in settings()] == list(FIELDS)
+    for s in settings():
+        action = actions.get(s.key)
+        assert action is not None, f"{s.key} has no flag"
+        assert s.flag in action.option_strings
+        assert s.help and s.help in (action.help or ""), s.key
+        if s.default_text is not None:
+            assert (action.help or "").endswith(f"(default: {s.default_text})"), s.key
+        if s.choices:
+            assert tuple(action.choices or ()) == s.choices, s.key
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for s in settings():
+        assert s.flag in out
+
+
+def test_flags_give_every_kind_of_value():
+    args = cli(
+        "--cuda-graphs", "on", "--huge-pages", "no", "--attention-kernel", "triton",
+        "--allowed-hosts", "a.example", "--allowed-hosts", "b.example",
+        "--model-alias", "fast=/m/a", "--model-alias", " slow = /m/b ",
+        "--api-key", "k1", "--api-key", "k2", "--drain-timeout", "1.5",
+    )  # fmt: skip
+    cfg = resolve(args, None, {"FREETOKEN_STATE_DIR": "/s"})
+    assert (cfg.cuda_graphs, cfg.huge_pages, cfg.attention_kernel) == (True, False, "triton")
+    assert cfg.allowed_hosts == ["a.example", "b.example"]
+    assert cfg.model_aliases == {"fast": "/m/a", "slow": "/m/b"}
+    assert (cfg.api_keys, cfg.drain_timeout) == (("k1", "k2"), 1.5)
+    for bad in (("--cuda-graphs", "maybe"), ("--model-alias", "x"), ("--moe-backend", "gpu")):
+        with pytest.raises(SystemExit):
+            cli(*bad)

@@ -15,10 +15,10 @@ from typing import Any, overload
 
 import torch
 
+from ..config import MOE_BACKENDS
 from ..experts import accelerator as accelerators
 from ..experts.accelerator import Accelerator
 from ..experts.backend import (
-    BACKENDS,
     CpuBackend,
     RoutingRecorder,
     SlotBudget,
@@ -173,9 +173,9 @@ class LLM:
         cpu_bf16_dot: bool = True,
         huge_pages: bool = True,
     ) -> None:
-        if moe_backend not in BACKENDS:
+        if moe_backend not in MOE_BACKENDS:
             raise ValueError(
-                f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(BACKENDS)}"
+                f"unknown moe_backend {moe_backend!r}; choose one of {', '.join(MOE_BACKENDS)}"
             )
         if (accelerator == "fake-cuda") != (vram_mib is not None):
             raise ValueError("vram_mib (the simulated card) goes with accelerator 'fake-cuda'")

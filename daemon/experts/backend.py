@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..config import MOE_BACKENDS
 from .accelerator import Accelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 
@@ -22,8 +23,6 @@ if TYPE_CHECKING:
     from .device_backends import FusedBackend
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")
 
 
 class MoEBackend(Protocol):
@@ -204,8 +203,8 @@ def resolve_backend(
     (B_H > B_P). Other names are themselves."""
     from .accelerator import StandinAccelerator
 
-    if name not in BACKENDS:
-        raise ValueError(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"unknown MoE backend {name!r}; choose one of {', '.join(MOE_BACKENDS)}")
     if name != "auto":
         return name
     given = accelerator if isinstance(accelerator, Accelerator) else None

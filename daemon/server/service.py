@@ -222,7 +222,8 @@ class ModelService:
 
     # --- generation --------------------------------------------------------------------------
 
-    def sampling_params(self, s: Sampling) -> SamplingParams:
+    def sampling_params(self, s: Sampling, max_tokens: int) -> SamplingParams:
+        """The engine's parameters for ``s`` with ``max_tokens`` resolved (``_params_for``)."""
         if any(not 0 <= t < self.vocab_size for t in s.stop_token_ids):
             raise InvalidRequest(
                 f"stop_token_ids must be token ids in [0, {self.vocab_size})",
@@ -230,7 +231,7 @@ class ModelService:
             )
         kw: dict[str, Any] = {
             **self.defaults,
-            "max_tokens": s.max_tokens,
+            "max_tokens": max_tokens,
             "stop_token_ids": frozenset(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
             "logprobs": s.logprobs,
@@ -282,11 +283,13 @@ class ModelService:
         return self._submit(ids, params, None, PassThrough(), sampling)
 
     def _params_for(self, n_prompt: int, s: Sampling) -> SamplingParams:
-        """Resolve an omitted max_tokens to the rest of the context, then check the total."""
-        if s.max_tokens is None:
-            s.max_tokens = max(1, self.max_model_len - n_prompt)
-        self._check_context(n_prompt, s.max_tokens, s.max_tokens_field)
-        return self.sampling_params(s)
+        """Resolve an omitted max_tokens to the rest of the context (the request's ``Sampling``
+        keeps what the client sent), then check the total."""
+        max_tokens = (
+            s.max_tokens if s.max_tokens is not None else max(1, self.max_model_len - n_prompt)
+        )
+        self._check_context(n_prompt, max_tokens, s.max_tokens_field)
+        return self.sampling_params(s, max_tokens)
 
     def _check_context(self, n_prompt: int, max_tokens: int, field: str = "max_tokens") -> None:
         if n_prompt + max_tokens > self.max_model_len:
