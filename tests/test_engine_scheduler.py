@@ -1,4 +1,4 @@
-"""EngineCore scheduling: preemption under a small KV pool, aborts, validation, NO_TOKEN finish."""
+"""EngineCore scheduling (engine/scheduler.py Scheduler): preemption under a small KV pool, aborts, validation, NO_TOKEN finish."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.engine.core import NO_TOKEN
 from freetokend.engine.sampler import SamplingParams
+from freetokend.engine.scheduler import Request, Scheduler
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe", "gpt_oss"])
@@ -118,3 +119,38 @@ def test_short_prompt_is_not_held_behind_a_long_prefill(model_dir):
             got.setdefault(out.request_id, []).append(out.token_id)
     assert first["short"] == 2 and first["long"] >= 7  # 400 tokens: 7 chunks of 64
     assert got == alone
+
+
+def test_step_plan_decode_rows_then_shortest_chunks_within_the_budget(model_dir):
+    """The Scheduler alone: admission stops at max_batch; a plan gives decode rows one token,
+    then prompt chunks shortest first within max_step_tokens, each with its pages reserved."""
+    llm = LLM(model_dir, max_model_len=128, kv_tokens=1024, prefix_cache=False)
+    sched = Scheduler(llm.runner, max_batch=3, max_step_tokens=10)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for rid, n in [("long", 30), ("short", 5), ("mid", 12), ("late", 3)]:
+        sched.add(Request(rid, list(range(2, 2 + n)), params, None, None))
+    sched.admit()
+    assert [r.rid for r in sched.running] == ["long", "short", "mid"]
+    assert [r.rid for r in sched.waiting] == ["late"]
+    plan = sched.schedule()
+    assert [(s.req.rid, len(s.tokens), s.sample) for s in plan] == [
+        ("short", 5, True),
+        ("mid", 5, False),
+    ]
+    for s in plan:
+        assert s.state is s.req.state
+        assert llm.runner.pages_missing(s.state, s.state.num_tokens + len(s.tokens)) == 0
+    assert sched.computed_total == 10
+    for s in plan:  # as the forward leaves them; "short" sampled a token: one row to decode
+        s.state.num_tokens += len(s.tokens)
+    plan[0].req.output.append(7)
+    plan = sched.schedule()
+    assert [(s.req.rid, len(s.tokens), s.sample) for s in plan] == [
+        ("short", 1, True),
+        ("mid", 7, True),
+        ("long", 2, False),
+    ]
+    for req in list(sched.running):
+        sched.finish(req)
+    sched.abort("late")
+    assert not sched.has_work() and llm.runner.kv.num_used == 0

@@ -1,10 +1,10 @@
 """EngineCore: continuous batching over the ModelRunner.
 
-Requests share forward steps: each `step()` feeds one token of every decoding request plus
-chunks of waiting prompts (up to a token budget), samples where a sequence reached its end, and
-reports one StepOutput per sampled token. KV pages are taken lazily; when the pool runs dry the
-most recently admitted request is preempted (its cache dropped, recomputed later from its
-prompt and the tokens it already produced).
+Requests share forward steps: each `step()` asks the scheduler (`scheduler.Scheduler`) for a
+step plan (one token of every decoding request plus chunks of waiting prompts, up to a token
+budget, their KV pages reserved; when the pool runs dry the most recently admitted request is
+preempted), runs it through the runner, samples where a sequence reached its end, and reports
+one StepOutput per sampled token.
 
 Thread model: `step()` runs in one engine thread. `add_request` and `abort` may be called from
 any thread; they validate at once and hand the request over through a locked inbox.
@@ -19,32 +19,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import torch
 
 from ..kv.pool import KVPoolFull
-from ..kv.seq_state import SeqState
 from ..native import dense_native
 from ..runtime.staging import to_device
 from .prefix import PrefixReuse
 from .row_guard import fill_masks, sample_rows
 from .runner import ModelRunner, Work
 from .sampler import SamplingParams, logprobs_of
+from .scheduler import Constraint, Request, Scheduler
 
 log = logging.getLogger(__name__)
-
-
-class Constraint(Protocol):
-    def fill_mask(self, logits: torch.Tensor) -> None:
-        """In place on logits [V]: disallowed tokens -> -inf."""
-
-    def accept(self, token_id: int) -> None: ...
-
-    def is_terminated(self) -> bool: ...
-
 
 NO_TOKEN = -1  # StepOutput.token_id of a finish notice that carries no token
 
@@ -75,25 +64,6 @@ class EngineStats(msgspec.Struct):
     preemptions_total: int = 0
 
 
-@dataclass
-class _Request:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    constraint: Constraint | None
-    generator: torch.Generator | None
-    output: list[int] = field(default_factory=list)
-    state: SeqState | None = None
-    # Prompt tokens never computed for this request: restored at its first admission, lowered
-    # if a re-admission after a preemption restored less (its own pages do not count as cached).
-    cached: int = 0
-    admitted: bool = False
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-
 class EngineCore:
     def __init__(
         self,
@@ -106,25 +76,44 @@ class EngineCore:
         spill_idle_s: float = 2.0,
     ) -> None:
         self.runner = runner
-        self.prefix = prefix
+        self.scheduler = Scheduler(runner, max_batch, max_step_tokens, prefix)
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.max_batch = max_batch
-        self.max_step_tokens = max_step_tokens
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._lock = threading.Lock()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
         self._generated = 0
-        self._preemptions = 0
-        self._cached_total = 0
-        self._computed_total = 0
         self.spill_idle_s = spill_idle_s  # idle(): seconds without work before snapshots spill
         self._busy_at = time.monotonic()
         self._spill_tried_at: float | None = None  # the _busy_at of the last idle spill attempt
         # entered around each step (and the hub's safe-point operations) in the stepping
         # thread: the fake CUDA device's per-thread modes (LLM(accelerator="fake-cuda"))
         self.device_scope: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+
+    # The scheduler's settings, read and set through the core (the hub pauses admission by
+    # setting max_batch to 0; tests swap the prefix cache).
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
+
+    @max_batch.setter
+    def max_batch(self, n: int) -> None:
+        self.scheduler.max_batch = n
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.scheduler.max_step_tokens
+
+    @max_step_tokens.setter
+    def max_step_tokens(self, n: int) -> None:
+        self.scheduler.max_step_tokens = n
+
+    @property
+    def prefix(self) -> PrefixReuse | None:
+        return self.scheduler.prefix
+
+    @prefix.setter
+    def prefix(self, prefix: PrefixReuse | None) -> None:
+        self.scheduler.prefix = prefix
 
     # ---- called from any thread -------------------------------------------------------------
     def add_request(
@@ -146,7 +135,7 @@ class EngineCore:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context ({self.max_model_len})"
             )
         gen = self.runner.placement.generator(params)  # where the logits are sampled
-        req = _Request(request_id, list(prompt_ids), params, constraint, gen)
+        req = Request(request_id, list(prompt_ids), params, constraint, gen)
         with self._lock:
             self._inbox.append(("add", req))
 
@@ -156,22 +145,22 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._waiting or self._running)
+            return bool(self._inbox) or self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
         kv = self.runner.kv
-        cached = self.prefix.radix.cached_pages() if self.prefix is not None else 0
-        active = {p for r in list(self._running) if r.state is not None for p in r.state.pages}
+        sched = self.scheduler
+        cached = sched.prefix.radix.cached_pages() if sched.prefix is not None else 0
         return EngineStats(
-            running=len(self._running),
-            waiting=len(self._waiting),
-            kv_pages_used=len(active),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_pages_used=sched.pages_in_use(),
             kv_pages_total=kv.num_pages,
             kv_pages_cached=cached,
-            prompt_tokens_cached_total=self._cached_total,
-            prompt_tokens_computed_total=self._computed_total,
+            prompt_tokens_cached_total=sched.cached_total,
+            prompt_tokens_computed_total=sched.computed_total,
             generated_tokens_total=self._generated,
-            preemptions_total=self._preemptions,
+            preemptions_total=sched.preemptions,
         )
 
     # ---- engine thread ----------------------------------------------------------------------
@@ -181,102 +170,24 @@ class EngineCore:
             self._inbox.clear()
         for kind, item in items:
             if kind == "add":
-                assert isinstance(item, _Request)
-                self._waiting.append(item)
+                assert isinstance(item, Request)
+                self.scheduler.add(item)
             else:
-                self._drop(str(item))
-
-    def _drop(self, rid: str) -> None:
-        for req in list(self._running):
-            if req.rid == rid:
-                self._running.remove(req)
-                self._free(req)
-        self._waiting = collections.deque(r for r in self._waiting if r.rid != rid)
-
-    def _free(self, req: _Request) -> None:
-        if req.state is not None:
-            if self.prefix is not None:
-                self.prefix.release(req.tokens, req.state)
-            self.runner.release(req.state)
-            req.state = None
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch:
-            req = self._waiting.popleft()
-            req.state = self.runner.new_state()
-            if self.prefix is not None:
-                cached = min(self.prefix.restore(req.tokens, req.state), len(req.prompt))
-                if not req.admitted or cached < req.cached:
-                    # Positions [cached, req.cached) will be computed now: no longer cached.
-                    self._cached_total += cached - req.cached
-                    req.cached = cached
-            req.admitted = True
-            self._running.append(req)
-
-    def _plan(self) -> list[tuple[_Request, list[int], bool]]:
-        """Decode rows first (one token each), then prompt chunks within the token budget,
-        shortest remaining prompt first: a short request (an agent's title or a quick tool
-        turn) is not held behind another's long prefill, which only loses its short share."""
-        plan, budget = [], self.max_step_tokens
-        prefills: list[tuple[int, _Request]] = []
-        for req in self._running:
-            assert req.state is not None
-            toks = req.tokens
-            left = len(toks) - req.state.num_tokens
-            if left == 1:
-                plan.append((req, toks[-1:], True))
-                budget -= 1
-            elif left > 1:
-                prefills.append((left, req))
-        prefills.sort(key=lambda p: p[0])  # stable: equal lengths keep their arrival order
-        for _, req in prefills:
-            assert req.state is not None
-            toks, fed = req.tokens, req.state.num_tokens
-            if budget > 0:
-                end = fed + min(budget, len(toks) - fed)
-                if self.prefix is not None:  # stop at a snapshot point to capture the state there
-                    end = self.prefix.chunk_end(toks, fed, end, req.state)
-                plan.append((req, toks[fed:end], end == len(toks)))
-                budget -= end - fed
-        return plan
-
-    def _reserve(
-        self, plan: list[tuple[_Request, list[int], bool]]
-    ) -> list[tuple[_Request, list[int], bool]]:
-        """Takes KV pages for the plan, preempting the newest requests while the pool is short."""
-        kv = self.runner.kv
-        while True:
-            need = 0
-            for r, t, _ in plan:
-                assert r.state is not None
-                need += self.runner.pages_missing(r.state, r.state.num_tokens + len(t))
-            if need > kv.num_free and self.prefix is not None:
-                self.prefix.evict(need - kv.num_free)
-            if need <= kv.num_free:
-                for r, t, _ in plan:
-                    assert r.state is not None
-                    self.runner.reserve(r.state, r.state.num_tokens + len(t))
-                return plan
-            if len(self._running) <= 1:
-                raise KVPoolFull("the KV pool cannot hold a single request of this length")
-            victim = self._running.pop()
-            self._free(victim)
-            self._waiting.appendleft(victim)
-            self._preemptions += 1
-            plan = [p for p in plan if p[0] is not victim]
+                self.scheduler.abort(str(item))
 
     def idle(self) -> None:
         """Work for an idle engine; the serving loop calls it between requests. Once idle for
         ``spill_idle_s``, writes new session snapshots to disk (a crash loses at most the
         snapshots of the last few seconds; shutdown writes the rest)."""
-        if self._running or self._waiting or self._inbox or self.prefix is None:
+        prefix = self.scheduler.prefix
+        if self.scheduler.has_work() or self._inbox or prefix is None:
             return
-        if time.monotonic() - self._busy_at < self.spill_idle_s or not self.prefix.unspilled():
+        if time.monotonic() - self._busy_at < self.spill_idle_s or not prefix.unspilled():
             return
         if self._spill_tried_at == self._busy_at:
             return  # one attempt per idle period (a full disk is not retried every second)
         self._spill_tried_at = self._busy_at
-        report = self.prefix.spill_now()
+        report = prefix.spill_now()
         if report is not None and report.files:
             log.info(
                 "spilled %d session snapshot(s): %d MiB in %.2f s",
@@ -290,37 +201,32 @@ class EngineCore:
             return self._step()
 
     def _step(self) -> list[StepOutput]:
+        sched = self.scheduler
         self._drain_inbox()
-        self._admit()
-        if not self._running:
+        sched.admit()
+        if not sched.running:
             return []
         self._busy_at = time.monotonic()
         try:
-            plan = self._reserve(self._plan())
+            plan = sched.schedule()
         except KVPoolFull:
-            return [self._finish_now(self._running[0], "length")]
+            return [self._finish_now(sched.running[0], "length")]
         if not plan:
             return []
-        for r, t, _ in plan:  # prompt positions this step computes
-            assert r.state is not None
-            start = r.state.num_tokens
-            self._computed_total += max(0, min(start + len(t), len(r.prompt)) - start)
-        logits = self.runner.forward([Work(r.state, t, w) for r, t, w in plan])  # type: ignore[arg-type]
-        if self.prefix is not None:
-            for r, _, _ in plan:
-                self.prefix.after_forward(r.tokens, r.state, len(r.prompt))  # type: ignore[arg-type]
-        sampled = [r for r, _, w in plan if w]
-        outs = self._sample(sampled, logits)
+        logits = self.runner.forward([Work(s.state, s.tokens, s.sample) for s in plan])
+        if sched.prefix is not None:
+            for s in plan:
+                sched.prefix.after_forward(s.req.tokens, s.state, len(s.req.prompt))
+        outs = self._sample([s.req for s in plan if s.sample], logits)
         self._busy_at = time.monotonic()
         return outs
 
-    def _finish_now(self, req: _Request, reason: str) -> StepOutput:
-        self._running.remove(req)
-        self._free(req)
+    def _finish_now(self, req: Request, reason: str) -> StepOutput:
+        self.scheduler.finish(req)
         # NO_TOKEN: the request ends without a new token (its KV no longer fits).
         return StepOutput(req.rid, NO_TOKEN, None, None, True, reason, len(req.prompt), req.cached)
 
-    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         """One token per request in ``reqs`` (logits [B, V], row i for reqs[i]). A failure in
         one request's grammar, sampling or logprobs ends that request alone (row_guard).
 
@@ -355,7 +261,7 @@ class EngineCore:
 
     def _emit(
         self,
-        reqs: list[_Request],
+        reqs: list[Request],
         ids: Sequence[int | None],
         errors: dict[int, str],
         lp: dict[int, tuple[float, list[tuple[int, float]]]],
@@ -377,8 +283,7 @@ class EngineCore:
             self._generated += 1
             reason = self._finish_reason(req, tok)
             if reason is not None:
-                self._running.remove(req)
-                self._free(req)
+                self.scheduler.finish(req)
             chosen_lp, top = lp.get(i, (None, None))
             outs.append(
                 StepOutput(
@@ -396,7 +301,7 @@ class EngineCore:
 
     def _logprobs(
         self,
-        reqs: list[_Request],
+        reqs: list[Request],
         logits: torch.Tensor,
         ids: list[int | None],
         errors: dict[int, str],
@@ -439,17 +344,15 @@ class EngineCore:
                 errors[i] = f"logprobs failed for this request: {type(e).__name__}: {e}"
         return out
 
-    def _fail(self, req: _Request, why: str) -> StepOutput:
+    def _fail(self, req: Request, why: str) -> StepOutput:
         """End one request with an error; the rest of the batch goes on."""
         log.warning("request %s failed alone: %s", req.rid, why)
-        if req in self._running:
-            self._running.remove(req)
-        self._free(req)
+        self.scheduler.finish(req)
         return StepOutput(
             req.rid, NO_TOKEN, None, None, True, "error", len(req.prompt), req.cached, error=why
         )
 
-    def _finish_reason(self, req: _Request, tok: int) -> str | None:
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
@@ -460,7 +363,7 @@ class EngineCore:
         return None
 
 
-def _greedy_ids(reqs: list[_Request], logits: torch.Tensor) -> list[int] | None:
+def _greedy_ids(reqs: list[Request], logits: torch.Tensor) -> list[int] | None:
     """The next token of every row of host ``logits`` when each request is greedy with no
     grammar and no logprobs (one native argmax, what ``sample_rows`` would pick), else None."""
     if not reqs:  # a step of prefill chunks alone

@@ -178,7 +178,7 @@ class EngineHub:
     def _pause(self, lane: Lane) -> None:
         if self._paused is None:
             self._paused = (lane, lane.core.max_batch)
-            lane.core.max_batch = 0  # EngineCore._admit stops; running requests go on
+            lane.core.max_batch = 0  # Scheduler.admit stops; running requests go on
 
     def _resume(self) -> None:
         if self._paused is not None:
