@@ -26,10 +26,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .lane import Lane
 from .ticket import Ticket
+
+if TYPE_CHECKING:
+    from ..engine.core import EngineStats, StepOutput
+    from ..engine.sampler import SamplingParams
+    from ..engine.scheduler import Constraint
 
 _IDLE_WAIT_S = 0.01
 NOT_YET = object()  # returned by an operation's attempt() that cannot apply at this safe point
@@ -70,7 +75,11 @@ class EngineHub:
             self._routes.pop(request_id, None)
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: Any, constraint: Any = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: Constraint | None = None,
     ) -> None:
         with self._route:
             lane = self._routes.pop(request_id, None) or self.desired
@@ -98,12 +107,12 @@ class EngineHub:
             or self.active.core.has_unfinished()
         )
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[StepOutput]:
         with self._step:
             with self.active.core.device_scope():  # resizes and parking touch the device
                 self._safe_point()
             lane = self.active
-            outs: list[Any] = lane.core.step()
+            outs = lane.core.step()
             if self._ops and not outs and not lane.core.stats().running:
                 time.sleep(_IDLE_WAIT_S)  # an operation waits on something other than requests
         if outs:
@@ -114,7 +123,7 @@ class EngineHub:
                         self._owner.pop(out.request_id, None)
         return outs
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         return self.active.core.stats()
 
     def idle(self) -> None:

@@ -13,7 +13,11 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..engine.core import StepOutput
+    from ..engine.protocols import ServingEngine
 
 WINDOW_S = 10.0  # tokens/s window
 TTFT_SAMPLES = 256  # most recent first-token latencies kept for mean/p50/p90
@@ -38,7 +42,7 @@ class LaneCounters:
         with self._lock:
             self._submitted.pop(rid, None)
 
-    def outputs(self, outs: list[Any]) -> None:
+    def outputs(self, outs: list[StepOutput]) -> None:
         """Engine thread: the StepOutputs of one step of this lane."""
         if not outs:
             return
@@ -78,5 +82,5 @@ class Lane:
     """One resident model's engine (an EngineCore) plus its counters."""
 
     name: str
-    core: Any  # EngineCore
+    core: ServingEngine  # an EngineCore
     counters: LaneCounters = field(default_factory=LaneCounters)
