@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ..config import DaemonConfig
 from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
@@ -145,8 +145,8 @@ class ControlPlane:
 
     def _service(self, model: ResidentModel) -> ModelService:
         assert self.hub is not None and self.bridge is not None
-        # LaneBridge is an EngineBridge for the service: submit() routed, the rest forwarded
-        bridge = cast(EngineBridge, LaneBridge(self.bridge, self.hub, model.lane))
+        # the service's bridge: submit() routed to the model's lane, the rest the shared bridge's
+        bridge = LaneBridge(self.bridge, self.hub, model.lane)
         return ModelService(model.llm, bridge, self.metrics, self.names)
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class ControlPlane:
         self.manager.service_factory = self._service
         first.service = self._service(first)
         self.state = ServerState(
-            service=ServiceRouter(  # type: ignore[arg-type]
+            service=ServiceRouter(
                 self.manager, names=self.names, registered=self._registered_names
             ),
             bridge=self.bridge,

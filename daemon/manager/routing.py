@@ -1,15 +1,16 @@
 """How the HTTP server reaches the managed models without knowing there are several.
 
 ``ServiceRouter`` stands where the server expects its ModelService (``ServerState.service``):
-every attribute is the active model's service, and ``check_model`` / ``start_*`` add
+it implements the server's ``Service`` protocol, each attribute the active model's service's, and ``check_model`` / ``start_*`` add
 auto-switch: a request naming a resident, inactive model switches to it first when
 ``auto_switch`` is on (the old model's requests finish first), else it is a 404 that names the
 active model. Aliases map to model names first; a name no resident or registered model has is
 served by the active model unless ``strict_model_names`` (server/model_names.py). The model a request named is carried from ``check_model`` to ``start_*`` in a
 context variable (each HTTP request runs in its own task).
 
-``LaneBridge`` is the bridge a model's ModelService submits through: it tells the engine hub
-which model's engine the next request belongs to, then hands over to the shared bridge.
+``LaneBridge`` is the bridge a model's ModelService submits through (the server's
+``SubmitBridge`` protocol): it tells the engine hub which model's engine the next request
+belongs to, then hands over to the shared bridge.
 """
 
 from __future__ import annotations
@@ -17,9 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
-from ..server.parts import ModelNames, NotFound
+from ..server.parts import (
+    ChatRequest,
+    EngineBridge,
+    Generation,
+    ModelNames,
+    NotFound,
+    Rendered,
+    RequestHandle,
+    Sampling,
+    Service,
+    Submission,
+)
 from .hub import EngineHub
 from .lane import Lane
 from .models import ModelManager
@@ -28,18 +41,25 @@ _target: contextvars.ContextVar[str | None] = contextvars.ContextVar("ft_model",
 
 
 class LaneBridge:
-    def __init__(self, bridge: Any, hub: EngineHub, lane: Lane) -> None:
+    def __init__(self, bridge: EngineBridge, hub: EngineHub, lane: Lane) -> None:
         self._bridge, self._hub, self._lane = bridge, hub, lane
 
-    def submit(self, sub: Any) -> Any:
+    def submit(self, sub: Submission) -> RequestHandle:
         self._hub.route(sub.request_id, self._lane)
         try:
             return self._bridge.submit(sub)
         finally:
             self._hub.unroute(sub.request_id)  # no-op once the hub took it
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._bridge, name)
+    # the rest is the shared bridge's
+    def check_capacity(self, pending: int = 0) -> None:
+        self._bridge.check_capacity(pending)
+
+    def abort(self, request_id: str) -> None:
+        self._bridge.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._bridge.release(request_id)
 
 
 class ServiceRouter:
@@ -55,15 +75,31 @@ class ServiceRouter:
         self._names = names or ModelNames()
         self._registered = registered  # names of models known to the store (maybe unloaded)
 
-    def _active(self) -> Any:
-        return self._manager.desired.service
+    def _active(self) -> Service:
+        service: Service = self._manager.desired.service
+        return service
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._active(), name)
-
+    # ---- the active model's --------------------------------------------------------------------
     @property
     def name(self) -> str:
         return str(self._active().name)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._active().max_model_len
+
+    @property
+    def max_token_chars(self) -> int:
+        return self._active().max_token_chars
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._active().tokenizer
+
+    def admitted(self) -> AbstractContextManager[None]:
+        return self._active().admitted()
+
+    # ---- the requested model's (auto-switch) -------------------------------------------------
 
     def check_model(self, name: str, serve_unknown: bool = True) -> None:
         _target.set(None)
@@ -94,7 +130,7 @@ class ServiceRouter:
             )
         raise NotFound(msg, param="model")
 
-    async def _service(self) -> Any:
+    async def _service(self) -> Service:
         name = _target.get()
         if name is None or name == self._manager.desired.name:
             return self._active()
@@ -104,15 +140,16 @@ class ServiceRouter:
             manager.finish_switch(manager.switch(name, load_if_missing=False), self._switch_timeout)
 
         await asyncio.to_thread(switch)
-        return manager.get(name).service
+        service: Service = manager.get(name).service
+        return service
 
-    async def start_chat(self, req: Any) -> Any:
+    async def start_chat(self, req: ChatRequest) -> tuple[Generation, Rendered]:
         return await (await self._service()).start_chat(req)
 
-    async def start_ids(self, ids: list[int], sampling: Any) -> Any:
+    async def start_ids(self, ids: list[int], sampling: Sampling) -> Generation:
         return await (await self._service()).start_ids(ids, sampling)
 
-    async def count_tokens(self, req: Any) -> Any:
+    async def count_tokens(self, req: ChatRequest) -> int:
         name = _target.get()
-        svc = self._manager.get(name).service if name else self._active()
+        svc: Service = self._manager.get(name).service if name else self._active()
         return await svc.count_tokens(req)

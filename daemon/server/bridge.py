@@ -24,6 +24,7 @@ import structlog
 
 from ..runtime import heartbeat
 from .errors import InvalidRequest, Overloaded
+from .protocols import BridgeEngine
 
 log = structlog.get_logger("freetokend.bridge")
 
@@ -68,7 +69,7 @@ class RequestHandle:
 
 
 class EngineBridge:
-    def __init__(self, engine: Any, max_batch: int, max_queue: int, metrics: Any) -> None:
+    def __init__(self, engine: BridgeEngine, max_batch: int, max_queue: int, metrics: Any) -> None:
         self.engine = engine
         self.capacity = max(1, max_batch) + max(0, max_queue)
         self.metrics = metrics

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.tokenizer import IncrementalDetokenizer, StopChecker
-from .bridge import EngineBridge, RequestHandle
+from .bridge import RequestHandle
 from .errors import RequestFailed
 from .parsers.base import OutputParser, ParsedEvent
+from .protocols import SubmitBridge
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Generation:
     def __init__(
         self,
         *,
-        bridge: EngineBridge,
+        bridge: SubmitBridge,
         handle: RequestHandle,
         tokenizer: Any,
         parser: OutputParser,

@@ -7,22 +7,33 @@ imports nothing else from the server; the server reaches the manager only throug
 
 from __future__ import annotations
 
-from .bridge import IDLE_WAIT_S, EngineBridge
+from .bridge import IDLE_WAIT_S, EngineBridge, RequestHandle, Submission
+from .chat import ChatRequest, Sampling
 from .errors import NotFound
+from .generation import Generation
 from .metrics import Metrics
 from .model_names import ModelNames
-from .service import ModelService
+from .protocols import Service, SubmitBridge
+from .service import ModelService, Rendered
 from .state import ServerState
 from .watchdog import Watchdog, watchdog_seconds
 
 __all__ = [
     "IDLE_WAIT_S",
+    "ChatRequest",
     "EngineBridge",
+    "Generation",
     "Metrics",
     "ModelNames",
     "ModelService",
     "NotFound",
+    "Rendered",
+    "RequestHandle",
+    "Sampling",
     "ServerState",
+    "Service",
+    "Submission",
+    "SubmitBridge",
     "Watchdog",
     "watchdog_seconds",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 import jinja2
 
 from ..engine.sampler import SamplingParams
-from .bridge import EngineBridge, Submission
+from .bridge import Submission
 from .chat import ChatRequest, Sampling, check_sampling
 from .errors import InvalidRequest, NotFound
 from .generation import Generation
@@ -35,6 +35,7 @@ from .parsers.registry import (
     make_output_parser,
     prompt_opens_reasoning,
 )
+from .protocols import SubmitBridge
 
 
 @dataclass
@@ -95,7 +96,7 @@ def max_token_chars(tokenizer: Any) -> int:
 
 class ModelService:
     def __init__(
-        self, llm: Any, bridge: EngineBridge, metrics: Any, names: ModelNames | None = None
+        self, llm: Any, bridge: SubmitBridge, metrics: Any, names: ModelNames | None = None
     ) -> None:
         self.llm = llm
         self.names = names or ModelNames()

@@ -10,12 +10,12 @@ from litestar import Request
 from .bridge import EngineBridge
 from .errors import Unavailable
 from .metrics import Metrics
-from .service import ModelService
+from .protocols import Service
 
 
 @dataclass
 class ServerState:
-    service: ModelService
+    service: Service
     bridge: EngineBridge
     metrics: Metrics
     draining: bool = False

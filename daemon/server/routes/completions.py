@@ -14,14 +14,14 @@ from ..chat import Sampling
 from ..errors import APIError, InternalError, InvalidRequest, error_event
 from ..generation import Generation, TokenLogprob
 from ..openapi import body_operation
+from ..protocols import Service
 from ..schemas.openai import CompletionRequest
-from ..service import ModelService
 from ..state import server_state
 from .common import decode_body, new_id, respond
 from .openai_chat_out import token_name, usage_dict
 
 
-def prompt_of(body: CompletionRequest, svc: ModelService) -> str | list[int]:
+def prompt_of(body: CompletionRequest, svc: Service) -> str | list[int]:
     """The prompt as text or ids, refused (400) before any tokenizing when it cannot fit:
     more ids than the context, or more characters than the context's worth of the longest
     token. Accepts a string, a list of ids, or a one-element batch of either."""
@@ -60,7 +60,7 @@ def prompt_of(body: CompletionRequest, svc: ModelService) -> str | list[int]:
     )
 
 
-def prompt_ids(prompt: str | list[int], svc: ModelService) -> tuple[list[int], str]:
+def prompt_ids(prompt: str | list[int], svc: Service) -> tuple[list[int], str]:
     """(ids, text) of a checked prompt; worker-thread work (tokenizing megabytes takes a
     while and must not stall the event loop)."""
     if isinstance(prompt, str):
