@@ -70,7 +70,13 @@ class EngineHub:
             self._routes.pop(request_id, None)
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: Any, constraint: Any = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        constraint: Any = None,
+        *,
+        checked: bool = False,
     ) -> None:
         with self._route:
             lane = self._routes.pop(request_id, None) or self.desired
@@ -79,7 +85,7 @@ class EngineHub:
                     f"the model {lane.name!r} is being switched out; "
                     f"this daemon now serves {self.desired.name!r}"
                 )
-            lane.core.add_request(request_id, prompt_ids, params, constraint)
+            lane.core.add_request(request_id, prompt_ids, params, constraint, checked=checked)
             self._owner[request_id] = lane
         lane.counters.submitted(request_id)
 
