@@ -122,22 +122,36 @@ class EngineCore:
         prompt_ids: list[int],
         params: SamplingParams,
         constraint: Constraint | None = None,
+        *,
+        checked: bool = False,
     ) -> None:
-        params.validate()
-        n = len(prompt_ids)
-        if n == 0:
+        """Queue a request; ValueError when it cannot run.
+
+        ``checked``: the caller already range-checked ``params`` and fitted ``max_tokens`` to
+        the context with this prompt (the HTTP server does, once, at its edge:
+        ``ModelService.check_limits`` and ``fit_context``), so they are not checked again.
+        Without it (the offline API, ``LLM.generate``, and direct callers) the engine guards
+        itself: ``SamplingParams.validate()`` and prompt + max_tokens within the context. The
+        prompt's own checks (not empty, ids in the vocabulary) run for every caller."""
+        if not checked:
+            self._check_limits(len(prompt_ids), params)
+        if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.runner.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context ({self.max_model_len})"
-            )
         gen = self.runner.placement.generator(params)  # where the logits are sampled
         req = Request(request_id, list(prompt_ids), params, constraint, gen)
         with self._lock:
             self._inbox.append(("add", req))
+
+    def _check_limits(self, n_prompt: int, params: SamplingParams) -> None:
+        """The offline API's guard (the server checks its requests at its edge)."""
+        params.validate()
+        if n_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context ({self.max_model_len})"
+            )
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -31,6 +31,8 @@ class ServingEngine(Protocol):
         prompt_ids: list[int],
         params: SamplingParams,
         constraint: Constraint | None = None,
+        *,
+        checked: bool = False,
     ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -19,7 +19,7 @@ import torch
 from ..native import dense_native
 from ..runtime.staging import to_device
 
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # Ints a tensor of int64 can hold: anything larger overflows when the sampler builds its
 # per-row tensors (a top_k of 2**63 once failed a whole batch).
 INT64_MAX = 2**63 - 1
@@ -52,7 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", 0 <= self.top_k <= INT64_MAX, "must be >= 0 (0 = off)"),
             ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("seed", self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX, "out of range"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "out of range"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             (
                 "stop_token_ids",

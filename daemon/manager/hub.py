@@ -80,6 +80,8 @@ class EngineHub:
         prompt_ids: list[int],
         params: SamplingParams,
         constraint: Constraint | None = None,
+        *,
+        checked: bool = False,
     ) -> None:
         with self._route:
             lane = self._routes.pop(request_id, None) or self.desired
@@ -88,7 +90,7 @@ class EngineHub:
                     f"the model {lane.name!r} is being switched out; "
                     f"this daemon now serves {self.desired.name!r}"
                 )
-            lane.core.add_request(request_id, prompt_ids, params, constraint)
+            lane.core.add_request(request_id, prompt_ids, params, constraint, checked=checked)
             self._owner[request_id] = lane
         lane.counters.submitted(request_id)
 

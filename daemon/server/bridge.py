@@ -38,6 +38,9 @@ class Submission:
     prompt_ids: list[int]
     params: Any  # SamplingParams
     constraint: Any | None  # Constraint
+    # the params came from the server's edge (ModelService.check_limits, then fit_context),
+    # range-checked and fitted to the context: the engine takes them without checking again
+    checked: bool = False
 
 
 @dataclass
@@ -131,7 +134,9 @@ class EngineBridge:
             handle = RequestHandle(sub.request_id, len(sub.prompt_ids))
             self._handles[sub.request_id] = handle
         try:
-            self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params, sub.constraint)
+            self.engine.add_request(
+                sub.request_id, sub.prompt_ids, sub.params, sub.constraint, checked=sub.checked
+            )
         except ValueError as e:
             self.release(sub.request_id)
             raise InvalidRequest(str(e)) from None

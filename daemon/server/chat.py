@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.sampler import MAX_STOP_TOKEN_IDS
+import msgspec
+
+from ..engine.sampler import MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, SamplingParams
 from .errors import InvalidRequest
 from .limits import MAX_JSON_DEPTH, check_stops, json_shape
 
@@ -136,8 +139,14 @@ def assistant_tool_call(call_id: str, name: str, arguments: Any) -> dict[str, An
     }
 
 
-def check_sampling(s: Sampling, max_context: int) -> None:
-    """Value checks the schemas cannot express; each error names the field."""
+def check_sampling(
+    s: Sampling, max_context: int, vocab_size: int, defaults: Mapping[str, Any]
+) -> SamplingParams:
+    """The request's limits, checked once at the edge: each error a 400 naming the field. Returns
+    the engine's parameters (``defaults``, already in range, for the knobs the client omits),
+    which go to the engine unchanged; it does not check them again. An omitted max_tokens is
+    ``max_context`` here (the rest of an empty prompt's context): :func:`fit_context` resolves
+    it, and checks the total, once the prompt's length is known."""
 
     def bad(name: str, why: str) -> InvalidRequest:
         return InvalidRequest(f"{name} {why}", param=name)
@@ -155,6 +164,8 @@ def check_sampling(s: Sampling, max_context: int) -> None:
         raise bad("top_k", f"must be -1, 0 (off) or positive, got {s.top_k}")
     if s.min_p is not None and not 0.0 <= s.min_p <= 1.0:
         raise bad("min_p", f"must be in [0, 1], got {s.min_p}")
+    if s.seed is not None and not SEED_MIN <= s.seed <= SEED_MAX:
+        raise bad("seed", f"out of range, got {s.seed!r}")
     if s.logprobs is not None and not 0 <= s.logprobs <= 20:
         raise bad("top_logprobs", f"must be in [0, 20], got {s.logprobs}")
     check_stops(s.stop)
@@ -162,3 +173,40 @@ def check_sampling(s: Sampling, max_context: int) -> None:
         raise bad("stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} ids")
     if any(t < 0 for t in s.stop_token_ids):
         raise bad("stop_token_ids", "must be token ids >= 0")
+    if any(t >= vocab_size for t in s.stop_token_ids):
+        raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+    kw: dict[str, Any] = {
+        **defaults,
+        "max_tokens": s.max_tokens if s.max_tokens is not None else max_context,
+        "stop_token_ids": frozenset(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "logprobs": s.logprobs,
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        value = getattr(s, name)
+        if value is not None:
+            kw[name] = value
+    # top_k: -1 = off = 0; above the vocabulary = the whole vocabulary = off
+    if not 0 < kw.get("top_k", 0) <= vocab_size:
+        kw["top_k"] = 0
+    return SamplingParams(**kw)
+
+
+def fit_context(
+    params: SamplingParams, s: Sampling, n_prompt: int, max_context: int
+) -> SamplingParams:
+    """``params`` (from :func:`check_sampling`) with an omitted max_tokens resolved to the rest
+    of the context (the request's ``Sampling`` keeps what the client sent); a 400 when the
+    prompt and max_tokens do not fit the context together."""
+    max_tokens = params.max_tokens if s.max_tokens is not None else max(1, max_context - n_prompt)
+    if n_prompt + max_tokens > max_context:
+        field_ = s.max_tokens_field
+        raise InvalidRequest(
+            f"This model's context is {max_context} tokens; the prompt has "
+            f"{n_prompt} tokens and {field_} is {max_tokens} "
+            f"({n_prompt + max_tokens} in all). Shorten the prompt or lower {field_}.",
+            param=field_,
+        )
+    if max_tokens == params.max_tokens:
+        return params
+    return msgspec.structs.replace(params, max_tokens=max_tokens)

@@ -71,6 +71,8 @@ class BridgeEngine(Protocol):
         prompt_ids: list[int],
         params: SamplingParams,
         constraint: Constraint | None = None,
+        *,
+        checked: bool = False,
     ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -22,7 +22,7 @@ import jinja2
 
 from ..engine.sampler import SamplingParams
 from .bridge import Submission
-from .chat import ChatRequest, Sampling, check_sampling
+from .chat import ChatRequest, Sampling, check_sampling, fit_context
 from .errors import InvalidRequest, NotFound
 from .generation import Generation
 from .limits import check_chat
@@ -79,6 +79,13 @@ def sampling_defaults(model_dir: Path) -> dict[str, Any]:
         value = gen.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool):
             out[name] = kind(value)
+    # checked here, once: a value the engine would refuse (NaN, a negative top_p) is dropped
+    # for the engine's own default rather than refusing every request that omits the knob
+    for name in list(out):
+        try:
+            SamplingParams(**{name: out[name]}).validate()
+        except ValueError:
+            del out[name]
     return out
 
 
@@ -223,34 +230,6 @@ class ModelService:
 
     # --- generation --------------------------------------------------------------------------
 
-    def sampling_params(self, s: Sampling, max_tokens: int) -> SamplingParams:
-        """The engine's parameters for ``s`` with ``max_tokens`` resolved (``_params_for``)."""
-        if any(not 0 <= t < self.vocab_size for t in s.stop_token_ids):
-            raise InvalidRequest(
-                f"stop_token_ids must be token ids in [0, {self.vocab_size})",
-                param="stop_token_ids",
-            )
-        kw: dict[str, Any] = {
-            **self.defaults,
-            "max_tokens": max_tokens,
-            "stop_token_ids": frozenset(s.stop_token_ids),
-            "ignore_eos": s.ignore_eos,
-            "logprobs": s.logprobs,
-        }
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
-            value = getattr(s, name)
-            if value is not None:
-                kw[name] = value
-        # top_k: -1 = off = 0; above the vocabulary = the whole vocabulary = off
-        if not 0 < kw.get("top_k", 0) <= self.vocab_size:
-            kw["top_k"] = 0
-        params = SamplingParams(**kw)
-        try:
-            params.validate()
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        return params
-
     async def start_chat(self, req: ChatRequest) -> tuple[Generation, Rendered]:
         # admission and the cheap limits before rendering, tokenizing and grammar compiling
         check_chat(req)
@@ -267,10 +246,10 @@ class ModelService:
         return gen, rendered
 
     def _prepare_chat(self, req: ChatRequest) -> tuple[Rendered, SamplingParams, Any]:
-        """Worker thread: render, check sizes and sampling, compile the grammar."""
-        check_sampling(req.sampling, self.max_model_len)  # cheap field errors first
+        """Worker thread: check the limits, render, fit the context, compile the grammar."""
+        params = self.check_limits(req.sampling)  # cheap field errors first
         rendered = self.render(req)
-        params = self._params_for(len(rendered.ids), req.sampling)
+        params = fit_context(params, req.sampling, len(rendered.ids), self.max_model_len)
         try:
             constraint = self.constraint_for(req)
         except ValueError as e:
@@ -279,33 +258,19 @@ class ModelService:
 
     async def start_ids(self, ids: list[int], sampling: Sampling) -> Generation:
         """Raw completion: no template, no parser (text is all content)."""
-        check_sampling(sampling, self.max_model_len)
-        params = self._params_for(len(ids), sampling)
+        params = fit_context(self.check_limits(sampling), sampling, len(ids), self.max_model_len)
         return self._submit(ids, params, None, PassThrough(), sampling)
 
-    def _params_for(self, n_prompt: int, s: Sampling) -> SamplingParams:
-        """Resolve an omitted max_tokens to the rest of the context (the request's ``Sampling``
-        keeps what the client sent), then check the total."""
-        max_tokens = (
-            s.max_tokens if s.max_tokens is not None else max(1, self.max_model_len - n_prompt)
-        )
-        self._check_context(n_prompt, max_tokens, s.max_tokens_field)
-        return self.sampling_params(s, max_tokens)
-
-    def _check_context(self, n_prompt: int, max_tokens: int, field: str = "max_tokens") -> None:
-        if n_prompt + max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"This model's context is {self.max_model_len} tokens; the prompt has "
-                f"{n_prompt} tokens and {field} is {max_tokens} "
-                f"({n_prompt + max_tokens} in all). Shorten the prompt or lower {field}.",
-                param=field,
-            )
+    def check_limits(self, s: Sampling) -> SamplingParams:
+        """The request's limits, checked once (:func:`check_sampling`): the engine takes the
+        returned parameters without checking them again (``Submission.checked``)."""
+        return check_sampling(s, self.max_model_len, self.vocab_size, self.defaults)
 
     def _submit(
-        self, ids: list[int], params: Any, constraint: Any, parser: Any, s: Sampling
+        self, ids: list[int], params: SamplingParams, constraint: Any, parser: Any, s: Sampling
     ) -> Generation:
         rid = self.new_id()
-        handle = self.bridge.submit(Submission(rid, ids, params, constraint))
+        handle = self.bridge.submit(Submission(rid, ids, params, constraint, checked=True))
         harmony = self.syntax.tools is ToolSyntax.HARMONY
         return Generation(
             bridge=self.bridge,

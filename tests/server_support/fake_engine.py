@@ -46,7 +46,11 @@ class FakeEngine:
         self.step_delay.set()
         self.step_seconds = 0.01  # like a real step: the loop sees outputs before the next
 
-    def add_request(self, request_id, prompt_ids, params, constraint=None) -> None:  # type: ignore[no-untyped-def]
+    def add_request(
+        self, request_id, prompt_ids, params, constraint=None, *, checked=False
+    ) -> None:  # type: ignore[no-untyped-def]
+        # checks the context whether or not ``checked``: it stands for any ValueError an
+        # engine (or the hub, switching models) raises, which the bridge answers with a 400
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
