@@ -120,7 +120,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_queue: Annotated[
         int, about("requests waiting beyond the batch before 429/529", metavar="N")
     ] = 64
-    # the cap: engine/llm._context_limit
+    # the cap: engine/build.context_limit
     max_model_len: Annotated[
         int | None,
         about(

@@ -241,7 +241,7 @@ def test_a_resize_recaptures(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -
 def test_graphs_stay_off_where_they_cannot_run(
     tiny_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="freetokend.engine.llm")
+    caplog.set_level(logging.INFO, logger="freetokend.engine.build")
     llm = LLM(tiny_dir, "fused", accelerator="standin", kv_tokens=256, cuda_graphs=True)
     assert llm.runner.graphs is None and "cuda graphs: off (the dense part runs on cpu" in (
         caplog.text

@@ -99,6 +99,7 @@ class ControlPlane:
         return q if q and stored_expert_format(path) == "bf16" else None
 
     def _load_llm(self, path: Path, name: str, backend: str) -> Any:
+        from ..engine.engine_config import EngineConfig
         from ..engine.llm import LLM
         from ..models.layers.attention import set_decode_kernel
 
@@ -112,29 +113,15 @@ class ControlPlane:
 
             mc = model_config(path)  # the bandwidth profile's expert format
             quantize = expert_format(preset, mc.hidden_size, mc.moe_intermediate_size)
-        return LLM(
-            path,
-            moe_backend=backend,
-            max_batch=cfg.max_batch,
-            max_model_len=cfg.max_model_len,
-            kv_tokens=cfg.kv_tokens,
-            moe_slots=cfg.moe_slots,
-            accelerator=cfg.accelerator,
-            vram_mib=cfg.vram_mib,
-            bandwidth=self._bandwidth(path, quantize),
+        config = EngineConfig.from_daemon(
+            cfg,
             name=name,
-            prefix_cache=cfg.prefix_cache,
-            snapshot_policy=cfg.snapshot_policy,
-            snapshot_budget_mb=cfg.snapshot_budget_mb,
-            state_dir=self.state_dir if cfg.spill_budget_mb > 0 else None,
-            spill_budget_mb=cfg.spill_budget_mb,
-            spill_idle_s=cfg.spill_idle_s,
-            quantize_experts=None if preset else quantize,
+            state_dir=self.state_dir,
+            bandwidth=self._bandwidth(path, quantize),
             quantize=preset,
-            cuda_graphs=cfg.cuda_graphs,
-            cpu_bf16_dot=cfg.cpu_bf16_dot,
-            huge_pages=cfg.huge_pages,
+            quantize_experts=None if preset else quantize,
         )
+        return LLM(path, moe_backend=backend, config=config)
 
     def _registered_names(self) -> list[str]:
         try:

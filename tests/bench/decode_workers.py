@@ -153,14 +153,14 @@ def force_isa(isa: str) -> None:
     """Every freetoken kernel of LLMs made after this call on the ``isa`` path ("avx2",
     "avx512", "scalar"), as on a CPU that has no more (bench_decode's and profile_decode's
     --isa)."""
-    from freetokend.engine import llm as llm_module
+    from freetokend.engine import build
     from freetokend.native import dense_native
 
     def forced(bf16_dot: bool, threads: int | None) -> str:
         dense_native.configure(threads, isa=isa)  # projections and integer dots
         return isa  # the float expert executor's path
 
-    llm_module._cpu_isa = forced  # what LLM asks for its CPU kernels' path
+    build.cpu_isa = forced  # what LLM's build asks for its CPU kernels' path
 
 
 def freetoken(a: dict[str, Any]) -> dict[str, Any]:
