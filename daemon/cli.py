@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from typing import Any
 
@@ -112,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 def _stack_dumps_on_sigusr1() -> None:
     """`kill -USR1 <pid>` writes every thread's Python stack to stderr (the journal under
     systemd): what a hung daemon is doing, without stopping it."""
-    import faulthandler
-    import signal
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)

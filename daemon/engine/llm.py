@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import tempfile
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, overload
@@ -17,6 +18,7 @@ import torch
 
 from ..config import MOE_BACKENDS
 from ..experts import accelerator as accelerators
+from ..experts import cpu_executor
 from ..experts.accelerator import Accelerator
 from ..experts.backend import (
     CpuBackend,
@@ -27,6 +29,8 @@ from ..experts.backend import (
     resolve_backend,
 )
 from ..experts.banks import ActivationSpec, activation_of
+from ..formats.gguf_file import GgufFile, set_name, split_files
+from ..kv.spill import SnapshotSpill, engine_fingerprint
 from ..models.config import ModelConfig
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
@@ -34,7 +38,12 @@ from ..models.hugepages import back_with_huge_pages, weight_tensors
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import decode_attention_bytes, kv_bytes_per_token
 from ..models.registry import family_spec
+from ..native import dense_native
+from ..store import Store
+from .chat_template import ChatTemplate
 from .core import NO_TOKEN, EngineCore
+from .gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
+from .graphs import BATCH_BUCKETS, DecodeGraphs, graphs_blocker, width_for
 from .placement import (
     HOST,
     Placement,
@@ -44,8 +53,9 @@ from .placement import (
     place_dense,
 )
 from .prefix import PrefixReuse, SnapshotPolicy
-from .runner import ModelRunner
+from .runner import ModelRunner, Work
 from .sampler import SamplingParams
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +94,6 @@ def _context_limit(max_model_len: int | None, cfg: ModelConfig, kv_tokens: int) 
 def _decode_keys(max_len: int, page_size: int) -> int:
     """Keys of the widest page table a decode step of a ``max_len`` context runs over: the
     eager static step's power-of-two width (engine/graphs.width_for; graphs are no wider)."""
-    from .graphs import width_for
 
     return width_for(-(-max_len // page_size)) * page_size
 
@@ -185,8 +194,6 @@ class LLM:
         self._gguf_has_tokens: bool | None = None
         self._tokenizer_json: Path | None = None
         if self.gguf:
-            from ..formats.gguf_file import set_name
-
             self.name = name or set_name(self.model_dir)
         else:
             self.name = name or self.model_dir.name
@@ -278,8 +285,6 @@ class LLM:
             self._attach_spill(prefix, Path(state_dir), spill_budget_mb)
 
     def _attach_spill(self, prefix: PrefixReuse, state_dir: Path, budget_mb: float) -> None:
-        from ..kv.spill import SnapshotSpill, engine_fingerprint
-        from ..store import Store
 
         self._store = Store(state_dir)
         fp = engine_fingerprint(
@@ -292,7 +297,6 @@ class LLM:
     def _capture_graphs(self, backend: str) -> None:
         """``cuda_graphs``: decode graphs per batch bucket (engine/graphs.py), captured now;
         where they cannot be, one log line says why and decode runs eagerly."""
-        from .graphs import DecodeGraphs, graphs_blocker
 
         blocker = graphs_blocker(backend, self.placement.device, self.model)
         if blocker is not None:
@@ -318,7 +322,6 @@ class LLM:
         """The slot budget: on a device, the KV pool (allocated after the slots) and decode
         attention's work buffers at the widest decode batch (the engine's, or the largest graph
         bucket with its padding rows) over the longest context."""
-        from .graphs import BATCH_BUCKETS
 
         on_device = self.placement.on_device
         rows = max(max_batch, *BATCH_BUCKETS)
@@ -382,11 +385,7 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from .tokenizer import Tokenizer
-
             if self.gguf:
-                from .gguf_tokenizer import tokenizer_from_gguf
-
                 self._tokenizer = tokenizer_from_gguf(self.model_dir)
             else:
                 self._tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -395,11 +394,7 @@ class LLM:
     @property
     def chat_template(self) -> Any:
         if self._chat_template is None:
-            from .chat_template import ChatTemplate
-
             if self.gguf:
-                from .gguf_tokenizer import chat_template_from_gguf
-
                 self._chat_template = chat_template_from_gguf(self.model_dir)
             else:
                 self._chat_template = ChatTemplate.from_dir(self.model_dir)
@@ -412,8 +407,6 @@ class LLM:
         if not self.gguf:
             return self.model_dir / "tokenizer.json"
         if self._tokenizer_json is None:
-            import tempfile
-
             d = Path(tempfile.mkdtemp(prefix="freetoken-gguf-tok-"))
             self.tokenizer.backend.save(str(d / "tokenizer.json"))
             self._tokenizer_json = d / "tokenizer.json"
@@ -439,8 +432,6 @@ class LLM:
     def _has_tokenizer(self) -> bool:
         if self.gguf:  # the first file of a split set holds the metadata
             if self._gguf_has_tokens is None:
-                from ..formats.gguf_file import GgufFile, split_files
-
                 with GgufFile(split_files(self.model_dir)[0]) as f:
                     self._gguf_has_tokens = "tokenizer.ggml.tokens" in f.metadata
             return self._gguf_has_tokens
@@ -459,7 +450,6 @@ class LLM:
             raise ValueError(f"token ids must be in [0, {vocab})")
         if self.engine.has_unfinished():
             raise RuntimeError("the engine is serving other requests; use the daemon's API")
-        from .runner import Work
 
         state = self.runner.new_state()
         try:
@@ -537,8 +527,6 @@ def _cpu_isa(bf16_dot: bool, threads: int | None) -> str:
     """The CPU kernels' path for ``cpu_bf16_dot``: "avx512bf16" (the dense pool configured for
     it too, process-wide) where the CPU has AVX512-BF16, else "auto" (logged when asked for); on
     "auto" the dense pool leaves "avx512bf16" if an earlier model of this process put it there."""
-    from ..experts import cpu_executor
-    from ..native import dense_native
 
     if not dense_native.available():
         return "auto"
