@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"freetokend: {e}", file=sys.stderr)
         return 2
+    # deferred: torch (the CLI and `import freetokend` start without it)
     from .server.logs import configure_logging
+
+    # deferred: torch (the CLI and `import freetokend` start without it)
     from .server.run import serve
 
     configure_logging()

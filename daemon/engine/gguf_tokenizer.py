@@ -25,6 +25,7 @@ def metadata_file(path: str | Path) -> Path:
 
 
 def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    # deferred: transformers (heavy, optional until a GGUF tokenizer is built)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer
 
     path = metadata_file(path)
@@ -37,6 +38,7 @@ def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
 def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     """The Tokenizer a GGUF file (or any part of a split set) describes, with its eos/bos/pad
     ids from the metadata."""
+    # deferred: transformers (heavy, optional until a GGUF tokenizer is built)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
     path = metadata_file(path)

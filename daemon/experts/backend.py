@@ -105,15 +105,18 @@ class CpuBackend:
             self.executor = FakeCpuExecutor(banks)
             return
         try:
+            # deferred: optional native/store module (its ImportError is handled here)
             from .block_executor import BlockExecutor, is_block_format
 
             if is_block_format(banks.format):  # integer dots on ftdense's shared pool
                 # the cpu backend's banks are read by nothing else: interleaved in place
                 self.executor = BlockExecutor(banks, act, interleave=True)
             else:
+                # deferred: optional native/store module (its ImportError is handled here)
                 from .cpu_executor import CpuExecutor
 
                 self.executor = CpuExecutor(banks, act, threads=threads, isa=isa)
+            # deferred: optional native/store module (its ImportError is handled here)
             from ..native import dense_native
 
             own = isinstance(self.executor, BlockExecutor)  # every decode job on ftdense's pool

@@ -100,6 +100,7 @@ class ControlPlane:
 
     def _preset(self, path: Path) -> str | None:
         """``quantize`` (a preset) applies to float checkpoints only, like quantize_experts."""
+        # deferred: import cycle (the imported module imports this one at top level)
         from ..models.expert_quant import stored_expert_format
 
         q = self.cfg.quantize

@@ -414,6 +414,7 @@ def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
     """The ModelConfig of any checkpoint ``load_model`` reads (``dtype``: override the weights'
     dtype in memory)."""
     if model_kind(path) == "gguf":
+        # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import GgufCheckpoint
 
         with GgufCheckpoint(path) as ck:
@@ -431,6 +432,7 @@ def load_model(
     model_dir = Path(model_dir)
     kind = model_kind(model_dir)
     if kind == "gguf":
+        # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import load_gguf
 
         return load_gguf(model_dir, cfg)
