@@ -16,6 +16,7 @@ __all__ = ["LLM"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
+        # deferred: torch (the CLI and `import freetokend` start without it)
         from .engine.llm import LLM
 
         return LLM

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from typing import Any
 
@@ -101,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"freetokend: {e}", file=sys.stderr)
         return 2
+    # deferred: torch (the CLI and `import freetokend` start without it)
     from .server.logs import configure_logging
+
+    # deferred: torch (the CLI and `import freetokend` start without it)
     from .server.run import serve
 
     configure_logging()
@@ -112,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
 def _stack_dumps_on_sigusr1() -> None:
     """`kill -USR1 <pid>` writes every thread's Python stack to stderr (the journal under
     systemd): what a hung daemon is doing, without stopping it."""
-    import faulthandler
-    import signal
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -262,3 +262,22 @@ def test_daemon_modules_have_no_import_cycle() -> None:
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_every_import_inside_a_function_says_what_it_defers() -> None:
+    """An import inside a function remains only to defer a heavy optional dependency (or to
+    break an import cycle), with a ``# deferred: …`` comment on its line or the line above
+    naming which (issue 41); every other import sits at the module's top level."""
+    bare: list[str] = []
+    for path in sorted(DAEMON.rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    here = lines[node.lineno - 1]
+                    above = lines[node.lineno - 2] if node.lineno > 1 else ""
+                    if "deferred:" not in here and "deferred:" not in above:
+                        bare.append(f"{path.relative_to(DAEMON)}:{node.lineno}")
+    assert sorted(set(bare)) == []

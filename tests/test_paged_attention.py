@@ -372,12 +372,12 @@ def test_the_daemon_applies_its_setting_when_it_loads_a_model(
 ) -> None:
     from types import SimpleNamespace
 
-    import freetokend.engine.llm as llm_mod
+    import freetokend.manager.control as control_mod
     from freetokend.config import DaemonConfig
     from freetokend.manager.control import ControlPlane
 
     seen: list[str] = []
-    monkeypatch.setattr(llm_mod, "LLM", lambda *a, **kw: seen.append(attn.decode_kernel()))
+    monkeypatch.setattr(control_mod, "LLM", lambda *a, **kw: seen.append(attn.decode_kernel()))
     plane = SimpleNamespace(
         cfg=DaemonConfig(attention_kernel="triton"), state_dir=tmp_path,
         _quantize=lambda p: None, _preset=lambda p: None, _bandwidth=lambda p, q: None,

@@ -14,6 +14,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> int:
+    # deferred: grpc_tools (only code generation needs it)
     from grpc_tools import protoc
 
     rc = protoc.main(

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from ..manager.hub import SwitchSuperseded
 from . import admin_pb2 as pb
 from . import admin_pb2_grpc as pb_grpc
 
@@ -38,7 +39,6 @@ class Ops(Protocol):
 
 
 def _code_of(e: BaseException) -> grpc.StatusCode:
-    from ..manager.hub import SwitchSuperseded
 
     if isinstance(e, SwitchSuperseded):
         return grpc.StatusCode.ABORTED

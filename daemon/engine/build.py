@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config import MOE_BACKENDS
 from ..experts import accelerator as accelerators
+from ..experts import cpu_executor
 from ..experts.accelerator import Accelerator
 from ..experts.backend import (
     CpuBackend,
@@ -26,14 +27,19 @@ from ..experts.backend import (
     resolve_backend,
 )
 from ..experts.banks import ActivationSpec, activation_of
+from ..formats.gguf_file import set_name
+from ..kv.spill import SnapshotSpill, engine_fingerprint
 from ..models.config import ModelConfig
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import back_with_huge_pages, weight_tensors
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import decode_attention_bytes, kv_bytes_per_token
+from ..native import dense_native
+from ..store import Store
 from .core import EngineCore
 from .engine_config import EngineConfig
+from .graphs import BATCH_BUCKETS, DecodeGraphs, graphs_blocker, width_for
 from .placement import (
     HOST,
     Placement,
@@ -82,7 +88,6 @@ def context_limit(max_model_len: int | None, cfg: ModelConfig, kv_tokens: int) -
 def _decode_keys(max_len: int, page_size: int) -> int:
     """Keys of the widest page table a decode step of a ``max_len`` context runs over: the
     eager static step's power-of-two width (engine/graphs.width_for; graphs are no wider)."""
-    from .graphs import width_for
 
     return width_for(-(-max_len // page_size)) * page_size
 
@@ -100,8 +105,6 @@ def cpu_isa(bf16_dot: bool, threads: int | None) -> str:
     """The CPU kernels' path for ``cpu_bf16_dot``: "avx512bf16" (the dense pool configured for
     it too, process-wide) where the CPU has AVX512-BF16, else "auto" (logged when asked for); on
     "auto" the dense pool leaves "avx512bf16" if an earlier model of this process put it there."""
-    from ..experts import cpu_executor
-    from ..native import dense_native
 
     if not dense_native.available():
         return "auto"
@@ -134,8 +137,6 @@ def served_name(model_dir: Path, gguf: bool, name: str | None) -> str:
     if name:
         return name
     if gguf:
-        from ..formats.gguf_file import set_name
-
         return set_name(model_dir)
     return model_dir.name
 
@@ -190,7 +191,6 @@ def budget(
     """The slot budget: on a device, the KV pool (allocated after the slots) and decode
     attention's work buffers at the widest decode batch (the engine's, or the largest graph
     bucket with its padding rows) over the longest context."""
-    from .graphs import BATCH_BUCKETS
 
     on_device = placement.on_device
     page_size = config.page_size
@@ -297,7 +297,6 @@ def capture_graphs(
 ) -> None:
     """``cuda_graphs``: decode graphs per batch bucket (engine/graphs.py), captured now;
     where they cannot be, one log line says why and decode runs eagerly."""
-    from .graphs import DecodeGraphs, graphs_blocker
 
     blocker = graphs_blocker(backend, runner.placement.device, model)
     if blocker is not None:
@@ -356,8 +355,6 @@ def attach_spill(
     runner: ModelRunner,
 ) -> Any:  # fmt: skip
     """Snapshots spilled to (and resumed from) ``state_dir``; returns the opened Store."""
-    from ..kv.spill import SnapshotSpill, engine_fingerprint
-    from ..store import Store
 
     store = Store(state_dir)
     fp = engine_fingerprint(model_dir, cfg.torch_dtype, runner.kv, cfg.expert_format)

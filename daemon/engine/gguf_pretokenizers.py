@@ -90,6 +90,7 @@ _warned: set[str] = set()
 
 def _transformers_splits() -> dict[str, Any]:
     try:
+        # deferred: transformers (heavy, optional until a GGUF tokenizer is built)
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             GGUF_PRE_TOKENIZER_SPLITS,
         )
@@ -102,6 +103,7 @@ def apply_pre_tokenizer(backend: Any, name: str | None, source: str) -> None:
     """Gives ``backend`` (a byte-level BPE ``tokenizers.Tokenizer`` converted by transformers)
     the split of pre-tokenizer ``name`` when transformers does not know it; warns once for a
     name neither knows."""
+    # deferred: tokenizers (heavy, optional until a GGUF tokenizer is built)
     from tokenizers import Regex, pre_tokenizers
 
     if name in _transformers_splits() or name in GPT2_SPLIT_NAMES:

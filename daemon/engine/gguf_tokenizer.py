@@ -7,9 +7,11 @@ pre-tokenizer names it does not know get their split from ``gguf_pretokenizers``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from ..formats.gguf_file import split_files
 from .chat_template import ChatTemplate, ChatTemplateError
 from .gguf_pretokenizers import apply_pre_tokenizer
 from .tokenizer import Tokenizer
@@ -18,12 +20,12 @@ from .tokenizer import Tokenizer
 def metadata_file(path: str | Path) -> Path:
     """The file holding the metadata of ``path``: itself, or for any part of a split set
     (``name-0000i-of-0000N.gguf``) the first part."""
-    from ..formats.gguf_file import split_files
 
     return split_files(path)[0]
 
 
 def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    # deferred: transformers (heavy, optional until a GGUF tokenizer is built)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer
 
     path = metadata_file(path)
@@ -36,6 +38,7 @@ def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
 def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     """The Tokenizer a GGUF file (or any part of a split set) describes, with its eos/bos/pad
     ids from the metadata."""
+    # deferred: transformers (heavy, optional until a GGUF tokenizer is built)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
     path = metadata_file(path)
@@ -69,7 +72,6 @@ def chat_template_from_gguf(path: str | Path) -> ChatTemplate:
 def gguf_tokenizer_files(path: str | Path, out: Path) -> list[Path]:
     """Writes the file's (or split set's) tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (special
     tokens, chat template) into ``out``; returns their paths (FTW conversion of a GGUF)."""
-    import json
 
     path = metadata_file(path)
     tok = tokenizer_from_gguf(path)

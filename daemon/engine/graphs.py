@@ -40,7 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..experts.fakecuda.session import active_session
 from ..models.batch import DecodeMeta, ForwardBatch
+from ..models.layers.attention import Attention
+from ..models.model import CausalLM
 from ..runtime.staging import pinned
 
 if TYPE_CHECKING:
@@ -85,8 +88,6 @@ def width_buckets(max_pages: int, min_width: int = MIN_WIDTH) -> tuple[int, ...]
 def static_decode_blocker(model: CausalLM) -> str | None:
     """Why ``model`` has no static decode form (None: it has one): every token mixer must be
     softmax attention over the paged pool, under the shared top level."""
-    from ..models.layers.attention import Attention
-    from ..models.model import CausalLM
 
     if type(model) is not CausalLM:
         return f"{type(model).__name__} has its own forward"
@@ -348,7 +349,6 @@ def graphs_blocker(backend: str, device: torch.device, model: CausalLM) -> str |
         if backend == "hybrid":
             return "hybrid joins its CPU share on the host in every MoE layer"
         return f"backend {backend} has no device-side decode plan"
-    from ..experts.fakecuda.session import active_session
 
     if active_session() is not None:
         return "the fake CUDA device cannot run torch.cuda graphs"

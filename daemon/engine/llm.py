@@ -8,17 +8,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import tempfile
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, overload
 
 import torch
 
+from ..formats.gguf_file import GgufFile, split_files
 from ..models.registry import family_spec
 from . import build
+from .chat_template import ChatTemplate
 from .core import NO_TOKEN
 from .engine_config import EngineConfig
+from .gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
+from .runner import Work
 from .sampler import SamplingParams
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +166,7 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from .tokenizer import Tokenizer
-
             if self.gguf:
-                from .gguf_tokenizer import tokenizer_from_gguf
-
                 self._tokenizer = tokenizer_from_gguf(self.model_dir)
             else:
                 self._tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -173,11 +175,7 @@ class LLM:
     @property
     def chat_template(self) -> Any:
         if self._chat_template is None:
-            from .chat_template import ChatTemplate
-
             if self.gguf:
-                from .gguf_tokenizer import chat_template_from_gguf
-
                 self._chat_template = chat_template_from_gguf(self.model_dir)
             else:
                 self._chat_template = ChatTemplate.from_dir(self.model_dir)
@@ -190,8 +188,6 @@ class LLM:
         if not self.gguf:
             return self.model_dir / "tokenizer.json"
         if self._tokenizer_json is None:
-            import tempfile
-
             d = Path(tempfile.mkdtemp(prefix="freetoken-gguf-tok-"))
             self.tokenizer.backend.save(str(d / "tokenizer.json"))
             self._tokenizer_json = d / "tokenizer.json"
@@ -217,8 +213,6 @@ class LLM:
     def _has_tokenizer(self) -> bool:
         if self.gguf:  # the first file of a split set holds the metadata
             if self._gguf_has_tokens is None:
-                from ..formats.gguf_file import GgufFile, split_files
-
                 with GgufFile(split_files(self.model_dir)[0]) as f:
                     self._gguf_has_tokens = "tokenizer.ggml.tokens" in f.metadata
             return self._gguf_has_tokens
@@ -237,7 +231,6 @@ class LLM:
             raise ValueError(f"token ids must be in [0, {vocab})")
         if self.engine.has_unfinished():
             raise RuntimeError("the engine is serving other requests; use the daemon's API")
-        from .runner import Work
 
         state = self.runner.new_state()
         try:

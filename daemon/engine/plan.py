@@ -35,6 +35,15 @@ from typing import Any
 
 import torch
 
+from ..experts.backend import SlotBudget, create_backend, moe_activation_bytes, resolve_backend
+from ..experts.banks import ActivationSpec, activation_of
+from ..experts.device_backends import FusedBackend, OffloadBackend
+from ..experts.fakecuda import FakeCudaAccelerator
+from ..experts.formats import allocate
+from ..kv.pool import KVPool
+from ..models.config import ModelConfig
+from ..models.model import build_model, decode_attention_bytes, kv_bytes_per_token
+from .graphs import width_for
 from .placement import (
     dense_device_bytes,
     device_snapshot_bytes,
@@ -82,7 +91,6 @@ class Plan:
 
 
 def _meta_model(cfg: Any) -> Any:
-    from ..models.model import build_model
 
     with torch.device("meta"):
         return build_model(cfg)
@@ -104,9 +112,6 @@ def plan_model(
     """Plans ``model_dir`` (a folder with ``config.json``) on a ``vram_mib`` card and a host of
     ``ram_mib`` (default: this machine's RAM); ``kv_tokens`` None: the engine's default for the
     placement. Raises ``ConfigError`` for a bad config."""
-    from ..experts.backend import resolve_backend
-    from ..experts.fakecuda import FakeCudaAccelerator
-    from ..models.config import ModelConfig
 
     cfg = ModelConfig.from_hf(Path(model_dir))
     ram_mib = ram_mib if ram_mib is not None else total_ram() // MIB
@@ -146,13 +151,6 @@ def plan_model(
 def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, steps: int) -> None:
     """Load (dense placement, KV pool, MoE backend) + a prompt chunk + decode steps on the fake
     card; fills ``plan`` as it goes (what was sized before an out-of-memory error stays)."""
-    from ..experts.backend import SlotBudget, create_backend, moe_activation_bytes
-    from ..experts.banks import ActivationSpec, activation_of
-    from ..experts.device_backends import FusedBackend, OffloadBackend
-    from ..experts.formats import allocate
-    from ..kv.pool import KVPool
-    from ..models.model import decode_attention_bytes, kv_bytes_per_token
-    from .graphs import width_for
 
     layers, experts = cfg.num_moe_layers, cfg.num_experts
     kv_per_token = kv_bytes_per_token(model)

@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..experts.banks import ExpertBanks
 from ..experts.device_backends import OffloadBackend
@@ -133,7 +134,6 @@ def resize_expert_slots(be: OffloadBackend, num_slots: int) -> int:
 def _kept_count(count: torch.Tensor) -> int:
     """The experts carried over, read on the host (one sync; -1 on the fake device)."""
     host = count.cpu()
-    from torch._subclasses.fake_tensor import FakeTensor
 
     return -1 if isinstance(host, FakeTensor) else int(host[0])
 

@@ -211,6 +211,7 @@ def _do_fill(
     stats: TransferStats,
     rng: random.Random | None = None,
 ) -> None:
+    # deferred: triton (the ftkernels GPU kernels)
     from ftkernels import moe_decode as k  # torch reference and Triton kernel
 
     n = int(count.reshape(-1)[0])  # the stand-in's "device" is host memory: free to read
@@ -433,6 +434,7 @@ class CudaAccelerator(Accelerator):
         count: torch.Tensor,
         kernel: bool,
     ) -> Transfer:
+        # deferred: triton (the ftkernels GPU kernels)
         from ftkernels.ops import copy_rows
 
         # SMs read the pinned, mapped host pool over PCIe (zero-copy): the copy list and its
@@ -518,6 +520,7 @@ def create_accelerator(name: str, vram_mib: int | None = None) -> Accelerator:
     if name not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {name!r}; choose one of {', '.join(ACCELERATORS)}")
     if name == "fake-cuda":
+        # deferred: import cycle (the imported module imports this one at top level)
         from .fakecuda import FakeCudaAccelerator
 
         if vram_mib is None:

@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..config import MOE_BACKENDS
-from .accelerator import Accelerator
+from .accelerator import Accelerator, StandinAccelerator, create_accelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
+from .device_backends import FusedBackend, OffloadBackend
+from .fakecuda import FakeCpuExecutor, InlinePool
+from .formats import dequantize_banks, dequantize_banks_to
 
 if TYPE_CHECKING:
     from .device_backends import FusedBackend
@@ -99,20 +102,21 @@ class CpuBackend:
         self.executor: object | None = None
         self._dense_spin: int | None = None
         if fake:
-            from .fakecuda import FakeCpuExecutor
-
             self.executor = FakeCpuExecutor(banks)
             return
         try:
+            # deferred: optional native/store module (its ImportError is handled here)
             from .block_executor import BlockExecutor, is_block_format
 
             if is_block_format(banks.format):  # integer dots on ftdense's shared pool
                 # the cpu backend's banks are read by nothing else: interleaved in place
                 self.executor = BlockExecutor(banks, act, interleave=True)
             else:
+                # deferred: optional native/store module (its ImportError is handled here)
                 from .cpu_executor import CpuExecutor
 
                 self.executor = CpuExecutor(banks, act, threads=threads, isa=isa)
+            # deferred: optional native/store module (its ImportError is handled here)
             from ..native import dense_native
 
             own = isinstance(self.executor, BlockExecutor)  # every decode job on ftdense's pool
@@ -121,8 +125,6 @@ class CpuBackend:
         except (ImportError, ModuleNotFoundError) as e:
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
             if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight
-                from .formats import dequantize_banks
-
                 self.banks = dequantize_banks(banks)
 
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
@@ -201,7 +203,6 @@ def resolve_backend(
     """The concrete backend ``name`` stands for: ``auto`` is cpu without a device; with one,
     offload, upgraded to hybrid when a bandwidth profile (B_P, B_H) says the CPU branch pays
     (B_H > B_P). Other names are themselves."""
-    from .accelerator import StandinAccelerator
 
     if name not in MOE_BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}; choose one of {', '.join(MOE_BACKENDS)}")
@@ -246,14 +247,12 @@ def create_backend(
     ``slot_budget``: how the default slot count (``moe_slots`` None) is sized. ``cpu_isa``: the
     CPU expert executor's path (``CpuBackend``'s isa).
     """
-    from .accelerator import StandinAccelerator, create_accelerator
 
     name = resolve_backend(name, accelerator, bandwidth)
     given = accelerator if isinstance(accelerator, Accelerator) else None
     fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
-    from .device_backends import OffloadBackend
 
     acc = given if given is not None else create_accelerator(str(accelerator))
     if name == "fused":
@@ -290,8 +289,6 @@ def create_backend(
     )
     be.host_format = host_format
     if fake:
-        from .fakecuda import InlinePool
-
         be._pool = InlinePool()  # type: ignore[assignment]
     return be
 
@@ -304,7 +301,6 @@ def accelerator_banks(banks: ExpertBanks, backend: str) -> ExpertBanks:
     # The accelerator backends compute from float banks (moe_reference, the Triton kernels):
     # quantized experts are dequantized once (e2m1 and e8m0 values are exact in bf16), one
     # expert at a time into the bf16 banks (never a whole fp32 copy of the pool).
-    from .formats import dequantize_banks_to
 
     log.warning(
         "moe_backend %s: %s experts are dequantized to bf16 (the cpu backend computes them "
@@ -319,7 +315,6 @@ def fused_backend(
     """The ``fused`` backend of host pool ``banks`` (any format) on ``acc``: every expert on the
     device in the format it computes from (``accelerator_banks``). Load builds it so, and so
     does unparking a parked one (manager/parking.py), from the host pool that stays packed."""
-    from .device_backends import FusedBackend
 
     return FusedBackend(accelerator_banks(banks, "fused"), num_experts, act, acc)
 

@@ -59,6 +59,7 @@ class ExpertBanks:
     @property
     def num_flat(self) -> int:
         if self.format.startswith("layers:"):  # per-layer block banks: one bank per type
+            # deferred: import cycle (the imported module imports this one at top level)
             from .formats import get_format, layer_experts
 
             return layer_experts(self) * len(get_format(self.format).layer_types or ())

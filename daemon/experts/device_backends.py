@@ -62,6 +62,7 @@ def _kernel(
 ) -> torch.Tensor:
     """The per-route decode kernels over bank rows ``rows`` [T, K] (-1: skipped), read on the
     device: [T, H] fp32."""
+    # deferred: triton (the ftkernels GPU kernels)
     from ftkernels.ops import moe_decode
 
     return moe_decode(

@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..formats import gguf_blocks, gguf_interleave
 from .banks import ExpertBanks
@@ -574,7 +575,6 @@ def dequantize_banks_to(banks: ExpertBanks, dtype: torch.dtype) -> ExpertBanks:
     # new_empty: a fake pool (a plan without weights) gets a fake output
     gate_up = banks.gate_up.new_empty((n, two_i, h), dtype=dtype)
     down = banks.gate_up.new_empty((n, h, inter), dtype=dtype)
-    from torch._subclasses.fake_tensor import FakeTensor
 
     # a fake pool (a plan) has no values: one expert shows the shapes and the transient peak
     todo = range(1) if isinstance(banks.gate_up, FakeTensor) else range(n)

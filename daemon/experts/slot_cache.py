@@ -240,6 +240,7 @@ def decode_step(
 ) -> DecodePlan:
     """Dispatch: the Triton kernel on CUDA tensors (or when forced), the torch reference else."""
     if force_kernel or flat_ids.is_cuda:
+        # deferred: triton (the ftkernels GPU kernels)
         from ftkernels.ops import slot_decode_step  # the kernel as a custom op
 
         out = slot_decode_step(

@@ -47,6 +47,7 @@ def torch_unallocated(device: int | None = None) -> Unallocated:
     """A reader of the bytes torch's caching allocator keeps reserved but unallocated on the
     CUDA ``device`` (default: the current one of the calling thread, fixed now: the watcher
     reads it from its own thread); always 0 without CUDA."""
+    # deferred: torch (this module starts without it)
     import torch
 
     if not torch.cuda.is_available():
@@ -63,6 +64,7 @@ def torch_unallocated(device: int | None = None) -> Unallocated:
 def nvml_reader(device_uuid: str | None = None) -> tuple[Reader | None, str]:
     """An NVML free-memory reader for the device (by UUID, else index 0), or None and why."""
     try:
+        # deferred: pynvml (optional NVML bindings)
         import pynvml
 
         pynvml.nvmlInit()

@@ -78,7 +78,10 @@ def split_files(path: str | Path) -> list[Path]:
 
 def can_dequantize(type_name: str) -> bool:
     """Whether ``read_float`` can produce floats from this ggml type (probed on one block)."""
+    # deferred: gguf (the optional GGUF reader library)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    # deferred: gguf (the optional GGUF reader library)
     from gguf.quants import dequantize
 
     if type_name in NATIVE:
@@ -140,6 +143,7 @@ class GgufFile:
         return meta, tensors
 
     def _entry(self, name: str, qtype: int, dims: list[int], offset: int, size: int) -> GgufTensor:
+        # deferred: gguf (the optional GGUF reader library)
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         try:
@@ -214,7 +218,10 @@ class GgufFile:
             out = torch.empty(t.shape, dtype=NATIVE[t.type_name])
             self._pread(t, out)
             return out
+        # deferred: gguf (the optional GGUF reader library)
         from gguf import GGMLQuantizationType
+
+        # deferred: gguf (the optional GGUF reader library)
         from gguf.quants import dequantize
 
         raw = self.read_raw(t).numpy()
@@ -242,6 +249,7 @@ class GgufFile:
 
 
 def _header_reader() -> type:
+    # deferred: gguf (the optional GGUF reader library)
     import gguf
 
     class HeaderReader(gguf.GGUFReader):  # type: ignore[misc]
@@ -272,6 +280,7 @@ def _HeaderReader(path: Path) -> Any:  # noqa: N802 (a class built on first use)
 
 def _value(field: Any) -> Any:
     """A metadata value as Python: str, int, float, bool or a list of them."""
+    # deferred: gguf (the optional GGUF reader library)
     from gguf import GGUFValueType
 
     if not field.types:

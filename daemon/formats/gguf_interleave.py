@@ -71,6 +71,7 @@ def _native_moves(raw: Tensor, fmt: str) -> bool:
     """Whether the native byte moves (ftdense.qinterleave) can take ``raw``: the extension is
     built and it is a CPU uint8 matrix of at least 8 rows of ``fmt``."""
     try:
+        # deferred: ftdense (native extension)
         import ftdense  # type: ignore[import-not-found]
     except ImportError:
         return False
@@ -87,6 +88,7 @@ def _native_moves(raw: Tensor, fmt: str) -> bool:
 
 def _native_move(raw: Tensor, fmt: str, undo: bool) -> Tensor:
     """``interleave`` (undo False) or ``deinterleave`` of ``raw`` by the native byte moves."""
+    # deferred: ftdense (native extension)
     import ftdense
 
     src = raw.contiguous()

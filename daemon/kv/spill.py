@@ -42,7 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..runtime import heartbeat
-from ..store import AnchorRecord, Store
+from ..store import AnchorRecord, Store, model_fingerprint
 from ..store.private import FILE_MODE, private_dir
 from .pool import KVPool
 from .radix import RadixCache
@@ -311,9 +311,6 @@ def _kv_expected(pool: KVPool, pos: int) -> dict[str, tuple[tuple[int, ...], tor
 def engine_fingerprint(model_dir: Path, dtype: str, pool: KVPool, expert_format: str) -> str:
     """Weights (the store's model fingerprint), dtype, the experts' format (quantized at load or
     not) and KV layout: what a spilled file needs."""
-    import hashlib
-
-    from ..store import model_fingerprint
 
     layout = f"{dtype}|{pool.layout}"
     if expert_format != "bf16":  # (bf16 adds nothing, so existing files keep their folder)

@@ -9,13 +9,28 @@ API listens (``state.extra["on_listening"]``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..admin.gate import SocketBusy
+from ..admin.paths import daemon_socket
+from ..admin.server import AdminServer
 from ..config import DaemonConfig
+from ..engine.engine_config import EngineConfig
+from ..engine.llm import LLM
+from ..engine.resize import slot_backend
+from ..experts.bandwidth import profile_format
 from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
+from ..models.builtin import ensure_builtin_model
+from ..models.dense_quant import expert_format
+from ..models.expert_quant import stored_expert_format
+from ..models.layers.attention import set_decode_kernel
+from ..models.loader import model_config
 from ..runtime import sdnotify
 from ..server.parts import (
     IDLE_WAIT_S,
@@ -30,6 +45,7 @@ from ..server.parts import (
 from .cache import CacheControl
 from .hub import EngineHub
 from .models import ModelManager, ResidentModel, default_host_budget
+from .ops import AdminOps
 from .routing import LaneBridge, ServiceRouter
 from .store_api import ControlStore, open_store
 
@@ -64,18 +80,11 @@ class ControlPlane:
     # ---- models -----------------------------------------------------------------------------
     def _resolve(self, spec: str) -> Path:
         if spec in ("", "builtin"):
-            from ..models.builtin import ensure_builtin_model
-
             return ensure_builtin_model(self.state_dir)
         registered = self.store.registered_models().get(spec)
         return Path(registered) if registered else Path(spec).expanduser()
 
     def _bandwidth(self, path: Path, quantize: str | None) -> tuple[float, float] | None:
-        import torch
-
-        from ..experts.bandwidth import profile_format
-        from ..models.expert_quant import stored_expert_format
-        from ..models.loader import model_config
 
         acc = self.cfg.accelerator
         kind = "cuda" if acc == "cuda" or (acc == "auto" and torch.cuda.is_available()) else acc
@@ -86,31 +95,25 @@ class ControlPlane:
     def _quantize(self, path: Path) -> str | None:
         """``quantize_experts`` applies to float checkpoints; quantized ones (also FTW folders
         quantized at conversion) load as stored."""
-        from ..models.expert_quant import stored_expert_format
 
         q = self.cfg.quantize_experts
         return q if q and stored_expert_format(path) == "bf16" else None
 
     def _preset(self, path: Path) -> str | None:
         """``quantize`` (a preset) applies to float checkpoints only, like quantize_experts."""
+        # deferred: import cycle (the imported module imports this one at top level)
         from ..models.expert_quant import stored_expert_format
 
         q = self.cfg.quantize
         return q if q and stored_expert_format(path) == "bf16" else None
 
     def _load_llm(self, path: Path, name: str, backend: str) -> Any:
-        from ..engine.engine_config import EngineConfig
-        from ..engine.llm import LLM
-        from ..models.layers.attention import set_decode_kernel
 
         cfg = self.cfg
         set_decode_kernel(cfg.attention_kernel)  # process-wide, the same for every model
         quantize = self._quantize(path)
         preset = self._preset(path)
         if preset is not None:
-            from ..models.dense_quant import expert_format
-            from ..models.loader import model_config
-
             mc = model_config(path)  # the bandwidth profile's expert format
             quantize = expert_format(preset, mc.hidden_size, mc.moe_intermediate_size)
         config = EngineConfig.from_daemon(
@@ -160,10 +163,6 @@ class ControlPlane:
         return self.state
 
     def _start_admin(self) -> None:
-        from ..admin.gate import SocketBusy
-        from ..admin.paths import daemon_socket
-        from ..admin.server import AdminServer
-        from .ops import AdminOps
 
         path = daemon_socket(self.cfg.admin_socket)
         if path is None:
@@ -199,7 +198,6 @@ class ControlPlane:
 
     def slot_sizes(self) -> SlotSizes | None:
         """The active model's slot cache for the VRAM watcher (None: no slots)."""
-        from ..engine.resize import slot_backend
 
         model = self.manager.active
         be = slot_backend(model.llm.moe)
@@ -216,7 +214,6 @@ class ControlPlane:
         self._start_watchdog()
 
     def _start_watchdog(self) -> None:
-        import asyncio
 
         timeout = watchdog_seconds()
         if timeout is None or self.bridge is None or self.watchdog is not None:
@@ -261,8 +258,6 @@ class ControlPlane:
 def _cuda_uuid() -> str | None:
     """The NVML UUID of the CUDA device torch uses, so NVML watches the same GPU."""
     try:
-        import torch
-
         if not torch.cuda.is_available():
             return None
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)

@@ -24,6 +24,7 @@ from typing import Any
 from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
 from ..engine.resize import slot_backend as _slot_backend
+from ..formats.gguf_file import set_name, split_files
 from ..runtime import heartbeat
 from .hub import EngineHub
 from .lane import Lane
@@ -69,8 +70,6 @@ def checkpoint_bytes(path: Path) -> int:
     """Size on disk of the weight files of a model folder or GGUF file / split set (an
     estimate of its host pool)."""
     if path.is_file():
-        from ..formats.gguf_file import split_files
-
         return sum(p.stat().st_size for p in split_files(path))
     return sum(
         p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".ftw", ".bin")
@@ -130,8 +129,6 @@ class ModelManager:
         becomes active; later ones are parked until switched to."""
         path = self.resolve_path(spec)
         if name is None and path.is_file():
-            from ..formats.gguf_file import set_name
-
             name = set_name(path)
         name = name or path.name
         with self._lock:

@@ -51,6 +51,7 @@ class MemoryStore:
 def open_store(state_dir: Path) -> ControlStore:
     """The persistent store when available, else a MemoryStore."""
     try:
+        # deferred: optional native/store module (its ImportError is handled here)
         from ..store import control_store
     except ImportError:
         log.info("state store: no persistent store yet; profiles and registry kept in memory")

@@ -188,6 +188,7 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object")
+        # deferred: import cycle (the imported module imports this one at top level)
         from .config_hf import from_dict  # the reader builds ModelConfig: imported on use
 
         return from_dict(raw, source=str(path))

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..experts.formats import block_format
 from ..formats import gguf_blocks
 from .layers.common import Linear
 
@@ -149,7 +150,6 @@ def expert_format(preset: str, hidden: int, inter: int) -> str:
     """The expert format ``preset`` gives experts of these sizes: its block type per projection
     where the block divides the projection's input size (gate_up: H, down: I), q8_0 where only
     32 does (e.g. "q4_k/q8_0"); a format that is not a block type as it is."""
-    from ..experts.formats import block_format
 
     fmt = PRESETS[preset]["experts"]
     if fmt not in gguf_blocks.BLOCK_BYTES:

@@ -10,8 +10,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..checkpoint.ftw_index import read_index
 from ..experts.banks import ExpertBanks
+from ..experts.formats import FORMATS, quantize_banks
 from .config import ModelConfig
+from .loader import model_config
 
 log = logging.getLogger(__name__)
 
@@ -21,12 +24,8 @@ def stored_expert_format(model_dir: str | Path) -> str:
     quantized at conversion under a float config.json)."""
     model_dir = Path(model_dir)
     if model_dir.is_file():  # GGUF: kept in their block format where a kernel computes it
-        from .loader import model_config
-
         return model_config(model_dir).expert_format
     if (model_dir / "ftw.json").exists():
-        from ..checkpoint.ftw_index import read_index
-
         return read_index(model_dir).expert_format
     return ModelConfig.from_hf(model_dir).expert_format
 
@@ -39,7 +38,6 @@ def quantize_experts_at_load(
 ) -> ExpertBanks:
     """Float experts quantized to ``fmt`` in RAM (llama.cpp's quantize, at load or at FTW
     conversion): 4.25 bits a weight for mxfp4 instead of 16. Dense weights stay as they are."""
-    from ..experts.formats import FORMATS, quantize_banks
 
     if fmt == "bf16" or fmt not in FORMATS:
         singles = sorted(n for n in FORMATS if n != "bf16" and "/" not in n)

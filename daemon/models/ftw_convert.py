@@ -12,9 +12,12 @@ import torch
 
 from ..checkpoint.ftw_index import FtwError, FtwIndex
 from ..checkpoint.ftw_write import Progress, aux_files, check_destination, write_ftw
+from ..engine.gguf_tokenizer import gguf_tokenizer_files
 from ..experts.banks import ExpertBanks
 from .expert_quant import quantize_experts_at_load
 from .ftw_loader import QBLOCKS
+from .gguf_config import hf_fields
+from .gguf_loader import GgufCheckpoint
 from .layers.common import Linear
 from .loader import load_model, model_kind
 from .model import CausalLM
@@ -94,9 +97,6 @@ def convert(
 def _gguf_sidecars(src: Path, dtype: str, tmp: Path) -> tuple[bytes, list[Path]]:
     """config.json bytes and tokenizer.json / tokenizer_config.json files (in ``tmp``) that
     describe a GGUF file's model, tokenizer and chat template."""
-    from ..engine.gguf_tokenizer import gguf_tokenizer_files
-    from .gguf_config import hf_fields
-    from .gguf_loader import GgufCheckpoint
 
     with GgufCheckpoint(src) as ck:
         infos = {n: t for n, (_, t) in ck.tensors.items()}

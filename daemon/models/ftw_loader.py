@@ -12,6 +12,7 @@ from ..checkpoint.ftw_index import FtwError, FtwIndex, read_index
 from ..checkpoint.ftw_io import pin
 from ..experts.banks import ExpertBanks
 from ..experts.formats import get_format, is_known
+from ..formats.gguf_blocks import BLOCK_BYTES, row_bytes, supports
 from ..native.qlinear_native import QuantWeight
 from .config import ModelConfig
 from .layers.common import Linear, dtype_of
@@ -24,7 +25,6 @@ QBLOCKS = "qblocks"
 
 def _block_layers(idx: FtwIndex, model: CausalLM) -> dict[str, tuple[str, Linear]]:
     """{index name: (format, projection)} of the projections the index stores in blocks."""
-    from ..formats.gguf_blocks import BLOCK_BYTES, row_bytes, supports
 
     out = {}
     for e in idx.tensors:
@@ -59,7 +59,6 @@ def _expected(
         for n, p in model.named_parameters()
         if n not in in_blocks
     }
-    from ..formats.gguf_blocks import row_bytes
 
     for name, (fmt, mod) in blocks.items():
         want[name] = ((mod.weight.shape[0], row_bytes(fmt, mod.weight.shape[1])), torch.uint8)

@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 
 from ..experts.banks import ExpertBanks
-from ..formats.gguf_file import GgufFile, GgufFormatError, GgufTensor, split_files
+from ..formats.gguf_blocks import BLOCK_BYTES
+from ..formats.gguf_file import (
+    NATIVE,
+    GgufFile,
+    GgufFormatError,
+    GgufTensor,
+    can_dequantize,
+    split_files,
+)
 from ..native.qlinear_native import QuantWeight
 from . import gguf_experts
 from .config import ModelConfig
@@ -40,7 +48,7 @@ from .gguf_arch import (
     top_fix,
 )
 from .gguf_config import config_from_gguf, gguf_arch
-from .layers.common import Linear
+from .layers.common import Linear, dtype_of
 from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
 from .registry import family_spec
@@ -132,7 +140,6 @@ class _Joined:
 
 
 def _native(t: GgufTensor) -> torch.dtype:
-    from ..formats.gguf_file import NATIVE
 
     return NATIVE[t.type_name]
 
@@ -281,7 +288,6 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> _Kept | None:
     computes each from the file's blocks) of a type those kernels compute, with the shape the
     model expects, read from one tensor whose converter transform (if any) only reorders or
     selects rows, or only reorders input columns (then the input moves: ``_input_order``)."""
-    from ..formats.gguf_blocks import BLOCK_BYTES
 
     if not isinstance(src, _Source):
         return None
@@ -355,7 +361,6 @@ def _keep_blocks(kept: _Kept, src: _Source) -> None:
 
 def _check_types(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
     """Refuses, before loading, a tensor of a type we can neither keep nor dequantize."""
-    from ..formats.gguf_file import can_dequantize
 
     seen: dict[str, bool] = {}
     for name, (_, t) in ck.tensors.items():
@@ -394,7 +399,6 @@ def gguf_name(canon: str, arch: str = "") -> str:
 
 
 def _dt(name: str) -> torch.dtype:
-    from .layers.common import dtype_of
 
     return dtype_of(name)
 

@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 from ..experts.banks import ExpertBanks
-from ..experts.formats import expert_rows
+from ..experts.formats import allocate, expert_rows
 from ..formats.errors import CheckpointError
+from ..formats.gguf_file import is_gguf
 from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 from .config import ModelConfig
 from .families.spec import FamilySpec
+from .ftw_loader import load_ftw
 from .layers.common import dtype_of
 from .model import CausalLM, build_model
 from .registry import family_spec
@@ -381,8 +383,6 @@ def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
     if cfg.expert_format != "bf16":
-        from ..experts.formats import allocate
-
         return allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
     return ExpertBanks(
         gate_up=torch.empty(n, 2 * i, h, dtype=dt),
@@ -401,7 +401,6 @@ def model_kind(path: str | Path) -> str:
         return "ftw" if (p / "ftw.json").exists() else "hf"
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder; {expected}")
-    from ..formats.gguf_file import is_gguf
 
     try:
         if is_gguf(p):
@@ -415,6 +414,7 @@ def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
     """The ModelConfig of any checkpoint ``load_model`` reads (``dtype``: override the weights'
     dtype in memory)."""
     if model_kind(path) == "gguf":
+        # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import GgufCheckpoint
 
         with GgufCheckpoint(path) as ck:
@@ -432,12 +432,11 @@ def load_model(
     model_dir = Path(model_dir)
     kind = model_kind(model_dir)
     if kind == "gguf":
+        # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import load_gguf
 
         return load_gguf(model_dir, cfg)
     if kind == "ftw":  # pre-laid-out FTW folder (ARCHITECTURE §7)
-        from .ftw_loader import load_ftw
-
         stored = ModelConfig.from_hf(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:
             raise CheckpointError(

@@ -150,6 +150,7 @@ class CausalLM(nn.Module):
 def build_model(cfg: ModelConfig) -> CausalLM:
     """The model of ``cfg``'s family (parameters uninitialised): Gemma-4 has its own top level."""
     if cfg.family == "gemma4":
+        # deferred: import cycle (the imported module imports this one at top level)
         from .gemma4_model import Gemma4CausalLM
 
         return Gemma4CausalLM(cfg)

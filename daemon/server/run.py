@@ -18,6 +18,7 @@ import structlog
 import uvicorn
 
 from ..config import DaemonConfig
+from ..manager.control import ControlPlane
 from .access import HttpAccess
 from .app import create_app
 from .state import ServerState
@@ -80,7 +81,6 @@ def _hook(state: ServerState, name: str, *args: Any) -> None:
 
 
 def serve(cfg: DaemonConfig) -> int:
-    from ..manager.control import ControlPlane  # models, engine hub, admin socket, VRAM watcher
 
     control: ControlPlane | None = None
     try:

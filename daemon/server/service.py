@@ -202,6 +202,7 @@ class ModelService:
 
     def _grammar_factory(self) -> Any:
         if self._grammars is None:
+            # deferred: xgrammar (constrained decoding, loaded on first use)
             from .constrained.constraint import GrammarFactory
 
             self._grammars = GrammarFactory(

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import sqlite_utils
 
+from ..formats.gguf_file import split_files
+
 FTW_INDEX = "ftw.json"  # checkpoint/ftw_index.INDEX_NAME (not imported: keeps the store light)
 
 
@@ -30,7 +32,6 @@ def model_format(folder: Path) -> str:
 def _gguf_fingerprint(path: Path) -> str:
     """A GGUF file (or split set): the name, size and mtime of every part, and the start of the
     first (magic, version, the first metadata)."""
-    from ..formats.gguf_file import split_files
 
     h = hashlib.blake2b(digest_size=16)
     parts = split_files(path)

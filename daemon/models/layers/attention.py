@@ -230,6 +230,7 @@ def paged_attention(
                 q, kp, vp, dec.tables, dec.lens, scale, window, sinks, dec.rows, out
             )
     elif kernel and any(ch.length == 1 for ch in batch.chunks):
+        # deferred: triton (the ftkernels GPU kernels)
         from ftkernels.ops import paged_decode_attention as decode_op
 
         kt = _kernel_rows(batch, q.device)
@@ -261,6 +262,7 @@ def _static_decode(
         kp.view(-1, *kp.shape[2:]).index_copy_(0, dm.slots, kv[0].to(kp.dtype))
         vp.view(-1, *vp.shape[2:]).index_copy_(0, dm.slots, kv[1].to(vp.dtype))
     if _decode_kernel == "triton" and q.device.type in _KERNEL_DEVICES:
+        # deferred: triton (the ftkernels GPU kernels)
         from ftkernels.ops import paged_decode_attention as decode_op
 
         return decode_op(  # type: ignore[no-any-return]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ...experts.backend import CpuBackend
 from ...native import dense_native, qlinear_native
 from ..batch import ForwardBatch
 from ..config import RopeConfig
@@ -413,7 +414,6 @@ def on_cpu(embed: Tensor, kv: Any, moe: Any) -> bool:
     """Whether decode steps can take the fast path at all: it is on, the native kernels are
     built, and the embedding (where the residual stream is), the KV pool (bf16 or fp32) and a
     CPU backend's native-callable experts are on the CPU."""
-    from ...experts.backend import CpuBackend
 
     return (
         _enabled[0]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...native import dense_native
+from ..model import CausalLM
 from . import cpu_decode
 
 if TYPE_CHECKING:
@@ -81,7 +82,6 @@ class DecodeLane:
     def make(cls, model: Any, kv: Any, moe: Any, states: list[Any]) -> DecodeLane | None:
         """A lane for decode steps of ``states``' rows, or None where the model's forward must
         run them (a layer or an end off the native path, the pool or experts elsewhere)."""
-        from ..model import CausalLM
 
         if type(model) is not CausalLM or not cpu_decode.on_cpu(model.embed_tokens.weight, kv, moe):
             return None

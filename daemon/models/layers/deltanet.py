@@ -101,6 +101,7 @@ class _DecodeStates:
     the states' addresses (the kernel's table)."""
 
     def __init__(self, batch: ForwardBatch, device: torch.device) -> None:
+        # deferred: triton (the ftkernels GPU kernels)
         from ftkernels.deltanet import state_pointers
 
         self.chunks: list[SeqChunk] = [ch for ch in batch.chunks if ch.length == 1]
@@ -198,6 +199,7 @@ class GatedDeltaNet(nn.Module):
         n = qkv.shape[0]
         q, k, v, g, beta = self._rule_inputs(self._conv(qkv, st), a, b)
         if kernel:  # the chunked form as one launch (kernels/deltanet.py)
+            # deferred: triton (the ftkernels GPU kernels)
             from ftkernels.ops import deltanet_prefill
 
             return deltanet_prefill(q, k, v, g, beta, st.ssm[self.lin_layer])
@@ -213,6 +215,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """The decode rows through the recurrent step kernel: the conv batched over the rows,
         then one launch for all rows; o [n, vh, dv] fp32 in ``dec``'s row order."""
+        # deferred: triton (the ftkernels GPU kernels)
         from ftkernels.ops import deltanet_decode
 
         if not dec.all_rows:

@@ -15,6 +15,7 @@ from litestar import Request, Response
 from ..errors import APIError, InvalidRequest, from_validation_error
 from ..generation import Generation
 from ..sse import comment_ping, stream_response
+from ..state import server_state
 
 log = structlog.get_logger("freetokend.request")
 
@@ -111,7 +112,6 @@ async def respond(
     """The end every generating route shares: stream ``out`` or send its complete body. However
     the request ends (done, client gone, error), the generation is closed (its KV freed) and
     its log line written, once."""
-    from ..state import server_state
 
     metrics = server_state(request).metrics
 
