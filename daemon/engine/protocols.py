@@ -17,13 +17,9 @@ if TYPE_CHECKING:  # annotations only: importing this module loads no torch
     from .scheduler import Constraint
 
 
-class ServingEngine(Protocol):
-    """One model's engine as the hub drives it: requests in, one step at a time, stats out."""
-
-    # requests admitted per step; the hub sets it to 0 to pause admission for an operation
-    max_batch: int
-    # the device context a safe point's work runs in (resizes and parking touch the device)
-    device_scope: Callable[[], AbstractContextManager[Any]]
+class StepEngine(Protocol):
+    """An engine stepped by one thread: requests in, one step at a time, stats out (what the
+    server's bridge drives, and the core of what the hub drives)."""
 
     def add_request(
         self,
@@ -42,6 +38,16 @@ class ServingEngine(Protocol):
     def step(self) -> list[StepOutput]: ...
 
     def stats(self) -> EngineStats: ...
+
+
+class ServingEngine(StepEngine, Protocol):
+    """One model's engine as the hub drives it: a ``StepEngine`` whose admission the hub can
+    pause and whose device work it can enter between steps."""
+
+    # requests admitted per step; the hub sets it to 0 to pause admission for an operation
+    max_batch: int
+    # the device context a safe point's work runs in (resizes and parking touch the device)
+    device_scope: Callable[[], AbstractContextManager[Any]]
 
     def idle(self) -> None: ...
 

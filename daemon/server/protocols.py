@@ -14,10 +14,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..engine.protocols import StepEngine
+
 if TYPE_CHECKING:  # annotations only: no import cycle with the modules that use these
-    from ..engine.core import EngineStats, StepOutput
-    from ..engine.sampler import SamplingParams
-    from ..engine.scheduler import Constraint
     from .bridge import RequestHandle, Submission
     from .chat import ChatRequest, Sampling
     from .generation import Generation
@@ -62,26 +61,9 @@ class SubmitBridge(Protocol):
     def release(self, request_id: str) -> None: ...
 
 
-class BridgeEngine(Protocol):
-    """The engine the bridge's thread steps (the loop side adds and aborts requests)."""
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        constraint: Constraint | None = None,
-        *,
-        checked: bool = False,
-    ) -> None: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def step(self) -> list[StepOutput]: ...
-
-    def stats(self) -> EngineStats: ...
+# The engine the bridge's thread steps (the loop side adds and aborts requests): the engine
+# package's StepEngine, named here for the server's own modules.
+BridgeEngine = StepEngine
 
 
 if TYPE_CHECKING:  # mypy checks here that the server's own classes implement the protocols
