@@ -22,10 +22,8 @@ from typing import Any
 
 import pytest
 import uvicorn
-from server_support.daemon import state_dir
+from server_support.daemon import quiet_control_plane
 
-from freetokend.config import resolve
-from freetokend.manager.control import ControlPlane
 from freetokend.server import sse
 from freetokend.server.app import create_app
 
@@ -138,13 +136,7 @@ def url() -> Iterator[str]:
     builds it (the control plane, without its admin socket, VRAM watcher and session spills
     into the shared state folder); the stall is in the engine hub's step, which the bridge
     drives."""
-    cli = {
-        "state_dir": str(state_dir()),
-        "admin_socket": "off",
-        "vram_watch": False,
-        "spill_budget_mb": 0,
-    }
-    control = ControlPlane(resolve(cli, None, env={}))
+    control = quiet_control_plane()
     state = control.start()
     engine = state.bridge.engine
     real_step = engine.step

@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 from litestar.testing import TestClient
-from server_support.daemon import state_dir
+from server_support.daemon import quiet_control_plane
 
-from freetokend.config import resolve
 from freetokend.engine.sampler import SamplingParams
-from freetokend.manager.control import ControlPlane
 from freetokend.server import chat
 from freetokend.server.app import create_app
 
@@ -27,13 +25,7 @@ HELLO: Any = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient[Any]]:
-    cli = {
-        "state_dir": str(state_dir()),
-        "admin_socket": "off",
-        "vram_watch": False,
-        "spill_budget_mb": 0,
-    }
-    control = ControlPlane(resolve(cli, None, env={}))
+    control = quiet_control_plane()
     state = control.start()
     try:
         with TestClient(create_app(state)) as tc:

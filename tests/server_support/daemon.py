@@ -22,6 +22,10 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from freetokend.manager.control import ControlPlane
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "builtin-qwen35moe-tiny"
@@ -182,3 +186,18 @@ def shared_daemon() -> Daemon:
             _shared = start_daemon()
             atexit.register(_shared.stop)
         return _shared
+
+
+def quiet_control_plane() -> ControlPlane:
+    """The daemon's control plane as ``serve()`` builds it, in this process, without its admin
+    socket, VRAM watcher or session spills into the shared state folder; not started."""
+    from freetokend.config import resolve
+    from freetokend.manager.control import ControlPlane  # noqa: F811 (at run time)
+
+    cli = {
+        "state_dir": str(state_dir()),
+        "admin_socket": "off",
+        "vram_watch": False,
+        "spill_budget_mb": 0,
+    }
+    return ControlPlane(resolve(cli, None, env={}))
