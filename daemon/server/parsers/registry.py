@@ -6,7 +6,8 @@ The tool-call syntax is chosen per model:
    ``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
    because one family can ship different templates (the built-in tiny model is family
    ``qwen3_5_moe`` but its template asks for JSON ``<tool_call>``);
-2. falling back to the family default (``FAMILY_DEFAULTS``) when the template says nothing.
+2. falling back to the family's default (``family_default``: the names its ``FamilySpec``
+   declares) when the template says nothing.
 Never from path or model-name substrings.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ...models.registry import SPECS
 from . import gemma4, glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
 from .base import OutputParser, PassThrough, ToolSchemas
 from .chain import Chain
@@ -44,23 +46,21 @@ class OutputSyntax:
     reasoning: ReasoningSyntax
 
 
-FAMILY_DEFAULTS: dict[str, OutputSyntax] = {
-    "qwen3_moe": OutputSyntax(ToolSyntax.QWEN3_JSON, ReasoningSyntax.THINK),
-    "qwen3_5_moe": OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK),
-    "qwen3_next": OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK),
-    "gpt_oss": OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY),
-    "mixtral": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
-    "olmoe": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
-    "glm4_moe": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
-    "glm4_moe_lite": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
-    "minimax_m2": OutputSyntax(ToolSyntax.MINIMAX_XML, ReasoningSyntax.THINK),
-    "gemma4": OutputSyntax(ToolSyntax.GEMMA4, ReasoningSyntax.GEMMA4_THOUGHT),
-}
+_PLAIN = OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE)
+
+
+def family_default(family: str) -> OutputSyntax:
+    """The syntax the family declares (``FamilySpec.tool_syntax`` / ``reasoning_syntax``,
+    ``models/families/``); none for a family not known."""
+    spec = SPECS.get(family)
+    if spec is None:
+        return _PLAIN
+    return OutputSyntax(ToolSyntax(spec.tool_syntax), ReasoningSyntax(spec.reasoning_syntax))
 
 
 def detect_syntax(family: str, template_source: str) -> OutputSyntax:
     """The syntax the chat template instructs, else the family default."""
-    default = FAMILY_DEFAULTS.get(family, OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE))
+    default = family_default(family)
     src = template_source or ""
     if "<|channel|>" in src:
         return OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
