@@ -6,6 +6,7 @@ names none of them: a per-family branch or table there fails this test."""
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from tiny_models import FAMILIES as TINY_FAMILIES
 
 from freetokend.models.config import ModelConfig
 from freetokend.models.families.spec import FamilySpec
+from freetokend.models.model import CausalLM
 from freetokend.models.registry import (
     ARCHITECTURES,
     FAMILIES,
@@ -43,6 +45,7 @@ MODELS_GENERIC = (
     "gguf_read.py",
     "gguf_loader.py",
     "registry.py",
+    "model.py",
 )
 PARSER_REGISTRY = DAEMON / "server" / "parsers" / "registry.py"
 
@@ -83,6 +86,14 @@ def test_fixed_fields_are_model_config_fields() -> None:
     for name, spec in SPECS.items():
         assert set(spec.hf.fixed) <= fields, name
         assert spec.hf.shared_expert in ("none", "gated", "plain"), name
+
+
+def test_own_top_levels_resolve() -> None:
+    for name, spec in SPECS.items():
+        if spec.model:
+            module, _, cls = spec.model.partition(":")
+            found = getattr(importlib.import_module(f"freetokend.models.{module}"), cls)
+            assert issubclass(found, CausalLM), name
 
 
 def test_output_syntax_names_are_the_server_s() -> None:

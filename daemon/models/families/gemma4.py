@@ -173,6 +173,7 @@ _BLOCK = {
 SPEC = FamilySpec(
     architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     hf=HfRules(normalize=_text, layer_types=_layer_types, fields=_fields),
+    model="gemma4_model:Gemma4CausalLM",
     gguf=GgufRules(
         arch="gemma4",
         experts_key="num_experts",

@@ -105,6 +105,9 @@ class FamilySpec:
     architectures: tuple[str, ...] = ()
     hf: HfRules = HfRules()
     gguf: GgufRules | None = None
+    # "module:Class" under models/ of the family's own top level (a CausalLM subclass), where
+    # the shared one does not serve; "" for CausalLM
+    model: str = ""
     # the output syntax when the chat template does not reveal it (server/parsers/registry.py
     # ToolSyntax / ReasoningSyntax values)
     tool_syntax: str = "none"
