@@ -1,6 +1,7 @@
 """The model families, found by scanning the ``families`` package: one module each, named as the
-family, defining ``SPEC: FamilySpec``. The HF architecture table and the GGUF architecture table
-are derived from the specs; nothing else lists the families.
+family, defining ``SPEC: FamilySpec`` (a module without one is a helper). The HF architecture
+table and the GGUF architecture table are derived from the specs; nothing else lists the
+families.
 """
 
 from __future__ import annotations
@@ -12,18 +13,20 @@ import pkgutil
 from . import families
 from .families.spec import FamilySpec
 
-_NOT_FAMILIES = ("spec",)  # modules of the package that declare no family
-
 
 def _discover() -> dict[str, FamilySpec]:
+    """Every module of the package that defines ``SPEC``; the others (``spec``, shared markup
+    such as anchors for families to come) are helpers."""
     found: dict[str, FamilySpec] = {}
     for info in sorted(pkgutil.iter_modules(families.__path__), key=lambda m: m.name):
-        if info.name in _NOT_FAMILIES or info.name.startswith("_"):
+        if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{families.__name__}.{info.name}")
         spec = getattr(module, "SPEC", None)
+        if spec is None:
+            continue
         if not isinstance(spec, FamilySpec):
-            raise TypeError(f"{module.__name__} defines no SPEC = FamilySpec(...)")
+            raise TypeError(f"{module.__name__}.SPEC is not a FamilySpec")
         found[info.name] = dataclasses.replace(spec, name=info.name)
     return found
 
