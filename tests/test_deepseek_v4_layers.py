@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ from freetokend.models.deepseek_v4_model import (
     v4_config,
 )
 from freetokend.models.layers.compressed import select_topk, visible_entries
+from freetokend.models.layers.rope import inv_frequencies
 
 ATOL_HF = 1e-4
 ATOL_SELF = 2e-5
@@ -435,6 +437,36 @@ def test_greedy_tokens_identical(pair):
     ref = _hf_greedy(hf, ids, 32)
     assert len(set(ref)) > 3  # not a degenerate repeat
     assert _our_greedy(ours, ids, 32) == ref
+
+
+def test_compress_rope_at_release_geometry():
+    """The compress rope's YaRN frequencies at V4-Flash's geometry (rope dim 64 of 512, theta
+    160000, factor 16 over 65536 positions), where the correction range's truncation matters:
+    transformers 5.25 always truncates for V4 (it reads ``truncate`` from the outer
+    {"main", "compress"} dict), and never scales cos / sin (attention_factor forced to 1)."""
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rp = {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,  # ignored by transformers, see above
+    }
+    c = tf.DeepseekV4Config(
+        head_dim=512,
+        partial_rotary_factor=64 / 512,
+        max_position_embeddings=1048576,
+        num_hidden_layers=2,
+        rope_parameters=rp,
+    )
+    ref, factor = ROPE_INIT_FUNCTIONS["yarn"](c, None, layer_type="compress")
+    ours = v4_config(c.to_dict()).rope_compress
+    assert factor == 1.0 and ours.attention_factor == 1.0 and ours.truncate
+    assert torch.equal(inv_frequencies(ours), ref)
+    assert not torch.equal(inv_frequencies(replace(ours, truncate=False)), ref)
 
 
 # -- our top-k tie-break and names ------------------------------------------------------------

@@ -116,6 +116,13 @@ def v4_config(hf: Mapping[str, Any]) -> V4Config:
     {"main", "compress"} ``rope_parameters`` already filled in). The release checkpoint's legacy
     keys (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, flat rope params) are
     the family file's to fold in; they are not read here."""
+    for key, want in (
+        ("scoring_func", "sqrtsoftplus"),
+        ("hidden_act", "silu"),
+        ("mlp_bias", False),
+    ):
+        if hf.get(key, want) != want:
+            raise ValueError(f"DeepSeek-V4 with {key}={hf[key]!r} is not supported (only {want!r})")
     n = int(hf["num_hidden_layers"])
     head_dim = int(hf["head_dim"])
     rotary = int(head_dim * float(hf["partial_rotary_factor"]))
