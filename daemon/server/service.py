@@ -272,7 +272,13 @@ class ModelService:
     ) -> Generation:
         rid = self.new_id()
         handle = self.bridge.submit(Submission(rid, ids, params, constraint, checked=True))
-        harmony = self.syntax.tools is ToolSyntax.HARMONY
+        # the parser reads special tokens from the text: harmony's <|channel|>, ..., and the
+        # ｜DSML｜ of DeepSeek's tool-call tags (a special token skipping would delete)
+        keep_special = self.syntax.tools in (
+            ToolSyntax.HARMONY,
+            ToolSyntax.DEEPSEEK_DSML,
+            ToolSyntax.DEEPSEEK_DSML_V3_2,
+        )
         return Generation(
             bridge=self.bridge,
             handle=handle,
@@ -280,8 +286,7 @@ class ModelService:
             parser=parser,
             stop=s.stop,
             stop_token_ids=self.eos_ids | set(s.stop_token_ids),
-            # harmony's parser reads its special tokens (<|channel|>, ...) from the text
-            skip_special_tokens=not harmony,
+            skip_special_tokens=not keep_special,
             want_logprobs=s.logprobs is not None,
             metrics=self.metrics,
         )

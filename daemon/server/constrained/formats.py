@@ -19,6 +19,7 @@ from xgrammar.structural_tag import (
     StructuralTag,
 )
 
+from ..parsers.deepseek_dsml import BLOCK_V3_2, BLOCK_V4, DSML
 from ..parsers.registry import ToolSyntax
 
 EMPTY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
@@ -49,6 +50,9 @@ def _call_format(syntax: ToolSyntax, name: str, schema: dict[str, Any]) -> Seque
         begin = f"<|tool_call>call:{name}"
         args = JSONSchemaFormat(json_schema=schema, style="gemma", max_whitespace_cnt=_WS)
         end = "<tool_call|>"
+    elif syntax in (ToolSyntax.DEEPSEEK_DSML, ToolSyntax.DEEPSEEK_DSML_V3_2):
+        begin, end = _dsml_frame(syntax, name)
+        args = JSONSchemaFormat(json_schema=schema, style="deepseek_xml", max_whitespace_cnt=_WS)
     elif syntax is ToolSyntax.HARMONY:
         # The closing <|call|> is the stop token the matcher requires after the grammar.
         begin = f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
@@ -60,6 +64,16 @@ def _call_format(syntax: ToolSyntax, name: str, schema: dict[str, Any]) -> Seque
     if end:
         elements.append(ConstStringFormat(value=end))
     return SequenceFormat(elements=elements)
+
+
+def _dsml_frame(syntax: ToolSyntax, name: str) -> tuple[str, str]:
+    """DeepSeek's DSML block around one invocation, as its templates write it: ``\\n\\n``
+    before the block (markup the parser drops), ``tool_calls`` for V4, ``function_calls``
+    for V3.2; xgrammar's ``deepseek_xml`` style writes the parameters."""
+    v3_2 = syntax is ToolSyntax.DEEPSEEK_DSML_V3_2
+    block = f"{DSML}{BLOCK_V3_2 if v3_2 else BLOCK_V4}"
+    begin = f'\n\n<{block}>\n<{DSML}invoke name="{name}">\n'
+    return begin, f"</{DSML}invoke>\n</{block}>"
 
 
 def forced_tool_call(syntax: ToolSyntax, tools: list[tuple[str, dict[str, Any] | None]]) -> str:

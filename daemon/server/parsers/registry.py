@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from . import gemma4, glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
+from . import deepseek_dsml, gemma4, glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
 from .base import OutputParser, PassThrough, ToolSchemas
 from .chain import Chain
 from .think import ThinkParser
@@ -29,6 +29,8 @@ class ToolSyntax(StrEnum):
     GLM_XML = "glm_xml"
     MINIMAX_XML = "minimax_xml"
     GEMMA4 = "gemma4"
+    DEEPSEEK_DSML = "deepseek_dsml"  # DeepSeek-V4: <｜DSML｜tool_calls>
+    DEEPSEEK_DSML_V3_2 = "deepseek_dsml_v3_2"  # DeepSeek-V3.2: <｜DSML｜function_calls>
 
 
 class ReasoningSyntax(StrEnum):
@@ -64,7 +66,10 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
     src = template_source or ""
     if "<|channel|>" in src:
         return OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
-    if minimax_xml.OPEN in src:
+    if deepseek_dsml.DSML in src:  # the templates build the tags from a dsml_token variable
+        v3_2 = deepseek_dsml.BLOCK_V3_2 in src
+        tools = ToolSyntax.DEEPSEEK_DSML_V3_2 if v3_2 else ToolSyntax.DEEPSEEK_DSML
+    elif minimax_xml.OPEN in src:
         tools = ToolSyntax.MINIMAX_XML
     elif "<arg_key>" in src:
         tools = ToolSyntax.GLM_XML
@@ -93,6 +98,8 @@ _TOOL_PARSERS = {
     ToolSyntax.GLM_XML: glm_xml.make_parser,
     ToolSyntax.MINIMAX_XML: minimax_xml.make_parser,
     ToolSyntax.GEMMA4: gemma4.make_parser,
+    ToolSyntax.DEEPSEEK_DSML: deepseek_dsml.make_parser,
+    ToolSyntax.DEEPSEEK_DSML_V3_2: deepseek_dsml.make_parser,
 }
 
 
