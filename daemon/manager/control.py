@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -68,14 +67,14 @@ class ControlPlane:
         self.metrics = Metrics()
         self.http_url = ""
         self.admin_path: Path | None = None
-        self.admin: Any = None
+        self.admin: AdminServer | None = None
         self.watcher: VramWatcher | None = None
         self.vram_status = "off: disabled in the config" if not cfg.vram_watch else "off"
         self.hub: EngineHub | None = None
         self.bridge: EngineBridge | None = None
         self.state: ServerState | None = None
-        self.watchdog: Any = None  # server/watchdog.Watchdog under systemd's WatchdogSec=
-        self._watchdog_task: Any = None
+        self.watchdog: Watchdog | None = None  # under systemd's WatchdogSec=
+        self._watchdog_task: asyncio.Task[None] | None = None
 
     # ---- models -----------------------------------------------------------------------------
     def _resolve(self, spec: str) -> Path:
@@ -101,14 +100,10 @@ class ControlPlane:
 
     def _preset(self, path: Path) -> str | None:
         """``quantize`` (a preset) applies to float checkpoints only, like quantize_experts."""
-        # deferred: import cycle (the imported module imports this one at top level)
-        from ..models.expert_quant import stored_expert_format
-
         q = self.cfg.quantize
         return q if q and stored_expert_format(path) == "bf16" else None
 
-    def _load_llm(self, path: Path, name: str, backend: str) -> Any:
-
+    def _load_llm(self, path: Path, name: str, backend: str) -> LLM:
         cfg = self.cfg
         set_decode_kernel(cfg.attention_kernel)  # process-wide, the same for every model
         quantize = self._quantize(path)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
@@ -31,9 +31,13 @@ from .lane import Lane
 from .parking import park_fused, park_graphs, unpark_fused, unpark_graphs
 from .ticket import Ticket
 
+if TYPE_CHECKING:
+    from ..engine.llm import LLM
+    from ..server.parts import Service
+
 log = logging.getLogger(__name__)
 
-Loader = Callable[[Path, str, str], Any]  # (model_dir, name, moe_backend) -> LLM
+Loader = Callable[[Path, str, str], "LLM"]  # (model_dir, name, moe_backend)
 
 
 class ModelError(ValueError):
@@ -44,17 +48,17 @@ class ModelError(ValueError):
 class ResidentModel:
     name: str
     path: Path
-    llm: Any  # LLM
+    llm: LLM
     lane: Lane
     host_bytes: int
     moe_backend: str
     weight_loads: int = 1  # times this name's weights were read from disk since the daemon started
-    service: Any = None  # ModelService, built by the control plane's factory
+    service: Service | None = None  # built by the control plane's factory
     parked: CacheSizes | None = None  # sizes to restore on unpark; None while active
     last_active: float = field(default_factory=time.monotonic)
 
 
-def host_bytes(llm: Any) -> int:
+def host_bytes(llm: LLM) -> int:
     """Bytes of host RAM held by the model's weights: dense parameters plus the expert pool."""
     dense = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
     pool = sum(t.numel() * t.element_size() for t in llm.banks.tensors().values())
@@ -92,7 +96,7 @@ class ModelManager:
         self.resolve_path = resolve_path or (lambda spec: Path(spec).expanduser())
         self.models: dict[str, ResidentModel] = {}
         self.hub: EngineHub | None = None
-        self.service_factory: Callable[[ResidentModel], Any] | None = None
+        self.service_factory: Callable[[ResidentModel], Service] | None = None
         self.on_loaded: Callable[[ResidentModel], None] | None = None
         self._load_counts: dict[str, int] = {}
         self._lock = threading.RLock()  # load / unload / switch bookkeeping

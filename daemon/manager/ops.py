@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from ..config import DaemonConfig
 from ..engine.resize import slot_backend
+from ..server.parts import EngineBridge, ServerState
 from .bench import bench_bandwidth
 from .cache import CacheControl
 from .hub import EngineHub
@@ -62,10 +63,10 @@ class Control(Protocol):
     def hub(self) -> EngineHub | None: ...
 
     @property
-    def bridge(self) -> Any: ...  # server bridge (``in_flight``), None before start()
+    def bridge(self) -> EngineBridge | None: ...  # None before start()
 
     @property
-    def state(self) -> Any: ...  # server state (``draining``), None before start()
+    def state(self) -> ServerState | None: ...  # None before start()
 
 
 class AdminOps:

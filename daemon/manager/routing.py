@@ -35,7 +35,7 @@ from ..server.parts import (
 )
 from .hub import EngineHub
 from .lane import Lane
-from .models import ModelManager
+from .models import ModelManager, ResidentModel
 
 _target: contextvars.ContextVar[str | None] = contextvars.ContextVar("ft_model", default=None)
 
@@ -62,6 +62,13 @@ class LaneBridge:
         self._bridge.release(request_id)
 
 
+def _service_of(model: ResidentModel) -> Service:
+    """The model's service; every resident model has one once the control plane started."""
+    if model.service is None:
+        raise RuntimeError(f"model {model.name!r} has no service yet (the daemon is starting)")
+    return model.service
+
+
 class ServiceRouter:
     def __init__(
         self,
@@ -76,8 +83,7 @@ class ServiceRouter:
         self._registered = registered  # names of models known to the store (maybe unloaded)
 
     def _active(self) -> Service:
-        service: Service = self._manager.desired.service
-        return service
+        return _service_of(self._manager.desired)
 
     # ---- the active model's --------------------------------------------------------------------
     @property
@@ -140,8 +146,7 @@ class ServiceRouter:
             manager.finish_switch(manager.switch(name, load_if_missing=False), self._switch_timeout)
 
         await asyncio.to_thread(switch)
-        service: Service = manager.get(name).service
-        return service
+        return _service_of(manager.get(name))
 
     async def start_chat(self, req: ChatRequest) -> tuple[Generation, Rendered]:
         return await (await self._service()).start_chat(req)
@@ -151,5 +156,5 @@ class ServiceRouter:
 
     async def count_tokens(self, req: ChatRequest) -> int:
         name = _target.get()
-        svc: Service = self._manager.get(name).service if name else self._active()
+        svc = _service_of(self._manager.get(name)) if name else self._active()
         return await svc.count_tokens(req)

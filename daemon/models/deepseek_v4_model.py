@@ -1,0 +1,402 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): its own top level, one sequence at a time for now.
+
+What differs from `model.CausalLM`: the residual is ``hc_mult`` streams mixed by hyper-connections
+(layers/hyper.py); attention has one shared K = V head, a sliding window and, per layer type,
+compressed entries (HCA: all, CSA: the Lightning Indexer's top-k; layers/compressed.py,
+layers/v4_attention.py); the MoE routes by sqrt(softplus) scores or, in the first layers, by a
+token-id hash, with a clamped SwiGLU (layers/v4_routing.py). Routed experts are plain
+parameters here (`RoutedExperts`, the expert-bank layout) until the backends get the clamped
+SwiGLU.
+
+Incremental state and how it maps onto the engine's memory (design, not wired yet)
+-----------------------------------------------------------------------------------
+`forward(ids, state)` runs any number of next tokens of one sequence from its `V4SeqState` and
+returns the new state; the full forward is the same call from `new_state()`, and prefill then
+decode, or a prefill cut anywhere (inside open windows too), gives the same result. Per layer
+(`v4_attention.V4AttentionState`):
+
+* ``window``: the last window - 1 keys, [head_dim] per token (K = V). In the engine these are
+  the layer's rows of the paged KV pool, as for any sliding layer (kv_heads 1, head_dim; no V
+  half is needed since V = K); attention reads the rows of (p - window, p].
+* ``compressor.entries`` (CSA and HCA) and ``indexer.entries`` (CSA): ONE entry per ``rate``
+  tokens ([head_dim], resp. [index_head_dim]), written when a window closes (the token at
+  position (w + 1) * rate - 1 writes entry w). In the pool: a per-layer region addressed by the
+  entry index w, so a sequence of L tokens holds ceil(L / rate / page_size) entry pages there
+  (its entry page table follows from its token count: no page per token).
+* ``compressor.kv / gate`` (the open window: fewer than ``rate`` tokens' projected kv and gate
+  logits, width 2 * head_dim for CSA) and, CSA only, ``prev_kv / prev_gate`` (the last closed
+  window's Ca half, [rate, head_dim] each), likewise for the indexer: fixed-size per sequence
+  and layer, not per token: like the DeltaNet ``RecurrentState`` (kv/seq_state.py), one
+  per-sequence buffer, cloned at prefix-cache anchors. A prefix hit must land on such a
+  snapshot: neither the open window nor the overlap can be rebuilt from the pool's rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import RopeConfig
+from .layers.common import RMSNorm, Weight, dtype_of, param
+from .layers.hyper import HyperConnection, HyperHead, expand_streams, merge_streams
+from .layers.rope import Rope
+from .layers.v4_attention import IndexerShape, V4Attention, V4AttentionState
+from .layers.v4_routing import ClampedMLP, V4Router, clamped_swiglu
+
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+
+
+@dataclass(frozen=True)
+class V4Config:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]  # SLIDING | CSA | HCA per layer
+    compress_rates: tuple[int, ...]  # per layer, 0 for sliding layers
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    hash_layers: tuple[bool, ...]  # per layer: routed by the token-id table
+    swiglu_limit: float
+    rope_main: RopeConfig  # sliding layers
+    rope_compress: RopeConfig  # CSA / HCA layers, their compressors and indexers
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+
+
+def _rope_config(p: Mapping[str, Any], rotary_dim: int) -> RopeConfig:
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(theta=float(p["rope_theta"]), rotary_dim=rotary_dim, interleaved=True)
+    if kind != "yarn":
+        raise ValueError(f"DeepSeek-V4 rope type {kind!r} is not supported")
+    return RopeConfig(
+        theta=float(p["rope_theta"]),
+        rotary_dim=rotary_dim,
+        kind="yarn",
+        factor=float(p["factor"]),
+        original_max_position=int(p["original_max_position_embeddings"]),
+        beta_fast=float(p.get("beta_fast") or 32.0),
+        beta_slow=float(p.get("beta_slow") or 1.0),
+        # transformers 5.25 reads ``truncate`` from the outer {"main", "compress"} dict, where
+        # it never is: the correction range is always truncated
+        truncate=True,
+        # transformers' config forces 1.0 for V4's compress rope (the cos/sin are not scaled)
+        attention_factor=float(p.get("attention_factor", 1.0)),
+        interleaved=True,
+    )
+
+
+def v4_config(hf: Mapping[str, Any]) -> V4Config:
+    """Our V4Config from a config.json as transformers 5.25 writes it (``layer_types``,
+    ``compress_rates``, ``mlp_layer_types``, ``partial_rotary_factor`` and the nested
+    {"main", "compress"} ``rope_parameters`` already filled in). The release checkpoint's legacy
+    keys (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, flat rope params) are
+    the family file's to fold in; they are not read here."""
+    for key, want in (
+        ("scoring_func", "sqrtsoftplus"),
+        ("hidden_act", "silu"),
+        ("mlp_bias", False),
+    ):
+        if hf.get(key, want) != want:
+            raise ValueError(f"DeepSeek-V4 with {key}={hf[key]!r} is not supported (only {want!r})")
+    n = int(hf["num_hidden_layers"])
+    head_dim = int(hf["head_dim"])
+    rotary = int(head_dim * float(hf["partial_rotary_factor"]))
+    types = tuple(hf["layer_types"][:n])
+    rates = tuple(0 if t == SLIDING else int(hf["compress_rates"][t]) for t in types)
+    ropes = hf["rope_parameters"]
+    return V4Config(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=n,
+        num_heads=int(hf["num_attention_heads"]),
+        head_dim=head_dim,
+        q_lora_rank=int(hf["q_lora_rank"]),
+        o_groups=int(hf["o_groups"]),
+        o_lora_rank=int(hf["o_lora_rank"]),
+        sliding_window=int(hf["sliding_window"]),
+        rms_norm_eps=float(hf["rms_norm_eps"]),
+        layer_types=types,
+        compress_rates=rates,
+        index_heads=int(hf["index_n_heads"]),
+        index_head_dim=int(hf["index_head_dim"]),
+        index_topk=int(hf["index_topk"]),
+        hc_mult=int(hf["hc_mult"]),
+        hc_sinkhorn_iters=int(hf["hc_sinkhorn_iters"]),
+        hc_eps=float(hf["hc_eps"]),
+        num_experts=int(hf["n_routed_experts"]),
+        top_k=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        routed_scaling_factor=float(hf["routed_scaling_factor"]),
+        hash_layers=tuple(t == "hash_moe" for t in hf["mlp_layer_types"][:n]),
+        swiglu_limit=float(hf["swiglu_limit"]),
+        rope_main=_rope_config(ropes["main"], rotary),
+        rope_compress=_rope_config(ropes["compress"], rotary),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+    )
+
+
+class RoutedExperts(nn.Module):
+    """One layer's routed experts in the expert-bank layout (experts/banks.py): ``gate_up``
+    [E, 2I, H] (gate rows first), ``down`` [E, H, I]; clamped SwiGLU. A plain-torch stand-in
+    for the MoE backend."""
+
+    def __init__(self, e: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit, self.inter = limit, inter
+        self.gate_up = param(e, 2 * inter, hidden, dtype=dtype)
+        self.down = param(e, hidden, inter, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids / w [T, K] -> sum_k w[t, k] * expert_{ids[t, k]}(x[t]), fp32."""
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.where(ids == e)
+            gu = torch.nn.functional.linear(x[tok].to(self.gate_up.dtype), self.gate_up[e]).float()
+            h = clamped_swiglu(gu[:, : self.inter], gu[:, self.inter :], self.limit)
+            y = torch.nn.functional.linear(h.to(self.down.dtype), self.down[e]).float()
+            out.index_add_(0, tok, y * w[tok, slot].unsqueeze(1))
+        return out
+
+
+class V4MoE(nn.Module):
+    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.router = V4Router(
+            hid,
+            cfg.num_experts,
+            cfg.top_k,
+            cfg.routed_scaling_factor,
+            dtype,
+            hash_vocab=cfg.vocab_size if cfg.hash_layers[i] else 0,
+        )
+        self.experts = RoutedExperts(cfg.num_experts, hid, inter, cfg.swiglu_limit, dtype)
+        # one shared expert of the routed width (transformers ignores n_shared_experts)
+        self.shared_expert = ClampedMLP(hid, inter, cfg.swiglu_limit, dtype)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        ids, w = self.router(x, token_ids)
+        return self.experts(x, ids, w) + self.shared_expert(x)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        hid, eps, n = cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_mult
+        self.kind = cfg.layer_types[i]
+        self.attn_hc = HyperConnection(n, hid, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.ffn_hc = HyperConnection(n, hid, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.input_layernorm = RMSNorm(hid, eps, torch.float32)
+        self.post_attention_layernorm = RMSNorm(hid, eps, torch.float32)
+        index = IndexerShape(cfg.index_heads, cfg.index_head_dim, cfg.index_topk)
+        self.self_attn = V4Attention(
+            hidden=hid,
+            heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            q_lora_rank=cfg.q_lora_rank,
+            o_groups=cfg.o_groups,
+            o_lora_rank=cfg.o_lora_rank,
+            window=cfg.sliding_window,
+            eps=eps,
+            dtype=dtype,
+            compress_rate=cfg.compress_rates[i],
+            indexer=index if self.kind == CSA else None,
+        )
+        self.mlp = V4MoE(cfg, i, dtype)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: torch.Tensor,
+        start: int,
+        state: V4AttentionState,
+        rope: Rope,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, V4AttentionState]:
+        """streams [N, hc, hidden] -> (new streams, the layer's new state)."""
+        x, post, comb = self.attn_hc(streams)
+        a, state = self.self_attn(self.input_layernorm(x), start, state, rope, cos, sin)
+        streams = merge_streams(streams, a, post, comb)
+        x, post, comb = self.ffn_hc(streams)
+        m = self.mlp(self.post_attention_layernorm(x), token_ids)
+        return merge_streams(streams, m, post, comb), state
+
+
+@dataclass
+class V4SeqState:
+    layers: list[V4AttentionState]
+    num_tokens: int = 0
+
+    def clone(self) -> V4SeqState:
+        return V4SeqState([s.clone() for s in self.layers], self.num_tokens)
+
+
+class DeepseekV4LM(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dtype = dtype_of(cfg.torch_dtype)
+        hid = cfg.hidden_size
+        self.embed_tokens = Weight(cfg.vocab_size, hid, dtype=dtype)
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self._layers: list[V4DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        self.hc_head = HyperHead(cfg.hc_mult, hid, cfg.hc_eps, cfg.rms_norm_eps)
+        self.norm = RMSNorm(hid, cfg.rms_norm_eps, torch.float32)
+        self.lm_head = Weight(cfg.vocab_size, hid, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope_main = Rope(cfg.rope_main)
+        self.rope_compress = Rope(cfg.rope_compress)
+
+    def new_state(self, device: torch.device | None = None) -> V4SeqState:
+        return V4SeqState([la.self_attn.empty_state(device) for la in self._layers])
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: torch.Tensor, state: V4SeqState
+    ) -> tuple[torch.Tensor, V4SeqState]:
+        """token_ids [N]: the sequence's next N tokens -> (logits [N, vocab] fp32, new state)."""
+        start, n = state.num_tokens, token_ids.shape[0]
+        pos = start + torch.arange(n, device=token_ids.device)
+        ropes = {}
+        for kind, rope in ((SLIDING, self.rope_main), (CSA, self.rope_compress)):
+            ropes[kind] = (rope, *rope.cos_sin(pos))
+        ropes[HCA] = ropes[CSA]
+        w = self.embed_tokens.weight
+        streams = expand_streams(w.index_select(0, token_ids).float(), self.cfg.hc_mult)
+        layer_states = []
+        for layer, st in zip(self._layers, state.layers, strict=True):
+            rope, cos, sin = ropes[layer.kind]
+            streams, st = layer(streams, token_ids, start, st, rope, cos, sin)
+            layer_states.append(st)
+        h = self.norm(self.hc_head(streams))
+        logits = torch.nn.functional.linear(h.to(self.lm_head.weight.dtype), self.lm_head.weight)
+        return logits.float(), V4SeqState(layer_states, start + n)
+
+
+# Checkpoint tensor names (the release's, which transformers 5.25 also writes, then under a
+# "model." prefix for some) -> ours. The family file will own this mapping.
+_TOP = {
+    "embed.weight": "embed_tokens.weight",
+    "embed_tokens.weight": "embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "norm.weight",
+    "hc_head_fn": "hc_head.fn",
+    "hc_head_base": "hc_head.base",
+    "hc_head_scale": "hc_head.scale",
+    "hc_head.hc_fn": "hc_head.fn",
+    "hc_head.hc_base": "hc_head.base",
+    "hc_head.hc_scale": "hc_head.scale",
+}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.attn_sink": "self_attn.sinks",
+    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attn.wkv.weight": "self_attn.kv_proj.weight",
+    "attn.norm.weight": "self_attn.kv_norm.weight",
+    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
+    "attn.indexer.wq_b.weight": "self_attn.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.indexer.weights_proj.weight",
+    "ffn.gate.weight": "mlp.router.weight",
+    "ffn.gate.bias": "mlp.router.score_bias",
+    "ffn.gate.tid2eid": "mlp.router.tid2eid",
+    "ffn.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
+}
+for _hc in ("attn", "ffn"):
+    for _p in ("fn", "base", "scale"):
+        _LAYER[f"hc_{_hc}_{_p}"] = f"{_hc}_hc.{_p}"
+for _src, _dst in (
+    ("attn.compressor.", "self_attn.compressor."),
+    ("attn.indexer.compressor.", "self_attn.indexer.compressor."),
+):
+    for _a, _b in (
+        ("wkv.weight", "kv_proj.weight"),
+        ("wgate.weight", "gate_proj.weight"),
+        ("ape", "position_bias"),
+        ("norm.weight", "kv_norm.weight"),
+    ):
+        _LAYER[_src + _a] = _dst + _b
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+# routed experts: w1 gate, w3 up (rows [0, I) and [I, 2I) of our gate_up), w2 down
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.w([123])\.weight$")
+
+
+def checkpoint_name(name: str) -> str | None:
+    """Our parameter for a checkpoint tensor that maps one to one; None: not one (a routed
+    expert's, see `load_checkpoint`, or not ours: MTP layers). Raises on an unknown name."""
+    name = name.removeprefix("model.")
+    if name.startswith("mtp.") or _EXPERT_RE.match(name):
+        return None
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER:
+        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    raise KeyError(f"unexpected DeepSeek-V4 tensor {name!r}")
+
+
+def load_checkpoint(model: DeepseekV4LM, sd: Mapping[str, torch.Tensor]) -> None:
+    """Fills every parameter of ``model`` from a checkpoint's tensors (shapes checked)."""
+    ours = dict(model.named_parameters())
+    filled: dict[str, int] = {}  # our name -> elements written
+    with torch.no_grad():
+        for key, t in sd.items():
+            name = checkpoint_name(key)
+            if name is not None:
+                p = ours[name]
+                if tuple(p.shape) != tuple(t.shape):
+                    raise ValueError(f"{key}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+                filled[name] = filled.get(name, 0) + t.numel()
+                continue
+            m = _EXPERT_RE.match(key.removeprefix("model."))
+            if m is None:
+                continue  # MTP
+            layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
+            inter = model.cfg.moe_intermediate_size
+            bank = f"layers.{layer}.mlp.experts." + ("down" if w == "2" else "gate_up")
+            dst = ours[bank][e]
+            if w == "1":
+                dst = dst[:inter]
+            elif w == "3":
+                dst = dst[inter:]
+            if tuple(dst.shape) != tuple(t.shape):
+                raise ValueError(f"{key}: shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(t.to(dst.dtype))
+            filled[bank] = filled.get(bank, 0) + t.numel()
+    short = sorted(n for n, p in ours.items() if filled.get(n, 0) != p.numel())
+    if short:
+        raise KeyError(f"tensors missing or incomplete: {short}")

@@ -1,0 +1,178 @@
+"""DeepSeek-V4 attention: one shared KV head, sliding window, optional compressed entries.
+
+Per token:
+
+    q_res = q_a_norm(x W_qa)                         (also the indexer's query input)
+    q     = rms(q_res W_qb per head), no weight;      k = kv_norm(x W_kv), ONE head, read as K and V
+    q, k  = rope on their trailing rope_dim channels (`compressed.rotate_tail`)
+
+A query at position p attends, with one learned sink logit per head in the softmax
+(softmax over [logits, sink], the sink's share dropped), to
+
+    * the keys of positions (p - window, p]                         (every layer)
+    * HCA layers: every compressed entry it sees, [0, (p + 1) // rate)
+    * CSA layers: the indexer's top-k of those entries
+
+Keys and entries are also the values, so each output carries their rope; the rope slice of the
+output is rotated back by -p (the output then depends on relative positions only). The output
+projection is grouped and low-rank: the heads' [H * D] output splits into ``o_groups`` groups,
+each projected to ``o_lora_rank`` by its own matrix (``o_a_proj``), then mixed by ``o_b_proj``.
+
+Sliding layers use the "main" rope; CSA / HCA layers use the compress rope (its own theta, and
+YaRN) for queries, keys, entries and indexer alike: the model passes the layer's rope.
+
+`V4AttentionState` is one sequence's state in one layer: the last window - 1 keys and the
+compressor / indexer states (`compressed.CompressorState`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .common import Linear, RMSNorm, param, project
+from .compressed import Compressor, CompressorState, Indexer, rotate_tail, visible_entries
+from .hyper import unweighted_rms_norm
+from .rope import Rope
+
+
+class GroupedLinear(nn.Module):
+    """x [N, G, d_in] -> [N, G * d_out]: group g through its own block of ``weight``
+    [G * d_out, d_in] (rows [g * d_out, (g + 1) * d_out)). fp32 out."""
+
+    def __init__(self, d_in: int, d_out: int, groups: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.groups, self.d_out = groups, d_out
+        self.weight = param(groups * d_out, d_in, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, self.d_out, -1)
+        y = torch.einsum("ngi,goi->ngo", x.to(w.dtype), w)
+        return y.reshape(x.shape[0], -1).float()
+
+
+@dataclass
+class V4AttentionState:
+    window: torch.Tensor  # [w, head_dim] fp32 keys (= values) of the last w <= window - 1 tokens
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+    def clone(self) -> V4AttentionState:
+        return V4AttentionState(
+            self.window.clone(),
+            None if self.compressor is None else self.compressor.clone(),
+            None if self.indexer is None else self.indexer.clone(),
+        )
+
+
+@dataclass(frozen=True)
+class IndexerShape:
+    heads: int
+    head_dim: int
+    topk: int
+
+
+class V4Attention(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        heads: int,
+        head_dim: int,
+        q_lora_rank: int,
+        o_groups: int,
+        o_lora_rank: int,
+        window: int,
+        eps: float,
+        dtype: torch.dtype,
+        compress_rate: int = 0,
+        indexer: IndexerShape | None = None,
+    ) -> None:
+        """compress_rate 0: sliding only. With a rate: HCA without ``indexer``, CSA with it."""
+        super().__init__()
+        self.heads, self.head_dim, self.window, self.eps = heads, head_dim, window, eps
+        self.groups = o_groups
+        self.scale = head_dim**-0.5
+        self.q_a_proj = Linear(hidden, q_lora_rank, dtype)
+        self.q_a_norm = RMSNorm(q_lora_rank, eps, torch.float32)
+        self.q_b_proj = Linear(q_lora_rank, heads * head_dim, dtype)
+        self.kv_proj = Linear(hidden, head_dim, dtype)
+        self.kv_norm = RMSNorm(head_dim, eps, torch.float32)
+        self.o_a_proj = GroupedLinear(heads * head_dim // o_groups, o_lora_rank, o_groups, dtype)
+        self.o_b_proj = Linear(o_groups * o_lora_rank, hidden, dtype)
+        self.sinks = param(heads, dtype=torch.float32)
+        self.rate = compress_rate
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if compress_rate:
+            overlap = indexer is not None
+            self.compressor = Compressor(hidden, head_dim, compress_rate, overlap, eps, dtype)
+            if indexer is not None:
+                self.indexer = Indexer(
+                    hidden,
+                    q_lora_rank,
+                    indexer.heads,
+                    indexer.head_dim,
+                    compress_rate,
+                    indexer.topk,
+                    eps,
+                    dtype,
+                )
+
+    def empty_state(self, device: torch.device | None = None) -> V4AttentionState:
+        return V4AttentionState(
+            torch.zeros(0, self.head_dim, device=device),
+            None if self.compressor is None else self.compressor.empty_state(device),
+            None if self.indexer is None else self.indexer.compressor.empty_state(device),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start: int,
+        state: V4AttentionState,
+        rope: Rope,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, V4AttentionState]:
+        """x [N, hidden]: the sequence's tokens at positions start .. start + N - 1 (normed);
+        cos, sin: ``rope`` at those positions. -> (output [N, hidden] fp32, the new state)."""
+        n, dev = x.shape[0], x.device
+        qpos = start + torch.arange(n, device=dev)
+        qa, kv = project(x, (self.q_a_proj, self.kv_proj))
+        q_res = self.q_a_norm(qa)
+        q = self.q_b_proj(q_res).view(n, self.heads, self.head_dim)
+        q = rotate_tail(unweighted_rms_norm(q, self.eps), cos, sin)
+        k = rotate_tail(self.kv_norm(kv).unsqueeze(1), cos, sin).squeeze(1)
+
+        keys = torch.cat((state.window, k))  # positions start - w .. start + n - 1
+        kpos = start - state.window.shape[0] + torch.arange(keys.shape[0], device=dev)
+        near = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (
+            kpos.unsqueeze(0) > qpos.unsqueeze(1) - self.window
+        )
+        logits = [torch.einsum("nhd,cd->hnc", q, keys).masked_fill(~near, float("-inf"))]
+        values = [keys]
+        new = V4AttentionState(keys[max(0, keys.shape[0] - (self.window - 1)) :].clone())
+        if self.compressor is not None:
+            assert state.compressor is not None
+            new.compressor = self.compressor(x, state.compressor, rope)
+            entries = new.compressor.entries
+            ent = torch.arange(entries.shape[0], device=dev)
+            seen = ent.unsqueeze(0) < visible_entries(qpos, self.rate).unsqueeze(1)  # [N, E]
+            if self.indexer is not None:
+                assert state.indexer is not None
+                chosen, new.indexer = self.indexer(x, q_res, qpos, state.indexer, rope, cos, sin)
+                picked = torch.zeros(n, entries.shape[0] + 1, dtype=torch.bool, device=dev)
+                e = entries.shape[0]
+                picked.scatter_(1, torch.where(chosen < 0, e, chosen), True)
+                seen = seen & picked[:, :e]
+            logits.append(torch.einsum("nhd,ed->hne", q, entries).masked_fill(~seen, float("-inf")))
+            values.append(entries)
+        sink = self.sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+        probs = torch.softmax(torch.cat([lg * self.scale for lg in logits] + [sink], -1), -1)
+        out = torch.matmul(probs[..., :-1], torch.cat(values))  # [heads, N, D]
+        out = rotate_tail(out.transpose(0, 1), cos, -sin)  # undo the values' rope
+        out = self.o_a_proj(out.reshape(n, self.groups, -1))
+        return self.o_b_proj(out), new
