@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MOE_BACKENDS
-from ..experts import accelerator as accelerators
 from ..experts import cpu_executor
+from ..experts import devices as accelerators
 from ..experts.accelerator import Accelerator
 from ..experts.backend import (
     CpuBackend,
