@@ -31,6 +31,7 @@ from ..formats.gguf_file import (
     NATIVE,
     GgufFile,
     GgufFormatError,
+    GgufHeader,
     GgufTensor,
     can_dequantize,
     split_files,
@@ -145,16 +146,19 @@ def _native(t: GgufTensor) -> torch.dtype:
 
 
 class GgufCheckpoint:
-    """An open GGUF file or split set: metadata (from the first file) and every tensor."""
+    """An open GGUF file or split set: metadata (from the first file) and every tensor.
+    ``headers``: the files' headers parsed before (``gguf_file.read_headers``), so that one
+    load parses each header once; any that is not a file's current one is parsed again."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, headers: list[GgufHeader] | None = None) -> None:
         self.path = Path(path)
         self._stack = ExitStack()
         self.files: list[GgufFile] = []
         self.tensors: dict[str, tuple[GgufFile, GgufTensor]] = {}
+        given = {h.path: h for h in headers or ()}
         try:
             for p in split_files(self.path):
-                f = self._stack.enter_context(GgufFile(p))
+                f = self._stack.enter_context(GgufFile(p, given.get(p)))
                 self.files.append(f)
                 for name, t in f.tensors.items():
                     if name in self.tensors:
@@ -403,9 +407,12 @@ def _dt(name: str) -> torch.dtype:
     return dtype_of(name)
 
 
-def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalLM, ExpertBanks]:
-    """Loads a GGUF file (or split set) into a model and its expert banks."""
-    with GgufCheckpoint(path) as ck:
+def load_gguf(
+    path: str | Path, cfg: ModelConfig | None = None, headers: list[GgufHeader] | None = None
+) -> tuple[CausalLM, ExpertBanks]:
+    """Loads a GGUF file (or split set) into a model and its expert banks (``headers``: the
+    files' headers, parsed before)."""
+    with GgufCheckpoint(path, headers) as ck:
         cfg = cfg or ck.config()
         infos = {n: t for n, (_, t) in ck.tensors.items()}
         kept = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)

@@ -22,7 +22,7 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..experts.formats import allocate, expert_rows
 from ..formats.errors import CheckpointError
-from ..formats.gguf_file import is_gguf
+from ..formats.gguf_file import GgufHeader, is_gguf
 from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 from .config import ModelConfig
 from .families.spec import FamilySpec
@@ -410,14 +410,16 @@ def model_kind(path: str | Path) -> str:
     raise CheckpointError(f"{p}: a file that is not a GGUF checkpoint (wrong magic); {expected}")
 
 
-def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
+def model_config(
+    path: str | Path, dtype: str | None = None, gguf_headers: list[GgufHeader] | None = None
+) -> ModelConfig:
     """The ModelConfig of any checkpoint ``load_model`` reads (``dtype``: override the weights'
-    dtype in memory)."""
+    dtype in memory; ``gguf_headers``: a GGUF's headers parsed before, gguf_file.read_headers)."""
     if model_kind(path) == "gguf":
         # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import GgufCheckpoint
 
-        with GgufCheckpoint(path) as ck:
+        with GgufCheckpoint(path, gguf_headers) as ck:
             return ck.config(dtype)
     cfg = ModelConfig.from_hf(path)
     if dtype is not None and dtype != cfg.torch_dtype:
@@ -426,16 +428,19 @@ def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig | None = None
+    model_dir: str | Path,
+    cfg: ModelConfig | None = None,
+    gguf_headers: list[GgufHeader] | None = None,
 ) -> tuple[CausalLM, ExpertBanks]:
-    """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set."""
+    """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set
+    (``gguf_headers``: its headers parsed before, gguf_file.read_headers)."""
     model_dir = Path(model_dir)
     kind = model_kind(model_dir)
     if kind == "gguf":
         # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import load_gguf
 
-        return load_gguf(model_dir, cfg)
+        return load_gguf(model_dir, cfg, gguf_headers)
     if kind == "ftw":  # pre-laid-out FTW folder (ARCHITECTURE §7)
         stored = ModelConfig.from_hf(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:
