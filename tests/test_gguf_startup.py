@@ -12,14 +12,21 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from gguf_files import write_gguf
 from tiny_models import make_tiny
 
+from freetokend import LLM
 from freetokend.engine import gguf_tokenizer
 from freetokend.engine.gguf_pretokenizers import PRE_TOKENIZER_SPLITS, TRANSFORMERS_SPLITS
 from freetokend.engine.tokenizer import Tokenizer
+from freetokend.experts.formats import expert_rows, interleaves
+from freetokend.formats import gguf_interleave
 from freetokend.formats.gguf_file import GgufFile, GgufFormatError, read_header
+from freetokend.models.gguf_loader import GgufCheckpoint
+from freetokend.models.registry import family_spec
 
 # ---- the header ----------------------------------------------------------------------------
 
@@ -158,8 +165,12 @@ def test_the_copy_of_transformers_splits_matches_the_installed_table():
 def gguf_path(builtin_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf-startup")
     vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
-    hf = make_tiny("qwen3_moe", d / "hf", seed=3, mlp_only_layers=[], vocab_size=vocab)[1]
-    return write_gguf("qwen3_moe", hf, d / "m.gguf", "kmix", tokenizer=builtin_model_dir)
+    over = dict(hidden_size=256, moe_intermediate_size=256, mlp_only_layers=[], vocab_size=vocab)
+    hf = make_tiny("qwen3_moe", d / "hf", seed=3, **over)[1]
+    return write_gguf(
+        "qwen3_moe", hf, d / "m.gguf", "kmix", tokenizer=builtin_model_dir,
+        expert_types=(Q.Q4_K, Q.Q6_K),
+    )  # fmt: skip
 
 
 def test_file_tokenizer_built_without_transformers(gguf_path, monkeypatch):
@@ -178,3 +189,70 @@ def test_file_tokenizer_built_without_transformers(gguf_path, monkeypatch):
     assert json.loads(ours.backend.to_str()) == json.loads(ref.to_str())
     text = "Hello world! Grüße 日本語 <|im_start|>user\nhi<think>ok</think><|im_end|>"
     assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids
+
+
+# ---- the weights ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    return LLM(gguf_path, max_model_len=64, kv_tokens=256)  # cpu: interleaved, huge pages
+
+
+def test_expert_banks_are_the_files_blocks(llm, gguf_path):
+    """Every expert's rows in the banks, de-interleaved by the torch reference (not the native
+    moves that interleaved them at load), are the file's bytes: gate rows, then up rows."""
+    banks, cfg = llm.banks, llm.config
+    assert banks.format != "bf16" and banks.interleaved
+    e = cfg.num_experts
+    with GgufCheckpoint(gguf_path) as ck:
+        for layer in range(cfg.num_layers):
+            base = cfg.moe_layer_index[layer] * e
+            f = {p: ck.files[0].read_raw(ck.tensors[f"blk.{layer}.ffn_{p}_exps.weight"][1])
+                 for p in ("gate", "up", "down")}  # fmt: skip
+            fmts = {p: ck.tensors[f"blk.{layer}.ffn_{p}_exps.weight"][1].type_name.lower()
+                    for p in ("gate", "down")}  # fmt: skip
+            for proj, want in (
+                ("gate_up", torch.cat([f["gate"], f["up"]], 1)),
+                ("down", f["down"]),
+            ):
+                got = expert_rows(banks, proj, base, e)
+                fmt = fmts["gate" if proj == "gate_up" else "down"]
+                for x in range(e):
+                    rows = got[x]
+                    if interleaves(proj, fmt, rows.shape[0]):  # groups of 8 rows
+                        rows = gguf_interleave.deinterleave(rows, fmt, native=False)
+                    assert torch.equal(rows, want[x]), (layer, proj, x)
+
+
+def test_dense_weights_equal_a_whole_tensor_read(llm, gguf_path):
+    """Float parameters (the token embedding dequantized a slice of rows at a time) equal the
+    whole tensor dequantized at once, cast as before; projections kept in blocks hold the
+    file's rows."""
+    params = dict(llm.model.named_parameters())
+    checked = kept = 0
+    with GgufCheckpoint(gguf_path) as ck:
+        for name, canon, src in ck.sources(llm.config):
+            if canon.startswith("experts:"):
+                continue
+            mod = llm.model.get_submodule(canon.rsplit(".", 1)[0])
+            qw = getattr(mod, "qweight", None)
+            if qw is not None and canon.endswith(".weight"):
+                raw = src.f.read_raw(src.t)
+                assert torch.equal(qw.gguf_raw(), raw), name
+                kept += 1
+            elif canon in params:
+                assert torch.equal(params[canon], src.read().to(params[canon].dtype)), name
+                checked += 1
+    assert kept and checked
+    assert llm.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_anchor_ids_are_the_reference_tokenizers(llm, builtin_model_dir):
+    ref = Tokenizer.from_dir(builtin_model_dir)
+    want = {}
+    for text, kind in family_spec(llm.config.family).anchors:
+        tid = ref.token_to_id(text)
+        if tid is not None:
+            want[tid] = kind
+    assert want and llm._anchor_ids() == want

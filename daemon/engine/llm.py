@@ -16,6 +16,7 @@ from typing import Any, overload
 import torch
 
 from ..formats.gguf_file import GgufHeader
+from ..models.hugepages import advise_at_fill
 from ..models.registry import family_spec
 from . import build
 from .chat_template import ChatTemplate
@@ -96,12 +97,16 @@ class LLM:
         self.model_dir = Path(model_dir)
         self.gguf = build.is_gguf(self.model_dir)
         # a GGUF's headers, parsed once: config, weights, tokenizer and template read them
-        self._gguf_headers: list[GgufHeader] = build.gguf_headers(self.model_dir) if self.gguf else []
+        self._gguf_headers: list[GgufHeader] = (
+            build.gguf_headers(self.model_dir) if self.gguf else []
+        )
         self._tokenizer_json: Path | None = None
         self.name = build.served_name(self.model_dir, self.gguf, config.name)
-        self.config, self.model, self.banks = build.load(
-            self.model_dir, config, self._gguf_headers or None
-        )
+        # the cpu backend's weights get huge pages as they are filled (no second pass after)
+        with advise_at_fill(config.huge_pages and moe_backend == "cpu"):
+            self.config, self.model, self.banks = build.load(
+                self.model_dir, config, self._gguf_headers or None
+            )
         # the fake device: entered after the host weights are loaded (they stay real tensors)
         self.fake_device = build.enter_fake_device(config.accelerator, config.vram_mib)
         try:

@@ -238,6 +238,42 @@ class GgufFile:
             ) from None
         return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32)).view(t.shape)
 
+    def read_float_into(
+        self, t: GgufTensor, dest: torch.Tensor, chunk_bytes: int = 8 << 20
+    ) -> None:
+        """``read_float``'s values written into ``dest`` (contiguous, t's shape, any float dtype:
+        converted as ``copy_`` converts), a quantized tensor dequantized a slice of rows at a
+        time through reused buffers: no file-sized float32 temporary to fault in and copy out
+        (the same values: blocks dequantize independently)."""
+        assert dest.is_contiguous() and tuple(dest.shape) == t.shape
+        if not t.quantized or len(t.shape) < 2:
+            dest.copy_(self.read_float(t))
+            return
+        # deferred: gguf (the optional GGUF reader library)
+        from gguf import GGMLQuantizationType
+
+        # deferred: gguf (the optional GGUF reader library)
+        from gguf.quants import dequantize
+
+        rows, row_len = math.prod(t.shape[:-1]), t.shape[-1]
+        row_bytes = t.nbytes // rows
+        step = max(1, chunk_bytes // row_bytes)
+        flat = dest.view(rows, row_len)
+        buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
+        kind = GGMLQuantizationType(t.ggml_type)
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            raw = buf[: n * row_bytes]
+            self._pread(t, raw, r0 * row_bytes, n * row_bytes)
+            try:
+                vals = dequantize(raw.view(n, row_bytes).numpy(), kind)
+            except NotImplementedError:
+                raise GgufFormatError(
+                    f"{self.path}: tensor '{t.name}' has type {t.type_name}, which this build "
+                    "cannot dequantize"
+                ) from None
+            flat[r0 : r0 + n].copy_(torch.from_numpy(np.ascontiguousarray(vals, np.float32)))
+
     def _pread(
         self, t: GgufTensor, dest: torch.Tensor, offset: int = 0, nbytes: int | None = None
     ) -> None:

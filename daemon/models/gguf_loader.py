@@ -49,6 +49,7 @@ from .gguf_arch import (
     top_fix,
 )
 from .gguf_config import config_from_gguf, gguf_arch
+from .hugepages import advise_new
 from .layers.common import Linear, dtype_of
 from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
@@ -114,6 +115,13 @@ class _Source:
         direct = self.fix is None and not self.t.quantized and dest.dtype == self.dtype
         if direct and dest.is_contiguous():
             self.f.read_into(self.t, dest)
+        elif self.fix is None and self.t.quantized and dest.is_contiguous():
+            try:  # dequantized a slice of rows at a time, straight into dest
+                self.f.read_float_into(self.t, dest)
+            except (GgufFormatError, OSError) as e:
+                raise CheckpointError(
+                    f"{self.t.path}: tensor '{self.t.name}' cannot be read ({e})"
+                ) from None
         elif direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest):
             # a stacked expert tensor into its rows of the banks (gate rows, then up rows):
             # each expert's slice is contiguous, so read expert by expert with no temporary
@@ -424,6 +432,8 @@ def load_gguf(
             )
         family_spec(cfg.family)
         model = build_model(cfg)
+        for p in model.parameters():  # huge pages from the fill on, when asked (never written yet)
+            advise_new(p.data)
         banks = allocate_banks(cfg)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)

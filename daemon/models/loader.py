@@ -27,6 +27,7 @@ from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, Te
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .ftw_loader import load_ftw
+from .hugepages import advise_new
 from .layers.common import dtype_of
 from .model import CausalLM, build_model
 from .registry import family_spec
@@ -379,17 +380,22 @@ class Filler:
 
 
 def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
-    """Exact-size, uninitialised banks for all routed experts (filled by the loader)."""
+    """Exact-size, uninitialised banks for all routed experts (filled by the loader; marked for
+    huge pages before the fill inside ``hugepages.advise_at_fill``)."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
     if cfg.expert_format != "bf16":
-        return allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
-    return ExpertBanks(
-        gate_up=torch.empty(n, 2 * i, h, dtype=dt),
-        down=torch.empty(n, h, i, dtype=dt),
-        gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
-        down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
-    )
+        banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
+    else:
+        banks = ExpertBanks(
+            gate_up=torch.empty(n, 2 * i, h, dtype=dt),
+            down=torch.empty(n, h, i, dtype=dt),
+            gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
+            down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
+        )
+    for t in banks.all_tensors().values():  # huge pages from the fill on, when asked
+        advise_new(t)
+    return banks
 
 
 def model_kind(path: str | Path) -> str:
