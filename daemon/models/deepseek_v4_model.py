@@ -34,19 +34,21 @@ decode, or a prefill cut anywhere (inside open windows too), gives the same resu
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import RopeConfig
-from .layers.common import RMSNorm, Weight, dtype_of, param
+from .batch import ForwardBatch
+from .config import ModelConfig, RopeConfig
+from .layers.common import Linear, RMSNorm, Weight, dtype_of, param
 from .layers.hyper import HyperConnection, HyperHead, expand_streams, merge_streams
 from .layers.rope import Rope
 from .layers.v4_attention import IndexerShape, V4Attention, V4AttentionState
 from .layers.v4_routing import ClampedMLP, V4Router, clamped_swiglu
+from .model import CausalLM
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -184,8 +186,16 @@ class RoutedExperts(nn.Module):
         return out
 
 
+# (ids [T, K], weights [T, K] fp32) -> the routed experts' weighted sum [T, hidden] fp32
+Routed = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class V4MoE(nn.Module):
-    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype) -> None:
+    """Router, routed experts and the clamped shared expert. ``banked``: the routed experts are
+    not parameters here but live in the engine's ExpertBanks behind its MoE backend (the
+    ``Activation.SWIGLU_CLAMP`` kind); `forward` then gets them as ``routed``."""
+
+    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype, banked: bool = False) -> None:
         super().__init__()
         hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.router = V4Router(
@@ -196,17 +206,27 @@ class V4MoE(nn.Module):
             dtype,
             hash_vocab=cfg.vocab_size if cfg.hash_layers[i] else 0,
         )
-        self.experts = RoutedExperts(cfg.num_experts, hid, inter, cfg.swiglu_limit, dtype)
+        self.experts: RoutedExperts | None = None
+        if not banked:
+            self.experts = RoutedExperts(cfg.num_experts, hid, inter, cfg.swiglu_limit, dtype)
         # one shared expert of the routed width (transformers ignores n_shared_experts)
         self.shared_expert = ClampedMLP(hid, inter, cfg.swiglu_limit, dtype)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, routed: Routed | None = None
+    ) -> torch.Tensor:
+        """x [T, hidden] (normed), token_ids [T] (the hash layers' keys) -> [T, hidden] fp32."""
         ids, w = self.router(x, token_ids)
-        return self.experts(x, ids, w) + self.shared_expert(x)
+        if routed is None:
+            assert self.experts is not None, "banked experts: pass routed"
+            out = self.experts(x, ids, w)
+        else:
+            out = routed(ids, w)
+        return out + self.shared_expert(x)
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype, banked: bool = False) -> None:
         super().__init__()
         hid, eps, n = cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_mult
         self.kind = cfg.layer_types[i]
@@ -228,7 +248,7 @@ class V4DecoderLayer(nn.Module):
             compress_rate=cfg.compress_rates[i],
             indexer=index if self.kind == CSA else None,
         )
-        self.mlp = V4MoE(cfg, i, dtype)
+        self.mlp = V4MoE(cfg, i, dtype, banked)
 
     def forward(
         self,
@@ -258,18 +278,23 @@ class V4SeqState:
         return V4SeqState([s.clone() for s in self.layers], self.num_tokens)
 
 
-class DeepseekV4LM(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
-        super().__init__()
-        self.cfg = cfg
+class _V4Body(nn.Module):
+    """The modules of a V4 model, shared by the one-sequence `DeepseekV4LM` and the engine's
+    `DeepseekV4CausalLM` (each its own forward). ``banked``: the routed experts are left to an
+    MoE backend (not parameters here)."""
+
+    def _build(self, cfg: V4Config, banked: bool) -> None:
+        self.v4 = cfg
         dtype = dtype_of(cfg.torch_dtype)
         hid = cfg.hidden_size
         self.embed_tokens = Weight(cfg.vocab_size, hid, dtype=dtype)
-        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(cfg, i, dtype, banked) for i in range(cfg.num_layers)
+        )
         self._layers: list[V4DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.hc_head = HyperHead(cfg.hc_mult, hid, cfg.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(hid, cfg.rms_norm_eps, torch.float32)
-        self.lm_head = Weight(cfg.vocab_size, hid, dtype=dtype)
+        self.lm_head = Linear(hid, cfg.vocab_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope_main = Rope(cfg.rope_main)
@@ -278,27 +303,120 @@ class DeepseekV4LM(nn.Module):
     def new_state(self, device: torch.device | None = None) -> V4SeqState:
         return V4SeqState([la.self_attn.empty_state(device) for la in self._layers])
 
+    def _ropes(
+        self, pos: torch.Tensor, max_position: int | None = None
+    ) -> dict[str, tuple[Rope, torch.Tensor, torch.Tensor]]:
+        """Per layer type: (its rope, cos, sin at ``pos``)."""
+        out = {}
+        for kind, rope in ((SLIDING, self.rope_main), (CSA, self.rope_compress)):
+            out[kind] = (rope, *rope.cos_sin(pos, max_position))
+        out[HCA] = out[CSA]
+        return out
+
+
+class DeepseekV4LM(_V4Body):
+    """One sequence at a time: `forward(ids, state) -> (logits, new state)`, the routed experts
+    plain parameters (`RoutedExperts`)."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self._build(cfg, banked=False)
+
     @torch.inference_mode()
     def forward(
         self, token_ids: torch.Tensor, state: V4SeqState
     ) -> tuple[torch.Tensor, V4SeqState]:
         """token_ids [N]: the sequence's next N tokens -> (logits [N, vocab] fp32, new state)."""
         start, n = state.num_tokens, token_ids.shape[0]
-        pos = start + torch.arange(n, device=token_ids.device)
-        ropes = {}
-        for kind, rope in ((SLIDING, self.rope_main), (CSA, self.rope_compress)):
-            ropes[kind] = (rope, *rope.cos_sin(pos))
-        ropes[HCA] = ropes[CSA]
+        ropes = self._ropes(start + torch.arange(n, device=token_ids.device))
         w = self.embed_tokens.weight
-        streams = expand_streams(w.index_select(0, token_ids).float(), self.cfg.hc_mult)
+        streams = expand_streams(w.index_select(0, token_ids).float(), self.v4.hc_mult)
         layer_states = []
         for layer, st in zip(self._layers, state.layers, strict=True):
             rope, cos, sin = ropes[layer.kind]
             streams, st = layer(streams, token_ids, start, st, rope, cos, sin)
             layer_states.append(st)
         h = self.norm(self.hc_head(streams))
-        logits = torch.nn.functional.linear(h.to(self.lm_head.weight.dtype), self.lm_head.weight)
-        return logits.float(), V4SeqState(layer_states, start + n)
+        return self.lm_head(h), V4SeqState(layer_states, start + n)
+
+
+class DeepseekV4CausalLM(CausalLM, _V4Body):
+    """DeepSeek-V4 to the engine (``FamilySpec.model``): a CausalLM's attributes for the runner,
+    the planner and the placement, its own forward over a `ForwardBatch`.
+
+    Layer by layer, the hyper-connections, norms and MoE run over all N rows of the batch (the
+    routed experts through ``batch.moe``: ExpertBanks with the clamped SwiGLU, hash layers keyed
+    by ``batch.token_ids``); attention runs per `SeqChunk` on that sequence's `V4SeqState`
+    (``SeqState.v4``, made by the runner), which the forward replaces by the new one.
+
+    First version: the whole state lives per sequence, none of it in the paged KV pool (the
+    model has no pool layer: ``num_attention_layers`` 0), and the prefix cache is off for V4
+    (engine/build.py); the module docstring's design maps it onto the pool."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        nn.Module.__init__(self)  # not CausalLM's modules
+        self.cfg = cfg
+        self.dtype = dtype_of(cfg.torch_dtype)
+        self._build(replace(v4_config(cfg.raw), torch_dtype=cfg.torch_dtype), banked=True)
+        self.rope = self.rope_main
+        self.num_attention_layers = 0
+        self.num_linear_layers = 0
+        self.kv_geometry = (1, 1)  # the pool's minimum (one layer of it is allocated)
+        self.kv_layer_shapes = None
+        self._decoder_layers = []  # no layer of the shared skeleton (no native decode plan)
+        self._decode_head = None
+
+    def new_v4_state(self, device: torch.device | None = None) -> V4SeqState:
+        return self.new_state(device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # type: ignore[override]
+        """-> logits [len(batch.logits_rows), vocab] fp32; each chunk's ``state.v4`` advanced
+        by its rows."""
+        ids, chunks = batch.token_ids, batch.chunks
+        states: list[V4SeqState] = []
+        row = 0
+        for ch in chunks:
+            st = ch.state.v4
+            if st is None:
+                raise ValueError("a DeepSeek-V4 sequence without its state (SeqState.v4)")
+            if st.num_tokens != ch.context_len or ch.start != row:
+                raise ValueError(
+                    f"DeepSeek-V4 state holds {st.num_tokens} tokens, the chunk starts at "
+                    f"{ch.context_len} (row {ch.start}, expected {row})"
+                )
+            states.append(st)
+            row += ch.length
+        if row != ids.shape[0]:
+            raise ValueError(f"chunks cover {row} rows of {ids.shape[0]}")
+        ropes = self._ropes(batch.positions, batch.max_position)
+        w = self.embed_tokens.weight
+        streams = expand_streams(w.index_select(0, ids).float(), self.v4.hc_mult)
+        new: list[list[V4AttentionState]] = [[] for _ in chunks]
+        moe_index = self.cfg.moe_layer_index
+        for i, layer in enumerate(self._layers):
+            rope, cos, sin = ropes[layer.kind]
+            x, post, comb = layer.attn_hc(streams)
+            x = layer.input_layernorm(x)
+            parts = []
+            for c, (ch, st) in enumerate(zip(chunks, states, strict=True)):
+                r = slice(ch.start, ch.start + ch.length)
+                out, ls = layer.self_attn(x[r], ch.context_len, st.layers[i], rope, cos[r], sin[r])
+                parts.append(out)
+                new[c].append(ls)
+            streams = merge_streams(streams, torch.cat(parts), post, comb)
+            x, post, comb = layer.ffn_hc(streams)
+            x = layer.post_attention_layernorm(x)
+
+            def routed(e: torch.Tensor, wt: torch.Tensor, i: int = i, x: torch.Tensor = x) -> Any:
+                return batch.moe.forward(moe_index[i], x, e, wt)
+
+            streams = merge_streams(streams, layer.mlp(x, ids, routed), post, comb)
+        for ch, layers in zip(chunks, new, strict=True):
+            ch.state.v4 = V4SeqState(layers, ch.context_len + ch.length)
+        h = self.norm(self.hc_head(streams[batch.logits_rows]))
+        return self.lm_head(h)
 
 
 # Checkpoint tensor names (the release's, which transformers 5.25 also writes, then under a
@@ -370,7 +488,7 @@ def checkpoint_name(name: str) -> str | None:
 
 def load_checkpoint(model: DeepseekV4LM, sd: Mapping[str, torch.Tensor]) -> None:
     """Fills every parameter of ``model`` from a checkpoint's tensors (shapes checked)."""
-    ours = dict(model.named_parameters())
+    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     filled: dict[str, int] = {}  # our name -> elements written
     with torch.no_grad():
         for key, t in sd.items():
@@ -386,7 +504,7 @@ def load_checkpoint(model: DeepseekV4LM, sd: Mapping[str, torch.Tensor]) -> None
             if m is None:
                 continue  # MTP
             layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
-            inter = model.cfg.moe_intermediate_size
+            inter = model.v4.moe_intermediate_size
             bank = f"layers.{layer}.mlp.experts." + ("down" if w == "2" else "gate_up")
             dst = ours[bank][e]
             if w == "1":

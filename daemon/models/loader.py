@@ -138,12 +138,16 @@ class Filler:
     ) -> None:
         self.cfg, self.spec, self.banks = cfg, spec, banks
         self.params = dict(model.named_parameters())
+        # integer buffers are tables the checkpoint holds (DeepSeek-V4's hash routing tid2eid)
+        self.tables = {n: b for n, b in model.named_buffers() if not b.is_floating_point()}
         self.filled: set[str] = set()
         self.expert_filled: set[tuple[int, str, int]] = set()  # (layer, part, expert)
 
     def canonical(self, name: str) -> str | None:
         prefix = self.cfg.weight_prefix + "."
-        if name.startswith(prefix):
+        if not self.cfg.weight_prefix:  # names as they are: the family's renames place them
+            pass
+        elif name.startswith(prefix):
             name = name[len(prefix) :]
         elif not name.startswith("lm_head."):
             return None
@@ -185,6 +189,8 @@ class Filler:
             )
         elif canon in self.params:
             self._dense(canon, src, name, path)
+        elif canon in self.tables:
+            self._table(canon, src, name, path)
         elif 0 in src.shape:
             return  # an empty module (GLM with n_shared_experts = 0 stores [0, H] shared experts)
         else:
@@ -206,6 +212,19 @@ class Filler:
         p = self.params[canon]
         self._check(src, tuple(p.shape), name, path)
         src.into(p.data)
+        self.filled.add(canon)
+
+    def _table(self, canon: str, src: _Source, name: str, path: Path) -> None:
+        b = self.tables[canon]
+        if src.dtype.is_floating_point or src.dtype == torch.bool:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has dtype {src.dtype}; expected an integer table"
+            )
+        if tuple(src.shape) != tuple(b.shape):
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has shape {tuple(src.shape)}; expected {tuple(b.shape)}"
+            )
+        b.copy_(src.read())
         self.filled.add(canon)
 
     def dense(self, canon: str, src: _Source | _Loaded | Any, name: str, path: Path) -> None:
@@ -349,7 +368,7 @@ class Filler:
         self.expert_filled.add((layer, proj, x))
 
     def verify(self) -> None:
-        missing = [n for n in self.params if n not in self.filled]
+        missing = [n for n in (*self.params, *self.tables) if n not in self.filled]
         if missing:
             raise CheckpointError(f"missing tensor '{missing[0]}' ({len(missing)} missing in all)")
         for layer, moe in enumerate(self.cfg.moe_layer_index):
