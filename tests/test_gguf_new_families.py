@@ -35,8 +35,8 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from tiny_models import VARIANTS, make_tiny
 
 from freetokend import LLM
+from freetokend.models.families.deepseek_v3 import is_glm_flash
 from freetokend.models.families.glm4_moe import GLM_ANCHORS
-from freetokend.models.gguf_config import is_glm_flash
 from freetokend.models.registry import family_spec
 from freetokend.server.parsers.registry import ToolSyntax, detect_syntax
 

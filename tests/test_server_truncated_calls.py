@@ -263,3 +263,57 @@ def test_responses_cut_call(daemon):
     done = [e for e in events if e.get("type") == "response.output_item.done"]
     assert any(e["item"]["type"] == "function_call" for e in done)
     assert events[-1]["response"]["status"] == "incomplete"
+
+
+# --- issue 46 item 3: a named tool_choice is always a call of that function ------------------
+
+# seed 41 put </tool_call> inside the city string on this machine before the fix (1 of 60
+# seeds; the logits, and so the seed that does it, may differ with the CPU's kernels)
+SAMPLED_SEEDS = [0, 1, 2, 3, 41]
+
+
+def _streamed_calls(daemon, body: dict) -> tuple[str, list[dict], str]:
+    """(content, the calls assembled from the deltas, finish_reason) of a streamed answer."""
+    chunks = _sse(daemon, "/v1/chat/completions", body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls") or []:
+            call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            call["name"] += tc.get("function", {}).get("name") or ""
+            call["arguments"] += tc.get("function", {}).get("arguments") or ""
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1]
+    return "".join(d.get("content") or "" for d in deltas), list(calls.values()), finish
+
+
+def test_a_sampled_named_call_is_always_that_call(daemon):
+    """The built-in model at the default temperature (1), max_tokens 64, several seeds, streamed
+    and not: always exactly one call of the named function whose arguments parse (whole, or so
+    far when the limit cut it), never markup in the content. Before the fix a JSON string
+    argument could hold </tool_call> (an added token of this tokenizer), and the parser closed
+    the call there: raw markup in content in about 1 of 10 tries."""
+    for seed in SAMPLED_SEEDS:
+        body = {
+            "model": daemon.model,
+            "max_tokens": 64,
+            "seed": seed,
+            "tools": [WEATHER],
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        }
+        status, answer = daemon.post("/v1/chat/completions", body)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        content = choice["message"].get("content") or ""
+        streamed = _streamed_calls(daemon, body)
+        for text, calls, finish in (
+            (content, [c["function"] for c in choice["message"].get("tool_calls") or []], choice["finish_reason"]),
+            streamed,
+        ):  # fmt: skip
+            assert not text.strip(), (seed, text)
+            assert [c["name"] for c in calls] == ["get_weather"], (seed, calls)
+            args = calls[0]["arguments"]
+            if finish == "length":
+                assert isinstance(arguments_object(args), dict)
+            else:
+                assert finish == "tool_calls" and isinstance(json.loads(args), dict), (seed, args)

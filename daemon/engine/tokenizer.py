@@ -180,16 +180,29 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, skip_special_tokens: bool = False, max_pending: int = 8
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = False,
+        max_pending: int = 8,
+        keep_special: Iterable[int] = (),
     ) -> None:
+        """``keep_special``: special tokens written out even when ``skip_special_tokens`` (the
+        markers an output parser reads, e.g. a ``<tool_call>`` that a tokenizer marks special)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.max_pending = max_pending
+        keep = frozenset(keep_special)
+        # skipping with exceptions: these ids are dropped here and the rest decoded whole
+        self._dropped: frozenset[int] | None = (
+            frozenset(tokenizer.special_token_ids) - keep if skip_special_tokens and keep else None
+        )
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if self._dropped is not None:
+            return self.tokenizer.decode([i for i in ids if i not in self._dropped])
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:

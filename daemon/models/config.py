@@ -11,24 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF `architectures` entry -> our family name. The family modules are imported lazily by
-# `freetokend.models.registry`.
-ARCHITECTURES: dict[str, str] = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "GptOssForCausalLM": "gpt_oss",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "Glm4MoeForCausalLM": "glm4_moe",
-    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
-    "MiniMaxM2ForCausalLM": "minimax_m2",
-    "Gemma4ForCausalLM": "gemma4",
-    "Gemma4ForConditionalGeneration": "gemma4",
-}
-
 
 class ConfigError(ValueError):
     """A config.json we cannot serve; the message names the field."""

@@ -38,15 +38,8 @@ from ..formats.gguf_file import (
 from ..native.qlinear_native import QuantWeight
 from . import gguf_experts
 from .config import ModelConfig
-from .gguf_arch import (
-    KV_B_PARTS,
-    Fix,
-    block_key,
-    block_targets,
-    join_kv_b,
-    split_gate_up,
-    top_fix,
-)
+from .families.spec import GgufJoin
+from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix
 from .gguf_config import config_from_gguf, gguf_arch
 from .layers.common import Linear, dtype_of
 from .loader import CheckpointError, Filler, allocate_banks
@@ -228,18 +221,21 @@ class GgufCheckpoint:
             layer = int(m.group(1)) if m else 0
             for canon, fix in targets:
                 yield name, f"layers.{layer}.{canon}", _Source(f, t, fix)
-            # the split kv_b, joined once per layer (from whichever part the file has)
-            first = key == KV_B_PARTS[0] or f"blk.{layer}.{KV_B_PARTS[0]}" not in self.tensors
-            if key in KV_B_PARTS and first and f"blk.{layer}.attn_kv_b.weight" not in self.tensors:
-                yield name, f"layers.{layer}.self_attn.kv_b_proj.weight", self._kv_b(cfg, layer)
+            # tensors read together (DeepSeek's split kv_b), joined once per layer (from
+            # whichever part the file has), unless the file holds the parameter whole
+            for join in joins(self.arch):
+                lead = join.parts[0]
+                first = key == lead or f"blk.{layer}.{lead}" not in self.tensors
+                if key in join.parts and first and f"blk.{layer}.{join.unless}" not in self.tensors:
+                    yield name, f"layers.{layer}.{join.target}", self._joined(cfg, layer, join)
 
-    def _kv_b(self, cfg: ModelConfig, layer: int) -> _Joined:
-        names = [f"blk.{layer}.{k}" for k in KV_B_PARTS]
+    def _joined(self, cfg: ModelConfig, layer: int, join: GgufJoin) -> _Joined:
+        names = [f"blk.{layer}.{k}" for k in join.parts]
         for n in names:
             if n not in self.tensors:
                 raise CheckpointError(f"{self.path}: missing tensor '{n}'")
         parts = [_Source(*self.tensors[n]) for n in names]
-        return _Joined(parts, lambda k, v: join_kv_b(cfg, k, v))
+        return _Joined(parts, lambda *ts: join.join(cfg, *ts))
 
     def log_dequantized(
         self, dtype: str, packed: str = "", kept: frozenset[str] = frozenset()

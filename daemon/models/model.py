@@ -8,6 +8,8 @@ ExpertBanks behind the MoE backend, addressed by flat id.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
@@ -20,6 +22,7 @@ from .layers.deltanet import GatedDeltaNet
 from .layers.mla import MLAttention
 from .layers.moe import SparseMoE
 from .layers.rope import Rope
+from .registry import family_spec
 
 
 class DecoderLayer(nn.Module):
@@ -148,13 +151,16 @@ class CausalLM(nn.Module):
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
-    """The model of ``cfg``'s family (parameters uninitialised): Gemma-4 has its own top level."""
-    if cfg.family == "gemma4":
-        # deferred: import cycle (the imported module imports this one at top level)
-        from .gemma4_model import Gemma4CausalLM
-
-        return Gemma4CausalLM(cfg)
-    return CausalLM(cfg)
+    """The model of ``cfg``'s family (parameters uninitialised): ``CausalLM``, or the family's
+    own top level (``FamilySpec.model``, a CausalLM subclass in a module that imports this one,
+    hence imported on use)."""
+    spec = family_spec(cfg.family)
+    if not spec.model:
+        return CausalLM(cfg)
+    module, _, name = spec.model.partition(":")
+    cls = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    assert issubclass(cls, CausalLM), spec.model
+    return cls(cfg)
 
 
 def kv_bytes_per_token(model: CausalLM) -> int:

@@ -58,12 +58,17 @@ class Generation:
         skip_special_tokens: bool,
         want_logprobs: bool,
         metrics: Any,
+        keep_special: frozenset[int] = frozenset(),
     ) -> None:
+        """``keep_special``: special tokens written out although ``skip_special_tokens`` (the
+        tags the parser reads)."""
         self.request_id = handle.request_id
         self._bridge = bridge
         self._handle = handle
         self._tokenizer = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=skip_special_tokens, keep_special=keep_special
+        )
         self._stops = StopChecker(stop)
         self._stop_ids = stop_token_ids
         self._parser = parser

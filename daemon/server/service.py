@@ -29,10 +29,12 @@ from .limits import check_chat
 from .model_names import ModelNames
 from .parsers.base import PassThrough
 from .parsers.registry import (
+    OutputSyntax,
     ReasoningSyntax,
     ToolSyntax,
     detect_syntax,
     make_output_parser,
+    parser_markers,
     prompt_opens_reasoning,
 )
 from .protocols import SubmitBridge
@@ -101,6 +103,33 @@ def max_token_chars(tokenizer: Any) -> int:
     return max((len(t) for t in vocab), default=0) or 1024
 
 
+def parser_token_ids(tokenizer: Any, syntax: OutputSyntax) -> frozenset[int]:
+    """The tokenizer's added tokens that spell a tag the output parser reads, or part of one:
+    written out even where the tokenizer marks them special and special tokens are skipped (a
+    ``<tool_call>`` skipped left a call's markup as plain content)."""
+    added: dict[str, int] = getattr(tokenizer, "added_tokens", {})
+    markers = parser_markers(syntax)
+    # a token spelling part of a tag too (``<parameter`` of ``<parameter=``)
+    return frozenset(i for text, i in added.items() if text and any(text in m for m in markers))
+
+
+# Syntaxes whose parser reads special tokens from the text: harmony's <|channel|>, ..., and the
+# ｜DSML｜ of DeepSeek's tool-call tags (a special token that skipping would delete).
+_READS_SPECIAL = (ToolSyntax.HARMONY, ToolSyntax.DEEPSEEK_DSML, ToolSyntax.DEEPSEEK_DSML_V3_2)
+
+
+def special_tokens_skipped(
+    syntax: OutputSyntax, constrained: bool, parser_ids: frozenset[int]
+) -> tuple[bool, frozenset[int]]:
+    """Whether a chat generation's text skips special tokens, and those it writes out anyway.
+    Harmony's and DSML's parsers read their special tokens from the text: none skipped.
+    A grammar's output is all structure, every token of it text the parser reads (the final
+    stop token is left out anyway): none skipped. Otherwise the parser's tags are kept."""
+    if syntax.tools in _READS_SPECIAL or constrained:
+        return False, frozenset()
+    return True, parser_ids
+
+
 class ModelService:
     def __init__(
         self, llm: Any, bridge: SubmitBridge, metrics: Any, names: ModelNames | None = None
@@ -113,6 +142,7 @@ class ModelService:
         self.tokenizer = llm.tokenizer
         self.template = llm.chat_template
         self.syntax = detect_syntax(llm.config.family, template_source(llm))
+        self.parser_token_ids = parser_token_ids(self.tokenizer, self.syntax)
         self.max_model_len: int = llm.engine.max_model_len
         self.vocab_size: int = llm.config.vocab_size
         self.max_token_chars = max_token_chars(self.tokenizer)
@@ -236,14 +266,22 @@ class ModelService:
         check_chat(req)
         with self.admitted():
             rendered, params, constraint = await asyncio.to_thread(self._prepare_chat, req)
-        schemas = {t.name: t.parameters for t in req.tools}
+        # a named tool_choice: the grammar allows that tool only, so a call cut before its name
+        # is still a call of it
+        named = req.forced_tool if req.tool_choice == "function" else None
+        schemas = {t.name: t.parameters for t in req.tools if named in (None, t.name)}
         opens = self.syntax.reasoning is ReasoningSyntax.THINK and prompt_opens_reasoning(
             rendered.text
         )
         parser = make_output_parser(
-            self.syntax, schemas, start_in_reasoning=opens, parse_tools=req.tool_choice != "none"
+            self.syntax,
+            schemas,
+            start_in_reasoning=opens,
+            parse_tools=req.tool_choice != "none",
+            reasoning=not req.constrained,
         )
-        gen = self._submit(rendered.ids, params, constraint, parser, req.sampling)
+        skip = special_tokens_skipped(self.syntax, req.constrained, self.parser_token_ids)
+        gen = self._submit(rendered.ids, params, constraint, parser, req.sampling, skip)
         return gen, rendered
 
     def _prepare_chat(self, req: ChatRequest) -> tuple[Rendered, SamplingParams, Any]:
@@ -268,11 +306,19 @@ class ModelService:
         return check_sampling(s, self.max_model_len, self.vocab_size, self.defaults)
 
     def _submit(
-        self, ids: list[int], params: SamplingParams, constraint: Any, parser: Any, s: Sampling
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        constraint: Any,
+        parser: Any,
+        s: Sampling,
+        skip: tuple[bool, frozenset[int]] | None = None,
     ) -> Generation:
+        """``skip``: (skip special tokens, those written out anyway); None: the syntax's
+        default with no exceptions (raw completions)."""
         rid = self.new_id()
         handle = self.bridge.submit(Submission(rid, ids, params, constraint, checked=True))
-        harmony = self.syntax.tools is ToolSyntax.HARMONY
+        skip_special, keep = skip or special_tokens_skipped(self.syntax, False, frozenset())
         return Generation(
             bridge=self.bridge,
             handle=handle,
@@ -280,8 +326,8 @@ class ModelService:
             parser=parser,
             stop=s.stop,
             stop_token_ids=self.eos_ids | set(s.stop_token_ids),
-            # harmony's parser reads its special tokens (<|channel|>, ...) from the text
-            skip_special_tokens=not harmony,
+            skip_special_tokens=skip_special,
+            keep_special=keep,
             want_logprobs=s.logprobs is not None,
             metrics=self.metrics,
         )

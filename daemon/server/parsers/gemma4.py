@@ -17,7 +17,7 @@ from typing import Any
 
 from ..limits import MAX_JSON_DEPTH
 from .base import ToolSchemas, unique_tool
-from .tagged import TaggedToolParser
+from .tagged import Quoted, TaggedToolParser
 
 OPEN = "<|tool_call>"
 CLOSE = "<tool_call|>"
@@ -224,5 +224,9 @@ def decode_gemma_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | Non
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
     # the notation carries its own types; the tools name a call cut short
     return TaggedToolParser(
-        decode_gemma_body, OPEN, CLOSE, decode_partial=lambda b: decode_gemma_partial(b, tools)
+        decode_gemma_body,
+        OPEN,
+        CLOSE,
+        decode_partial=lambda b: decode_gemma_partial(b, tools),
+        quoted=(Quoted(QUOTE, QUOTE),),
     )

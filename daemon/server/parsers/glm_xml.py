@@ -21,8 +21,11 @@ from typing import Any
 
 from .base import ToolSchemas, unique_tool
 from .qwen3_xml import convert_value, schema_types, strip_padding
-from .tagged import TaggedToolParser
+from .tagged import Quoted, TaggedToolParser
 
+TAGS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+# keys and values are text up to their closing tags: a </tool_call> in them does not end the call
+_QUOTED = (Quoted("<arg_key>", "</arg_key>"), Quoted("<arg_value>", "</arg_value>"))
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
 
 
@@ -61,4 +64,5 @@ def make_parser(tools: ToolSchemas) -> TaggedToolParser:
     return TaggedToolParser(
         lambda body: decode_glm_body(body, tools),
         decode_partial=lambda body: decode_glm_partial(body, tools),
+        quoted=_QUOTED,
     )

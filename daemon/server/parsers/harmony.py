@@ -4,7 +4,8 @@ The header names a channel (``<|channel|>analysis`` = reasoning, ``final`` = the
 ``commentary`` = preambles or tool calls) and maybe a recipient (``to=functions.NAME``, before
 or after the channel). Bodies end with ``<|end|>``, ``<|call|>`` or ``<|return|>``; the next
 message starts with ``<|start|>assistant``. The last end marker is usually the EOS token and
-so never reaches the text: ``finish`` flushes whatever message is open.
+so never reaches the text: ``finish`` flushes whatever message is open. A call's body is JSON:
+an end marker inside one of its strings is text.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from .base import (
     partial_suffix,
     unique_tool,
 )
+from .tagged import JSON_STRINGS, CloseFinder
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 START = "<|start|>"
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
+_CALL_HEADER = "<|channel|>commentary to=functions."  # how a call's header begins
 
 
 class HarmonyParser:
@@ -40,6 +43,7 @@ class HarmonyParser:
         self._recipient: str | None = None
         self._call_body = ""
         self._count = 0
+        self._call_end = CloseFinder(ENDS, JSON_STRINGS)
 
     def feed(self, text: str) -> list[ParsedEvent]:
         self._buf += text
@@ -50,15 +54,23 @@ class HarmonyParser:
 
     def finish(self, truncated: bool = False) -> list[ParsedEvent]:
         out: list[ParsedEvent] = []
+        ends = [(p, m) for m in ENDS if (p := self._buf.find(m)) >= 0]
+        if self._in_body and self._call_end.quote_open and not truncated and ends:
+            # an end marker inside a string the model never closed (malformed output): the
+            # call ends there after all, as it would with no quoting
+            pos, marker = min(ends)
+            rest = self._buf[pos + len(marker) :]
+            self._body_text(self._buf[:pos], out)
+            self._buf = ""
+            self._end_message(out)
+            return merge(out + self.feed(rest) + self.finish())
         if self._in_body:
             self._body_text(self._buf, out)
             self._end_message(out, truncated)
-        elif truncated and (cut := _RECIPIENT.search(self._buf)) is not None:
-            # the token limit cut a call's header: a call to the tool it names (if one does)
-            name = unique_tool(cut.group(1).removeprefix("functions."), self._tools)
-            if name is not None:
-                out.append(ToolCall(self._count, name, "{}", True))
-                self._count += 1
+        elif truncated and (name := self._cut_call_header(self._buf)) is not None:
+            # the token limit cut a call's header: a call to the tool it names
+            out.append(ToolCall(self._count, name, "{}", True))
+            self._count += 1
         elif self._buf.strip():
             # a header that never opened a body: keep the text rather than drop it
             out.append(Content(self._strip_header_noise(self._buf)))
@@ -74,14 +86,20 @@ class HarmonyParser:
             self._open_message(self._buf[:pos])
             self._buf = self._buf[pos + len(MESSAGE) :]
             return True
-        hits = [(self._buf.find(m), m) for m in ENDS]
-        hits = [(p, m) for p, m in hits if p >= 0]
-        if not hits:
-            hold = partial_suffix(self._buf, ENDS)
-            self._body_text(self._buf[: len(self._buf) - hold], out)
-            self._buf = self._buf[len(self._buf) - hold :]
-            return False
-        pos, marker = min(hits)
+        if self._recipient is not None:  # a call: its JSON is kept whole until it ends
+            hit = self._call_end.find(self._buf)
+            if hit is None:
+                return False
+            pos, marker = hit
+        else:
+            hits = [(self._buf.find(m), m) for m in ENDS]
+            hits = [(p, m) for p, m in hits if p >= 0]
+            if not hits:
+                hold = partial_suffix(self._buf, ENDS)
+                self._body_text(self._buf[: len(self._buf) - hold], out)
+                self._buf = self._buf[len(self._buf) - hold :]
+                return False
+            pos, marker = min(hits)
         self._body_text(self._buf[:pos], out)
         self._buf = self._buf[pos + len(marker) :]
         self._end_message(out)
@@ -94,6 +112,7 @@ class HarmonyParser:
         self._recipient = recipient.group(1) if recipient else None
         self._in_body = True
         self._call_body = ""
+        self._call_end.reset()
 
     def _body_text(self, text: str, out: list[ParsedEvent]) -> None:
         if not text:
@@ -125,6 +144,17 @@ class HarmonyParser:
         self._in_body = False
         self._recipient = None
         self._channel = ""
+
+    def _cut_call_header(self, header: str) -> str | None:
+        """The tool a header cut by the token limit calls: the one it names, or, cut before
+        the name, the only tool when the header so far can only be a call's."""
+        cut = _RECIPIENT.search(header)
+        if cut is not None:
+            return unique_tool(cut.group(1).removeprefix("functions."), self._tools)
+        text = self._strip_header_noise(header).strip()
+        if len(self._tools) == 1 and text and _CALL_HEADER.startswith(text):
+            return next(iter(self._tools))
+        return None
 
     @staticmethod
     def _strip_header_noise(text: str) -> str:

@@ -13,6 +13,7 @@
 Values are text, converted by the tool's schema as for the other XML syntaxes (strings
 verbatim, anything else decoded as JSON, falling back to the text). One whitespace character on
 each side of a value is padding, as for Qwen's XML (the forced-call grammar may put one there).
+A value ends at its ``</parameter>``: the other tags are text inside it.
 """
 
 from __future__ import annotations
@@ -23,25 +24,36 @@ from typing import Any
 
 from .base import ToolSchemas, unique_tool
 from .qwen3_xml import convert_value, schema_types, strip_padding
-from .tagged import TaggedToolParser
+from .tagged import Quoted, TaggedToolParser
 
 OPEN = "<minimax:tool_call>"
 CLOSE = "</minimax:tool_call>"
-_INVOKE = re.compile(r"<invoke name=\"([^\"\n]+)\">(.*?)(?:</invoke>|$)", re.S)
-_PARAMETER = re.compile(r"<parameter name=\"([^\"\n]+)\">(.*?)(?:</parameter>|$)", re.S)
+TAGS = ("<invoke", "</invoke>", "<parameter", "</parameter>")
+_QUOTED = (Quoted("<parameter name=", "</parameter>"),)
+# read left to right: an invocation's start, or a whole parameter (its value consumed, so tags
+# inside it are not seen; a value that lacks its </parameter> ends at </invoke>); </invoke>
+# needs no match, the next invocation starts afresh
+_INVOKE_OR_PARAMETER = r"<invoke name=\"([^\"\n]+)\">|<parameter name=\"([^\"\n]+)\">(.*?)"
+_ITEM = re.compile(
+    _INVOKE_OR_PARAMETER + r"(?:</parameter>|(?=</invoke>)(?!.*</parameter>)|$)", re.S
+)
+_CUT_ITEM = re.compile(_INVOKE_OR_PARAMETER + r"(?:</parameter>|$)", re.S)  # a </invoke> is text
 
 
-def decode_minimax_block(body: str, tools: ToolSchemas) -> list[tuple[str, str]] | None:
-    calls = []
-    for inv in _INVOKE.finditer(body):
-        name = inv.group(1).strip()
-        schema = tools.get(name)
-        args: dict[str, Any] = {}
-        for pm in _PARAMETER.finditer(inv.group(2)):
-            key = pm.group(1).strip()
-            args[key] = convert_value(strip_padding(pm.group(2)), schema_types(schema, key))
-        calls.append((name, json.dumps(args, ensure_ascii=False)))
-    return calls or None
+def decode_minimax_block(
+    body: str, tools: ToolSchemas, closed: bool = True
+) -> list[tuple[str, str]] | None:
+    """``closed=False``: a block cut by the token limit (the last value's </invoke> not
+    written yet: one in it is the value's text)."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for m in (_ITEM if closed else _CUT_ITEM).finditer(body):
+        if m.group(1) is not None:
+            calls.append((m.group(1).strip(), {}))
+        elif calls:  # a parameter outside any invocation is not part of a call
+            name, args = calls[-1]
+            key = m.group(2).strip()
+            args[key] = convert_value(strip_padding(m.group(3)), schema_types(tools.get(name), key))
+    return [(name, json.dumps(args, ensure_ascii=False)) for name, args in calls] or None
 
 
 _CUT_NAME = re.compile(r"<invoke name=\"([^\"\n]*)\"?$")  # cut inside an invocation's tag
@@ -53,7 +65,8 @@ def decode_minimax_partial(body: str, tools: ToolSchemas) -> list[tuple[str, str
     they were written); a name cut short is the one tool it begins, and a block cut before
     its first invocation is the only tool when there is one."""
     cut = _CUT_NAME.search(body)
-    calls = decode_minimax_block(_CUT_TAG.sub("", body[: cut.start()] if cut else body), tools)
+    text = _CUT_TAG.sub("", body[: cut.start()] if cut else body)
+    calls = decode_minimax_block(text, tools, closed=False)
     calls = calls or []
     if cut is not None:
         name = unique_tool(cut.group(1), tools)
@@ -70,4 +83,5 @@ def make_parser(tools: ToolSchemas) -> TaggedToolParser:
         OPEN,
         CLOSE,
         decode_partial=lambda body: decode_minimax_partial(body, tools),
+        quoted=_QUOTED,
     )

@@ -7,7 +7,7 @@ import json
 import re
 
 from .base import ToolSchemas, loads_bounded, unique_tool
-from .tagged import TaggedToolParser
+from .tagged import JSON_STRINGS, TaggedToolParser
 
 
 def decode_json_body(body: str) -> tuple[str, str] | None:
@@ -57,5 +57,7 @@ def decode_json_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None
 
 def make_parser(tools: ToolSchemas) -> TaggedToolParser:
     return TaggedToolParser(
-        decode_json_body, decode_partial=lambda body: decode_json_partial(body, tools)
+        decode_json_body,
+        decode_partial=lambda body: decode_json_partial(body, tools),
+        quoted=JSON_STRINGS,
     )

@@ -6,7 +6,8 @@ The tool-call syntax is chosen per model:
    ``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
    because one family can ship different templates (the built-in tiny model is family
    ``qwen3_5_moe`` but its template asks for JSON ``<tool_call>``);
-2. falling back to the family default (``FAMILY_DEFAULTS``) when the template says nothing.
+2. falling back to the family's default (``family_default``: the names its ``FamilySpec``
+   declares) when the template says nothing.
 Never from path or model-name substrings.
 """
 
@@ -15,7 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from . import gemma4, glm_xml, harmony, minimax_xml, qwen3_json, qwen3_xml
+from ...models.registry import SPECS
+from . import (
+    deepseek_dsml,
+    gemma4,
+    glm_xml,
+    harmony,
+    minimax_xml,
+    qwen3_json,
+    qwen3_xml,
+    tagged,
+    think,
+)
 from .base import OutputParser, PassThrough, ToolSchemas
 from .chain import Chain
 from .think import ThinkParser
@@ -29,6 +41,8 @@ class ToolSyntax(StrEnum):
     GLM_XML = "glm_xml"
     MINIMAX_XML = "minimax_xml"
     GEMMA4 = "gemma4"
+    DEEPSEEK_DSML = "deepseek_dsml"  # DeepSeek-V4: <｜DSML｜tool_calls>
+    DEEPSEEK_DSML_V3_2 = "deepseek_dsml_v3_2"  # DeepSeek-V3.2: <｜DSML｜function_calls>
 
 
 class ReasoningSyntax(StrEnum):
@@ -44,27 +58,28 @@ class OutputSyntax:
     reasoning: ReasoningSyntax
 
 
-FAMILY_DEFAULTS: dict[str, OutputSyntax] = {
-    "qwen3_moe": OutputSyntax(ToolSyntax.QWEN3_JSON, ReasoningSyntax.THINK),
-    "qwen3_5_moe": OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK),
-    "qwen3_next": OutputSyntax(ToolSyntax.QWEN3_XML, ReasoningSyntax.THINK),
-    "gpt_oss": OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY),
-    "mixtral": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
-    "olmoe": OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE),
-    "glm4_moe": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
-    "glm4_moe_lite": OutputSyntax(ToolSyntax.GLM_XML, ReasoningSyntax.THINK),
-    "minimax_m2": OutputSyntax(ToolSyntax.MINIMAX_XML, ReasoningSyntax.THINK),
-    "gemma4": OutputSyntax(ToolSyntax.GEMMA4, ReasoningSyntax.GEMMA4_THOUGHT),
-}
+_PLAIN = OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE)
+
+
+def family_default(family: str) -> OutputSyntax:
+    """The syntax the family declares (``FamilySpec.tool_syntax`` / ``reasoning_syntax``,
+    ``models/families/``); none for a family not known."""
+    spec = SPECS.get(family)
+    if spec is None:
+        return _PLAIN
+    return OutputSyntax(ToolSyntax(spec.tool_syntax), ReasoningSyntax(spec.reasoning_syntax))
 
 
 def detect_syntax(family: str, template_source: str) -> OutputSyntax:
     """The syntax the chat template instructs, else the family default."""
-    default = FAMILY_DEFAULTS.get(family, OutputSyntax(ToolSyntax.NONE, ReasoningSyntax.NONE))
+    default = family_default(family)
     src = template_source or ""
     if "<|channel|>" in src:
         return OutputSyntax(ToolSyntax.HARMONY, ReasoningSyntax.HARMONY)
-    if minimax_xml.OPEN in src:
+    if deepseek_dsml.DSML in src:  # the templates build the tags from a dsml_token variable
+        v3_2 = deepseek_dsml.BLOCK_V3_2 in src
+        tools = ToolSyntax.DEEPSEEK_DSML_V3_2 if v3_2 else ToolSyntax.DEEPSEEK_DSML
+    elif minimax_xml.OPEN in src:
         tools = ToolSyntax.MINIMAX_XML
     elif "<arg_key>" in src:
         tools = ToolSyntax.GLM_XML
@@ -87,12 +102,39 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
     return OutputSyntax(tools, reasoning)
 
 
+# The tags each tool syntax's parser reads inside a call: a forced call's arguments must not
+# spell them (the grammar keeps them out of its strings, formats.py), and a tokenizer's special
+# token spelling one must reach the parser (the detokenizer keeps it, service.py).
+TOOL_MARKERS: dict[ToolSyntax, tuple[str, ...]] = {
+    ToolSyntax.QWEN3_JSON: (tagged.OPEN, tagged.CLOSE),
+    ToolSyntax.QWEN3_XML: (tagged.OPEN, tagged.CLOSE, *qwen3_xml.TAGS),
+    ToolSyntax.GLM_XML: (tagged.OPEN, tagged.CLOSE, *glm_xml.TAGS),
+    ToolSyntax.MINIMAX_XML: (minimax_xml.OPEN, minimax_xml.CLOSE, *minimax_xml.TAGS),
+    ToolSyntax.GEMMA4: (gemma4.OPEN, gemma4.CLOSE, gemma4.QUOTE),
+    ToolSyntax.HARMONY: harmony.ENDS,
+    # a DSML tag is ｜DSML｜ between ordinary pieces; a value ends at its parameter's closing tag
+    ToolSyntax.DEEPSEEK_DSML: (deepseek_dsml.DSML, deepseek_dsml.PARAM_CLOSE),
+    ToolSyntax.DEEPSEEK_DSML_V3_2: (deepseek_dsml.DSML, deepseek_dsml.PARAM_CLOSE),
+}
+REASONING_MARKERS: dict[ReasoningSyntax, tuple[str, ...]] = {
+    ReasoningSyntax.THINK: (think.OPEN, think.CLOSE),
+    ReasoningSyntax.GEMMA4_THOUGHT: (gemma4.CHANNEL, gemma4.THOUGHT_CLOSE),
+}
+
+
+def parser_markers(syntax: OutputSyntax) -> tuple[str, ...]:
+    """Every tag the output parser of ``syntax`` reads (tool calls and reasoning)."""
+    return TOOL_MARKERS.get(syntax.tools, ()) + REASONING_MARKERS.get(syntax.reasoning, ())
+
+
 _TOOL_PARSERS = {
     ToolSyntax.QWEN3_JSON: qwen3_json.make_parser,
     ToolSyntax.QWEN3_XML: qwen3_xml.make_parser,
     ToolSyntax.GLM_XML: glm_xml.make_parser,
     ToolSyntax.MINIMAX_XML: minimax_xml.make_parser,
     ToolSyntax.GEMMA4: gemma4.make_parser,
+    ToolSyntax.DEEPSEEK_DSML: deepseek_dsml.make_parser,
+    ToolSyntax.DEEPSEEK_DSML_V3_2: deepseek_dsml.make_parser,
 }
 
 
@@ -101,14 +143,19 @@ def make_output_parser(
     tools: ToolSchemas,
     start_in_reasoning: bool = False,
     parse_tools: bool = True,
+    reasoning: bool = True,
 ) -> OutputParser:
     """A fresh incremental parser for one generation (``parse_tools=False``: tool_choice
-    none, any tool-call markup stays content)."""
+    none, any tool-call markup stays content; ``reasoning=False``: a grammar holds the output
+    from its first token, so none of it is reasoning, whatever the prompt left open, and a
+    reasoning tag inside a forced call's arguments is text)."""
     if syntax.tools is ToolSyntax.HARMONY:
         return harmony.make_parser(tools)
     tool_parser: OutputParser = PassThrough()
     if parse_tools and syntax.tools in _TOOL_PARSERS:
         tool_parser = _TOOL_PARSERS[syntax.tools](tools)
+    if not reasoning:
+        return Chain(PassThrough(), tool_parser)
     if syntax.reasoning is ReasoningSyntax.THINK:
         return Chain(ThinkParser(start_in_reasoning), tool_parser)
     if syntax.reasoning is ReasoningSyntax.GEMMA4_THOUGHT:
