@@ -42,125 +42,14 @@ import torch
 from torch import nn
 
 from .batch import ForwardBatch
-from .config import ModelConfig, RopeConfig
+from .config import ModelConfig
+from .families.deepseek_v4 import CSA, HCA, LAYER_NAMES, SLIDING, TOP_NAMES, V4Config, v4_config
 from .layers.common import Linear, RMSNorm, Weight, dtype_of, param
 from .layers.hyper import HyperConnection, HyperHead, expand_streams, merge_streams
 from .layers.rope import Rope
 from .layers.v4_attention import IndexerShape, V4Attention, V4AttentionState
 from .layers.v4_routing import ClampedMLP, V4Router, clamped_swiglu
 from .model import CausalLM
-
-SLIDING, CSA, HCA = (
-    "sliding_attention",
-    "compressed_sparse_attention",
-    "heavily_compressed_attention",
-)
-
-
-@dataclass(frozen=True)
-class V4Config:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    sliding_window: int
-    rms_norm_eps: float
-    layer_types: tuple[str, ...]  # SLIDING | CSA | HCA per layer
-    compress_rates: tuple[int, ...]  # per layer, 0 for sliding layers
-    index_heads: int
-    index_head_dim: int
-    index_topk: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    routed_scaling_factor: float
-    hash_layers: tuple[bool, ...]  # per layer: routed by the token-id table
-    swiglu_limit: float
-    rope_main: RopeConfig  # sliding layers
-    rope_compress: RopeConfig  # CSA / HCA layers, their compressors and indexers
-    tie_word_embeddings: bool = False
-    torch_dtype: str = "float32"
-
-
-def _rope_config(p: Mapping[str, Any], rotary_dim: int) -> RopeConfig:
-    kind = p.get("rope_type", p.get("type", "default"))
-    if kind == "default":
-        return RopeConfig(theta=float(p["rope_theta"]), rotary_dim=rotary_dim, interleaved=True)
-    if kind != "yarn":
-        raise ValueError(f"DeepSeek-V4 rope type {kind!r} is not supported")
-    return RopeConfig(
-        theta=float(p["rope_theta"]),
-        rotary_dim=rotary_dim,
-        kind="yarn",
-        factor=float(p["factor"]),
-        original_max_position=int(p["original_max_position_embeddings"]),
-        beta_fast=float(p.get("beta_fast") or 32.0),
-        beta_slow=float(p.get("beta_slow") or 1.0),
-        # transformers 5.25 reads ``truncate`` from the outer {"main", "compress"} dict, where
-        # it never is: the correction range is always truncated
-        truncate=True,
-        # transformers' config forces 1.0 for V4's compress rope (the cos/sin are not scaled)
-        attention_factor=float(p.get("attention_factor", 1.0)),
-        interleaved=True,
-    )
-
-
-def v4_config(hf: Mapping[str, Any]) -> V4Config:
-    """Our V4Config from a config.json as transformers 5.25 writes it (``layer_types``,
-    ``compress_rates``, ``mlp_layer_types``, ``partial_rotary_factor`` and the nested
-    {"main", "compress"} ``rope_parameters`` already filled in). The release checkpoint's legacy
-    keys (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, flat rope params) are
-    the family file's to fold in; they are not read here."""
-    for key, want in (
-        ("scoring_func", "sqrtsoftplus"),
-        ("hidden_act", "silu"),
-        ("mlp_bias", False),
-    ):
-        if hf.get(key, want) != want:
-            raise ValueError(f"DeepSeek-V4 with {key}={hf[key]!r} is not supported (only {want!r})")
-    n = int(hf["num_hidden_layers"])
-    head_dim = int(hf["head_dim"])
-    rotary = int(head_dim * float(hf["partial_rotary_factor"]))
-    types = tuple(hf["layer_types"][:n])
-    rates = tuple(0 if t == SLIDING else int(hf["compress_rates"][t]) for t in types)
-    ropes = hf["rope_parameters"]
-    return V4Config(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=n,
-        num_heads=int(hf["num_attention_heads"]),
-        head_dim=head_dim,
-        q_lora_rank=int(hf["q_lora_rank"]),
-        o_groups=int(hf["o_groups"]),
-        o_lora_rank=int(hf["o_lora_rank"]),
-        sliding_window=int(hf["sliding_window"]),
-        rms_norm_eps=float(hf["rms_norm_eps"]),
-        layer_types=types,
-        compress_rates=rates,
-        index_heads=int(hf["index_n_heads"]),
-        index_head_dim=int(hf["index_head_dim"]),
-        index_topk=int(hf["index_topk"]),
-        hc_mult=int(hf["hc_mult"]),
-        hc_sinkhorn_iters=int(hf["hc_sinkhorn_iters"]),
-        hc_eps=float(hf["hc_eps"]),
-        num_experts=int(hf["n_routed_experts"]),
-        top_k=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        routed_scaling_factor=float(hf["routed_scaling_factor"]),
-        hash_layers=tuple(t == "hash_moe" for t in hf["mlp_layer_types"][:n]),
-        swiglu_limit=float(hf["swiglu_limit"]),
-        rope_main=_rope_config(ropes["main"], rotary),
-        rope_compress=_rope_config(ropes["compress"], rotary),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-    )
 
 
 class RoutedExperts(nn.Module):
@@ -419,54 +308,6 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
         return self.lm_head(h)
 
 
-# Checkpoint tensor names (the release's, which transformers 5.25 also writes, then under a
-# "model." prefix for some) -> ours. The family file will own this mapping.
-_TOP = {
-    "embed.weight": "embed_tokens.weight",
-    "embed_tokens.weight": "embed_tokens.weight",
-    "head.weight": "lm_head.weight",
-    "norm.weight": "norm.weight",
-    "hc_head_fn": "hc_head.fn",
-    "hc_head_base": "hc_head.base",
-    "hc_head_scale": "hc_head.scale",
-    "hc_head.hc_fn": "hc_head.fn",
-    "hc_head.hc_base": "hc_head.base",
-    "hc_head.hc_scale": "hc_head.scale",
-}
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn.attn_sink": "self_attn.sinks",
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
-    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight",
-    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
-    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
-    "attn.indexer.wq_b.weight": "self_attn.indexer.q_b_proj.weight",
-    "attn.indexer.weights_proj.weight": "self_attn.indexer.weights_proj.weight",
-    "ffn.gate.weight": "mlp.router.weight",
-    "ffn.gate.bias": "mlp.router.score_bias",
-    "ffn.gate.tid2eid": "mlp.router.tid2eid",
-    "ffn.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
-}
-for _hc in ("attn", "ffn"):
-    for _p in ("fn", "base", "scale"):
-        _LAYER[f"hc_{_hc}_{_p}"] = f"{_hc}_hc.{_p}"
-for _src, _dst in (
-    ("attn.compressor.", "self_attn.compressor."),
-    ("attn.indexer.compressor.", "self_attn.indexer.compressor."),
-):
-    for _a, _b in (
-        ("wkv.weight", "kv_proj.weight"),
-        ("wgate.weight", "gate_proj.weight"),
-        ("ape", "position_bias"),
-        ("norm.weight", "kv_norm.weight"),
-    ):
-        _LAYER[_src + _a] = _dst + _b
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 # routed experts: w1 gate, w3 up (rows [0, I) and [I, 2I) of our gate_up), w2 down
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.w([123])\.weight$")
@@ -478,11 +319,11 @@ def checkpoint_name(name: str) -> str | None:
     name = name.removeprefix("model.")
     if name.startswith("mtp.") or _EXPERT_RE.match(name):
         return None
-    if name in _TOP:
-        return _TOP[name]
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER:
-        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in LAYER_NAMES:
+        return f"layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
     raise KeyError(f"unexpected DeepSeek-V4 tensor {name!r}")
 
 

@@ -157,7 +157,10 @@ class Filler:
 
     def mtp(self, name: str) -> bool:
         """A tensor of a multi-token-prediction layer stored after the last decoder layer
-        (``<prefix>.layers.<num_layers + i>.``, GLM-4.5 / DeepSeek-V3): not loaded for now."""
+        (``<prefix>.layers.<num_layers + i>.``, GLM-4.5 / DeepSeek-V3) or named apart
+        (``FamilySpec.mtp``): not loaded for now."""
+        if self.spec.mtp and re.search(self.spec.mtp, name):
+            return True
         if not self.cfg.num_mtp_layers:
             return False
         m = _LAYER.match(name.removeprefix(self.cfg.weight_prefix + "."))
