@@ -28,7 +28,7 @@ from .config import ModelConfig
 from .families.spec import FamilySpec
 from .ftw_loader import load_ftw
 from .layers.common import dtype_of
-from .model import CausalLM, build_model
+from .model import CausalLM, build_model, model_tables
 from .registry import family_spec
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,7 @@ class Filler:
     ) -> None:
         self.cfg, self.spec, self.banks = cfg, spec, banks
         self.params = dict(model.named_parameters())
-        # integer buffers are tables the checkpoint holds (DeepSeek-V4's hash routing tid2eid)
-        self.tables = {n: b for n, b in model.named_buffers() if not b.is_floating_point()}
+        self.tables = model_tables(model)
         self.filled: set[str] = set()
         self.expert_filled: set[tuple[int, str, int]] = set()  # (layer, part, expert)
 
