@@ -1,12 +1,16 @@
-"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): its own top level, one sequence at a time for now.
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): its own top level (family: families/deepseek_v4.py).
 
 What differs from `model.CausalLM`: the residual is ``hc_mult`` streams mixed by hyper-connections
 (layers/hyper.py); attention has one shared K = V head, a sliding window and, per layer type,
 compressed entries (HCA: all, CSA: the Lightning Indexer's top-k; layers/compressed.py,
 layers/v4_attention.py); the MoE routes by sqrt(softplus) scores or, in the first layers, by a
-token-id hash, with a clamped SwiGLU (layers/v4_routing.py). Routed experts are plain
-parameters here (`RoutedExperts`, the expert-bank layout) until the backends get the clamped
-SwiGLU.
+token-id hash, with a clamped SwiGLU (layers/v4_routing.py).
+
+`DeepseekV4LM` runs one sequence with its routed experts as plain parameters
+(`RoutedExperts`, the expert-bank layout); `DeepseekV4CausalLM` is the engine's: the same
+modules, the routed experts in ExpertBanks behind the MoE backend (``Activation.SWIGLU_CLAMP``),
+a ForwardBatch of several sequences, each chunk's attention on its ``SeqState.v4``. First
+version: that state is the whole `V4SeqState` per sequence (below: where it should go).
 
 Incremental state and how it maps onto the engine's memory (design, not wired yet)
 -----------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ renormalises, whatever ``norm_topk_prob`` says).
 
 Routed and shared experts use a clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit,
 limit). Not GPT-OSS's clamped form (``experts.banks.Activation.GPTOSS``: (up + 1) * gate *
-sigmoid(alpha * gate)), and not yet an expert-bank activation: the engine's backends need a
-kind for it before V4's routed experts can run there.
+sigmoid(alpha * gate)); the routed experts' backends compute it as
+``experts.banks.Activation.SWIGLU_CLAMP``.
 """
 
 from __future__ import annotations
