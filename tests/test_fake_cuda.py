@@ -239,7 +239,7 @@ def test_prefill_streams_only_missing_experts_and_keeps_the_cache() -> None:
 
 
 def test_fake_cuda_is_a_registered_accelerator() -> None:
-    from freetokend.experts.accelerator import ACCELERATORS, create_accelerator
+    from freetokend.experts.devices import ACCELERATORS, create_accelerator
 
     assert "fake-cuda" in ACCELERATORS
     acc = create_accelerator("fake-cuda", vram_mib=8192)

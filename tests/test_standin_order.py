@@ -9,7 +9,7 @@ import torch
 from tiny_models import make_tiny
 
 from freetokend import LLM
-from freetokend.experts import accelerator as acc_mod
+from freetokend.experts import devices as acc_mod
 from freetokend.experts.accelerator import StandinAccelerator, Transfer
 from freetokend.experts.device_backends import OffloadBackend, _PrefillStream
 

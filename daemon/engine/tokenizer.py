@@ -3,6 +3,7 @@ helpers that turn generated ids into text (incremental detokenisation, stop stri
 
 Files read from a model directory (all but ``tokenizer.json`` optional):
     tokenizer.json          the backend (vocab, merges, pre-tokenizer, decoder, added tokens)
+    tiktoken.model          the backend when there is no tokenizer.json (tiktoken_vocab.py)
     tokenizer_config.json   named special tokens (bos/eos/pad...), added_tokens_decoder
     special_tokens_map.json named special tokens, when tokenizer_config lacks them
     generation_config.json  eos_token_id (int or list), bos/pad ids
@@ -93,9 +94,14 @@ class Tokenizer:
         """Load ``tokenizer.json`` and resolve eos/bos/pad ids from the config files."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
-        if not path.is_file():
+        if path.is_file():
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        elif (model_dir / "tiktoken.model").is_file():  # Kimi: a rank file, never its Python
+            from .tiktoken_vocab import tokenizer_from_tiktoken
+
+            backend = tokenizer_from_tiktoken(model_dir)
+        else:
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
-        backend = tokenizers.Tokenizer.from_file(str(path))
         _add_missing_added_tokens(backend, read_json(model_dir / "tokenizer_config.json"))
         named = named_special_tokens(model_dir)
         gen = read_json(model_dir / "generation_config.json")

@@ -26,8 +26,6 @@ import torch
 
 from ..runtime import pinning
 
-ACCELERATORS = ("auto", "standin", "cuda", "fake-cuda")
-
 log = logging.getLogger(__name__)
 
 # (device bank, host bank, device rows, host rows): dst[d] <- src[s] for the listed rows
@@ -512,20 +510,3 @@ class CudaAccelerator(Accelerator):
     def mem_get_info(self) -> tuple[int, int] | None:
         free, total = torch.cuda.mem_get_info(self.device)
         return int(free), int(total)
-
-
-def create_accelerator(name: str, vram_mib: int | None = None) -> Accelerator:
-    """``vram_mib``: the simulated card of ``fake-cuda`` (enter the returned accelerator as a
-    context manager around everything that touches the device)."""
-    if name not in ACCELERATORS:
-        raise ValueError(f"unknown accelerator {name!r}; choose one of {', '.join(ACCELERATORS)}")
-    if name == "fake-cuda":
-        # deferred: import cycle (the imported module imports this one at top level)
-        from .fakecuda import FakeCudaAccelerator
-
-        if vram_mib is None:
-            raise ValueError("accelerator 'fake-cuda' needs vram_mib (the simulated card)")
-        return FakeCudaAccelerator(vram_mib)
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return CudaAccelerator()
-    return StandinAccelerator()

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..config import MOE_BACKENDS
-from .accelerator import Accelerator, StandinAccelerator, create_accelerator
+from .accelerator import Accelerator, StandinAccelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .device_backends import FusedBackend, OffloadBackend
+from .devices import create_accelerator
 from .fakecuda import FakeCpuExecutor, InlinePool
 from .formats import dequantize_banks, dequantize_banks_to
 

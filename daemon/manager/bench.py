@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..engine.resize import slot_backend
-from ..experts.accelerator import create_accelerator
 from ..experts.backend import CpuBackend
 from ..experts.bandwidth import measure
+from ..experts.devices import create_accelerator
 from ..runtime.bandwidth import BandwidthProfile
 from .hub import NOT_YET
 from .models import ModelManager

@@ -22,11 +22,12 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..experts.formats import allocate, expert_rows
 from ..formats.errors import CheckpointError
-from ..formats.gguf_file import is_gguf
+from ..formats.gguf_file import GgufHeader, is_gguf
 from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .ftw_loader import load_ftw
+from .hugepages import advise_new
 from .layers.common import dtype_of
 from .model import CausalLM, build_model, model_tables
 from .registry import family_spec
@@ -400,17 +401,22 @@ class Filler:
 
 
 def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
-    """Exact-size, uninitialised banks for all routed experts (filled by the loader)."""
+    """Exact-size, uninitialised banks for all routed experts (filled by the loader; marked for
+    huge pages before the fill inside ``hugepages.advise_at_fill``)."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
     if cfg.expert_format != "bf16":
-        return allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
-    return ExpertBanks(
-        gate_up=torch.empty(n, 2 * i, h, dtype=dt),
-        down=torch.empty(n, h, i, dtype=dt),
-        gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
-        down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
-    )
+        banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
+    else:
+        banks = ExpertBanks(
+            gate_up=torch.empty(n, 2 * i, h, dtype=dt),
+            down=torch.empty(n, h, i, dtype=dt),
+            gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
+            down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
+        )
+    for t in banks.all_tensors().values():  # huge pages from the fill on, when asked
+        advise_new(t)
+    return banks
 
 
 def model_kind(path: str | Path) -> str:
@@ -431,14 +437,16 @@ def model_kind(path: str | Path) -> str:
     raise CheckpointError(f"{p}: a file that is not a GGUF checkpoint (wrong magic); {expected}")
 
 
-def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
+def model_config(
+    path: str | Path, dtype: str | None = None, gguf_headers: list[GgufHeader] | None = None
+) -> ModelConfig:
     """The ModelConfig of any checkpoint ``load_model`` reads (``dtype``: override the weights'
-    dtype in memory)."""
+    dtype in memory; ``gguf_headers``: a GGUF's headers parsed before, gguf_file.read_headers)."""
     if model_kind(path) == "gguf":
         # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import GgufCheckpoint
 
-        with GgufCheckpoint(path) as ck:
+        with GgufCheckpoint(path, gguf_headers) as ck:
             return ck.config(dtype)
     cfg = ModelConfig.from_hf(path)
     if dtype is not None and dtype != cfg.torch_dtype:
@@ -447,16 +455,19 @@ def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig | None = None
+    model_dir: str | Path,
+    cfg: ModelConfig | None = None,
+    gguf_headers: list[GgufHeader] | None = None,
 ) -> tuple[CausalLM, ExpertBanks]:
-    """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set."""
+    """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set
+    (``gguf_headers``: its headers parsed before, gguf_file.read_headers)."""
     model_dir = Path(model_dir)
     kind = model_kind(model_dir)
     if kind == "gguf":
         # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import load_gguf
 
-        return load_gguf(model_dir, cfg)
+        return load_gguf(model_dir, cfg, gguf_headers)
     if kind == "ftw":  # pre-laid-out FTW folder (ARCHITECTURE §7)
         stored = ModelConfig.from_hf(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:

@@ -370,7 +370,8 @@ def _copylist_round(
 
 
 def probe_copylist(a: argparse.Namespace, p: Probe) -> None:
-    from freetokend.experts.accelerator import StandinAccelerator, create_accelerator
+    from freetokend.experts.accelerator import StandinAccelerator
+    from freetokend.experts.devices import create_accelerator
 
     real = a.device == "cuda"
     # the stand-in's reclaim mode poisons the list tensors a transfer does not hold, as CUDA's
@@ -706,7 +707,7 @@ def cuda_error_state(p: Probe) -> None:
 
 
 def probe_zerocopy(a: argparse.Namespace, p: Probe) -> None:
-    from freetokend.experts.accelerator import create_accelerator
+    from freetokend.experts.devices import create_accelerator
     from freetokend.runtime import pinning
 
     real = a.device == "cuda"
