@@ -31,6 +31,7 @@ from ..formats.errors import CheckpointError
 from ..formats.gguf_file import GgufFormatError, GgufHeader, read_headers, set_name
 from ..kv.spill import SnapshotSpill, engine_fingerprint
 from ..models.config import ModelConfig
+from ..models.deepseek_v4_model import DeepseekV4CausalLM
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import back_with_huge_pages, weight_tensors
@@ -329,6 +330,12 @@ def prefix_reuse(
 ) -> PrefixReuse | None:
     """The prefix cache (KV radix tree and recurrent-state snapshots), unless turned off."""
     if not config.prefix_cache:
+        return None
+    if isinstance(model, DeepseekV4CausalLM):
+        log.info(
+            "prefix cache: off for DeepSeek-V4 (its attention state is per sequence, outside "
+            "the KV pool, and has no snapshots yet: a prefix hit could not resume it)"
+        )
         return None
     policy_text = config.snapshot_policy
     policy = SnapshotPolicy.parse(

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..models.deepseek_v4_model import V4SeqState
 
 
 @dataclass
@@ -34,3 +38,7 @@ class SeqState:
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose KV / state is in the cache
     recurrent: RecurrentState | None = None
+    # DeepSeek-V4: the sequence's whole attention state (windows, compressed entries, open
+    # compressor windows; models/deepseek_v4_model.py), replaced by each forward; None for
+    # the other families
+    v4: V4SeqState | None = None

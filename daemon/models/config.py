@@ -68,7 +68,7 @@ class ModelConfig:
     o_proj_bias: bool = False  # the attention output projection's bias (GLM-4.5 has none)
     router_bias: bool = False
     expert_bias: bool = False
-    activation: str = "silu"  # "silu" | "gptoss"
+    activation: str = "silu"  # "silu" | "gptoss" | "gelu_tanh" | "swiglu_clamp" (DeepSeek-V4)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     tie_word_embeddings: bool = False

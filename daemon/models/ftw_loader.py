@@ -16,7 +16,7 @@ from ..formats.gguf_blocks import BLOCK_BYTES, row_bytes, supports
 from ..native.qlinear_native import QuantWeight
 from .config import ModelConfig
 from .layers.common import Linear, dtype_of
-from .model import CausalLM, build_model
+from .model import CausalLM, build_model, model_tables
 
 # ``qblocks.<fmt>.<layer>``: a projection stored in GGUF blocks (uint8 [rows, row bytes]) in
 # place of ``model.<layer>.weight``, as loaded from a GGUF file that carried it so
@@ -59,6 +59,7 @@ def _expected(
         for n, p in model.named_parameters()
         if n not in in_blocks
     }
+    want.update({f"model.{n}": (tuple(b.shape), b.dtype) for n, b in model_tables(model).items()})
 
     for name, (fmt, mod) in blocks.items():
         want[name] = ((mod.weight.shape[0], row_bytes(fmt, mod.weight.shape[1])), torch.uint8)
@@ -101,6 +102,8 @@ def load_ftw(
     for name, p in model.named_parameters():
         if f"model.{name}" in want:  # not the empty placeholder of a projection in blocks
             p.data = tensors[f"model.{name}"]  # tied weights share the Parameter: set once
+    for name, b in model_tables(model).items():
+        b.copy_(tensors[f"model.{name}"])
     bank = {k.removeprefix("experts."): t for k, t in tensors.items() if k.startswith("experts.")}
     banks = ExpertBanks(
         gate_up=bank.pop("gate_up"),

@@ -29,7 +29,7 @@ from .families.spec import FamilySpec
 from .ftw_loader import load_ftw
 from .hugepages import advise_new
 from .layers.common import dtype_of
-from .model import CausalLM, build_model
+from .model import CausalLM, build_model, model_tables
 from .registry import family_spec
 
 log = logging.getLogger(__name__)
@@ -139,12 +139,15 @@ class Filler:
     ) -> None:
         self.cfg, self.spec, self.banks = cfg, spec, banks
         self.params = dict(model.named_parameters())
+        self.tables = model_tables(model)
         self.filled: set[str] = set()
         self.expert_filled: set[tuple[int, str, int]] = set()  # (layer, part, expert)
 
     def canonical(self, name: str) -> str | None:
         prefix = self.cfg.weight_prefix + "."
-        if name.startswith(prefix):
+        if not self.cfg.weight_prefix:  # names as they are: the family's renames place them
+            pass
+        elif name.startswith(prefix):
             name = name[len(prefix) :]
         elif not name.startswith("lm_head."):
             return None
@@ -154,7 +157,10 @@ class Filler:
 
     def mtp(self, name: str) -> bool:
         """A tensor of a multi-token-prediction layer stored after the last decoder layer
-        (``<prefix>.layers.<num_layers + i>.``, GLM-4.5 / DeepSeek-V3): not loaded for now."""
+        (``<prefix>.layers.<num_layers + i>.``, GLM-4.5 / DeepSeek-V3) or named apart
+        (``FamilySpec.mtp``): not loaded for now."""
+        if self.spec.mtp and re.search(self.spec.mtp, name):
+            return True
         if not self.cfg.num_mtp_layers:
             return False
         m = _LAYER.match(name.removeprefix(self.cfg.weight_prefix + "."))
@@ -186,6 +192,8 @@ class Filler:
             )
         elif canon in self.params:
             self._dense(canon, src, name, path)
+        elif canon in self.tables:
+            self._table(canon, src, name, path)
         elif 0 in src.shape:
             return  # an empty module (GLM with n_shared_experts = 0 stores [0, H] shared experts)
         else:
@@ -207,6 +215,19 @@ class Filler:
         p = self.params[canon]
         self._check(src, tuple(p.shape), name, path)
         src.into(p.data)
+        self.filled.add(canon)
+
+    def _table(self, canon: str, src: _Source, name: str, path: Path) -> None:
+        b = self.tables[canon]
+        if src.dtype.is_floating_point or src.dtype == torch.bool:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has dtype {src.dtype}; expected an integer table"
+            )
+        if tuple(src.shape) != tuple(b.shape):
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has shape {tuple(src.shape)}; expected {tuple(b.shape)}"
+            )
+        b.copy_(src.read())
         self.filled.add(canon)
 
     def dense(self, canon: str, src: _Source | _Loaded | Any, name: str, path: Path) -> None:
@@ -350,7 +371,7 @@ class Filler:
         self.expert_filled.add((layer, proj, x))
 
     def verify(self) -> None:
-        missing = [n for n in self.params if n not in self.filled]
+        missing = [n for n in (*self.params, *self.tables) if n not in self.filled]
         if missing:
             raise CheckpointError(f"missing tensor '{missing[0]}' ({len(missing)} missing in all)")
         for layer, moe in enumerate(self.cfg.moe_layer_index):
