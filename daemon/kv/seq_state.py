@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ..models.deepseek_v4_model import V4SeqState
+
+class ModelState(Protocol):
+    """A model's own per-sequence state beside the KV pages (DeepSeek-V4's windows and
+    compressed entries: ``models.deepseek_v4_model.V4SeqState``), typed here without
+    importing the model package, which sits above this one."""
+
+    num_tokens: int
+
+    def clone(self) -> ModelState: ...
 
 
 @dataclass
@@ -41,4 +48,4 @@ class SeqState:
     # DeepSeek-V4: the sequence's whole attention state (windows, compressed entries, open
     # compressor windows; models/deepseek_v4_model.py), replaced by each forward; None for
     # the other families
-    v4: V4SeqState | None = None
+    v4: ModelState | None = None

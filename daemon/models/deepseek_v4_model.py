@@ -272,7 +272,7 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
         row = 0
         for ch in chunks:
             st = ch.state.v4
-            if st is None:
+            if not isinstance(st, V4SeqState):
                 raise ValueError("a DeepSeek-V4 sequence without its state (SeqState.v4)")
             if st.num_tokens != ch.context_len or ch.start != row:
                 raise ValueError(
