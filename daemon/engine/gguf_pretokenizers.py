@@ -43,8 +43,29 @@ _SEED_CODER = (
 )
 _NORDIC = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
 
+# Kimi-K2's split: tokenization_kimi.py's TikTokenTokenizer.pat_str, arm by arm. `&&`
+# intersects character classes, which tiktoken's regex engine and the Oniguruma one of
+# `tokenizers` read alike. Used for llama.cpp's "kimi-k2" files and for Kimi's rank file
+# (tiktoken_vocab.py).
+_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+KIMI_PAT_STR = "|".join(
+    (
+        r"[\p{Han}]+",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    )
+)
+
 # tokenizer.ggml.pre -> the regexes llama.cpp splits with, in order
 PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    "kimi-k2": (KIMI_PAT_STR,),
     "deepseek-v3": _DEEPSEEK3,
     "hunyuan-dense": _DEEPSEEK3,
     "deepseek-coder": (

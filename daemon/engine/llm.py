@@ -25,6 +25,7 @@ from .engine_config import EngineConfig
 from .gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
 from .runner import Work
 from .sampler import SamplingParams
+from .tiktoken_vocab import has_tiktoken_vocab
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -191,12 +192,13 @@ class LLM:
 
     @property
     def tokenizer_json(self) -> Path:
-        """A ``tokenizer.json`` for this model (for a GGUF: the converted tokenizer, written once
-        to a temporary file), for consumers that read the file (constrained decoding)."""
-        if not self.gguf:
+        """A ``tokenizer.json`` for this model (for a GGUF or a tiktoken rank file: the converted
+        tokenizer, written once to a temporary file), for consumers that read the file
+        (constrained decoding)."""
+        if not self.gguf and not has_tiktoken_vocab(self.model_dir):
             return self.model_dir / "tokenizer.json"
         if self._tokenizer_json is None:
-            d = Path(tempfile.mkdtemp(prefix="freetoken-gguf-tok-"))
+            d = Path(tempfile.mkdtemp(prefix="freetoken-tok-"))
             self.tokenizer.backend.save(str(d / "tokenizer.json"))
             self._tokenizer_json = d / "tokenizer.json"
         return self._tokenizer_json
@@ -225,7 +227,7 @@ class LLM:
     def _has_tokenizer(self) -> bool:
         if self.gguf:
             return "tokenizer.ggml.tokens" in self._gguf_metadata()
-        return (self.model_dir / "tokenizer.json").exists()
+        return (self.model_dir / "tokenizer.json").exists() or has_tiktoken_vocab(self.model_dir)
 
     # ---- scoring ----------------------------------------------------------------------------
     def logits(self, token_ids: list[int]) -> torch.Tensor:
