@@ -15,6 +15,7 @@ from ..experts.formats import get_format, is_known
 from ..formats.gguf_blocks import BLOCK_BYTES, row_bytes, supports
 from ..native.qlinear_native import QuantWeight
 from .config import ModelConfig
+from .config_hf import read_config
 from .layers.common import Linear, dtype_of
 from .model import CausalLM, build_model, model_tables
 
@@ -91,7 +92,7 @@ def load_ftw(
     """
     folder = Path(folder)
     idx = read_index(folder)
-    cfg = cfg or ModelConfig.from_hf(folder)
+    cfg = cfg or read_config(folder)
     model = build_model(cfg)  # parameters are torch.empty: untouched pages cost nothing
     blocks = _block_layers(idx, model)
     want = _expected(cfg, model, idx.expert_format, blocks)

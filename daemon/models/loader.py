@@ -25,6 +25,7 @@ from ..formats.errors import CheckpointError
 from ..formats.gguf_file import GgufHeader, is_gguf
 from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 from .config import ModelConfig
+from .config_hf import read_config
 from .families.spec import FamilySpec
 from .ftw_loader import load_ftw
 from .hugepages import advise_new
@@ -448,7 +449,7 @@ def model_config(
 
         with GgufCheckpoint(path, gguf_headers) as ck:
             return ck.config(dtype)
-    cfg = ModelConfig.from_hf(path)
+    cfg = read_config(path)
     if dtype is not None and dtype != cfg.torch_dtype:
         cfg = dataclasses.replace(cfg, torch_dtype=dtype)
     return cfg
@@ -469,14 +470,14 @@ def load_model(
 
         return load_gguf(model_dir, cfg, gguf_headers)
     if kind == "ftw":  # pre-laid-out FTW folder (ARCHITECTURE §7)
-        stored = ModelConfig.from_hf(model_dir).torch_dtype
+        stored = read_config(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:
             raise CheckpointError(
                 f"{model_dir}: an FTW folder loads in its stored dtype ({stored})"
             )
 
         return load_ftw(model_dir, cfg)
-    cfg = cfg or ModelConfig.from_hf(model_dir)
+    cfg = cfg or read_config(model_dir)
     spec = family_spec(cfg.family)
     model = build_model(cfg)
     banks = allocate_banks(cfg)
