@@ -478,3 +478,23 @@ def test_broken_release_tensors_are_named(quantized, tmp_path):
         save_file(broken, d / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=match):
             LLM(d, moe_backend="cpu", max_model_len=64, kv_tokens=128)
+
+
+def test_scales_in_another_shard(quantized, tmp_path):
+    """Sharded as the release is: a weight's scales may sit in another file."""
+    ckpt, _ = quantized
+    shutil.copy(ckpt / "config.json", tmp_path / "config.json")
+    sd = load_file(ckpt / "model.safetensors")
+    shards = {"a.safetensors": {}, "b.safetensors": {}}
+    for k, v in sd.items():
+        shards["b.safetensors" if k.endswith(".scale") else "a.safetensors"][k] = v
+    for f, t in shards.items():
+        save_file(t, tmp_path / f, metadata={"format": "pt"})
+    index = {"weight_map": {k: f for f, t in shards.items() for k in t}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    a = LLM(ckpt, moe_backend="cpu", max_model_len=64, kv_tokens=128)
+    b = LLM(tmp_path, moe_backend="cpu", max_model_len=64, kv_tokens=128)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    ba, bb = a.banks.all_tensors(), b.banks.all_tensors()
+    assert all(torch.equal(ba[n], bb[n]) for n in ba)
