@@ -31,6 +31,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # microscaling exponents (DeepSeek-V4's FP8 / FP4 scales)
 }
 _MAX_HEADER = 100 << 20
 

@@ -173,16 +173,36 @@ def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
 
 
 def _expert_format(raw: dict[str, Any], text: dict[str, Any], source: str) -> str:
-    """The routed experts' stored format from ``quantization_config`` (none: float banks)."""
+    """The routed experts' stored format from ``quantization_config`` (none: float banks).
+
+    ``mxfp4``: GPT-OSS's fused blocks / scales. ``fp8``: fine-grained FP8 (DeepSeek's release,
+    transformers' ``FineGrainedFP8Config``): block-scaled e4m3 dense weights, which the loader
+    widens to the model's dtype; the routed experts are read only where ``expert_dtype`` says
+    FP4 (e2m1 with an e8m0 scale per 32 inputs: our mxfp4, kept packed). It sits in
+    ``quantization_config`` (transformers folds it there) or at the top level (the release)."""
     q = text.get("quantization_config") or raw.get("quantization_config")
     if q is None:
         return "bf16"
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method == "mxfp4":
         return "mxfp4"
+    if method == "fp8" and isinstance(q, dict):
+        expert = q.get("expert_dtype") or text.get("expert_dtype") or raw.get("expert_dtype")
+        if q.get("activation_scheme", "dynamic") != "dynamic":
+            raise ConfigError(
+                f"{source}: field 'quantization_config.activation_scheme' = "
+                f"{q['activation_scheme']!r} is not supported (only 'dynamic')"
+            )
+        if expert == "fp4":
+            return "mxfp4"
+        raise ConfigError(
+            f"{source}: FP8 routed experts (quant_method 'fp8' with expert_dtype "
+            f"{expert!r}) are not supported yet; FP8 dense weights with FP4 experts "
+            "(expert_dtype 'fp4') are"
+        )
     raise ConfigError(
         f"{source}: field 'quantization_config.quant_method' = {method!r} is not supported "
-        "(supported: mxfp4, or an unquantized checkpoint)"
+        "(supported: mxfp4, fp8 with expert_dtype fp4, or an unquantized checkpoint)"
     )
 
 

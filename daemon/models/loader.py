@@ -27,6 +27,8 @@ from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, Te
 from .config import ModelConfig
 from .config_hf import read_config
 from .families.spec import FamilySpec
+from .fp8_weights import Fp8Scales, Widened
+from .fp8_weights import block_size as fp8_block_size
 from .ftw_loader import load_ftw
 from .hugepages import advise_new
 from .layers.common import dtype_of
@@ -47,8 +49,11 @@ _MXFP4_PARTS = (
     "down_proj_scales",
 )
 _PER_EXPERT = re.compile(
-    r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
+    r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)"
+    r"\.(weight|bias|scale|weight_scale_inv)$"
 )
+_PACKED = (torch.int8, torch.uint8)  # two e2m1 codes a byte (DeepSeek-V4's release: int8)
+_E8M0 = (torch.float8_e8m0fnu, torch.uint8)
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 __all__ = [
@@ -122,6 +127,9 @@ class _Loaded:
         dest.copy_(self.t)
 
 
+_Src = _Source | _Loaded | Widened  # a checkpoint tensor as the filler reads it
+
+
 def _tensors(path: Path) -> Iterator[tuple[str, _Source]]:
     try:
         f = SafetensorsFile(path)
@@ -175,7 +183,7 @@ class Filler:
         # a tied checkpoint may still carry lm_head.weight
         return self.cfg.tie_word_embeddings and name == "lm_head.weight"
 
-    def put(self, name: str, canon: str, src: _Source, path: Path) -> None:
+    def put(self, name: str, canon: str, src: _Src, path: Path) -> None:
         for pat, convert in self.spec.converters:
             if re.search(pat, canon):
                 for out_name, t in convert(self.cfg, canon, src.read()):
@@ -202,7 +210,7 @@ class Filler:
                 f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)"
             )
 
-    def _check(self, t: _Source | _Loaded, shape: tuple[int, ...], name: str, path: Path) -> None:
+    def _check(self, t: _Src, shape: tuple[int, ...], name: str, path: Path) -> None:
         if t.dtype not in _FLOAT:
             raise CheckpointError(
                 f"{path}: tensor '{name}' has dtype {t.dtype}; expected a float dtype"
@@ -212,13 +220,13 @@ class Filler:
                 f"{path}: tensor '{name}' has shape {tuple(t.shape)}; expected {shape}"
             )
 
-    def _dense(self, canon: str, src: _Source | _Loaded, name: str, path: Path) -> None:
+    def _dense(self, canon: str, src: _Src, name: str, path: Path) -> None:
         p = self.params[canon]
         self._check(src, tuple(p.shape), name, path)
         src.into(p.data)
         self.filled.add(canon)
 
-    def _table(self, canon: str, src: _Source, name: str, path: Path) -> None:
+    def _table(self, canon: str, src: _Src, name: str, path: Path) -> None:
         b = self.tables[canon]
         if src.dtype.is_floating_point or src.dtype == torch.bool:
             raise CheckpointError(
@@ -231,7 +239,7 @@ class Filler:
         b.copy_(src.read())
         self.filled.add(canon)
 
-    def dense(self, canon: str, src: _Source | _Loaded | Any, name: str, path: Path) -> None:
+    def dense(self, canon: str, src: _Src | Any, name: str, path: Path) -> None:
         """Fills the dense parameter ``canon`` from ``src`` (shape and float dtype checked)."""
         self._dense(canon, src, name, path)
 
@@ -272,7 +280,7 @@ class Filler:
             )
         return self.cfg.moe_layer_index[layer] * self.cfg.num_experts
 
-    def _fused(self, layer: int, part: str, src: _Source, name: str, path: Path) -> None:
+    def _fused(self, layer: int, part: str, src: _Src, name: str, path: Path) -> None:
         quantized = self.banks.format == "mxfp4"
         if (part in _MXFP4_PARTS) != quantized and not part.endswith("_bias"):
             want = "mxfp4 blocks and scales" if quantized else "float weights"
@@ -312,7 +320,7 @@ class Filler:
             src.into(dest[base : base + e])
         self.expert_filled.update((layer, part, x) for x in range(e))
 
-    def _fused_mxfp4(self, layer: int, part: str, src: _Source, name: str, path: Path) -> None:
+    def _fused_mxfp4(self, layer: int, part: str, src: _Src, name: str, path: Path) -> None:
         """GPT-OSS's quantized experts: blocks [E, rows, cols / 32, 16] uint8 (two e2m1 codes a
         byte, the low nibble first) and scales [E, rows, cols / 32] uint8 (e8m0), rows = outputs
         (gate/up interleaved), cols = inputs: our mxfp4 banks' layout once the 16-byte blocks of
@@ -351,13 +359,16 @@ class Filler:
         return bank
 
     def _per_expert(
-        self, layer: int, x: int, proj: str, kind: str, t: _Source, name: str, path: Path
+        self, layer: int, x: int, proj: str, kind: str, t: _Src, name: str, path: Path
     ) -> None:
         base, i, h = (
             self._moe_base(layer, name, path),
             self.cfg.moe_intermediate_size,
             self.cfg.hidden_size,
         )
+        if x < self.cfg.num_experts and self.banks.format == "mxfp4" and kind != "bias":
+            self._per_expert_mxfp4(base + x, layer, x, proj, kind != "weight", t, name, path)
+            return
         if x >= self.cfg.num_experts or kind != "weight":
             raise CheckpointError(f"{path}: unexpected tensor '{name}'")
         fid = base + x
@@ -370,6 +381,31 @@ class Filler:
         rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
         t.into(self.banks.gate_up[fid, rows])
         self.expert_filled.add((layer, proj, x))
+
+    def _per_expert_mxfp4(
+        self, fid: int, layer: int, x: int, proj: str, scale: bool, t: Any, name: str, path: Path
+    ) -> None:
+        """One FP4 expert projection as DeepSeek-V4's release stores it: ``weight`` [rows,
+        cols / 2] int8, two e2m1 codes a byte along the inputs, the low nibble first, and
+        ``scale`` [rows, cols / 32] ue8m0 (float8_e8m0fnu), one per 32 inputs: our mxfp4 banks'
+        bytes as they are, read straight into the bank rows (gate rows, then up rows)."""
+        i, h = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        rows, cols = (h, i) if proj == "down_proj" else (i, h)
+        shape, dtypes = ((rows, cols // 32), _E8M0) if scale else ((rows, cols // 2), _PACKED)
+        if t.dtype not in dtypes or tuple(t.shape) != shape:
+            want = " or ".join(str(d) for d in dtypes)
+            raise CheckpointError(
+                f"{path}: tensor '{name}' is {t.dtype}{list(t.shape)}; expected {want}"
+                f"{list(shape)} (config.json says the experts are FP4)"
+            )
+        if proj == "down_proj":
+            dest = self.banks.extra["down_scale"] if scale else self.banks.down
+            dest = dest[fid]
+        else:
+            dest = self.banks.extra["gate_up_scale"] if scale else self.banks.gate_up
+            dest = dest[fid, slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)]
+        t.into(dest.view(t.dtype))  # the same bytes: int8 / e8m0 over the uint8 bank
+        self.expert_filled.add((layer, proj + ("_scale" if scale else ""), x))
 
     def verify(self) -> None:
         missing = [n for n in (*self.params, *self.tables) if n not in self.filled]
@@ -389,6 +425,13 @@ class Filler:
                 ]
                 if self.banks.format == "mxfp4":
                     parts = [(p, (layer, p, x) in self.expert_filled) for p in _MXFP4_PARTS]
+                    per_expert = [
+                        (p + s, (layer, p + s, x) in self.expert_filled)
+                        for p in ("gate_proj", "up_proj", "down_proj")
+                        for s in ("", "_scale")
+                    ]
+                    if any(ok for _, ok in per_expert):  # DeepSeek-V4's per-expert FP4
+                        parts = per_expert
                 if self.cfg.expert_bias:
                     parts += [
                         (p, (layer, p, x) in self.expert_filled)
@@ -482,10 +525,15 @@ def load_model(
     model = build_model(cfg)
     banks = allocate_banks(cfg)
     filler = Filler(cfg, spec, model, banks)
+    files = checkpoint_files(model_dir)
+    # fine-grained FP8 dense weights and their block scales, paired across shards
+    fp8 = Fp8Scales.find(
+        files, fp8_block_size(cfg.raw), skip=lambda n: filler.ignored(n) or filler.mtp(n)
+    )
     mtp_skipped = 0
-    for path in checkpoint_files(model_dir):
+    for path in files:
         for name, src in _tensors(path):
-            if filler.ignored(name):
+            if filler.ignored(name) or name in fp8.scale_names:
                 continue
             if filler.mtp(name):
                 mtp_skipped += 1
@@ -493,8 +541,13 @@ def load_model(
             canon = filler.canonical(name)
             if canon is None:
                 raise CheckpointError(f"{path}: unexpected tensor '{name}'")
-            filler.put(name, canon, src, path)
+            if name in fp8.by_weight:
+                filler.put(name, canon, fp8.wrap(name, src, path), path)
+            else:
+                filler.put(name, canon, src, path)
     filler.verify()
+    if (line := fp8.summary()) is not None:
+        log.info("%s: %s", model_dir, line)
     if mtp_skipped:
         log.info(
             "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not used yet)",

@@ -10,8 +10,13 @@ Checkpoints: the names of the release, which transformers 5.25 also writes (unde
 ``head.weight`` outside it), so the weight prefix is empty and the renames place every name;
 the routed experts (``ffn.experts.<e>.w1 / w3 / w2``) go to the expert banks, the hash layers'
 ``tid2eid`` tables to integer buffers. MTP layers (``mtp.<i>.``) are skipped. Only
-config.json files as transformers writes them are read: the release's own spellings
-(``compress_ratios``, ``num_hash_layers``, flat rope keys) are refused. No GGUF mapping yet.
+config.json is read in either form: as transformers writes it (``layer_types``,
+``compress_rates``, ``mlp_layer_types``, ``partial_rotary_factor``, nested ``rope_parameters``)
+or as the release ships it (``compress_ratios`` per layer, ``num_hash_layers``,
+``qk_rope_head_dim``, a flat YaRN ``rope_scaling``), which `fold_legacy` folds the way
+``DeepseekV4Config.__post_init__`` does. The release's quantization (``quant_method: fp8`` with
+``expert_dtype: fp4``) is read by config_hf (routed experts: mxfp4, kept packed) and the loader
+(FP8 dense weights widened at load). No GGUF mapping yet.
 
 Chat markup: DSML tool calls and <think> reasoning (families/deepseek_markup.py)."""
 
@@ -88,12 +93,90 @@ def _rope_config(p: Mapping[str, Any], rotary_dim: int) -> RopeConfig:
     )
 
 
+def _layer_types_from_ratios(ratios: Any, n: int, rates: dict[str, int]) -> list[str]:
+    """The release's ``compress_ratios`` (one per layer, possibly with the MTP layers' after
+    them): 0 a sliding layer, 4 CSA, any other ratio HCA at that rate (transformers knows 128
+    only; DeepSeek's reference builds the overlapping compressor and the indexer for 4 alone).
+    Sets ``rates[HCA]`` from the ratios; every HCA layer must share it."""
+    if not isinstance(ratios, list) or len(ratios) < n:
+        raise ConfigError(f"field 'compress_ratios' must list at least {n} entries")
+    types, hca = [], set()
+    for r in ratios[:n]:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"field 'compress_ratios' has entry {r!r}; expected ints >= 0")
+        types.append(SLIDING if r == 0 else CSA if r == rates[CSA] else HCA)
+        if r and r != rates[CSA]:
+            hca.add(r)
+    if len(hca) > 1:
+        raise ConfigError(f"field 'compress_ratios' has several HCA rates {sorted(hca)}")
+    if hca:
+        rates[HCA] = hca.pop()
+    return types
+
+
+def fold_legacy(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json in transformers' form: the release's legacy keys folded in as
+    ``DeepseekV4Config.__post_init__`` (transformers 5.25) folds them, and its defaults where
+    both forms are absent. ``compress_rate_csa`` / ``compress_rate_hca`` override the rates;
+    ``compress_ratios`` gives ``layer_types`` (else 2 HCA layers, then CSA / HCA alternating);
+    ``num_hash_layers`` (default 3) the leading ``hash_moe`` layers of ``mlp_layer_types``;
+    ``qk_rope_head_dim / head_dim`` the ``partial_rotary_factor`` (default 64 / 512); a flat
+    ``rope_parameters`` / ``rope_scaling`` (YaRN) becomes the compress rope at
+    ``compress_rope_theta``, the main rope plain at ``rope_theta``. A config.json in
+    transformers' form comes back as it is (the legacy keys dropped)."""
+    out = dict(hf)
+    n = int(out["num_hidden_layers"])
+    rates = {CSA: 4, HCA: 128, **(out.get("compress_rates") or {})}
+    for key, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+        if out.get(key) is not None:
+            rates[kind] = int(out[key])
+        out.pop(key, None)
+    ratios = out.pop("compress_ratios", None)
+    if out.get("layer_types") is None:
+        if ratios is not None:
+            out["layer_types"] = _layer_types_from_ratios(ratios, n, rates)
+        else:
+            rest = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+            out["layer_types"] = [HCA] * min(n, 2) + rest
+    out["compress_rates"] = rates
+    n_hash = out.pop("num_hash_layers", None)
+    if out.get("mlp_layer_types") is None:
+        n_hash = 3 if n_hash is None else int(n_hash)
+        out["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    if out.get("partial_rotary_factor") is None:
+        rope_dim = out.get("qk_rope_head_dim")
+        out["partial_rotary_factor"] = (
+            int(rope_dim) / int(out["head_dim"]) if rope_dim is not None else 64 / 512
+        )
+    partial = out["partial_rotary_factor"]
+    rp = out.get("rope_parameters") or {}
+    scaling = out.pop("rope_scaling", None) or {}
+    if not (isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict)):
+        flat = {k: v for k, v in {**scaling, **rp}.items() if k not in ("main", "compress", "type")}
+        kind = {**scaling, **rp}.get("rope_type", {**scaling, **rp}.get("type", "default"))
+        main = {
+            "rope_type": "default",
+            "rope_theta": out.get("rope_theta", 10000.0),
+            "partial_rotary_factor": partial,
+        }
+        compress = {
+            **flat,
+            "rope_type": kind,
+            "rope_theta": out.get("compress_rope_theta", 160000.0),
+            "partial_rotary_factor": partial,
+        }
+        if kind == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+        out["rope_parameters"] = {"main": main, "compress": compress}
+    return out
+
+
 def v4_config(hf: Mapping[str, Any]) -> V4Config:
     """Our V4Config from a config.json as transformers 5.25 writes it (``layer_types``,
     ``compress_rates``, ``mlp_layer_types``, ``partial_rotary_factor`` and the nested
-    {"main", "compress"} ``rope_parameters`` already filled in). The release checkpoint's legacy
-    keys (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, flat rope params) are
-    not read (yet)."""
+    {"main", "compress"} ``rope_parameters`` filled in) or as the release ships it (its legacy
+    keys folded by `fold_legacy`)."""
+    hf = fold_legacy(hf)
     for key, want in (
         ("scoring_func", "sqrtsoftplus"),
         ("hidden_act", "silu"),
@@ -195,13 +278,14 @@ def _text(text: dict[str, Any], source: str) -> dict[str, Any]:
     """Refuses what V4 does not compute (``v4_config``'s checks, the geometry keys it reads);
     then the generic reader's view: every layer sliding, the main rope flat."""
     try:
+        text = fold_legacy(text)
         v4 = v4_config(text)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(
-            f"{source}: not a DeepSeek-V4 config.json as transformers writes it ({e!r}; the "
-            "release's own spellings are not read yet)"
+            f"{source}: not a DeepSeek-V4 config.json, neither as transformers writes it nor as "
+            f"the release ships it ({e!r})"
         ) from None
     main = dict(text["rope_parameters"]["main"])
     main.setdefault("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
