@@ -47,6 +47,7 @@ from freetokend import LLM
 from freetokend.engine.runner import Work
 from freetokend.models import fp8_weights
 from freetokend.models.config import ModelConfig
+from freetokend.models.config_hf import read_config
 from freetokend.models.families.deepseek_v4 import fold_legacy, v4_config
 from freetokend.models.loader import _Source
 
@@ -270,7 +271,7 @@ def test_release_config_reads_as_transformers_saved(tiny, tmp_path):
     assert "layer_types" not in rel and rel["compress_ratios"] == [0, 4, 8, 4, 0]
     assert v4_config(rel) == v4_config(hf_cfg)
     (tmp_path / "config.json").write_text(json.dumps(rel))
-    _same_config(ModelConfig.from_hf(tmp_path), ModelConfig.from_hf(d))
+    _same_config(read_config(tmp_path), read_config(d))
 
 
 def test_flash_config_folds_as_transformers_does():
@@ -320,10 +321,10 @@ def test_release_quantization_config(tmp_path, tiny):
         else:
             c["quantization_config"]["expert_dtype"] = "fp4"  # transformers folds it there
         (tmp_path / "config.json").write_text(json.dumps(c))
-        assert ModelConfig.from_hf(tmp_path).expert_format == "mxfp4"
+        assert read_config(tmp_path).expert_format == "mxfp4"
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": q}))
     with pytest.raises(Exception, match="FP8 routed experts"):
-        ModelConfig.from_hf(tmp_path)
+        read_config(tmp_path)
 
 
 # ---- (2) names -----------------------------------------------------------------------------------
