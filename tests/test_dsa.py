@@ -302,3 +302,18 @@ def test_saved_configs_read_back(tmp_path: Path):
         kinds = raw.get("indexer_types") or ["full"] * cfg.num_layers
         assert cfg.index_shared == tuple(k == "shared" for k in kinds)
         assert cfg.index_shared or family == "deepseek_v32"
+
+
+def test_output_syntax_and_anchors():
+    """DeepSeek-V3.2: DSML function calls and <think>, its turn markup as anchors. GLM-5:
+    GLM-4.7's syntax and anchors (its own template could not be checked offline)."""
+    from freetokend.models.families.deepseek_markup import DEEPSEEK_DSML_ANCHORS
+    from freetokend.models.families.glm4_moe import GLM_ANCHORS
+    from freetokend.models.registry import family_spec
+    from freetokend.server.parsers.registry import ReasoningSyntax, ToolSyntax, family_default
+
+    v32, glm5 = family_default("deepseek_v32"), family_default("glm_moe_dsa")
+    assert (v32.tools, v32.reasoning) == (ToolSyntax.DEEPSEEK_DSML_V3_2, ReasoningSyntax.THINK)
+    assert (glm5.tools, glm5.reasoning) == (ToolSyntax.GLM_XML, ReasoningSyntax.THINK)
+    assert family_spec("deepseek_v32").anchors == DEEPSEEK_DSML_ANCHORS
+    assert family_spec("glm_moe_dsa").anchors == GLM_ANCHORS
