@@ -128,7 +128,8 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, slot_ptr, h_ptr, H, INTER, K, alpha, li
         bbase = b_ptr + tl.maximum(slot, 0).to(tl.int64) * (2 * INTER)
         acc_g += tl.load(bbase + rows, mask=rmask, other=0.0).to(tl.float32)
         acc_u += tl.load(bbase + INTER + rows, mask=rmask, other=0.0).to(tl.float32)
-    # ACT: 0 SiLU, 1 GPT-OSS clamped SwiGLU, 2 gelu_pytorch_tanh (Activation's values)
+    # ACT: 0 SiLU, 1 GPT-OSS clamped SwiGLU, 2 gelu_pytorch_tanh, 3 DeepSeek-V4's clamped
+    # SwiGLU (Activation's values)
     if ACT == 1:
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -136,6 +137,10 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, slot_ptr, h_ptr, H, INTER, K, alpha, li
     elif ACT == 2:  # 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
         z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
         h = acc_g * tl.sigmoid(2.0 * z) * acc_u
+    elif ACT == 3:  # silu(min(g, limit)) * clamp(u, -limit, limit)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = g * tl.sigmoid(g) * u
     else:
         h = acc_g * tl.sigmoid(acc_g) * acc_u
     h = tl.where(valid, h, 0.0)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from freetokend.kv.seq_state import SeqState
 from freetokend.models.batch import ForwardBatch, SeqChunk
 from freetokend.models.config import ModelConfig
+from freetokend.models.config_hf import read_config
 from freetokend.models.layers import attention as attn
 from freetokend.models.layers import deltanet as dn
 from ftkernels import ops
@@ -291,7 +292,7 @@ def _layer(tmp_path: Path, family: str) -> tuple[ModelConfig, dn.GatedDeltaNet]:
     from tiny_models import make_tiny
 
     make_tiny(family, tmp_path, seed=1)
-    cfg = ModelConfig.from_hf(tmp_path)
+    cfg = read_config(tmp_path)
     layer = dn.GatedDeltaNet(cfg, 1, torch.float32)
     g = torch.Generator().manual_seed(6)
     with torch.no_grad():

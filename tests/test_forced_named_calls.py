@@ -99,7 +99,9 @@ def marked(tmp_path_factory) -> tuple[Path, Tokenizer]:
 
 def stop_ids(tok: Tokenizer, syntax: ToolSyntax) -> list[int]:
     names = ["<|call|>"] if syntax is ToolSyntax.HARMONY else ["<|im_end|>"]
-    return [tok.token_to_id(n) for n in names]
+    ids = [i for n in names if (i := tok.token_to_id(n)) is not None]
+    assert len(ids) == len(names), names
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -293,10 +295,30 @@ def test_the_grammar_keeps_the_tags_out_of_argument_strings(factories, syntax):
 # --- the parsers: a tag inside an argument is text ---------------------------------------------
 
 Q = '<|"|>'
+D = "｜DSML｜"
+DSML_SYNTAXES = (ToolSyntax.DEEPSEEK_DSML, ToolSyntax.DEEPSEEK_DSML_V3_2)
+# how a syntax writes a string argument: as is, up to the tag that ends it ("raw"), or as a JSON
+# string ("json"); DSML writes both (string="true" and string="false" parameters)
+STRING_FORMS = {
+    ToolSyntax.QWEN3_JSON: ("json",),
+    ToolSyntax.HARMONY: ("json",),
+    ToolSyntax.DEEPSEEK_DSML: ("raw", "json"),
+    ToolSyntax.DEEPSEEK_DSML_V3_2: ("raw", "json"),
+}
 
 
-def call_text(syntax: ToolSyntax, value: str) -> str:
-    """A whole call of get_weather(city=value, days=2) as a model writes it."""
+def string_text(syntax: ToolSyntax, value: str, form: str) -> str:
+    """``value`` as a call's text spells it in ``form`` (a JSON string without its quotes)."""
+    if form == "raw":
+        return value
+    return json.dumps(value, ensure_ascii=syntax not in DSML_SYNTAXES)[1:-1]
+
+
+def call_text(syntax: ToolSyntax, value: str, form: str | None = None) -> str:
+    """A whole call of get_weather(city=value, days=2) as a model writes it, the string in
+    ``form`` (the syntax's first by default)."""
+    form = form or STRING_FORMS.get(syntax, ("raw",))[0]
+    assert form in STRING_FORMS.get(syntax, ("raw",)), (syntax, form)
     if syntax is ToolSyntax.QWEN3_JSON:
         args = json.dumps({"city": value, "days": 2})
         return f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
@@ -317,18 +339,31 @@ def call_text(syntax: ToolSyntax, value: str) -> str:
         )
     if syntax is ToolSyntax.GEMMA4:
         return f"<|tool_call>call:get_weather{{city:{Q}{value}{Q},days:2}}<tool_call|>"
+    if syntax in DSML_SYNTAXES:
+        block = D + ("function_calls" if syntax is ToolSyntax.DEEPSEEK_DSML_V3_2 else "tool_calls")
+        raw = form == "raw"
+        city = value if raw else f'"{string_text(syntax, value, form)}"'
+        return (
+            f'\n\n<{block}>\n<{D}invoke name="get_weather">\n'
+            f'<{D}parameter name="city" string="{str(raw).lower()}">{city}</{D}parameter>\n'
+            f'<{D}parameter name="days" string="false">2</{D}parameter>\n'
+            f"</{D}invoke>\n</{block}>"
+        )
     args = json.dumps({"city": value, "days": 2})
     return (
         f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{args}<|call|>"
     )
 
 
-# what a value cannot hold in a syntax: the tag that ends it (ambiguous by design)
+# what a raw value cannot hold in a syntax: the tag that ends it (ambiguous by design); a JSON
+# string holds any tag
 VALUE_END = {
     ToolSyntax.QWEN3_XML: ("</parameter>", "<parameter="),
     ToolSyntax.GLM_XML: ("</arg_value>",),
     ToolSyntax.MINIMAX_XML: ("</parameter>",),
     ToolSyntax.GEMMA4: (Q,),
+    ToolSyntax.DEEPSEEK_DSML: (f"</{D}parameter>",),
+    ToolSyntax.DEEPSEEK_DSML_V3_2: (f"</{D}parameter>",),
 }
 DAYS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 
@@ -340,29 +375,29 @@ def test_tags_inside_an_argument_round_trip(syntax):
     output = OutputSyntax(syntax, REASONING[syntax])
     tools = {NAME: DAYS, "get_time": OTHER}
     for tag in ALL_TAGS + ['"', "\\", "}", "{"]:
-        if tag in VALUE_END.get(syntax, ()):
-            continue
-        value = f"x {tag} yz"
-        text = call_text(syntax, value)
-        for pieces in ([text], list(text)):
+        for form in STRING_FORMS.get(syntax, ("raw",)):
+            if form == "raw" and tag in VALUE_END.get(syntax, ()):
+                continue
+            value = f"x {tag} yz"
+            text = call_text(syntax, value, form)
+            for pieces in ([text], list(text)):
+                parser = make_output_parser(output, tools, reasoning=False)
+                events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
+                # compared as JSON: a parser may write non-ASCII characters unescaped
+                assert [(type(e), e.name) for e in events] == [(ToolCall, NAME)], (tag, events)
+                (call,) = events
+                assert not call.partial, (tag, events)
+                assert json.loads(call.arguments) == {"city": value, "days": 2}, (tag, events)
+            # cut inside the value, after the tag
+            written = string_text(syntax, value, form)
+            cut = text[: text.index(written) + len(written) - 1]
             parser = make_output_parser(output, tools, reasoning=False)
-            events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
-            # compared as JSON: a parser may write non-ASCII characters unescaped
-            assert [(type(e), e.name) for e in events] == [(ToolCall, NAME)], (tag, events)
+            events = parser.feed(cut) + parser.finish(truncated=True)
             (call,) = events
-            assert not call.partial, (tag, events)
-            assert json.loads(call.arguments) == {"city": value, "days": 2}, (tag, events)
-        # cut inside the value, after the tag
-        json_syntax = syntax in (ToolSyntax.QWEN3_JSON, ToolSyntax.HARMONY)
-        written = json.dumps(value)[1:-1] if json_syntax else value
-        cut = text[: text.index(written) + len(written) - 1]
-        parser = make_output_parser(output, tools, reasoning=False)
-        events = parser.feed(cut) + parser.finish(truncated=True)
-        (call,) = events
-        assert call.name == NAME and call.partial, (tag, events)
-        # all of it, or (a tag cut at the very end looks like a tag the limit cut) up to it
-        city = arguments_object(call.arguments)["city"]
-        assert city == value[:-1] or ("<" in tag and value.startswith(city)), (tag, call)
+            assert call.name == NAME and call.partial, (tag, events)
+            # all of it, or (a tag cut at the very end looks like a tag the limit cut) up to it
+            city = arguments_object(call.arguments)["city"]
+            assert city == value[:-1] or ("<" in tag and value.startswith(city)), (tag, call)
 
 
 @pytest.mark.parametrize("syntax", [s for s in SYNTAXES if s is not ToolSyntax.HARMONY])
@@ -370,7 +405,7 @@ def test_an_unclosed_quote_still_ends_the_call_at_the_end(syntax):
     """Malformed output (a string or value never closed, then the closing tag and more): the
     call ends at that tag when the generation ends, as it did before quoting counted."""
     output = OutputSyntax(syntax, REASONING[syntax])
-    good = call_text(syntax, "Oslo")
+    good = call_text(syntax, "Oslo", STRING_FORMS.get(syntax, ("raw",))[-1])  # DSML: JSON
     broken = {
         ToolSyntax.QWEN3_JSON: good.replace('"Oslo"', '"Oslo'),
         ToolSyntax.QWEN3_XML: good.replace("Oslo\n</parameter>", "Oslo"),
@@ -379,6 +414,9 @@ def test_an_unclosed_quote_still_ends_the_call_at_the_end(syntax):
             '<parameter name="days">2</parameter>', '<parameter name="days">2'
         ),
         ToolSyntax.GEMMA4: good.replace(f"Oslo{Q}", "Oslo"),
+        # the JSON string of a string="false" value
+        ToolSyntax.DEEPSEEK_DSML: good.replace('"Oslo"', '"Oslo'),
+        ToolSyntax.DEEPSEEK_DSML_V3_2: good.replace('"Oslo"', '"Oslo'),
     }[syntax]
     # (MiniMax: a value left open runs to the next </parameter>, so nothing follows here)
     follow = "" if syntax is ToolSyntax.MINIMAX_XML else good

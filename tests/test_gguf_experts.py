@@ -52,6 +52,7 @@ FMTS = ("q8_0", "q4_k", "q4_k/q8_0", "q8_0/q4_k", "mxfp4/mxfp4", "q5_k/q6_k")
 ACTS = {
     "silu": (ActivationSpec(), False),
     "gptoss": (ActivationSpec(Activation.GPTOSS, 1.702, 0.9), True),  # clamps hit, with biases
+    "swiglu_clamp": (ActivationSpec(Activation.SWIGLU_CLAMP, limit=0.9), False),  # DeepSeek-V4
 }
 N, H, INTER, K = 6, 256, 256, 4
 KW = dict(dtype="float32", prefix_cache=False, max_model_len=128, kv_tokens=512)

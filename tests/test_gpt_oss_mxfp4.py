@@ -15,7 +15,8 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.experts.microscale import mx_quant as _mx_quant
-from freetokend.models.config import ConfigError, ModelConfig
+from freetokend.models.config import ConfigError
+from freetokend.models.config_hf import read_config
 from freetokend.models.loader import CheckpointError
 
 ATOL = 2e-4  # fp32 everywhere else; only summation order differs (as in test_engine_families)
@@ -72,7 +73,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def test_config_and_packed_banks(ckpt: Path) -> None:
-    assert ModelConfig.from_hf(ckpt).expert_format == "mxfp4"
+    assert read_config(ckpt).expert_format == "mxfp4"
     llm = LLM(ckpt, "cpu", dtype="float32", max_model_len=128, kv_tokens=512)
     b = llm.banks
     assert b.format == "mxfp4" and b.gate_up.dtype == torch.uint8
@@ -114,7 +115,7 @@ def test_bad_quantized_checkpoints_are_named(ckpt: Path, tmp_path: Path) -> None
     cfg["quantization_config"] = {"quant_method": "gptq"}
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="quant_method.*gptq"):
-        ModelConfig.from_hf(bad)
+        read_config(bad)
 
     short = tmp_path / "short-scales"
     shutil.copytree(ckpt, short)

@@ -47,3 +47,20 @@ def test_weight_tensors_cover_quantized_rows_and_banks(tmp_path) -> None:  # typ
     assert llm.model.lm_head.qweight is not None
     assert llm.model.lm_head.qweight.raw.data_ptr() in found
     assert all(t.data_ptr() in found for t in llm.banks.all_tensors().values())
+
+
+def test_advised_before_the_fill_gets_huge_pages_and_no_second_pass() -> None:
+    """Inside advise_at_fill a new tensor is marked MADV_HUGEPAGE before it is written: its
+    fill faults in huge pages, and back_with_huge_pages leaves it alone (no collapse pass)."""
+    with hugepages.advise_at_fill():
+        w = hugepages.advise_new(torch.empty(6 << 20))
+    w.copy_(torch.arange(6 << 20, dtype=torch.float32))  # the fill
+    outside = hugepages.advise_new(torch.empty(6 << 20))  # not inside: left alone
+    assert (w.data_ptr(), w.numel() * 4) in hugepages._advised
+    assert (outside.data_ptr(), outside.numel() * 4) not in hugepages._advised
+    assert hugepages.back_with_huge_pages([w]) == 0  # skipped: nothing collapsed
+    assert torch.equal(w, torch.arange(6 << 20, dtype=torch.float32))
+    start = -(-w.data_ptr() // (2 << 20)) * (2 << 20)
+    whole = (w.data_ptr() + w.numel() * 4) // (2 << 20) * (2 << 20) - start
+    huge = _huge_kb_in(start, start + whole)
+    assert huge in (0, whole >> 10) or huge >= (whole >> 10) // 2  # 0: THP off or refused

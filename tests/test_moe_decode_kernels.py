@@ -38,8 +38,9 @@ def _banks(slots: int, h: int, i: int, dtype: torch.dtype, bias: bool, seed: int
         ActivationSpec(),
         ActivationSpec(Activation.GPTOSS, 1.702, 0.6),
         ActivationSpec(Activation.GELU_TANH),
+        ActivationSpec(Activation.SWIGLU_CLAMP, limit=0.6),
     ],
-    ids=["silu", "gptoss", "gelu_tanh"],
+    ids=["silu", "gptoss", "gelu_tanh", "swiglu_clamp"],
 )
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_moe_decode_matches_reference(dtype: torch.dtype, act: ActivationSpec, tokens: int) -> None:
@@ -62,8 +63,8 @@ def test_moe_decode_matches_reference(dtype: torch.dtype, act: ActivationSpec, t
     assert got.dtype == torch.float32 and got.shape == (tokens, h)
     # fp32 products either way; only the order of the sums differs
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5)
-    # the clamp of GPT-OSS's activation must bind for the test to cover it
-    if gptoss:
+    # the clamps of GPT-OSS's and DeepSeek-V4's activations must bind for the test to cover them
+    if act.kind in (Activation.GPTOSS, Activation.SWIGLU_CLAMP):
         pre = x.float() @ banks.gate_up[ids[0, 0]].float().t()
         assert (pre.abs() > act.limit).any()
 

@@ -49,6 +49,7 @@ DENSE_TOL = 1e-4
 ACTS = {
     "silu": ActivationSpec(Activation.SILU),
     "gptoss": ActivationSpec(Activation.GPTOSS, alpha=1.702, limit=1.0),
+    "swiglu_clamp": ActivationSpec(Activation.SWIGLU_CLAMP, limit=0.5),  # DeepSeek-V4
 }
 # tile_min_tokens: 1 = every expert tiled (prefill), huge = every expert gemv (decode), 6 = mix
 PATHS = {"tiled": 1, "gemv": 1 << 30, "mixed": 6}

@@ -37,6 +37,8 @@ ACTS = {
     # a small limit so the clamps of GPT-OSS's SwiGLU are exercised with order-1 values
     "gptoss": ActivationSpec(Activation.GPTOSS, alpha=1.702, limit=1.0),
     "gelu_tanh": ActivationSpec(Activation.GELU_TANH),
+    # DeepSeek-V4's clamped SwiGLU, clamps binding on order-1 values too
+    "swiglu_clamp": ActivationSpec(Activation.SWIGLU_CLAMP, limit=0.5),
 }
 # tile_min_tokens: 1 = every expert takes the tiled (prefill) kernel, huge = every expert the
 # streaming (decode) kernel, 6 = the default mix.

@@ -41,6 +41,8 @@ ACTS = {
     "silu": (ActivationSpec(Activation.SILU), False),
     # GPT-OSS with biases; a small limit so both clamps act on order-1 values
     "gptoss": (ActivationSpec(Activation.GPTOSS, alpha=1.702, limit=1.0), True),
+    # DeepSeek-V4's clamped SwiGLU (no biases), both clamps binding
+    "swiglu_clamp": (ActivationSpec(Activation.SWIGLU_CLAMP, limit=0.5), False),
 }
 PATHS = {"tiled": 1, "gemv": 1 << 30, "mixed": 6}  # tile_min_tokens
 # (H, I) per format. fp8_block: partial 128-blocks in both dims (I = 136: gate and up each

@@ -240,9 +240,28 @@ def test_a_stop_string_inside_a_call_gives_its_text_back():
     assert _feed(V4, [text[: text.index(WRITE)]]) == [Content("ok"), CALLS[0]]
 
 
+ONE = {"get_weather": TOOLS["get_weather"]}
+FFFD = "\ufffd"  # a character cut mid-bytes, as the detokenizer flushes it at the limit
 CUTS = [
     # (text cut by the token limit, tools, the call expected)
-    ("\n\n<｜DSML｜tool_", {"get_weather": TOOLS["get_weather"]}, ("get_weather", {})),
+    ("\n\n<｜DSML｜tool_", ONE, ("get_weather", {})),
+    # cut in the whitespace before the block, or inside a bar (｜ is three bytes): the only tool
+    ("\n", ONE, ("get_weather", {})),
+    ("\n\n", ONE, ("get_weather", {})),
+    (f"\n\n<{FFFD}", ONE, ("get_weather", {})),
+    (f"\n\n<｜DSML{FFFD}", ONE, ("get_weather", {})),
+    (f"\n\n<{D}tool_calls>\n<{FFFD}", ONE, ("get_weather", {})),
+    (f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n<｜DSML{FFFD}', TOOLS, ("get_weather", {})),
+    (
+        f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" string="true">Zürich</{FFFD}',
+        TOOLS,
+        ("get_weather", {"city": "Zürich"}),
+    ),
+    (
+        f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="days" string="false">3</｜DSML{FFFD}{FFFD}',
+        TOOLS,
+        ("get_weather", {"days": 3}),
+    ),
     (f'<{D}tool_calls>\n<{D}invoke name="write_f', TOOLS, ("write_file", {})),
     (f'<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="ci', TOOLS, ("get_weather", {})),
     (
@@ -287,6 +306,25 @@ def test_a_call_cut_by_the_token_limit_is_a_partial_call(text, tools, call):
 def test_two_tools_and_a_cut_before_the_name_give_no_call_and_no_markup():
     events = _feed(V4, [f"Sure.\n\n<{D}tool_calls>\n<{D}inv"], truncated=True)
     assert events == [Content("Sure.")]
+
+
+def test_whitespace_is_a_cut_call_only_when_it_is_all_the_one_tool_output_holds():
+    """Whitespace alone, cut by the limit, is a call cut before its block only when nothing
+    else was written and there is one tool (a forced call starts with the template's
+    ``\\n\\n``); otherwise it stays text, and a stop keeps it text."""
+
+    def feed(text: str, tools, truncated: bool = True) -> list[ParsedEvent]:
+        parser = make_output_parser(V4, tools)
+        return merge(parser.feed(text) + parser.finish(truncated=truncated))
+
+    assert feed("\n\n", ONE) == [ToolCall(0, "get_weather", "{}", partial=True)]
+    assert feed("\n\n", TOOLS) == [Content("\n\n")]
+    assert feed("\n\n", ONE, truncated=False) == [Content("\n\n")]
+    assert feed("Sure.\n\n", ONE) == [Content("Sure.\n\n")]
+    assert feed(_block("tool_calls", WEATHER) + "\n\n", ONE) == [CALLS[0], Content("\n\n")]
+    # a U+FFFD that cannot be a cut bar is text
+    assert feed(f"a <{FFFD}", ONE, truncated=False) == [Content(f"a <{FFFD}")]
+    assert feed(f"<{FFFD}b", ONE) == [Content(f"<{FFFD}b")]
 
 
 def test_cut_anywhere_never_shows_markup_and_keeps_what_was_written():

@@ -374,3 +374,28 @@ def test_real_kimi_rank_file_matches_tiktoken() -> None:
         assert tok.decode(tok.encode(text)) == text
     for name, token_id in specials.items():
         assert tok.token_to_id(name) == token_id
+
+
+def test_a_model_folder_with_a_rank_file_serves_its_tokenizer(tmp_path: Path) -> None:
+    """A checkpoint whose tokenizer is Kimi's rank file: the engine's tokenizer, its eos ids and
+    the tokenizer.json constrained decoding reads (written once, converted) all come from it."""
+    from tiny_models import make_tiny
+
+    from freetokend.engine.llm import LLM
+    from freetokend.server.constrained.vocab import load_tokenizer_info
+
+    ranks = synthetic_ranks()
+    n = len(ranks) + KIMI_RESERVED_SPECIAL_TOKENS
+    folder, _ = make_tiny("qwen3_moe", tmp_path / "ckpt", vocab_size=n)
+    write_rank_file(folder / "tiktoken.model", ranks)
+    (folder / "tokenizer_config.json").write_text(json.dumps(kimi_config(len(ranks))))
+    assert not (folder / "tokenizer.json").exists()
+    llm = LLM(folder, moe_backend="cpu")
+    eos = Tokenizer.from_dir(folder).token_to_id("[EOS]")
+    assert eos is not None and eos in llm._eos_ids()
+    written = llm.tokenizer_json
+    assert written.is_file() and written.parent != folder
+    text = "def f(x):\n    return x  # 你好 [EOS]"
+    assert Tokenizer.from_dir(written.parent).encode(text) == llm.tokenizer.encode(text)
+    info = load_tokenizer_info(written, n, [eos])
+    assert info.vocab_size == n

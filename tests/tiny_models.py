@@ -25,6 +25,7 @@ FAMILIES = (
     "gemma4",
     "deepseek_v32",
     "glm_moe_dsa",
+    "deepseek_v4",
 )
 
 # Second configs of a family ("family:variant" -> overrides of its tiny config): the other side
@@ -333,6 +334,50 @@ def hf_config(family: str, **over: Any) -> Any:
             vocab_size_per_layer_input=97,
         )
         cls = tf.Gemma4TextConfig
+    elif family == "deepseek_v4":
+        # every mechanism of V4 (tests/test_deepseek_v4_layers.py's config): sliding, CSA at
+        # rate 4 and HCA at rate 8 layers, a hash-routed layer, 3 hyper-connection streams, a
+        # window of 8, the indexer's top-3 of up to 10 entries with 16 heads (fewer heads tie
+        # at exact zeros), clamps that bind
+        c.update(
+            num_key_value_heads=1,
+            head_dim=32,
+            partial_rotary_factor=0.25,
+            q_lora_rank=24,
+            num_hidden_layers=4,
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            routed_scaling_factor=1.5,
+            swiglu_limit=0.5,
+            hc_mult=3,
+            sliding_window=8,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=16,
+            index_head_dim=16,
+            index_topk=3,
+            rope_theta=10000.0,
+            compress_rope_theta=160000.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+            max_position_embeddings=128,
+        )
+        cls = tf.DeepseekV4Config
     elif family == "mixtral":
         c.update(
             num_hidden_layers=2,
@@ -376,6 +421,7 @@ def hf_model_class(family: str) -> Any:
         "gemma4": tf.Gemma4ForCausalLM,
         "deepseek_v32": tf.DeepseekV32ForCausalLM,
         "glm_moe_dsa": tf.GlmMoeDsaForCausalLM,
+        "deepseek_v4": tf.DeepseekV4ForCausalLM,
     }[family.split(":")[0]]
 
 
@@ -394,6 +440,18 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.rand(p.shape, generator=g).mul(2.0).add(0.1).log())
             if name.endswith("router.proj.weight"):  # Gemma-4 scales the router input by
                 p.mul_(30.0)  # hidden^-0.5: spread its logits so the top-k are not near ties
+        # DeepSeek-V4's zero-initialised tables (own generator: the draws above stay as they
+        # were for the other families): the compressors' 2-d position biases, and the hash
+        # layers' token -> experts table (else every token goes to expert 0 twice)
+        g4 = torch.Generator().manual_seed(seed + 1000)
+        for name, p in model.named_parameters():
+            if name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape, generator=g4) * 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts, generator=g4)[: b.shape[1]] for _ in b]
+                b.copy_(torch.stack(rows))
 
 
 def make_tiny(

@@ -27,9 +27,11 @@ from ..experts.backend import (
     resolve_backend,
 )
 from ..experts.banks import ActivationSpec, activation_of
-from ..formats.gguf_file import set_name
+from ..formats.errors import CheckpointError
+from ..formats.gguf_file import GgufFormatError, GgufHeader, read_headers, set_name
 from ..kv.spill import SnapshotSpill, engine_fingerprint
 from ..models.config import ModelConfig
+from ..models.deepseek_v4_model import DeepseekV4CausalLM
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import back_with_huge_pages, weight_tensors
@@ -146,14 +148,26 @@ def is_gguf(model_dir: Path) -> bool:
     return model_kind(model_dir) == "gguf"
 
 
-def load(model_dir: Path, config: EngineConfig) -> tuple[ModelConfig, Any, Any]:
+def gguf_headers(model_dir: Path) -> list[GgufHeader]:
+    """The parsed headers of a GGUF file or split set (read once per load; CheckpointError
+    naming the file when one is not readable)."""
+    try:
+        return read_headers(model_dir)
+    except GgufFormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def load(
+    model_dir: Path, config: EngineConfig, gguf_headers: list[GgufHeader] | None = None
+) -> tuple[ModelConfig, Any, Any]:
     """The model's config, its dense model and its expert banks, in ``dtype`` and quantized by
-    ``quantize`` (a preset) or ``quantize_experts``."""
+    ``quantize`` (a preset) or ``quantize_experts`` (``gguf_headers``: a GGUF's headers, parsed
+    once by the caller)."""
     dtype, quantize, quantize_experts = config.dtype, config.quantize, config.quantize_experts
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    cfg = model_config(model_dir, dtype)
-    model, banks = load_model(model_dir, cfg)
+    cfg = model_config(model_dir, dtype, gguf_headers)
+    model, banks = load_model(model_dir, cfg, gguf_headers)
     if quantize is not None:  # a preset: dense layers and experts (models/dense_quant.py)
         if quantize not in PRESETS:
             raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(PRESETS)}")
@@ -316,6 +330,12 @@ def prefix_reuse(
 ) -> PrefixReuse | None:
     """The prefix cache (KV radix tree and recurrent-state snapshots), unless turned off."""
     if not config.prefix_cache:
+        return None
+    if isinstance(model, DeepseekV4CausalLM):
+        log.info(
+            "prefix cache: off for DeepSeek-V4 (its attention state is per sequence, outside "
+            "the KV pool, and has no snapshots yet: a prefix hit could not resume it)"
+        )
         return None
     policy_text = config.snapshot_policy
     policy = SnapshotPolicy.parse(

@@ -43,8 +43,29 @@ _SEED_CODER = (
 )
 _NORDIC = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
 
+# Kimi-K2's split: tokenization_kimi.py's TikTokenTokenizer.pat_str, arm by arm. `&&`
+# intersects character classes, which tiktoken's regex engine and the Oniguruma one of
+# `tokenizers` read alike. Used for llama.cpp's "kimi-k2" files and for Kimi's rank file
+# (tiktoken_vocab.py).
+_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+KIMI_PAT_STR = "|".join(
+    (
+        r"[\p{Han}]+",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    )
+)
+
 # tokenizer.ggml.pre -> the regexes llama.cpp splits with, in order
 PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    "kimi-k2": (KIMI_PAT_STR,),
     "deepseek-v3": _DEEPSEEK3,
     "hunyuan-dense": _DEEPSEEK3,
     "deepseek-coder": (
@@ -80,6 +101,42 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "gpt3-finnish": (_NORDIC,),
     "viking": (_NORDIC, r"\p{N}"),
 }
+# The names transformers' GGUF tokenizer conversion splits by one regex of its own (as of 5.25,
+# ``GGUF_PRE_TOKENIZER_SPLITS``; the same regexes as llama.cpp's tokenizer.json originals), so that
+# ``gguf_tokenizer`` builds those byte-level vocabularies without importing transformers (seconds
+# of a start-up). tests/test_gguf_pretokenizers.py checks this copy against the installed table;
+# a name transformers adds later is not here, and its files convert through transformers.
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TRANSFORMERS_SPLITS: dict[str, str] = {
+    **dict.fromkeys(
+        "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano dbrx "
+        "smaug-bpe".split(),
+        _LLAMA3,
+    ),
+    "tekken": _TEKKEN,
+    **dict.fromkeys("qwen2 deepseek-r1-qwen kormo f2llmv2 megrez".split(), _QWEN2),
+    "qwen35": _QWEN35,
+    **dict.fromkeys("gpt-4o llama4 kanana2 talkie minimax-m2".split(), _GPT4O),
+}
+
 # Names llama.cpp splits with GPT-2's regex: transformers' fallback is already right for them.
 GPT2_SPLIT_NAMES = frozenset(
     "gpt-2 phi-2 jina-es jina-de gigachat jina-v1-en jina-v2-es jina-v2-de jina-v2-code "

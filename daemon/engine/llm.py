@@ -15,7 +15,8 @@ from typing import Any, overload
 
 import torch
 
-from ..formats.gguf_file import GgufFile, split_files
+from ..formats.gguf_file import GgufHeader
+from ..models.hugepages import advise_at_fill
 from ..models.registry import family_spec
 from . import build
 from .chat_template import ChatTemplate
@@ -24,6 +25,7 @@ from .engine_config import EngineConfig
 from .gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
 from .runner import Work
 from .sampler import SamplingParams
+from .tiktoken_vocab import has_tiktoken_vocab
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -95,10 +97,17 @@ class LLM:
         self.engine_config = config
         self.model_dir = Path(model_dir)
         self.gguf = build.is_gguf(self.model_dir)
-        self._gguf_has_tokens: bool | None = None
+        # a GGUF's headers, parsed once: config, weights, tokenizer and template read them
+        self._gguf_headers: list[GgufHeader] = (
+            build.gguf_headers(self.model_dir) if self.gguf else []
+        )
         self._tokenizer_json: Path | None = None
         self.name = build.served_name(self.model_dir, self.gguf, config.name)
-        self.config, self.model, self.banks = build.load(self.model_dir, config)
+        # the cpu backend's weights get huge pages as they are filled (no second pass after)
+        with advise_at_fill(config.huge_pages and moe_backend == "cpu"):
+            self.config, self.model, self.banks = build.load(
+                self.model_dir, config, self._gguf_headers or None
+            )
         # the fake device: entered after the host weights are loaded (they stay real tensors)
         self.fake_device = build.enter_fake_device(config.accelerator, config.vram_mib)
         try:
@@ -167,7 +176,7 @@ class LLM:
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             if self.gguf:
-                self._tokenizer = tokenizer_from_gguf(self.model_dir)
+                self._tokenizer = tokenizer_from_gguf(self.model_dir, self._gguf_metadata())
             else:
                 self._tokenizer = Tokenizer.from_dir(self.model_dir)
         return self._tokenizer
@@ -176,19 +185,20 @@ class LLM:
     def chat_template(self) -> Any:
         if self._chat_template is None:
             if self.gguf:
-                self._chat_template = chat_template_from_gguf(self.model_dir)
+                self._chat_template = chat_template_from_gguf(self.model_dir, self._gguf_metadata())
             else:
                 self._chat_template = ChatTemplate.from_dir(self.model_dir)
         return self._chat_template
 
     @property
     def tokenizer_json(self) -> Path:
-        """A ``tokenizer.json`` for this model (for a GGUF: the converted tokenizer, written once
-        to a temporary file), for consumers that read the file (constrained decoding)."""
-        if not self.gguf:
+        """A ``tokenizer.json`` for this model (for a GGUF or a tiktoken rank file: the converted
+        tokenizer, written once to a temporary file), for consumers that read the file
+        (constrained decoding)."""
+        if not self.gguf and not has_tiktoken_vocab(self.model_dir):
             return self.model_dir / "tokenizer.json"
         if self._tokenizer_json is None:
-            d = Path(tempfile.mkdtemp(prefix="freetoken-gguf-tok-"))
+            d = Path(tempfile.mkdtemp(prefix="freetoken-tok-"))
             self.tokenizer.backend.save(str(d / "tokenizer.json"))
             self._tokenizer_json = d / "tokenizer.json"
         return self._tokenizer_json
@@ -210,13 +220,14 @@ class LLM:
             ids |= set(self.tokenizer.eos_token_ids)
         return ids
 
+    def _gguf_metadata(self) -> dict[str, Any]:
+        """The GGUF's metadata (the first file of a split set holds it), as parsed at load."""
+        return self._gguf_headers[0].metadata
+
     def _has_tokenizer(self) -> bool:
-        if self.gguf:  # the first file of a split set holds the metadata
-            if self._gguf_has_tokens is None:
-                with GgufFile(split_files(self.model_dir)[0]) as f:
-                    self._gguf_has_tokens = "tokenizer.ggml.tokens" in f.metadata
-            return self._gguf_has_tokens
-        return (self.model_dir / "tokenizer.json").exists()
+        if self.gguf:
+            return "tokenizer.ggml.tokens" in self._gguf_metadata()
+        return (self.model_dir / "tokenizer.json").exists() or has_tiktoken_vocab(self.model_dir)
 
     # ---- scoring ----------------------------------------------------------------------------
     def logits(self, token_ids: list[int]) -> torch.Tensor:

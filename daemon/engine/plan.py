@@ -41,7 +41,7 @@ from ..experts.device_backends import FusedBackend, OffloadBackend
 from ..experts.fakecuda import FakeCudaAccelerator
 from ..experts.formats import allocate
 from ..kv.pool import KVPool
-from ..models.config import ModelConfig
+from ..models.config_hf import read_config
 from ..models.model import build_model, decode_attention_bytes, kv_bytes_per_token
 from .graphs import width_for
 from .placement import (
@@ -113,7 +113,7 @@ def plan_model(
     ``ram_mib`` (default: this machine's RAM); ``kv_tokens`` None: the engine's default for the
     placement. Raises ``ConfigError`` for a bad config."""
 
-    cfg = ModelConfig.from_hf(Path(model_dir))
+    cfg = read_config(Path(model_dir))
     ram_mib = ram_mib if ram_mib is not None else total_ram() // MIB
     model = _meta_model(cfg)
     plan = Plan(str(model_dir), True, "", backend, vram_mib, ram_mib)

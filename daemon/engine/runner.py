@@ -19,6 +19,7 @@ from ..experts.backend import MoEBackend
 from ..kv.pool import KVPool
 from ..kv.seq_state import SeqState
 from ..models.batch import ForwardBatch, SeqChunk
+from ..models.deepseek_v4_model import DeepseekV4CausalLM
 from ..models.layers import cpu_decode
 from ..models.layers.decode_lane import DecodeLane
 from ..models.layers.deltanet import GatedDeltaNet
@@ -100,6 +101,8 @@ class ModelRunner:
             st.recurrent = GatedDeltaNet.new_state(
                 self.cfg, self.model.num_linear_layers, self.placement.device
             )
+        if isinstance(self.model, DeepseekV4CausalLM):
+            st.v4 = self.model.new_v4_state(self.placement.device)
         return st
 
     def pages_missing(self, state: SeqState, total_tokens: int) -> int:
@@ -115,6 +118,9 @@ class ModelRunner:
         self.kv.free(state.pages)
         state.pages = []
         state.num_tokens = 0
+        if state.v4 is not None:  # recomputed from its first token, if ever
+            assert isinstance(self.model, DeepseekV4CausalLM)
+            state.v4 = self.model.new_v4_state(self.placement.device)
 
     @contextmanager
     def decode_scope(self, rows: int) -> Iterator[None]:

@@ -40,26 +40,10 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
 from ..formats.errors import CheckpointError
+from .gguf_pretokenizers import KIMI_PAT_STR
 
 TIKTOKEN_FILE = "tiktoken.model"
 
-# tokenization_kimi.py's TikTokenTokenizer.pat_str, arm by arm; `&&` intersects character
-# classes, which both tiktoken's regex engine and the Oniguruma one of `tokenizers` read alike.
-_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
-_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
-_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-KIMI_PAT_STR = "|".join(
-    (
-        r"[\p{Han}]+",
-        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",
-        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",
-        r"\p{N}{1,3}",
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-        r"\s*[\r\n]+",
-        r"\s+(?!\S)",
-        r"\s+",
-    )
-)
 # TikTokenTokenizer.num_reserved_special_tokens: the special ids that follow the ranks
 KIMI_RESERVED_SPECIAL_TOKENS = 256
 # the Python classes whose split we know, by their auto_map module (``module.Class``)

@@ -19,6 +19,8 @@ from typing import Any
 
 import tokenizers
 
+from .tiktoken_vocab import tokenizer_from_tiktoken
+
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
 
 
@@ -97,8 +99,6 @@ class Tokenizer:
         if path.is_file():
             backend = tokenizers.Tokenizer.from_file(str(path))
         elif (model_dir / "tiktoken.model").is_file():  # Kimi: a rank file, never its Python
-            from .tiktoken_vocab import tokenizer_from_tiktoken
-
             backend = tokenizer_from_tiktoken(model_dir)
         else:
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")

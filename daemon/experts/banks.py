@@ -27,13 +27,14 @@ class Activation(enum.IntEnum):
     SILU = 0  # silu(gate) * up
     GPTOSS = 1  # clamped SwiGLU of GPT-OSS: see `activate`
     GELU_TANH = 2  # gelu_pytorch_tanh(gate) * up (Gemma-4)
+    SWIGLU_CLAMP = 3  # silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4)
 
 
 @dataclass(frozen=True)
 class ActivationSpec:
     kind: Activation = Activation.SILU
     alpha: float = 1.702  # GPT-OSS only
-    limit: float = 7.0  # GPT-OSS only
+    limit: float = 7.0  # GPT-OSS and SWIGLU_CLAMP
 
 
 @dataclass
@@ -96,9 +97,11 @@ class ExpertBanks:
 
 def activation_of(name: str) -> Activation:
     """ModelConfig.activation -> the expert activation."""
-    return {"gptoss": Activation.GPTOSS, "gelu_tanh": Activation.GELU_TANH}.get(
-        name, Activation.SILU
-    )
+    return {
+        "gptoss": Activation.GPTOSS,
+        "gelu_tanh": Activation.GELU_TANH,
+        "swiglu_clamp": Activation.SWIGLU_CLAMP,
+    }.get(name, Activation.SILU)
 
 
 def activate(gate_up: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
@@ -111,6 +114,8 @@ def activate(gate_up: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
         return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=spec.limit)
     up = up.clamp(min=-spec.limit, max=spec.limit)
+    if spec.kind == Activation.SWIGLU_CLAMP:
+        return torch.nn.functional.silu(gate) * up
     glu = gate * torch.sigmoid(gate * spec.alpha)
     return (up + 1) * glu
 

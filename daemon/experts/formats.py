@@ -512,12 +512,16 @@ def interleave_banks(banks: ExpertBanks) -> None:
         return
     per_layer = layer_experts(banks) if fmt.layer_types is not None else banks.num_flat
     pairs = fmt.layer_types if fmt.layer_types is not None else [fmt.block_types or ("", "")]
+    scratch = torch.empty(0, dtype=torch.uint8)  # one expert's rows, reused
     for li, types in enumerate(pairs):
         for proj, qtype in zip(("gate_up", "down"), types, strict=True):
             rows = expert_rows(banks, proj, li * per_layer, per_layer)
             if interleaves(proj, qtype, rows.shape[1]):
+                if scratch.numel() < rows[0].numel():
+                    scratch = torch.empty(rows[0].numel(), dtype=torch.uint8)
                 for expert in rows:
-                    expert.copy_(gguf_interleave.interleave(expert, qtype))
+                    if not gguf_interleave.interleave_in_place(expert, qtype, scratch):
+                        expert.copy_(gguf_interleave.interleave(expert, qtype))
                 banks.interleaved = True
 
 

@@ -8,6 +8,7 @@ back. The torch permutes here are the reference of the native byte moves
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -65,6 +66,27 @@ def deinterleave(raw: Tensor, fmt: str, native: bool = True) -> Tensor:
     if native and _native_moves(raw, fmt):
         return _native_move(raw, fmt, undo=True)
     return _with_tail(raw, fmt, _deinterleave)
+
+
+def interleave_in_place(raw: Tensor, fmt: str, scratch: Tensor) -> bool:
+    """``interleave`` of ``raw`` (contiguous) written back into ``raw`` itself: the rows copied
+    once into ``scratch`` (contiguous uint8 of at least raw's bytes, reused across calls, so it
+    stays in cache and is never faulted in again) and the native byte moves run from there into
+    ``raw``: one pass over the destination where interleave-then-copy_ made a new tensor (page
+    faults) and a second pass. False (``raw`` untouched) when the native moves cannot take it."""
+    n = raw.numel()
+    if not (_native_moves(raw, fmt) and raw.is_contiguous() and scratch.numel() >= n):
+        return False
+    assert scratch.dtype == torch.uint8 and scratch.is_contiguous()
+    # deferred: ftdense (native extension)
+    import ftdense
+
+    ctypes.memmove(scratch.data_ptr(), raw.data_ptr(), n)  # one plain memcpy, no thread pool
+    cols = raw.shape[1] // BLOCK_BYTES[fmt] * BLOCK_INPUTS[fmt]
+    ftdense.qinterleave(
+        QTYPE_CODES[fmt], scratch.data_ptr(), raw.data_ptr(), raw.shape[0], cols, False
+    )
+    return True
 
 
 def _native_moves(raw: Tensor, fmt: str) -> bool:

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class ModelState(Protocol):
+    """A model's own per-sequence state beside the KV pages (DeepSeek-V4's windows and
+    compressed entries: ``models.deepseek_v4_model.V4SeqState``), typed here without
+    importing the model package, which sits above this one."""
+
+    num_tokens: int
+
+    def clone(self) -> ModelState: ...
 
 
 @dataclass
@@ -34,3 +45,7 @@ class SeqState:
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose KV / state is in the cache
     recurrent: RecurrentState | None = None
+    # DeepSeek-V4: the sequence's whole attention state (windows, compressed entries, open
+    # compressor windows; models/deepseek_v4_model.py), replaced by each forward; None for
+    # the other families
+    v4: ModelState | None = None

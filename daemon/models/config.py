@@ -1,14 +1,13 @@
 """ModelConfig: the normalised model configuration that model code reads.
 
-``ModelConfig.from_hf`` reads a Hugging Face ``config.json`` through ``config_hf.from_dict``,
-the one place where every family's spelling of the same idea is normalised.
+``config_hf.read_config`` reads a Hugging Face ``config.json`` into it through
+``config_hf.from_dict``, the one place where every family's spelling of the same idea is
+normalised.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -68,7 +67,7 @@ class ModelConfig:
     o_proj_bias: bool = False  # the attention output projection's bias (GLM-4.5 has none)
     router_bias: bool = False
     expert_bias: bool = False
-    activation: str = "silu"  # "silu" | "gptoss"
+    activation: str = "silu"  # "silu" | "gptoss" | "gelu_tanh" | "swiglu_clamp" (DeepSeek-V4)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     tie_word_embeddings: bool = False
@@ -166,19 +165,3 @@ class ModelConfig:
     @property
     def has_linear_attention(self) -> bool:
         return "linear_attention" in self.layer_types
-
-    @classmethod
-    def from_hf(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json in the model folder") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        # deferred: import cycle (the imported module imports this one at top level)
-        from .config_hf import from_dict  # the reader builds ModelConfig: imported on use
-
-        return from_dict(raw, source=str(path))

@@ -11,6 +11,8 @@ expert, the default layer types, ...) is read from the family's ``FamilySpec.hf`
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, ModelConfig
@@ -232,3 +234,17 @@ def _validate(cfg: ModelConfig, source: str) -> None:
             f"{source}: mxfp4 experts need hidden_size and the expert intermediate size to be "
             "multiples of 32"
         )
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of an HF model folder's ``config.json`` (errors name the file)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config.json in the model folder") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return from_dict(raw, source=str(path))

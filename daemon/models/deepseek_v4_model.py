@@ -1,12 +1,16 @@
-"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): its own top level, one sequence at a time for now.
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): its own top level (family: families/deepseek_v4.py).
 
 What differs from `model.CausalLM`: the residual is ``hc_mult`` streams mixed by hyper-connections
 (layers/hyper.py); attention has one shared K = V head, a sliding window and, per layer type,
 compressed entries (HCA: all, CSA: the Lightning Indexer's top-k; layers/compressed.py,
 layers/v4_attention.py); the MoE routes by sqrt(softplus) scores or, in the first layers, by a
-token-id hash, with a clamped SwiGLU (layers/v4_routing.py). Routed experts are plain
-parameters here (`RoutedExperts`, the expert-bank layout) until the backends get the clamped
-SwiGLU.
+token-id hash, with a clamped SwiGLU (layers/v4_routing.py).
+
+`DeepseekV4LM` runs one sequence with its routed experts as plain parameters
+(`RoutedExperts`, the expert-bank layout); `DeepseekV4CausalLM` is the engine's: the same
+modules, the routed experts in ExpertBanks behind the MoE backend (``Activation.SWIGLU_CLAMP``),
+a ForwardBatch of several sequences, each chunk's attention on its ``SeqState.v4``. First
+version: that state is the whole `V4SeqState` per sequence (below: where it should go).
 
 Incremental state and how it maps onto the engine's memory (design, not wired yet)
 -----------------------------------------------------------------------------------
@@ -34,131 +38,22 @@ decode, or a prefill cut anywhere (inside open windows too), gives the same resu
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import RopeConfig
-from .layers.common import RMSNorm, Weight, dtype_of, param
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .families.deepseek_v4 import CSA, HCA, LAYER_NAMES, SLIDING, TOP_NAMES, V4Config, v4_config
+from .layers.common import Linear, RMSNorm, Weight, dtype_of, param
 from .layers.hyper import HyperConnection, HyperHead, expand_streams, merge_streams
 from .layers.rope import Rope
 from .layers.v4_attention import IndexerShape, V4Attention, V4AttentionState
 from .layers.v4_routing import ClampedMLP, V4Router, clamped_swiglu
-
-SLIDING, CSA, HCA = (
-    "sliding_attention",
-    "compressed_sparse_attention",
-    "heavily_compressed_attention",
-)
-
-
-@dataclass(frozen=True)
-class V4Config:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    sliding_window: int
-    rms_norm_eps: float
-    layer_types: tuple[str, ...]  # SLIDING | CSA | HCA per layer
-    compress_rates: tuple[int, ...]  # per layer, 0 for sliding layers
-    index_heads: int
-    index_head_dim: int
-    index_topk: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    routed_scaling_factor: float
-    hash_layers: tuple[bool, ...]  # per layer: routed by the token-id table
-    swiglu_limit: float
-    rope_main: RopeConfig  # sliding layers
-    rope_compress: RopeConfig  # CSA / HCA layers, their compressors and indexers
-    tie_word_embeddings: bool = False
-    torch_dtype: str = "float32"
-
-
-def _rope_config(p: Mapping[str, Any], rotary_dim: int) -> RopeConfig:
-    kind = p.get("rope_type", p.get("type", "default"))
-    if kind == "default":
-        return RopeConfig(theta=float(p["rope_theta"]), rotary_dim=rotary_dim, interleaved=True)
-    if kind != "yarn":
-        raise ValueError(f"DeepSeek-V4 rope type {kind!r} is not supported")
-    return RopeConfig(
-        theta=float(p["rope_theta"]),
-        rotary_dim=rotary_dim,
-        kind="yarn",
-        factor=float(p["factor"]),
-        original_max_position=int(p["original_max_position_embeddings"]),
-        beta_fast=float(p.get("beta_fast") or 32.0),
-        beta_slow=float(p.get("beta_slow") or 1.0),
-        # transformers 5.25 reads ``truncate`` from the outer {"main", "compress"} dict, where
-        # it never is: the correction range is always truncated
-        truncate=True,
-        # transformers' config forces 1.0 for V4's compress rope (the cos/sin are not scaled)
-        attention_factor=float(p.get("attention_factor", 1.0)),
-        interleaved=True,
-    )
-
-
-def v4_config(hf: Mapping[str, Any]) -> V4Config:
-    """Our V4Config from a config.json as transformers 5.25 writes it (``layer_types``,
-    ``compress_rates``, ``mlp_layer_types``, ``partial_rotary_factor`` and the nested
-    {"main", "compress"} ``rope_parameters`` already filled in). The release checkpoint's legacy
-    keys (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, flat rope params) are
-    the family file's to fold in; they are not read here."""
-    for key, want in (
-        ("scoring_func", "sqrtsoftplus"),
-        ("hidden_act", "silu"),
-        ("mlp_bias", False),
-    ):
-        if hf.get(key, want) != want:
-            raise ValueError(f"DeepSeek-V4 with {key}={hf[key]!r} is not supported (only {want!r})")
-    n = int(hf["num_hidden_layers"])
-    head_dim = int(hf["head_dim"])
-    rotary = int(head_dim * float(hf["partial_rotary_factor"]))
-    types = tuple(hf["layer_types"][:n])
-    rates = tuple(0 if t == SLIDING else int(hf["compress_rates"][t]) for t in types)
-    ropes = hf["rope_parameters"]
-    return V4Config(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=n,
-        num_heads=int(hf["num_attention_heads"]),
-        head_dim=head_dim,
-        q_lora_rank=int(hf["q_lora_rank"]),
-        o_groups=int(hf["o_groups"]),
-        o_lora_rank=int(hf["o_lora_rank"]),
-        sliding_window=int(hf["sliding_window"]),
-        rms_norm_eps=float(hf["rms_norm_eps"]),
-        layer_types=types,
-        compress_rates=rates,
-        index_heads=int(hf["index_n_heads"]),
-        index_head_dim=int(hf["index_head_dim"]),
-        index_topk=int(hf["index_topk"]),
-        hc_mult=int(hf["hc_mult"]),
-        hc_sinkhorn_iters=int(hf["hc_sinkhorn_iters"]),
-        hc_eps=float(hf["hc_eps"]),
-        num_experts=int(hf["n_routed_experts"]),
-        top_k=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        routed_scaling_factor=float(hf["routed_scaling_factor"]),
-        hash_layers=tuple(t == "hash_moe" for t in hf["mlp_layer_types"][:n]),
-        swiglu_limit=float(hf["swiglu_limit"]),
-        rope_main=_rope_config(ropes["main"], rotary),
-        rope_compress=_rope_config(ropes["compress"], rotary),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-    )
+from .model import CausalLM
 
 
 class RoutedExperts(nn.Module):
@@ -184,8 +79,16 @@ class RoutedExperts(nn.Module):
         return out
 
 
+# (ids [T, K], weights [T, K] fp32) -> the routed experts' weighted sum [T, hidden] fp32
+Routed = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class V4MoE(nn.Module):
-    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype) -> None:
+    """Router, routed experts and the clamped shared expert. ``banked``: the routed experts are
+    not parameters here but live in the engine's ExpertBanks behind its MoE backend (the
+    ``Activation.SWIGLU_CLAMP`` kind); `forward` then gets them as ``routed``."""
+
+    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype, banked: bool = False) -> None:
         super().__init__()
         hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.router = V4Router(
@@ -196,17 +99,27 @@ class V4MoE(nn.Module):
             dtype,
             hash_vocab=cfg.vocab_size if cfg.hash_layers[i] else 0,
         )
-        self.experts = RoutedExperts(cfg.num_experts, hid, inter, cfg.swiglu_limit, dtype)
+        self.experts: RoutedExperts | None = None
+        if not banked:
+            self.experts = RoutedExperts(cfg.num_experts, hid, inter, cfg.swiglu_limit, dtype)
         # one shared expert of the routed width (transformers ignores n_shared_experts)
         self.shared_expert = ClampedMLP(hid, inter, cfg.swiglu_limit, dtype)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, routed: Routed | None = None
+    ) -> torch.Tensor:
+        """x [T, hidden] (normed), token_ids [T] (the hash layers' keys) -> [T, hidden] fp32."""
         ids, w = self.router(x, token_ids)
-        return self.experts(x, ids, w) + self.shared_expert(x)
+        if routed is None:
+            assert self.experts is not None, "banked experts: pass routed"
+            out = self.experts(x, ids, w)
+        else:
+            out = routed(ids, w)
+        return out + self.shared_expert(x)
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V4Config, i: int, dtype: torch.dtype, banked: bool = False) -> None:
         super().__init__()
         hid, eps, n = cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_mult
         self.kind = cfg.layer_types[i]
@@ -228,7 +141,7 @@ class V4DecoderLayer(nn.Module):
             compress_rate=cfg.compress_rates[i],
             indexer=index if self.kind == CSA else None,
         )
-        self.mlp = V4MoE(cfg, i, dtype)
+        self.mlp = V4MoE(cfg, i, dtype, banked)
 
     def forward(
         self,
@@ -258,18 +171,23 @@ class V4SeqState:
         return V4SeqState([s.clone() for s in self.layers], self.num_tokens)
 
 
-class DeepseekV4LM(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
-        super().__init__()
-        self.cfg = cfg
+class _V4Body(nn.Module):
+    """The modules of a V4 model, shared by the one-sequence `DeepseekV4LM` and the engine's
+    `DeepseekV4CausalLM` (each its own forward). ``banked``: the routed experts are left to an
+    MoE backend (not parameters here)."""
+
+    def _build(self, cfg: V4Config, banked: bool) -> None:
+        self.v4 = cfg
         dtype = dtype_of(cfg.torch_dtype)
         hid = cfg.hidden_size
         self.embed_tokens = Weight(cfg.vocab_size, hid, dtype=dtype)
-        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(cfg, i, dtype, banked) for i in range(cfg.num_layers)
+        )
         self._layers: list[V4DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.hc_head = HyperHead(cfg.hc_mult, hid, cfg.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(hid, cfg.rms_norm_eps, torch.float32)
-        self.lm_head = Weight(cfg.vocab_size, hid, dtype=dtype)
+        self.lm_head = Linear(hid, cfg.vocab_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope_main = Rope(cfg.rope_main)
@@ -278,77 +196,122 @@ class DeepseekV4LM(nn.Module):
     def new_state(self, device: torch.device | None = None) -> V4SeqState:
         return V4SeqState([la.self_attn.empty_state(device) for la in self._layers])
 
+    def _ropes(
+        self, pos: torch.Tensor, max_position: int | None = None
+    ) -> dict[str, tuple[Rope, torch.Tensor, torch.Tensor]]:
+        """Per layer type: (its rope, cos, sin at ``pos``)."""
+        out = {}
+        for kind, rope in ((SLIDING, self.rope_main), (CSA, self.rope_compress)):
+            out[kind] = (rope, *rope.cos_sin(pos, max_position))
+        out[HCA] = out[CSA]
+        return out
+
+
+class DeepseekV4LM(_V4Body):
+    """One sequence at a time: `forward(ids, state) -> (logits, new state)`, the routed experts
+    plain parameters (`RoutedExperts`)."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self._build(cfg, banked=False)
+
     @torch.inference_mode()
     def forward(
         self, token_ids: torch.Tensor, state: V4SeqState
     ) -> tuple[torch.Tensor, V4SeqState]:
         """token_ids [N]: the sequence's next N tokens -> (logits [N, vocab] fp32, new state)."""
         start, n = state.num_tokens, token_ids.shape[0]
-        pos = start + torch.arange(n, device=token_ids.device)
-        ropes = {}
-        for kind, rope in ((SLIDING, self.rope_main), (CSA, self.rope_compress)):
-            ropes[kind] = (rope, *rope.cos_sin(pos))
-        ropes[HCA] = ropes[CSA]
+        ropes = self._ropes(start + torch.arange(n, device=token_ids.device))
         w = self.embed_tokens.weight
-        streams = expand_streams(w.index_select(0, token_ids).float(), self.cfg.hc_mult)
+        streams = expand_streams(w.index_select(0, token_ids).float(), self.v4.hc_mult)
         layer_states = []
         for layer, st in zip(self._layers, state.layers, strict=True):
             rope, cos, sin = ropes[layer.kind]
             streams, st = layer(streams, token_ids, start, st, rope, cos, sin)
             layer_states.append(st)
         h = self.norm(self.hc_head(streams))
-        logits = torch.nn.functional.linear(h.to(self.lm_head.weight.dtype), self.lm_head.weight)
-        return logits.float(), V4SeqState(layer_states, start + n)
+        return self.lm_head(h), V4SeqState(layer_states, start + n)
 
 
-# Checkpoint tensor names (the release's, which transformers 5.25 also writes, then under a
-# "model." prefix for some) -> ours. The family file will own this mapping.
-_TOP = {
-    "embed.weight": "embed_tokens.weight",
-    "embed_tokens.weight": "embed_tokens.weight",
-    "head.weight": "lm_head.weight",
-    "norm.weight": "norm.weight",
-    "hc_head_fn": "hc_head.fn",
-    "hc_head_base": "hc_head.base",
-    "hc_head_scale": "hc_head.scale",
-    "hc_head.hc_fn": "hc_head.fn",
-    "hc_head.hc_base": "hc_head.base",
-    "hc_head.hc_scale": "hc_head.scale",
-}
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn.attn_sink": "self_attn.sinks",
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
-    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight",
-    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
-    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
-    "attn.indexer.wq_b.weight": "self_attn.indexer.q_b_proj.weight",
-    "attn.indexer.weights_proj.weight": "self_attn.indexer.weights_proj.weight",
-    "ffn.gate.weight": "mlp.router.weight",
-    "ffn.gate.bias": "mlp.router.score_bias",
-    "ffn.gate.tid2eid": "mlp.router.tid2eid",
-    "ffn.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
-}
-for _hc in ("attn", "ffn"):
-    for _p in ("fn", "base", "scale"):
-        _LAYER[f"hc_{_hc}_{_p}"] = f"{_hc}_hc.{_p}"
-for _src, _dst in (
-    ("attn.compressor.", "self_attn.compressor."),
-    ("attn.indexer.compressor.", "self_attn.indexer.compressor."),
-):
-    for _a, _b in (
-        ("wkv.weight", "kv_proj.weight"),
-        ("wgate.weight", "gate_proj.weight"),
-        ("ape", "position_bias"),
-        ("norm.weight", "kv_norm.weight"),
-    ):
-        _LAYER[_src + _a] = _dst + _b
+class DeepseekV4CausalLM(CausalLM, _V4Body):
+    """DeepSeek-V4 to the engine (``FamilySpec.model``): a CausalLM's attributes for the runner,
+    the planner and the placement, its own forward over a `ForwardBatch`.
+
+    Layer by layer, the hyper-connections, norms and MoE run over all N rows of the batch (the
+    routed experts through ``batch.moe``: ExpertBanks with the clamped SwiGLU, hash layers keyed
+    by ``batch.token_ids``); attention runs per `SeqChunk` on that sequence's `V4SeqState`
+    (``SeqState.v4``, made by the runner), which the forward replaces by the new one.
+
+    First version: the whole state lives per sequence, none of it in the paged KV pool (the
+    model has no pool layer: ``num_attention_layers`` 0), and the prefix cache is off for V4
+    (engine/build.py); the module docstring's design maps it onto the pool."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        nn.Module.__init__(self)  # not CausalLM's modules
+        self.cfg = cfg
+        self.dtype = dtype_of(cfg.torch_dtype)
+        self._build(replace(v4_config(cfg.raw), torch_dtype=cfg.torch_dtype), banked=True)
+        self.rope = self.rope_main
+        self.num_attention_layers = 0
+        self.num_linear_layers = 0
+        self.kv_geometry = (1, 1)  # the pool's minimum (one layer of it is allocated)
+        self.kv_layer_shapes = None
+        self._decoder_layers = []  # no layer of the shared skeleton (no native decode plan)
+        self._decode_head = None
+
+    def new_v4_state(self, device: torch.device | None = None) -> V4SeqState:
+        return self.new_state(device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # type: ignore[override]
+        """-> logits [len(batch.logits_rows), vocab] fp32; each chunk's ``state.v4`` advanced
+        by its rows."""
+        ids, chunks = batch.token_ids, batch.chunks
+        states: list[V4SeqState] = []
+        row = 0
+        for ch in chunks:
+            st = ch.state.v4
+            if not isinstance(st, V4SeqState):
+                raise ValueError("a DeepSeek-V4 sequence without its state (SeqState.v4)")
+            if st.num_tokens != ch.context_len or ch.start != row:
+                raise ValueError(
+                    f"DeepSeek-V4 state holds {st.num_tokens} tokens, the chunk starts at "
+                    f"{ch.context_len} (row {ch.start}, expected {row})"
+                )
+            states.append(st)
+            row += ch.length
+        if row != ids.shape[0]:
+            raise ValueError(f"chunks cover {row} rows of {ids.shape[0]}")
+        ropes = self._ropes(batch.positions, batch.max_position)
+        w = self.embed_tokens.weight
+        streams = expand_streams(w.index_select(0, ids).float(), self.v4.hc_mult)
+        new: list[list[V4AttentionState]] = [[] for _ in chunks]
+        moe_index = self.cfg.moe_layer_index
+        for i, layer in enumerate(self._layers):
+            rope, cos, sin = ropes[layer.kind]
+            x, post, comb = layer.attn_hc(streams)
+            x = layer.input_layernorm(x)
+            parts = []
+            for c, (ch, st) in enumerate(zip(chunks, states, strict=True)):
+                r = slice(ch.start, ch.start + ch.length)
+                out, ls = layer.self_attn(x[r], ch.context_len, st.layers[i], rope, cos[r], sin[r])
+                parts.append(out)
+                new[c].append(ls)
+            streams = merge_streams(streams, torch.cat(parts), post, comb)
+            x, post, comb = layer.ffn_hc(streams)
+            x = layer.post_attention_layernorm(x)
+
+            def routed(e: torch.Tensor, wt: torch.Tensor, i: int = i, x: torch.Tensor = x) -> Any:
+                return batch.moe.forward(moe_index[i], x, e, wt)
+
+            streams = merge_streams(streams, layer.mlp(x, ids, routed), post, comb)
+        for ch, layers in zip(chunks, new, strict=True):
+            ch.state.v4 = V4SeqState(layers, ch.context_len + ch.length)
+        h = self.norm(self.hc_head(streams[batch.logits_rows]))
+        return self.lm_head(h)
+
+
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 # routed experts: w1 gate, w3 up (rows [0, I) and [I, 2I) of our gate_up), w2 down
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.w([123])\.weight$")
@@ -360,17 +323,17 @@ def checkpoint_name(name: str) -> str | None:
     name = name.removeprefix("model.")
     if name.startswith("mtp.") or _EXPERT_RE.match(name):
         return None
-    if name in _TOP:
-        return _TOP[name]
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER:
-        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in LAYER_NAMES:
+        return f"layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
     raise KeyError(f"unexpected DeepSeek-V4 tensor {name!r}")
 
 
 def load_checkpoint(model: DeepseekV4LM, sd: Mapping[str, torch.Tensor]) -> None:
     """Fills every parameter of ``model`` from a checkpoint's tensors (shapes checked)."""
-    ours = dict(model.named_parameters())
+    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     filled: dict[str, int] = {}  # our name -> elements written
     with torch.no_grad():
         for key, t in sd.items():
@@ -386,7 +349,7 @@ def load_checkpoint(model: DeepseekV4LM, sd: Mapping[str, torch.Tensor]) -> None
             if m is None:
                 continue  # MTP
             layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
-            inter = model.cfg.moe_intermediate_size
+            inter = model.v4.moe_intermediate_size
             bank = f"layers.{layer}.mlp.experts." + ("down" if w == "2" else "gate_up")
             dst = ours[bank][e]
             if w == "1":

@@ -14,6 +14,7 @@ from ..checkpoint.ftw_index import read_index
 from ..experts.banks import ExpertBanks
 from ..experts.formats import FORMATS, quantize_banks
 from .config import ModelConfig
+from .config_hf import read_config
 from .loader import model_config
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def stored_expert_format(model_dir: str | Path) -> str:
         return model_config(model_dir).expert_format
     if (model_dir / "ftw.json").exists():
         return read_index(model_dir).expert_format
-    return ModelConfig.from_hf(model_dir).expert_format
+    return read_config(model_dir).expert_format
 
 
 def quantize_experts_at_load(

@@ -20,7 +20,7 @@ from .gguf_config import hf_fields
 from .gguf_loader import GgufCheckpoint
 from .layers.common import Linear
 from .loader import load_model, model_kind
-from .model import CausalLM
+from .model import CausalLM, model_tables
 
 
 def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.Tensor]]:
@@ -40,6 +40,7 @@ def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.
         for n, p in model.named_parameters()
         if n.removesuffix(".weight") not in quantized
     ]
+    out += [(f"model.{n}", b) for n, b in model_tables(model).items()]
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     out += [
         (f"model.{n}.weight", q.dequantize().to(dtype))

@@ -15,8 +15,9 @@ from ..experts.formats import get_format, is_known
 from ..formats.gguf_blocks import BLOCK_BYTES, row_bytes, supports
 from ..native.qlinear_native import QuantWeight
 from .config import ModelConfig
+from .config_hf import read_config
 from .layers.common import Linear, dtype_of
-from .model import CausalLM, build_model
+from .model import CausalLM, build_model, model_tables
 
 # ``qblocks.<fmt>.<layer>``: a projection stored in GGUF blocks (uint8 [rows, row bytes]) in
 # place of ``model.<layer>.weight``, as loaded from a GGUF file that carried it so
@@ -59,6 +60,7 @@ def _expected(
         for n, p in model.named_parameters()
         if n not in in_blocks
     }
+    want.update({f"model.{n}": (tuple(b.shape), b.dtype) for n, b in model_tables(model).items()})
 
     for name, (fmt, mod) in blocks.items():
         want[name] = ((mod.weight.shape[0], row_bytes(fmt, mod.weight.shape[1])), torch.uint8)
@@ -90,7 +92,7 @@ def load_ftw(
     """
     folder = Path(folder)
     idx = read_index(folder)
-    cfg = cfg or ModelConfig.from_hf(folder)
+    cfg = cfg or read_config(folder)
     model = build_model(cfg)  # parameters are torch.empty: untouched pages cost nothing
     blocks = _block_layers(idx, model)
     want = _expected(cfg, model, idx.expert_format, blocks)
@@ -101,6 +103,8 @@ def load_ftw(
     for name, p in model.named_parameters():
         if f"model.{name}" in want:  # not the empty placeholder of a projection in blocks
             p.data = tensors[f"model.{name}"]  # tied weights share the Parameter: set once
+    for name, b in model_tables(model).items():
+        b.copy_(tensors[f"model.{name}"])
     bank = {k.removeprefix("experts."): t for k, t in tensors.items() if k.startswith("experts.")}
     banks = ExpertBanks(
         gate_up=bank.pop("gate_up"),

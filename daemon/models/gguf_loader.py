@@ -31,6 +31,7 @@ from ..formats.gguf_file import (
     NATIVE,
     GgufFile,
     GgufFormatError,
+    GgufHeader,
     GgufTensor,
     can_dequantize,
     split_files,
@@ -41,6 +42,7 @@ from .config import ModelConfig
 from .families.spec import GgufJoin
 from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix
 from .gguf_config import config_from_gguf, gguf_arch
+from .hugepages import advise_new
 from .layers.common import Linear, dtype_of
 from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
@@ -106,6 +108,13 @@ class _Source:
         direct = self.fix is None and not self.t.quantized and dest.dtype == self.dtype
         if direct and dest.is_contiguous():
             self.f.read_into(self.t, dest)
+        elif self.fix is None and self.t.quantized and dest.is_contiguous():
+            try:  # dequantized a slice of rows at a time, straight into dest
+                self.f.read_float_into(self.t, dest)
+            except (GgufFormatError, OSError) as e:
+                raise CheckpointError(
+                    f"{self.t.path}: tensor '{self.t.name}' cannot be read ({e})"
+                ) from None
         elif direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest):
             # a stacked expert tensor into its rows of the banks (gate rows, then up rows):
             # each expert's slice is contiguous, so read expert by expert with no temporary
@@ -138,16 +147,19 @@ def _native(t: GgufTensor) -> torch.dtype:
 
 
 class GgufCheckpoint:
-    """An open GGUF file or split set: metadata (from the first file) and every tensor."""
+    """An open GGUF file or split set: metadata (from the first file) and every tensor.
+    ``headers``: the files' headers parsed before (``gguf_file.read_headers``), so that one
+    load parses each header once; any that is not a file's current one is parsed again."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, headers: list[GgufHeader] | None = None) -> None:
         self.path = Path(path)
         self._stack = ExitStack()
         self.files: list[GgufFile] = []
         self.tensors: dict[str, tuple[GgufFile, GgufTensor]] = {}
+        given = {h.path: h for h in headers or ()}
         try:
             for p in split_files(self.path):
-                f = self._stack.enter_context(GgufFile(p))
+                f = self._stack.enter_context(GgufFile(p, given.get(p)))
                 self.files.append(f)
                 for name, t in f.tensors.items():
                     if name in self.tensors:
@@ -399,9 +411,12 @@ def _dt(name: str) -> torch.dtype:
     return dtype_of(name)
 
 
-def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalLM, ExpertBanks]:
-    """Loads a GGUF file (or split set) into a model and its expert banks."""
-    with GgufCheckpoint(path) as ck:
+def load_gguf(
+    path: str | Path, cfg: ModelConfig | None = None, headers: list[GgufHeader] | None = None
+) -> tuple[CausalLM, ExpertBanks]:
+    """Loads a GGUF file (or split set) into a model and its expert banks (``headers``: the
+    files' headers, parsed before)."""
+    with GgufCheckpoint(path, headers) as ck:
         cfg = cfg or ck.config()
         infos = {n: t for n, (_, t) in ck.tensors.items()}
         kept = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
@@ -413,6 +428,8 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> tuple[CausalL
             )
         family_spec(cfg.family)
         model = build_model(cfg)
+        for p in model.parameters():  # huge pages from the fill on, when asked (never written yet)
+            advise_new(p.data)
         banks = allocate_banks(cfg)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)

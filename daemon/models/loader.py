@@ -22,13 +22,15 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..experts.formats import allocate, expert_rows
 from ..formats.errors import CheckpointError
-from ..formats.gguf_file import is_gguf
+from ..formats.gguf_file import GgufHeader, is_gguf
 from ..formats.safetensors_io import SafetensorsFile, SafetensorsFormatError, TensorInfo
 from .config import ModelConfig
+from .config_hf import read_config
 from .families.spec import FamilySpec
 from .ftw_loader import load_ftw
+from .hugepages import advise_new
 from .layers.common import dtype_of
-from .model import CausalLM, build_model
+from .model import CausalLM, build_model, model_tables
 from .registry import family_spec
 
 log = logging.getLogger(__name__)
@@ -138,12 +140,15 @@ class Filler:
     ) -> None:
         self.cfg, self.spec, self.banks = cfg, spec, banks
         self.params = dict(model.named_parameters())
+        self.tables = model_tables(model)
         self.filled: set[str] = set()
         self.expert_filled: set[tuple[int, str, int]] = set()  # (layer, part, expert)
 
     def canonical(self, name: str) -> str | None:
         prefix = self.cfg.weight_prefix + "."
-        if name.startswith(prefix):
+        if not self.cfg.weight_prefix:  # names as they are: the family's renames place them
+            pass
+        elif name.startswith(prefix):
             name = name[len(prefix) :]
         elif not name.startswith("lm_head."):
             return None
@@ -153,7 +158,10 @@ class Filler:
 
     def mtp(self, name: str) -> bool:
         """A tensor of a multi-token-prediction layer stored after the last decoder layer
-        (``<prefix>.layers.<num_layers + i>.``, GLM-4.5 / DeepSeek-V3): not loaded for now."""
+        (``<prefix>.layers.<num_layers + i>.``, GLM-4.5 / DeepSeek-V3) or named apart
+        (``FamilySpec.mtp``): not loaded for now."""
+        if self.spec.mtp and re.search(self.spec.mtp, name):
+            return True
         if not self.cfg.num_mtp_layers:
             return False
         m = _LAYER.match(name.removeprefix(self.cfg.weight_prefix + "."))
@@ -185,6 +193,8 @@ class Filler:
             )
         elif canon in self.params:
             self._dense(canon, src, name, path)
+        elif canon in self.tables:
+            self._table(canon, src, name, path)
         elif 0 in src.shape:
             return  # an empty module (GLM with n_shared_experts = 0 stores [0, H] shared experts)
         else:
@@ -206,6 +216,19 @@ class Filler:
         p = self.params[canon]
         self._check(src, tuple(p.shape), name, path)
         src.into(p.data)
+        self.filled.add(canon)
+
+    def _table(self, canon: str, src: _Source, name: str, path: Path) -> None:
+        b = self.tables[canon]
+        if src.dtype.is_floating_point or src.dtype == torch.bool:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has dtype {src.dtype}; expected an integer table"
+            )
+        if tuple(src.shape) != tuple(b.shape):
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has shape {tuple(src.shape)}; expected {tuple(b.shape)}"
+            )
+        b.copy_(src.read())
         self.filled.add(canon)
 
     def dense(self, canon: str, src: _Source | _Loaded | Any, name: str, path: Path) -> None:
@@ -349,7 +372,7 @@ class Filler:
         self.expert_filled.add((layer, proj, x))
 
     def verify(self) -> None:
-        missing = [n for n in self.params if n not in self.filled]
+        missing = [n for n in (*self.params, *self.tables) if n not in self.filled]
         if missing:
             raise CheckpointError(f"missing tensor '{missing[0]}' ({len(missing)} missing in all)")
         for layer, moe in enumerate(self.cfg.moe_layer_index):
@@ -379,17 +402,22 @@ class Filler:
 
 
 def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
-    """Exact-size, uninitialised banks for all routed experts (filled by the loader)."""
+    """Exact-size, uninitialised banks for all routed experts (filled by the loader; marked for
+    huge pages before the fill inside ``hugepages.advise_at_fill``)."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
     if cfg.expert_format != "bf16":
-        return allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
-    return ExpertBanks(
-        gate_up=torch.empty(n, 2 * i, h, dtype=dt),
-        down=torch.empty(n, h, i, dtype=dt),
-        gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
-        down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
-    )
+        banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
+    else:
+        banks = ExpertBanks(
+            gate_up=torch.empty(n, 2 * i, h, dtype=dt),
+            down=torch.empty(n, h, i, dtype=dt),
+            gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
+            down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
+        )
+    for t in banks.all_tensors().values():  # huge pages from the fill on, when asked
+        advise_new(t)
+    return banks
 
 
 def model_kind(path: str | Path) -> str:
@@ -410,41 +438,46 @@ def model_kind(path: str | Path) -> str:
     raise CheckpointError(f"{p}: a file that is not a GGUF checkpoint (wrong magic); {expected}")
 
 
-def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
+def model_config(
+    path: str | Path, dtype: str | None = None, gguf_headers: list[GgufHeader] | None = None
+) -> ModelConfig:
     """The ModelConfig of any checkpoint ``load_model`` reads (``dtype``: override the weights'
-    dtype in memory)."""
+    dtype in memory; ``gguf_headers``: a GGUF's headers parsed before, gguf_file.read_headers)."""
     if model_kind(path) == "gguf":
         # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import GgufCheckpoint
 
-        with GgufCheckpoint(path) as ck:
+        with GgufCheckpoint(path, gguf_headers) as ck:
             return ck.config(dtype)
-    cfg = ModelConfig.from_hf(path)
+    cfg = read_config(path)
     if dtype is not None and dtype != cfg.torch_dtype:
         cfg = dataclasses.replace(cfg, torch_dtype=dtype)
     return cfg
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig | None = None
+    model_dir: str | Path,
+    cfg: ModelConfig | None = None,
+    gguf_headers: list[GgufHeader] | None = None,
 ) -> tuple[CausalLM, ExpertBanks]:
-    """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set."""
+    """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set
+    (``gguf_headers``: its headers parsed before, gguf_file.read_headers)."""
     model_dir = Path(model_dir)
     kind = model_kind(model_dir)
     if kind == "gguf":
         # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import load_gguf
 
-        return load_gguf(model_dir, cfg)
+        return load_gguf(model_dir, cfg, gguf_headers)
     if kind == "ftw":  # pre-laid-out FTW folder (ARCHITECTURE §7)
-        stored = ModelConfig.from_hf(model_dir).torch_dtype
+        stored = read_config(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:
             raise CheckpointError(
                 f"{model_dir}: an FTW folder loads in its stored dtype ({stored})"
             )
 
         return load_ftw(model_dir, cfg)
-    cfg = cfg or ModelConfig.from_hf(model_dir)
+    cfg = cfg or read_config(model_dir)
     spec = family_spec(cfg.family)
     model = build_model(cfg)
     banks = allocate_banks(cfg)

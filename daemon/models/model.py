@@ -169,6 +169,12 @@ def build_model(cfg: ModelConfig) -> CausalLM:
     return cls(cfg)
 
 
+def model_tables(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's integer buffers: tables a checkpoint holds (DeepSeek-V4's hash routing
+    ``tid2eid``), which the loaders fill as they fill parameters."""
+    return {n: b for n, b in model.named_buffers() if not b.is_floating_point()}
+
+
 def kv_bytes_per_token(model: CausalLM) -> int:
     """KV-pool bytes one token takes over all attention layers (K and V)."""
     itemsize = model.dtype.itemsize

@@ -103,7 +103,9 @@ ftdense::QMoeSpec qmoe_spec(uintptr_t gate_up, uintptr_t down, int gate_up_type,
                             int64_t num_flat, int hidden, int inter, int act, float alpha,
                             float limit, int64_t chunk_bytes,
                             const std::vector<QMoeLayerArg>& layers, int64_t layer_experts) {
-  if (act < 0 || act > 2) throw py::value_error("act must be 0 (silu), 1 (gptoss) or 2 (gelu_tanh)");
+  if (act < 0 || act > 3)
+    throw py::value_error(
+        "act must be 0 (silu), 1 (gptoss), 2 (gelu_tanh) or 3 (swiglu_clamp)");
   ftdense::QMoeSpec s;
   if (layers.empty()) {
     s.layers.push_back({reinterpret_cast<const uint8_t*>(gate_up),

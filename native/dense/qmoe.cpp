@@ -94,6 +94,7 @@ inline float activate(const QMoeSpec& s, float gate, float up) {
   }
   const float g = std::min(gate, s.limit);
   const float u = std::clamp(up, -s.limit, s.limit);
+  if (s.act == MoeAct::SwigluClamp) return g / (1.f + std::exp(-g)) * u;  // DeepSeek-V4
   return (u + 1.f) * (g / (1.f + std::exp(-s.alpha * g)));
 }
 

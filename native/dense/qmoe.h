@@ -36,7 +36,7 @@
 namespace ftdense {
 
 // The integer codes of daemon/experts/banks.py's Activation.
-enum class MoeAct : int { Silu = 0, GptOss = 1, GeluTanh = 2 };
+enum class MoeAct : int { Silu = 0, GptOss = 1, GeluTanh = 2, SwigluClamp = 3 };
 
 // The experts of one layer: E experts' rows from these addresses, in these types.
 struct QMoeLayer {

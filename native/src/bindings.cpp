@@ -57,7 +57,8 @@ std::unique_ptr<Executor> make_executor(uintptr_t gate_up, uintptr_t down, uintp
   b.down_scale = ptr<const void>(down_scale);
   b.gate_up_global = ptr<const float>(gate_up_global);
   b.down_global = ptr<const float>(down_global);
-  if (act < 0 || act > 2) throw py::value_error("act must be 0 (SILU), 1 (GPTOSS) or 2 (GELU_TANH)");
+  if (act < 0 || act > 3)
+    throw py::value_error("act must be 0 (SILU), 1 (GPTOSS), 2 (GELU_TANH) or 3 (SWIGLU_CLAMP)");
   ActSpec a{static_cast<ActKind>(act), alpha, limit};
   ExecutorOptions o;
   o.threads = threads;

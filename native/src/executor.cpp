@@ -449,6 +449,8 @@ float Executor::activate(float gate, float up) const {
   }
   const float g = std::min(gate, act_.limit);
   const float u = std::clamp(up, -act_.limit, act_.limit);
+  // DeepSeek-V4: silu(min(gate, limit)) * clamp(up, -limit, limit)
+  if (act_.kind == ActKind::SwigluClamp) return g / (1.f + std::exp(-g)) * u;
   return (u + 1.f) * (g / (1.f + std::exp(-act_.alpha * g)));
 }
 

@@ -50,7 +50,7 @@
 
 namespace ftnative {
 
-enum class ActKind : int { Silu = 0, GptOss = 1, GeluTanh = 2 };
+enum class ActKind : int { Silu = 0, GptOss = 1, GeluTanh = 2, SwigluClamp = 3 };
 
 // The order in which a kernel reads the k inputs of a row (kernels.h: chunk and perm): every
 // full chunk permuted, the tail in order.

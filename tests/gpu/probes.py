@@ -271,11 +271,11 @@ def probe_sync(a: argparse.Namespace, p: Probe) -> None:
 
 
 def _sync_run(a: argparse.Namespace, p: Probe, d: Path, what: str, backend: str) -> None:
-    from freetokend.models.config import ModelConfig
+    from freetokend.models.config_hf import read_config
 
     # offload: as many slots as a layer has experts (of all layers'), so decode fills from the
     # host every few steps, and never more routes than slots (a route to the CPU: a sync)
-    slots = None if backend == "fused" else ModelConfig.from_hf(d).num_experts
+    slots = None if backend == "fused" else read_config(d).num_experts
     llm = make_llm(a, d, backend, moe_slots=slots, max_model_len=512, kv_tokens=4096)
     try:
         ps = prompts(3, 24, llm.config.vocab_size, seed=1)
@@ -313,9 +313,9 @@ def probe_prefill(a: argparse.Namespace, p: Probe) -> None:
         return
     with p.part("offload, 2 x E slots: prefill streams each layer's experts with overlap"):
         from freetokend.experts.device_backends import OffloadBackend
-        from freetokend.models.config import ModelConfig
+        from freetokend.models.config_hf import read_config
 
-        e = ModelConfig.from_hf(d).num_experts
+        e = read_config(d).num_experts
         llm = make_llm(a, d, "offload", moe_slots=2 * e, max_model_len=n + 64, kv_tokens=n + 128)
         try:
             be = llm.moe
@@ -1075,9 +1075,9 @@ def probe_hybrid(a: argparse.Namespace, p: Probe) -> None:
         return
     with p.part("hybrid, E slots, B_P / B_H = 1/4: the same logits, CPU and GPU shares overlap"):
         from freetokend.engine.runner import Work
-        from freetokend.models.config import ModelConfig
+        from freetokend.models.config_hf import read_config
 
-        e = ModelConfig.from_hf(d).num_experts
+        e = read_config(d).num_experts
         llm = make_llm(a, d, "hybrid", moe_slots=e, bandwidth=(1.0, 4.0), **kw)
         try:
             be = llm.moe

@@ -140,7 +140,7 @@ class Compressor(nn.Module):
         pooled = (slot_kv * torch.softmax(slot_gate, dim=1)).sum(1)
         entries = self.kv_norm(pooled)
         pos = first + self.rate * torch.arange(m, device=x.device)
-        cos, sin = rope.cos_sin(pos)
+        cos, sin = rope.cos_sin(pos, first + self.rate * (m - 1))  # the max, known here
         entries = rotate_tail(entries.unsqueeze(1), cos, sin).squeeze(1)
         new.entries = torch.cat((state.entries, entries))
         return new

@@ -44,7 +44,7 @@ def sinkhorn(m: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
     """[T, D] -> [T, n, D]: every stream a copy (the embedding enters all streams)."""
-    return h.unsqueeze(1).expand(-1, n, -1).contiguous()
+    return h.unsqueeze(1).repeat(1, n, 1)
 
 
 def merge_streams(

@@ -8,8 +8,8 @@ renormalises, whatever ``norm_topk_prob`` says).
 
 Routed and shared experts use a clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit,
 limit). Not GPT-OSS's clamped form (``experts.banks.Activation.GPTOSS``: (up + 1) * gate *
-sigmoid(alpha * gate)), and not yet an expert-bank activation: the engine's backends need a
-kind for it before V4's routed experts can run there.
+sigmoid(alpha * gate)); the routed experts' backends compute it as
+``experts.banks.Activation.SWIGLU_CLAMP``.
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ class V4Router(nn.Module):
         self.top_k, self.scale = top_k, scale
         self.weight = param(num_experts, hidden, dtype=dtype)
         self.score_bias: nn.Parameter | None = None
-        self.tid2eid: nn.Parameter | None = None
-        if hash_vocab:
-            self.tid2eid = param(hash_vocab, top_k, dtype=torch.int64)
+        self.tid2eid: torch.Tensor | None
+        if hash_vocab:  # a table, not a weight: a buffer (the loader fills integer buffers)
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab, top_k, dtype=torch.int64))
         else:
+            self.tid2eid = None
             self.score_bias = param(num_experts, dtype=torch.float32)
 
     @property

@@ -23,6 +23,11 @@ Calls stream one by one: each is emitted when its ``</｜DSML｜invoke>`` arrive
 waiting for the block to close. A block whose structure breaks (stray text between tags, an
 unknown tag) is read loosely up to its closing tag, each value ending at the first closing tag,
 as a model's slip deserves; what still does not decode is given back as text.
+
+Cut by the token limit, the call being written is a partial call, wherever the cut falls: in
+the whitespace before the block (when that is all the output and there is one tool: a forced
+call starts so), in a tag, or inside a ``｜`` whose bytes the limit split (the detokenizer
+flushes them as U+FFFD after the tag's start).
 """
 
 from __future__ import annotations
@@ -94,6 +99,27 @@ def convert(raw: str, string_attr: str | None, types: set[str]) -> Any:
     return convert_value(raw, types)
 
 
+_CUT_CHAR = "\ufffd"  # a character the token limit cut mid-bytes, as the detokenizer flushes it
+
+
+def _cut_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the suffix of ``text`` that may begin one of ``tags``: a proper prefix of one
+    (``partial_suffix``), or a prefix followed by U+FFFD where the tag goes on with a non-ASCII
+    character. ``｜`` is three bytes: a limit that cuts a byte-level ``<｜DSML｜`` inside a bar
+    leaves ``<`` + U+FFFD at the end of the text."""
+    held = partial_suffix(text, tags)
+    body = text.rstrip(_CUT_CHAR)
+    bad = len(text) - len(body)
+    if not 0 < bad <= 3:  # a UTF-8 character has at most three bytes before its last
+        return held
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(body)), 0, -1):
+            if not tag[k].isascii() and body.endswith(tag[:k]):
+                held = max(held, k + bad)
+                break
+    return held
+
+
 def _skip_ws(text: str, pos: int) -> int:
     m = _WS.match(text, pos)
     assert m is not None  # \s* always matches
@@ -119,10 +145,16 @@ class DsmlToolParser:
         self._scan = 0  # where the value's scan resumes
         self._track: bool | None = None  # JSON value: follow its strings (None: not seen yet)
         self._in_str = False
+        self._quiet = True  # nothing emitted yet (all the text so far was whitespace)
 
     # -- outside a block --------------------------------------------------------------------
 
     def feed(self, text: str) -> list[ParsedEvent]:
+        out = self._feed(text)
+        self._quiet = self._quiet and not out
+        return out
+
+    def _feed(self, text: str) -> list[ParsedEvent]:
         self._buf += text
         out: list[ParsedEvent] = []
         while True:
@@ -132,7 +164,7 @@ class DsmlToolParser:
                 continue
             found = [(p, o) for o in OPENS if (p := self._buf.find(o)) >= 0]
             if not found:
-                hold = len(self._buf) - partial_suffix(self._buf, OPENS)
+                hold = len(self._buf) - _cut_suffix(self._buf, OPENS)
                 shown = self._buf[:hold].rstrip()  # whitespace may precede a block: held
                 if shown:
                     out.append(Content(shown))
@@ -208,7 +240,9 @@ class DsmlToolParser:
             return _WAIT
         end = rest.find(">")
         if end < 0:
-            could_be = any(rest[: len(s)] == s[: len(rest)] for s in _TAG_STARTS)
+            could_be = any(rest[: len(s)] == s[: len(rest)] for s in _TAG_STARTS) or (
+                _cut_suffix(rest, _TAG_STARTS) == len(rest)  # cut inside a bar
+            )
             return _WAIT if could_be and len(rest) < _MAX_TAG and "<" not in rest[1:] else _BAD
         return _TAG.fullmatch(self._buf, pos, pos + end + 1) or _BAD
 
@@ -295,8 +329,12 @@ class DsmlToolParser:
         out: list[ParsedEvent] = []
         if not self._in_block:
             head = self._buf.lstrip()
-            if truncated and head and any(o.startswith(head) for o in OPENS):
+            if truncated and head and _cut_suffix(head, OPENS) == len(head):
                 self._open_block("", OPENS[0])  # cut inside the block's opening tag
+            elif truncated and self._buf and not head and self._quiet and len(self._tools) == 1:
+                # cut inside the whitespace the template writes before a block, and nothing
+                # else written: the only tool's call (a forced call starts so)
+                self._open_block("", OPENS[0])
             elif self._buf:
                 out.append(Content(self._buf))
         if self._in_block and truncated:
@@ -334,7 +372,7 @@ class DsmlToolParser:
         if self._stage == _VALUE:
             raw = self._buf[self._value_start :]
             if not (self._track and self._in_str):  # in a JSON string it is no tag
-                raw = raw[: len(raw) - partial_suffix(raw, (PARAM_CLOSE,))]
+                raw = raw[: len(raw) - _cut_suffix(raw, (PARAM_CLOSE,))]
             if self._track is False and self._string_attr != "false":
                 value = json.dumps(raw, ensure_ascii=False)[:-1]  # the string so far, open
             else:

@@ -1,0 +1,258 @@
+"""GGUF start-up (issue 44 item 4): the header parsed once by our own reader, the byte-level
+tokenizer built without transformers, the experts read and interleaved without extra passes.
+Each fast path is checked against the path it replaced: the ``gguf`` package's reader for the
+header, transformers' GGUF conversion for the tokenizer (the same tokenizer.json), a reference
+load for the weights (bit-identical banks and parameters)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from gguf_files import write_gguf
+from tiny_models import make_tiny
+
+from freetokend import LLM
+from freetokend.engine import gguf_tokenizer
+from freetokend.engine.gguf_pretokenizers import PRE_TOKENIZER_SPLITS, TRANSFORMERS_SPLITS
+from freetokend.engine.tokenizer import Tokenizer
+from freetokend.experts.formats import expert_rows, interleaves
+from freetokend.formats import gguf_interleave
+from freetokend.formats.gguf_file import GgufFile, GgufFormatError, read_header
+from freetokend.models.gguf_loader import GgufCheckpoint
+from freetokend.models.registry import family_spec
+
+# ---- the header ----------------------------------------------------------------------------
+
+
+def _reference_metadata(path: Path) -> dict:
+    """The metadata as the ``gguf`` package's reader gives it (what GgufFile used before)."""
+    r = gguf.GGUFReader(path)
+    out = {}
+    for name, f in r.fields.items():
+        if not f.types:
+            out[name] = None
+        elif f.types[0] == V.ARRAY:
+            out[name] = list(f.contents())
+        else:
+            out[name] = f.contents()
+    return out
+
+
+def _every_type(path: Path, endian: gguf.GGUFEndian) -> Path:
+    w = gguf.GGUFWriter(path, "qwen3moe", endianess=endian)
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "Grüße 日本語 🚀")
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, 0.25])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.strs", ["a", "", "Ġhello", "<|im_end|>"])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_tensor("a.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.add_tensor("b.weight", np.ones((3, 32), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_header_equals_the_gguf_packages_reader(tmp_path, endian):
+    path = _every_type(tmp_path / "t.gguf", endian)
+    h = read_header(path)
+    ref = _reference_metadata(path)
+    assert list(h.metadata) == list(ref)
+    for k, v in ref.items():
+        assert h.metadata[k] == v and type(h.metadata[k]) is type(v), k
+        if isinstance(v, list):
+            assert [type(x) for x in h.metadata[k]] == [type(x) for x in v], k
+    r = gguf.GGUFReader(path)
+    assert {t.name: int(t.data_offset) for t in r.tensors} == {
+        n: t.offset for n, t in h.tensors.items()
+    }
+    if endian == gguf.GGUFEndian.LITTLE:  # tensor data (the reader maps it as stored)
+        with GgufFile(path, h) as f:
+            a = f.read_float(h.tensors["a.weight"])
+        assert a.numpy().tolist() == np.arange(64, dtype=np.float32).reshape(2, 32).tolist()
+
+
+def test_a_header_given_is_reused_only_while_the_file_is_unchanged(tmp_path):
+    path = _every_type(tmp_path / "t.gguf", gguf.GGUFEndian.LITTLE)
+    h = read_header(path)
+    with GgufFile(path, h) as f:
+        assert f.header is h
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data) + b"\0" * 64)  # another file now: parsed again
+    assert not h.current()
+    with GgufFile(path, h) as f:
+        assert f.header is not h and f.metadata == h.metadata
+
+
+@pytest.mark.parametrize("cut", [30, 200, 400])
+def test_truncated_header_is_a_format_error(tmp_path, cut):
+    path = _every_type(tmp_path / "t.gguf", gguf.GGUFEndian.LITTLE)
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(GgufFormatError, match=r"t\.gguf: corrupt or unsupported GGUF header"):
+        read_header(path)
+
+
+# ---- the tokenizer -------------------------------------------------------------------------
+
+
+def _alphabet() -> list[str]:
+    return list(gguf_tokenizer._byte_spelling().values())
+
+
+def _cases() -> dict[str, dict]:
+    """Byte-level vocabularies exercising what the conversion does beyond vocab and merges:
+    tokens outside the byte alphabet (respelled), a duplicate after respelling, control tokens
+    (special), a mislabelled control token, user-defined tokens, <|endoftext|> present as a
+    control, a user-defined or a normal token, or absent (transformers adds it)."""
+    a = _alphabet()
+    tokens = [*a, "ab", "abc", "<s>", "</s>", "<think>", "x y", "é", "<｜bos｜>", "<|endoftext|>"]
+    tokens.append("Ġhello")
+    types = [1] * (len(a) + 2) + [3, 3, 4, 4, 1, 3, 1, 1]
+    return {
+        "eot-control": dict(tokens=tokens, token_type=types[:-2] + [3, 1]),
+        "eot-normal": dict(tokens=tokens, token_type=types),
+        "eot-user": dict(tokens=tokens, token_type=types[:-2] + [4, 1]),
+        "no-eot": dict(tokens=[*tokens[:-2], "zz", "Ġhello"], token_type=types),
+        "no-types": dict(tokens=tokens),
+    }
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "qwen35", "llama-bpe", "deepseek-v3", "gpt-2"])
+@pytest.mark.parametrize("case", list(_cases()))
+def test_byte_level_tokenizer_equals_transformers_conversion(pre, case):
+    convert = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    from freetokend.engine.gguf_pretokenizers import apply_pre_tokenizer
+
+    tok = {"tokenizer_type": "gpt2", "pre_tokenizer_type": pre, "merges": ["a b", "ab c"]}
+    tok |= _cases()[case]
+    assert gguf_tokenizer._direct(tok)
+    ref, _ = convert.convert_gguf_tokenizer("qwen3moe", dict(tok))
+    apply_pre_tokenizer(ref, pre, "test")
+    ours = gguf_tokenizer._byte_level(tok)
+    assert json.loads(ours.to_str()) == json.loads(ref.to_str())
+
+
+def test_the_copy_of_transformers_splits_matches_the_installed_table():
+    convert = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    table = convert.GGUF_PRE_TOKENIZER_SPLITS
+    assert {k: table.get(k) for k in TRANSFORMERS_SPLITS} == TRANSFORMERS_SPLITS
+    assert not set(TRANSFORMERS_SPLITS) & set(PRE_TOKENIZER_SPLITS)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(builtin_model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf-startup")
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
+    over = dict(hidden_size=256, moe_intermediate_size=256, mlp_only_layers=[], vocab_size=vocab)
+    hf = make_tiny("qwen3_moe", d / "hf", seed=3, **over)[1]
+    return write_gguf(
+        "qwen3_moe", hf, d / "m.gguf", "kmix", tokenizer=builtin_model_dir,
+        expert_types=(Q.Q4_K, Q.Q6_K),
+    )  # fmt: skip
+
+
+def test_file_tokenizer_built_without_transformers(gguf_path, monkeypatch):
+    """The file's byte-level vocabulary is built directly (transformers' conversion never runs)
+    and equals what that conversion gives: the same tokenizer.json, ids and fields."""
+    convert = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    arch, tok, cfg = convert.get_gguf_tokenizer(str(gguf_path))
+    assert gguf_tokenizer.tokenizer_fields(read_header(gguf_path).metadata) == (arch, tok, cfg)
+    ref, _ = convert.convert_gguf_tokenizer(arch, tok)
+
+    def refuse(*a: object) -> None:
+        raise AssertionError("transformers' conversion ran")
+
+    monkeypatch.setattr(gguf_tokenizer, "_converted", refuse)
+    ours = gguf_tokenizer.tokenizer_from_gguf(gguf_path)
+    assert json.loads(ours.backend.to_str()) == json.loads(ref.to_str())
+    text = "Hello world! Grüße 日本語 <|im_start|>user\nhi<think>ok</think><|im_end|>"
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids
+
+
+# ---- the weights ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    return LLM(gguf_path, max_model_len=64, kv_tokens=256)  # cpu: interleaved, huge pages
+
+
+def test_expert_banks_are_the_files_blocks(llm, gguf_path):
+    """Every expert's rows in the banks, de-interleaved by the torch reference (not the native
+    moves that interleaved them at load), are the file's bytes: gate rows, then up rows."""
+    banks, cfg = llm.banks, llm.config
+    assert banks.format != "bf16" and banks.interleaved
+    e = cfg.num_experts
+    with GgufCheckpoint(gguf_path) as ck:
+        for layer in range(cfg.num_layers):
+            base = cfg.moe_layer_index[layer] * e
+            f = {p: ck.files[0].read_raw(ck.tensors[f"blk.{layer}.ffn_{p}_exps.weight"][1])
+                 for p in ("gate", "up", "down")}  # fmt: skip
+            fmts = {p: ck.tensors[f"blk.{layer}.ffn_{p}_exps.weight"][1].type_name.lower()
+                    for p in ("gate", "down")}  # fmt: skip
+            for proj, want in (
+                ("gate_up", torch.cat([f["gate"], f["up"]], 1)),
+                ("down", f["down"]),
+            ):
+                got = expert_rows(banks, proj, base, e)
+                fmt = fmts["gate" if proj == "gate_up" else "down"]
+                for x in range(e):
+                    rows = got[x]
+                    if interleaves(proj, fmt, rows.shape[0]):  # groups of 8 rows
+                        rows = gguf_interleave.deinterleave(rows, fmt, native=False)
+                    assert torch.equal(rows, want[x]), (layer, proj, x)
+
+
+def test_dense_weights_equal_a_whole_tensor_read(llm, gguf_path):
+    """Float parameters (the token embedding dequantized a slice of rows at a time) equal the
+    whole tensor dequantized at once, cast as before; projections kept in blocks hold the
+    file's rows."""
+    params = dict(llm.model.named_parameters())
+    checked = kept = 0
+    with GgufCheckpoint(gguf_path) as ck:
+        for name, canon, src in ck.sources(llm.config):
+            if canon.startswith("experts:"):
+                continue
+            mod = llm.model.get_submodule(canon.rsplit(".", 1)[0])
+            qw = getattr(mod, "qweight", None)
+            if qw is not None and canon.endswith(".weight"):
+                raw = src.f.read_raw(src.t)
+                assert torch.equal(qw.gguf_raw(), raw), name
+                kept += 1
+            elif canon in params:
+                assert torch.equal(params[canon], src.read().to(params[canon].dtype)), name
+                checked += 1
+    assert kept and checked
+    assert llm.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_anchor_ids_are_the_reference_tokenizers(llm, builtin_model_dir):
+    ref = Tokenizer.from_dir(builtin_model_dir)
+    want = {}
+    for text, kind in family_spec(llm.config.family).anchors:
+        tid = ref.token_to_id(text)
+        if tid is not None:
+            want[tid] = kind
+    assert want and llm._anchor_ids() == want
