@@ -23,6 +23,8 @@ FAMILIES = (
     "glm4_moe_lite",
     "minimax_m2",
     "gemma4",
+    "deepseek_v32",
+    "glm_moe_dsa",
     "deepseek_v4",
 )
 
@@ -54,6 +56,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
         mlp_layer_types=["sparse", "dense", "sparse"],
         rope_interleave=False,
         attention_bias=True,
+    ),
+    # DSA: ungrouped router, no shared expert, every layer sparse, biases, a smaller top-k over
+    # wider index keys (top-5 and top-7 each meet a near tie within 1e-5 at the boundary)
+    "deepseek_v32:flat": dict(
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=3,
+        n_shared_experts=0,
+        first_k_dense_replace=0,
+        attention_bias=True,
+        index_topk=6,
+        index_head_dim=24,
+    ),
+    # two shared-indexer layers in a row, dense layers between sparse ones, another top-k
+    "glm_moe_dsa:shared2": dict(
+        num_hidden_layers=4,
+        indexer_types=["full", "shared", "shared", "full"],
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        index_topk=6,
+        index_head_dim=12,
     ),
     "minimax_m2:k3": dict(num_experts_per_tok=3, rotary_dim=16, num_key_value_heads=4),
     # per-layer input embeddings, the last two layers sharing KV, separate V on global layers,
@@ -243,6 +265,40 @@ def hf_config(family: str, **over: Any) -> Any:
         )
         c.pop("head_dim")
         cls = tf.Glm4MoeLiteConfig
+    elif family in ("deepseek_v32", "glm_moe_dsa"):
+        # DSA: the index top-k below the tests' prompts (3 to 44 tokens), so selection matters;
+        # 32 indexer heads keep the index scores free of ties at the top-k boundary (with 2, many
+        # are exactly 0 and transformers' torch.topk breaks such ties differently with the row's
+        # length; with 16, one query of the family tests scores 0 against every key):
+        # tests/test_dsa.py checks both
+        c.update(
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=48,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            num_key_value_heads=4,
+            index_topk=8,
+            index_head_dim=16,
+            index_n_heads=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        c.pop("head_dim")
+        if family == "glm_moe_dsa":
+            c["indexer_types"] = ["full", "shared", "full"]
+            cls = tf.GlmMoeDsaConfig
+        else:
+            cls = tf.DeepseekV32Config
     elif family == "minimax_m2":
         c.update(
             num_hidden_layers=2,
@@ -363,6 +419,8 @@ def hf_model_class(family: str) -> Any:
         "glm4_moe_lite": tf.Glm4MoeLiteForCausalLM,
         "minimax_m2": tf.MiniMaxM2ForCausalLM,
         "gemma4": tf.Gemma4ForCausalLM,
+        "deepseek_v32": tf.DeepseekV32ForCausalLM,
+        "glm_moe_dsa": tf.GlmMoeDsaForCausalLM,
         "deepseek_v4": tf.DeepseekV4ForCausalLM,
     }[family.split(":")[0]]
 

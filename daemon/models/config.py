@@ -115,6 +115,14 @@ class ModelConfig:
     hidden_size_per_layer_input: int = 0  # per-layer input embeddings (0: none)
     vocab_size_per_layer_input: int = 0
     final_logit_softcapping: float | None = None  # logits = c tanh(logits / c)
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA over the keys a Lightning Indexer
+    # selects per query (layers/dsa.py); index_topk 0: dense MLA
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleaved: bool = False  # the indexer's rope: interleaved pairs, else halves
+    # per layer: True where the layer has no indexer and reuses the previous one's selection
+    index_shared: tuple[bool, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -19,6 +19,7 @@ from .layers import cpu_decode
 from .layers.attention import Attention, decode_workspace_bytes
 from .layers.common import DenseMLP, Linear, RMSNorm, Weight, dtype_of
 from .layers.deltanet import GatedDeltaNet
+from .layers.dsa import SparseMLAttention, pool_row_widths
 from .layers.mla import MLAttention
 from .layers.moe import SparseMoE
 from .layers.rope import Rope
@@ -36,6 +37,8 @@ class DecoderLayer(nn.Module):
         self.linear_attn: GatedDeltaNet | None = None
         if self.kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype)
+        elif cfg.is_mla and cfg.index_topk:  # DeepSeek Sparse Attention
+            self.self_attn = SparseMLAttention(cfg, i, mixer_index, dtype)
         elif cfg.is_mla:
             self.self_attn = MLAttention(cfg, mixer_index, dtype)
         else:
@@ -98,6 +101,9 @@ class CausalLM(nn.Module):
         )
         # per pool layer (kv_heads, head_dim) when layers differ (Gemma-4); None: kv_geometry
         self.kv_layer_shapes: tuple[tuple[int, int], ...] | None = None
+        if cfg.is_mla and cfg.index_topk:  # DSA: index keys beside the latents (layers/dsa.py)
+            self.kv_layer_shapes = tuple((1, w) for w in pool_row_widths(cfg))
+            self.kv_geometry = max(self.kv_layer_shapes)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.rope)

@@ -146,6 +146,16 @@ class Compressor(nn.Module):
         return new
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The Lightning Indexer's scores: q [N, heads, D] (fp32), keys [E, D], weights [N, heads]
+    (x W_w) -> [N, E] fp32, sum_h weights(t, h) / sqrt(heads) * relu(q(t, h) . k_s) / sqrt(D).
+    Shared by DeepSeek-V4's compressed entries and DeepSeek-V3.2 / GLM-5's per-token keys."""
+    heads, dim = q.shape[1], q.shape[2]
+    dots = F.relu(torch.einsum("nhd,ed->nhe", q, keys.float())) * dim**-0.5
+    w = weights.float() * heads**-0.5
+    return (dots * w.unsqueeze(-1)).sum(1)
+
+
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [N, E] (-inf: not selectable) -> [N, min(k, E)] entry indices, best first; -1
     where fewer than k entries are selectable.
@@ -191,9 +201,7 @@ class Indexer(nn.Module):
         """[N, E] index scores of each query against the entries; -inf where not visible."""
         n = x.shape[0]
         q = rotate_tail(self.q_b_proj(q_res).view(n, self.heads, self.dim), cos, sin)
-        dots = F.relu(torch.einsum("nhd,ed->nhe", q, entries.float())) * self.dim**-0.5
-        w = self.weights_proj(x).float() * self.heads**-0.5
-        s = (dots * w.unsqueeze(-1)).sum(1)
+        s = index_scores(q, entries, self.weights_proj(x))
         ent = torch.arange(entries.shape[0], device=x.device)
         hidden = ent.unsqueeze(0) >= visible_entries(positions, self.rate).unsqueeze(1)
         return s.masked_fill(hidden, float("-inf"))

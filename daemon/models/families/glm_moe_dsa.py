@@ -1,0 +1,82 @@
+"""GLM-5 (``GlmMoeDsaForCausalLM``): DeepSeek-V3.2's sparse attention (``deepseek_v32``) with
+two differences: the indexer's rope rotates interleaved pairs, and layers whose
+``indexer_types`` entry is "shared" have no indexer of their own but reuse the selection of the
+last layer that has one. Without ``indexer_types`` the pattern comes, as in transformers, from
+``index_topk_pattern`` ("F" full, "S" shared) or from ``index_topk_freq`` /
+``index_skip_topk_offset``.
+
+Output syntax: GLM-4.7's (``glm_xml`` tool calls, ``<think>`` reasoning, GLM-4.5's anchors).
+GLM-5's own chat template could not be checked offline; a template that reveals another syntax
+overrides this default (``detect_syntax``).
+
+No GGUF rules: reading llama.cpp's files of this family is not built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ConfigError
+from .deepseek_v32 import dsa_fields, dsa_moe_layers, dsa_normalize
+from .glm4_moe import GLM_ANCHORS
+from .spec import FamilySpec, HfRules
+
+
+def _shared_layers(text: dict[str, Any], n: int, source: str) -> tuple[bool, ...]:
+    """Per layer: True where its indexer type is "shared"."""
+    kinds = text.get("indexer_types")
+    if kinds is None:
+        pattern = text.get("index_topk_pattern")
+        if isinstance(pattern, str):
+            letters = {"F": "full", "S": "shared"}
+            if set(pattern) - set(letters):
+                raise ConfigError(f"{source}: field 'index_topk_pattern' must be of 'F' and 'S'")
+            kinds = [letters[c] for c in pattern]
+        elif pattern is not None:
+            kinds = list(pattern)
+        else:
+            freq = max(int(text.get("index_topk_freq") or 1), 1)
+            offset = int(text.get("index_skip_topk_offset", 2))
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n or set(kinds) - {"full", "shared"}:
+        raise ConfigError(f"{source}: field 'indexer_types' must list {n} 'full' / 'shared'")
+    if n and kinds[0] != "full":
+        raise ConfigError(f"{source}: field 'indexer_types': layer 0 has no indexer to share")
+    return tuple(k == "shared" for k in kinds)
+
+
+SPEC = FamilySpec(
+    architectures=("GlmMoeDsaForCausalLM",),
+    hf=HfRules(
+        # transformers' GlmMoeDsaConfig defaults
+        defaults=dict(
+            q_lora_rank=2048,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            first_k_dense_replace=3,
+            index_topk=2048,
+            index_head_dim=128,
+            index_n_heads=32,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=202752,
+            num_nextn_predict_layers=1,  # transformers skips model.layers.<n> (the MTP layer)
+        ),
+        fixed={"router_kind": "sigmoid_group"},
+        mla=True,
+        grouped_router=True,
+        shared_expert="plain",
+        norm_topk_default=True,
+        moe_layers=dsa_moe_layers,
+        normalize=dsa_normalize,
+        fields=dsa_fields(interleaved=True, shared=_shared_layers),
+    ),
+    tool_syntax="glm_xml",
+    reasoning_syntax="think",
+    renames=(
+        (r"\.mlp\.gate\.weight$", ".mlp.router.weight"),
+        (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.score_bias"),
+        (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
+    ),
+    anchors=GLM_ANCHORS,
+)
