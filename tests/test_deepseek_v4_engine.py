@@ -15,10 +15,13 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.engine.graphs import static_decode_blocker
+from freetokend.engine.plan import DECODE_ROWS, MIB, plan_model
 from freetokend.engine.runner import Work
+from freetokend.experts.backend import moe_activation_bytes
 from freetokend.experts.banks import Activation, activation_of
-from freetokend.models.deepseek_v4_model import DeepseekV4CausalLM
+from freetokend.models.deepseek_v4_model import DeepseekV4CausalLM, V4SeqState
 from freetokend.models.layers.decode_lane import DecodeLane
+from freetokend.models.model import kv_bytes_per_token
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +83,61 @@ def test_release_gives_a_fresh_state(tiny):
     again = runner.forward([Work(st, ids)])
     runner.release(st)
     assert torch.equal(first, again)
+
+
+# ---- accounting: what a V4 sequence holds beside the KV pool -------------------------------------
+
+# the tiny config: window 8 (7 keys) of head_dim 32 in 4 layers; CSA (rate 4) compressor width 64
+# with a [4, 32] overlap, its indexer width 32 with a [4, 16] overlap; HCA (rate 8) width 32
+PER_TOKEN = 2 * 4 * (32 + 16) // 4 + 4 * 32 // 8  # the entries: 112 bytes per token
+PER_SEQ = (
+    4 * 7 * 32 * 4 + 2 * (2 * 3 * 64 * 4 + 2 * 4 * 32 * 4) + 2 * (2 * 3 * 32 * 4 + 2 * 4 * 16 * 4)
+)
+PER_SEQ += 2 * 7 * 32 * 4  # the HCA layer's open window
+
+
+def test_state_bytes_are_what_the_state_holds(tiny):
+    """The model's formula for a sequence's state equals the tensors' bytes at every length
+    (prefill, then decode steps through open and closing windows), within the per-sequence
+    and per-token bounds the planner uses."""
+    d, _ = tiny
+    llm = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, prefix_cache=False)
+    model, runner = llm.model, llm.runner
+    assert isinstance(model, DeepseekV4CausalLM)
+    assert model.state_bytes_per_token() == PER_TOKEN
+    assert model.state_bytes_per_seq() == PER_SEQ
+    assert kv_bytes_per_token(model) == PER_TOKEN  # no pool layer: the entries alone
+    st = runner.new_state()
+    assert st.v4 is not None and st.v4.nbytes == model.state_bytes(0) == 0
+    runner.forward([Work(st, list(range(3, 16)))])  # 13 tokens
+    for t in range(16, 40):
+        assert isinstance(st.v4, V4SeqState)
+        n = st.v4.num_tokens
+        assert st.v4.nbytes == model.state_bytes(n), n
+        assert st.v4.nbytes <= PER_SEQ + n * PER_TOKEN
+        runner.forward([Work(st, [t])])
+    runner.release(st)
+
+
+def test_plan_counts_the_state(tiny):
+    """`ftctl plan` counts V4's entries with the KV pool's tokens and its windows per decode
+    row, on the card and on the host; the slot budget of a V4 engine on a card reserves them."""
+    d, _ = tiny
+    on_card = plan_model(d, vram_mib=1024, ram_mib=1 << 20, backend="offload")
+    assert on_card.fits, on_card.reason
+    assert on_card.parts_mib["kv_cache"] == on_card.kv_tokens * PER_TOKEN / MIB > 0
+    assert on_card.parts_mib["model_state"] == DECODE_ROWS * PER_SEQ / MIB
+    assert on_card.placement["model_state"] == "cuda"
+    host = plan_model(d, vram_mib=1024, ram_mib=1 << 20, backend="cpu")
+    assert host.parts_mib["kv_cache"] == host.kv_tokens * PER_TOKEN / MIB > 0
+    llm = LLM(d, "offload", accelerator="fake-cuda", vram_mib=1024, kv_tokens=512, max_batch=4)
+    try:
+        assert llm.slot_budget.kv_bytes_per_token == PER_TOKEN
+        assert llm.slot_budget.kv_reserve_tokens == 512
+        # the snapshots' budget (V4's state lives on the card) and 4 sequences' fixed state
+        cfg, ec = llm.config, llm.engine_config
+        act = moe_activation_bytes(ec.max_step_tokens, cfg.top_k, 64, 32)
+        snapshots = int(ec.snapshot_budget_mb * 2**20)
+        assert llm.slot_budget.activation_bytes == act + snapshots + 4 * PER_SEQ
+    finally:
+        llm.close()

@@ -47,6 +47,7 @@ from .placement import (
     Placement,
     dense_device_bytes,
     device_snapshot_bytes,
+    device_state_bytes,
     kv_tokens_for,
     place_dense,
 )
@@ -67,9 +68,10 @@ def _slot_budget(
     attention_bytes: int = 0,
 ) -> SlotBudget:
     """What the default slot count leaves free on the device: the KV pool (K + V of every
-    attention layer per token, allocated after the slots), one step's MoE activations, the
-    recurrent-state snapshots' budget when they live there and decode attention's work
-    buffers (``attention_bytes``)."""
+    attention layer per token, allocated after the slots; with DeepSeek-V4's entries), one
+    step's MoE activations, ``snapshot_bytes`` (the state snapshots' budget when they live
+    there, and the sequences' own state beside the pool) and decode attention's work buffers
+    (``attention_bytes``)."""
     kv = kv_bytes_per_token(model)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
     return SlotBudget(
@@ -202,17 +204,19 @@ def budget(
     snapshots: int,
     config: EngineConfig,
 ) -> SlotBudget:
-    """The slot budget: on a device, the KV pool (allocated after the slots) and decode
+    """The slot budget: on a device, the KV pool (allocated after the slots), decode
     attention's work buffers at the widest decode batch (the engine's, or the largest graph
-    bucket with its padding rows) over the longest context."""
+    bucket with its padding rows) over the longest context, and the model's own state of
+    ``max_batch`` sequences beside the pool (DeepSeek-V4)."""
 
     on_device = placement.on_device
     page_size = config.page_size
     rows = max(config.max_batch, *BATCH_BUCKETS)
     keys = _decode_keys(max_model_len, page_size)
     attn = decode_attention_bytes(model, rows, keys, page_size) if on_device else 0
+    states = device_state_bytes(model, config.max_batch, on_device)
     return _slot_budget(model, cfg, config.max_step_tokens,
-                        kv_tokens if on_device else 0, snapshots, attn)  # fmt: skip
+                        kv_tokens if on_device else 0, snapshots + states, attn)  # fmt: skip
 
 
 def backend(

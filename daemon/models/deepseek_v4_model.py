@@ -37,6 +37,7 @@ decode, or a prefill cut anywhere (inside open windows too), gives the same resu
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -170,6 +171,10 @@ class V4SeqState:
     def clone(self) -> V4SeqState:
         return V4SeqState([s.clone() for s in self.layers], self.num_tokens)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers)
+
 
 class _V4Body(nn.Module):
     """The modules of a V4 model, shared by the one-sequence `DeepseekV4LM` and the engine's
@@ -195,6 +200,10 @@ class _V4Body(nn.Module):
 
     def new_state(self, device: torch.device | None = None) -> V4SeqState:
         return V4SeqState([la.self_attn.empty_state(device) for la in self._layers])
+
+    def state_bytes(self, tokens: int) -> int:
+        """Bytes of the `V4SeqState` of a sequence of ``tokens`` tokens (its ``nbytes``)."""
+        return sum(la.self_attn.state_bytes(tokens) for la in self._layers)
 
     def _ropes(
         self, pos: torch.Tensor, max_position: int | None = None
@@ -245,7 +254,17 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
 
     First version: the whole state lives per sequence, none of it in the paged KV pool (the
     model has no pool layer: ``num_attention_layers`` 0), and the prefix cache is off for V4
-    (engine/build.py); the module docstring's design maps it onto the pool."""
+    (engine/build.py); the module docstring's design maps it onto the pool.
+
+    Accounting: what a sequence's state grows by per token (the compressed entries) is
+    ``state_bytes_per_token``, counted by ``kv_bytes_per_token`` with the pool's tokens (the
+    planner's KV share, the slot budget's KV reserve); what it holds whatever its length (the
+    windows' keys, the open compressor windows, the CSA overlaps) is ``state_bytes_per_seq``,
+    reserved per sequence in flight (engine/placement.device_state_bytes). The pool's pages,
+    one 1 x 1 layer, are the token ledger admission and preemption run on: a V4 sequence holds
+    a page per ``page_size`` tokens as any other."""
+
+    own_state = True  # SeqState.v4
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)  # not CausalLM's modules
@@ -262,6 +281,16 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
 
     def new_v4_state(self, device: torch.device | None = None) -> V4SeqState:
         return self.new_state(device)
+
+    def state_bytes_per_token(self) -> int:
+        """What a sequence's state grows by per token, rounded up: the compressed entries (and
+        the indexer's), one per ``rate`` tokens per layer."""
+        return math.ceil(sum(la.self_attn.state_growth() for la in self._layers))
+
+    def state_bytes_per_seq(self) -> int:
+        """The most a sequence's state holds beside its entries: every layer's full window of
+        keys, its compressors' open windows and CSA overlaps."""
+        return sum(la.self_attn.max_fixed_bytes() for la in self._layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # type: ignore[override]
