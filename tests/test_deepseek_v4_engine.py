@@ -85,6 +85,17 @@ def test_release_gives_a_fresh_state(tiny):
     assert torch.equal(first, again)
 
 
+def test_a_step_without_logits_rows(tiny):
+    """A prefill chunk that wants no logits (a long prompt's first chunks, or a chunk cut at a
+    snapshot point) runs: the last hyper-connection head over zero rows."""
+    d, _ = tiny
+    llm = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, prefix_cache=False)
+    runner = llm.runner
+    st = runner.new_state()
+    out = runner.forward([Work(st, list(range(3, 12)), want_logits=False)])
+    assert out.shape == (0, 97) and st.num_tokens == 9
+    runner.release(st)
+
 # ---- accounting: what a V4 sequence holds beside the KV pool -------------------------------------
 
 # the tiny config: window 8 (7 keys) of head_dim 32 in 4 layers; CSA (rate 4) compressor width 64
