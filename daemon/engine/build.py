@@ -31,7 +31,6 @@ from ..formats.errors import CheckpointError
 from ..formats.gguf_file import GgufFormatError, GgufHeader, read_headers, set_name
 from ..kv.spill import SnapshotSpill, engine_fingerprint
 from ..models.config import ModelConfig
-from ..models.deepseek_v4_model import DeepseekV4CausalLM
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import back_with_huge_pages, weight_tensors
@@ -332,24 +331,25 @@ def prefix_reuse(
     config: EngineConfig,
     anchor_ids: Callable[[], dict[int, str]],
 ) -> PrefixReuse | None:
-    """The prefix cache (KV radix tree and recurrent-state snapshots), unless turned off."""
+    """The prefix cache (KV radix tree, and snapshots of the recurrent state or of a model's own
+    state: DeepSeek-V4's), unless turned off."""
     if not config.prefix_cache:
-        return None
-    if isinstance(model, DeepseekV4CausalLM):
-        log.info(
-            "prefix cache: off for DeepSeek-V4 (its attention state is per sequence, outside "
-            "the KV pool, and has no snapshots yet: a prefix hit could not resume it)"
-        )
         return None
     policy_text = config.snapshot_policy
     policy = SnapshotPolicy.parse(
         policy_text, anchor_ids() if policy_text.startswith("anchors") else {}
     )
+    # a model's own state (DeepSeek-V4's) resumes from snapshots, as the DeltaNet state does
+    if model.own_state and config.state_dir is not None:
+        log.info(
+            "prefix cache: %s's state snapshots stay in memory (not spilled)", model.cfg.family
+        )
     return PrefixReuse(
         runner.kv,
-        model.num_linear_layers > 0,
+        model.num_linear_layers > 0 or model.own_state,
         policy,
         int(config.snapshot_budget_mb * 2**20),
+        state_bytes=model.state_bytes if model.own_state else None,
     )
 
 
