@@ -88,7 +88,6 @@ def test_release_gives_a_fresh_state(tiny):
     assert torch.equal(first, again)
 
 
-
 def test_a_step_without_logits_rows(tiny):
     """A prefill chunk that wants no logits (a long prompt's first chunks, or a chunk cut at a
     snapshot point) runs: the last hyper-connection head over zero rows."""
@@ -99,6 +98,7 @@ def test_a_step_without_logits_rows(tiny):
     out = runner.forward([Work(st, list(range(3, 12)), want_logits=False)])
     assert out.shape == (0, 97) and st.num_tokens == 9
     runner.release(st)
+
 
 # ---- accounting: what a V4 sequence holds beside the KV pool -------------------------------------
 
