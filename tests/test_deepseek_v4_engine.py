@@ -1,11 +1,14 @@
 """DeepSeek-V4 under the engine (models/deepseek_v4_model.py ``DeepseekV4CausalLM``), beyond
 what tests/test_engine_families.py checks for every family: what it loads where (hash tables as
 buffers, routed experts in banks, MTP tensors skipped with one log line), that no fast path
-picks it up, that the prefix cache is off with a reason, and that a released sequence starts
-again from a fresh state. Values against transformers: test_engine_families -k deepseek_v4."""
+picks it up, that a released sequence starts again from a fresh state; what the planner and the
+slot budget count for its state; the prefix cache resuming from snapshots of that state (inside
+an open compressor window too) exactly as a cold run, batched as one by one. Values against
+transformers: test_engine_families -k deepseek_v4."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -15,10 +18,14 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.engine.graphs import static_decode_blocker
+from freetokend.engine.plan import DECODE_ROWS, MIB, plan_model
 from freetokend.engine.runner import Work
+from freetokend.engine.sampler import SamplingParams
+from freetokend.experts.backend import moe_activation_bytes
 from freetokend.experts.banks import Activation, activation_of
-from freetokend.models.deepseek_v4_model import DeepseekV4CausalLM
+from freetokend.models.deepseek_v4_model import DeepseekV4CausalLM, V4SeqState
 from freetokend.models.layers.decode_lane import DecodeLane
+from freetokend.models.model import kv_bytes_per_token
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +59,7 @@ def test_loads_tables_banks_and_skips_mtp(tiny, caplog):
     assert torch.equal(banks.gate_up[2 * 8 + 5, :32], w1)
     msgs = [r.getMessage() for r in caplog.records]
     assert any("multi-token-prediction" in m and "skipped 2 tensors" in m for m in msgs), msgs
-    assert any("prefix cache: off for DeepSeek-V4" in m for m in msgs), msgs
-    assert llm.engine.prefix is None
+    assert llm.engine.prefix is not None  # on: resumes from snapshots (tests below)
 
 
 def test_no_fast_path_takes_it(tiny):
@@ -80,3 +86,194 @@ def test_release_gives_a_fresh_state(tiny):
     again = runner.forward([Work(st, ids)])
     runner.release(st)
     assert torch.equal(first, again)
+
+
+def test_a_step_without_logits_rows(tiny):
+    """A prefill chunk that wants no logits (a long prompt's first chunks, or a chunk cut at a
+    snapshot point) runs: the last hyper-connection head over zero rows."""
+    d, _ = tiny
+    llm = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, prefix_cache=False)
+    runner = llm.runner
+    st = runner.new_state()
+    out = runner.forward([Work(st, list(range(3, 12)), want_logits=False)])
+    assert out.shape == (0, 97) and st.num_tokens == 9
+    runner.release(st)
+
+
+# ---- accounting: what a V4 sequence holds beside the KV pool -------------------------------------
+
+# the tiny config: window 8 (7 keys) of head_dim 32 in 4 layers; CSA (rate 4) compressor width 64
+# with a [4, 32] overlap, its indexer width 32 with a [4, 16] overlap; HCA (rate 8) width 32
+PER_TOKEN = 2 * 4 * (32 + 16) // 4 + 4 * 32 // 8  # the entries: 112 bytes per token
+PER_SEQ = (
+    4 * 7 * 32 * 4 + 2 * (2 * 3 * 64 * 4 + 2 * 4 * 32 * 4) + 2 * (2 * 3 * 32 * 4 + 2 * 4 * 16 * 4)
+)
+PER_SEQ += 2 * 7 * 32 * 4  # the HCA layer's open window
+
+
+def test_state_bytes_are_what_the_state_holds(tiny):
+    """The model's formula for a sequence's state equals the tensors' bytes at every length
+    (prefill, then decode steps through open and closing windows), within the per-sequence
+    and per-token bounds the planner uses."""
+    d, _ = tiny
+    llm = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, prefix_cache=False)
+    model, runner = llm.model, llm.runner
+    assert isinstance(model, DeepseekV4CausalLM)
+    assert model.state_bytes_per_token() == PER_TOKEN
+    assert model.state_bytes_per_seq() == PER_SEQ
+    assert kv_bytes_per_token(model) == PER_TOKEN  # no pool layer: the entries alone
+    st = runner.new_state()
+    assert st.v4 is not None and st.v4.nbytes == model.state_bytes(0) == 0
+    runner.forward([Work(st, list(range(3, 16)))])  # 13 tokens
+    for t in range(16, 40):
+        assert isinstance(st.v4, V4SeqState)
+        n = st.v4.num_tokens
+        assert st.v4.nbytes == model.state_bytes(n), n
+        assert st.v4.nbytes <= PER_SEQ + n * PER_TOKEN
+        runner.forward([Work(st, [t])])
+    runner.release(st)
+
+
+def test_plan_counts_the_state(tiny):
+    """`ftctl plan` counts V4's entries with the KV pool's tokens and its windows per decode
+    row, on the card and on the host; the slot budget of a V4 engine on a card reserves them."""
+    d, _ = tiny
+    on_card = plan_model(d, vram_mib=1024, ram_mib=1 << 20, backend="offload")
+    assert on_card.fits, on_card.reason
+    assert on_card.parts_mib["kv_cache"] == on_card.kv_tokens * PER_TOKEN / MIB > 0
+    assert on_card.parts_mib["model_state"] == DECODE_ROWS * PER_SEQ / MIB
+    assert on_card.placement["model_state"] == "cuda"
+    host = plan_model(d, vram_mib=1024, ram_mib=1 << 20, backend="cpu")
+    assert host.parts_mib["kv_cache"] == host.kv_tokens * PER_TOKEN / MIB > 0
+    llm = LLM(d, "offload", accelerator="fake-cuda", vram_mib=1024, kv_tokens=512, max_batch=4)
+    try:
+        assert llm.slot_budget.kv_bytes_per_token == PER_TOKEN
+        assert llm.slot_budget.kv_reserve_tokens == 512
+        # the snapshots' budget (V4's state lives on the card) and 4 sequences' fixed state
+        cfg, ec = llm.config, llm.engine_config
+        act = moe_activation_bytes(ec.max_step_tokens, cfg.top_k, 64, 32)
+        snapshots = int(ec.snapshot_budget_mb * 2**20)
+        assert llm.slot_budget.activation_bytes == act + snapshots + 4 * PER_SEQ
+    finally:
+        llm.close()
+
+
+# ---- the prefix cache: resuming from snapshots of SeqState.v4 -------------------------------------
+
+
+def _serve(llm, prompts, gen=4):
+    """Runs prompts together: (generated ids, their top-3 logprobs, cached prompt tokens) each."""
+    eng = llm.engine
+    rids = [f"r{next(_ids)}" for _ in prompts]
+    for rid, p in zip(rids, prompts, strict=True):
+        eng.add_request(rid, list(p), SamplingParams(max_tokens=gen, ignore_eos=True, logprobs=3))
+    out = {r: ([], [], 0) for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            ids, tops, _ = out[o.request_id]
+            ids.append(o.token_id)
+            tops.append(o.top_logprobs)
+            out[o.request_id] = (ids, tops, o.num_cached_tokens)
+    return [out[r] for r in rids]
+
+
+_ids = itertools.count()
+BASE = [(7 * i + 3) % 90 + 5 for i in range(23)]
+
+
+def test_prefix_cache_on_with_snapshots(tiny):
+    d, _ = tiny
+    llm = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, snapshot_policy="interval:5")
+    prefix = llm.engine.prefix
+    assert prefix is not None and prefix.hybrid and prefix.snapshots is not None
+    assert prefix.state_bytes is not None and prefix.state_bytes(40) == llm.model.state_bytes(40)
+
+
+# A prefill cut elsewhere runs matmuls of other shapes: its logits differ in the last float
+# bits (measured ~3e-7 here); the same cuts give the same bits.
+TOL = 1e-5
+
+
+def _close(a, b, atol=TOL):
+    """Two _serve results: the same tokens, each step's top logprobs within ``atol``."""
+    assert a[0] == b[0]
+    for ta, tb in zip(a[1], b[1], strict=True):
+        assert [i for i, _ in ta] == [i for i, _ in tb]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(ta, tb, strict=True)) < atol
+
+
+def test_resume_inside_an_open_window_equals_a_cold_run(tiny):
+    """A request sharing 13 tokens with an earlier one resumes at its snapshot at 10 (inside an
+    open window of both rates, 4 and 8: 10 = 2 * 4 + 2 = 8 + 2). Its tokens, logprobs and
+    logits equal, exactly, a cold run's cut at the same points (a fresh engine with the same
+    snapshot policy: chunks end at 5, 10, 15), and those of a cold run in one chunk within TOL;
+    so do the logits after its own snapshot at 15."""
+    d, _ = tiny
+    kw = dict(moe_backend="cpu", max_model_len=128, kv_tokens=256, page_size=4)
+    warm = LLM(d, snapshot_policy="interval:5", **kw)
+    [(_, _, cached)] = _serve(warm, [BASE])
+    assert cached == 0
+    prefix = warm.engine.prefix
+    assert prefix is not None and prefix.snapshots is not None
+    assert {5, 10, 15, 20} <= prefix.snapshots.positions()
+    edited = BASE[:13] + [50, 51, 52, 53, 54, 55, 56]
+    # the engine: cached tokens reported, the same tokens and logprobs as without the cache
+    [resumed] = _serve(warm, [edited])
+    assert resumed[2] == 10
+    assert prefix.snapshots.restored == 1
+    [fresh] = _serve(LLM(d, snapshot_policy="interval:5", **kw), [edited])
+    assert fresh[2] == 0 and resumed[:2] == fresh[:2]
+    cold = LLM(d, prefix_cache=False, **kw)
+    [one_chunk] = _serve(cold, [edited])
+    _close(resumed, one_chunk)
+    # the logits of the fed suffix: restored at 15 (the edited request's own snapshot; 15 =
+    # 3 * 4 + 3 = 8 + 7), then 5 tokens in one chunk, against a fresh state fed [0, 5),
+    # [5, 10), [10, 15) (as the snapshot was taken), then the same 5
+    runner = warm.runner
+    st = runner.new_state()
+    assert prefix.restore(edited, st) == 15
+    assert isinstance(st.v4, V4SeqState) and st.v4.num_tokens == st.num_tokens == 15
+    csa, hca = st.v4.layers[1].compressor, st.v4.layers[2].compressor
+    assert csa is not None and hca is not None
+    assert (csa.kv.shape[0], hca.kv.shape[0]) == (3, 7)  # open windows restored
+    got = runner.forward([Work(st, edited[15:], all_logits=True)])
+    prefix.release(edited, st)
+    runner.release(st)
+    st = cold.runner.new_state()
+    for a in (0, 5, 10):
+        cold.runner.forward([Work(st, edited[a : a + 5], want_logits=False)])
+    want = cold.runner.forward([Work(st, edited[15:], all_logits=True)])
+    cold.runner.release(st)
+    assert torch.equal(got, want)
+    assert (got - cold.logits(edited)[15:]).abs().max().item() < TOL
+
+
+def test_batched_equals_one_by_one_with_the_prefix_cache(tiny):
+    """Prompts sharing prefixes (at, inside and across compressor windows) served one by one
+    (each resuming from the snapshots of the ones before) equal them served as one batch and
+    the cold engine's: the same tokens, logprobs within TOL (a batch's matmuls have other
+    shapes); preempted and re-admitted on a small pool too."""
+    d, _ = tiny
+    prompts = [
+        BASE,
+        BASE[:8] + [60, 61, 62, 63, 64, 65, 66, 67, 68],  # resumes at 5
+        BASE[:17] + [70, 71, 72],  # resumes at 15
+        BASE + [80, 81],  # resumes at 20
+    ]
+    kw = dict(moe_backend="cpu", max_model_len=128, page_size=4, snapshot_policy="interval:5")
+    one = LLM(d, kv_tokens=256, **kw)
+    alone = [_serve(one, [p])[0] for p in prompts]
+    assert [c for _, _, c in alone] == [0, 5, 15, 20]
+    batched = _serve(LLM(d, kv_tokens=256, **kw), prompts)
+    assert [c for _, _, c in batched] == [0, 0, 0, 0]  # nothing released yet to resume from
+    cold = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, prefix_cache=False)
+    want = _serve(cold, prompts)
+    for a, b, c in zip(alone, batched, want, strict=True):
+        _close(a, b)
+        _close(a, c)
+    # a pool of 12 pages (48 tokens): the batch preempts, the victims resume from snapshots
+    small = LLM(d, kv_tokens=48, **kw)
+    tight = _serve(small, prompts)
+    assert small.engine.scheduler.preemptions > 0
+    for a, c in zip(tight, want, strict=True):
+        _close(a, c)

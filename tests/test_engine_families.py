@@ -96,6 +96,6 @@ def test_batch_equals_one_by_one(tiny):
     together = llm.generate(prompts, max_tokens=10, ignore_eos=True)
     assert together == alone
     assert llm.engine.stats().kv_pages_used == 0  # no request holds pages
-    if llm.engine.prefix is not None:  # off for DeepSeek-V4 (engine/build.py prefix_reuse)
+    if llm.engine.prefix is not None:  # (the engine may be built without one)
         llm.engine.prefix.radix.clear()
     assert llm.runner.kv.num_used == 0  # and nothing leaked: the prefix cache held the rest

@@ -31,7 +31,6 @@ from ..formats.errors import CheckpointError
 from ..formats.gguf_file import GgufFormatError, GgufHeader, read_headers, set_name
 from ..kv.spill import SnapshotSpill, engine_fingerprint
 from ..models.config import ModelConfig
-from ..models.deepseek_v4_model import DeepseekV4CausalLM
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import back_with_huge_pages, weight_tensors
@@ -47,6 +46,7 @@ from .placement import (
     Placement,
     dense_device_bytes,
     device_snapshot_bytes,
+    device_state_bytes,
     kv_tokens_for,
     place_dense,
 )
@@ -67,9 +67,10 @@ def _slot_budget(
     attention_bytes: int = 0,
 ) -> SlotBudget:
     """What the default slot count leaves free on the device: the KV pool (K + V of every
-    attention layer per token, allocated after the slots), one step's MoE activations, the
-    recurrent-state snapshots' budget when they live there and decode attention's work
-    buffers (``attention_bytes``)."""
+    attention layer per token, allocated after the slots; with DeepSeek-V4's entries), one
+    step's MoE activations, ``snapshot_bytes`` (the state snapshots' budget when they live
+    there, and the sequences' own state beside the pool) and decode attention's work buffers
+    (``attention_bytes``)."""
     kv = kv_bytes_per_token(model)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
     return SlotBudget(
@@ -202,17 +203,19 @@ def budget(
     snapshots: int,
     config: EngineConfig,
 ) -> SlotBudget:
-    """The slot budget: on a device, the KV pool (allocated after the slots) and decode
+    """The slot budget: on a device, the KV pool (allocated after the slots), decode
     attention's work buffers at the widest decode batch (the engine's, or the largest graph
-    bucket with its padding rows) over the longest context."""
+    bucket with its padding rows) over the longest context, and the model's own state of
+    ``max_batch`` sequences beside the pool (DeepSeek-V4)."""
 
     on_device = placement.on_device
     page_size = config.page_size
     rows = max(config.max_batch, *BATCH_BUCKETS)
     keys = _decode_keys(max_model_len, page_size)
     attn = decode_attention_bytes(model, rows, keys, page_size) if on_device else 0
+    states = device_state_bytes(model, config.max_batch, on_device)
     return _slot_budget(model, cfg, config.max_step_tokens,
-                        kv_tokens if on_device else 0, snapshots, attn)  # fmt: skip
+                        kv_tokens if on_device else 0, snapshots + states, attn)  # fmt: skip
 
 
 def backend(
@@ -328,24 +331,25 @@ def prefix_reuse(
     config: EngineConfig,
     anchor_ids: Callable[[], dict[int, str]],
 ) -> PrefixReuse | None:
-    """The prefix cache (KV radix tree and recurrent-state snapshots), unless turned off."""
+    """The prefix cache (KV radix tree, and snapshots of the recurrent state or of a model's own
+    state: DeepSeek-V4's), unless turned off."""
     if not config.prefix_cache:
-        return None
-    if isinstance(model, DeepseekV4CausalLM):
-        log.info(
-            "prefix cache: off for DeepSeek-V4 (its attention state is per sequence, outside "
-            "the KV pool, and has no snapshots yet: a prefix hit could not resume it)"
-        )
         return None
     policy_text = config.snapshot_policy
     policy = SnapshotPolicy.parse(
         policy_text, anchor_ids() if policy_text.startswith("anchors") else {}
     )
+    # a model's own state (DeepSeek-V4's) resumes from snapshots, as the DeltaNet state does
+    if model.own_state and config.state_dir is not None:
+        log.info(
+            "prefix cache: %s's state snapshots stay in memory (not spilled)", model.cfg.family
+        )
     return PrefixReuse(
         runner.kv,
-        model.num_linear_layers > 0,
+        model.num_linear_layers > 0 or model.own_state,
         policy,
         int(config.snapshot_budget_mb * 2**20),
+        state_bytes=model.state_bytes if model.own_state else None,
     )
 
 

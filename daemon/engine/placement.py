@@ -204,9 +204,18 @@ def kv_tokens_for(
 
 
 def device_snapshot_bytes(model: Any, budget: int, on_device: bool) -> int:
-    """Device bytes the recurrent-state snapshots may take: their budget when the state lives
-    on the device (a model with linear-attention layers), else 0."""
-    return budget if on_device and int(getattr(model, "num_linear_layers", 0)) > 0 else 0
+    """Device bytes the state snapshots may take: their budget when the state lives on the
+    device (a model with linear-attention layers, or with its own state: DeepSeek-V4), else 0."""
+    stateful = int(getattr(model, "num_linear_layers", 0)) > 0 or bool(model.own_state)
+    return budget if on_device and stateful else 0
+
+
+def device_state_bytes(model: Any, rows: int, on_device: bool) -> int:
+    """Device bytes the model's own per-sequence state takes beside the KV pool for ``rows``
+    sequences in flight, past what grows per token (counted with the pool's tokens,
+    ``kv_bytes_per_token``): DeepSeek-V4's windows and open compressor windows; 0 on the host
+    or for a model without its own state."""
+    return rows * int(model.state_bytes_per_seq()) if on_device else 0
 
 
 def placement_of(model: nn.Module) -> dict[str, str]:

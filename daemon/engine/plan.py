@@ -10,6 +10,9 @@ decode steps run through the MoE layers with the real CUDA code path. Device byt
 (the CUDA context included) and an allocation beyond the card fails as it would on the GPU. Host
 RAM is what the daemon keeps resident: the expert pool (and its bf16 copy when a quantized pool
 is computed on the device), and for the ``cpu`` backend the dense weights, KV pool and snapshots.
+DeepSeek-V4 keeps its attention state per sequence beside the KV pool: what grows per token
+(its compressed entries) is counted with the pool's tokens (``kv_cache``), its fixed part
+(windows, open compressor windows) for ``DECODE_ROWS`` sequences as ``model_state``.
 
 Host syncs per decode step (``host_syncs_per_decode_step``): every point where the host waits
 for the device, of all kinds: reads of device data (``d2h`` copies, scalar reads, data-dependent
@@ -47,6 +50,7 @@ from .graphs import width_for
 from .placement import (
     dense_device_bytes,
     device_snapshot_bytes,
+    device_state_bytes,
     kv_tokens_for,
     place_dense,
     placement_of,
@@ -131,8 +135,9 @@ def plan_model(
     plan.parts_mib["dense_weights"] = dense / MIB
     plan.parts_mib["expert_pool"] = tr.host.peak / MIB
     host = tr.host.peak
-    if plan.backend == "cpu":  # the dense part, KV pool and snapshots stay on the host
-        host += dense + int(plan.parts_mib.get("kv_cache", 0) * MIB) + SNAPSHOT_MIB * MIB
+    if plan.backend == "cpu":  # the dense part, KV pool, model state and snapshots: the host
+        kv = int((plan.parts_mib.get("kv_cache", 0) + plan.parts_mib.get("model_state", 0)) * MIB)
+        host += dense + kv + SNAPSHOT_MIB * MIB
     plan.ram_peak_mib = host / MIB
     if plan.fits and plan.ram_peak_mib > ram_mib:
         plan.fits = False
@@ -161,7 +166,10 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
     plan.kv_tokens = kv_tokens_for(
         kv_tokens, kv_per_token, acc if on_device else None, DEFAULT_KV_TOKENS
     )
-    plan.parts_mib["kv_cache"] = plan.kv_tokens * kv_per_token / MIB
+    plan.parts_mib["kv_cache"] = plan.kv_tokens * kv_per_token / MIB  # V4: its entries too
+    states = DECODE_ROWS * model.state_bytes_per_seq()  # V4: windows, open compressor windows
+    if states:
+        plan.parts_mib["model_state"] = states / MIB
     attention = 0
     if on_device:  # decode attention's work buffers at the widest batch, longest context
         context = min(cfg.max_position_embeddings, plan.kv_tokens)
@@ -182,7 +190,8 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
         activation_bytes=moe_activation_bytes(
             PROMPT_TOKENS, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size
         )
-        + device_snapshot_bytes(model, SNAPSHOT_MIB * MIB, on_device),
+        + device_snapshot_bytes(model, SNAPSHOT_MIB * MIB, on_device)
+        + device_state_bytes(model, DECODE_ROWS, on_device),
         attention_bytes=attention,
     )
     be: Any = create_backend(
@@ -206,6 +215,8 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
     plan.placement.update(kv_cache=pool.device.type, expert_pool="cpu", expert_slots="cuda")
     if model.num_linear_layers:
         plan.placement["recurrent_state"] = placement.device.type
+    if model.own_state:
+        plan.placement["model_state"] = placement.device.type
     gen = torch.Generator().manual_seed(0)
     sim = min(layers, SIM_LAYERS)
     dev = placement.device

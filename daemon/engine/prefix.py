@@ -10,19 +10,24 @@ The engine core calls four hooks:
 
 Models without linear attention (Qwen3-MoE, GPT-OSS, Mixtral, OLMoE) reuse KV at any position:
 all positions are kept in the pool, so sliding-window layers restore from it too. Hybrid models
-(Gated DeltaNet) can resume only where a snapshot of the recurrent state exists.
+(Gated DeltaNet) can resume only where a snapshot of the recurrent state exists, and so can a
+model with its own per-sequence state (DeepSeek-V4's windows, compressed entries and open
+compressor windows, ``SeqState.v4``): it resumes from a snapshot of that state, anywhere, an
+open compressor window included, the KV pages of the prefix held as for any model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..kv import recency
 from ..kv.edits import EditModel, Session
 from ..kv.pool import KVPool
 from ..kv.radix import RadixCache
-from ..kv.seq_state import RecurrentState, SeqState
+from ..kv.seq_state import ModelState, RecurrentState, SeqState
 from ..kv.snapshots import Snapshot, SnapshotStore
 from ..kv.spill import SnapshotSpill, SpillReport
 
@@ -88,7 +93,11 @@ class PrefixReuse:
         snapshot_budget: int,
         retention: str = "tiered",
         frontier: int = 2,
+        state_bytes: Callable[[int], int] | None = None,
     ) -> None:
+        """``hybrid``: a sequence resumes only from a snapshot of its state (linear attention,
+        or a model's own state); ``state_bytes``: the bytes of such a state after n tokens when
+        they grow with n (DeepSeek-V4; default: the fresh sequence's state's size)."""
         self.pool = pool
         self.radix = RadixCache(pool)
         self.hybrid = hybrid
@@ -98,6 +107,7 @@ class PrefixReuse:
         self.frontier = frontier  # snapshots protected after an edit (see kv/edits.py)
         self._tracks: dict[int, Track] = {}  # id(SeqState) of a request in flight -> its track
         self.spill: SnapshotSpill | None = None  # snapshots on disk (restart resume)
+        self.state_bytes = state_bytes
 
     # ---- admission ----------------------------------------------------------------------------
     def restore(self, tokens: list[int], state: SeqState) -> int:
@@ -127,9 +137,8 @@ class PrefixReuse:
         else:
             state.pages = list(held)
         if snap is not None:
-            assert state.recurrent is not None and self.snapshots is not None
-            state.recurrent.conv.copy_(snap.state.conv)
-            state.recurrent.ssm.copy_(snap.state.ssm)
+            assert self.snapshots is not None
+            _restore_state(state, snap)
             self.snapshots.restored += 1
         self._track(state, tokens, matched, snap)
         state.num_tokens = pos
@@ -154,7 +163,10 @@ class PrefixReuse:
             return False
         done = self.spill.records
         return any(
-            s.protected and s.prefix is not None and s.key.hex() not in done
+            s.protected
+            and s.prefix is not None
+            and isinstance(s.state, RecurrentState)  # the only kind spilled
+            and s.key.hex() not in done
             for s in self.snapshots.snapshots()
         )
 
@@ -229,7 +241,7 @@ class PrefixReuse:
         then the system prompt's end, then the rest split by the share of the session's edits
         that landed on recent anchors (half each before its first edit; kv/snapshots.py)."""
         assert self.snapshots is not None
-        size = state.recurrent.nbytes if state.recurrent is not None else 0
+        size = self._snapshot_size(state, session.prompt_end)
         spare = max(0, self.snapshots.budget // max(1, size) - 1)  # besides the head
         if not self.policy.anchor_ids:
             return 0, False, spare
@@ -239,6 +251,14 @@ class PrefixReuse:
         rest = spare - root
         recent = min(rest, max(floor, math.ceil(rest * edits.recent_share())))
         return recent, root, rest - recent
+
+    def _snapshot_size(self, state: SeqState, tokens: int) -> int:
+        """The bytes of one snapshot of ``state``'s kind, as large as this prompt's end makes
+        it (a model's own state grows with its length)."""
+        if self.state_bytes is not None:
+            return self.state_bytes(tokens)
+        st = state.snapshot_state()
+        return st.nbytes if st is not None else 0
 
     def _mark_recent(
         self, track: Track, tokens: list[int], limit: int, prev: Session | None, cap: int
@@ -351,7 +371,7 @@ class PrefixReuse:
         """Snapshots the recurrent state if it now sits on a snapshot point. With anchors, the end
         of the prompt is one too: an agent's next request extends this prompt (the generation
         prompt ``<|im_start|>assistant\n`` is always kept), so that is where it resumes."""
-        if self.snapshots is None or state.recurrent is None:
+        if self.snapshots is None or state.snapshot_state() is None:
             return
         pos = state.num_tokens
         kind = self.policy.kind_at(tokens, pos)
@@ -361,13 +381,14 @@ class PrefixReuse:
             self._snapshot(tokens, state, kind)
 
     def _snapshot(self, tokens: list[int], state: SeqState, kind: str) -> None:
-        assert self.snapshots is not None and state.recurrent is not None
+        st = state.snapshot_state()
+        assert self.snapshots is not None and st is not None
         track = self._tracks.get(id(state)) or Track(Session(self.edits.fork(EditModel.PRIOR)))
         pos = state.num_tokens
         frontier = self._frontier_candidate(track, pos, kind)
         recent = pos in track.recent
         snap = self.snapshots.put(
-            tokens, pos, state.recurrent, kind, head=True, frontier=frontier, recent=recent
+            tokens, pos, st, kind, head=True, frontier=frontier, recent=recent
         )
         if snap is None:
             return
@@ -388,3 +409,17 @@ class PrefixReuse:
 
     def evict(self, pages: int) -> int:
         return self.radix.evict(pages)
+
+
+def _restore_state(state: SeqState, snap: Snapshot) -> None:
+    """Puts the snapshot's state into the fresh sequence ``state``: the DeltaNet state copied
+    into its tensors, or a model's own state (replaced by every forward) as a copy."""
+    if state.recurrent is not None:
+        assert isinstance(snap.state, RecurrentState)
+        state.recurrent.conv.copy_(snap.state.conv)
+        state.recurrent.ssm.copy_(snap.state.ssm)
+        return
+    assert state.v4 is not None, "a snapshot for a sequence without state"
+    own = cast(ModelState, snap.state.clone())  # taken of a SeqState.v4 (`_snapshot`)
+    assert own.num_tokens == snap.pos, (own.num_tokens, snap.pos)
+    state.v4 = own

@@ -1,4 +1,5 @@
-"""Per-sequence cache state: the KV page table and the recurrent state of linear-attention layers."""
+"""Per-sequence cache state: the KV page table, the recurrent state of linear-attention layers
+and a model's own state (DeepSeek-V4)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,21 @@ from typing import Protocol
 import torch
 
 
-class ModelState(Protocol):
+class StateSnapshot(Protocol):
+    """What a snapshot of a sequence's state holds (kv/snapshots.py): a copy of itself, and
+    its size for the snapshots' budget."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def clone(self) -> StateSnapshot: ...
+
+
+class ModelState(StateSnapshot, Protocol):
     """A model's own per-sequence state beside the KV pages (DeepSeek-V4's windows and
     compressed entries: ``models.deepseek_v4_model.V4SeqState``), typed here without
-    importing the model package, which sits above this one."""
+    importing the model package, which sits above this one. Replaced, never changed in place,
+    by each forward: a clone is a snapshot."""
 
     num_tokens: int
 
@@ -49,3 +61,8 @@ class SeqState:
     # compressor windows; models/deepseek_v4_model.py), replaced by each forward; None for
     # the other families
     v4: ModelState | None = None
+
+    def snapshot_state(self) -> StateSnapshot | None:
+        """The state a prefix-cache snapshot holds (the KV pages aside): the DeltaNet state, or
+        the model's own (DeepSeek-V4); None: the KV pages alone resume the sequence."""
+        return self.recurrent if self.recurrent is not None else self.v4

@@ -1,9 +1,10 @@
 """Recurrent-state snapshots at positions, with their own byte budget and LRU (ARCHITECTURE §5.2).
 
 A snapshot is the whole RecurrentState (conv + delta-rule state of every linear-attention layer)
-of a sequence right after position ``pos``, keyed by a hash of the token prefix ``tokens[:pos]``.
-Restoring one lets a hybrid model skip re-prefilling that prefix (its KV comes from the radix
-tree).
+of a sequence right after position ``pos``, or a model's own state (DeepSeek-V4's windows,
+compressed entries and open compressor windows: ``SeqState.v4``), keyed by a hash of the token
+prefix ``tokens[:pos]``. Restoring one lets a hybrid model skip re-prefilling that prefix (its
+KV comes from the radix tree).
 
 Which positions get a snapshot is the policy's choice: semantic anchors (end of turn, end of
 thinking, tool call / tool output boundaries), a fixed interval (a baseline), or none.
@@ -29,7 +30,7 @@ from array import array
 from dataclasses import dataclass
 
 from .edits import Session
-from .seq_state import RecurrentState
+from .seq_state import StateSnapshot
 
 RETENTIONS = ("tiered", "lru")
 
@@ -41,7 +42,7 @@ def prefix_key(tokens: list[int], pos: int) -> bytes:
 @dataclass(eq=False)
 class Snapshot:
     pos: int
-    state: RecurrentState
+    state: StateSnapshot
     kind: str
     key: bytes = b""
     head: bool = False  # the deepest snapshot of its request (so far)
@@ -86,7 +87,7 @@ class SnapshotStore:
         self,
         tokens: list[int],
         pos: int,
-        state: RecurrentState,
+        state: StateSnapshot,
         kind: str,
         *,
         head: bool = False,

@@ -2,7 +2,8 @@
 engine resumes an agent session by prefilling only the suffix (ARCHITECTURE §5.4).
 
 A hybrid model resumes at position p only with BOTH the recurrent state after p and the KV of
-the full-attention layers for positions [0, p). The KV is not recomputable from the snapshot, so
+the full-attention layers for positions [0, p). Snapshots of a model's own state (DeepSeek-V4's
+``SeqState.v4``) are not spilled: they stay in memory only. The KV is not recomputable from the snapshot, so
 each spilled snapshot carries it (the simple, correct design; its cost is p tokens of KV):
 
   state_dir/snapshots/<fingerprint>/<prefix hash>.safetensors
@@ -83,14 +84,15 @@ class SnapshotSpill:
         for snap in snaps:
             heartbeat.beat()  # one file per snapshot: a long spill is progress, not a hang
             key = snap.key.hex()
-            if key in self.records or snap.prefix is None:
-                continue
+            state = snap.state
+            if key in self.records or snap.prefix is None or not isinstance(state, RecurrentState):
+                continue  # on disk, not kept to spill, or a model's own state (not spilled)
             tokens = snap.prefix.tolist()
             pages, matched = radix.match_prefix(tokens)
             if matched < snap.pos:
                 continue  # its KV was evicted: the snapshot alone cannot resume
             try:
-                size = self._write(key, snap, _gather(pool, pages, snap.pos))
+                size = self._write(key, snap, state, _gather(pool, pages, snap.pos))
             except OSError as e:  # a full disk or a vanished folder costs the file, not the engine
                 log.warning("could not spill snapshot %s: %s", key, e)
                 continue
@@ -103,10 +105,12 @@ class SnapshotSpill:
         self._trim()
         return SpillReport(files, nbytes, time.perf_counter() - t0)
 
-    def _write(self, key: str, snap: Snapshot, kv: dict[str, torch.Tensor]) -> int:
+    def _write(
+        self, key: str, snap: Snapshot, state: RecurrentState, kv: dict[str, torch.Tensor]
+    ) -> int:
         path = self.root / f"{key}.safetensors"
         tmp = path.with_suffix(".tmp")
-        raw = {"conv": snap.state.conv, "ssm": snap.state.ssm, **kv}
+        raw = {"conv": state.conv, "ssm": state.ssm, **kv}
         # on the host: the digest reads the bytes (save_file would copy them over anyway)
         tensors = {n: t.detach().contiguous().cpu() for n, t in raw.items()}
         checksums = {n: tensor_digest(t) for n, t in tensors.items()}

@@ -9,11 +9,12 @@ token-id hash, with a clamped SwiGLU (layers/v4_routing.py).
 `DeepseekV4LM` runs one sequence with its routed experts as plain parameters
 (`RoutedExperts`, the expert-bank layout); `DeepseekV4CausalLM` is the engine's: the same
 modules, the routed experts in ExpertBanks behind the MoE backend (``Activation.SWIGLU_CLAMP``),
-a ForwardBatch of several sequences, each chunk's attention on its ``SeqState.v4``. First
-version: that state is the whole `V4SeqState` per sequence (below: where it should go).
+a ForwardBatch of several sequences, each chunk's attention on its ``SeqState.v4``. Now: that
+state is the whole `V4SeqState` per sequence, none of it in the paged KV pool; the prefix cache
+snapshots it whole (below: what is where now, and where it should go).
 
-Incremental state and how it maps onto the engine's memory (design, not wired yet)
------------------------------------------------------------------------------------
+Incremental state and how it maps onto the engine's memory
+----------------------------------------------------------
 `forward(ids, state)` runs any number of next tokens of one sequence from its `V4SeqState` and
 returns the new state; the full forward is the same call from `new_state()`, and prefill then
 decode, or a prefill cut anywhere (inside open windows too), gives the same result. Per layer
@@ -33,10 +34,22 @@ decode, or a prefill cut anywhere (inside open windows too), gives the same resu
   and layer, not per token: like the DeltaNet ``RecurrentState`` (kv/seq_state.py), one
   per-sequence buffer, cloned at prefix-cache anchors. A prefix hit must land on such a
   snapshot: neither the open window nor the overlap can be rebuilt from the pool's rows.
+
+What is wired now: all three parts live in ``SeqState.v4`` (one `V4SeqState` per sequence, on
+the placement's device), none in the pool (``num_attention_layers`` 0: the pool is one 1 x 1
+layer whose pages only count the sequence's tokens). The prefix cache resumes V4 as it resumes
+the DeltaNet hybrids (engine/prefix.py): a snapshot is a clone of the WHOLE `V4SeqState` at a
+snapshot point (anchors or an interval), window keys and entries included, so a snapshot at
+position p costs ``state_bytes(p)`` of the snapshots' budget; a prefix hit resumes at the
+deepest snapshot on its path, an open compressor window included. V4 snapshots are not spilled
+to disk (kv/spill.py writes only DeltaNet states). Still to do (issue 42): the window keys and
+entries into the pool as designed above, so a snapshot carries only the open-window buffers
+and the overlap, and a hit reuses the pool's pages of the prefix.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -170,6 +183,10 @@ class V4SeqState:
     def clone(self) -> V4SeqState:
         return V4SeqState([s.clone() for s in self.layers], self.num_tokens)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers)
+
 
 class _V4Body(nn.Module):
     """The modules of a V4 model, shared by the one-sequence `DeepseekV4LM` and the engine's
@@ -195,6 +212,10 @@ class _V4Body(nn.Module):
 
     def new_state(self, device: torch.device | None = None) -> V4SeqState:
         return V4SeqState([la.self_attn.empty_state(device) for la in self._layers])
+
+    def state_bytes(self, tokens: int) -> int:
+        """Bytes of the `V4SeqState` of a sequence of ``tokens`` tokens (its ``nbytes``)."""
+        return sum(la.self_attn.state_bytes(tokens) for la in self._layers)
 
     def _ropes(
         self, pos: torch.Tensor, max_position: int | None = None
@@ -243,9 +264,19 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
     by ``batch.token_ids``); attention runs per `SeqChunk` on that sequence's `V4SeqState`
     (``SeqState.v4``, made by the runner), which the forward replaces by the new one.
 
-    First version: the whole state lives per sequence, none of it in the paged KV pool (the
-    model has no pool layer: ``num_attention_layers`` 0), and the prefix cache is off for V4
-    (engine/build.py); the module docstring's design maps it onto the pool."""
+    Now: the whole state lives per sequence, none of it in the paged KV pool (the model has no
+    pool layer: ``num_attention_layers`` 0); the prefix cache snapshots and restores it whole
+    (``own_state``: engine/prefix.py); the module docstring's design maps it onto the pool.
+
+    Accounting: what a sequence's state grows by per token (the compressed entries) is
+    ``state_bytes_per_token``, counted by ``kv_bytes_per_token`` with the pool's tokens (the
+    planner's KV share, the slot budget's KV reserve); what it holds whatever its length (the
+    windows' keys, the open compressor windows, the CSA overlaps) is ``state_bytes_per_seq``,
+    reserved per sequence in flight (engine/placement.device_state_bytes). The pool's pages,
+    one 1 x 1 layer, are the token ledger admission and preemption run on: a V4 sequence holds
+    a page per ``page_size`` tokens as any other."""
+
+    own_state = True  # SeqState.v4
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)  # not CausalLM's modules
@@ -262,6 +293,16 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
 
     def new_v4_state(self, device: torch.device | None = None) -> V4SeqState:
         return self.new_state(device)
+
+    def state_bytes_per_token(self) -> int:
+        """What a sequence's state grows by per token, rounded up: the compressed entries (and
+        the indexer's), one per ``rate`` tokens per layer."""
+        return math.ceil(sum(la.self_attn.state_growth() for la in self._layers))
+
+    def state_bytes_per_seq(self) -> int:
+        """The most a sequence's state holds beside its entries: every layer's full window of
+        keys, its compressors' open windows and CSA overlaps."""
+        return sum(la.self_attn.max_fixed_bytes() for la in self._layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # type: ignore[override]

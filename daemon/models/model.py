@@ -75,6 +75,10 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    # a per-sequence state of the model's own beside the KV pool (``SeqState.v4``: DeepSeek-V4),
+    # sized by `state_bytes_per_token` and `state_bytes_per_seq`
+    own_state = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -108,6 +112,15 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.rope)
         self._decode_head: cpu_decode.HeadPlan | None = None
+
+    def state_bytes_per_token(self) -> int:
+        """Bytes per token the model's own per-sequence state grows by (0: none; rounded up)."""
+        return 0
+
+    def state_bytes_per_seq(self) -> int:
+        """Bytes the model's own state holds per sequence whatever its length, at most (0: none).
+        A sequence of L tokens holds at most this + L * `state_bytes_per_token`."""
+        return 0
 
     def decode_head(self) -> cpu_decode.HeadPlan:
         """The embedding and last norm as the native decode path calls them, made at the first
@@ -176,12 +189,16 @@ def model_tables(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def kv_bytes_per_token(model: CausalLM) -> int:
-    """KV-pool bytes one token takes over all attention layers (K and V)."""
+    """Bytes one cached token takes: K and V in the KV pool over all attention layers, plus
+    what the model's own per-sequence state grows by per token (DeepSeek-V4's compressed
+    entries; its fixed part per sequence: `CausalLM.state_bytes_per_seq`)."""
     itemsize = model.dtype.itemsize
     if model.kv_layer_shapes:
-        return 2 * sum(h * d for h, d in model.kv_layer_shapes) * itemsize
-    heads, head_dim = model.kv_geometry
-    return 2 * model.num_attention_layers * heads * head_dim * itemsize
+        pool = 2 * sum(h * d for h, d in model.kv_layer_shapes) * itemsize
+    else:
+        heads, head_dim = model.kv_geometry
+        pool = 2 * model.num_attention_layers * heads * head_dim * itemsize
+    return pool + model.state_bytes_per_token()
 
 
 def decode_attention_bytes(model: CausalLM, rows: int, keys: int, page_size: int) -> int:

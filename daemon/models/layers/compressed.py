@@ -79,6 +79,11 @@ class CompressorState:
         """Tokens compressed or pending: E * rate + r (the next token's position)."""
         return int(self.entries.shape[0]) * self.rate + int(self.kv.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        ts = (self.entries, self.kv, self.gate, self.prev_kv, self.prev_gate)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
     def clone(self) -> CompressorState:
         def cl(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.clone()
@@ -109,6 +114,19 @@ class Compressor(nn.Module):
         z = torch.zeros(0, self.width, device=device)
         return CompressorState(self.rate, torch.zeros(0, self.dim, device=device), z, z.clone())
 
+    def state_bytes(self, tokens: int) -> int:
+        """Bytes of a `CompressorState` after ``tokens`` tokens (fp32, `CompressorState.nbytes`):
+        one entry per closed window, the open window's kv and gate rows, and (overlapping) the
+        last closed window's Ca kv and gate."""
+        closed, rows = divmod(tokens, self.rate)
+        prev = 2 * self.rate * self.dim if self.overlap and closed else 0
+        return 4 * (closed * self.dim + 2 * rows * self.width + prev)
+
+    def max_open_bytes(self) -> int:
+        """The most `state_bytes` holds beside its entries (rate - 1 open rows, the overlap)."""
+        prev = 2 * self.rate * self.dim if self.overlap else 0
+        return 4 * (2 * (self.rate - 1) * self.width + prev)
+
     def forward(self, x: torch.Tensor, state: CompressorState, rope: Rope) -> CompressorState:
         """Appends x [N, hidden] (the next N tokens of the sequence) -> the new state; its
         ``entries`` end with the windows these tokens closed."""
@@ -118,9 +136,10 @@ class Compressor(nn.Module):
         first = int(state.entries.shape[0]) * self.rate  # position of the first row of kv
         m = kv.shape[0] // self.rate
         used = m * self.rate
-        new = replace(state, kv=kv[used:], gate=gate[used:])
         if m == 0:
-            return new
+            return replace(state, kv=kv, gate=gate)
+        # the open rows copied out: a view would keep the whole chunk's rows alive
+        new = replace(state, kv=kv[used:].clone(), gate=gate[used:].clone())
         w_kv = kv[:used].view(m, self.rate, self.width)
         w_gate = gate[:used].view(m, self.rate, self.width) + self.position_bias.float()
         if self.overlap:

@@ -69,7 +69,7 @@ class HyperConnection(nn.Module):
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
         n = self.n
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1), self.norm_eps)
+        flat = unweighted_rms_norm(streams.flatten(1), self.norm_eps)
         z = F.linear(flat, self.fn.float())
         bias = self.base.float()
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
@@ -99,7 +99,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """[T, n, D] -> [T, D] fp32."""
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1), self.norm_eps)
+        flat = unweighted_rms_norm(streams.flatten(1), self.norm_eps)
         z = F.linear(flat, self.fn.float())
         pre = torch.sigmoid(z * self.scale.float() + self.base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * streams.float()).sum(1)

@@ -28,6 +28,7 @@ compressor / indexer states (`compressed.CompressorState`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -65,6 +66,11 @@ class V4AttentionState:
             None if self.compressor is None else self.compressor.clone(),
             None if self.indexer is None else self.indexer.clone(),
         )
+
+    @property
+    def nbytes(self) -> int:
+        n = self.window.numel() * self.window.element_size()
+        return n + sum(c.nbytes for c in (self.compressor, self.indexer) if c is not None)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,28 @@ class V4Attention(nn.Module):
             None if self.compressor is None else self.compressor.empty_state(device),
             None if self.indexer is None else self.indexer.compressor.empty_state(device),
         )
+
+    def _compressors(self) -> list[Compressor]:
+        out = [] if self.compressor is None else [self.compressor]
+        return out + ([] if self.indexer is None else [self.indexer.compressor])
+
+    def state_bytes(self, tokens: int) -> int:
+        """Bytes of the layer's `V4AttentionState` after ``tokens`` tokens (its ``nbytes``):
+        the window's keys and the compressors' states."""
+        window = 4 * min(tokens, self.window - 1) * self.head_dim
+        return window + sum(c.state_bytes(tokens) for c in self._compressors())
+
+    def state_growth(self) -> Fraction:
+        """Bytes per token the state grows by without bound: one entry per ``rate`` tokens in
+        each compressor (the compressor's and, CSA, the indexer's)."""
+        return sum((Fraction(4 * c.dim, c.rate) for c in self._compressors()), Fraction(0))
+
+    def max_fixed_bytes(self) -> int:
+        """The most the state holds beside its entries, whatever the length: a full window of
+        keys and each compressor's open window and overlap. ``state_bytes(L)`` is at most this
+        plus ``L * state_growth()``."""
+        window = 4 * (self.window - 1) * self.head_dim
+        return window + sum(c.max_open_bytes() for c in self._compressors())
 
     def forward(
         self,
