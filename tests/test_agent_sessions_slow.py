@@ -177,7 +177,8 @@ def qwen3_moe_checkpoint(out: Path) -> Path:
     builtin = model_dir(())
     tok = json.loads((builtin / "tokenizer.json").read_text())
     vocab = max(t["id"] for t in tok["added_tokens"]) + 1
-    make_tiny("qwen3_moe", out, seed=7, vocab_size=vocab)
+    # the clients' prompts are tens of thousands of tokens: the built-in model's context
+    make_tiny("qwen3_moe", out, seed=7, vocab_size=vocab, max_position_embeddings=131072)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (builtin / name).exists():
             shutil.copy(builtin / name, out / name)
@@ -311,7 +312,7 @@ CODEX_TOOLS = Tools(
     read=lambda p: ("exec_command", {"cmd": f"cat {p.name}", "workdir": str(p.parent)}),
     edit=codex_edit,
     shell=lambda cmd: ("exec_command", {"cmd": cmd}),
-    edited="greet.py",
+    edited="Updated the following files",  # apply_patch's report
 )
 
 
@@ -332,10 +333,11 @@ def codex_items(run: agents.Run) -> list[str]:
 
 def test_codex_session(hybrid: Scripted, tmp_path: Path) -> None:
     run, _ = run_session(hybrid, tmp_path, CODEX_TOOLS, codex_launch, "codex, hybrid")
-    kinds = [k for k in codex_items(run) if k != "reasoning"]
-    assert kinds.count("agent_message") >= 1, run.report()
-    tools = [k for k in kinds if k != "agent_message"]
-    assert len(tools) == 5 and set(tools) <= {"command_execution", "file_change"}, tools
+    # its notices ("error": no model metadata) and messages aside: the five tool calls, the edit
+    # an apply_patch Codex intercepted in the shell command and applied itself
+    kinds = [k for k in codex_items(run) if k not in ("error", "reasoning", "agent_message")]
+    shell = "command_execution"
+    assert kinds == [shell, "file_change", shell, shell, shell], run.report()
 
 
 # --- OpenCode --------------------------------------------------------------------------------
