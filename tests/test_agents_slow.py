@@ -164,11 +164,11 @@ def assert_served(run: Run, api: str, requests: int = 1) -> None:
 # --- Claude Code ---------------------------------------------------------------------------
 
 
-def test_claude_code(daemon: Daemon, tmp_path: Path) -> None:
-    exe = client("claude")
-    env = {
-        **base_env(tmp_path / "home"),
-        "CLAUDE_CONFIG_DIR": str(tmp_path / "home" / ".claude"),
+def claude_env(daemon: Daemon, home: Path) -> dict[str, str]:
+    """Claude Code's environment: offline, a fake key, every model alias the served one."""
+    return {
+        **base_env(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "ANTHROPIC_BASE_URL": daemon.url,
         "ANTHROPIC_API_KEY": "sk-ant-fake-key-for-freetoken",
         "ANTHROPIC_MODEL": SERVED,
@@ -188,6 +188,11 @@ def test_claude_code(daemon: Daemon, tmp_path: Path) -> None:
         "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
         "CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL": "1",
     }
+
+
+def test_claude_code(daemon: Daemon, tmp_path: Path) -> None:
+    exe = client("claude")
+    env = claude_env(daemon, tmp_path / "home")
     # Timeouts are Claude Code's own: a stream silent for 5 minutes is dropped, and the daemon
     # pings while it prefills (checked by hand: a 330 s stall before the first token passed).
     argv = [str(exe), "-p", PROMPT, "--output-format", "stream-json", "--verbose"]
@@ -230,18 +235,23 @@ metrics_exporter = "none"
 """
 
 
-def test_codex(daemon: Daemon, tmp_path: Path) -> None:
-    exe = client("codex")
-    codex_home = tmp_path / "home" / ".codex"
+def codex_env(daemon: Daemon, home: Path, sandbox: str = "read-only") -> dict[str, str]:
+    """Codex's environment and its config.toml under ``home/.codex``."""
+    codex_home = home / ".codex"
     codex_home.mkdir(parents=True)
-    (codex_home / "config.toml").write_text(
-        CODEX_CONFIG.format(model=SERVED, context=CONTEXT, url=daemon.url)
-    )
-    env = {
-        **base_env(tmp_path / "home"),
+    config = CODEX_CONFIG.format(model=SERVED, context=CONTEXT, url=daemon.url)
+    config = config.replace('sandbox_mode = "read-only"', f'sandbox_mode = "{sandbox}"')
+    (codex_home / "config.toml").write_text(config)
+    return {
+        **base_env(home),
         "CODEX_HOME": str(codex_home),
         "FREETOKEN_API_KEY": "sk-fake-key-for-freetoken",
     }
+
+
+def test_codex(daemon: Daemon, tmp_path: Path) -> None:
+    exe = client("codex")
+    env = codex_env(daemon, tmp_path / "home")
     # --strict-config: a misspelt (say, telemetry) key fails the run instead of being ignored;
     # no retries, so a response Codex rejects fails the run instead of being resent. Its
     # 5-minute stream idle limit is the default: the daemon pings while it prefills.
@@ -276,13 +286,12 @@ def opencode_config(url: str) -> dict[str, Any]:
     }
 
 
-def test_opencode(daemon: Daemon, tmp_path: Path) -> None:
-    exe = client("opencode")
-    home = tmp_path / "home"
-    home.mkdir()
+def opencode_env(daemon: Daemon, home: Path) -> dict[str, str]:
+    """OpenCode's environment and its opencode.json in ``home``."""
+    home.mkdir(parents=True)
     config = home / "opencode.json"
     config.write_text(json.dumps(opencode_config(daemon.url), indent=2))
-    env = {
+    return {
         **base_env(home),
         "OPENCODE_CONFIG": str(config),
         "OPENCODE_DISABLE_AUTOUPDATE": "1",
@@ -294,6 +303,11 @@ def test_opencode(daemon: Daemon, tmp_path: Path) -> None:
         "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1",
         "OPENCODE_DISABLE_EMBEDDED_WEB_UI": "1",
     }
+
+
+def test_opencode(daemon: Daemon, tmp_path: Path) -> None:
+    exe = client("opencode")
+    env = opencode_env(daemon, tmp_path / "home")
     argv = [str(exe), "run", "--pure", "--print-logs", "--log-level", "WARN", "--format", "json"]
     run = run_client(daemon, [*argv, PROMPT], env, tmp_path / "work")
     assert run.code == 0, run.report()

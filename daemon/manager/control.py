@@ -37,8 +37,10 @@ from ..server.parts import (
     Metrics,
     ModelNames,
     ModelService,
+    Script,
     ServerState,
     Watchdog,
+    scripted_replies,
     watchdog_seconds,
 )
 from .cache import CacheControl
@@ -55,6 +57,9 @@ class ControlPlane:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
         self.started = time.time()
+        # test-only scripted replies (server/scripted.py), from the environment; refused
+        # (ScriptError: the daemon does not start) unless the test mode is enabled too
+        self.script: Script | None = scripted_replies()
         self.state_dir = Path(cfg.state_dir or ".")
         self.store: ControlStore = open_store(self.state_dir)
         budget = int(cfg.host_pool_budget_gb * 2**30) or default_host_budget()
@@ -132,7 +137,9 @@ class ControlPlane:
         assert self.hub is not None and self.bridge is not None
         # the service's bridge: submit() routed to the model's lane, the rest the shared bridge's
         bridge = LaneBridge(self.bridge, self.hub, model.lane)
-        return ModelService(model.llm, bridge, self.metrics, self.names)
+        service = ModelService(model.llm, bridge, self.metrics, self.names)
+        service.script = self.script
+        return service
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> ServerState:

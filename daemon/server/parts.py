@@ -14,6 +14,8 @@ from .generation import Generation
 from .metrics import Metrics
 from .model_names import ModelNames
 from .protocols import Service, SubmitBridge
+from .scripted import Script
+from .scripted import from_env as scripted_replies
 from .service import ModelService, Rendered
 from .state import ServerState
 from .watchdog import Watchdog, watchdog_seconds
@@ -30,10 +32,12 @@ __all__ = [
     "Rendered",
     "RequestHandle",
     "Sampling",
+    "Script",
     "ServerState",
     "Service",
     "Submission",
     "SubmitBridge",
     "Watchdog",
+    "scripted_replies",
     "watchdog_seconds",
 ]

@@ -38,6 +38,7 @@ from .parsers.registry import (
     prompt_opens_reasoning,
 )
 from .protocols import SubmitBridge
+from .scripted import Script, ScriptedConstraint, assistant_message, common_prefix
 
 
 @dataclass
@@ -149,6 +150,9 @@ class ModelService:
         self.eos_ids: set[int] = set(llm.engine.eos)
         self.defaults = sampling_defaults(Path(llm.model_dir))
         self._grammars: Any = None
+        # test-only scripted replies (server/scripted.py): set by the control plane, never by
+        # a serving setting
+        self.script: Script | None = None
         self._preparing = 0  # requests being rendered/tokenized now (event-loop thread only)
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -173,13 +177,17 @@ class ModelService:
 
     # --- rendering ---------------------------------------------------------------------------
 
-    def render(self, req: ChatRequest) -> Rendered:
-        """Chat template -> text -> ids. Raises InvalidRequest for what the template refuses."""
+    def _template_args(self, req: ChatRequest) -> tuple[Any, dict[str, Any]]:
         kwargs: dict[str, Any] = {}
         thinking = False if req.constrained else req.thinking
         if thinking is not None:
             kwargs["enable_thinking"] = thinking
         tools = [t.as_openai() for t in req.tools] if req.tools else None
+        return tools, kwargs
+
+    def render(self, req: ChatRequest) -> Rendered:
+        """Chat template -> text -> ids. Raises InvalidRequest for what the template refuses."""
+        tools, kwargs = self._template_args(req)
         try:
             text = self._render_messages(req.messages, tools, kwargs)
         except (jinja2.TemplateError, ValueError) as e:  # ChatTemplateError is a ValueError
@@ -191,11 +199,16 @@ class ModelService:
         return Rendered(text, self.tokenizer.encode(text))
 
     def _render_messages(
-        self, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool = True,
     ) -> str:
+        gen = add_generation_prompt
         try:
             return str(
-                self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+                self.template.render(messages, tools=tools, add_generation_prompt=gen, **kwargs)
             )
         except (jinja2.TemplateError, ValueError):
             # Many templates refuse a system message after the first one (Claude Code sends
@@ -207,7 +220,7 @@ class ModelService:
             if demoted == messages:
                 raise
             return str(
-                self.template.render(demoted, tools=tools, add_generation_prompt=True, **kwargs)
+                self.template.render(demoted, tools=tools, add_generation_prompt=gen, **kwargs)
             )
 
     async def count_tokens(self, req: ChatRequest) -> int:
@@ -282,6 +295,15 @@ class ModelService:
         )
         skip = special_tokens_skipped(self.syntax, req.constrained, self.parser_token_ids)
         gen = self._submit(rendered.ids, params, constraint, parser, req.sampling, skip)
+        if self.script is not None and isinstance(constraint, ScriptedConstraint):
+            self.script.record(
+                {
+                    "request_id": gen.request_id,
+                    "entry": constraint.entry,
+                    "prompt_ids": rendered.ids,
+                    "reply_ids": constraint.ids,
+                }
+            )
         return gen, rendered
 
     def _prepare_chat(self, req: ChatRequest) -> tuple[Rendered, SamplingParams, Any]:
@@ -289,11 +311,48 @@ class ModelService:
         params = self.check_limits(req.sampling)  # cheap field errors first
         rendered = self.render(req)
         params = fit_context(params, req.sampling, len(rendered.ids), self.max_model_len)
+        if self.script is not None:
+            return rendered, params, self.scripted_reply(req, rendered)
         try:
             constraint = self.constraint_for(req)
         except ValueError as e:
             raise InvalidRequest(str(e), param=_format_param(req)) from None
         return rendered, params, constraint
+
+    def scripted_reply(self, req: ChatRequest, rendered: Rendered) -> ScriptedConstraint:
+        """Test-only (server/scripted.py): the constraint that makes the engine write the
+        script's reply, spelled as the chat template renders that assistant message after these
+        messages; its tokens are those the next request's prompt will have there."""
+        assert self.script is not None
+        index, reply = self.script.choose(req.messages, bool(req.tools))
+        tools, kwargs = self._template_args(req)
+        try:
+            base = self._render_messages(req.messages, tools, kwargs, add_generation_prompt=False)
+            opened = rendered.text[len(base) :] if rendered.text.startswith(base) else None
+            text = None
+            for with_reasoning in (True, False):
+                msg = assistant_message(reply, with_reasoning)
+                turn = self._render_messages([*req.messages, msg], tools, kwargs, False)
+                if opened is None or not turn.startswith(base):
+                    continue
+                body = turn[len(base) :]
+                # what the generation prompt already wrote (the header, an opened <think>)
+                k = common_prefix(opened, body)
+                text = body[k:]
+                if k == len(opened):
+                    break
+        except (jinja2.TemplateError, ValueError) as e:
+            raise InvalidRequest(f"scripted replies: cannot render the reply: {e}") from None
+        if text is None:
+            raise InvalidRequest("scripted replies: the template renders history differently")
+        n = len(rendered.ids)
+        whole = self.tokenizer.encode(rendered.text + text)
+        ids = whole[n:] if whole[:n] == rendered.ids else self.tokenizer.encode(text)
+        end = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+        ids = ids[: end + 1] if end is not None else [*ids, min(self.eos_ids)]
+        constraint = ScriptedConstraint(ids)
+        constraint.entry = index
+        return constraint
 
     async def start_ids(self, ids: list[int], sampling: Sampling) -> Generation:
         """Raw completion: no template, no parser (text is all content)."""

@@ -131,9 +131,15 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(*args: str, timeout: float = 120) -> Daemon:
-    """Start a daemon with extra CLI ``args``; returns once it listens."""
-    env = {**os.environ, "PYTHONPATH": _pythonpath(), "FREETOKEN_STATE_DIR": str(state_dir())}
+def start_daemon(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> Daemon:
+    """Start a daemon with extra CLI ``args`` (and ``env`` added to the environment); returns
+    once it listens."""
+    env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONPATH": _pythonpath(),
+        "FREETOKEN_STATE_DIR": str(state_dir()),
+    }
     cmd = [sys.executable, "-m", "freetokend.cli", "--host", "127.0.0.1", "--port", "0", *args]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
