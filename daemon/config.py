@@ -243,7 +243,12 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = msgspec.field(default_factory=dict)
     host_pool_budget_gb: Annotated[
-        float, about("host RAM for resident models' weights; 0 = 3/4 of RAM", metavar="GB")
+        float,
+        about(
+            "host RAM for resident models' weights; 0 = 3/4 of RAM, within the memory cgroup's "
+            "limit less the runtime's reserve and the snapshots' budget",
+            metavar="GB",
+        ),
     ] = 0.0
     vram_watch: Annotated[
         bool, about("shrink the expert cache under VRAM pressure (NVML), grow it back")

@@ -57,7 +57,9 @@ class ControlPlane:
         self.started = time.time()
         self.state_dir = Path(cfg.state_dir or ".")
         self.store: ControlStore = open_store(self.state_dir)
-        budget = int(cfg.host_pool_budget_gb * 2**30) or default_host_budget()
+        budget = int(cfg.host_pool_budget_gb * 2**30) or default_host_budget(
+            int(cfg.snapshot_budget_mb * 2**20)
+        )
         self.manager = ModelManager(
             self._load_llm, cfg.moe_backend, budget, cfg.auto_switch, self._resolve
         )

@@ -13,7 +13,6 @@ worker thread); park/unpark run at a hub safe point (step lock held).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resi
 from ..engine.resize import slot_backend as _slot_backend
 from ..formats.gguf_file import set_name, split_files
 from ..runtime import heartbeat
+from ..runtime.memlimit import host_pool_budget
 from .hub import EngineHub
 from .lane import Lane
 from .parking import park_fused, park_graphs, unpark_fused, unpark_graphs
@@ -65,9 +65,10 @@ def host_bytes(llm: LLM) -> int:
     return int(dense + pool)
 
 
-def default_host_budget() -> int:
-    """Three quarters of physical RAM."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4)
+def default_host_budget(other_bytes: int = 0) -> int:
+    """Three quarters of physical RAM, within the process's memory cgroup less what the rest of
+    the process needs (``other_bytes`` on top of the runtime's reserve: runtime/memlimit.py)."""
+    return host_pool_budget(other_bytes=other_bytes)
 
 
 def checkpoint_bytes(path: Path) -> int:
