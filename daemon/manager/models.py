@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
 from ..engine.resize import slot_backend as _slot_backend
+from ..experts.formats import get_format
 from ..formats.gguf_file import set_name, split_files
+from ..models.loader import model_config, model_kind
 from ..runtime import heartbeat
 from ..runtime.memlimit import host_pool_budget
 from .hub import EngineHub
@@ -69,6 +73,34 @@ def default_host_budget(other_bytes: int = 0) -> int:
     """Three quarters of physical RAM, within the process's memory cgroup less what the rest of
     the process needs (``other_bytes`` on top of the runtime's reserve: runtime/memlimit.py)."""
     return host_pool_budget(other_bytes=other_bytes)
+
+
+def expert_cache_mb(
+    path: Path, budget: int, mode: str, cache_gb: float, backend: str
+) -> float | None:
+    """The disk tier's RAM cache (MiB) for the model at ``path`` under ``backend`` (resolved),
+    or None when its experts load into RAM: ``mode`` "off"; "auto" when the weight files fit
+    ``budget`` (or the tier cannot take the model: logged); "on" always. The cache is
+    ``cache_gb`` when given, else what ``budget`` leaves after the other weights."""
+    if mode == "off":
+        return None
+    total = checkpoint_bytes(path)
+    if mode == "auto" and total <= budget:
+        return None
+    cfg = model_config(path)
+    fmt = get_format(cfg.expert_format)
+    if mode == "auto" and (backend != "cpu" or model_kind(path) != "gguf" or not fmt.in_blocks):
+        log.warning(
+            "%s: %d MiB of weights exceed the host-pool budget (%d MiB); the disk tier takes "
+            "GGUF experts in a block format under the cpu backend only, so all load into RAM",
+            path, total >> 20, budget >> 20,
+        )  # fmt: skip
+        return None
+    if cache_gb > 0:
+        return cache_gb * 1024
+    per = fmt.nbytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16)
+    experts = cfg.num_moe_layers * cfg.num_experts * per
+    return max(budget - max(total - experts, 0), 0) / 2**20
 
 
 def checkpoint_bytes(path: Path) -> int:
