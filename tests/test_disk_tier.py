@@ -21,7 +21,7 @@ from test_gguf_experts_per_layer import _write
 
 from freetokend import LLM
 from freetokend.experts.block_executor import available
-from freetokend.experts.disk_tier import RamCache, TieredExecutor, replay_hit_rates, slot_banks
+from freetokend.experts.disk_tier import RamCache, TieredExecutor, slot_banks
 from freetokend.experts.formats import allocate, layered_format
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.layers import cpu_decode
@@ -72,14 +72,6 @@ def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
         plain = allocate("q8_0", 12, h, i, torch.bfloat16)
     banks, classes, layer_class = slot_banks(plain, e, 5 * plain.nbytes_per_expert())
     assert banks.num_flat == 5 and classes == [[0, 1, 2, 3, 4]] and layer_class == [0, 0, 0]
-
-
-def test_replay_hit_rates() -> None:
-    steps = [[0, 1], [1, 2], [0, 1], [3, -1]]
-    rates = replay_hit_rates(steps, [2, 4])
-    assert rates[4] == (3 / 7, 3, 4)  # every expert fits: hits are the repeats (1; 0, 1)
-    # two slots: 1 hits, 2 evicts 0; then 1 hits, 0 evicts 2; 3 misses
-    assert rates[2] == (2 / 7, 2, 5)
 
 
 # ---- the engine ---------------------------------------------------------------------------------

@@ -280,19 +280,3 @@ class TieredExecutor:
 def _release(reads: ThreadPoolExecutor, source: ExpertSource) -> None:
     reads.shutdown(wait=True)
     source.close()
-
-
-def replay_hit_rates(
-    steps: Iterable[list[int]], slot_counts: Iterable[int]
-) -> dict[int, tuple[float, int, int]]:
-    """The RAM cache's LRU over a routing trace: ``steps`` yields each MoE layer call's flat
-    ids in order; -> {slots: (hit rate, hits, misses)} for each cache size (one class)."""
-    caches = {n: RamCache([list(range(n))], lambda f: 0) for n in slot_counts}
-    for ids in steps:
-        distinct = sorted({f for f in ids if f >= 0})
-        for c in caches.values():
-            c.lookup(distinct)
-    return {
-        n: ((c.hits / (c.hits + c.misses)) if c.hits + c.misses else 0.0, c.hits, c.misses)
-        for n, c in caches.items()
-    }
