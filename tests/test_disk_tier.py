@@ -180,3 +180,14 @@ def test_ftctl_stats_disk_column() -> None:
 
     assert _disk({"disk_bytes_read": 0}) == "-"
     assert _disk({"disk_bytes_read": 3 << 20, "disk_read_seconds": 0.5}) == "3 MiB, 6 MiB/s"
+
+
+@needs_native
+def test_manager_counts_the_ram_cache_not_the_file(kmix: Path) -> None:
+    from freetokend.manager.models import host_bytes
+
+    resident, tiered = _pair(kmix)
+    dense = sum(t.nbytes for t in tiered.model.state_dict().values())
+    per = tiered.banks.nbytes_per_expert()
+    assert host_bytes(tiered) == dense + 8 * per
+    assert host_bytes(resident) == dense + 24 * per

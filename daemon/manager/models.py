@@ -65,7 +65,11 @@ class ResidentModel:
 def host_bytes(llm: LLM) -> int:
     """Bytes of host RAM held by the model's weights: dense parameters plus the expert pool."""
     dense = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
-    pool = sum(t.numel() * t.element_size() for t in llm.banks.tensors().values())
+    banks = llm.banks.all_tensors().values()
+    pool = sum(t.numel() * t.element_size() for t in banks if not t.is_meta)
+    tier = getattr(llm.moe, "tier", None)  # the disk tier: its RAM slots, not the file's pool
+    if tier is not None:
+        pool += sum(t.numel() * t.element_size() for t in tier.slots.all_tensors().values())
     return int(dense + pool)
 
 
