@@ -1,8 +1,10 @@
-"""``ftctl stats``: tokens/s, time to first token, expert hit rate, q split, KV use, per model."""
+"""``ftctl stats``: tokens/s, time to first token, expert hit rate, disk-tier reads, q split, KV
+use, per model."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from rich.table import Table
 
@@ -29,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         "tok/s",
         "TTFT p50 / p90",
         "expert hits",
+        "disk reads",
         "CPU routes",
         "KV pages",
         "reqs",
@@ -42,9 +45,19 @@ def run(args: argparse.Namespace) -> int:
             f"{r['tokens_per_second']:.1f}",
             f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p90_s'] * 1e3:.0f} ms",
             f"{r['expert_hit_rate']:.1%}" if r["expert_hits"] + r["expert_misses"] else "-",
+            _disk(r),
             f"{r['cpu_route_share']:.1%}",
             f"{kv_used}/{kv_total} ({r['kv_pages_cached']} cached)",
             f"{r['running']} run, {r['requests_finished']} done",
         )
     console().print(table)
     return 0
+
+
+def _disk(r: dict[str, Any]) -> str:
+    """The disk tier's reads: MiB read and the rate the steps saw ("-" without the tier)."""
+    n, s = r.get("disk_bytes_read", 0), r.get("disk_read_seconds", 0.0)
+    if not n:
+        return "-"
+    rate = f", {n / s / 2**20:.0f} MiB/s" if s > 0 else ""
+    return f"{n / 2**20:.0f} MiB{rate}"

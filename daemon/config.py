@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")  # experts/backend.create_backend
+DISK_TIER = ("auto", "on", "off")  # manager/models.expert_cache_mb
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 ATTENTION_KERNELS = ("torch", "triton")  # models/layers/attention.DECODE_KERNELS (tested)
 # experts/formats.FORMATS less bf16 and the mixed block formats (tested)
@@ -243,7 +244,29 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = msgspec.field(default_factory=dict)
     host_pool_budget_gb: Annotated[
-        float, about("host RAM for resident models' weights; 0 = 3/4 of RAM", metavar="GB")
+        float,
+        about(
+            "host RAM for resident models' weights; 0 = 3/4 of RAM, within the memory cgroup's "
+            "limit less the runtime's reserve and the snapshots' budget",
+            metavar="GB",
+        ),
+    ] = 0.0
+    disk_tier: Annotated[
+        str,
+        about(
+            "routed experts left in the model file and read on demand into a RAM cache (cpu "
+            "backend, GGUF experts in a block format): auto when the file exceeds "
+            "host_pool_budget_gb, on always, off never",
+            choices=DISK_TIER,
+        ),
+    ] = "auto"
+    expert_cache_gb: Annotated[
+        float,
+        about(
+            "RAM for the disk tier's expert cache; 0 = what host_pool_budget_gb leaves after "
+            "the model's other weights",
+            metavar="GB",
+        ),
     ] = 0.0
     vram_watch: Annotated[
         bool, about("shrink the expert cache under VRAM pressure (NVML), grow it back")
@@ -418,6 +441,10 @@ def check_control(cfg: DaemonConfig) -> None:
             raise ConfigError(f"{name}: must be at least 1, got {value}")
     if cfg.host_pool_budget_gb < 0:
         raise ConfigError(f"host_pool_budget_gb: must be >= 0, got {cfg.host_pool_budget_gb}")
+    if cfg.disk_tier not in DISK_TIER:
+        raise ConfigError(f"disk_tier: {cfg.disk_tier!r} is not one of {', '.join(DISK_TIER)}")
+    if cfg.expert_cache_gb < 0:
+        raise ConfigError(f"expert_cache_gb: must be >= 0, got {cfg.expert_cache_gb}")
     if not 0 <= cfg.vram_low_mb <= cfg.vram_high_mb:
         raise ConfigError(
             f"vram_low_mb ({cfg.vram_low_mb}) must be >= 0 and <= vram_high_mb ({cfg.vram_high_mb})"

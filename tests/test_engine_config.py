@@ -35,6 +35,7 @@ PER_MODEL = {
     "bandwidth": (1e10, 2e10),
     "quantize": "q8_0",
     "quantize_experts": "mxfp4",
+    "expert_cache_mb": 512.0,
 }
 # engine settings the daemon does not set (LLM's defaults)
 ENGINE_ONLY = {"page_size", "max_step_tokens", "threads", "record_routing", "dtype"}

@@ -93,3 +93,43 @@ def test_fingerprint_is_keyed_on_the_file(files, tmp_path):
     assert fp == model_fingerprint(copy) and fp != model_fingerprint(files["qb"])
     os.utime(copy, ns=(1, 1))
     assert model_fingerprint(copy) != fp
+
+
+def test_daemon_disk_tier_serves_and_ftctl_stats_counts_reads(builtin_model_dir, tmp_path):
+    """--disk-tier on: the experts stay in the file (Q8_0 blocks), a RAM cache of one layer's
+    experts holds what a step uses; the answers are the resident pool's, and ftctl stats shows
+    the cache's misses and the bytes read."""
+    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
+    hf = make_tiny("qwen3_moe", tmp_path / "hf", seed=3, mlp_only_layers=[], vocab_size=vocab)[1]
+    path = write_gguf(
+        "qwen3_moe",
+        hf,
+        tmp_path / "qt-Q8_0.gguf",
+        "q8_0",
+        tokenizer=builtin_model_dir,
+        pre="qwen35",
+    )
+    ref = LLM(path, "cpu", max_model_len=128, kv_tokens=512)
+    assert ref.banks.format == "q8_0"
+    sock_dir = Path(tempfile.mkdtemp(prefix="ftdisk-", dir="/tmp"))
+    sock = str(sock_dir / "admin.sock")
+    d = start_daemon(
+        "--model", str(path), "--moe-backend", "cpu", "--kv-tokens", "2048", "--admin-socket",
+        sock, "--disk-tier", "on", "--expert-cache-gb", "0.000001",
+    )  # fmt: skip
+    try:
+        body = {"model": "qt-Q8_0", "prompt": "Hello there", "max_tokens": 8, "temperature": 0}
+        status, out = d.post("/v1/completions", {**body, "ignore_eos": True})
+        assert status == 200, out
+        ids = ref.tokenizer.encode("Hello there")
+        want = ref.tokenizer.decode(ref.generate(ids, 8, ignore_eos=True))
+        assert out["choices"][0]["text"] == want
+        proc = _ftctl("stats", "--json", socket=sock)
+        assert proc.returncode == 0, proc.stderr
+        (row,) = json.loads(proc.stdout)
+        assert row["expert_misses"] > 0 and row["disk_bytes_read"] > 0
+        assert row["expert_fills"] == row["expert_misses"]
+        assert _ftctl("stats", socket=sock).returncode == 0  # the table's "disk reads" column
+    finally:
+        d.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)

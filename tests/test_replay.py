@@ -18,6 +18,7 @@ from freetokend.experts.replay import (
     read_granite_json,
     read_jsonl,
     read_trace,
+    replay_ram_cache,
     replay_slot_cache,
     run_policies,
     simulate_belady,
@@ -153,3 +154,24 @@ def test_cli_json(gptoss: Trace, tmp_path: Path, capsys: pytest.CaptureFixture[s
         budget = int(row["budget_mib"]) * MIB
         assert row["num_slots"] == num_slots_for(short, budget)
         assert {p: row[p] for p in POLICIES} == run_policies(short, budget)
+
+
+def test_ram_cache_replay_of_the_qwen_trace(qwen: Trace) -> None:
+    """The disk tier's RAM-cache policy over the real Qwen3-30B-A3B routing (prefill and 32
+    decode tokens): hit rates by cache size, printed; an LRU of uniform slots is the byte LRU
+    of uniform sizes up to the order of one batch's entries (measured within 1 point)."""
+    tr = head(qwen, 32)
+    uniform = tr.with_expert_bytes(1)
+    pool = tr.num_layers * tr.num_experts
+    for share in (0.1, 0.25, 0.5, 0.75):
+        slots = int(pool * share)
+        got = replay_ram_cache(tr, slots)
+        lru = simulate_lru(uniform, slots)
+        print(
+            f"qwen RAM cache {share:.0%} of the pool ({slots} slots): {got.pct:.1f} % decode hits"
+        )
+        assert got.lookups == lru.lookups
+        assert abs(got.pct - lru.pct) < 2.0, (share, got.pct, lru.pct)
+    # everything resident: only first uses miss
+    full = replay_ram_cache(tr, pool)
+    assert full.pct == simulate_lru(uniform, pool).pct

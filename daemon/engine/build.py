@@ -168,7 +168,12 @@ def load(
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     cfg = model_config(model_dir, dtype, gguf_headers)
-    model, banks = load_model(model_dir, cfg, gguf_headers)
+    cache_mb = config.expert_cache_mb
+    if cache_mb is not None and (quantize is not None or quantize_experts is not None):
+        raise ValueError("the disk tier (expert_cache_mb) reads experts as the file has them: "
+                         "no quantize or quantize_experts")  # fmt: skip
+    cache = None if cache_mb is None else int(cache_mb * 2**20)
+    model, banks = load_model(model_dir, cfg, gguf_headers, cache)
     if quantize is not None:  # a preset: dense layers and experts (models/dense_quant.py)
         if quantize not in PRESETS:
             raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(PRESETS)}")

@@ -74,6 +74,10 @@ class EngineConfig:
     """bf16 weights on the CPU on vdpbf16ps where the CPU has AVX512-BF16."""
     huge_pages: bool = True
     """With the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge pages."""
+    expert_cache_mb: float | None = None
+    """The disk tier (experts/disk_tier.py): the routed experts stay in the file and a RAM
+    cache of about this many MiB holds the ones in use, read on demand (``cpu`` backend, GGUF
+    files in a block format, for now). None: the whole expert pool is read into RAM at load."""
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
@@ -95,10 +99,12 @@ class EngineConfig:
         bandwidth: tuple[float, float] | None = None,
         quantize: str | None = None,
         quantize_experts: str | None = None,
+        expert_cache_mb: float | None = None,
     ) -> EngineConfig:
         """The daemon's settings for one model. The per-model parts come from the model
         manager: ``name``, the stored ``bandwidth`` profile and the quantization that applies
-        to this checkpoint (``quantize``/``quantize_experts`` only touch float ones);
+        to this checkpoint (``quantize``/``quantize_experts`` only touch float ones), the disk
+        tier's ``expert_cache_mb`` where the pool does not fit the host budget;
         ``state_dir`` is used only where ``spill_budget_mb`` allows spilling."""
         return cls(
             max_batch=cfg.max_batch,
@@ -120,4 +126,5 @@ class EngineConfig:
             cuda_graphs=cfg.cuda_graphs,
             cpu_bf16_dot=cfg.cpu_bf16_dot,
             huge_pages=cfg.huge_pages,
+            expert_cache_mb=expert_cache_mb,
         )

@@ -20,6 +20,7 @@ from .accelerator import Accelerator, StandinAccelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .device_backends import FusedBackend, OffloadBackend
 from .devices import create_accelerator
+from .disk_tier import TieredExecutor, slot_banks
 from .fakecuda import FakeCpuExecutor, InlinePool
 from .formats import dequantize_banks, dequantize_banks_to
 
@@ -97,11 +98,22 @@ class CpuBackend:
         """``fake``: the banks have no data (fake device runs): a shape-checking stand-in
         replaces the native executor. ``isa``: the float executor's path (cpu_executor.ISAS;
         "avx512bf16" for ``cpu_bf16_dot``)."""
-        self.banks = banks
         self.num_experts = num_experts
         self.act = act
         self.executor: object | None = None
         self._dense_spin: int | None = None
+        self.tier: TieredExecutor | None = None
+        pool = banks
+        if banks.disk is not None:  # experts in the file: the executor runs over RAM slots
+            if fake:
+                raise ValueError("the disk tier needs real banks (not a fake device's)")
+            banks, classes, layer_class = slot_banks(pool, num_experts, banks.disk.cache_bytes)
+            log.info(
+                "disk tier: %d of %d experts in a RAM cache of %d MiB (%s)",
+                banks.num_flat, pool.num_flat,
+                sum(t.nbytes for t in banks.all_tensors().values()) >> 20, pool.format,
+            )  # fmt: skip
+        self.banks = banks
         if fake:
             self.executor = FakeCpuExecutor(banks)
             return
@@ -123,7 +135,16 @@ class CpuBackend:
             own = isinstance(self.executor, BlockExecutor)  # every decode job on ftdense's pool
             self._dense_spin = dense_native.SPIN_US_OWN if own else dense_native.SPIN_US_SHARED
             self._set_spin = dense_native.set_spin
+            if pool.disk is not None:
+                self.tier = TieredExecutor(
+                    pool.disk, pool, num_experts, banks, classes, layer_class, self.executor
+                )
+                self.executor = self.tier
         except (ImportError, ModuleNotFoundError) as e:
+            if pool.disk is not None:
+                raise RuntimeError(
+                    f"the disk tier needs the native CPU expert executor ({e})"
+                ) from e
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
             if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight
                 self.banks = dequantize_banks(banks)
@@ -254,6 +275,11 @@ def create_backend(
     fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
+    if banks.disk is not None:
+        raise ValueError(
+            f"moe_backend {name}: the disk tier (experts read from the file) runs under the cpu "
+            "backend only for now"
+        )
 
     acc = given if given is not None else create_accelerator(str(accelerator))
     if name == "fused":

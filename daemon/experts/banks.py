@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .disk_tier import DiskTier
 
 
 class Activation(enum.IntEnum):
@@ -56,6 +60,9 @@ class ExpertBanks:
     # GGUF block banks whose q4_k / q6_k projections have their rows interleaved by 8 per expert
     # (``formats.interleave_banks``, for the native kernels); ``formats.expert_tensors`` undoes it
     interleaved: bool = False
+    # the disk tier (experts/disk_tier.py): the weight banks hold no data (meta tensors; biases
+    # stay resident) and the experts are read from this source into a RAM cache on demand
+    disk: DiskTier | None = None
 
     @property
     def num_flat(self) -> int:

@@ -15,6 +15,8 @@ Policies (`run_policies`):
     static_layers  llama.cpp-style (--n-cpu-moe): whole layers resident, the last layers first
     ours           the real SlotCache (`decode_step_reference`, every miss filled) with its
                    AGED_FREQ eviction; `lru_slotcache` is the same cache with LRU eviction
+    ram_lru        the disk tier's RAM cache (`disk_tier.RamCache`, one class of uniform slots):
+                   `replay_ram_cache`
 The SlotCache has uniform slots: a byte budget gives `budget // mean expert bytes` slots
 (`num_slots_for`); `lru_slotcache` against `lru` measures what that rounding costs.
 
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from freetokend.experts.disk_tier import RamCache
 from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
 
 MIB = 1 << 20
@@ -316,6 +319,21 @@ def replay_slot_cache(tr: Trace, num_slots: int, policy: EvictionPolicy) -> HitC
             cache.decode_step(torch.tensor(rows, dtype=torch.int32), b.layer)
     if since is not None:
         close(since)
+    return out
+
+
+def replay_ram_cache(tr: Trace, num_slots: int) -> HitCount:
+    """The disk tier's RAM cache policy (an LRU over ``num_slots`` uniform slots; each batch's
+    distinct experts one lookup, first-use order) over the trace; decode-only hit rate. Needs
+    ``num_slots`` >= the most distinct experts of one batch (a prefill layer's: up to E)."""
+    cache, out = RamCache([list(range(num_slots))], lambda f: 0), HitCount()
+    for b in tr.batches:
+        keys = list(dict.fromkeys(_keys(tr, b)))
+        before = cache.hits
+        cache.lookup(keys)
+        if b.decode:
+            out.hits += cache.hits - before
+            out.lookups += len(keys)
     return out
 
 

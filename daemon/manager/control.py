@@ -23,6 +23,7 @@ from ..config import DaemonConfig
 from ..engine.engine_config import EngineConfig
 from ..engine.llm import LLM
 from ..engine.resize import slot_backend
+from ..experts.backend import resolve_backend
 from ..experts.bandwidth import profile_format
 from ..experts.vram_watch import SlotSizes, VramWatcher, nvml_reader
 from ..models.builtin import ensure_builtin_model
@@ -45,7 +46,7 @@ from ..server.parts import (
 )
 from .cache import CacheControl
 from .hub import EngineHub
-from .models import ModelManager, ResidentModel, default_host_budget
+from .models import ModelManager, ResidentModel, default_host_budget, expert_cache_mb
 from .ops import AdminOps
 from .routing import LaneBridge, ServiceRouter
 from .store_api import ControlStore, open_store
@@ -62,7 +63,9 @@ class ControlPlane:
         self.script: Script | None = scripted_replies()
         self.state_dir = Path(cfg.state_dir or ".")
         self.store: ControlStore = open_store(self.state_dir)
-        budget = int(cfg.host_pool_budget_gb * 2**30) or default_host_budget()
+        budget = int(cfg.host_pool_budget_gb * 2**30) or default_host_budget(
+            int(cfg.snapshot_budget_mb * 2**20)
+        )
         self.manager = ModelManager(
             self._load_llm, cfg.moe_backend, budget, cfg.auto_switch, self._resolve
         )
@@ -116,13 +119,22 @@ class ControlPlane:
         if preset is not None:
             mc = model_config(path)  # the bandwidth profile's expert format
             quantize = expert_format(preset, mc.hidden_size, mc.moe_intermediate_size)
+        bandwidth = self._bandwidth(path, quantize)
+        resolved = resolve_backend(backend, cfg.accelerator, bandwidth)
+        cache_mb = expert_cache_mb(
+            path, self.manager.host_budget, cfg.disk_tier, cfg.expert_cache_gb, resolved
+        )
+        if cache_mb is not None and (quantize or preset):
+            log.warning("%s: the disk tier reads experts as stored: no quantize at load", path)
+            quantize = preset = None
         config = EngineConfig.from_daemon(
             cfg,
             name=name,
             state_dir=self.state_dir,
-            bandwidth=self._bandwidth(path, quantize),
+            bandwidth=bandwidth,
             quantize=preset,
             quantize_experts=None if preset else quantize,
+            expert_cache_mb=cache_mb,
         )
         return LLM(path, moe_backend=backend, config=config)
 

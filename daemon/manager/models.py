@@ -13,7 +13,6 @@ worker thread); park/unpark run at a hub safe point (step lock held).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,11 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
 from ..engine.resize import slot_backend as _slot_backend
+from ..experts.formats import get_format
 from ..formats.gguf_file import set_name, split_files
+from ..models.loader import model_config, model_kind
 from ..runtime import heartbeat
+from ..runtime.memlimit import host_pool_budget
 from .hub import EngineHub
 from .lane import Lane
 from .parking import park_fused, park_graphs, unpark_fused, unpark_graphs
@@ -61,13 +65,46 @@ class ResidentModel:
 def host_bytes(llm: LLM) -> int:
     """Bytes of host RAM held by the model's weights: dense parameters plus the expert pool."""
     dense = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
-    pool = sum(t.numel() * t.element_size() for t in llm.banks.tensors().values())
+    banks = llm.banks.all_tensors().values()
+    pool = sum(t.numel() * t.element_size() for t in banks if not t.is_meta)
+    tier = getattr(llm.moe, "tier", None)  # the disk tier: its RAM slots, not the file's pool
+    if tier is not None:
+        pool += sum(t.numel() * t.element_size() for t in tier.slots.all_tensors().values())
     return int(dense + pool)
 
 
-def default_host_budget() -> int:
-    """Three quarters of physical RAM."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4)
+def default_host_budget(other_bytes: int = 0) -> int:
+    """Three quarters of physical RAM, within the process's memory cgroup less what the rest of
+    the process needs (``other_bytes`` on top of the runtime's reserve: runtime/memlimit.py)."""
+    return host_pool_budget(other_bytes=other_bytes)
+
+
+def expert_cache_mb(
+    path: Path, budget: int, mode: str, cache_gb: float, backend: str
+) -> float | None:
+    """The disk tier's RAM cache (MiB) for the model at ``path`` under ``backend`` (resolved),
+    or None when its experts load into RAM: ``mode`` "off"; "auto" when the weight files fit
+    ``budget`` (or the tier cannot take the model: logged); "on" always. The cache is
+    ``cache_gb`` when given, else what ``budget`` leaves after the other weights."""
+    if mode == "off":
+        return None
+    total = checkpoint_bytes(path)
+    if mode == "auto" and total <= budget:
+        return None
+    cfg = model_config(path)
+    fmt = get_format(cfg.expert_format)
+    if mode == "auto" and (backend != "cpu" or model_kind(path) != "gguf" or not fmt.in_blocks):
+        log.warning(
+            "%s: %d MiB of weights exceed the host-pool budget (%d MiB); the disk tier takes "
+            "GGUF experts in a block format under the cpu backend only, so all load into RAM",
+            path, total >> 20, budget >> 20,
+        )  # fmt: skip
+        return None
+    if cache_gb > 0:
+        return cache_gb * 1024
+    per = fmt.nbytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16)
+    experts = cfg.num_moe_layers * cfg.num_experts * per
+    return max(budget - max(total - experts, 0), 0) / 2**20
 
 
 def checkpoint_bytes(path: Path) -> int:

@@ -131,6 +131,12 @@ class AdminOps:
             share = cpu / (gpu + cpu) if gpu + cpu else 0.0
         elif m.moe_backend == "fused":
             share = 0.0
+        tier = getattr(m.llm.moe, "tier", None)  # the disk tier's RAM cache (cpu backend)
+        disk_bytes, disk_s = 0, 0.0
+        if tier is not None:
+            ts = tier.stats()
+            hits, misses, fills = ts["hits"], ts["misses"], ts["fills"]
+            disk_bytes, disk_s = ts["bytes_read"], tier.read_seconds
         return {
             "name": m.name,
             "active": self.c.hub is not None and m.lane is self.c.hub.active,
@@ -153,6 +159,8 @@ class AdminOps:
             "kv_page_size": m.llm.runner.kv.page_size,
             "running": st.running,
             "waiting": st.waiting,
+            "disk_bytes_read": disk_bytes,
+            "disk_read_seconds": disk_s,
         }
 
     def cache_info(self) -> dict[str, Any]:

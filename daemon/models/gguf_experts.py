@@ -117,3 +117,55 @@ class RawStack:
         per = dest[0].numel()
         for e in range(dest.shape[0]):
             self.f.read_raw_into(self.t, dest[e], e * per)  # asserts each part is contiguous
+
+
+class InFile(RawStack):
+    """A stacked expert weight left in the file (the disk tier): its shape is checked like any
+    other, nothing is read at load."""
+
+    def into(self, dest: torch.Tensor) -> None:
+        pass
+
+
+class GgufExpertSource:
+    """The disk tier's source (experts/disk_tier.py ``ExpertSource``): one expert's GGUF rows
+    read from the file's stacked tensors on demand, gate rows then up rows into its ``gate_up``
+    row of the slot banks and its down rows into ``down``, byte for byte as ``RawStack`` loads
+    them. Holds its own descriptors (``GgufFile``, positional reads: safe from several threads
+    at once). ``blocks``: the decoder layer of each MoE layer, in MoE-layer order."""
+
+    def __init__(
+        self,
+        files: list[GgufFile],
+        tensors: dict[str, tuple[GgufFile, GgufTensor]],
+        blocks: list[int],
+        num_experts: int,
+    ) -> None:
+        self.files, self.num_experts = files, num_experts
+        self.layers = []
+        for b in blocks:
+            parts = []
+            for proj in ("gate", "up", "down"):
+                name = f"blk.{b}.ffn_{proj}_exps.weight"
+                if name not in tensors:
+                    raise ValueError(
+                        f"the disk tier needs tensor '{name}' (fused gate/up: not yet)"
+                    )
+                f, t = tensors[name]
+                parts.append((f, t, t.nbytes // num_experts))
+            self.layers.append(parts)
+
+    def read(self, fid: int, dest: dict[str, torch.Tensor]) -> int:
+        layer, e = divmod(fid, self.num_experts)
+        (fg, tg, ng), (fu, tu, nu), (fd, td, nd) = self.layers[layer]
+        gate_up = dest["gate_up"]
+        half = gate_up.shape[0] // 2
+        assert gate_up[:half].numel() == ng and dest["down"].numel() == nd
+        fg.read_raw_into(tg, gate_up[:half], e * ng)
+        fu.read_raw_into(tu, gate_up[half:], e * nu)
+        fd.read_raw_into(td, dest["down"], e * nd)
+        return ng + nu + nd
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..experts.banks import ExpertBanks
+from ..experts.disk_tier import DiskTier
 from ..formats.gguf_blocks import BLOCK_BYTES
 from ..formats.gguf_file import (
     NATIVE,
@@ -411,11 +412,32 @@ def _dt(name: str) -> torch.dtype:
     return dtype_of(name)
 
 
+def _disk_tier(ck: GgufCheckpoint, cfg: ModelConfig, cache_bytes: int) -> DiskTier:
+    """The disk tier over ``ck``'s expert tensors, through descriptors of its own (``ck``'s
+    close with the load)."""
+    files = [GgufFile(f.path, f.header) for f in ck.files]
+    again = {f.path: g for f, g in zip(ck.files, files, strict=True)}
+    tensors = {n: (again[f.path], t) for n, (f, t) in ck.tensors.items()}
+    blocks = sorted((m, b) for b, m in enumerate(cfg.moe_layer_index[: cfg.num_layers]) if m >= 0)
+    try:
+        source = gguf_experts.GgufExpertSource(
+            files, tensors, [b for _, b in blocks], cfg.num_experts
+        )
+    except ValueError as e:
+        for f in files:
+            f.close()
+        raise CheckpointError(f"{ck.path}: {e}") from None
+    return DiskTier(source, cache_bytes)
+
+
 def load_gguf(
-    path: str | Path, cfg: ModelConfig | None = None, headers: list[GgufHeader] | None = None
+    path: str | Path,
+    cfg: ModelConfig | None = None,
+    headers: list[GgufHeader] | None = None,
+    expert_cache_bytes: int | None = None,
 ) -> tuple[CausalLM, ExpertBanks]:
     """Loads a GGUF file (or split set) into a model and its expert banks (``headers``: the
-    files' headers, parsed before)."""
+    files' headers, parsed before). ``expert_cache_bytes``: the disk tier (load_model)."""
     with GgufCheckpoint(path, headers) as ck:
         cfg = cfg or ck.config()
         infos = {n: t for n, (_, t) in ck.tensors.items()}
@@ -426,11 +448,17 @@ def load_gguf(
                 f"{path}: GGUF experts load as float banks or in the block format "
                 f"of the file's expert tensors; not {cfg.expert_format}"
             )
+        tiered = expert_cache_bytes is not None
+        if tiered and not block:
+            raise CheckpointError(
+                f"{path}: the disk tier reads experts in a GGUF block format the integer-dot "
+                "kernels compute (Q4_K, Q8_0, ...); these experts load dequantized"
+            )
         family_spec(cfg.family)
         model = build_model(cfg)
         for p in model.parameters():  # huge pages from the fill on, when asked (never written yet)
             advise_new(p.data)
-        banks = allocate_banks(cfg)
+        banks = allocate_banks(cfg, resident=not tiered)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)
         _check_types(ck, cfg)
@@ -456,7 +484,8 @@ def load_gguf(
                             f"{src.t.path}: tensor '{name}': fused gate/up experts in blocks "
                             "are not supported"
                         )
-                    raw = gguf_experts.RawStack(src.f, src.t)
+                    stack = gguf_experts.InFile if tiered else gguf_experts.RawStack
+                    raw = stack(src.f, src.t)
                     filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
                     continue
                 filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
@@ -481,6 +510,8 @@ def load_gguf(
             filler.verify()
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
+        if expert_cache_bytes is not None:
+            banks.disk = _disk_tier(ck, cfg, expert_cache_bytes)
         mtp = [n for n in ck.tensors if (m := _BLK.match(n)) and int(m.group(1)) >= cfg.num_layers]
         if mtp:
             log.info(

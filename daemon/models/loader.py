@@ -444,11 +444,19 @@ class Filler:
                         )
 
 
-def allocate_banks(cfg: ModelConfig) -> ExpertBanks:
+def allocate_banks(cfg: ModelConfig, resident: bool = True) -> ExpertBanks:
     """Exact-size, uninitialised banks for all routed experts (filled by the loader; marked for
-    huge pages before the fill inside ``hugepages.advise_at_fill``)."""
+    huge pages before the fill inside ``hugepages.advise_at_fill``). ``resident`` False (the
+    disk tier): the weight banks are meta tensors (shapes, no memory); biases stay real."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
+    if not resident:
+        with torch.device("meta"):
+            banks = allocate(cfg.expert_format, n, h, i, dt)
+        if cfg.expert_bias:
+            banks.gate_up_bias = advise_new(torch.empty(n, 2 * i, dtype=dt))
+            banks.down_bias = advise_new(torch.empty(n, h, dtype=dt))
+        return banks
     if cfg.expert_format != "bf16":
         banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
     else:
@@ -502,16 +510,24 @@ def load_model(
     model_dir: str | Path,
     cfg: ModelConfig | None = None,
     gguf_headers: list[GgufHeader] | None = None,
+    expert_cache_bytes: int | None = None,
 ) -> tuple[CausalLM, ExpertBanks]:
     """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set
-    (``gguf_headers``: its headers parsed before, gguf_file.read_headers)."""
+    (``gguf_headers``: its headers parsed before, gguf_file.read_headers). ``expert_cache_bytes``
+    (the disk tier, GGUF only for now): the routed experts stay in the file, the banks hold no
+    weights and carry the tier (``ExpertBanks.disk``) with a RAM cache of about that size."""
     model_dir = Path(model_dir)
     kind = model_kind(model_dir)
     if kind == "gguf":
         # deferred: import cycle (the imported module imports this one at top level)
         from .gguf_loader import load_gguf
 
-        return load_gguf(model_dir, cfg, gguf_headers)
+        return load_gguf(model_dir, cfg, gguf_headers, expert_cache_bytes)
+    if expert_cache_bytes is not None:
+        raise CheckpointError(
+            f"{model_dir}: the disk tier (experts read from the file on demand) reads GGUF "
+            f"files only for now, not {'FTW' if kind == 'ftw' else 'safetensors'} folders"
+        )
     if kind == "ftw":  # pre-laid-out FTW folder (ARCHITECTURE §7)
         stored = read_config(model_dir).torch_dtype
         if cfg is not None and cfg.torch_dtype != stored:

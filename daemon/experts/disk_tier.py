@@ -1,0 +1,282 @@
+"""The disk tier under the host pool (ARCHITECTURE §4.7, issue 45): routed experts that do not
+fit the RAM budget stay in the checkpoint file and are read on demand into a RAM cache of expert
+slots.
+
+The slots are host banks of the model's own expert format (``slot_banks``), so the CPU
+executors compute over them unchanged: a MoE layer's call looks its distinct experts up in the
+cache (``RamCache``: an LRU at expert granularity), reads the missing ones from the file into
+their slots (``ExpertSource.read``, several at once on a small thread pool; pread releases the
+GIL), applies the cpu backend's row interleave to each filled slot as ``formats.interleave_banks``
+does to a resident pool, and then calls the executor with slot ids in place of flat ids (a
+remap, as the device slot cache does). The same rows reach the same kernel in the same route
+order, so the results equal a resident pool's bit for bit.
+
+A call's experts are all resident at once: hits are touched before any victim is chosen, and
+every class holds at least one layer's experts (``num_experts`` slots), so a victim is never an
+expert of the same call.
+
+Slot classes: a plain format has one class (every slot holds any expert). A per-layer GGUF format
+("layers:...") keeps each layer's block types, so a slot only holds experts whose layer has its
+types: the slot banks are virtual layers of ``num_experts`` slots each, and each distinct pair of
+types gets virtual layers in proportion to its share of the pool (at least one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..formats import gguf_interleave
+from .banks import ExpertBanks
+from .formats import (
+    FORMATS,
+    allocate,
+    block_format,
+    expert_rows,
+    get_format,
+    interleaves,
+    layer_pair,
+    layered_format,
+)
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+STAT_NAMES = ("hits", "misses", "fills", "bytes_read")
+READ_THREADS = 4  # reads in flight at once (NVMe wants several; a page-cache hit is a memcpy)
+
+
+class ExpertSource(Protocol):
+    """Where experts not resident are read from (a checkpoint file)."""
+
+    def read(self, fid: int, dest: dict[str, Tensor]) -> int:
+        """Writes expert ``fid``'s weights, as the loader would have put them in the pool before
+        any interleave (GGUF rows), into ``dest`` (bank name -> that expert's row of the slot
+        banks); returns the bytes read."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class DiskTier:
+    """The pool's experts live in ``source``; ``cache_bytes`` of RAM hold the slots."""
+
+    source: ExpertSource
+    cache_bytes: int
+
+
+class RamCache:
+    """The RAM cache's policy: which slot holds which expert, least recently used first out.
+
+    ``class_slots[c]``: the slot ids of class c; ``class_of(fid)``: the class expert ``fid`` goes
+    to. ``lookup`` takes one call's distinct experts and returns their slots and the (fid, slot)
+    fills to make; the counters count experts (a hit or a miss per distinct expert of a call)."""
+
+    def __init__(self, class_slots: list[list[int]], class_of: Callable[[int], int]) -> None:
+        self.class_of = class_of
+        # per class: slot -> fid (-1: free), the least recently used first
+        self.lru: list[OrderedDict[int, int]] = [
+            OrderedDict((s, -1) for s in slots) for slots in class_slots
+        ]
+        self.slot_of: dict[int, int] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def slots(self) -> int:
+        return sum(len(c) for c in self.lru)
+
+    def lookup(self, fids: Iterable[int]) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
+        """-> ({fid: slot} for every fid of ``fids``, [(fid, slot, evicted fid or -1) to read]);
+        evicted experts leave ``slot_of``. ``fids``: distinct, none negative."""
+        out: dict[int, int] = {}
+        missed = []
+        for f in fids:  # hits first: touched, so no miss of this call evicts them
+            s = self.slot_of.get(f)
+            if s is None:
+                missed.append(f)
+                continue
+            self.lru[self.class_of(f)].move_to_end(s)
+            out[f] = s
+        fills = []
+        for f in missed:
+            lru = self.lru[self.class_of(f)]
+            s, old = next(iter(lru.items()))
+            if old in out:
+                raise RuntimeError(
+                    f"the expert cache class of expert {f} holds fewer slots than one call needs"
+                )
+            lru.move_to_end(s)
+            if old >= 0:
+                del self.slot_of[old]
+            lru[s] = f
+            self.slot_of[f] = s
+            out[f] = s
+            fills.append((f, s, old))
+        self.hits += len(out) - len(missed)
+        self.misses += len(missed)
+        return out, fills
+
+    def forget(self, fid: int) -> None:
+        """Expert ``fid`` is no longer in its slot (a failed read): the slot is free, first out."""
+        s = self.slot_of.pop(fid, None)
+        if s is not None:
+            lru = self.lru[self.class_of(fid)]
+            lru[s] = -1
+            lru.move_to_end(s, last=False)
+
+
+def _float_dtype(pool: ExpertBanks) -> torch.dtype:
+    b = pool.gate_up_bias
+    return b.dtype if b is not None else torch.bfloat16
+
+
+def slot_banks(
+    pool: ExpertBanks, num_experts: int, cache_bytes: int
+) -> tuple[ExpertBanks, list[list[int]], list[int]]:
+    """The RAM cache's slot banks for ``pool`` (its format; weight banks need not hold data)
+    within about ``cache_bytes``, at least one layer's experts per class -> (banks, slot ids per
+    class, class of each MoE layer)."""
+    fmt = get_format(pool.format)
+    h, inter = pool.hidden_size, pool.intermediate_size
+    if fmt.in_blocks:
+        inter = pool.gate_up.shape[1] // 2
+        h = pool.down.shape[1]
+    dt = _float_dtype(pool)
+    bias = pool.gate_up_bias is not None
+    layers = pool.num_flat // num_experts
+    if fmt.layer_types is None:
+        per = fmt.nbytes_per_expert(h, inter, dt)
+        n = max(num_experts, min(pool.num_flat, cache_bytes // max(per, 1)))
+        banks = allocate(pool.format, n, h, inter, dt, bias=bias)
+        return banks, [list(range(n))], [0] * layers
+    pairs = list(fmt.layer_types)
+    distinct = list(dict.fromkeys(pairs))
+    count = {p: pairs.count(p) for p in distinct}
+    size = {p: FORMATS[block_format(*p)].nbytes_per_expert(h, inter, dt) for p in distinct}
+    total = sum(count[p] * size[p] for p in distinct)
+    vpairs: list[tuple[str, str]] = []
+    for p in distinct:  # a class's share of the cache = its share of the pool
+        share = cache_bytes * count[p] * size[p] / total
+        v = min(count[p], max(1, int(share // (num_experts * size[p]))))
+        vpairs += [p] * v
+    banks = allocate(layered_format(vpairs), len(vpairs) * num_experts, h, inter, dt, bias=bias)
+    classes: list[list[int]] = [[] for _ in distinct]
+    for v, p in enumerate(vpairs):
+        classes[distinct.index(p)] += range(v * num_experts, (v + 1) * num_experts)
+    return banks, classes, [distinct.index(p) for p in pairs]
+
+
+class TieredExecutor:
+    """A CPU expert executor over the RAM cache's slot banks (``inner``, built over ``slots``)
+    that reads missing experts from ``tier.source`` before each call. The executor interface of
+    the cpu backend: ``forward`` and ``forward_addresses`` (the native decode step calls the
+    latter back through Python with the routed flat ids, cpu_decode.experts_of)."""
+
+    def __init__(
+        self,
+        tier: DiskTier,
+        pool: ExpertBanks,
+        num_experts: int,
+        slots: ExpertBanks,
+        classes: list[list[int]],
+        layer_class: list[int],
+        inner: Any,
+        read_threads: int = READ_THREADS,
+    ) -> None:
+        self.tier, self.pool, self.slots, self.inner = tier, pool, slots, inner
+        self.num_experts = num_experts
+        self.cache = RamCache(classes, lambda f: layer_class[f // num_experts])
+        # flat id + 1 -> slot (-1: not resident); index 0 is the skipped route's -1
+        self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)
+        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="ft-disk-tier")
+        self._local = threading.local()
+        self._lock = threading.Lock()  # one call's lookup and fills at a time
+        self.counters = dict.fromkeys(STAT_NAMES, 0)
+        self.read_seconds = 0.0
+        self.hidden_size = getattr(inner, "hidden_size", pool.hidden_size)
+        # the file's descriptors and the readers go with the executor (an unloaded model)
+        self._finalizer = weakref.finalize(self, _release, self._reads, tier.source)
+
+    # -- the executor interface ------------------------------------------------------------------
+    def forward(self, x: Tensor, flat_ids: Tensor, weights: Tensor) -> Tensor:
+        with self._lock:
+            ids = self._remap(flat_ids.to(torch.int32).contiguous())
+            return self.inner.forward(x, ids, weights)  # type: ignore[no-any-return]
+
+    def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
+        """``forward`` on raw addresses (models/layers/cpu_decode.py): ids [t, k] int32."""
+        with self._lock:
+            buf = (ctypes.c_int32 * (t * k)).from_address(ids)
+            slot_ids = self._remap(torch.frombuffer(buf, dtype=torch.int32).view(t, k))
+            self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, t, k)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "hits": self.cache.hits, "misses": self.cache.misses}
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # -- the tier --------------------------------------------------------------------------------
+    def _remap(self, flat_ids: Tensor) -> Tensor:
+        """Flat ids [T, K] -> slot ids, the call's missing experts read first."""
+        fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
+        if fids and (fids[-1] >= self.pool.num_flat):
+            raise IndexError(f"expert id {fids[-1]} outside [-1, {self.pool.num_flat})")
+        _, fills = self.cache.lookup(fids)
+        if fills:
+            self._fill(fills)
+        return self._lut[flat_ids.long() + 1]
+
+    def _fill(self, fills: list[tuple[int, int, int]]) -> None:
+        started = time.perf_counter()
+        lut = self._lut
+        for _, _, old in fills:  # the evicted experts' slots are being overwritten
+            if old >= 0:
+                lut[old + 1] = -1
+        try:
+            done = list(self._reads.map(lambda fs: self._read(fs[0], fs[1]), fills))
+        except BaseException:
+            for f, _, _ in fills:  # what the slots hold is unknown: nothing of this call stays
+                self.cache.forget(f)
+            raise
+        for f, s, _ in fills:
+            lut[f + 1] = s
+        self.counters["fills"] += len(fills)
+        self.counters["bytes_read"] += sum(done)
+        self.read_seconds += time.perf_counter() - started
+
+    def _read(self, fid: int, slot: int) -> int:
+        slots = self.slots
+        dest = {p: expert_rows(slots, p, slot, 1)[0] for p in ("gate_up", "down")}
+        n = self.tier.source.read(fid, dest)
+        if slots.interleaved:  # as formats.interleave_banks did to a resident pool
+            for proj, qtype in zip(("gate_up", "down"), layer_pair(slots, slot), strict=True):
+                rows = dest[proj]
+                if interleaves(proj, qtype, rows.shape[0]):
+                    scratch = getattr(self._local, "scratch", None)
+                    if scratch is None or scratch.numel() < rows.numel():
+                        scratch = self._local.scratch = torch.empty(rows.numel(), dtype=torch.uint8)
+                    if not gguf_interleave.interleave_in_place(rows, qtype, scratch):
+                        rows.copy_(gguf_interleave.interleave(rows, qtype))
+        for b, s in ((self.pool.gate_up_bias, slots.gate_up_bias),
+                     (self.pool.down_bias, slots.down_bias)):  # fmt: skip
+            if b is not None and s is not None:
+                s[slot].copy_(b[fid])
+        return n
+
+
+def _release(reads: ThreadPoolExecutor, source: ExpertSource) -> None:
+    reads.shutdown(wait=True)
+    source.close()

@@ -1,0 +1,193 @@
+"""The disk tier (experts/disk_tier.py, issue 45): routed experts left in the GGUF file, read on
+demand into a RAM cache of expert slots under the cpu backend.
+
+Oracle: the same model with its whole expert pool resident. The tier hands the same GGUF rows
+(interleaved the same way) to the same kernel in the same route order, only at slot ids, so the
+logits are equal bit for bit and greedy tokens equal, for a cache that holds one layer's experts
+of three (every layer call misses), single and batched, on the native decode step's path and the
+generic one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
+from test_gguf_experts import _prompt, _tiny
+from test_gguf_experts_per_layer import _write
+
+from freetokend import LLM
+from freetokend.experts.block_executor import available
+from freetokend.experts.disk_tier import RamCache, TieredExecutor, slot_banks
+from freetokend.experts.formats import allocate, layered_format
+from freetokend.formats.errors import CheckpointError
+from freetokend.models.layers import cpu_decode
+
+LOAD = dict(max_model_len=128, kv_tokens=1024, prefix_cache=False)
+TINY_CACHE_MB = 0.01  # below one layer's experts: the tier keeps one layer's (8 of 24)
+
+
+# ---- the policy ---------------------------------------------------------------------------------
+
+
+def test_ram_cache_is_an_lru_that_never_evicts_its_own_call() -> None:
+    c = RamCache([[0, 1, 2]], lambda f: 0)
+    slots, fills = c.lookup([10, 11, 12])
+    assert fills == [(10, 0, -1), (11, 1, -1), (12, 2, -1)] and slots == {10: 0, 11: 1, 12: 2}
+    slots, fills = c.lookup([11])  # a hit: 11 is now the most recent
+    assert fills == [] and (c.hits, c.misses) == (1, 3)
+    slots, fills = c.lookup([13, 10])  # 10 hits first; the victim is 12, the least recent
+    assert fills == [(13, 2, 12)] and slots == {10: 0, 13: 2}
+    assert 12 not in c.slot_of and c.slot_of[13] == 2
+    c.forget(13)  # a failed read: its slot is the next victim
+    _, fills = c.lookup([14])
+    assert fills == [(14, 2, -1)]
+    with pytest.raises(RuntimeError, match="fewer slots than one call needs"):
+        c.lookup([20, 21, 22, 23])
+    # classes: each expert only in its class's slots
+    c = RamCache([[0, 1], [2, 3]], lambda f: f // 100)
+    _, fills = c.lookup([5, 105, 6])
+    assert fills == [(5, 0, -1), (105, 2, -1), (6, 1, -1)]
+    _, fills = c.lookup([7, 106])
+    assert fills == [(7, 0, 5), (106, 3, -1)]
+
+
+def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
+    e, h, i = 4, 256, 256
+    pairs = [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q4_k", "q6_k")]
+    with torch.device("meta"):
+        pool = allocate(layered_format(pairs), 4 * e, h, i, torch.bfloat16)
+    banks, classes, layer_class = slot_banks(pool, e, cache_bytes=1)  # the minimum
+    assert layer_class == [0, 1, 0, 0] and banks.format == "layers:q4_k/q6_k,q4_k"
+    assert classes == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    per = pool.nbytes_per_expert()
+    banks, classes, _ = slot_banks(pool, e, cache_bytes=3 * e * per)  # 3 layers' worth
+    assert banks.format == "layers:q4_k/q6_k*2,q4_k" and [len(c) for c in classes] == [8, 4]
+    banks, classes, _ = slot_banks(pool, e, cache_bytes=1 << 40)  # never more than the pool
+    assert banks.num_flat == 4 * e
+    with torch.device("meta"):
+        plain = allocate("q8_0", 12, h, i, torch.bfloat16)
+    banks, classes, layer_class = slot_banks(plain, e, 5 * plain.nbytes_per_expert())
+    assert banks.num_flat == 5 and classes == [[0, 1, 2, 3, 4]] and layer_class == [0, 0, 0]
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+
+needs_native = pytest.mark.skipif(not available(), reason="ftdense not built")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    return _tiny(tmp_path_factory.mktemp("disk_tier"))  # 3 MoE layers of 8 experts, top-2
+
+
+@pytest.fixture(scope="module")
+def kmix(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    _, hf = tiny
+    return write_gguf("qwen3_moe", hf, tmp_path_factory.mktemp("kmix") / "m.gguf", "kmix")
+
+
+def _pair(path: Path) -> tuple[LLM, LLM]:
+    resident = LLM(path, "cpu", **LOAD)
+    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD)
+    return resident, tiered
+
+
+def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = tiered.moe.tier
+    assert isinstance(tier, TieredExecutor) and tiered.moe.executor is tier
+    assert tier.cache.slots == 8 < tiered.banks.num_flat == 24  # one layer's of three
+    ids = _prompt(24, seed=4)
+    assert torch.equal(tiered.logits(ids), resident.logits(ids))
+    before = tier.stats()
+    # every layer call read all its experts (the last call filled the cache with another
+    # layer's): no hits, and misses = the distinct experts of the three calls
+    assert before["hits"] == 0 and before["misses"] > 12 and before["bytes_read"] > 0
+    called = []
+    inner = TieredExecutor.forward_addresses
+
+    def counted(self, *a):  # type: ignore[no-untyped-def]
+        called.append(a[-2])
+        return inner(self, *a)
+
+    monkeypatch.setattr(TieredExecutor, "forward_addresses", counted)
+    for fast in (True, False):  # the native decode step (experts called back) and the generic
+        old = cpu_decode.set_enabled(fast)
+        try:
+            want = resident.generate(ids, 12, ignore_eos=True)
+            assert tiered.generate(ids, 12, ignore_eos=True) == want
+            batch = [_prompt(9, seed=s) for s in range(4)]
+            assert tiered.generate(batch, 8, ignore_eos=True) == resident.generate(
+                batch, 8, ignore_eos=True
+            )
+        finally:
+            cpu_decode.set_enabled(old)
+        if fast:  # the native step called the tier back with each step's routes
+            assert called and max(called) == 4
+    st = tier.stats()
+    assert st["misses"] > before["misses"] and st["fills"] == st["misses"]
+    assert st["hits"] > 0  # decode steps reuse what the last step of the layer read
+    per = tiered.banks.nbytes_per_expert()
+    assert st["bytes_read"] == st["fills"] * per
+    # the slots take the cache's RAM; the pool's weight banks none
+    assert all(t.is_meta for t in tiered.banks.tensors().values())
+    assert sum(t.nbytes for t in tier.slots.all_tensors().values()) == 8 * per
+
+
+@needs_native
+def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _check_equal(*_pair(kmix), monkeypatch)
+
+
+@needs_native
+def test_disk_tier_equals_the_resident_pool_per_layer_types(  # type: ignore[no-untyped-def]
+    tiny, tmp_path: Path, monkeypatch
+) -> None:
+    """llama.cpp's Q4_K_M keeps some layers' ffn_down in Q6_K: the slots keep per-layer types."""
+    _, hf = tiny
+    types = [(Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q6_K)]
+    path = _write(hf, tmp_path / "m.gguf", types, monkeypatch)
+    resident = LLM(path, "cpu", **LOAD)
+    assert resident.banks.format == "layers:q4_k/q6_k,q4_k,q4_k/q6_k"
+    # the smallest cache: one layer's experts per class (two classes: 16 slots)
+    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD)
+    tier = tiered.moe.tier
+    assert tier is not None and tier.slots.format == "layers:q4_k/q6_k,q4_k"
+    ids = _prompt(24, seed=5)
+    assert torch.equal(tiered.logits(ids), resident.logits(ids))
+    assert tiered.generate(ids, 12, ignore_eos=True) == resident.generate(ids, 12, ignore_eos=True)
+    assert tier.stats()["misses"] > 16
+
+
+@needs_native
+def test_disk_tier_refusals(tiny, kmix: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder, hf = tiny
+    with pytest.raises(CheckpointError, match="GGUF files only for now"):
+        LLM(folder, "cpu", expert_cache_mb=1, **LOAD)
+    with pytest.raises(ValueError, match="cpu backend only"):
+        LLM(kmix, "offload", accelerator="standin", expert_cache_mb=1, **LOAD)
+    f32 = write_gguf("qwen3_moe", hf, tmp_path / "f32.gguf", "f32")
+    with pytest.raises(CheckpointError, match="block format"):
+        LLM(f32, "cpu", expert_cache_mb=1, **LOAD)
+
+
+def test_ftctl_stats_disk_column() -> None:
+    from ftctl.stats import _disk
+
+    assert _disk({"disk_bytes_read": 0}) == "-"
+    assert _disk({"disk_bytes_read": 3 << 20, "disk_read_seconds": 0.5}) == "3 MiB, 6 MiB/s"
+
+
+@needs_native
+def test_manager_counts_the_ram_cache_not_the_file(kmix: Path) -> None:
+    from freetokend.manager.models import host_bytes
+
+    resident, tiered = _pair(kmix)
+    dense = sum(t.nbytes for t in tiered.model.state_dict().values())
+    per = tiered.banks.nbytes_per_expert()
+    assert host_bytes(tiered) == dense + 8 * per
+    assert host_bytes(resident) == dense + 24 * per
