@@ -27,6 +27,7 @@ import torch
 
 from ..experts.banks import ExpertBanks
 from ..experts.disk_tier import DiskTier
+from ..formats.errors import CheckpointError
 from ..formats.gguf_blocks import BLOCK_BYTES
 from ..formats.gguf_file import (
     NATIVE,
@@ -41,11 +42,11 @@ from ..native.qlinear_native import QuantWeight
 from . import gguf_experts
 from .config import ModelConfig
 from .families.spec import GgufJoin
+from .fill import Filler, allocate_banks
 from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix
 from .gguf_config import config_from_gguf, gguf_arch
 from .hugepages import advise_new
 from .layers.common import Linear, dtype_of
-from .loader import CheckpointError, Filler, allocate_banks
 from .model import CausalLM, build_model
 from .registry import family_spec
 

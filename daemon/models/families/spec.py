@@ -119,7 +119,7 @@ class FamilySpec:
     ignore: tuple[str, ...] = ()
     # multi-token-prediction tensors stored apart from the decoder layers (a regex on the full
     # checkpoint name, DeepSeek-V4's ``mtp.<i>.``): skipped, counted in one log line ("": only
-    # those stored as layers after the last one, see ``loader.Filler.mtp``)
+    # those stored as layers after the last one, see ``fill.Filler.mtp``)
     mtp: str = ""
     # fused expert tensors stored as x @ W ([E, H, 2I] with gate/up interleaved, down [E, I, H]),
     # as GPT-OSS does; otherwise as W x ([E, 2I, H] gate rows then up rows, down [E, H, I]).
