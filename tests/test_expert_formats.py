@@ -14,6 +14,8 @@ from freetokend.experts.formats import (
     dequantize_banks,
     dequantize_expert,
     get_format,
+    layer_experts,
+    layered_format,
     quantize_banks,
 )
 from freetokend.experts.microscale import (
@@ -238,6 +240,17 @@ def test_dims_must_fit_the_packing():
         get_format("mxfp4").specs(48, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown expert format 'int3'"):
         get_format("int3")
+
+
+def test_per_layer_banks_count_their_flat_ids():
+    """``ExpertBanks.num_flat`` of per-layer block banks: the rows of their gate_up banks, one
+    per gate_up type (banks.py parses no format name), E experts a MoE layer; biases apart."""
+    e, h, i = 3, 256, 256
+    pairs = [("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q4_k", "q4_k"), ("q8_0", "q6_k")]
+    with torch.device("meta"):
+        banks = allocate(layered_format(pairs), e * len(pairs), h, i, torch.bfloat16, bias=True)
+    assert {"gate_up.q5_k", "gate_up.q8_0"} <= set(banks.extra) and banks.gate_up_bias is not None
+    assert banks.num_flat == e * len(pairs) == layer_experts(banks) * len(pairs)
 
 
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp4", "nvfp4"])

@@ -66,11 +66,15 @@ class ExpertBanks:
 
     @property
     def num_flat(self) -> int:
-        if self.format.startswith("layers:"):  # per-layer block banks: one bank per type
-            # deferred: import cycle (the imported module imports this one at top level)
-            from .formats import get_format, layer_experts
-
-            return layer_experts(self) * len(get_format(self.format).layer_types or ())
+        if self.format.startswith("layers:"):
+            # per-layer block banks (formats.layered_format): one gate_up bank per block type,
+            # ``gate_up`` and ``gate_up.<type>`` (in ``extra``), each holding the experts of its
+            # layers; together they hold every flat id once
+            return sum(
+                int(t.shape[0])
+                for name, t in self.all_tensors().items()
+                if name.partition(".")[0] == "gate_up"
+            )
         return int(self.gate_up.shape[0])
 
     @property
