@@ -41,7 +41,7 @@ def forced(supported: Sequence[str], env: Mapping[str, str] | None = None) -> st
 def detected() -> list[str]:
     """The paths this CPU runs, best first, as the native extensions detect them (both link the
     same detection); [] when they are not built."""
-    try:  # deferred: the optional C++ extension, absent where the build was skipped
+    try:  # deferred: ftnative (the optional C++ extension, absent where the build was skipped)
         import ftnative  # type: ignore[import-not-found]
     except ImportError:
         return []
