@@ -232,7 +232,7 @@ def test_chat_completions_session(session: tuple[TestClient[Any], Path]) -> None
     first = post(tc, "/v1/chat/completions", {"messages": msgs, "tools": TOOLS})
     m = first["choices"][0]["message"]
     assert first["choices"][0]["finish_reason"] == "tool_calls"
-    assert m["reasoning_content"].strip() == "I should read the file first."
+    assert m["reasoning_content"] == "I should read the file first."
     assert not m["content"]
     [call] = m["tool_calls"]
     assert call["function"]["name"] == "read"
@@ -244,13 +244,12 @@ def test_chat_completions_session(session: tuple[TestClient[Any], Path]) -> None
     ]
     second = post(tc, "/v1/chat/completions", {"messages": msgs, "tools": TOOLS})
     m2 = second["choices"][0]["message"]
-    assert m2["content"].strip() == "Running the tests."  # the parser keeps the newlines
+    assert m2["content"] == "Running the tests."
     assert [c["function"]["name"] for c in m2["tool_calls"]] == ["bash", "read"]
     assert json.loads(m2["tool_calls"][0]["function"]["arguments"]) == {"command": "pytest -q"}
-    # sent back as scripted (the parser leaves the newline the template puts before a call in
-    # the content: a client sending that back changes the prompt there)
+    # sent back as received: it renders to the reply's tokens
     msgs += [
-        {"role": "assistant", "content": "Running the tests.", "tool_calls": m2["tool_calls"]},
+        {"role": "assistant", "content": m2["content"], "tool_calls": m2["tool_calls"]},
         *(
             {"role": "tool", "tool_call_id": c["id"], "content": out}
             for c, out in zip(m2["tool_calls"], ["1 passed", "# app"], strict=True)
@@ -291,7 +290,7 @@ def test_chat_completions_stream(session: tuple[TestClient[Any], Path]) -> None:
     deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
     reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
     calls = [c for d in deltas for c in d.get("tool_calls") or []]
-    assert reasoning.strip() == "I should read the file first."
+    assert reasoning == "I should read the file first."
     assert calls[0]["function"]["name"] == "read"
     args = "".join(c["function"].get("arguments") or "" for c in calls)
     assert json.loads(args) == {"path": "src/app.py"}
@@ -299,7 +298,7 @@ def test_chat_completions_stream(session: tuple[TestClient[Any], Path]) -> None:
 
 
 def test_anthropic_messages_session(session: tuple[TestClient[Any], Path]) -> None:
-    tc, _ = session
+    tc, transcript = session
     tools = [
         {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
     ]
@@ -308,7 +307,7 @@ def test_anthropic_messages_session(session: tuple[TestClient[Any], Path]) -> No
     first = post(tc, "/v1/messages", {**body, "messages": msgs})
     kinds = [b["type"] for b in first["content"]]
     assert kinds == ["thinking", "tool_use"], first
-    assert first["content"][0]["thinking"].strip() == "I should read the file first."
+    assert first["content"][0]["thinking"] == "I should read the file first."
     use = first["content"][1]
     assert use["name"] == "read" and use["input"] == {"path": "src/app.py"}
     assert first["stop_reason"] == "tool_use"
@@ -321,8 +320,13 @@ def test_anthropic_messages_session(session: tuple[TestClient[Any], Path]) -> No
     ]
     second = post(tc, "/v1/messages", {**body, "messages": msgs})
     assert [b["type"] for b in second["content"]] == ["text", "tool_use", "tool_use"]
-    assert second["content"][0]["text"].strip() == "Running the tests."
+    assert second["content"][0]["text"] == "Running the tests."
     assert second["usage"]["cache_read_input_tokens"] >= first["usage"]["input_tokens"]
+    # the thinking block and the call, sent back as received, render to the reply's tokens
+    r1, r2 = records(transcript)[-2:]
+    assert r2["prompt_ids"][: len(r1["prompt_ids"]) + len(r1["reply_ids"])] == (
+        r1["prompt_ids"] + r1["reply_ids"]
+    )
 
 
 def test_responses_session(session: tuple[TestClient[Any], Path]) -> None:

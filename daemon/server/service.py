@@ -35,6 +35,7 @@ from .parsers.registry import (
     detect_syntax,
     make_output_parser,
     parser_markers,
+    prompt_opened,
     prompt_opens_reasoning,
 )
 from .protocols import SubmitBridge
@@ -292,6 +293,7 @@ class ModelService:
             start_in_reasoning=opens,
             parse_tools=req.tool_choice != "none",
             reasoning=not req.constrained,
+            opened=prompt_opened(rendered.text) if opens else "",
         )
         skip = special_tokens_skipped(self.syntax, req.constrained, self.parser_token_ids)
         gen = self._submit(rendered.ids, params, constraint, parser, req.sampling, skip)

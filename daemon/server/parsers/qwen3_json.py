@@ -60,4 +60,6 @@ def make_parser(tools: ToolSchemas) -> TaggedToolParser:
         decode_json_body,
         decode_partial=lambda body: decode_json_partial(body, tools),
         quoted=JSON_STRINGS,
+        # content + '\n' + call + '\n' + call (the built-in model's and Qwen3's templates)
+        separators=("\n", "\n"),
     )

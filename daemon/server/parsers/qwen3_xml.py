@@ -103,4 +103,6 @@ def make_parser(tools: ToolSchemas) -> TaggedToolParser:
         lambda body: decode_xml_body(body, tools),
         decode_partial=lambda body: decode_xml_partial(body, tools),
         quoted=_QUOTED,
+        # content + '\n\n' + call + '\n' + call (Qwen3.5's and Qwen3-Coder's templates)
+        separators=("\n\n", "\n"),
     )

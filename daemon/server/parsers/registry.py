@@ -138,17 +138,28 @@ _TOOL_PARSERS = {
 }
 
 
+# The spacing around <think> of the templates that use each tool syntax, where it is known
+# exactly (the others drop the newlines after the tags, as before).
+_THINK_SEPARATORS = {
+    ToolSyntax.NONE: think.QWEN,
+    ToolSyntax.QWEN3_JSON: think.QWEN,
+    ToolSyntax.QWEN3_XML: think.QWEN,
+}
+
+
 def make_output_parser(
     syntax: OutputSyntax,
     tools: ToolSchemas,
     start_in_reasoning: bool = False,
     parse_tools: bool = True,
     reasoning: bool = True,
+    opened: str = "",
 ) -> OutputParser:
     """A fresh incremental parser for one generation (``parse_tools=False``: tool_choice
     none, any tool-call markup stays content; ``reasoning=False``: a grammar holds the output
     from its first token, so none of it is reasoning, whatever the prompt left open, and a
-    reasoning tag inside a forced call's arguments is text)."""
+    reasoning tag inside a forced call's arguments is text; ``opened``: what the prompt wrote
+    after the ``<think>`` it left open, :func:`prompt_opened`)."""
     if syntax.tools is ToolSyntax.HARMONY:
         return harmony.make_parser(tools)
     tool_parser: OutputParser = PassThrough()
@@ -157,9 +168,12 @@ def make_output_parser(
     if not reasoning:
         return Chain(PassThrough(), tool_parser)
     if syntax.reasoning is ReasoningSyntax.THINK:
-        return Chain(ThinkParser(start_in_reasoning), tool_parser)
+        seps = _THINK_SEPARATORS.get(syntax.tools, think.LOOSE)
+        return Chain(ThinkParser(start_in_reasoning, separators=seps, opened=opened), tool_parser)
     if syntax.reasoning is ReasoningSyntax.GEMMA4_THOUGHT:
-        thought = ThinkParser(start_in_reasoning, gemma4.THOUGHT_OPEN, gemma4.THOUGHT_CLOSE)
+        thought = ThinkParser(
+            start_in_reasoning, gemma4.THOUGHT_OPEN, gemma4.THOUGHT_CLOSE, separators=think.LOOSE
+        )
         return Chain(thought, tool_parser)
     return Chain(PassThrough(), tool_parser)
 
@@ -168,3 +182,8 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     """True when the rendered prompt leaves a ``<think>`` block open (the template already
     started the model's reasoning)."""
     return prompt_text.rfind("<think>") > prompt_text.rfind("</think>")
+
+
+def prompt_opened(prompt_text: str) -> str:
+    """What the prompt wrote after the ``<think>`` it leaves open (Qwen3.5: ``"\n"``)."""
+    return prompt_text[prompt_text.rfind("<think>") + len("<think>") :]

@@ -119,13 +119,19 @@ class TaggedToolParser:
         *,
         decode_partial: BodyDecoder | None = None,
         quoted: tuple[Quoted, ...] = (),
+        separators: tuple[str, str] = ("", ""),
     ) -> None:
         """``decode_partial``: (name, arguments so far) of a body cut by the token limit, or
         None when not even the tool's name can be told. ``quoted``: the body's stretches in
-        which the closing tag is text."""
+        which the closing tag is text. ``separators``: what the chat template writes between
+        the content and the first call, and between two calls; the generated text's separator
+        there is not content (so the content a client sends back renders to the same text)."""
         self._decode = decode_body
         self._decode_partial = decode_partial
         self._open, self._close = open_tag, close_tag
+        self._seps = separators
+        # held back at the end of the text: what may be (a separator and) an opening tag
+        self._hold = (open_tag, *(sep + open_tag for sep in separators if sep))
         self._finder = CloseFinder((close_tag,), quoted)
         self._buf = ""
         self._in_call = False
@@ -148,12 +154,16 @@ class TaggedToolParser:
             pos = self._buf.find(self._open)
             if pos < 0:
                 break
-            if pos:
-                out.append(Content(self._buf[:pos]))
+            before = self._buf[:pos]
+            sep = self._seps[0 if self._count == 0 else 1]
+            if sep and before.endswith(sep):
+                before = before[: -len(sep)]
+            if before:
+                out.append(Content(before))
             self._buf = self._buf[pos + len(self._open) :]
             self._in_call = True
         if not self._in_call:
-            hold = partial_suffix(self._buf, (self._open,))
+            hold = partial_suffix(self._buf, self._hold)
             if len(self._buf) > hold:
                 out.append(Content(self._buf[: len(self._buf) - hold]))
                 self._buf = self._buf[len(self._buf) - hold :]
@@ -161,8 +171,11 @@ class TaggedToolParser:
 
     def finish(self, truncated: bool = False) -> list[ParsedEvent]:
         out: list[ParsedEvent] = []
-        if truncated and not self._in_call and self._buf and self._open.startswith(self._buf):
-            self._in_call, self._buf = True, ""  # cut inside the opening tag itself
+        if truncated and not self._in_call and self._buf:
+            sep = self._seps[0 if self._count == 0 else 1]
+            tag = self._buf[len(sep) :] if sep and self._buf.startswith(sep) else self._buf
+            if tag and self._open.startswith(tag):
+                self._in_call, self._buf = True, ""  # cut inside the opening tag itself
         while (
             self._in_call
             and not truncated

@@ -3,10 +3,18 @@ the same for other tag pairs (Gemma-4's ``<|channel>thought ... <channel|>``).
 
 Some templates open the think block in the prompt itself (the generation prompt ends with
 ``<think>\\n``), so the model's first tokens are already reasoning with no opening tag:
-``start_in_reasoning`` says which case this request is in (the renderer checks the prompt).
+``start_in_reasoning`` says which case this request is in (the renderer checks the prompt), and
+``opened`` is what the prompt already wrote after its opening tag.
+
+The reasoning and content it returns are those that the model's chat template renders back into
+exactly the generated text (a client sends them back unchanged, and every character that renders
+differently breaks prefix reuse there): the separators the template itself writes around the
+tags (:class:`Separators`) are dropped, exactly those and no other whitespace.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .base import Content, ParsedEvent, Reasoning, partial_suffix
 
@@ -14,17 +22,50 @@ OPEN = "<think>"
 CLOSE = "</think>"
 
 
+@dataclass(frozen=True)
+class Separators:
+    """What the chat template writes around a reasoning block, besides the tags:
+    ``after_open`` + reasoning + ``before_close`` + CLOSE + ``after_close`` + content. A
+    separator the generated text has there is not part of the reasoning or content (None:
+    every newline there is dropped, for templates whose spacing is not known exactly)."""
+
+    after_open: str | None = "\n"
+    before_close: str = "\n"
+    after_close: str | None = "\n\n"
+
+
+# Qwen3 / Qwen3.5 / Qwen3-Next and the built-in model's template:
+# '<think>\n' + reasoning + '\n</think>\n\n' + content
+QWEN = Separators()
+# templates not checked: the newlines after a tag are dropped, none before one
+LOOSE = Separators(None, "", None)
+
+
 class ThinkParser:
     """Splits text into Reasoning (inside think tags) and Content (outside)."""
 
     def __init__(
-        self, start_in_reasoning: bool = False, open_tag: str = OPEN, close_tag: str = CLOSE
+        self,
+        start_in_reasoning: bool = False,
+        open_tag: str = OPEN,
+        close_tag: str = CLOSE,
+        *,
+        separators: Separators = QWEN,
+        opened: str = "",
     ) -> None:
         self._open, self._close = open_tag, close_tag
+        self._seps = separators
         self._in_reasoning = start_in_reasoning
         self._buf = ""
-        # strip the newlines templates put right after a tag
-        self._strip_next = start_in_reasoning
+        # the separator still to drop at the start of the current stretch ("" none)
+        self._lead: str | None = ""
+        if start_in_reasoning:  # the part of the separator the prompt has not written
+            after = separators.after_open
+            if after is None:
+                self._lead = None
+            elif after.startswith(opened):
+                self._lead = after[len(opened) :]
+        self._close_markers = (close_tag, separators.before_close + close_tag)
 
     def feed(self, text: str) -> list[ParsedEvent]:
         self._buf += text
@@ -34,11 +75,16 @@ class ThinkParser:
             pos = self._buf.find(marker)
             if pos < 0:
                 break
-            self._emit(self._buf[:pos], out)
+            before = self._buf[:pos]
+            sep = self._seps.before_close
+            if self._in_reasoning and sep and before.endswith(sep):
+                before = before[: -len(sep)]
+            self._emit(before, out)
             self._buf = self._buf[pos + len(marker) :]
             self._in_reasoning = not self._in_reasoning
-            self._strip_next = True
-        hold = partial_suffix(self._buf, (self._close if self._in_reasoning else self._open,))
+            self._lead = self._seps.after_open if self._in_reasoning else self._seps.after_close
+        markers = self._close_markers if self._in_reasoning else (self._open,)
+        hold = partial_suffix(self._buf, markers)
         self._emit(self._buf[: len(self._buf) - hold], out)
         self._buf = self._buf[len(self._buf) - hold :]
         return out
@@ -50,11 +96,22 @@ class ThinkParser:
         return out
 
     def _emit(self, text: str, out: list[ParsedEvent]) -> None:
-        if self._strip_next:
+        if not text:
+            return
+        lead = self._lead
+        if lead is None:  # every newline
             text = text.lstrip("\n")
             if not text:
                 return
-            self._strip_next = False
+        elif lead:  # the separator, as far as the text has it
+            n = 0
+            while n < len(text) and n < len(lead) and text[n] == lead[n]:
+                n += 1
+            if n == len(text) and n < len(lead):
+                self._lead = lead[n:]  # all of it separator so far: the rest may follow
+                return
+            text = text[n:]
+        self._lead = ""
         if not text:
             return
         if self._in_reasoning:
