@@ -1,12 +1,16 @@
 """`ftctl plan`: will this model fit my card? A dry run on a simulated GPU (ARCHITECTURE §9.2).
 
-    ftctl plan --model DIR [--vram 8GiB] [--ram 32GiB] [--backend auto] [--kv-tokens N] [--json]
+    ftctl plan --model DIR [--vram 8GiB] [--ram 32GiB] [--backend auto] [--kv-tokens N]
+               [--expert-format FORMAT] [--json]
 
 Needs only the model folder's ``config.json`` (plan before downloading the weights) and no
 daemon: the daemon's load, a prompt chunk and decode steps run in this process on a fake CUDA
 device of ``--vram`` (the real CUDA code path, no data). Prints where every part lives, the
 expert slot count, the KV tokens, the predicted peak VRAM and host RAM, and the host syncs per
-decode step. Exit status: 0 it fits; 1 it does not (the reason on stderr); 2 bad input.
+decode step. ``--expert-format`` plans the routed experts in a format of experts/formats.py in
+place of what config.json's quantization_config says (a checkpoint the loader cannot read yet:
+ModelOpt NVFP4 as ``nvfp4``). Exit status: 0 it fits; 1 it does not (the reason on stderr); 2
+bad input.
 """
 
 from __future__ import annotations
@@ -64,6 +68,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="KV pool in tokens (default: the daemon's: a quarter of the VRAM the dense weights "
         "leave with an accelerator backend, 131072 on the host)",
     )
+    p.add_argument(
+        "--expert-format",
+        metavar="FORMAT",
+        help="plan the routed experts in this format (bf16, fp8_block, mxfp4, nvfp4, a GGUF "
+        "block type) whatever config.json's quantization_config says, which is then not read: "
+        "a checkpoint the loader cannot read yet (ModelOpt NVFP4: nvfp4)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
@@ -77,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
         print("ftctl plan: --kv-tokens must be at least 1", file=sys.stderr)
         return 2
     try:
-        plan = plan_model(args.model, args.vram, args.ram, args.backend, args.kv_tokens)
+        plan = plan_model(
+            args.model, args.vram, args.ram, args.backend, args.kv_tokens,
+            expert_format=args.expert_format,
+        )  # fmt: skip
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"ftctl plan: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

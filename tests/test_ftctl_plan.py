@@ -164,8 +164,13 @@ def test_an_mxfp4_model_plans_with_bf16_device_slots(tmp_path: Path, capsys) -> 
     # bf16 on the device: gate_up + down + their biases
     assert plan["slot_mib"] == pytest.approx((3 * 2880 * 2880 + 3 * 2880) * 2 / 2**20)
     assert plan["vram_peak_mib"] <= 8192
-    # host: the packed pool (12 GiB) and its bf16 copy for the device (36 GiB)
-    assert 45_000 < plan["parts_mib"]["expert_pool"] < 50_000
+    # host: the packed pool (9.5 GiB: half a byte a weight, a scale byte per 32, bf16 biases)
+    # and its bf16 copy for the device (35.6 GiB; it shares the pool's biases)
+    experts, weights, biases = 24 * 32, 3 * 2880 * 2880, 3 * 2880
+    pool = experts * (weights // 2 + weights // 32 + 2 * biases)
+    assert plan["parts_mib"]["expert_pool"] == pool / 2**20
+    assert plan["parts_mib"]["expert_pool_bf16"] == experts * weights * 2 / 2**20
+    assert pool + experts * weights * 2 <= plan["ram_peak_mib"] * 2**20 < 46_500 * 2**20
 
 
 # gpt-oss-120b's config.json: 36 layers x 128 mxfp4 experts, top-4 (65 GB of experts)
@@ -194,3 +199,32 @@ def test_gpt_oss_120b_fits_a_24gib_card(tmp_path: Path, capsys, backend) -> None
     assert plan["kv_tokens"] > 32768  # a long context on the card beside the slots
     assert plan["slots"] >= 2 * 128  # a full-layer double buffer for prefill
     print(f"\ngpt-oss-120b on 24 GiB ({backend}): {json.dumps(plan)}")
+
+
+def test_expert_format_plans_the_experts_in_another_format(qwen_dir, tmp_path, capsys) -> None:
+    """--expert-format: the routed experts in a format of experts/formats.py whatever
+    config.json's quantization_config says (a checkpoint the loader cannot read yet)."""
+    argv = ["--model", str(qwen_dir), "--vram", "8GiB", "--ram", "96GiB", "--backend", "cpu"]
+    rc, plan, err = _plan(capsys, *argv, "--expert-format", "nvfp4")
+    assert rc == 0 and plan["fits"], err
+    assert plan["expert_format"] == "nvfp4"
+    # 48 x 128 experts: e2m1 (half a byte a weight), an e4m3 scale per 16, 3 fp32 global scales
+    weights = 3 * 2048 * 768
+    assert (
+        plan["parts_mib"]["expert_pool"] == 48 * 128 * (weights // 2 + weights // 16 + 12) / 2**20
+    )
+    assert "expert_pool_bf16" not in plan["parts_mib"]  # the cpu backend computes it packed
+    # a ModelOpt NVFP4 config.json is refused as it is, planned with the flag
+    cfg = {
+        **QWEN3_30B_A3B,
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv[1] = str(tmp_path)
+    assert main(["plan", *argv]) == 2
+    assert "'modelopt' is not supported" in capsys.readouterr().err
+    rc, plan, err = _plan(capsys, *argv, "--expert-format", "nvfp4")
+    assert rc == 0 and plan["expert_format"] == "nvfp4", err
+    # an unknown format is bad input
+    assert main(["plan", *argv, "--expert-format", "fp3"]) == 2
+    assert "unknown expert format 'fp3'" in capsys.readouterr().err

@@ -14,6 +14,19 @@ DeepSeek-V4 keeps its attention state per sequence beside the KV pool: what grow
 (its compressed entries) is counted with the pool's tokens (``kv_cache``), its fixed part
 (windows, open compressor windows) for ``DECODE_ROWS`` sequences as ``model_state``.
 
+Host parts (``parts_mib``): ``expert_pool`` is the routed experts as stored (packed for a
+quantized checkpoint); ``expert_pool_bf16`` the bf16 copy the device backends compute from when
+the pool is quantized (``accelerator_banks``: offload and hybrid keep both on the host; the cpu
+backend computes mxfp4, nvfp4 and fp8_block packed, without it). When host RAM falls short the
+reason lists these parts and says what would drop one: the cpu backend (no bf16 copy), or, when
+the packed pool alone exceeds the RAM, the disk tier, which exists for GGUF block experts only.
+
+``expert_format`` (``ftctl plan --expert-format``) plans the routed experts in that format of
+experts/formats.py whatever config.json's ``quantization_config`` says (which is then not
+read): a checkpoint whose quantization the loader cannot read yet (a ModelOpt NVFP4 one, as
+GLM-5.2-NVFP4) is planned as the daemon would hold it once it can. The dense weights are planned
+in bf16 either way (as the device placement holds them).
+
 Host syncs per decode step (``host_syncs_per_decode_step``): every point where the host waits
 for the device, of all kinds: reads of device data (``d2h`` copies, scalar reads, data-dependent
 shapes) and blocking host -> device copies (``h2d``: a copy from pageable memory, or without
@@ -42,9 +55,10 @@ from ..experts.backend import SlotBudget, create_backend, moe_activation_bytes, 
 from ..experts.banks import ActivationSpec, activation_of
 from ..experts.device_backends import FusedBackend, OffloadBackend
 from ..experts.fakecuda import FakeCudaAccelerator
-from ..experts.formats import allocate
+from ..experts.formats import allocate, get_format
 from ..kv.pool import KVPool
-from ..models.config_hf import read_config
+from ..models.config import ModelConfig
+from ..models.config_hf import from_dict, read_config, read_config_json
 from ..models.model import build_model, decode_attention_bytes, kv_bytes_per_token
 from .graphs import width_for
 from .placement import (
@@ -105,6 +119,23 @@ def total_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+_QUANT_KEYS = ("quantization_config", "expert_dtype")  # what --expert-format replaces
+
+
+def plan_config(model_dir: str | Path, expert_format: str | None = None) -> ModelConfig:
+    """The ModelConfig a plan uses: ``config.json`` as the daemon reads it; with
+    ``expert_format``, read without its quantization keys and with the routed experts in that
+    format (ValueError for a format experts/formats.py does not know)."""
+    if expert_format is None:
+        return read_config(Path(model_dir))
+    get_format(expert_format)  # ValueError naming the known formats
+    raw, source = read_config_json(Path(model_dir))
+    raw = {k: v for k, v in raw.items() if k not in _QUANT_KEYS}
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"] = {k: v for k, v in raw["text_config"].items() if k not in _QUANT_KEYS}
+    return dataclasses.replace(from_dict(raw, source=source), expert_format=expert_format)
+
+
 def plan_model(
     model_dir: str | Path,
     vram_mib: int,
@@ -112,12 +143,15 @@ def plan_model(
     backend: str = "auto",
     kv_tokens: int | None = None,
     decode_steps: int = 2,
+    expert_format: str | None = None,
 ) -> Plan:
     """Plans ``model_dir`` (a folder with ``config.json``) on a ``vram_mib`` card and a host of
     ``ram_mib`` (default: this machine's RAM); ``kv_tokens`` None: the engine's default for the
-    placement. Raises ``ConfigError`` for a bad config."""
+    placement; ``expert_format``: the routed experts' format, in place of config.json's (see the
+    module docstring). Raises ``ConfigError`` for a bad config, ValueError for an unknown
+    format or one the model's sizes do not suit."""
 
-    cfg = read_config(Path(model_dir))
+    cfg = plan_config(model_dir, expert_format)
     ram_mib = ram_mib if ram_mib is not None else total_ram() // MIB
     model = _meta_model(cfg)
     plan = Plan(str(model_dir), True, "", backend, vram_mib, ram_mib)
@@ -133,24 +167,63 @@ def plan_model(
     tr = acc.tracker
     plan.vram_peak_mib = (acc.session.context_bytes + tr.peak) / MIB
     plan.parts_mib["dense_weights"] = dense / MIB
-    plan.parts_mib["expert_pool"] = tr.host.peak / MIB
-    host = tr.host.peak
+    pool = pool_bytes(cfg)
+    plan.parts_mib["expert_pool"] = pool / MIB
+    if tr.host.peak > pool:  # the device backends made a bf16 copy of a quantized pool
+        # (the host peak also holds the transient of making it: one expert's fp32 work)
+        plan.parts_mib["expert_pool_bf16"] = pool_bytes(cfg, "bf16") / MIB
+    host = max(tr.host.peak, pool)  # the pool as stored, even where the card failed first
     if plan.backend == "cpu":  # the dense part, KV pool, model state and snapshots: the host
         kv = int((plan.parts_mib.get("kv_cache", 0) + plan.parts_mib.get("model_state", 0)) * MIB)
         host += dense + kv + SNAPSHOT_MIB * MIB
     plan.ram_peak_mib = host / MIB
     if plan.fits and plan.ram_peak_mib > ram_mib:
         plan.fits = False
-        plan.reason = (
-            f"host RAM: {plan.ram_peak_mib:.0f} MiB needed (expert pool"
-            + (
-                f", dense weights, KV pool of {plan.kv_tokens} tokens, snapshots"
-                if plan.backend == "cpu"
-                else ""
-            )
-            + f"), {ram_mib} MiB available"
-        )
+        plan.reason = _host_ram_reason(plan, ram_mib)
     return plan
+
+
+def pool_bytes(cfg: Any, fmt: str | None = None) -> int:
+    """Host bytes of the routed experts, every MoE layer's: as stored (``fmt`` None: the
+    model's expert format, and the biases of GPT-OSS in bf16), or their weights in ``fmt``
+    alone (the device backends' bf16 copy shares the pool's bf16 biases)."""
+    per = get_format(fmt or cfg.expert_format).nbytes_per_expert(
+        cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16
+    )
+    if fmt is None and cfg.activation == "gptoss":
+        per += (2 * cfg.moe_intermediate_size + cfg.hidden_size) * torch.bfloat16.itemsize
+    return cfg.num_moe_layers * cfg.num_experts * per
+
+
+def _host_ram_reason(plan: Plan, ram_mib: int) -> str:
+    """What the host RAM must hold, part by part, and what would drop a part."""
+    p = plan.parts_mib
+    parts = [f"expert pool {p['expert_pool']:.0f} MiB as {plan.expert_format}"]
+    if p.get("expert_pool_bf16"):
+        parts.append(f"its bf16 copy for the device slots {p['expert_pool_bf16']:.0f} MiB")
+    if plan.backend == "cpu":
+        kv = p.get("kv_cache", 0) + p.get("model_state", 0)
+        parts += [
+            f"dense weights {p['dense_weights']:.0f} MiB",
+            f"KV pool of {plan.kv_tokens} tokens {kv:.0f} MiB",
+            f"snapshots {SNAPSHOT_MIB} MiB",
+        ]
+    reason = (
+        f"host RAM: {plan.ram_peak_mib:.0f} MiB needed ({', '.join(parts)}), "
+        f"{ram_mib} MiB available"
+    )
+    if p["expert_pool"] > ram_mib:
+        return reason + (
+            f"; the {plan.expert_format} expert pool alone exceeds it: only the disk tier "
+            "(experts left in the file, read on demand) would hold it, and the disk tier takes "
+            "GGUF experts in a block format under the cpu backend only"
+        )
+    if p.get("expert_pool_bf16"):
+        reason += (
+            f"; the cpu backend computes {plan.expert_format} experts packed, without the "
+            "copy (plan it with --backend cpu)"
+        )
+    return reason
 
 
 def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, steps: int) -> None:

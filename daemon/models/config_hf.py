@@ -256,8 +256,8 @@ def _validate(cfg: ModelConfig, source: str) -> None:
         )
 
 
-def read_config(model_dir: str | Path) -> ModelConfig:
-    """The ModelConfig of an HF model folder's ``config.json`` (errors name the file)."""
+def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], str]:
+    """(the parsed ``config.json`` of an HF model folder, its path as errors name it)."""
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -267,4 +267,10 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    return from_dict(raw, source=str(path))
+    return raw, str(path)
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of an HF model folder's ``config.json`` (errors name the file)."""
+    raw, source = read_config_json(model_dir)
+    return from_dict(raw, source=source)
