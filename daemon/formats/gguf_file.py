@@ -11,7 +11,9 @@ weights (one copy, as for safetensors).
 Shapes are given in torch order (outermost first): GGUF lists ``ne0`` (the contiguous row length)
 first, so ``[n_embd, n_vocab]`` in the file is ``(n_vocab, n_embd)`` here. A quantized tensor's raw
 blocks are kept reachable (``read_raw``) for kernels that compute on them directly; ``read_float``
-dequantizes (the ``gguf`` package's reference dequantizers) or reads F32/F16/BF16 as they are.
+dequantizes (Q8_0, Q4_0, Q5_0 and the K-quants by ``gguf_dequant``, torch with the ``gguf``
+package's values bit for bit; any other type by that package's reference dequantizers) or reads
+F32/F16/BF16 as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .gguf_dequant import DEQUANTIZERS
+from .gguf_dequant import dequantize as dequantize_rows
 
 GGUF_MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -228,6 +233,10 @@ class GgufFile:
         # deferred: gguf (the optional GGUF reader library)
         from gguf.quants import dequantize
 
+        if t.type_name in DEQUANTIZERS and len(t.shape) >= 2:  # ours: the same values, faster
+            out = torch.empty(t.shape, dtype=torch.float32)
+            self.read_float_into(t, out)
+            return out
         raw = self.read_raw(t).numpy()
         try:
             vals = dequantize(raw, GGMLQuantizationType(t.ggml_type))
@@ -239,7 +248,7 @@ class GgufFile:
         return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32)).view(t.shape)
 
     def read_float_into(
-        self, t: GgufTensor, dest: torch.Tensor, chunk_bytes: int = 8 << 20
+        self, t: GgufTensor, dest: torch.Tensor, chunk_bytes: int | None = None
     ) -> None:
         """``read_float``'s values written into ``dest`` (contiguous, t's shape, any float dtype:
         converted as ``copy_`` converts), a quantized tensor dequantized a slice of rows at a
@@ -249,15 +258,18 @@ class GgufFile:
         if not t.quantized or len(t.shape) < 2:
             dest.copy_(self.read_float(t))
             return
+        rows, row_len = math.prod(t.shape[:-1]), t.shape[-1]
+        row_bytes = t.nbytes // rows
+        if t.type_name in DEQUANTIZERS:
+            self._dequantize_into(t, dest.view(rows, row_len), row_bytes, chunk_bytes or 512 << 10)
+            return
         # deferred: gguf (the optional GGUF reader library)
         from gguf import GGMLQuantizationType
 
         # deferred: gguf (the optional GGUF reader library)
         from gguf.quants import dequantize
 
-        rows, row_len = math.prod(t.shape[:-1]), t.shape[-1]
-        row_bytes = t.nbytes // rows
-        step = max(1, chunk_bytes // row_bytes)
+        step = max(1, (chunk_bytes or 8 << 20) // row_bytes)
         flat = dest.view(rows, row_len)
         buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
         kind = GGMLQuantizationType(t.ggml_type)
@@ -273,6 +285,27 @@ class GgufFile:
                     "cannot dequantize"
                 ) from None
             flat[r0 : r0 + n].copy_(torch.from_numpy(np.ascontiguousarray(vals, np.float32)))
+
+    def _dequantize_into(
+        self, t: GgufTensor, flat: torch.Tensor, row_bytes: int, chunk_bytes: int
+    ) -> None:
+        """``read_float_into`` by our torch dequantizers (``gguf_dequant``: the gguf package's
+        values bit for bit), in slices of rows small enough that the fp32 slice is still in cache
+        when it is converted into ``flat`` (written straight into it when ``flat`` is fp32)."""
+        rows, row_len = flat.shape
+        step = max(1, chunk_bytes // row_bytes)
+        buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
+        direct = flat.dtype == torch.float32
+        vals = None if direct else torch.empty(min(step, rows), row_len, dtype=torch.float32)
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            raw = buf[: n * row_bytes]
+            self._pread(t, raw, r0 * row_bytes, n * row_bytes)
+            if vals is None:
+                dequantize_rows(raw.view(n, row_bytes), t.type_name, flat[r0 : r0 + n])
+            else:
+                dequantize_rows(raw.view(n, row_bytes), t.type_name, vals[:n])
+                flat[r0 : r0 + n].copy_(vals[:n])
 
     def _pread(
         self, t: GgufTensor, dest: torch.Tensor, offset: int = 0, nbytes: int | None = None
