@@ -22,10 +22,11 @@ from freetokend import LLM
 from freetokend.engine import gguf_tokenizer
 from freetokend.engine.gguf_pretokenizers import PRE_TOKENIZER_SPLITS, TRANSFORMERS_SPLITS
 from freetokend.engine.tokenizer import Tokenizer
-from freetokend.experts.formats import expert_rows, interleaves
+from freetokend.experts.formats import expert_rows, interleave_banks, interleaves
 from freetokend.formats import gguf_interleave
 from freetokend.formats.gguf_file import GgufFile, GgufFormatError, read_header
 from freetokend.models.gguf_loader import GgufCheckpoint
+from freetokend.models.loader import load_model
 from freetokend.models.registry import family_spec
 
 # ---- the header ----------------------------------------------------------------------------
@@ -223,6 +224,24 @@ def test_expert_banks_are_the_files_blocks(llm, gguf_path):
                     if interleaves(proj, fmt, rows.shape[0]):  # groups of 8 rows
                         rows = gguf_interleave.deinterleave(rows, fmt, native=False)
                     assert torch.equal(rows, want[x]), (layer, proj, x)
+
+
+def test_experts_interleaved_at_read_equal_interleaved_after(llm, gguf_path):
+    """The cpu backend's banks, interleaved as each expert is read (``interleave_experts``),
+    are byte for byte the banks loaded as the file has them and interleaved after
+    (``formats.interleave_banks``, what the backend did before); other backends' banks stay
+    the file's rows."""
+    plain_model, plain = load_model(gguf_path, llm.config)
+    assert not plain.interleaved
+    interleave_banks(plain)
+    assert plain.interleaved and llm.banks.interleaved
+    got, want = llm.banks.all_tensors(), plain.all_tensors()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    _, again = load_model(gguf_path, llm.config, interleave_experts=True)
+    assert again.interleaved and all(torch.equal(again.all_tensors()[k], want[k]) for k in want)
+    del plain_model
 
 
 def _gguf_dequantized(f: GgufFile, t) -> torch.Tensor:
