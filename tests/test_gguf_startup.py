@@ -332,9 +332,11 @@ def test_embedding_dequantized_as_the_gguf_package_does(tmp_path, type_name):
         ref = _gguf_dequantized(f, t).float()
         whole = f.read_float(t).float()
         assert torch.equal(whole.view(torch.int32), ref.view(torch.int32))
+        threads = torch.get_num_threads()
         for dtype in (torch.float32, torch.bfloat16):
             dest = torch.empty(rows, cols, dtype=dtype)
             f.read_float_into(t, dest, chunk_bytes=40_000)
+            assert torch.get_num_threads() == threads  # the workers' setting is their own
             want = ref.to(dtype)
             assert torch.equal(
                 dest.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),

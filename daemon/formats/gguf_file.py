@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,15 @@ class GgufTensor:
     @property
     def quantized(self) -> bool:
         return self.type_name not in NATIVE
+
+
+def _workers() -> int:
+    """Threads that dequantize a tensor at load: the cores this process may run on (at most
+    8: the slices are short)."""
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return max(1, min(8, os.cpu_count() or 1))
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -291,21 +301,37 @@ class GgufFile:
     ) -> None:
         """``read_float_into`` by our torch dequantizers (``gguf_dequant``: the gguf package's
         values bit for bit), in slices of rows small enough that the fp32 slice is still in cache
-        when it is converted into ``flat`` (written straight into it when ``flat`` is fp32)."""
+        when it is converted into ``flat`` (written straight into it when ``flat`` is fp32), on
+        ``_workers`` threads that each take every n-th slice and run torch on themselves alone
+        (``set_num_threads(1)`` is per thread): a parallel region per small op cost more than
+        it gained, and far more while another process held a core."""
         rows, row_len = flat.shape
         step = max(1, chunk_bytes // row_bytes)
-        buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
-        direct = flat.dtype == torch.float32
-        vals = None if direct else torch.empty(min(step, rows), row_len, dtype=torch.float32)
-        for r0 in range(0, rows, step):
-            n = min(step, rows - r0)
-            raw = buf[: n * row_bytes]
-            self._pread(t, raw, r0 * row_bytes, n * row_bytes)
-            if vals is None:
-                dequantize_rows(raw.view(n, row_bytes), t.type_name, flat[r0 : r0 + n])
-            else:
-                dequantize_rows(raw.view(n, row_bytes), t.type_name, vals[:n])
-                flat[r0 : r0 + n].copy_(vals[:n])
+        starts = range(0, rows, step)
+        workers = min(_workers(), len(starts))
+
+        def work(first: int) -> None:
+            if workers > 1:
+                torch.set_num_threads(1)  # this thread's OpenMP and MKL only
+            buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
+            direct = flat.dtype == torch.float32
+            vals = None if direct else torch.empty(min(step, rows), row_len, dtype=torch.float32)
+            for r0 in starts[first::workers]:
+                n = min(step, rows - r0)
+                raw = buf[: n * row_bytes]
+                self._pread(t, raw, r0 * row_bytes, n * row_bytes)
+                if vals is None:
+                    dequantize_rows(raw.view(n, row_bytes), t.type_name, flat[r0 : r0 + n])
+                else:
+                    dequantize_rows(raw.view(n, row_bytes), t.type_name, vals[:n])
+                    flat[r0 : r0 + n].copy_(vals[:n])
+
+        if workers <= 1:
+            work(0)
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(work, k) for k in range(workers)]:
+                f.result()
 
     def _pread(
         self, t: GgufTensor, dest: torch.Tensor, offset: int = 0, nbytes: int | None = None
