@@ -22,10 +22,11 @@ from freetokend import LLM
 from freetokend.engine import gguf_tokenizer
 from freetokend.engine.gguf_pretokenizers import PRE_TOKENIZER_SPLITS, TRANSFORMERS_SPLITS
 from freetokend.engine.tokenizer import Tokenizer
-from freetokend.experts.formats import expert_rows, interleaves
+from freetokend.experts.formats import expert_rows, interleave_banks, interleaves
 from freetokend.formats import gguf_interleave
 from freetokend.formats.gguf_file import GgufFile, GgufFormatError, read_header
 from freetokend.models.gguf_loader import GgufCheckpoint
+from freetokend.models.loader import load_model
 from freetokend.models.registry import family_spec
 
 # ---- the header ----------------------------------------------------------------------------
@@ -225,10 +226,34 @@ def test_expert_banks_are_the_files_blocks(llm, gguf_path):
                     assert torch.equal(rows, want[x]), (layer, proj, x)
 
 
+def test_experts_interleaved_at_read_equal_interleaved_after(llm, gguf_path):
+    """The cpu backend's banks, interleaved as each expert is read (``interleave_experts``),
+    are byte for byte the banks loaded as the file has them and interleaved after
+    (``formats.interleave_banks``, what the backend did before); other backends' banks stay
+    the file's rows."""
+    plain_model, plain = load_model(gguf_path, llm.config)
+    assert not plain.interleaved
+    interleave_banks(plain)
+    assert plain.interleaved and llm.banks.interleaved
+    got, want = llm.banks.all_tensors(), plain.all_tensors()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    _, again = load_model(gguf_path, llm.config, interleave_experts=True)
+    assert again.interleaved and all(torch.equal(again.all_tensors()[k], want[k]) for k in want)
+    del plain_model
+
+
+def _gguf_dequantized(f: GgufFile, t) -> torch.Tensor:
+    """The tensor dequantized whole by the ``gguf`` package's reference (what loads used)."""
+    vals = gguf.quants.dequantize(f.read_raw(t).numpy(), Q(t.ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(vals, np.float32)).view(t.shape)
+
+
 def test_dense_weights_equal_a_whole_tensor_read(llm, gguf_path):
-    """Float parameters (the token embedding dequantized a slice of rows at a time) equal the
-    whole tensor dequantized at once, cast as before; projections kept in blocks hold the
-    file's rows."""
+    """Float parameters (the token embedding dequantized a slice of rows at a time by our
+    dequantizers) equal the whole tensor dequantized at once by the ``gguf`` package, cast as
+    before; projections kept in blocks hold the file's rows."""
     params = dict(llm.model.named_parameters())
     checked = kept = 0
     with GgufCheckpoint(gguf_path) as ck:
@@ -242,7 +267,8 @@ def test_dense_weights_equal_a_whole_tensor_read(llm, gguf_path):
                 assert torch.equal(qw.gguf_raw(), raw), name
                 kept += 1
             elif canon in params:
-                assert torch.equal(params[canon], src.read().to(params[canon].dtype)), name
+                ref = src.read() if not src.t.quantized else _gguf_dequantized(src.f, src.t)
+                assert torch.equal(params[canon], ref.to(params[canon].dtype)), name
                 checked += 1
     assert kept and checked
     assert llm.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -256,3 +282,63 @@ def test_anchor_ids_are_the_reference_tokenizers(llm, builtin_model_dir):
         if tid is not None:
             want[tid] = kind
     assert want and llm._anchor_ids() == want
+
+
+# ---- dequantization at load ------------------------------------------------------------------
+
+_EMBED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "F16", "BF16")
+
+
+def _random_blocks(rng: np.random.Generator, kind: Q, rows: int, cols: int) -> np.ndarray:
+    """Random bytes of ``rows`` rows of ``kind`` blocks, with finite fp16 scales at the places
+    the format keeps them (then every value is finite) in all but the last row (any bytes:
+    NaN and infinite scales included)."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    at = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(kind.name, (0,))
+    blocks = raw[:-1].reshape(-1, size)
+    for p in at:
+        d = rng.normal(0, 0.05, blocks.shape[0]).astype(np.float16)
+        blocks[:, p : p + 2] = d.view(np.uint8).reshape(-1, 2)
+    raw[:-1] = blocks.reshape(rows - 1, -1)
+    return raw
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: NaN scales of the last row
+@pytest.mark.parametrize("type_name", _EMBED_TYPES)
+def test_embedding_dequantized_as_the_gguf_package_does(tmp_path, type_name):
+    """A token embedding of each type an embedding may have: read into bf16 (the model's dtype)
+    and fp32 parameters, a slice at a time and whole, it equals the ``gguf`` package's
+    dequantization bit for bit (NaN payloads included); F16/BF16 are read as they are."""
+    rng = np.random.default_rng(7)
+    kind = Q[type_name]
+    rows, cols = 523, 512  # rows: several slices of our dequantizer, the last one short
+    path = tmp_path / "e.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    if type_name in ("F16", "BF16"):
+        vals = rng.normal(0, 1, (rows, cols)).astype(np.float32)
+        data = vals.astype(np.float16) if type_name == "F16" else gguf.quants.quantize(vals, kind)
+        w.add_tensor("token_embd.weight", data, raw_dtype=kind)
+    else:
+        raw = _random_blocks(rng, kind, rows, cols)
+        w.add_tensor("token_embd.weight", raw, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with GgufFile(path) as f:
+        t = f.tensors["token_embd.weight"]
+        assert t.type_name == type_name and t.shape == (rows, cols)
+        ref = _gguf_dequantized(f, t).float()
+        whole = f.read_float(t).float()
+        assert torch.equal(whole.view(torch.int32), ref.view(torch.int32))
+        threads = torch.get_num_threads()
+        for dtype in (torch.float32, torch.bfloat16):
+            dest = torch.empty(rows, cols, dtype=dtype)
+            f.read_float_into(t, dest, chunk_bytes=40_000)
+            assert torch.get_num_threads() == threads  # the workers' setting is their own
+            want = ref.to(dtype)
+            assert torch.equal(
+                dest.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            )

@@ -381,6 +381,7 @@ def test_the_daemon_applies_its_setting_when_it_loads_a_model(
     plane = SimpleNamespace(
         cfg=DaemonConfig(attention_kernel="triton"), state_dir=tmp_path,
         _quantize=lambda p: None, _preset=lambda p: None, _bandwidth=lambda p, q: None,
+        manager=SimpleNamespace(host_budget=1 << 50),  # the disk tier's budget: never short
     )  # fmt: skip
     old = attn.decode_kernel()
     try:

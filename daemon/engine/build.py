@@ -159,11 +159,15 @@ def gguf_headers(model_dir: Path) -> list[GgufHeader]:
 
 
 def load(
-    model_dir: Path, config: EngineConfig, gguf_headers: list[GgufHeader] | None = None
+    model_dir: Path,
+    config: EngineConfig,
+    gguf_headers: list[GgufHeader] | None = None,
+    cpu_only: bool = False,
 ) -> tuple[ModelConfig, Any, Any]:
     """The model's config, its dense model and its expert banks, in ``dtype`` and quantized by
     ``quantize`` (a preset) or ``quantize_experts`` (``gguf_headers``: a GGUF's headers, parsed
-    once by the caller)."""
+    once by the caller). ``cpu_only``: the banks will be the cpu backend's alone (real, not the
+    fake device's), so block banks loaded as they are may be filled interleaved."""
     dtype, quantize, quantize_experts = config.dtype, config.quantize, config.quantize_experts
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -173,7 +177,8 @@ def load(
         raise ValueError("the disk tier (expert_cache_mb) reads experts as the file has them: "
                          "no quantize or quantize_experts")  # fmt: skip
     cache = None if cache_mb is None else int(cache_mb * 2**20)
-    model, banks = load_model(model_dir, cfg, gguf_headers, cache)
+    as_loaded = quantize is None and quantize_experts is None and cache is None
+    model, banks = load_model(model_dir, cfg, gguf_headers, cache, cpu_only and as_loaded)
     if quantize is not None:  # a preset: dense layers and experts (models/dense_quant.py)
         if quantize not in PRESETS:
             raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(PRESETS)}")

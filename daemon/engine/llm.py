@@ -106,7 +106,10 @@ class LLM:
         # the cpu backend's weights get huge pages as they are filled (no second pass after)
         with advise_at_fill(config.huge_pages and moe_backend == "cpu"):
             self.config, self.model, self.banks = build.load(
-                self.model_dir, config, self._gguf_headers or None
+                self.model_dir,
+                config,
+                self._gguf_headers or None,
+                cpu_only=moe_backend == "cpu" and config.accelerator != "fake-cuda",
             )
         # the fake device: entered after the host weights are loaded (they stay real tensors)
         self.fake_device = build.enter_fake_device(config.accelerator, config.vram_mib)

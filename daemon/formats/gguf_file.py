@@ -11,7 +11,9 @@ weights (one copy, as for safetensors).
 Shapes are given in torch order (outermost first): GGUF lists ``ne0`` (the contiguous row length)
 first, so ``[n_embd, n_vocab]`` in the file is ``(n_vocab, n_embd)`` here. A quantized tensor's raw
 blocks are kept reachable (``read_raw``) for kernels that compute on them directly; ``read_float``
-dequantizes (the ``gguf`` package's reference dequantizers) or reads F32/F16/BF16 as they are.
+dequantizes (Q8_0, Q4_0, Q5_0 and the K-quants by ``gguf_dequant``, torch with the ``gguf``
+package's values bit for bit; any other type by that package's reference dequantizers) or reads
+F32/F16/BF16 as they are.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ import mmap
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from .gguf_dequant import DEQUANTIZERS
+from .gguf_dequant import dequantize as dequantize_rows
 
 GGUF_MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -55,6 +61,15 @@ class GgufTensor:
     @property
     def quantized(self) -> bool:
         return self.type_name not in NATIVE
+
+
+def _workers() -> int:
+    """Threads that dequantize a tensor at load: the cores this process may run on (at most
+    8: the slices are short)."""
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return max(1, min(8, os.cpu_count() or 1))
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -228,6 +243,10 @@ class GgufFile:
         # deferred: gguf (the optional GGUF reader library)
         from gguf.quants import dequantize
 
+        if t.type_name in DEQUANTIZERS and len(t.shape) >= 2:  # ours: the same values, faster
+            out = torch.empty(t.shape, dtype=torch.float32)
+            self.read_float_into(t, out)
+            return out
         raw = self.read_raw(t).numpy()
         try:
             vals = dequantize(raw, GGMLQuantizationType(t.ggml_type))
@@ -239,7 +258,7 @@ class GgufFile:
         return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32)).view(t.shape)
 
     def read_float_into(
-        self, t: GgufTensor, dest: torch.Tensor, chunk_bytes: int = 8 << 20
+        self, t: GgufTensor, dest: torch.Tensor, chunk_bytes: int | None = None
     ) -> None:
         """``read_float``'s values written into ``dest`` (contiguous, t's shape, any float dtype:
         converted as ``copy_`` converts), a quantized tensor dequantized a slice of rows at a
@@ -249,15 +268,18 @@ class GgufFile:
         if not t.quantized or len(t.shape) < 2:
             dest.copy_(self.read_float(t))
             return
+        rows, row_len = math.prod(t.shape[:-1]), t.shape[-1]
+        row_bytes = t.nbytes // rows
+        if t.type_name in DEQUANTIZERS:
+            self._dequantize_into(t, dest.view(rows, row_len), row_bytes, chunk_bytes or 512 << 10)
+            return
         # deferred: gguf (the optional GGUF reader library)
         from gguf import GGMLQuantizationType
 
         # deferred: gguf (the optional GGUF reader library)
         from gguf.quants import dequantize
 
-        rows, row_len = math.prod(t.shape[:-1]), t.shape[-1]
-        row_bytes = t.nbytes // rows
-        step = max(1, chunk_bytes // row_bytes)
+        step = max(1, (chunk_bytes or 8 << 20) // row_bytes)
         flat = dest.view(rows, row_len)
         buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
         kind = GGMLQuantizationType(t.ggml_type)
@@ -273,6 +295,43 @@ class GgufFile:
                     "cannot dequantize"
                 ) from None
             flat[r0 : r0 + n].copy_(torch.from_numpy(np.ascontiguousarray(vals, np.float32)))
+
+    def _dequantize_into(
+        self, t: GgufTensor, flat: torch.Tensor, row_bytes: int, chunk_bytes: int
+    ) -> None:
+        """``read_float_into`` by our torch dequantizers (``gguf_dequant``: the gguf package's
+        values bit for bit), in slices of rows small enough that the fp32 slice is still in cache
+        when it is converted into ``flat`` (written straight into it when ``flat`` is fp32), on
+        ``_workers`` threads that each take every n-th slice and run torch on themselves alone
+        (``set_num_threads(1)`` is per thread): a parallel region per small op cost more than
+        it gained, and far more while another process held a core."""
+        rows, row_len = flat.shape
+        step = max(1, chunk_bytes // row_bytes)
+        starts = range(0, rows, step)
+        workers = min(_workers(), len(starts))
+
+        def work(first: int) -> None:
+            if workers > 1:
+                torch.set_num_threads(1)  # this thread's OpenMP and MKL only
+            buf = torch.empty(min(step, rows) * row_bytes, dtype=torch.uint8)
+            direct = flat.dtype == torch.float32
+            vals = None if direct else torch.empty(min(step, rows), row_len, dtype=torch.float32)
+            for r0 in starts[first::workers]:
+                n = min(step, rows - r0)
+                raw = buf[: n * row_bytes]
+                self._pread(t, raw, r0 * row_bytes, n * row_bytes)
+                if vals is None:
+                    dequantize_rows(raw.view(n, row_bytes), t.type_name, flat[r0 : r0 + n])
+                else:
+                    dequantize_rows(raw.view(n, row_bytes), t.type_name, vals[:n])
+                    flat[r0 : r0 + n].copy_(vals[:n])
+
+        if workers <= 1:
+            work(0)
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(work, k) for k in range(workers)]:
+                f.result()
 
     def _pread(
         self, t: GgufTensor, dest: torch.Tensor, offset: int = 0, nbytes: int | None = None

@@ -89,6 +89,34 @@ def interleave_in_place(raw: Tensor, fmt: str, scratch: Tensor) -> bool:
     return True
 
 
+def native_moves_available() -> bool:
+    """Whether the native byte moves (ftdense.qinterleave) are built."""
+    try:
+        # deferred: ftdense (native extension)
+        import ftdense
+    except ImportError:
+        return False
+    return hasattr(ftdense, "qinterleave")
+
+
+def interleave_to(src: Tensor, dest: Tensor, fmt: str) -> None:
+    """``interleave`` of the GGUF rows ``src`` written into ``dest`` (another contiguous uint8
+    tensor of the same shape) by the native byte moves, with no temporary: a loader reads the
+    rows into a reused buffer and interleaves them straight into their bank. ValueError when the
+    native moves cannot take them."""
+    if not (_native_moves(src, fmt) and src.is_contiguous() and dest.is_contiguous()):
+        raise ValueError(f"the native moves cannot interleave {fmt} rows {list(src.shape)}")
+    if dest.dtype != torch.uint8 or dest.shape != src.shape:
+        raise ValueError(f"{fmt} rows {list(src.shape)} cannot go into {list(dest.shape)}")
+    # deferred: ftdense (native extension)
+    import ftdense
+
+    cols = src.shape[1] // BLOCK_BYTES[fmt] * BLOCK_INPUTS[fmt]
+    ftdense.qinterleave(
+        QTYPE_CODES[fmt], src.data_ptr(), dest.data_ptr(), src.shape[0], cols, False
+    )
+
+
 def _native_moves(raw: Tensor, fmt: str) -> bool:
     """Whether the native byte moves (ftdense.qinterleave) can take ``raw``: the extension is
     built and it is a CPU uint8 matrix of at least 8 rows of ``fmt``."""

@@ -30,7 +30,7 @@ from ..experts.formats import (
     is_known,
     layered_format,
 )
-from ..formats import gguf_blocks
+from ..formats import gguf_blocks, gguf_interleave
 from ..formats.gguf_file import GgufFile, GgufTensor
 
 log = logging.getLogger(__name__)
@@ -105,18 +105,28 @@ class RawStack:
 
     dtype = torch.float32
 
-    def __init__(self, f: GgufFile, t: GgufTensor) -> None:
-        self.f, self.t = f, t
+    def __init__(self, f: GgufFile, t: GgufTensor, interleave: str | None = None) -> None:
+        self.f, self.t, self.interleave = f, t, interleave
         self.shape = t.shape
 
     def into(self, dest: torch.Tensor) -> None:
         """Each expert's rows read straight into its part of ``dest`` (a bank's gate or up half
-        is contiguous per expert): never the whole stacked tensor in memory besides the bank."""
+        is contiguous per expert): never the whole stacked tensor in memory besides the bank.
+        ``interleave`` (a block type): each expert's rows read into one reused buffer instead and
+        interleaved from there into the bank (``gguf_interleave.interleave_to``), the layout
+        ``formats.interleave_banks`` gives the cpu backend's banks (whole groups of 8 rows: the
+        caller checks ``formats.interleaves``), so the banks are written once, not twice."""
         if dest.dim() != 3 or dest.shape[0] * dest[0].numel() != self.t.nbytes:
             raise ValueError(f"{self.t.name}: {self.t.nbytes} bytes cannot fill {list(dest.shape)}")
         per = dest[0].numel()
+        if self.interleave is None:
+            for e in range(dest.shape[0]):
+                self.f.read_raw_into(self.t, dest[e], e * per)  # asserts each part is contiguous
+            return
+        scratch = torch.empty(dest[0].shape, dtype=torch.uint8)  # stays in cache, reused
         for e in range(dest.shape[0]):
-            self.f.read_raw_into(self.t, dest[e], e * per)  # asserts each part is contiguous
+            self.f.read_raw_into(self.t, scratch, e * per)
+            gguf_interleave.interleave_to(scratch, dest[e], self.interleave)
 
 
 class InFile(RawStack):

@@ -27,6 +27,8 @@ import torch
 
 from ..experts.banks import ExpertBanks
 from ..experts.disk_tier import DiskTier
+from ..experts.formats import interleaves
+from ..formats import gguf_interleave
 from ..formats.errors import CheckpointError
 from ..formats.gguf_blocks import BLOCK_BYTES
 from ..formats.gguf_file import (
@@ -413,6 +415,15 @@ def _dt(name: str) -> torch.dtype:
     return dtype_of(name)
 
 
+def _interleaved(t: GgufTensor, proj: str, interleave: bool) -> str | None:
+    """The block type whose interleaved layout the stacked expert tensor ``t`` of ``proj``
+    (gate | up | down: [E, rows, cols]) is written in: where ``formats.interleave_banks`` would
+    interleave its rows, with ``interleave``; else None (the file's rows)."""
+    qtype, rows = t.type_name.lower(), t.shape[1]  # gate or up: one half of gate_up's rows
+    bank = ("down", rows) if proj == "down" else ("gate_up", 2 * rows)
+    return qtype if interleave and interleaves(bank[0], qtype, bank[1]) else None
+
+
 def _disk_tier(ck: GgufCheckpoint, cfg: ModelConfig, cache_bytes: int) -> DiskTier:
     """The disk tier over ``ck``'s expert tensors, through descriptors of its own (``ck``'s
     close with the load)."""
@@ -436,9 +447,12 @@ def load_gguf(
     cfg: ModelConfig | None = None,
     headers: list[GgufHeader] | None = None,
     expert_cache_bytes: int | None = None,
+    interleave_experts: bool = False,
 ) -> tuple[CausalLM, ExpertBanks]:
     """Loads a GGUF file (or split set) into a model and its expert banks (``headers``: the
-    files' headers, parsed before). ``expert_cache_bytes``: the disk tier (load_model)."""
+    files' headers, parsed before). ``expert_cache_bytes``: the disk tier (load_model).
+    ``interleave_experts``: block banks that only the cpu backend will read are filled in the
+    interleaved layout ``formats.interleave_banks`` would give them (``banks.interleaved``)."""
     with GgufCheckpoint(path, headers) as ck:
         cfg = cfg or ck.config()
         infos = {n: t for n, (_, t) in ck.tensors.items()}
@@ -469,6 +483,8 @@ def load_gguf(
             if (keep := _block_linear(model, canon, src)) is not None
         }
         kept_names = frozenset(name for name, _ in in_blocks.values())
+        interleave = interleave_experts and block and not tiered
+        interleave = interleave and gguf_interleave.native_moves_available()
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
         for name, canon, src in ck.sources(cfg):
             if canon in in_blocks and isinstance(src, _Source):
@@ -485,8 +501,13 @@ def load_gguf(
                             f"{src.t.path}: tensor '{name}': fused gate/up experts in blocks "
                             "are not supported"
                         )
-                    stack = gguf_experts.InFile if tiered else gguf_experts.RawStack
-                    raw = stack(src.f, src.t)
+                    if tiered:
+                        raw: gguf_experts.RawStack = gguf_experts.InFile(src.f, src.t)
+                    else:
+                        raw = gguf_experts.RawStack(
+                            src.f, src.t, _interleaved(src.t, m.group(1), interleave)
+                        )
+                        banks.interleaved |= raw.interleave is not None
                     filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
                     continue
                 filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
