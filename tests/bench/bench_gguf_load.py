@@ -36,11 +36,13 @@ SIX_BIT = ("attn_v.weight", "ffn_down_exps.weight", "output.weight")  # Q6_K in 
 H, E, K, I_MOE, HEADS, KV, HD, VOCAB = 2048, 128, 8, 768, 32, 4, 128, 8192
 
 
-def _shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+def _shapes(layers: int, vocab: int = VOCAB) -> list[tuple[str, tuple[int, ...]]]:
+    """GGUF tensor names and shapes of a Qwen3-30B-A3B-geometry model of ``layers`` layers
+    (bench_gguf_startup.py builds its file from these too)."""
     out = [
-        ("token_embd.weight", (VOCAB, H)),
+        ("token_embd.weight", (vocab, H)),
         ("output_norm.weight", (H,)),
-        ("output.weight", (VOCAB, H)),
+        ("output.weight", (vocab, H)),
     ]
     for i in range(layers):
         b = f"blk.{i}"

@@ -39,9 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
+# the same geometry as bench_gguf_load.py (this folder is on sys.path)
+from bench_gguf_load import HD, HEADS, I_MOE, KV, E, H, K, _shapes
+
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path("/tmp/ftbench-startup")
-H, E, K, I_MOE, HEADS, KV, HD = 2048, 128, 8, 768, 32, 4, 128
 MORE_BITS = ("attn_v.weight", "ffn_down_exps.weight")  # Q6_K in the layers llama.cpp picks
 EOS = "<|endoftext|>"
 ADDED = (EOS, "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")
@@ -108,31 +110,6 @@ def write_tokenizer_folder(out: Path, vocab_size: int) -> Path:
         ),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return out
-
-
-def _shapes(layers: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    out = [
-        ("token_embd.weight", (vocab, H)),
-        ("output_norm.weight", (H,)),
-        ("output.weight", (vocab, H)),
-    ]
-    for i in range(layers):
-        b = f"blk.{i}"
-        out += [
-            (f"{b}.attn_norm.weight", (H,)),
-            (f"{b}.ffn_norm.weight", (H,)),
-            (f"{b}.attn_q.weight", (HEADS * HD, H)),
-            (f"{b}.attn_k.weight", (KV * HD, H)),
-            (f"{b}.attn_v.weight", (KV * HD, H)),
-            (f"{b}.attn_output.weight", (H, HEADS * HD)),
-            (f"{b}.attn_q_norm.weight", (HD,)),
-            (f"{b}.attn_k_norm.weight", (HD,)),
-            (f"{b}.ffn_gate_inp.weight", (E, H)),
-            (f"{b}.ffn_gate_exps.weight", (E, I_MOE, H)),
-            (f"{b}.ffn_up_exps.weight", (E, I_MOE, H)),
-            (f"{b}.ffn_down_exps.weight", (E, H, I_MOE)),
-        ]
     return out
 
 
