@@ -40,11 +40,11 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_check import FP32_MARGIN, assert_greedy_agrees
+from runner_steps import logits_in_steps
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny
 
 from freetokend import LLM
-from freetokend.engine.runner import Work
 from freetokend.models import fp8_weights
 from freetokend.models.config import ModelConfig
 from freetokend.models.config_hf import read_config
@@ -243,18 +243,6 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return seq[len(ids) :]
 
 
-def _our_logits(llm: LLM, ids: list[int], split: list[int]) -> torch.Tensor:
-    runner, st, rows, pos = llm.runner, llm.runner.new_state(), [], 0
-    try:
-        for size in split:
-            runner.reserve(st, pos + size)
-            rows.append(runner.forward([Work(st, ids[pos : pos + size])]))
-            pos += size
-        return torch.cat(rows)
-    finally:
-        runner.release(st)
-
-
 # ---- (1) config.json -----------------------------------------------------------------------------
 
 
@@ -356,7 +344,7 @@ def test_release_names_load_in_transformers_and_here(tiny, tmp_path):
         want = hf(torch.tensor([ids])).logits[0]
         assert torch.equal(theirs.eval()(torch.tensor([ids])).logits[0], want)
     llm = LLM(tmp_path / "rel", moe_backend="cpu", max_model_len=128, kv_tokens=256)
-    got = _our_logits(llm, ids, [6] + [1] * 6)  # the last position of each step
+    got = logits_in_steps(llm, ids, [6] + [1] * 6)  # the last position of each step
     assert (got - want[5:]).abs().max().item() < ATOL
 
 
@@ -413,7 +401,7 @@ def test_fp8_dense_and_fp4_experts_match_transformers(quantized, monkeypatch, ca
     ids = _prompt(24, 1)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    ours = _our_logits(llm, ids, [10] + [1] * 14)
+    ours = logits_in_steps(llm, ids, [10] + [1] * 14)
     assert (ours - ref[9:]).abs().max().item() < ATOL
 
     prompt = _prompt(12, 4)

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from runner_steps import logits_in_steps
 from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.engine.graphs import static_decode_blocker
-from freetokend.engine.runner import Work
 from freetokend.models.config import ConfigError
 from freetokend.models.config_hf import from_dict
 from freetokend.models.layers import cpu_decode, dsa
@@ -66,18 +66,6 @@ def _hf_cached(hf, ids: list[int], prefill: int) -> torch.Tensor:
             rows.append(out.logits[0])
             cache = out.cache
     return torch.cat(rows).float()
-
-
-def _ours(llm: LLM, ids: list[int], split: list[int]) -> torch.Tensor:
-    runner, st, rows, pos = llm.runner, llm.runner.new_state(), [], 0
-    try:
-        for size in split:
-            runner.reserve(st, pos + size)
-            rows.append(runner.forward([Work(st, ids[pos : pos + size])]))
-            pos += size
-        return torch.cat(rows)
-    finally:
-        runner.release(st)
 
 
 @pytest.fixture(scope="module", params=DSA_FAMILIES)
@@ -121,8 +109,8 @@ def test_tiny_configs_are_tie_free(tiny, monkeypatch):
     family, _, _, llm = tiny
 
     def run():
-        _ours(llm, _ids(24, seed=1), [10] + [1] * 14)
-        _ours(llm, _ids(40, seed=2), [7, 13, 20])
+        logits_in_steps(llm, _ids(24, seed=1), [10] + [1] * 14)
+        logits_in_steps(llm, _ids(40, seed=2), [7, 13, 20])
         g = torch.Generator().manual_seed(4)
         llm.generate(torch.randint(2, 97, (12,), generator=g).tolist(), max_tokens=32,
                      ignore_eos=True)  # fmt: skip
@@ -142,7 +130,7 @@ def test_selection_matters(tiny, tmp_path):
     ids = _ids(40, seed=2)
     sparse = _hf_logits(hf, ids)
     assert (_hf_logits(dense, ids) - sparse).abs().max().item() > 1e-2
-    assert (_ours(llm, ids, [40]) - sparse[-1:]).abs().max().item() < ATOL_HF
+    assert (logits_in_steps(llm, ids, [40]) - sparse[-1:]).abs().max().item() < ATOL_HF
 
 
 def test_prefix_cache_reuses_index_keys(tiny):
@@ -209,13 +197,15 @@ def test_few_indexer_heads_tie_and_ours_still_agrees_with_itself(family, tmp_pat
     ends = (14, 23, 31, 40)
     full: list[torch.Tensor] = []  # the last logits of one forward over each prefix
     gaps = _boundary_gaps(
-        monkeypatch, llm, lambda: full.extend(_ours(llm, ids[:n], [n])[-1] for n in ends)
+        monkeypatch, llm, lambda: full.extend(logits_in_steps(llm, ids[:n], [n])[-1] for n in ends)
     )
     assert sum(g == 0 for g in gaps) > 5
-    steps = _ours(llm, ids, [12] + [1] * 28)  # positions 11..39
+    steps = logits_in_steps(llm, ids, [12] + [1] * 28)  # positions 11..39
     for n, want in zip(ends, full, strict=True):
         assert (steps[n - 12] - want).abs().max().item() < ATOL_SELF
-    assert (_ours(llm, ids, [3, 6, 1, 17, 13])[-1] - full[-1]).abs().max().item() < ATOL_SELF
+    assert (
+        logits_in_steps(llm, ids, [3, 6, 1, 17, 13])[-1] - full[-1]
+    ).abs().max().item() < ATOL_SELF
     prompts = [_ids(n, seed=20 + n) for n in (5, 23, 31)]
     alone = [llm.generate(p, max_tokens=8, ignore_eos=True) for p in prompts]
     assert llm.generate(prompts, max_tokens=8, ignore_eos=True) == alone
