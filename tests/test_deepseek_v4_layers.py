@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import perturb
+from tiny_models import hf_config, perturb
 
 from freetokend.models.deepseek_v4_model import (
     CSA,
@@ -53,51 +53,9 @@ TOPK = 3
 
 
 def _hf_config(**over):
-    import transformers as tf
-
-    c = dict(
-        vocab_size=97,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        partial_rotary_factor=0.25,  # rope on the last 8 channels of each head
-        q_lora_rank=24,
-        num_hidden_layers=4,
-        layer_types=[SLIDING, CSA, HCA, CSA],
-        compress_rates={CSA: 4, HCA: 8},
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        routed_scaling_factor=1.5,
-        swiglu_limit=0.5,  # low enough that the clamps bite
-        hc_mult=3,
-        sliding_window=8,
-        o_groups=2,
-        o_lora_rank=16,
-        index_n_heads=16,
-        index_head_dim=16,
-        index_topk=TOPK,
-        rope_theta=10000.0,
-        compress_rope_theta=160000.0,
-        rope_parameters={
-            "rope_type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 32,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-        },
-        max_position_embeddings=128,
-        initializer_range=0.08,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
-    c.update(over)
-    return tf.DeepseekV4Config(**c)
+    """tiny_models' deepseek_v4 config (every attention type, a hash layer, 3 streams, window
+    8, the indexer's top-TOPK with 16 heads), with ``over``."""
+    return hf_config("deepseek_v4", **over)
 
 
 def _hf_model(seed: int = 3, **over):
