@@ -189,6 +189,16 @@ def _moe_decode_launches(shape: list[str]) -> None:
                 _meta(slots, h, i, dtype=torch.bfloat16), *(bias if gptoss else (None, None)),
                 int(gptoss), 1.702, 7.0,
             )  # fmt: skip
+    # the other activations are constexpr specialisations of their own: gelu_tanh (Gemma-4)
+    # and DeepSeek-V4's clamped SwiGLU, at Qwen3-30B-A3B's geometry
+    _, _, k, h, i = QWEN3_30B
+    for act in (2, 3):
+        shape[0] = f"H {h}, I {i}, 1x{k} routes, activation {act}"
+        moe_decode_mod.moe_decode(
+            _meta(1, h, dtype=torch.bfloat16), _meta(1, k), _meta(1, k, dtype=torch.float32),
+            _meta(64, 2 * i, h, dtype=torch.bfloat16), _meta(64, h, i, dtype=torch.bfloat16),
+            None, None, act, 1.702, 7.0,
+        )  # fmt: skip
 
 
 def _copy_launches(shape: list[str]) -> None:
