@@ -277,3 +277,56 @@ def test_batched_equals_one_by_one_with_the_prefix_cache(tiny):
     assert small.engine.scheduler.preemptions > 0
     for a, c in zip(tight, want, strict=True):
         _close(a, c)
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_hash_layers_move_their_experts_when_the_step_starts(tiny, backend):
+    """A hash layer's experts follow from the token ids: the step plans them before layer 0
+    (``known_routes``) and the copies land while the layers before it run. Checked on the
+    stand-in: the same tokens as the cpu backend and as the backend without the early plan;
+    the early lookups counted apart; when the hash layer itself runs, every one of its
+    routes is resident (nothing left to copy: the reserved slots survived the layers in
+    between); no slot stays reserved after the steps."""
+    d, _ = tiny
+    prompts = [BASE[:6], BASE[3:9]]
+    kw = dict(max_model_len=128, kv_tokens=256, prefix_cache=False)
+    want = _serve(LLM(d, moe_backend="cpu", **kw), prompts, gen=6)
+    runs = {}
+    for early in (True, False):
+        llm = LLM(d, moe_backend=backend, accelerator="standin", moe_slots=10, **kw)
+        be = llm.moe
+        moe_index = llm.config.moe_layer_index
+        hash_layers = [
+            moe_index[i] for i, la in enumerate(llm.model._layers) if la.mlp.router.is_hash
+        ]
+        assert hash_layers, "the tiny config has a hash layer"
+        if not early:
+            be.known_routes = lambda moe_layer, expert_ids: None
+        calls: list[tuple[int, int]] = []  # (layer, copies) of every slot-cache lookup
+        lookup = be.cache.decode_step
+
+        def recorded(flat_ids, layer, lookup=lookup, calls=calls):
+            plan = lookup(flat_ids, layer)
+            calls.append((layer, int(plan.num_copies[0])))
+            return plan
+
+        be.cache.decode_step = recorded
+        runs[early] = (_serve(llm, prompts, gen=6), calls, be.counters)
+        assert not be._known and int(be.cache.state.reserved.sum()) == 0
+    for early in (True, False):
+        for a, b in zip(runs[early][0], want, strict=True):
+            _close(a, b)
+    _, calls, counters = runs[True]
+    early_fills = 0
+    for layer in hash_layers:
+        mine = [copies for lay, copies in calls if lay == layer]
+        early_calls, own = mine[0::2], mine[1::2]  # the early plan, then the layer's own lookup
+        assert len(early_calls) == len(own) > 0
+        assert sum(early_calls) > 0 and sum(own) == 0
+        early_fills += sum(early_calls)
+    assert counters["prefetch_fills"] == early_fills
+    assert counters["prefetch_hits"] + counters["prefetch_misses"] > 0
+    _, calls_off, counters_off = runs[False]
+    assert counters_off["prefetch_fills"] == 0
+    # without the early plan: the same lookups less the early ones (half the hash layers')
+    assert len(calls_off) == len(calls) - sum(lay in hash_layers for lay, _ in calls) // 2

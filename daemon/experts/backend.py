@@ -45,6 +45,12 @@ class MoEBackend(Protocol):
         """Called after the step's last layer."""
         ...
 
+    def known_routes(self, moe_layer: int, expert_ids: torch.Tensor) -> None:
+        """Routes of a MoE layer of this step known before the step reaches it (hash-routed
+        layers: the token ids decide them), expert_ids [T, K] as that layer's `forward` will get
+        them. A backend may start moving those experts now; computing them waits for `forward`."""
+        ...
+
 
 class RoutingRecorder:
     """Wraps a backend and appends the routed ids of every (step, MoE layer) to a JSONL file, in
@@ -67,6 +73,9 @@ class RoutingRecorder:
     def end_step(self) -> None:
         self.inner.end_step()
         self._f.flush()
+
+    def known_routes(self, moe_layer: int, expert_ids: torch.Tensor) -> None:
+        self.inner.known_routes(moe_layer, expert_ids)
 
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
@@ -157,6 +166,9 @@ class CpuBackend:
 
     def end_step(self) -> None:
         pass
+
+    def known_routes(self, moe_layer: int, expert_ids: torch.Tensor) -> None:
+        pass  # every expert is in host RAM (the disk tier reads by its own prediction)
 
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor

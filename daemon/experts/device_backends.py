@@ -26,7 +26,7 @@ from .accelerator import Accelerator, BankPairs, HostCopy, RowCopies, Transfer
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .grouped import moe_grouped
 from .hybrid_staging import STAGED_MAX_ROWS, HybridStaging, pack_cpu_inputs, unpack_cpu_inputs
-from .slot_cache import FILL_ALL_Q16, DecodePlan, EvictionPolicy, SlotCache
+from .slot_cache import FILL_ALL_Q16, STAT_NAMES, DecodePlan, EvictionPolicy, SlotCache
 
 log = logging.getLogger(__name__)
 _HOST = torch.device("cpu")
@@ -89,6 +89,9 @@ class FusedBackend:
 
     def end_step(self) -> None:
         pass
+
+    def known_routes(self, moe_layer: int, expert_ids: torch.Tensor) -> None:
+        pass  # every expert is resident
 
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
@@ -158,6 +161,9 @@ class OffloadBackend:
         self._cpu_routes = torch.zeros((), dtype=torch.int64)  # host: summed without a read
         self._cpu_routes_dev = torch.zeros((), dtype=torch.int64, device=acc.device)  # staged
         self.host_format = banks.format  # the checkpoint's expert format (create_backend sets it)
+        # known_routes: each prefetched layer's copies in flight and its reserved slots
+        self._known: dict[int, tuple[Transfer, torch.Tensor]] = {}
+        self._prefetch_stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=acc.device)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -168,6 +174,12 @@ class OffloadBackend:
             + int(self._cpu_routes)
             + int(self._cpu_routes_dev),
             "gpu_routes": self._counters["gpu_routes"] + int(self._gpu_routes),
+            # known_routes' early lookups: hits, misses and fills (the misses it left unfilled
+            # went to the layer's own lookup)
+            **{
+                f"prefetch_{k}": v
+                for k, v in zip(STAT_NAMES[:3], self._prefetch_stats[:3].tolist(), strict=True)
+            },
         }
 
     @property
@@ -177,6 +189,8 @@ class OffloadBackend:
 
     # ---- step hooks (called by the runner) ----------------------------------------------------
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
+        for layer in list(self._known):  # left by a step that failed before its end
+            self._take_known(layer)
         # only a step that feeds a prompt streams layers: a batch of 32+ decode sequences
         # routes to a few experts per layer, which the cache serves
         if not prefill or num_tokens < self.prefill_min_tokens:
@@ -196,11 +210,50 @@ class OffloadBackend:
         if self._prefill is not None:
             self._prefill.finish()
             self._prefill = None
+        for layer in list(self._known):  # known routes of a layer the step did not reach
+            self._take_known(layer)
+
+    def known_routes(self, moe_layer: int, expert_ids: torch.Tensor) -> None:
+        """A layer's routes known when the step starts (DeepSeek-V4's hash-routed layers: the
+        token ids decide them): its lookup is planned now and its misses' copies issued, so they
+        overlap the layers before it. The slots it uses stay reserved (never the victims of the
+        layers in between) until the layer's own `forward`, which finds them resident; that
+        lookup counts as the layer's (hits), the early plan's lookups, fills and unfilled
+        misses count apart (``prefetch_*`` in `counters`). A prompt step that streams whole
+        layers, or a batch of prompt size, plans nothing early."""
+        if self._prefill is not None or expert_ids.shape[0] >= self.prefill_min_tokens:
+            return
+        if moe_layer in self._known:
+            return
+        st = self.cache.state
+        flat = expert_ids.to(self.acc.device).long() + moe_layer * self.num_experts
+        before = st.stats.clone()
+        plan = self.cache.decode_step(flat.to(torch.int32), moe_layer)
+        st.visits[moe_layer] -= 1  # the layer's own lookup counts its visit
+        delta = st.stats - before
+        st.stats.sub_(delta)  # the counters of the layer's own lookup stay as without this
+        self._prefetch_stats += delta
+        slots = plan.slot_ids.reshape(-1).long()  # -1: a miss left to that lookup
+        held = (slots >= 0).to(st.reserved.dtype)
+        st.reserved.scatter_reduce_(0, slots.clamp(min=0), held, "amax")
+        self._known[moe_layer] = (self._fill(plan), slots)
+
+    def _take_known(self, moe_layer: int) -> None:
+        """The layer's early copies land before its compute; its slots are released."""
+        known = self._known.pop(moe_layer, None)
+        if known is None:
+            return
+        transfer, slots = known
+        transfer.wait()
+        st = self.cache.state
+        free = (slots < 0).to(st.reserved.dtype)  # 0 where held: min() releases; 1: unchanged
+        st.reserved.scatter_reduce_(0, slots.clamp(min=0), free, "amin")
 
     # ---- the layer call -------------------------------------------------------------------------
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        self._take_known(moe_layer)
         flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
         if self._prefill is not None:
             self._counters["prefill_layers_streamed"] += 1

@@ -329,6 +329,10 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
         streams = expand_streams(w.index_select(0, ids).float(), self.v4.hc_mult)
         new: list[list[V4AttentionState]] = [[] for _ in chunks]
         moe_index = self.cfg.moe_layer_index
+        for i, layer in enumerate(self._layers):  # hash layers: their experts are known now
+            table = layer.mlp.router.tid2eid
+            if table is not None:
+                batch.moe.known_routes(moe_index[i], table.index_select(0, ids.to(table.device)))
         for i, layer in enumerate(self._layers):
             rope, cos, sin = ropes[layer.kind]
             x, post, comb = layer.attn_hc(streams)
