@@ -39,6 +39,8 @@ class Separators:
 QWEN = Separators()
 # templates not checked: the newlines after a tag are dropped, none before one
 LOOSE = Separators(None, "", None)
+# templates that write nothing around the tags (Kimi-K2: '<think>' + reasoning + '</think>')
+NONE = Separators("", "", "")
 
 
 class ThinkParser:
@@ -52,8 +54,12 @@ class ThinkParser:
         *,
         separators: Separators = QWEN,
         opened: str = "",
+        ends: tuple[str, ...] = (),
     ) -> None:
+        """``ends``: markers that end the reasoning without its closing tag and begin the
+        content (Kimi-K2 opens its tool calls inside an unclosed think block)."""
         self._open, self._close = open_tag, close_tag
+        self._ends = ends
         self._seps = separators
         self._in_reasoning = start_in_reasoning
         self._buf = ""
@@ -65,7 +71,7 @@ class ThinkParser:
                 self._lead = None
             elif after.startswith(opened):
                 self._lead = after[len(opened) :]
-        self._close_markers = (close_tag, separators.before_close + close_tag)
+        self._close_markers = (close_tag, separators.before_close + close_tag, *ends)
 
     def feed(self, text: str) -> list[ParsedEvent]:
         self._buf += text
@@ -73,6 +79,16 @@ class ThinkParser:
         while True:
             marker = self._close if self._in_reasoning else self._open
             pos = self._buf.find(marker)
+            if self._in_reasoning and self._ends:
+                early = [
+                    p for m in self._ends if (p := self._buf.find(m)) >= 0 and (pos < 0 or p < pos)
+                ]
+                if early:
+                    # the content begins without the closing tag: the marker stays in it
+                    end = min(early)
+                    self._emit(self._buf[:end], out)
+                    self._buf, self._in_reasoning, self._lead = self._buf[end:], False, ""
+                    continue
             if pos < 0:
                 break
             before = self._buf[:pos]
