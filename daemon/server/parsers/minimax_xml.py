@@ -84,4 +84,6 @@ def make_parser(tools: ToolSchemas) -> TaggedToolParser:
         CLOSE,
         decode_partial=lambda body: decode_minimax_partial(body, tools),
         quoted=_QUOTED,
+        # content + '\n' + block (MiniMax-M2's template, which writes one block per message)
+        separators=("\n", "\n"),
     )

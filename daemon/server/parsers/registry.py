@@ -151,6 +151,8 @@ _THINK_SEPARATORS = {
     ToolSyntax.NONE: think.QWEN,
     ToolSyntax.QWEN3_JSON: think.QWEN,
     ToolSyntax.QWEN3_XML: think.QWEN,
+    # MiniMax-M2: '<think>\n' + reasoning + '\n</think>\n\n' + content, as Qwen's
+    ToolSyntax.MINIMAX_XML: think.QWEN,
     ToolSyntax.KIMI_K2: think.NONE,
 }
 # markers of a tool syntax that end an unclosed reasoning block (the model opened its calls
@@ -185,7 +187,10 @@ def make_output_parser(
         return Chain(reasoner, tool_parser)
     if syntax.reasoning is ReasoningSyntax.GEMMA4_THOUGHT:
         thought = ThinkParser(
-            start_in_reasoning, gemma4.THOUGHT_OPEN, gemma4.THOUGHT_CLOSE, separators=think.LOOSE
+            start_in_reasoning,
+            gemma4.THOUGHT_OPEN,
+            gemma4.THOUGHT_CLOSE,
+            separators=gemma4.THOUGHT_SEPARATORS,
         )
         return Chain(thought, tool_parser)
     return Chain(PassThrough(), tool_parser)
