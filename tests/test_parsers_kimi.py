@@ -13,10 +13,10 @@ block, calls without their section or closing marker) are tolerated here too.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_parser_round_trip import llama_cpp_template
 from test_server_parsers import grammars  # noqa: F401
 
 from freetokend.models.families.kimi_markup import KIMI_ANCHORS, KIMI_TOOL_SYNTAX
@@ -279,16 +279,6 @@ THINKING_TEMPLATE = (
     "{%- endfor -%}"
 )
 INSTRUCT_TEMPLATE = THINKING_TEMPLATE.replace("<think>{{ m.reasoning_content }}</think>", "")
-
-
-def llama_cpp_template(name: str) -> str | None:
-    """A template of llama.cpp's ``models/templates`` (``FT_LLAMA_CPP_SRC``: an unpacked
-    ``vendor/llama.cpp``), read at test time (they are the model vendors' files)."""
-    import os
-
-    src = os.environ.get("FT_LLAMA_CPP_SRC")
-    path = Path(src) / "models" / "templates" / name if src else None
-    return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None
 
 
 def test_kimi_checkpoints_pick_kimi_syntax_from_their_templates():
