@@ -179,7 +179,9 @@ def sample_calls(marked, factories, syntax, schema, seeds, max_tokens) -> list[t
 
     def parser():  # type: ignore[no-untyped-def]
         # a prompt that left <think> open: the grammar still holds the output from token one
-        return make_output_parser(output, named, start_in_reasoning=True, reasoning=False)
+        return make_output_parser(
+            output, named, start_in_reasoning=True, reasoning=False, padded=True
+        )
 
     async def main() -> list[tuple]:
         metrics = Metrics()

@@ -143,6 +143,11 @@ _TOOL_PARSERS = {
     ToolSyntax.DEEPSEEK_DSML_V3_2: deepseek_dsml.make_parser,
     ToolSyntax.KIMI_K2: kimi_k2.make_parser,
 }
+# the parsers told whether a grammar padded the values (make_output_parser's ``padded``)
+_PADDED_PARSERS = {
+    ToolSyntax.GLM_XML: glm_xml.make_parser,
+    ToolSyntax.MINIMAX_XML: minimax_xml.make_parser,
+}
 
 
 # The spacing around <think> of the templates that use each tool syntax, where it is known
@@ -167,16 +172,21 @@ def make_output_parser(
     parse_tools: bool = True,
     reasoning: bool = True,
     opened: str = "",
+    padded: bool = False,
 ) -> OutputParser:
     """A fresh incremental parser for one generation (``parse_tools=False``: tool_choice
     none, any tool-call markup stays content; ``reasoning=False``: a grammar holds the output
     from its first token, so none of it is reasoning, whatever the prompt left open, and a
     reasoning tag inside a forced call's arguments is text; ``opened``: what the prompt wrote
-    after the ``<think>`` it left open, :func:`prompt_opened`)."""
+    after the ``<think>`` it left open, :func:`prompt_opened`; ``padded``: a forced call's
+    grammar wrote the output, whose XML styles may pad each value with one whitespace
+    character on each side, which the syntaxes whose templates write no padding strip)."""
     if syntax.tools is ToolSyntax.HARMONY:
         return harmony.make_parser(tools)
     tool_parser: OutputParser = PassThrough()
-    if parse_tools and syntax.tools in _TOOL_PARSERS:
+    if parse_tools and syntax.tools in _PADDED_PARSERS:
+        tool_parser = _PADDED_PARSERS[syntax.tools](tools, padded)
+    elif parse_tools and syntax.tools in _TOOL_PARSERS:
         tool_parser = _TOOL_PARSERS[syntax.tools](tools)
     if not reasoning:
         return Chain(PassThrough(), tool_parser)
