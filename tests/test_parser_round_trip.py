@@ -344,8 +344,19 @@ DSML_V3_2_TEMPLATE = DSML_TEMPLATE.replace("BLOCK", "function_calls").replace("T
 DSML_V4_TEMPLATE = DSML_TEMPLATE.replace("BLOCK", "tool_calls").replace("THINKING", "false")
 
 # Gemma-4 (thinking): the thought channel (only with calls) + the calls + content, then
-# '<|tool_response>' after calls, '<turn|>\n' otherwise; arguments in Gemma's notation, keys sorted
+# '<|tool_response>' after calls, '<turn|>\n' otherwise; arguments in Gemma's notation (keys bare
+# and sorted, strings between <|"|>), nested values too
 GEMMA_TEMPLATE = """\
+{%- macro value(v) -%}
+{%- if v is string -%}{{- '<|"|>' + v + '<|"|>' -}}
+{%- elif v is mapping -%}{{- '{' -}}
+{%- for k, x in v | dictsort -%}{{- k + ':' -}}{{- value(x) -}}{%- if not loop.last -%},{%- endif -%}
+{%- endfor -%}{{- '}' -}}
+{%- elif v is iterable -%}{{- '[' -}}
+{%- for x in v -%}{{- value(x) -}}{%- if not loop.last -%},{%- endif -%}{%- endfor -%}{{- ']' -}}
+{%- else -%}{{- v | tojson -}}
+{%- endif -%}
+{%- endmacro -%}
 {%- for m in messages -%}
 {%- if m.role == 'user' -%}{{- '<|turn>user\\n' + m.content + '<turn|>\\n' -}}
 {%- elif m.role == 'assistant' -%}
@@ -354,13 +365,7 @@ GEMMA_TEMPLATE = """\
 {{- '<|channel>thought\\n' + m.reasoning_content + '\\n<channel|>' -}}
 {%- endif -%}
 {%- for c in m.tool_calls or [] -%}
-{{- '<|tool_call>call:' + c.function.name + '{' -}}
-{%- for k, v in c.function.arguments | dictsort -%}
-{{- k + ':' -}}
-{%- if v is string -%}{{- '<|"|>' + v + '<|"|>' -}}{%- else -%}{{- v | tojson -}}{%- endif -%}
-{%- if not loop.last -%},{%- endif -%}
-{%- endfor -%}
-{{- '}<tool_call|>' -}}
+{{- '<|tool_call>call:' + c.function.name + value(c.function.arguments) + '<tool_call|>' -}}
 {%- endfor -%}
 {{- m.content or '' -}}
 {{- '<|tool_response>' if m.tool_calls else '<turn|>\\n' -}}
