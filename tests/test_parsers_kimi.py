@@ -19,6 +19,7 @@ import pytest
 from test_parser_round_trip import llama_cpp_template
 from test_server_parsers import grammars  # noqa: F401
 
+from freetokend.engine.tokenizer import Tokenizer
 from freetokend.models.families.kimi_markup import KIMI_ANCHORS, KIMI_TOOL_SYNTAX
 from freetokend.models.registry import family_spec
 from freetokend.server.parsers.base import (
@@ -41,6 +42,7 @@ from freetokend.server.parsers.registry import (
 from freetokend.server.routes.anthropic_out import tool_use_block
 from freetokend.server.routes.openai_chat_out import ChatOutput
 from freetokend.server.routes.responses_out import ResponsesOutput
+from freetokend.server.service import parser_token_ids, special_tokens_skipped
 
 KIMI = OutputSyntax(ToolSyntax.KIMI_K2, ReasoningSyntax.THINK)
 KIMI_INSTRUCT = OutputSyntax(ToolSyntax.KIMI_K2, ReasoningSyntax.NONE)
@@ -313,6 +315,12 @@ def test_anchors_are_kimi_markers_and_resolve_in_kimi_tokenizer(kimi_tokenizer):
         assert kimi_tokenizer.encode(tag, add_special_tokens=False).ids == [
             kimi_tokenizer.token_to_id(tag)
         ]
+    # the markers are special tokens of Kimi's tokenizer: written out for the parser anyway
+    tok = Tokenizer(kimi_tokenizer)
+    kept = parser_token_ids(tok, KIMI)
+    assert {tok.token_to_id(t) for t in (*TAGS, "<think>", "</think>")} == kept
+    assert kept <= tok.special_token_ids
+    assert special_tokens_skipped(KIMI, False, kept) == (True, kept)
 
 
 # --- the forced call's grammar ---------------------------------------------------------------
