@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from test_forced_named_calls import ALL_TAGS, VALUE_END
 from test_parser_round_trip import CASES, client_message
+from test_parsers_deepseek_dsml import TOOLS as DSML_TOOLS
 from tokenizers import AddedToken
 
 from freetokend.engine.chat_template import ChatTemplate
@@ -28,16 +29,7 @@ from freetokend.server.parsers.registry import (
     prompt_opens_reasoning,
 )
 
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "write_file": {
-        "type": "object",
-        "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-    },
-    "update_config": {
-        "type": "object",
-        "properties": {"config": {"type": "object"}, "dry_run": {"type": "boolean"}},
-    },
-}
+SCHEMAS: dict[str, dict[str, Any]] = {n: DSML_TOOLS[n] for n in ("write_file", "update_config")}
 TOOLS = [
     {"type": "function", "function": {"name": n, "description": n, "parameters": s}}
     for n, s in SCHEMAS.items()

@@ -16,7 +16,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from test_parser_hard_values import by_token
 from test_parser_round_trip import llama_cpp_template
+from test_parsers_deepseek_dsml import TOOLS  # get_weather, write_file, update_config
 from test_server_parsers import grammars  # noqa: F401
 
 from freetokend.engine.tokenizer import Tokenizer
@@ -49,17 +51,6 @@ KIMI_INSTRUCT = OutputSyntax(ToolSyntax.KIMI_K2, ReasoningSyntax.NONE)
 S, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 B, A, E = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
-TOOLS = {
-    "get_weather": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-    },
-    "write_file": {
-        "type": "object",
-        "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-    },
-    "update_config": {"type": "object", "properties": {"config": {"type": "object"}}},
-}
 # a coding agent writing this very parser: every marker inside a string, quotes and braces too
 CODE = (
     'SECTION = "<|tool_calls_section_begin|>"\n'
@@ -118,21 +109,6 @@ def kimi_tokenizer(tmp_path_factory):
     return tokenizer_from_tiktoken(d)
 
 
-def kimi_tokens(tok, text: str) -> list[str]:
-    """``text`` as Kimi's tokenizer cuts it, each token decoded alone (whole characters: the
-    text's non-ASCII characters are single tokens or the pieces are joined)."""
-    ids = tok.encode(text, add_special_tokens=False).ids
-    pieces, pending = [], []
-    for i in ids:
-        pending.append(i)
-        piece = tok.decode(pending, skip_special_tokens=False)
-        if "\ufffd" not in piece:
-            pieces.append(piece)
-            pending = []
-    assert not pending and "".join(pieces) == text
-    return pieces
-
-
 def _feed(syntax, pieces, opens: bool = False, truncated: bool = False, tools=TOOLS):
     parser = make_output_parser(syntax, tools, start_in_reasoning=opens)
     events: list[ParsedEvent] = []
@@ -143,7 +119,7 @@ def _feed(syntax, pieces, opens: bool = False, truncated: bool = False, tools=TO
 
 def _check(syntax, text: str, expected, tok=None, opens: bool = False) -> None:
     """At once, char by char, token by token, and cut in two at every position."""
-    splits = [[text], list(text)] + ([kimi_tokens(tok, text)] if tok is not None else [])
+    splits = [[text], list(text)] + ([by_token(tok, text)] if tok is not None else [])
     for pieces in splits:
         assert _feed(syntax, pieces, opens) == expected, pieces
     for i in range(1, len(text)):
