@@ -163,6 +163,9 @@ def test_calls_opened_inside_the_reasoning_and_without_markers():
         f"{B}functions.write_file:1{A}{json.dumps({'path': 'src/kimi.py', 'content': CODE})}"
     )
     _check(KIMI, bare, [Reasoning("I need two calls"), *CALLS[:2]])
+    # markers written twice
+    doubled = S + S + call("get_weather", 0, city="Zürich", days=3) + E + "\n" + SE + "Done."
+    _check(KIMI, doubled, [CALLS[0], Content("Done.")])
     # the reasoning opened by the prompt, a call after whitespace, the section never closed
     loose = f"plan</think>Ok.{S}\n{call('get_weather', 0, city='Zürich', days=3)}\n"
     _check(KIMI, loose, [Reasoning("plan"), Content("Ok."), CALLS[0]], opens=True)
@@ -191,6 +194,13 @@ def test_what_does_not_decode_is_given_back():
     assert _feed(KIMI, [not_an_object]) == [Content(not_an_object)]
     bad_head = f"{S}{B}functions.get weather now{A}{{}}{E}"
     assert _feed(KIMI, [bad_head]) == [Content(bad_head)]
+    no_args = f"{S}{B}functions.get_weather:0{B}functions.get_weather:1{A}{{}}{E}{SE}"
+    assert _feed(KIMI, [no_args]) == [
+        Content(f"{S}{B}functions.get_weather:0"),
+        ToolCall(0, "get_weather", "{}", id="functions.get_weather:1"),
+    ]
+    endless = f"{S}{B}functions.{'x' * 600}"
+    assert _feed(KIMI, [endless]) == [Content(endless)]
     # text after a call inside the section: the section ended there
     text = f"{S}{call('get_weather', 0, city='Zürich', days=3)}Done, thanks."
     assert _feed(KIMI, [text]) == [CALLS[0], Content("Done, thanks.")]

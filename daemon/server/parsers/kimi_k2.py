@@ -15,7 +15,8 @@ section before closing its reasoning ends the reasoning there (``OPENS``, regist
 
 As llama.cpp reads Kimi's output, a model's slips are tolerated: a call without its section
 (``<|tool_call_begin|>`` in the text), a call without its ``<|tool_call_end|>`` (the next call,
-the section's end or the end of the output ends it), whitespace between calls. Inside the
+the section's end or the end of the output ends it), whitespace between calls; and a call's end
+or the section's opening written twice. Inside the
 arguments a marker counts only outside JSON strings: a string may hold ``<|tool_call_end|>``.
 What does not decode is given back as text, markers included.
 
@@ -55,6 +56,7 @@ _MAX_HEAD = 512  # an id still without its argument marker after this many chara
 _ID = re.compile(r"functions\.([^\s:<>]+):(\d+)")
 _LOOSE_ID = re.compile(r"(?:functions\.)?([^\s:<>]+)(?::\d*)?")
 _INSIDE = (CALL_OPEN, SECTION_CLOSE)  # what a section may go on with, past whitespace
+_REPEATED = (CALL_CLOSE, SECTION_OPEN)  # a marker written twice by a slip: nothing to read
 
 # where the parser is
 _OUT, _SECTION, _HEAD, _ARGS = "out", "section", "head", "args"
@@ -116,7 +118,11 @@ class KimiToolParser:
             if rest.startswith(SECTION_CLOSE):
                 self._buf, self._state = rest[len(SECTION_CLOSE) :], _OUT
                 return True
-            if not rest or any(m.startswith(rest) for m in _INSIDE):
+            repeated = next((m for m in _REPEATED if rest.startswith(m)), None)
+            if repeated is not None:
+                self._buf = rest[len(repeated) :]
+                return True
+            if not rest or any(m.startswith(rest) for m in (*_INSIDE, *_REPEATED)):
                 return False  # whitespace, or a marker not all here yet
             # text in the section: the model went on writing (the section ends there)
             self._give_back_section(out)
@@ -134,6 +140,7 @@ class KimiToolParser:
                 return False
             # no call after all: its marker and head are text
             end = other if other >= 0 else len(self._buf)
+            self._give_back_section(out)
             out.append(Content(CALL_OPEN + self._buf[:end]))
             self._buf, self._state = self._buf[end:], _SECTION if other >= 0 else _OUT
             return True
