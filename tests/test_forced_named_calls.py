@@ -61,6 +61,7 @@ REASONING = {
     ToolSyntax.HARMONY: ReasoningSyntax.HARMONY,
     ToolSyntax.DEEPSEEK_DSML: ReasoningSyntax.THINK,
     ToolSyntax.DEEPSEEK_DSML_V3_2: ReasoningSyntax.THINK,
+    ToolSyntax.KIMI_K2: ReasoningSyntax.THINK,
 }
 ALL_TAGS = sorted(
     {t for tags in (*TOOL_MARKERS.values(), *REASONING_MARKERS.values()) for t in tags}
@@ -178,7 +179,9 @@ def sample_calls(marked, factories, syntax, schema, seeds, max_tokens) -> list[t
 
     def parser():  # type: ignore[no-untyped-def]
         # a prompt that left <think> open: the grammar still holds the output from token one
-        return make_output_parser(output, named, start_in_reasoning=True, reasoning=False)
+        return make_output_parser(
+            output, named, start_in_reasoning=True, reasoning=False, padded=True
+        )
 
     async def main() -> list[tuple]:
         metrics = Metrics()
@@ -271,6 +274,7 @@ ARGS_TEXT = {
     ToolSyntax.HARMONY: '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "VALUE"}',
     ToolSyntax.DEEPSEEK_DSML: '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">VALUE</｜DSML｜parameter>',
     ToolSyntax.DEEPSEEK_DSML_V3_2: '\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">VALUE</｜DSML｜parameter>',
+    ToolSyntax.KIMI_K2: '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "VALUE"}',
 }  # fmt: skip
 
 
@@ -302,6 +306,7 @@ DSML_SYNTAXES = (ToolSyntax.DEEPSEEK_DSML, ToolSyntax.DEEPSEEK_DSML_V3_2)
 STRING_FORMS = {
     ToolSyntax.QWEN3_JSON: ("json",),
     ToolSyntax.HARMONY: ("json",),
+    ToolSyntax.KIMI_K2: ("json",),
     ToolSyntax.DEEPSEEK_DSML: ("raw", "json"),
     ToolSyntax.DEEPSEEK_DSML_V3_2: ("raw", "json"),
 }
@@ -339,6 +344,12 @@ def call_text(syntax: ToolSyntax, value: str, form: str | None = None) -> str:
         )
     if syntax is ToolSyntax.GEMMA4:
         return f"<|tool_call>call:get_weather{{city:{Q}{value}{Q},days:2}}<tool_call|>"
+    if syntax is ToolSyntax.KIMI_K2:
+        args = json.dumps({"city": value, "days": 2})
+        return (
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"
+        )
     if syntax in DSML_SYNTAXES:
         block = D + ("function_calls" if syntax is ToolSyntax.DEEPSEEK_DSML_V3_2 else "tool_calls")
         raw = form == "raw"
@@ -417,6 +428,7 @@ def test_an_unclosed_quote_still_ends_the_call_at_the_end(syntax):
         # the JSON string of a string="false" value
         ToolSyntax.DEEPSEEK_DSML: good.replace('"Oslo"', '"Oslo'),
         ToolSyntax.DEEPSEEK_DSML_V3_2: good.replace('"Oslo"', '"Oslo'),
+        ToolSyntax.KIMI_K2: good.replace('"Oslo"', '"Oslo'),
     }[syntax]
     # (MiniMax: a value left open runs to the next </parameter>, so nothing follows here)
     follow = "" if syntax is ToolSyntax.MINIMAX_XML else good

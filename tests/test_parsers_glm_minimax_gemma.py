@@ -50,11 +50,12 @@ def test_glm45_think_text_and_two_calls():
         f"<arg_key>content</arg_key>\n<arg_value>{json.dumps(CONFIG)}</arg_value>\n</tool_call>"
     )
     weather, config = _tools_calls()
+    # GLM-4.5/4.6's templates write '\n' before each call: markup, not content
     expected = [
         Reasoning("The user wants the weather, then a config file."),
-        Content("I'll check the weather first.\n"),
+        Content("I'll check the weather first."),
         weather,
-        Content("\nThen the config:\n"),
+        Content("\nThen the config:"),
         config,
     ]
     check_all_splits(GLM, text, expected)
@@ -99,12 +100,14 @@ def test_minimax_think_text_and_calls_in_two_blocks():
         "</invoke>\n</minimax:tool_call>"
     )
     weather, config = _tools_calls()
+    # MiniMax-M2's template writes '<think>\n' + reasoning + '\n</think>\n\n' + content, and
+    # '\n' before a block: those separators are markup
     expected = [
-        Reasoning("Two lookups are needed.\n"),
-        Content("Let me look that up.\n"),
+        Reasoning("Two lookups are needed."),
+        Content("Let me look that up."),
         weather,
         config,
-        Content("\nAnd one more:\n"),
+        Content("\nAnd one more:"),
         ToolCall(2, "get_weather", _args(city="Oslo", days=1)),
     ]
     check_all_splits(MINIMAX, text, expected)
@@ -112,7 +115,7 @@ def test_minimax_think_text_and_calls_in_two_blocks():
 
 def test_minimax_reasoning_opened_by_the_prompt_and_a_block_without_calls():
     text = "hmm\n</think>\n\nok <minimax:tool_call>\nnothing here\n</minimax:tool_call>"
-    expected = [Reasoning("hmm\n"), Content(text.split("</think>\n\n")[1])]
+    expected = [Reasoning("hmm"), Content(text.split("</think>\n\n")[1])]
     check_all_splits(MINIMAX, text, expected, opens=True)
 
 

@@ -294,6 +294,7 @@ class ModelService:
             parse_tools=req.tool_choice != "none",
             reasoning=not req.constrained,
             opened=prompt_opened(rendered.text) if opens else "",
+            padded=req.constrained,
         )
         skip = special_tokens_skipped(self.syntax, req.constrained, self.parser_token_ids)
         gen = self._submit(rendered.ids, params, constraint, parser, req.sampling, skip)

@@ -5,7 +5,15 @@ layers dense. The multi-token-prediction layers of the checkpoint are not loaded
 In GGUF it is llama.cpp's ``deepseek2``, whose converter splits ``kv_b_proj`` into
 ``attn_k_b`` (per head [kv_lora, nope], transposed) and ``attn_v_b`` (per head [v, kv_lora]).
 GLM-4.7-Flash (``glm4_moe_lite``) is written under the same name: the metadata hook tells it
-apart (``is_glm_flash``) and reads it as that family."""
+apart (``is_glm_flash``) and reads it as that family.
+
+Kimi-K2 and K2-Thinking are this architecture with Kimi's tokenizer (a tiktoken rank file,
+``engine/tiktoken_vocab.py``; llama.cpp's ``kimi-k2`` pre-tokenizer in GGUF). Their chat templates
+spell Kimi's tool-call section, from which the server picks Kimi's output syntax
+(``detect_syntax``: ``kimi_k2`` calls, ``<think>`` reasoning where the template has it); the
+anchors are Kimi's markers (``kimi_markup``), which DeepSeek's own tokenizer does not have.
+DeepSeek-V3's own tool-call markup (``<｜tool▁calls▁begin｜>``) is not parsed: with its own
+template the output is plain text."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, ModelConfig
 from ..gguf_read import SHARED_EXPERT, SIGMOID, GgufMeta, Target
+from .kimi_markup import KIMI_ANCHORS
 from .spec import FamilySpec, GgufJoin, GgufRules, HfRules
 
 if TYPE_CHECKING:
@@ -166,4 +175,5 @@ SPEC = FamilySpec(
         (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.score_bias"),
         (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
     ),
+    anchors=KIMI_ANCHORS,
 )

@@ -5,9 +5,13 @@ last layer that has one. Without ``indexer_types`` the pattern comes, as in tran
 ``index_topk_pattern`` ("F" full, "S" shared) or from ``index_topk_freq`` /
 ``index_skip_topk_offset``.
 
-Output syntax: GLM-4.7's (``glm_xml`` tool calls, ``<think>`` reasoning, GLM-4.5's anchors).
-GLM-5's own chat template could not be checked offline; a template that reveals another syntax
-overrides this default (``detect_syntax``).
+Output syntax: GLM-4.7's (``glm_xml`` tool calls ``<tool_call>NAME<arg_key>K</arg_key>
+<arg_value>V</arg_value></tool_call>``, ``<think>`` reasoning, GLM-4.5's anchors). GLM-5's own
+chat template ships in its checkpoint and could not be checked offline: llama.cpp's tree has no
+GLM-5 template (models/templates holds GLM-4.6's and GLM-4.7-Flash's), and its converter reads
+GLM-5's vocabulary as GLM-4.5's (``_set_vocab_glm``: ``[gMASK]``, ``<|user|>`` ending a turn,
+``<|observation|>``), the chat markup these anchors and GLM-4.7's syntax belong to. So GLM-4.7's
+syntax is followed; a template that reveals another syntax overrides it (``detect_syntax``).
 
 No GGUF rules: reading llama.cpp's files of this family is not built."""
 

@@ -21,10 +21,12 @@ from xgrammar.structural_tag import (
     ConstStringFormat,
     JSONSchemaFormat,
     OrFormat,
+    RegexFormat,
     SequenceFormat,
     StructuralTag,
 )
 
+from ..parsers import kimi_k2
 from ..parsers.deepseek_dsml import BLOCK_V3_2, BLOCK_V4, DSML
 from ..parsers.registry import TOOL_MARKERS, ToolSyntax
 
@@ -44,6 +46,7 @@ _STYLE: dict[ToolSyntax, Any] = {
     ToolSyntax.HARMONY: "json",
     ToolSyntax.DEEPSEEK_DSML: "deepseek_xml",
     ToolSyntax.DEEPSEEK_DSML_V3_2: "deepseek_xml",
+    ToolSyntax.KIMI_K2: "json",
 }
 _LENGTH_BOUNDS = ("minLength", "maxLength")
 
@@ -76,6 +79,8 @@ def arguments_format(syntax: ToolSyntax, schema: dict[str, Any]) -> JSONSchemaFo
 
 def _call_format(syntax: ToolSyntax, name: str, schema: dict[str, Any]) -> SequenceFormat:
     """``begin + arguments + end`` for one tool, as the syntax's parser reads it."""
+    if syntax is ToolSyntax.KIMI_K2:
+        return _kimi_call(name, schema)
     if syntax is ToolSyntax.QWEN3_JSON:
         begin = '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
         end = "}\n</tool_call>"
@@ -102,6 +107,25 @@ def _call_format(syntax: ToolSyntax, name: str, schema: dict[str, Any]) -> Seque
     elements: list[Any] = [ConstStringFormat(value=begin), arguments_format(syntax, schema)]
     if end:
         elements.append(ConstStringFormat(value=end))
+    return SequenceFormat(elements=elements)
+
+
+# the call's index in its id: the model writes it (Kimi-K2-Thinking's template counts the calls
+# of the whole conversation, K2-Instruct's those of the message); no leading zeros, bounded
+_KIMI_INDEX = "0|[1-9][0-9]{0,3}"
+
+
+def _kimi_call(name: str, schema: dict[str, Any]) -> SequenceFormat:
+    """Kimi-K2's section holding one call, its id ``functions.NAME:IDX`` as the templates
+    write it."""
+    head = kimi_k2.SECTION_OPEN + kimi_k2.CALL_OPEN + kimi_k2.ID_PREFIX + name + ":"
+    elements: list[Any] = [
+        ConstStringFormat(value=head),
+        RegexFormat(pattern=_KIMI_INDEX),
+        ConstStringFormat(value=kimi_k2.ARGS_OPEN),
+        arguments_format(ToolSyntax.KIMI_K2, schema),
+        ConstStringFormat(value=kimi_k2.CALL_CLOSE + kimi_k2.SECTION_CLOSE),
+    ]
     return SequenceFormat(elements=elements)
 
 

@@ -64,12 +64,15 @@ class Reasoning:
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """A call: ``arguments`` is a JSON object text, or, when ``partial`` (the generation hit its
-    token limit inside the call), the arguments as far as the model wrote them."""
+    token limit inside the call), the arguments as far as the model wrote them. ``id``: the
+    call's id where the syntax has the model write one (Kimi's ``functions.NAME:IDX``, which
+    its template writes back into the tool result); "" for the API layer to name the call."""
 
     index: int
     name: str
     arguments: str
     partial: bool = False
+    id: str = ""
 
 
 ParsedEvent = Content | Reasoning | ToolCall

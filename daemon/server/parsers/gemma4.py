@@ -7,7 +7,9 @@ null bare, nested objects and arrays as in JSON::
     <|tool_call>call:write_config{path:<|"|>conf/app.json<|"|>,content:{port:8080,
     hosts:[<|"|>a<|"|>,<|"|>b<|"|>]}}<tool_call|>
 
-Reasoning is the thought channel: ``<|channel>thought\\n...<channel|>``.
+Reasoning is the thought channel: ``<|channel>thought\\n...<channel|>``; Gemma-4's template
+writes ``'<|channel>thought\\n' + thinking + '\\n<channel|>'`` and the calls right after it
+(``THOUGHT_SEPARATORS``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from ..limits import MAX_JSON_DEPTH
 from .base import ToolSchemas, unique_tool
 from .tagged import Quoted, TaggedToolParser
+from .think import Separators
 
 OPEN = "<|tool_call>"
 CLOSE = "<tool_call|>"
@@ -25,6 +28,7 @@ CHANNEL = "<|channel>"
 THOUGHT_OPEN = CHANNEL + "thought"
 THOUGHT_CLOSE = "<channel|>"
 QUOTE = '<|"|>'
+THOUGHT_SEPARATORS = Separators("\n", "\n", "")
 _WS = " \t\r\n"
 
 

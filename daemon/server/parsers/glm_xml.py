@@ -9,8 +9,11 @@
 
 (GLM-4.7 writes the same without the newlines.) The chat template writes string values
 verbatim and every other value as JSON, so a value is kept as text when the tool's schema says
-string and decoded as JSON otherwise (falling back to the text). One whitespace character on
-each side of a value is padding, as for Qwen's XML (the forced-call grammar may put one there).
+string and decoded as JSON otherwise (falling back to the text). Nothing pads a value (unlike
+Qwen's XML, whose template writes it on a line of its own): a string keeps its leading and
+trailing whitespace, a file's final newline included. Output written under a forced call's
+grammar is read with ``padded``: xgrammar's style may put one whitespace character on each side
+of a value, which is stripped there.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _QUOTED = (Quoted("<arg_key>", "</arg_key>"), Quoted("<arg_value>", "</arg_value
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
 
 
-def decode_glm_body(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
+def decode_glm_body(body: str, tools: ToolSchemas, padded: bool = False) -> tuple[str, str] | None:
     head, sep, _ = body.partition("<arg_key>")
     name = head.strip()
     if not name or "<" in name or "\n" in name:
@@ -38,14 +41,17 @@ def decode_glm_body(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
     args: dict[str, Any] = {}
     for m in _PAIR.finditer(body[len(head) :] if sep else ""):
         key = m.group(1).strip()
-        args[key] = convert_value(strip_padding(m.group(2)), schema_types(schema, key))
+        value = strip_padding(m.group(2)) if padded else m.group(2)
+        args[key] = convert_value(value, schema_types(schema, key))
     return name, json.dumps(args, ensure_ascii=False)
 
 
 _CUT_TAG = re.compile(r"<[^<>]*$")  # a tag the token limit cut, at the very end
 
 
-def decode_glm_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
+def decode_glm_partial(
+    body: str, tools: ToolSchemas, padded: bool = False
+) -> tuple[str, str] | None:
     """(name, arguments so far as a JSON object) of a call cut by the token limit: pairs whose
     value began are kept (the last value as far as it was written); a name cut short is the one
     tool it begins, and a call cut before its name is the only tool when there is one."""
@@ -57,12 +63,14 @@ def decode_glm_partial(body: str, tools: ToolSchemas) -> tuple[str, str] | None:
             return (next(iter(tools)), "{}") if len(tools) == 1 else None
         name = prefix if prefix in tools else unique_tool(prefix, tools)
         return (name, "{}") if name else None
-    return decode_glm_body(body, tools)
+    return decode_glm_body(body, tools, padded)
 
 
-def make_parser(tools: ToolSchemas) -> TaggedToolParser:
+def make_parser(tools: ToolSchemas, padded: bool = False) -> TaggedToolParser:
     return TaggedToolParser(
-        lambda body: decode_glm_body(body, tools),
-        decode_partial=lambda body: decode_glm_partial(body, tools),
+        lambda body: decode_glm_body(body, tools, padded),
+        decode_partial=lambda body: decode_glm_partial(body, tools, padded),
         quoted=_QUOTED,
+        # GLM-4.5 / 4.6 write '\n' before each call (4.7 nothing: no separator to drop there)
+        separators=("\n", "\n"),
     )

@@ -11,8 +11,11 @@
     </minimax:tool_call>
 
 Values are text, converted by the tool's schema as for the other XML syntaxes (strings
-verbatim, anything else decoded as JSON, falling back to the text). One whitespace character on
-each side of a value is padding, as for Qwen's XML (the forced-call grammar may put one there).
+verbatim, anything else decoded as JSON, falling back to the text). Nothing pads a value (the
+template writes ``<parameter name="K">`` + value + ``</parameter>``): a string keeps its leading
+and trailing whitespace, a file's final newline included. Output written under a forced call's
+grammar is read with ``padded``: xgrammar's style may put one whitespace character on each side
+of a value, which is stripped there.
 A value ends at its ``</parameter>``: the other tags are text inside it.
 """
 
@@ -41,10 +44,11 @@ _CUT_ITEM = re.compile(_INVOKE_OR_PARAMETER + r"(?:</parameter>|$)", re.S)  # a 
 
 
 def decode_minimax_block(
-    body: str, tools: ToolSchemas, closed: bool = True
+    body: str, tools: ToolSchemas, closed: bool = True, padded: bool = False
 ) -> list[tuple[str, str]] | None:
     """``closed=False``: a block cut by the token limit (the last value's </invoke> not
-    written yet: one in it is the value's text)."""
+    written yet: one in it is the value's text). ``padded``: a grammar wrote it (one whitespace
+    character on each side of a value is padding)."""
     calls: list[tuple[str, dict[str, Any]]] = []
     for m in (_ITEM if closed else _CUT_ITEM).finditer(body):
         if m.group(1) is not None:
@@ -52,7 +56,8 @@ def decode_minimax_block(
         elif calls:  # a parameter outside any invocation is not part of a call
             name, args = calls[-1]
             key = m.group(2).strip()
-            args[key] = convert_value(strip_padding(m.group(3)), schema_types(tools.get(name), key))
+            value = strip_padding(m.group(3)) if padded else m.group(3)
+            args[key] = convert_value(value, schema_types(tools.get(name), key))
     return [(name, json.dumps(args, ensure_ascii=False)) for name, args in calls] or None
 
 
@@ -60,13 +65,15 @@ _CUT_NAME = re.compile(r"<invoke name=\"([^\"\n]*)\"?$")  # cut inside an invoca
 _CUT_TAG = re.compile(r"<[^<>]*$")  # any other tag cut at the very end
 
 
-def decode_minimax_partial(body: str, tools: ToolSchemas) -> list[tuple[str, str]] | None:
+def decode_minimax_partial(
+    body: str, tools: ToolSchemas, padded: bool = False
+) -> list[tuple[str, str]] | None:
     """The block's calls so far, the last one cut by the token limit (its arguments as far as
     they were written); a name cut short is the one tool it begins, and a block cut before
     its first invocation is the only tool when there is one."""
     cut = _CUT_NAME.search(body)
     text = _CUT_TAG.sub("", body[: cut.start()] if cut else body)
-    calls = decode_minimax_block(text, tools, closed=False)
+    calls = decode_minimax_block(text, tools, closed=False, padded=padded)
     calls = calls or []
     if cut is not None:
         name = unique_tool(cut.group(1), tools)
@@ -77,11 +84,13 @@ def decode_minimax_partial(body: str, tools: ToolSchemas) -> list[tuple[str, str
     return calls or None
 
 
-def make_parser(tools: ToolSchemas) -> TaggedToolParser:
+def make_parser(tools: ToolSchemas, padded: bool = False) -> TaggedToolParser:
     return TaggedToolParser(
-        lambda body: decode_minimax_block(body, tools),
+        lambda body: decode_minimax_block(body, tools, padded=padded),
         OPEN,
         CLOSE,
-        decode_partial=lambda body: decode_minimax_partial(body, tools),
+        decode_partial=lambda body: decode_minimax_partial(body, tools, padded),
         quoted=_QUOTED,
+        # content + '\n' + block (MiniMax-M2's template, which writes one block per message)
+        separators=("\n", "\n"),
     )

@@ -3,6 +3,7 @@
 The tool-call syntax is chosen per model:
 1. by inspecting the model's chat template for the syntax it instructs the model to use
    (``<minimax:tool_call>`` -> MiniMax XML, ``<arg_key>`` -> GLM, ``<|tool_call>`` -> Gemma-4,
+   ``<|tool_calls_section_begin|>`` -> Kimi-K2,
    ``<function=`` -> Qwen XML, ``<tool_call>`` -> Qwen JSON, ``<|channel|>`` -> harmony),
    because one family can ship different templates (the built-in tiny model is family
    ``qwen3_5_moe`` but its template asks for JSON ``<tool_call>``);
@@ -22,6 +23,7 @@ from . import (
     gemma4,
     glm_xml,
     harmony,
+    kimi_k2,
     minimax_xml,
     qwen3_json,
     qwen3_xml,
@@ -43,6 +45,7 @@ class ToolSyntax(StrEnum):
     GEMMA4 = "gemma4"
     DEEPSEEK_DSML = "deepseek_dsml"  # DeepSeek-V4: <｜DSML｜tool_calls>
     DEEPSEEK_DSML_V3_2 = "deepseek_dsml_v3_2"  # DeepSeek-V3.2: <｜DSML｜function_calls>
+    KIMI_K2 = "kimi_k2"  # Kimi-K2 / K2.5: <|tool_calls_section_begin|>
 
 
 class ReasoningSyntax(StrEnum):
@@ -79,6 +82,8 @@ def detect_syntax(family: str, template_source: str) -> OutputSyntax:
     if deepseek_dsml.DSML in src:  # the templates build the tags from a dsml_token variable
         v3_2 = deepseek_dsml.BLOCK_V3_2 in src
         tools = ToolSyntax.DEEPSEEK_DSML_V3_2 if v3_2 else ToolSyntax.DEEPSEEK_DSML
+    elif kimi_k2.SECTION_OPEN in src and kimi_k2.CALL_OPEN in src:
+        tools = ToolSyntax.KIMI_K2
     elif minimax_xml.OPEN in src:
         tools = ToolSyntax.MINIMAX_XML
     elif "<arg_key>" in src:
@@ -115,6 +120,7 @@ TOOL_MARKERS: dict[ToolSyntax, tuple[str, ...]] = {
     # a DSML tag is ｜DSML｜ between ordinary pieces; a value ends at its parameter's closing tag
     ToolSyntax.DEEPSEEK_DSML: (deepseek_dsml.DSML, deepseek_dsml.PARAM_CLOSE),
     ToolSyntax.DEEPSEEK_DSML_V3_2: (deepseek_dsml.DSML, deepseek_dsml.PARAM_CLOSE),
+    ToolSyntax.KIMI_K2: kimi_k2.TAGS,
 }
 REASONING_MARKERS: dict[ReasoningSyntax, tuple[str, ...]] = {
     ReasoningSyntax.THINK: (think.OPEN, think.CLOSE),
@@ -135,6 +141,12 @@ _TOOL_PARSERS = {
     ToolSyntax.GEMMA4: gemma4.make_parser,
     ToolSyntax.DEEPSEEK_DSML: deepseek_dsml.make_parser,
     ToolSyntax.DEEPSEEK_DSML_V3_2: deepseek_dsml.make_parser,
+    ToolSyntax.KIMI_K2: kimi_k2.make_parser,
+}
+# the parsers told whether a grammar padded the values (make_output_parser's ``padded``)
+_PADDED_PARSERS = {
+    ToolSyntax.GLM_XML: glm_xml.make_parser,
+    ToolSyntax.MINIMAX_XML: minimax_xml.make_parser,
 }
 
 
@@ -144,7 +156,13 @@ _THINK_SEPARATORS = {
     ToolSyntax.NONE: think.QWEN,
     ToolSyntax.QWEN3_JSON: think.QWEN,
     ToolSyntax.QWEN3_XML: think.QWEN,
+    # MiniMax-M2: '<think>\n' + reasoning + '\n</think>\n\n' + content, as Qwen's
+    ToolSyntax.MINIMAX_XML: think.QWEN,
+    ToolSyntax.KIMI_K2: think.NONE,
 }
+# markers of a tool syntax that end an unclosed reasoning block (the model opened its calls
+# inside it), where the model is known to do so
+_REASONING_ENDS = {ToolSyntax.KIMI_K2: kimi_k2.OPENS}
 
 
 def make_output_parser(
@@ -154,25 +172,35 @@ def make_output_parser(
     parse_tools: bool = True,
     reasoning: bool = True,
     opened: str = "",
+    padded: bool = False,
 ) -> OutputParser:
     """A fresh incremental parser for one generation (``parse_tools=False``: tool_choice
     none, any tool-call markup stays content; ``reasoning=False``: a grammar holds the output
     from its first token, so none of it is reasoning, whatever the prompt left open, and a
     reasoning tag inside a forced call's arguments is text; ``opened``: what the prompt wrote
-    after the ``<think>`` it left open, :func:`prompt_opened`)."""
+    after the ``<think>`` it left open, :func:`prompt_opened`; ``padded``: a forced call's
+    grammar wrote the output, whose XML styles may pad each value with one whitespace
+    character on each side, which the syntaxes whose templates write no padding strip)."""
     if syntax.tools is ToolSyntax.HARMONY:
         return harmony.make_parser(tools)
     tool_parser: OutputParser = PassThrough()
-    if parse_tools and syntax.tools in _TOOL_PARSERS:
+    if parse_tools and syntax.tools in _PADDED_PARSERS:
+        tool_parser = _PADDED_PARSERS[syntax.tools](tools, padded)
+    elif parse_tools and syntax.tools in _TOOL_PARSERS:
         tool_parser = _TOOL_PARSERS[syntax.tools](tools)
     if not reasoning:
         return Chain(PassThrough(), tool_parser)
     if syntax.reasoning is ReasoningSyntax.THINK:
         seps = _THINK_SEPARATORS.get(syntax.tools, think.LOOSE)
-        return Chain(ThinkParser(start_in_reasoning, separators=seps, opened=opened), tool_parser)
+        ends = _REASONING_ENDS.get(syntax.tools, ()) if parse_tools else ()
+        reasoner = ThinkParser(start_in_reasoning, separators=seps, opened=opened, ends=ends)
+        return Chain(reasoner, tool_parser)
     if syntax.reasoning is ReasoningSyntax.GEMMA4_THOUGHT:
         thought = ThinkParser(
-            start_in_reasoning, gemma4.THOUGHT_OPEN, gemma4.THOUGHT_CLOSE, separators=think.LOOSE
+            start_in_reasoning,
+            gemma4.THOUGHT_OPEN,
+            gemma4.THOUGHT_CLOSE,
+            separators=gemma4.THOUGHT_SEPARATORS,
         )
         return Chain(thought, tool_parser)
     return Chain(PassThrough(), tool_parser)

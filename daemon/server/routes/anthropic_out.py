@@ -45,7 +45,7 @@ def usage(gen: Generation) -> dict[str, Any]:
 def tool_use_block(ev: ToolCall) -> dict[str, Any]:
     return {
         "type": "tool_use",
-        "id": new_id("toolu_"),
+        "id": ev.id or new_id("toolu_"),
         "name": ev.name,
         "input": arguments_object(ev.arguments),
     }

@@ -59,7 +59,7 @@ class ChatOutput:
         self.tool_calls += 1
         return {
             "index": ev.index,
-            "id": new_id("call_"),
+            "id": ev.id or new_id("call_"),
             "type": "function",
             "function": {"name": ev.name, "arguments": ev.arguments},
         }

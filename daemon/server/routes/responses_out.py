@@ -103,7 +103,7 @@ class ResponsesOutput:
         return {
             "type": "function_call",
             "id": new_id("fc_"),
-            "call_id": new_id("call_"),
+            "call_id": ev.id or new_id("call_"),
             "name": ev.name,
             "arguments": "" if status == "in_progress" else ev.arguments,
             # a call cut by the token limit (partial arguments) is "incomplete"
