@@ -189,6 +189,15 @@ def load_model(
     filler.verify()
     if (line := fp8.summary()) is not None:
         log.info("%s: %s", model_dir, line)
+    if filler.release is not None:
+        log.info(
+            "%s: routed experts read packed as %s (%s); %d activation scale tensors ignored "
+            "(activations are not quantized here)",
+            model_dir,
+            banks.format,
+            filler.release.rq.method,
+            filler.release.ignored,
+        )
     if mtp_skipped:
         log.info(
             "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not used yet)",

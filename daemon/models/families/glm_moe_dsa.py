@@ -9,6 +9,9 @@ Output syntax: GLM-4.7's (``glm_xml`` tool calls, ``<think>`` reasoning, GLM-4.5
 GLM-5's own chat template could not be checked offline; a template that reveals another syntax
 overrides this default (``detect_syntax``).
 
+GLM-5.2 as released: its NVFP4 routed experts (ModelOpt's ``NVFP4`` or compressed-tensors'
+``nvfp4-pack-quantized``) load packed as ``nvfp4`` (models/release_quant.py), the rest as stored.
+
 No GGUF rules: reading llama.cpp's files of this family is not built."""
 
 from __future__ import annotations
