@@ -48,7 +48,8 @@ _PER_EXPERT = re.compile(
     + "|".join((*release_experts.KINDS, *release_experts.ACTIVATION_SCALES))
     + r")$"
 )
-# a quantized dense tensor of a compressed-tensors / ModelOpt release (only experts are read so)
+# a part of a quantized dense weight of a compressed-tensors / ModelOpt release that the loader's
+# pairing (release_dense) did not take
 _RELEASE_DENSE = re.compile(
     r"\.(weight_packed|weight_scale|weight_global_scale|weight_scale_2|weight_shape|weight_zero_point"
     r"|input_scale|input_global_scale)$"
@@ -115,6 +116,11 @@ class Filler:
         n = self.cfg.num_layers
         return m is not None and n <= int(m.group(1)) < n + self.cfg.num_mtp_layers
 
+    def routed_expert(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is a per-expert routed expert tensor."""
+        canon = self.canonical(name)
+        return canon is not None and _PER_EXPERT.match(canon) is not None
+
     def ignored(self, name: str) -> bool:
         pats = self.spec.ignore + _ALWAYS_IGNORED
         if any(re.search(p, name) for p in pats):
@@ -145,10 +151,10 @@ class Filler:
         elif 0 in src.shape:
             return  # an empty module (GLM with n_shared_experts = 0 stores [0, H] shared experts)
         elif self.release is not None and _RELEASE_DENSE.search(canon):
+            rq = self.release.rq
             raise CheckpointError(
-                f"{path}: tensor '{name}' belongs to a quantized dense weight "
-                f"({self.release.rq.method}); only routed experts are read quantized, the "
-                "quantization config must exclude the rest"
+                f"{path}: unexpected tensor '{name}' (a part of a quantized dense weight that "
+                f"the config's {rq.method} {rq.expert_format} scheme does not describe)"
             )
         else:
             raise CheckpointError(
@@ -167,12 +173,6 @@ class Filler:
 
     def _dense(self, canon: str, src: Source, name: str, path: Path) -> None:
         p = self.params[canon]
-        if self.release is not None and not src.dtype.is_floating_point:
-            raise CheckpointError(
-                f"{path}: tensor '{name}' is a quantized dense weight ({src.dtype}, "
-                f"{self.release.rq.method}); only routed experts are read quantized, the "
-                "quantization config must exclude the rest"
-            )
         self._check(src, tuple(p.shape), name, path)
         src.into(p.data)
         self.filled.add(canon)

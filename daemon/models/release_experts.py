@@ -53,6 +53,11 @@ class ReleaseExperts:
             raise ValueError(f"banks are {banks.format}, the release {rq.expert_format}")
         if sys.byteorder != "little":  # the int32 words' nibble order is little-endian bytes
             raise CheckpointError("packed INT4 releases are read on little-endian hosts only")
+        if hidden % rq.group_size or inter % rq.group_size:
+            raise CheckpointError(
+                f"{rq.method} groups of {rq.group_size} do not divide the experts' inputs "
+                f"(hidden {hidden}, moe intermediate {inter})"
+            )
         self.rq, self.banks, self.h, self.i = rq, banks, hidden, inter
         self.kinds = _KINDS[(rq.method, rq.expert_format)]
         self.ignored = 0  # activation scales read past
@@ -126,9 +131,7 @@ class ReleaseExperts:
                 )
         elif part == "packed":
             _expect(src, (torch.int32,), (rows, cols // 8), name, path)
-            # little-endian words: byte k holds value 2k (low nibble) and 2k + 1 (high)
-            by = src.read().contiguous().view(torch.uint8)
-            vals = torch.stack((by & 15, by >> 4), dim=-1).reshape(rows, cols // 32, 32)
+            vals = int4_nibbles(src.read()).reshape(rows, cols // 32, 32)
             blocks[..., 2:] = vals[..., :16] | (vals[..., 16:] << 4)  # Q4_0's order
         else:
             _expect(src, (torch.bfloat16, torch.float16, torch.float32), None, name, path)
@@ -150,6 +153,14 @@ class ReleaseExperts:
                 )
             d = d.repeat_interleave(group // 32, dim=1)  # every block of a group: its scale
             blocks[..., :2] = d.contiguous().view(torch.uint8).reshape(rows, cols // 32, 2)
+
+
+def int4_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' int32 words [R, W] -> the stored nibbles (q + 8) [R, 8W] uint8: value
+    i of a row at bits 4i of its words, so on a little-endian host byte k holds value 2k in the
+    low nibble and 2k + 1 in the high one."""
+    by = packed.contiguous().view(torch.uint8)
+    return torch.stack((by & 15, by >> 4), dim=-1).reshape(by.shape[0], -1)
 
 
 def _expect(

@@ -30,7 +30,9 @@ Activations stay unquantized on our side: the activation scales these checkpoint
 (``input_global_scale``, ``input_scale``: NVFP4 W4A4's per-tensor input scales) are read past
 and ignored on purpose. What the config excludes (``ignore``: module names or ``re:`` patterns;
 ``exclude_modules``: globs) is stored as float and loads as any float tensor; a routed expert
-stored float inside a quantized checkpoint is an error (mixed banks are not supported).
+stored float inside a quantized checkpoint is an error (mixed banks are not supported). Packed
+dense weights (a shared expert, a dense MLP the config does not exclude) are widened to float
+at load (release_dense); the routed experts are read packed (release_experts).
 """
 
 from __future__ import annotations
