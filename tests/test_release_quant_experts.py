@@ -45,10 +45,13 @@ from tiny_models import hf_model_class, make_tiny
 
 from freetokend import LLM
 from freetokend.engine.plan import plan_model, pool_bytes
+from freetokend.experts.formats import allocate
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.config import ConfigError
 from freetokend.models.config_hf import read_config
 from freetokend.models.loader import _Source
+from freetokend.models.release_experts import ReleaseExperts
+from freetokend.models.release_quant import ReleaseQuant
 
 ATOL = 2e-4  # fp32 on both sides, summation order only
 EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -128,7 +131,7 @@ def int4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     q.scatter_(-1, q.abs().argmax(-1, keepdim=True), -8.0)
     q = q.reshape(r, c).long()
     u = (q + 8).reshape(r, c // 8, 8)
-    word = sum(u[..., i] << (4 * i) for i in range(8))  # value i at bits 4i
+    word = (u << (4 * torch.arange(8))).sum(-1)  # value i at bits 4i
     packed = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     deq = (q.reshape(r, c // 32, 32).float() * scale.float().unsqueeze(-1)).reshape(r, c)
     return packed, scale, q, deq
@@ -397,3 +400,59 @@ def test_plan_counts_packed_expert_bytes(glm_nvfp4, kimi_int4):
         cfg = read_config(d)
         assert plan.fits and plan.expert_format == fmt
         assert plan.parts_mib["expert_pool"] * 2**20 == pool_bytes(cfg) < pool_bytes(cfg, "bf16")
+
+
+# ---- the readers on their own ----------------------------------------------------------------
+
+
+class _Mem:
+    """A tensor in memory with the loader's source interface."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
+
+    def read(self) -> torch.Tensor:
+        return self.t
+
+    def into(self, dest: torch.Tensor) -> None:
+        dest.copy_(self.t)
+
+
+def test_int4_groups_of_64_give_each_block_its_group_scale():
+    """A group of 64 inputs is two Q4_0 blocks with the same d (lossless all the same)."""
+    h, i = 128, 64
+    rq = ReleaseQuant("compressed-tensors", "q4_0", 64)
+    banks = allocate("q4_0", 2, h, i, torch.float32)
+    reader = ReleaseExperts(rq, banks, h, i)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(i, h, generator=g)
+    packed, scale32, q, _ = int4_pack(w)  # groups of 32 ...
+    scale = scale32[:, 0::2]  # ... but one scale per 64: the values are q * its group's scale
+    for kind, t in (("weight_packed", packed), ("weight_scale", scale)):
+        reader.put(1, "up_proj", kind, _Mem(t), "up", Path("x"))
+    assert torch.equal(banks.gate_up[1, i:], q4_0_rows(q, scale.repeat_interleave(2, dim=1)))
+    with pytest.raises(CheckpointError, match="groups of 64 do not divide"):
+        ReleaseExperts(rq, allocate("q4_0", 1, 96, 64, torch.float32), 96, 64)
+
+
+def test_compressed_tensors_global_scale_is_the_divisor():
+    """compressed-tensors divides by ``weight_global_scale``: our multiplier is its reciprocal
+    (rounded once to fp32 where it is no power of two); ModelOpt's ``weight_scale_2`` is the
+    multiplier itself."""
+    h, i = 32, 16
+    for method, kind, stored, want in (
+        ("compressed-tensors", "weight_global_scale", 3.0, torch.tensor(1 / 3.0).item()),
+        ("modelopt", "weight_scale_2", 3.0, 3.0),
+    ):
+        banks = allocate("nvfp4", 1, h, i, torch.float32)
+        reader = ReleaseExperts(ReleaseQuant(method, "nvfp4", 16), banks, h, i)
+        reader.put(0, "up_proj", kind, _Mem(torch.tensor([stored])), "g", Path("x"))
+        reader.put(0, "down_proj", kind, _Mem(torch.tensor([stored])), "g", Path("x"))
+        assert banks.extra["gate_up_global"][0, 1].item() == want
+        assert banks.extra["down_global"][0, 0].item() == want
+        assert (
+            reader.put(0, "down_proj", "input_scale", _Mem(torch.tensor(1.0)), "a", Path("x"))
+            is None
+        )
+        with pytest.raises(CheckpointError, match="one finite positive"):
+            reader.put(0, "gate_proj", kind, _Mem(torch.tensor([0.0])), "g", Path("x"))

@@ -75,7 +75,8 @@ class WidenedPacked:
                 f"{path}: packed tensor '{name}' {list(src.shape)} has scales "
                 f"{list(side['scale'].shape)}; expected {list(want)} (groups of {group})"
             )
-        self.shape, self.dtype = (rows, cols), torch.float32
+        self.shape: tuple[int, ...] = (rows, cols)
+        self.dtype = torch.float32
         self.widened_bytes = 0
 
     def read(self) -> torch.Tensor:
