@@ -49,6 +49,7 @@ from freetokend.experts.formats import allocate
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.config import ConfigError
 from freetokend.models.config_hf import read_config
+from freetokend.models.fill import _Loaded  # a tensor in memory as the loader's source
 from freetokend.models.loader import _Source
 from freetokend.models.release_experts import ReleaseExperts
 from freetokend.models.release_quant import ReleaseQuant
@@ -405,19 +406,6 @@ def test_plan_counts_packed_expert_bytes(glm_nvfp4, kimi_int4):
 # ---- the readers on their own ----------------------------------------------------------------
 
 
-class _Mem:
-    """A tensor in memory with the loader's source interface."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
-
-    def read(self) -> torch.Tensor:
-        return self.t
-
-    def into(self, dest: torch.Tensor) -> None:
-        dest.copy_(self.t)
-
-
 def test_int4_groups_of_64_give_each_block_its_group_scale():
     """A group of 64 inputs is two Q4_0 blocks with the same d (lossless all the same)."""
     h, i = 128, 64
@@ -429,7 +417,7 @@ def test_int4_groups_of_64_give_each_block_its_group_scale():
     packed, scale32, q, _ = int4_pack(w)  # groups of 32 ...
     scale = scale32[:, 0::2]  # ... but one scale per 64: the values are q * its group's scale
     for kind, t in (("weight_packed", packed), ("weight_scale", scale)):
-        reader.put(1, "up_proj", kind, _Mem(t), "up", Path("x"))
+        reader.put(1, "up_proj", kind, _Loaded(t), "up", Path("x"))
     assert torch.equal(banks.gate_up[1, i:], q4_0_rows(q, scale.repeat_interleave(2, dim=1)))
     with pytest.raises(CheckpointError, match="groups of 64 do not divide"):
         ReleaseExperts(rq, allocate("q4_0", 1, 96, 64, torch.float32), 96, 64)
@@ -446,13 +434,13 @@ def test_compressed_tensors_global_scale_is_the_divisor():
     ):
         banks = allocate("nvfp4", 1, h, i, torch.float32)
         reader = ReleaseExperts(ReleaseQuant(method, "nvfp4", 16), banks, h, i)
-        reader.put(0, "up_proj", kind, _Mem(torch.tensor([stored])), "g", Path("x"))
-        reader.put(0, "down_proj", kind, _Mem(torch.tensor([stored])), "g", Path("x"))
+        reader.put(0, "up_proj", kind, _Loaded(torch.tensor([stored])), "g", Path("x"))
+        reader.put(0, "down_proj", kind, _Loaded(torch.tensor([stored])), "g", Path("x"))
         assert banks.extra["gate_up_global"][0, 1].item() == want
         assert banks.extra["down_global"][0, 0].item() == want
         assert (
-            reader.put(0, "down_proj", "input_scale", _Mem(torch.tensor(1.0)), "a", Path("x"))
+            reader.put(0, "down_proj", "input_scale", _Loaded(torch.tensor(1.0)), "a", Path("x"))
             is None
         )
         with pytest.raises(CheckpointError, match="one finite positive"):
-            reader.put(0, "gate_proj", kind, _Mem(torch.tensor([0.0])), "g", Path("x"))
+            reader.put(0, "gate_proj", kind, _Loaded(torch.tensor([0.0])), "g", Path("x"))
