@@ -444,3 +444,19 @@ def test_compressed_tensors_global_scale_is_the_divisor():
         )
         with pytest.raises(CheckpointError, match="one finite positive"):
             reader.put(0, "gate_proj", kind, _Loaded(torch.tensor([0.0])), "g", Path("x"))
+
+
+def test_ftw_conversion_keeps_the_packed_experts(kimi_int4, glm_nvfp4, tmp_path):
+    """``ftctl checkpoint`` of a release: the FTW folder stores the banks as loaded (q4_0 blocks,
+    nvfp4 codes / scales / globals) and loads back to the same bytes."""
+    from freetokend.models.ftw_convert import convert
+    from freetokend.models.loader import load_model
+
+    for src, fmt in ((kimi_int4[0], "q4_0"), (glm_nvfp4[1], "nvfp4")):
+        out = tmp_path / fmt
+        assert convert(src, out).expert_format == fmt
+        _, want = load_model(src)
+        _, got = load_model(out)
+        assert got.format == fmt
+        for name, t in want.all_tensors().items():
+            assert torch.equal(got.all_tensors()[name].view(torch.uint8), t.view(torch.uint8))
