@@ -88,7 +88,7 @@ class Filler:
         rq = release_quant(quant_config(cfg.raw), "config.json") if cfg.raw else None
         self.release = (
             release_experts.ReleaseExperts(rq, banks, cfg.hidden_size, cfg.moe_intermediate_size)
-            if rq is not None and banks.format == rq.expert_format
+            if rq is not None
             else None
         )
 
