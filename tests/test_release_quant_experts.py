@@ -12,8 +12,8 @@ code, so a layout error on our side cannot cancel out), and writes in the releas
   (so that compressed-tensors' ``weight_global_scale`` 1 / g is exact and both conventions hold
   the same values). compressed-tensors: ``weight_packed`` / ``weight_scale`` /
   ``weight_global_scale`` (= 1 / g) / ``input_global_scale``; ModelOpt: ``weight`` (uint8) /
-  ``weight_scale`` / ``weight_scale_2`` (= g) / ``input_scale``. The activation scales are
-  there to be ignored.
+  ``weight_scale`` / ``weight_scale_2`` (= g) / ``input_scale``, and an FP8 KV cache's
+  ``k_scale`` / ``v_scale``. The activation and KV scales are there to be ignored.
 - INT4: q in [-8, 7] per 32-input group with a bf16 scale, w = scale * q; q + 8 packed eight a
   little-endian int32, value i at bits 4i (compressed-tensors' pack_to_int32), ``weight_shape``.
 
@@ -183,6 +183,9 @@ def write_release(src: Path, out: dict[str, Path], kind: str) -> dict[str, torch
             files["ct"][base + ".weight_packed"] = packed
             files["ct"][base + ".weight_scale"] = scale
             files["ct"][base + ".weight_shape"] = torch.tensor(list(t.shape))
+    if "modelopt" in files:  # an FP8 KV cache's scales (ModelOpt's kv_cache_quant_algo)
+        files["modelopt"]["model.layers.1.self_attn.kv_b_proj.k_scale"] = torch.tensor(0.1)
+        files["modelopt"]["model.layers.1.self_attn.kv_b_proj.v_scale"] = torch.tensor(0.2)
     cfg = json.loads((src / "config.json").read_text())
     quant = {"ct": CT_NVFP4 if kind == "nvfp4" else CT_INT4, "modelopt": MODELOPT_NVFP4}
     for k, d in out.items():

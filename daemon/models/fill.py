@@ -125,6 +125,8 @@ class Filler:
         pats = self.spec.ignore + _ALWAYS_IGNORED
         if any(re.search(p, name) for p in pats):
             return True
+        if self.release is not None and name.endswith(release_experts.KV_SCALES):
+            return True  # a quantized KV cache's scales: our KV pool is not quantized
         # a tied checkpoint may still carry lm_head.weight
         return self.cfg.tie_word_embeddings and name == "lm_head.weight"
 

@@ -42,6 +42,7 @@ _KINDS = {
     },
 }
 ACTIVATION_SCALES = ("input_scale", "input_global_scale")  # activations stay unquantized here
+KV_SCALES = (".k_scale", ".v_scale")  # ModelOpt's FP8 KV cache scales: our KV stays unquantized
 KINDS = tuple(sorted({k for d in _KINDS.values() for k in d} | {"weight_zero_point"}))
 
 

@@ -28,7 +28,8 @@ global scale): our global as it is.
 
 Activations stay unquantized on our side: the activation scales these checkpoints carry
 (``input_global_scale``, ``input_scale``: NVFP4 W4A4's per-tensor input scales) are read past
-and ignored on purpose. What the config excludes (``ignore``: module names or ``re:`` patterns;
+and ignored on purpose, and so are a quantized KV cache's ``k_scale`` / ``v_scale`` (our KV pool
+is not quantized). What the config excludes (``ignore``: module names or ``re:`` patterns;
 ``exclude_modules``: globs) is stored as float and loads as any float tensor; a routed expert
 stored float inside a quantized checkpoint is an error (mixed banks are not supported). Packed
 dense weights (a shared expert, a dense MLP the config does not exclude) are widened to float
