@@ -463,3 +463,34 @@ def test_ftw_conversion_keeps_the_packed_experts(kimi_int4, glm_nvfp4, tmp_path)
         assert got.format == fmt
         for name, t in want.all_tensors().items():
             assert torch.equal(got.all_tensors()[name].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_exclusions_as_each_convention_writes_them():
+    """compressed-tensors: exact module names or ``re:`` patterns matched from the start;
+    ModelOpt: globs."""
+    from freetokend.models.release_quant import release_quant
+
+    ct = release_quant(CT_INT4, "config.json")
+    mo = release_quant(MODELOPT_NVFP4, "config.json")
+    assert ct is not None and mo is not None
+    assert ct.excluded("lm_head") and ct.excluded("model.layers.3.self_attn.q_a_proj")
+    assert ct.excluded("model.layers.0.mlp.down_proj")
+    assert not ct.excluded("model.layers.3.mlp.experts.7.down_proj")
+    assert mo.excluded("model.layers.3.self_attn.kv_b_proj") and mo.excluded(
+        "model.layers.9.mlp.gate"
+    )
+    assert not mo.excluded("model.layers.3.mlp.experts.7.up_proj")
+    assert release_quant({"quant_method": "fp8"}, "config.json") is None
+
+
+def test_a_float_routed_expert_in_a_packed_checkpoint_is_refused(glm_nvfp4, tmp_path):
+    ct = glm_nvfp4[0]
+    shutil.copytree(ct, tmp_path / "ck")
+    sd = load_file(tmp_path / "ck" / "model.safetensors")
+    base = "model.layers.1.mlp.experts.0.gate_proj."
+    for k in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+        del sd[base + k]
+    sd[base + "weight"] = torch.zeros(32, 64)
+    save_file(sd, tmp_path / "ck" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="a float routed expert, not in the config's excl"):
+        LLM(tmp_path / "ck", moe_backend="cpu", max_model_len=64, kv_tokens=128)
