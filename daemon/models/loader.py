@@ -202,8 +202,8 @@ def load_model(
             log.info("%s: %s", model_dir, line)
     if filler.release is not None:
         log.info(
-            "%s: routed experts read packed as %s (%s); %d activation scale tensors ignored "
-            "(activations are not quantized here)",
+            "%s: routed experts read packed as %s (%s); their %d activation scale tensors "
+            "ignored (activations are not quantized here)",
             model_dir,
             banks.format,
             filler.release.rq.method,

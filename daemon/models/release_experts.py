@@ -82,13 +82,9 @@ class ReleaseExperts:
             raise CheckpointError(f"{path}: unexpected tensor '{name}' (the experts are {what})")
         down = proj == "down_proj"
         rows, cols = (self.h, self.i) if down else (self.i, self.h)
-        half = (
-            slice(None)
-            if down
-            else slice(0, self.i)
-            if proj == "gate_proj"
-            else slice(self.i, None)
-        )
+        half = slice(0, self.i) if proj == "gate_proj" else slice(self.i, None)
+        if down:
+            half = slice(None)
         bank = "down" if down else "gate_up"
         if self.rq.expert_format == "nvfp4":
             self._nvfp4(part, src, rows, cols, fid, bank, half, proj, name, path)
