@@ -292,6 +292,7 @@ def test_nvfp4_both_conventions_load_packed_and_match_transformers(glm_nvfp4, mo
     for llm in engines.values():
         b = llm.banks
         assert llm.config.expert_format == b.format == "nvfp4"
+        assert type(llm.moe.executor).__name__ == "CpuExecutor"  # the native packed kernels
         # the file's bytes: layer 2 (MoE layer 1) expert 3's up rows and scales, down's global
         fid, base = 1 * e + 3, "model.layers.2.mlp.experts.3."
         assert torch.equal(b.gate_up[fid, i:], sd[base + "up_proj.weight_packed"])
@@ -342,6 +343,7 @@ def test_int4_loads_as_q4_0_blocks_and_matches(kimi_int4, monkeypatch):
     llm = _load(ct, monkeypatch)
     b = llm.banks
     assert llm.config.expert_format == b.format == "q4_0" and b.gate_up.dtype == torch.uint8
+    assert type(llm.moe.executor).__name__ == "BlockExecutor"  # the integer kernels
     i = 32
     base = "model.layers.1.mlp.experts.6."  # MoE layer 0
     for fid, part, rows in ((6, "up", slice(i, None)), (6, "down", slice(None))):
