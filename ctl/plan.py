@@ -8,8 +8,8 @@ daemon: the daemon's load, a prompt chunk and decode steps run in this process o
 device of ``--vram`` (the real CUDA code path, no data). Prints where every part lives, the
 expert slot count, the KV tokens, the predicted peak VRAM and host RAM, and the host syncs per
 decode step. ``--expert-format`` plans the routed experts in a format of experts/formats.py in
-place of what config.json's quantization_config says (a checkpoint the loader cannot read yet:
-ModelOpt NVFP4 as ``nvfp4``). Exit status: 0 it fits; 1 it does not (the reason on stderr); 2
+place of what config.json's quantization_config says (compressed-tensors and ModelOpt NVFP4 /
+INT4 releases are read from it: ``nvfp4`` / ``q4_0``). Exit status: 0 it fits; 1 it does not (the reason on stderr); 2
 bad input.
 """
 
@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="FORMAT",
         help="plan the routed experts in this format (bf16, fp8_block, mxfp4, nvfp4, a GGUF "
         "block type) whatever config.json's quantization_config says, which is then not read: "
-        "a checkpoint the loader cannot read yet (ModelOpt NVFP4: nvfp4)",
+        "(NVFP4 / INT4 releases are read from it as nvfp4 / q4_0)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)

@@ -64,3 +64,29 @@ def assert_greedy_agrees(
         )
         parted += 1
     return parted
+
+
+class HfScorer:
+    """A transformers model as the reference ``Scorer``: full forwards without a cache, on one
+    thread (the tiny oracles' ops are too small to split; on a shared machine more threads
+    make them tens of times slower)."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        self.hf = hf
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                return self.hf(torch.tensor([token_ids])).logits[0].float()  # type: ignore[no-any-return]
+        finally:
+            torch.set_num_threads(threads)
+
+
+def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding by full forwards of ``hf`` without a cache: the ``n`` new tokens."""
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(HfScorer(hf).logits(seq)[-1].argmax()))
+    return seq[len(ids) :]

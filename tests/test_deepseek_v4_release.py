@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_check import FP32_MARGIN, assert_greedy_agrees
+from greedy_check import FP32_MARGIN, HfScorer, assert_greedy_agrees, hf_greedy
 from runner_steps import logits_in_steps
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny
@@ -221,28 +221,6 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 97, (n,), generator=g).tolist()
 
 
-class _HfScorer:
-    def __init__(self, hf) -> None:
-        self.hf = hf
-
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the tiny oracle's ops are too small to split
-        try:
-            with torch.no_grad():
-                return self.hf(torch.tensor([token_ids])).logits[0].float()
-        finally:
-            torch.set_num_threads(threads)
-
-
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    """Greedy decoding by full forwards without a cache."""
-    seq = list(ids)
-    for _ in range(n):
-        seq.append(int(_HfScorer(hf).logits(seq)[-1].argmax()))
-    return seq[len(ids) :]
-
-
 # ---- (1) config.json -----------------------------------------------------------------------------
 
 
@@ -406,8 +384,8 @@ def test_fp8_dense_and_fp4_experts_match_transformers(quantized, monkeypatch, ca
 
     prompt = _prompt(12, 4)
     got = llm.generate(prompt, max_tokens=32, ignore_eos=True)
-    want = _hf_greedy(hf, prompt, 32)
-    assert_greedy_agrees([got], [want], [prompt], _HfScorer(hf), FP32_MARGIN, "v4 release")
+    want = hf_greedy(hf, prompt, 32)
+    assert_greedy_agrees([got], [want], [prompt], HfScorer(hf), FP32_MARGIN, "v4 release")
 
 
 def test_transformers_dequantizes_the_fixture_as_we_do(quantized, tiny, tmp_path):

@@ -203,7 +203,7 @@ def test_gpt_oss_120b_fits_a_24gib_card(tmp_path: Path, capsys, backend) -> None
 
 def test_expert_format_plans_the_experts_in_another_format(qwen_dir, tmp_path, capsys) -> None:
     """--expert-format: the routed experts in a format of experts/formats.py whatever
-    config.json's quantization_config says (a checkpoint the loader cannot read yet)."""
+    config.json's quantization_config says."""
     argv = ["--model", str(qwen_dir), "--vram", "8GiB", "--ram", "96GiB", "--backend", "cpu"]
     rc, plan, err = _plan(capsys, *argv, "--expert-format", "nvfp4")
     assert rc == 0 and plan["fits"], err
@@ -214,17 +214,24 @@ def test_expert_format_plans_the_experts_in_another_format(qwen_dir, tmp_path, c
         plan["parts_mib"]["expert_pool"] == 48 * 128 * (weights // 2 + weights // 16 + 12) / 2**20
     )
     assert "expert_pool_bf16" not in plan["parts_mib"]  # the cpu backend computes it packed
-    # a ModelOpt NVFP4 config.json is refused as it is, planned with the flag
+    # a ModelOpt NVFP4 config.json plans as nvfp4 by itself (models/release_quant.py), the same
+    # pool; the flag replaces what it says
     cfg = {
         **QWEN3_30B_A3B,
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     argv[1] = str(tmp_path)
+    rc, read, err = _plan(capsys, *argv)
+    assert rc == 0 and read["expert_format"] == "nvfp4", err
+    assert read["parts_mib"]["expert_pool"] == plan["parts_mib"]["expert_pool"]
+    rc, plan, err = _plan(capsys, *argv, "--expert-format", "q4_0")
+    assert rc == 0 and plan["expert_format"] == "q4_0", err
+    # the quantization_config of a checkpoint that is not read is refused by name
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["plan", *argv]) == 2
-    assert "'modelopt' is not supported" in capsys.readouterr().err
-    rc, plan, err = _plan(capsys, *argv, "--expert-format", "nvfp4")
-    assert rc == 0 and plan["expert_format"] == "nvfp4", err
+    assert "'awq' is not supported" in capsys.readouterr().err
     # an unknown format is bad input
     assert main(["plan", *argv, "--expert-format", "fp3"]) == 2
     assert "unknown expert format 'fp3'" in capsys.readouterr().err

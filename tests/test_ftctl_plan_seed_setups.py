@@ -47,9 +47,9 @@ context) and rope_theta (no effect on sizes). Totals: experts 724.8B + dense 18.
 and the MTP layer (not loaded, not planned) adds ~9.7B: 753B, the brief's figure. The NVFP4
 checkpoint's quantization_config is ModelOpt's (quant_method "modelopt", quant_algo "NVFP4",
 group size 16; routed experts only, the rest bf16, as modal-labs/glm-5.2-nvfp4-experts-only
-describes): the loader cannot read it yet, so the plan assumes the ``nvfp4`` expert format of
-experts/formats.py (e2m1 packed two per byte, an e4m3 scale per 16 inputs, fp32 global scales:
-gate, up and down) with ``--expert-format nvfp4``. The pool: 407.7 GB, with the bf16 dense part
+describes): the loader reads it as the ``nvfp4`` expert format of experts/formats.py (e2m1
+packed two per byte, an e4m3 scale per 16 inputs, fp32 global scales: gate, up and down), and so
+does the plan (the tests below also pass ``--expert-format nvfp4``, which gives the same). The pool: 407.7 GB, with the bf16 dense part
 445 GB (the brief's 433 GB checkpoint: within 3 %).
 """
 
@@ -365,10 +365,15 @@ def glm_dir(tmp_path: Path) -> Path:
     return _write(tmp_path, "GLM-5.2-NVFP4", GLM_5_2_NVFP4)
 
 
-def test_glm_5_2_nvfp4_needs_the_plan_to_assume_the_format(glm_dir, capsys) -> None:
-    """The loader does not read ModelOpt's NVFP4 yet: config.json alone is refused, by name."""
-    assert main(["plan", "--model", str(glm_dir), "--vram", "96GiB"]) == 2
-    assert "quant_method' = 'modelopt' is not supported" in capsys.readouterr().err
+def test_glm_5_2_nvfp4_format_comes_from_config_json(glm_dir, capsys) -> None:
+    """ModelOpt's NVFP4 quantization_config is read (models/release_quant.py): the plan holds the
+    experts as nvfp4 without ``--expert-format``, the same pool as with it."""
+    rc, plan, err = _plan(
+        capsys, "--model", str(glm_dir), "--vram", "96GiB", "--ram", "512GiB", "--backend", "cpu"
+    )
+    assert rc == 0 and plan["fits"], err
+    assert plan["expert_format"] == "nvfp4"
+    assert plan["parts_mib"]["expert_pool"] == GLM_POOL / MIB
 
 
 def test_glm_5_2_fits_96gib_and_512gib_on_the_cpu_backend(glm_dir, capsys) -> None:

@@ -23,8 +23,9 @@ the packed pool alone exceeds the RAM, the disk tier, which exists for GGUF bloc
 
 ``expert_format`` (``ftctl plan --expert-format``) plans the routed experts in that format of
 experts/formats.py whatever config.json's ``quantization_config`` says (which is then not
-read): a checkpoint whose quantization the loader cannot read yet (a ModelOpt NVFP4 one, as
-GLM-5.2-NVFP4) is planned as the daemon would hold it once it can. The dense weights are planned
+read): a checkpoint planned in another format than its own. config.json's own NVFP4 / INT4
+quantization (compressed-tensors, ModelOpt: models/release_quant.py) is read as the loader
+reads it, ``nvfp4`` / ``q4_0`` packed. The dense weights are planned
 in bf16 either way (as the device placement holds them).
 
 Host syncs per decode step (``host_syncs_per_decode_step``): every point where the host waits

@@ -115,7 +115,7 @@ class SafetensorsFile:
             and dest.dtype == info.dtype
             and dest.numel() == math.prod(info.shape)
         )
-        view = dest.view(torch.uint8).numpy().data if dest.numel() else memoryview(b"")
+        view = dest.reshape(-1).view(torch.uint8).numpy().data if dest.numel() else memoryview(b"")
         done = 0
         while done < info.nbytes:
             got = os.preadv(self.fd, [view[done:]], info.offset + done)

@@ -98,8 +98,9 @@ class ModelConfig:
     # loaded past and skipped (speculative decoding does not use them yet)
     num_mtp_layers: int = 0
     torch_dtype: str = "float32"
-    # routed experts as stored: "bf16" (float banks in torch_dtype) or "mxfp4" (GPT-OSS's
-    # quantized checkpoints: e2m1 blocks of 32 with e8m0 scales, kept packed in host RAM)
+    # routed experts as stored: "bf16" (float banks in torch_dtype), "mxfp4" (GPT-OSS's and
+    # DeepSeek-V4's quantized checkpoints: e2m1 blocks of 32 with e8m0 scales, kept packed in
+    # host RAM), "nvfp4" / "q4_0" (NVFP4 / INT4 releases, models/release_quant.py)
     expert_format: str = "bf16"
     # the weight-name prefix of the text model inside the checkpoint ("model" or
     # "model.language_model" for multimodal wrappers)

@@ -19,6 +19,7 @@ from .config import ConfigError, ModelConfig
 from .config_read import first, get, rope
 from .families.spec import HfRules
 from .registry import ARCHITECTURES, family_spec
+from .release_quant import quant_config, release_quant
 
 
 def _eos_ids(raw: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
@@ -179,10 +180,14 @@ def _expert_format(raw: dict[str, Any], text: dict[str, Any], source: str) -> st
     transformers' ``FineGrainedFP8Config``): block-scaled e4m3 dense weights, which the loader
     widens to the model's dtype; the routed experts are read only where ``expert_dtype`` says
     FP4 (e2m1 with an e8m0 scale per 32 inputs: our mxfp4, kept packed). It sits in
-    ``quantization_config`` (transformers folds it there) or at the top level (the release)."""
-    q = text.get("quantization_config") or raw.get("quantization_config")
+    ``quantization_config`` (transformers folds it there) or at the top level (the release).
+    ``compressed-tensors`` / ``modelopt``: NVFP4 (our nvfp4) or INT4 groups (our q4_0), kept
+    packed (release_quant)."""
+    q = quant_config(raw, text)
     if q is None:
         return "bf16"
+    if (rq := release_quant(q, source)) is not None:
+        return rq.expert_format
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method == "mxfp4":
         return "mxfp4"
@@ -202,7 +207,8 @@ def _expert_format(raw: dict[str, Any], text: dict[str, Any], source: str) -> st
         )
     raise ConfigError(
         f"{source}: field 'quantization_config.quant_method' = {method!r} is not supported "
-        "(supported: mxfp4, fp8 with expert_dtype fp4, or an unquantized checkpoint)"
+        "(supported: mxfp4, fp8 with expert_dtype fp4, compressed-tensors NVFP4 / INT4, "
+        "modelopt NVFP4, or an unquantized checkpoint)"
     )
 
 
@@ -247,13 +253,14 @@ def _validate(cfg: ModelConfig, source: str) -> None:
         raise ConfigError(f"{source}: field 'topk_group' must be in [1, n_group]")
     if cfg.torch_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{source}: field 'torch_dtype' = {cfg.torch_dtype!r} is not supported")
-    if cfg.expert_format == "mxfp4" and (
-        cfg.hidden_size % 32 or cfg.moe_intermediate_size % 32 or not cfg.num_experts
-    ):
+    block = {"mxfp4": 32, "q4_0": 32, "nvfp4": 16}.get(cfg.expert_format)
+    if block and (cfg.hidden_size % block or cfg.moe_intermediate_size % block):
         raise ConfigError(
-            f"{source}: mxfp4 experts need hidden_size and the expert intermediate size to be "
-            "multiples of 32"
+            f"{source}: {cfg.expert_format} experts need hidden_size and the expert "
+            f"intermediate size to be multiples of {block}"
         )
+    if cfg.expert_format != "bf16" and not cfg.num_experts:
+        raise ConfigError(f"{source}: quantized routed experts in a model without experts")
 
 
 def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], str]:
@@ -267,7 +274,26 @@ def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
+    hf_quant = Path(model_dir) / "hf_quant_config.json"
+    if quant_config(raw) is None and hf_quant.exists():
+        raw["quantization_config"] = _modelopt_file(hf_quant)
     return raw, str(path)
+
+
+def _modelopt_file(path: Path) -> dict[str, Any]:
+    """ModelOpt's ``hf_quant_config.json`` (older exports keep their quantization there, not in
+    config.json) as a ``quantization_config``: its ``quantization`` block under the producer's
+    name as ``quant_method``."""
+    try:
+        q = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    body = q.get("quantization") if isinstance(q, dict) else None
+    producer = q.get("producer") if isinstance(q, dict) else None
+    name = producer.get("name") if isinstance(producer, dict) else None
+    if not isinstance(body, dict) or not isinstance(name, str):
+        raise ConfigError(f"{path}: expected 'producer.name' and a 'quantization' object")
+    return {"quant_method": name.lower(), **body}
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:

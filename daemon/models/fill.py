@@ -20,12 +20,14 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..experts.formats import allocate, expert_rows
 from ..formats.errors import CheckpointError
+from . import release_experts
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .fp8_weights import Source
 from .hugepages import advise_new
 from .layers.common import dtype_of
 from .model import CausalLM, model_tables
+from .release_quant import quant_config, release_quant
 
 __all__ = ["Filler", "allocate_banks"]
 
@@ -42,7 +44,15 @@ _MXFP4_PARTS = (
 )
 _PER_EXPERT = re.compile(
     r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)"
-    r"\.(weight|bias|scale|weight_scale_inv)$"
+    r"\.(weight|bias|scale|weight_scale_inv|"
+    + "|".join((*release_experts.KINDS, *release_experts.ACTIVATION_SCALES))
+    + r")$"
+)
+# a part of a quantized dense weight of a compressed-tensors / ModelOpt release that the loader's
+# pairing (release_dense) did not take
+_RELEASE_DENSE = re.compile(
+    r"\.(weight_packed|weight_scale|weight_global_scale|weight_scale_2|weight_shape|weight_zero_point"
+    r"|input_scale|input_global_scale)$"
 )
 _PACKED = (torch.int8, torch.uint8)  # two e2m1 codes a byte (DeepSeek-V4's release: int8)
 _E8M0 = (torch.float8_e8m0fnu, torch.uint8)
@@ -74,6 +84,13 @@ class Filler:
         self.tables = model_tables(model)
         self.filled: set[str] = set()
         self.expert_filled: set[tuple[int, str, int]] = set()  # (layer, part, expert)
+        # routed experts quantized by the publisher (compressed-tensors / ModelOpt), kept packed
+        rq = release_quant(quant_config(cfg.raw), "config.json") if cfg.raw else None
+        self.release = (
+            release_experts.ReleaseExperts(rq, banks, cfg.hidden_size, cfg.moe_intermediate_size)
+            if rq is not None
+            else None
+        )
 
     def canonical(self, name: str) -> str | None:
         prefix = self.cfg.weight_prefix + "."
@@ -99,10 +116,17 @@ class Filler:
         n = self.cfg.num_layers
         return m is not None and n <= int(m.group(1)) < n + self.cfg.num_mtp_layers
 
+    def routed_expert(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is a per-expert routed expert tensor."""
+        canon = self.canonical(name)
+        return canon is not None and _PER_EXPERT.match(canon) is not None
+
     def ignored(self, name: str) -> bool:
         pats = self.spec.ignore + _ALWAYS_IGNORED
         if any(re.search(p, name) for p in pats):
             return True
+        if self.release is not None and name.endswith(release_experts.KV_SCALES):
+            return True  # a quantized KV cache's scales: our KV pool is not quantized
         # a tied checkpoint may still carry lm_head.weight
         return self.cfg.tie_word_embeddings and name == "lm_head.weight"
 
@@ -128,6 +152,12 @@ class Filler:
             self._table(canon, src, name, path)
         elif 0 in src.shape:
             return  # an empty module (GLM with n_shared_experts = 0 stores [0, H] shared experts)
+        elif self.release is not None and _RELEASE_DENSE.search(canon):
+            rq = self.release.rq
+            raise CheckpointError(
+                f"{path}: unexpected tensor '{name}' (a part of a quantized dense weight that "
+                f"the config's {rq.method} {rq.expert_format} scheme does not describe)"
+            )
         else:
             raise CheckpointError(
                 f"{path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)"
@@ -289,6 +319,11 @@ class Filler:
             self.cfg.moe_intermediate_size,
             self.cfg.hidden_size,
         )
+        if x < self.cfg.num_experts and self.release is not None and kind != "bias":
+            part = self.release.put(base + x, proj, kind, t, name, path)
+            if part is not None:
+                self.expert_filled.add((layer, f"{proj}.{part}", x))
+            return
         if x < self.cfg.num_experts and self.banks.format == "mxfp4" and kind != "bias":
             self._per_expert_mxfp4(base + x, layer, x, proj, kind != "weight", t, name, path)
             return
@@ -346,6 +381,12 @@ class Filler:
                     ("gate_up_proj", gu),
                     ("down_proj", (layer, "down_proj", x) in self.expert_filled),
                 ]
+                if self.release is not None:
+                    parts = [
+                        (f"{p}.{s}", (layer, f"{p}.{s}", x) in self.expert_filled)
+                        for p in ("gate_proj", "up_proj", "down_proj")
+                        for s in release_experts.PARTS[self.banks.format]
+                    ]
                 if self.banks.format == "mxfp4":
                     parts = [(p, (layer, p, x) in self.expert_filled) for p in _MXFP4_PARTS]
                     per_expert = [

@@ -108,6 +108,18 @@ class Widened:
         self.widened_bytes += dest.numel() * dest.element_size()
 
 
+def tensor_index(files: Iterable[Path]) -> dict[str, tuple[Path, TensorInfo]]:
+    """{tensor name: (its shard, its header entry)} over all shards (headers only)."""
+    where: dict[str, tuple[Path, TensorInfo]] = {}
+    for path in files:
+        try:
+            with SafetensorsFile(path) as f:
+                where.update((n, (path, i)) for n, i in f.tensors.items())
+        except (SafetensorsFormatError, OSError) as e:
+            raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from None
+    return where
+
+
 class Fp8Scales:
     """The block scales of a checkpoint's FP8 weights, keyed by the weight's name."""
 
@@ -123,15 +135,7 @@ class Fp8Scales:
         over all shards (``skip(name)``: tensors the loader does not load) and reads the
         scales."""
         out = cls(block)
-        where: dict[str, tuple[Path, TensorInfo]] = {}
-        for path in files:
-            try:
-                with SafetensorsFile(path) as f:
-                    where.update((n, (path, i)) for n, i in f.tensors.items())
-            except (SafetensorsFormatError, OSError) as e:
-                raise CheckpointError(
-                    f"{path}: corrupt or unreadable safetensors file ({e})"
-                ) from None
+        where = tensor_index(files)
         wanted: dict[Path, list[tuple[str, TensorInfo]]] = {}
         for name, (path, info) in where.items():
             if info.dtype != FP8 or not name.endswith(".weight") or (skip and skip(name)):

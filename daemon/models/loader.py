@@ -30,6 +30,7 @@ from .ftw_loader import load_ftw
 from .gguf_loader import GgufCheckpoint, load_gguf
 from .model import CausalLM, build_model
 from .registry import family_spec
+from .release_dense import DenseScales
 
 log = logging.getLogger(__name__)
 
@@ -171,24 +172,43 @@ def load_model(
     fp8 = Fp8Scales.find(
         files, fp8_block_size(cfg.raw), skip=lambda n: filler.ignored(n) or filler.mtp(n)
     )
+    # a release's packed NVFP4 / INT4 dense weights (not routed experts) and their scales
+    packed = DenseScales.find(
+        files,
+        filler.release.rq if filler.release is not None else None,
+        skip=lambda n: filler.ignored(n) or filler.mtp(n) or filler.routed_expert(n),
+    )
     mtp_skipped = 0
     for path in files:
         for name, src in _tensors(path):
-            if filler.ignored(name) or name in fp8.scale_names:
+            if filler.ignored(name) or name in fp8.scale_names or name in packed.sidecars:
                 continue
             if filler.mtp(name):
                 mtp_skipped += 1
                 continue
-            canon = filler.canonical(name)
+            in_packed = name in packed.by_weight
+            canon = filler.canonical(packed.weight_name(name) if in_packed else name)
             if canon is None:
                 raise CheckpointError(f"{path}: unexpected tensor '{name}'")
             if name in fp8.by_weight:
                 filler.put(name, canon, fp8.wrap(name, src, path), path)
+            elif in_packed:
+                filler.put(name, canon, packed.wrap(name, src, path), path)
             else:
                 filler.put(name, canon, src, path)
     filler.verify()
-    if (line := fp8.summary()) is not None:
-        log.info("%s: %s", model_dir, line)
+    for line in (fp8.summary(), packed.summary()):
+        if line is not None:
+            log.info("%s: %s", model_dir, line)
+    if filler.release is not None:
+        log.info(
+            "%s: routed experts read packed as %s (%s); their %d activation scale tensors "
+            "ignored (activations are not quantized here)",
+            model_dir,
+            banks.format,
+            filler.release.rq.method,
+            filler.release.ignored,
+        )
     if mtp_skipped:
         log.info(
             "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not used yet)",

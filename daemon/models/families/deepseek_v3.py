@@ -1,6 +1,8 @@
 """DeepSeek-V3: multi-head latent attention (compressed KV), interleaved rope, sigmoid router
 with a score-correction bias and group-limited top-k, unscaled shared experts, the first k
-layers dense. The multi-token-prediction layers of the checkpoint are not loaded.
+layers dense. The multi-token-prediction layers of the checkpoint are not loaded. Routed
+experts released quantized load packed (models/release_quant.py): Kimi-K2-Thinking / K2.5's
+INT4 groups (compressed-tensors ``pack-quantized``) as ``q4_0``, NVFP4 ones as ``nvfp4``.
 
 In GGUF it is llama.cpp's ``deepseek2``, whose converter splits ``kv_b_proj`` into
 ``attn_k_b`` (per head [kv_lora, nope], transposed) and ``attn_v_b`` (per head [v, kv_lora]).

@@ -4,6 +4,7 @@ layer's MLA attends, per query, only over the keys its Lightning Indexer selects
 ``index_n_heads`` query heads and one LayerNorm'd key per token (``models/layers/dsa.py``). The
 indexer's rope rotates half-split pairs, unlike the MLA's interleaved one. The MoE, router and
 MLA are DeepSeek-V3's. The multi-token-prediction layer of the checkpoint is not loaded.
+NVFP4 / INT4 routed experts as released load packed (models/release_quant.py).
 
 The DSA rules here (``dsa_normalize``, ``dsa_fields``, ``dsa_moe_layers``) are shared with GLM-5
 (``glm_moe_dsa``), which adds layers that reuse the previous indexer's selection.

@@ -13,6 +13,9 @@ GLM-5's vocabulary as GLM-4.5's (``_set_vocab_glm``: ``[gMASK]``, ``<|user|>`` e
 ``<|observation|>``), the chat markup these anchors and GLM-4.7's syntax belong to. So GLM-4.7's
 syntax is followed; a template that reveals another syntax overrides it (``detect_syntax``).
 
+GLM-5.2 as released: its NVFP4 routed experts (ModelOpt's ``NVFP4`` or compressed-tensors'
+``nvfp4-pack-quantized``) load packed as ``nvfp4`` (models/release_quant.py), the rest as stored.
+
 No GGUF rules: reading llama.cpp's files of this family is not built."""
 
 from __future__ import annotations
