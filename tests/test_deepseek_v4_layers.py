@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from call_counts import count_calls
 from safetensors.torch import load_file
 from tiny_models import hf_config, perturb
 
@@ -405,15 +406,7 @@ def test_native_decode_equals_the_torch_path(pair, monkeypatch):
     (``torch_only``: what other devices run) gives the same logits within fp32 rounding and
     the same 32 greedy tokens."""
     _, ours = pair
-    calls = {"index_topk": 0, "sparse_attention": 0}
-    for name in calls:
-        fn = getattr(sparse_native, name)
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(sparse_native, name, counted)
+    calls = count_calls(monkeypatch, sparse_native, "index_topk", "sparse_attention")
     ids = _ids(40, seed=4)
     split = [12] + [1] * 28
     native, tokens = _ours_logits(ours, ids, split), _our_greedy(ours, ids, 32)

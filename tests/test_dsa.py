@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from call_counts import count_calls
 from runner_steps import logits_in_steps
 from tiny_models import make_tiny
 
@@ -157,15 +158,7 @@ def test_native_decode_equals_the_torch_path(tiny, monkeypatch):
     logits within fp32 rounding and the same 32 greedy tokens, past the top-k and on the
     shared-indexer layers."""
     family, _, _, llm = tiny
-    calls = {"index_topk": 0, "sparse_attention": 0}
-    for name in calls:
-        fn = getattr(sparse_native, name)
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(sparse_native, name, counted)
+    calls = count_calls(monkeypatch, sparse_native, "index_topk", "sparse_attention")
     prompt = _ids(12, seed=21)
     tokens, logits = _greedy(llm, prompt, 32)
     assert calls["index_topk"] > 0 and calls["sparse_attention"] > 0, family

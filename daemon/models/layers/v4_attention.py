@@ -183,7 +183,7 @@ class V4Attention(nn.Module):
 
         keys = torch.cat((state.window, k))  # positions start - w .. start + n - 1
         if n == 1 and sparse_native.usable(x, keys):
-            return self._decode_native(x, q_res, q, keys, start, state, rope, cos, sin)
+            return self._decode_native(x, (q_res, q, keys), start, state, rope, (cos, sin))
         kpos = start - state.window.shape[0] + torch.arange(keys.shape[0], device=dev)
         near = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (
             kpos.unsqueeze(0) > qpos.unsqueeze(1) - self.window
@@ -220,18 +220,17 @@ class V4Attention(nn.Module):
     def _decode_native(
         self,
         x: torch.Tensor,
-        q_res: torch.Tensor,
-        q: torch.Tensor,
-        keys: torch.Tensor,
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         start: int,
         state: V4AttentionState,
         rope: Rope,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, V4AttentionState]:
-        """`forward` of one token (x [1, hidden]) with the native kernels: the window's keys
-        (all visible) and the entries it sees, chosen by the indexer (CSA), in one call."""
+        """`forward` of one token (x [1, hidden]; its compressed query, query and the window's
+        keys with its own ``projected``) with the native kernels: the window's keys (all
+        visible) and the entries it sees, chosen by the indexer (CSA), in one call."""
         sn = sparse_native
+        (q_res, q, keys), (cos, sin) = projected, cos_sin
         new = V4AttentionState(keys[max(0, keys.shape[0] - (self.window - 1)) :].clone())
         segs = [sn.Segment(sn.Rows(keys.contiguous()), None, 0, keys.shape[0])]
         if self.compressor is not None:
