@@ -17,9 +17,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from freetokend.experts.cpu_executor import supported_isas
 from freetokend.models.layers.compressed import select_topk
 from freetokend.native import dense_native, sparse_native
 from freetokend.native.sparse_native import Rows, Segment
+from freetokend.runtime import cpu_isa
 
 pytestmark = pytest.mark.skipif(
     not dense_native.available(), reason="ftdense extension not built (pip install -e .)"
@@ -162,3 +164,16 @@ def test_one_row_and_bad_input(isa):
         sparse_native.index_topk(
             q, torch.ones(2), Rows(pages, 0, torch.tensor([1], dtype=torch.int32)), 3, 2, 1.0
         )
+
+
+@pytest.mark.parametrize("value", ["scalar", "avx2", "avx512"])
+def test_the_forced_path_selects_the_sparse_kernels(value, monkeypatch):
+    """FREETOKEN_CPU_ISA (runtime/cpu_isa.py) reaches these kernels through the pool's
+    configuration, as it does decode attention's: "avx512" where the CPU lacks it is emulated
+    (emu512), which runs the scalar ones."""
+    if value not in supported_isas() and value not in ("scalar", "avx512"):
+        pytest.skip(f"this CPU has no {value}")
+    monkeypatch.setenv(cpu_isa.ENV, value)
+    dense_native.configure(1)
+    want = cpu_isa.forced(supported_isas(), {cpu_isa.ENV: value})
+    assert sparse_native.isa() == ISAS[str(want)]

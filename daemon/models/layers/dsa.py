@@ -28,7 +28,10 @@ absorbed form, without expanding them: the query's non-rotated part is folded in
 space per head, q_lat[h] = q_nope[h] W_uk[h] (W_uk[h] the head's key rows of kv_b_proj), the
 kernel attends with [q_lat | q_rope] over the rows' [latent | rotated key] and returns the
 softmax-weighted latent per head, and out[h] = W_uv[h] latent_out[h]. The same sums in another
-order: equal to the torch path within fp32 rounding (tests/test_dsa.py).
+order: equal to the torch path within fp32 rounding (tests/test_dsa.py). The per-head products
+run in fp32 on kv_b_proj's weight (views of an fp32 weight; a bf16 or quantized one is widened
+once per layer: GLM-5, 58 MB a layer beside its 29 MB of bf16), where expanding the 2048 chosen
+latents would take 2048 x 512 x 28672 multiply-adds a token and layer.
 """
 
 from __future__ import annotations
