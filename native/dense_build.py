@@ -33,6 +33,8 @@ def dense_extension() -> Extension:
         for n in (
             "bindings.cpp",
             "bindings_decode.cpp",
+            "bindings_sparse.cpp",
+            "sparse_attention.cpp",
             "pool.cpp",
             "dense_linear.cpp",
             "dense_linear_bf16.cpp",

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from call_counts import count_calls
 from safetensors.torch import load_file
 from tiny_models import hf_config, perturb
 
@@ -46,6 +47,7 @@ from freetokend.models.deepseek_v4_model import (
 )
 from freetokend.models.layers.compressed import select_topk, visible_entries
 from freetokend.models.layers.rope import inv_frequencies
+from freetokend.native import dense_native, sparse_native
 
 ATOL_HF = 1e-4
 ATOL_SELF = 2e-5
@@ -395,6 +397,26 @@ def test_greedy_tokens_identical(pair):
     ref = _hf_greedy(hf, ids, 32)
     assert len(set(ref)) > 3  # not a degenerate repeat
     assert _our_greedy(ours, ids, 32) == ref
+
+
+@pytest.mark.skipif(not dense_native.available(), reason="ftdense extension not built")
+def test_native_decode_equals_the_torch_path(pair, monkeypatch):
+    """Decode tokens on the CPU take the native indexer and sparse attention (`sparse_native`,
+    every layer type: the window alone, HCA's entries, CSA's chosen ones); the torch path
+    (``torch_only``: what other devices run) gives the same logits within fp32 rounding and
+    the same 32 greedy tokens."""
+    _, ours = pair
+    calls = count_calls(monkeypatch, sparse_native, "index_topk", "sparse_attention")
+    ids = _ids(40, seed=4)
+    split = [12] + [1] * 28
+    native, tokens = _ours_logits(ours, ids, split), _our_greedy(ours, ids, 32)
+    assert calls["index_topk"] > 0 and calls["sparse_attention"] > 0
+    with dense_native.torch_only():
+        before = dict(calls)
+        want, want_tokens = _ours_logits(ours, ids, split), _our_greedy(ours, ids, 32)
+        assert calls == before  # the torch path took none
+    assert (native - want).abs().max().item() < ATOL_SELF
+    assert tokens == want_tokens
 
 
 def test_compress_rope_at_release_geometry():

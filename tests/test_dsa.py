@@ -32,15 +32,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from call_counts import count_calls
 from runner_steps import logits_in_steps
 from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.engine.graphs import static_decode_blocker
+from freetokend.engine.runner import Work
 from freetokend.models.config import ConfigError
 from freetokend.models.config_hf import from_dict
 from freetokend.models.layers import cpu_decode, dsa
 from freetokend.models.layers.compressed import select_topk
+from freetokend.native import dense_native, sparse_native
 
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "deepseek_v32:flat", "glm_moe_dsa:shared2")
 ATOL_HF = 2e-4
@@ -97,7 +100,17 @@ def _boundary_gaps(monkeypatch, llm: LLM, run) -> list[float]:
                 gaps.append((vals[k - 1] - vals[k]).item())
         return select_topk(scores, k)
 
+    def recording_native(*args, **kwargs):
+        sel, scores = native_topk(*args, **kwargs)
+        k = args[4]
+        vals = scores.sort(descending=True).values
+        if vals.numel() > k:
+            gaps.append((vals[k - 1] - vals[k]).item())
+        return sel, scores
+
+    native_topk = sparse_native.index_topk
     monkeypatch.setattr(dsa, "select_topk", recording)
+    monkeypatch.setattr(sparse_native, "index_topk", recording_native)
     run()
     return gaps
 
@@ -120,6 +133,41 @@ def test_tiny_configs_are_tie_free(tiny, monkeypatch):
     gaps = _boundary_gaps(monkeypatch, llm, run)
     assert len(gaps) > 100, family
     assert min(gaps) > 1e-5, family
+
+
+def _greedy(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens after ``prompt`` (prefilled in one step, then one token a step, driven
+    on this thread) and the logits of each step."""
+    runner, st, ids, rows = llm.runner, llm.runner.new_state(), list(prompt), []
+    try:
+        runner.reserve(st, len(prompt) + n)
+        work = prompt
+        for _ in range(n):
+            rows.append(runner.forward([Work(st, work)])[-1])
+            work = [int(rows[-1].argmax())]
+            ids += work
+        return ids[len(prompt) :], torch.stack(rows)
+    finally:
+        runner.release(st)
+
+
+@pytest.mark.skipif(not dense_native.available(), reason="ftdense extension not built")
+def test_native_decode_equals_the_torch_path(tiny, monkeypatch):
+    """Decode rows on the CPU take the native indexer and the absorbed sparse attention
+    (`sparse_native`); the torch path (``torch_only``: what other devices run) gives the same
+    logits within fp32 rounding and the same 32 greedy tokens, past the top-k and on the
+    shared-indexer layers."""
+    family, _, _, llm = tiny
+    calls = count_calls(monkeypatch, sparse_native, "index_topk", "sparse_attention")
+    prompt = _ids(12, seed=21)
+    tokens, logits = _greedy(llm, prompt, 32)
+    assert calls["index_topk"] > 0 and calls["sparse_attention"] > 0, family
+    with dense_native.torch_only():
+        calls_before = dict(calls)
+        want_tokens, want = _greedy(llm, prompt, 32)
+        assert calls == calls_before  # the torch path took none
+    assert tokens == want_tokens, family
+    assert (logits - want).abs().max().item() < ATOL_SELF, family
 
 
 def test_selection_matters(tiny, tmp_path):

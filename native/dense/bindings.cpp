@@ -377,6 +377,7 @@ PYBIND11_MODULE(ftdense, m) {
       "the interleaved layout at dst "
       "(qdot.h), or back with undo.");
   ftdense_py::bind_decode_layers(m);
+  ftdense_py::bind_sparse(m);
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "
                                 "the bank addresses.")

@@ -34,4 +34,7 @@ ftdense::QType qtype_code(int code);
 // decode_layers' classes and functions (bindings_decode.cpp).
 void bind_decode_layers(pybind11::module_& m);
 
+// index_topk and sparse_attention (bindings_sparse.cpp).
+void bind_sparse(pybind11::module_& m);
+
 }  // namespace ftdense_py

@@ -21,7 +21,17 @@ GLM-5's "shared" layers have no indexer (and no index key in their pool rows): t
 selection of the last layer before them that has one, kept for the step in ``batch.derived``.
 
 Prefill chunks attend over their whole context with the selection as a mask; a decode row (a
-chunk of one query) gathers and expands only its selected latents.
+chunk of one query) gathers and expands only its selected latents. On the CPU with the native
+extension (`sparse_native`) a decode row instead scores the index keys in place in the pool
+(`sparse_native.index_topk`, the same tie-break) and attends over the selected pool rows in
+absorbed form, without expanding them: the query's non-rotated part is folded into the latent
+space per head, q_lat[h] = q_nope[h] W_uk[h] (W_uk[h] the head's key rows of kv_b_proj), the
+kernel attends with [q_lat | q_rope] over the rows' [latent | rotated key] and returns the
+softmax-weighted latent per head, and out[h] = W_uv[h] latent_out[h]. The same sums in another
+order: equal to the torch path within fp32 rounding (tests/test_dsa.py). The per-head products
+run in fp32 on kv_b_proj's weight (views of an fp32 weight; a bf16 or quantized one is widened
+once per layer: GLM-5, 58 MB a layer beside its 29 MB of bf16), where expanding the 2048 chosen
+latents would take 2048 x 512 x 28672 multiply-adds a token and layer.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...native import sparse_native
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from .common import Linear, param
@@ -137,6 +148,9 @@ class SparseMLAttention(MLAttention):
         self.topk = cfg.index_topk
         shared = bool(cfg.index_shared and cfg.index_shared[layer])
         self.indexer = None if shared else LightningIndexer(cfg, dtype)
+        # kv_b_proj's per-head key and value blocks in fp32 for the absorbed native decode
+        # (`_absorbed`), made at the first such decode
+        self._uk_uv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
@@ -154,13 +168,25 @@ class SparseMLAttention(MLAttention):
             sels = batch.derived[SELECTION]
         base = self.kvr + self.dr
         out = torch.empty(n, self.heads, self.dv, device=x.device)
+        pool = batch.kv.k[self.kv_layer]
+        native = sparse_native.usable(x, pool)
         for i, ch in enumerate(batch.chunks):
             rows = slice(ch.start, ch.start + ch.length)
             end = ch.context_len + ch.length
             batch.kv.write(self.kv_layer, ch.state.pages, ch.context_len, packed[rows], None)
             table = ch.state.pages if ch.table is None else ch.table
-            kc = batch.kv.read(self.kv_layer, table, end)[0][:, 0].float()
             sel: torch.Tensor | None = None
+            if native and ch.length == 1:
+                t32 = _table32(batch, i, table)
+                if ix is not None:
+                    if end > self.topk:
+                        sel = self._select_native(iq[ch.start], iw[ch.start], pool, t32, end)
+                    sels.append(sel)
+                else:
+                    sel = sels[i]
+                out[ch.start] = self._attend_native(q[ch.start], pool, t32, sel, end)
+                continue
+            kc = batch.kv.read(self.kv_layer, table, end)[0][:, 0].float()
             if ix is not None:
                 if end > self.topk:  # else every query sees at most topk keys: all of them
                     sel = ix.select(iq[rows], iw[rows], kc[:, base:], ch.context_len)
@@ -171,6 +197,47 @@ class SparseMLAttention(MLAttention):
         if ix is not None:
             batch.derived[SELECTION] = sels
         return self.o_proj(out.reshape(n, -1))
+
+    def _select_native(
+        self, q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, end: int
+    ) -> torch.Tensor:
+        """One decode query's selection [1, topk] over the index keys of positions [0, end),
+        read in place from the pool rows (`LightningIndexer.select`'s, natively)."""
+        ix = self.indexer
+        assert ix is not None
+        keys = sparse_native.Rows(pool, self.kvr + self.dr, table)
+        sel, _ = sparse_native.index_topk(q, w * ix.heads**-0.5, keys, end, self.topk, ix.dim**-0.5)
+        return sel.unsqueeze(0)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key blocks [heads, dn, kvr] and value blocks [heads, dv, kvr], fp32 (views
+        of an fp32 weight; a copy of any other, made once)."""
+        if self._uk_uv is None:
+            lin = self.kv_b_proj
+            w = lin.weight if lin.qweight is None else lin.qweight.dequantize()
+            w = w.detach().float().view(self.heads, self.dn + self.dv, self.kvr)
+            self._uk_uv = (w[:, : self.dn], w[:, self.dn :])
+        return self._uk_uv
+
+    def _attend_native(
+        self,
+        q: torch.Tensor,
+        pool: torch.Tensor,
+        table: torch.Tensor,
+        sel: torch.Tensor | None,
+        end: int,
+    ) -> torch.Tensor:
+        """One decode query q [heads, dn + dr] over the pool rows of ``sel`` [1, k] (None: every
+        position < end), absorbed (module docstring) -> [heads, dv]."""
+        uk, uv = self._absorbed()
+        q_lat = torch.bmm(q[:, None, : self.dn], uk).squeeze(1)  # [heads, kvr]
+        qa = torch.cat([q_lat, q[:, self.dn :]], dim=-1)
+        rows = sparse_native.Rows(pool, 0, table)
+        seg = sparse_native.Segment(rows, None, 0, end) if sel is None else (
+            sparse_native.Segment(rows, sel[0])
+        )  # fmt: skip
+        lat = sparse_native.sparse_attention(qa, [seg], self.kvr, self.scale)  # [heads, kvr]
+        return torch.bmm(uv, lat.unsqueeze(-1)).squeeze(-1)
 
     def _attend(
         self, q: torch.Tensor, kc: torch.Tensor, sel: torch.Tensor | None, q_start: int
@@ -190,3 +257,12 @@ class SparseMLAttention(MLAttention):
         chosen.scatter_(1, sel.clamp(min=0), True)
         k, v = self.expand(kc)
         return masked_attention(q, k, v, chosen & causal_mask(n, c, q_start, q.device), self.scale)
+
+
+def _table32(batch: ForwardBatch, i: int, table: list[int] | torch.Tensor) -> torch.Tensor:
+    """Chunk i's page table as the native kernels take it (int32), made once per step."""
+    tables = batch.derived.setdefault("dsa_tables32", {})
+    t = tables.get(i)
+    if t is None:
+        t = tables[i] = torch.as_tensor(table).to(torch.int32).contiguous()
+    return t  # type: ignore[no-any-return]

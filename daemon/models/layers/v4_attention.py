@@ -21,6 +21,11 @@ each projected to ``o_lora_rank`` by its own matrix (``o_a_proj``), then mixed b
 Sliding layers use the "main" rope; CSA / HCA layers use the compress rope (its own theta, and
 YaRN) for queries, keys, entries and indexer alike: the model passes the layer's rope.
 
+A decode step (one token) on the CPU with the native extension runs the indexer's scoring and
+top-k and the attention over the window's keys plus the chosen (CSA) or all (HCA) entries in
+native code (`sparse_native`), reading the state's tensors in place; the torch path (every
+entry scored then masked) stays the reference and serves prefill and other devices.
+
 `V4AttentionState` is one sequence's state in one layer: the last window - 1 keys and the
 compressor / indexer states (`compressed.CompressorState`).
 """
@@ -33,6 +38,7 @@ from fractions import Fraction
 import torch
 from torch import nn
 
+from ...native import sparse_native
 from .common import Linear, RMSNorm, param, project
 from .compressed import Compressor, CompressorState, Indexer, rotate_tail, visible_entries
 from .hyper import unweighted_rms_norm
@@ -176,6 +182,8 @@ class V4Attention(nn.Module):
         k = rotate_tail(self.kv_norm(kv).unsqueeze(1), cos, sin).squeeze(1)
 
         keys = torch.cat((state.window, k))  # positions start - w .. start + n - 1
+        if n == 1 and sparse_native.usable(x, keys):
+            return self._decode_native(x, (q_res, q, keys), start, state, rope, (cos, sin))
         kpos = start - state.window.shape[0] + torch.arange(keys.shape[0], device=dev)
         near = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (
             kpos.unsqueeze(0) > qpos.unsqueeze(1) - self.window
@@ -201,6 +209,49 @@ class V4Attention(nn.Module):
         sink = self.sinks.float().view(-1, 1, 1).expand(-1, n, 1)
         probs = torch.softmax(torch.cat([lg * self.scale for lg in logits] + [sink], -1), -1)
         out = torch.matmul(probs[..., :-1], torch.cat(values))  # [heads, N, D]
-        out = rotate_tail(out.transpose(0, 1), cos, -sin)  # undo the values' rope
-        out = self.o_a_proj(out.reshape(n, self.groups, -1))
-        return self.o_b_proj(out), new
+        return self._output(out.transpose(0, 1), cos, sin), new
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [N, heads, D] -> [N, hidden]: the values' rope undone, then the
+        grouped low-rank projection."""
+        out = rotate_tail(out, cos, -sin)
+        return self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.groups, -1)))
+
+    def _decode_native(
+        self,
+        x: torch.Tensor,
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        start: int,
+        state: V4AttentionState,
+        rope: Rope,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, V4AttentionState]:
+        """`forward` of one token (x [1, hidden]; its compressed query, query and the window's
+        keys with its own ``projected``) with the native kernels: the window's keys (all
+        visible) and the entries it sees, chosen by the indexer (CSA), in one call."""
+        sn = sparse_native
+        (q_res, q, keys), (cos, sin) = projected, cos_sin
+        new = V4AttentionState(keys[max(0, keys.shape[0] - (self.window - 1)) :].clone())
+        segs = [sn.Segment(sn.Rows(keys.contiguous()), None, 0, keys.shape[0])]
+        if self.compressor is not None:
+            assert state.compressor is not None
+            new.compressor = self.compressor(x, state.compressor, rope)
+            entries = new.compressor.entries.contiguous()
+            seen = (start + 1) // self.rate
+            assert entries.shape[0] >= seen
+            rows = sn.Rows(entries)
+            ix = self.indexer
+            if ix is not None:
+                assert state.indexer is not None
+                new.indexer = ix.compressor(x, state.indexer, rope)
+                if seen > ix.topk:
+                    iq = rotate_tail(ix.q_b_proj(q_res).view(1, ix.heads, ix.dim), cos, sin)[0]
+                    iw = ix.weights_proj(x)[0] * ix.heads**-0.5
+                    ik = sn.Rows(new.indexer.entries.contiguous())
+                    sel, _ = sn.index_topk(iq, iw, ik, seen, ix.topk, ix.dim**-0.5)
+                    segs.append(sn.Segment(rows, sel))
+                    seen = 0
+            if seen:
+                segs.append(sn.Segment(rows, None, 0, seen))
+        out = sn.sparse_attention(q[0], segs, self.head_dim, self.scale, self.sinks)
+        return self._output(out.unsqueeze(0), cos, sin), new
