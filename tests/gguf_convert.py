@@ -1,5 +1,6 @@
 """llama.cpp's converter for the hybrid (Qwen3-Next ``qwen3next``, Qwen3.5-MoE ``qwen35moe``), MLA
-(DeepSeek-V3 and GLM-4.7-Flash, both ``deepseek2``) and sigmoid-router (GLM-4.5 ``glm4moe``,
+(DeepSeek-V3 and GLM-4.7-Flash, both ``deepseek2``; with the Lightning Indexer DeepSeek-V3.2
+``deepseek32`` and GLM-5 ``glm-dsa``) and sigmoid-router (GLM-4.5 ``glm4moe``,
 MiniMax-M2 ``minimax-m2``) families, reproduced for test files from the facts of
 convert_hf_to_gguf.py (our code): the tensor transforms it applies before naming, and the
 metadata keys it writes. Tensors come out under HF names (the ``gguf`` name map names them) or,
@@ -13,7 +14,8 @@ import gguf
 import torch
 
 HYBRIDS = ("qwen3_next", "qwen3_5_moe")
-MLA = ("deepseek_v3", "glm4_moe_lite")  # llama.cpp writes both as deepseek2
+DSA = ("deepseek_v32", "glm_moe_dsa")  # deepseek32 / glm-dsa: deepseek2's tensors + the indexer
+MLA = ("deepseek_v3", "glm4_moe_lite", *DSA)  # llama.cpp writes the first two as deepseek2
 SIGMOID = ("glm4_moe", "minimax_m2")  # llama.cpp's glm4moe / minimax-m2: named as they are
 
 
@@ -225,9 +227,11 @@ def hybrid_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
         w.add_rope_dimension_sections((sections + [0] * 4)[:4])
 
 
-def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
+def deepseek_metadata(w: gguf.GGUFWriter, c: Any, gating: bool = True) -> None:
     """After the generic keys (``gguf_files._metadata``, which writes the HF KV head count):
-    MLA as MQA with one KV head and kv_lora + rope sized keys."""
+    MLA as MQA with one KV head and kv_lora + rope sized keys. ``gating``: the router's
+    ``expert_gating_func`` (the converter writes it from a config.json ``scoring_func``, which
+    DeepSeek-V3's has and transformers' DSA configs do not)."""
     w.add_head_count_kv(1)
     dense = getattr(c, "first_k_dense_replace", None)
     if dense is None:  # GLM-4.7-Flash: its config.json's first_k_dense_replace
@@ -248,7 +252,8 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_expert_weights_scale(c.routed_scaling_factor)
     if c.norm_topk_prob:
         w.add_expert_weights_norm(True)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if gating:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_group_count(c.n_group)
     w.add_expert_group_used_count(c.topk_group)
     w.add_rope_dimension_count(c.qk_rope_head_dim)
@@ -260,6 +265,22 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def dsa_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
+    """DeepSeek-V3.2 / GLM-5 after ``deepseek_metadata``: the nextn layers where the config
+    counts them, the indexer's geometry; GLM-5's rope dimension count scaled by its partial
+    rotary factor (written over deepseek2's) and its indexer layers (True: full)."""
+    if (mtp := getattr(c, "num_nextn_predict_layers", None)) is not None:
+        w.add_nextn_predict_layers(mtp)
+    w.add_uint32(f"{w.arch}.attention.indexer.head_count", c.index_n_heads)
+    w.add_uint32(f"{w.arch}.attention.indexer.key_length", c.index_head_dim)
+    w.add_uint32(f"{w.arch}.attention.indexer.top_k", c.index_topk)
+    if family == "glm_moe_dsa":
+        partial = c.rope_parameters.get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(c.qk_rope_head_dim * partial))
+        if (kinds := getattr(c, "indexer_types", None)) is not None:
+            w.add_array(f"{w.arch}.attention.indexer.types", [k == "full" for k in kinds])
 
 
 def hf_value(family: str, c: Any, key: str, tensors: dict[str, torch.Tensor], name: Any) -> Any:

@@ -13,11 +13,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_convert import (
+    DSA,
     HYBRIDS,
     MLA,
     SIGMOID,
     deepseek_metadata,
     deepseek_tensor,
+    dsa_metadata,
     gemma4_metadata,
     gemma4_rope_freqs,
     gemma4_tensor,
@@ -42,6 +44,8 @@ ARCH = {
     "glm4_moe_lite": "deepseek2",  # GLM-4.7-Flash: llama.cpp writes it as DeepSeek
     "minimax_m2": "minimax-m2",
     "gemma4": "gemma4",
+    "deepseek_v32": "deepseek32",
+    "glm_moe_dsa": "glm-dsa",
 }
 _MODEL_ARCH = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
@@ -54,6 +58,10 @@ _MODEL_ARCH = {
     "glm4moe": gguf.MODEL_ARCH.GLM4_MOE,
     "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2,
     "gemma4": gguf.MODEL_ARCH.GEMMA4,
+    # the installed gguf package predates deepseek32; its tensors are glm-dsa's (llama.cpp's
+    # constants.py lists the same ones for both), so glm-dsa's name map names them
+    "deepseek32": gguf.MODEL_ARCH.GLM_DSA,
+    "glm-dsa": gguf.MODEL_ARCH.GLM_DSA,
 }
 
 
@@ -72,7 +80,7 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
     arch = ARCH[family]
     names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], c.num_hidden_layers)
     out: dict[str, torch.Tensor] = {}
-    mtp = family == "glm4_moe" and getattr(c, "num_nextn_predict_layers", 0)
+    mtp = family in ("glm4_moe", *DSA) and getattr(c, "num_nextn_predict_layers", 0)
     for key, t in hf.state_dict().items():
         t = t.detach().float()
         if "rotary_emb" in key:
@@ -131,7 +139,7 @@ def _gguf_name(names: gguf.TensorNameMap, key: str) -> str:
 
 
 def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
-    mtp = getattr(c, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
+    mtp = getattr(c, "num_nextn_predict_layers", 0) if family in ("glm4_moe", *DSA) else 0
     w.add_block_count(c.num_hidden_layers + mtp)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -140,7 +148,7 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
         gemma4_metadata(w, c)
         return
     if family in MLA:
-        deepseek_metadata(w, c)
+        deepseek_metadata(w, c, gating=family not in DSA)
     else:
         w.add_head_count_kv(c.num_key_value_heads)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -151,6 +159,8 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
     if family in HYBRIDS:
         hybrid_metadata(w, family, c)
+    if family in DSA:
+        dsa_metadata(w, family, c)
     if family == "glm4_moe":
         glm4moe_metadata(w, c)
     elif family == "minimax_m2":
