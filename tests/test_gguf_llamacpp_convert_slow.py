@@ -56,6 +56,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llama_cpp_logits import compare, llama_logits
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -158,19 +159,8 @@ def _quantize(src: Path, out: Path, keep_mxfp4_experts: bool = False) -> Path:
     return out
 
 
-def _llama_logits(path: Path) -> torch.Tensor:
-    m = llama_cpp.Llama(
-        str(path),
-        n_ctx=128,
-        n_batch=128,
-        n_threads=2,
-        logits_all=True,
-        verbose=False,
-        type_k=0,  # GGML_TYPE_F32: the default F16 cache alone moves logits by ~1e-3
-        type_v=0,
-    )
-    m.eval(IDS)
-    return torch.tensor(m.scores[: len(IDS)], dtype=torch.float32)
+def _llama_logits(path) -> torch.Tensor:
+    return llama_logits(path, IDS)
 
 
 def _ours(path: Path) -> torch.Tensor:
@@ -179,12 +169,6 @@ def _ours(path: Path) -> torch.Tensor:
         return LLM(path, max_model_len=128, kv_tokens=512, dtype="float32").logits(IDS)
     finally:
         ql.set_fp16_act_scales(False)
-
-
-def _compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
-    per_pos = (ours - ref).abs().amax(-1)
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    return agree, per_pos.max().item(), per_pos.median().item()
 
 
 _MLA_FLOAT = pytest.mark.xfail(
@@ -202,7 +186,7 @@ def test_llama_cpp_converted_f32_files(family, tmp_path):
         want = hf(torch.tensor([IDS])).logits[0].float()
     ours = _ours(f32)
     err = (ours - want).abs().max().item()
-    agree, d, med = _compare(ours, _llama_logits(f32))
+    agree, d, med = compare(ours, _llama_logits(f32))
     line = f"vs transformers {err:.2e}; vs llama.cpp top-1 {agree:.3f} max {d:.2e} median {med:.2e}"
     print(f"{family} F32: {line}")
     assert err < F32_TOL and agree == 1.0 and d < 3 * F32_TOL, line
@@ -213,7 +197,7 @@ def test_llama_cpp_quantized_q8_0_files(family, tmp_path):
     _checkpoint(family, tmp_path / "hf")
     f32 = _convert(tmp_path / "hf", tmp_path / "m-F32.gguf")
     q8 = _quantize(f32, tmp_path / "m-Q8_0.gguf")
-    agree, d, med = _compare(_ours(q8), _llama_logits(q8))
+    agree, d, med = compare(_ours(q8), _llama_logits(q8))
     line = f"top-1 {agree:.3f}, max |dlogit| {d:.2e}, median {med:.2e}"
     print(f"{family} Q8_0 vs llama.cpp: {line}")
     assert agree >= 0.95, line
@@ -280,7 +264,7 @@ def test_llama_cpp_converted_deepseek_v4_f32(tmp_path, monkeypatch):
     with monkeypatch.context() as m:  # the experts dequantized: fp32 throughout
         m.setattr(gguf_experts, "block_expert_format", lambda *a: None)
         err = (_ours(f32) - want).abs().max().item()
-    agree, d, med = _compare(_ours(f32), _llama_logits(f32))  # MXFP4 experts in their blocks
+    agree, d, med = compare(_ours(f32), _llama_logits(f32))  # MXFP4 experts in their blocks
     line = f"vs transformers {err:.2e}; vs llama.cpp top-1 {agree:.3f} max {d:.2e} median {med:.2e}"
     print(f"deepseek_v4 F32: {line}")
     assert err < F32_TOL and agree == 1.0 and d < F32_TOL, line
@@ -294,7 +278,7 @@ def test_llama_cpp_converted_deepseek_v4_f32(tmp_path, monkeypatch):
 def test_llama_cpp_quantized_deepseek_v4(tmp_path):
     _, f32 = _v4_file(tmp_path)
     q8 = _quantize(f32, tmp_path / "v4-Q8_0.gguf", keep_mxfp4_experts=True)
-    agree, d, med = _compare(_ours(q8), _llama_logits(q8))
+    agree, d, med = compare(_ours(q8), _llama_logits(q8))
     line = f"top-1 {agree:.3f}, max |dlogit| {d:.2e}, median {med:.2e}"
     print(f"deepseek_v4 Q8_0 vs llama.cpp: {line}")
     assert agree >= 0.95, line
