@@ -1,5 +1,6 @@
 """llama.cpp's converter for the hybrid (Qwen3-Next ``qwen3next``, Qwen3.5-MoE ``qwen35moe``), MLA
-(DeepSeek-V3 and GLM-4.7-Flash, both ``deepseek2``) and sigmoid-router (GLM-4.5 ``glm4moe``,
+(DeepSeek-V3 and GLM-4.7-Flash, both ``deepseek2``; with the Lightning Indexer DeepSeek-V3.2
+``deepseek32`` and GLM-5 ``glm-dsa``) and sigmoid-router (GLM-4.5 ``glm4moe``,
 MiniMax-M2 ``minimax-m2``) families, reproduced for test files from the facts of
 convert_hf_to_gguf.py (our code): the tensor transforms it applies before naming, and the
 metadata keys it writes. Tensors come out under HF names (the ``gguf`` name map names them) or,
@@ -13,7 +14,8 @@ import gguf
 import torch
 
 HYBRIDS = ("qwen3_next", "qwen3_5_moe")
-MLA = ("deepseek_v3", "glm4_moe_lite")  # llama.cpp writes both as deepseek2
+DSA = ("deepseek_v32", "glm_moe_dsa")  # deepseek32 / glm-dsa: deepseek2's tensors + the indexer
+MLA = ("deepseek_v3", "glm4_moe_lite", *DSA)  # llama.cpp writes the first two as deepseek2
 SIGMOID = ("glm4_moe", "minimax_m2")  # llama.cpp's glm4moe / minimax-m2: named as they are
 
 
@@ -225,9 +227,11 @@ def hybrid_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
         w.add_rope_dimension_sections((sections + [0] * 4)[:4])
 
 
-def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
+def deepseek_metadata(w: gguf.GGUFWriter, c: Any, gating: bool = True) -> None:
     """After the generic keys (``gguf_files._metadata``, which writes the HF KV head count):
-    MLA as MQA with one KV head and kv_lora + rope sized keys."""
+    MLA as MQA with one KV head and kv_lora + rope sized keys. ``gating``: the router's
+    ``expert_gating_func`` (the converter writes it from a config.json ``scoring_func``, which
+    DeepSeek-V3's has and transformers' DSA configs do not)."""
     w.add_head_count_kv(1)
     dense = getattr(c, "first_k_dense_replace", None)
     if dense is None:  # GLM-4.7-Flash: its config.json's first_k_dense_replace
@@ -248,7 +252,8 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_expert_weights_scale(c.routed_scaling_factor)
     if c.norm_topk_prob:
         w.add_expert_weights_norm(True)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if gating:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_group_count(c.n_group)
     w.add_expert_group_used_count(c.topk_group)
     w.add_rope_dimension_count(c.qk_rope_head_dim)
@@ -262,9 +267,122 @@ def deepseek_metadata(w: gguf.GGUFWriter, c: Any) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
+def dsa_metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
+    """DeepSeek-V3.2 / GLM-5 after ``deepseek_metadata``: the nextn layers where the config
+    counts them, the indexer's geometry; GLM-5's rope dimension count scaled by its partial
+    rotary factor (written over deepseek2's) and its indexer layers (True: full)."""
+    if (mtp := getattr(c, "num_nextn_predict_layers", None)) is not None:
+        w.add_nextn_predict_layers(mtp)
+    w.add_uint32(f"{w.arch}.attention.indexer.head_count", c.index_n_heads)
+    w.add_uint32(f"{w.arch}.attention.indexer.key_length", c.index_head_dim)
+    w.add_uint32(f"{w.arch}.attention.indexer.top_k", c.index_topk)
+    if family == "glm_moe_dsa":
+        partial = c.rope_parameters.get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(c.qk_rope_head_dim * partial))
+        if (kinds := getattr(c, "indexer_types", None)) is not None:
+            w.add_array(f"{w.arch}.attention.indexer.types", [k == "full" for k in kinds])
+
+
+# DeepSeek-V4: transformers' names (under model.layers.N. / model.) -> llama.cpp's, the converter's
+# table (conversion/deepseek.py, on the release's names, which transformers' conversion mapping
+# renames one for one); no transform. The routed experts are the generic ones.
+_V4_COMPRESSOR = {"kv_proj.weight": "kv", "gate_proj.weight": "gate", "position_bias": "ape"}
+V4_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_norm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_proj.weight": "attn_kv.weight",
+    "self_attn.kv_norm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_a_proj.weight": "attn_output_a.weight",
+    "self_attn.o_b_proj.weight": "attn_output_b.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "indexer.attn_q_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "indexer.proj.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.gate.tid2eid": "ffn_gate_tid2eid.weight",
+    **{
+        f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+        for p in ("gate", "up", "down")
+    },
+    **{
+        f"{h}_hc.{p}": f"hc_{h}_{p}.weight"
+        for h in ("attn", "ffn")
+        for p in ("fn", "base", "scale")
+    },
+    **{
+        f"self_attn.compressor.{pre}{a}": f"{g}_compressor_{b}.weight"
+        for pre, g in (("", "attn"), ("indexer.", "indexer"))
+        for a, b in (*_V4_COMPRESSOR.items(), ("kv_norm.weight", "norm"))
+    },
+}
+V4_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    **{f"model.hc_head.hc_{p}": f"output_hc_{p}.weight" for p in ("fn", "base", "scale")},
+}
+
+
+def v4_name(key: str) -> str:
+    """The GGUF name of a transformers DeepSeek-V4 tensor (not a routed expert)."""
+    if key in V4_TOP:
+        return V4_TOP[key]
+    _, _, layer, rest = key.split(".", 3)
+    return f"blk.{layer}.{V4_LAYER[rest]}"
+
+
+def v4_metadata(w: gguf.GGUFWriter, c: Any) -> None:
+    """After block count, context, embedding length and head count: what the converter writes
+    from the release's config.json (its keys computed here from transformers' form)."""
+    a, n = w.arch, c.num_hidden_layers
+    rope = c.rope_parameters
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(rope["main"]["rope_theta"])
+    comp = rope["compress"]
+    if comp.get("rope_type") == "yarn":  # the release's flat rope_scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(comp["factor"])
+        w.add_rope_scaling_orig_ctx_len(comp["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(comp["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(comp["beta_slow"])
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_uint32(f"{a}.expert_gating_func", 4)  # SQRTSOFTPLUS (scoring_func)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    w.add_q_lora_rank(c.q_lora_rank)
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    w.add_expert_weights_norm(c.norm_topk_prob)
+    w.add_array(f"{a}.swiglu_clamp_exp", [float(c.swiglu_limit)] * n)
+    w.add_array(f"{a}.swiglu_clamp_shexp", [float(c.swiglu_limit)] * n)
+    w.add_uint32(f"{a}.attention.indexer.head_count", c.index_n_heads)
+    w.add_uint32(f"{a}.attention.indexer.key_length", c.index_head_dim)
+    w.add_uint32(f"{a}.attention.indexer.top_k", c.index_topk)
+    w.add_uint32(f"{a}.attention.output_group_count", c.o_groups)
+    w.add_uint32(f"{a}.attention.output_lora_rank", c.o_lora_rank)
+    rates = {"sliding_attention": 0, **c.compress_rates}
+    w.add_array(f"{a}.attention.compress_ratios", [int(rates[t]) for t in c.layer_types])
+    w.add_float32(f"{a}.attention.compress_rope_freq_base", comp["rope_theta"])
+    w.add_uint32(f"{a}.hyper_connection.count", c.hc_mult)
+    w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", c.hc_sinkhorn_iters)
+    w.add_float32(f"{a}.hyper_connection.epsilon", c.hc_eps)
+    w.add_uint32(f"{a}.hash_layer_count", sum(t == "hash_moe" for t in c.mlp_layer_types))
+    w.add_uint32(f"{a}.embedding_length_out", c.hidden_size * c.hc_mult)
+
+
 def hf_value(family: str, c: Any, key: str, tensors: dict[str, torch.Tensor], name: Any) -> Any:
     """The inverse: HF tensor ``key`` of a hybrid or DeepSeek-V3 model from the file's tensors
     (``name``: HF name -> GGUF name); None for a key the generic inverse handles."""
+    if family == "deepseek_v4":
+        return tensors[v4_name(key)]
     if family not in (*HYBRIDS, *MLA, *SIGMOID, "gemma4"):
         return None
     blk = f"blk.{key.split('.')[2]}" if key.startswith("model.layers.") else ""

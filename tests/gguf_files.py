@@ -13,11 +13,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_convert import (
+    DSA,
     HYBRIDS,
     MLA,
     SIGMOID,
     deepseek_metadata,
     deepseek_tensor,
+    dsa_metadata,
     gemma4_metadata,
     gemma4_rope_freqs,
     gemma4_tensor,
@@ -28,6 +30,8 @@ from gguf_convert import (
     minimax_metadata,
     mtp_tensors,
     score_bias_tensor,
+    v4_metadata,
+    v4_name,
 )
 
 ARCH = {
@@ -42,6 +46,9 @@ ARCH = {
     "glm4_moe_lite": "deepseek2",  # GLM-4.7-Flash: llama.cpp writes it as DeepSeek
     "minimax_m2": "minimax-m2",
     "gemma4": "gemma4",
+    "deepseek_v32": "deepseek32",
+    "glm_moe_dsa": "glm-dsa",
+    "deepseek_v4": "deepseek4",
 }
 _MODEL_ARCH = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
@@ -54,6 +61,12 @@ _MODEL_ARCH = {
     "glm4moe": gguf.MODEL_ARCH.GLM4_MOE,
     "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2,
     "gemma4": gguf.MODEL_ARCH.GEMMA4,
+    # the installed gguf package predates deepseek32; its tensors are glm-dsa's (llama.cpp's
+    # constants.py lists the same ones for both), so glm-dsa's name map names them
+    "deepseek32": gguf.MODEL_ARCH.GLM_DSA,
+    "glm-dsa": gguf.MODEL_ARCH.GLM_DSA,
+    # nor deepseek4: its names come from gguf_convert's table (this map names none of them)
+    "deepseek4": gguf.MODEL_ARCH.DEEPSEEK2,
 }
 
 
@@ -72,7 +85,7 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
     arch = ARCH[family]
     names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], c.num_hidden_layers)
     out: dict[str, torch.Tensor] = {}
-    mtp = family == "glm4_moe" and getattr(c, "num_nextn_predict_layers", 0)
+    mtp = family in ("glm4_moe", *DSA) and getattr(c, "num_nextn_predict_layers", 0)
     for key, t in hf.state_dict().items():
         t = t.detach().float()
         if "rotary_emb" in key:
@@ -108,10 +121,13 @@ def gguf_tensors(family: str, hf: Any) -> dict[str, torch.Tensor]:
             converted = score_bias_tensor(key, t)
         elif family == "gemma4":
             converted = gemma4_tensor(c, key, t) or [(key, t)]
+        elif family == "deepseek_v4":
+            converted = [(v4_name(key), t)]
         else:
             converted = [(key, t)]
         for key, t in converted:
-            name = key if key.startswith("blk.") else _gguf_name(names, key)
+            named = key.startswith("blk.") or family == "deepseek_v4"  # named by the converter
+            name = key if named else _gguf_name(names, key)
             if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
                 t = _permute(t, heads)
@@ -131,7 +147,7 @@ def _gguf_name(names: gguf.TensorNameMap, key: str) -> str:
 
 
 def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
-    mtp = getattr(c, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
+    mtp = getattr(c, "num_nextn_predict_layers", 0) if family in ("glm4_moe", *DSA) else 0
     w.add_block_count(c.num_hidden_layers + mtp)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -139,8 +155,11 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     if family == "gemma4":
         gemma4_metadata(w, c)
         return
+    if family == "deepseek_v4":
+        v4_metadata(w, c)
+        return
     if family in MLA:
-        deepseek_metadata(w, c)
+        deepseek_metadata(w, c, gating=family not in DSA)
     else:
         w.add_head_count_kv(c.num_key_value_heads)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -151,6 +170,8 @@ def _metadata(w: gguf.GGUFWriter, family: str, c: Any) -> None:
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
     if family in HYBRIDS:
         hybrid_metadata(w, family, c)
+    if family in DSA:
+        dsa_metadata(w, family, c)
     if family == "glm4_moe":
         glm4moe_metadata(w, c)
     elif family == "minimax_m2":
@@ -178,6 +199,8 @@ def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
     """The stored array and type of one tensor in a file of ``kind`` (f32 | bf16 | q8_0 | kmix):
     norms, biases and sinks stay F32 as llama.cpp keeps them."""
     a = t.numpy().astype(np.float32)
+    if name.endswith("tid2eid.weight"):  # DeepSeek-V4's token id -> experts table: I32
+        return t.numpy().astype(np.int32), Q.I32
     if kind == "f32" or t.dim() == 1 or name.endswith((".bias", "attn_sinks.weight")):
         return a, Q.F32
     if name.endswith("ffn_gate_inp.weight"):  # routers stay F32 as llama.cpp keeps them
@@ -248,6 +271,8 @@ def write_gguf(
         if name in drop:
             continue
         data, qt = quantize(name, t, kind)
+        if family == "deepseek_v4" and name.endswith("_exps.weight"):  # the converter repacks
+            data, qt = gguf.quants.quantize(t.numpy(), Q.MXFP4), Q.MXFP4  # the release's FP4
         if expert_types is not None and name.endswith("_exps.weight"):
             data, qt = _quantize_as(t, expert_types[1 if "ffn_down" in name else 0])
         w.add_tensor(name, data, raw_dtype=qt)
@@ -296,7 +321,8 @@ def dequantized_reference(family: str, hf: Any, path: Path) -> None:
     back: dict[str, torch.Tensor] = {}
     for name, t in want.items():
         qt, raw = stored[name]
-        back[name] = torch.from_numpy(dequantize(raw, qt).astype(np.float32)).reshape(t.shape)
+        vals = raw if qt == Q.I32 else dequantize(raw, qt)
+        back[name] = torch.from_numpy(vals.astype(np.float32)).reshape(t.shape)
     _load_back(family, hf, back)
 
 
@@ -482,9 +508,21 @@ def assert_kept_rows_are_the_files(hf: Any, llm: Any, kept: list[str], label: st
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f"{label} {name} ({qw.fmt})"
 
 
+# DeepSeek-V4: our module paths -> transformers' (its indexer sits in the compressor)
+_V4_MODULES = (
+    (".self_attn.indexer.compressor.", ".self_attn.compressor.indexer."),
+    (".self_attn.indexer.weights_proj", ".self_attn.compressor.indexer.scorer.weights_proj"),
+    (".self_attn.indexer.", ".self_attn.compressor.indexer."),
+    (".mlp.router", ".mlp.gate"),
+)
+
+
 def _hf_module(hf: Any, ours: str) -> Any:
     """The transformers module of one of our projection names (the model's prefix varies)."""
-    names = (ours, ours.replace(".shared_expert.", ".shared_experts."))  # DeepSeek's plural
+    names = [ours, ours.replace(".shared_expert.", ".shared_experts.")]  # DeepSeek's plural
+    for a, b in _V4_MODULES:
+        if a in names[-1]:
+            names.append(names[-1].replace(a, b, 1))
     for prefix in ("model.", "", "model.language_model."):
         for name in names:
             try:

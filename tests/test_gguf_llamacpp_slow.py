@@ -82,6 +82,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_files import dequantized_reference, write_gguf
+from llama_cpp_logits import compare, llama_logits
 from tiny_models import hf_config, make_tiny
 
 from freetokend import LLM
@@ -182,18 +183,7 @@ IDS = torch.randint(2, 400, (64,), generator=torch.Generator().manual_seed(1)).t
 
 
 def _llama_logits(path) -> torch.Tensor:
-    m = llama_cpp.Llama(
-        str(path),
-        n_ctx=128,
-        n_batch=128,
-        n_threads=2,
-        logits_all=True,
-        verbose=False,
-        type_k=0,  # GGML_TYPE_F32: the default F16 cache alone moves logits by ~1e-3
-        type_v=0,
-    )
-    m.eval(IDS)
-    return torch.tensor(m.scores[: len(IDS)], dtype=torch.float32)
+    return llama_logits(path, IDS)
 
 
 def _ours(path, dequantize_blocks: bool = False) -> torch.Tensor:
@@ -209,13 +199,6 @@ def _ours(path, dequantize_blocks: bool = False) -> torch.Tensor:
     return llm.logits(IDS)
 
 
-def _compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
-    """(top-1 agreement, max |diff|, median over positions of the per-position max |diff|)."""
-    per_pos = (ours - ref).abs().amax(-1)
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    return agree, per_pos.max().item(), per_pos.median().item()
-
-
 @pytest.mark.parametrize("family, kind, over", CASES)
 def test_logits_match_llama_cpp(family, kind, over, builtin_model_dir, tmp_path, monkeypatch):
     vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size  # llama.cpp needs a real vocab
@@ -227,7 +210,7 @@ def test_logits_match_llama_cpp(family, kind, over, builtin_model_dir, tmp_path,
     finally:
         ql.set_fp16_act_scales(False)
     theirs = _llama_logits(path)
-    agree, err, med = _compare(ours, theirs)
+    agree, err, med = compare(ours, theirs)
     line = f"{family} {kind}: top-1 {agree:.3f}, max |dlogit| {err:.2e}, median {med:.2e}"
     if kind == "f32" and family in F32_DEPARTS:
         print(f"{line} (a known departure)")
@@ -257,7 +240,7 @@ def test_gpt_oss_yarn_departure(builtin_model_dir, tmp_path):
     hf = make_tiny("gpt_oss", tmp_path / "hf", seed=3, vocab_size=vocab)[1]
     path = write_gguf("gpt_oss", hf, tmp_path / "y.gguf", "f32", tokenizer=builtin_model_dir)
     ref = _llama_logits(path)
-    agree, err, med = _compare(_ours(path), ref)
+    agree, err, med = compare(_ours(path), ref)
     print(f"gpt_oss f32 YaRN: top-1 {agree:.3f}, max |dlogit| {err:.2e}, median {med:.2e}")
     assert agree >= 0.95 and err < 1.0, (agree, err)
     rope = {**hf_config("gpt_oss").rope_parameters, "truncate": True}

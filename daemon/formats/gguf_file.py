@@ -41,6 +41,7 @@ NATIVE: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "I32": torch.int32,  # integer tables (DeepSeek-V4's token id -> experts, ffn_gate_tid2eid)
 }
 
 
@@ -232,7 +233,7 @@ class GgufFile:
         self._pread(t, dest, offset, nbytes)
 
     def read_float(self, t: GgufTensor) -> torch.Tensor:
-        """The tensor in its own float dtype (F32/F16/BF16) or dequantized to float32."""
+        """The tensor in its own dtype (F32/F16/BF16, an I32 table) or dequantized to float32."""
         if not t.quantized:
             out = torch.empty(t.shape, dtype=NATIVE[t.type_name])
             self._pread(t, out)

@@ -192,6 +192,10 @@ class Filler:
         b.copy_(src.read())
         self.filled.add(canon)
 
+    def table(self, canon: str, src: Source | Any, name: str, path: Path) -> None:
+        """Fills the integer table ``canon`` from ``src`` (shape and integer dtype checked)."""
+        self._table(canon, src, name, path)
+
     def dense(self, canon: str, src: Source | Any, name: str, path: Path) -> None:
         """Fills the dense parameter ``canon`` from ``src`` (shape and float dtype checked)."""
         self._dense(canon, src, name, path)

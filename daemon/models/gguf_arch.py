@@ -15,7 +15,16 @@ from .families.spec import GgufJoin, GgufRules
 from .gguf_read import SHARED_EXPERT, Fix, Target
 from .registry import GGUF_ARCHITECTURES
 
-__all__ = ["Fix", "Target", "block_key", "block_targets", "joins", "split_gate_up", "top_fix"]
+__all__ = [
+    "Fix",
+    "Target",
+    "block_key",
+    "block_targets",
+    "joins",
+    "split_gate_up",
+    "top_fix",
+    "top_name",
+]
 
 
 def _rules(arch: str) -> GgufRules:
@@ -35,6 +44,11 @@ def block_targets(arch: str, cfg: ModelConfig, key: str, common: dict[str, str])
             return parts
     name = rules.block[key] if key in rules.block else common[key]
     return [(name, rules.block_fix(cfg, key) if rules.block_fix is not None else None)]
+
+
+def top_name(arch: str, name: str) -> str | None:
+    """Our parameter for a top-level tensor only this architecture has (None: not one)."""
+    return _rules(arch).top.get(name)
 
 
 def top_fix(arch: str, name: str) -> Fix | None:

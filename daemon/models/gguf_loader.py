@@ -45,12 +45,12 @@ from . import gguf_experts
 from .config import ModelConfig
 from .families.spec import GgufJoin
 from .fill import Filler, allocate_banks
-from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix
+from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix, top_name
 from .gguf_config import config_from_gguf, gguf_arch
 from .hugepages import advise_new
 from .layers.common import Linear, dtype_of
 from .model import CausalLM, build_model
-from .registry import family_spec
+from .registry import GGUF_ARCHITECTURES, family_spec
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +188,9 @@ class GgufCheckpoint:
         self.close()
 
     def default_dtype(self) -> str:
-        """float32 when every tensor is F32; bfloat16 otherwise (quantized types dequantize to
-        it)."""
-        types = {t.type_name for _, t in self.tensors.values()}
+        """float32 when every float tensor is F32; bfloat16 otherwise (quantized types
+        dequantize to it). Integer tables (I32) do not count."""
+        types = {t.type_name for _, t in self.tensors.values()} - {"I32"}
         return "float32" if types == {"F32"} else "bfloat16"
 
     def config(self, dtype: str | None = None) -> ModelConfig:
@@ -214,8 +214,9 @@ class GgufCheckpoint:
         for name, (f, t) in self.tensors.items():
             if name in _IGNORED:
                 continue
-            if name in _TOP:
-                yield name, _TOP[name], _Source(f, t, top_fix(self.arch, name))
+            top = _TOP.get(name) or top_name(self.arch, name)
+            if top is not None:
+                yield name, top, _Source(f, t, top_fix(self.arch, name))
                 continue
             m = _BLK.match(name)
             key = m.group(2) if m else ""
@@ -400,7 +401,9 @@ def _check_experts(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
 
 def gguf_name(canon: str, arch: str = "") -> str:
     """The GGUF name of one of our parameters (for messages)."""
-    for g, c in _TOP.items():
+    spec = GGUF_ARCHITECTURES.get(arch)
+    extra = spec.gguf.top if spec is not None and spec.gguf is not None else {}
+    for g, c in (*_TOP.items(), *extra.items()):
         if c == canon:
             return g
     m = re.match(r"^layers\.(\d+)\.(.+)$", canon)
@@ -513,6 +516,8 @@ def load_gguf(
                 filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
             elif cfg.tie_word_embeddings and canon == "lm_head.weight":
                 continue
+            elif canon in filler.tables:  # an integer table (DeepSeek-V4's tid2eid)
+                filler.table(canon, src, name, src.t.path)
             elif canon not in filler.params and 0 in src.shape:
                 continue  # an empty module (GLM with no shared expert: [0, H] tensors)
             elif canon not in filler.params:
@@ -521,7 +526,7 @@ def load_gguf(
                 )
             else:
                 filler.dense(canon, src, name, src.t.path)
-        missing = [n for n in filler.params if n not in filler.filled]
+        missing = [n for n in (*filler.params, *filler.tables) if n not in filler.filled]
         if cfg.tie_word_embeddings:
             missing = [n for n in missing if n != "lm_head.weight"]
         if missing:

@@ -38,12 +38,19 @@ def first_k_dense(text: dict[str, Any], n: int, source: str) -> tuple[bool, ...]
 
 
 def _gguf_metadata(m: GgufMeta) -> dict[str, Any]:
+    return mla_gguf_fields(m)
+
+
+def mla_gguf_fields(m: GgufMeta, gating_default: int = 1) -> dict[str, Any]:
     """DeepSeek-V3's MLA and router from llama.cpp's keys. Files written since the converter
     splits kv_b carry the MLA head sizes in ``key_length_mla`` / ``value_length_mla`` (and 1 KV
-    head, kv_lora + rope key length); older ones in ``key_length`` / ``value_length``."""
-    if int(m.get("expert_gating_func", 1)) != SIGMOID:
+    head, kv_lora + rope key length); older ones in ``key_length`` / ``value_length``.
+    ``gating_default``: the router a file without ``expert_gating_func`` has (llama.cpp's
+    deepseek2 reads softmax, DeepSeek-V2's; the converter writes the key only where the
+    checkpoint's config.json names ``scoring_func``)."""
+    if int(m.get("expert_gating_func", gating_default)) != SIGMOID:
         raise ConfigError(
-            f"{m.source}: deepseek2 with a softmax router (DeepSeek-V2) is not supported; "
+            f"{m.source}: {m.arch} with a softmax router (DeepSeek-V2) is not supported; "
             "only the sigmoid router of DeepSeek-V3"
         )
     rope_dim = int(m.get("rope.dimension_count"))
@@ -139,7 +146,8 @@ def join_kv_b(cfg: ModelConfig, k_b: torch.Tensor, v_b: torch.Tensor) -> torch.T
     return torch.cat([k, v], dim=1).reshape(-1, r)
 
 
-def _read_with_other(cfg: ModelConfig, key: str) -> list[Target] | None:
+def mla_block_split(cfg: ModelConfig, key: str) -> list[Target] | None:
+    """``GgufRules.block_split``: the split kv_b's parts are read together (``join_kv_b``)."""
     return [] if key in KV_B_PARTS else None
 
 
@@ -169,7 +177,7 @@ SPEC = FamilySpec(
         norm_topk=False,
         metadata=_gguf_metadata,
         block={**SHARED_EXPERT, **MLA_BLOCK},
-        block_split=_read_with_other,
+        block_split=mla_block_split,
         joins=(GgufJoin(KV_B_PARTS, "self_attn.kv_b_proj.weight", "attn_kv_b.weight", join_kv_b),),
     ),
     renames=(

@@ -9,7 +9,11 @@ NVFP4 / INT4 routed experts as released load packed (models/release_quant.py).
 The DSA rules here (``dsa_normalize``, ``dsa_fields``, ``dsa_moe_layers``) are shared with GLM-5
 (``glm_moe_dsa``), which adds layers that reuse the previous indexer's selection.
 
-No GGUF rules: reading llama.cpp's files of this family is not built."""
+In GGUF it is llama.cpp's ``deepseek32``: DeepSeek-V3's tensors and keys (``deepseek2``'s, kv_b
+split the same way) plus the indexer's, which the converter names and leaves as they are
+(``blk.N.indexer.{attn_q_b, attn_k, k_norm, proj}``; its rope layout is the family's, llama.cpp
+rotates NEOX halves here and GLM-5's interleaved pairs), and its geometry under
+``attention.indexer.*``. GLM-5 (``glm-dsa``) shares these rules (``dsa_gguf_rules``)."""
 
 from __future__ import annotations
 
@@ -17,9 +21,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
+from ..gguf_read import SHARED_EXPERT, SIGMOID, GgufMeta
 from .deepseek_markup import DEEPSEEK_DSML_ANCHORS
-from .deepseek_v3 import first_k_dense
-from .spec import FamilySpec, HfRules
+from .deepseek_v3 import (
+    KV_B_PARTS,
+    MLA_BLOCK,
+    first_k_dense,
+    join_kv_b,
+    mla_block_split,
+    mla_gguf_fields,
+)
+from .spec import FamilySpec, GgufJoin, GgufRules, HfRules
 
 
 def dsa_normalize(text: dict[str, Any], source: str) -> dict[str, Any]:
@@ -86,6 +98,48 @@ def dsa_fields(
     return fields
 
 
+# the indexer's tensors as llama.cpp names them (the converter applies no transform to them)
+INDEXER_BLOCK = {
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
+    "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
+}
+
+
+def dsa_gguf_fields(m: GgufMeta) -> dict[str, Any]:
+    """DeepSeek-V3's MLA and router fields (``deepseek_v3.mla_gguf_fields``) and the indexer's
+    geometry. The converter writes ``expert_gating_func`` only from a config.json
+    ``scoring_func``, which transformers' DSA configs lack: without it the router is the
+    sigmoid one both families have. The dense layers are those without a router (llama.cpp
+    reads ``leading_dense_block_count``, which says the same for the released models)."""
+    out = mla_gguf_fields(m, gating_default=SIGMOID)
+    out.update(
+        mlp_layer_types=[
+            "sparse" if m.has(f"blk.{i}.ffn_gate_inp.weight") else "dense" for i in range(m.n)
+        ],
+        index_n_heads=int(m.get("attention.indexer.head_count")),
+        index_head_dim=int(m.get("attention.indexer.key_length")),
+        index_topk=int(m.get("attention.indexer.top_k")),
+    )
+    return out
+
+
+def dsa_gguf_rules(arch: str, metadata: Callable[[GgufMeta], dict[str, Any]]) -> GgufRules:
+    """The GGUF rules of a DSA family: ``deepseek2``'s MLA tensors, kv_b joined back from
+    ``attn_k_b`` / ``attn_v_b``, and the indexer's tensors."""
+    return GgufRules(
+        arch=arch,
+        experts_key="n_routed_experts",
+        norm_topk=False,
+        metadata=metadata,
+        block={**SHARED_EXPERT, **MLA_BLOCK, **INDEXER_BLOCK},
+        block_split=mla_block_split,
+        joins=(GgufJoin(KV_B_PARTS, "self_attn.kv_b_proj.weight", "attn_kv_b.weight", join_kv_b),),
+    )
+
+
 SPEC = FamilySpec(
     architectures=("DeepseekV32ForCausalLM",),
     hf=HfRules(
@@ -112,6 +166,7 @@ SPEC = FamilySpec(
         normalize=dsa_normalize,
         fields=dsa_fields(interleaved=False),
     ),
+    gguf=dsa_gguf_rules("deepseek32", dsa_gguf_fields),
     tool_syntax="deepseek_dsml_v3_2",
     reasoning_syntax="think",
     renames=(

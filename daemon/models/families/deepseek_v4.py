@@ -16,7 +16,14 @@ or as the release ships it (``compress_ratios`` per layer, ``num_hash_layers``,
 ``qk_rope_head_dim``, a flat YaRN ``rope_scaling``), which `fold_legacy` folds the way
 ``DeepseekV4Config.__post_init__`` does. The release's quantization (``quant_method: fp8`` with
 ``expert_dtype: fp4``) is read by config_hf (routed experts: mxfp4, kept packed) and the loader
-(FP8 dense weights widened at load). No GGUF mapping yet.
+(FP8 dense weights widened at load).
+
+In GGUF it is llama.cpp's ``deepseek4``, whose converter reads the release layout: the
+release's tensor names renamed one for one (``GGUF_BLOCK``: no transform), the routed experts
+repacked to MXFP4 blocks (read like GPT-OSS's), the hash layers' ``tid2eid`` as an I32 table
+(their unused router bias dropped), and the release's config keys under llama.cpp's names
+(``_gguf_metadata`` turns them back into the release's config.json keys, which `fold_legacy`
+reads).
 
 Chat markup: DSML tool calls and <think> reasoning (families/deepseek_markup.py)."""
 
@@ -28,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError, ModelConfig, RopeConfig
+from ..gguf_read import SHARED_EXPERT, GgufMeta, yarn
 from .deepseek_markup import DEEPSEEK_DSML_ANCHORS
-from .spec import FamilySpec, HfRules
+from .spec import FamilySpec, GgufRules, HfRules
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -246,7 +254,8 @@ LAYER_NAMES = {
     "attn.q_norm.weight": "self_attn.q_a_norm.weight",
     "attn.wq_b.weight": "self_attn.q_b_proj.weight",
     "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight",
+    "attn.norm.weight": "self_attn.kv_norm.weight",  # as transformers saves it
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight",  # as released (llama.cpp's converter)
     "attn.wo_a.weight": "self_attn.o_a_proj.weight",
     "attn.wo_b.weight": "self_attn.o_b_proj.weight",
     "attn.indexer.wq_b.weight": "self_attn.indexer.q_b_proj.weight",
@@ -272,6 +281,80 @@ for _src, _dst in (
         ("norm.weight", "kv_norm.weight"),
     ):
         LAYER_NAMES[_src + _a] = _dst + _b
+
+
+# llama.cpp's block tensor names -> the release's (its converter's table), placed by LAYER_NAMES
+_GGUF_RELEASE = {
+    "attn_q_a.weight": "attn.wq_a.weight",
+    "attn_q_a_norm.weight": "attn.q_norm.weight",
+    "attn_q_b.weight": "attn.wq_b.weight",
+    "attn_kv.weight": "attn.wkv.weight",
+    "attn_kv_a_norm.weight": "attn.kv_norm.weight",
+    "attn_output_a.weight": "attn.wo_a.weight",
+    "attn_output_b.weight": "attn.wo_b.weight",
+    "attn_sinks.weight": "attn.attn_sink",
+    "indexer.attn_q_b.weight": "attn.indexer.wq_b.weight",
+    "indexer.proj.weight": "attn.indexer.weights_proj.weight",
+    "exp_probs_b.bias": "ffn.gate.bias",
+    "ffn_gate_tid2eid.weight": "ffn.gate.tid2eid",
+    **{
+        f"hc_{h}_{p}.weight": f"hc_{h}_{p}"
+        for h in ("attn", "ffn")
+        for p in ("fn", "base", "scale")
+    },
+    **{
+        f"{g}_compressor_{a}.weight": f"attn.{r}compressor.{b}"
+        for g, r in (("attn", ""), ("indexer", "indexer."))
+        for a, b in (
+            ("kv", "wkv.weight"),
+            ("gate", "wgate.weight"),
+            ("ape", "ape"),
+            ("norm", "norm.weight"),
+        )
+    },
+}
+GGUF_BLOCK = {
+    **SHARED_EXPERT,
+    **{g: LAYER_NAMES[r] for g, r in _GGUF_RELEASE.items()},
+}
+GGUF_TOP = {f"output_hc_{p}.weight": TOP_NAMES[f"hc_head_{p}"] for p in ("fn", "base", "scale")}
+_SQRTSOFTPLUS = 4  # llama.cpp's expert_gating_func
+
+
+def _gguf_metadata(m: GgufMeta) -> dict[str, Any]:
+    """The release's config.json keys from llama.cpp's (its converter writes them from the
+    release's): `fold_legacy` then reads them as it reads the release's folder."""
+    if int(m.get("expert_gating_func")) != _SQRTSOFTPLUS:
+        raise ConfigError(f"{m.source}: {m.arch} with a router other than sqrtsoftplus")
+    clamps = {float(v) for v in m.get("swiglu_clamp_exp")[: m.n]}
+    clamps |= {float(v) for v in m.get("swiglu_clamp_shexp", [])[: m.n]}
+    if len(clamps) != 1:
+        raise ConfigError(f"{m.source}: per-layer SwiGLU clamps {sorted(clamps)} differ")
+    out: dict[str, Any] = {
+        "q_lora_rank": int(m.get("attention.q_lora_rank")),
+        "o_groups": int(m.get("attention.output_group_count")),
+        "o_lora_rank": int(m.get("attention.output_lora_rank")),
+        "sliding_window": int(m.get("attention.sliding_window")),
+        "compress_ratios": [int(r) for r in m.get("attention.compress_ratios")],
+        "compress_rope_theta": float(m.get("attention.compress_rope_freq_base")),
+        "qk_rope_head_dim": int(m.get("rope.dimension_count")),
+        "index_n_heads": int(m.get("attention.indexer.head_count")),
+        "index_head_dim": int(m.get("attention.indexer.key_length")),
+        "index_topk": int(m.get("attention.indexer.top_k")),
+        "hc_mult": int(m.get("hyper_connection.count")),
+        "hc_sinkhorn_iters": int(m.get("hyper_connection.sinkhorn_iterations")),
+        "hc_eps": float(m.get("hyper_connection.epsilon")),
+        "num_hash_layers": int(m.get("hash_layer_count")),
+        "n_shared_experts": int(m.get("expert_shared_count")),
+        "routed_scaling_factor": float(m.get("expert_weights_scale")),
+        "swiglu_limit": clamps.pop(),
+        "scoring_func": "sqrtsoftplus",
+    }
+    if scaling := yarn(m):  # the release's flat YaRN rope_scaling (the compress rope's)
+        if (factor := m.get("rope.scaling.yarn_attn_factor", None)) is not None:
+            scaling["attention_factor"] = float(factor)
+        out["rope_scaling"] = scaling
+    return out
 
 
 def _text(text: dict[str, Any], source: str) -> dict[str, Any]:
@@ -335,6 +418,14 @@ SPEC = FamilySpec(
     model="deepseek_v4_model:DeepseekV4CausalLM",
     tool_syntax="deepseek_dsml",
     reasoning_syntax="think",
+    gguf=GgufRules(
+        arch="deepseek4",
+        experts_key="n_routed_experts",
+        norm_topk=True,
+        metadata=_gguf_metadata,
+        block=GGUF_BLOCK,
+        top=GGUF_TOP,
+    ),
     renames=_renames(),
     mtp=r"^(model\.)?mtp\.\d+\.",
     anchors=DEEPSEEK_DSML_ANCHORS,

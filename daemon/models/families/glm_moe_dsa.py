@@ -16,16 +16,24 @@ syntax is followed; a template that reveals another syntax overrides it (``detec
 GLM-5.2 as released: its NVFP4 routed experts (ModelOpt's ``NVFP4`` or compressed-tensors'
 ``nvfp4-pack-quantized``) load packed as ``nvfp4`` (models/release_quant.py), the rest as stored.
 
-No GGUF rules: reading llama.cpp's files of this family is not built."""
+In GGUF it is llama.cpp's ``glm-dsa``: DeepSeek-V3.2's tensors and keys (``dsa_gguf_rules``),
+the rope's ``dimension_count`` scaled by the checkpoint's ``partial_rotary_factor``, and the
+indexer layers as ``attention.indexer.types`` (True: a full indexer); a shared layer has no
+indexer tensors. A file without that key is read as llama.cpp reads it: every layer full below
+a 1M-token context (GLM-5, 5.1), GLM-5.2's pattern from 1M on."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..config import ConfigError
-from .deepseek_v32 import dsa_fields, dsa_moe_layers, dsa_normalize
+from ..gguf_read import GgufMeta
+from .deepseek_v32 import dsa_fields, dsa_gguf_fields, dsa_gguf_rules, dsa_moe_layers, dsa_normalize
 from .glm4_moe import GLM_ANCHORS
 from .spec import FamilySpec, HfRules
+
+# llama.cpp's context length from which a glm-dsa file without indexer types is GLM-5.2
+_GLM52_CONTEXT = 1048576
 
 
 def _shared_layers(text: dict[str, Any], n: int, source: str) -> tuple[bool, ...]:
@@ -49,6 +57,27 @@ def _shared_layers(text: dict[str, Any], n: int, source: str) -> tuple[bool, ...
     if n and kinds[0] != "full":
         raise ConfigError(f"{source}: field 'indexer_types': layer 0 has no indexer to share")
     return tuple(k == "shared" for k in kinds)
+
+
+def _glm52_indexers(n: int) -> list[bool]:
+    """GLM-5.2's released indexer layers (its config.json, as llama.cpp keeps them): the first
+    two full, then one full in every four."""
+    return [i < 2 or (i - 2) % 4 == 0 for i in range(n)]
+
+
+def _gguf_metadata(m: GgufMeta) -> dict[str, Any]:
+    out = dsa_gguf_fields(m)
+    full = m.get("attention.indexer.types", None)
+    if full is None:
+        ctx = int(m.get("context_length", 0) or 0)
+        full = [True] * m.n if ctx < _GLM52_CONTEXT else _glm52_indexers(m.n)
+    full = list(full)
+    if len(full) < m.n:
+        raise ConfigError(
+            f"{m.source}: '{m.arch}.attention.indexer.types' lists {len(full)} layers, not {m.n}"
+        )
+    out["indexer_types"] = ["full" if f else "shared" for f in full[: m.n]]
+    return out
 
 
 SPEC = FamilySpec(
@@ -78,6 +107,7 @@ SPEC = FamilySpec(
         normalize=dsa_normalize,
         fields=dsa_fields(interleaved=True, shared=_shared_layers),
     ),
+    gguf=dsa_gguf_rules("glm-dsa", _gguf_metadata),
     tool_syntax="glm_xml",
     reasoning_syntax="think",
     renames=(

@@ -88,6 +88,9 @@ class GgufRules:
     # (config, block key) -> the targets of a tensor that fills several parameters, or []
     # for one read with another (``joins``); None: the block table's one target
     block_split: Callable[[ModelConfig, str], list[Target] | None] | None = None
+    # top-level tensors beyond the shared ones (token_embd, output_norm, output): GGUF name ->
+    # our parameter
+    top: Mapping[str, str] = field(default_factory=dict)
     # top-level tensors' transforms (GGUF name -> fix)
     top_fix: Mapping[str, Fix] = field(default_factory=dict)
     joins: tuple[GgufJoin, ...] = ()
