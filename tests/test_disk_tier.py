@@ -55,6 +55,20 @@ def test_ram_cache_is_an_lru_that_never_evicts_its_own_call() -> None:
     assert fills == [(7, 0, 5), (106, 3, -1)]
 
 
+def test_ram_cache_reserve_never_evicts_the_running_call_nor_counts() -> None:
+    c = RamCache([[0, 1, 2, 3]], lambda f: 0)
+    c.lookup([10, 11])
+    c.lookup([12])  # LRU order: 3 (free), 10, 11, 12
+    # 11 is resident (touched); 20 takes the free slot; 21 evicts 10, the least recent
+    assert c.reserve([11, 20, 21], keep={12}) == [(20, 3, -1), (21, 0, 10)]
+    assert (c.hits, c.misses) == (0, 3) and 10 not in c.slot_of
+    # LRU order now: 12, 11, 20, 21; 12 runs and the rest is wanted: nothing is evicted
+    assert c.reserve([11, 20, 21, 22], keep={12}) == []
+    assert c.reserve([22], keep=set()) == [(22, 2, 12)]  # 12 no longer runs
+    slots, fills = c.lookup([21, 22])  # read ahead, then used: hits
+    assert fills == [] and slots == {21: 0, 22: 2} and c.hits == 2
+
+
 def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
     e, h, i = 4, 256, 256
     pairs = [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q4_k", "q6_k")]
@@ -91,9 +105,9 @@ def kmix(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignor
     return write_gguf("qwen3_moe", hf, tmp_path_factory.mktemp("kmix") / "m.gguf", "kmix")
 
 
-def _pair(path: Path) -> tuple[LLM, LLM]:
+def _pair(path: Path, read_ahead: bool = False) -> tuple[LLM, LLM]:
     resident = LLM(path, "cpu", **LOAD)
-    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD)
+    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, expert_read_ahead=read_ahead, **LOAD)
     return resident, tiered
 
 
@@ -144,6 +158,56 @@ def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> Non
 
 
 @needs_native
+def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Read-ahead on: the next layer's predicted experts are read while a layer computes, into
+    slots the running call does not use; adjacent misses are read in one scatter read."""
+    resident, tiered = _pair(kmix, read_ahead=True)
+    tier = tiered.moe.tier
+    assert tier is not None and tier.read_ahead and tier.predict is not None
+    runs: list[int] = []
+    read_many = type(tier.tier.source).read_many
+
+    def counted(self, fid, dests):  # type: ignore[no-untyped-def]
+        runs.append(len(dests))
+        return read_many(self, fid, dests)
+
+    monkeypatch.setattr(type(tier.tier.source), "read_many", counted)
+    ids = _prompt(24, seed=4)
+    assert torch.equal(tiered.logits(ids), resident.logits(ids))
+    assert max(runs) > 1  # a prefill call misses adjacent experts: one read for several
+    for fast in (True, False):
+        old = cpu_decode.set_enabled(fast)
+        try:
+            want = resident.generate(ids, 12, ignore_eos=True)
+            assert tiered.generate(ids, 12, ignore_eos=True) == want
+            batch = [_prompt(9, seed=s) for s in range(4)]
+            assert tiered.generate(batch, 8, ignore_eos=True) == resident.generate(
+                batch, 8, ignore_eos=True
+            )
+        finally:
+            cpu_decode.set_enabled(old)
+    st = tier.stats()
+    assert st["read_ahead"] > 0 and st["read_ahead_hits"] > 0
+    assert st["read_ahead_hits"] + st["read_ahead_wasted"] <= st["read_ahead"]
+    # every fill is a demand miss or a read ahead (those still in flight not yet counted)
+    assert st["misses"] <= st["fills"] <= st["misses"] + st["read_ahead"]
+    per = tiered.banks.nbytes_per_expert()
+    assert st["bytes_read"] == st["fills"] * per
+    # the same requests without read-ahead miss more
+    _, plain = _pair(kmix)
+    plain.logits(ids)
+    for fast in (True, False):
+        old = cpu_decode.set_enabled(fast)
+        try:
+            plain.generate(ids, 12, ignore_eos=True)
+            plain.generate([_prompt(9, seed=s) for s in range(4)], 8, ignore_eos=True)
+        finally:
+            cpu_decode.set_enabled(old)
+    assert plain.moe.tier.stats()["read_ahead"] == 0
+    assert st["misses"] < plain.moe.tier.stats()["misses"]
+
+
+@needs_native
 def test_disk_tier_equals_the_resident_pool_per_layer_types(  # type: ignore[no-untyped-def]
     tiny, tmp_path: Path, monkeypatch
 ) -> None:
@@ -154,7 +218,7 @@ def test_disk_tier_equals_the_resident_pool_per_layer_types(  # type: ignore[no-
     resident = LLM(path, "cpu", **LOAD)
     assert resident.banks.format == "layers:q4_k/q6_k,q4_k,q4_k/q6_k"
     # the smallest cache: one layer's experts per class (two classes: 16 slots)
-    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD)
+    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, expert_read_ahead=True, **LOAD)
     tier = tiered.moe.tier
     assert tier is not None and tier.slots.format == "layers:q4_k/q6_k,q4_k"
     ids = _prompt(24, seed=5)
@@ -180,6 +244,8 @@ def test_ftctl_stats_disk_column() -> None:
 
     assert _disk({"disk_bytes_read": 0}) == "-"
     assert _disk({"disk_bytes_read": 3 << 20, "disk_read_seconds": 0.5}) == "3 MiB, 6 MiB/s"
+    ahead = {"disk_read_ahead": 8, "disk_read_ahead_hits": 6, "disk_read_ahead_wasted": 1}
+    assert _disk({"disk_bytes_read": 1 << 20, **ahead}) == "1 MiB, ahead 75% used"
 
 
 @needs_native

@@ -128,7 +128,9 @@ def test_daemon_disk_tier_serves_and_ftctl_stats_counts_reads(builtin_model_dir,
         assert proc.returncode == 0, proc.stderr
         (row,) = json.loads(proc.stdout)
         assert row["expert_misses"] > 0 and row["disk_bytes_read"] > 0
-        assert row["expert_fills"] == row["expert_misses"]
+        # every fill a miss or an expert read ahead (the next layer's, while one computes)
+        assert row["expert_misses"] <= row["expert_fills"]
+        assert row["expert_fills"] <= row["expert_misses"] + row["disk_read_ahead"]
         assert _ftctl("stats", socket=sock).returncode == 0  # the table's "disk reads" column
     finally:
         d.stop()

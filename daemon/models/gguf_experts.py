@@ -166,15 +166,22 @@ class GgufExpertSource:
             self.layers.append(parts)
 
     def read(self, fid: int, dest: dict[str, torch.Tensor]) -> int:
+        return self.read_many(fid, [dest])
+
+    def read_many(self, fid: int, dests: list[dict[str, torch.Tensor]]) -> int:
+        """Experts ``fid``, ``fid`` + 1, ... (one layer's) into ``dests`` in order: adjacent in
+        each of the layer's three tensors, so one scatter read per tensor."""
         layer, e = divmod(fid, self.num_experts)
+        if e + len(dests) > self.num_experts:
+            raise ValueError(f"experts {fid}..{fid + len(dests) - 1} span two layers")
         (fg, tg, ng), (fu, tu, nu), (fd, td, nd) = self.layers[layer]
-        gate_up = dest["gate_up"]
-        half = gate_up.shape[0] // 2
-        assert gate_up[:half].numel() == ng and dest["down"].numel() == nd
-        fg.read_raw_into(tg, gate_up[:half], e * ng)
-        fu.read_raw_into(tu, gate_up[half:], e * nu)
-        fd.read_raw_into(td, dest["down"], e * nd)
-        return ng + nu + nd
+        half = dests[0]["gate_up"].shape[0] // 2 if dests else 0
+        for d in dests:
+            assert d["gate_up"][:half].numel() == ng and d["down"].numel() == nd
+        fg.read_raw_scatter(tg, [d["gate_up"][:half] for d in dests], e * ng)
+        fu.read_raw_scatter(tu, [d["gate_up"][half:] for d in dests], e * nu)
+        fd.read_raw_scatter(td, [d["down"] for d in dests], e * nd)
+        return (ng + nu + nd) * len(dests)
 
     def close(self) -> None:
         for f in self.files:
