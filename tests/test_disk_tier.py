@@ -21,7 +21,12 @@ from test_gguf_experts_per_layer import _write
 
 from freetokend import LLM
 from freetokend.experts.block_executor import available
-from freetokend.experts.disk_tier import RamCache, TieredExecutor, slot_banks
+from freetokend.experts.disk_tier import (
+    READ_AHEAD_MIN_PRECISION,
+    RamCache,
+    TieredExecutor,
+    slot_banks,
+)
 from freetokend.experts.formats import allocate, layered_format
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.layers import cpu_decode
@@ -205,6 +210,36 @@ def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) 
             cpu_decode.set_enabled(old)
     assert plain.moe.tier.stats()["read_ahead"] == 0
     assert st["misses"] < plain.moe.tier.stats()["misses"]
+
+
+@needs_native
+def test_disk_tier_reads_ahead_only_while_predictions_are_right(kmix: Path) -> None:
+    """Predictions that name experts the next call mostly does not use (the ones the next
+    router would not pick for this layer's input) drive the precision down and the reads stop; the tokens stay equal."""
+    resident, tiered = _pair(kmix, read_ahead=True)
+    tier = tiered.moe.tier
+    assert tier is not None and tier.predict is not None
+    right = tier.predict
+
+    def wrong(layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        chosen = right(layer, x)
+        if chosen is None:
+            return None
+        unused = [e for e in range(8) if e not in set(chosen.flatten().tolist())]
+        return torch.tensor(unused[:2])
+
+    tier.predict = wrong
+    ids = _prompt(9, seed=6)
+    assert tiered.generate(ids, 16, ignore_eos=True) == resident.generate(ids, 16, ignore_eos=True)
+    st = tier.stats()
+    assert tier.precision < READ_AHEAD_MIN_PRECISION
+    assert st["read_ahead_skipped"] > 0 and st["read_ahead"] > 0  # trusted them at first
+    assert st["read_ahead_hits"] <= st["read_ahead"] // 4  # (the layer's input moves on)
+    tier.predict = right  # right predictions (as far as the next layer's router goes) are read
+    tier.precision = 1.0
+    tiered.generate(ids, 8, ignore_eos=True)
+    st = tier.stats()
+    assert st["read_ahead_hits"] > 0
 
 
 @needs_native

@@ -53,10 +53,16 @@ log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 STAT_NAMES = (
-    "hits", "misses", "fills", "bytes_read", "read_ahead", "read_ahead_hits", "read_ahead_wasted"
+    "hits", "misses", "fills", "bytes_read", "read_ahead", "read_ahead_hits", "read_ahead_wasted",
+    "read_ahead_skipped",
 )  # fmt: skip
 READ_THREADS = 4  # reads in flight at once (NVMe wants several; a page-cache hit is a memcpy)
 RUN_MAX = 16  # adjacent experts one read takes at most (more runs: more reads in flight)
+# Read ahead only while the predictions are this precise (a share of the predicted experts the
+# call then used, a running mean): a wasted read costs the disk as much as a needed one (random
+# weights predict at chance, 8 of 128; a trained model's next-layer router far better)
+READ_AHEAD_MIN_PRECISION = 0.5
+PRECISION_WEIGHT = 0.1  # the running mean's weight of the newest call
 
 
 class ExpertSource(Protocol):
@@ -202,11 +208,16 @@ def slot_banks(
     count = {p: pairs.count(p) for p in distinct}
     size = {p: FORMATS[block_format(*p)].nbytes_per_expert(h, inter, dt) for p in distinct}
     total = sum(count[p] * size[p] for p in distinct)
-    vpairs: list[tuple[str, str]] = []
+    virtual = {}
     for p in distinct:  # a class's share of the cache = its share of the pool
         share = cache_bytes * count[p] * size[p] / total
-        v = min(count[p], max(1, int(share // (num_experts * size[p]))))
-        vpairs += [p] * v
+        virtual[p] = min(count[p], max(1, int(share // (num_experts * size[p]))))
+    left = cache_bytes - sum(virtual[p] * num_experts * size[p] for p in distinct)
+    for p in sorted(distinct, key=lambda p: virtual[p] / count[p]):  # the rounding's leftover
+        if virtual[p] < count[p] and num_experts * size[p] <= left:
+            virtual[p] += 1
+            left -= num_experts * size[p]
+    vpairs = [p for p in distinct for _ in range(virtual[p])]
     banks = allocate(layered_format(vpairs), len(vpairs) * num_experts, h, inter, dt, bias=bias)
     classes: list[list[int]] = [[] for _ in distinct]
     for v, p in enumerate(vpairs):
@@ -227,7 +238,10 @@ class TieredExecutor:
     kernels release the GIL); the next call waits only for those it uses and reads the rest. A
     read ahead never evicts the running call's experts. Counted: ``read_ahead`` (experts read
     ahead), ``read_ahead_hits`` (of those, used by the call they were read for, or a later one,
-    before eviction) and ``read_ahead_wasted`` (evicted unused)."""
+    before eviction) and ``read_ahead_wasted`` (evicted unused). Every prediction is checked
+    against the call it was for (``precision``, a running mean of the share used); below
+    ``READ_AHEAD_MIN_PRECISION`` the reads are not made (``read_ahead_skipped`` calls), the
+    predictions go on, and reading resumes when they improve."""
 
     def __init__(
         self,
@@ -257,6 +271,8 @@ class TieredExecutor:
         self.read_ahead = read_ahead
         self._pending: dict[int, tuple[int, int, Future[int]]] = {}  # fid -> (slot, run, read)
         self._unused: set[int] = set()  # read ahead, not used yet
+        self._predicted: tuple[int, set[int]] = (-1, set())  # the next layer, its predicted
+        self.precision = 1.0  # the predictions' running precision (starts trusting them)
         # the file's descriptors and the readers go with the executor (an unloaded model)
         self._finalizer = weakref.finalize(self, _release, self._reads, tier.source)
 
@@ -292,6 +308,11 @@ class TieredExecutor:
         fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
         if fids and (fids[-1] >= self.pool.num_flat):
             raise IndexError(f"expert id {fids[-1]} outside [-1, {self.pool.num_flat})")
+        layer, predicted = self._predicted
+        if predicted and fids and fids[0] // self.num_experts == layer:  # how right it was
+            right = len(predicted.intersection(fids)) / len(predicted)
+            self.precision += PRECISION_WEIGHT * (right - self.precision)
+            self._predicted = (-1, set())
         _, fills = self.cache.lookup(fids)
         started = time.perf_counter()
         try:
@@ -321,6 +342,10 @@ class TieredExecutor:
         if pred is None:
             return
         want = [nxt * self.num_experts + e for e in torch.unique(pred).tolist() if e >= 0]
+        self._predicted = (nxt, set(want))
+        if self.precision < READ_AHEAD_MIN_PRECISION:  # predicted (and checked), not read
+            self.counters["read_ahead_skipped"] += 1
+            return
         fills = self.cache.reserve(want, keep=set(fids))
         if fills:
             self.counters["read_ahead"] += len(fills)
