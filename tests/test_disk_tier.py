@@ -10,6 +10,7 @@ generic one.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,8 @@ from freetokend.experts.disk_tier import (
     TieredExecutor,
     slot_banks,
 )
-from freetokend.experts.formats import allocate, layered_format
+from freetokend.experts.formats import allocate, expert_rows, layered_format
+from freetokend.formats import direct_read
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.layers import cpu_decode
 
@@ -93,6 +95,31 @@ def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
     assert banks.num_flat == 5 and classes == [[0, 1, 2, 3, 4]] and layer_class == [0, 0, 0]
 
 
+# ---- the reads ----------------------------------------------------------------------------------
+
+
+def test_direct_reads_equal_plain_reads(tmp_path: Path) -> None:
+    """O_DIRECT reads (formats/direct_read.py) at unaligned offsets into several buffers, across
+    bounce-buffer refills and up to the file's unaligned end, give the file's bytes."""
+    data = torch.randint(0, 256, (3 * direct_read.BOUNCE + 12345,), dtype=torch.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.numpy().tobytes())
+    fd = direct_read.open_direct(path)
+    if fd is None:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    try:
+        for offset, sizes in ((0, [4096]), (33, [100, 0, 5000, 7]),
+                              (4095, [direct_read.BOUNCE + 17, direct_read.BOUNCE]),
+                              (data.numel() - 9000, [8999, 1])):  # fmt: skip
+            dests = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            direct_read.read_into(fd, offset, dests, str(path))
+            assert torch.equal(torch.cat(dests), data[offset : offset + sum(sizes)])
+        with pytest.raises(EOFError, match="ends"):
+            direct_read.read_into(fd, data.numel() - 10, [torch.empty(11, dtype=torch.uint8)])
+    finally:
+        os.close(fd)
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 
 
@@ -119,6 +146,17 @@ def _pair(path: Path, read_ahead: bool = False) -> tuple[LLM, LLM]:
 def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = tiered.moe.tier
     assert isinstance(tier, TieredExecutor) and tiered.moe.executor is tier
+    src = tier.tier.source
+    if any(fd is not None for fd in src.direct.values()):  # O_DIRECT reads the same bytes
+        plain = type(src)(src.files, {}, [], 8, direct=False)
+        plain.layers = src.layers
+        like = [[expert_rows(tier.slots, p, s, 1)[0] for p in ("gate_up", "down")] for s in (0, 1)]
+        got = []
+        for reader in (src, plain):  # experts 9 and 10 (layer 1's second and third), one run
+            dests = [{"gate_up": torch.zeros_like(g), "down": torch.zeros_like(d)} for g, d in like]
+            assert reader.read_many(9, dests) == 2 * tier.slots.nbytes_per_expert()
+            got.append([d[p] for d in dests for p in ("gate_up", "down")])
+        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
     assert tier.cache.slots == 8 < tiered.banks.num_flat == 24  # one layer's of three
     ids = _prompt(24, seed=4)
     assert torch.equal(tiered.logits(ids), resident.logits(ids))

@@ -18,6 +18,7 @@ dequantize at load.
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import torch
@@ -30,7 +31,7 @@ from ..experts.formats import (
     is_known,
     layered_format,
 )
-from ..formats import gguf_blocks, gguf_interleave
+from ..formats import direct_read, gguf_blocks, gguf_interleave
 from ..formats.gguf_file import GgufFile, GgufTensor
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,13 @@ class GgufExpertSource:
         tensors: dict[str, tuple[GgufFile, GgufTensor]],
         blocks: list[int],
         num_experts: int,
+        direct: bool = True,
     ) -> None:
         self.files, self.num_experts = files, num_experts
+        # O_DIRECT descriptors (formats/direct_read.py), where the file system takes them
+        self.direct: dict[str, int | None] = {
+            str(f.path): direct_read.open_direct(f.path) if direct else None for f in files
+        }
         self.layers = []
         for b in blocks:
             parts = []
@@ -178,11 +184,22 @@ class GgufExpertSource:
         half = dests[0]["gate_up"].shape[0] // 2 if dests else 0
         for d in dests:
             assert d["gate_up"][:half].numel() == ng and d["down"].numel() == nd
-        fg.read_raw_scatter(tg, [d["gate_up"][:half] for d in dests], e * ng)
-        fu.read_raw_scatter(tu, [d["gate_up"][half:] for d in dests], e * nu)
-        fd.read_raw_scatter(td, [d["down"] for d in dests], e * nd)
+        for f, t, n, parts in (
+            (fg, tg, ng, [d["gate_up"][:half] for d in dests]),
+            (fu, tu, nu, [d["gate_up"][half:] for d in dests]),
+            (fd, td, nd, [d["down"] for d in dests]),
+        ):
+            fd_direct = self.direct.get(str(f.path))
+            if fd_direct is None:
+                f.read_raw_scatter(t, parts, e * n)
+            else:
+                direct_read.read_into(fd_direct, t.offset + e * n, parts, str(f.path))
         return (ng + nu + nd) * len(dests)
 
     def close(self) -> None:
         for f in self.files:
             f.close()
+        for fd in self.direct.values():
+            if fd is not None:
+                os.close(fd)
+        self.direct.clear()

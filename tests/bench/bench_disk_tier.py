@@ -19,11 +19,12 @@ figures are medians over ``--repeats`` runs:
   memory, which cannot fit under the limit); checked: its log names no CPU_REPACK buffer.
 
 Per run: time to first token (the prompt's prefill, from the model loaded), decode tok/s ((n - 1)
-over the time from the first token to the last), the bytes the child read from the disk per
-decode token (``/proc/self/io`` read_bytes), whether it was killed (by the OOM killer: SIGKILL
-and the cgroup's oom_kill count) and its peak memory (the cgroup's max usage). The disk's read
-rate is measured once (caches dropped, 1 GiB of the file in 8 MiB reads, 4 in flight); the
-disk-bound ceiling of an engine is that rate over the bytes its decode token read. Both engines
+over the time from the first token to the last), the bytes a decode token misses (freetoken: the
+tier's expert reads; llama.cpp: what its page faults read from the disk, ``/proc/self/io``
+read_bytes), whether it was killed (by the OOM killer: SIGKILL and the cgroup's oom_kill count)
+and its peak memory (the cgroup's max usage). The disk's read rate is measured once (caches
+dropped, 1 GiB of the file in 8 MiB reads, 4 in flight); the disk-bound ceiling of an engine is
+that rate over the bytes its decode token misses. Both engines
 decode the same prompt greedily; the tokens are not compared (random weights: near-ties).
 """
 
@@ -231,6 +232,10 @@ def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str,
             out["repack"] = "REPACK" in p.stderr
         if p.returncode == 0:
             out.update(json.loads(p.stdout.strip().splitlines()[-1]))
+            # the bytes a token misses: the tier's reads; llama.cpp's page faults' disk reads
+            out["miss_bytes_per_token"] = out.get("tier_bytes_per_token") or out.get(
+                "disk_bytes_per_token"
+            )
         else:
             out["error"] = f"rc {p.returncode}: {p.stderr[-600:]}"
         return out
@@ -302,7 +307,7 @@ def main() -> int:
     print(head + f"{'ceiling':>8} {'of ceil':>8} {'killed':>7} {'peak MB':>8}")
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
-        per = _median(rows, "disk_bytes_per_token")
+        per = _median(rows, "miss_bytes_per_token")
         ceil = rate / per if per else None
         killed = sum(bool(r.get("oom_killed")) for r in rows)
         peak = _median(rows, "peak")
