@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,6 +144,26 @@ def _pair(path: Path, read_ahead: bool = False) -> tuple[LLM, LLM]:
     return resident, tiered
 
 
+def _generate_on_both_paths(
+    tiered: LLM, resident: LLM | None, ids: list[int], after: Any = None
+) -> None:
+    """Single and batched greedy generations on the native decode step (experts called back)
+    and the generic path, equal to ``resident``'s (None: only run); ``after(fast)`` after each."""
+    batch = [_prompt(9, seed=s) for s in range(4)]
+    for fast in (True, False):
+        old = cpu_decode.set_enabled(fast)
+        try:
+            got = tiered.generate(ids, 12, ignore_eos=True)
+            got_batch = tiered.generate(batch, 8, ignore_eos=True)
+            if resident is not None:
+                assert got == resident.generate(ids, 12, ignore_eos=True)
+                assert got_batch == resident.generate(batch, 8, ignore_eos=True)
+        finally:
+            cpu_decode.set_enabled(old)
+        if after is not None:
+            after(fast)
+
+
 def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = tiered.moe.tier
     assert isinstance(tier, TieredExecutor) and tiered.moe.executor is tier
@@ -172,19 +193,12 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
         return inner(self, *a)
 
     monkeypatch.setattr(TieredExecutor, "forward_addresses", counted)
-    for fast in (True, False):  # the native decode step (experts called back) and the generic
-        old = cpu_decode.set_enabled(fast)
-        try:
-            want = resident.generate(ids, 12, ignore_eos=True)
-            assert tiered.generate(ids, 12, ignore_eos=True) == want
-            batch = [_prompt(9, seed=s) for s in range(4)]
-            assert tiered.generate(batch, 8, ignore_eos=True) == resident.generate(
-                batch, 8, ignore_eos=True
-            )
-        finally:
-            cpu_decode.set_enabled(old)
-        if fast:  # the native step called the tier back with each step's routes
-            assert called and max(called) == 4
+
+    def native_called_back(fast: bool) -> None:  # the native step called the tier back
+        if fast:
+            assert called and max(called) == 4  # with each step's routes
+
+    _generate_on_both_paths(tiered, resident, ids, native_called_back)
     st = tier.stats()
     assert st["misses"] > before["misses"] and st["fills"] == st["misses"]
     assert st["hits"] > 0  # decode steps reuse what the last step of the layer read
@@ -218,17 +232,7 @@ def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) 
     ids = _prompt(24, seed=4)
     assert torch.equal(tiered.logits(ids), resident.logits(ids))
     assert max(runs) > 1  # a prefill call misses adjacent experts: one read for several
-    for fast in (True, False):
-        old = cpu_decode.set_enabled(fast)
-        try:
-            want = resident.generate(ids, 12, ignore_eos=True)
-            assert tiered.generate(ids, 12, ignore_eos=True) == want
-            batch = [_prompt(9, seed=s) for s in range(4)]
-            assert tiered.generate(batch, 8, ignore_eos=True) == resident.generate(
-                batch, 8, ignore_eos=True
-            )
-        finally:
-            cpu_decode.set_enabled(old)
+    _generate_on_both_paths(tiered, resident, ids)
     st = tier.stats()
     assert st["read_ahead"] > 0 and st["read_ahead_hits"] > 0
     assert st["read_ahead_hits"] + st["read_ahead_wasted"] <= st["read_ahead"]
@@ -239,13 +243,7 @@ def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) 
     # the same requests without read-ahead miss more
     _, plain = _pair(kmix)
     plain.logits(ids)
-    for fast in (True, False):
-        old = cpu_decode.set_enabled(fast)
-        try:
-            plain.generate(ids, 12, ignore_eos=True)
-            plain.generate([_prompt(9, seed=s) for s in range(4)], 8, ignore_eos=True)
-        finally:
-            cpu_decode.set_enabled(old)
+    _generate_on_both_paths(plain, None, ids)
     assert plain.moe.tier.stats()["read_ahead"] == 0
     assert st["misses"] < plain.moe.tier.stats()["misses"]
 

@@ -26,6 +26,20 @@ and its peak memory (the cgroup's max usage). The disk's read rate is measured o
 dropped, 1 GiB of the file in 8 MiB reads, 4 in flight); the disk-bound ceiling of an engine is
 that rate over the bytes its decode token misses. Both engines
 decode the same prompt greedily; the tokens are not compared (random weights: near-ties).
+
+Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~9;
+cgroup v1; disk 675 MB/s cold; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens; medians
+of 3 interleaved runs):
+
+    limit          engine   tok/s  TTFT s  MB/token  ceiling  of ceil  killed
+    50 % 2036M  freetoken    3.12    8.61        47    14.32      22%     0/3
+    50 % 2036M  llama.cpp    0.23   12.24       618     1.09      21%     0/3
+    25 % 1018M  freetoken       -       -         -        -        -     3/3
+    25 % 1018M  llama.cpp    0.11   18.16      2750     0.25      44%     0/3
+
+At 50 % freetoken decodes 13.6x llama.cpp's rate; at 25 % it is killed at load: the RAM cache
+keeps at least one layer's experts per slot class (two classes in the Q4_K_M mix: 700 MiB) beside
+~700 MiB of process and dense weights (the bf16 embedding 196 MiB).
 """
 
 from __future__ import annotations
@@ -229,7 +243,9 @@ def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str,
         out: dict[str, Any] = {"engine": engine, "wall_s": wall, "peak": cg.peak(),
                                "oom_killed": kills > 0 or p.returncode == -9}  # fmt: skip
         if engine == "llama.cpp":
-            out["repack"] = "REPACK" in p.stderr
+            out["repack"] = (
+                "CPU_REPACK" in p.stderr
+            )  # a repacked buffer (not the build line "REPACK = 1")
         if p.returncode == 0:
             out.update(json.loads(p.stdout.strip().splitlines()[-1]))
             # the bytes a token misses: the tier's reads; llama.cpp's page faults' disk reads
