@@ -222,13 +222,13 @@ def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) 
     tier = tiered.moe.tier
     assert tier is not None and tier.read_ahead and tier.predict is not None
     runs: list[int] = []
-    read_many = type(tier.tier.source).read_many
+    reads = type(tier.tier.source).reads
 
     def counted(self, fid, dests):  # type: ignore[no-untyped-def]
         runs.append(len(dests))
-        return read_many(self, fid, dests)
+        return reads(self, fid, dests)
 
-    monkeypatch.setattr(type(tier.tier.source), "read_many", counted)
+    monkeypatch.setattr(type(tier.tier.source), "reads", counted)
     ids = _prompt(24, seed=4)
     assert torch.equal(tiered.logits(ids), resident.logits(ids))
     assert max(runs) > 1  # a prefill call misses adjacent experts: one read for several

@@ -79,6 +79,10 @@ class ExpertSource(Protocol):
         in as few reads as the layout allows."""
         ...
 
+    def reads(self, fid: int, dests: list[dict[str, Tensor]]) -> list[Callable[[], int]]:
+        """``read_many`` as reads that may run at once, each returning its bytes."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -379,7 +383,7 @@ class TieredExecutor:
                 runs.append([(f, s)])
         out = []
         for run in runs:
-            fut = self._reads.submit(self._read_run, run)
+            fut = self._start_run(run)
             out.append((run, fut))
             if ahead:
                 for f, s in run:
@@ -424,11 +428,36 @@ class TieredExecutor:
         self.counters["bytes_read"] += sum(done)
         self.read_seconds += time.perf_counter() - started
 
-    def _read_run(self, run: list[tuple[int, int]]) -> int:
-        """Reads adjacent experts [(fid, slot), ...] of one layer into their slots."""
+    def _dests(self, run: list[tuple[int, int]]) -> list[dict[str, Tensor]]:
         slots = self.slots
-        dests = [{p: expert_rows(slots, p, s, 1)[0] for p in ("gate_up", "down")} for _, s in run]
+        return [{p: expert_rows(slots, p, s, 1)[0] for p in ("gate_up", "down")} for _, s in run]
+
+    def _start_run(self, run: list[tuple[int, int]]) -> Future[int]:
+        """Starts the reads of a run (its pieces all at once on the pool) and, behind them on
+        the same pool, their finish (``_finish_run``) -> the finish's future (the run's bytes).
+        Pieces never wait, and a finish is queued after its pieces, so it waits only for reads
+        that run."""
+        pieces = [
+            self._reads.submit(r) for r in self.tier.source.reads(run[0][0], self._dests(run))
+        ]
+        return self._reads.submit(self._finish_run, run, pieces)
+
+    def _finish_run(self, run: list[tuple[int, int]], pieces: list[Future[int]]) -> int:
+        wait(pieces)
+        n = sum(p.result() for p in pieces)  # raises the first failed read
+        self._transform(run, self._dests(run))
+        return n
+
+    def _read_run(self, run: list[tuple[int, int]]) -> int:
+        """Reads adjacent experts [(fid, slot), ...] of one layer into their slots, here."""
+        dests = self._dests(run)
         n = self.tier.source.read_many(run[0][0], dests)
+        self._transform(run, dests)
+        return n
+
+    def _transform(self, run: list[tuple[int, int]], dests: list[dict[str, Tensor]]) -> None:
+        """What the load does to a resident pool's rows, done to the run's slots."""
+        slots = self.slots
         for (fid, slot), dest in zip(run, dests, strict=True):
             if slots.interleaved:  # as formats.interleave_banks did to a resident pool
                 for proj, qtype in zip(("gate_up", "down"), layer_pair(slots, slot), strict=True):
@@ -444,7 +473,6 @@ class TieredExecutor:
                          (self.pool.down_bias, slots.down_bias)):  # fmt: skip
                 if b is not None and s is not None:
                     s[slot].copy_(b[fid])
-        return n
 
 
 def _release(reads: ThreadPoolExecutor, source: ExpertSource) -> None:

@@ -17,9 +17,11 @@ dequantize at load.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -138,6 +140,9 @@ class InFile(RawStack):
         pass
 
 
+DIRECT_PIECE = 256 << 10  # bytes of one O_DIRECT read of the disk tier
+
+
 class GgufExpertSource:
     """The disk tier's source (experts/disk_tier.py ``ExpertSource``): one expert's GGUF rows
     read from the file's stacked tensors on demand, gate rows then up rows into its ``gate_up``
@@ -177,6 +182,13 @@ class GgufExpertSource:
     def read_many(self, fid: int, dests: list[dict[str, torch.Tensor]]) -> int:
         """Experts ``fid``, ``fid`` + 1, ... (one layer's) into ``dests`` in order: adjacent in
         each of the layer's three tensors, so one scatter read per tensor."""
+        return sum(read() for read in self.reads(fid, dests))
+
+    def reads(self, fid: int, dests: list[dict[str, torch.Tensor]]) -> list[Callable[[], int]]:
+        """``read_many`` as independent reads (each returns its bytes), to run at once: through
+        the page cache one scatter read per tensor; ``O_DIRECT`` pieces of at most
+        ``DIRECT_PIECE`` bytes (one expert's three tensors are ~3 MB: the pieces of even one
+        expert keep several reads in flight)."""
         layer, e = divmod(fid, self.num_experts)
         if e + len(dests) > self.num_experts:
             raise ValueError(f"experts {fid}..{fid + len(dests) - 1} span two layers")
@@ -184,17 +196,23 @@ class GgufExpertSource:
         half = dests[0]["gate_up"].shape[0] // 2 if dests else 0
         for d in dests:
             assert d["gate_up"][:half].numel() == ng and d["down"].numel() == nd
+        out: list[Callable[[], int]] = []
         for f, t, n, parts in (
             (fg, tg, ng, [d["gate_up"][:half] for d in dests]),
             (fu, tu, nu, [d["gate_up"][half:] for d in dests]),
             (fd, td, nd, [d["down"] for d in dests]),
         ):
-            fd_direct = self.direct.get(str(f.path))
-            if fd_direct is None:
-                f.read_raw_scatter(t, parts, e * n)
-            else:
-                direct_read.read_into(fd_direct, t.offset + e * n, parts, str(f.path))
-        return (ng + nu + nd) * len(dests)
+            direct = self.direct.get(str(f.path))
+            if direct is None:
+                out.append(functools.partial(_scatter, f, t, parts, e * n))
+                continue
+            for k, part in enumerate(parts):
+                flat = part.reshape(-1)
+                at = t.offset + (e + k) * n
+                for i in range(0, n, DIRECT_PIECE):
+                    piece = flat[i : i + DIRECT_PIECE]
+                    out.append(functools.partial(_direct, direct, at + i, piece, str(f.path)))
+        return out
 
     def close(self) -> None:
         for f in self.files:
@@ -203,3 +221,13 @@ class GgufExpertSource:
             if fd is not None:
                 os.close(fd)
         self.direct.clear()
+
+
+def _scatter(f: GgufFile, t: GgufTensor, parts: list[torch.Tensor], offset: int) -> int:
+    f.read_raw_scatter(t, parts, offset)
+    return sum(p.numel() for p in parts)
+
+
+def _direct(fd: int, offset: int, dest: torch.Tensor, name: str) -> int:
+    direct_read.read_into(fd, offset, [dest], name)
+    return dest.numel()
