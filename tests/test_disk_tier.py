@@ -5,7 +5,9 @@ Oracle: the same model with its whole expert pool resident. The tier hands the s
 (interleaved the same way) to the same kernel in the same route order, only at slot ids, so the
 logits are equal bit for bit and greedy tokens equal, for a cache that holds one layer's experts
 of three (every layer call misses), single and batched, on the native decode step's path and the
-generic one.
+generic one, with and without read-ahead (the next layer's predicted experts read while a layer
+computes). The reads (O_DIRECT pieces, page-cache scatter reads) are checked against the file's
+bytes.
 """
 
 from __future__ import annotations

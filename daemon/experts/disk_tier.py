@@ -5,10 +5,13 @@ slots.
 The slots are host banks of the model's own expert format (``slot_banks``), so the CPU
 executors compute over them unchanged: a MoE layer's call looks its distinct experts up in the
 cache (``RamCache``: an LRU at expert granularity), reads the missing ones from the file into
-their slots (``ExpertSource.read``, several at once on a small thread pool; pread releases the
-GIL), applies the cpu backend's row interleave to each filled slot as ``formats.interleave_banks``
-does to a resident pool, and then calls the executor with slot ids in place of flat ids (a
-remap, as the device slot cache does). The same rows reach the same kernel in the same route
+their slots (``ExpertSource.reads``: adjacent experts of a layer as one run, each run's reads
+in pieces all in flight at once on a thread pool, ``O_DIRECT`` where the file system takes it:
+formats/direct_read.py; the reads release the GIL), applies the cpu backend's row interleave to
+each filled slot as ``formats.interleave_banks`` does to a resident pool, and then calls the
+executor with slot ids in place of flat ids (a remap, as the device slot cache does). Once a
+call's own experts are in, the next layer's predicted ones are read ahead while it computes
+(``TieredExecutor``). The same rows reach the same kernel in the same route
 order, so the results equal a resident pool's bit for bit.
 
 A call's experts are all resident at once: hits are touched before any victim is chosen, and
@@ -18,7 +21,8 @@ expert of the same call.
 Slot classes: a plain format has one class (every slot holds any expert). A per-layer GGUF format
 ("layers:...") keeps each layer's block types, so a slot only holds experts whose layer has its
 types: the slot banks are virtual layers of ``num_experts`` slots each, and each distinct pair of
-types gets virtual layers in proportion to its share of the pool (at least one).
+types gets virtual layers in proportion to its share of the pool (at least one; the rounding's
+leftover buys more where it fits).
 """
 
 from __future__ import annotations
@@ -372,7 +376,7 @@ class TieredExecutor:
         self, fills: list[tuple[int, int, int]], ahead: bool
     ) -> list[tuple[list[tuple[int, int]], Future[int]]]:
         """Evicts, then starts the reads of ``fills``, adjacent experts of a layer in one run
-        (one scatter read per tensor) -> the runs and their reads."""
+        (``_start_run``) -> the runs and their reads."""
         self._evict(fills)
         runs: list[list[tuple[int, int]]] = []
         for f, s, _ in sorted(fills):
@@ -414,9 +418,9 @@ class TieredExecutor:
 
     def _fill(self, fills: list[tuple[int, int, int]]) -> None:
         started = time.perf_counter()
-        runs = self._submit(fills, ahead=False)
-        wait([fut for _, fut in runs])  # all ended, none still writing a slot, before any raise
         try:
+            runs = self._submit(fills, ahead=False)
+            wait([fut for _, fut in runs])  # all ended, none still writing a slot, before a raise
             done = [fut.result() for _, fut in runs]
         except BaseException:
             for f, _, _ in fills:  # what the slots hold is unknown: nothing of this call stays
