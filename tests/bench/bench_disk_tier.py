@@ -27,8 +27,10 @@ dropped, 1 GiB of the file in 8 MiB reads, 4 in flight); the disk-bound ceiling 
 that rate over the bytes its decode token misses.
 
 ``--daemon``: instead, the daemon serving the file in the first limit's cgroup answers, is
-killed (SIGKILL) with a request in flight, restarts there and answers the same. Both engines
-decode the same prompt greedily; the tokens are not compared (random weights: near-ties).
+killed (SIGKILL) with a request in flight, restarts there and answers the same.
+
+Both engines decode the same prompt greedily; the tokens are not compared (random weights:
+near-ties).
 
 Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~8;
 cgroup v1; disk 484 MB/s cold in that run; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens;
@@ -46,24 +48,6 @@ keeps at least one layer's experts per slot class (two classes in the Q4_K_M mix
 predict the next layer at chance, so read-ahead turns itself off here. ``--daemon`` at 50 %:
 up in 12 s, answered, killed with a request in flight, up again in 10 s, the same answer, no
 OOM kill.
-
-``--daemon``: instead, the daemon serving the file in the first limit's cgroup answers, is
-killed (SIGKILL) with a request in flight, restarts there and answers the same. Both engines
-decode the same prompt greedily; the tokens are not compared (random weights: near-ties).
-
-Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~9;
-cgroup v1; disk 675 MB/s cold; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens; medians
-of 3 interleaved runs):
-
-    limit          engine   tok/s  TTFT s  MB/token  ceiling  of ceil  killed
-    50 % 2036M  freetoken    3.12    8.61        47    14.32      22%     0/3
-    50 % 2036M  llama.cpp    0.23   12.24       618     1.09      21%     0/3
-    25 % 1018M  freetoken       -       -         -        -        -     3/3
-    25 % 1018M  llama.cpp    0.11   18.16      2750     0.25      44%     0/3
-
-At 50 % freetoken decodes 13.6x llama.cpp's rate; at 25 % it is killed at load: the RAM cache
-keeps at least one layer's experts per slot class (two classes in the Q4_K_M mix: 700 MiB) beside
-~700 MiB of process and dense weights (the bf16 embedding 196 MiB).
 """
 
 from __future__ import annotations
