@@ -55,9 +55,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _disk(r: dict[str, Any]) -> str:
-    """The disk tier's reads: MiB read and the rate the steps saw ("-" without the tier)."""
+    """The disk tier's reads: MiB read, the rate the steps saw (bytes over the time they waited
+    for reads) and the share of the experts read ahead that were used ("-" without the tier)."""
     n, s = r.get("disk_bytes_read", 0), r.get("disk_read_seconds", 0.0)
     if not n:
         return "-"
     rate = f", {n / s / 2**20:.0f} MiB/s" if s > 0 else ""
-    return f"{n / 2**20:.0f} MiB{rate}"
+    ahead, used = r.get("disk_read_ahead", 0), r.get("disk_read_ahead_hits", 0)
+    pre = f", ahead {used / ahead:.0%} used" if ahead else ""
+    return f"{n / 2**20:.0f} MiB{rate}{pre}"

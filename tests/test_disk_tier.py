@@ -5,12 +5,16 @@ Oracle: the same model with its whole expert pool resident. The tier hands the s
 (interleaved the same way) to the same kernel in the same route order, only at slot ids, so the
 logits are equal bit for bit and greedy tokens equal, for a cache that holds one layer's experts
 of three (every layer call misses), single and batched, on the native decode step's path and the
-generic one.
+generic one, with and without read-ahead (the next layer's predicted experts read while a layer
+computes). The reads (O_DIRECT pieces, page-cache scatter reads) are checked against the file's
+bytes.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +25,14 @@ from test_gguf_experts_per_layer import _write
 
 from freetokend import LLM
 from freetokend.experts.block_executor import available
-from freetokend.experts.disk_tier import RamCache, TieredExecutor, slot_banks
-from freetokend.experts.formats import allocate, layered_format
+from freetokend.experts.disk_tier import (
+    READ_AHEAD_MIN_PRECISION,
+    RamCache,
+    TieredExecutor,
+    slot_banks,
+)
+from freetokend.experts.formats import allocate, expert_rows, layered_format
+from freetokend.formats import direct_read
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.layers import cpu_decode
 
@@ -55,6 +65,20 @@ def test_ram_cache_is_an_lru_that_never_evicts_its_own_call() -> None:
     assert fills == [(7, 0, 5), (106, 3, -1)]
 
 
+def test_ram_cache_reserve_never_evicts_the_running_call_nor_counts() -> None:
+    c = RamCache([[0, 1, 2, 3]], lambda f: 0)
+    c.lookup([10, 11])
+    c.lookup([12])  # LRU order: 3 (free), 10, 11, 12
+    # 11 is resident (touched); 20 takes the free slot; 21 evicts 10, the least recent
+    assert c.reserve([11, 20, 21], keep={12}) == [(20, 3, -1), (21, 0, 10)]
+    assert (c.hits, c.misses) == (0, 3) and 10 not in c.slot_of
+    # LRU order now: 12, 11, 20, 21; 12 runs and the rest is wanted: nothing is evicted
+    assert c.reserve([11, 20, 21, 22], keep={12}) == []
+    assert c.reserve([22], keep=set()) == [(22, 2, 12)]  # 12 no longer runs
+    slots, fills = c.lookup([21, 22])  # read ahead, then used: hits
+    assert fills == [] and slots == {21: 0, 22: 2} and c.hits == 2
+
+
 def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
     e, h, i = 4, 256, 256
     pairs = [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q4_k", "q6_k")]
@@ -74,6 +98,31 @@ def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
     assert banks.num_flat == 5 and classes == [[0, 1, 2, 3, 4]] and layer_class == [0, 0, 0]
 
 
+# ---- the reads ----------------------------------------------------------------------------------
+
+
+def test_direct_reads_equal_plain_reads(tmp_path: Path) -> None:
+    """O_DIRECT reads (formats/direct_read.py) at unaligned offsets into several buffers, across
+    bounce-buffer refills and up to the file's unaligned end, give the file's bytes."""
+    data = torch.randint(0, 256, (3 * direct_read.BOUNCE + 12345,), dtype=torch.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.numpy().tobytes())
+    fd = direct_read.open_direct(path)
+    if fd is None:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    try:
+        for offset, sizes in ((0, [4096]), (33, [100, 0, 5000, 7]),
+                              (4095, [direct_read.BOUNCE + 17, direct_read.BOUNCE]),
+                              (data.numel() - 9000, [8999, 1])):  # fmt: skip
+            dests = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            direct_read.read_into(fd, offset, dests, str(path))
+            assert torch.equal(torch.cat(dests), data[offset : offset + sum(sizes)])
+        with pytest.raises(EOFError, match="ends"):
+            direct_read.read_into(fd, data.numel() - 10, [torch.empty(11, dtype=torch.uint8)])
+    finally:
+        os.close(fd)
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 
 
@@ -91,15 +140,46 @@ def kmix(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignor
     return write_gguf("qwen3_moe", hf, tmp_path_factory.mktemp("kmix") / "m.gguf", "kmix")
 
 
-def _pair(path: Path) -> tuple[LLM, LLM]:
+def _pair(path: Path, read_ahead: bool = False) -> tuple[LLM, LLM]:
     resident = LLM(path, "cpu", **LOAD)
-    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD)
+    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, expert_read_ahead=read_ahead, **LOAD)
     return resident, tiered
+
+
+def _generate_on_both_paths(
+    tiered: LLM, resident: LLM | None, ids: list[int], after: Any = None
+) -> None:
+    """Single and batched greedy generations on the native decode step (experts called back)
+    and the generic path, equal to ``resident``'s (None: only run); ``after(fast)`` after each."""
+    batch = [_prompt(9, seed=s) for s in range(4)]
+    for fast in (True, False):
+        old = cpu_decode.set_enabled(fast)
+        try:
+            got = tiered.generate(ids, 12, ignore_eos=True)
+            got_batch = tiered.generate(batch, 8, ignore_eos=True)
+            if resident is not None:
+                assert got == resident.generate(ids, 12, ignore_eos=True)
+                assert got_batch == resident.generate(batch, 8, ignore_eos=True)
+        finally:
+            cpu_decode.set_enabled(old)
+        if after is not None:
+            after(fast)
 
 
 def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = tiered.moe.tier
     assert isinstance(tier, TieredExecutor) and tiered.moe.executor is tier
+    src = tier.tier.source
+    if any(fd is not None for fd in src.direct.values()):  # O_DIRECT reads the same bytes
+        plain = type(src)(src.files, {}, [], 8, direct=False)
+        plain.layers = src.layers
+        like = [[expert_rows(tier.slots, p, s, 1)[0] for p in ("gate_up", "down")] for s in (0, 1)]
+        got = []
+        for reader in (src, plain):  # experts 9 and 10 (layer 1's second and third), one run
+            dests = [{"gate_up": torch.zeros_like(g), "down": torch.zeros_like(d)} for g, d in like]
+            assert reader.read_many(9, dests) == 2 * tier.slots.nbytes_per_expert()
+            got.append([d[p] for d in dests for p in ("gate_up", "down")])
+        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
     assert tier.cache.slots == 8 < tiered.banks.num_flat == 24  # one layer's of three
     ids = _prompt(24, seed=4)
     assert torch.equal(tiered.logits(ids), resident.logits(ids))
@@ -115,19 +195,12 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
         return inner(self, *a)
 
     monkeypatch.setattr(TieredExecutor, "forward_addresses", counted)
-    for fast in (True, False):  # the native decode step (experts called back) and the generic
-        old = cpu_decode.set_enabled(fast)
-        try:
-            want = resident.generate(ids, 12, ignore_eos=True)
-            assert tiered.generate(ids, 12, ignore_eos=True) == want
-            batch = [_prompt(9, seed=s) for s in range(4)]
-            assert tiered.generate(batch, 8, ignore_eos=True) == resident.generate(
-                batch, 8, ignore_eos=True
-            )
-        finally:
-            cpu_decode.set_enabled(old)
-        if fast:  # the native step called the tier back with each step's routes
-            assert called and max(called) == 4
+
+    def native_called_back(fast: bool) -> None:  # the native step called the tier back
+        if fast:
+            assert called and max(called) == 4  # with each step's routes
+
+    _generate_on_both_paths(tiered, resident, ids, native_called_back)
     st = tier.stats()
     assert st["misses"] > before["misses"] and st["fills"] == st["misses"]
     assert st["hits"] > 0  # decode steps reuse what the last step of the layer read
@@ -144,6 +217,70 @@ def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> Non
 
 
 @needs_native
+def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Read-ahead on: the next layer's predicted experts are read while a layer computes, into
+    slots the running call does not use; adjacent misses are read in one scatter read."""
+    resident, tiered = _pair(kmix, read_ahead=True)
+    tier = tiered.moe.tier
+    assert tier is not None and tier.read_ahead and tier.predict is not None
+    runs: list[int] = []
+    reads = type(tier.tier.source).reads
+
+    def counted(self, fid, dests):  # type: ignore[no-untyped-def]
+        runs.append(len(dests))
+        return reads(self, fid, dests)
+
+    monkeypatch.setattr(type(tier.tier.source), "reads", counted)
+    ids = _prompt(24, seed=4)
+    assert torch.equal(tiered.logits(ids), resident.logits(ids))
+    assert max(runs) > 1  # a prefill call misses adjacent experts: one read for several
+    _generate_on_both_paths(tiered, resident, ids)
+    st = tier.stats()
+    assert st["read_ahead"] > 0 and st["read_ahead_hits"] > 0
+    assert st["read_ahead_hits"] + st["read_ahead_wasted"] <= st["read_ahead"]
+    # every fill is a demand miss or a read ahead (those still in flight not yet counted)
+    assert st["misses"] <= st["fills"] <= st["misses"] + st["read_ahead"]
+    per = tiered.banks.nbytes_per_expert()
+    assert st["bytes_read"] == st["fills"] * per
+    # the same requests without read-ahead miss more
+    _, plain = _pair(kmix)
+    plain.logits(ids)
+    _generate_on_both_paths(plain, None, ids)
+    assert plain.moe.tier.stats()["read_ahead"] == 0
+    assert st["misses"] < plain.moe.tier.stats()["misses"]
+
+
+@needs_native
+def test_disk_tier_reads_ahead_only_while_predictions_are_right(kmix: Path) -> None:
+    """Predictions that name experts the next call mostly does not use (the ones the next
+    router would not pick for this layer's input) drive the precision down and the reads stop; the tokens stay equal."""
+    resident, tiered = _pair(kmix, read_ahead=True)
+    tier = tiered.moe.tier
+    assert tier is not None and tier.predict is not None
+    right = tier.predict
+
+    def wrong(layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        chosen = right(layer, x)
+        if chosen is None:
+            return None
+        unused = [e for e in range(8) if e not in set(chosen.flatten().tolist())]
+        return torch.tensor(unused[:2])
+
+    tier.predict = wrong
+    ids = _prompt(9, seed=6)
+    assert tiered.generate(ids, 16, ignore_eos=True) == resident.generate(ids, 16, ignore_eos=True)
+    st = tier.stats()
+    assert tier.precision < READ_AHEAD_MIN_PRECISION
+    assert st["read_ahead_skipped"] > 0 and st["read_ahead"] > 0  # trusted them at first
+    assert st["read_ahead_hits"] <= st["read_ahead"] // 4  # (the layer's input moves on)
+    tier.predict = right  # right predictions (as far as the next layer's router goes) are read
+    tier.precision = 1.0
+    tiered.generate(ids, 8, ignore_eos=True)
+    st = tier.stats()
+    assert st["read_ahead_hits"] > 0
+
+
+@needs_native
 def test_disk_tier_equals_the_resident_pool_per_layer_types(  # type: ignore[no-untyped-def]
     tiny, tmp_path: Path, monkeypatch
 ) -> None:
@@ -154,7 +291,7 @@ def test_disk_tier_equals_the_resident_pool_per_layer_types(  # type: ignore[no-
     resident = LLM(path, "cpu", **LOAD)
     assert resident.banks.format == "layers:q4_k/q6_k,q4_k,q4_k/q6_k"
     # the smallest cache: one layer's experts per class (two classes: 16 slots)
-    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD)
+    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, expert_read_ahead=True, **LOAD)
     tier = tiered.moe.tier
     assert tier is not None and tier.slots.format == "layers:q4_k/q6_k,q4_k"
     ids = _prompt(24, seed=5)
@@ -180,6 +317,8 @@ def test_ftctl_stats_disk_column() -> None:
 
     assert _disk({"disk_bytes_read": 0}) == "-"
     assert _disk({"disk_bytes_read": 3 << 20, "disk_read_seconds": 0.5}) == "3 MiB, 6 MiB/s"
+    ahead = {"disk_read_ahead": 8, "disk_read_ahead_hits": 6, "disk_read_ahead_wasted": 1}
+    assert _disk({"disk_bytes_read": 1 << 20, **ahead}) == "1 MiB, ahead 75% used"
 
 
 @needs_native

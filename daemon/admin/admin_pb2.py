@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\x12\x66reetoken.admin.v1\"\x0f\n\rStatusRequest\"\xbf\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0c\x61\x63tive_model\x18\x05 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x06 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x07 \x01(\t\x12\x0f\n\x07running\x18\x08 \x01(\x03\x12\x0f\n\x07waiting\x18\t \x01(\x03\x12\x11\n\tin_flight\x18\n \x01(\x03\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x14\n\x0c\x61\x64min_socket\x18\x0c \x01(\t\x12\x12\n\nvram_watch\x18\r \x01(\t\x12\x17\n\x0fresident_models\x18\x0e \x01(\x03\x12\x13\n\x0b\x61uto_switch\x18\x0f \x01(\x08\x12\x0f\n\x07\x61pi_key\x18\x10 \x01(\t\"\x0e\n\x0cStatsRequest\"\x87\x04\n\nModelStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\x08\x12\x19\n\x11tokens_per_second\x18\x03 \x01(\x01\x12\x13\n\x0bttft_mean_s\x18\x04 \x01(\x01\x12\x12\n\nttft_p50_s\x18\x05 \x01(\x01\x12\x12\n\nttft_p90_s\x18\x06 \x01(\x01\x12\x19\n\x11requests_finished\x18\x07 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x08 \x01(\x03\x12\x13\n\x0b\x65xpert_hits\x18\t \x01(\x03\x12\x15\n\rexpert_misses\x18\n \x01(\x03\x12\x14\n\x0c\x65xpert_fills\x18\x0b \x01(\x03\x12\x17\n\x0f\x65xpert_hit_rate\x18\x0c \x01(\x01\x12\x12\n\ngpu_routes\x18\r \x01(\x03\x12\x12\n\ncpu_routes\x18\x0e \x01(\x03\x12\x17\n\x0f\x63pu_route_share\x18\x0f \x01(\x01\x12\x15\n\rkv_pages_used\x18\x10 \x01(\x03\x12\x17\n\x0fkv_pages_cached\x18\x11 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x12 \x01(\x03\x12\x14\n\x0ckv_page_size\x18\x13 \x01(\x03\x12\x0f\n\x07running\x18\x14 \x01(\x03\x12\x0f\n\x07waiting\x18\x15 \x01(\x03\x12\x17\n\x0f\x64isk_bytes_read\x18\x16 \x01(\x03\x12\x19\n\x11\x64isk_read_seconds\x18\x17 \x01(\x01\"<\n\nStatsReply\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.freetoken.admin.v1.ModelStats\"\x0e\n\x0c\x43\x61\x63heRequest\"\xc0\x02\n\tCacheInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x02 \x01(\t\x12\x11\n\tmoe_slots\x18\x03 \x01(\x03\x12\x15\n\rmoe_slots_max\x18\x04 \x01(\x03\x12\x12\n\nmoe_target\x18\x05 \x01(\x03\x12\x14\n\x0c\x65xpert_bytes\x18\x06 \x01(\x03\x12\x18\n\x10resident_experts\x18\x07 \x01(\x03\x12\x10\n\x08kv_pages\x18\x08 \x01(\x03\x12\x14\n\x0ckv_page_size\x18\t \x01(\x03\x12\x11\n\tkv_tokens\x18\n \x01(\x03\x12\x15\n\rkv_pages_used\x18\x0b \x01(\x03\x12\x17\n\x0fkv_pages_cached\x18\x0c \x01(\x03\x12\x10\n\x08kv_bytes\x18\r \x01(\x03\x12\x0c\n\x04note\x18\x0e \x01(\t\x12\x16\n\x0ehost_pool_ptrs\x18\x0f \x03(\x03\"[\n\rResizeRequest\x12\x16\n\tmoe_slots\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\tkv_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x42\x0c\n\n_moe_slotsB\x0c\n\n_kv_tokens\"\xcd\x01\n\x08Progress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12,\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x1d.freetoken.admin.v1.CacheInfo\x12,\n\x05model\x18\x05 \x01(\x0b\x32\x1d.freetoken.admin.v1.ModelInfo\x12\x37\n\tbandwidth\x18\x06 \x01(\x0b\x32$.freetoken.admin.v1.BandwidthProfile\"\x9c\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x04 \x01(\t\x12\x12\n\nhost_bytes\x18\x05 \x01(\x03\x12\x14\n\x0cweight_loads\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x03\x12\x0e\n\x06\x66\x61mily\x18\x08 \x01(\t\"\x13\n\x11ListModelsRequest\"\x83\x01\n\tModelList\x12-\n\x06models\x18\x01 \x03(\x0b\x32\x1d.freetoken.admin.v1.ModelInfo\x12\x19\n\x11host_budget_bytes\x18\x02 \x01(\x03\x12\x17\n\x0fhost_used_bytes\x18\x03 \x01(\x03\x12\x13\n\x0b\x61uto_switch\x18\x04 \x01(\x08\"U\n\x10LoadModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x03 \x01(\t\x12\x10\n\x08\x61\x63tivate\x18\x04 \x01(\x08\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\"\n\x12SwitchModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15\x42\x65nchBandwidthRequest\"n\n\x10\x42\x61ndwidthProfile\x12\x0b\n\x03\x62_p\x18\x01 \x01(\x01\x12\x0b\n\x03\x62_h\x18\x02 \x01(\x01\x12\x15\n\rexpert_format\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x04 \x01(\t\x12\x14\n\x0c\x65xpert_bytes\x18\x05 \x01(\x03\x32\xf0\x05\n\x05\x41\x64min\x12L\n\x06Status\x12!.freetoken.admin.v1.StatusRequest\x1a\x1f.freetoken.admin.v1.StatusReply\x12I\n\x05Stats\x12 .freetoken.admin.v1.StatsRequest\x1a\x1e.freetoken.admin.v1.StatsReply\x12K\n\x08GetCache\x12 .freetoken.admin.v1.CacheRequest\x1a\x1d.freetoken.admin.v1.CacheInfo\x12P\n\x0bResizeCache\x12!.freetoken.admin.v1.ResizeRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x12R\n\nListModels\x12%.freetoken.admin.v1.ListModelsRequest\x1a\x1d.freetoken.admin.v1.ModelList\x12Q\n\tLoadModel\x12$.freetoken.admin.v1.LoadModelRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x12T\n\x0bUnloadModel\x12&.freetoken.admin.v1.UnloadModelRequest\x1a\x1d.freetoken.admin.v1.ModelList\x12U\n\x0bSwitchModel\x12&.freetoken.admin.v1.SwitchModelRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x12[\n\x0e\x42\x65nchBandwidth\x12).freetoken.admin.v1.BenchBandwidthRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\x12\x66reetoken.admin.v1\"\x0f\n\rStatusRequest\"\xbf\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0c\x61\x63tive_model\x18\x05 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x06 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x07 \x01(\t\x12\x0f\n\x07running\x18\x08 \x01(\x03\x12\x0f\n\x07waiting\x18\t \x01(\x03\x12\x11\n\tin_flight\x18\n \x01(\x03\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x14\n\x0c\x61\x64min_socket\x18\x0c \x01(\t\x12\x12\n\nvram_watch\x18\r \x01(\t\x12\x17\n\x0fresident_models\x18\x0e \x01(\x03\x12\x13\n\x0b\x61uto_switch\x18\x0f \x01(\x08\x12\x0f\n\x07\x61pi_key\x18\x10 \x01(\t\"\x0e\n\x0cStatsRequest\"\xde\x04\n\nModelStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\x08\x12\x19\n\x11tokens_per_second\x18\x03 \x01(\x01\x12\x13\n\x0bttft_mean_s\x18\x04 \x01(\x01\x12\x12\n\nttft_p50_s\x18\x05 \x01(\x01\x12\x12\n\nttft_p90_s\x18\x06 \x01(\x01\x12\x19\n\x11requests_finished\x18\x07 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x08 \x01(\x03\x12\x13\n\x0b\x65xpert_hits\x18\t \x01(\x03\x12\x15\n\rexpert_misses\x18\n \x01(\x03\x12\x14\n\x0c\x65xpert_fills\x18\x0b \x01(\x03\x12\x17\n\x0f\x65xpert_hit_rate\x18\x0c \x01(\x01\x12\x12\n\ngpu_routes\x18\r \x01(\x03\x12\x12\n\ncpu_routes\x18\x0e \x01(\x03\x12\x17\n\x0f\x63pu_route_share\x18\x0f \x01(\x01\x12\x15\n\rkv_pages_used\x18\x10 \x01(\x03\x12\x17\n\x0fkv_pages_cached\x18\x11 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x12 \x01(\x03\x12\x14\n\x0ckv_page_size\x18\x13 \x01(\x03\x12\x0f\n\x07running\x18\x14 \x01(\x03\x12\x0f\n\x07waiting\x18\x15 \x01(\x03\x12\x17\n\x0f\x64isk_bytes_read\x18\x16 \x01(\x03\x12\x19\n\x11\x64isk_read_seconds\x18\x17 \x01(\x01\x12\x17\n\x0f\x64isk_read_ahead\x18\x18 \x01(\x03\x12\x1c\n\x14\x64isk_read_ahead_hits\x18\x19 \x01(\x03\x12\x1e\n\x16\x64isk_read_ahead_wasted\x18\x1a \x01(\x03\"<\n\nStatsReply\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.freetoken.admin.v1.ModelStats\"\x0e\n\x0c\x43\x61\x63heRequest\"\xc0\x02\n\tCacheInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x02 \x01(\t\x12\x11\n\tmoe_slots\x18\x03 \x01(\x03\x12\x15\n\rmoe_slots_max\x18\x04 \x01(\x03\x12\x12\n\nmoe_target\x18\x05 \x01(\x03\x12\x14\n\x0c\x65xpert_bytes\x18\x06 \x01(\x03\x12\x18\n\x10resident_experts\x18\x07 \x01(\x03\x12\x10\n\x08kv_pages\x18\x08 \x01(\x03\x12\x14\n\x0ckv_page_size\x18\t \x01(\x03\x12\x11\n\tkv_tokens\x18\n \x01(\x03\x12\x15\n\rkv_pages_used\x18\x0b \x01(\x03\x12\x17\n\x0fkv_pages_cached\x18\x0c \x01(\x03\x12\x10\n\x08kv_bytes\x18\r \x01(\x03\x12\x0c\n\x04note\x18\x0e \x01(\t\x12\x16\n\x0ehost_pool_ptrs\x18\x0f \x03(\x03\"[\n\rResizeRequest\x12\x16\n\tmoe_slots\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\tkv_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x42\x0c\n\n_moe_slotsB\x0c\n\n_kv_tokens\"\xcd\x01\n\x08Progress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12,\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x1d.freetoken.admin.v1.CacheInfo\x12,\n\x05model\x18\x05 \x01(\x0b\x32\x1d.freetoken.admin.v1.ModelInfo\x12\x37\n\tbandwidth\x18\x06 \x01(\x0b\x32$.freetoken.admin.v1.BandwidthProfile\"\x9c\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x04 \x01(\t\x12\x12\n\nhost_bytes\x18\x05 \x01(\x03\x12\x14\n\x0cweight_loads\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x03\x12\x0e\n\x06\x66\x61mily\x18\x08 \x01(\t\"\x13\n\x11ListModelsRequest\"\x83\x01\n\tModelList\x12-\n\x06models\x18\x01 \x03(\x0b\x32\x1d.freetoken.admin.v1.ModelInfo\x12\x19\n\x11host_budget_bytes\x18\x02 \x01(\x03\x12\x17\n\x0fhost_used_bytes\x18\x03 \x01(\x03\x12\x13\n\x0b\x61uto_switch\x18\x04 \x01(\x08\"U\n\x10LoadModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bmoe_backend\x18\x03 \x01(\t\x12\x10\n\x08\x61\x63tivate\x18\x04 \x01(\x08\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\"\n\x12SwitchModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15\x42\x65nchBandwidthRequest\"n\n\x10\x42\x61ndwidthProfile\x12\x0b\n\x03\x62_p\x18\x01 \x01(\x01\x12\x0b\n\x03\x62_h\x18\x02 \x01(\x01\x12\x15\n\rexpert_format\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x04 \x01(\t\x12\x14\n\x0c\x65xpert_bytes\x18\x05 \x01(\x03\x32\xf0\x05\n\x05\x41\x64min\x12L\n\x06Status\x12!.freetoken.admin.v1.StatusRequest\x1a\x1f.freetoken.admin.v1.StatusReply\x12I\n\x05Stats\x12 .freetoken.admin.v1.StatsRequest\x1a\x1e.freetoken.admin.v1.StatsReply\x12K\n\x08GetCache\x12 .freetoken.admin.v1.CacheRequest\x1a\x1d.freetoken.admin.v1.CacheInfo\x12P\n\x0bResizeCache\x12!.freetoken.admin.v1.ResizeRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x12R\n\nListModels\x12%.freetoken.admin.v1.ListModelsRequest\x1a\x1d.freetoken.admin.v1.ModelList\x12Q\n\tLoadModel\x12$.freetoken.admin.v1.LoadModelRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x12T\n\x0bUnloadModel\x12&.freetoken.admin.v1.UnloadModelRequest\x1a\x1d.freetoken.admin.v1.ModelList\x12U\n\x0bSwitchModel\x12&.freetoken.admin.v1.SwitchModelRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x12[\n\x0e\x42\x65nchBandwidth\x12).freetoken.admin.v1.BenchBandwidthRequest\x1a\x1c.freetoken.admin.v1.Progress0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,33 +38,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=374
   _globals['_STATSREQUEST']._serialized_end=388
   _globals['_MODELSTATS']._serialized_start=391
-  _globals['_MODELSTATS']._serialized_end=910
-  _globals['_STATSREPLY']._serialized_start=912
-  _globals['_STATSREPLY']._serialized_end=972
-  _globals['_CACHEREQUEST']._serialized_start=974
-  _globals['_CACHEREQUEST']._serialized_end=988
-  _globals['_CACHEINFO']._serialized_start=991
-  _globals['_CACHEINFO']._serialized_end=1311
-  _globals['_RESIZEREQUEST']._serialized_start=1313
-  _globals['_RESIZEREQUEST']._serialized_end=1404
-  _globals['_PROGRESS']._serialized_start=1407
-  _globals['_PROGRESS']._serialized_end=1612
-  _globals['_MODELINFO']._serialized_start=1615
-  _globals['_MODELINFO']._serialized_end=1771
-  _globals['_LISTMODELSREQUEST']._serialized_start=1773
-  _globals['_LISTMODELSREQUEST']._serialized_end=1792
-  _globals['_MODELLIST']._serialized_start=1795
-  _globals['_MODELLIST']._serialized_end=1926
-  _globals['_LOADMODELREQUEST']._serialized_start=1928
-  _globals['_LOADMODELREQUEST']._serialized_end=2013
-  _globals['_UNLOADMODELREQUEST']._serialized_start=2015
-  _globals['_UNLOADMODELREQUEST']._serialized_end=2049
-  _globals['_SWITCHMODELREQUEST']._serialized_start=2051
-  _globals['_SWITCHMODELREQUEST']._serialized_end=2085
-  _globals['_BENCHBANDWIDTHREQUEST']._serialized_start=2087
-  _globals['_BENCHBANDWIDTHREQUEST']._serialized_end=2110
-  _globals['_BANDWIDTHPROFILE']._serialized_start=2112
-  _globals['_BANDWIDTHPROFILE']._serialized_end=2222
-  _globals['_ADMIN']._serialized_start=2225
-  _globals['_ADMIN']._serialized_end=2977
+  _globals['_MODELSTATS']._serialized_end=997
+  _globals['_STATSREPLY']._serialized_start=999
+  _globals['_STATSREPLY']._serialized_end=1059
+  _globals['_CACHEREQUEST']._serialized_start=1061
+  _globals['_CACHEREQUEST']._serialized_end=1075
+  _globals['_CACHEINFO']._serialized_start=1078
+  _globals['_CACHEINFO']._serialized_end=1398
+  _globals['_RESIZEREQUEST']._serialized_start=1400
+  _globals['_RESIZEREQUEST']._serialized_end=1491
+  _globals['_PROGRESS']._serialized_start=1494
+  _globals['_PROGRESS']._serialized_end=1699
+  _globals['_MODELINFO']._serialized_start=1702
+  _globals['_MODELINFO']._serialized_end=1858
+  _globals['_LISTMODELSREQUEST']._serialized_start=1860
+  _globals['_LISTMODELSREQUEST']._serialized_end=1879
+  _globals['_MODELLIST']._serialized_start=1882
+  _globals['_MODELLIST']._serialized_end=2013
+  _globals['_LOADMODELREQUEST']._serialized_start=2015
+  _globals['_LOADMODELREQUEST']._serialized_end=2100
+  _globals['_UNLOADMODELREQUEST']._serialized_start=2102
+  _globals['_UNLOADMODELREQUEST']._serialized_end=2136
+  _globals['_SWITCHMODELREQUEST']._serialized_start=2138
+  _globals['_SWITCHMODELREQUEST']._serialized_end=2172
+  _globals['_BENCHBANDWIDTHREQUEST']._serialized_start=2174
+  _globals['_BENCHBANDWIDTHREQUEST']._serialized_end=2197
+  _globals['_BANDWIDTHPROFILE']._serialized_start=2199
+  _globals['_BANDWIDTHPROFILE']._serialized_end=2309
+  _globals['_ADMIN']._serialized_start=2312
+  _globals['_ADMIN']._serialized_end=3064
 # @@protoc_insertion_point(module_scope)

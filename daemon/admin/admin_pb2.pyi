@@ -51,7 +51,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelStats(_message.Message):
-    __slots__ = ("name", "active", "tokens_per_second", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "requests_finished", "tokens_generated", "expert_hits", "expert_misses", "expert_fills", "expert_hit_rate", "gpu_routes", "cpu_routes", "cpu_route_share", "kv_pages_used", "kv_pages_cached", "kv_pages_total", "kv_page_size", "running", "waiting", "disk_bytes_read", "disk_read_seconds")
+    __slots__ = ("name", "active", "tokens_per_second", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "requests_finished", "tokens_generated", "expert_hits", "expert_misses", "expert_fills", "expert_hit_rate", "gpu_routes", "cpu_routes", "cpu_route_share", "kv_pages_used", "kv_pages_cached", "kv_pages_total", "kv_page_size", "running", "waiting", "disk_bytes_read", "disk_read_seconds", "disk_read_ahead", "disk_read_ahead_hits", "disk_read_ahead_wasted")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,9 @@ class ModelStats(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     DISK_READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_AHEAD_WASTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     active: bool
     tokens_per_second: float
@@ -98,7 +101,10 @@ class ModelStats(_message.Message):
     waiting: int
     disk_bytes_read: int
     disk_read_seconds: float
-    def __init__(self, name: _Optional[str] = ..., active: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., ttft_mean_s: _Optional[float] = ..., ttft_p50_s: _Optional[float] = ..., ttft_p90_s: _Optional[float] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., expert_hits: _Optional[int] = ..., expert_misses: _Optional[int] = ..., expert_fills: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., gpu_routes: _Optional[int] = ..., cpu_routes: _Optional[int] = ..., cpu_route_share: _Optional[float] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., disk_read_seconds: _Optional[float] = ...) -> None: ...
+    disk_read_ahead: int
+    disk_read_ahead_hits: int
+    disk_read_ahead_wasted: int
+    def __init__(self, name: _Optional[str] = ..., active: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., ttft_mean_s: _Optional[float] = ..., ttft_p50_s: _Optional[float] = ..., ttft_p90_s: _Optional[float] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., expert_hits: _Optional[int] = ..., expert_misses: _Optional[int] = ..., expert_fills: _Optional[int] = ..., expert_hit_rate: _Optional[float] = ..., gpu_routes: _Optional[int] = ..., cpu_routes: _Optional[int] = ..., cpu_route_share: _Optional[float] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., disk_read_seconds: _Optional[float] = ..., disk_read_ahead: _Optional[int] = ..., disk_read_ahead_hits: _Optional[int] = ..., disk_read_ahead_wasted: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("models",)

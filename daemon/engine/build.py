@@ -34,6 +34,7 @@ from ..models.config import ModelConfig
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import back_with_huge_pages, weight_tensors
+from ..models.layers.moe import router_predictor
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import decode_attention_bytes, kv_bytes_per_token
 from ..native import dense_native
@@ -256,6 +257,9 @@ def backend(
         cpu_isa=cpu_isa,
         slot_budget=slot_budget,
     )
+    if isinstance(moe, CpuBackend) and moe.tier is not None:  # the disk tier reads ahead
+        moe.tier.predict = router_predictor(model)
+        moe.tier.read_ahead = config.expert_read_ahead
     if config.huge_pages and isinstance(moe, CpuBackend):  # the CPU streams them
         back_with_huge_pages(weight_tensors(model, moe.banks))
     if config.record_routing is not None:

@@ -78,6 +78,9 @@ class EngineConfig:
     """The disk tier (experts/disk_tier.py): the routed experts stay in the file and a RAM
     cache of about this many MiB holds the ones in use, read on demand (``cpu`` backend, GGUF
     files in a block format, for now). None: the whole expert pool is read into RAM at load."""
+    expert_read_ahead: bool = True
+    """With the disk tier: each MoE layer's call starts reading the next layer's likely experts
+    (its router applied to this layer's input) while it computes."""
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:

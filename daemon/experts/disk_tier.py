@@ -5,10 +5,13 @@ slots.
 The slots are host banks of the model's own expert format (``slot_banks``), so the CPU
 executors compute over them unchanged: a MoE layer's call looks its distinct experts up in the
 cache (``RamCache``: an LRU at expert granularity), reads the missing ones from the file into
-their slots (``ExpertSource.read``, several at once on a small thread pool; pread releases the
-GIL), applies the cpu backend's row interleave to each filled slot as ``formats.interleave_banks``
-does to a resident pool, and then calls the executor with slot ids in place of flat ids (a
-remap, as the device slot cache does). The same rows reach the same kernel in the same route
+their slots (``ExpertSource.reads``: adjacent experts of a layer as one run, each run's reads
+in pieces all in flight at once on a thread pool, ``O_DIRECT`` where the file system takes it:
+formats/direct_read.py; the reads release the GIL), applies the cpu backend's row interleave to
+each filled slot as ``formats.interleave_banks`` does to a resident pool, and then calls the
+executor with slot ids in place of flat ids (a remap, as the device slot cache does). Once a
+call's own experts are in, the next layer's predicted ones are read ahead while it computes
+(``TieredExecutor``). The same rows reach the same kernel in the same route
 order, so the results equal a resident pool's bit for bit.
 
 A call's experts are all resident at once: hits are touched before any victim is chosen, and
@@ -18,7 +21,8 @@ expert of the same call.
 Slot classes: a plain format has one class (every slot holds any expert). A per-layer GGUF format
 ("layers:...") keeps each layer's block types, so a slot only holds experts whose layer has its
 types: the slot banks are virtual layers of ``num_experts`` slots each, and each distinct pair of
-types gets virtual layers in proportion to its share of the pool (at least one).
+types gets virtual layers in proportion to its share of the pool (at least one; the rounding's
+leftover buys more where it fits).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,8 +56,17 @@ from .formats import (
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-STAT_NAMES = ("hits", "misses", "fills", "bytes_read")
-READ_THREADS = 4  # reads in flight at once (NVMe wants several; a page-cache hit is a memcpy)
+STAT_NAMES = (
+    "hits", "misses", "fills", "bytes_read", "read_ahead", "read_ahead_hits", "read_ahead_wasted",
+    "read_ahead_skipped",
+)  # fmt: skip
+READ_THREADS = 8  # reads in flight at once (a disk wants several: 8 measured faster than 4)
+RUN_MAX = 16  # adjacent experts one read takes at most (more runs: more reads in flight)
+# Read ahead only while the predictions are this precise (a share of the predicted experts the
+# call then used, a running mean): a wasted read costs the disk as much as a needed one (random
+# weights predict at chance, 8 of 128; a trained model's next-layer router far better)
+READ_AHEAD_MIN_PRECISION = 0.5
+PRECISION_WEIGHT = 0.1  # the running mean's weight of the newest call
 
 
 class ExpertSource(Protocol):
@@ -63,6 +76,15 @@ class ExpertSource(Protocol):
         """Writes expert ``fid``'s weights, as the loader would have put them in the pool before
         any interleave (GGUF rows), into ``dest`` (bank name -> that expert's row of the slot
         banks); returns the bytes read."""
+        ...
+
+    def read_many(self, fid: int, dests: list[dict[str, Tensor]]) -> int:
+        """``read`` of experts ``fid``, ``fid`` + 1, ... (of one layer) into ``dests`` in order,
+        in as few reads as the layout allows."""
+        ...
+
+    def reads(self, fid: int, dests: list[dict[str, Tensor]]) -> list[Callable[[], int]]:
+        """``read_many`` as reads that may run at once, each returning its bytes."""
         ...
 
     def close(self) -> None: ...
@@ -128,6 +150,34 @@ class RamCache:
         self.misses += len(missed)
         return out, fills
 
+    def reserve(self, fids: Iterable[int], keep: set[int]) -> list[tuple[int, int, int]]:
+        """Slots for experts read ahead (``fids``, distinct): resident ones touched, missing ones
+        given the least recently used slots -> [(fid, slot, evicted fid or -1)] to read. Never
+        evicts an expert of ``keep`` (the running call's) nor of ``fids``: it stops there. Not
+        counted as hits or misses (the call that uses them counts)."""
+        fids = list(fids)
+        missed = []
+        for f in fids:
+            s = self.slot_of.get(f)
+            if s is None:
+                missed.append(f)
+            else:
+                self.lru[self.class_of(f)].move_to_end(s)
+        fills = []
+        wanted = set(fids)
+        for f in missed:
+            lru = self.lru[self.class_of(f)]
+            s, old = next(iter(lru.items()))
+            if old in keep or old in wanted:
+                continue  # this class is full of what runs and what is wanted
+            lru.move_to_end(s)
+            if old >= 0:
+                del self.slot_of[old]
+            lru[s] = f
+            self.slot_of[f] = s
+            fills.append((f, s, old))
+        return fills
+
     def forget(self, fid: int) -> None:
         """Expert ``fid`` is no longer in its slot (a failed read): the slot is free, first out."""
         s = self.slot_of.pop(fid, None)
@@ -166,11 +216,16 @@ def slot_banks(
     count = {p: pairs.count(p) for p in distinct}
     size = {p: FORMATS[block_format(*p)].nbytes_per_expert(h, inter, dt) for p in distinct}
     total = sum(count[p] * size[p] for p in distinct)
-    vpairs: list[tuple[str, str]] = []
+    virtual = {}
     for p in distinct:  # a class's share of the cache = its share of the pool
         share = cache_bytes * count[p] * size[p] / total
-        v = min(count[p], max(1, int(share // (num_experts * size[p]))))
-        vpairs += [p] * v
+        virtual[p] = min(count[p], max(1, int(share // (num_experts * size[p]))))
+    left = cache_bytes - sum(virtual[p] * num_experts * size[p] for p in distinct)
+    for p in sorted(distinct, key=lambda p: virtual[p] / count[p]):  # the rounding's leftover
+        if virtual[p] < count[p] and num_experts * size[p] <= left:
+            virtual[p] += 1
+            left -= num_experts * size[p]
+    vpairs = [p for p in distinct for _ in range(virtual[p])]
     banks = allocate(layered_format(vpairs), len(vpairs) * num_experts, h, inter, dt, bias=bias)
     classes: list[list[int]] = [[] for _ in distinct]
     for v, p in enumerate(vpairs):
@@ -182,7 +237,19 @@ class TieredExecutor:
     """A CPU expert executor over the RAM cache's slot banks (``inner``, built over ``slots``)
     that reads missing experts from ``tier.source`` before each call. The executor interface of
     the cpu backend: ``forward`` and ``forward_addresses`` (the native decode step calls the
-    latter back through Python with the routed flat ids, cpu_decode.experts_of)."""
+    latter back through Python with the routed flat ids, cpu_decode.experts_of).
+
+    Read-ahead (``predict`` set, ``read_ahead`` on): once a call's own experts are in, the
+    experts ``predict(next layer, x)`` names for the next MoE layer (its router applied to this
+    layer's input: models/layers/moe.py ``router_predictor``) get slots and their reads go to
+    the pool, where they run while this layer computes and the next layer's attention runs (the
+    kernels release the GIL); the next call waits only for those it uses and reads the rest. A
+    read ahead never evicts the running call's experts. Counted: ``read_ahead`` (experts read
+    ahead), ``read_ahead_hits`` (of those, used by the call they were read for, or a later one,
+    before eviction) and ``read_ahead_wasted`` (evicted unused). Every prediction is checked
+    against the call it was for (``precision``, a running mean of the share used); below
+    ``READ_AHEAD_MIN_PRECISION`` the reads are not made (``read_ahead_skipped`` calls), the
+    predictions go on, and reading resumes when they improve."""
 
     def __init__(
         self,
@@ -194,32 +261,46 @@ class TieredExecutor:
         layer_class: list[int],
         inner: Any,
         read_threads: int = READ_THREADS,
+        read_ahead: bool = True,
     ) -> None:
         self.tier, self.pool, self.slots, self.inner = tier, pool, slots, inner
         self.num_experts = num_experts
+        self.num_layers = pool.num_flat // num_experts
         self.cache = RamCache(classes, lambda f: layer_class[f // num_experts])
-        # flat id + 1 -> slot (-1: not resident); index 0 is the skipped route's -1
+        # flat id + 1 -> slot (-1: not resident or still being read); 0 is the skipped route's
         self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="ft-disk-tier")
         self._local = threading.local()
-        self._lock = threading.Lock()  # one call's lookup and fills at a time
+        self._lock = threading.Lock()  # one call's lookup, fills and compute at a time
         self.counters = dict.fromkeys(STAT_NAMES, 0)
-        self.read_seconds = 0.0
+        self.read_seconds = 0.0  # time calls waited for reads (their own and ones read ahead)
         self.hidden_size = getattr(inner, "hidden_size", pool.hidden_size)
+        self.predict: Callable[[int, Tensor], Tensor | None] | None = None
+        self.read_ahead = read_ahead
+        self._pending: dict[int, tuple[int, int, Future[int]]] = {}  # fid -> (slot, run, read)
+        self._unused: set[int] = set()  # read ahead, not used yet
+        self._predicted: tuple[int, set[int]] = (-1, set())  # the next layer, its predicted
+        self.precision = 1.0  # the predictions' running precision (starts trusting them)
         # the file's descriptors and the readers go with the executor (an unloaded model)
         self._finalizer = weakref.finalize(self, _release, self._reads, tier.source)
 
     # -- the executor interface ------------------------------------------------------------------
     def forward(self, x: Tensor, flat_ids: Tensor, weights: Tensor) -> Tensor:
         with self._lock:
-            ids = self._remap(flat_ids.to(torch.int32).contiguous())
+            flat_ids = flat_ids.to(torch.int32).contiguous()
+            ids, fids = self._remap(flat_ids)
+            self._ahead(fids, x)
             return self.inner.forward(x, ids, weights)  # type: ignore[no-any-return]
 
     def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
         """``forward`` on raw addresses (models/layers/cpu_decode.py): ids [t, k] int32."""
         with self._lock:
             buf = (ctypes.c_int32 * (t * k)).from_address(ids)
-            slot_ids = self._remap(torch.frombuffer(buf, dtype=torch.int32).view(t, k))
+            slot_ids, fids = self._remap(torch.frombuffer(buf, dtype=torch.int32).view(t, k))
+            if self.predict is not None and self.read_ahead and fids:
+                h = self.hidden_size
+                xs = (ctypes.c_float * (t * h)).from_address(x)
+                self._ahead(fids, torch.frombuffer(xs, dtype=torch.float32).view(t, h))
             self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, t, k)
 
     def stats(self) -> dict[str, int]:
@@ -229,52 +310,173 @@ class TieredExecutor:
         self._finalizer()
 
     # -- the tier --------------------------------------------------------------------------------
-    def _remap(self, flat_ids: Tensor) -> Tensor:
-        """Flat ids [T, K] -> slot ids, the call's missing experts read first."""
+    def _remap(self, flat_ids: Tensor) -> tuple[Tensor, list[int]]:
+        """Flat ids [T, K] -> (slot ids, the call's distinct experts), the call's experts all
+        read (missing ones now, ones read ahead awaited)."""
         fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
         if fids and (fids[-1] >= self.pool.num_flat):
             raise IndexError(f"expert id {fids[-1]} outside [-1, {self.pool.num_flat})")
+        layer, predicted = self._predicted
+        if predicted and fids and fids[0] // self.num_experts == layer:  # how right it was
+            right = len(predicted.intersection(fids)) / len(predicted)
+            self.precision += PRECISION_WEIGHT * (right - self.precision)
+            self._predicted = (-1, set())
         _, fills = self.cache.lookup(fids)
+        started = time.perf_counter()
+        try:
+            for f in fids:  # read ahead for this call (or an earlier one): wait for it
+                if f in self._unused:
+                    self._unused.discard(f)
+                    self.counters["read_ahead_hits"] += 1
+                if f in self._pending:
+                    self._collect(f, evicted=False)
+        except BaseException:
+            for f, _, _ in fills:  # assigned slots, never read
+                self.cache.forget(f)
+            raise
+        self.read_seconds += time.perf_counter() - started
         if fills:
             self._fill(fills)
-        return self._lut[flat_ids.long() + 1]
+        return self._lut[flat_ids.long() + 1], fids
+
+    def _ahead(self, fids: list[int], x: Tensor) -> None:
+        """Starts reading the next MoE layer's predicted experts (see the class)."""
+        if self.predict is None or not self.read_ahead or not fids:
+            return
+        nxt = fids[0] // self.num_experts + 1
+        if nxt >= self.num_layers:
+            return
+        pred = self.predict(nxt, x)
+        if pred is None:
+            return
+        want = [nxt * self.num_experts + e for e in torch.unique(pred).tolist() if e >= 0]
+        self._predicted = (nxt, set(want))
+        if self.precision < READ_AHEAD_MIN_PRECISION:  # predicted (and checked), not read
+            self.counters["read_ahead_skipped"] += 1
+            return
+        fills = self.cache.reserve(want, keep=set(fids))
+        if fills:
+            self.counters["read_ahead"] += len(fills)
+            self._submit(fills, ahead=True)
+
+    def _evict(self, fills: list[tuple[int, int, int]]) -> None:
+        """The evicted experts of ``fills``: out of the table, their reads finished first (a
+        slot being read into is not overwritten), those read ahead unused counted wasted."""
+        for _, _, old in fills:
+            if old < 0:
+                continue
+            self._lut[old + 1] = -1
+            if old in self._pending:
+                self._collect(old, evicted=True)
+            if old in self._unused:
+                self._unused.discard(old)
+                self.counters["read_ahead_wasted"] += 1
+
+    def _submit(
+        self, fills: list[tuple[int, int, int]], ahead: bool
+    ) -> list[tuple[list[tuple[int, int]], Future[int]]]:
+        """Evicts, then starts the reads of ``fills``, adjacent experts of a layer in one run
+        (``_start_run``) -> the runs and their reads."""
+        self._evict(fills)
+        runs: list[list[tuple[int, int]]] = []
+        for f, s, _ in sorted(fills):
+            last = runs[-1][-1][0] if runs else -2
+            if f == last + 1 and f % self.num_experts != 0 and len(runs[-1]) < RUN_MAX:
+                runs[-1].append((f, s))
+            else:
+                runs.append([(f, s)])
+        out = []
+        for run in runs:
+            fut = self._start_run(run)
+            out.append((run, fut))
+            if ahead:
+                for f, s in run:
+                    self._pending[f] = (s, len(run), fut)
+                    self._unused.add(f)
+        return out
+
+    def _collect(self, fid: int, evicted: bool) -> None:
+        """Waits for ``fid``'s read ahead; its slot then enters the table unless ``evicted``. A
+        failed read: an evicted expert is dropped; a needed one is read again now (and its
+        failure then raised, the expert dropped from the cache)."""
+        slot, run, fut = self._pending.pop(fid)
+        try:
+            nbytes = fut.result() // run
+        except Exception:
+            if evicted:
+                return
+            log.warning("disk tier: reading expert %d ahead failed; reading it again", fid)
+            try:
+                nbytes = self._read_run([(fid, slot)])
+            except BaseException:
+                self.cache.forget(fid)
+                raise
+        self.counters["fills"] += 1
+        self.counters["bytes_read"] += nbytes
+        if not evicted:
+            self._lut[fid + 1] = slot
 
     def _fill(self, fills: list[tuple[int, int, int]]) -> None:
         started = time.perf_counter()
-        lut = self._lut
-        for _, _, old in fills:  # the evicted experts' slots are being overwritten
-            if old >= 0:
-                lut[old + 1] = -1
         try:
-            done = list(self._reads.map(lambda fs: self._read(fs[0], fs[1]), fills))
+            runs = self._submit(fills, ahead=False)
+            wait([fut for _, fut in runs])  # all ended, none still writing a slot, before a raise
+            done = [fut.result() for _, fut in runs]
         except BaseException:
             for f, _, _ in fills:  # what the slots hold is unknown: nothing of this call stays
                 self.cache.forget(f)
             raise
         for f, s, _ in fills:
-            lut[f + 1] = s
+            self._lut[f + 1] = s
         self.counters["fills"] += len(fills)
         self.counters["bytes_read"] += sum(done)
         self.read_seconds += time.perf_counter() - started
 
-    def _read(self, fid: int, slot: int) -> int:
+    def _dests(self, run: list[tuple[int, int]]) -> list[dict[str, Tensor]]:
         slots = self.slots
-        dest = {p: expert_rows(slots, p, slot, 1)[0] for p in ("gate_up", "down")}
-        n = self.tier.source.read(fid, dest)
-        if slots.interleaved:  # as formats.interleave_banks did to a resident pool
-            for proj, qtype in zip(("gate_up", "down"), layer_pair(slots, slot), strict=True):
-                rows = dest[proj]
-                if interleaves(proj, qtype, rows.shape[0]):
-                    scratch = getattr(self._local, "scratch", None)
-                    if scratch is None or scratch.numel() < rows.numel():
-                        scratch = self._local.scratch = torch.empty(rows.numel(), dtype=torch.uint8)
-                    if not gguf_interleave.interleave_in_place(rows, qtype, scratch):
-                        rows.copy_(gguf_interleave.interleave(rows, qtype))
-        for b, s in ((self.pool.gate_up_bias, slots.gate_up_bias),
-                     (self.pool.down_bias, slots.down_bias)):  # fmt: skip
-            if b is not None and s is not None:
-                s[slot].copy_(b[fid])
+        return [{p: expert_rows(slots, p, s, 1)[0] for p in ("gate_up", "down")} for _, s in run]
+
+    def _start_run(self, run: list[tuple[int, int]]) -> Future[int]:
+        """Starts the reads of a run (its pieces all at once on the pool) and, behind them on
+        the same pool, their finish (``_finish_run``) -> the finish's future (the run's bytes).
+        Pieces never wait, and a finish is queued after its pieces, so it waits only for reads
+        that run."""
+        pieces = [
+            self._reads.submit(r) for r in self.tier.source.reads(run[0][0], self._dests(run))
+        ]
+        return self._reads.submit(self._finish_run, run, pieces)
+
+    def _finish_run(self, run: list[tuple[int, int]], pieces: list[Future[int]]) -> int:
+        wait(pieces)
+        n = sum(p.result() for p in pieces)  # raises the first failed read
+        self._transform(run, self._dests(run))
         return n
+
+    def _read_run(self, run: list[tuple[int, int]]) -> int:
+        """Reads adjacent experts [(fid, slot), ...] of one layer into their slots, here."""
+        dests = self._dests(run)
+        n = self.tier.source.read_many(run[0][0], dests)
+        self._transform(run, dests)
+        return n
+
+    def _transform(self, run: list[tuple[int, int]], dests: list[dict[str, Tensor]]) -> None:
+        """What the load does to a resident pool's rows, done to the run's slots."""
+        slots = self.slots
+        for (fid, slot), dest in zip(run, dests, strict=True):
+            if slots.interleaved:  # as formats.interleave_banks did to a resident pool
+                for proj, qtype in zip(("gate_up", "down"), layer_pair(slots, slot), strict=True):
+                    rows = dest[proj]
+                    if interleaves(proj, qtype, rows.shape[0]):
+                        scratch = getattr(self._local, "scratch", None)
+                        if scratch is None or scratch.numel() < rows.numel():
+                            scratch = torch.empty(rows.numel(), dtype=torch.uint8)
+                            self._local.scratch = scratch
+                        if not gguf_interleave.interleave_in_place(rows, qtype, scratch):
+                            rows.copy_(gguf_interleave.interleave(rows, qtype))
+            for b, s in ((self.pool.gate_up_bias, slots.gate_up_bias),
+                         (self.pool.down_bias, slots.down_bias)):  # fmt: skip
+                if b is not None and s is not None:
+                    s[slot].copy_(b[fid])
 
 
 def _release(reads: ThreadPoolExecutor, source: ExpertSource) -> None:

@@ -224,6 +224,26 @@ class GgufFile:
         assert offset + dest.numel() <= t.nbytes
         self._pread(t, dest, offset, dest.numel())
 
+    def read_raw_scatter(self, t: GgufTensor, dests: list[torch.Tensor], offset: int = 0) -> None:
+        """Reads the tensor's stored bytes from ``offset`` on into ``dests`` (contiguous uint8
+        each) one after the other, in one ``preadv`` where the kernel reads it whole: adjacent
+        parts of the file into buffers that are not adjacent."""
+        views = [d.reshape(-1).numpy().data for d in dests if d.numel()]
+        total = sum(v.nbytes for v in views)
+        assert all(d.is_contiguous() and d.dtype == torch.uint8 for d in dests)
+        assert offset + total <= t.nbytes
+        at = t.offset + offset
+        while views:
+            got = os.preadv(self.fd, views, at)
+            if got <= 0:
+                raise GgufFormatError(f"{self.path}: tensor '{t.name}': file ends early")
+            at += got
+            while views and got >= views[0].nbytes:  # drop the buffers filled
+                got -= views[0].nbytes
+                views.pop(0)
+            if views and got:
+                views[0] = views[0][got:]
+
     def read_into(self, t: GgufTensor, dest: torch.Tensor, offset: int = 0) -> None:
         """Reads a native-type tensor's bytes [offset, offset + dest's size) straight into
         ``dest`` (contiguous, same dtype)."""

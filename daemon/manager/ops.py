@@ -132,11 +132,12 @@ class AdminOps:
         elif m.moe_backend == "fused":
             share = 0.0
         tier = getattr(m.llm.moe, "tier", None)  # the disk tier's RAM cache (cpu backend)
-        disk_bytes, disk_s = 0, 0.0
+        disk_bytes, disk_s, ahead = 0, 0.0, (0, 0, 0)
         if tier is not None:
             ts = tier.stats()
             hits, misses, fills = ts["hits"], ts["misses"], ts["fills"]
             disk_bytes, disk_s = ts["bytes_read"], tier.read_seconds
+            ahead = (ts["read_ahead"], ts["read_ahead_hits"], ts["read_ahead_wasted"])
         return {
             "name": m.name,
             "active": self.c.hub is not None and m.lane is self.c.hub.active,
@@ -161,6 +162,9 @@ class AdminOps:
             "waiting": st.waiting,
             "disk_bytes_read": disk_bytes,
             "disk_read_seconds": disk_s,
+            "disk_read_ahead": ahead[0],
+            "disk_read_ahead_hits": ahead[1],
+            "disk_read_ahead_wasted": ahead[2],
         }
 
     def cache_info(self) -> dict[str, Any]:

@@ -17,8 +17,11 @@ dequantize at load.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +33,7 @@ from ..experts.formats import (
     is_known,
     layered_format,
 )
-from ..formats import gguf_blocks, gguf_interleave
+from ..formats import direct_read, gguf_blocks, gguf_interleave
 from ..formats.gguf_file import GgufFile, GgufTensor
 
 log = logging.getLogger(__name__)
@@ -137,6 +140,9 @@ class InFile(RawStack):
         pass
 
 
+DIRECT_PIECE = 256 << 10  # bytes of one O_DIRECT read of the disk tier
+
+
 class GgufExpertSource:
     """The disk tier's source (experts/disk_tier.py ``ExpertSource``): one expert's GGUF rows
     read from the file's stacked tensors on demand, gate rows then up rows into its ``gate_up``
@@ -150,8 +156,13 @@ class GgufExpertSource:
         tensors: dict[str, tuple[GgufFile, GgufTensor]],
         blocks: list[int],
         num_experts: int,
+        direct: bool = True,
     ) -> None:
         self.files, self.num_experts = files, num_experts
+        # O_DIRECT descriptors (formats/direct_read.py), where the file system takes them
+        self.direct: dict[str, int | None] = {
+            str(f.path): direct_read.open_direct(f.path) if direct else None for f in files
+        }
         self.layers = []
         for b in blocks:
             parts = []
@@ -166,16 +177,57 @@ class GgufExpertSource:
             self.layers.append(parts)
 
     def read(self, fid: int, dest: dict[str, torch.Tensor]) -> int:
+        return self.read_many(fid, [dest])
+
+    def read_many(self, fid: int, dests: list[dict[str, torch.Tensor]]) -> int:
+        """Experts ``fid``, ``fid`` + 1, ... (one layer's) into ``dests`` in order: adjacent in
+        each of the layer's three tensors, so one scatter read per tensor."""
+        return sum(read() for read in self.reads(fid, dests))
+
+    def reads(self, fid: int, dests: list[dict[str, torch.Tensor]]) -> list[Callable[[], int]]:
+        """``read_many`` as independent reads (each returns its bytes), to run at once: through
+        the page cache one scatter read per tensor; ``O_DIRECT`` pieces of at most
+        ``DIRECT_PIECE`` bytes (one expert's three tensors are ~3 MB: the pieces of even one
+        expert keep several reads in flight)."""
         layer, e = divmod(fid, self.num_experts)
+        if e + len(dests) > self.num_experts:
+            raise ValueError(f"experts {fid}..{fid + len(dests) - 1} span two layers")
         (fg, tg, ng), (fu, tu, nu), (fd, td, nd) = self.layers[layer]
-        gate_up = dest["gate_up"]
-        half = gate_up.shape[0] // 2
-        assert gate_up[:half].numel() == ng and dest["down"].numel() == nd
-        fg.read_raw_into(tg, gate_up[:half], e * ng)
-        fu.read_raw_into(tu, gate_up[half:], e * nu)
-        fd.read_raw_into(td, dest["down"], e * nd)
-        return ng + nu + nd
+        half = dests[0]["gate_up"].shape[0] // 2 if dests else 0
+        for d in dests:
+            assert d["gate_up"][:half].numel() == ng and d["down"].numel() == nd
+        out: list[Callable[[], int]] = []
+        for f, t, n, parts in (
+            (fg, tg, ng, [d["gate_up"][:half] for d in dests]),
+            (fu, tu, nu, [d["gate_up"][half:] for d in dests]),
+            (fd, td, nd, [d["down"] for d in dests]),
+        ):
+            direct = self.direct.get(str(f.path))
+            if direct is None:
+                out.append(functools.partial(_scatter, f, t, parts, e * n))
+                continue
+            for k, part in enumerate(parts):
+                flat = part.reshape(-1)
+                at = t.offset + (e + k) * n
+                for i in range(0, n, DIRECT_PIECE):
+                    piece = flat[i : i + DIRECT_PIECE]
+                    out.append(functools.partial(_direct, direct, at + i, piece, str(f.path)))
+        return out
 
     def close(self) -> None:
         for f in self.files:
             f.close()
+        for fd in self.direct.values():
+            if fd is not None:
+                os.close(fd)
+        self.direct.clear()
+
+
+def _scatter(f: GgufFile, t: GgufTensor, parts: list[torch.Tensor], offset: int) -> int:
+    f.read_raw_scatter(t, parts, offset)
+    return sum(p.numel() for p in parts)
+
+
+def _direct(fd: int, offset: int, dest: torch.Tensor, name: str) -> int:
+    direct_read.read_into(fd, offset, [dest], name)
+    return dest.numel()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -76,15 +78,18 @@ class SparseMoE(nn.Module):
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice for x [T, H]: (expert ids [T, K], weights [T, K] fp32)."""
         logits = self.router(x)
         if self.kind == "sigmoid_group":
             n_group, topk_group, scale = self.group
-            ids, w = route_sigmoid_group(
+            return route_sigmoid_group(
                 logits, self.score_bias, self.top_k, n_group, topk_group, self.renorm, scale
             )
-        else:
-            ids, w = route(logits, self.top_k, self.kind == "softmax", self.renorm)
+        return route(logits, self.top_k, self.kind == "softmax", self.renorm)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        ids, w = self.select(x)
         out = batch.moe.forward(self.moe_index, x, ids, w)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -92,3 +97,16 @@ class SparseMoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+def router_predictor(model: nn.Module) -> Callable[[int, torch.Tensor], torch.Tensor | None]:
+    """predict(moe layer, x) -> the expert ids [T, K] that MoE layer's router chooses for x, an
+    earlier layer's MoE input (the residual stream changes little from one layer to the next):
+    the disk tier reads them ahead (experts/disk_tier.py). None for a layer of no router here."""
+    routers = {m.moe_index: m for m in model.modules() if isinstance(m, SparseMoE)}
+
+    def predict(layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        m = routers.get(layer)
+        return None if m is None else m.select(x)[0]
+
+    return predict

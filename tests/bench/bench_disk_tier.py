@@ -1,0 +1,435 @@
+"""Disk tier benchmark (issue 45): a model larger than the memory it may use, freetoken's disk
+tier against llama.cpp with plain mmap, in memory cgroups.
+
+    PYTHONPATH=... .venv/bin/python tests/bench/bench_disk_tier.py [--layers 11] [--repeats 3]
+        [--limits 0.5,0.25] [--decode 16] [--prompt 8] [--reserve-mb 900]
+
+The file: Qwen3-30B-A3B's layer geometry (hidden 2048, 128 experts of 768, top-8) in llama.cpp's
+Q4_K_M mix, ``--layers`` layers (11: 4.27 GB), random weights, built once and cached by
+bench_gguf_startup.build (under /tmp/ftbench-startup). Each run is a fresh child process in a
+memory cgroup limited to a share of the file's size (cgroup v1 ``memory.limit_in_bytes`` or v2
+``memory.max``: the page cache counts), the page cache dropped before it (``echo 3 >
+/proc/sys/vm/drop_caches``; root only: skipped with the reason otherwise). Engines interleave,
+figures are medians over ``--repeats`` runs:
+
+- freetoken: ``LLM(file, "cpu", expert_cache_mb=...)``, the RAM cache sized to the limit less
+  ``--reserve-mb`` (the process's own memory: Python, torch, the dense weights, the KV pool);
+- llama.cpp (llama-cpp-python): ``use_mmap=True`` and weight repacking off
+  (``llama_model_params.use_extra_bufts = False``: repacking copies the weights into anonymous
+  memory, which cannot fit under the limit); checked: its log names no CPU_REPACK buffer.
+
+Per run: time to first token (the prompt's prefill, from the model loaded), decode tok/s ((n - 1)
+over the time from the first token to the last), the bytes a decode token misses (freetoken: the
+tier's expert reads; llama.cpp: what its page faults read from the disk, ``/proc/self/io``
+read_bytes), whether it was killed (by the OOM killer: SIGKILL and the cgroup's oom_kill count)
+and its peak memory (the cgroup's max usage). The disk's read rate is measured once (caches
+dropped, 1 GiB of the file in 8 MiB reads, 4 in flight); the disk-bound ceiling of an engine is
+that rate over the bytes its decode token misses.
+
+``--daemon``: instead, the daemon serving the file in the first limit's cgroup answers, is
+killed (SIGKILL) with a request in flight, restarts there and answers the same.
+
+Both engines decode the same prompt greedily; the tokens are not compared (random weights:
+near-ties).
+
+Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~8;
+cgroup v1; disk 484 MB/s cold in that run; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens;
+medians of 3 interleaved runs):
+
+    limit          engine   tok/s  TTFT s  MB/token  ceiling  of ceil  killed
+    50 % 2036M  freetoken    4.28    5.63        47    10.27      42%     0/3
+    50 % 2036M  llama.cpp    0.37   12.80       619     0.78      47%     0/3
+    25 % 1018M  freetoken       -       -         -        -        -     3/3
+    25 % 1018M  llama.cpp    0.15   10.13      2759     0.18      86%     0/3
+
+At 50 % freetoken decodes 11.6x llama.cpp's rate; at 25 % it is killed at load: the RAM cache
+keeps at least one layer's experts per slot class (two classes in the Q4_K_M mix: 700 MiB) beside
+~700 MiB of process and dense weights (the bf16 embedding 196 MiB). The random weights' routers
+predict the next layer at chance, so read-ahead turns itself off here. ``--daemon`` at 50 %:
+up in 12 s, answered, killed with a request in flight, up again in 10 s, the same answer, no
+OOM kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("freetoken", "llama.cpp")
+PROMPT_SEED = 7
+
+
+def _io_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(PROMPT_SEED)
+    return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+
+
+# ---- the child: one engine, one run -------------------------------------------------------------
+
+
+def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from freetokend import LLM
+    from freetokend.engine.sampler import SamplingParams
+
+    torch.set_num_threads(a["threads"])
+    t0 = time.perf_counter()
+    llm = LLM(
+        a["path"], "cpu", threads=a["threads"], expert_cache_mb=a["cache_mb"],
+        max_model_len=512, kv_tokens=512, prefix_cache=False,
+    )  # fmt: skip
+    load_s = time.perf_counter() - t0
+    tier = llm.moe.tier
+    prompt = _prompt(a["prompt"], llm.tokenizer.vocab_size if llm.tokenizer else 50000)
+    params = SamplingParams(max_tokens=a["decode"], temperature=0.0, ignore_eos=True)
+    stamps: list[float] = []
+    io: list[int] = []
+    st: list[dict[str, int]] = []
+    start = time.perf_counter()
+    llm.engine.add_request("bench", prompt, params)
+    while llm.engine.has_unfinished():
+        for _ in llm.engine.step():
+            stamps.append(time.perf_counter())
+            io.append(_io_read_bytes())
+            st.append(tier.stats() if tier is not None else {})
+    first, last = st[0], st[-1]
+    return {
+        "load_s": load_s,
+        "ttft_s": stamps[0] - start,
+        "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "disk_bytes_per_token": (io[-1] - io[0]) / (len(stamps) - 1),
+        "tier_bytes_per_token": (last.get("bytes_read", 0) - first.get("bytes_read", 0))
+        / (len(stamps) - 1),
+        "hit_rate": _rate(first, last),
+        "read_ahead_used": _used(first, last),
+        "slots": tier.cache.slots if tier is not None else 0,
+    }
+
+
+def _rate(a: dict[str, int], b: dict[str, int]) -> float | None:
+    hits, misses = b.get("hits", 0) - a.get("hits", 0), b.get("misses", 0) - a.get("misses", 0)
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _used(a: dict[str, int], b: dict[str, int]) -> float | None:
+    n = b.get("read_ahead", 0) - a.get("read_ahead", 0)
+    return (b.get("read_ahead_hits", 0) - a.get("read_ahead_hits", 0)) / n if n else None
+
+
+def child_llama(a: dict[str, Any]) -> dict[str, Any]:
+    import llama_cpp.llama_cpp as C
+
+    default = C.llama_model_default_params
+
+    def no_repack() -> Any:  # Llama() exposes no switch; its params come from this function
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    C.llama_model_default_params = no_repack
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(
+        model_path=a["path"], n_ctx=512, n_threads=a["threads"], n_threads_batch=a["threads"],
+        use_mmap=True, verbose=True,
+    )  # fmt: skip
+    load_s = time.perf_counter() - t0
+    prompt = _prompt(a["prompt"], llm.n_vocab())
+    stamps: list[float] = []
+    io: list[int] = []
+    start = time.perf_counter()
+    for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        stamps.append(time.perf_counter())
+        io.append(_io_read_bytes())
+        if len(stamps) == a["decode"]:
+            break
+    return {
+        "load_s": load_s,
+        "ttft_s": stamps[0] - start,
+        "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "disk_bytes_per_token": (io[-1] - io[0]) / (len(stamps) - 1),
+    }
+
+
+# ---- the parent ---------------------------------------------------------------------------------
+
+
+class Cgroup:
+    """A memory cgroup of this machine (v1 or v2) limited to ``limit`` bytes."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        v1 = Path("/sys/fs/cgroup/memory")
+        v2 = Path("/sys/fs/cgroup")
+        if (v1 / "memory.limit_in_bytes").exists():
+            self.v2, self.dir = False, v1 / name
+        elif "memory" in (v2 / "cgroup.controllers").read_text(errors="replace").split():
+            self.v2, self.dir = True, v2 / name
+        else:
+            raise OSError("no memory cgroup controller (v1 or v2) is mounted")
+        if self.dir.exists():
+            self.dir.rmdir()
+        self.dir.mkdir()
+        (self.dir / ("memory.max" if self.v2 else "memory.limit_in_bytes")).write_text(str(limit))
+
+    def join(self) -> None:  # in the child, before exec
+        (self.dir / "cgroup.procs").write_text(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        f = self.dir / ("memory.events" if self.v2 else "memory.oom_control")
+        for line in f.read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def peak(self) -> int:
+        f = self.dir / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")
+        return int(f.read_text()) if f.exists() else 0
+
+    def remove(self) -> None:
+        for _ in range(50):
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
+    """Bytes/s reading ``nbytes`` of ``path`` from its middle, caches dropped, 4 reads in flight."""
+    drop_caches()
+    size = path.stat().st_size
+    start = max(0, (size - nbytes) // 2) // chunk * chunk
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offsets = range(start, min(size, start + nbytes), chunk)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            got = sum(pool.map(lambda o: len(os.pread(fd, chunk, o)), offsets))
+        return got / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
+    cache_mb = (limit >> 20) - a.reserve_mb
+    args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
+            "cache_mb": cache_mb}  # fmt: skip
+    cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
+    drop_caches()
+    try:
+        t0 = time.perf_counter()
+        p = subprocess.run(
+            [sys.executable, __file__, "--child", engine, json.dumps(args)],
+            capture_output=True, text=True, preexec_fn=cg.join, timeout=a.timeout,
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+        kills = cg.oom_kills()
+        out: dict[str, Any] = {"engine": engine, "wall_s": wall, "peak": cg.peak(),
+                               "oom_killed": kills > 0 or p.returncode == -9}  # fmt: skip
+        if engine == "llama.cpp":
+            out["repack"] = (
+                "CPU_REPACK" in p.stderr
+            )  # a repacked buffer (not the build line "REPACK = 1")
+        if p.returncode == 0:
+            out.update(json.loads(p.stdout.strip().splitlines()[-1]))
+            # the bytes a token misses: the tier's reads; llama.cpp's page faults' disk reads
+            out["miss_bytes_per_token"] = out.get("tier_bytes_per_token") or out.get(
+                "disk_bytes_per_token"
+            )
+        else:
+            out["error"] = f"rc {p.returncode}: {p.stderr[-600:]}"
+        return out
+    except subprocess.TimeoutExpired:
+        return {"engine": engine, "error": f"timeout {a.timeout} s", "oom_killed": False}
+    finally:
+        cg.remove()
+
+
+def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
+    """The daemon serving the file in a cgroup of ``limit`` bytes (the disk tier on, its cache
+    the limit less ``--reserve-mb``) answers a request, is killed (SIGKILL) in the middle of a
+    second one, restarts in the same cgroup and answers the first request the same."""
+    import re
+    import tempfile
+    import threading
+    import urllib.request
+
+    listen = re.compile(r"serving (\S+) on (http://\S+)")
+    cache_gb = ((limit >> 20) - a.reserve_mb) / 1024
+    cg = Cgroup(f"ftbench-daemon-{os.getpid()}", limit)
+    state = tempfile.mkdtemp(prefix="ftbench-daemon-")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "FREETOKEN_STATE_DIR": state}
+
+    def start() -> tuple[subprocess.Popen[str], str, str]:
+        drop_caches()
+        cmd = [sys.executable, "-m", "freetokend.cli", "--host", "127.0.0.1", "--port", "0",
+               "--model", str(path), "--moe-backend", "cpu", "--disk-tier", "on",
+               "--expert-cache-gb", f"{cache_gb:.3f}", "--admin-socket", "off",
+               "--kv-tokens", "1024"]  # fmt: skip
+        p = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, preexec_fn=cg.join)  # fmt: skip
+        assert p.stdout is not None
+        t0 = time.perf_counter()
+        for line in p.stdout:
+            m = listen.search(line)
+            if m:
+                print(f"  daemon up in {time.perf_counter() - t0:.1f} s (pid {p.pid})")
+                return p, m.group(1), m.group(2)
+        raise RuntimeError(f"the daemon exited ({p.wait()}) before serving")
+
+    def post(url: str, name: str, tokens: int) -> str:
+        body = {"model": name, "prompt": "Hello there", "max_tokens": tokens,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return str(json.loads(r.read())["choices"][0]["text"])
+
+    try:
+        p, name, url = start()
+        first = post(url, name, 8)
+        print(f"  answered {first!r}")
+
+        def doomed() -> None:
+            try:
+                post(url, name, 64)
+            except OSError:  # the connection dies with the daemon
+                pass
+
+        t = threading.Thread(target=doomed, daemon=True)
+        t.start()
+        time.sleep(3)
+        alive = t.is_alive()
+        p.kill()
+        p.wait()
+        print(f"  killed (SIGKILL) with a request in flight: {alive}; rc {p.returncode}")
+        p, name, url = start()
+        again = post(url, name, 8)
+        print(f"  restarted, answered the same: {again == first}; OOM kills {cg.oom_kills()}")
+        p.terminate()
+        p.wait(60)
+    finally:
+        cg.remove()
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=11)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--limits", default="0.5,0.25", help="shares of the file size")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=8)
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--reserve-mb", type=int, default=900, help="freetoken's memory beside the cache"
+    )
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument(
+        "--daemon", action="store_true", help="only the daemon check, at the first limit"
+    )
+    ap.add_argument("--child", nargs=2, metavar=("ENGINE", "ARGS"))
+    a = ap.parse_args()
+    if a.child:
+        engine, args = a.child[0], json.loads(a.child[1])
+        res = child_freetoken(args) if engine == "freetoken" else child_llama(args)
+        print(json.dumps(res))
+        return 0
+    if os.geteuid() != 0:
+        print("skipped: not root (memory cgroups and drop_caches need it)")
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_gguf_startup import build
+
+    path = build(a.layers, a.vocab)
+    size = path.stat().st_size
+    print(f"file {path}: {size / 1e9:.2f} GB, {a.layers} layers")
+    try:
+        Cgroup(f"ftbench-probe-{os.getpid()}", 1 << 40).remove()
+    except OSError as e:
+        print(f"skipped: cannot make a memory cgroup ({e})")
+        return 0
+    if a.daemon:
+        daemon_check(path, int(size * float(a.limits.split(",")[0])), a)
+        return 0
+    engines = a.engines.split(",")
+    if "llama.cpp" in engines:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama.cpp: llama-cpp-python not installed; freetoken alone")
+            engines.remove("llama.cpp")
+    rate = disk_rate(path)
+    print(f"disk read rate (cold, 8 MiB reads, 4 in flight): {rate / 1e6:.0f} MB/s")
+    results: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for share in (float(s) for s in a.limits.split(",")):
+        limit = int(size * share)
+        for i in range(a.repeats):
+            for engine in engines if i % 2 == 0 else engines[::-1]:  # interleaved
+                r = run(engine, path, limit, a)
+                results.setdefault((share, engine), []).append(r)
+                print(f"  {share:.0%} {engine} #{i}: " + json.dumps(r), flush=True)
+    print(f"\nmedians over {a.repeats} runs; disk {rate / 1e6:.0f} MB/s; file {size / 1e9:.2f} GB")
+    head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} "
+    print(head + f"{'ceiling':>8} {'of ceil':>8} {'killed':>7} {'peak MB':>8}")
+    for (share, engine), rows in results.items():
+        tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
+        per = _median(rows, "miss_bytes_per_token")
+        ceil = rate / per if per else None
+        killed = sum(bool(r.get("oom_killed")) for r in rows)
+        peak = _median(rows, "peak")
+        cells = [
+            f"{share:.0%} {int(size * share) >> 20}M",
+            engine,
+            f"{tps:.2f}" if tps else "-",
+            f"{ttft:.2f}" if ttft else "-",
+            f"{per / 1e6:.0f}" if per else "-",
+            f"{ceil:.2f}" if ceil else "-",
+            f"{tps / ceil:.0%}" if tps and ceil else "-",
+            f"{killed}/{len(rows)}",
+            f"{peak / 2**20:.0f}" if peak else "-",
+        ]
+        widths = (12, 10, 7, 7, 9, 8, 8, 7, 8)
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    for share in {s for s, _ in results}:
+        ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
+        if ft and lc:
+            x, y = _median(ft, "decode_tps"), _median(lc, "decode_tps")
+            if x and y:
+                print(f"{share:.0%}: freetoken / llama.cpp decode = {x / y:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
