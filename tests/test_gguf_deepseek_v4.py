@@ -106,3 +106,31 @@ def test_q8_0_file_matches_its_dequantized_weights(tmp_path, experts_dequantized
     assert any("compressor" in n for n in kept) and any("o_b_proj" in n for n in kept), kept
     agree, err, med = _compare(llm, hf)
     assert agree == 1.0 and med < 1e-4, (agree, err, med)
+
+
+def test_disk_tier_reads_the_hash_layers_experts_when_the_step_starts(f32):
+    """With the experts left in the file (a RAM cache of about one layer's), a hash layer's
+    experts are read when the step starts (``known_routes`` -> ``TieredExecutor.read_known``),
+    before the layers ahead of it run: the same tokens as the resident pool (the same kernels
+    on the same bytes), and those reads were used. V4 has no router the tier's own prediction
+    reads (``router_predictor``), so every read ahead here is a known one."""
+    _, path = f32
+    kw = dict(max_model_len=256, kv_tokens=2048, dtype="float32", prefix_cache=False)
+    want = LLM(path, **kw).generate(IDS[:12], max_tokens=8, ignore_eos=True)
+    tiered = LLM(path, "cpu", expert_cache_mb=0.03, **kw)
+    tier = tiered.moe.tier
+    assert tier is not None and tier.cache.slots < tiered.banks.num_flat
+    known: list[list[int]] = []
+    read_known = tier.read_known
+
+    def recorded(flat_ids, keep):
+        known.append(sorted(set(flat_ids.flatten().tolist())))
+        read_known(flat_ids, keep)
+
+    tier.read_known = recorded
+    assert tiered.generate(IDS[:12], max_tokens=8, ignore_eos=True) == want
+    hash_layer = tiered.config.moe_layer_index[0]  # the tiny config's hash layer is layer 0
+    e = tiered.config.num_experts
+    assert known and all(f // e == hash_layer for ids in known for f in ids)
+    c = tier.counters
+    assert c["read_ahead"] > 0 and c["read_ahead_hits"] > 0, c

@@ -112,6 +112,7 @@ class CpuBackend:
         self.executor: object | None = None
         self._dense_spin: int | None = None
         self.tier: TieredExecutor | None = None
+        self._known_fids: set[int] = set()  # this step's known_routes experts (disk tier)
         pool = banks
         if banks.disk is not None:  # experts in the file: the executor runs over RAM slots
             if fake:
@@ -159,6 +160,7 @@ class CpuBackend:
                 self.banks = dequantize_banks(banks)
 
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
+        self._known_fids.clear()  # known_routes' experts of the step before
         # the dense pool's spin for this model's steps (dense_native.SPIN_US_*), set every step:
         # the pool is the process's, and another resident model may have run in between
         if self._dense_spin is not None:
@@ -168,7 +170,10 @@ class CpuBackend:
         pass
 
     def known_routes(self, moe_layer: int, expert_ids: torch.Tensor) -> None:
-        pass  # every expert is in host RAM (the disk tier reads by its own prediction)
+        # the pool is in host RAM; the disk tier starts reading the experts it lacks
+        if self.tier is not None:
+            flat = expert_ids.to(torch.int32) + moe_layer * self.num_experts
+            self.tier.read_known(flat, self._known_fids)
 
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor

@@ -359,6 +359,22 @@ class TieredExecutor:
             self.counters["read_ahead"] += len(fills)
             self._submit(fills, ahead=True)
 
+    def read_known(self, flat_ids: Tensor, keep: set[int]) -> None:
+        """Experts a later call of this step uses for certain (DeepSeek-V4's hash-routed layers
+        know theirs from the token ids: ``MoEBackend.known_routes``): their reads start now and
+        run while the layers before that call compute, as reads ahead do (counted the same), with
+        no prediction to check. Never evicts ``keep`` (what earlier such calls of the step asked
+        for), which this call's experts join."""
+        if not self.read_ahead:
+            return
+        with self._lock:
+            want = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
+            fills = self.cache.reserve(want, keep=keep)
+            keep.update(want)
+            if fills:
+                self.counters["read_ahead"] += len(fills)
+                self._submit(fills, ahead=True)
+
     def _evict(self, fills: list[tuple[int, int, int]]) -> None:
         """The evicted experts of ``fills``: out of the table, their reads finished first (a
         slot being read into is not overwritten), those read ahead unused counted wasted."""
