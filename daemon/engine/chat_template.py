@@ -33,6 +33,10 @@ class ChatTemplateError(ValueError):
     """A template that is missing, does not compile, or fails while rendering."""
 
 
+class NoChatTemplate(ChatTemplateError):
+    """The model ships no chat template (a base model): it serves completions, not chats."""
+
+
 class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; for
     inference it renders its body unchanged."""
@@ -141,7 +145,7 @@ class ChatTemplate:
         model_dir = Path(model_dir)
         templates = _templates_in(model_dir)
         if not templates:
-            raise ChatTemplateError(
+            raise NoChatTemplate(
                 f"{model_dir} has no chat template (chat_template.jinja or "
                 "tokenizer_config.json 'chat_template')"
             )

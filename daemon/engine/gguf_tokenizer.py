@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..formats.gguf_file import read_header, split_files
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import ChatTemplate, NoChatTemplate
 from .gguf_pretokenizers import (
     GPT2_SPLIT_NAMES,
     PRE_TOKENIZER_SPLITS,
@@ -218,12 +218,12 @@ def chat_template_from_gguf(
     path: str | Path, metadata: dict[str, Any] | None = None
 ) -> ChatTemplate:
     """The ``tokenizer.chat_template`` of a GGUF file (or any part of a split set);
-    ChatTemplateError when it has none."""
+    NoChatTemplate when it has none."""
     path = metadata_file(path)
     _, _, cfg = tokenizer_fields(_metadata(path, metadata), str(path))
     source = cfg.get("chat_template")
     if not isinstance(source, str):
-        raise ChatTemplateError(f"{path} has no chat template (tokenizer.chat_template)")
+        raise NoChatTemplate(f"{path} has no chat template (tokenizer.chat_template)")
     special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
     return ChatTemplate({"default": source}, special)
 

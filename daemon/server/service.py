@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 import jinja2
 
+from ..engine.chat_template import NoChatTemplate
 from ..engine.sampler import SamplingParams
 from .bridge import Submission
 from .chat import ChatRequest, Sampling, check_sampling, fit_context
@@ -41,6 +43,8 @@ from .parsers.registry import (
 from .protocols import SubmitBridge
 from .scripted import Script, ScriptedConstraint, assistant_message, common_prefix
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Rendered:
@@ -48,9 +52,21 @@ class Rendered:
     ids: list[int]
 
 
-def template_source(llm: Any) -> str:
+def chat_template_of(llm: Any) -> Any | None:
+    """The model's chat template; None where the model ships none (a base model, as llama.cpp and
+    vLLM serve one): /v1/completions serves it, a chat request gets a 400 that says why."""
+    try:
+        return llm.chat_template
+    except NoChatTemplate as e:
+        log.warning("%s: chat requests will be refused; /v1/completions serves the model", e)
+        return None
+
+
+def template_source(llm: Any, template: Any) -> str:
     """The chat template's Jinja text (to see which tool syntax it instructs)."""
-    sources = getattr(llm.chat_template, "sources", None)
+    if template is None:
+        return ""
+    sources = getattr(template, "sources", None)
     if isinstance(sources, dict):
         return "\n".join(str(v) for v in sources.values())
     model_dir = Path(llm.model_dir)
@@ -142,8 +158,8 @@ class ModelService:
         self.bridge = bridge
         self.metrics = metrics
         self.tokenizer = llm.tokenizer
-        self.template = llm.chat_template
-        self.syntax = detect_syntax(llm.config.family, template_source(llm))
+        self.template = chat_template_of(llm)
+        self.syntax = detect_syntax(llm.config.family, template_source(llm, self.template))
         self.parser_token_ids = parser_token_ids(self.tokenizer, self.syntax)
         self.max_model_len: int = llm.engine.max_model_len
         self.vocab_size: int = llm.config.vocab_size
@@ -207,6 +223,11 @@ class ModelService:
         add_generation_prompt: bool = True,
     ) -> str:
         gen = add_generation_prompt
+        if self.template is None:
+            raise InvalidRequest(
+                f"The model {self.name!r} has no chat template (a base model): send its prompt "
+                "to /v1/completions, or serve a checkpoint that ships one."
+            )
         try:
             return str(
                 self.template.render(messages, tools=tools, add_generation_prompt=gen, **kwargs)
