@@ -30,6 +30,7 @@ class Geometry:
     kv_heads: int = 4
     head_dim: int = 128
     vocab: int = VOCAB_SIZE
+    max_position: int = 4096  # the context the file declares (bench_server: 32k prompts)
 
     def hf_config(self) -> dict[str, object]:
         return {
@@ -48,7 +49,7 @@ class Geometry:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "vocab_size": self.vocab,
-            "max_position_embeddings": 4096,
+            "max_position_embeddings": self.max_position,
             "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -113,7 +114,10 @@ def _outer_tensors(g: Geometry, gen: torch.Generator) -> dict[str, torch.Tensor]
 
 
 def _stamp(g: Geometry) -> dict[str, object]:
-    return {"version": _BUILD_VERSION, "geometry": asdict(g)}
+    geometry = asdict(g)
+    if g.max_position == 4096:  # the default before the field existed: earlier builds stay valid
+        del geometry["max_position"]
+    return {"version": _BUILD_VERSION, "geometry": geometry}
 
 
 def build_checkpoint(out_dir: Path, vocab_gguf: Path | None, g: Geometry = Geometry()) -> Path:

@@ -48,6 +48,17 @@ def _extract(sdist: Path, dest: Path) -> None:
         tar.extractall(dest, members=members, filter="data")
 
 
+def download_sdist(cache: Path, version: str) -> Path:
+    """llama-cpp-python's source distribution of ``version`` (downloaded once into the cache)."""
+    dl = cache / "sdist"
+    dl.mkdir(parents=True, exist_ok=True)
+    sdist = dl / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
+        subprocess.run([*pip, "-d", str(dl), f"llama-cpp-python=={version}"], check=True)
+    return sdist
+
+
 def llama_source(cache: Path) -> Path | None:
     """Folder holding convert_hf_to_gguf.py for the installed llama-cpp-python, or None."""
     env = os.environ.get("FT_LLAMA_CPP_SRC")
@@ -59,25 +70,7 @@ def llama_source(cache: Path) -> Path | None:
     src = cache / f"llama_cpp_src-{version}"
     if (src / "convert_hf_to_gguf.py").exists():
         return src
-    dl = cache / "sdist"
-    dl.mkdir(parents=True, exist_ok=True)
-    sdist = dl / f"llama_cpp_python-{version}.tar.gz"
-    if not sdist.exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-binary",
-                ":all:",
-                "--no-deps",
-                "-d",
-                str(dl),
-                f"llama-cpp-python=={version}",
-            ],
-            check=True,
-        )
+    sdist = download_sdist(cache, version)
     tmp = src.with_name(src.name + ".tmp")
     _extract(sdist, tmp)
     tmp.rename(src)

@@ -1,0 +1,457 @@
+"""Serving benchmark: `freetokend` against llama.cpp's `llama-server` on the same GGUF file, over
+HTTP, as agents use them (issue 44's figures).
+
+    PYTHONPATH=... .venv/bin/python tests/bench/bench_server.py [--threads 2] [--rounds 1]
+        [--prompts 2048,8192,32768] [--streams 1,2,4,8] [--itl-prompt 16384] [--quick]
+
+What it builds (cached under /tmp/ftbench-server):
+- the decode benchmark's random Qwen3-30B-A3B-geometry checkpoint (decode_ckpt.py; 4 layers,
+  hidden 2048, 128 experts of 768, top-8) declaring a 40960-token context, converted by the
+  installed llama-cpp-python's own converter and quantized to Q4_K_M by its quantizer: both
+  engines load that one file;
+- `llama-server` from the same llama-cpp-python version's vendored llama.cpp (the sdist, the
+  `llama-server` target only, web UI off, CPU only, built for this machine), unless
+  `--llama-server PATH` names one. About 6 minutes on 2 cores the first time.
+
+What it measures, per engine, in rounds whose engine order alternates (medians over rounds):
+- load: spawning the server until /health answers 200, with the file evicted from the page cache
+  first (cold: ``posix_fadvise(DONTNEED)`` on the file, or the whole page cache with
+  ``--drop-caches`` as root) and with it read just before (warm);
+- time to first token of one streamed /v1/completions request per prompt length (token-id
+  prompts: both engines see the same tokens; each prompt is new, so no prefix cache helps; the
+  longest prompt only in the first round);
+- aggregate decode with 1, 2, 4 and 8 concurrent streams: each a short new prompt and
+  ``--decode-tokens`` tokens (``ignore_eos``); the tokens all streams produce while every one of
+  them decodes (from the last stream's first token to the first stream's last), per second;
+- a decoding stream's inter-token latency while another request brings a ``--itl-prompt``-token
+  prompt: its median alone, then its p50, p99 and max from the long request's arrival to that
+  request's first token, with p99 as a multiple of each median (the issue asks p99 <= 3x the
+  stream's median);
+- greedy agreement on one prompt (16 tokens): how many leading tokens both engines share. Both
+  run Q4_K_M, but their kernels round differently, and this random model's logits are flat, so
+  a short shared prefix is expected; it shows the engines run the same model.
+
+Both servers get the same threads, one shared KV pool big enough for the longest prompt
+(llama-server: ``--parallel 8 --kv-unified -c``; freetokend: ``--kv-tokens``, ``--max-model-len``),
+and their default batching (llama-server: continuous batching, -b 2048 / -ub 512; freetokend: its
+scheduler's token budget). Streamed events are counted as tokens: both send one event per token
+(a byte-level token completing no UTF-8 character may ride with the next; rare here).
+The machine is shared in our sandbox: figures move between runs; ratios within a round are the
+ones to read. Name the CPU model beside any figure you quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from bench_gguf_startup import evict, warm
+from decode_ckpt import Geometry, build_checkpoint
+from decode_llama import (
+    convert_to_gguf,
+    download_sdist,
+    gpt2_vocab,
+    installed_version,
+    llama_source,
+    quantize_gguf,
+)
+
+CACHE = Path("/tmp/ftbench-server")
+CONTEXT = 40960
+SAFE_IDS = (300, 50000)  # prompt token ids drawn from here: no special or byte-fallback tokens
+
+
+# ---- what both engines load -------------------------------------------------------------------
+
+
+def build_file(cache: Path) -> Path:
+    src = llama_source(cache)
+    if src is None:
+        sys.exit("llama-cpp-python is not installed: it converts and quantizes the file")
+    model = build_checkpoint(cache / "mid-40k", gpt2_vocab(src), Geometry(max_position=CONTEXT))
+    bf16 = convert_to_gguf(model, src, cache / "mid-40k-bf16.gguf")
+    return quantize_gguf(bf16, cache / "mid-40k-q4_k_m.gguf", "q4_k_m")
+
+
+def build_llama_server(cache: Path, jobs: int) -> Path:
+    """llama-server from the installed llama-cpp-python's vendored llama.cpp (cached)."""
+    version = installed_version()
+    if version is None:
+        sys.exit("llama-cpp-python is not installed: its sdist is the llama.cpp source used")
+    out = cache / f"llama-server-{version}"
+    binary = out / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    tree = cache / f"llama.cpp-{version}"
+    if not (tree / "CMakeLists.txt").exists():
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        with tarfile.open(download_sdist(cache, version)) as tar:
+            members = []
+            for m in tar.getmembers():
+                parts = m.name.split("/vendor/llama.cpp/", 1)
+                if len(parts) == 2:
+                    m.name = parts[1]
+                    members.append(m)
+            tar.extractall(tmp, members=members, filter="data")
+        tmp.rename(tree)
+    flags = {
+        "CMAKE_BUILD_TYPE": "Release",
+        "GGML_NATIVE": "ON",
+        "LLAMA_BUILD_SERVER": "ON",
+        "LLAMA_BUILD_TOOLS": "ON",
+        "LLAMA_BUILD_TESTS": "OFF",
+        "LLAMA_BUILD_EXAMPLES": "OFF",
+        "LLAMA_BUILD_UI": "OFF",
+        "LLAMA_USE_PREBUILT_UI": "OFF",
+        "LLAMA_OPENSSL": "OFF",
+        "LLAMA_CURL": "OFF",
+    }
+    build = cache / f"llama-build-{version}"
+    cmake = ["cmake", "-S", str(tree), "-B", str(build), *(f"-D{k}={v}" for k, v in flags.items())]
+    print("building llama-server (once; minutes) ...", flush=True)
+    subprocess.run(cmake, check=True, capture_output=True)
+    target = ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
+    subprocess.run(target, check=True, capture_output=True)
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(build / "bin" / "llama-server", binary)
+    return binary
+
+
+# ---- the servers ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    engine: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    load_s: float
+    log: Path
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start(engine: str, path: Path, threads: int, llama_server: Path, state: Path) -> Server:
+    port = _free_port()
+    log = state / f"{engine}.log"
+    env = dict(os.environ)
+    if engine == "freetoken":
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from freetokend.cli import main; sys.exit(main())",
+            "--model",
+            str(path),
+        ]
+        cmd += ["--port", str(port), "--state-dir", str(state / "ft"), "--admin-socket", "off"]
+        cmd += ["--moe-backend", "cpu", "--max-model-len", str(CONTEXT)]
+        cmd += ["--kv-tokens", str(CONTEXT + 4096), "--max-batch", "16"]
+        env["OMP_NUM_THREADS"] = str(threads)
+    else:
+        cmd = [str(llama_server), "-m", str(path), "--port", str(port), "-t", str(threads)]
+        cmd += ["-tb", str(threads), "-c", str(CONTEXT + 4096), "--parallel", "8", "--kv-unified"]
+        cmd += ["--no-webui"]
+    t0 = time.perf_counter()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            sys.exit(f"{engine} exited with {proc.returncode} while loading:\n" + "\n".join(tail))
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return Server(engine, url, proc, time.perf_counter() - t0, log)
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    sent: float = 0.0
+    events: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    error: Exception | None = None
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(*SAFE_IDS, size=n).tolist()  # type: ignore[no-any-return]
+
+
+def complete(url: str, ids: list[int], max_tokens: int, out: Stream, stop: threading.Event) -> None:
+    """One streamed /v1/completions request; fills ``out`` as events arrive."""
+    body = {
+        "model": "bench",
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    out.sent = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600.0) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if stop.is_set():
+                return
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                out.prompt_tokens = chunk["usage"].get("prompt_tokens")
+            for choice in chunk.get("choices") or ():
+                if choice.get("text"):
+                    out.events.append(now)
+                    out.text.append(choice["text"])
+
+
+def _thread(
+    url: str, ids: list[int], n: int, out: Stream, stop: threading.Event
+) -> threading.Thread:
+    def run() -> None:
+        try:
+            complete(url, ids, n, out, stop)
+        except Exception as e:  # noqa: BLE001 -- re-raised by the caller
+            out.error = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def run_streams(url: str, jobs: list[tuple[list[int], int]]) -> list[Stream]:
+    outs = [Stream() for _ in jobs]
+    stop = threading.Event()
+    threads = [_thread(url, ids, n, out, stop) for (ids, n), out in zip(jobs, outs, strict=True)]
+    for t in threads:
+        t.join()
+    for o in outs:
+        if o.error is not None:
+            raise o.error
+    return outs
+
+
+def ttft(url: str, seed: int, n: int) -> tuple[float, int | None]:
+    (s,) = run_streams(url, [(prompt_ids(seed, n), 1)])
+    if not s.events:
+        raise RuntimeError(f"{url}: no token for a {n}-token prompt")
+    return s.events[0] - s.sent, s.prompt_tokens
+
+
+def aggregate(url: str, seed: int, streams: int, decode: int) -> float:
+    """Tokens per second of all streams together while every one of them decodes: from the
+    last stream's first token (the prompts are in) to the first stream's last token."""
+    outs = run_streams(url, [(prompt_ids(seed + i, 32), decode) for i in range(streams)])
+    t0 = max(o.events[0] for o in outs)
+    t1 = min(o.events[-1] for o in outs)
+    tokens = sum(sum(1 for t in o.events if t0 < t <= t1) for o in outs)
+    return tokens / (t1 - t0)
+
+
+def itl_during_prefill(url: str, seed: int, long_prompt: int) -> dict[str, float]:
+    """A stream decodes alone for a while, then a long prompt arrives (see the module doc)."""
+    stop = threading.Event()
+    a = Stream()
+    ta = _thread(url, prompt_ids(seed, 32), 4096, a, stop)  # stopped below
+    while len(a.events) < 24:
+        if not ta.is_alive():
+            raise RuntimeError(f"{url}: the decoding stream ended early: {a.error}")
+        time.sleep(0.01)
+    alone = np.diff(a.events[4:24])
+    (b,) = run_streams(url, [(prompt_ids(seed + 1, long_prompt), 1)])
+    time.sleep(0.5)
+    stop.set()
+    ta.join()
+    during = [t for t in a.events if b.sent <= t <= b.events[0]]
+    gaps = np.diff([max(e for e in a.events if e < b.sent), *during, b.events[0]])
+    return {
+        "alone_p50_ms": 1e3 * float(np.median(alone)),
+        "during_p50_ms": 1e3 * float(np.median(gaps)),
+        "during_p99_ms": 1e3 * float(np.percentile(gaps, 99)),
+        "during_max_ms": 1e3 * float(gaps.max()),
+        "during_tokens": float(len(during)),
+        "long_ttft_s": b.events[0] - b.sent,
+    }
+
+
+def greedy(url: str) -> list[str]:
+    (s,) = run_streams(url, [(prompt_ids(7, 32), 16)])
+    return s.text
+
+
+# ---- one engine's session ---------------------------------------------------------------------
+
+
+def session(
+    engine: str, path: Path, args: argparse.Namespace, server_bin: Path, first: bool
+) -> dict:
+    state = Path(tempfile.mkdtemp(prefix=f"ftbench-{engine}-"))
+    out: dict = {}
+    try:
+        evict(path, args.drop_caches)
+        srv = start(engine, path, args.threads, server_bin, state)
+        out["load_cold_s"] = srv.load_s
+        srv.stop()
+        warm(path)
+        srv = start(engine, path, args.threads, server_bin, state)
+        out["load_warm_s"] = srv.load_s
+        try:
+            out["greedy"] = greedy(srv.url)
+            prompts = args.prompts if first else [p for p in args.prompts if p < max(args.prompts)]
+            for i, n in enumerate(prompts):
+                print(f"  {engine}: {n}-token prompt ...", flush=True)
+                out[f"ttft_{n}"], out[f"prompt_tokens_{n}"] = ttft(srv.url, 1000 + 17 * i, n)
+            for s in args.streams:
+                print(f"  {engine}: {s} concurrent streams ...", flush=True)
+                out[f"agg_{s}"] = aggregate(srv.url, 2000 + 100 * s, s, args.decode_tokens)
+            if args.itl_prompt:
+                print(
+                    f"  {engine}: inter-token latency during a {args.itl_prompt}-token prompt ..."
+                )
+                out["itl"] = itl_during_prefill(srv.url, 3000, args.itl_prompt)
+        finally:
+            srv.stop()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    return out
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if key in r]
+    return statistics.median(vals) if vals else None
+
+
+def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    ft, ll = results["freetoken"], results["llama.cpp"]
+    cpu = platform.processor() or "?"
+    try:
+        cpu = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    print(f"\nCPU: {cpu}, {args.threads} threads; medians of {args.rounds} round(s)")
+    print(f"{'figure':34} {'freetoken':>12} {'llama.cpp':>12} {'ratio':>8}")
+
+    def line(name: str, a: float | None, b: float | None, better_low: bool) -> None:
+        if a is None or b is None:
+            return
+        ratio = b / a if better_low else a / b
+        print(f"{name:34} {a:12.3f} {b:12.3f} {ratio:7.2f}x")
+
+    line("load, cold (s)", _median(ft, "load_cold_s"), _median(ll, "load_cold_s"), True)
+    line("load, warm (s)", _median(ft, "load_warm_s"), _median(ll, "load_warm_s"), True)
+    for n in args.prompts:
+        line(
+            f"time to first token, {n} tok (s)",
+            _median(ft, f"ttft_{n}"),
+            _median(ll, f"ttft_{n}"),
+            True,
+        )
+    for s in args.streams:
+        line(
+            f"aggregate decode, {s} streams (tok/s)",
+            _median(ft, f"agg_{s}"),
+            _median(ll, f"agg_{s}"),
+            False,
+        )
+    for engine, rows in results.items():
+        itl = [r["itl"] for r in rows if "itl" in r]
+        if itl:
+            m = {k: statistics.median(i[k] for i in itl) for k in itl[0]}
+            print(
+                f"{engine}: ITL alone p50 {m['alone_p50_ms']:.1f} ms; during a {args.itl_prompt}-token"
+                f" prompt p50 {m['during_p50_ms']:.1f} ms, p99 {m['during_p99_ms']:.1f} ms "
+                f"({m['during_p99_ms'] / m['alone_p50_ms']:.1f}x the median alone, "
+                f"{m['during_p99_ms'] / m['during_p50_ms']:.1f}x the median during), max "
+                f"{m['during_max_ms']:.1f} ms over {m['during_tokens']:.0f} tokens; that prompt's "
+                f"first token after {m['long_ttft_s']:.1f} s"
+            )
+    for n in args.prompts:
+        counts = {
+            e: {r.get(f"prompt_tokens_{n}") for r in rows} - {None} for e, rows in results.items()
+        }
+        print(f"prompt tokens as each engine counted the {n}-token prompt: {counts}")
+    a, b = ft[0].get("greedy", []), ll[0].get("greedy", [])
+    shared = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+    print(f"greedy: the first {shared} of 16 tokens equal (Q4_K_M in both; flat random logits)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--prompts", default="2048,8192,32768", help="prompt lengths for TTFT")
+    ap.add_argument("--streams", default="1,2,4,8", help="concurrent stream counts")
+    ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--itl-prompt", type=int, default=16384, help="0: skip the ITL figure")
+    ap.add_argument("--llama-server", type=Path, help="a llama-server binary (default: build one)")
+    ap.add_argument("--drop-caches", action="store_true", help="cold loads drop the page cache")
+    ap.add_argument("--quick", action="store_true", help="small sizes: checks the bench runs")
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    args = ap.parse_args()
+    args.prompts = [int(x) for x in args.prompts.split(",")]
+    args.streams = [int(x) for x in args.streams.split(",")]
+    if args.quick:
+        args.prompts, args.streams, args.decode_tokens, args.itl_prompt = (
+            [256, 512],
+            [1, 2],
+            8,
+            1024,
+        )
+    args.cache.mkdir(parents=True, exist_ok=True)
+    path = build_file(args.cache)
+    server_bin = args.llama_server or build_llama_server(args.cache, args.threads)
+    print(f"file: {path} ({path.stat().st_size / 1e9:.2f} GB); llama-server: {server_bin}")
+    results: dict[str, list[dict]] = {"freetoken": [], "llama.cpp": []}
+    for r in range(args.rounds):
+        order = ["freetoken", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "freetoken"]
+        for engine in order:
+            print(f"round {r + 1}: {engine} ...", flush=True)
+            results[engine].append(session(engine, path, args, server_bin, first=r == 0))
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()
