@@ -268,6 +268,14 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             metavar="GB",
         ),
     ] = 0.0
+    expert_read_ahead: Annotated[
+        bool,
+        about(
+            "with the disk tier, each MoE layer starts reading the next layer's likely experts "
+            "(its router on this layer's input) while it computes; it pauses itself while "
+            "fewer than half its guesses are used"
+        ),
+    ] = True
     vram_watch: Annotated[
         bool, about("shrink the expert cache under VRAM pressure (NVML), grow it back")
     ] = True

@@ -27,6 +27,7 @@ FROM_DAEMON = {
     "cuda_graphs": True,
     "cpu_bf16_dot": False,
     "huge_pages": False,
+    "expert_read_ahead": False,
 }
 # per model: given to from_daemon by the model manager (quantize*: only for float checkpoints)
 PER_MODEL = {

@@ -130,4 +130,5 @@ class EngineConfig:
             cpu_bf16_dot=cfg.cpu_bf16_dot,
             huge_pages=cfg.huge_pages,
             expert_cache_mb=expert_cache_mb,
+            expert_read_ahead=cfg.expert_read_ahead,
         )
