@@ -52,7 +52,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -66,6 +65,7 @@ from decode_ckpt import Geometry, build_checkpoint
 from decode_llama import (
     convert_to_gguf,
     download_sdist,
+    extract_vendored,
     gpt2_vocab,
     installed_version,
     llama_source,
@@ -101,14 +101,7 @@ def build_llama_server(cache: Path, jobs: int) -> Path:
     tree = cache / f"llama.cpp-{version}"
     if not (tree / "CMakeLists.txt").exists():
         tmp = Path(tempfile.mkdtemp(dir=cache))
-        with tarfile.open(download_sdist(cache, version)) as tar:
-            members = []
-            for m in tar.getmembers():
-                parts = m.name.split("/vendor/llama.cpp/", 1)
-                if len(parts) == 2:
-                    m.name = parts[1]
-                    members.append(m)
-            tar.extractall(tmp, members=members, filter="data")
+        extract_vendored(download_sdist(cache, version), tmp, wanted=None)
         tmp.rename(tree)
     flags = {
         "CMAKE_BUILD_TYPE": "Release",

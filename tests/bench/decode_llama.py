@@ -37,12 +37,14 @@ def installed_version() -> str | None:
         return None
 
 
-def _extract(sdist: Path, dest: Path) -> None:
+def extract_vendored(sdist: Path, dest: Path, wanted: tuple[str, ...] | None = _WANTED) -> None:
+    """The sdist's ``vendor/llama.cpp`` files into ``dest``: those under ``wanted`` (None: all)."""
     with tarfile.open(sdist) as tar:
         members = []
         for m in tar.getmembers():
             parts = m.name.split("/vendor/llama.cpp/", 1)
-            if len(parts) == 2 and any(parts[1] == w or parts[1].startswith(w) for w in _WANTED):
+            keep = wanted is None or any(parts[-1].startswith(w) for w in wanted)
+            if len(parts) == 2 and keep:
                 m.name = parts[1]
                 members.append(m)
         tar.extractall(dest, members=members, filter="data")
@@ -72,7 +74,7 @@ def llama_source(cache: Path) -> Path | None:
         return src
     sdist = download_sdist(cache, version)
     tmp = src.with_name(src.name + ".tmp")
-    _extract(sdist, tmp)
+    extract_vendored(sdist, tmp)
     tmp.rename(src)
     return src
 
