@@ -57,6 +57,13 @@ _RELEASE_DENSE = re.compile(
 _PACKED = (torch.int8, torch.uint8)  # two e2m1 codes a byte (DeepSeek-V4's release: int8)
 _E8M0 = (torch.float8_e8m0fnu, torch.uint8)
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
+# a multimodal wrapper's text model as llava-style releases spell it (Kimi-K2.5:
+# ``language_model.model.*``, ``language_model.lm_head.*``), for transformers'
+# ``model.language_model.*`` / ``lm_head.*``
+_LLAVA_SPELLING = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -92,7 +99,16 @@ class Filler:
             else None
         )
 
+    def unwrapped(self, name: str) -> str:
+        """``name`` in transformers' spelling of a multimodal wrapper's text model."""
+        if self.cfg.weight_prefix == "model.language_model":
+            for old, new in _LLAVA_SPELLING:
+                if name.startswith(old):
+                    return new + name[len(old) :]
+        return name
+
     def canonical(self, name: str) -> str | None:
+        name = self.unwrapped(name)
         prefix = self.cfg.weight_prefix + "."
         if not self.cfg.weight_prefix:  # names as they are: the family's renames place them
             pass
@@ -112,7 +128,7 @@ class Filler:
             return True
         if not self.cfg.num_mtp_layers:
             return False
-        m = _LAYER.match(name.removeprefix(self.cfg.weight_prefix + "."))
+        m = _LAYER.match(self.unwrapped(name).removeprefix(self.cfg.weight_prefix + "."))
         n = self.cfg.num_layers
         return m is not None and n <= int(m.group(1)) < n + self.cfg.num_mtp_layers
 
@@ -128,7 +144,7 @@ class Filler:
         if self.release is not None and name.endswith(release_experts.KV_SCALES):
             return True  # a quantized KV cache's scales: our KV pool is not quantized
         # a tied checkpoint may still carry lm_head.weight
-        return self.cfg.tie_word_embeddings and name == "lm_head.weight"
+        return self.cfg.tie_word_embeddings and self.unwrapped(name) == "lm_head.weight"
 
     def put(self, name: str, canon: str, src: Source, path: Path) -> None:
         for pat, convert in self.spec.converters:

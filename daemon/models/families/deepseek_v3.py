@@ -9,8 +9,10 @@ In GGUF it is llama.cpp's ``deepseek2``, whose converter splits ``kv_b_proj`` in
 GLM-4.7-Flash (``glm4_moe_lite``) is written under the same name: the metadata hook tells it
 apart (``is_glm_flash``) and reads it as that family.
 
-Kimi-K2 and K2-Thinking are this architecture with Kimi's tokenizer (a tiktoken rank file,
-``engine/tiktoken_vocab.py``; llama.cpp's ``kimi-k2`` pre-tokenizer in GGUF). Their chat templates
+Kimi-K2, K2-Thinking and the text model of K2.5 (``KimiK25ForConditionalGeneration``, whose
+release spells its tensors ``language_model.model.*``) are this architecture with Kimi's
+tokenizer (a tiktoken rank file, ``engine/tiktoken_vocab.py``; llama.cpp's ``kimi-k2``
+pre-tokenizer in GGUF). Their chat templates
 spell Kimi's tool-call section, from which the server picks Kimi's output syntax
 (``detect_syntax``: ``kimi_k2`` calls, ``<think>`` reasoning where the template has it); the
 anchors are Kimi's markers (``kimi_markup``), which DeepSeek's own tokenizer does not have.
@@ -152,7 +154,14 @@ def mla_block_split(cfg: ModelConfig, key: str) -> list[Target] | None:
 
 
 SPEC = FamilySpec(
-    architectures=("DeepseekV3ForCausalLM",),
+    # Kimi-K2.5's multimodal wrapper, served text-only (its ``text_config`` is this family): the
+    # release's name and transformers' (``Kimi_K25...``); the vision tower and projector are
+    # read past
+    architectures=(
+        "DeepseekV3ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+        "Kimi_K25ForConditionalGeneration",
+    ),
     hf=HfRules(
         # the original DeepSeek-V3 configs predate rope_interleave, for one
         defaults=dict(
@@ -181,9 +190,13 @@ SPEC = FamilySpec(
         joins=(GgufJoin(KV_B_PARTS, "self_attn.kv_b_proj.weight", "attn_kv_b.weight", join_kv_b),),
     ),
     renames=(
+        # transformers 5.25 saves Kimi-K2.5's decoder layers as ``language_model.model.blocks.N``
+        # (its vision tower's blocks -> layers rename, reversed) and reads them back
+        (r"^blocks\.(\d+)\.", r"layers.\1."),
         (r"\.mlp\.gate\.weight$", ".mlp.router.weight"),
         (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.score_bias"),
         (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
     ),
+    ignore=(r"^(model\.)?vision_tower\.", r"^(model\.)?mm_projector\."),
     anchors=KIMI_ANCHORS,
 )
