@@ -24,6 +24,7 @@ interval:64 for every harness at the default budget.
 
     .venv/bin/python tests/bench/bench_agent_replay.py --check           # tiny hybrid + attention
     .venv/bin/python tests/bench/bench_agent_replay.py --models builtin  # the built-in model
+    .venv/bin/python tests/bench/bench_agent_replay.py --models tiny-v4  # DeepSeek-V4
 """
 
 from __future__ import annotations
@@ -78,13 +79,18 @@ class Run:
         return max(r.ttft_s for r in rs), max(r.ttft_cpu_s for r in rs)
 
 
+MODELS = {"tiny-hybrid": "qwen3_5_moe", "tiny-attn": "qwen3_moe", "tiny-v4": "deepseek_v4"}
+
+
 def model_dir(kind: str, root: Path) -> Path:
-    """builtin: the built-in model; tiny-hybrid / tiny-attn: 64-wide random Qwen3.5-MoE
-    (Gated DeltaNet + attention) / Qwen3-MoE (attention only) sharing its tokenizer."""
+    """builtin: the built-in model; tiny-hybrid / tiny-attn / tiny-v4: random Qwen3.5-MoE
+    (Gated DeltaNet + attention) / Qwen3-MoE (attention only) / DeepSeek-V4 (sliding window,
+    CSA and HCA: its attention state is held per sequence and snapshotted whole) of
+    tests/tiny_models.py sharing its tokenizer."""
     builtin = ensure_builtin_model(root / "state")
     if kind == "builtin":
         return builtin
-    family = {"tiny-hybrid": "qwen3_5_moe", "tiny-attn": "qwen3_moe"}.get(kind)
+    family = MODELS.get(kind)
     if family is None:
         return Path(kind)
     from tiny_models import make_tiny
@@ -140,8 +146,14 @@ def replay(
     args: argparse.Namespace,
 ) -> Run:
     probe = LLM(path, max_model_len=args.max_len, kv_tokens=64, dtype="float32", prefix_cache=False)
-    state = probe.runner.new_state().recurrent
-    snap_mb = (state.nbytes if state is not None else 0) / 2**20
+    state = probe.runner.new_state()
+    if state.recurrent is not None:
+        snap_bytes = state.recurrent.nbytes
+    else:  # a state that grows with the sequence (DeepSeek-V4): its size at the mean prompt
+        mean = sum(map(len, (p for h in ids.values() for p in h))) / sum(map(len, ids.values()))
+        model = probe.runner.model
+        snap_bytes = model.state_bytes_per_seq() + int(mean) * model.state_bytes_per_token()
+    snap_mb = snap_bytes / 2**20
     del probe
     llm = LLM(
         path,
@@ -207,7 +219,7 @@ def main() -> None:
     ap.add_argument(
         "--models",
         default="tiny-hybrid,tiny-attn",
-        help="builtin | tiny-hybrid | tiny-attn | a folder",
+        help=f"builtin | {' | '.join(MODELS)} | a folder",
     )
     ap.add_argument("--harnesses", default=",".join(HARNESSES))
     ap.add_argument("--policies", default=DEFAULT_POLICIES, help=f"of {POLICIES}")
