@@ -3,6 +3,7 @@ HTTP, as agents use them (issue 44's figures).
 
     PYTHONPATH=... .venv/bin/python tests/bench/bench_server.py [--threads 2] [--rounds 1]
         [--prompts 2048,8192,32768] [--streams 1,2,4,8] [--itl-prompt 16384] [--quick]
+        [--only load] [--drop-caches]
 
 What it builds (cached under /tmp/ftbench-server):
 - the decode benchmark's random Qwen3-30B-A3B-geometry checkpoint (decode_ckpt.py; 4 layers,
@@ -325,6 +326,9 @@ def session(
         warm(path)
         srv = start(engine, path, args.threads, server_bin, state)
         out["load_warm_s"] = srv.load_s
+        if args.only == "load":
+            srv.stop()
+            return out
         try:
             out["greedy"] = greedy(srv.url)
             prompts = args.prompts if first else [p for p in args.prompts if p < max(args.prompts)]
@@ -373,6 +377,12 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
 
     line("load, cold (s)", _median(ft, "load_cold_s"), _median(ll, "load_cold_s"), True)
     line("load, warm (s)", _median(ft, "load_warm_s"), _median(ll, "load_warm_s"), True)
+    if args.only == "load":
+        for engine, rows in results.items():
+            cold = ", ".join(f"{r['load_cold_s']:.2f}" for r in rows)
+            warm_s = ", ".join(f"{r['load_warm_s']:.2f}" for r in rows)
+            print(f"{engine}: cold {cold}; warm {warm_s} (s, by round)")
+        return
     for n in args.prompts:
         line(
             f"time to first token, {n} tok (s)",
@@ -422,6 +432,9 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, help="a llama-server binary (default: build one)")
     ap.add_argument("--drop-caches", action="store_true", help="cold loads drop the page cache")
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the bench runs")
+    ap.add_argument(
+        "--only", choices=("load",), help="load: only the cold and warm loads, each round"
+    )
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
