@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"freetokend: {e}", file=sys.stderr)
         return 2
-    if cfg.disk_tier != "on":  # the disk reads the weights while the imports below run
+    if cfg.model and cfg.disk_tier != "on":  # the disk reads the weights while the imports run
         readahead.start(cfg.model)
     # deferred: torch (the CLI and `import freetokend` start without it)
     from .server.logs import configure_logging
