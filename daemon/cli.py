@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from .config import ConfigError, Setting, resolve, settings
+from .runtime import readahead
 
 DESCRIPTION = """\
 Serve a Mixture-of-Experts model over HTTP: OpenAI (/v1/chat/completions, /v1/completions,
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"freetokend: {e}", file=sys.stderr)
         return 2
+    if cfg.model and cfg.disk_tier != "on":  # the disk reads the weights while the imports run
+        readahead.start(cfg.model)
     # deferred: torch (the CLI and `import freetokend` start without it)
     from .server.logs import configure_logging
 

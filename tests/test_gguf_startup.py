@@ -7,6 +7,7 @@ load for the weights (bit-identical banks and parameters)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import gguf
@@ -23,7 +24,7 @@ from freetokend.engine import gguf_tokenizer
 from freetokend.engine.gguf_pretokenizers import PRE_TOKENIZER_SPLITS, TRANSFORMERS_SPLITS
 from freetokend.engine.tokenizer import Tokenizer
 from freetokend.experts.formats import expert_rows, interleave_banks, interleaves
-from freetokend.formats import gguf_interleave
+from freetokend.formats import gguf_file, gguf_interleave
 from freetokend.formats.gguf_file import GgufFile, GgufFormatError, read_header
 from freetokend.models.gguf_loader import GgufCheckpoint
 from freetokend.models.loader import load_model
@@ -105,6 +106,23 @@ def test_a_header_given_is_reused_only_while_the_file_is_unchanged(tmp_path):
     assert not h.current()
     with GgufFile(path, h) as f:
         assert f.header is not h and f.metadata == h.metadata
+
+
+def test_a_header_is_parsed_once_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    """read_header gives the header it parsed before (one start-up asks in several places) and
+    parses again once the file changed."""
+    path = _every_type(tmp_path / "t.gguf", gguf.GGUFEndian.LITTLE)
+    parses = []
+    parse = gguf_file._parse_file
+    monkeypatch.setattr(gguf_file, "_parse_file", lambda p: parses.append(p) or parse(p))
+    h = read_header(path)
+    assert read_header(str(path)) is h and read_header(path) is h and len(parses) == 1
+    with GgufFile(path) as f:
+        assert f.header is h and len(parses) == 1
+    path.write_bytes(path.read_bytes() + b"\0" * 64)
+    again = read_header(path)
+    assert again is not h and again.current() and len(parses) == 2
+    assert again.metadata == h.metadata
 
 
 @pytest.mark.parametrize("cut", [30, 200, 400])
@@ -242,6 +260,27 @@ def test_experts_interleaved_at_read_equal_interleaved_after(llm, gguf_path):
     _, again = load_model(gguf_path, llm.config, interleave_experts=True)
     assert again.interleaved and all(torch.equal(again.all_tensors()[k], want[k]) for k in want)
     del plain_model
+
+
+def test_a_failed_expert_read_fails_the_load_after_the_workers_stop(llm, gguf_path, monkeypatch):
+    """The experts are read on worker threads: an error there is the load's error, raised once
+    no worker writes into the banks any more."""
+    calls = []
+    read = GgufFile.read_raw_into
+
+    def failing(self, t, dest, offset=0):
+        calls.append(t.name)
+        if len(calls) == 5:
+            raise OSError(5, "Input/output error")
+        read(self, t, dest, offset)
+
+    monkeypatch.setattr(GgufFile, "read_raw_into", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        load_model(gguf_path, llm.config, interleave_experts=True)
+    done = len(calls)
+    assert done >= 5 and all(n.endswith("_exps.weight") for n in calls)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ft-fill")]
+    assert len(calls) == done  # nothing still reading
 
 
 def _gguf_dequantized(f: GgufFile, t) -> torch.Tensor:

@@ -230,6 +230,28 @@ def test_interleave_round_trip_and_layout(fmt: str) -> None:
         gi.interleave(gb.quantize(torch.randn(8, 64), "q5_0"), "q5_0")
 
 
+@pytest.mark.parametrize("simd", [False, True])
+@pytest.mark.parametrize("fmt", sorted(gi.INTERLEAVED_CODES))
+def test_native_interleave_moves_equal_the_torch_permutes(fmt: str, simd: bool) -> None:
+    """ftdense.qinterleave's scalar moves and its AVX2 transposes (where the CPU has AVX2;
+    otherwise the scalar moves again) give the torch reference's bytes, both ways, on random
+    bytes (every byte's place checked) over several super-blocks, groups and a tail."""
+    import ftdense
+
+    blocks = 3 if fmt in ("q4_k", "q5_k", "q6_k") else 5
+    nbytes = blocks * gb.BLOCK_BYTES[fmt]
+    raw = torch.randint(0, 256, (8 * 4 + 5, nbytes), dtype=torch.uint8)
+    want = gi.interleave(raw, fmt, native=False)
+    cols = blocks * gb.BLOCK_INPUTS[fmt]
+    code = gb.QTYPE_CODES[fmt]
+    got = torch.empty_like(raw)
+    ftdense.qinterleave(code, raw.data_ptr(), got.data_ptr(), raw.shape[0], cols, False, simd)
+    assert torch.equal(got, want)
+    back = torch.empty_like(raw)
+    ftdense.qinterleave(code, want.data_ptr(), back.data_ptr(), raw.shape[0], cols, True, simd)
+    assert torch.equal(back, raw)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", sorted(gi.INTERLEAVED_CODES))
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 40])

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,11 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..runtime.readahead import SPLIT_NAME, split_set
 from .gguf_dequant import DEQUANTIZERS
 from .gguf_dequant import dequantize as dequantize_rows
 
 GGUF_MAGIC = b"GGUF"
-_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 # Types read as they are; every other type is dequantized by ``read_float``.
 NATIVE: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -86,11 +85,10 @@ def split_files(path: str | Path) -> list[Path]:
     """All files of a split set ``name-0000i-of-0000N.gguf`` (given any of them), in order; a
     plain file alone."""
     p = Path(path)
-    m = _SPLIT.match(p.name)
-    if m is None:
+    if SPLIT_NAME.match(p.name) is None:
         return [p]
-    n = int(m.group("n"))
-    files = [p.with_name(f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    files = split_set(p)
+    n = len(files)
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise GgufFormatError(f"{p}: split file {missing[0].name} of {n} is missing")
@@ -119,7 +117,7 @@ def can_dequantize(type_name: str) -> bool:
 def set_name(path: str | Path) -> str:
     """A model name for a GGUF file: its stem without a split suffix (``-00001-of-00003``)."""
     p = Path(path)
-    m = _SPLIT.match(p.name)
+    m = SPLIT_NAME.match(p.name)
     return m.group("stem") if m else p.stem
 
 
@@ -149,9 +147,29 @@ def _identity(path: Path) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+# The headers parsed last (path -> header), returned again while their file is unchanged: one
+# start-up reads a file's header in several places (the expert format, the bandwidth profile,
+# the config, the weights, the tokenizer), each a parse of its whole vocabulary otherwise.
+_PARSED: dict[Path, GgufHeader] = {}
+_PARSED_KEEP = 2  # files: a split set's first ones, or a swap's old and new model
+
+
 def read_header(path: str | Path) -> GgufHeader:
-    """Parses the header of one GGUF file (GgufFormatError naming the file when it cannot)."""
+    """The header of one GGUF file (GgufFormatError naming the file when it cannot be parsed):
+    parsed, or the one parsed before while the file is unchanged (``GgufHeader.current``)."""
     path = Path(path)
+    done = _PARSED.get(path)
+    if done is not None and done.current():
+        return done
+    header = _parse_file(path)
+    _PARSED.pop(path, None)
+    while len(_PARSED) >= _PARSED_KEEP:
+        _PARSED.pop(next(iter(_PARSED)), None)
+    _PARSED[path] = header
+    return header
+
+
+def _parse_file(path: Path) -> GgufHeader:
     try:
         with path.open("rb") as f:
             magic = f.read(4)

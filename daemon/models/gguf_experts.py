@@ -21,7 +21,9 @@ import functools
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -101,15 +103,57 @@ def log_kept(path_name: str, tensors: dict[str, GgufTensor], expert_format: str)
         )
 
 
+class FillPool:
+    """Worker threads that fill expert banks while the loader goes on with the other tensors:
+    ``preadv`` and the native interleave release the GIL, so the reads of one expert after
+    another run on every core at once instead of one after the other on the loader's thread.
+    ``wait`` joins them (the first error re-raised); ``close`` (after an error) cancels what has
+    not started and waits for what runs, so no thread writes into banks being freed."""
+
+    def __init__(self, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ft-fill")
+        self.futures: list[Future[None]] = []
+        self._local = threading.local()
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        self.futures.append(self.pool.submit(fn, *args))
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """This thread's reused buffer of ``like``'s shape (uint8): stays in its core's cache."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < like.numel():
+            buf = self._local.buf = torch.empty(like.numel(), dtype=torch.uint8)
+        return buf[: like.numel()].view(like.shape)
+
+    def wait(self) -> None:
+        try:
+            for f in self.futures:
+                f.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.futures.clear()
+
+
 class RawStack:
     """A stacked expert weight [E, rows, cols] with the loader's source interface, whose raw GGUF
     blocks ``into`` copies into block banks' rows ([E, rows, row bytes] uint8). ``dtype`` is the
-    element type the loader's shape check sees (fp32, as for any quantized GGUF tensor)."""
+    element type the loader's shape check sees (fp32, as for any quantized GGUF tensor).
+    ``pool``: each expert's read runs on its threads (``into`` returns before they end; the
+    loader waits on the pool)."""
 
     dtype = torch.float32
 
-    def __init__(self, f: GgufFile, t: GgufTensor, interleave: str | None = None) -> None:
-        self.f, self.t, self.interleave = f, t, interleave
+    def __init__(
+        self,
+        f: GgufFile,
+        t: GgufTensor,
+        interleave: str | None = None,
+        pool: FillPool | None = None,
+    ) -> None:
+        self.f, self.t, self.interleave, self.pool = f, t, interleave, pool
         self.shape = t.shape
 
     def into(self, dest: torch.Tensor) -> None:
@@ -122,14 +166,23 @@ class RawStack:
         if dest.dim() != 3 or dest.shape[0] * dest[0].numel() != self.t.nbytes:
             raise ValueError(f"{self.t.name}: {self.t.nbytes} bytes cannot fill {list(dest.shape)}")
         per = dest[0].numel()
-        if self.interleave is None:
+        if self.pool is not None:
             for e in range(dest.shape[0]):
-                self.f.read_raw_into(self.t, dest[e], e * per)  # asserts each part is contiguous
+                self.pool.submit(self._expert, dest[e], e * per, None)
             return
-        scratch = torch.empty(dest[0].shape, dtype=torch.uint8)  # stays in cache, reused
+        scratch = None if self.interleave is None else torch.empty_like(dest[0])  # reused
         for e in range(dest.shape[0]):
-            self.f.read_raw_into(self.t, scratch, e * per)
-            gguf_interleave.interleave_to(scratch, dest[e], self.interleave)
+            self._expert(dest[e], e * per, scratch)
+
+    def _expert(self, dest: torch.Tensor, offset: int, scratch: torch.Tensor | None) -> None:
+        if self.interleave is None:
+            self.f.read_raw_into(self.t, dest, offset)  # asserts the part is contiguous
+            return
+        if scratch is None:
+            assert self.pool is not None
+            scratch = self.pool.scratch(dest)
+        self.f.read_raw_into(self.t, scratch, offset)
+        gguf_interleave.interleave_to(scratch, dest, self.interleave)
 
 
 class InFile(RawStack):

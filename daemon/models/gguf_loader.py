@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -445,6 +446,58 @@ def _disk_tier(ck: GgufCheckpoint, cfg: ModelConfig, cache_bytes: int) -> DiskTi
     return DiskTier(source, cache_bytes)
 
 
+def _fill(
+    ck: GgufCheckpoint,
+    cfg: ModelConfig,
+    filler: Filler,
+    banks: ExpertBanks,
+    in_blocks: dict[str, tuple[str, _Kept]],
+    block: bool,
+    tiered: bool,
+    interleave: bool,
+    pool: gguf_experts.FillPool | None,
+) -> None:
+    """Every tensor of ``ck`` into the model and the banks (``pool``: the block experts' reads
+    run on its threads and may still be in flight when this returns)."""
+    for name, canon, src in ck.sources(cfg):
+        if canon in in_blocks and isinstance(src, _Source):
+            _keep_blocks(in_blocks[canon][1], src)
+            filler.filled.add(canon)
+            continue
+        if canon.startswith("experts:"):
+            _, layer, key = canon.split(":")
+            m = _EXPS.match(key)
+            assert m is not None and isinstance(src, _Source)
+            if block and m.group(2) == "weight":  # the raw blocks, as the file has them
+                if src.fix is not None:
+                    raise CheckpointError(
+                        f"{src.t.path}: tensor '{name}': fused gate/up experts in blocks "
+                        "are not supported"
+                    )
+                if tiered:
+                    raw: gguf_experts.RawStack = gguf_experts.InFile(src.f, src.t)
+                else:
+                    raw = gguf_experts.RawStack(
+                        src.f, src.t, _interleaved(src.t, m.group(1), interleave), pool
+                    )
+                    banks.interleaved |= raw.interleave is not None
+                filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
+                continue
+            filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
+        elif cfg.tie_word_embeddings and canon == "lm_head.weight":
+            continue
+        elif canon in filler.tables:  # an integer table (DeepSeek-V4's tid2eid)
+            filler.table(canon, src, name, src.t.path)
+        elif canon not in filler.params and 0 in src.shape:
+            continue  # an empty module (GLM with no shared expert: [0, H] tensors)
+        elif canon not in filler.params:
+            raise CheckpointError(
+                f"{src.t.path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)"
+            )
+        else:
+            filler.dense(canon, src, name, src.t.path)
+
+
 def load_gguf(
     path: str | Path,
     cfg: ModelConfig | None = None,
@@ -489,43 +542,15 @@ def load_gguf(
         interleave = interleave_experts and block and not tiered
         interleave = interleave and gguf_interleave.native_moves_available()
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
-        for name, canon, src in ck.sources(cfg):
-            if canon in in_blocks and isinstance(src, _Source):
-                _keep_blocks(in_blocks[canon][1], src)
-                filler.filled.add(canon)
-                continue
-            if canon.startswith("experts:"):
-                _, layer, key = canon.split(":")
-                m = _EXPS.match(key)
-                assert m is not None and isinstance(src, _Source)
-                if block and m.group(2) == "weight":  # the raw blocks, as the file has them
-                    if src.fix is not None:
-                        raise CheckpointError(
-                            f"{src.t.path}: tensor '{name}': fused gate/up experts in blocks "
-                            "are not supported"
-                        )
-                    if tiered:
-                        raw: gguf_experts.RawStack = gguf_experts.InFile(src.f, src.t)
-                    else:
-                        raw = gguf_experts.RawStack(
-                            src.f, src.t, _interleaved(src.t, m.group(1), interleave)
-                        )
-                        banks.interleaved |= raw.interleave is not None
-                    filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
-                    continue
-                filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
-            elif cfg.tie_word_embeddings and canon == "lm_head.weight":
-                continue
-            elif canon in filler.tables:  # an integer table (DeepSeek-V4's tid2eid)
-                filler.table(canon, src, name, src.t.path)
-            elif canon not in filler.params and 0 in src.shape:
-                continue  # an empty module (GLM with no shared expert: [0, H] tensors)
-            elif canon not in filler.params:
-                raise CheckpointError(
-                    f"{src.t.path}: unexpected tensor '{name}' (no parameter '{canon}' in the model)"
-                )
-            else:
-                filler.dense(canon, src, name, src.t.path)
+        # resident block experts are read on worker threads while this one loads the rest
+        pool = gguf_experts.FillPool(os.cpu_count() or 1) if block and not tiered else None
+        try:
+            _fill(ck, cfg, filler, banks, in_blocks, block, tiered, interleave, pool)
+            if pool is not None:
+                pool.wait()
+        finally:
+            if pool is not None:
+                pool.close()
         missing = [n for n in (*filler.params, *filler.tables) if n not in filler.filled]
         if cfg.tie_word_embeddings:
             missing = [n for n in missing if n != "lm_head.weight"]

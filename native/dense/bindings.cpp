@@ -363,19 +363,20 @@ PYBIND11_MODULE(ftdense, m) {
       "11 q5_k rows interleaved by 8), y[i] [T,N[i]] fp32. isa '' = the configured one.");
   m.def(
       "qinterleave",
-      [](int qtype, uintptr_t src, uintptr_t dst, int64_t rows, int K, bool undo) {
+      [](int qtype, uintptr_t src, uintptr_t dst, int64_t rows, int K, bool undo, bool simd) {
         const ftdense::QType t = qtype_code(qtype);
         if (K % ftdense::qblock_inputs(t) || rows < 8)
           throw py::value_error("K must be a multiple of the type's block and rows >= 8");
         py::gil_scoped_release release;
         ftdense::qinterleave(t, reinterpret_cast<const uint8_t*>(src),
-                             reinterpret_cast<uint8_t*>(dst), rows, K, undo);
+                             reinterpret_cast<uint8_t*>(dst), rows, K, undo, simd);
       },
       py::arg("qtype"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("K"),
-      py::arg("undo") = false,
+      py::arg("undo") = false, py::arg("simd") = true,
       "Plain q8_0 (0) / q4_k (1) / q6_k (2) / q5_k (3) / mxfp4 (4) rows [rows, bytes] at src -> "
       "the interleaved layout at dst "
-      "(qdot.h), or back with undo.");
+      "(qdot.h), or back with undo. simd False: the scalar moves (AVX2 transposes otherwise, "
+      "where the CPU has them; the same bytes).");
   ftdense_py::bind_decode_layers(m);
   ftdense_py::bind_sparse(m);
   py::class_<ftdense::QMoeSpec>(m, "QMoe",

@@ -4,9 +4,11 @@
 #include <atomic>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #ifndef FTNATIVE_NO_X86
 #include <cpuid.h>
+#include <immintrin.h>
 #endif
 
 #include "qdot_common.h"
@@ -234,21 +236,172 @@ bool x8_single_stream() {
   return mode == X8Streams::kSingle || (mode == X8Streams::kAuto && amd);
 }
 
-void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo) {
+namespace {
+
+// `len` (1, 2 or 4: x8_segments') bytes, as fixed-size copies the compiler inlines (a memcpy
+// call per 4-byte word made qinterleave run at ~1 GB/s, the load's largest cost).
+inline void copy_bytes(uint8_t* to, const uint8_t* from, int len) {
+  switch (len) {
+    case 4: std::memcpy(to, from, 4); break;
+    case 2: std::memcpy(to, from, 2); break;
+    case 1: *to = *from; break;
+    default: std::memcpy(to, from, static_cast<size_t>(len));
+  }
+}
+
+// A type's segments split into runs and the rest. A run: 8 segments of 4-byte words, stride 4,
+// at consecutive words of a row (row_at, row_at + 4, ...): each of the 8 rows' 32 bytes there
+// become, transposed as an 8 x 8 matrix of words, the 8 segments' 32-byte slots (group[k]).
+struct X8Run {
+  int row_at;
+  int group[8];
+};
+
+struct X8Plan {
+  std::vector<X8Run> runs;
+  std::vector<X8Segment> rest;
+};
+
+X8Plan x8_plan(QType base) {
+  const std::vector<X8Segment>& segs = x8_segments(base);
+  std::vector<size_t> words;  // the 4-byte, stride-4 segments, by their place in a row
+  for (size_t i = 0; i < segs.size(); ++i)
+    if (segs[i].len == 4 && segs[i].stride == 4) words.push_back(i);
+  std::sort(words.begin(), words.end(),
+            [&](size_t a, size_t b) { return segs[a].row < segs[b].row; });
+  X8Plan plan;
+  std::vector<bool> used(segs.size(), false);
+  for (size_t i = 0; i + 8 <= words.size();) {
+    bool run = true;
+    for (int k = 1; run && k < 8; ++k) run = segs[words[i + k]].row == segs[words[i]].row + 4 * k;
+    if (!run) {
+      ++i;
+      continue;
+    }
+    X8Run r{segs[words[i]].row, {}};
+    for (int k = 0; k < 8; ++k) {
+      r.group[k] = segs[words[i + k]].group;
+      used[words[i + k]] = true;
+    }
+    plan.runs.push_back(r);
+    i += 8;
+  }
+  for (size_t i = 0; i < segs.size(); ++i)
+    if (!used[i]) plan.rest.push_back(segs[i]);
+  return plan;
+}
+
+const X8Plan& x8_plan_of(QType base) {
+  static const X8Plan q4k = x8_plan(QType::Q4_K), q5k = x8_plan(QType::Q5_K),
+                      q6k = x8_plan(QType::Q6_K), q8_0 = x8_plan(QType::Q8_0),
+                      mxfp4 = x8_plan(QType::MXFP4);
+  return base == QType::Q4_K   ? q4k
+         : base == QType::Q6_K ? q6k
+         : base == QType::Q8_0 ? q8_0
+         : base == QType::Q5_K ? q5k
+                               : mxfp4;
+}
+
+// One unit (super-block or block) of a group of 8 rows: `rows` the plain side (row r at
+// rows + r * rb), `group` the interleaved side; scalar moves of every segment.
+inline void x8_unit_scalar(const std::vector<X8Segment>& segs, uint8_t* rows, int64_t rb,
+                           uint8_t* group, bool undo) {
+  for (const X8Segment& s : segs)
+    for (int r = 0; r < 8; ++r) {
+      uint8_t* plain = rows + r * rb + s.row;
+      uint8_t* x8 = group + s.group + s.stride * r;
+      if (undo)
+        copy_bytes(plain, x8, s.len);
+      else
+        copy_bytes(x8, plain, s.len);
+    }
+}
+
+void x8_move_scalar(QType base, const uint8_t* src, uint8_t* dst, int64_t grouped, int64_t rb,
+                    int nsb, int bytes, bool undo) {
+  const std::vector<X8Segment>& segs = x8_segments(base);
+  for (int64_t g = 0; g < grouped; g += 8)
+    for (int sb = 0; sb < nsb; ++sb) {
+      const int64_t row_at = g * rb + sb * bytes, group_at = g * rb + sb * 8 * bytes;
+      if (undo)
+        x8_unit_scalar(segs, dst + row_at, rb, const_cast<uint8_t*>(src) + group_at, true);
+      else
+        x8_unit_scalar(segs, const_cast<uint8_t*>(src) + row_at, rb, dst + group_at, false);
+    }
+}
+
+#ifndef FTNATIVE_NO_X86
+#define FT_AVX2 __attribute__((target("avx2")))
+
+// o[k] = (a[0][k], ..., a[7][k]): the 8 x 8 transpose of 32-bit words.
+FT_AVX2 inline void transpose8(__m256i a[8]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(a[4], a[5]), t5 = _mm256_unpackhi_epi32(a[4], a[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(a[6], a[7]), t7 = _mm256_unpackhi_epi32(a[6], a[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  a[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  a[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  a[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  a[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  a[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  a[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  a[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  a[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// x8_move_scalar's moves with each run as one transpose (the same bytes end in the same places).
+FT_AVX2 void x8_move_avx2(QType base, const uint8_t* src, uint8_t* dst, int64_t grouped,
+                          int64_t rb, int nsb, int bytes, bool undo) {
+  const X8Plan& plan = x8_plan_of(base);
+  __m256i a[8];
+  for (int64_t g = 0; g < grouped; g += 8)
+    for (int sb = 0; sb < nsb; ++sb) {
+      const int64_t row_at = g * rb + sb * bytes, group_at = g * rb + sb * 8 * bytes;
+      uint8_t* rows = undo ? dst + row_at : const_cast<uint8_t*>(src) + row_at;
+      uint8_t* group = undo ? const_cast<uint8_t*>(src) + group_at : dst + group_at;
+      for (const X8Run& run : plan.runs) {
+        if (undo) {
+          for (int k = 0; k < 8; ++k)
+            a[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + run.group[k]));
+          transpose8(a);
+          for (int r = 0; r < 8; ++r)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + r * rb + run.row_at), a[r]);
+        } else {
+          for (int r = 0; r < 8; ++r)
+            a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * rb + run.row_at));
+          transpose8(a);
+          for (int k = 0; k < 8; ++k)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(group + run.group[k]), a[k]);
+        }
+      }
+      x8_unit_scalar(plan.rest, rows, rb, group, undo);
+    }
+}
+#endif
+
+}  // namespace
+
+void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo,
+                 bool simd) {
   if (!qtype_has_x8(base))
     throw std::invalid_argument(
         "only q4_k, q5_k, q6_k, mxfp4 and q8_0 rows have an interleaved layout");
   const int bytes = x8_block_bytes(base), nsb = K / x8_block_inputs(base);
   const int64_t rb = qrow_bytes(base, K), grouped = rows / 8 * 8;
-  for (int64_t g = 0; g < grouped; g += 8)
-    for (int r = 0; r < 8; ++r)
-      for (int sb = 0; sb < nsb; ++sb) {
-        const int64_t row_at = (g + r) * rb + sb * bytes, group_at = g * rb + sb * 8 * bytes;
-        if (undo)
-          x8_gather(base, src + group_at, r, dst + row_at);
-        else
-          x8_scatter(base, src + row_at, r, dst + group_at);
-      }
+#ifndef FTNATIVE_NO_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (simd && avx2)
+    x8_move_avx2(base, src, dst, grouped, rb, nsb, bytes, undo);
+  else
+    x8_move_scalar(base, src, dst, grouped, rb, nsb, bytes, undo);
+#else
+  (void)simd;
+  x8_move_scalar(base, src, dst, grouped, rb, nsb, bytes, undo);
+#endif
   std::memcpy(dst + grouped * rb, src + grouped * rb, static_cast<size_t>((rows - grouped) * rb));
 }
 

@@ -34,7 +34,9 @@ void quantize_rows(Pool& pool, const QDotSet& ks, const float* x, int T, int K, 
 
 // Rows [rows, qrow_bytes(base, K)] of Q4_K or Q6_K (base) in the interleaved layout of qdot.h
 // (whole groups of 8, the last rows % 8 copied as they are) from the plain rows, or back with
-// undo; src and dst do not overlap.
-void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo);
+// undo; src and dst do not overlap. simd: AVX2 transposes where the CPU has them (the same
+// bytes), else the scalar moves.
+void qinterleave(QType base, const uint8_t* src, uint8_t* dst, int64_t rows, int K, bool undo,
+                 bool simd = true);
 
 }  // namespace ftdense

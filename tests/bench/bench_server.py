@@ -3,6 +3,7 @@ HTTP, as agents use them (issue 44's figures).
 
     PYTHONPATH=... .venv/bin/python tests/bench/bench_server.py [--threads 2] [--rounds 1]
         [--prompts 2048,8192,32768] [--streams 1,2,4,8] [--itl-prompt 16384] [--quick]
+        [--only load] [--drop-caches]
 
 What it builds (cached under /tmp/ftbench-server):
 - the decode benchmark's random Qwen3-30B-A3B-geometry checkpoint (decode_ckpt.py; 4 layers,
@@ -14,7 +15,8 @@ What it builds (cached under /tmp/ftbench-server):
   `--llama-server PATH` names one. About 6 minutes on 2 cores the first time.
 
 What it measures, per engine, in rounds whose engine order alternates (medians over rounds):
-- load: spawning the server until /health answers 200, with the file evicted from the page cache
+- load: spawning the server until /health answers 200 (the daemon's package byte-compiled
+  before, as an install leaves it), with the file evicted from the page cache
   first (cold: ``posix_fadvise(DONTNEED)`` on the file, or the whole page cache with
   ``--drop-caches`` as root) and with it read just before (warm);
 - time to first token of one streamed /v1/completions request per prompt length (token-id
@@ -150,6 +152,19 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def compile_daemon() -> None:
+    """Byte-compiles the daemon's package once, as installing it does: where
+    PYTHONDONTWRITEBYTECODE is set (our sandbox) and the package runs from its source tree,
+    every start would otherwise compile its ~250 modules again (~0.3-0.6 s on 2 cores)."""
+    import compileall
+    import importlib.util
+
+    spec = importlib.util.find_spec("freetokend")
+    if spec is None or spec.origin is None:
+        sys.exit("freetokend is not importable (PYTHONPATH)")
+    compileall.compile_dir(Path(spec.origin).parent, quiet=1)
 
 
 def start(engine: str, path: Path, threads: int, llama_server: Path, state: Path) -> Server:
@@ -325,6 +340,9 @@ def session(
         warm(path)
         srv = start(engine, path, args.threads, server_bin, state)
         out["load_warm_s"] = srv.load_s
+        if args.only == "load":
+            srv.stop()
+            return out
         try:
             out["greedy"] = greedy(srv.url)
             prompts = args.prompts if first else [p for p in args.prompts if p < max(args.prompts)]
@@ -373,6 +391,12 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
 
     line("load, cold (s)", _median(ft, "load_cold_s"), _median(ll, "load_cold_s"), True)
     line("load, warm (s)", _median(ft, "load_warm_s"), _median(ll, "load_warm_s"), True)
+    if args.only == "load":
+        for engine, rows in results.items():
+            cold = ", ".join(f"{r['load_cold_s']:.2f}" for r in rows)
+            warm_s = ", ".join(f"{r['load_warm_s']:.2f}" for r in rows)
+            print(f"{engine}: cold {cold}; warm {warm_s} (s, by round)")
+        return
     for n in args.prompts:
         line(
             f"time to first token, {n} tok (s)",
@@ -422,6 +446,9 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, help="a llama-server binary (default: build one)")
     ap.add_argument("--drop-caches", action="store_true", help="cold loads drop the page cache")
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the bench runs")
+    ap.add_argument(
+        "--only", choices=("load",), help="load: only the cold and warm loads, each round"
+    )
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
@@ -437,6 +464,7 @@ def main() -> None:
     path = build_file(args.cache)
     server_bin = args.llama_server or build_llama_server(args.cache, args.threads)
     print(f"file: {path} ({path.stat().st_size / 1e9:.2f} GB); llama-server: {server_bin}")
+    compile_daemon()
     results: dict[str, list[dict]] = {"freetoken": [], "llama.cpp": []}
     for r in range(args.rounds):
         order = ["freetoken", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "freetoken"]

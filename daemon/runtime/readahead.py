@@ -1,0 +1,89 @@
+"""The model file read into the page cache while the daemon starts.
+
+A cold start reads the weights from disk, and before the loader reads its first byte the daemon
+spends seconds importing its libraries. ``start`` asks the kernel to read the file ahead
+(``posix_fadvise(WILLNEED)``, in file order, a piece at a time on a thread of its own) from the
+first moment, so the disk works while the interpreter imports; the loader then finds the pages
+cached, or in flight. On a file already cached it costs a walk over the cached pages (tens of
+ms a GB, on a thread beside the imports).
+
+Only a file that fits in half of the available memory is read ahead: a larger one is what the
+disk tier leaves in the file, and reading it all would evict what the page cache holds for
+others. Where the call does not exist (not Linux) nothing is done.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+PIECE = 32 << 20  # bytes one advice asks for: the kernel queues them in order
+# a GGUF split set's file names (formats/gguf_file.py reads the set by them)
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def split_set(path: Path) -> list[Path]:
+    """The names of every file of the split set ``name-0000i-of-0000N.gguf`` that ``path`` is
+    one of, in order (whether they exist or not); ``path`` alone when it is no split file."""
+    m = SPLIT_NAME.match(path.name)
+    if m is None:
+        return [path]
+    n = int(m.group("n"))
+    return [path.with_name(f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+
+
+def model_files(model: str) -> list[Path]:
+    """The files of a GGUF model given by path (a split set's every file), [] for anything else
+    (a folder, the built-in model, a registered name)."""
+    path = Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return []
+    return [p for p in split_set(path) if p.is_file()]
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def start(model: str) -> threading.Thread | None:
+    """Starts reading ``model``'s files ahead (see the module doc); the thread, or None when
+    nothing is read ahead."""
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    files = model_files(model)
+    try:
+        total = sum(p.stat().st_size for p in files)
+    except OSError:
+        return None
+    free = available_bytes()
+    if not files or free is None or total > free // 2:
+        return None
+    t = threading.Thread(target=_advise, args=(files,), name="ft-readahead", daemon=True)
+    t.start()
+    return t
+
+
+def _advise(files: list[Path]) -> None:
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            for at in range(0, size, PIECE):
+                os.posix_fadvise(fd, at, min(PIECE, size - at), os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # a hint: the loader reads the file anyway and reports what fails
+        finally:
+            os.close(fd)

@@ -1,0 +1,79 @@
+"""runtime/readahead.py: the model file read into the page cache from the daemon's first moment
+(issue 44 item 4, a cold start's disk reads overlapped with its imports)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from freetokend import cli
+from freetokend.formats.gguf_file import set_name, split_files
+from freetokend.runtime import readahead
+
+
+def _file(path: Path, size: int = 3 << 20) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def test_model_files_are_a_gguf_file_or_its_split_set(tmp_path):
+    one = _file(tmp_path / "m.gguf")
+    assert readahead.model_files(str(one)) == [one]
+    parts = [_file(tmp_path / f"big-{i:05d}-of-00003.gguf", 4096) for i in (1, 2, 3)]
+    assert readahead.model_files(str(parts[1])) == parts == split_files(parts[1])
+    assert set_name(parts[2]) == "big"
+    assert readahead.model_files(str(tmp_path)) == []  # a folder (HF, FTW): not read ahead
+    assert readahead.model_files("builtin") == []
+    assert readahead.model_files(str(tmp_path / "missing.gguf")) == []
+    _file(tmp_path / "x.safetensors", 16)
+    assert readahead.model_files(str(tmp_path / "x.safetensors")) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_a_file_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
+    path = _file(tmp_path / "m.gguf", 5 * readahead.PIECE // 4)  # two pieces
+    advised = []
+    fadvise = os.posix_fadvise
+
+    def spy(fd, at, n, how):
+        advised.append((at, n, how))
+        fadvise(fd, at, n, how)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    t = readahead.start(str(path))
+    assert t is not None and t.daemon
+    t.join(30)
+    assert not t.is_alive()
+    size = path.stat().st_size
+    assert advised == [
+        (0, readahead.PIECE, os.POSIX_FADV_WILLNEED),
+        (readahead.PIECE, size - readahead.PIECE, os.POSIX_FADV_WILLNEED),
+    ]
+
+
+def test_a_file_over_half_the_available_memory_is_not_read_ahead(tmp_path, monkeypatch):
+    path = _file(tmp_path / "m.gguf", 1 << 20)
+    monkeypatch.setattr(readahead, "available_bytes", lambda: 2 * (1 << 20) - 2)
+    assert readahead.start(str(path)) is None
+    monkeypatch.setattr(readahead, "available_bytes", lambda: None)
+    assert readahead.start(str(path)) is None
+
+
+def test_the_daemon_reads_ahead_unless_the_disk_tier_is_on(tmp_path, monkeypatch):
+    """cli.main starts the read-ahead before its heavy imports, except where the experts stay
+    in the file (disk_tier on)."""
+    started = []
+    monkeypatch.setattr(readahead, "start", lambda model: started.append(model))
+    import freetokend.server.logs as logs
+    import freetokend.server.run as run
+
+    monkeypatch.setattr(run, "serve", lambda cfg: 0)
+    monkeypatch.setattr(logs, "configure_logging", lambda: None)  # no process-wide setup
+    monkeypatch.setattr(cli, "_stack_dumps_on_sigusr1", lambda: None)
+    path = str(_file(tmp_path / "m.gguf", 16))
+    assert cli.main(["--model", path, "--state-dir", str(tmp_path / "s")]) == 0
+    assert started == [path]
+    assert cli.main(["--model", path, "--disk-tier", "on", "--state-dir", str(tmp_path / "s")]) == 0
+    assert started == [path]
