@@ -16,6 +16,12 @@ prompts, are their own conversations). Printed: prompt, cached and re-prefilled 
 and the sum against the every-anchor floor (what a snapshot at every anchor token would leave to
 prefill).
 
+One more OpenCode session edits its earlier context: OpenCode compacts it in the middle (its own
+auto-compaction, the model's limits set so a build log read in the session crosses them), the
+script answers the compaction request with a summary, and the session goes on from it. The
+compaction request is its own conversation; the request after it is checked against the one
+before the compaction (it keeps the system prompt and replaces the rest).
+
 Opt-in like tests/test_agents_slow.py (``make test-slow``); ``FT_AGENT_TIMEOUT`` bounds each
 CLI run.
 """
@@ -33,6 +39,7 @@ from typing import Any
 import pytest
 import test_agents_slow as agents
 from server_support.daemon import Daemon, start_daemon, state_dir
+from tokenizers import Tokenizer
 
 from freetokend.models.families.spec import CHATML_ANCHORS
 
@@ -200,29 +207,33 @@ def common(a: list[int], b: list[int]) -> int:
 
 
 def check_reuse(s: Scripted, run: agents.Run, since: int, label: str) -> list[int]:
-    """The main conversation's requests (those answered from the script's steps): their steps
-    in order, and each one's cached tokens against its first difference from the one before."""
+    """The requests answered from the script's steps: their steps in order, and each one's
+    cached tokens against its first difference from the previous request of its conversation
+    (an entry's ``conversation``, "main" when it has none: a compaction request is its own)."""
     lines = s.transcript.read_text().splitlines()[since:]
     records = [json.loads(line) for line in lines]
     done = {r["request_id"]: r for r in run.records if r.get("event") == "request"}
     script = json.loads(s.script.read_text())
     step_of = [e["step"] for e in script["replies"]]
+    conv_of = [e.get("conversation", "main") for e in script["replies"]]
     main = [r for r in records if r["entry"] >= 0]
     steps = [step_of[r["entry"]] for r in main]
     print(f"\n[{label}] {len(records)} requests, {len(main)} in the session; steps {steps}")
-    print(" turn  prompt  cached  1st-diff  re-prefilled  every-anchor floor")
+    print(" turn  conversation  prompt  cached  1st-diff  re-prefilled  every-anchor floor")
     total = floor_total = 0
     problems = []
+    last: dict[str, dict[str, Any]] = {}  # each conversation's previous request
     for n, r in enumerate(main):
         rec = done.get(r["request_id"])
         assert rec is not None, f"no log record for {r['request_id']}"
         prompt, cached = rec["prompt_tokens"], rec["cached_tokens"]
         assert prompt == len(r["prompt_ids"])
-        if n == 0:
-            diff = 0
-        else:
-            prev = main[n - 1]
-            diff = common(r["prompt_ids"], prev["prompt_ids"] + prev["reply_ids"])
+        conv = conv_of[r["entry"]]
+        prev = last.get(conv)
+        last[conv] = r
+        diff = (
+            0 if prev is None else common(r["prompt_ids"], prev["prompt_ids"] + prev["reply_ids"])
+        )
         reusable = diff
         if s.hybrid:  # a recurrent state resumes only after an anchor token
             reusable = max(
@@ -232,14 +243,19 @@ def check_reuse(s: Scripted, run: agents.Run, since: int, label: str) -> list[in
         total += prompt - cached
         floor_total += floor
         print(
-            f" {n + 1:4d}  {prompt:6d}  {cached:6d}  {diff:8d}  {prompt - cached:12d}  {floor:8d}"
+            f" {n + 1:4d}  {conv:>12}  {prompt:6d}  {cached:6d}  {diff:8d}  "
+            f"{prompt - cached:12d}  {floor:8d}"
         )
-        before = common(r["prompt_ids"], prev["prompt_ids"]) if n else 0
-        if n and cached < before:
+        before = 0 if prev is None else common(r["prompt_ids"], prev["prompt_ids"])
+        if cached < before:
             problems.append(f"turn {n + 1}: cached {cached} < {before} tokens before the diff")
     print(f" sum re-prefilled {total}, every-anchor floor {floor_total}")
     assert not problems, "\n".join(problems)
     return steps
+
+
+def transcript_since(s: Scripted) -> int:
+    return len(s.transcript.read_text().splitlines()) if s.transcript.exists() else 0
 
 
 def run_session(
@@ -248,18 +264,23 @@ def run_session(
     tools: Tools,
     launch: Callable[[Daemon, Path, Path], agents.Run],
     label: str,
-) -> tuple[agents.Run, Path]:
+    script: Callable[[Path, Tools, Path], dict[str, Any]] = session_script,
+    steps: int = 6,
+) -> tuple[agents.Run, Path, list[dict[str, Any]]]:
+    """Run one scripted session; returns the CLI's run, the repository and the daemon's
+    transcript lines of the session's requests."""
     repo = make_repo(tmp_path / "repo")
-    s.script.write_text(json.dumps(session_script(repo, tools, s.transcript)))
-    since = len(s.transcript.read_text().splitlines()) if s.transcript.exists() else 0
+    s.script.write_text(json.dumps(script(repo, tools, s.transcript)))
+    since = transcript_since(s)
     run = launch(s.daemon, tmp_path, repo)
     assert run.code == 0, run.report()
     problems = [r for r in run.records if r.get("event") in ("request rejected", "unhandled error")]
     assert not problems, run.report()
-    steps = check_reuse(s, run, since, label)
-    assert steps == list(range(6)), run.report()
+    reached = check_reuse(s, run, since, label)
+    assert reached == list(range(steps)), run.report()
     assert_final_state(repo)
-    return run, repo
+    lines = s.transcript.read_text().splitlines()[since:]
+    return run, repo, [json.loads(line) for line in lines]
 
 
 # --- Claude Code -----------------------------------------------------------------------------
@@ -291,7 +312,7 @@ def claude_tool_names(run: agents.Run) -> list[str]:
 
 
 def test_claude_code_session(hybrid: Scripted, tmp_path: Path) -> None:
-    run, _ = run_session(hybrid, tmp_path, CLAUDE_TOOLS, claude_launch, "claude-code, hybrid")
+    run, _, _ = run_session(hybrid, tmp_path, CLAUDE_TOOLS, claude_launch, "claude-code, hybrid")
     assert claude_tool_names(run) == ["Read", "Edit", "Bash", "Bash", "Read"], run.report()
 
 
@@ -332,7 +353,7 @@ def codex_items(run: agents.Run) -> list[str]:
 
 
 def test_codex_session(hybrid: Scripted, tmp_path: Path) -> None:
-    run, _ = run_session(hybrid, tmp_path, CODEX_TOOLS, codex_launch, "codex, hybrid")
+    run, _, _ = run_session(hybrid, tmp_path, CODEX_TOOLS, codex_launch, "codex, hybrid")
     # its notices ("error": no model metadata) and messages aside: the five tool calls, the edit
     # an apply_patch Codex intercepted in the shell command and applied itself
     kinds = [k for k in codex_items(run) if k not in ("error", "reasoning", "agent_message")]
@@ -366,12 +387,160 @@ def opencode_tool_names(run: agents.Run) -> list[str]:
 
 
 def test_opencode_session(hybrid: Scripted, tmp_path: Path) -> None:
-    run, _ = run_session(hybrid, tmp_path, OPENCODE_TOOLS, opencode_launch, "opencode, hybrid")
+    run, _, _ = run_session(hybrid, tmp_path, OPENCODE_TOOLS, opencode_launch, "opencode, hybrid")
     assert opencode_tool_names(run) == ["read", "edit", "bash", "bash", "read"], run.report()
 
 
 def test_opencode_session_attention_only(attention_only: Scripted, tmp_path: Path) -> None:
-    run, _ = run_session(
+    run, _, _ = run_session(
         attention_only, tmp_path, OPENCODE_TOOLS, opencode_launch, "opencode, qwen3-moe"
     )
     assert opencode_tool_names(run) == ["read", "edit", "bash", "bash", "read"], run.report()
+
+
+# --- OpenCode compacts in the middle of the session ------------------------------------------
+#
+# OpenCode (session/compaction in the pinned 1.18.33) compacts on its own when a finished step's
+# reported tokens (prompt + completion) reach the model's context limit less its output limit.
+# The compaction is its own request: the "compaction" agent's prompt, no tools, one user message
+# holding the summary instructions and the transcript of the older messages written out as
+# "[User]: ...", "[Assistant tool call]: ...", "[Tool result]: ...". The session then goes on
+# from the summary: the next request keeps the system prompt, puts a synthetic user message and
+# the summary (the assistant's answer) where the conversation was, keeps a recent tail of it
+# verbatim if one fits, and adds a synthetic "Continue if you have next steps ..." user message.
+#
+# Here the session reads a build log of some thousands of tokens: the step after it crosses the
+# limit, wherever the system prompt's few varying tokens (date, paths) put it.
+
+BUILD_LOG_LINES = 40  # about 1.9 K tokens
+COMPACT_KEY = "[Assistant tool call]: "  # only in the compaction request's transcript
+CONTINUE_KEY = "Continue if you have next steps"
+SUMMARY = (
+    "summary-v1: greet.py had the typo helo; it was fixed, it prints the right greeting, the "
+    "build log reports no errors and the fix is committed. Left to do: check NOTES.md."
+)
+# The model's limits for this session. OpenCode compacts once a step's prompt + completion
+# tokens reach context - output = 24 K: measured, the step that asks for the log ends at about
+# 22.9 K and the one after it (the log in its prompt) at about 24.9 K, a K of margin each side.
+COMPACT_CONTEXT = 28000
+COMPACT_OUTPUT = 4000
+
+
+def build_log() -> str:
+    lines = [
+        f"[build {i:03d}] compiled module_{i:03d}.o in 0.{i % 10}s, 0 warnings"
+        for i in range(BUILD_LOG_LINES)
+    ]
+    return "\n".join([*lines, "log-end: build ok"]) + "\n"
+
+
+def compacting_script(repo: Path, tools: Tools, transcript: Path) -> dict[str, Any]:
+    """The session of session_script with a build log read before the commit, a compaction
+    request answered with SUMMARY, and the rest of the session after it."""
+    (repo / "build.log").write_text(build_log())
+    with open(repo / ".git" / "info" / "exclude", "a") as f:
+        f.write("build.log\n")  # untracked and ignored: the tree stays clean
+    greet = repo / "greet.py"
+    steps: list[tuple[str, dict[str, Any], str]] = [
+        (
+            "Fix the greeting",
+            {
+                "reasoning": "The user wants the greeting fixed. I will read greet.py first.",
+                "tool_calls": [call(tools.read(greet))],
+            },
+            "main",
+        ),
+        (
+            "greet-v1",
+            {
+                "reasoning": "The word helo is misspelt.",
+                "tool_calls": [call(tools.edit(greet, "helo, world", "hello, world"))],
+            },
+            "main",
+        ),
+        (
+            tools.edited,
+            {"tool_calls": [call(tools.shell("python3 greet.py && echo ran-ok"))]},
+            "main",
+        ),
+        (
+            "ran-ok",
+            {
+                "content": "It prints the right greeting. Checking the build log.",
+                "tool_calls": [call(tools.shell("cat build.log"))],
+            },
+            "main",
+        ),
+        (
+            "log-end",
+            {"tool_calls": [call(tools.shell(f"git commit -qam {COMMIT} && git log --oneline"))]},
+            "main",
+        ),
+        (COMPACT_KEY, {"content": SUMMARY}, "compaction"),
+        (CONTINUE_KEY, {"tool_calls": [call(tools.read(repo / "NOTES.md"))]}, "main"),
+        ("notes-v1", {"content": FINAL}, "main"),
+    ]
+    # the compaction request first (its transcript quotes every earlier key), then the later
+    # steps first (a tool result may quote an earlier step's key)
+    order = [5, 7, 6, 4, 3, 2, 1, 0]
+    replies = []
+    for i in order:
+        key, reply, conversation = steps[i]
+        entry = {"match": key, "step": i, "conversation": conversation, "reply": reply}
+        if conversation == "main":
+            entry["tools"] = True
+        replies.append(entry)
+    return {
+        "replies": replies,
+        "default": {"content": "Greeting fix"},
+        "transcript": str(transcript),
+    }
+
+
+def opencode_compacting_launch(daemon: Daemon, tmp_path: Path, repo: Path) -> agents.Run:
+    exe = agents.client("opencode")
+    home = tmp_path / "home"
+    env = agents.opencode_env(daemon, home)
+    config = json.loads((home / "opencode.json").read_text())
+    limit = {"context": COMPACT_CONTEXT, "output": COMPACT_OUTPUT}
+    config["provider"]["freetoken"]["models"][SERVED]["limit"] = limit
+    config["compaction"] = {"auto": True}
+    (home / "opencode.json").write_text(json.dumps(config, indent=2))
+    argv = [str(exe), "run", "--pure", "--print-logs", "--log-level", "WARN", "--format", "json"]
+    return agents.run_client(daemon, [*argv, TASK], env, repo)
+
+
+def test_opencode_session_compaction(hybrid: Scripted, tmp_path: Path) -> None:
+    run, _, requests = run_session(
+        hybrid,
+        tmp_path,
+        OPENCODE_TOOLS,
+        opencode_compacting_launch,
+        "opencode compacting, hybrid",
+        script=compacting_script,
+        steps=8,
+    )
+    assert opencode_tool_names(run) == ["read", "edit", "bash", "bash", "bash", "read"], (
+        run.report()
+    )
+    tok = Tokenizer.from_file(str(model_dir(()) / "tokenizer.json"))
+    script = json.loads(hybrid.script.read_text())
+    by_step = {script["replies"][r["entry"]]["step"]: r for r in requests if r["entry"] >= 0}
+    text = {
+        step: tok.decode(r["prompt_ids"], skip_special_tokens=False) for step, r in by_step.items()
+    }
+    # the compaction request: its own conversation (no tools), the session written out in it
+    assert "[Tool result]: " in text[5] and "greet-v1" in text[5] and COMMIT in text[5]
+    assert "<tools>" in text[4] and "<tools>" not in text[5]
+    # the request after it: the earlier context edited, not appended to. It differs from the
+    # one before the compaction inside that one's prompt, the old read of greet.py is gone and
+    # the summary stands where the conversation was
+    before, after = by_step[4]["prompt_ids"], by_step[6]["prompt_ids"]
+    first_diff = common(after, before)
+    assert 0 < first_diff < len(before), (first_diff, len(before))
+    assert "greet-v1" in text[4] and "greet-v1" not in text[6]
+    assert SUMMARY in text[6] and CONTINUE_KEY in text[6]
+    print(
+        f" compaction: the request after it differs from the one before at token {first_diff}"
+        f" of {len(before)} (now {len(after)} tokens)"
+    )

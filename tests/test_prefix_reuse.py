@@ -15,6 +15,7 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.engine.prefix import PrefixReuse, SnapshotPolicy
 from freetokend.engine.sampler import SamplingParams
+from freetokend.kv import recency
 from freetokend.kv.edits import EditModel
 from freetokend.kv.pool import KVPool
 from freetokend.kv.radix import RadixCache
@@ -63,9 +64,19 @@ class Oracle:
     Valid while nothing is evicted (large pool and snapshot budget).
     """
 
-    def __init__(self, hybrid: bool, anchors: set[int], interval: int = 0) -> None:
+    def __init__(
+        self,
+        hybrid: bool,
+        anchors: set[int],
+        interval: int = 0,
+        policy: SnapshotPolicy | None = None,
+    ) -> None:
+        """``policy``: the engine's, when its family has a turn header: each prompt's system
+        prompt snapshot is then taken past the next turn's header (kv/recency.first_turn_end)."""
         self.hybrid, self.anchors, self.interval = hybrid, anchors, interval
+        self.policy = policy
         self.done: list[tuple[list[int], int]] = []  # (fed tokens, prompt length)
+        self.roots: list[int | None] = []  # each done prompt's system-prompt snapshot point
 
     def expect(self, tokens: list[int]) -> int:
         def lcp(a: list[int], b: list[int]) -> int:
@@ -79,8 +90,8 @@ class Oracle:
         if not self.hybrid:
             return limit
         for p in range(limit, 0, -1):
-            for n, _, plen in shared:
-                if n >= p and self._point(tokens, p, plen):
+            for (n, _, plen), root in zip(shared, self.roots, strict=True):
+                if n >= p and (self._point(tokens, p, plen) or p == root):
                     return p
         return 0
 
@@ -91,6 +102,11 @@ class Oracle:
 
     def record(self, prompt: list[int], output: list[int]) -> None:
         self.done.append((prompt + output[:-1], len(prompt)))
+        policy = self.policy
+        root = None
+        if policy is not None and policy.turn_header is not None:
+            root = recency.first_turn_end(prompt, len(prompt), policy.kind_at, policy.after_header)
+        self.roots.append(root)
 
 
 def run_sessions(llm: LLM, prompts_of, oracle: Oracle | None, ref: LLM) -> int:
@@ -156,9 +172,11 @@ def test_builtin_sessions_identical_with_exact_accounting(builtin_pair):
             for t in range(BUILTIN_TURNS + 1)
         ]
 
-    anchors = set(llm.engine.prefix.policy.anchor_ids)
+    policy = llm.engine.prefix.policy
+    anchors = set(policy.anchor_ids)
     assert len(anchors) == 6  # the ChatML markers all resolve through the tokenizer
-    total = run_sessions(llm, prompts_of, Oracle(True, anchors), ref)
+    assert policy.turn_header is not None  # <|im_start|> and "\n" too
+    total = run_sessions(llm, prompts_of, Oracle(True, anchors, policy=policy), ref)
     assert total > 0
     assert llm.engine.stats().prompt_tokens_cached_total == total
     assert_no_leak(llm)

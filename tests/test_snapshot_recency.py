@@ -37,6 +37,20 @@ def serve(llm: LLM, prompt: list[int], gen: int = 3) -> tuple[list[int], int]:
     return out, cached
 
 
+def agent_conversation(system_words: int) -> list[dict[str, str]]:
+    """System, user, assistant, a long tool output as a user message, user."""
+    words = "cache page layer expert slot queue config request stream batch model shape".split()
+    system = "You are a coding agent. " + " ".join(words[i % 12] for i in range(system_words))
+    tool = "\n".join(f"    {words[i % 12]}_{words[i * 7 % 12]} = f({i})" for i in range(40))
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the failing test in cache_page.py."},
+        {"role": "assistant", "content": "I will read the file, then run the tests."},
+        {"role": "user", "content": tool},
+        {"role": "user", "content": "Go on."},
+    ]
+
+
 CHUNK = 512  # the default prefill chunk (max_step_tokens): its ends get snapshots for free
 
 
@@ -59,16 +73,7 @@ def test_replaced_last_tool_output_resumes_at_the_assistant_turn_end(builtin_mod
     if snapshots is not None:
         store = llm.engine.prefix.snapshots
         assert store.budget // recurrent.nbytes == snapshots
-    words = "cache page layer expert slot queue config request stream batch model shape".split()
-    system = "You are a coding agent. " + " ".join(words[i % 12] for i in range(240))
-    tool = "\n".join(f"    {words[i % 12]}_{words[i * 7 % 12]} = f({i})" for i in range(40))
-    msgs = [
-        {"role": "system", "content": system},
-        {"role": "user", "content": "Fix the failing test in cache_page.py."},
-        {"role": "assistant", "content": "I will read the file, then run the tests."},
-        {"role": "user", "content": tool},
-        {"role": "user", "content": "Go on."},
-    ]
+    msgs = agent_conversation(240)
     edited = [*msgs[:3], {"role": "user", "content": "[Old tool result content cleared]"}, msgs[4]]
     first, second = (
         llm.tokenizer.encode(llm.chat_template.render(m, add_generation_prompt=True))
@@ -84,6 +89,50 @@ def test_replaced_last_tool_output_resumes_at_the_assistant_turn_end(builtin_mod
     out, cached = serve(llm, second)
     assert anchor - 2 <= cached <= anchor, (cached, anchor, len(second))
     assert out == serve(ref, second)[0]  # fp32: reuse does not change the output
+
+
+def test_a_compaction_resumes_after_the_next_turns_header(builtin_model_dir):
+    """A compaction (OpenCode's, issue 46) keeps the system prompt and replaces the rest: the
+    first user message's content is the first difference. The system prompt's snapshot is taken
+    after the header that opens the next turn (``<|im_start|>user\n``), so the compacted
+    prompt resumes at the difference itself, not a few tokens before it at ``<|im_end|>``."""
+    ref = LLM(builtin_model_dir, dtype="float32", prefix_cache=False)
+    llm = LLM(builtin_model_dir, dtype="float32")  # default policy, budget and chunking
+    msgs = agent_conversation(600)
+    compacted = [
+        msgs[0],
+        {"role": "user", "content": "What did we do so far?"},
+        {"role": "assistant", "content": "We read cache_page.py; the tests still fail."},
+        {"role": "user", "content": "Continue if you have next steps."},
+    ]
+    first, second = (
+        llm.tokenizer.encode(llm.chat_template.render(m, add_generation_prompt=True))
+        for m in (msgs, compacted)
+    )
+    eot = llm.tokenizer.token_to_id("<|im_end|>")
+    system_end = first.index(eot) + 1
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert system_end + 2 < common < system_end + 8  # the edit lands after the user header
+    # no chunk end there: only a snapshot of the header's end can serve it
+    assert all(p % CHUNK for p in range(system_end, common + 1)) and system_end > CHUNK
+    serve(llm, first)
+    out, cached = serve(llm, second)
+    assert cached == common, (cached, common, system_end)
+    assert out == serve(ref, second)[0]  # fp32: reuse does not change the output
+
+
+def test_the_turn_header_is_found_only_right_after_a_turn_end():
+    start, end, eot = 7, 8, 9
+    policy = SnapshotPolicy({eot: "end_of_turn"}, turn_header=(start, end))
+    tokens = [1, 2, eot, 3, start, 4, 5, end, 6, 6]
+    assert policy.after_header(tokens, 3) == 8  # "\n" <|im_start|> u ser "\n": content at 8
+    assert policy.after_header(tokens, 2) is None  # the opening token too far
+    assert policy.after_header([1, eot, 3, start, *[4] * 9, end], 2) is None  # header too long
+    assert SnapshotPolicy({eot: "end_of_turn"}).after_header(tokens, 3) is None  # no header
+    tokens += [6] * 40
+    assert recency.first_turn_end(tokens, len(tokens), policy.kind_at, policy.after_header) == 8
+    assert recency.first_turn_end(tokens, len(tokens), policy.kind_at) == 3
+    assert recency.first_turn_end(tokens, 20, policy.kind_at, policy.after_header) == 3  # too near
 
 
 def _chatml(*turns: list[int]) -> list[int]:

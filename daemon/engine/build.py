@@ -344,14 +344,16 @@ def prefix_reuse(
     model: Any,
     config: EngineConfig,
     anchor_ids: Callable[[], dict[int, str]],
+    turn_header: Callable[[], tuple[int, int] | None] = lambda: None,
 ) -> PrefixReuse | None:
     """The prefix cache (KV radix tree, and snapshots of the recurrent state or of a model's own
     state: DeepSeek-V4's), unless turned off."""
     if not config.prefix_cache:
         return None
     policy_text = config.snapshot_policy
+    anchors = policy_text.startswith("anchors")
     policy = SnapshotPolicy.parse(
-        policy_text, anchor_ids() if policy_text.startswith("anchors") else {}
+        policy_text, anchor_ids() if anchors else {}, turn_header() if anchors else None
     )
     # a model's own state (DeepSeek-V4's) resumes from snapshots, as the DeltaNet state does
     if model.own_state and config.state_dir is not None:

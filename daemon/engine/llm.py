@@ -130,7 +130,9 @@ class LLM:
             )
         self._tokenizer: Any = None
         self._chat_template: Any = None
-        prefix = build.prefix_reuse(self.runner, self.model, config, self._anchor_ids)
+        prefix = build.prefix_reuse(
+            self.runner, self.model, config, self._anchor_ids, self._turn_header
+        )
         self.engine = build.engine_core(
             self.runner, self._eos_ids(), self.max_model_len, prefix, config, self._device_scope
         )
@@ -216,6 +218,18 @@ class LLM:
             if tid is not None:
                 out[tid] = kind
         return out
+
+    def _turn_header(self) -> tuple[int, int] | None:
+        """The family's turn header (the token that opens a turn, the one that ends its header)
+        when this tokenizer spells each as one token, else None."""
+        header = family_spec(self.config.family).turn_header
+        if header is None or not self._has_tokenizer():
+            return None
+        start = self.tokenizer.token_to_id(header[0])
+        end = self.tokenizer.encode(header[1])
+        if start is None or len(end) != 1:
+            return None
+        return start, end[0]
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids)

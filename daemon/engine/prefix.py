@@ -32,6 +32,8 @@ from ..kv.snapshots import Snapshot, SnapshotStore
 from ..kv.spill import SnapshotSpill, SpillReport
 
 RECENT_FLOOR = 2  # recent anchors a session keeps until its first edit, budget permitting
+HEADER_GAP = 2  # tokens between a turn's end and the next turn's opening token (ChatML: "\n")
+HEADER_MAX = 8  # tokens of a turn header after its opening token (a role and its end)
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,15 @@ class SnapshotPolicy:
     interval: int = 0  # > 0: fixed-interval baseline instead of anchors
     enabled: bool = True
     split_all: bool = False  # stop prefill chunks at every anchor, not only at frontier candidates
+    # (the token that opens a turn, the one that ends its header), when the family has one
+    turn_header: tuple[int, int] | None = None
 
     @classmethod
-    def parse(cls, spec: str, anchor_ids: dict[int, str]) -> SnapshotPolicy:
+    def parse(
+        cls, spec: str, anchor_ids: dict[int, str], turn_header: tuple[int, int] | None = None
+    ) -> SnapshotPolicy:
         if spec in ("anchors", "anchors:all"):
-            return cls(anchor_ids, split_all=spec == "anchors:all")
+            return cls(anchor_ids, split_all=spec == "anchors:all", turn_header=turn_header)
         if spec == "none":
             return cls({}, enabled=False)
         if spec.startswith("interval:") and spec[9:].isdigit() and int(spec[9:]) > 0:
@@ -69,6 +75,20 @@ class SnapshotPolicy:
         if self.interval:
             return "interval" if pos % self.interval == 0 else None
         return self.anchor_ids.get(tokens[pos - 1])
+
+    def after_header(self, tokens: list[int], pos: int) -> int | None:
+        """The position after the header of the turn that opens right after ``pos`` (at most
+        ``HEADER_GAP`` tokens later, its header at most ``HEADER_MAX`` tokens long), or None."""
+        if self.turn_header is None:
+            return None
+        start, end = self.turn_header
+        for i in range(pos, min(pos + HEADER_GAP, len(tokens))):
+            if tokens[i] == start:
+                for j in range(i + 1, min(i + 1 + HEADER_MAX, len(tokens))):
+                    if tokens[j] == end:
+                        return j + 1
+                return None
+        return None
 
 
 @dataclass
@@ -226,7 +246,9 @@ class PrefixReuse:
                 self.edits.observe(label)
         recent, root, frontier = self._shares(session, state)
         if root:
-            track.root = recency.first_turn_end(tokens, len(tokens), self.policy.kind_at)
+            track.root = recency.first_turn_end(
+                tokens, len(tokens), self.policy.kind_at, self.policy.after_header
+            )
         if edited or start or snap is None:
             track.frontier_left = min(self.frontier, frontier)
         if snap is not None and track.frontier_left:
@@ -356,6 +378,8 @@ class PrefixReuse:
             keep = track is not None and pos in track.recent
             if kind and (split or keep or self._frontier_candidate(track, pos, kind)):
                 return pos
+            if track is not None and pos == track.root:  # after a turn header: no anchor there
+                return pos
         return end
 
     def _frontier_candidate(self, track: Track | None, pos: int, kind: str) -> bool:
@@ -377,6 +401,9 @@ class PrefixReuse:
         kind = self.policy.kind_at(tokens, pos)
         if kind is None and pos == prompt_len and self.policy.anchor_ids:
             kind = "prompt_end"
+        track = self._tracks.get(id(state))
+        if kind is None and track is not None and pos == track.root:
+            kind = "turn_header"  # the system prompt and the next turn's header
         if kind is not None:
             self._snapshot(tokens, state, kind)
 

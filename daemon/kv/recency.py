@@ -12,7 +12,8 @@ Each such edit resumes at one of a few anchors near the end of the previous prom
                           tool output boundaries, end of thinking)
 
 Besides these, every prompt keeps the end of its first turn (``first_turn_end``: the system
-prompt), where a compaction or another session of the same agent resumes.
+prompt, and the next turn's header where the family declares one), where a compaction or another
+session of the same agent resumes.
 
 Candidates closer than ``GAP`` tokens to a later kept one (or to the prompt's end, which has its
 own snapshot: the session head) share its snapshot at the earlier position, so a turn end right
@@ -61,13 +62,19 @@ def recent_anchors(
 
 
 def first_turn_end(
-    tokens: list[int], end: int, kind_at: Callable[[list[int], int], str | None]
+    tokens: list[int],
+    end: int,
+    kind_at: Callable[[list[int], int], str | None],
+    after_header: Callable[[list[int], int], int | None] | None = None,
 ) -> int | None:
     """The end of the prompt's first turn (the system prompt): where a compaction, or another
-    session of the same agent, resumes; None when the head's snapshot serves it."""
+    session of the same agent, resumes; None when the head's snapshot serves it. With
+    ``after_header`` (the family's turn header), past the next turn's header when one follows:
+    a compaction replaces that turn's content, not its role."""
     for pos in range(1, end - GAP):
         if kind_at(tokens, pos) == "end_of_turn":
-            return pos
+            header = after_header(tokens, pos) if after_header is not None else None
+            return header if header is not None and header < end - GAP else pos
     return None
 
 

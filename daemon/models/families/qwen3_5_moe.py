@@ -4,7 +4,7 @@ text-only (the vision tower and the MTP head are not loaded). Every layer's FFN 
 The HF and GGUF rules are Qwen3-Next's (``qwen3_next``), with the value heads tiled in GGUF."""
 
 from .qwen3_next import HYBRID_FIXED, hybrid_gguf, hybrid_layer_types, hybrid_metadata
-from .spec import CHATML_ANCHORS, FamilySpec, HfRules
+from .spec import CHATML_ANCHORS, CHATML_TURN_HEADER, FamilySpec, HfRules
 
 SPEC = FamilySpec(
     architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
@@ -19,5 +19,6 @@ SPEC = FamilySpec(
     reasoning_syntax="think",
     renames=((r"\.mlp\.gate\.weight$", ".mlp.router.weight"),),
     anchors=CHATML_ANCHORS,
+    turn_header=CHATML_TURN_HEADER,
     ignore=(r"^mtp\.", r"^model\.visual\.", r"^visual\."),
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..gguf_read import GgufMeta, routerless_layers
-from .spec import CHATML_ANCHORS, FamilySpec, GgufRules, HfRules
+from .spec import CHATML_ANCHORS, CHATML_TURN_HEADER, FamilySpec, GgufRules, HfRules
 
 
 def sparse_step(text: dict[str, Any], n: int, source: str) -> tuple[bool, ...]:
@@ -32,4 +32,5 @@ SPEC = FamilySpec(
     reasoning_syntax="think",
     renames=((r"\.mlp\.gate\.weight$", ".mlp.router.weight"),),
     anchors=CHATML_ANCHORS,
+    turn_header=CHATML_TURN_HEADER,
 )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import ModelConfig
 from ..gguf_read import SHARED_EXPERT, Fix, GgufMeta, Target, minus_one
 from .qwen3_moe import dense_layers, sparse_step
-from .spec import CHATML_ANCHORS, FamilySpec, GgufRules, HfRules
+from .spec import CHATML_ANCHORS, CHATML_TURN_HEADER, FamilySpec, GgufRules, HfRules
 
 if TYPE_CHECKING:
     import torch
@@ -214,6 +214,7 @@ SPEC = FamilySpec(
     renames=((r"\.mlp\.gate\.weight$", ".mlp.router.weight"),),
     ignore=(r"^mtp\.",),
     anchors=CHATML_ANCHORS,
+    turn_header=CHATML_TURN_HEADER,
     converters=(
         (r"linear_attn\.in_proj_qkvz\.weight$", _split_qkvz),
         (r"linear_attn\.in_proj_ba\.weight$", _split_ba),

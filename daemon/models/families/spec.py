@@ -132,7 +132,13 @@ class FamilySpec:
     # semantic anchors (ARCHITECTURE §5.2): token string -> kind. A recurrent-state snapshot is
     # taken right after each such token; tokens the tokenizer does not have are ignored.
     anchors: tuple[tuple[str, str], ...] = ()
+    # (the token that opens a turn, the text that ends the turn's header): the system prompt's
+    # snapshot is taken after the next turn's header, where a compaction's new content starts
+    turn_header: tuple[str, str] | None = None
 
+
+# ChatML's turn header: <|im_start|>role\n
+CHATML_TURN_HEADER = ("<|im_start|>", "\n")
 
 # The ChatML markers of the Qwen families (and of the built-in model).
 CHATML_ANCHORS = (
