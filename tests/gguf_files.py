@@ -11,6 +11,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf_convert import (
     DSA,
@@ -381,6 +382,14 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
                 done += _fused_reference(hf, llm, fused)
             continue
         target = _hf_module(hf, name)
+        if getattr(mod, "block_param", "weight") != "weight":  # a hyper-connection's fn
+            _mixes_reference(target, qw)
+            done.append(name)
+            continue
+        if hasattr(mod, "groups"):  # DeepSeek-V4's grouped o_a_proj: each group's rows
+            target.forward = _grouped_reference(qw, mod.groups)
+            done.append(name)
+            continue
 
         def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
             y = qdot_reference(
@@ -392,6 +401,50 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
         target.forward = forward
         done.append(name)
     return done
+
+
+def _mixes_reference(target: Any, qw: Any) -> None:
+    """transformers' hyper-connection (or head) ``target`` with its mixing projection computed
+    the integer-dot way on ``qw``'s rows: its forward runs with ``F.linear`` on a weight of
+    ``qw``'s shape (the mixing weight: the module's only one) taken by ``qdot_reference``."""
+    from freetokend.formats.gguf_blocks import qdot_reference
+
+    plain = target.forward
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        linear = F.linear
+
+        def mixed(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
+            if tuple(w.shape) != (qw.rows, qw.cols) or b is not None:
+                return linear(x, w, b)
+            y = qdot_reference(qw.gguf_raw(), qw.fmt, x.reshape(-1, qw.cols).float())
+            return y.reshape(*x.shape[:-1], qw.rows)
+
+        F.linear = mixed
+        try:
+            return plain(*args, **kw)
+        finally:
+            F.linear = linear
+
+    target.forward = forward
+
+
+def _grouped_reference(qw: Any, groups: int) -> Any:
+    """A grouped projection's forward (x [..., G, d_in] -> [..., G, d_out]) computed the
+    integer-dot way, group g on rows [g * d_out, (g + 1) * d_out) of ``qw``."""
+    from freetokend.formats.gguf_blocks import qdot_reference
+
+    raw, n = qw.gguf_raw(), qw.rows // groups
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, groups, qw.cols).float()
+        ys = [
+            qdot_reference(raw[g * n : (g + 1) * n], qw.fmt, flat[:, g].contiguous())
+            for g in range(groups)
+        ]
+        return torch.stack(ys, 1).reshape(*x.shape[:-1], n).to(x.dtype)
+
+    return forward
 
 
 # Qwen3-Next's linear attention: our in_proj_qkv and in_proj_z are transformers' one

@@ -35,6 +35,9 @@ class Linear(nn.Module):
     of the bf16-rounded input): torch's CPU bf16 matmul is ~20x slower at decode batch sizes.
     """
 
+    # the parameter a GGUF loader may keep in the file's blocks (``qweight``; gguf_loader)
+    block_param = "weight"
+
     def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
         self.weight = param(d_out, d_in, dtype=dtype)
@@ -56,6 +59,14 @@ class Linear(nn.Module):
         if dense_native.usable(x, w):
             return dense_native.linear(x, w, self.bias)
         return F.linear(x.to(w.dtype), w, self.bias).float()
+
+
+def block_linear(
+    x: torch.Tensor, qw: qlinear_native.QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, K] @ qw^T (+ bias) -> [T, N] fp32: a weight held in GGUF blocks, computed as
+    `Linear` computes its ``qweight``."""
+    return _quant_forward(x.contiguous(), qw, bias)
 
 
 def _quant_forward(
