@@ -372,7 +372,8 @@ def _keep_blocks(kept: _Kept, src: _Source) -> None:
         raw = raw[kept.order]
     qw = QuantWeight.from_raw(raw, src.t.type_name.lower(), src.t.shape[1])
     mod = kept.mod
-    mod.qweight = dataclasses.replace(qw, in_perm=kept.in_perm) if kept.in_perm is not None else qw
+    qw = dataclasses.replace(qw, in_perm=kept.in_perm) if kept.in_perm is not None else qw
+    mod.qweight = qw  # type: ignore[assignment]  # Linear and the modules like it hold one
     dt = getattr(mod, kept.attr).dtype
     setattr(mod, kept.attr, torch.nn.Parameter(torch.empty(0, dtype=dt), requires_grad=False))
 

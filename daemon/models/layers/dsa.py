@@ -31,7 +31,9 @@ softmax-weighted latent per head, and out[h] = W_uv[h] latent_out[h]. The same s
 order: equal to the torch path within fp32 rounding (tests/test_dsa.py). The per-head products
 run in fp32 on kv_b_proj's weight (views of an fp32 weight; a bf16 or quantized one is widened
 once per layer: GLM-5, 58 MB a layer beside its 29 MB of bf16), where expanding the 2048 chosen
-latents would take 2048 x 512 x 28672 multiply-adds a token and layer.
+latents would take 2048 x 512 x 28672 multiply-adds a token and layer. A GGUF file's
+attn_k_b / attn_v_b in a block format stay in their blocks (``mla.py``): prefill and decode
+then run absorbed with both per-head products in the integer-dot kernels, no float copy.
 """
 
 from __future__ import annotations

@@ -132,11 +132,18 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """q [n, heads, dn + dr] over pool rows kc [c, >= kvr + dr] fp32 where ``allowed`` [n,
         c], in absorbed form with kv_b in its blocks (module docstring) -> [n, heads, dv]."""
-        c, h, w = kc.shape[0], self.heads, self.kvr + self.dr
+        n, h, w = q.shape[0], self.heads, self.kvr + self.dr
         qa = torch.cat([self.absorb_query(q[..., : self.dn]), q[..., self.dn :]], dim=-1)
-        keys = kc[:, None, :w].expand(c, h, w)
-        lat = masked_attention(qa, keys, keys[..., : self.kvr], allowed, self.scale)
-        return self.values_from_latent(lat)
+        # one key row per token for every head: the (token, head) pairs are the queries
+        keys = kc[None, :, :w]
+        lat = F.scaled_dot_product_attention(
+            qa.reshape(1, n * h, w),
+            keys,
+            keys[..., : self.kvr],
+            attn_mask=allowed.repeat_interleave(h, 0),
+            scale=self.scale,
+        )
+        return self.values_from_latent(lat.view(n, h, self.kvr))
 
     def _q_res(self, x: torch.Tensor) -> torch.Tensor | None:
         """The compressed query (after its norm); None without query compression."""
