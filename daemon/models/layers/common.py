@@ -61,6 +61,28 @@ class Linear(nn.Module):
         return F.linear(x.to(w.dtype), w, self.bias).float()
 
 
+def widen_kept_blocks(
+    model: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Every weight a GGUF load kept in its blocks outside `Linear` (a module's ``block_param``
+    with a ``qweight``: DeepSeek-V4's grouped o_a_proj and hyper-connection mixes; MLA's kv_b
+    parts, through the module's ``widen_blocks``) dequantized back into its float parameter on
+    ``device``, in ``dtype`` (a module's ``block_dtype`` first, else the placeholder's): for the
+    paths that read float weights only (the device placement, FTW folders). `Linear`'s own
+    ``qweight`` is left to them."""
+    for m in model.modules():
+        widen = getattr(m, "widen_blocks", None)
+        if widen is not None:
+            widen(device, dtype)
+        qw = getattr(m, "qweight", None)
+        if qw is None or isinstance(m, Linear):
+            continue
+        attr: str = getattr(m, "block_param")  # noqa: B009 (a Module attribute, untyped)
+        dt = getattr(m, "block_dtype", None) or dtype or getattr(m, attr).dtype
+        setattr(m, attr, nn.Parameter(qw.dequantize(device).to(dt), requires_grad=False))
+        setattr(m, "qweight", None)  # noqa: B010
+
+
 def block_linear(
     x: torch.Tensor, qw: qlinear_native.QuantWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -70,6 +70,7 @@ def merge_streams(
 
 class HyperConnection(nn.Module):
     block_param = "fn"  # a GGUF file's blocks (gguf_loader)
+    block_dtype = torch.float32  # widened (``widen_kept_blocks``), fp32 as released
 
     def __init__(self, n: int, hidden: int, iters: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
@@ -104,6 +105,7 @@ class HyperHead(nn.Module):
     * stream_k."""
 
     block_param = "fn"
+    block_dtype = torch.float32
 
     def __init__(self, n: int, hidden: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()

@@ -114,6 +114,19 @@ class MLAttention(nn.Module):
         self.kv_b_blocks = (_per_head(k_b, h), _per_head(v_b, h))
         self.kv_b_proj = None
 
+    def widen_blocks(self, device: torch.device | None, dtype: torch.dtype | None) -> None:
+        """kv_b's blocks back to a float kv_b_proj (the expanded path), on ``device`` in
+        ``dtype`` (None: the model's, o_proj's): ``common.widen_kept_blocks``."""
+        if self.kv_b_blocks is None:
+            return
+        k_b, v_b = self.kv_b_blocks
+        k = torch.stack([w.dequantize(device) for w in k_b]).transpose(1, 2)  # [h, dn, kvr]
+        v = torch.stack([w.dequantize(device) for w in v_b])  # [h, dv, kvr]
+        w = torch.cat([k, v], 1).reshape(-1, self.kvr).to(dtype or self.o_proj.weight.dtype)
+        lin = Linear(self.kvr, w.shape[0], w.dtype)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        self.kv_b_proj, self.kv_b_blocks = lin, None
+
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [n, heads, dn] -> q_lat [n, heads, kvr] through attn_k_b's blocks."""
         assert self.kv_b_blocks is not None
