@@ -11,6 +11,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf_convert import (
     DSA,
@@ -371,7 +372,10 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
     from freetokend.formats.gguf_blocks import qdot_reference
 
     done = []
+    absorbed = []
     for name, mod in llm.model.named_modules():
+        if getattr(mod, "kv_b_blocks", None) is not None:  # after its projections' own
+            absorbed.append((name, mod))
         qw = getattr(mod, "qweight", None)
         if qw is None:
             continue
@@ -381,6 +385,14 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
                 done += _fused_reference(hf, llm, fused)
             continue
         target = _hf_module(hf, name)
+        if getattr(mod, "block_param", "weight") != "weight":  # a hyper-connection's fn
+            _mixes_reference(target, qw)
+            done.append(name)
+            continue
+        if hasattr(mod, "groups"):  # DeepSeek-V4's grouped o_a_proj: each group's rows
+            target.forward = _grouped_reference(qw, mod.groups)
+            done.append(name)
+            continue
 
         def forward(x: torch.Tensor, qw: Any = qw, bias: Any = target.bias) -> torch.Tensor:
             y = qdot_reference(
@@ -391,7 +403,108 @@ def int_dot_reference(hf: Any, llm: Any) -> list[str]:
 
         target.forward = forward
         done.append(name)
+    for name, mod in absorbed:
+        _absorbed_mla_reference(_hf_module(hf, name), mod)
     return done
+
+
+def _absorbed_mla_reference(target: Any, ours: Any) -> None:
+    """transformers' MLA attention ``target`` run absorbed with kv_b's GGUF parts in their
+    blocks (checked equal to its kv_b_proj, dequantized), as ``ours`` (layers/mla.py) and
+    llama.cpp compute it: its own forward with the
+    query's non-rotated part folded into the latent space per head (``qdot_reference`` on
+    attn_k_b's rows), keys and values the latents themselves, and each head's attention output
+    taken through attn_v_b's rows before o_proj."""
+    from freetokend.formats.gguf_blocks import qdot_reference
+
+    assert hasattr(target, "expand_kv"), type(target).__name__
+    k_b, v_b = ours.kv_b_blocks
+    h, dn, dr, kvr, dv = ours.heads, ours.dn, ours.dr, ours.kvr, ours.dv
+    # the per-head rows, dequantized, are kv_b_proj as ``dequantized_reference`` loaded it
+    k = torch.stack([w.dequantize() for w in k_b]).transpose(1, 2)  # [h, dn, kvr]
+    v = torch.stack([w.dequantize() for w in v_b])  # [h, dv, kvr]
+    joined = torch.cat([k, v], 1).reshape(-1, kvr)
+    assert torch.allclose(joined, target.kv_b_proj.weight.float(), rtol=1e-6, atol=1e-7)
+    q_mod = target.q_b_proj if target.q_lora_rank else target.q_proj
+    q_inner, o_inner, plain = q_mod.forward, target.o_proj.forward, target.forward
+
+    def per_head(x: torch.Tensor, ws: list, width: int) -> torch.Tensor:
+        flat = x.reshape(-1, h, width).float()
+        ys = [
+            qdot_reference(ws[i].gguf_raw(), ws[i].fmt, flat[:, i].contiguous()) for i in range(h)
+        ]
+        return torch.stack(ys, 1)
+
+    def q_forward(x: torch.Tensor) -> torch.Tensor:
+        q = q_inner(x)
+        heads = q.reshape(-1, h, dn + dr)
+        lat = per_head(heads[..., :dn], k_b, dn)
+        out = torch.cat([lat, heads[..., dn:].float()], -1)
+        return out.reshape(*q.shape[:-1], h * (kvr + dr)).to(q.dtype)
+
+    def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, _, n, _ = kv_nope.shape
+        keys = torch.cat([kv_nope, k_rot], -1).expand(b, h, n, kvr + dr)
+        return keys, kv_nope.expand(b, h, n, kvr)
+
+    def o_forward(x: torch.Tensor) -> torch.Tensor:
+        v = per_head(x, v_b, kvr).reshape(*x.shape[:-1], h * dv)
+        return o_inner(v.to(x.dtype))
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        widths = target.qk_head_dim, target.qk_nope_head_dim
+        target.qk_head_dim, target.qk_nope_head_dim = kvr + dr, kvr
+        try:
+            return plain(*args, **kw)
+        finally:
+            target.qk_head_dim, target.qk_nope_head_dim = widths
+
+    q_mod.forward, target.o_proj.forward = q_forward, o_forward
+    target.expand_kv, target.forward = expand_kv, forward
+
+
+def _mixes_reference(target: Any, qw: Any) -> None:
+    """transformers' hyper-connection (or head) ``target`` with its mixing projection computed
+    the integer-dot way on ``qw``'s rows: its forward runs with ``F.linear`` on a weight of
+    ``qw``'s shape (the mixing weight: the module's only one) taken by ``qdot_reference``."""
+    from freetokend.formats.gguf_blocks import qdot_reference
+
+    plain = target.forward
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        linear = F.linear
+
+        def mixed(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
+            if tuple(w.shape) != (qw.rows, qw.cols) or b is not None:
+                return linear(x, w, b)
+            y = qdot_reference(qw.gguf_raw(), qw.fmt, x.reshape(-1, qw.cols).float())
+            return y.reshape(*x.shape[:-1], qw.rows)
+
+        F.linear = mixed
+        try:
+            return plain(*args, **kw)
+        finally:
+            F.linear = linear
+
+    target.forward = forward
+
+
+def _grouped_reference(qw: Any, groups: int) -> Any:
+    """A grouped projection's forward (x [..., G, d_in] -> [..., G, d_out]) computed the
+    integer-dot way, group g on rows [g * d_out, (g + 1) * d_out) of ``qw``."""
+    from freetokend.formats.gguf_blocks import qdot_reference
+
+    raw, n = qw.gguf_raw(), qw.rows // groups
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, groups, qw.cols).float()
+        ys = [
+            qdot_reference(raw[g * n : (g + 1) * n], qw.fmt, flat[:, g].contiguous())
+            for g in range(groups)
+        ]
+        return torch.stack(ys, 1).reshape(*x.shape[:-1], n).to(x.dtype)
+
+    return forward
 
 
 # Qwen3-Next's linear attention: our in_proj_qkv and in_proj_z are transformers' one

@@ -62,8 +62,12 @@ columns as above:
     gpt_oss bf16      0.984   0.81   / 5.4e-3   9.5e-7    (plain RoPE)
     qwen3_5_moe kmix  0.984   0.087  / 0.034    6.5e-5    (ssm_out in blocks, inputs reordered)
     qwen3_5_moe q8_0  1.000   0      / 0        7.5e-6    (32-wide shared expert: no F16 tensor)
-    qwen3_5_moe q8_0 with the F16 shared-expert down (0.922), deepseek_v3 quantized (0.922 /
-    0.906): xfail, see _Q35_Q8 and _MLA_FLOAT
+    qwen3_5_moe q8_0 with the F16 shared-expert down (0.922): xfail, see _Q35_Q8
+Dec 6, MLA's attn_k_b / attn_v_b kept in their blocks and attention run absorbed as llama.cpp
+runs it (layers/mla.py; before: a float kv_b_proj, top-1 0.922 / 0.906, xfail), every row 32
+wide (MLA_ROWS); columns as above:
+    deepseek_v3 q8_0  0.984   0.026  / 0.014    2.7e-6
+    deepseek_v3 kmix  1.000   1.4e-6 / 2.4e-7   9.8e-6
 With fp32 activation scales (our default) the standard families agree 0.969-1.000 (qwen3_moe
 Q8_0 0.984, median 0.022; K-quant mix 0.984, 0.085), gpt_oss's K-quant mix 0.891.
 Known departures, not our bugs, handled here:
@@ -88,6 +92,7 @@ from tiny_models import hf_config, make_tiny
 from freetokend import LLM
 from freetokend.engine.tokenizer import Tokenizer
 from freetokend.models import gguf_experts
+from freetokend.models.layers.common import Linear
 from freetokend.native import qlinear_native as ql
 
 pytestmark = pytest.mark.slow
@@ -117,9 +122,15 @@ KMIX = {"mlp_only_layers": [], "hidden_size": 256, "moe_intermediate_size": 96}
 _Q35_Q8 = pytest.mark.xfail(
     reason="llama.cpp rounds the F16 shared-expert down projection's inputs to fp16", strict=False
 )
-_MLA_FLOAT = pytest.mark.xfail(
-    reason="DeepSeek-V3's attn_k_b / attn_v_b computed from a float kv_b_proj", strict=False
-)
+# MLA with every row a multiple of 32 wide, as in the released models (narrower rows fall back
+# to F16 in a Q8_0 file, whose matmuls llama.cpp computes on fp16-rounded inputs: top-1 0.922)
+MLA_ROWS = {
+    "intermediate_size": 64,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+}
 CASES = [
     ("qwen3_moe", "f32", {"mlp_only_layers": []}),
     ("qwen3_moe", "bf16", {"mlp_only_layers": []}),
@@ -161,10 +172,8 @@ CASES = [
     pytest.param("qwen3_5_moe", "q8_0", Q35_ROPE, marks=_Q35_Q8),
     ("qwen3_5_moe", "q8_0", {**Q35_ROPE, "shared_expert_intermediate_size": 32}),  # no F16
     ("qwen3_5_moe", "kmix", {**Q35_ROPE, "hidden_size": 256, "shared_expert_intermediate_size": 32}),
-    pytest.param("deepseek_v3", "q8_0", {}, marks=_MLA_FLOAT),
-    pytest.param("deepseek_v3", "kmix", {"hidden_size": 256, "intermediate_size": 64,
-                 "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
-                 "v_head_dim": 32}, marks=_MLA_FLOAT),
+    ("deepseek_v3", "q8_0", MLA_ROWS),
+    ("deepseek_v3", "kmix", {**MLA_ROWS, "hidden_size": 256}),
 ]  # fmt: skip
 F32_TOL = 1e-4  # measured ~1e-6 (fp32 in both engines, F32 KV cache)
 # our dequantized load against llama.cpp on the F32 of the same weights: measured <= 1.3e-5, and
@@ -196,7 +205,20 @@ def _ours(path, dequantize_blocks: bool = False) -> torch.Tensor:
             if getattr(m, "qweight", None) is not None:
                 m.weight = torch.nn.Parameter(m.qweight.dequantize(), requires_grad=False)
                 m.qweight = None
+            if getattr(m, "kv_b_blocks", None) is not None:  # MLA's attn_k_b / attn_v_b
+                _float_kv_b(m)
     return llm.logits(IDS)
+
+
+def _float_kv_b(attn) -> None:
+    """MLA's kv_b from its per-head blocks back to a float kv_b_proj (the expanded path)."""
+    k_b, v_b = attn.kv_b_blocks
+    k = torch.stack([w.dequantize() for w in k_b]).transpose(1, 2)  # [heads, nope, kv_lora]
+    v = torch.stack([w.dequantize() for w in v_b])  # [heads, v, kv_lora]
+    w = torch.cat([k, v], 1).reshape(-1, attn.kvr)
+    attn.kv_b_proj = Linear(w.shape[1], w.shape[0], torch.float32)
+    attn.kv_b_proj.weight = torch.nn.Parameter(w, requires_grad=False)
+    attn.kv_b_blocks = None
 
 
 @pytest.mark.parametrize("family, kind, over", CASES)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..experts.accelerator import Accelerator
-from ..models.layers.common import Linear
+from ..models.layers.common import Linear, widen_kept_blocks
 from ..models.layers.rope import Rope
 from ..native import dense_native
 from ..runtime import heartbeat
@@ -92,10 +92,13 @@ def dense_device_bytes(model: nn.Module) -> int:
     quantized projection counted at its bf16 size (it is dequantized on the device)."""
     seen: set[int] = set()
     total = 0
-    for lin in _dense_linears(model):
-        if lin.qweight is not None:
-            seen.add(id(lin.weight))
-            total += lin.qweight.rows * lin.qweight.cols * DEVICE_DTYPE.itemsize
+    for m in model.modules():  # Linear, and the modules that hold blocks like it
+        qw = getattr(m, "qweight", None)
+        if qw is not None:
+            seen.add(id(getattr(m, str(getattr(m, "block_param")))))  # noqa: B009
+            total += qw.rows * qw.cols * DEVICE_DTYPE.itemsize
+        for part in getattr(m, "kv_b_blocks", None) or ():  # MLA's kv_b in blocks
+            total += sum(w.rows * w.cols for w in part) * DEVICE_DTYPE.itemsize
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
@@ -127,6 +130,7 @@ def place_dense(model: nn.Module, acc: Accelerator) -> Placement:
     before allocating anything when the weights cannot fit."""
     dev = acc.device
     check_fits(dense_device_bytes(model), acc, "the dense weights (bf16 where quantized)")
+    widen_kept_blocks(model, dev, DEVICE_DTYPE)
     for lin in _dense_linears(model):
         qw = lin.qweight
         if qw is None:

@@ -18,7 +18,7 @@ from .expert_quant import quantize_experts_at_load
 from .ftw_loader import QBLOCKS
 from .gguf_config import hf_fields
 from .gguf_loader import GgufCheckpoint
-from .layers.common import Linear
+from .layers.common import Linear, widen_kept_blocks
 from .loader import load_model, model_kind
 from .model import CausalLM, model_tables
 
@@ -27,7 +27,9 @@ def model_tensors(model: CausalLM, banks: ExpertBanks) -> list[tuple[str, torch.
     """The tensors an FTW folder stores: ``model.<parameter>`` (tied weights once),
     ``qblocks.<fmt>.<layer>`` for a projection kept in GGUF blocks (its raw rows, in place of its
     empty float placeholder; see ``ftw_loader``) and ``experts.<bank>`` (gate_up, down, biases
-    and the format's scale banks)."""
+    and the format's scale banks). Blocks kept outside `Linear` (MLA's kv_b parts, V4's
+    grouped o_a_proj and hyper-connection mixes) are stored widened (``widen_kept_blocks``)."""
+    widen_kept_blocks(model)
     quantized = {
         name: mod.qweight
         for name, mod in model.named_modules()

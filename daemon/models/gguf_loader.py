@@ -31,7 +31,7 @@ from ..experts.disk_tier import DiskTier
 from ..experts.formats import interleaves
 from ..formats import gguf_interleave
 from ..formats.errors import CheckpointError
-from ..formats.gguf_blocks import BLOCK_BYTES
+from ..formats.gguf_blocks import BLOCK_BYTES, supports
 from ..formats.gguf_file import (
     NATIVE,
     GgufFile,
@@ -49,7 +49,7 @@ from .fill import Filler, allocate_banks
 from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix, top_name
 from .gguf_config import config_from_gguf, gguf_arch
 from .hugepages import advise_new
-from .layers.common import Linear, dtype_of
+from .layers.common import dtype_of
 from .model import CausalLM, build_model
 from .registry import GGUF_ARCHITECTURES, family_spec
 
@@ -291,14 +291,16 @@ class _Kept:
     """A projection loaded in its GGUF blocks: the module, and the rows (``order``) or the
     input order (``in_perm``) the converter's transform amounts to (None: as in the file)."""
 
-    mod: Linear
+    mod: torch.nn.Module
     order: torch.Tensor | None = None
     in_perm: torch.Tensor | None = None
+    attr: str = "weight"  # the parameter the blocks replace (the module's ``block_param``)
 
 
 def _block_linear(model: CausalLM, canon: str, src: object) -> _Kept | None:
     """The projection ``canon`` belongs to when its GGUF tensor can stay in its blocks: any
-    `Linear` (attention, linear attention, MLPs, shared experts, routers, lm_head: llama.cpp
+    `Linear` or module like it (``block_param``: the grouped o_a_proj, a hyper-connection's fn;
+    attention, linear attention, MLPs, shared experts, routers, lm_head: llama.cpp
     computes each from the file's blocks) of a type those kernels compute, with the shape the
     model expects, read from one tensor whose converter transform (if any) only reorders or
     selects rows, or only reorders input columns (then the input moves: ``_input_order``)."""
@@ -307,12 +309,14 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> _Kept | None:
         return None
     t = src.t
     fmt = t.type_name.lower()
-    if fmt not in BLOCK_BYTES or not canon.endswith(".weight") or len(t.shape) != 2:
+    layer, _, attr = canon.rpartition(".")
+    if fmt not in BLOCK_BYTES or len(t.shape) != 2 or not layer:
         return None
-    layer = canon[: -len(".weight")]
     try:
         mod = model.get_submodule(layer)
     except AttributeError:
+        return None
+    if getattr(mod, "block_param", None) != attr:  # Linear, and the modules like it
         return None
     order = perm = None
     if src.fix is not None:
@@ -321,9 +325,9 @@ def _block_linear(model: CausalLM, canon: str, src: object) -> _Kept | None:
         if order is None and perm is None:
             return None
     rows = t.shape[0] if order is None else len(order)
-    if not isinstance(mod, Linear) or tuple(mod.weight.shape) != (rows, t.shape[1]):
+    if tuple(getattr(mod, attr).shape) != (rows, t.shape[1]):
         return None
-    return _Kept(mod, order, perm)
+    return _Kept(mod, order, perm, attr)
 
 
 def _row_order(fix: Fix, rows: int) -> torch.Tensor | None:
@@ -369,8 +373,42 @@ def _keep_blocks(kept: _Kept, src: _Source) -> None:
         raw = raw[kept.order]
     qw = QuantWeight.from_raw(raw, src.t.type_name.lower(), src.t.shape[1])
     mod = kept.mod
-    mod.qweight = dataclasses.replace(qw, in_perm=kept.in_perm) if kept.in_perm is not None else qw
-    mod.weight = torch.nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
+    qw = dataclasses.replace(qw, in_perm=kept.in_perm) if kept.in_perm is not None else qw
+    mod.qweight = qw  # type: ignore[assignment]  # Linear and the modules like it hold one
+    dt = getattr(mod, kept.attr).dtype
+    setattr(mod, kept.attr, torch.nn.Parameter(torch.empty(0, dtype=dt), requires_grad=False))
+
+
+def _joined_blocks(model: CausalLM, canon: str, src: object) -> torch.nn.Module | None:
+    """The module that takes the parts of a joined parameter in their GGUF blocks
+    (``keep_joined_blocks``: MLA's attn_k_b / attn_v_b, computed from the blocks as llama.cpp
+    computes them), when every part is of a type the integer-dot kernels compute."""
+    if not isinstance(src, _Joined):
+        return None
+    owner_name, _, rest = canon.rpartition(".")
+    owner_name, _, name = owner_name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return None
+    if rest != "weight" or name not in getattr(owner, "joined_blocks", ()):
+        return None
+    for p in src.parts:
+        fmt = p.t.type_name.lower()
+        if p.fix is not None or fmt not in BLOCK_BYTES or not supports(fmt, p.t.shape[-1]):
+            return None
+    return owner
+
+
+def _keep_joined(owner: torch.nn.Module, canon: str, src: _Joined) -> None:
+    """Reads the parts raw (rows of the file's blocks) into ``owner``."""
+    parts = []
+    for p in src.parts:
+        fmt = p.t.type_name.lower()
+        raw = p.f.read_raw(p.t)
+        parts.append(QuantWeight.from_raw(raw.reshape(-1, raw.shape[-1]), fmt, p.t.shape[-1]))
+    name = canon.rpartition(".")[0].rpartition(".")[2]
+    owner.keep_joined_blocks(name, parts)  # type: ignore[operator]
 
 
 def _check_types(ck: GgufCheckpoint, cfg: ModelConfig) -> None:
@@ -452,6 +490,7 @@ def _fill(
     filler: Filler,
     banks: ExpertBanks,
     in_blocks: dict[str, tuple[str, _Kept]],
+    joined: dict[str, torch.nn.Module],
     block: bool,
     tiered: bool,
     interleave: bool,
@@ -462,6 +501,10 @@ def _fill(
     for name, canon, src in ck.sources(cfg):
         if canon in in_blocks and isinstance(src, _Source):
             _keep_blocks(in_blocks[canon][1], src)
+            filler.filled.add(canon)
+            continue
+        if canon in joined and isinstance(src, _Joined):
+            _keep_joined(joined[canon], canon, src)
             filler.filled.add(canon)
             continue
         if canon.startswith("experts:"):
@@ -538,14 +581,26 @@ def load_gguf(
             for name, canon, src in ck.sources(cfg)
             if (keep := _block_linear(model, canon, src)) is not None
         }
+        joined = {
+            canon: owner
+            for _, canon, src in ck.sources(cfg)
+            if (owner := _joined_blocks(model, canon, src)) is not None
+        }
         kept_names = frozenset(name for name, _ in in_blocks.values())
+        kept_names |= {
+            f"blk.{canon.split('.')[1]}.{part}"
+            for canon in joined
+            for join in joins(ck.arch)
+            if canon.endswith(join.target)
+            for part in join.parts
+        }
         interleave = interleave_experts and block and not tiered
         interleave = interleave and gguf_interleave.native_moves_available()
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
         # resident block experts are read on worker threads while this one loads the rest
         pool = gguf_experts.FillPool(os.cpu_count() or 1) if block and not tiered else None
         try:
-            _fill(ck, cfg, filler, banks, in_blocks, block, tiered, interleave, pool)
+            _fill(ck, cfg, filler, banks, in_blocks, joined, block, tiered, interleave, pool)
             if pool is not None:
                 pool.wait()
         finally:

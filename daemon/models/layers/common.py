@@ -35,6 +35,9 @@ class Linear(nn.Module):
     of the bf16-rounded input): torch's CPU bf16 matmul is ~20x slower at decode batch sizes.
     """
 
+    # the parameter a GGUF loader may keep in the file's blocks (``qweight``; gguf_loader)
+    block_param = "weight"
+
     def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
         self.weight = param(d_out, d_in, dtype=dtype)
@@ -56,6 +59,36 @@ class Linear(nn.Module):
         if dense_native.usable(x, w):
             return dense_native.linear(x, w, self.bias)
         return F.linear(x.to(w.dtype), w, self.bias).float()
+
+
+def widen_kept_blocks(
+    model: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Every weight a GGUF load kept in its blocks outside `Linear` (a module's ``block_param``
+    with a ``qweight``: DeepSeek-V4's grouped o_a_proj and hyper-connection mixes; MLA's kv_b
+    parts, through the module's ``widen_blocks``) dequantized back into its float parameter on
+    ``device``, in ``dtype`` (a module's ``block_dtype`` first, else the placeholder's): for the
+    paths that read float weights only (the device placement, FTW folders). `Linear`'s own
+    ``qweight`` is left to them."""
+    for m in model.modules():
+        widen = getattr(m, "widen_blocks", None)
+        if widen is not None:
+            widen(device, dtype)
+        qw = getattr(m, "qweight", None)
+        if qw is None or isinstance(m, Linear):
+            continue
+        attr: str = getattr(m, "block_param")  # noqa: B009 (a Module attribute, untyped)
+        dt = getattr(m, "block_dtype", None) or dtype or getattr(m, attr).dtype
+        setattr(m, attr, nn.Parameter(qw.dequantize(device).to(dt), requires_grad=False))
+        setattr(m, "qweight", None)  # noqa: B010
+
+
+def block_linear(
+    x: torch.Tensor, qw: qlinear_native.QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, K] @ qw^T (+ bias) -> [T, N] fp32: a weight held in GGUF blocks, computed as
+    `Linear` computes its ``qweight``."""
+    return _quant_forward(x.contiguous(), qw, bias)
 
 
 def _quant_forward(

@@ -31,7 +31,9 @@ softmax-weighted latent per head, and out[h] = W_uv[h] latent_out[h]. The same s
 order: equal to the torch path within fp32 rounding (tests/test_dsa.py). The per-head products
 run in fp32 on kv_b_proj's weight (views of an fp32 weight; a bf16 or quantized one is widened
 once per layer: GLM-5, 58 MB a layer beside its 29 MB of bf16), where expanding the 2048 chosen
-latents would take 2048 x 512 x 28672 multiply-adds a token and layer.
+latents would take 2048 x 512 x 28672 multiply-adds a token and layer. A GGUF file's
+attn_k_b / attn_v_b in a block format stay in their blocks (``mla.py``): prefill and decode
+then run absorbed with both per-head products in the integer-dot kernels, no float copy.
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ class SparseMLAttention(MLAttention):
         of an fp32 weight; a copy of any other, made once)."""
         if self._uk_uv is None:
             lin = self.kv_b_proj
+            assert lin is not None
             w = lin.weight if lin.qweight is None else lin.qweight.dequantize()
             w = w.detach().float().view(self.heads, self.dn + self.dv, self.kvr)
             self._uk_uv = (w[:, : self.dn], w[:, self.dn :])
@@ -229,14 +232,20 @@ class SparseMLAttention(MLAttention):
     ) -> torch.Tensor:
         """One decode query q [heads, dn + dr] over the pool rows of ``sel`` [1, k] (None: every
         position < end), absorbed (module docstring) -> [heads, dv]."""
-        uk, uv = self._absorbed()
-        q_lat = torch.bmm(q[:, None, : self.dn], uk).squeeze(1)  # [heads, kvr]
+        blocks = self.kv_b_blocks is not None
+        if blocks:
+            q_lat = self.absorb_query(q[None, :, : self.dn])[0]
+        else:
+            uk, uv = self._absorbed()
+            q_lat = torch.bmm(q[:, None, : self.dn], uk).squeeze(1)  # [heads, kvr]
         qa = torch.cat([q_lat, q[:, self.dn :]], dim=-1)
         rows = sparse_native.Rows(pool, 0, table)
         seg = sparse_native.Segment(rows, None, 0, end) if sel is None else (
             sparse_native.Segment(rows, sel[0])
         )  # fmt: skip
         lat = sparse_native.sparse_attention(qa, [seg], self.kvr, self.scale)  # [heads, kvr]
+        if blocks:
+            return self.values_from_latent(lat[None])[0]
         return torch.bmm(uv, lat.unsqueeze(-1)).squeeze(-1)
 
     def _attend(
@@ -245,6 +254,15 @@ class SparseMLAttention(MLAttention):
         """q [n, heads, dn + dr] at positions q_start.. over pool rows kc [c, width] fp32,
         restricted to ``sel`` [n, k] (None: every earlier key)."""
         n, c = q.shape[0], kc.shape[0]
+        if self.kv_b_blocks is not None:  # absorbed, over the rows it may see
+            if sel is None:
+                return self.absorbed_attention(q, kc, causal_mask(n, c, q_start, q.device))
+            if n == 1:
+                return self.absorbed_attention(q, kc[sel[0].clamp(min=0)], sel >= 0)
+            chosen = torch.zeros(n, c, dtype=torch.bool, device=q.device)
+            chosen.scatter_(1, sel.clamp(min=0), True)
+            allowed = chosen & causal_mask(n, c, q_start, q.device)
+            return self.absorbed_attention(q, kc, allowed)
         if sel is None:
             k, v = self.expand(kc)
             return masked_attention(q, k, v, causal_mask(n, c, q_start, q.device), self.scale)

@@ -12,7 +12,9 @@ All three come from one projection of the RMS-normalised (no weight) flattened s
 ``fn`` [(2 + n) * n, n * D], plus a bias ``base`` and one scale per mix (``scale`` [3]).
 `HyperHead` is the final collapse before the model's last norm (a ``pre`` mix only).
 
-Everything here runs in fp32, as the checkpoint keeps these parameters.
+Everything here runs in fp32, as the checkpoint keeps these parameters; ``fn`` read from a GGUF
+file in a block format stays in its blocks (``qweight``) and is computed as the file's other
+block projections are, by the integer-dot kernels on int8 inputs, as llama.cpp computes it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import param
+from ...native.qlinear_native import QuantWeight
+from .common import block_linear, param
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, fp32."""
     x = x.float()
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def _mix_logits(flat: torch.Tensor, fn: torch.Tensor, qweight: QuantWeight | None) -> torch.Tensor:
+    """flat [T, K] (normalised streams) @ fn^T, fn in fp32 or in GGUF blocks."""
+    if qweight is not None:
+        return block_linear(flat, qweight)
+    return F.linear(flat, fn.float())
 
 
 def sinkhorn(m: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -59,8 +69,12 @@ def merge_streams(
 
 
 class HyperConnection(nn.Module):
+    block_param = "fn"  # a GGUF file's blocks (gguf_loader)
+    block_dtype = torch.float32  # widened (``widen_kept_blocks``), fp32 as released
+
     def __init__(self, n: int, hidden: int, iters: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
+        self.qweight: QuantWeight | None = None
         self.n, self.iters, self.hc_eps, self.norm_eps = n, iters, hc_eps, norm_eps
         self.fn = param((2 + n) * n, n * hidden, dtype=torch.float32)
         self.base = param((2 + n) * n, dtype=torch.float32)
@@ -70,7 +84,7 @@ class HyperConnection(nn.Module):
         """streams [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
         n = self.n
         flat = unweighted_rms_norm(streams.flatten(1), self.norm_eps)
-        z = F.linear(flat, self.fn.float())
+        z = _mix_logits(flat, self.fn, self.qweight)
         bias = self.base.float()
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
         pre = torch.sigmoid(z[:, :n] * s_pre + bias[:n]) + self.hc_eps
@@ -90,8 +104,12 @@ class HyperHead(nn.Module):
     """The last collapse of the streams: sum_k (sigmoid(fn . norm(flat) * scale + base) + eps)_k
     * stream_k."""
 
+    block_param = "fn"
+    block_dtype = torch.float32
+
     def __init__(self, n: int, hidden: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
+        self.qweight: QuantWeight | None = None
         self.n, self.hc_eps, self.norm_eps = n, hc_eps, norm_eps
         self.fn = param(n, n * hidden, dtype=torch.float32)
         self.base = param(n, dtype=torch.float32)
@@ -100,6 +118,6 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """[T, n, D] -> [T, D] fp32."""
         flat = unweighted_rms_norm(streams.flatten(1), self.norm_eps)
-        z = F.linear(flat, self.fn.float())
+        z = _mix_logits(flat, self.fn, self.qweight)
         pre = torch.sigmoid(z * self.scale.float() + self.base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * streams.float()).sum(1)

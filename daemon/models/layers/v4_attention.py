@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from ...native import sparse_native
-from .common import Linear, RMSNorm, param, project
+from ...native.qlinear_native import QuantWeight
+from .common import Linear, RMSNorm, block_linear, param, project
 from .compressed import Compressor, CompressorState, Indexer, rotate_tail, visible_entries
 from .hyper import unweighted_rms_norm
 from .rope import Rope
@@ -47,14 +48,34 @@ from .rope import Rope
 
 class GroupedLinear(nn.Module):
     """x [N, G, d_in] -> [N, G * d_out]: group g through its own block of ``weight``
-    [G * d_out, d_in] (rows [g * d_out, (g + 1) * d_out)). fp32 out."""
+    [G * d_out, d_in] (rows [g * d_out, (g + 1) * d_out)). fp32 out. A GGUF file's block weight
+    stays in its blocks (``qweight``), each group's rows computed by the integer-dot kernels, as
+    llama.cpp computes ``attn_output_a``."""
+
+    block_param = "weight"  # a GGUF file's blocks (``qweight``, gguf_loader)
 
     def __init__(self, d_in: int, d_out: int, groups: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.groups, self.d_out = groups, d_out
         self.weight = param(groups * d_out, d_in, dtype=dtype)
+        self.qweight: QuantWeight | None = None
+        self._group_qw: list[QuantWeight] | None = None  # qweight's rows per group
+
+    def _groups_q(self) -> list[QuantWeight]:
+        if self._group_qw is None:
+            assert self.qweight is not None
+            raw, n = self.qweight.gguf_raw(), self.d_out
+            cols, fmt = self.qweight.cols, self.qweight.fmt
+            self._group_qw = [
+                QuantWeight.from_raw(raw[g * n : (g + 1) * n], fmt, cols)
+                for g in range(self.groups)
+            ]
+        return self._group_qw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:  # each group's rows from the blocks, int8 inputs
+            ys = [block_linear(x[:, g], qw) for g, qw in enumerate(self._groups_q())]
+            return torch.cat(ys, dim=-1)
         w = self.weight.view(self.groups, self.d_out, -1)
         y = torch.einsum("ngi,goi->ngo", x.to(w.dtype), w)
         return y.reshape(x.shape[0], -1).float()
