@@ -117,7 +117,9 @@ class CpuBackend:
         if banks.disk is not None:  # experts in the file: the executor runs over RAM slots
             if fake:
                 raise ValueError("the disk tier needs real banks (not a fake device's)")
-            banks, classes, layer_class = slot_banks(pool, num_experts, banks.disk.cache_bytes)
+            banks, classes, layer_class = slot_banks(
+                pool, num_experts, banks.disk.cache_bytes, banks.disk.top_k
+            )
             log.info(
                 "disk tier: %d of %d experts in a RAM cache of %d MiB (%s)",
                 banks.num_flat, pool.num_flat,

@@ -2,7 +2,7 @@
 tier against llama.cpp with plain mmap, in memory cgroups.
 
     PYTHONPATH=... .venv/bin/python tests/bench/bench_disk_tier.py [--layers 11] [--repeats 3]
-        [--limits 0.5,0.25] [--decode 16] [--prompt 8] [--reserve-mb 900]
+        [--limits 0.5,0.25] [--decode 16] [--prompt 8] [--cache-mb 0]
 
 The file: Qwen3-30B-A3B's layer geometry (hidden 2048, 128 experts of 768, top-8) in llama.cpp's
 Q4_K_M mix, ``--layers`` layers (11: 4.27 GB), random weights, built once and cached by
@@ -12,8 +12,10 @@ memory cgroup limited to a share of the file's size (cgroup v1 ``memory.limit_in
 /proc/sys/vm/drop_caches``; root only: skipped with the reason otherwise). Engines interleave,
 figures are medians over ``--repeats`` runs:
 
-- freetoken: ``LLM(file, "cpu", expert_cache_mb=...)``, the RAM cache sized to the limit less
-  ``--reserve-mb`` (the process's own memory: Python, torch, the dense weights, the KV pool);
+- freetoken: ``LLM(file, "cpu", expert_cache_mb=...)``; ``--cache-mb`` 0 (the default): the
+  RAM cache sized at load from the memory the cgroup's limit leaves once the dense weights are
+  in (runtime/memlimit.memory_left: the limit less what the process holds, one sequence's KV
+  and a work reserve), as the daemon sizes it;
 - llama.cpp (llama-cpp-python): ``use_mmap=True`` and weight repacking off
   (``llama_model_params.use_extra_bufts = False``: repacking copies the weights into anonymous
   memory, which cannot fit under the limit); checked: its log names no CPU_REPACK buffer.
@@ -98,6 +100,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     tier = llm.moe.tier
+    loaded_rss = _status_mb()
     prompt = _prompt(a["prompt"], llm.tokenizer.vocab_size if llm.tokenizer else 50000)
     params = SamplingParams(max_tokens=a["decode"], temperature=0.0, ignore_eos=True)
     stamps: list[float] = []
@@ -121,7 +124,20 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": _rate(first, last),
         "read_ahead_used": _used(first, last),
         "slots": tier.cache.slots if tier is not None else 0,
+        "cache_mb": sum(t.nbytes for t in tier.slots.all_tensors().values()) >> 20 if tier else 0,
+        "rss_loaded_mb": loaded_rss,
+        "rss_end_mb": _status_mb(),
     }
+
+
+def _status_mb() -> dict[str, int]:
+    """This process's RssAnon / RssFile / VmHWM, MiB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "VmHWM"):
+            out[key] = int(value.split()[0]) >> 10
+    return out
 
 
 def _rate(a: dict[str, int], b: dict[str, int]) -> float | None:
@@ -235,7 +251,7 @@ def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
 
 
 def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
-    cache_mb = (limit >> 20) - a.reserve_mb
+    cache_mb = a.cache_mb
     args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
             "cache_mb": cache_mb}  # fmt: skip
     cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
@@ -271,15 +287,16 @@ def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str,
 
 def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
     """The daemon serving the file in a cgroup of ``limit`` bytes (the disk tier on, its cache
-    the limit less ``--reserve-mb``) answers a request, is killed (SIGKILL) in the middle of a
-    second one, restarts in the same cgroup and answers the first request the same."""
+    ``--cache-mb``, 0: sized at load from the memory left) answers a request, is killed
+    (SIGKILL) in the middle of a second one, restarts in the same cgroup and answers the first
+    request the same."""
     import re
     import tempfile
     import threading
     import urllib.request
 
     listen = re.compile(r"serving (\S+) on (http://\S+)")
-    cache_gb = ((limit >> 20) - a.reserve_mb) / 1024
+    cache_gb = a.cache_mb / 1024
     cg = Cgroup(f"ftbench-daemon-{os.getpid()}", limit)
     state = tempfile.mkdtemp(prefix="ftbench-daemon-")
     root = Path(__file__).resolve().parents[2]
@@ -352,7 +369,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--reserve-mb", type=int, default=900, help="freetoken's memory beside the cache"
+        "--cache-mb", type=float, default=0, help="freetoken's expert cache (0: the memory left)"
     )
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--engines", default=",".join(ENGINES))
