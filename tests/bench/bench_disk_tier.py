@@ -106,6 +106,8 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     stamps: list[float] = []
     io: list[int] = []
     st: list[dict[str, int]] = []
+    waits: list[float] = []
+    faults: list[int] = []
     start = time.perf_counter()
     llm.engine.add_request("bench", prompt, params)
     while llm.engine.has_unfinished():
@@ -113,7 +115,10 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             stamps.append(time.perf_counter())
             io.append(_io_read_bytes())
             st.append(tier.stats() if tier is not None else {})
+            waits.append(tier.read_seconds if tier is not None else 0.0)
+            faults.append(_major_faults())
     first, last = st[0], st[-1]
+    n = len(stamps) - 1
     return {
         "load_s": load_s,
         "ttft_s": stamps[0] - start,
@@ -124,10 +129,16 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": _rate(first, last),
         "read_ahead_used": _used(first, last),
         "slots": tier.cache.slots if tier is not None else 0,
+        "read_wait_s_per_token": (waits[-1] - waits[0]) / n,
+        "major_faults_per_token": (faults[-1] - faults[0]) / n,
         "cache_mb": sum(t.nbytes for t in tier.slots.all_tensors().values()) >> 20 if tier else 0,
         "rss_loaded_mb": loaded_rss,
         "rss_end_mb": _status_mb(),
     }
+
+
+def _major_faults() -> int:
+    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])
 
 
 def _status_mb() -> dict[str, int]:
