@@ -197,6 +197,9 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
             got.append([d[p] for d in dests for p in ("gate_up", "down")])
         assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
     assert tier.cache.slots == 2 < tiered.banks.num_flat == 24  # top-k: a quarter of a layer
+    # the slots are in the resident pool's interleaved layout, each interleaved as it is read
+    # (formats.interleaved_layout: none regrouped at load, the cache's pages untouched)
+    assert tier.slots.interleaved and resident.banks.interleaved
     ids = _prompt(24, seed=4)
     parts = TieredExecutor._parts
     split: list[int] = []
