@@ -66,6 +66,23 @@ def test_ram_cache_is_an_lru_that_never_evicts_its_own_call() -> None:
     assert fills == [(7, 0, 5), (106, 3, -1)]
 
 
+def test_ram_cache_too_small_for_a_token_inserts_bimodally() -> None:
+    """A class of 2 slots where a token uses 3 experts (one per layer, three layers): an LRU
+    evicts each expert before the next token needs it again (no hits); the bimodal insertion
+    puts fills back at the least recent end, so what is resident stays and hits."""
+    seq = [[10], [20], [30]] * 8  # one token's three layer calls, eight tokens
+    lru = RamCache([[0, 1]], lambda f: 0)
+    bip = RamCache([[0, 1]], lambda f: 0, per_token=[3])
+    for call in seq:
+        lru.lookup(call)
+        bip.lookup(call)
+    assert lru.hits == 0 and not lru.bimodal[0]
+    assert bip.bimodal[0] and bip.hits >= 7  # expert 10 stays from the first token on
+    assert bip.hits + bip.misses == len(seq)
+    # a class that holds a token's experts keeps the LRU
+    assert not RamCache([[0, 1, 2]], lambda f: 0, per_token=[3]).bimodal[0]
+
+
 def test_ram_cache_reserve_never_evicts_the_running_call_nor_counts() -> None:
     c = RamCache([[0, 1, 2, 3]], lambda f: 0)
     c.lookup([10, 11])

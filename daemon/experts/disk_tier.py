@@ -109,10 +109,31 @@ class RamCache:
 
     ``class_slots[c]``: the slot ids of class c; ``class_of(fid)``: the class expert ``fid`` goes
     to. ``lookup`` takes one call's distinct experts and returns their slots and the (fid, slot)
-    fills to make; the counters count experts (a hit or a miss per distinct expert of a call)."""
+    fills to make; the counters count experts (a hit or a miss per distinct expert of a call).
 
-    def __init__(self, class_slots: list[list[int]], class_of: Callable[[int], int]) -> None:
+    ``per_token[c]``: the experts one token uses in class c's layers (its layers times top-k;
+    0: unknown). A class with fewer slots cannot hold a token's experts, and an LRU evicts each
+    before the next token comes back to it (0 hits: a cyclic scan). Such a class inserts
+    bimodally: a call's filled experts go back to the least recent end after the call, except
+    one fill in ``BIMODAL_EVERY`` (LIP/BIP): what is resident stays until it stops being used,
+    and often used experts work their way in (real routing is skewed; uniform routing then hits
+    in proportion to the cache)."""
+
+    BIMODAL_EVERY = 32
+
+    def __init__(
+        self,
+        class_slots: list[list[int]],
+        class_of: Callable[[int], int],
+        per_token: list[int] | None = None,
+    ) -> None:
         self.class_of = class_of
+        self.bimodal = [
+            0 < len(slots) < n
+            for slots, n in zip(class_slots, per_token or [0] * len(class_slots), strict=True)
+        ]
+        self._fills = 0
+        self._free = [len(slots) for slots in class_slots]  # free slots (the first out) per class
         # per class: slot -> fid (-1: free), the least recently used first
         self.lru: list[OrderedDict[int, int]] = [
             OrderedDict((s, -1) for s in slots) for slots in class_slots
@@ -152,6 +173,13 @@ class RamCache:
             self.slot_of[f] = s
             out[f] = s
             fills.append((f, s, old))
+        for f, s, old in fills:  # a class too small for a token's experts: inserted bimodally
+            c = self.class_of(f)
+            self._free[c] -= old < 0
+            if self.bimodal[c] and not self._free[c]:  # (filling free slots first)
+                self._fills += 1
+                if self._fills % self.BIMODAL_EVERY:
+                    self.lru[c].move_to_end(s, last=False)
         self.hits += len(out) - len(missed)
         self.misses += len(missed)
         return out, fills
@@ -179,6 +207,8 @@ class RamCache:
             lru.move_to_end(s)
             if old >= 0:
                 del self.slot_of[old]
+            else:
+                self._free[self.class_of(f)] -= 1
             lru[s] = f
             self.slot_of[f] = s
             fills.append((f, s, old))
@@ -191,6 +221,7 @@ class RamCache:
             lru = self.lru[self.class_of(fid)]
             lru[s] = -1
             lru.move_to_end(s, last=False)
+            self._free[self.class_of(fid)] += 1
 
 
 def _float_dtype(pool: ExpertBanks) -> torch.dtype:
@@ -278,7 +309,8 @@ class TieredExecutor:
         self.tier, self.pool, self.slots, self.inner = tier, pool, slots, inner
         self.num_experts = num_experts
         self.num_layers = pool.num_flat // num_experts
-        self.cache = RamCache(classes, lambda f: layer_class[f // num_experts])
+        per_token = [layer_class.count(c) * tier.top_k for c in range(len(classes))]
+        self.cache = RamCache(classes, lambda f: layer_class[f // num_experts], per_token)
         self._capacity = [len(c) for c in classes]  # slots per class
         # flat id + 1 -> slot (-1: not resident or still being read); 0 is the skipped route's
         self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)

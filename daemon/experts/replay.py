@@ -327,7 +327,8 @@ def replay_ram_cache(tr: Trace, num_slots: int) -> HitCount:
     distinct experts one lookup, first-use order; a batch with more than ``num_slots`` runs a
     few tokens at a time, as ``TieredExecutor._parts`` splits it) over the trace; decode-only
     hit rate. Needs ``num_slots`` >= top-k."""
-    cache, out = RamCache([list(range(num_slots))], lambda f: 0), HitCount()
+    per_token = [tr.num_layers * tr.top_k]  # fewer slots: bimodal insertion (RamCache)
+    cache, out = RamCache([list(range(num_slots))], lambda f: 0, per_token), HitCount()
     for b in tr.batches:
         parts: list[list[int]] = [[]]
         for row in b.ids:  # tokens, as many at a time as the slots hold
