@@ -34,22 +34,28 @@ killed (SIGKILL) with a request in flight, restarts there and answers the same.
 Both engines decode the same prompt greedily; the tokens are not compared (random weights:
 near-ties).
 
-Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~8;
-cgroup v1; disk 484 MB/s cold in that run; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens;
-medians of 3 interleaved runs):
+Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~11;
+cgroup v1; disk 585 MB/s cold in that run; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens;
+medians of 3 interleaved runs; freetoken's cache sized at load from the memory left):
 
     limit          engine   tok/s  TTFT s  MB/token  ceiling  of ceil  killed
-    50 % 2036M  freetoken    4.28    5.63        47    10.27      42%     0/3
-    50 % 2036M  llama.cpp    0.37   12.80       619     0.78      47%     0/3
-    25 % 1018M  freetoken       -       -         -        -        -     3/3
-    25 % 1018M  llama.cpp    0.15   10.13      2759     0.18      86%     0/3
+    25 % 1018M  freetoken    1.26    5.24       204     2.87      44%     0/3
+    25 % 1018M  llama.cpp    0.09   18.93      2755     0.21      43%     0/3
+    50 % 2036M  freetoken    3.63    9.89        42    14.09      26%     0/3
+    50 % 2036M  llama.cpp    0.26   14.59       626     0.94      28%     0/3
 
-At 50 % freetoken decodes 11.6x llama.cpp's rate; at 25 % it is killed at load: the RAM cache
-keeps at least one layer's experts per slot class (two classes in the Q4_K_M mix: 700 MiB) beside
-~700 MiB of process and dense weights (the bf16 embedding 196 MiB). The random weights' routers
-predict the next layer at chance, so read-ahead turns itself off here. ``--daemon`` at 50 %:
-up in 12 s, answered, killed with a request in flight, up again in 10 s, the same answer, no
-OOM kill.
+freetoken / llama.cpp: 13.6x at 25 %, 13.9x at 50 %. At 25 % the cache is 174 MiB (64 slots:
+the process holds ~680 MiB of anonymous memory beside it: torch 156, the dense weights in blocks
+193, the bf16 embedding 196, the rest Python and the tokenizer), fewer experts than a token uses
+(88), so it inserts bimodally (an LRU hit 0 %: 0.97 tok/s in an earlier run of the day); a
+token waits ~0.65 s for 204 MB of reads (~310 MB/s of 256 KiB O_DIRECT pieces, 8 in flight) and
+computes ~0.15 s. At 50 % (cache 1191 MiB, 440 slots, 90 % hits: greedy decoding of random
+weights repeats its routes) a token waits ~0.10 s for reads and computes ~0.17 s: the two cores
+bound it, not the disk, which is why it stays far from the disk-bound ceiling (a ceiling that
+counts no compute); reads overlap compute only through read-ahead, which random routers (at
+chance, 8 of 128) turn off. An earlier run (disk 724 MB/s, LRU only): 25 % 0.97 tok/s against
+0.09 (10.6x), 50 % 4.10 against 0.24 (17.1x). ``--daemon`` at 50 % (cache sized at load): up in
+18 s, answered, killed with a request in flight, up again in 31 s, the same answer, no OOM kill.
 """
 
 from __future__ import annotations
