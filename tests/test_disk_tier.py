@@ -369,6 +369,31 @@ def test_disk_tier_sums_routes_in_the_pools_order_at_top_4(tmp_path: Path) -> No
 
 
 @needs_native
+def test_disk_tier_cache_of_0_is_the_memory_left(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """expert_cache_mb 0: the cache is sized once the dense weights are in, from what
+    runtime/memlimit.memory_left measures (the cgroup's limit or 3/4 of RAM, less what the
+    process holds), with one sequence's KV and the work reserve set aside."""
+    from freetokend.engine import build
+    from freetokend.manager.models import expert_cache_mb
+    from freetokend.runtime.memlimit import TIER_WORK_RESERVE_BYTES
+
+    per = LLM(kmix, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD).banks.nbytes_per_expert()
+    asked: list[int] = []
+
+    def left(reserve_bytes: int = 0) -> int:
+        asked.append(reserve_bytes)
+        return 5 * per  # what the memory cgroup leaves, say
+
+    monkeypatch.setattr(build, "memory_left", left)
+    tiered = LLM(kmix, "cpu", expert_cache_mb=0, **LOAD)
+    assert tiered.moe.tier is not None and tiered.moe.tier.cache.slots == 5
+    assert len(asked) == 1 and asked[0] > TIER_WORK_RESERVE_BYTES  # + one sequence's KV
+    # the daemon asks for it when its host budget is the default one (measured)
+    assert expert_cache_mb(kmix, 0, "on", 0.0, "cpu", measured=True) == 0.0
+    assert expert_cache_mb(kmix, 1 << 40, "on", 0.0, "cpu") > 0  # a budget set: what it leaves
+
+
+@needs_native
 def test_disk_tier_refusals(tiny, kmix: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     folder, hf = tiny
     with pytest.raises(CheckpointError, match="GGUF files only for now"):
