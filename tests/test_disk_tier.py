@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf
 from test_gguf_experts import _prompt, _tiny
 from test_gguf_experts_per_layer import _write
+from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.experts.block_executor import available
@@ -37,7 +38,7 @@ from freetokend.formats.errors import CheckpointError
 from freetokend.models.layers import cpu_decode
 
 LOAD = dict(max_model_len=128, kv_tokens=1024, prefix_cache=False)
-TINY_CACHE_MB = 0.01  # below one layer's experts: the tier keeps one layer's (8 of 24)
+TINY_CACHE_MB = 0.01  # below one expert: the tier keeps top-k (2 of 24), a quarter of a layer
 
 
 # ---- the policy ---------------------------------------------------------------------------------
@@ -65,6 +66,23 @@ def test_ram_cache_is_an_lru_that_never_evicts_its_own_call() -> None:
     assert fills == [(7, 0, 5), (106, 3, -1)]
 
 
+def test_ram_cache_too_small_for_a_token_inserts_bimodally() -> None:
+    """A class of 2 slots where a token uses 3 experts (one per layer, three layers): an LRU
+    evicts each expert before the next token needs it again (no hits); the bimodal insertion
+    puts fills back at the least recent end, so what is resident stays and hits."""
+    seq = [[10], [20], [30]] * 8  # one token's three layer calls, eight tokens
+    lru = RamCache([[0, 1]], lambda f: 0)
+    bip = RamCache([[0, 1]], lambda f: 0, per_token=[3])
+    for call in seq:
+        lru.lookup(call)
+        bip.lookup(call)
+    assert lru.hits == 0 and not lru.bimodal[0]
+    assert bip.bimodal[0] and bip.hits >= 7  # expert 10 stays from the first token on
+    assert bip.hits + bip.misses == len(seq)
+    # a class that holds a token's experts keeps the LRU
+    assert not RamCache([[0, 1, 2]], lambda f: 0, per_token=[3]).bimodal[0]
+
+
 def test_ram_cache_reserve_never_evicts_the_running_call_nor_counts() -> None:
     c = RamCache([[0, 1, 2, 3]], lambda f: 0)
     c.lookup([10, 11])
@@ -84,18 +102,30 @@ def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
     pairs = [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q4_k", "q6_k")]
     with torch.device("meta"):
         pool = allocate(layered_format(pairs), 4 * e, h, i, torch.bfloat16)
-    banks, classes, layer_class = slot_banks(pool, e, cache_bytes=1)  # the minimum
+    # the minimum: top-k (2) slots per class, half a layer's experts
+    banks, classes, layer_class = slot_banks(pool, e, cache_bytes=1, group=2)
     assert layer_class == [0, 1, 0, 0] and banks.format == "layers:q4_k/q6_k,q4_k"
-    assert classes == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert classes == [[0, 1], [2, 3]] and banks.num_flat == 4
     per = pool.nbytes_per_expert()
-    banks, classes, _ = slot_banks(pool, e, cache_bytes=3 * e * per)  # 3 layers' worth
+    banks, classes, _ = slot_banks(pool, e, cache_bytes=3 * e * per, group=e)  # 3 layers' worth
     assert banks.format == "layers:q4_k/q6_k*2,q4_k" and [len(c) for c in classes] == [8, 4]
-    banks, classes, _ = slot_banks(pool, e, cache_bytes=1 << 40)  # never more than the pool
+    # 3 layers' worth in groups of 2: the classes grow by 2 experts, not a layer's 4
+    banks, classes, _ = slot_banks(pool, e, cache_bytes=3 * e * per, group=2)
+    assert [len(c) for c in classes] == [8, 4] and banks.format == "layers:q4_k/q6_k*4,q4_k*2"
+    banks, classes, _ = slot_banks(pool, e, cache_bytes=7 * per, group=2)
+    assert [len(c) for c in classes] == [4, 2]  # 7 experts' worth: 3 of the 4 layers are q6_k
+    banks, classes, _ = slot_banks(
+        pool, e, cache_bytes=1 << 40, group=2
+    )  # never more than the pool
     assert banks.num_flat == 4 * e
     with torch.device("meta"):
         plain = allocate("q8_0", 12, h, i, torch.bfloat16)
-    banks, classes, layer_class = slot_banks(plain, e, 5 * plain.nbytes_per_expert())
+    banks, classes, layer_class = slot_banks(plain, e, 5 * plain.nbytes_per_expert(), group=2)
     assert banks.num_flat == 5 and classes == [[0, 1, 2, 3, 4]] and layer_class == [0, 0, 0]
+    banks, classes, _ = slot_banks(plain, e, 1, group=2)
+    assert banks.num_flat == 2
+    with pytest.raises(ValueError, match="group"):
+        slot_banks(plain, e, 1, group=0)
 
 
 # ---- the reads ----------------------------------------------------------------------------------
@@ -140,9 +170,12 @@ def kmix(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignor
     return write_gguf("qwen3_moe", hf, tmp_path_factory.mktemp("kmix") / "m.gguf", "kmix")
 
 
-def _pair(path: Path, read_ahead: bool = False) -> tuple[LLM, LLM]:
+def _pair(path: Path, read_ahead: bool = False, experts: int = 0) -> tuple[LLM, LLM]:
+    """The resident model and the tiered one, its cache ``experts`` experts' worth (0: the
+    smallest)."""
     resident = LLM(path, "cpu", **LOAD)
-    tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, expert_read_ahead=read_ahead, **LOAD)
+    mb = experts * resident.banks.nbytes_per_expert() / 2**20 if experts else TINY_CACHE_MB
+    tiered = LLM(path, "cpu", expert_cache_mb=mb, expert_read_ahead=read_ahead, **LOAD)
     return resident, tiered
 
 
@@ -180,13 +213,25 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
             assert reader.read_many(9, dests) == 2 * tier.slots.nbytes_per_expert()
             got.append([d[p] for d in dests for p in ("gate_up", "down")])
         assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
-    assert tier.cache.slots == 8 < tiered.banks.num_flat == 24  # one layer's of three
+    assert tier.cache.slots == 2 < tiered.banks.num_flat == 24  # top-k: a quarter of a layer
+    # the slots are in the resident pool's interleaved layout, each interleaved as it is read
+    # (formats.interleaved_layout: none regrouped at load, the cache's pages untouched)
+    assert tier.slots.interleaved and resident.banks.interleaved
     ids = _prompt(24, seed=4)
+    parts = TieredExecutor._parts
+    split: list[int] = []
+
+    def counted_parts(self, flat_ids):  # type: ignore[no-untyped-def]
+        split.append(len(out := parts(self, flat_ids)))
+        return out
+
+    monkeypatch.setattr(TieredExecutor, "_parts", counted_parts)
     assert torch.equal(tiered.logits(ids), resident.logits(ids))
+    assert min(split) > 1  # the prefill's layer calls ran a few tokens at a time
     before = tier.stats()
-    # every layer call read all its experts (the last call filled the cache with another
-    # layer's): no hits, and misses = the distinct experts of the three calls
-    assert before["hits"] == 0 and before["misses"] > 12 and before["bytes_read"] > 0
+    # every layer call read its experts (the cache held another layer's), a few tokens at a time
+    # (a part's experts fit two slots): misses > the distinct experts of the three calls
+    assert before["misses"] > 24 and before["bytes_read"] > 0
     called = []
     inner = TieredExecutor.forward_addresses
 
@@ -203,12 +248,12 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
     _generate_on_both_paths(tiered, resident, ids, native_called_back)
     st = tier.stats()
     assert st["misses"] > before["misses"] and st["fills"] == st["misses"]
-    assert st["hits"] > 0  # decode steps reuse what the last step of the layer read
+    assert st["hits"] > 0  # a part reuses what the part before it read
     per = tiered.banks.nbytes_per_expert()
     assert st["bytes_read"] == st["fills"] * per
     # the slots take the cache's RAM; the pool's weight banks none
     assert all(t.is_meta for t in tiered.banks.tensors().values())
-    assert sum(t.nbytes for t in tier.slots.all_tensors().values()) == 8 * per
+    assert sum(t.nbytes for t in tier.slots.all_tensors().values()) == 2 * per
 
 
 @needs_native
@@ -220,9 +265,10 @@ def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> Non
 def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Read-ahead on: the next layer's predicted experts are read while a layer computes, into
     slots the running call does not use; adjacent misses are read in one scatter read."""
-    resident, tiered = _pair(kmix, read_ahead=True)
+    resident, tiered = _pair(kmix, read_ahead=True, experts=8)  # one layer's of three
     tier = tiered.moe.tier
     assert tier is not None and tier.read_ahead and tier.predict is not None
+    assert tier.cache.slots == 8
     runs: list[int] = []
     reads = type(tier.tier.source).reads
 
@@ -243,7 +289,7 @@ def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) 
     per = tiered.banks.nbytes_per_expert()
     assert st["bytes_read"] == st["fills"] * per
     # the same requests without read-ahead miss more
-    _, plain = _pair(kmix)
+    _, plain = _pair(kmix, experts=8)
     plain.logits(ids)
     _generate_on_both_paths(plain, None, ids)
     assert plain.moe.tier.stats()["read_ahead"] == 0
@@ -254,7 +300,7 @@ def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) 
 def test_disk_tier_reads_ahead_only_while_predictions_are_right(kmix: Path) -> None:
     """Predictions that name experts the next call mostly does not use (the ones the next
     router would not pick for this layer's input) drive the precision down and the reads stop; the tokens stay equal."""
-    resident, tiered = _pair(kmix, read_ahead=True)
+    resident, tiered = _pair(kmix, read_ahead=True, experts=8)
     tier = tiered.moe.tier
     assert tier is not None and tier.predict is not None
     right = tier.predict
@@ -290,14 +336,61 @@ def test_disk_tier_equals_the_resident_pool_per_layer_types(  # type: ignore[no-
     path = _write(hf, tmp_path / "m.gguf", types, monkeypatch)
     resident = LLM(path, "cpu", **LOAD)
     assert resident.banks.format == "layers:q4_k/q6_k,q4_k,q4_k/q6_k"
-    # the smallest cache: one layer's experts per class (two classes: 16 slots)
+    # the smallest cache: top-k experts per class (two classes: 4 slots)
     tiered = LLM(path, "cpu", expert_cache_mb=TINY_CACHE_MB, expert_read_ahead=True, **LOAD)
     tier = tiered.moe.tier
     assert tier is not None and tier.slots.format == "layers:q4_k/q6_k,q4_k"
     ids = _prompt(24, seed=5)
     assert torch.equal(tiered.logits(ids), resident.logits(ids))
     assert tiered.generate(ids, 12, ignore_eos=True) == resident.generate(ids, 12, ignore_eos=True)
-    assert tier.stats()["misses"] > 16
+    assert tier.cache.slots == 4 and tier.stats()["misses"] > 24
+
+
+@needs_native
+def test_disk_tier_sums_routes_in_the_pools_order_at_top_4(tmp_path: Path) -> None:
+    """Top-4: a token's four route terms add up in flat-id order whatever slots hold them (the
+    kernel sorts routes by the ``order`` the tier passes, not by slot): logits equal bit for bit
+    for a cache of top-k slots (calls split by tokens) and one of 12, not a whole layer's (a
+    slot order that differs from the experts' changed the last bits before)."""
+    _, hf = make_tiny("qwen3_moe", tmp_path / "hf", seed=11, hidden_size=256,
+                      moe_intermediate_size=256, head_dim=64, num_attention_heads=4,
+                      num_key_value_heads=2, mlp_only_layers=[], num_experts_per_tok=4)  # fmt: skip
+    path = write_gguf("qwen3_moe", hf, tmp_path / "m.gguf", "kmix")
+    resident = LLM(path, "cpu", **LOAD)
+    per = resident.banks.nbytes_per_expert()
+    ids = _prompt(24, seed=4)
+    want = resident.logits(ids)
+    tokens = resident.generate(ids, 8, ignore_eos=True)
+    for mb, slots in ((TINY_CACHE_MB, 4), (12 * per / 2**20, 12)):
+        tiered = LLM(path, "cpu", expert_cache_mb=mb, **LOAD)
+        assert tiered.moe.tier is not None and tiered.moe.tier.cache.slots == slots
+        assert torch.equal(tiered.logits(ids), want)
+        assert tiered.generate(ids, 8, ignore_eos=True) == tokens
+
+
+@needs_native
+def test_disk_tier_cache_of_0_is_the_memory_left(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """expert_cache_mb 0: the cache is sized once the dense weights are in, from what
+    runtime/memlimit.memory_left measures (the cgroup's limit or 3/4 of RAM, less what the
+    process holds), with one sequence's KV and the work reserve set aside."""
+    from freetokend.engine import build
+    from freetokend.manager.models import expert_cache_mb
+    from freetokend.runtime.memlimit import TIER_WORK_RESERVE_BYTES
+
+    per = LLM(kmix, "cpu", expert_cache_mb=TINY_CACHE_MB, **LOAD).banks.nbytes_per_expert()
+    asked: list[int] = []
+
+    def left(reserve_bytes: int = 0) -> int:
+        asked.append(reserve_bytes)
+        return 5 * per  # what the memory cgroup leaves, say
+
+    monkeypatch.setattr(build, "memory_left", left)
+    tiered = LLM(kmix, "cpu", expert_cache_mb=0, **LOAD)
+    assert tiered.moe.tier is not None and tiered.moe.tier.cache.slots == 5
+    assert len(asked) == 1 and asked[0] > TIER_WORK_RESERVE_BYTES  # + one sequence's KV
+    # the daemon asks for it when its host budget is the default one (measured)
+    assert expert_cache_mb(kmix, 0, "on", 0.0, "cpu", measured=True) == 0.0
+    assert expert_cache_mb(kmix, 1 << 40, "on", 0.0, "cpu") > 0  # a budget set: what it leaves
 
 
 @needs_native
@@ -328,5 +421,5 @@ def test_manager_counts_the_ram_cache_not_the_file(kmix: Path) -> None:
     resident, tiered = _pair(kmix)
     dense = sum(t.nbytes for t in tiered.model.state_dict().values())
     per = tiered.banks.nbytes_per_expert()
-    assert host_bytes(tiered) == dense + 8 * per
+    assert host_bytes(tiered) == dense + 2 * per
     assert host_bytes(resident) == dense + 24 * per

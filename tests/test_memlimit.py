@@ -9,7 +9,9 @@ from freetokend.runtime.memlimit import (
     RUNTIME_RESERVE_BYTES,
     cgroup_memory_limit,
     host_pool_budget,
+    memory_left,
     physical_ram,
+    process_resident_bytes,
 )
 
 GIB = 1 << 30
@@ -78,3 +80,20 @@ def test_unreadable_cgroup_files_mean_no_limit(tmp_path: Path) -> None:
     assert cgroup_memory_limit(root) is None
     assert cgroup_memory_limit(tmp_path / "nowhere") is None
     assert host_pool_budget() > 0  # this machine, whatever its cgroup
+
+
+def test_memory_left_is_the_limit_less_what_the_process_holds(tmp_path: Path) -> None:
+    status = "Name:\tpython\nVmRSS:\t 3000 kB\nRssAnon:\t 2048 kB\nRssFile:\t 900 kB\nRssShmem:\t 1024 kB\n"
+    root = _tree(tmp_path / "a", "0::/s\n", {
+        "sys/fs/cgroup/s/memory.max": str(GIB),
+        "proc/self/status": status,
+    })  # fmt: skip
+    held = process_resident_bytes(root)
+    assert held == 3 << 20  # anonymous and shared pages; file pages can be reclaimed
+    assert memory_left(root) == GIB - held
+    assert memory_left(root, reserve_bytes=100 << 20) == GIB - held - (100 << 20)
+    assert memory_left(root, reserve_bytes=2 * GIB) == 0
+    # no cgroup limit: 3/4 of RAM bounds it
+    root = _tree(tmp_path / "b", "0::/s\n", {"proc/self/status": status}, ram_gib=4)
+    assert memory_left(root) == 3 * GIB - held
+    assert 0 < process_resident_bytes() < 64 * GIB  # this process's own

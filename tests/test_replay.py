@@ -172,6 +172,17 @@ def test_ram_cache_replay_of_the_qwen_trace(qwen: Trace) -> None:
         )
         assert got.lookups == lru.lookups
         assert abs(got.pct - lru.pct) < 2.0, (share, got.pct, lru.pct)
+    # top-k slots, fewer than a prefill layer's experts: prefill batches run a few tokens at a
+    # time (as the tier splits them), decode counts the same lookups, and hits fewer
+    small = replay_ram_cache(tr, tr.top_k)
+    assert small.lookups == lru.lookups and small.pct < replay_ram_cache(tr, pool // 10).pct
+    # three quarters of one token's experts (its layers x top-k): an LRU hits nothing (each
+    # expert evicted before the next token's return), the bimodal insertion keeps what is
+    # resident and hits
+    slots = tr.num_layers * tr.top_k * 3 // 4
+    got, lru = replay_ram_cache(tr, slots), simulate_lru(uniform, slots)
+    print(f"qwen RAM cache {slots} slots: {got.pct:.1f} % decode hits, LRU {lru.pct:.1f} %")
+    assert lru.pct < 2.0 and got.pct > lru.pct + 10.0
     # everything resident: only first uses miss
     full = replay_ram_cache(tr, pool)
     assert full.pct == simulate_lru(uniform, pool).pct

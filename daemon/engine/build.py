@@ -38,6 +38,7 @@ from ..models.layers.moe import router_predictor
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import decode_attention_bytes, kv_bytes_per_token
 from ..native import dense_native
+from ..runtime.memlimit import TIER_WORK_RESERVE_BYTES, memory_left, process_resident_bytes
 from ..store import Store
 from .core import EngineCore
 from .engine_config import EngineConfig
@@ -303,6 +304,15 @@ def on_device(
     # Agents ask for max_tokens 32000 on top of long prompts.
     max_len = context_limit(config.max_model_len, cfg, kv)
     slots = budget(model, cfg, placement, max_len, kv, snapshots, config)
+    disk = getattr(banks, "disk", None)
+    if disk is not None and disk.cache_bytes == 0:  # the tier's cache: the memory left
+        reserve = TIER_WORK_RESERVE_BYTES + kv_bytes_per_token(model) * min(kv, max_len)
+        disk.cache_bytes = memory_left(reserve_bytes=reserve)
+        log.info(
+            "disk tier: %d MiB left for the expert cache (3/4 of RAM or the memory cgroup's "
+            "limit, less %d MiB held and %d MiB for one full sequence's KV and work buffers)",
+            disk.cache_bytes >> 20, process_resident_bytes() >> 20, reserve >> 20,
+        )  # fmt: skip
     isa = cpu_isa(config.cpu_bf16_dot, config.threads)
     moe = backend(name, model, banks, cfg, placement, fake_device, isa, slots, config)
     runner = ModelRunner(model, moe, kv, config.page_size, placement)

@@ -77,7 +77,10 @@ class EngineConfig:
     expert_cache_mb: float | None = None
     """The disk tier (experts/disk_tier.py): the routed experts stay in the file and a RAM
     cache of about this many MiB holds the ones in use, read on demand (``cpu`` backend, GGUF
-    files in a block format, for now). None: the whole expert pool is read into RAM at load."""
+    files in a block format, for now). None: the whole expert pool is read into RAM at load.
+    0: the memory left once the dense weights are loaded (3/4 of RAM, within the memory cgroup's
+    limit, less what the process holds and one full sequence's KV: runtime/memlimit.memory_left).
+    Never fewer than top-k experts per slot class."""
     expert_read_ahead: bool = True
     """With the disk tier: each MoE layer's call starts reading the next layer's likely experts
     (its router applied to this layer's input) while it computes."""

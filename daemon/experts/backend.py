@@ -22,7 +22,7 @@ from .device_backends import FusedBackend, OffloadBackend
 from .devices import create_accelerator
 from .disk_tier import TieredExecutor, slot_banks
 from .fakecuda import FakeCpuExecutor, InlinePool
-from .formats import dequantize_banks, dequantize_banks_to
+from .formats import dequantize_banks, dequantize_banks_to, interleaved_layout
 
 if TYPE_CHECKING:
     from .device_backends import FusedBackend
@@ -117,7 +117,9 @@ class CpuBackend:
         if banks.disk is not None:  # experts in the file: the executor runs over RAM slots
             if fake:
                 raise ValueError("the disk tier needs real banks (not a fake device's)")
-            banks, classes, layer_class = slot_banks(pool, num_experts, banks.disk.cache_bytes)
+            banks, classes, layer_class = slot_banks(
+                pool, num_experts, banks.disk.cache_bytes, banks.disk.top_k
+            )
             log.info(
                 "disk tier: %d of %d experts in a RAM cache of %d MiB (%s)",
                 banks.num_flat, pool.num_flat,
@@ -131,7 +133,12 @@ class CpuBackend:
             # deferred: optional native/store module (its ImportError is handled here)
             from .block_executor import BlockExecutor, is_block_format
 
-            if is_block_format(banks.format):  # integer dots on ftdense's shared pool
+            if is_block_format(banks.format) and pool.disk is not None:
+                # the tier's slots are empty: it interleaves each as it fills it (not 1 GB of
+                # garbage at load, every page of the cache touched)
+                banks.interleaved = interleaved_layout(banks)
+                self.executor = BlockExecutor(banks, act)
+            elif is_block_format(banks.format):  # integer dots on ftdense's shared pool
                 # the cpu backend's banks are read by nothing else: interleaved in place
                 self.executor = BlockExecutor(banks, act, interleave=True)
             else:

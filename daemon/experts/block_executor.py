@@ -179,11 +179,17 @@ class BlockExecutor:
         """The integer-dot path calls run on ("vnni", "avx2" or "scalar")."""
         return self.isa_request or qlinear_native.configured_isa()
 
-    def forward(self, x: Tensor, flat_ids: Tensor, weights: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, flat_ids: Tensor, weights: Tensor, order: Tensor | None = None
+    ) -> Tensor:
         """x [T, H] fp32, flat_ids [T, K] int32 (-1 = skip), weights [T, K] fp32 -> [T, H] fp32.
-        Releases the GIL while it runs; IndexError for ids outside [-1, N)."""
+        Releases the GIL while it runs; IndexError for ids outside [-1, N). ``order`` [T, K]
+        int32 (>= 0 where an id is not -1): the key a token's route terms are summed in instead
+        of the ids (the disk tier's slots pass the experts' own ids: the pool's sums)."""
         if x.dim() != 2 or flat_ids.dim() != 2 or weights.shape != flat_ids.shape:
             raise ValueError("x must be [T, H], flat_ids and weights [T, K]")
+        if order is not None and order.shape != flat_ids.shape:
+            raise ValueError("order must be [T, K] like flat_ids")
         t, k = flat_ids.shape
         if x.shape != (t, self.hidden_size):
             raise ValueError(f"x must be [{t}, {self.hidden_size}], got {list(x.shape)}")
@@ -191,6 +197,8 @@ class BlockExecutor:
         flat_ids = flat_ids.to(torch.int32).contiguous()
         weights = weights.float().contiguous()
         out = torch.empty(t, self.hidden_size, dtype=torch.float32)
+        if order is not None:
+            order = order.to(torch.int32).contiguous()
         self._moe.forward(
             x.data_ptr(),
             flat_ids.data_ptr(),
@@ -199,6 +207,7 @@ class BlockExecutor:
             t,
             k,
             self.isa_request,
+            0 if order is None else order.data_ptr(),
         )
         return out
 
@@ -208,10 +217,13 @@ class BlockExecutor:
         this executor asked for another ISA than the configured one."""
         return self._moe if not self.isa_request else None
 
-    def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
+    def forward_addresses(
+        self, x: int, ids: int, w: int, out: int, t: int, k: int, order: int = 0
+    ) -> None:
         """``forward`` on raw addresses the caller has checked (models/layers/cpu_decode.py):
-        x [t, H] fp32, ids [t, k] int32, w [t, k] fp32, out [t, H] fp32."""
-        self._moe.forward(x, ids, w, out, t, k, self.isa_request)
+        x [t, H] fp32, ids [t, k] int32, w [t, k] fp32, out [t, H] fp32, order 0 or [t, k]
+        int32."""
+        self._moe.forward(x, ids, w, out, t, k, self.isa_request, order)
 
 
 def block_moe_reference(

@@ -9,19 +9,23 @@ their slots (``ExpertSource.reads``: adjacent experts of a layer as one run, eac
 in pieces all in flight at once on a thread pool, ``O_DIRECT`` where the file system takes it:
 formats/direct_read.py; the reads release the GIL), applies the cpu backend's row interleave to
 each filled slot as ``formats.interleave_banks`` does to a resident pool, and then calls the
-executor with slot ids in place of flat ids (a remap, as the device slot cache does). Once a
-call's own experts are in, the next layer's predicted ones are read ahead while it computes
-(``TieredExecutor``). The same rows reach the same kernel in the same route
-order, so the results equal a resident pool's bit for bit.
+executor with slot ids in place of flat ids (a remap, as the device slot cache does) and the
+flat ids as the order a token's route terms add up in (``BlockExecutor.forward``'s ``order``:
+the kernel sorts routes by it, not by slot). Once a call's own experts are in, the next layer's
+predicted ones are read ahead while it computes (``TieredExecutor``). The same rows reach the
+same kernel and add up in the same order, so the results equal a resident pool's bit for bit
+(at any top-k).
 
-A call's experts are all resident at once: hits are touched before any victim is chosen, and
-every class holds at least one layer's experts (``num_experts`` slots), so a victim is never an
-expert of the same call.
+A call's experts are all resident at once: hits are touched before any victim is chosen, and a
+call whose experts outnumber a class's slots runs a few tokens at a time (each part's experts
+fit; a class holds at least top-k slots, one token's), so a victim is never an expert of the
+same part. The cache grows by top-k experts at a time, so a RAM budget below one layer's
+experts still runs (a model whose one layer's experts exceed the memory it may use).
 
 Slot classes: a plain format has one class (every slot holds any expert). A per-layer GGUF format
 ("layers:...") keeps each layer's block types, so a slot only holds experts whose layer has its
-types: the slot banks are virtual layers of ``num_experts`` slots each, and each distinct pair of
-types gets virtual layers in proportion to its share of the pool (at least one; the rounding's
+types: the slot banks are virtual layers of top-k slots each, and each distinct pair of types
+gets virtual layers in proportion to its share of the pool (at least one; the rounding's
 leftover buys more where it fits).
 """
 
@@ -92,10 +96,12 @@ class ExpertSource(Protocol):
 
 @dataclass
 class DiskTier:
-    """The pool's experts live in ``source``; ``cache_bytes`` of RAM hold the slots."""
+    """The pool's experts live in ``source``; ``cache_bytes`` of RAM hold the slots; ``top_k``:
+    the experts one token routes to in a layer (the fewest slots a class may have)."""
 
     source: ExpertSource
     cache_bytes: int
+    top_k: int
 
 
 class RamCache:
@@ -103,10 +109,31 @@ class RamCache:
 
     ``class_slots[c]``: the slot ids of class c; ``class_of(fid)``: the class expert ``fid`` goes
     to. ``lookup`` takes one call's distinct experts and returns their slots and the (fid, slot)
-    fills to make; the counters count experts (a hit or a miss per distinct expert of a call)."""
+    fills to make; the counters count experts (a hit or a miss per distinct expert of a call).
 
-    def __init__(self, class_slots: list[list[int]], class_of: Callable[[int], int]) -> None:
+    ``per_token[c]``: the experts one token uses in class c's layers (its layers times top-k;
+    0: unknown). A class with fewer slots cannot hold a token's experts, and an LRU evicts each
+    before the next token comes back to it (0 hits: a cyclic scan). Such a class inserts
+    bimodally: a call's filled experts go back to the least recent end after the call, except
+    one fill in ``BIMODAL_EVERY`` (LIP/BIP): what is resident stays until it stops being used,
+    and often used experts work their way in (real routing is skewed; uniform routing then hits
+    in proportion to the cache)."""
+
+    BIMODAL_EVERY = 32
+
+    def __init__(
+        self,
+        class_slots: list[list[int]],
+        class_of: Callable[[int], int],
+        per_token: list[int] | None = None,
+    ) -> None:
         self.class_of = class_of
+        self.bimodal = [
+            0 < len(slots) < n
+            for slots, n in zip(class_slots, per_token or [0] * len(class_slots), strict=True)
+        ]
+        self._fills = 0
+        self._free = [len(slots) for slots in class_slots]  # free slots (the first out) per class
         # per class: slot -> fid (-1: free), the least recently used first
         self.lru: list[OrderedDict[int, int]] = [
             OrderedDict((s, -1) for s in slots) for slots in class_slots
@@ -146,6 +173,13 @@ class RamCache:
             self.slot_of[f] = s
             out[f] = s
             fills.append((f, s, old))
+        for f, s, old in fills:  # a class too small for a token's experts: inserted bimodally
+            c = self.class_of(f)
+            self._free[c] -= old < 0
+            if self.bimodal[c] and not self._free[c]:  # (filling free slots first)
+                self._fills += 1
+                if self._fills % self.BIMODAL_EVERY:
+                    self.lru[c].move_to_end(s, last=False)
         self.hits += len(out) - len(missed)
         self.misses += len(missed)
         return out, fills
@@ -173,6 +207,8 @@ class RamCache:
             lru.move_to_end(s)
             if old >= 0:
                 del self.slot_of[old]
+            else:
+                self._free[self.class_of(f)] -= 1
             lru[s] = f
             self.slot_of[f] = s
             fills.append((f, s, old))
@@ -185,6 +221,7 @@ class RamCache:
             lru = self.lru[self.class_of(fid)]
             lru[s] = -1
             lru.move_to_end(s, last=False)
+            self._free[self.class_of(fid)] += 1
 
 
 def _float_dtype(pool: ExpertBanks) -> torch.dtype:
@@ -193,11 +230,16 @@ def _float_dtype(pool: ExpertBanks) -> torch.dtype:
 
 
 def slot_banks(
-    pool: ExpertBanks, num_experts: int, cache_bytes: int
+    pool: ExpertBanks, num_experts: int, cache_bytes: int, group: int
 ) -> tuple[ExpertBanks, list[list[int]], list[int]]:
     """The RAM cache's slot banks for ``pool`` (its format; weight banks need not hold data)
-    within about ``cache_bytes``, at least one layer's experts per class -> (banks, slot ids per
-    class, class of each MoE layer)."""
+    within about ``cache_bytes``, at least ``group`` slots per class (one token's experts of a
+    layer: the model's top-k) -> (banks, slot ids per class, class of each MoE layer).
+
+    A per-layer format's slot banks are virtual layers of ``group`` slots each (the format's
+    experts per layer), so a class grows by ``group`` experts at a time, not by a layer's."""
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
     fmt = get_format(pool.format)
     h, inter = pool.hidden_size, pool.intermediate_size
     if fmt.in_blocks:
@@ -208,28 +250,29 @@ def slot_banks(
     layers = pool.num_flat // num_experts
     if fmt.layer_types is None:
         per = fmt.nbytes_per_expert(h, inter, dt)
-        n = max(num_experts, min(pool.num_flat, cache_bytes // max(per, 1)))
+        n = min(pool.num_flat, max(group, cache_bytes // max(per, 1)))
         banks = allocate(pool.format, n, h, inter, dt, bias=bias)
         return banks, [list(range(n))], [0] * layers
     pairs = list(fmt.layer_types)
     distinct = list(dict.fromkeys(pairs))
     count = {p: pairs.count(p) for p in distinct}
     size = {p: FORMATS[block_format(*p)].nbytes_per_expert(h, inter, dt) for p in distinct}
+    most = {p: -(-count[p] * num_experts // group) for p in distinct}  # the class's whole pool
     total = sum(count[p] * size[p] for p in distinct)
     virtual = {}
     for p in distinct:  # a class's share of the cache = its share of the pool
         share = cache_bytes * count[p] * size[p] / total
-        virtual[p] = min(count[p], max(1, int(share // (num_experts * size[p]))))
-    left = cache_bytes - sum(virtual[p] * num_experts * size[p] for p in distinct)
-    for p in sorted(distinct, key=lambda p: virtual[p] / count[p]):  # the rounding's leftover
-        if virtual[p] < count[p] and num_experts * size[p] <= left:
+        virtual[p] = min(most[p], max(1, int(share // (group * size[p]))))
+    left = cache_bytes - sum(virtual[p] * group * size[p] for p in distinct)
+    for p in sorted(distinct, key=lambda p: virtual[p] / most[p]):  # the rounding's leftover
+        if virtual[p] < most[p] and group * size[p] <= left:
             virtual[p] += 1
-            left -= num_experts * size[p]
+            left -= group * size[p]
     vpairs = [p for p in distinct for _ in range(virtual[p])]
-    banks = allocate(layered_format(vpairs), len(vpairs) * num_experts, h, inter, dt, bias=bias)
+    banks = allocate(layered_format(vpairs), len(vpairs) * group, h, inter, dt, bias=bias)
     classes: list[list[int]] = [[] for _ in distinct]
     for v, p in enumerate(vpairs):
-        classes[distinct.index(p)] += range(v * num_experts, (v + 1) * num_experts)
+        classes[distinct.index(p)] += range(v * group, (v + 1) * group)
     return banks, classes, [distinct.index(p) for p in pairs]
 
 
@@ -266,7 +309,9 @@ class TieredExecutor:
         self.tier, self.pool, self.slots, self.inner = tier, pool, slots, inner
         self.num_experts = num_experts
         self.num_layers = pool.num_flat // num_experts
-        self.cache = RamCache(classes, lambda f: layer_class[f // num_experts])
+        per_token = [layer_class.count(c) * tier.top_k for c in range(len(classes))]
+        self.cache = RamCache(classes, lambda f: layer_class[f // num_experts], per_token)
+        self._capacity = [len(c) for c in classes]  # slots per class
         # flat id + 1 -> slot (-1: not resident or still being read); 0 is the skipped route's
         self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="ft-disk-tier")
@@ -288,20 +333,37 @@ class TieredExecutor:
     def forward(self, x: Tensor, flat_ids: Tensor, weights: Tensor) -> Tensor:
         with self._lock:
             flat_ids = flat_ids.to(torch.int32).contiguous()
-            ids, fids = self._remap(flat_ids)
-            self._ahead(fids, x)
-            return self.inner.forward(x, ids, weights)  # type: ignore[no-any-return]
+            parts = self._parts(flat_ids)
+            if len(parts) == 1:
+                ids, fids = self._remap(flat_ids)
+                self._ahead(fids, x)
+                return self.inner.forward(x, ids, weights, order=flat_ids)  # type: ignore[no-any-return]
+            out = []
+            for a, b in parts:  # more experts than the slots hold: a few tokens at a time
+                ids, _ = self._remap(flat_ids[a:b])
+                out.append(self.inner.forward(x[a:b], ids, weights[a:b], order=flat_ids[a:b]))
+            return torch.cat(out)
 
     def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
         """``forward`` on raw addresses (models/layers/cpu_decode.py): ids [t, k] int32."""
         with self._lock:
             buf = (ctypes.c_int32 * (t * k)).from_address(ids)
-            slot_ids, fids = self._remap(torch.frombuffer(buf, dtype=torch.int32).view(t, k))
+            flat_ids = torch.frombuffer(buf, dtype=torch.int32).view(t, k)
+            h = self.hidden_size
+            parts = self._parts(flat_ids)
+            if len(parts) > 1:
+                for a, b in parts:  # as forward: rows [a, b) of x, ids, w and out (fp32)
+                    slot_ids, _ = self._remap(flat_ids[a:b])
+                    self.inner.forward_addresses(
+                        x + 4 * a * h, slot_ids.data_ptr(), w + 4 * a * k, out + 4 * a * h,
+                        b - a, k, ids + 4 * a * k,
+                    )  # fmt: skip
+                return
+            slot_ids, fids = self._remap(flat_ids)
             if self.predict is not None and self.read_ahead and fids:
-                h = self.hidden_size
                 xs = (ctypes.c_float * (t * h)).from_address(x)
                 self._ahead(fids, torch.frombuffer(xs, dtype=torch.float32).view(t, h))
-            self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, t, k)
+            self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, t, k, ids)
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, "hits": self.cache.hits, "misses": self.cache.misses}
@@ -310,6 +372,43 @@ class TieredExecutor:
         self._finalizer()
 
     # -- the tier --------------------------------------------------------------------------------
+    def _parts(self, flat_ids: Tensor) -> list[tuple[int, int]]:
+        """Token ranges [(a, b)] of a call [T, K] whose distinct experts fit the slots of each
+        class: the whole call when it fits (a decode step's, or a cache of more than a layer's
+        experts), else as many tokens at a time as fit. Each token computes as it would in the
+        whole call (the kernels' rows are per token), so the results are the same."""
+        t = flat_ids.shape[0]
+        cap = self._capacity
+        fids = torch.unique(flat_ids).tolist()
+        if t <= 1 or len(fids) <= min(cap):
+            return [(0, t)]
+        per: dict[int, int] = {}
+        for f in fids:
+            if f >= 0:
+                c = self.cache.class_of(f)
+                per[c] = per.get(c, 0) + 1
+        if all(n <= cap[c] for c, n in per.items()):
+            return [(0, t)]
+        parts, start = [], 0
+        held: dict[int, set[int]] = {}
+        for i, row in enumerate(flat_ids.tolist()):
+            mine: dict[int, set[int]] = {}
+            for f in row:
+                if f >= 0:
+                    mine.setdefault(self.cache.class_of(f), set()).add(f)
+            if any(len(held.get(c, set()) | s) > cap[c] for c, s in mine.items()):
+                parts.append((start, i))
+                start, held = i, {}
+            for c, s in mine.items():
+                if len(s) > cap[c]:
+                    raise RuntimeError(
+                        f"the expert cache class {c} holds {cap[c]} slots; a token routes to "
+                        f"{len(s)} of its experts"
+                    )
+                held.setdefault(c, set()).update(s)
+        parts.append((start, t))
+        return parts
+
     def _remap(self, flat_ids: Tensor) -> tuple[Tensor, list[int]]:
         """Flat ids [T, K] -> (slot ids, the call's distinct experts), the call's experts all
         read (missing ones now, ones read ahead awaited)."""

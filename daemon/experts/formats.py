@@ -501,6 +501,20 @@ def interleaves(proj: str, qtype: str, rows: int) -> bool:
     )
 
 
+def interleaved_layout(banks: ExpertBanks) -> bool:
+    """Whether ``interleave_banks`` would interleave any projection of ``banks`` (it sets
+    ``banks.interleaved`` then): for banks filled later, expert by expert, in that layout (the
+    disk tier's slots), with nothing to regroup now."""
+    fmt = get_format(banks.format)
+    if not fmt.in_blocks:
+        return False
+    inter, h = banks.gate_up.shape[1] // 2, banks.down.shape[1]
+    pairs = fmt.layer_types if fmt.layer_types is not None else [fmt.block_types or ("", "")]
+    return any(
+        interleaves("gate_up", gu, 2 * inter) or interleaves("down", dn, h) for gu, dn in pairs
+    )
+
+
 def interleave_banks(banks: ExpertBanks) -> None:
     """In place, one expert at a time: the rows of every GGUF block projection whose type has
     an interleaved layout (``gguf_interleave.interleave``: q4_k, q5_k, q6_k, mxfp4, q8_0)

@@ -324,16 +324,25 @@ def replay_slot_cache(tr: Trace, num_slots: int, policy: EvictionPolicy) -> HitC
 
 def replay_ram_cache(tr: Trace, num_slots: int) -> HitCount:
     """The disk tier's RAM cache policy (an LRU over ``num_slots`` uniform slots; each batch's
-    distinct experts one lookup, first-use order) over the trace; decode-only hit rate. Needs
-    ``num_slots`` >= the most distinct experts of one batch (a prefill layer's: up to E)."""
-    cache, out = RamCache([list(range(num_slots))], lambda f: 0), HitCount()
+    distinct experts one lookup, first-use order; a batch with more than ``num_slots`` runs a
+    few tokens at a time, as ``TieredExecutor._parts`` splits it) over the trace; decode-only
+    hit rate. Needs ``num_slots`` >= top-k."""
+    per_token = [tr.num_layers * tr.top_k]  # fewer slots: bimodal insertion (RamCache)
+    cache, out = RamCache([list(range(num_slots))], lambda f: 0, per_token), HitCount()
     for b in tr.batches:
-        keys = list(dict.fromkeys(_keys(tr, b)))
-        before = cache.hits
-        cache.lookup(keys)
-        if b.decode:
-            out.hits += cache.hits - before
-            out.lookups += len(keys)
+        parts: list[list[int]] = [[]]
+        for row in b.ids:  # tokens, as many at a time as the slots hold
+            mine = [b.layer * tr.num_experts + e for e in row]
+            if len(set(parts[-1]) | set(mine)) > num_slots:
+                parts.append([])
+            parts[-1] += mine
+        for part in parts:
+            keys = list(dict.fromkeys(part))
+            before = cache.hits
+            cache.lookup(keys)
+            if b.decode:
+                out.hits += cache.hits - before
+                out.lookups += len(keys)
     return out
 
 

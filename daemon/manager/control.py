@@ -122,8 +122,9 @@ class ControlPlane:
         bandwidth = self._bandwidth(path, quantize)
         resolved = resolve_backend(backend, cfg.accelerator, bandwidth)
         cache_mb = expert_cache_mb(
-            path, self.manager.host_budget, cfg.disk_tier, cfg.expert_cache_gb, resolved
-        )
+            path, self.manager.host_budget, cfg.disk_tier, cfg.expert_cache_gb, resolved,
+            measured=cfg.host_pool_budget_gb == 0,
+        )  # fmt: skip
         if cache_mb is not None and (quantize or preset):
             log.warning("%s: the disk tier reads experts as stored: no quantize at load", path)
             quantize = preset = None

@@ -80,12 +80,15 @@ def default_host_budget(other_bytes: int = 0) -> int:
 
 
 def expert_cache_mb(
-    path: Path, budget: int, mode: str, cache_gb: float, backend: str
+    path: Path, budget: int, mode: str, cache_gb: float, backend: str, measured: bool = False
 ) -> float | None:
     """The disk tier's RAM cache (MiB) for the model at ``path`` under ``backend`` (resolved),
     or None when its experts load into RAM: ``mode`` "off"; "auto" when the weight files fit
     ``budget`` (or the tier cannot take the model: logged); "on" always. The cache is
-    ``cache_gb`` when given, else what ``budget`` leaves after the other weights."""
+    ``cache_gb`` when given; else, with ``measured`` (the budget is the default one, not set),
+    0: sized at load from the memory the dense weights measurably leave (engine/build.py,
+    runtime/memlimit.memory_left: the cgroup's limit less what the process holds, not a fixed
+    reserve); else what ``budget`` leaves after the other weights."""
     if mode == "off":
         return None
     total = checkpoint_bytes(path)
@@ -102,6 +105,8 @@ def expert_cache_mb(
         return None
     if cache_gb > 0:
         return cache_gb * 1024
+    if measured:
+        return 0.0
     per = fmt.nbytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16)
     experts = cfg.num_moe_layers * cfg.num_experts * per
     return max(budget - max(total - experts, 0), 0) / 2**20

@@ -481,7 +481,7 @@ def _disk_tier(ck: GgufCheckpoint, cfg: ModelConfig, cache_bytes: int) -> DiskTi
         for f in files:
             f.close()
         raise CheckpointError(f"{ck.path}: {e}") from None
-    return DiskTier(source, cache_bytes)
+    return DiskTier(source, cache_bytes, cfg.top_k)
 
 
 def _fill(

@@ -98,3 +98,30 @@ def host_pool_budget(root: str | Path = "/", other_bytes: int = 0) -> int:
     if limit is not None:
         budget = min(budget, limit - RUNTIME_RESERVE_BYTES - other_bytes)
     return max(0, int(budget))
+
+
+TIER_WORK_RESERVE_BYTES = 160 << 20  # step buffers, read bounce buffers, the code's file pages
+
+
+def process_resident_bytes(root: str | Path = "/") -> int:
+    """Bytes of this process's memory that no reclaim can take back without swap: anonymous and
+    shared pages (RssAnon + RssShmem of ``root``/proc/self/status)."""
+    total = 0
+    for line in (Path(root) / "proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssShmem"):
+            total += int(value.split()[0]) * 1024
+    return total
+
+
+def memory_left(root: str | Path = "/", reserve_bytes: int = 0) -> int:
+    """Bytes this process may still take for itself: 3/4 of physical RAM, within its memory
+    cgroup's limit, less what it holds now (``process_resident_bytes``) and ``reserve_bytes``
+    (what it will need beside: the KV pool, ``TIER_WORK_RESERVE_BYTES``); never below zero.
+    The disk tier's RAM cache takes it when none is set (engine/build.py): the cache is sized
+    once the dense weights are loaded, from the memory they measurably left."""
+    cap = physical_ram(root) * 3 // 4
+    limit = cgroup_memory_limit(root)
+    if limit is not None:
+        cap = min(cap, limit)
+    return max(0, int(cap - process_resident_bytes(root) - reserve_bytes))

@@ -390,17 +390,17 @@ PYBIND11_MODULE(ftdense, m) {
       .def(
           "forward",
           [](const ftdense::QMoeSpec& s, uintptr_t x, uintptr_t ids, uintptr_t w, uintptr_t out,
-             int T, int K, const std::string& isa) {
+             int T, int K, const std::string& isa, uintptr_t order) {
             const ftdense::QDotSet* ks;
             auto pool = qdot_call(isa, ks);
             py::gil_scoped_release release;
             ftdense::qmoe_forward(*pool, *ks, s, reinterpret_cast<const float*>(x),
                                   reinterpret_cast<const int32_t*>(ids),
                                   reinterpret_cast<const float*>(w), reinterpret_cast<float*>(out),
-                                  T, K);
+                                  T, K, reinterpret_cast<const int32_t*>(order));
           },
           py::arg("x"), py::arg("ids"), py::arg("w"), py::arg("out"), py::arg("T"), py::arg("K"),
-          py::arg("isa") = "",
+          py::arg("isa") = "", py::arg("order") = 0,
           "x [T,H] fp32, ids [T,K] int32, w [T,K] fp32, out [T,H] fp32 addresses; isa '' = the "
-          "configured one.");
+          "configured one; order: 0 or [T,K] int32, the key routes are summed in (qmoe.h).");
 }

@@ -98,8 +98,10 @@ inline float activate(const QMoeSpec& s, float gate, float up) {
   return (u + 1.f) * (g / (1.f + std::exp(-s.alpha * g)));
 }
 
-// Routes sorted by (expert, route index): positions, tokens, weights and expert groups.
-void plan(Call& c, const int32_t* ids, const float* w) {
+// Routes sorted by (expert, route index): positions, tokens, weights and expert groups. With
+// ``order``, by (order, route index) instead: a caller whose ids are slots of a cache passes the
+// experts' own ids there, so the routes' terms add up in the order the whole pool's would.
+void plan(Call& c, const int32_t* ids, const float* w, const int32_t* order) {
   const int64_t R = static_cast<int64_t>(c.T) * c.K;
   std::vector<uint64_t> keys;
   keys.reserve(static_cast<size_t>(R));
@@ -109,7 +111,11 @@ void plan(Call& c, const int32_t* ids, const float* w) {
     if (id < -1 || id >= c.spec->num_flat)
       throw std::out_of_range("flat expert id " + std::to_string(id) + " outside [-1, " +
                               std::to_string(c.spec->num_flat) + ")");
-    keys.push_back(static_cast<uint64_t>(id) << 32 | static_cast<uint64_t>(r));
+    const int32_t key = order ? order[r] : id;
+    if (key < 0)
+      throw std::out_of_range("route order " + std::to_string(key) + " of expert id " +
+                              std::to_string(id) + " is negative");
+    keys.push_back(static_cast<uint64_t>(key) << 32 | static_cast<uint64_t>(r));
   }
   std::sort(keys.begin(), keys.end());
   c.pos.assign(static_cast<size_t>(R), -1);
@@ -117,8 +123,8 @@ void plan(Call& c, const int32_t* ids, const float* w) {
   c.rw.resize(keys.size());
   c.rgroup.resize(keys.size());
   for (size_t p = 0; p < keys.size(); ++p) {
-    const int64_t fid = static_cast<int64_t>(keys[p] >> 32);
     const int64_t r = static_cast<int64_t>(keys[p] & 0xFFFFFFFFu);
+    const int64_t fid = ids[r];
     c.pos[r] = static_cast<int>(p);
     c.rtok[p] = static_cast<int>(r / c.K);
     c.rw[p] = w[r];
@@ -323,7 +329,8 @@ void qmoe_check(const QMoeSpec& s) {
 }
 
 void qmoe_forward(Pool& pool, const QDotSet& ks, const QMoeSpec& spec, const float* x,
-                  const int32_t* ids, const float* w, float* out, int T, int K) {
+                  const int32_t* ids, const float* w, float* out, int T, int K,
+                  const int32_t* order) {
   if (T <= 0) return;
   Call c;
   c.ks = &ks;
@@ -335,7 +342,7 @@ void qmoe_forward(Pool& pool, const QDotSet& ks, const QMoeSpec& spec, const flo
   c.H = spec.hidden;
   c.I = spec.inter;
   c.threads = pool.threads();
-  plan(c, ids, w);
+  plan(c, ids, w, order);
   if (c.groups.empty()) {
     std::memset(out, 0, sizeof(float) * T * c.H);
     return;

@@ -68,7 +68,11 @@ void qmoe_check(const QMoeSpec& spec);
 
 // x [T, H] fp32, ids [T, K] int32, w [T, K] fp32, out [T, H] fp32 (overwritten). Throws
 // std::out_of_range on an id outside [-1, N) before any work. Calls may run concurrently.
+// ``order`` (optional, [T, K] int32 >= 0 where an id is not -1): the key the routes are taken in
+// instead of their ids (a token's terms add up in this order): a cache of expert slots passes
+// the experts' own ids, so its sums equal the whole pool's bit for bit.
 void qmoe_forward(Pool& pool, const QDotSet& ks, const QMoeSpec& spec, const float* x,
-                  const int32_t* ids, const float* w, float* out, int T, int K);
+                  const int32_t* ids, const float* w, float* out, int T, int K,
+                  const int32_t* order = nullptr);
 
 }  // namespace ftdense

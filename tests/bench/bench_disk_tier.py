@@ -2,7 +2,7 @@
 tier against llama.cpp with plain mmap, in memory cgroups.
 
     PYTHONPATH=... .venv/bin/python tests/bench/bench_disk_tier.py [--layers 11] [--repeats 3]
-        [--limits 0.5,0.25] [--decode 16] [--prompt 8] [--reserve-mb 900]
+        [--limits 0.5,0.25] [--decode 16] [--prompt 8] [--cache-mb 0]
 
 The file: Qwen3-30B-A3B's layer geometry (hidden 2048, 128 experts of 768, top-8) in llama.cpp's
 Q4_K_M mix, ``--layers`` layers (11: 4.27 GB), random weights, built once and cached by
@@ -12,8 +12,10 @@ memory cgroup limited to a share of the file's size (cgroup v1 ``memory.limit_in
 /proc/sys/vm/drop_caches``; root only: skipped with the reason otherwise). Engines interleave,
 figures are medians over ``--repeats`` runs:
 
-- freetoken: ``LLM(file, "cpu", expert_cache_mb=...)``, the RAM cache sized to the limit less
-  ``--reserve-mb`` (the process's own memory: Python, torch, the dense weights, the KV pool);
+- freetoken: ``LLM(file, "cpu", expert_cache_mb=...)``; ``--cache-mb`` 0 (the default): the
+  RAM cache sized at load from the memory the cgroup's limit leaves once the dense weights are
+  in (runtime/memlimit.memory_left: the limit less what the process holds, one sequence's KV
+  and a work reserve), as the daemon sizes it;
 - llama.cpp (llama-cpp-python): ``use_mmap=True`` and weight repacking off
   (``llama_model_params.use_extra_bufts = False``: repacking copies the weights into anonymous
   memory, which cannot fit under the limit); checked: its log names no CPU_REPACK buffer.
@@ -32,22 +34,28 @@ killed (SIGKILL) with a request in flight, restarts there and answers the same.
 Both engines decode the same prompt greedily; the tokens are not compared (random weights:
 near-ties).
 
-Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~8;
-cgroup v1; disk 484 MB/s cold in that run; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens;
-medians of 3 interleaved runs):
+Measured 2026-12-06 (2-core AMD EPYC Zen 3 VM, AVX2, shared with other jobs: load average ~11;
+cgroup v1; disk 585 MB/s cold in that run; 11 layers, 4.27 GB; 8-token prompt, 12 decode tokens;
+medians of 3 interleaved runs; freetoken's cache sized at load from the memory left):
 
     limit          engine   tok/s  TTFT s  MB/token  ceiling  of ceil  killed
-    50 % 2036M  freetoken    4.28    5.63        47    10.27      42%     0/3
-    50 % 2036M  llama.cpp    0.37   12.80       619     0.78      47%     0/3
-    25 % 1018M  freetoken       -       -         -        -        -     3/3
-    25 % 1018M  llama.cpp    0.15   10.13      2759     0.18      86%     0/3
+    25 % 1018M  freetoken    1.26    5.24       204     2.87      44%     0/3
+    25 % 1018M  llama.cpp    0.09   18.93      2755     0.21      43%     0/3
+    50 % 2036M  freetoken    3.63    9.89        42    14.09      26%     0/3
+    50 % 2036M  llama.cpp    0.26   14.59       626     0.94      28%     0/3
 
-At 50 % freetoken decodes 11.6x llama.cpp's rate; at 25 % it is killed at load: the RAM cache
-keeps at least one layer's experts per slot class (two classes in the Q4_K_M mix: 700 MiB) beside
-~700 MiB of process and dense weights (the bf16 embedding 196 MiB). The random weights' routers
-predict the next layer at chance, so read-ahead turns itself off here. ``--daemon`` at 50 %:
-up in 12 s, answered, killed with a request in flight, up again in 10 s, the same answer, no
-OOM kill.
+freetoken / llama.cpp: 13.6x at 25 %, 13.9x at 50 %. At 25 % the cache is 174 MiB (64 slots:
+the process holds ~680 MiB of anonymous memory beside it: torch 156, the dense weights in blocks
+193, the bf16 embedding 196, the rest Python and the tokenizer), fewer experts than a token uses
+(88), so it inserts bimodally (an LRU hit 0 %: 0.97 tok/s in an earlier run of the day); a
+token waits ~0.65 s for 204 MB of reads (~310 MB/s of 256 KiB O_DIRECT pieces, 8 in flight) and
+computes ~0.15 s. At 50 % (cache 1191 MiB, 440 slots, 90 % hits: greedy decoding of random
+weights repeats its routes) a token waits ~0.10 s for reads and computes ~0.17 s: the two cores
+bound it, not the disk, which is why it stays far from the disk-bound ceiling (a ceiling that
+counts no compute); reads overlap compute only through read-ahead, which random routers (at
+chance, 8 of 128) turn off. An earlier run (disk 724 MB/s, LRU only): 25 % 0.97 tok/s against
+0.09 (10.6x), 50 % 4.10 against 0.24 (17.1x). ``--daemon`` at 50 % (cache sized at load): up in
+18 s, answered, killed with a request in flight, up again in 31 s, the same answer, no OOM kill.
 """
 
 from __future__ import annotations
@@ -98,11 +106,14 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     tier = llm.moe.tier
+    loaded_rss = _status_mb()
     prompt = _prompt(a["prompt"], llm.tokenizer.vocab_size if llm.tokenizer else 50000)
     params = SamplingParams(max_tokens=a["decode"], temperature=0.0, ignore_eos=True)
     stamps: list[float] = []
     io: list[int] = []
     st: list[dict[str, int]] = []
+    waits: list[float] = []
+    faults: list[int] = []
     start = time.perf_counter()
     llm.engine.add_request("bench", prompt, params)
     while llm.engine.has_unfinished():
@@ -110,7 +121,10 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             stamps.append(time.perf_counter())
             io.append(_io_read_bytes())
             st.append(tier.stats() if tier is not None else {})
+            waits.append(tier.read_seconds if tier is not None else 0.0)
+            faults.append(_major_faults())
     first, last = st[0], st[-1]
+    n = len(stamps) - 1
     return {
         "load_s": load_s,
         "ttft_s": stamps[0] - start,
@@ -121,7 +135,26 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": _rate(first, last),
         "read_ahead_used": _used(first, last),
         "slots": tier.cache.slots if tier is not None else 0,
+        "read_wait_s_per_token": (waits[-1] - waits[0]) / n,
+        "major_faults_per_token": (faults[-1] - faults[0]) / n,
+        "cache_mb": sum(t.nbytes for t in tier.slots.all_tensors().values()) >> 20 if tier else 0,
+        "rss_loaded_mb": loaded_rss,
+        "rss_end_mb": _status_mb(),
     }
+
+
+def _major_faults() -> int:
+    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])
+
+
+def _status_mb() -> dict[str, int]:
+    """This process's RssAnon / RssFile / VmHWM, MiB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "VmHWM"):
+            out[key] = int(value.split()[0]) >> 10
+    return out
 
 
 def _rate(a: dict[str, int], b: dict[str, int]) -> float | None:
@@ -235,7 +268,7 @@ def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
 
 
 def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
-    cache_mb = (limit >> 20) - a.reserve_mb
+    cache_mb = a.cache_mb
     args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
             "cache_mb": cache_mb}  # fmt: skip
     cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
@@ -271,15 +304,16 @@ def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str,
 
 def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
     """The daemon serving the file in a cgroup of ``limit`` bytes (the disk tier on, its cache
-    the limit less ``--reserve-mb``) answers a request, is killed (SIGKILL) in the middle of a
-    second one, restarts in the same cgroup and answers the first request the same."""
+    ``--cache-mb``, 0: sized at load from the memory left) answers a request, is killed
+    (SIGKILL) in the middle of a second one, restarts in the same cgroup and answers the first
+    request the same."""
     import re
     import tempfile
     import threading
     import urllib.request
 
     listen = re.compile(r"serving (\S+) on (http://\S+)")
-    cache_gb = ((limit >> 20) - a.reserve_mb) / 1024
+    cache_gb = a.cache_mb / 1024
     cg = Cgroup(f"ftbench-daemon-{os.getpid()}", limit)
     state = tempfile.mkdtemp(prefix="ftbench-daemon-")
     root = Path(__file__).resolve().parents[2]
@@ -352,7 +386,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--reserve-mb", type=int, default=900, help="freetoken's memory beside the cache"
+        "--cache-mb", type=float, default=0, help="freetoken's expert cache (0: the memory left)"
     )
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--engines", default=",".join(ENGINES))

@@ -2,9 +2,11 @@
 issue 45): decode hit rate by cache size, next to the byte-budget LRU of uniform sizes and the
 forced-fill Belady optimum (experts/replay.py), for every trace of shared/data/routing-traces/.
 
-The RAM cache counts uniform slots (a layer's experts at least, for a prefill batch), so a size
-is a share of the pool's experts; a miss is an expert read from the file. Prints one table per
-trace: share, slots, RAM-cache hits, byte LRU, Belady (decode-only, %).
+The RAM cache counts uniform slots (top-k at least: a batch with more distinct experts runs a few
+tokens at a time), so a size is a share of the pool's experts; a miss is an expert read from
+the file. Prints one table per
+trace: share, slots, RAM-cache hits (its LRU, bimodal insertion below one token's experts),
+byte LRU, Belady (decode-only, %).
 
     .venv/bin/python tests/bench/bench_disk_tier_replay.py
     .venv/bin/python tests/bench/bench_disk_tier_replay.py --shares 0.05,0.1,0.25 --no-belady
@@ -46,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         tr = read_trace(path).with_expert_bytes(1)  # uniform slots: budget = slot count
         pool = tr.num_layers * tr.num_experts
         print(f"\n{tr.name}: {tr.num_layers} layers x {tr.num_experts} experts, top-{tr.top_k}")
-        print(f"{'share':>6} {'slots':>6} {'RAM LRU':>8} {'byte LRU':>9} {'Belady':>7}")
+        print(f"{'share':>6} {'slots':>6} {'RAM cache':>9} {'byte LRU':>9} {'Belady':>7}")
         for share in shares:
-            slots = max(tr.num_experts, int(pool * share))
+            slots = max(tr.top_k, int(pool * share))
             ram = replay_ram_cache(tr, slots).pct
             lru = simulate_lru(tr, slots).pct
             opt = "-" if args.no_belady else f"{simulate_belady(tr, slots).pct:.1f}"
-            print(f"{share:>6.0%} {slots:>6} {ram:>8.1f} {lru:>9.1f} {opt:>7}")
+            print(f"{share:>6.0%} {slots:>6} {ram:>9.1f} {lru:>9.1f} {opt:>7}")
     return 0
 
 
