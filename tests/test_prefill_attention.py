@@ -219,16 +219,18 @@ def test_refuses_bad_input() -> None:
 # ---- the models: native prefill against the torch path ---------------------------------------
 
 NEW_TOKENS = 6
-# bf16 KV: a last-bit difference of an attention output can move a later layer's stored key or
-# value by a bf16 step, so logits part by up to ~1e-3 (measured); a near-tie is a gap under 1e-2.
-LOGIT_ATOL = 1e-2
-NEAR_TIE = 1e-2
+# fp32 checkpoints (fp32 KV pool): the two paths' logits part by ~1.5e-6 (measured). With bf16
+# ones the attention outputs mostly round to the same bf16 inputs of o_proj, but where one
+# crosses a rounding boundary a random tiny model can flip a routing choice downstream (one
+# row's logits moved by 0.39 in a measured case): fp32 keeps the comparison tight.
+LOGIT_ATOL = 1e-4
+NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp(f"{request.param}-prefill")
-    make_tiny(request.param, d, seed=23, dtype=torch.bfloat16)
+    make_tiny(request.param, d, seed=23, dtype=torch.float32)
     return d
 
 
