@@ -206,8 +206,9 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     }
     if (!full) masked([](float* x) { *x = 0.0f; });
     for (int r = rA; r < rB; r += L) {
-      typename V::T sum = V::mul(V::load(l + r), V::load(corr + r));
-      for (int k = 0; k < nk; ++k) sum = V::add(sum, V::load(st + k * Rp + r));
+      // an explicit fma: a compiler may fuse a separate multiply and add on one path only
+      typename V::T sum = V::fma(V::load(l + r), V::load(corr + r), V::load(st + r));
+      for (int k = 1; k < nk; ++k) sum = V::add(sum, V::load(st + k * Rp + r));
       V::store(l + r, sum);
     }
     // acc = acc * corr + weights V, for the rows that see the block

@@ -8,7 +8,8 @@ bf16 paged pool (pages of 16), a prompt of each context length prefilled in chun
 scheduler's max_step_tokens), through `attention.paged_attention` with the native prefill on
 and off (the torch path: pages gathered, fp32, SDPA in query blocks). Each chunk's K/V are
 written first, as the model does. Engines interleaved per repeat, medians printed with their
-GFLOP/s (4 * heads * d flops per visible (query, key) pair). Contexts above --full (default
+GFLOP/s (4 * heads * d flops per visible (query, key) pair), and the process's CPU time (all
+threads; on a shared machine the wall time includes the waits for a core). Contexts above --full (default
 8192) time a sample of --sample chunks spread over the prompt (the time of a chunk grows
 linearly with its position) and scale it to the whole prompt: the line says "est.". Each chunk's
 outputs of the two paths are checked to agree (max abs difference printed).
@@ -74,12 +75,13 @@ def main() -> None:
         pairs = sum(min(CHUNK, ctx - s) * (s + (min(CHUNK, ctx - s) + 1) / 2) for s in starts)
         flops = 4 * h * d * pairs
         times: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}
         diff = 0.0
         for _ in range(args.repeats):
             outs = {}
             for native in (False, True):
                 attn.native_prefill = native
-                total = 0.0
+                total, c0 = 0.0, time.process_time()
                 for s in timed:
                     n = min(CHUNK, ctx - s)
                     b = _batch(pool, st, s, n)
@@ -91,13 +93,15 @@ def main() -> None:
                     if s == timed[-1]:
                         outs[native] = out
                 times[native].append(total * len(starts) / len(timed))
+                cpu[native].append((time.process_time() - c0) * len(starts) / len(timed))
             diff = max(diff, float((outs[True] - outs[False]).abs().max()))
         attn.native_prefill = True
         old, new = (statistics.median(times[x]) for x in (False, True))
+        cold, cnew = (statistics.median(cpu[x]) for x in (False, True))
         est = " est." if len(timed) < len(starts) else ""
         print(f"context {ctx:6d}: torch {old:8.2f} s ({flops / old / 1e9:5.1f} GFLOP/s)  "
               f"native {new:8.2f} s ({flops / new / 1e9:5.1f} GFLOP/s)  {old / new:4.2f}x{est}  "
-              f"max |diff| {diff:.1e}  (repeats {[round(t, 2) for t in times[False]]} / "
+              f"max |diff| {diff:.1e}  cpu time {cold:.2f} / {cnew:.2f} s  (repeats {[round(t, 2) for t in times[False]]} / "
               f"{[round(t, 2) for t in times[True]]})", flush=True)  # fmt: skip
 
 

@@ -256,12 +256,11 @@ def paged_attention(
                 q[ch.start + b0 : ch.start + b1], kc, vc, ch.context_len + b0 - first, scale,
                 window, sinks,
             )  # fmt: skip
-    if prefill:
+    if prefill and any(ch.length > 1 for ch in batch.chunks):
         pre = _prefill_rows(batch)
-        if pre.n:
-            dense_native.prefill_attention(
-                q, kp, vp, pre.tables, pre.rows, pre.lens, pre.pos, scale, window, sinks, out
-            )
+        dense_native.prefill_attention(
+            q, kp, vp, pre.tables, pre.rows, pre.lens, pre.pos, scale, window, sinks, out
+        )
     if native:
         dec = _decode_rows(batch)
         if dec.chunks:
