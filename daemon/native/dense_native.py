@@ -296,15 +296,40 @@ def decode_attention(
     Returns ``out`` [N, heads, d] fp32 (new when not given; only the query rows are written).
     Check `attention_usable` first.
     """
+    if rows is None:
+        rows = torch.arange(q.shape[0], dtype=torch.int32)
+    return _paged_call(
+        _native.decode_attention, q, k_pages, v_pages, (rows, lens), tables, scale, window,
+        sinks, out, "rows, lens and tables must describe the same number of queries",
+    )  # fmt: skip
+
+
+def _paged_call(
+    fn: Any,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    arrays: Sequence[torch.Tensor],
+    tables: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor | None,
+    mismatch: str,
+) -> torch.Tensor:
+    """Calls one of the extension's paged attention entries (decode_attention,
+    prefill_attention): fn(q, q_rows, out, heads, n, *arrays, tables, table_stride, k, v, bf16,
+    num_pages, page_size, kv_heads, d, scale, window, sinks) on addresses, after checking that
+    ``arrays`` ([n] each) and ``tables`` [n, W] agree (``mismatch`` otherwise), ``out`` and
+    ``sinks``. Returns ``out`` (new when not given)."""
     ensure_configured()
     qc = q.contiguous()
     n_rows, heads, d = qc.shape
-    if rows is None:
-        rows = torch.arange(n_rows, dtype=torch.int32)
-    ri, li, ti = (t.to(torch.int32).contiguous() for t in (rows, lens, tables))
-    n = ri.shape[0]
-    if li.shape != (n,) or ti.dim() != 2 or ti.shape[0] != n:
-        raise ValueError("rows, lens and tables must describe the same number of queries")
+    ints = [t.to(torch.int32).contiguous() for t in arrays]
+    ti = tables.to(torch.int32).contiguous()
+    n = ints[0].shape[0]
+    if any(t.shape != (n,) for t in ints) or ti.dim() != 2 or ti.shape[0] != n:
+        raise ValueError(mismatch)
     if out is None:
         out = torch.empty_like(qc)
     elif out.shape != qc.shape or out.dtype != torch.float32 or not out.is_contiguous():
@@ -313,14 +338,13 @@ def decode_attention(
     if sk is not None and sk.shape != (heads,):
         raise ValueError(f"sinks must have shape ({heads},)")
     num_pages, page_size, kv_heads, _ = k_pages.shape
-    _native.decode_attention(
+    fn(
         qc.data_ptr(),
         n_rows,
         out.data_ptr(),
         heads,
         n,
-        ri.data_ptr(),
-        li.data_ptr(),
+        *(t.data_ptr() for t in ints),
         ti.data_ptr(),
         ti.shape[1],
         k_pages.data_ptr(),
@@ -409,44 +433,10 @@ def prefill_attention(
     Returns ``out`` [N, heads, d] fp32 (new when not given; only the chunks' rows are written).
     Check `prefill_usable` first.
     """
-    ensure_configured()
-    qc = q.contiguous()
-    n_rows, heads, d = qc.shape
-    ri, li, pi, ti = (t.to(torch.int32).contiguous() for t in (rows, lens, pos, tables))
-    n = ri.shape[0]
-    if li.shape != (n,) or pi.shape != (n,) or ti.dim() != 2 or ti.shape[0] != n:
-        raise ValueError("rows, lens, pos and tables must describe the same number of chunks")
-    if out is None:
-        out = torch.empty_like(qc)
-    elif out.shape != qc.shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError("out must be a contiguous fp32 tensor shaped like q")
-    sk = None if sinks is None else sinks.float().contiguous()
-    if sk is not None and sk.shape != (heads,):
-        raise ValueError(f"sinks must have shape ({heads},)")
-    num_pages, page_size, kv_heads, _ = k_pages.shape
-    _native.prefill_attention(
-        qc.data_ptr(),
-        n_rows,
-        out.data_ptr(),
-        heads,
-        n,
-        ri.data_ptr(),
-        li.data_ptr(),
-        pi.data_ptr(),
-        ti.data_ptr(),
-        ti.shape[1],
-        k_pages.data_ptr(),
-        v_pages.data_ptr(),
-        k_pages.dtype == torch.bfloat16,
-        num_pages,
-        page_size,
-        kv_heads,
-        d,
-        scale,
-        window or 0,
-        0 if sk is None else sk.data_ptr(),
-    )
-    return out
+    return _paged_call(
+        _native.prefill_attention, q, k_pages, v_pages, (rows, lens, pos), tables, scale,
+        window, sinks, out, "rows, lens, pos and tables must describe the same number of chunks",
+    )  # fmt: skip
 
 
 def prefill_attention_reference(

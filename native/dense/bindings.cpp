@@ -74,6 +74,13 @@ std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::
   return c.pool;
 }
 
+// One layer of the KV pool from its addresses (decode_attention.h).
+ftdense::KvPages kv_pages(uintptr_t k, uintptr_t v, bool bf16, int64_t num_pages, int page_size,
+                          int kv_heads, int d) {
+  return {reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v), bf16, num_pages,
+          page_size, kv_heads, d};
+}
+
 }  // namespace
 
 namespace ftdense_py {
@@ -256,8 +263,7 @@ PYBIND11_MODULE(ftdense, m) {
          bool bf16, int64_t num_pages, int page_size, int kv_heads, int d, float scale, int window,
          uintptr_t sinks) {
         const Configured c = configured();
-        const ftdense::KvPages kv{reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
-                                  bf16, num_pages, page_size, kv_heads, d};
+        const ftdense::KvPages kv = kv_pages(k, v, bf16, num_pages, page_size, kv_heads, d);
         const ftdense::DecodeRows r{reinterpret_cast<const float*>(q),
                                     reinterpret_cast<float*>(out),
                                     q_rows,
@@ -291,8 +297,7 @@ PYBIND11_MODULE(ftdense, m) {
          uintptr_t v, bool bf16, int64_t num_pages, int page_size, int kv_heads, int d,
          float scale, int window, uintptr_t sinks) {
         const Configured c = configured();
-        const ftdense::KvPages kv{reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
-                                  bf16, num_pages, page_size, kv_heads, d};
+        const ftdense::KvPages kv = kv_pages(k, v, bf16, num_pages, page_size, kv_heads, d);
         const ftdense::PrefillChunks ch{reinterpret_cast<const float*>(q),
                                         reinterpret_cast<float*>(out),
                                         q_rows,
