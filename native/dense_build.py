@@ -43,6 +43,7 @@ def dense_extension() -> Extension:
             "decode_layers.cpp",
             "rope.cpp",
             "decode_attention.cpp",
+            "prefill_attention.cpp",
             "qlinear.cpp",
             "qmoe.cpp",
             "qdot_scalar.cpp",
@@ -51,7 +52,13 @@ def dense_extension() -> Extension:
     if x86:
         own += [
             _NATIVE / "dense" / n
-            for n in ("decode_attention_avx2.cpp", "qdot_avx2.cpp", "qdot_vnni.cpp")
+            for n in (
+                "decode_attention_avx2.cpp",
+                "prefill_attention_avx2.cpp",
+                "prefill_attention_avx512.cpp",
+                "qdot_avx2.cpp",
+                "qdot_vnni.cpp",
+            )
         ]
     shared = [_NATIVE / "src" / n for n in (*_KERNELS, *(_X86 if x86 else []))]
     return Pybind11Extension(

@@ -9,7 +9,8 @@ pool in which the calling thread takes part. The reference is `linear_reference`
 
 It also runs decode attention straight from the paged KV pool (`decode_attention`, reference
 `decode_attention_reference`): one call per layer for all decode rows instead of a gather, an fp32
-copy of the context and torch attention.
+copy of the context and torch attention; and the causal attention of prompt chunks the same way
+(`prefill_attention`, reference `prefill_attention_reference`), tiled, one call per layer.
 
 When the extension is not built, `usable` and `attention_usable` are False and callers keep the
 torch path. They are also False inside ``torch_only()``: the engine enters it when the dense part
@@ -295,15 +296,40 @@ def decode_attention(
     Returns ``out`` [N, heads, d] fp32 (new when not given; only the query rows are written).
     Check `attention_usable` first.
     """
+    if rows is None:
+        rows = torch.arange(q.shape[0], dtype=torch.int32)
+    return _paged_call(
+        _native.decode_attention, q, k_pages, v_pages, (rows, lens), tables, scale, window,
+        sinks, out, "rows, lens and tables must describe the same number of queries",
+    )  # fmt: skip
+
+
+def _paged_call(
+    fn: Any,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    arrays: Sequence[torch.Tensor],
+    tables: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor | None,
+    mismatch: str,
+) -> torch.Tensor:
+    """Calls one of the extension's paged attention entries (decode_attention,
+    prefill_attention): fn(q, q_rows, out, heads, n, *arrays, tables, table_stride, k, v, bf16,
+    num_pages, page_size, kv_heads, d, scale, window, sinks) on addresses, after checking that
+    ``arrays`` ([n] each) and ``tables`` [n, W] agree (``mismatch`` otherwise), ``out`` and
+    ``sinks``. Returns ``out`` (new when not given)."""
     ensure_configured()
     qc = q.contiguous()
     n_rows, heads, d = qc.shape
-    if rows is None:
-        rows = torch.arange(n_rows, dtype=torch.int32)
-    ri, li, ti = (t.to(torch.int32).contiguous() for t in (rows, lens, tables))
-    n = ri.shape[0]
-    if li.shape != (n,) or ti.dim() != 2 or ti.shape[0] != n:
-        raise ValueError("rows, lens and tables must describe the same number of queries")
+    ints = [t.to(torch.int32).contiguous() for t in arrays]
+    ti = tables.to(torch.int32).contiguous()
+    n = ints[0].shape[0]
+    if any(t.shape != (n,) for t in ints) or ti.dim() != 2 or ti.shape[0] != n:
+        raise ValueError(mismatch)
     if out is None:
         out = torch.empty_like(qc)
     elif out.shape != qc.shape or out.dtype != torch.float32 or not out.is_contiguous():
@@ -312,14 +338,13 @@ def decode_attention(
     if sk is not None and sk.shape != (heads,):
         raise ValueError(f"sinks must have shape ({heads},)")
     num_pages, page_size, kv_heads, _ = k_pages.shape
-    _native.decode_attention(
+    fn(
         qc.data_ptr(),
         n_rows,
         out.data_ptr(),
         heads,
         n,
-        ri.data_ptr(),
-        li.data_ptr(),
+        *(t.data_ptr() for t in ints),
         ti.data_ptr(),
         ti.shape[1],
         k_pages.data_ptr(),
@@ -363,4 +388,90 @@ def decode_attention_reference(
             logits = torch.cat([logits, sinks.float().view(heads, 1)], dim=1)
         probs = torch.softmax(logits, dim=1)[:, : pos.numel()]
         out[i] = torch.einsum("hk,khd->hd", probs, v)
+    return out
+
+
+# ---- prefill attention over the paged KV pool (native/dense/prefill_attention.h) --------------
+
+
+def prefill_usable(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes these: as `attention_usable`, and a head dim that is a
+    multiple of 16 (64, 128, 256, ...; the tile kernels' vectors)."""
+    d = q.shape[-1] if q.dim() else 0
+    return attention_usable(q, k_pages, v_pages) and d % 16 == 0 and 0 < d <= 1024
+
+
+def prefill_isa() -> str:
+    """The prefill tile kernel the configured pool runs ("avx512", "avx2", "emu512", "scalar");
+    "" when the extension is not built or configure() was not called."""
+    if _native is None or not _native.configured():
+        return ""
+    return str(_native.prefill_isa())
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of prompt chunks, reading K/V straight from the paged pool.
+
+    Chunk i is q's rows [rows[i], rows[i] + lens[i]) of one sequence, at positions [pos[i],
+    pos[i] + lens[i]); its keys (earlier ones and its own, already written) are in the pages of
+    tables[i] [max_pages] int32. The query at position p sees keys j with p - window < j <= p;
+    sinks [heads] adds one logit per head to the softmax denominator. q [N, heads, d] fp32;
+    k_pages, v_pages [num_pages, page_size, kv_heads, d] (bf16 or fp32). A row's result does
+    not depend on the other rows, the chunking or the thread count (prefill_attention.h).
+    Returns ``out`` [N, heads, d] fp32 (new when not given; only the chunks' rows are written).
+    Check `prefill_usable` first.
+    """
+    return _paged_call(
+        _native.prefill_attention, q, k_pages, v_pages, (rows, lens, pos), tables, scale,
+        window, sinks, out, "rows, lens, pos and tables must describe the same number of chunks",
+    )  # fmt: skip
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What `prefill_attention` computes, in plain torch (fp32): each chunk's keys gathered from
+    its pages, a masked softmax over the logits (and the sink). Returns [N, heads, d] with the
+    chunks' rows filled (zeros elsewhere)."""
+    heads = q.shape[1]
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    out = torch.zeros(q.shape)
+    for i in range(rows.shape[0]):
+        r0, n, p0 = int(rows[i]), int(lens[i]), int(pos[i])
+        kpos = torch.arange(p0 + n)
+        page = tables[i].long()[kpos // page_size]
+        k = k_pages[page, kpos % page_size].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_pages[page, kpos % page_size].float().repeat_interleave(heads // kv_heads, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", q[r0 : r0 + n].float(), k) * scale
+        qpos = torch.arange(p0, p0 + n).unsqueeze(1)
+        allowed = kpos.unsqueeze(0) <= qpos
+        if window is not None:
+            allowed &= kpos.unsqueeze(0) > qpos - window
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(heads, 1, 1).expand(heads, n, 1)
+            logits = torch.cat([logits, sink], dim=2)
+        probs = torch.softmax(logits, dim=2)[..., : kpos.numel()]
+        out[r0 : r0 + n] = torch.einsum("hqk,khd->qhd", probs, v)
     return out

@@ -38,6 +38,7 @@ struct State {
   const ftnative::Bf16DotSet* bf16dot = nullptr;  // bf16 weights take it when set
   ftdense::RangeFn attention = nullptr;
   const ftdense::QDotSet* qdot = nullptr;
+  ftdense::PrefillFn prefill = nullptr;
 };
 
 State& state() {
@@ -63,6 +64,7 @@ void configure(int threads, int spin_us, const std::string& isa) {
   s.isa = bf16dot ? bf16dot->isa : bf16->isa;
   s.attention = ftdense::range_kernel(bf16->isa);
   s.qdot = qdot;
+  s.prefill = ftdense::prefill_kernel(bf16->isa);
 }
 
 // The pool and the qdot set of a call: `isa` empty for the configured one.
@@ -70,6 +72,13 @@ std::shared_ptr<ftdense::Pool> qdot_call(const std::string& isa, const ftdense::
   Configured c = configured();
   ks = isa.empty() ? c.qdot : &ftdense::qdot_set(isa);
   return c.pool;
+}
+
+// One layer of the KV pool from its addresses (decode_attention.h).
+ftdense::KvPages kv_pages(uintptr_t k, uintptr_t v, bool bf16, int64_t num_pages, int page_size,
+                          int kv_heads, int d) {
+  return {reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v), bf16, num_pages,
+          page_size, kv_heads, d};
 }
 
 }  // namespace
@@ -80,7 +89,7 @@ Configured configured() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
-  return {s.pool, s.bf16, s.f32, s.bf16dot, s.attention, s.qdot};
+  return {s.pool, s.bf16, s.f32, s.bf16dot, s.attention, s.qdot, s.prefill};
 }
 
 ftdense::QType qtype_code(int code) {
@@ -254,8 +263,7 @@ PYBIND11_MODULE(ftdense, m) {
          bool bf16, int64_t num_pages, int page_size, int kv_heads, int d, float scale, int window,
          uintptr_t sinks) {
         const Configured c = configured();
-        const ftdense::KvPages kv{reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
-                                  bf16, num_pages, page_size, kv_heads, d};
+        const ftdense::KvPages kv = kv_pages(k, v, bf16, num_pages, page_size, kv_heads, d);
         const ftdense::DecodeRows r{reinterpret_cast<const float*>(q),
                                     reinterpret_cast<float*>(out),
                                     q_rows,
@@ -278,6 +286,42 @@ PYBIND11_MODULE(ftdense, m) {
       "Decode attention over paged K/V (see decode_attention.h); addresses: q, out [q_rows, "
       "heads, d] fp32, rows/lens [n] int32, tables [n, table_stride] int32, k/v [num_pages, "
       "page_size, kv_heads, d] bf16|fp32, sinks [heads] fp32 or 0.");
+  m.def("prefill_isa", [] {
+    std::lock_guard<std::mutex> lock(state().mu);
+    return std::string(state().prefill ? ftdense::prefill_kernel_name(state().prefill) : "");
+  });
+  m.def(
+      "prefill_attention",
+      [](uintptr_t q, int64_t q_rows, uintptr_t out, int heads, int n, uintptr_t rows,
+         uintptr_t lens, uintptr_t pos, uintptr_t tables, int64_t table_stride, uintptr_t k,
+         uintptr_t v, bool bf16, int64_t num_pages, int page_size, int kv_heads, int d,
+         float scale, int window, uintptr_t sinks) {
+        const Configured c = configured();
+        const ftdense::KvPages kv = kv_pages(k, v, bf16, num_pages, page_size, kv_heads, d);
+        const ftdense::PrefillChunks ch{reinterpret_cast<const float*>(q),
+                                        reinterpret_cast<float*>(out),
+                                        q_rows,
+                                        n,
+                                        reinterpret_cast<const int32_t*>(rows),
+                                        reinterpret_cast<const int32_t*>(lens),
+                                        reinterpret_cast<const int32_t*>(pos),
+                                        reinterpret_cast<const int32_t*>(tables),
+                                        table_stride,
+                                        heads,
+                                        scale,
+                                        window,
+                                        reinterpret_cast<const float*>(sinks)};
+        py::gil_scoped_release release;
+        ftdense::prefill_attention(*c.pool, c.prefill, kv, ch);
+      },
+      py::arg("q"), py::arg("q_rows"), py::arg("out"), py::arg("heads"), py::arg("n"),
+      py::arg("rows"), py::arg("lens"), py::arg("pos"), py::arg("tables"),
+      py::arg("table_stride"), py::arg("k"), py::arg("v"), py::arg("bf16"), py::arg("num_pages"),
+      py::arg("page_size"), py::arg("kv_heads"), py::arg("d"), py::arg("scale"),
+      py::arg("window"), py::arg("sinks"),
+      "Causal prefill attention of n chunks over paged K/V (see prefill_attention.h); addresses: "
+      "q, out [q_rows, heads, d] fp32, rows/lens/pos [n] int32, tables [n, table_stride] int32, "
+      "k/v [num_pages, page_size, kv_heads, d] bf16|fp32, sinks [heads] fp32 or 0.");
   m.def(
       "linear",
       [](uintptr_t x, int T, int K, const std::vector<uintptr_t>& w, const std::vector<int>& N,

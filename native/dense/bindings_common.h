@@ -9,6 +9,7 @@
 #include "decode_attention.h"
 #include "dense_linear.h"
 #include "kernels_bf16dot.h"
+#include "prefill_attention.h"
 #include "pool.h"
 #include "qdot.h"
 
@@ -23,6 +24,7 @@ struct Configured {
   const ftnative::Bf16DotSet* bf16dot;  // bf16 weights take it when set
   ftdense::RangeFn attention;
   const ftdense::QDotSet* qdot;
+  ftdense::PrefillFn prefill;
 };
 
 // Throws std::runtime_error before ftdense.configure() ran.

@@ -23,6 +23,12 @@ from .rope import Rope
 # Queries per attention block in prefill: bounds the [heads, block, context] score tensor.
 _Q_BLOCK = 512
 
+# Prompt chunks (2 rows or more) on the CPU: the native tiled causal kernel reads K/V from the
+# pages in place (native/dense/prefill_attention.h) where `dense_native.prefill_usable` holds (the
+# extension built, the pool on the host, head dim a multiple of 16); elsewhere the pages are
+# gathered and `attend` runs. Off (tests compare the two): always the torch path.
+native_prefill = True
+
 # Decode attention where the native CPU kernel does not apply (the KV pool on a device):
 #   "torch"   each sequence's pages gathered with torch ops, then `attend` (the default);
 #   "triton"  one launch of the batched paged decode kernel (kernels/paged_attention.py, the
@@ -147,6 +153,31 @@ class _DecodeTables:
             self.tables[i, :n] = torch.tensor(ch.state.pages[:n], dtype=torch.int32)
 
 
+class _PrefillTables:
+    """The prompt chunks (2 rows or more) of one forward batch for the native prefill attention,
+    built once per batch: rows, lens, pos [n] (first row, rows, position of the first row) and
+    tables [n, max_pages] int32 page tables (zero-padded)."""
+
+    def __init__(self, batch: ForwardBatch) -> None:
+        chunks = [ch for ch in batch.chunks if ch.length > 1]
+        self.n = len(chunks)
+        self.rows = torch.tensor([ch.start for ch in chunks], dtype=torch.int32)
+        self.lens = torch.tensor([ch.length for ch in chunks], dtype=torch.int32)
+        self.pos = torch.tensor([ch.context_len for ch in chunks], dtype=torch.int32)
+        pages = [batch.kv.pages_for(ch.context_len + ch.length) for ch in chunks]
+        self.tables = torch.zeros(self.n, max(pages, default=0), dtype=torch.int32)
+        for i, (ch, n) in enumerate(zip(chunks, pages, strict=True)):
+            self.tables[i, :n] = torch.tensor(ch.state.pages[:n], dtype=torch.int32)
+
+
+def _prefill_rows(batch: ForwardBatch) -> _PrefillTables:
+    """The batch's `_PrefillTables`, built by its first attention layer."""
+    tables = batch.derived.get("prefill_tables")
+    if tables is None:
+        tables = batch.derived["prefill_tables"] = _PrefillTables(batch)
+    return tables  # type: ignore[no-any-return]
+
+
 class _KernelTables:
     """The decode rows of one forward batch for the paged decode kernel, on the pool's device:
     rows [n], lens [n] (keys including the row's own) and tables [n, max_pages] int32, sent in
@@ -196,22 +227,24 @@ def paged_attention(
     """Attention of every row of the batch over its sequence's pages of pool layer ``kv_layer``.
 
     q [N, heads, d] contiguous; ``kv`` the rows' (K, V) [N, kv_heads, d], written to the pages
-    first, or None for a layer that reads another layer's KV. Prompt rows attend over the pages
-    read back (fp32, in query blocks); decode rows on the CPU go through one native call that
-    reads the pages in place (no gather, no fp32 copy of the context). Returns [N, heads, d].
+    first, or None for a layer that reads another layer's KV. On the CPU, prompt chunks go through
+    one native tiled call and decode rows through another, both reading the pages in place (no
+    gather, no fp32 copy of the context); elsewhere prompt rows attend over the pages read back
+    (fp32, in query blocks). Returns [N, heads, d].
     """
     if batch.decode is not None:
         return _static_decode(batch, kv_layer, q, kv, scale, window, sinks)
     out = torch.empty_like(q)
     kp, vp = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
     native = dense_native.attention_usable(q, kp, vp)
+    prefill = native and native_prefill and dense_native.prefill_usable(q, kp, vp)
     kernel = not native and _decode_kernel == "triton" and q.device.type in _KERNEL_DEVICES
     for ch in batch.chunks:
         end = ch.context_len + ch.length
         if kv is not None:
             rows = slice(ch.start, ch.start + ch.length)
             batch.kv.write(kv_layer, ch.state.pages, ch.context_len, kv[0][rows], kv[1][rows])
-        if (native or kernel) and ch.length == 1:
+        if (native or kernel) and ch.length == 1 or prefill:
             continue
         first = 0 if window is None else max(0, ch.context_len - window + 1)
         table = ch.state.pages if ch.table is None else ch.table
@@ -223,6 +256,11 @@ def paged_attention(
                 q[ch.start + b0 : ch.start + b1], kc, vc, ch.context_len + b0 - first, scale,
                 window, sinks,
             )  # fmt: skip
+    if prefill and any(ch.length > 1 for ch in batch.chunks):
+        pre = _prefill_rows(batch)
+        dense_native.prefill_attention(
+            q, kp, vp, pre.tables, pre.rows, pre.lens, pre.pos, scale, window, sinks, out
+        )
     if native:
         dec = _decode_rows(batch)
         if dec.chunks:

@@ -1,0 +1,50 @@
+// The prefill attention tile kernel (prefill_attention_impl.h) on AVX-512F: 16 lanes, register
+// tiles of 8 rows x 32 columns. Its arithmetic is the "emu512" kernel's and the AVX2 one's
+// (prefill_attention_impl.h), which test it on CPUs without AVX-512.
+#include <immintrin.h>
+
+// GCC 12's AVX-512 intrinsics seed their masked builtins with _mm512_undefined_*() (see
+// native/src/kernels_avx512.cpp); the values are never read.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#define FT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define FT_INLINE FT_TARGET __attribute__((always_inline)) inline
+
+#include "prefill_attention_impl.h"
+
+namespace ftdense {
+namespace {
+
+struct Avx512 {
+  using T = __m512;
+  static constexpr int kLanes = 16, kRB = 8, kNV = 2;
+  FT_INLINE static T zero() { return _mm512_setzero_ps(); }
+  FT_INLINE static T set1(float f) { return _mm512_set1_ps(f); }
+  FT_INLINE static T load(const float* p) { return _mm512_loadu_ps(p); }
+  FT_INLINE static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  FT_INLINE static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  FT_INLINE static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  FT_INLINE static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  FT_INLINE static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  FT_INLINE static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  FT_INLINE static T round(T a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  FT_INLINE static T pow2(T n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
+  FT_INLINE static T widen(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+
+}  // namespace
+
+void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t) {
+  prefill_impl::prefill_tile<Avx512>(kv, t);
+}
+
+}  // namespace ftdense

@@ -1,0 +1,235 @@
+// The body of the prefill attention tile kernel (prefill_attention.h), one template on an ISA's
+// vector type. The including file defines FT_TARGET, FT_INLINE and, before including, a struct
+// providing:
+//   T, kLanes, kRB (rows of a register tile), kNV (vectors of columns of a register tile);
+//   zero, set1, load, store, fma (a * b + c), mul, add, sub, max, round (to nearest),
+//   pow2 (2^n for integral n in [-126, 127]), widen (L bf16 values -> fp32);
+// then calls `prefill_tile<ThatStruct>`. Every lane is computed alone (no horizontal operation),
+// so the kernels whose fma is fused (AVX2, AVX-512, emu512) give the same bits.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "prefill_attention.h"
+
+namespace ftdense {
+namespace prefill_impl {
+
+constexpr int KB = kPrefillKeyBlock;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// e^x for x <= 0: Cody-Waite reduction by ln 2, degree-6 polynomial; below -87.3 it returns
+// ~1e-38, not 0 (masked keys are zeroed by the caller).
+template <class V>
+FT_INLINE typename V::T exp_neg(typename V::T x) {
+  x = V::max(x, V::set1(-87.3f));
+  const typename V::T n = V::round(V::mul(x, V::set1(1.44269504088896341f)));
+  typename V::T r = V::fma(n, V::set1(-0.693359375f), x);
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  typename V::T y = V::set1(1.9875691500e-4f);
+  y = V::fma(y, r, V::set1(1.3981999507e-3f));
+  y = V::fma(y, r, V::set1(8.3334519073e-3f));
+  y = V::fma(y, r, V::set1(4.1665795894e-2f));
+  y = V::fma(y, r, V::set1(1.6666665459e-1f));
+  y = V::fma(y, r, V::set1(5.0000001201e-1f));
+  y = V::fma(y, V::mul(r, r), V::add(r, V::set1(1.0f)));
+  return V::mul(y, V::pow2(n));
+}
+
+// C[RB, NV * L] = (C * rowscale[i], or 0 without rowscale) + A[RB, K] B[K, NV * L], A(i, k) at
+// A[i * ai + k * ak]: every element one fma chain over k = 0 .. K-1 in order, whatever RB and NV.
+struct AStride {
+  int64_t i, k;
+};
+
+template <class V, int RB, int NV>
+FT_INLINE void gemm_block(const float* A, AStride as, const float* B, int64_t ldb, float* C,
+                          int64_t ldc, int K, const float* rowscale) {
+  constexpr int L = V::kLanes;
+  typename V::T c[RB][NV];
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NV; ++j)
+      c[i][j] = rowscale ? V::mul(V::load(C + i * ldc + j * L), V::set1(rowscale[i])) : V::zero();
+  for (int k = 0; k < K; ++k) {
+    typename V::T b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = V::load(B + k * ldb + j * L);
+    for (int i = 0; i < RB; ++i) {
+      const typename V::T a = V::set1(A[i * as.i + k * as.k]);
+      for (int j = 0; j < NV; ++j) c[i][j] = V::fma(a, b[j], c[i][j]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NV; ++j) V::store(C + i * ldc + j * L, c[i][j]);
+}
+
+// The last n < RB rows (n == N, or fewer).
+template <class V, int NV, int N>
+FT_INLINE void gemm_tail(int n, const float* A, AStride as, const float* B, int64_t ldb,
+                         float* C, int64_t ldc, int K, const float* rowscale) {
+  if constexpr (N > 0) {
+    if (n == N) gemm_block<V, N, NV>(A, as, B, ldb, C, ldc, K, rowscale);
+    else gemm_tail<V, NV, N - 1>(n, A, as, B, ldb, C, ldc, K, rowscale);
+  }
+}
+
+// Rows [r0, r1) of C = (C * rowscale or 0) + A B on one slab of NV vectors of columns.
+template <class V, int NV>
+FT_INLINE void gemm_rows(const float* A, AStride as, const float* B, int64_t ldb, float* C,
+                         int64_t ldc, int K, int r0, int r1, const float* rowscale) {
+  int r = r0;
+  for (; r + V::kRB <= r1; r += V::kRB)
+    gemm_block<V, V::kRB, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
+                              rowscale ? rowscale + r : nullptr);
+  gemm_tail<V, NV, V::kRB - 1>(r1 - r, A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
+                               rowscale ? rowscale + r : nullptr);
+}
+
+// Rows [r0, r1) of C = (C * rowscale or 0) + A B over `cols` columns (a multiple of L), column
+// slabs outside so a slab of B stays in L1 while every row tile passes over it.
+template <class V>
+FT_INLINE void gemm(const float* A, AStride as, const float* B, int64_t ldb, float* C,
+                    int64_t ldc, int K, int cols, int r0, int r1, const float* rowscale) {
+  constexpr int L = V::kLanes, W = V::kNV * L;
+  int c = 0;
+  for (; c + W <= cols; c += W)
+    gemm_rows<V, V::kNV>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale);
+  for (; c < cols; c += L) gemm_rows<V, 1>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale);
+}
+
+inline float widen1(const void* base, int64_t i, bool bf16) {
+  if (!bf16) return static_cast<const float*>(base)[i];
+  const uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Widens n values (a multiple of L) of a pool row into dst.
+template <class V>
+FT_INLINE void widen_row(const void* base, int64_t off, bool bf16, int n, float* dst) {
+  if (bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + off;
+    for (int e = 0; e < n; e += V::kLanes) V::store(dst + e, V::widen(src + e));
+  } else {
+    std::memcpy(dst, static_cast<const float*>(base) + off, sizeof(float) * n);
+  }
+}
+
+// Layout: query rows r = query i * G + head g sit in the lanes (Rp = R rounded up to L), keys
+// in the rows of the logits st [KB, Rp]: a row's max and sum over a block's keys are lane-wise
+// sequences over the keys in order, so they do not depend on the vector width either.
+template <class V>
+FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
+  constexpr int L = V::kLanes;
+  const int d = kv.d, G = t.G, R = t.nq * G, Rp = (R + L - 1) / L * L;
+  const int64_t rs = static_cast<int64_t>(kv.kv_heads) * d;  // elements from one pool row on
+  thread_local std::vector<float> buf;
+  const size_t need = static_cast<size_t>(Rp) * (d + KB + 3) + static_cast<size_t>(R) * d +
+                      2 * static_cast<size_t>(d) * KB;
+  if (buf.size() < need) buf.resize(need);
+  float* qt = buf.data();     // [d, Rp] scaled queries, transposed (pad rows 0)
+  float* acc = qt + Rp * d;   // [R, d] weighted values
+  float* st = acc + R * d;    // [KB, Rp] logits, then weights
+  float* kb = st + KB * Rp;   // [KB, d] the block's keys
+  float* vb = kb + KB * d;    // [KB, d] the block's values
+  float* m = vb + KB * d;     // [Rp] running max
+  float* l = m + Rp;          // [Rp] running sum
+  float* corr = l + Rp;       // [Rp] this block's rescale of acc
+  for (int r = 0; r < Rp; ++r) {
+    const float* src = r < R ? t.q + (r / G) * t.row_stride +
+                                   static_cast<int64_t>(t.kv_head * G + r % G) * d
+                             : nullptr;
+    for (int e = 0; e < d; ++e) qt[e * Rp + r] = src ? src[e] * t.scale : 0.0f;
+  }
+  std::fill(acc, acc + static_cast<int64_t>(R) * d, 0.0f);
+  std::fill(m, m + Rp, kNegInf);
+  std::fill(l, l + Rp, 0.0f);
+
+  const int64_t last = t.pos0 + t.nq - 1;  // the tile's last position: no key past it is read
+  const auto lo_of = [&](int64_t p) {
+    return t.window > 0 ? std::max<int64_t>(0, p - t.window + 1) : int64_t{0};
+  };
+  const typename V::T lowest = V::set1(std::numeric_limits<float>::lowest());
+  for (int64_t b0 = lo_of(t.pos0) / KB * KB; b0 <= last; b0 += KB) {
+    const int nk = static_cast<int>(std::min<int64_t>(KB, last + 1 - b0));
+    // rows that see a key of the block: positions >= b0, and (window) lo <= the block's last
+    const int qa = static_cast<int>(std::max<int64_t>(0, b0 - t.pos0));
+    int qb = t.nq;
+    if (t.window > 0)
+      qb = static_cast<int>(std::min<int64_t>(t.nq, b0 + nk - 1 + t.window - t.pos0));
+    if (qa >= qb) continue;
+    const int ra = qa * G, rb = qb * G;             // the rows that see the block
+    const int rA = ra / L * L, rB = (rb + L - 1) / L * L;  // their lanes' vectors
+    // the block's K and V, widened
+    int64_t pg = b0 / kv.page_size;
+    int row = static_cast<int>(b0 % kv.page_size);
+    for (int k = 0; k < nk; ++k) {
+      const int64_t off =
+          (static_cast<int64_t>(t.table[pg]) * kv.page_size + row) * rs + int64_t{t.kv_head} * d;
+      if (++row == kv.page_size) row = 0, ++pg;
+      widen_row<V>(kv.k, off, kv.bf16, d, kb + k * d);
+      widen_row<V>(kv.v, off, kv.bf16, d, vb + k * d);
+    }
+    // logits st[k, rA:rB] of the block's keys
+    gemm<V>(kb, {d, 1}, qt + rA, Rp, st + rA, Rp, d, rB - rA, 0, nk, nullptr);
+    // masks: a lane outside [ra, rb) or past R sees no key of the block; row r sees [ka, kb)
+    const bool full = rA == ra && rB == rb && rb <= R && t.pos0 + qa >= b0 + nk - 1 &&
+                      lo_of(t.pos0 + qb - 1) <= b0;
+    const auto masked = [&](auto&& set) {
+      for (int r = rA; r < rB; ++r) {
+        int ka = 0, kbnd = 0;  // empty
+        if (r >= ra && r < rb) {
+          const int64_t p = t.pos0 + r / G;
+          ka = static_cast<int>(std::max<int64_t>(lo_of(p), b0) - b0);
+          kbnd = static_cast<int>(std::min<int64_t>(p + 1, b0 + nk) - b0);
+        }
+        for (int k = 0; k < ka; ++k) set(st + k * Rp + r);
+        for (int k = kbnd; k < nk; ++k) set(st + k * Rp + r);  // all of them when empty
+      }
+    };
+    if (!full) masked([](float* x) { *x = kNegInf; });
+    // online softmax, lanes = rows
+    for (int r = rA; r < rB; r += L) {
+      typename V::T mx = V::load(st + r);
+      for (int k = 1; k < nk; ++k) mx = V::max(mx, V::load(st + k * Rp + r));
+      const typename V::T mo = V::load(m + r), mn = V::max(mo, mx);
+      const typename V::T sub = V::max(mn, lowest);  // not -inf: no inf - inf
+      V::store(m + r, mn);
+      V::store(corr + r, exp_neg<V>(V::sub(mo, sub)));  // m = -inf: ~1e-38 times l = acc = 0
+      for (int k = 0; k < nk; ++k)
+        V::store(st + k * Rp + r, exp_neg<V>(V::sub(V::load(st + k * Rp + r), sub)));
+    }
+    if (!full) masked([](float* x) { *x = 0.0f; });
+    for (int r = rA; r < rB; r += L) {
+      // an explicit fma: a compiler may fuse a separate multiply and add on one path only
+      typename V::T sum = V::fma(V::load(l + r), V::load(corr + r), V::load(st + r));
+      for (int k = 1; k < nk; ++k) sum = V::add(sum, V::load(st + k * Rp + r));
+      V::store(l + r, sum);
+    }
+    // acc = acc * corr + weights V, for the rows that see the block
+    gemm<V>(st, {1, Rp}, vb, d, acc, d, nk, d, ra, rb, corr);
+  }
+  // out = acc / (l, plus the sink's share)
+  for (int r = 0; r < R; ++r) {
+    const int i = r / G, g = r % G;
+    float f;
+    if (t.sinks) {
+      const float mx = std::max(m[r], t.sinks[g]);
+      const float w = std::exp(m[r] - mx);
+      f = w / std::fma(l[r], w, std::exp(t.sinks[g] - mx));  // fused on every path
+    } else {
+      f = 1.0f / l[r];
+    }
+    float* dst = t.out + i * t.row_stride + static_cast<int64_t>(t.kv_head * G + g) * d;
+    const float* a = acc + static_cast<int64_t>(r) * d;
+    for (int e = 0; e < d; e += L) V::store(dst + e, V::mul(V::load(a + e), V::set1(f)));
+  }
+}
+
+}  // namespace prefill_impl
+}  // namespace ftdense

@@ -1,0 +1,109 @@
+"""Prefill attention of one layer on the CPU: the native tiled kernel against the torch path.
+
+    PYTHONPATH=/tmp/ftpath .venv/bin/python tests/bench/bench_prefill_attention.py \
+        [--contexts 2048 8192 32768] [--heads 32 --kv-heads 4 --head-dim 128] [--threads 2]
+
+One attention layer (default Qwen3-30B-A3B's: 32 query heads on 4 KV heads of dim 128) over a
+bf16 paged pool (pages of 16), a prompt of each context length prefilled in chunks of 512 (the
+scheduler's max_step_tokens), through `attention.paged_attention` with the native prefill on
+and off (the torch path: pages gathered, fp32, SDPA in query blocks). Each chunk's K/V are
+written first, as the model does. Engines interleaved per repeat, medians printed with their
+GFLOP/s (4 * heads * d flops per visible (query, key) pair), and the process's CPU time (all
+threads; on a shared machine the wall time includes the waits for a core). Contexts above --full (default
+8192) time a sample of --sample chunks spread over the prompt (the time of a chunk grows
+linearly with its position) and scale it to the whole prompt: the line says "est.". Each chunk's
+outputs of the two paths are checked to agree (max abs difference printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from freetokend.kv.pool import KVPool
+from freetokend.kv.seq_state import SeqState
+from freetokend.models.batch import ForwardBatch, SeqChunk
+from freetokend.models.layers import attention as attn
+from freetokend.native import dense_native
+
+CHUNK = 512
+
+
+def _batch(pool: KVPool, st: SeqState, pos: int, n: int) -> ForwardBatch:
+    return ForwardBatch(
+        token_ids=torch.zeros(n, dtype=torch.long),
+        positions=torch.arange(pos, pos + n),
+        chunks=[SeqChunk(0, n, pos, st)],
+        kv=pool,
+        moe=None,  # type: ignore[arg-type]
+        logits_rows=torch.zeros(0, dtype=torch.long),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--full", type=int, default=8192, help="longest context timed in full")
+    ap.add_argument("--sample", type=int, default=4, help="chunks timed above --full")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dense_native.configure(args.threads)
+    h, kvh, d = args.heads, args.kv_heads, args.head_dim
+    print(f"threads {args.threads}, prefill kernel {dense_native.prefill_isa()}, "
+          f"{h} heads / {kvh} KV heads, d {d}, chunks of {CHUNK}")  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for ctx in args.contexts:
+        pool = KVPool(1, -(-ctx // 16) + 1, 16, kvh, d, torch.bfloat16)
+        st = SeqState(pages=pool.alloc(pool.pages_for(ctx))[::-1])  # scattered (reversed)
+        starts = list(range(0, ctx, CHUNK))
+        k = torch.randn(ctx, kvh, d, generator=g)
+        v = torch.randn(ctx, kvh, d, generator=g)
+        q = torch.randn(ctx, h, d, generator=g)
+        pool.write(0, st.pages, 0, k, v)
+        timed = starts
+        if ctx > args.full:
+            step = len(starts) / args.sample
+            timed = [starts[int((i + 0.5) * step)] for i in range(args.sample)]
+        pairs = sum(min(CHUNK, ctx - s) * (s + (min(CHUNK, ctx - s) + 1) / 2) for s in starts)
+        flops = 4 * h * d * pairs
+        times: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}
+        diff = 0.0
+        for _ in range(args.repeats):
+            outs = {}
+            for native in (False, True):
+                attn.native_prefill = native
+                total, c0 = 0.0, time.process_time()
+                for s in timed:
+                    n = min(CHUNK, ctx - s)
+                    b = _batch(pool, st, s, n)
+                    qc = q[s : s + n].contiguous()
+                    kv = (k[s : s + n], v[s : s + n])
+                    t0 = time.perf_counter()
+                    out = attn.paged_attention(b, 0, qc, kv, d**-0.5, None)
+                    total += time.perf_counter() - t0
+                    if s == timed[-1]:
+                        outs[native] = out
+                times[native].append(total * len(starts) / len(timed))
+                cpu[native].append((time.process_time() - c0) * len(starts) / len(timed))
+            diff = max(diff, float((outs[True] - outs[False]).abs().max()))
+        attn.native_prefill = True
+        old, new = (statistics.median(times[x]) for x in (False, True))
+        cold, cnew = (statistics.median(cpu[x]) for x in (False, True))
+        est = " est." if len(timed) < len(starts) else ""
+        print(f"context {ctx:6d}: torch {old:8.2f} s ({flops / old / 1e9:5.1f} GFLOP/s)  "
+              f"native {new:8.2f} s ({flops / new / 1e9:5.1f} GFLOP/s)  {old / new:4.2f}x{est}  "
+              f"max |diff| {diff:.1e}  cpu time {cold:.2f} / {cnew:.2f} s  (repeats {[round(t, 2) for t in times[False]]} / "
+              f"{[round(t, 2) for t in times[True]]})", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
