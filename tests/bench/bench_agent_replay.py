@@ -30,6 +30,8 @@ interval:64 for every harness at the default budget.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -43,10 +45,12 @@ sys.path.insert(0, str(_TESTS))
 import torch  # noqa: E402
 from agent_harnesses import HARNESSES, OPENAI_TOOLS, QWEN3_TEMPLATE, Harness, make_script  # noqa: E402
 
+import freetokend.engine.llm as llm_module  # noqa: E402
 from freetokend import LLM  # noqa: E402
 from freetokend.engine.chat_template import ChatTemplate  # noqa: E402
 from freetokend.engine.sampler import SamplingParams  # noqa: E402
 from freetokend.models.builtin import ensure_builtin_model  # noqa: E402
+from freetokend.models.families.spec import CHATML_ANCHORS, CHATML_TURN_HEADER  # noqa: E402
 
 POLICIES = ("oracle", "anchors", "interval:64", "none")
 DEFAULT_POLICIES = "oracle,anchors,interval:64"
@@ -138,6 +142,29 @@ def prompts(path: Path, args: argparse.Namespace) -> dict[str, list[list[int]]]:
     return out
 
 
+@contextlib.contextmanager
+def chatml_anchors(on: bool):  # type: ignore[no-untyped-def]
+    """With ``on`` (prompts rendered by the Qwen3 template: ChatML), every family's snapshot
+    policy takes ChatML's anchors and turn header, the markup the prompts have: a tiny model of
+    another family (tiny-v4) with the built-in tokenizer would otherwise look for its own
+    family's markup, which these prompts do not contain."""
+    if not on:
+        yield
+        return
+    real = llm_module.family_spec
+
+    def spec(family: str):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(
+            real(family), anchors=CHATML_ANCHORS, turn_header=CHATML_TURN_HEADER
+        )
+
+    llm_module.family_spec = spec  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        llm_module.family_spec = real
+
+
 def replay(
     path: Path,
     policy: str,
@@ -155,15 +182,16 @@ def replay(
         snap_bytes = model.state_bytes_per_seq() + int(mean) * model.state_bytes_per_token()
     snap_mb = snap_bytes / 2**20
     del probe
-    llm = LLM(
-        path,
-        max_model_len=args.max_len,
-        kv_tokens=args.kv_tokens,
-        dtype="float32",
-        snapshot_policy="anchors:all" if policy == "oracle" else policy,
-        snapshot_budget_mb=UNBOUNDED_MB if policy == "oracle" else budget * snap_mb,
-        max_step_tokens=args.step_tokens,
-    )
+    with chatml_anchors(args.template == "qwen3"):
+        llm = LLM(
+            path,
+            max_model_len=args.max_len,
+            kv_tokens=args.kv_tokens,
+            dtype="float32",
+            snapshot_policy="anchors:all" if policy == "oracle" else policy,
+            snapshot_budget_mb=UNBOUNDED_MB if policy == "oracle" else budget * snap_mb,
+            max_step_tokens=args.step_tokens,
+        )
     run = Run(policy, {h: [] for h in ids})
     order = [(t, h) for h in ids for t in range(args.turns + 1)]
     if args.interleave:
