@@ -49,6 +49,24 @@ disagreement is).
 compressors, indexer scores and top-k, hyper-connections, experts: wall clock of their calls,
 by wrapping the modules' forwards; the last run of each length reported).
 
+Measured 2026-12-06 (AMD EPYC Zen 3, AVX2, 2 threads each; the machine shared with five other
+sessions, load average 11-15 on its 2 cores for most of it, so every figure is slowed ~5x and
+noisy). TTFT (tok/s):
+    2 layers,  2048 tokens (before the o_a fix below)  ours 272 s (7.5)   llama.cpp 287 s (7.1)
+    1 layer,   2048 tokens, interleaved                ours 180 s (11.4)  llama.cpp 195 s (10.5)
+    1 layer,  16384 tokens, --only side by side        ours 1900 s (8.6)  llama.cpp 2209 s (7.4)
+      (process CPU time 384 s against 685 s, llama.cpp's including its threads' spinning; the
+      load fell from ~14 to ~5 during llama.cpp's last 10 minutes, which favours it)
+Greedy agreement: 2 layers at 2048, 8/8 (llama.cpp's margins median 0.28, min 0.03); 1 layer at
+16384 the first token already differs, with llama.cpp's margin 0.20 there (not a near tie;
+cause not isolated).
+Our 16k prefill by part (--profile): the CSA layer's attention 77 % of which the indexer 15 %
+(its scores 10.5 %, top-k sort 0.9 %), o_a / o_b 10.7 %, q_b 4.8 %, compressors 3.3 %, and the
+rest, about 44 % of the prefill, the attention proper: the torch prefill path scores every
+query against the window and ALL compressed entries (masked to the selected 512), 8x the
+selected rows at 16k; the MoE 17.5 %, hyper-connections 4.6 %. Before the o_a fix a 64-token
+prefill spent 36 % in o_a / o_b (torch's bf16 einsum for o_a).
+
 The machine is shared in our sandbox: figures move between runs; the load average is printed
 with each measurement; ratios within a rep are the ones to read. Name the CPU beside any figure.
 """
