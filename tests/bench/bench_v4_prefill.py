@@ -57,8 +57,10 @@ noisy). TTFT (tok/s):
     1 layer,  16384 tokens, --only side by side        ours 1900 s (8.6)  llama.cpp 2209 s (7.4)
       (process CPU time 384 s against 685 s, llama.cpp's including its threads' spinning; the
       load fell from ~14 to ~5 during llama.cpp's last 10 minutes, which favours it)
+    1 layer,   2048 tokens, interleaved, load ~3.5    ours 33.0 s (62.0) llama.cpp 46.7 s (43.9)
 Greedy agreement: 2 layers at 2048, 8/8 (llama.cpp's margins median 0.28, min 0.03); 1 layer at
-16384 the first token already differs, with llama.cpp's margin 0.20 there (not a near tie;
+2048, 7/8 (the one differing at a margin of 0.035, a near tie); 1 layer at 16384 the first
+token already differs, with llama.cpp's margin 0.20 there (not a near tie;
 cause not isolated).
 Our 16k prefill by part (--profile): the CSA layer's attention 77 % of which the indexer 15 %
 (its scores 10.5 %, top-k sort 0.9 %), o_a / o_b 10.7 %, q_b 4.8 %, compressors 3.3 %, and the
