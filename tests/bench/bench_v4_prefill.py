@@ -58,8 +58,10 @@ noisy). TTFT (tok/s):
       (process CPU time 384 s against 685 s, llama.cpp's including its threads' spinning; the
       load fell from ~14 to ~5 during llama.cpp's last 10 minutes, which favours it)
     1 layer,   2048 tokens, interleaved, load ~3.5    ours 33.0 s (62.0) llama.cpp 46.7 s (43.9)
+    1 layer,   8192 tokens, interleaved, load ~4.5    ours 154.5 s (53.0) llama.cpp 259.8 s (31.5)
 Greedy agreement: 2 layers at 2048, 8/8 (llama.cpp's margins median 0.28, min 0.03); 1 layer at
-2048, 7/8 (the one differing at a margin of 0.035, a near tie); 1 layer at 16384 the first
+2048, 7/8 (the one differing at a margin of 0.035, a near tie); at 8192, 8/8 (margins median
+0.20, min 0.11); 1 layer at 16384 the first
 token already differs, with llama.cpp's margin 0.20 there (not a near tie;
 cause not isolated).
 Our 16k prefill by part (--profile): the CSA layer's attention 77 % of which the indexer 15 %
