@@ -482,3 +482,29 @@ def test_checkpoint_names():
     assert checkpoint_name("mtp.0.enorm.weight") is None
     with pytest.raises(KeyError):
         checkpoint_name("layers.0.attn.wq.weight")
+
+
+@pytest.mark.skipif(not dense_native.available(), reason="ftdense extension not built")
+def test_grouped_output_projection_native_bf16(monkeypatch):
+    """The grouped low-rank output projection with bf16 weights on the CPU runs each group
+    through the native dense kernel: x rounded to bf16 times the group's block, accumulated in
+    fp32 (torch's bf16 einsum also rounds its output to bf16: 2^-9 relative)."""
+    from freetokend.models.layers.v4_attention import GroupedLinear
+
+    g = torch.Generator().manual_seed(5)
+    layer = GroupedLinear(96, 40, 3, torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
+    x = torch.randn(7, 3, 96, generator=g)
+    calls = count_calls(monkeypatch, dense_native, "linear")
+    with torch.no_grad():
+        y = layer(x)
+    assert calls["linear"] == 3
+    w = layer.weight.float().view(3, 40, 96)
+    want = torch.einsum("ngi,goi->ngo", x.bfloat16().float(), w).reshape(7, 120)
+    assert y.dtype == torch.float32 and y.shape == (7, 120)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+    with dense_native.torch_only(), torch.no_grad():
+        ref = layer(x)
+    assert calls["linear"] == 3  # the torch path took none
+    torch.testing.assert_close(y, ref, rtol=1e-2, atol=5e-2)
