@@ -38,9 +38,13 @@ ATOL = 2e-4
 # it steps by amax / 127 of its group (256 inputs for the K-quants, llama.cpp's Q8_K), which
 # moves logits by ~2e-2 (measured: 2.1e-2 for gpt_oss' Q4_K_M mix, one flipped input in layer 2's
 # attention, every projection within 2e-7 of the reference on the same input; 1.8e-2 for
-# transformers' own load of a K-quant mix). A misplaced block or scale moves logits by 0.1 and
-# more; assert_kept_rows_are_the_files checks each kept row exactly.
-ATOL_BLOCKS = 5e-2
+# transformers' own load of a K-quant mix). A flip at an early position reaches every later one
+# through the full-attention layers: with the native prefill attention (its own summation order,
+# 4e-6 from transformers in fp32) gpt_oss' Q4_K_M mix measured 5.0e-2 at positions 8 and later
+# (0 there with torch's attention, whose flip fell at positions 2-5 inside the sliding window).
+# Misplaced blocks or scales are not left to this bound: assert_kept_rows_are_the_files checks
+# each kept row exactly.
+ATOL_BLOCKS = 8e-2
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 
 
