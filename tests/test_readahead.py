@@ -61,6 +61,18 @@ def test_a_file_over_half_the_available_memory_is_not_read_ahead(tmp_path, monke
     assert readahead.start(str(path)) is None
 
 
+def test_a_file_over_half_the_cgroup_limit_is_not_read_ahead(tmp_path, monkeypatch):
+    """The memory cgroup counts the page cache: a file over half its limit stays on disk."""
+    path = _file(tmp_path / "m.gguf", 1 << 20)
+    monkeypatch.setattr(readahead, "available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(readahead, "cgroup_memory_limit", lambda: 2 * (1 << 20) - 2)
+    assert readahead.start(str(path)) is None
+    monkeypatch.setattr(readahead, "cgroup_memory_limit", lambda: 4 << 20)
+    t = readahead.start(str(path))
+    assert t is not None
+    t.join()
+
+
 def test_the_daemon_reads_ahead_unless_the_disk_tier_is_on(tmp_path, monkeypatch):
     """cli.main starts the read-ahead before its heavy imports, except where the experts stay
     in the file (disk_tier on)."""

@@ -7,9 +7,10 @@ first moment, so the disk works while the interpreter imports; the loader then f
 cached, or in flight. On a file already cached it costs a walk over the cached pages (tens of
 ms a GB, on a thread beside the imports).
 
-Only a file that fits in half of the available memory is read ahead: a larger one is what the
-disk tier leaves in the file, and reading it all would evict what the page cache holds for
-others. Where the call does not exist (not Linux) nothing is done.
+Only a file that fits in half of the available memory (within the process's memory cgroup, whose
+limit counts the page cache) is read ahead: a larger one is what the disk tier leaves in the
+file, and reading it all would evict what the page cache holds for others. Where the call does
+not exist (not Linux) nothing is done.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import re
 import threading
 from pathlib import Path
+
+from .memlimit import cgroup_memory_limit
 
 PIECE = 32 << 20  # bytes one advice asks for: the kernel queues them in order
 # a GGUF split set's file names (formats/gguf_file.py reads the set by them)
@@ -66,6 +69,9 @@ def start(model: str) -> threading.Thread | None:
     except OSError:
         return None
     free = available_bytes()
+    limit = cgroup_memory_limit()
+    if free is not None and limit is not None:
+        free = min(free, limit)
     if not files or free is None or total > free // 2:
         return None
     t = threading.Thread(target=_advise, args=(files,), name="ft-readahead", daemon=True)
