@@ -16,6 +16,7 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.formats.gguf_blocks import qdot_reference
+from freetokend.models.layers import mla
 from freetokend.models.layers.mla import causal_mask
 
 ALIGNED = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=16)
@@ -37,7 +38,7 @@ def _reference(attn, q, kc, allowed):
     return torch.stack([qdot_reference(v_b[i].gguf_raw(), "q8_0", lat[:, i]) for i in range(h)], 1)
 
 
-def test_q8_0_kv_b_stays_in_blocks_and_runs_absorbed(tmp_path):
+def test_q8_0_kv_b_stays_in_blocks_and_runs_absorbed(tmp_path, monkeypatch):
     hf = make_tiny("deepseek_v32", tmp_path / "hf", seed=3, **ALIGNED)[1]
     path = write_gguf("deepseek_v32", hf, tmp_path / "m-Q8_0.gguf", "q8_0")
     llm = LLM(path, max_model_len=64, kv_tokens=256, dtype="float32")
@@ -56,6 +57,11 @@ def test_q8_0_kv_b_stays_in_blocks_and_runs_absorbed(tmp_path):
     got = attn.absorbed_attention(q, kc, allowed)
     want = _reference(attn, q, kc, allowed)
     assert (got - want).abs().max().item() < 1e-4, (got - want).abs().max().item()
+    # in blocks of 2 query tokens (the bound a long chunk of many heads is cut by): the same
+    monkeypatch.setattr(mla, "_ABSORB_BLOCK", 2 * attn.heads * 9)
+    blocked = attn.absorbed_attention(q, kc, allowed)
+    assert (blocked - got).abs().max().item() < 1e-6  # SDPA's own row blocking may differ
+    monkeypatch.undo()
     # the same prompt by prefill and by decode (the native absorbed decode where built)
     full = llm.logits(IDS)
     out = llm.generate(IDS[:20], max_tokens=4, ignore_eos=True)

@@ -63,6 +63,11 @@ def mla_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+# (query token x head) x context elements of one absorbed attention block: bounds its mask and
+# scores (a 512-token chunk of 128 heads at 16k of context would otherwise be 1G of each)
+_ABSORB_BLOCK = 1 << 24
+
+
 def _per_head(qw: QuantWeight, heads: int) -> list[QuantWeight]:
     """The head-major rows of ``qw`` split into one weight per head."""
     raw, n = qw.gguf_raw(), qw.rows // heads
@@ -147,16 +152,21 @@ class MLAttention(nn.Module):
         c], in absorbed form with kv_b in its blocks (module docstring) -> [n, heads, dv]."""
         n, h, w = q.shape[0], self.heads, self.kvr + self.dr
         qa = torch.cat([self.absorb_query(q[..., : self.dn]), q[..., self.dn :]], dim=-1)
-        # one key row per token for every head: the (token, head) pairs are the queries
+        # one key row per token for every head: the (token, head) pairs are the queries, in
+        # blocks of queries whose (token x head) x context mask stays within _ABSORB_BLOCK
         keys = kc[None, :, :w]
-        lat = F.scaled_dot_product_attention(
-            qa.reshape(1, n * h, w),
-            keys,
-            keys[..., : self.kvr],
-            attn_mask=allowed.repeat_interleave(h, 0),
-            scale=self.scale,
-        )
-        return self.values_from_latent(lat.view(n, h, self.kvr))
+        lat = torch.empty(n, h, self.kvr, dtype=keys.dtype, device=keys.device)
+        step = max(1, _ABSORB_BLOCK // max(1, h * kc.shape[0]))
+        for b0 in range(0, n, step):
+            b1 = min(n, b0 + step)
+            lat[b0:b1] = F.scaled_dot_product_attention(
+                qa[b0:b1].reshape(1, (b1 - b0) * h, w),
+                keys,
+                keys[..., : self.kvr],
+                attn_mask=allowed[b0:b1].repeat_interleave(h, 0),
+                scale=self.scale,
+            ).view(b1 - b0, h, self.kvr)
+        return self.values_from_latent(lat)
 
     def _q_res(self, x: torch.Tensor) -> torch.Tensor | None:
         """The compressed query (after its norm); None without query compression."""
