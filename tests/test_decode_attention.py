@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from native_isa import force_isa
 
 from freetokend.kv.pool import KVPool
 from freetokend.models.layers.attention import attend
@@ -39,11 +40,7 @@ def _use(isa: str, threads: int = 2) -> None:
     """Forces `isa` (skips the test if this CPU lacks it)."""
     import ftdense  # type: ignore[import-not-found]
 
-    try:
-        dense_native.configure(threads, isa=isa)
-    except ValueError:
-        pytest.skip(f"this CPU lacks {isa}")
-    assert ftdense.attention_isa() == ISAS[isa]
+    force_isa(isa, threads, ftdense.attention_isa, ISAS[isa])
 
 
 def _pages(

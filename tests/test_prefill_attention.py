@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_check import assert_greedy_agrees
+from native_isa import force_isa
 from tiny_models import make_tiny
 
 from freetokend import LLM
@@ -42,11 +43,7 @@ def _restore_pool() -> Iterator[None]:
 
 def _use(isa: str, threads: int = 2) -> None:
     """Forces `isa` (skips the test if this CPU lacks it)."""
-    try:
-        dense_native.configure(threads, isa=isa)
-    except ValueError:
-        pytest.skip(f"this CPU lacks {isa}")
-    assert dense_native.prefill_isa() == ISAS[isa]
+    force_isa(isa, threads, dense_native.prefill_isa, ISAS[isa])
 
 
 class Case:
