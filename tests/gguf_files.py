@@ -208,6 +208,8 @@ def quantize(name: str, t: torch.Tensor, kind: str) -> tuple[np.ndarray, Q]:
         return a, Q.F32
     if t.shape[0] == 1 or name.endswith("ssm_conv1d.weight"):  # 1-D to ggml; conv kept as is
         return a, Q.F32
+    if kind == "nvfp4":  # experts NVFP4 (write_gguf: nvfp4_stack), the rest F32
+        return a, Q.F32
     if kind == "mxfp4":  # GPT-OSS files: experts MXFP4, the rest kept as is (F32 here)
         if name.endswith("_exps.weight"):
             return gguf.quants.quantize(a, Q.MXFP4), Q.MXFP4
@@ -276,12 +278,41 @@ def write_gguf(
             data, qt = gguf.quants.quantize(t.numpy(), Q.MXFP4), Q.MXFP4  # the release's FP4
         if expert_types is not None and name.endswith("_exps.weight"):
             data, qt = _quantize_as(t, expert_types[1 if "ffn_down" in name else 0])
+        if kind == "nvfp4" and name.endswith(("_exps.weight", "attn_output.weight")):
+            # the experts, and one dense weight a layer (the converter writes any NVFP4 linear)
+            dense = not name.endswith("_exps.weight")
+            data, scale = nvfp4_stack(t[None] if dense else t)
+            w.add_tensor(name.replace(".weight", ".scale"), scale)
+            data, qt = (data[0] if dense else data), Q.NVFP4
         w.add_tensor(name, data, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def nvfp4_stack(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A stacked expert weight [E, rows, cols] as llama.cpp's converter writes an NVFP4
+    checkpoint's experts: per expert a global scale (amax / (6 * 448), the ``.scale`` tensor,
+    [E] F32) and rows of ggml super-blocks of 64 inputs (4 UE4M3 scale bytes, one per 16 inputs,
+    then 32 code bytes: sub-block s's byte j holds its inputs j and j + 8 in its low and high
+    nibbles). The codes and scales come from our ``nv_quant`` (the checkpoints' packing: inputs
+    2k and 2k + 1 in a byte); the oracle that reads them back is the ``gguf`` package's
+    dequantizer (``dequantized_reference``)."""
+    from freetokend.experts.microscale import nv_global, nv_quant, unpack_nibbles
+
+    e, rows, cols = t.shape
+    out, scales = [], []
+    for x in range(e):
+        glob = nv_global(t[x])
+        packed, bs = nv_quant(t[x], glob)
+        codes = unpack_nibbles(packed).reshape(rows, cols // 16, 16)
+        qs = (codes[..., :8] | (codes[..., 8:] << 4)).reshape(rows, cols // 64, 32)
+        d = bs.view(torch.uint8).reshape(rows, cols // 64, 4)
+        out.append(torch.cat((d, qs), dim=-1).reshape(rows, cols // 64 * 36))
+        scales.append(glob)
+    return torch.stack(out).numpy(), np.array(scales, dtype=np.float32)
 
 
 def write_tokenizer(w: gguf.GGUFWriter, folder: Path, pre: str) -> None:
@@ -324,6 +355,10 @@ def dequantized_reference(family: str, hf: Any, path: Path) -> None:
         qt, raw = stored[name]
         vals = raw if qt == Q.I32 else dequantize(raw, qt)
         back[name] = torch.from_numpy(vals.astype(np.float32)).reshape(t.shape)
+        scale = stored.get(name.removesuffix(".weight") + ".scale")  # NVFP4's global scales
+        if name.endswith(".weight") and scale is not None:  # one an expert, or one in all
+            glob = torch.from_numpy(scale[1].astype(np.float32))
+            back[name] *= glob.view(-1, 1, 1) if name.endswith("_exps.weight") else glob[0]
     _load_back(family, hf, back)
 
 

@@ -118,11 +118,11 @@ def _tokenizer(folder: Path, family: str) -> int:
     return tok.get_vocab_size()
 
 
-def _checkpoint(family: str, folder: Path):
+def _checkpoint(family: str, folder: Path, **extra):
     """The tiny HF checkpoint with a tokenizer the converter takes; -> the transformers model."""
     folder.mkdir(parents=True)
     vocab = _tokenizer(folder, family)
-    over = {**OVER, **(GLM_EPS if family == "glm_moe_dsa" else {})}
+    over = {**OVER, **(GLM_EPS if family == "glm_moe_dsa" else {}), **extra}
     hf = make_tiny(family, folder, seed=3, vocab_size=vocab, **over)[1]
     if family == "deepseek_v32":
         cfg = json.loads((folder / "config.json").read_text())
@@ -286,3 +286,55 @@ def test_llama_cpp_quantized_deepseek_v4(tmp_path):
     line = f"top-1 {agree:.3f}, max |dlogit| {d:.2e}, median {med:.2e}"
     print(f"deepseek_v4 Q8_0 vs llama.cpp: {line}")
     assert agree >= 0.95, line
+
+
+def test_llama_cpp_converted_nvfp4_glm5(tmp_path):
+    """GLM-5.2's release form: the routed experts (and the fixture's shared experts and layer
+    0's dense MLP) in NVFP4, compressed-tensors' convention (test_release_quant_experts'
+    fixture), through llama.cpp's converter: NVFP4 tensors with per-expert ``.scale`` globals
+    (its reciprocal of compressed-tensors' divisor), the rest F32. Ours on that file against
+    ours on the release folder (the same codes, scales and globals: the same arithmetic), and
+    against transformers on the dequantized weights.
+
+    Against llama.cpp: its NVFP4 dot products take Q8_0 activations (``vec_dot_type``), ours
+    fp32 ones, so the two part by that rounding. Measured (the widths of OVER, 64 positions):
+    llama.cpp on the NVFP4 file against us top-1 0.906, median |dlogit| 0.040, and against its
+    own F32 file of the same dequantized weights also 0.906 / 0.040; us against that F32 file
+    1.000, max 3e-6. So the test holds us to llama.cpp's F32 file of the same weights (1e-4) and
+    llama.cpp's NVFP4 file to within 1/32 of its own agreement with its F32 file."""
+    from test_release_quant_experts import _oracle_dir, write_release
+
+    from freetokend.models.gguf_loader import GgufCheckpoint
+
+    # the converter packs NVFP4 rows in super-blocks of 64 inputs: every quantized row is too
+    hf = _checkpoint("glm_moe_dsa", tmp_path / "hf", moe_intermediate_size=64)
+    dirs = {"ct": tmp_path / "ct", "modelopt": tmp_path / "modelopt"}
+    oracle = write_release(tmp_path / "hf", dirs, "nvfp4")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "ct" / f).write_bytes((tmp_path / "hf" / f).read_bytes())
+    gguf_path = _convert(tmp_path / "ct", tmp_path / "m-NVFP4.gguf")
+    with GgufCheckpoint(gguf_path) as ck:
+        types = {t.type_name for n, (_, t) in ck.tensors.items() if "_exps.weight" in n}
+        assert types == {"NVFP4"} and ck.config().expert_format == "nvfp4"
+    oracle_dir = _oracle_dir(tmp_path / "hf", oracle, tmp_path / "or")
+    with torch.no_grad():
+        hf_oracle = type(hf).from_pretrained(oracle_dir).float().eval()
+        want = hf_oracle(torch.tensor([IDS])).logits[0].float()
+    ours = _ours(gguf_path)
+    release = LLM(tmp_path / "ct", max_model_len=128, kv_tokens=512, dtype="float32").logits(IDS)
+    err, same = (ours - want).abs().max().item(), (ours - release).abs().max().item()
+    theirs_nv = _llama_logits(gguf_path)
+    theirs_f32 = _llama_logits(_convert(oracle_dir, tmp_path / "m-deq-F32.gguf"))
+    agree, d, med = compare(ours, theirs_nv)
+    agree_f32, d_f32, _ = compare(ours, theirs_f32)
+    self_agree, _, self_med = compare(theirs_nv, theirs_f32)
+    line = (
+        f"vs transformers {err:.2e}; vs our load of the release folder {same:.2e}; vs llama.cpp "
+        f"NVFP4 top-1 {agree:.3f} max {d:.2e} median {med:.2e}; vs llama.cpp F32 of the same "
+        f"weights top-1 {agree_f32:.3f} max {d_f32:.2e}; llama.cpp NVFP4 vs its F32 top-1 "
+        f"{self_agree:.3f} median {self_med:.2e}"
+    )
+    print(f"glm_moe_dsa NVFP4: {line}")
+    assert err < F32_TOL and same < F32_TOL, line
+    assert agree_f32 == 1.0 and d_f32 < 3 * F32_TOL, line
+    assert abs(agree - self_agree) <= 1 / 32, line

@@ -79,11 +79,27 @@ def block_expert_format(tensors: dict[str, GgufTensor], hidden: int, inter: int)
     return fmt.name if hidden % mh == 0 and inter % mi == 0 else None
 
 
+NVFP4 = "NVFP4"  # llama.cpp's converter writes NVFP4 checkpoints' experts in this ggml type
+
+
+def nvfp4_experts(tensors: dict[str, GgufTensor]) -> bool:
+    """Whether every MoE layer's gate, up and down expert weights are NVFP4 (llama.cpp's
+    converter of an NVFP4 checkpoint, GLM-5.2's release): they load into our ``nvfp4`` banks
+    (``NvStack``)."""
+    layers = _layer_types(tensors)
+    return bool(layers) and all(
+        set(types) == {"gate", "up", "down"} and set(types.values()) == {NVFP4}
+        for types in layers.values()
+    )
+
+
 def kept(name: str, t: GgufTensor, expert_format: str) -> bool:
     """Whether tensor ``name`` loads raw into banks of ``expert_format``."""
-    if not is_known(expert_format):
+    if not is_known(expert_format) or not (_WEIGHT.search(name) and t.quantized):
         return False
-    return bool(get_format(expert_format).in_blocks and _WEIGHT.search(name) and t.quantized)
+    if expert_format == "nvfp4":
+        return t.type_name == NVFP4
+    return get_format(expert_format).in_blocks
 
 
 def log_kept(path_name: str, tensors: dict[str, GgufTensor], expert_format: str) -> None:
@@ -183,6 +199,47 @@ class RawStack:
             scratch = self.pool.scratch(dest)
         self.f.read_raw_into(self.t, scratch, offset)
         gguf_interleave.interleave_to(scratch, dest, self.interleave)
+
+
+class NvStack(RawStack):
+    """A stacked NVFP4 expert weight as llama.cpp's converter writes it, into our ``nvfp4``
+    banks with nothing dequantized. ggml's NVFP4 rows are super-blocks of 64 inputs: 4 scale
+    bytes (UE4M3, one per 16 inputs: E4M3's bits without the sign, llama.cpp's 0x7F reading as
+    0 where E4M3 has its NaN), then 32 bytes of E2M1 codes, sub-block s's byte j holding its
+    input j in the low nibble and input j + 8 in the high one. Our banks hold the codes as the
+    checkpoints pack them (input 2k low, 2k + 1 high) and the scales as fp8 e4m3: the same
+    codes and scale bits, re-paired. ``scales``: this stack's rows of the scale bank [E, rows,
+    cols / 16]. The per-expert global scale is the file's ``.scale`` tensor, loaded apart."""
+
+    def __init__(
+        self, f: GgufFile, t: GgufTensor, scales: torch.Tensor, pool: FillPool | None = None
+    ) -> None:
+        super().__init__(f, t, None, pool)
+        self.scales = scales.view(torch.uint8)
+        e, rows, cols = t.shape
+        if cols % 64 or t.nbytes != e * rows * cols // 64 * 36:
+            raise ValueError(f"{t.name}: {t.nbytes} bytes are not NVFP4 rows of {list(t.shape)}")
+
+    def into(self, dest: torch.Tensor) -> None:
+        e, rows, cols = self.t.shape
+        if list(dest.shape) != [e, rows, cols // 2] or dest.dtype != torch.uint8:
+            raise ValueError(f"{self.t.name}: NVFP4 experts cannot fill {list(dest.shape)}")
+        per = rows * cols // 64 * 36
+        for x in range(e):
+            if self.pool is not None:
+                self.pool.submit(self._nv_expert, dest[x], self.scales[x], x * per)
+            else:
+                self._nv_expert(dest[x], self.scales[x], x * per)
+
+    def _nv_expert(self, dest: torch.Tensor, scales: torch.Tensor, offset: int) -> None:
+        rows, cols = dest.shape[0], dest.shape[1] * 2
+        raw = torch.empty(rows, cols // 64, 36, dtype=torch.uint8)
+        self.f.read_raw_into(self.t, raw, offset)
+        d = raw[..., :4].reshape(rows, cols // 16)
+        scales.copy_(d.masked_fill(d == 0x7F, 0))
+        qs = raw[..., 4:].reshape(rows, cols // 16, 8)
+        codes = torch.cat((qs & 15, qs >> 4), dim=-1)  # [rows, sub-blocks, 16]: input order
+        dest.copy_((codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(rows, cols // 2))
 
 
 class InFile(RawStack):

@@ -85,6 +85,7 @@ _BLOCK = {
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPS = re.compile(r"^ffn_(gate|up|down)_exps\.(weight|bias)$")
+_EXPS_SCALE = re.compile(r"^ffn_(gate|up|down)_exps\.(scale|input_scale)$")  # NVFP4's
 _FUSED_EXPS = "ffn_gate_up_exps.weight"  # llama.cpp's converter with --fuse-gate-up-exps
 _IGNORED = ("rope_freqs.weight",)  # llama.cpp's precomputed rope factors: we compute our own
 
@@ -207,6 +208,8 @@ class GgufCheckpoint:
         block = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.expert_format == "bf16" and block is not None:
             cfg = dataclasses.replace(cfg, expert_format=block)
+        elif cfg.expert_format == "bf16" and gguf_experts.nvfp4_experts(infos):
+            cfg = dataclasses.replace(cfg, expert_format="nvfp4")
         return cfg
 
     def sources(self, cfg: ModelConfig) -> Iterator[tuple[str, str, _Source | _Joined]]:
@@ -223,13 +226,15 @@ class GgufCheckpoint:
             key = m.group(2) if m else ""
             if m is not None and mtp and int(m.group(1)) >= cfg.num_layers:
                 continue  # a multi-token-prediction layer after the decoder layers: not loaded
-            if m is not None and _EXPS.match(key):
+            if m is not None and (_EXPS.match(key) or _EXPS_SCALE.match(key)):
                 yield name, f"experts:{m.group(1)}:{key}", _Source(f, t)
                 continue
             if m is not None and key == _FUSED_EXPS:  # [E, 2I, H]: gate rows, then up rows
                 for proj, rows in split_gate_up(cfg).items():
                     yield name, f"experts:{m.group(1)}:ffn_{proj}_exps.weight", _Source(f, t, rows)
                 continue
+            if m is not None and self._nvfp4_scale_of(name) is not None:
+                continue  # a dense NVFP4 weight's scale: applied where the weight is read
             try:
                 targets = block_targets(self.arch, cfg, key, _BLOCK) if m else None
             except KeyError:
@@ -237,7 +242,10 @@ class GgufCheckpoint:
             if targets is None:
                 raise CheckpointError(f"{t.path}: unexpected tensor '{name}' for {self.arch}")
             layer = int(m.group(1)) if m else 0
+            scale = self._nvfp4_global(name, t)
             for canon, fix in targets:
+                if scale is not None:
+                    fix = _scaled(fix, scale)
                 yield name, f"layers.{layer}.{canon}", _Source(f, t, fix)
             # tensors read together (DeepSeek's split kv_b), joined once per layer (from
             # whichever part the file has), unless the file holds the parameter whole
@@ -246,6 +254,31 @@ class GgufCheckpoint:
                 first = key == lead or f"blk.{layer}.{lead}" not in self.tensors
                 if key in join.parts and first and f"blk.{layer}.{join.unless}" not in self.tensors:
                     yield name, f"layers.{layer}.{join.target}", self._joined(cfg, layer, join)
+
+    def _nvfp4_scale_of(self, name: str) -> str | None:
+        """The dense NVFP4 weight whose global scale (``.scale``) or activation scale
+        (``.input_scale``, unused: activations stay unquantized) ``name`` is; None if it is not
+        one."""
+        for suffix in (".scale", ".input_scale"):
+            if name.endswith(suffix):
+                weight = name.removesuffix(suffix) + ".weight"
+                if weight in self.tensors and self.tensors[weight][1].type_name == "NVFP4":
+                    return weight
+        return None
+
+    def _nvfp4_global(self, name: str, t: GgufTensor) -> float | None:
+        """A dense NVFP4 weight's global scale (llama.cpp's converter writes it as ``.scale``,
+        the multiplier; none where it is 1): the weight dequantizes at load, times it."""
+        scale = name.removesuffix(".weight") + ".scale"
+        if t.type_name != "NVFP4" or scale not in self.tensors:
+            return None
+        f, st = self.tensors[scale]
+        v = f.read_float(st).double().reshape(-1)
+        if v.numel() != 1 or not (torch.isfinite(v).all() and v[0] > 0):
+            raise CheckpointError(
+                f"{st.path}: tensor '{scale}' must hold one finite positive scale"
+            )
+        return float(v[0])
 
     def _joined(self, cfg: ModelConfig, layer: int, join: GgufJoin) -> _Joined:
         names = [f"blk.{layer}.{k}" for k in join.parts]
@@ -495,9 +528,11 @@ def _fill(
     tiered: bool,
     interleave: bool,
     pool: gguf_experts.FillPool | None,
+    nv: bool = False,
 ) -> None:
     """Every tensor of ``ck`` into the model and the banks (``pool``: the block experts' reads
-    run on its threads and may still be in flight when this returns)."""
+    run on its threads and may still be in flight when this returns; ``nv``: NVFP4 experts into
+    ``nvfp4`` banks)."""
     for name, canon, src in ck.sources(cfg):
         if canon in in_blocks and isinstance(src, _Source):
             _keep_blocks(in_blocks[canon][1], src)
@@ -507,10 +542,25 @@ def _fill(
             _keep_joined(joined[canon], canon, src)
             filler.filled.add(canon)
             continue
+        if canon.startswith("experts:") and _EXPS_SCALE.match(canon.split(":")[2]):
+            assert isinstance(src, _Source)
+            _nvfp4_scale(cfg, banks, canon, src, name, nv)
+            continue
         if canon.startswith("experts:"):
             _, layer, key = canon.split(":")
             m = _EXPS.match(key)
             assert m is not None and isinstance(src, _Source)
+            if nv and m.group(2) == "weight":  # NVFP4 codes and scales into the nvfp4 banks
+                base = _moe_base(cfg, int(layer))  # (a layer without experts: refused below)
+                rows = _expert_rows(cfg, m.group(1))
+                bank = "down" if m.group(1) == "down" else "gate_up"
+                scales = banks.extra[bank + "_scale"][base : base + cfg.num_experts, rows]
+                try:
+                    nvs = gguf_experts.NvStack(src.f, src.t, scales, pool)
+                except ValueError as e:
+                    raise CheckpointError(f"{src.t.path}: {e}") from None
+                filler.expert_stack(int(layer), m.group(1), "weight", nvs, name, src.t.path)
+                continue
             if block and m.group(2) == "weight":  # the raw blocks, as the file has them
                 if src.fix is not None:
                     raise CheckpointError(
@@ -541,6 +591,63 @@ def _fill(
             filler.dense(canon, src, name, src.t.path)
 
 
+def _scaled(fix: Fix | None, scale: float) -> Fix:
+    """``fix`` after multiplying by ``scale`` (a dense NVFP4 weight's global scale)."""
+
+    def apply(w: torch.Tensor) -> torch.Tensor:
+        w = w * scale
+        return w if fix is None else fix(w)
+
+    return apply
+
+
+def _moe_base(cfg: ModelConfig, layer: int) -> int:
+    """The flat id of ``layer``'s first expert; -1 where the layer has none."""
+    moe = cfg.moe_layer_index[layer] if layer < cfg.num_layers else -1
+    return moe * cfg.num_experts if moe >= 0 else -1
+
+
+def _expert_rows(cfg: ModelConfig, proj: str) -> slice:
+    """A projection's rows of its bank: gate the first half of gate_up, up the second."""
+    i = cfg.moe_intermediate_size
+    return slice(None) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
+
+
+def _nvfp4_scale(
+    cfg: ModelConfig, banks: ExpertBanks, canon: str, src: _Source, name: str, nv: bool
+) -> None:
+    """An NVFP4 stacked expert weight's per-expert global scale (``.scale``, [E]: the
+    multiplier, ModelOpt's ``weight_scale_2``; llama.cpp's converter takes the reciprocal of
+    compressed-tensors' divisor) into the banks' globals. ``.input_scale`` (the activations'
+    scale for 4-bit activations) is not used: activations stay unquantized here, as for the
+    checkpoints' own NVFP4 experts (release_experts.py)."""
+    _, layer, key = canon.split(":")
+    proj, kind = key.split("_exps.")
+    proj = proj.removeprefix("ffn_")
+    if not nv:
+        raise CheckpointError(
+            f"{src.t.path}: unexpected tensor '{name}' (a per-expert scale: only NVFP4 experts "
+            "have one, and these experts are not NVFP4)"
+        )
+    if kind == "input_scale":
+        return
+    e = cfg.num_experts
+    vals = src.read().double().reshape(-1)
+    if vals.numel() != e or not (torch.isfinite(vals).all() and (vals > 0).all()):
+        raise CheckpointError(
+            f"{src.t.path}: tensor '{name}' must hold {e} finite positive scales (one an expert)"
+        )
+    base = _moe_base(cfg, int(layer))
+    if base < 0:
+        raise CheckpointError(
+            f"{src.t.path}: unexpected tensor '{name}' (layer {layer} has no experts)"
+        )
+    if proj == "down":
+        banks.extra["down_global"][base : base + e, 0] = vals.float()
+    else:
+        banks.extra["gate_up_global"][base : base + e, int(proj == "up")] = vals.float()
+
+
 def load_gguf(
     path: str | Path,
     cfg: ModelConfig | None = None,
@@ -557,13 +664,14 @@ def load_gguf(
         infos = {n: t for n, (_, t) in ck.tensors.items()}
         kept = gguf_experts.block_expert_format(infos, cfg.hidden_size, cfg.moe_intermediate_size)
         block = kept is not None and cfg.expert_format == kept
-        if cfg.expert_format != "bf16" and not block:
+        nv = cfg.expert_format == "nvfp4" and gguf_experts.nvfp4_experts(infos)
+        if cfg.expert_format != "bf16" and not block and not nv:
             raise CheckpointError(
                 f"{path}: GGUF experts load as float banks or in the block format "
                 f"of the file's expert tensors; not {cfg.expert_format}"
             )
         tiered = expert_cache_bytes is not None
-        if tiered and not block:
+        if tiered and not block:  # (NVFP4 experts too: not yet)
             raise CheckpointError(
                 f"{path}: the disk tier reads experts in a GGUF block format the integer-dot "
                 "kernels compute (Q4_K, Q8_0, ...); these experts load dequantized"
@@ -573,6 +681,9 @@ def load_gguf(
         for p in model.parameters():  # huge pages from the fill on, when asked (never written yet)
             advise_new(p.data)
         banks = allocate_banks(cfg, resident=not tiered)
+        if nv:  # the converter leaves out a global scale of 1
+            banks.extra["gate_up_global"].fill_(1.0)
+            banks.extra["down_global"].fill_(1.0)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)
         _check_types(ck, cfg)
@@ -598,9 +709,10 @@ def load_gguf(
         interleave = interleave and gguf_interleave.native_moves_available()
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
         # resident block experts are read on worker threads while this one loads the rest
-        pool = gguf_experts.FillPool(os.cpu_count() or 1) if block and not tiered else None
+        threaded = (block or nv) and not tiered
+        pool = gguf_experts.FillPool(os.cpu_count() or 1) if threaded else None
         try:
-            _fill(ck, cfg, filler, banks, in_blocks, joined, block, tiered, interleave, pool)
+            _fill(ck, cfg, filler, banks, in_blocks, joined, block, tiered, interleave, pool, nv)
             if pool is not None:
                 pool.wait()
         finally:
