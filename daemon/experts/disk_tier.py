@@ -292,6 +292,8 @@ class TieredExecutor:
     ``READ_AHEAD_MIN_PRECISION`` the reads are not made (``read_ahead_skipped`` calls), the
     predictions go on, and reading resumes when they improve."""
 
+    overlap = True  # a decode call computes while its reads land (False: waits for them all)
+
     def __init__(
         self,
         tier: DiskTier,
@@ -477,6 +479,16 @@ class TieredExecutor:
         additions in the same order as one call over all of them, bit for bit."""
         fids, fills = self._begin(flat_ids)
         waiting = [f for f in fids if f in self._reading]
+        if waiting and not self.overlap:
+            started = time.perf_counter()
+            try:
+                for f in waiting:
+                    self._collect(f, evicted=False)
+            except BaseException:
+                self._abandon(fills)
+                raise
+            self.read_seconds += time.perf_counter() - started
+            waiting = []
         if not waiting:  # all resident: one call
             self._ahead(fids, xt if xt is not None else self._x_of(x, 1))
             slot_ids = self._lut[flat_ids.long() + 1]

@@ -200,6 +200,8 @@ class GgufExpertSource:
     them. Holds its own descriptors (``GgufFile``, positional reads: safe from several threads
     at once). ``blocks``: the decoder layer of each MoE layer, in MoE-layer order."""
 
+    piece_bytes = direct_read.PIECE  # the most one read takes (whole groups of 8 rows)
+
     def __init__(
         self,
         files: list[GgufFile],
@@ -249,7 +251,7 @@ class GgufExpertSource:
         ):
             assert part.numel() == n and part.dim() == 2
             rows, rb = part.shape
-            step = direct_read.PIECE // rb // 8 * 8 or (rows if n <= direct_read.PIECE else 0)
+            step = self.piece_bytes // rb // 8 * 8 or (rows if n <= self.piece_bytes else 0)
             if not step:
                 raise ValueError(f"{f.path}: rows of {rb} bytes: eight exceed a read's buffer")
             direct = self.direct.get(str(f.path))
