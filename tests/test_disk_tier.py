@@ -371,6 +371,22 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
     out = torch.empty(1, h)
     tier.forward_addresses(x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), 1, 3)
     assert torch.equal(out, pool.forward(x, ids, w))
+    # reads of a few groups of 8 rows each (a projection in several pieces, each interleaved
+    # on its own), and a call that waits for all its reads: the same
+    src = tier.tier.source
+    rb = max(expert_rows(tier.slots, p, 0, 1)[0].shape[1] for p in ("gate_up", "down"))
+    monkeypatch.setattr(src, "piece_bytes", 8 * rb)
+    dest = {p: expert_rows(tier.slots, p, 0, 1)[0].clone() for p in ("gate_up", "down")}
+    assert len(pieces(src, 9, dest, lambda *a: None)) > 3
+    for overlap in (True, False):
+        tier.overlap = overlap
+        for f in list(tier.cache.slot_of):
+            tier.cache.forget(f)
+            tier._lut[f + 1] = -1
+        x = torch.randn(1, h, generator=g)
+        ids = torch.tensor([[12, 9, 15]], dtype=torch.int32)
+        w = torch.rand(1, 3, generator=g)
+        assert torch.equal(tier.forward(x, ids, w), pool.forward(x, ids, w))
 
 
 @needs_native

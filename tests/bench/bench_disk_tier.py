@@ -71,7 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("freetoken", "llama.cpp")
+ENGINES = ("freetoken", "llama.cpp", "resident")
 PROMPT_SEED = 7
 
 
@@ -101,7 +101,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(a["threads"])
     t0 = time.perf_counter()
     llm = LLM(
-        a["path"], "cpu", threads=a["threads"], expert_cache_mb=a["cache_mb"],
+        a["path"], "cpu", threads=a["threads"], expert_cache_mb=a.get("cache_mb"),
         max_model_len=512, kv_tokens=512, prefix_cache=False,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
@@ -268,15 +268,17 @@ def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
 
 
 def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
-    cache_mb = a.cache_mb
     args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
-            "cache_mb": cache_mb}  # fmt: skip
+            "cache_mb": a.cache_mb}  # fmt: skip
+    if engine == "resident":  # the whole pool in RAM: no limit that binds, no disk tier
+        args["cache_mb"], limit = None, 4 * path.stat().st_size
     cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
     drop_caches()
     try:
         t0 = time.perf_counter()
         p = subprocess.run(
-            [sys.executable, __file__, "--child", engine, json.dumps(args)],
+            [sys.executable, __file__, "--child", "freetoken" if engine == "resident" else engine,
+             json.dumps(args)],
             capture_output=True, text=True, preexec_fn=cg.join, timeout=a.timeout,
         )  # fmt: skip
         wall = time.perf_counter() - t0
@@ -389,7 +391,11 @@ def main() -> int:
         "--cache-mb", type=float, default=0, help="freetoken's expert cache (0: the memory left)"
     )
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument(
+        "--engines", default=",".join(ENGINES),
+        help="resident: freetoken with the whole pool in RAM (no binding limit), the decode's "
+        "compute bound beside the tiered runs",
+    )  # fmt: skip
     ap.add_argument(
         "--daemon", action="store_true", help="only the daemon check, at the first limit"
     )
@@ -462,6 +468,16 @@ def main() -> int:
             x, y = _median(ft, "decode_tps"), _median(lc, "decode_tps")
             if x and y:
                 print(f"{share:.0%}: freetoken / llama.cpp decode = {x / y:.2f}x")
+        res = results.get((share, "resident"))
+        if ft and res:  # the decode with no reads at all, run beside: the compute bound
+            x, y = _median(ft, "decode_tps"), _median(res, "decode_tps")
+            per = _median(ft, "miss_bytes_per_token")
+            if x and y and per:
+                bound = min(y, rate / per)
+                print(
+                    f"{share:.0%}: freetoken / resident decode = {x / y:.0%}; of min(disk "
+                    f"ceiling, resident) {bound:.2f} tok/s: {x / bound:.0%}"
+                )
     return 0
 
 
