@@ -500,7 +500,7 @@ class TieredExecutor:
         slot = self.cache.slot_of
         landed: SimpleQueue[int] = SimpleQueue()
         for f in waiting:
-            self._reading[f][1].add_done_callback(lambda _, f=f: landed.put(f))
+            self._reading[f][1].add_done_callback(functools.partial(_landed, landed, f))
         ready = set(fids).difference(waiting)
         lead = 0
         while lead < len(routes) and routes[lead][0] in ready:
@@ -676,7 +676,8 @@ class _Landing:
     """One expert's pieces in flight: the future is set when the last one ends."""
 
     def __init__(self, pieces: int, done: Future[int]) -> None:
-        self.left, self.nbytes, self.error = pieces, 0, None
+        self.left, self.nbytes = pieces, 0
+        self.error: BaseException | None = None
         self.done = done
         self.lock = threading.Lock()
 
@@ -697,6 +698,10 @@ class _Landing:
                 self.done.set_exception(self.error)
             else:
                 self.done.set_result(self.nbytes)
+
+
+def _landed(queue: SimpleQueue[int], fid: int, _: Future[int]) -> None:
+    queue.put(fid)
 
 
 def _move(qtypes: dict[str, str | None], proj: str, src: Tensor, dest: Tensor) -> None:
