@@ -12,7 +12,9 @@ bytes.
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,26 +133,29 @@ def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
 # ---- the reads ----------------------------------------------------------------------------------
 
 
-def test_direct_reads_equal_plain_reads(tmp_path: Path) -> None:
-    """O_DIRECT reads (formats/direct_read.py) at unaligned offsets into several buffers, across
-    bounce-buffer refills and up to the file's unaligned end, give the file's bytes."""
+def test_staged_reads_equal_the_files_bytes(tmp_path: Path) -> None:
+    """Staged reads (formats/direct_read.py), O_DIRECT and plain, at unaligned offsets, up to the
+    file's unaligned end, give the file's bytes; past it, EOFError; more than a piece: refused."""
     data = torch.randint(0, 256, (3 * direct_read.BOUNCE + 12345,), dtype=torch.uint8)
     path = tmp_path / "f.bin"
     path.write_bytes(data.numpy().tobytes())
     fd = direct_read.open_direct(path)
     if fd is None:
         pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    plain = os.open(path, os.O_RDONLY)
     try:
-        for offset, sizes in ((0, [4096]), (33, [100, 0, 5000, 7]),
-                              (4095, [direct_read.BOUNCE + 17, direct_read.BOUNCE]),
-                              (data.numel() - 9000, [8999, 1])):  # fmt: skip
-            dests = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-            direct_read.read_into(fd, offset, dests, str(path))
-            assert torch.equal(torch.cat(dests), data[offset : offset + sum(sizes)])
+        for offset, n in ((0, 4096), (33, 5107), (4095, direct_read.PIECE),
+                          (data.numel() - 9000, 9000), (77, 0)):  # fmt: skip
+            for f, direct in ((fd, True), (plain, False)):
+                got = direct_read.read_staged(f, offset, n, direct, str(path))
+                assert torch.equal(got, data[offset : offset + n])
         with pytest.raises(EOFError, match="ends"):
-            direct_read.read_into(fd, data.numel() - 10, [torch.empty(11, dtype=torch.uint8)])
+            direct_read.read_staged(fd, data.numel() - 10, 11, True)
+        with pytest.raises(ValueError, match="at most"):
+            direct_read.read_staged(fd, 0, direct_read.PIECE + 1, True)
     finally:
         os.close(fd)
+        os.close(plain)
 
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -206,13 +211,20 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
     if any(fd is not None for fd in src.direct.values()):  # O_DIRECT reads the same bytes
         plain = type(src)(src.files, {}, [], 8, direct=False)
         plain.layers = src.layers
-        like = [[expert_rows(tier.slots, p, s, 1)[0] for p in ("gate_up", "down")] for s in (0, 1)]
+        like = {p: expert_rows(tier.slots, p, 0, 1)[0] for p in ("gate_up", "down")}
         got = []
-        for reader in (src, plain):  # experts 9 and 10 (layer 1's second and third), one run
-            dests = [{"gate_up": torch.zeros_like(g), "down": torch.zeros_like(d)} for g, d in like]
-            assert reader.read_many(9, dests) == 2 * tier.slots.nbytes_per_expert()
-            got.append([d[p] for d in dests for p in ("gate_up", "down")])
-        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+        def copy(proj: str, a: torch.Tensor, b: torch.Tensor) -> None:
+            b.copy_(a)
+
+        for reader in (src, plain):  # expert 9 (layer 1's second), piece by piece
+            dest = {p: torch.zeros_like(t) for p, t in like.items()}
+            pieces = reader.pieces(9, dest, copy)
+            assert len(pieces) == 3  # gate, up, down: each fits a piece
+            assert sum(p() for p in pieces) == tier.slots.nbytes_per_expert()
+            got.append(dest)
+        assert all(torch.equal(got[0][p], got[1][p]) for p in like)
+        assert all(bool(t.any()) for t in got[0].values())
     assert tier.cache.slots == 2 < tiered.banks.num_flat == 24  # top-k: a quarter of a layer
     # the slots are in the resident pool's interleaved layout, each interleaved as it is read
     # (formats.interleaved_layout: none regrouped at load, the cache's pages untouched)
@@ -264,22 +276,13 @@ def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> Non
 @needs_native
 def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Read-ahead on: the next layer's predicted experts are read while a layer computes, into
-    slots the running call does not use; adjacent misses are read in one scatter read."""
+    slots the running call does not use."""
     resident, tiered = _pair(kmix, read_ahead=True, experts=8)  # one layer's of three
     tier = tiered.moe.tier
     assert tier is not None and tier.read_ahead and tier.predict is not None
     assert tier.cache.slots == 8
-    runs: list[int] = []
-    reads = type(tier.tier.source).reads
-
-    def counted(self, fid, dests):  # type: ignore[no-untyped-def]
-        runs.append(len(dests))
-        return reads(self, fid, dests)
-
-    monkeypatch.setattr(type(tier.tier.source), "reads", counted)
     ids = _prompt(24, seed=4)
     assert torch.equal(tiered.logits(ids), resident.logits(ids))
-    assert max(runs) > 1  # a prefill call misses adjacent experts: one read for several
     _generate_on_both_paths(tiered, resident, ids)
     st = tier.stats()
     assert st["read_ahead"] > 0 and st["read_ahead_hits"] > 0
@@ -294,6 +297,96 @@ def test_disk_tier_read_ahead_equals_the_resident_pool(kmix: Path, monkeypatch) 
     _generate_on_both_paths(plain, None, ids)
     assert plain.moe.tier.stats()["read_ahead"] == 0
     assert st["misses"] < plain.moe.tier.stats()["misses"]
+
+
+@needs_native
+def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # type: ignore[no-untyped-def]
+    kmix: Path, monkeypatch
+) -> None:
+    """A decode call (one token) computes its resident experts while the others are read and
+    each missing one as its read lands, term by term: the output equals the resident pool's
+    call bit for bit whichever read lands last (the first expert in the kernel's order held
+    back: the others' terms wait for it), with hits before, between and after the misses."""
+    resident, tiered = _pair(kmix, experts=8)
+    tier = tiered.moe.tier
+    assert tier is not None and tier.cache.slots == 8
+    pool = resident.moe.executor
+    src_type = type(tier.tier.source)
+    pieces = src_type.pieces
+    slow: set[int] = set()
+
+    def delayed(self, fid, dest, put):  # type: ignore[no-untyped-def]
+        out = pieces(self, fid, dest, put)
+        if fid not in slow:
+            return out
+
+        def late(p):  # type: ignore[no-untyped-def]
+            time.sleep(0.2)
+            return p()
+
+        return [functools.partial(late, p) for p in out]
+
+    monkeypatch.setattr(src_type, "pieces", delayed)
+    landed: list[int] = []
+    collect = TieredExecutor._collect
+
+    def counted(self, fid, evicted):  # type: ignore[no-untyped-def]
+        landed.append(fid)
+        return collect(self, fid, evicted)
+
+    monkeypatch.setattr(TieredExecutor, "_collect", counted)
+    g = torch.Generator().manual_seed(3)
+    h = tier.hidden_size
+    # layer 1's experts 8..15; routes out of id order; (resident first, held back)
+    cases = [([13, 9, 11, 15], [], {9}), ([10, 12, 14, 8], [12], {8}),
+             ([9, 15, 8, 11], [8, 15], {9}), ([14, 8, 13, 10], [8, 10, 13, 14], set())]  # fmt: skip
+    for route, hits, held in cases:
+        for f in list(tier.cache.slot_of):  # a cold cache, then the hits read in
+            tier.cache.forget(f)
+            tier._lut[f + 1] = -1
+        if hits:
+            tier.forward(torch.zeros(1, h), torch.tensor([hits], dtype=torch.int32),
+                         torch.zeros(1, len(hits)))  # fmt: skip
+        assert set(tier.cache.slot_of) == set(hits)
+        slow.clear()
+        slow.update(held)
+        landed.clear()
+        x = torch.randn(1, h, generator=g)
+        ids = torch.tensor([route], dtype=torch.int32)
+        w = torch.rand(1, len(route), generator=g)
+        got = tier.forward(x, ids, w)
+        assert torch.equal(got, pool.forward(x, ids, w))
+        misses = [f for f in route if f not in hits]
+        assert sorted(landed) == sorted(misses)
+        if held:
+            assert landed[-1] in held  # it landed last, after the others' terms ran
+    # the native decode step's callback (raw addresses) takes the same path
+    for f in list(tier.cache.slot_of):
+        tier.cache.forget(f)
+        tier._lut[f + 1] = -1
+    slow.update({8})
+    x = torch.randn(1, h, generator=g)
+    ids = torch.tensor([[11, 8, 14]], dtype=torch.int32)
+    w = torch.rand(1, 3, generator=g)
+    out = torch.empty(1, h)
+    tier.forward_addresses(x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), 1, 3)
+    assert torch.equal(out, pool.forward(x, ids, w))
+    # reads of a few groups of 8 rows each (a projection in several pieces, each interleaved
+    # on its own), and a call that waits for all its reads: the same
+    src = tier.tier.source
+    rb = max(expert_rows(tier.slots, p, 0, 1)[0].shape[1] for p in ("gate_up", "down"))
+    monkeypatch.setattr(src, "piece_bytes", 8 * rb)
+    dest = {p: expert_rows(tier.slots, p, 0, 1)[0].clone() for p in ("gate_up", "down")}
+    assert len(pieces(src, 9, dest, lambda *a: None)) > 3
+    for overlap in (True, False):
+        tier.overlap = overlap
+        for f in list(tier.cache.slot_of):
+            tier.cache.forget(f)
+            tier._lut[f + 1] = -1
+        x = torch.randn(1, h, generator=g)
+        ids = torch.tensor([[12, 9, 15]], dtype=torch.int32)
+        w = torch.rand(1, 3, generator=g)
+        assert torch.equal(tier.forward(x, ids, w), pool.forward(x, ids, w))
 
 
 @needs_native

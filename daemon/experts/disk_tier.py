@@ -5,16 +5,19 @@ slots.
 The slots are host banks of the model's own expert format (``slot_banks``), so the CPU
 executors compute over them unchanged: a MoE layer's call looks its distinct experts up in the
 cache (``RamCache``: an LRU at expert granularity), reads the missing ones from the file into
-their slots (``ExpertSource.reads``: adjacent experts of a layer as one run, each run's reads
-in pieces all in flight at once on a thread pool, ``O_DIRECT`` where the file system takes it:
-formats/direct_read.py; the reads release the GIL), applies the cpu backend's row interleave to
-each filled slot as ``formats.interleave_banks`` does to a resident pool, and then calls the
+their slots (``ExpertSource.pieces``: one read per projection of an expert, ~1 MB for
+Qwen3-30B-A3B's geometry, all of a call's in flight at once on a thread pool, ``O_DIRECT`` where
+the file system takes it: formats/direct_read.py; the reads release the GIL), each piece moved
+from the read's bounce buffer straight into its slot in the cpu backend's row interleave (as
+``formats.interleave_banks`` leaves a resident pool: one pass over the bytes), and calls the
 executor with slot ids in place of flat ids (a remap, as the device slot cache does) and the
 flat ids as the order a token's route terms add up in (``BlockExecutor.forward``'s ``order``:
-the kernel sorts routes by it, not by slot). Once a call's own experts are in, the next layer's
-predicted ones are read ahead while it computes (``TieredExecutor``). The same rows reach the
-same kernel and add up in the same order, so the results equal a resident pool's bit for bit
-(at any top-k).
+the kernel sorts routes by it, not by slot). A decode call (one token) does not wait for all its
+reads: it computes the experts it has while the others are read, and each missing one as its
+read lands (``TieredExecutor._overlapped``: term by term, added up in the kernel's order). Once
+a call's own experts are in, the next layer's predicted ones are read ahead while it computes
+(``TieredExecutor``). The same rows reach the same kernel and add up in the same order, so the
+results equal a resident pool's bit for bit (at any top-k).
 
 A call's experts are all resident at once: hits are touched before any victim is chosen, and a
 call whose experts outnumber a class's slots runs a few tokens at a time (each part's experts
@@ -32,6 +35,7 @@ leftover buys more where it fits).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -40,6 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from queue import Empty, SimpleQueue
 from typing import Any, Protocol
 
 import torch
@@ -65,7 +70,6 @@ STAT_NAMES = (
     "read_ahead_skipped",
 )  # fmt: skip
 READ_THREADS = 8  # reads in flight at once (a disk wants several: 8 measured faster than 4)
-RUN_MAX = 16  # adjacent experts one read takes at most (more runs: more reads in flight)
 # Read ahead only while the predictions are this precise (a share of the predicted experts the
 # call then used, a running mean): a wasted read costs the disk as much as a needed one (random
 # weights predict at chance, 8 of 128; a trained model's next-layer router far better)
@@ -76,19 +80,13 @@ PRECISION_WEIGHT = 0.1  # the running mean's weight of the newest call
 class ExpertSource(Protocol):
     """Where experts not resident are read from (a checkpoint file)."""
 
-    def read(self, fid: int, dest: dict[str, Tensor]) -> int:
-        """Writes expert ``fid``'s weights, as the loader would have put them in the pool before
-        any interleave (GGUF rows), into ``dest`` (bank name -> that expert's row of the slot
-        banks); returns the bytes read."""
-        ...
-
-    def read_many(self, fid: int, dests: list[dict[str, Tensor]]) -> int:
-        """``read`` of experts ``fid``, ``fid`` + 1, ... (of one layer) into ``dests`` in order,
-        in as few reads as the layout allows."""
-        ...
-
-    def reads(self, fid: int, dests: list[dict[str, Tensor]]) -> list[Callable[[], int]]:
-        """``read_many`` as reads that may run at once, each returning its bytes."""
+    def pieces(
+        self, fid: int, dest: dict[str, Tensor], put: Callable[[str, Tensor, Tensor], None]
+    ) -> list[Callable[[], int]]:
+        """Expert ``fid``'s weights as reads that may run at once (each returns its bytes): each
+        reads a piece of one projection's rows (gate, up or down: GGUF rows as the loader reads
+        them) and hands it to ``put(proj, src, dest)``, ``dest`` its rows of ``dest`` (bank name
+        -> that expert's row of the slot banks; gate rows then up rows in ``gate_up``)."""
         ...
 
     def close(self) -> None: ...
@@ -294,6 +292,8 @@ class TieredExecutor:
     ``READ_AHEAD_MIN_PRECISION`` the reads are not made (``read_ahead_skipped`` calls), the
     predictions go on, and reading resumes when they improve."""
 
+    overlap = True  # a decode call computes while its reads land (False: waits for them all)
+
     def __init__(
         self,
         tier: DiskTier,
@@ -315,14 +315,14 @@ class TieredExecutor:
         # flat id + 1 -> slot (-1: not resident or still being read); 0 is the skipped route's
         self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="ft-disk-tier")
-        self._local = threading.local()
         self._lock = threading.Lock()  # one call's lookup, fills and compute at a time
         self.counters = dict.fromkeys(STAT_NAMES, 0)
         self.read_seconds = 0.0  # time calls waited for reads (their own and ones read ahead)
         self.hidden_size = getattr(inner, "hidden_size", pool.hidden_size)
         self.predict: Callable[[int, Tensor], Tensor | None] | None = None
         self.read_ahead = read_ahead
-        self._pending: dict[int, tuple[int, int, Future[int]]] = {}  # fid -> (slot, run, read)
+        self._reading: dict[int, tuple[int, Future[int]]] = {}  # fid -> (slot, its read)
+        self._term_rows: Tensor | None = None  # route terms of an overlapped call [K, H]
         self._unused: set[int] = set()  # read ahead, not used yet
         self._predicted: tuple[int, set[int]] = (-1, set())  # the next layer, its predicted
         self.precision = 1.0  # the predictions' running precision (starts trusting them)
@@ -334,15 +334,23 @@ class TieredExecutor:
         with self._lock:
             flat_ids = flat_ids.to(torch.int32).contiguous()
             parts = self._parts(flat_ids)
+            if len(parts) == 1 and flat_ids.shape[0] == 1:  # a decode step: reads overlapped
+                x, weights = x.float().contiguous(), weights.float().contiguous()
+                out = torch.empty(1, self.hidden_size, dtype=torch.float32)
+                self._overlapped(
+                    x.data_ptr(), flat_ids, weights.data_ptr(), out.data_ptr(),
+                    flat_ids.shape[1], x,
+                )  # fmt: skip
+                return out
             if len(parts) == 1:
                 ids, fids = self._remap(flat_ids)
                 self._ahead(fids, x)
                 return self.inner.forward(x, ids, weights, order=flat_ids)  # type: ignore[no-any-return]
-            out = []
+            out_parts = []
             for a, b in parts:  # more experts than the slots hold: a few tokens at a time
                 ids, _ = self._remap(flat_ids[a:b])
-                out.append(self.inner.forward(x[a:b], ids, weights[a:b], order=flat_ids[a:b]))
-            return torch.cat(out)
+                out_parts.append(self.inner.forward(x[a:b], ids, weights[a:b], order=flat_ids[a:b]))
+            return torch.cat(out_parts)
 
     def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
         """``forward`` on raw addresses (models/layers/cpu_decode.py): ids [t, k] int32."""
@@ -359,10 +367,12 @@ class TieredExecutor:
                         b - a, k, ids + 4 * a * k,
                     )  # fmt: skip
                 return
+            if t == 1:
+                self._overlapped(x, flat_ids, w, out, k, None)
+                return
             slot_ids, fids = self._remap(flat_ids)
             if self.predict is not None and self.read_ahead and fids:
-                xs = (ctypes.c_float * (t * h)).from_address(x)
-                self._ahead(fids, torch.frombuffer(xs, dtype=torch.float32).view(t, h))
+                self._ahead(fids, self._x_of(x, t))
             self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, t, k, ids)
 
     def stats(self) -> dict[str, int]:
@@ -409,9 +419,13 @@ class TieredExecutor:
         parts.append((start, t))
         return parts
 
-    def _remap(self, flat_ids: Tensor) -> tuple[Tensor, list[int]]:
-        """Flat ids [T, K] -> (slot ids, the call's distinct experts), the call's experts all
-        read (missing ones now, ones read ahead awaited)."""
+    def _x_of(self, x: int, t: int) -> Tensor:
+        xs = (ctypes.c_float * (t * self.hidden_size)).from_address(x)
+        return torch.frombuffer(xs, dtype=torch.float32).view(t, self.hidden_size)
+
+    def _begin(self, flat_ids: Tensor) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """A call's distinct experts and the fills its lookup made, their reads started (the
+        predictions of the call before checked against them; reads ahead it uses counted)."""
         fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
         if fids and (fids[-1] >= self.pool.num_flat):
             raise IndexError(f"expert id {fids[-1]} outside [-1, {self.pool.num_flat})")
@@ -421,22 +435,125 @@ class TieredExecutor:
             self.precision += PRECISION_WEIGHT * (right - self.precision)
             self._predicted = (-1, set())
         _, fills = self.cache.lookup(fids)
+        for f in fids:
+            if f in self._unused:  # read ahead for this call (or an earlier one)
+                self._unused.discard(f)
+                self.counters["read_ahead_hits"] += 1
+        if fills:
+            self._submit(fills, ahead=False)
+        return fids, fills
+
+    def _abandon(self, fills: list[tuple[int, int, int]]) -> None:
+        """A call failed: its fills' reads end (none still writing a slot) and their slots are
+        free again."""
+        for f, _, _ in fills:
+            r = self._reading.pop(f, None)
+            if r is not None:
+                wait([r[1]])
+            self.cache.forget(f)
+
+    def _remap(self, flat_ids: Tensor) -> tuple[Tensor, list[int]]:
+        """Flat ids [T, K] -> (slot ids, the call's distinct experts), the call's experts all
+        read (missing ones now, ones read ahead awaited)."""
+        fids, fills = self._begin(flat_ids)
         started = time.perf_counter()
         try:
-            for f in fids:  # read ahead for this call (or an earlier one): wait for it
-                if f in self._unused:
-                    self._unused.discard(f)
-                    self.counters["read_ahead_hits"] += 1
-                if f in self._pending:
+            for f in fids:
+                if f in self._reading:
                     self._collect(f, evicted=False)
         except BaseException:
-            for f, _, _ in fills:  # assigned slots, never read
-                self.cache.forget(f)
+            self._abandon(fills)
             raise
         self.read_seconds += time.perf_counter() - started
-        if fills:
-            self._fill(fills)
         return self._lut[flat_ids.long() + 1], fids
+
+    def _overlapped(
+        self, x: int, flat_ids: Tensor, w: int, out: int, k: int, xt: Tensor | None
+    ) -> None:
+        """One token's call (flat ids [1, k]) with its experts' reads overlapped with its compute:
+        the experts resident at the start, then each missing one as soon as its read lands (the
+        reads run all at once, in route order). The kernel adds a token's route terms up in
+        flat-id order from zero (``order``), so the leading routes that are resident run as one
+        call that leaves their partial sum in ``out``, each other route as a call of its own
+        (its term: zero plus it), and the terms are added to ``out`` in that order: the same
+        additions in the same order as one call over all of them, bit for bit."""
+        fids, fills = self._begin(flat_ids)
+        waiting = [f for f in fids if f in self._reading]
+        if waiting and not self.overlap:
+            started = time.perf_counter()
+            try:
+                for f in waiting:
+                    self._collect(f, evicted=False)
+            except BaseException:
+                self._abandon(fills)
+                raise
+            self.read_seconds += time.perf_counter() - started
+            waiting = []
+        if not waiting:  # all resident: one call
+            self._ahead(fids, xt if xt is not None else self._x_of(x, 1))
+            slot_ids = self._lut[flat_ids.long() + 1]
+            self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, 1, k, flat_ids.data_ptr())
+            return
+        order = flat_ids.data_ptr()
+        row = flat_ids[0].tolist()
+        routes = sorted((f, j) for j, f in enumerate(row) if f >= 0)  # the kernel's order
+        slot = self.cache.slot_of
+        landed: SimpleQueue[int] = SimpleQueue()
+        for f in waiting:
+            self._reading[f][1].add_done_callback(functools.partial(_landed, landed, f))
+        ready = set(fids).difference(waiting)
+        lead = 0
+        while lead < len(routes) and routes[lead][0] in ready:
+            lead += 1
+        terms = self._terms(k)
+        ids = torch.full((1, k), -1, dtype=torch.int32)
+
+        def run(js: list[int], dest: int) -> None:
+            ids.fill_(-1)
+            for j in js:
+                ids[0, j] = slot[row[j]]
+            self.inner.forward_addresses(x, ids.data_ptr(), w, dest, 1, k, order)
+
+        def run_terms(fs: set[int]) -> None:
+            for f, j in routes[lead:]:
+                if f in fs:
+                    run([j], terms[j].data_ptr())
+
+        if lead:
+            run([j for _, j in routes[:lead]], out)
+        run_terms(ready)
+        left = len(waiting)
+        try:
+            while left:
+                started = time.perf_counter()
+                now = {landed.get()}
+                while True:  # every read landed meanwhile
+                    try:
+                        now.add(landed.get_nowait())
+                    except Empty:
+                        break
+                self.read_seconds += time.perf_counter() - started
+                for f in sorted(now):
+                    self._collect(f, evicted=False)
+                left -= len(now)
+                if not left:  # the next layer's reads start behind this call's
+                    self._ahead(fids, xt if xt is not None else self._x_of(x, 1))
+                run_terms(now)
+        except BaseException:
+            self._abandon(fills)
+            raise
+        acc = torch.frombuffer((ctypes.c_float * self.hidden_size).from_address(out),
+                               dtype=torch.float32)  # fmt: skip
+        if not lead:
+            acc.zero_()
+        for _, j in routes[lead:]:
+            acc.add_(terms[j])
+
+    def _terms(self, k: int) -> Tensor:
+        t = self._term_rows
+        if t is None or t.shape[0] < k:
+            t = self._term_rows = torch.empty(k, self.hidden_size, dtype=torch.float32)
+        return t
 
     def _ahead(self, fids: list[int], x: Tensor) -> None:
         """Starts reading the next MoE layer's predicted experts (see the class)."""
@@ -481,117 +598,121 @@ class TieredExecutor:
             if old < 0:
                 continue
             self._lut[old + 1] = -1
-            if old in self._pending:
+            if old in self._reading:
                 self._collect(old, evicted=True)
             if old in self._unused:
                 self._unused.discard(old)
                 self.counters["read_ahead_wasted"] += 1
 
-    def _submit(
-        self, fills: list[tuple[int, int, int]], ahead: bool
-    ) -> list[tuple[list[tuple[int, int]], Future[int]]]:
-        """Evicts, then starts the reads of ``fills``, adjacent experts of a layer in one run
-        (``_start_run``) -> the runs and their reads."""
+    def _submit(self, fills: list[tuple[int, int, int]], ahead: bool) -> None:
+        """Evicts, then starts the reads of ``fills`` in flat-id order (the order a call adds
+        its experts up in), each expert's pieces all at once on the pool."""
         self._evict(fills)
-        runs: list[list[tuple[int, int]]] = []
         for f, s, _ in sorted(fills):
-            last = runs[-1][-1][0] if runs else -2
-            if f == last + 1 and f % self.num_experts != 0 and len(runs[-1]) < RUN_MAX:
-                runs[-1].append((f, s))
-            else:
-                runs.append([(f, s)])
-        out = []
-        for run in runs:
-            fut = self._start_run(run)
-            out.append((run, fut))
+            self._reading[f] = (s, self._start(f, s))
             if ahead:
-                for f, s in run:
-                    self._pending[f] = (s, len(run), fut)
-                    self._unused.add(f)
-        return out
+                self._unused.add(f)
+
+    def _start(self, fid: int, slot: int) -> Future[int]:
+        """Starts expert ``fid``'s reads into ``slot`` -> a future of its bytes, set once all
+        its pieces have landed (the first failure raised)."""
+        pieces = self.tier.source.pieces(fid, self._dest(slot), self._mover(slot))
+        done: Future[int] = Future()
+        landing = _Landing(len(pieces), done)
+        for piece in pieces:
+            self._reads.submit(landing.run, piece)
+        return done
+
+    def _dest(self, slot: int) -> dict[str, Tensor]:
+        return {p: expert_rows(self.slots, p, slot, 1)[0] for p in ("gate_up", "down")}
+
+    def _mover(self, slot: int) -> Callable[[str, Tensor, Tensor], None]:
+        """How a piece read for ``slot`` goes into it: interleaved as formats.interleave_banks
+        does to a resident pool (by rows of its projection's type where that interleaves), else
+        copied."""
+        qtypes: dict[str, str | None] = {"gate": None, "up": None, "down": None}
+        if self.slots.interleaved:
+            gate_up, down = layer_pair(self.slots, slot)
+            dest = self._dest(slot)
+            if interleaves("gate_up", gate_up, dest["gate_up"].shape[0]):
+                qtypes["gate"] = qtypes["up"] = gate_up
+            if interleaves("down", down, dest["down"].shape[0]):
+                qtypes["down"] = down
+        return functools.partial(_move, qtypes)
 
     def _collect(self, fid: int, evicted: bool) -> None:
-        """Waits for ``fid``'s read ahead; its slot then enters the table unless ``evicted``. A
+        """Waits for ``fid``'s read; its slot then enters the table unless ``evicted``. A
         failed read: an evicted expert is dropped; a needed one is read again now (and its
         failure then raised, the expert dropped from the cache)."""
-        slot, run, fut = self._pending.pop(fid)
+        slot, fut = self._reading.pop(fid)
         try:
-            nbytes = fut.result() // run
+            nbytes = fut.result()
         except Exception:
             if evicted:
                 return
-            log.warning("disk tier: reading expert %d ahead failed; reading it again", fid)
+            log.warning("disk tier: reading expert %d failed; reading it again", fid)
             try:
-                nbytes = self._read_run([(fid, slot)])
+                nbytes = self._read_now(fid, slot)
             except BaseException:
                 self.cache.forget(fid)
                 raise
         self.counters["fills"] += 1
         self.counters["bytes_read"] += nbytes
-        if not evicted:
-            self._lut[fid + 1] = slot
+        if evicted:
+            return
+        slots = self.slots
+        for b, s in ((self.pool.gate_up_bias, slots.gate_up_bias),
+                     (self.pool.down_bias, slots.down_bias)):  # fmt: skip
+            if b is not None and s is not None:
+                s[slot].copy_(b[fid])
+        self._lut[fid + 1] = slot
 
-    def _fill(self, fills: list[tuple[int, int, int]]) -> None:
-        started = time.perf_counter()
+    def _read_now(self, fid: int, slot: int) -> int:
+        """Reads expert ``fid`` into ``slot`` here."""
+        return sum(p() for p in self.tier.source.pieces(fid, self._dest(slot), self._mover(slot)))
+
+
+class _Landing:
+    """One expert's pieces in flight: the future is set when the last one ends."""
+
+    def __init__(self, pieces: int, done: Future[int]) -> None:
+        self.left, self.nbytes = pieces, 0
+        self.error: BaseException | None = None
+        self.done = done
+        self.lock = threading.Lock()
+
+    def run(self, piece: Callable[[], int]) -> None:
+        n, err = 0, None
         try:
-            runs = self._submit(fills, ahead=False)
-            wait([fut for _, fut in runs])  # all ended, none still writing a slot, before a raise
-            done = [fut.result() for _, fut in runs]
-        except BaseException:
-            for f, _, _ in fills:  # what the slots hold is unknown: nothing of this call stays
-                self.cache.forget(f)
-            raise
-        for f, s, _ in fills:
-            self._lut[f + 1] = s
-        self.counters["fills"] += len(fills)
-        self.counters["bytes_read"] += sum(done)
-        self.read_seconds += time.perf_counter() - started
+            n = piece()
+        except BaseException as e:  # handed to the future
+            err = e
+        with self.lock:
+            self.left -= 1
+            self.nbytes += n
+            if err is not None and self.error is None:
+                self.error = err
+            last = self.left == 0
+        if last:
+            if self.error is not None:
+                self.done.set_exception(self.error)
+            else:
+                self.done.set_result(self.nbytes)
 
-    def _dests(self, run: list[tuple[int, int]]) -> list[dict[str, Tensor]]:
-        slots = self.slots
-        return [{p: expert_rows(slots, p, s, 1)[0] for p in ("gate_up", "down")} for _, s in run]
 
-    def _start_run(self, run: list[tuple[int, int]]) -> Future[int]:
-        """Starts the reads of a run (its pieces all at once on the pool) and, behind them on
-        the same pool, their finish (``_finish_run``) -> the finish's future (the run's bytes).
-        Pieces never wait, and a finish is queued after its pieces, so it waits only for reads
-        that run."""
-        pieces = [
-            self._reads.submit(r) for r in self.tier.source.reads(run[0][0], self._dests(run))
-        ]
-        return self._reads.submit(self._finish_run, run, pieces)
+def _landed(queue: SimpleQueue[int], fid: int, _: Future[int]) -> None:
+    queue.put(fid)
 
-    def _finish_run(self, run: list[tuple[int, int]], pieces: list[Future[int]]) -> int:
-        wait(pieces)
-        n = sum(p.result() for p in pieces)  # raises the first failed read
-        self._transform(run, self._dests(run))
-        return n
 
-    def _read_run(self, run: list[tuple[int, int]]) -> int:
-        """Reads adjacent experts [(fid, slot), ...] of one layer into their slots, here."""
-        dests = self._dests(run)
-        n = self.tier.source.read_many(run[0][0], dests)
-        self._transform(run, dests)
-        return n
-
-    def _transform(self, run: list[tuple[int, int]], dests: list[dict[str, Tensor]]) -> None:
-        """What the load does to a resident pool's rows, done to the run's slots."""
-        slots = self.slots
-        for (fid, slot), dest in zip(run, dests, strict=True):
-            if slots.interleaved:  # as formats.interleave_banks did to a resident pool
-                for proj, qtype in zip(("gate_up", "down"), layer_pair(slots, slot), strict=True):
-                    rows = dest[proj]
-                    if interleaves(proj, qtype, rows.shape[0]):
-                        scratch = getattr(self._local, "scratch", None)
-                        if scratch is None or scratch.numel() < rows.numel():
-                            scratch = torch.empty(rows.numel(), dtype=torch.uint8)
-                            self._local.scratch = scratch
-                        if not gguf_interleave.interleave_in_place(rows, qtype, scratch):
-                            rows.copy_(gguf_interleave.interleave(rows, qtype))
-            for b, s in ((self.pool.gate_up_bias, slots.gate_up_bias),
-                         (self.pool.down_bias, slots.down_bias)):  # fmt: skip
-                if b is not None and s is not None:
-                    s[slot].copy_(b[fid])
+def _move(qtypes: dict[str, str | None], proj: str, src: Tensor, dest: Tensor) -> None:
+    """A piece of a projection's rows (``src``, GGUF rows as the file has them) into ``dest``."""
+    qtype = qtypes[proj]
+    if qtype is None:
+        ctypes.memmove(dest.data_ptr(), src.data_ptr(), src.numel())
+    elif gguf_interleave.native_moves_available():
+        gguf_interleave.interleave_to(src, dest, qtype)
+    else:
+        dest.copy_(gguf_interleave.interleave(src, qtype))
 
 
 def _release(reads: ThreadPoolExecutor, source: ExpertSource) -> None:

@@ -250,15 +250,14 @@ class InFile(RawStack):
         pass
 
 
-DIRECT_PIECE = 256 << 10  # bytes of one O_DIRECT read of the disk tier
-
-
 class GgufExpertSource:
     """The disk tier's source (experts/disk_tier.py ``ExpertSource``): one expert's GGUF rows
     read from the file's stacked tensors on demand, gate rows then up rows into its ``gate_up``
     row of the slot banks and its down rows into ``down``, byte for byte as ``RawStack`` loads
     them. Holds its own descriptors (``GgufFile``, positional reads: safe from several threads
     at once). ``blocks``: the decoder layer of each MoE layer, in MoE-layer order."""
+
+    piece_bytes = direct_read.PIECE  # the most one read takes (whole groups of 8 rows)
 
     def __init__(
         self,
@@ -286,42 +285,40 @@ class GgufExpertSource:
                 parts.append((f, t, t.nbytes // num_experts))
             self.layers.append(parts)
 
-    def read(self, fid: int, dest: dict[str, torch.Tensor]) -> int:
-        return self.read_many(fid, [dest])
-
-    def read_many(self, fid: int, dests: list[dict[str, torch.Tensor]]) -> int:
-        """Experts ``fid``, ``fid`` + 1, ... (one layer's) into ``dests`` in order: adjacent in
-        each of the layer's three tensors, so one scatter read per tensor."""
-        return sum(read() for read in self.reads(fid, dests))
-
-    def reads(self, fid: int, dests: list[dict[str, torch.Tensor]]) -> list[Callable[[], int]]:
-        """``read_many`` as independent reads (each returns its bytes), to run at once: through
-        the page cache one scatter read per tensor; ``O_DIRECT`` pieces of at most
-        ``DIRECT_PIECE`` bytes (one expert's three tensors are ~3 MB: the pieces of even one
-        expert keep several reads in flight)."""
+    def pieces(
+        self,
+        fid: int,
+        dest: dict[str, torch.Tensor],
+        put: Callable[[str, torch.Tensor, torch.Tensor], None],
+    ) -> list[Callable[[], int]]:
+        """Expert ``fid`` as independent reads (each returns its bytes), one per tensor slice of
+        at most ``direct_read.PIECE`` bytes (one expert's gate, up or down rows: ~0.9-1.3 MB for
+        Qwen3-30B-A3B's Q4_K_M; larger ones in whole groups of 8 rows), each read into the
+        thread's bounce buffer (``direct_read.read_staged``) and handed to ``put(proj, src,
+        dest)`` (proj: gate | up | down; src and dest [rows, row bytes]), which moves it into
+        ``dest`` (its rows of the expert's slot) as the load would have left it."""
         layer, e = divmod(fid, self.num_experts)
-        if e + len(dests) > self.num_experts:
-            raise ValueError(f"experts {fid}..{fid + len(dests) - 1} span two layers")
-        (fg, tg, ng), (fu, tu, nu), (fd, td, nd) = self.layers[layer]
-        half = dests[0]["gate_up"].shape[0] // 2 if dests else 0
-        for d in dests:
-            assert d["gate_up"][:half].numel() == ng and d["down"].numel() == nd
+        half = dest["gate_up"].shape[0] // 2
         out: list[Callable[[], int]] = []
-        for f, t, n, parts in (
-            (fg, tg, ng, [d["gate_up"][:half] for d in dests]),
-            (fu, tu, nu, [d["gate_up"][half:] for d in dests]),
-            (fd, td, nd, [d["down"] for d in dests]),
+        for proj, (f, t, n), part in zip(
+            ("gate", "up", "down"),
+            self.layers[layer],
+            (dest["gate_up"][:half], dest["gate_up"][half:], dest["down"]),
+            strict=True,
         ):
+            assert part.numel() == n and part.dim() == 2
+            rows, rb = part.shape
+            step = self.piece_bytes // rb // 8 * 8 or (rows if n <= self.piece_bytes else 0)
+            if not step:
+                raise ValueError(f"{f.path}: rows of {rb} bytes: eight exceed a read's buffer")
             direct = self.direct.get(str(f.path))
-            if direct is None:
-                out.append(functools.partial(_scatter, f, t, parts, e * n))
-                continue
-            for k, part in enumerate(parts):
-                flat = part.reshape(-1)
-                at = t.offset + (e + k) * n
-                for i in range(0, n, DIRECT_PIECE):
-                    piece = flat[i : i + DIRECT_PIECE]
-                    out.append(functools.partial(_direct, direct, at + i, piece, str(f.path)))
+            fd, name = (direct if direct is not None else f.fd), str(f.path)
+            at = t.offset + e * n
+            for r0 in range(0, rows, step):
+                piece = part[r0 : r0 + step]
+                out.append(functools.partial(
+                    _staged, fd, direct is not None, at + r0 * rb, proj, piece, put, name
+                ))  # fmt: skip
         return out
 
     def close(self) -> None:
@@ -333,11 +330,15 @@ class GgufExpertSource:
         self.direct.clear()
 
 
-def _scatter(f: GgufFile, t: GgufTensor, parts: list[torch.Tensor], offset: int) -> int:
-    f.read_raw_scatter(t, parts, offset)
-    return sum(p.numel() for p in parts)
-
-
-def _direct(fd: int, offset: int, dest: torch.Tensor, name: str) -> int:
-    direct_read.read_into(fd, offset, [dest], name)
+def _staged(
+    fd: int,
+    direct: bool,
+    offset: int,
+    proj: str,
+    dest: torch.Tensor,
+    put: Callable[[str, torch.Tensor, torch.Tensor], None],
+    name: str,
+) -> int:
+    src = direct_read.read_staged(fd, offset, dest.numel(), direct, name)
+    put(proj, src.view(dest.shape), dest)
     return dest.numel()
