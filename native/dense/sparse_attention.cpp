@@ -9,6 +9,11 @@
 #include "cpu_features.h"
 #include "kernels_bf16dot.h"
 
+#define FT_TARGET
+#define FT_INLINE inline
+
+#include "index_impl.h"
+
 namespace ftdense {
 
 namespace {
@@ -31,7 +36,61 @@ void widen_row(const char* row, int d, bool bf16, float* out) {
   for (int e = 0; e < d; ++e) out[e] = widen(row, e, bf16);
 }
 
+// The indexer's kernel (index_impl.h) on plain C++: one lane ("scalar") or AVX-512's 16 lanes
+// ("emu512"), fused multiply-adds (std::fma), so their scores are the SIMD kernels' bits.
+struct IndexScalar {
+  using T = float;
+  static constexpr int kLanes = 1, kRB = 4, kNV = 4;
+  static T zero() { return 0.0f; }
+  static T set1(float f) { return f; }
+  static T load(const float* p) { return *p; }
+  static void store(float* p, T v) { *p = v; }
+  static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+  static T mul(T a, T b) { return a * b; }
+  static T relu(T a) { return a > 0.0f ? a : 0.0f; }
+  static void prefetch(const char* p) { __builtin_prefetch(p); }
+  static void pack(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
+    index_impl::pack_generic<kNV * kLanes>(keys, bf16, dim, nk, kt, widen);
+  }
+};
+
+struct IndexEmu512 {
+  struct T {
+    float v[16];
+  };
+  static constexpr int kLanes = 16, kRB = 8, kNV = 2;
+  template <typename F>
+  static T map(F f) {
+    T t;
+    for (int i = 0; i < 16; ++i) t.v[i] = f(i);
+    return t;
+  }
+  static T zero() { return set1(0.0f); }
+  static T set1(float f) { return map([f](int) { return f; }); }
+  static T load(const float* p) { return map([p](int i) { return p[i]; }); }
+  static void store(float* p, const T& v) { std::copy(v.v, v.v + 16, p); }
+  static T fma(const T& a, const T& b, const T& c) {
+    return map([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); });
+  }
+  static T mul(const T& a, const T& b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
+  static T relu(const T& a) { return map([&](int i) { return IndexScalar::relu(a.v[i]); }); }
+  static void prefetch(const char* p) { __builtin_prefetch(p); }
+  static void pack(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
+    index_impl::pack_generic<kNV * kLanes>(keys, bf16, dim, nk, kt, widen);
+  }
+};
+
 }  // namespace
+
+void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
+                  const char* const* keys, bool bf16, int n, float* scores) {
+  index_impl::index_keys<IndexScalar>(q, w, heads, dim, scale, keys, bf16, n, scores);
+}
+
+void index_emu512(const float* q, const float* w, int heads, int dim, float scale,
+                  const char* const* keys, bool bf16, int n, float* scores) {
+  index_impl::index_keys<IndexEmu512>(q, w, heads, dim, scale, keys, bf16, n, scores);
+}
 
 void RowSource::check(int64_t p0, int64_t p1) const {
   if (p0 < 0) throw std::invalid_argument("a negative position");
@@ -46,23 +105,6 @@ void RowSource::check(int64_t p0, int64_t p1) const {
   for (int64_t pg = p0 / page_size; pg <= (p1 - 1) / page_size; ++pg)
     if (table[pg] < 0 || (static_cast<int64_t>(table[pg]) + 1) * page_size > num_rows)
       throw std::invalid_argument("a page id is outside the pool");
-}
-
-void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
-                  const char* const* keys, bool bf16, int n, float* scores) {
-  thread_local std::vector<float> kf;
-  kf.resize(dim);
-  for (int t = 0; t < n; ++t) {
-    widen_row(keys[t], dim, bf16, kf.data());
-    float s = 0.0f;
-    for (int h = 0; h < heads; ++h) {
-      const float* qh = q + static_cast<int64_t>(h) * dim;
-      float dot = 0.0f;
-      for (int e = 0; e < dim; ++e) dot += qh[e] * kf[e];
-      s += w[h] * std::max(0.0f, dot * scale);
-    }
-    scores[t] = s;
-  }
 }
 
 void sparse_scalar(const SparseQuery& sq, const char* const* rows, bool bf16, int64_t k0,
@@ -93,12 +135,15 @@ void sparse_scalar(const SparseQuery& sq, const char* const* rows, bool bf16, in
 }
 
 const SparseKernels& sparse_kernels(const std::string& isa) {
-  static const SparseKernels scalar{index_scalar, sparse_scalar, "scalar"};
+  static const SparseKernels scalar{index_scalar, sparse_scalar, "scalar", "scalar"};
+  static const SparseKernels emu512{index_emu512, sparse_scalar, "scalar", "emu512"};
 #ifndef FTNATIVE_NO_X86
-  static const SparseKernels avx2{index_avx2, sparse_avx2, "avx2"};
+  static const SparseKernels avx2{index_avx2, sparse_avx2, "avx2", "avx2"};
+  static const SparseKernels avx512{index_avx512, sparse_avx2, "avx2", "avx512"};
+  if (isa == "avx512" && ftnative::isa_supported("avx512")) return avx512;
   if ((isa == "avx2" || isa == "avx512") && ftnative::isa_supported("avx2")) return avx2;
 #endif
-  (void)isa;
+  if (isa == "emu512") return emu512;
   return scalar;
 }
 
@@ -194,7 +239,7 @@ void index_topk(Pool& pool, const SparseKernels& ks, const float* q, const float
     own.resize(n);
     scores = own.data();
   }
-  IndexJob j{dim % 8 == 0 ? ks.index : index_scalar, q, w, heads, dim, scale, &keys, n,
+  IndexJob j{ks.index, q, w, heads, dim, scale, &keys, n,
              (n + tasks - 1) / tasks, scores};
   pool.run(index_task, &j, tasks);
   // best first, equal scores lower position first; NaN ranks as -inf (a strict weak order)
