@@ -39,35 +39,42 @@ models: 32 heads on bf16 keys, 64 on fp32 entries), so no fp32 scoring gets belo
 rate / the core's FMA peak (register-only FMA chains, `sparse_native.fma_probe`).
 
 Measured (AMD EPYC Zen 3, 2 cores, AVX2; shared with 6 other jobs, load 14-25: figures +-30%
-run to run; --threads 1 --cpu-time --reps 9; the old kernel run by the same script's previous
-version in the same hour):
+run to run; --threads 1 --cpu-time --reps 7; the old kernel run by the script's previous version
+right after, so the pair is back to back; its layer times (62-68 ms against 52-53 for GLM-5)
+show it had more contention):
 
                           old kernel                     new kernel (index_impl.h)
     GLM-5     context  score+topk  keys/read  GMAC/s    score+topk  keys/read  GMAC/s
-              4096     1.65 ms     15.7       10.2      1.60 ms     19.6       10.5
-              8192     3.12 ms     14.8       10.8      2.99 ms     18.4       11.2
-              16384    5.84 ms     13.9       11.5      5.02 ms     15.4       13.4
-    V4 CSA    8192     1.08 ms     10.3       15.5      1.10 ms     13.5       15.3
-              16384    2.03 ms      9.7       16.5      2.09 ms     12.8       16.1
-    (read rate 10.0 GB/s in the old run, 12.9 in the new: keys/read moves with it)
+              4096     2.09 ms     22.2        8.0      1.53 ms     13.3       11.0
+              8192     3.96 ms     21.1        8.5      2.68 ms     11.6       12.5
+              16384    6.70 ms     17.8       10.0      4.33 ms      9.4       15.5
+    V4 CSA    8192     1.51 ms     16.1       11.1      1.08 ms      9.4       15.6
+              16384    2.49 ms     13.3       13.5      1.84 ms      8.0       18.2
+    (read rate 11.1 GB/s in the old run, 9.1 in the new: keys/read moves with it. An earlier
+    pair, before the prefetches were spread, at lower load: GLM-5 16k 5.84 -> 5.02 ms, V4 16k
+    2.03 -> 2.09 ms.)
 
-    new run: FMA peak 44.4 G multiply-adds/s a core; keys-only floor 16 x 12.9 / 44.4 = 4.6x;
-    GLM-5 full indexer (projections 2.1-2.3 ms, 20.2-23.3 MB a token): 3.8 / 5.1 / 7.3 ms,
-    full/read 2.4 / 3.1 / 4.1x at 4k / 8k / 16k; V4 CSA full (22.6-23.6 MB): 3.4 / 4.3 ms,
-    full/read 1.9 / 2.3x at 8k / 16k (at 2k the entries are within index_topk: no scoring).
+    new run: FMA peak 36.8 G multiply-adds/s a core (44-45 in quieter minutes); keys-only floor
+    16 x 9.1 / 36.8 = 4.0x (4.6-4.7x in other runs); GLM-5 full indexer (projections 2.2-2.7
+    ms, 20.2-23.3 MB a token): 4.0 / 5.4 / 6.5 ms, full/read 1.8 / 2.3 / 2.6x at 4k / 8k / 16k;
+    V4 CSA full (22.6-23.6 MB): 3.3 / 3.8 ms, full/read 1.3 / 1.5x at 8k / 16k (at 2k the
+    entries are within index_topk: no scoring). The attention: flat within 1.01x (GLM-5) and
+    1.15x (V4 CSA) from the smallest context to 16k.
 
 So the keys-only target (1.5x) is out of reach on this CPU for any fp32 scoring of fp32 / bf16
-keys: the floor is 4.6x (it scales with read rate / FMA peak; two threads were not measured: the
-machine was busy). The new kernel reaches the core's FMA peak on a packed tile (41-45 G multiply-
-adds/s), and about 25-33 on contiguous bf16 keys in a loop, but in this benchmark both kernels run
-at 10-16: the keys come from DRAM (the layer's 50 ms of weight reads between two decode steps evict
-them), GLM-5's as 256-byte slices of 1408-byte pool rows; profiled on that layout alone (perf, 16k
-keys), the new kernel's prefetches stall (18 % of its samples) and the FMAs wait on the packed
-tile: it is bound by reading strided keys, not by arithmetic. What would move it: the index keys in
-a pool region of their own (contiguous, streamed at the read rate), and fewer bytes and multiply-
-adds a key (int8 / FP8 keys with block scales, as DeepSeek's release stores them: maddubs on AVX2,
-VNNI on AVX-512). Quantized keys do not help the ratio itself (the bytes shrink with the work) and
-change the scores, so the selections would no longer equal the fp32 reference's: left out.
+keys: the floor is 4.0-4.7x (it scales with read rate / FMA peak; two threads were not measured:
+the machine was busy). Counting the indexer's weights, which a token reads too, V4's full indexer
+is within 1.5x at 8k and 16k, GLM-5's at 1.8-2.6x. The new kernel reaches the core's FMA peak on a
+packed tile (41-45 G multiply-adds/s) and about 25-33 on contiguous bf16 keys in a loop, but in
+this benchmark 11-18: the keys come from DRAM (the layer's 50 ms of weight reads between two decode
+steps evict them), GLM-5's as 256-byte slices of 1408-byte pool rows; perf on that layout alone
+showed the prefetches stalling (now spread over the tile's head blocks) and the FMAs waiting on the
+packed tile: it is bound by reading strided keys, not by arithmetic. What would move it: the index
+keys in a pool region of their own (contiguous, streamed at the read rate), and fewer bytes and
+multiply-adds a key (int8 / FP8 keys with block scales, as DeepSeek's release stores them: maddubs
+on AVX2, VNNI on AVX-512). Quantized keys do not help the ratio itself (the bytes shrink with the
+work) and change the scores, so the selections would no longer equal the fp32 reference's: left
+out.
 
 --cpu-time (for a shared, noisy machine; with --threads 1): the calling thread's CPU time instead
 of the wall clock for every figure (read and matmul rates included), so time the scheduler gives
