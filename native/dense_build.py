@@ -54,8 +54,6 @@ def dense_extension() -> Extension:
             _NATIVE / "dense" / n
             for n in (
                 "decode_attention_avx2.cpp",
-                "index_avx2.cpp",
-                "index_avx512.cpp",
                 "prefill_attention_avx2.cpp",
                 "prefill_attention_avx512.cpp",
                 "qdot_avx2.cpp",

@@ -1,6 +1,6 @@
 // AVX2 + FMA range kernel of decode attention (decode_attention.h); d % 8 == 0. Also the sparse
-// attention's kernel (sparse_attention.h), on the same tile functions (the indexer's is
-// index_avx2.cpp).
+// attention's kernel (sparse_attention.h), on the same tile functions (the indexer's is in
+// prefill_attention_avx2.cpp, on index_impl.h).
 //
 // Keys go in tiles of kT: (1) the G heads' logits of the tile, each K row widened once and
 // dotted with every head of the group; (2) per head the tile maximum, the correction of the

@@ -1,10 +1,9 @@
 // The Lightning Indexer's scoring kernel (sparse_attention.h, IndexFn), one template on an ISA's
-// vector type. The including file defines FT_TARGET and FT_INLINE and a struct providing:
-//   T, kLanes, kRB (heads of a register tile), kNV (vectors of keys of a register tile);
-//   zero, set1, load, store, fma (a * b + c, fused), mul, relu (x > 0 ? x : 0, NaN -> 0);
-//   pack(keys, bf16, dim, nk, kt): the nk <= kNV * kLanes keys widened to fp32 and transposed
-//   into kt [dim, kNV * kLanes] (key-major columns, the missing keys' columns zero);
-// then instantiates `index_keys<ThatStruct>`.
+// vector type: `IndexVec` over the prefill attention's (prefill_attention_impl.h: T, kLanes,
+// zero, set1, load, store, fma, mul, max) with this kernel's register tile (kRB heads x kNV
+// vectors of keys) and its key packing: `pack(keys, bf16, dim, nk, kt)` widens the nk <= kNV *
+// kLanes keys to fp32 and transposes them into kt [dim, kNV * kLanes] (key-major columns, the
+// missing keys' columns zero). The prefill attention's files instantiate `index_keys` with it.
 //
 // Lanes are keys: a register tile holds kRB heads x kNV * kLanes keys, and every key's score is
 // computed in its own lane, with no horizontal operation:
@@ -13,14 +12,18 @@
 //     score  = fma chain over h = 0 .. heads-1 of w[h] * relu(dot[h] * scale)   (from 0)
 //
 // so the score of a key is the same bits whatever the ISA (AVX-512, AVX2, emu512, scalar: all
-// fused), the tile, the task split or the thread count. The keys are streamed once: each tile's
-// keys are packed (widened, transposed) into an L1-resident block, and every head's q row is read
-// from L1 as broadcasts against it; the next tile's rows are prefetched while this one is scored.
+// fused; NaN scores aside), the tile, the task split or the thread count. The keys are streamed
+// once: each tile's keys are packed (widened, transposed) into an L1-resident block, and every
+// head's q row is read from L1 as broadcasts against it; the next tile's rows are prefetched
+// while this one is scored.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "prefill_attention_impl.h"
 
 namespace ftdense {
 namespace index_impl {
@@ -32,8 +35,8 @@ namespace index_impl {
 // (where perf saw them stall, the miss buffers full): 18-25 against 12-17, alternated runs.
 constexpr int kPrefetchTiles = 1;
 
-// scores[j * L + l] (+ nothing: stored) for the tile's keys: heads [h0, h0 + RB) folded into the
-// running scores s, in head order.
+// Folds heads [h0, h0 + RB) into the running scores s of the tile's keys (lane l of s[j]: key
+// j * L + l), in head order.
 template <class V, int RB>
 FT_INLINE void head_block(const float* q, const float* w, int h0, int dim, float scale,
                           const float* kt, typename V::T* s) {
@@ -113,13 +116,33 @@ FT_TARGET void index_keys(const float* q, const float* w, int heads, int dim, fl
   }
 }
 
-// Generic pack (one element at a time): kt[e * KW + t] = key t's element e, zero past nk.
-template <int KW, class Widen>
-inline void pack_generic(const char* const* keys, bool bf16, int dim, int nk, float* kt,
-                         Widen widen) {
-  for (int t = 0; t < KW; ++t)
-    for (int e = 0; e < dim; ++e) kt[e * KW + t] = t < nk ? widen(keys[t], e, bf16) : 0.0f;
-}
+// Packing one element at a time: kt[e * KW + t] = key t's element e, zero past nk.
+struct PackGeneric {
+  template <int KW>
+  static void run(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
+    for (int t = 0; t < KW; ++t)
+      for (int e = 0; e < dim; ++e)
+        kt[e * KW + t] = t < nk ? prefill_impl::widen1(keys[t], e, bf16) : 0.0f;
+  }
+};
+
+// The kernel's vector type: the prefill attention's P with a register tile of RB heads x NV
+// vectors of keys and packing Pack. One lane (P::kLanes == 1, the plain-C++ "scalar") fuses its
+// multiply-adds with std::fma, as the SIMD and emulated ones do.
+template <class P, int RB, int NV, class Pack>
+struct IndexVec : P {
+  using T = typename P::T;
+  static constexpr int kRB = RB, kNV = NV;
+  FT_INLINE static T fma(const T& a, const T& b, const T& c) {
+    if constexpr (P::kLanes == 1) return std::fma(a, b, c);
+    else return P::fma(a, b, c);
+  }
+  FT_INLINE static T relu(const T& a) { return P::max(a, P::zero()); }
+  FT_INLINE static void prefetch(const char* p) { __builtin_prefetch(p); }
+  FT_INLINE static void pack(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
+    Pack::template run<NV * P::kLanes>(keys, bf16, dim, nk, kt);
+  }
+};
 
 }  // namespace index_impl
 }  // namespace ftdense

@@ -1,7 +1,7 @@
-// The indexer's key packing on x86 (index_impl.h's V::pack), for the AVX2 and AVX-512 kernels:
-// whole groups of 8 keys x 8 columns widened and transposed in registers (AVX2), the rest (a
-// tile's last keys, a dim off 8) one element at a time. The including file defines FT_INLINE
-// with at least avx2 enabled.
+// The indexer's key packing on x86 (index_impl.h's IndexVec Pack), for the AVX2 and AVX-512
+// kernels: whole groups of 8 keys x 8 columns widened and transposed in registers (AVX2), the
+// rest (a tile's last keys, a dim off 8) one element at a time. The including file defines
+// FT_INLINE with at least avx2 enabled.
 #pragma once
 
 #include <immintrin.h>
@@ -9,15 +9,9 @@
 #include <cstdint>
 
 #include "index_impl.h"
-#include "kernels_bf16dot.h"
 
 namespace ftdense {
 namespace index_impl {
-
-inline float widen1(const char* row, int e, bool bf16) {
-  return bf16 ? ftnative::bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[e])
-              : reinterpret_cast<const float*>(row)[e];
-}
 
 template <bool BF16>
 FT_INLINE __m256 load8(const char* row, int e) {
@@ -52,18 +46,17 @@ FT_INLINE void transpose8(const char* const* keys, int e, float* kt) {
   }
 }
 
-template <int KW>
-FT_INLINE void pack_x86(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
-  if (nk != KW || dim % 8 != 0) {
-    pack_generic<KW>(keys, bf16, dim, nk, kt, widen1);
-    return;
+struct PackX86 {
+  template <int KW>
+  FT_INLINE static void run(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
+    if (nk != KW || dim % 8 != 0) return PackGeneric::run<KW>(keys, bf16, dim, nk, kt);
+    for (int c = 0; c < KW; c += 8)
+      for (int e = 0; e < dim; e += 8) {
+        if (bf16) transpose8<true, KW>(keys + c, e, kt + c);
+        else transpose8<false, KW>(keys + c, e, kt + c);
+      }
   }
-  for (int c = 0; c < KW; c += 8)
-    for (int e = 0; e < dim; e += 8) {
-      if (bf16) transpose8<true, KW>(keys + c, e, kt + c);
-      else transpose8<false, KW>(keys + c, e, kt + c);
-    }
-}
+};
 
 }  // namespace index_impl
 }  // namespace ftdense

@@ -9,11 +9,6 @@
 #include "cpu_features.h"
 #include "kernels_bf16dot.h"
 
-#define FT_TARGET
-#define FT_INLINE inline
-
-#include "index_impl.h"
-
 namespace ftdense {
 
 namespace {
@@ -36,61 +31,7 @@ void widen_row(const char* row, int d, bool bf16, float* out) {
   for (int e = 0; e < d; ++e) out[e] = widen(row, e, bf16);
 }
 
-// The indexer's kernel (index_impl.h) on plain C++: one lane ("scalar") or AVX-512's 16 lanes
-// ("emu512"), fused multiply-adds (std::fma), so their scores are the SIMD kernels' bits.
-struct IndexScalar {
-  using T = float;
-  static constexpr int kLanes = 1, kRB = 4, kNV = 4;
-  static T zero() { return 0.0f; }
-  static T set1(float f) { return f; }
-  static T load(const float* p) { return *p; }
-  static void store(float* p, T v) { *p = v; }
-  static T fma(T a, T b, T c) { return std::fma(a, b, c); }
-  static T mul(T a, T b) { return a * b; }
-  static T relu(T a) { return a > 0.0f ? a : 0.0f; }
-  static void prefetch(const char* p) { __builtin_prefetch(p); }
-  static void pack(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
-    index_impl::pack_generic<kNV * kLanes>(keys, bf16, dim, nk, kt, widen);
-  }
-};
-
-struct IndexEmu512 {
-  struct T {
-    float v[16];
-  };
-  static constexpr int kLanes = 16, kRB = 8, kNV = 2;
-  template <typename F>
-  static T map(F f) {
-    T t;
-    for (int i = 0; i < 16; ++i) t.v[i] = f(i);
-    return t;
-  }
-  static T zero() { return set1(0.0f); }
-  static T set1(float f) { return map([f](int) { return f; }); }
-  static T load(const float* p) { return map([p](int i) { return p[i]; }); }
-  static void store(float* p, const T& v) { std::copy(v.v, v.v + 16, p); }
-  static T fma(const T& a, const T& b, const T& c) {
-    return map([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); });
-  }
-  static T mul(const T& a, const T& b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
-  static T relu(const T& a) { return map([&](int i) { return IndexScalar::relu(a.v[i]); }); }
-  static void prefetch(const char* p) { __builtin_prefetch(p); }
-  static void pack(const char* const* keys, bool bf16, int dim, int nk, float* kt) {
-    index_impl::pack_generic<kNV * kLanes>(keys, bf16, dim, nk, kt, widen);
-  }
-};
-
 }  // namespace
-
-void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
-                  const char* const* keys, bool bf16, int n, float* scores) {
-  index_impl::index_keys<IndexScalar>(q, w, heads, dim, scale, keys, bf16, n, scores);
-}
-
-void index_emu512(const float* q, const float* w, int heads, int dim, float scale,
-                  const char* const* keys, bool bf16, int n, float* scores) {
-  index_impl::index_keys<IndexEmu512>(q, w, heads, dim, scale, keys, bf16, n, scores);
-}
 
 void RowSource::check(int64_t p0, int64_t p1) const {
   if (p0 < 0) throw std::invalid_argument("a negative position");
