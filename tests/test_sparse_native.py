@@ -29,9 +29,11 @@ pytestmark = pytest.mark.skipif(
 
 TOL = 2e-5
 PAGE = 16
-# Forced ISA -> the sparse kernels it selects (AVX-512 machines run the AVX2 ones, as decode
-# attention does; "emu512" the scalar ones). A path this CPU cannot run is skipped with the reason.
+# Forced ISA -> the sparse attention kernel it selects (AVX-512 machines run the AVX2 one, as
+# decode attention does; "emu512" the scalar one) and the indexer kernel (each ISA its own). A
+# path this CPU cannot run is skipped with the reason.
 ISAS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx2", "emu512": "scalar"}
+INDEX_ISAS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "emu512": "emu512"}
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +49,7 @@ def isa(request) -> str:
     except ValueError as e:
         pytest.skip(f"this CPU cannot run the {request.param} path: {e}")
     assert sparse_native.isa() == ISAS[request.param]
+    assert sparse_native.index_isa() == INDEX_ISAS[request.param]
     return str(request.param)
 
 
@@ -66,11 +69,13 @@ def _index_reference(q, w, keys, scale, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("heads", "dim", "n", "k"), [(8, 64, 3000, 256), (3, 20, 40, 50)])
+@pytest.mark.parametrize(
+    ("heads", "dim", "n", "k"), [(8, 64, 3000, 256), (3, 20, 40, 50), (32, 128, 700, 64)]
+)
 def test_indexer_matches_the_reference(isa, dtype, heads, dim, n, k):
     """Paged keys from a column offset (the DSA pool row's index key), several scoring tasks
-    (3000 keys), a head count off the AVX2 head blocks, a dim off 8 (the scalar fallback), and
-    k above n (every position, sorted)."""
+    (3000 keys), head counts off the register tiles' head blocks, a dim off 8 (the packing's
+    one-element path), GLM-5's 32 x 128, and k above n (every position, sorted)."""
     g = torch.Generator().manual_seed(heads)
     col = 9
     pages, table, rows = _paged(n, col + dim + 3, dtype, g)
@@ -88,6 +93,37 @@ def test_indexer_over_contiguous_fp32_keys(isa):
     q, w = torch.randn(16, 32, generator=g), torch.randn(16, generator=g)
     sel, _ = sparse_native.index_topk(q, w, Rows(keys), 650, 64, 0.2)
     assert torch.equal(sel, _index_reference(q, w, keys[:650], 0.2, 64)[0])
+
+
+def test_indexer_scores_are_the_same_bits_on_every_path_and_thread_count():
+    """Each key's score is one fixed chain of fused multiply-adds in its own lane
+    (native/dense/index_impl.h): every ISA path this CPU runs (AVX-512 emulated where it lacks
+    it), with 1 or 2 threads (one scoring task or several), gives the same bits, on shapes off
+    every register tile (13 heads, dim 20 and 128, keys not a multiple of a tile) and on
+    DeepSeek-V4's fp32 entries and a bf16 pool alike."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for heads, dim, n, dtype in [(13, 20, 1001, torch.float32), (32, 128, 2333, torch.bfloat16)]:
+        pages, table, _ = _paged(n, dim + 4, dtype, g)
+        q, w = torch.randn(heads, dim, generator=g), torch.randn(heads, generator=g)
+        cases.append((q, w, Rows(pages, 2, table), n))
+    results = {}
+    for isa in INDEX_ISAS:
+        for threads in (1, 2):
+            try:
+                dense_native.configure(threads, isa=isa)
+            except ValueError:
+                continue  # a path this CPU cannot run
+            assert sparse_native.index_isa() == INDEX_ISAS[isa]
+            results[isa, threads] = [
+                sparse_native.index_topk(q, w, rows, n, 64, dim**-0.5) for q, w, rows, n in cases
+            ]
+    assert {"scalar", "emu512"} <= {isa for isa, _ in results}
+    first = next(iter(results.values()))
+    for key, got in results.items():
+        for (sel, scores), (sel0, scores0) in zip(got, first, strict=True):
+            assert torch.equal(scores, scores0), key
+            assert torch.equal(sel, sel0), key
 
 
 @pytest.mark.parametrize("n", [60, 2500])
@@ -177,3 +213,4 @@ def test_the_forced_path_selects_the_sparse_kernels(value, monkeypatch):
     dense_native.configure(1)
     want = cpu_isa.forced(supported_isas(), {cpu_isa.ENV: value})
     assert sparse_native.isa() == ISAS[str(want)]
+    assert sparse_native.index_isa() == INDEX_ISAS[str(want)]

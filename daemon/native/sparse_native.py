@@ -11,8 +11,10 @@ GLM-5; models/layers/dsa.py) or of DeepSeek-V4's compressed attention (layers/v4
 Rows are given as `Rows`: one layer of the paged KV pool with a page table ([num_pages,
 page_size, 1, width], position p at page table[p // page_size]) or a contiguous [n, width]
 tensor (position p at row p), bf16 or fp32, from a column on. Nothing is gathered or widened
-into a copy. The kernels run on dense_native's pool with its ISA (scalar or AVX2 + FMA, as the
-decode attention's: "avx512" takes AVX2).
+into a copy. The kernels run on dense_native's pool with its ISA: the attention scalar or AVX2 +
+FMA, as the decode attention's ("avx512" takes AVX2); the indexer AVX-512, AVX2, emu512 or
+scalar, every path the same scores to the bit (each key's score one fixed chain of fused
+multiply-adds in its own lane: native/dense/index_impl.h), whatever the thread count.
 
 `usable` is False when the extension is not built or inside ``dense_native.torch_only()`` (the
 device code path): callers then keep their torch path.
@@ -42,9 +44,22 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def isa() -> str:
-    """The sparse kernels' ISA path ("avx2" or "scalar")."""
+    """The sparse attention's ISA path ("avx2" or "scalar")."""
     dense_native.ensure_configured()
     return str(dense_native._native.sparse_isa())
+
+
+def index_isa() -> str:
+    """The indexer's ISA path ("avx512", "avx2", "emu512" or "scalar")."""
+    dense_native.ensure_configured()
+    return str(dense_native._native.index_isa())
+
+
+def fma_probe(iters: int) -> int:
+    """Runs ``iters`` rounds of independent fp32 FMA chains in registers (AVX2) and returns the
+    multiply-adds done: timed by the caller, this core's fp32 FMA peak (the indexer's bound)."""
+    dense_native.ensure_configured()
+    return int(dense_native._native.fma_probe(iters))
 
 
 @dataclass(frozen=True)

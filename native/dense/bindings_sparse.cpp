@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bindings_common.h"
+#include "cpu_features.h"
 #include "sparse_attention.h"
 
 namespace py = pybind11;
@@ -26,8 +27,10 @@ ftdense::RowSource row_source(const RowArg& a) {
           reinterpret_cast<const int32_t*>(table), page_size, num_rows, table_len};
 }
 
+// By the configured base ISA, which the prefill kernel's name is ("avx512", "avx2", "emu512",
+// "scalar").
 const ftdense::SparseKernels& kernels(const Configured& c) {
-  return ftdense::sparse_kernels(c.attention ? ftdense::range_kernel_name(c.attention) : "scalar");
+  return ftdense::sparse_kernels(c.prefill ? ftdense::prefill_kernel_name(c.prefill) : "scalar");
 }
 
 // (rows, positions address or 0, first position, count): count rows, at the int32 positions
@@ -38,6 +41,24 @@ using SegmentArg = std::tuple<RowArg, uintptr_t, int64_t, int64_t>;
 
 void bind_sparse(py::module_& m) {
   m.def("sparse_isa", [] { return std::string(kernels(configured()).name); });
+  m.def("index_isa", [] { return std::string(kernels(configured()).index_name); });
+  m.def(
+      "fma_probe",
+      [](int64_t iters) {
+#ifndef FTNATIVE_NO_X86
+        if (iters < 1) throw py::value_error("iters must be >= 1");
+        if (!ftnative::isa_supported("avx2")) throw py::value_error("this CPU has no AVX2");
+        py::gil_scoped_release release;
+        ftdense::fma_probe_avx2(iters);
+        return iters * ftdense::kFmaProbeChains * 8;
+#else
+        (void)iters;
+        throw py::value_error("no x86 FMA probe on this architecture");
+#endif
+      },
+      py::arg("iters"),
+      "Runs `iters` rounds of independent 8-lane fp32 FMA chains in registers (AVX2 + FMA) and "
+      "returns the multiply-adds done: timed by the caller, this core's fp32 FMA peak.");
   m.def(
       "index_topk",
       [](uintptr_t q, uintptr_t w, int heads, int dim, float scale, const RowArg& keys, int64_t n,

@@ -1,5 +1,6 @@
 // AVX2 + FMA range kernel of decode attention (decode_attention.h); d % 8 == 0. Also the sparse
-// attention's and the indexer's kernels (sparse_attention.h), on the same tile functions.
+// attention's kernel (sparse_attention.h), on the same tile functions (the indexer's is in
+// prefill_attention_avx2.cpp, on index_impl.h).
 //
 // Keys go in tiles of kT: (1) the G heads' logits of the tile, each K row widened once and
 // dotted with every head of the group; (2) per head the tile maximum, the correction of the
@@ -295,40 +296,6 @@ FT_TARGET void sparse_range(const SparseQuery& sq, const char* const* rows, int6
   }
 }
 
-// The indexer's scores (sparse_attention.h): every head's dot products of a tile as decode
-// attention's logits, then sum_h w[h] * relu(.) eight keys at a time.
-template <bool BF16>
-FT_TARGET void index_range(const float* q, const float* w, int heads, int dim, float scale,
-                           const char* const* keys, int n, float* scores) {
-  thread_local std::vector<float> buf;  // dot products [heads, kT]
-  buf.resize(static_cast<size_t>(heads) * kT);
-  float* s = buf.data();
-  TileSlices ahead;
-  ahead.slice = static_cast<int64_t>(dim) * (BF16 ? 2 : 4);
-  const __m256 zero = _mm256_setzero_ps();
-  for (int t0 = 0; t0 < n; t0 += kT) {
-    const int nt = std::min(kT, n - t0);
-    next_tile(keys, t0, n, ahead);
-    head_blocks(heads, [&](auto gb, int g0) {
-      logits_heads<BF16, decltype(gb)::value>(q + static_cast<int64_t>(g0) * dim, dim,
-                                              keys + t0, nt, scale, s + g0 * kT,
-                                              g0 == 0 ? &ahead : nullptr);
-    });
-    int t = 0;
-    for (; t + 8 <= nt; t += 8) {
-      __m256 a = zero;
-      for (int h = 0; h < heads; ++h)
-        a = _mm256_fmadd_ps(_mm256_max_ps(_mm256_loadu_ps(s + h * kT + t), zero),
-                            _mm256_set1_ps(w[h]), a);
-      _mm256_storeu_ps(scores + t0 + t, a);
-    }
-    for (; t < nt; ++t) {
-      float a = 0.0f;
-      for (int h = 0; h < heads; ++h) a += w[h] * std::max(0.0f, s[h * kT + t]);
-      scores[t0 + t] = a;
-    }
-  }
-}
 }  // namespace
 
 void range_avx2(const KvPages& kv, const KeyRange& r) {
@@ -340,12 +307,6 @@ void sparse_avx2(const SparseQuery& sq, const char* const* rows, bool bf16, int6
                  int64_t k1, int h0, int h1, float* m, float* l, float* acc) {
   if (bf16) sparse_range<true>(sq, rows, k0, k1, h0, h1, m, l, acc);
   else sparse_range<false>(sq, rows, k0, k1, h0, h1, m, l, acc);
-}
-
-void index_avx2(const float* q, const float* w, int heads, int dim, float scale,
-                const char* const* keys, bool bf16, int n, float* scores) {
-  if (bf16) index_range<true>(q, w, heads, dim, scale, keys, n, scores);
-  else index_range<false>(q, w, heads, dim, scale, keys, n, scores);
 }
 
 }  // namespace ftdense

@@ -1,6 +1,7 @@
 // Prefill attention (prefill_attention.h): the plan and hand-out of tile tasks, the kernel choice,
 // and the plain-C++ tile kernels ("scalar": one lane; "emu512": the AVX-512 geometry on 16-lane
-// arrays with fused multiply-adds, the same arithmetic as prefill_attention_avx512.cpp).
+// arrays with fused multiply-adds, the same arithmetic as prefill_attention_avx512.cpp); and the
+// Lightning Indexer's scoring kernels on the same two (index_impl.h).
 #include "prefill_attention.h"
 
 #include <algorithm>
@@ -14,7 +15,9 @@
 #define FT_TARGET
 #define FT_INLINE inline
 
+#include "index_impl.h"
 #include "prefill_attention_impl.h"
+#include "sparse_attention.h"
 
 namespace ftdense {
 
@@ -147,6 +150,18 @@ void prefill_tile_scalar(const KvPages& kv, const PrefillTile& t) {
 
 void prefill_tile_emu512(const KvPages& kv, const PrefillTile& t) {
   prefill_impl::prefill_tile<Emu512>(kv, t);
+}
+
+void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
+                  const char* const* keys, bool bf16, int n, float* scores) {
+  using V = index_impl::IndexVec<Scalar, 4, 4, index_impl::PackGeneric>;
+  index_impl::index_keys<V>(q, w, heads, dim, scale, keys, bf16, n, scores);
+}
+
+void index_emu512(const float* q, const float* w, int heads, int dim, float scale,
+                  const char* const* keys, bool bf16, int n, float* scores) {
+  using V = index_impl::IndexVec<Emu512, 8, 2, index_impl::PackGeneric>;
+  index_impl::index_keys<V>(q, w, heads, dim, scale, keys, bf16, n, scores);
 }
 
 PrefillFn prefill_kernel(const std::string& isa) {

@@ -1,6 +1,8 @@
 // The prefill attention tile kernel (prefill_attention_impl.h) on AVX-512F: 16 lanes, register
 // tiles of 8 rows x 32 columns. Its arithmetic is the "emu512" kernel's and the AVX2 one's
-// (prefill_attention_impl.h), which test it on CPUs without AVX-512.
+// (prefill_attention_impl.h), which test it on CPUs without AVX-512. Also the Lightning Indexer's
+// scoring kernel (index_impl.h) on the same vectors, tiles of 8 heads x 32 keys: its scores are
+// the AVX2, emu512 and scalar kernels' bits.
 #include <immintrin.h>
 
 // GCC 12's AVX-512 intrinsics seed their masked builtins with _mm512_undefined_*() (see
@@ -11,7 +13,9 @@
 #define FT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define FT_INLINE FT_TARGET __attribute__((always_inline)) inline
 
+#include "index_pack_x86.h"
 #include "prefill_attention_impl.h"
+#include "sparse_attention.h"
 
 namespace ftdense {
 namespace {
@@ -45,6 +49,12 @@ struct Avx512 {
 
 void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t) {
   prefill_impl::prefill_tile<Avx512>(kv, t);
+}
+
+void index_avx512(const float* q, const float* w, int heads, int dim, float scale,
+                  const char* const* keys, bool bf16, int n, float* scores) {
+  using V = index_impl::IndexVec<Avx512, 8, 2, index_impl::PackX86>;
+  index_impl::index_keys<V>(q, w, heads, dim, scale, keys, bf16, n, scores);
 }
 
 }  // namespace ftdense

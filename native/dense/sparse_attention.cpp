@@ -48,23 +48,6 @@ void RowSource::check(int64_t p0, int64_t p1) const {
       throw std::invalid_argument("a page id is outside the pool");
 }
 
-void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
-                  const char* const* keys, bool bf16, int n, float* scores) {
-  thread_local std::vector<float> kf;
-  kf.resize(dim);
-  for (int t = 0; t < n; ++t) {
-    widen_row(keys[t], dim, bf16, kf.data());
-    float s = 0.0f;
-    for (int h = 0; h < heads; ++h) {
-      const float* qh = q + static_cast<int64_t>(h) * dim;
-      float dot = 0.0f;
-      for (int e = 0; e < dim; ++e) dot += qh[e] * kf[e];
-      s += w[h] * std::max(0.0f, dot * scale);
-    }
-    scores[t] = s;
-  }
-}
-
 void sparse_scalar(const SparseQuery& sq, const char* const* rows, bool bf16, int64_t k0,
                    int64_t k1, int h0, int h1, float* m, float* l, float* acc) {
   const int dk = sq.dk, dv = sq.dv;
@@ -93,12 +76,15 @@ void sparse_scalar(const SparseQuery& sq, const char* const* rows, bool bf16, in
 }
 
 const SparseKernels& sparse_kernels(const std::string& isa) {
-  static const SparseKernels scalar{index_scalar, sparse_scalar, "scalar"};
+  static const SparseKernels scalar{index_scalar, sparse_scalar, "scalar", "scalar"};
+  static const SparseKernels emu512{index_emu512, sparse_scalar, "scalar", "emu512"};
 #ifndef FTNATIVE_NO_X86
-  static const SparseKernels avx2{index_avx2, sparse_avx2, "avx2"};
+  static const SparseKernels avx2{index_avx2, sparse_avx2, "avx2", "avx2"};
+  static const SparseKernels avx512{index_avx512, sparse_avx2, "avx2", "avx512"};
+  if (isa == "avx512" && ftnative::isa_supported("avx512")) return avx512;
   if ((isa == "avx2" || isa == "avx512") && ftnative::isa_supported("avx2")) return avx2;
 #endif
-  (void)isa;
+  if (isa == "emu512") return emu512;
   return scalar;
 }
 
@@ -194,7 +180,7 @@ void index_topk(Pool& pool, const SparseKernels& ks, const float* q, const float
     own.resize(n);
     scores = own.data();
   }
-  IndexJob j{dim % 8 == 0 ? ks.index : index_scalar, q, w, heads, dim, scale, &keys, n,
+  IndexJob j{ks.index, q, w, heads, dim, scale, &keys, n,
              (n + tasks - 1) / tasks, scores};
   pool.run(index_task, &j, tasks);
   // best first, equal scores lower position first; NaN ranks as -inf (a strict weak order)

@@ -54,7 +54,9 @@ struct RowSource {
   }
 };
 
-// One key tile of the indexer: scores[t] = sum_h w[h] * relu(scale * q[h] . keys[t]) for t < n.
+// The indexer's scores of n keys: scores[t] = sum_h w[h] * relu(scale * q[h] . keys[t]) for
+// t < n, each key's score one fixed chain of fused multiply-adds in its own lane (index_impl.h):
+// the same bits on every ISA path and whatever the split of the keys into calls.
 using IndexFn = void (*)(const float* q, const float* w, int heads, int dim, float scale,
                          const char* const* keys, bool bf16, int n, float* scores);
 
@@ -71,21 +73,33 @@ using SparseFn = void (*)(const SparseQuery& sq, const char* const* rows, bool b
 struct SparseKernels {
   IndexFn index;
   SparseFn attend;
-  const char* name;
+  const char* name;        // the attention's
+  const char* index_name;  // the indexer's
 };
 
-// By ISA name as range_kernel picks (decode_attention.h): "avx2" / "avx512" the AVX2 + FMA
-// kernels when the CPU has AVX2, anything else the scalar ones. The AVX2 kernels want dim / dk /
-// dv % 8 == 0; other shapes take the scalar ones.
+// By base ISA name (prefill_kernel_name's: "avx512", "avx2", "emu512", "scalar"). The attention:
+// "avx2" / "avx512" the AVX2 + FMA kernel when the CPU has AVX2, as range_kernel picks
+// (decode_attention.h), anything else the scalar one; it wants dk / dv % 8 == 0, other shapes
+// take the scalar one. The indexer: that ISA's kernel (any dim; "avx512" / "avx2" where the CPU
+// runs them, else the scalar one).
 const SparseKernels& sparse_kernels(const std::string& isa);
 
 void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
+                  const char* const* keys, bool bf16, int n, float* scores);
+void index_emu512(const float* q, const float* w, int heads, int dim, float scale,
                   const char* const* keys, bool bf16, int n, float* scores);
 void sparse_scalar(const SparseQuery& sq, const char* const* rows, bool bf16, int64_t k0,
                    int64_t k1, int h0, int h1, float* m, float* l, float* acc);
 #ifndef FTNATIVE_NO_X86
 void index_avx2(const float* q, const float* w, int heads, int dim, float scale,
                 const char* const* keys, bool bf16, int n, float* scores);
+void index_avx512(const float* q, const float* w, int heads, int dim, float scale,
+                  const char* const* keys, bool bf16, int n, float* scores);
+// This core's fp32 FMA peak, measured: `iters` rounds of kFmaProbeChains independent 8-lane
+// fused multiply-add chains in registers (iters x kFmaProbeChains x 8 multiply-adds; more chains
+// than FMA latency x pipes); returns a value that depends on every chain.
+constexpr int kFmaProbeChains = 12;
+float fma_probe_avx2(int64_t iters);
 void sparse_avx2(const SparseQuery& sq, const char* const* rows, bool bf16, int64_t k0,
                  int64_t k1, int h0, int h1, float* m, float* l, float* acc);
 #endif
