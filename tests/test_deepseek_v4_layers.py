@@ -45,6 +45,7 @@ from freetokend.models.deepseek_v4_model import (
     load_checkpoint,
     v4_config,
 )
+from freetokend.models.layers import compressed
 from freetokend.models.layers.compressed import select_topk, visible_entries
 from freetokend.models.layers.rope import inv_frequencies
 from freetokend.models.layers.v4_attention import V4Attention, V4AttentionState
@@ -297,6 +298,24 @@ def test_indexer_selection_matches(pair):
             top = scores[t].sort(descending=True).values
             assert (top[TOPK - 1] - top[TOPK]).item() > 1e-5
     assert (vis > TOPK).sum() > 20  # the selection is a strict subset for most queries
+
+
+def test_indexer_scores_in_query_blocks(pair, monkeypatch):
+    """The indexer scores its queries in blocks (the [block, heads, entries] dot products
+    within ``INDEX_SCORE_BYTES``): blocks of 1 and 3 queries choose what one block does."""
+    hf, ours = pair
+    x, q_res, pos, rope, _ = _inputs(hf, ours, 1, 40, seed=9)
+    mine = ours.layers[1].self_attn.indexer
+    assert mine is not None
+    cos, sin = rope.cos_sin(pos)
+    empty = mine.compressor.empty_state()
+    whole, _ = mine(x[0], q_res[0], pos, empty, rope, cos, sin)
+    e = 40 // mine.rate
+    for rows in (1, 3):
+        monkeypatch.setattr(compressed, "INDEX_SCORE_BYTES", 4 * mine.heads * e * rows)
+        got, st = mine(x[0], q_res[0], pos, empty, rope, cos, sin)
+        assert st.entries.shape[0] == e
+        assert torch.equal(got, whole), rows
 
 
 @pytest.mark.parametrize("i", [0, 1, 2])  # sliding, CSA, HCA
