@@ -45,8 +45,10 @@ from freetokend.models.deepseek_v4_model import (
     load_checkpoint,
     v4_config,
 )
+from freetokend.models.layers import compressed
 from freetokend.models.layers.compressed import select_topk, visible_entries
 from freetokend.models.layers.rope import inv_frequencies
+from freetokend.models.layers.v4_attention import V4Attention, V4AttentionState
 from freetokend.native import dense_native, sparse_native
 
 ATOL_HF = 1e-4
@@ -298,6 +300,24 @@ def test_indexer_selection_matches(pair):
     assert (vis > TOPK).sum() > 20  # the selection is a strict subset for most queries
 
 
+def test_indexer_scores_in_query_blocks(pair, monkeypatch):
+    """The indexer scores its queries in blocks (the [block, heads, entries] dot products
+    within ``INDEX_SCORE_BYTES``): blocks of 1 and 3 queries choose what one block does."""
+    hf, ours = pair
+    x, q_res, pos, rope, _ = _inputs(hf, ours, 1, 40, seed=9)
+    mine = ours.layers[1].self_attn.indexer
+    assert mine is not None
+    cos, sin = rope.cos_sin(pos)
+    empty = mine.compressor.empty_state()
+    whole, _ = mine(x[0], q_res[0], pos, empty, rope, cos, sin)
+    e = 40 // mine.rate
+    for rows in (1, 3):
+        monkeypatch.setattr(compressed, "INDEX_SCORE_BYTES", 4 * mine.heads * e * rows)
+        got, st = mine(x[0], q_res[0], pos, empty, rope, cos, sin)
+        assert st.entries.shape[0] == e
+        assert torch.equal(got, whole), rows
+
+
 @pytest.mark.parametrize("i", [0, 1, 2])  # sliding, CSA, HCA
 def test_attention_matches(pair, i):
     hf, ours = pair
@@ -312,6 +332,60 @@ def test_attention_matches(pair, i):
     cos, sin = rope.cos_sin(pos)
     out, _ = attn(x[0], 0, attn.empty_state(), rope, cos, sin)
     assert (out - ref[0]).abs().max().item() < ATOL_HF
+
+
+def test_selected_prefill_equals_masked(pair, monkeypatch):
+    """CSA prefill reads each query's window and its chosen entries only
+    (`V4Attention._attend_selected`, blocks of queries with the entries gathered); the masked
+    reference (every entry scored, masked to the chosen) gives the same outputs and states, on
+    a prompt where the top-3 is a strict subset of the entries, for several chunkings and
+    block sizes (blocks of 1, 2 and 5 queries, and one block)."""
+    hf, ours = pair
+    i, n = 1, 40
+    x, _, pos, rope, _ = _inputs(hf, ours, i, n, seed=30)
+    attn = ours.layers[i].self_attn
+    assert attn.indexer is not None and attn.indexer.topk == TOPK
+    assert (visible_entries(pos, attn.rate) > TOPK).sum() > 20
+    masked_calls = []
+    reference = V4Attention._attend_masked
+
+    def counted(self, *a, **k):
+        masked_calls.append(self)
+        return reference(self, *a, **k)
+
+    monkeypatch.setattr(V4Attention, "_attend_masked", counted)
+
+    def run(split: list[int]) -> tuple[torch.Tensor, V4AttentionState]:
+        st, outs, p = attn.empty_state(), [], 0
+        for size in split:
+            cos, sin = rope.cos_sin(pos[p : p + size])
+            o, st = attn(x[0, p : p + size], p, st, rope, cos, sin)
+            outs.append(o)
+            p += size
+        return torch.cat(outs), st
+
+    k, d = TOPK, attn.head_dim
+    for split in ([40], [3, 6, 1, 17, 13], [13, 27], [9, 31]):
+        monkeypatch.setattr(attn, "masked_prefill", True)
+        masked_calls.clear()
+        want, want_st = run(split)
+        assert len(masked_calls) == len(split)
+        for block in (1, 2, 5, n):
+            monkeypatch.setattr(attn, "masked_prefill", False)
+            monkeypatch.setattr(attn, "selected_block", block * k * d)
+            masked_calls.clear()
+            got, st = run(split)
+            assert not masked_calls  # the selected path alone
+            assert (got - want).abs().max().item() < ATOL_SELF, (split, block)
+            assert torch.equal(st.window, want_st.window)
+    # the model's logits too (the other layers' paths unchanged)
+    ids = _ids(40, seed=31)
+    monkeypatch.setattr(attn, "masked_prefill", True)
+    want_logits = _ours_logits(ours, ids, [40])
+    monkeypatch.setattr(attn, "masked_prefill", False)
+    monkeypatch.setattr(attn, "selected_block", 3 * k * d)
+    got_logits = _ours_logits(ours, ids, [17, 23])
+    assert (got_logits - want_logits).abs().max().item() < ATOL_SELF
 
 
 @pytest.mark.parametrize("i", [0, 1])  # hash routing, learned routing with correction bias

@@ -62,8 +62,12 @@ noisy). TTFT (tok/s):
 Greedy agreement: 2 layers at 2048, 8/8 (llama.cpp's margins median 0.28, min 0.03); 1 layer at
 2048, 7/8 (the one differing at a margin of 0.035, a near tie); at 8192, 8/8 (margins median
 0.20, min 0.11); 1 layer at 16384 the first
-token already differs, with llama.cpp's margin 0.20 there (not a near tie;
-cause not isolated).
+token already differs, with llama.cpp's margin 0.20 there (not a near tie). Diagnosed on a
+narrow model of the same geometry (diag_v4_long_context.py): ours follows transformers' fp32
+forward at long context (5.5e-6 at 8k) and llama.cpp with an F32 KV cache (within 1e-2 up to
+16k), while llama.cpp's default F16 KV cache, which this benchmark runs, moves its logits 3-18x
+further and swaps boundary entries of the indexer's top-512: the disagreement points at
+llama.cpp's F16 cache (not confirmed on this file: ~700 s of llama.cpp CPU at 16k).
 Our 16k prefill by part (--profile): the CSA layer's attention 77 % of which the indexer 15 %
 (its scores 10.5 %, top-k sort 0.9 %), o_a / o_b 10.7 %, q_b 4.8 %, compressors 3.3 %, and the
 rest, about 44 % of the prefill, the attention proper: the torch prefill path scores every

@@ -165,6 +165,11 @@ class Compressor(nn.Module):
         return new
 
 
+# bytes of the [queries, heads, entries] fp32 dot products `Indexer` scores at a time (at 16k
+# tokens, 4096 entries of V4-Flash's 64 indexer heads: blocks of 64 queries)
+INDEX_SCORE_BYTES = 64 << 20
+
+
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The Lightning Indexer's scores: q [N, heads, D] (fp32), keys [E, D], weights [N, heads]
     (x W_w) -> [N, E] fp32, sum_h weights(t, h) / sqrt(heads) * relu(q(t, h) . k_s) / sqrt(D).
@@ -238,5 +243,12 @@ class Indexer(nn.Module):
         """-> (selected entries [N, <= topk] with -1 padding, the indexer's new state).
         cos, sin: the compress rope at the queries' positions."""
         state = self.compressor(x, state, rope)
-        s = self.scores(x, q_res, positions, state.entries, cos, sin)
-        return select_topk(s, self.topk), state
+        n, e = x.shape[0], state.entries.shape[0]
+        # blocks of queries: their [block, heads, E] dot products within INDEX_SCORE_BYTES
+        step = max(1, INDEX_SCORE_BYTES // (4 * self.heads * max(1, e)))
+        out = []
+        for b0 in range(0, n, step):
+            b = slice(b0, min(n, b0 + step))
+            s = self.scores(x[b], q_res[b], positions[b], state.entries, cos[b], sin[b])
+            out.append(select_topk(s, self.topk))
+        return (out[0] if len(out) == 1 else torch.cat(out)), state

@@ -23,8 +23,11 @@ YaRN) for queries, keys, entries and indexer alike: the model passes the layer's
 
 A decode step (one token) on the CPU with the native extension runs the indexer's scoring and
 top-k and the attention over the window's keys plus the chosen (CSA) or all (HCA) entries in
-native code (`sparse_native`), reading the state's tensors in place; the torch path (every
-entry scored then masked) stays the reference and serves prefill and other devices.
+native code (`sparse_native`), reading the state's tensors in place. Prefill and other devices
+take the torch path: on CSA layers each query reads its window and its chosen entries only
+(`V4Attention._attend_selected`: blocks of queries, the chosen entries gathered; at 16k tokens
+the top-512 of 4096 entries, 1/8 of the rows), on sliding and HCA layers every key and entry
+masked to those seen (`_attend_masked`, also CSA's reference with ``masked_prefill``).
 
 `V4AttentionState` is one sequence's state in one layer: the last window - 1 keys and the
 compressor / indexer states (`compressed.CompressorState`).
@@ -44,6 +47,10 @@ from .common import Linear, RMSNorm, block_linear, param, project
 from .compressed import Compressor, CompressorState, Indexer, rotate_tail, visible_entries
 from .hyper import unweighted_rms_norm
 from .rope import Rope
+
+# gathered elements (query x selected entry x channel) of one `_attend_selected` block: 64
+# queries at V4-Flash's index_topk 512 x head_dim 512 (64 MiB of fp32 rows)
+SELECTED_BLOCK = 1 << 24
 
 
 class GroupedLinear(nn.Module):
@@ -131,6 +138,10 @@ class V4Attention(nn.Module):
     ) -> None:
         """compress_rate 0: sliding only. With a rate: HCA without ``indexer``, CSA with it."""
         super().__init__()
+        # CSA prefill: False reads each query's selected entries (`_attend_selected`, blocks of
+        # at most ``selected_block`` gathered elements); True the masked reference
+        self.masked_prefill = False
+        self.selected_block = SELECTED_BLOCK
         self.heads, self.head_dim, self.window, self.eps = heads, head_dim, window, eps
         self.groups = o_groups
         self.scale = head_dim**-0.5
@@ -211,22 +222,50 @@ class V4Attention(nn.Module):
         keys = torch.cat((state.window, k))  # positions start - w .. start + n - 1
         if n == 1 and sparse_native.usable(x, keys):
             return self._decode_native(x, (q_res, q, keys), start, state, rope, (cos, sin))
-        kpos = start - state.window.shape[0] + torch.arange(keys.shape[0], device=dev)
+        new = V4AttentionState(keys[max(0, keys.shape[0] - (self.window - 1)) :].clone())
+        entries: torch.Tensor | None = None
+        chosen: torch.Tensor | None = None
+        if self.compressor is not None:
+            assert state.compressor is not None
+            new.compressor = self.compressor(x, state.compressor, rope)
+            entries = new.compressor.entries
+            if self.indexer is not None:
+                assert state.indexer is not None
+                chosen, new.indexer = self.indexer(x, q_res, qpos, state.indexer, rope, cos, sin)
+        w = state.window.shape[0]
+        if chosen is not None and not self.masked_prefill:
+            assert entries is not None
+            out = self._attend_selected(q, keys, w, entries, chosen)
+        else:
+            out = self._attend_masked(q, keys, start, w, entries, chosen)
+        return self._output(out, cos, sin), new
+
+    def _attend_masked(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        start: int,
+        w: int,
+        entries: torch.Tensor | None,
+        chosen: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of the queries q [N, heads, D] at positions start .. start + N - 1 over
+        ``keys`` [w + N, D] (positions start - w ..; the window's masked in) and, HCA / CSA,
+        over every entry [E, D], masked to those visible (HCA) or to the ``chosen`` [N, k]
+        (CSA, -1 padded) -> [N, heads, D]. The reference: every query scored against every
+        entry (CSA prefill uses `_attend_selected` unless ``masked_prefill``)."""
+        n, dev = q.shape[0], q.device
+        qpos = start + torch.arange(n, device=dev)
+        kpos = start - w + torch.arange(keys.shape[0], device=dev)
         near = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (
             kpos.unsqueeze(0) > qpos.unsqueeze(1) - self.window
         )
         logits = [torch.einsum("nhd,cd->hnc", q, keys).masked_fill(~near, float("-inf"))]
         values = [keys]
-        new = V4AttentionState(keys[max(0, keys.shape[0] - (self.window - 1)) :].clone())
-        if self.compressor is not None:
-            assert state.compressor is not None
-            new.compressor = self.compressor(x, state.compressor, rope)
-            entries = new.compressor.entries
+        if entries is not None:
             ent = torch.arange(entries.shape[0], device=dev)
             seen = ent.unsqueeze(0) < visible_entries(qpos, self.rate).unsqueeze(1)  # [N, E]
-            if self.indexer is not None:
-                assert state.indexer is not None
-                chosen, new.indexer = self.indexer(x, q_res, qpos, state.indexer, rope, cos, sin)
+            if chosen is not None:
                 picked = torch.zeros(n, entries.shape[0] + 1, dtype=torch.bool, device=dev)
                 e = entries.shape[0]
                 picked.scatter_(1, torch.where(chosen < 0, e, chosen), True)
@@ -235,8 +274,45 @@ class V4Attention(nn.Module):
             values.append(entries)
         sink = self.sinks.float().view(-1, 1, 1).expand(-1, n, 1)
         probs = torch.softmax(torch.cat([lg * self.scale for lg in logits] + [sink], -1), -1)
-        out = torch.matmul(probs[..., :-1], torch.cat(values))  # [heads, N, D]
-        return self._output(out.transpose(0, 1), cos, sin), new
+        return torch.matmul(probs[..., :-1], torch.cat(values)).transpose(0, 1)  # [N, heads, D]
+
+    def _attend_selected(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        w: int,
+        entries: torch.Tensor,
+        chosen: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_attend_masked` of a CSA layer reading only the rows each query attends to: per
+        block of queries, the window's keys the block spans (masked to each query's window)
+        and each query's ``chosen`` entries gathered ([block, k, D]). The block holds at most
+        ``SELECTED_BLOCK`` gathered elements (the copy, the logits and the mask bounded at any
+        context length). -> [N, heads, D]."""
+        n, heads, d = q.shape
+        k, dev = max(1, chosen.shape[1]), q.device
+        block = max(1, min(n, self.selected_block // (k * max(d, heads))))
+        sink = self.sinks.float().view(1, -1, 1)
+        out = torch.empty(n, heads, d, device=dev)
+        for i0 in range(0, n, block):
+            i1 = min(n, i0 + block)
+            # keys of query i (index w + i in keys): w + i - window + 1 .. w + i
+            lo, hi = max(0, i0 + w - self.window + 1), i1 + w
+            kb, qb = keys[lo:hi], q[i0:i1]
+            j = lo + torch.arange(hi - lo, device=dev)
+            qi = w + torch.arange(i0, i1, device=dev).unsqueeze(1)
+            near = (j.unsqueeze(0) <= qi) & (j.unsqueeze(0) > qi - self.window)  # [b, c]
+            lw = torch.einsum("bhd,cd->bhc", qb, kb).masked_fill(~near.unsqueeze(1), -torch.inf)
+            cb = chosen[i0:i1]
+            picked = entries[cb.clamp(min=0)]  # [b, k, D]
+            le = torch.bmm(qb, picked.transpose(1, 2))  # [b, heads, k]
+            le = le.masked_fill((cb < 0).unsqueeze(1), -torch.inf)
+            probs = torch.softmax(
+                torch.cat((lw * self.scale, le * self.scale, sink.expand(i1 - i0, -1, 1)), -1), -1
+            )
+            c = kb.shape[0]
+            out[i0:i1] = torch.matmul(probs[..., :c], kb) + torch.bmm(probs[..., c:-1], picked)
+        return out
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The heads' outputs [N, heads, D] -> [N, hidden]: the values' rope undone, then the
