@@ -48,7 +48,6 @@ from .families.spec import GgufJoin
 from .fill import Filler, allocate_banks
 from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix, top_name
 from .gguf_config import config_from_gguf, gguf_arch
-from .hugepages import advise_new
 from .layers.common import dtype_of
 from .model import CausalLM, build_model
 from .registry import GGUF_ARCHITECTURES, family_spec
@@ -570,8 +569,6 @@ def load_gguf(
             )
         family_spec(cfg.family)
         model = build_model(cfg)
-        for p in model.parameters():  # huge pages from the fill on, when asked (never written yet)
-            advise_new(p.data)
         banks = allocate_banks(cfg, resident=not tiered)
         filler = Filler(cfg, family_spec(cfg.family), model, banks)
         _check_experts(ck, cfg)
