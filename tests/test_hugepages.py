@@ -95,3 +95,33 @@ def test_the_cpu_engine_collapses_its_weights_off_the_load_path(monkeypatch, tmp
     assert {t.data_ptr() for t in llm.banks.all_tensors().values()} <= set(handed[0])
     LLM(str(path), moe_backend="cpu", max_model_len=64, huge_pages=False)
     assert len(handed) == 1
+
+
+def _resident_pages(addr: int, n: int) -> int:
+    """Resident 4 KiB pages of [addr, addr + n) (page-aligned), by mincore(2)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(n // 4096)
+    assert libc.mincore(addr, n, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+def test_prefault_backs_a_new_tensor_before_its_writes() -> None:
+    """prefault gives a never-written tensor its pages in one call (where the kernel has
+    MADV_POPULATE_WRITE): resident before the first write, zero, and written as usual after."""
+    import mmap
+
+    n = 16 << 20
+    region = mmap.mmap(-1, n)  # a fresh anonymous mapping: no page resident yet
+    t = torch.frombuffer(region, dtype=torch.uint8)
+    assert _resident_pages(t.data_ptr(), n) == 0
+    if hugepages.prefault(t):
+        assert _resident_pages(t.data_ptr(), n) == n // 4096
+        assert int(t.count_nonzero()) == 0
+    t.fill_(3)  # older kernel or not Linux: only the data to check
+    assert int(t.sum()) == 3 * n
+    assert not hugepages.prefault(torch.empty(0, dtype=torch.uint8))
+    del t
+    region.close()

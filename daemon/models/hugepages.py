@@ -24,6 +24,7 @@ the path to ready; the background collapse copies the same bytes off that path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 import threading
@@ -40,9 +41,12 @@ log = logging.getLogger(__name__)
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_PAGE = 4096
 MIN_BYTES = 4 << 20  # smaller tensors span at most one whole huge page: not worth a call
 
 
+@functools.cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if not sys.platform.startswith("linux"):
         return None
@@ -53,6 +57,21 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]
+
+
+def prefault(t: torch.Tensor) -> bool:
+    """Backs the whole 4 KiB pages of a CPU tensor about to be written with memory in one call
+    (MADV_POPULATE_WRITE) instead of a page fault every 4 KiB as the writes reach them: the
+    same pages, zeroed as a fault zeroes them, without the fault's entry and exit (measured on
+    1 GiB, AMD EPYC Zen 3 VM: 0.68-0.96 s of CPU against 0.92-1.06 s to fault it in while
+    copying). Whether the kernel did it (False: older kernels, not Linux; the writes fault as
+    before)."""
+    madvise = _madvise() if t.device.type == "cpu" else None
+    if madvise is None:
+        return False
+    p = t.data_ptr()
+    start, end = -(-p // _PAGE) * _PAGE, (p + t.numel() * t.element_size()) // _PAGE * _PAGE
+    return end > start and madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
 def _whole_pages(t: torch.Tensor) -> tuple[int, int]:
