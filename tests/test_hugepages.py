@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from freetokend.models import hugepages
@@ -49,18 +50,78 @@ def test_weight_tensors_cover_quantized_rows_and_banks(tmp_path) -> None:  # typ
     assert all(t.data_ptr() in found for t in llm.banks.all_tensors().values())
 
 
-def test_advised_before_the_fill_gets_huge_pages_and_no_second_pass() -> None:
-    """Inside advise_at_fill a new tensor is marked MADV_HUGEPAGE before it is written: its
-    fill faults in huge pages, and back_with_huge_pages leaves it alone (no collapse pass)."""
-    with hugepages.advise_at_fill():
-        w = hugepages.advise_new(torch.empty(6 << 20))
-    w.copy_(torch.arange(6 << 20, dtype=torch.float32))  # the fill
-    outside = hugepages.advise_new(torch.empty(6 << 20))  # not inside: left alone
-    assert (w.data_ptr(), w.numel() * 4) in hugepages._advised
-    assert (outside.data_ptr(), outside.numel() * 4) not in hugepages._advised
-    assert hugepages.back_with_huge_pages([w]) == 0  # skipped: nothing collapsed
-    assert torch.equal(w, torch.arange(6 << 20, dtype=torch.float32))
+def test_collapse_in_background_keeps_the_data_and_skips_freed_tensors() -> None:
+    """collapse_in_background does back_with_huge_pages's work on its own thread: the same
+    data, huge pages where the kernel gives them; a tensor freed before its turn is skipped
+    (its memory may belong to something else by then)."""
+    w = torch.arange(6 << 20, dtype=torch.float32)
+    gone = torch.randn(6 << 20)
+    want = w.clone()
+    thread = hugepages.collapse_in_background([w, gone, torch.randn(10)])
+    if thread is None:  # no madvise here (not Linux)
+        assert hugepages.back_with_huge_pages([w]) == 0
+        return
+    del gone
+    thread.join(60)
+    assert not thread.is_alive()
+    assert torch.equal(w, want)
     start = -(-w.data_ptr() // (2 << 20)) * (2 << 20)
     whole = (w.data_ptr() + w.numel() * 4) // (2 << 20) * (2 << 20) - start
     huge = _huge_kb_in(start, start + whole)
     assert huge in (0, whole >> 10) or huge >= (whole >> 10) // 2  # 0: THP off or refused
+    if hugepages.back_with_huge_pages([torch.randn(6 << 20)]):  # this kernel collapses
+        assert huge >= whole >> 10
+    assert hugepages.collapse_in_background([torch.randn(10)]) is None  # nothing to collapse
+
+
+def test_the_cpu_engine_collapses_its_weights_off_the_load_path(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With huge_pages the cpu engine hands its weights to collapse_in_background (not a
+    synchronous pass); without, nothing."""
+    from tiny_models import make_tiny
+
+    from freetokend import LLM
+    from freetokend.engine import build
+
+    handed: list[list[int]] = []
+    monkeypatch.setattr(
+        build, "collapse_in_background", lambda ts: handed.append([t.data_ptr() for t in ts])
+    )
+    monkeypatch.setattr(
+        hugepages, "back_with_huge_pages", lambda ts: pytest.fail("a synchronous pass")
+    )
+    path, _ = make_tiny("qwen3_moe", tmp_path, seed=2, dtype=torch.bfloat16, hidden_size=256)
+    llm = LLM(str(path), moe_backend="cpu", max_model_len=64)
+    assert len(handed) == 1
+    assert {t.data_ptr() for t in llm.banks.all_tensors().values()} <= set(handed[0])
+    LLM(str(path), moe_backend="cpu", max_model_len=64, huge_pages=False)
+    assert len(handed) == 1
+
+
+def _resident_pages(addr: int, n: int) -> int:
+    """Resident 4 KiB pages of [addr, addr + n) (page-aligned), by mincore(2)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(n // 4096)
+    assert libc.mincore(addr, n, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+def test_prefault_backs_a_new_tensor_before_its_writes() -> None:
+    """prefault gives a never-written tensor its pages in one call (where the kernel has
+    MADV_POPULATE_WRITE): resident before the first write, zero, and written as usual after."""
+    import mmap
+
+    n = 16 << 20
+    region = mmap.mmap(-1, n)  # a fresh anonymous mapping: no page resident yet
+    t = torch.frombuffer(region, dtype=torch.uint8)
+    assert _resident_pages(t.data_ptr(), n) == 0
+    if hugepages.prefault(t):
+        assert _resident_pages(t.data_ptr(), n) == n // 4096
+        assert int(t.count_nonzero()) == 0
+    t.fill_(3)  # older kernel or not Linux: only the data to check
+    assert int(t.sum()) == 3 * n
+    assert not hugepages.prefault(torch.empty(0, dtype=torch.uint8))
+    del t
+    region.close()

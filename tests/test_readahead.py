@@ -89,3 +89,25 @@ def test_the_daemon_reads_ahead_unless_the_disk_tier_is_on(tmp_path, monkeypatch
     assert started == [path]
     assert cli.main(["--model", path, "--disk-tier", "on", "--state-dir", str(tmp_path / "s")]) == 0
     assert started == [path]
+
+
+def test_the_daemon_imports_with_the_collector_off_then_frozen(tmp_path, monkeypatch):
+    """cli.main runs its heavy imports with the cyclic collector off, then freezes what they
+    made and turns the collector back on before it serves (a collector left off would never
+    free a cycle again)."""
+    import gc
+
+    import freetokend.server.logs as logs
+    import freetokend.server.run as run
+
+    seen = []
+    monkeypatch.setattr(readahead, "start", lambda model: None)
+    monkeypatch.setattr(run, "serve", lambda cfg: seen.append(gc.isenabled()) or 0)
+    monkeypatch.setattr(logs, "configure_logging", lambda: None)
+    monkeypatch.setattr(cli, "_stack_dumps_on_sigusr1", lambda: None)
+    freeze = []
+    monkeypatch.setattr(gc, "freeze", lambda: freeze.append(gc.isenabled()))
+    assert gc.isenabled()
+    assert cli.main(["--state-dir", str(tmp_path / "s")]) == 0
+    assert freeze == [False]  # frozen once, right after the imports ran with it off
+    assert seen == [True] and gc.isenabled()

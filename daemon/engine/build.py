@@ -33,7 +33,7 @@ from ..kv.spill import SnapshotSpill, engine_fingerprint
 from ..models.config import ModelConfig
 from ..models.dense_quant import PRESETS, expert_format, quantize_dense
 from ..models.expert_quant import quantize_experts_at_load
-from ..models.hugepages import back_with_huge_pages, weight_tensors
+from ..models.hugepages import collapse_in_background, weight_tensors
 from ..models.layers.moe import router_predictor
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import decode_attention_bytes, kv_bytes_per_token
@@ -262,7 +262,7 @@ def backend(
         moe.tier.predict = router_predictor(model)
         moe.tier.read_ahead = config.expert_read_ahead
     if config.huge_pages and isinstance(moe, CpuBackend):  # the CPU streams them
-        back_with_huge_pages(weight_tensors(model, moe.banks))
+        collapse_in_background(weight_tensors(model, moe.banks))  # beside the rest of the start
     if config.record_routing is not None:
         moe = RoutingRecorder(moe, config.record_routing)
     return moe

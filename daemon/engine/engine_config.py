@@ -73,7 +73,8 @@ class EngineConfig:
     cpu_bf16_dot: bool = True
     """bf16 weights on the CPU on vdpbf16ps where the CPU has AVX512-BF16."""
     huge_pages: bool = True
-    """With the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge pages."""
+    """With the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge pages on a
+    background thread once filled (models/hugepages.py: measured choices there)."""
     expert_cache_mb: float | None = None
     """The disk tier (experts/disk_tier.py): the routed experts stay in the file and a RAM
     cache of about this many MiB holds the ones in use, read on demand (``cpu`` backend, GGUF

@@ -16,7 +16,6 @@ from typing import Any, overload
 import torch
 
 from ..formats.gguf_file import GgufHeader
-from ..models.hugepages import advise_at_fill
 from ..models.registry import family_spec
 from . import build
 from .chat_template import ChatTemplate
@@ -75,8 +74,9 @@ class LLM:
                  prefill about 1.6x the fp32-activation kernels, decode about the same; those
                  run where the CPU lacks it (logged) and with ``cpu_bf16_dot=False``
     huge_pages   with the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge
-                 pages after load (models/hugepages.py: fewer TLB misses in the weight streams
-                 of every token; where the kernel refuses, logged and left as they are)
+                 pages on a thread of its own once they are filled, beside the rest of the
+                 start-up (models/hugepages.py: fewer TLB misses in the weight streams of every
+                 token; where the kernel refuses, logged and left as they are)
     """
 
     def __init__(
@@ -103,14 +103,12 @@ class LLM:
         )
         self._tokenizer_json: Path | None = None
         self.name = build.served_name(self.model_dir, self.gguf, config.name)
-        # the cpu backend's weights get huge pages as they are filled (no second pass after)
-        with advise_at_fill(config.huge_pages and moe_backend == "cpu"):
-            self.config, self.model, self.banks = build.load(
-                self.model_dir,
-                config,
-                self._gguf_headers or None,
-                cpu_only=moe_backend == "cpu" and config.accelerator != "fake-cuda",
-            )
+        self.config, self.model, self.banks = build.load(
+            self.model_dir,
+            config,
+            self._gguf_headers or None,
+            cpu_only=moe_backend == "cpu" and config.accelerator != "fake-cuda",
+        )
         # the fake device: entered after the host weights are loaded (they stay real tensors)
         self.fake_device = build.enter_fake_device(config.accelerator, config.vram_mib)
         try:

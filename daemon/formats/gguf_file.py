@@ -44,6 +44,40 @@ NATIVE: dict[str, torch.dtype] = {
 }
 
 
+# ggml type id -> (name, values a block, bytes a block): the tensor types of GGUF files, as the
+# ``gguf`` package lists them (GGMLQuantizationType, GGML_QUANT_SIZES; tests/test_gguf_startup.py
+# checks they agree). The header parse reads them here: importing that package costs ~0.2 s of
+# CPU, and a start-up needs it only to dequantize a type ``gguf_dequant`` lacks.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+}  # fmt: skip
+
+
+def ggml_type(qtype: int) -> tuple[str, int, int] | None:
+    """(name, values a block, bytes a block) of ggml type id ``qtype``: ``GGML_TYPES``, else
+    the ``gguf`` package's tables (types newer than ours), None where neither knows it."""
+    known = GGML_TYPES.get(qtype)
+    if known is not None:
+        return known
+    # deferred: gguf (the optional GGUF reader library)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        kind = GGMLQuantizationType(qtype)
+    except ValueError:
+        return None
+    block, type_size = GGML_QUANT_SIZES[kind]
+    return kind.name, block, type_size
+
+
 class GgufFormatError(ValueError):
     """A file that is not a readable GGUF; the message names the file (and tensor)."""
 
@@ -97,14 +131,14 @@ def split_files(path: str | Path) -> list[Path]:
 
 def can_dequantize(type_name: str) -> bool:
     """Whether ``read_float`` can produce floats from this ggml type (probed on one block)."""
+    if type_name in NATIVE or type_name in DEQUANTIZERS:  # ours: no need of the package
+        return True
     # deferred: gguf (the optional GGUF reader library)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     # deferred: gguf (the optional GGUF reader library)
     from gguf.quants import dequantize
 
-    if type_name in NATIVE:
-        return True
     kind = GGMLQuantizationType[type_name]
     _, type_size = GGML_QUANT_SIZES[kind]
     try:
@@ -389,27 +423,23 @@ class GgufFile:
 def _entry(
     path: Path, name: str, qtype: int, dims: list[int], offset: int, size: int
 ) -> GgufTensor:
-    # deferred: gguf (the optional GGUF reader library)
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        kind = GGMLQuantizationType(qtype)
-    except ValueError:
-        raise GgufFormatError(f"{path}: tensor '{name}' has unknown ggml type id {qtype}") from None
-    block, type_size = GGML_QUANT_SIZES[kind]
+    known = ggml_type(qtype)
+    if known is None:
+        raise GgufFormatError(f"{path}: tensor '{name}' has unknown ggml type id {qtype}")
+    type_name, block, type_size = known
     shape = tuple(int(x) for x in reversed(dims))
     if shape and shape[-1] % block:
         raise GgufFormatError(
             f"{path}: tensor '{name}' has rows of {shape[-1]} values, not a multiple "
-            f"of the {block}-value blocks of type {kind.name}"
+            f"of the {block}-value blocks of type {type_name}"
         )
     nbytes = math.prod(shape) // block * type_size
     if offset + nbytes > size:
         raise GgufFormatError(
-            f"{path}: tensor '{name}' ({kind.name}{list(shape)}, {nbytes} bytes at "
+            f"{path}: tensor '{name}' ({type_name}{list(shape)}, {nbytes} bytes at "
             f"{offset}) runs past the end of the file ({size} bytes): truncated"
         )
-    return GgufTensor(name, kind.name, int(kind), shape, offset, nbytes, path)
+    return GgufTensor(name, type_name, qtype, shape, offset, nbytes, path)
 
 
 def _check_overlaps(path: Path, tensors: dict[str, GgufTensor]) -> None:

@@ -24,7 +24,6 @@ from . import release_experts
 from .config import ModelConfig
 from .families.spec import FamilySpec
 from .fp8_weights import Source
-from .hugepages import advise_new
 from .layers.common import dtype_of
 from .model import CausalLM, model_tables
 from .release_quant import quant_config, release_quant
@@ -429,8 +428,8 @@ class Filler:
 
 
 def allocate_banks(cfg: ModelConfig, resident: bool = True) -> ExpertBanks:
-    """Exact-size, uninitialised banks for all routed experts (filled by the loader; marked for
-    huge pages before the fill inside ``hugepages.advise_at_fill``). ``resident`` False (the
+    """Exact-size, uninitialised banks for all routed experts (filled by the loader).
+    ``resident`` False (the
     disk tier): the weight banks are meta tensors (shapes, no memory); biases stay real."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
@@ -438,8 +437,8 @@ def allocate_banks(cfg: ModelConfig, resident: bool = True) -> ExpertBanks:
         with torch.device("meta"):
             banks = allocate(cfg.expert_format, n, h, i, dt)
         if cfg.expert_bias:
-            banks.gate_up_bias = advise_new(torch.empty(n, 2 * i, dtype=dt))
-            banks.down_bias = advise_new(torch.empty(n, h, dtype=dt))
+            banks.gate_up_bias = torch.empty(n, 2 * i, dtype=dt)
+            banks.down_bias = torch.empty(n, h, dtype=dt)
         return banks
     if cfg.expert_format != "bf16":
         banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
@@ -450,6 +449,4 @@ def allocate_banks(cfg: ModelConfig, resident: bool = True) -> ExpertBanks:
             gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
             down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
         )
-    for t in banks.all_tensors().values():  # huge pages from the fill on, when asked
-        advise_new(t)
     return banks

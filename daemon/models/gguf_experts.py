@@ -37,6 +37,7 @@ from ..experts.formats import (
 )
 from ..formats import direct_read, gguf_blocks, gguf_interleave
 from ..formats.gguf_file import GgufFile, GgufTensor
+from .hugepages import prefault
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ class RawStack:
             self._expert(dest[e], e * per, scratch)
 
     def _expert(self, dest: torch.Tensor, offset: int, scratch: torch.Tensor | None) -> None:
+        prefault(dest)  # its pages in one call, not a fault every 4 KiB of the writes
         if self.interleave is None:
             self.f.read_raw_into(self.t, dest, offset)  # asserts the part is contiguous
             return

@@ -48,7 +48,6 @@ from .families.spec import GgufJoin
 from .fill import Filler, allocate_banks
 from .gguf_arch import Fix, block_key, block_targets, joins, split_gate_up, top_fix, top_name
 from .gguf_config import config_from_gguf, gguf_arch
-from .hugepages import advise_new
 from .layers.common import dtype_of
 from .model import CausalLM, build_model
 from .registry import GGUF_ARCHITECTURES, family_spec
@@ -678,8 +677,6 @@ def load_gguf(
             )
         family_spec(cfg.family)
         model = build_model(cfg)
-        for p in model.parameters():  # huge pages from the fill on, when asked (never written yet)
-            advise_new(p.data)
         banks = allocate_banks(cfg, resident=not tiered)
         if nv:  # the converter leaves out a global scale of 1
             banks.extra["gate_up_global"].fill_(1.0)
