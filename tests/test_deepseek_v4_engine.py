@@ -24,7 +24,7 @@ from freetokend.engine.runner import Work
 from freetokend.engine.sampler import SamplingParams
 from freetokend.experts.backend import moe_activation_bytes
 from freetokend.experts.banks import Activation, activation_of
-from freetokend.models.deepseek_v4_model import DeepseekV4CausalLM, V4SeqState
+from freetokend.models.deepseek_v4_model import DeepseekV4CausalLM, V4SeqState, entry_slots
 from freetokend.models.layers.decode_lane import DecodeLane
 from freetokend.models.model import kv_bytes_per_token
 
@@ -113,9 +113,10 @@ PER_SEQ += 2 * 7 * 32 * 4  # the HCA layer's open window
 
 
 def test_state_bytes_are_what_the_state_holds(tiny):
-    """The model's formula for a sequence's state equals the tensors' bytes at every length
-    (prefill, then decode steps through open and closing windows), within the per-sequence
-    and per-token bounds the planner uses."""
+    """The model's formula for a sequence's state (its entries in the pool's pages, not in
+    the state) equals the tensors' bytes at every length (prefill, then decode steps through
+    open and closing windows), within the per-sequence bound the planner uses; the entries'
+    page regions are the per-token bytes."""
     d, _ = tiny
     llm = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, prefix_cache=False)
     model, runner = llm.model, llm.runner
@@ -123,6 +124,21 @@ def test_state_bytes_are_what_the_state_holds(tiny):
     assert model.state_bytes_per_token() == PER_TOKEN
     assert model.state_bytes_per_seq() == PER_SEQ
     assert kv_bytes_per_token(model) == PER_TOKEN  # no pool layer: the entries alone
+    # pages of 16 tokens: 4 rows of CSA entries (rate 4), 2 of HCA (rate 8) a page
+    assert model.pool_regions(16) == [(4, 32), (4, 16), (2, 32), (4, 32), (4, 16)]
+    pool = runner.kv
+    assert [tuple(t.shape[1:]) for t in pool.regions] == [
+        (4, 32),
+        (4, 16),
+        (2, 32),
+        (4, 32),
+        (4, 16),
+    ]
+    kv = pool.k
+    assert isinstance(kv, torch.Tensor)
+    assert pool.nbytes == 2 * kv.numel() * kv.element_size() + pool.num_pages * 16 * PER_TOKEN
+    # pages of 4: one row a page for either rate (HCA's every other page unused)
+    assert model.state_bytes_per_token(4) == (2 * 4 * (32 + 16) + 4 * 32) // 4
     st = runner.new_state()
     assert st.v4 is not None and st.v4.nbytes == model.state_bytes(0) == 0
     runner.forward([Work(st, list(range(3, 16)))])  # 13 tokens
@@ -130,7 +146,9 @@ def test_state_bytes_are_what_the_state_holds(tiny):
         assert isinstance(st.v4, V4SeqState)
         n = st.v4.num_tokens
         assert st.v4.nbytes == model.state_bytes(n), n
-        assert st.v4.nbytes <= PER_SEQ + n * PER_TOKEN
+        assert st.v4.nbytes <= PER_SEQ
+        csa = st.v4.layers[1].compressor
+        assert csa is not None and csa.entries.shape[0] == 0 and csa.stored == n // 4
         runner.forward([Work(st, [t])])
     runner.release(st)
 
@@ -333,3 +351,86 @@ def test_hash_layers_move_their_experts_when_the_step_starts(tiny, backend):
     assert counters_off["prefetch_fills"] == 0
     # without the early plan: the same lookups less the early ones (half the hash layers')
     assert len(calls_off) == len(calls) - sum(lay in hash_layers for lay, _ in calls) // 2
+
+
+# ---- the entries in the KV pages: a snapshot's size, resumes at page granularity -----------------
+
+
+@pytest.mark.parametrize("page", [1, 3, 4, 6, 16])
+@pytest.mark.parametrize("rate", [1, 2, 4, 8, 128])
+def test_entry_slots_place_each_entry_in_its_closing_tokens_page(page, rate):
+    """Entry w sits in the page of its closing token (w + 1) * rate - 1, in a row below
+    ceil(page / rate), no two entries in the same (page, row); entries from an offset are
+    the same slots."""
+    n = max(40, 5 * page // rate + 1)
+    pages, rows = entry_slots(0, n, rate, page)
+    closing = (torch.arange(n) + 1) * rate - 1
+    assert torch.equal(pages, closing // page)
+    assert int(rows.min()) >= 0 and int(rows.max()) < -(-page // rate)
+    assert len(set(zip(pages.tolist(), rows.tolist(), strict=True))) == n
+    p2, r2 = entry_slots(7, n, rate, page)
+    assert torch.equal(p2, pages[7:]) and torch.equal(r2, rows[7:])
+
+
+def test_a_snapshots_bytes_do_not_grow_with_its_position(tiny):
+    """Snapshots along a 52-token prompt hold the windows' keys and the open compressor
+    windows only (the entries are in the KV pages): each within ``state_bytes_per_seq``, at
+    ``state_bytes(pos)``, and two at the same phase of every window (10 and 50: 40 tokens
+    apart, a multiple of both rates, past the sliding window) hold the same bytes; the store
+    counts them so."""
+    d, _ = tiny
+    llm = LLM(d, moe_backend="cpu", max_model_len=128, kv_tokens=256, snapshot_policy="interval:5")
+    model = llm.model
+    assert isinstance(model, DeepseekV4CausalLM)
+    prompt = [(5 * i + 1) % 90 + 5 for i in range(52)]
+    _serve(llm, [prompt], gen=1)
+    store = llm.engine.prefix.snapshots
+    snaps = {s.pos: s for s in store.snapshots()}
+    assert set(range(5, 52, 5)) <= set(snaps)
+    for pos, snap in snaps.items():
+        assert snap.state.nbytes == model.state_bytes(pos) <= model.state_bytes_per_seq(), pos
+        hca = snap.state.layers[2].compressor
+        assert hca.entries.shape[0] == 0 and hca.stored == pos // 8  # in the pages
+    assert snaps[10].state.nbytes == snaps[50].state.nbytes
+    assert store.used == sum(s.state.nbytes for s in snaps.values())
+    # what the whole state (entries held) would have cost there: it grows with the position
+    whole = [sum(la.self_attn.state_bytes(p) for la in model._layers) for p in (10, 50)]
+    assert whole[1] - whole[0] == 40 * PER_TOKEN
+
+
+def test_resume_late_inside_an_open_window_and_a_page_equals_a_cold_run(tiny):
+    """Pages of 16 tokens: a request sharing 45 tokens with an earlier 60-token one resumes at
+    its snapshot at 42 (inside an open window of both rates, 42 = 10 * 4 + 2 = 5 * 8 + 2, and
+    inside page 2, copied on write with its entry rows), its entries up to there read from the
+    earlier request's pages. Greedy tokens and logprobs equal, exactly, a fresh engine's with
+    the same snapshot points (the same prefill cuts), and a cold run's in one chunk within
+    TOL; so do the logits after its own snapshot at 49 against a cold state cut as it was."""
+    d, _ = tiny
+    kw = dict(moe_backend="cpu", max_model_len=128, kv_tokens=256)
+    first = [(11 * i + 2) % 90 + 5 for i in range(60)]
+    edited = first[:45] + [40, 41, 42, 43, 44, 45]
+    warm = LLM(d, snapshot_policy="interval:7", **kw)
+    _serve(warm, [first])
+    [resumed] = _serve(warm, [edited], gen=3)
+    prefix = warm.engine.prefix
+    assert resumed[2] == 42 and prefix.snapshots.restored == 1
+    [fresh] = _serve(LLM(d, snapshot_policy="interval:7", **kw), [edited], gen=3)
+    assert fresh[2] == 0 and resumed[:2] == fresh[:2]
+    cold = LLM(d, prefix_cache=False, **kw)
+    _close(resumed, _serve(cold, [edited], gen=3)[0])
+    runner = warm.runner
+    st = runner.new_state()
+    assert prefix.restore(edited, st) == 49  # its own snapshot: 49 = 12 * 4 + 1 = 3 * 16 + 1
+    assert isinstance(st.v4, V4SeqState)
+    csa = st.v4.layers[1].compressor
+    assert csa is not None and (csa.stored, csa.entries.shape[0], csa.kv.shape[0]) == (12, 0, 1)
+    got = runner.forward([Work(st, edited[49:], all_logits=True)])
+    prefix.release(edited, st)
+    runner.release(st)
+    st = cold.runner.new_state()
+    for a in range(0, 49, 7):
+        cold.runner.forward([Work(st, edited[a : a + 7], want_logits=False)])
+    want = cold.runner.forward([Work(st, edited[49:], all_logits=True)])
+    cold.runner.release(st)
+    assert torch.equal(got, want)
+    assert (got - cold.logits(edited)[49:]).abs().max().item() < TOL

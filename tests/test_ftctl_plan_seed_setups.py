@@ -150,8 +150,10 @@ V4_DENSE = 2 * (
     + V4_HCA * (2 * 512 * V4_H)
 ) + 4 * V4_LAYERS * 2 * 24 * 4 * V4_H  # fmt: skip
 # its state per token: compressed entries (fp32) of head dim 512, one per rate tokens, and a CSA
-# layer's indexer entries of 128: 13760 bytes (no paged K / V: V4's attention keeps its own)
-V4_STATE_PER_TOKEN = V4_CSA * (4 * 512 // 4 + 4 * 128 // 4) + V4_HCA * (4 * 512 // 128)
+# layer's indexer entries of 128, in the KV pages' regions (16-token pages: 4 CSA rows a page; an
+# HCA entry per 128 tokens takes a row of one page in 8, the page's one row): 16000 bytes (no
+# paged K / V: V4's attention keeps its window's keys per sequence)
+V4_STATE_PER_TOKEN = V4_CSA * (4 * 512 // 4 + 4 * 128 // 4) + V4_HCA * (4 * 512 // 16)
 # per sequence whatever its length: each layer's window of 127 keys (fp32, 512), each
 # compressor's open rows (rate - 1, twice the width: kv and gate) and CSA's overlap (2 x rate
 # rows of the entry width): 21.6 MiB; the plan holds 32 sequences (the engine's max batch)
@@ -242,7 +244,7 @@ def _v4_card(plan: dict, card_mib: int, slots: int) -> None:
 
 
 def test_v4_flash_with_the_32gib_card_needs_the_pool_twice_on_the_host(tmp_path, capsys) -> None:
-    """The card side fits (dense weights, 128k of context, 282 slots, peak 27.6 GiB); the host
+    """The card side fits (dense weights, 128k of context, 276 slots); the host
     does not: offload keeps the packed pool and its bf16 copy, 653 GiB."""
     d = _write(tmp_path, "DeepSeek-V4-Flash", V4_FLASH)
     rc, plan, err = _plan(capsys, "--model", str(d), "--vram", "32GiB", "--ram", "256GiB")
@@ -258,7 +260,7 @@ def test_v4_flash_with_the_32gib_card_needs_the_pool_twice_on_the_host(tmp_path,
     )
     assert "the cpu backend computes mxfp4 experts packed" in plan["reason"]
     assert "does not fit: host RAM" in err
-    _v4_card(plan, 32 * 1024, 282)
+    _v4_card(plan, 32 * 1024, 276)
     print(f"\nV4-Flash, 32 GiB / 256 GiB, offload: {json.dumps(plan)}")
 
 
@@ -276,11 +278,11 @@ def test_v4_flash_does_not_fit_24gib_and_128gib(tmp_path, capsys, backend) -> No
     assert "131072 MiB available" in plan["reason"]
     assert "the mxfp4 expert pool alone exceeds it" in plan["reason"]
     assert "disk tier takes GGUF experts in a block format" in plan["reason"]
-    if backend == "cpu":  # and the rest on the host: 153.3 GiB
-        assert "dense weights 14005 MiB, KV pool of 131072 tokens 2412 MiB" in plan["reason"]
-    else:  # the card part fits 24 GiB (129 slots, peak 20.4 GiB): only the host fails
+    if backend == "cpu":  # and the rest on the host: 153.6 GiB
+        assert "dense weights 14005 MiB, KV pool of 131072 tokens 2692 MiB" in plan["reason"]
+    else:  # the card part fits 24 GiB (123 slots): only the host fails
         assert "its bf16 copy for the device slots 528384 MiB" in plan["reason"]
-        _v4_card(plan, 24 * 1024, 129)
+        _v4_card(plan, 24 * 1024, 123)
     print(f"\nV4-Flash, 24 GiB / 128 GiB, {backend}: {plan['reason']}")
 
 

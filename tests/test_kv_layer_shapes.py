@@ -107,3 +107,25 @@ def test_spill_round_trip_with_per_layer_shapes(tmp_path) -> None:  # type: igno
         kr, vr = pool2.read(layer, pages2, pos)
         assert kr.shape == (pos, *SHAPES[layer])
         assert torch.equal(kr, k) and torch.equal(vr, v)
+
+
+def test_page_regions_are_counted_copied_and_resized_with_their_pages() -> None:
+    """Rows a page holds beside K and V (DeepSeek-V4's compressed entries): fp32, counted in
+    the pool's bytes and layout, copied whole with a page on write, kept by a resize."""
+    plain = KVPool(1, 4, PAGE, 1, 1, torch.float32)
+    pool = KVPool(1, 4, PAGE, 1, 1, torch.float32, regions=[(2, 8), (1, 3)])
+    assert [tuple(t.shape) for t in pool.regions] == [(4, 2, 8), (4, 1, 3)]
+    assert all(t.dtype == torch.float32 for t in pool.regions)
+    assert pool.nbytes == plain.nbytes + 4 * 4 * (2 * 8 + 3)
+    assert pool.layout != plain.layout and "region (2, 8)" in pool.layout
+    a, b = pool.alloc(2)
+    for t in pool.regions:
+        t[a] = torch.randn(t.shape[1:])
+    pool.copy_page(a, b, 1)  # one token row: the regions' rows all the same
+    assert all(torch.equal(t[b], t[a]) for t in pool.regions)
+    want = [t[a].clone() for t in pool.regions]
+    pool.resize(6)
+    assert [tuple(t.shape) for t in pool.regions] == [(6, 2, 8), (6, 1, 3)]
+    assert all(torch.equal(t[a], w) for t, w in zip(pool.regions, want, strict=True))
+    with pytest.raises(ValueError, match="region"):
+        KVPool(1, 4, PAGE, 1, 1, regions=[(0, 8)])

@@ -36,7 +36,7 @@ from ..models.expert_quant import quantize_experts_at_load
 from ..models.hugepages import collapse_in_background, weight_tensors
 from ..models.layers.moe import router_predictor
 from ..models.loader import load_model, model_config, model_kind
-from ..models.model import decode_attention_bytes, kv_bytes_per_token
+from ..models.model import PAGE_SIZE, decode_attention_bytes, kv_bytes_per_token
 from ..native import dense_native
 from ..runtime.memlimit import TIER_WORK_RESERVE_BYTES, memory_left, process_resident_bytes
 from ..store import Store
@@ -67,13 +67,14 @@ def _slot_budget(
     kv_tokens: int,
     snapshot_bytes: int,
     attention_bytes: int = 0,
+    page_size: int = PAGE_SIZE,
 ) -> SlotBudget:
     """What the default slot count leaves free on the device: the KV pool (K + V of every
     attention layer per token, allocated after the slots; with DeepSeek-V4's entries), one
     step's MoE activations, ``snapshot_bytes`` (the state snapshots' budget when they live
     there, and the sequences' own state beside the pool) and decode attention's work buffers
     (``attention_bytes``)."""
-    kv = kv_bytes_per_token(model)
+    kv = kv_bytes_per_token(model, page_size)
     act = moe_activation_bytes(step_tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
     return SlotBudget(
         kv_reserve_tokens=kv_tokens,
@@ -227,7 +228,8 @@ def budget(
     attn = decode_attention_bytes(model, rows, keys, page_size) if on_device else 0
     states = device_state_bytes(model, config.max_batch, on_device)
     return _slot_budget(model, cfg, config.max_step_tokens,
-                        kv_tokens if on_device else 0, snapshots + states, attn)  # fmt: skip
+                        kv_tokens if on_device else 0, snapshots + states, attn,
+                        page_size)  # fmt: skip
 
 
 def backend(
@@ -294,7 +296,8 @@ def on_device(
     the expert slots from what is left after both (engine/placement)."""
     name = resolve_backend(moe_backend, fake_device or config.accelerator, config.bandwidth)
     placement = place(model, name, config.accelerator, fake_device)
-    kv = kv_tokens_for(config.kv_tokens, kv_bytes_per_token(model), placement.acc,
+    kv_per_token = kv_bytes_per_token(model, config.page_size)
+    kv = kv_tokens_for(config.kv_tokens, kv_per_token, placement.acc,
                        DEFAULT_KV_TOKENS)  # fmt: skip
     snapshots = device_snapshot_bytes(
         model, int(config.snapshot_budget_mb * 2**20), placement.on_device
@@ -306,7 +309,7 @@ def on_device(
     slots = budget(model, cfg, placement, max_len, kv, snapshots, config)
     disk = getattr(banks, "disk", None)
     if disk is not None and disk.cache_bytes == 0:  # the tier's cache: the memory left
-        reserve = TIER_WORK_RESERVE_BYTES + kv_bytes_per_token(model) * min(kv, max_len)
+        reserve = TIER_WORK_RESERVE_BYTES + kv_per_token * min(kv, max_len)
         disk.cache_bytes = memory_left(reserve_bytes=reserve)
         log.info(
             "disk tier: %d MiB left for the expert cache (3/4 of RAM or the memory cgroup's "

@@ -232,7 +232,7 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
     card; fills ``plan`` as it goes (what was sized before an out-of-memory error stays)."""
 
     layers, experts = cfg.num_moe_layers, cfg.num_experts
-    kv_per_token = kv_bytes_per_token(model)
+    kv_per_token = kv_bytes_per_token(model, PAGE_SIZE)
     on_device = plan.backend != "cpu"
     if on_device:
         placement = place_dense(model, acc)
@@ -285,6 +285,7 @@ def _run(plan: Plan, cfg: Any, model: Any, acc: Any, kv_tokens: int | None, step
     pool = KVPool(
         model.num_attention_layers, pages, PAGE_SIZE, heads, head_dim, model.dtype,
         layer_shapes=model.kv_layer_shapes, device=placement.device,
+        regions=model.pool_regions(PAGE_SIZE),
     )  # fmt: skip
     plan.placement.update(kv_cache=pool.device.type, expert_pool="cpu", expert_slots="cuda")
     if model.num_linear_layers:

@@ -11,9 +11,10 @@ The engine core calls four hooks:
 Models without linear attention (Qwen3-MoE, GPT-OSS, Mixtral, OLMoE) reuse KV at any position:
 all positions are kept in the pool, so sliding-window layers restore from it too. Hybrid models
 (Gated DeltaNet) can resume only where a snapshot of the recurrent state exists, and so can a
-model with its own per-sequence state (DeepSeek-V4's windows, compressed entries and open
-compressor windows, ``SeqState.v4``): it resumes from a snapshot of that state, anywhere, an
-open compressor window included, the KV pages of the prefix held as for any model.
+model with its own per-sequence state (DeepSeek-V4's windows' keys and open compressor
+windows, ``SeqState.v4``): it resumes from a snapshot of that state, anywhere, an open
+compressor window included, the KV pages of the prefix held as for any model (V4's compressed
+entries are in those pages: a snapshot's size does not grow with its position).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class PrefixReuse:
     ) -> None:
         """``hybrid``: a sequence resumes only from a snapshot of its state (linear attention,
         or a model's own state); ``state_bytes``: the bytes of such a state after n tokens when
-        they grow with n (DeepSeek-V4; default: the fresh sequence's state's size)."""
+        they depend on n (DeepSeek-V4's window fills, its open windows vary; default: the fresh
+        sequence's state's size)."""
         self.pool = pool
         self.radix = RadixCache(pool)
         self.hybrid = hybrid
@@ -275,8 +277,8 @@ class PrefixReuse:
         return recent, root, rest - recent
 
     def _snapshot_size(self, state: SeqState, tokens: int) -> int:
-        """The bytes of one snapshot of ``state``'s kind, as large as this prompt's end makes
-        it (a model's own state grows with its length)."""
+        """The bytes of one snapshot of ``state``'s kind, at this prompt's end (a model's own
+        state's size depends on the position, within a bound)."""
         if self.state_bytes is not None:
             return self.state_bytes(tokens)
         st = state.snapshot_state()

@@ -85,6 +85,7 @@ class ModelRunner:
             model.dtype,
             layer_shapes=model.kv_layer_shapes,
             device=placement.device,
+            regions=model.pool_regions(page_size),
         )
         # decode batches on a device run in static form (engine/graphs.py) where the model
         # has one; ``graphs`` (set by the LLM with cuda_graphs on) replays them captured

@@ -9,6 +9,12 @@ When every layer has the same (kv_heads, head_dim), K and V are each one tensor
 layers have another head dim and KV head count than its sliding ones) passes ``layer_shapes``:
 K and V are then lists of per-layer tensors, so no layer pays for another's geometry. Either way
 ``k[layer]`` is that layer's [num_pages, page_size, kv_heads, head_dim] storage.
+
+Page regions (``regions``): rows a page holds beside its tokens' K and V, for state that grows
+by less than one row per token (DeepSeek-V4's compressed entries: one per ``rate`` tokens).
+Region i is fp32 [num_pages, rows_i, width_i]; a page's rows belong to its tokens (the model
+decides which row holds what), so they are shared, retained, copied on write and freed with
+the page, as its K and V are: a prefix's pages in the radix tree carry them.
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         layer_shapes: Sequence[tuple[int, int]] | None = None,
         device: torch.device | None = None,
+        regions: Sequence[tuple[int, int]] = (),
     ) -> None:
         """``layer_shapes``: (kv_heads, head_dim) per layer, for models whose layers differ
         (``kv_heads`` / ``head_dim`` are then ignored). ``device``: where the storage lives (the
-        accelerator's device when the dense part runs there; default the host)."""
+        accelerator's device when the dense part runs there; default the host). ``regions``:
+        (rows per page, width) of each page region (module docstring)."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.k: torch.Tensor | list[torch.Tensor]
@@ -58,6 +66,14 @@ class KVPool:
             shape = (max(num_layers, 1), num_pages, page_size, kv_heads, head_dim)
             self.k = torch.empty(shape, dtype=dtype, device=device)
             self.v = torch.empty(shape, dtype=dtype, device=device)
+        for rows, width in regions:
+            if rows < 1 or width < 1:
+                raise ValueError(f"a page region of {rows} rows of width {width}")
+        # Not zeroed either: a row is written before it is read.
+        self.regions = [
+            torch.empty(num_pages, rows, width, dtype=torch.float32, device=device)
+            for rows, width in regions
+        ]
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._ref = [0] * num_pages
 
@@ -86,18 +102,20 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V storage, all layers."""
-        return 2 * sum(t.numel() * t.element_size() for t in self.k)
+        """Bytes of K and V storage, all layers, and of the page regions."""
+        kv = 2 * sum(t.numel() * t.element_size() for t in self.k)
+        return kv + sum(t.numel() * t.element_size() for t in self.regions)
 
     @property
     def layout(self) -> str:
         """The storage layout a spilled file must match (fingerprint part): layers, geometry,
         dtype. The uniform form is spelled as before per-layer pools existed."""
+        regions = "".join(f"|region {tuple(t.shape[1:])}" for t in self.regions)
         if self.per_layer:
-            return f"{self.page_size}|per-layer {tuple(self.layer_shapes)}|{self.dtype}"
+            return f"{self.page_size}|per-layer {tuple(self.layer_shapes)}|{self.dtype}{regions}"
         k = self.k
         assert isinstance(k, torch.Tensor)
-        return f"{self.page_size}|{tuple(k.shape[:1] + k.shape[3:])}|{k.dtype}"
+        return f"{self.page_size}|{tuple(k.shape[:1] + k.shape[3:])}|{k.dtype}{regions}"
 
     @property
     def num_free(self) -> int:
@@ -148,6 +166,7 @@ class KVPool:
         else:
             assert isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
             self.k, self.v = _resized(self.k, n, keep, 1), _resized(self.v, n, keep, 1)
+        self.regions = [_resized(t, n, keep, 0) for t in self.regions]
         free = [p for p in self._free if p < n]
         # The free list is a stack (alloc pops from the end): new pages go to the bottom, so the
         # lowest free pages are used first, which keeps a later shrink cheap.
@@ -156,7 +175,11 @@ class KVPool:
         self.num_pages = n
 
     def copy_page(self, src: int, dst: int, rows: int) -> None:
-        """Copy the first ``rows`` token rows of page ``src`` into page ``dst`` (all layers)."""
+        """Copy the first ``rows`` token rows of page ``src`` into page ``dst`` (all layers), and
+        every row of its regions (those not yet valid for ``dst``'s sequence are written again
+        before they are read)."""
+        for t in self.regions:
+            t[dst] = t[src]
         if isinstance(self.k, list) and isinstance(self.v, list):
             for t in (*self.k, *self.v):
                 t[dst, :rows] = t[src, :rows]

@@ -20,8 +20,8 @@ class StateSnapshot(Protocol):
 
 
 class ModelState(StateSnapshot, Protocol):
-    """A model's own per-sequence state beside the KV pages (DeepSeek-V4's windows and
-    compressed entries: ``models.deepseek_v4_model.V4SeqState``), typed here without
+    """A model's own per-sequence state beside the KV pages (DeepSeek-V4's windows' keys and
+    open compressor windows: ``models.deepseek_v4_model.V4SeqState``), typed here without
     importing the model package, which sits above this one. Replaced, never changed in place,
     by each forward: a clone is a snapshot."""
 
@@ -57,7 +57,7 @@ class SeqState:
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose KV / state is in the cache
     recurrent: RecurrentState | None = None
-    # DeepSeek-V4: the sequence's whole attention state (windows, compressed entries, open
+    # DeepSeek-V4: the sequence's attention state beside its pages (windows' keys, open
     # compressor windows; models/deepseek_v4_model.py), replaced by each forward; None for
     # the other families
     v4: ModelState | None = None

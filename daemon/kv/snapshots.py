@@ -1,8 +1,9 @@
 """Recurrent-state snapshots at positions, with their own byte budget and LRU (ARCHITECTURE §5.2).
 
 A snapshot is the whole RecurrentState (conv + delta-rule state of every linear-attention layer)
-of a sequence right after position ``pos``, or a model's own state (DeepSeek-V4's windows,
-compressed entries and open compressor windows: ``SeqState.v4``), keyed by a hash of the token
+of a sequence right after position ``pos``, or a model's own state (DeepSeek-V4's windows'
+keys and open compressor windows: ``SeqState.v4``; its compressed entries are in the KV pages),
+keyed by a hash of the token
 prefix ``tokens[:pos]``. Restoring one lets a hybrid model skip re-prefilling that prefix (its
 KV comes from the radix tree).
 

@@ -9,9 +9,8 @@ token-id hash, with a clamped SwiGLU (layers/v4_routing.py).
 `DeepseekV4LM` runs one sequence with its routed experts as plain parameters
 (`RoutedExperts`, the expert-bank layout); `DeepseekV4CausalLM` is the engine's: the same
 modules, the routed experts in ExpertBanks behind the MoE backend (``Activation.SWIGLU_CLAMP``),
-a ForwardBatch of several sequences, each chunk's attention on its ``SeqState.v4``. Now: that
-state is the whole `V4SeqState` per sequence, none of it in the paged KV pool; the prefix cache
-snapshots it whole (below: what is where now, and where it should go).
+a ForwardBatch of several sequences, each chunk's attention on its ``SeqState.v4`` and the
+compressed entries in its pages of the KV pool (below: what is where).
 
 Incremental state and how it maps onto the engine's memory
 ----------------------------------------------------------
@@ -20,36 +19,37 @@ returns the new state; the full forward is the same call from `new_state()`, and
 decode, or a prefill cut anywhere (inside open windows too), gives the same result. Per layer
 (`v4_attention.V4AttentionState`):
 
-* ``window``: the last window - 1 keys, [head_dim] per token (K = V). In the engine these are
-  the layer's rows of the paged KV pool, as for any sliding layer (kv_heads 1, head_dim; no V
-  half is needed since V = K); attention reads the rows of (p - window, p].
+* ``window``: the last window - 1 keys, [head_dim] per token (K = V); attention reads the
+  rows of (p - window, p]. In the engine too they stay in the sequence's state (a bounded
+  size: a snapshot copies them).
 * ``compressor.entries`` (CSA and HCA) and ``indexer.entries`` (CSA): ONE entry per ``rate``
   tokens ([head_dim], resp. [index_head_dim]), written when a window closes (the token at
-  position (w + 1) * rate - 1 writes entry w). In the pool: a per-layer region addressed by the
-  entry index w, so a sequence of L tokens holds ceil(L / rate / page_size) entry pages there
-  (its entry page table follows from its token count: no page per token).
+  position (w + 1) * rate - 1 writes entry w). In the engine they live in the paged KV pool:
+  one page region per compressor (kv/pool.py), ``ceil(page_size / rate)`` rows a page. Entry w
+  is a row of the page holding its closing token, position c = (w + 1) * rate - 1: page
+  c // page_size, row w - (page * page_size) // rate (`entry_slots`). It depends on the tokens
+  up to c alone, so the page holds it as it holds its tokens' KV: the radix tree shares it by
+  prefix, a resume retains the prefix's pages (copying a partial page on write), and a
+  released page frees it.
 * ``compressor.kv / gate`` (the open window: fewer than ``rate`` tokens' projected kv and gate
   logits, width 2 * head_dim for CSA) and, CSA only, ``prev_kv / prev_gate`` (the last closed
   window's Ca half, [rate, head_dim] each), likewise for the indexer: fixed-size per sequence
-  and layer, not per token: like the DeltaNet ``RecurrentState`` (kv/seq_state.py), one
-  per-sequence buffer, cloned at prefix-cache anchors. A prefix hit must land on such a
-  snapshot: neither the open window nor the overlap can be rebuilt from the pool's rows.
+  and layer, not per token, like the DeltaNet ``RecurrentState`` (kv/seq_state.py).
 
-What is wired now: all three parts live in ``SeqState.v4`` (one `V4SeqState` per sequence, on
-the placement's device), none in the pool (``num_attention_layers`` 0: the pool is one 1 x 1
-layer whose pages only count the sequence's tokens). The prefix cache resumes V4 as it resumes
-the DeltaNet hybrids (engine/prefix.py): a snapshot is a clone of the WHOLE `V4SeqState` at a
-snapshot point (anchors or an interval), window keys and entries included, so a snapshot at
-position p costs ``state_bytes(p)`` of the snapshots' budget; a prefix hit resumes at the
-deepest snapshot on its path, an open compressor window included. V4 snapshots are not spilled
-to disk (kv/spill.py writes only DeltaNet states). Still to do (issue 42): the window keys and
-entries into the pool as designed above, so a snapshot carries only the open-window buffers
-and the overlap, and a hit reuses the pool's pages of the prefix.
+The engine's ``SeqState.v4`` is the `V4SeqState` without the entries (each compressor state
+``detached``: its ``stored`` entries are in the sequence's pages): the window's keys, the open
+windows and the overlaps, at most ``state_bytes_per_seq`` bytes whatever the length. A forward
+reads a chunk's entries from its pages (the compressors' states ``attached``), runs the layer
+and writes the entries it closed back. The prefix cache snapshots that state at anchors, as it
+snapshots the DeltaNet state: a snapshot's size does not grow with its position
+(``state_bytes``), and a prefix hit resumes at a snapshot on its path (inside an open window
+too) with the prefix's pages, entries included, from the radix tree. V4 snapshots are not
+spilled to disk (kv/spill.py writes only DeltaNet states). The window's keys stay in the
+snapshot (window - 1 rows a layer), not in the pool.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -58,15 +58,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch import ForwardBatch
+from ..kv.pool import KVPool
+from .batch import ForwardBatch, SeqChunk
 from .config import ModelConfig
 from .families.deepseek_v4 import CSA, HCA, LAYER_NAMES, SLIDING, TOP_NAMES, V4Config, v4_config
 from .layers.common import Linear, RMSNorm, Weight, dtype_of, param
+from .layers.compressed import Compressor
 from .layers.hyper import HyperConnection, HyperHead, expand_streams, merge_streams
 from .layers.rope import Rope
 from .layers.v4_attention import IndexerShape, V4Attention, V4AttentionState
 from .layers.v4_routing import ClampedMLP, V4Router, clamped_swiglu
-from .model import CausalLM
+from .model import PAGE_SIZE, CausalLM
 
 
 class RoutedExperts(nn.Module):
@@ -264,17 +266,18 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
     by ``batch.token_ids``); attention runs per `SeqChunk` on that sequence's `V4SeqState`
     (``SeqState.v4``, made by the runner), which the forward replaces by the new one.
 
-    Now: the whole state lives per sequence, none of it in the paged KV pool (the model has no
-    pool layer: ``num_attention_layers`` 0); the prefix cache snapshots and restores it whole
-    (``own_state``: engine/prefix.py); the module docstring's design maps it onto the pool.
+    The compressed entries live in the pool's page regions (``pool_regions``, the module
+    docstring); the rest of the state per sequence, ``SeqState.v4`` (the model has no pool
+    layer: ``num_attention_layers`` 0), which the prefix cache snapshots and restores
+    (``own_state``: engine/prefix.py).
 
-    Accounting: what a sequence's state grows by per token (the compressed entries) is
-    ``state_bytes_per_token``, counted by ``kv_bytes_per_token`` with the pool's tokens (the
-    planner's KV share, the slot budget's KV reserve); what it holds whatever its length (the
-    windows' keys, the open compressor windows, the CSA overlaps) is ``state_bytes_per_seq``,
-    reserved per sequence in flight (engine/placement.device_state_bytes). The pool's pages,
-    one 1 x 1 layer, are the token ledger admission and preemption run on: a V4 sequence holds
-    a page per ``page_size`` tokens as any other."""
+    Accounting: the page regions' bytes per token are ``state_bytes_per_token``, counted by
+    ``kv_bytes_per_token`` with the pool's tokens (the planner's KV share, the slot budget's KV
+    reserve); what a sequence holds whatever its length (the windows' keys, the open compressor
+    windows, the CSA overlaps) is ``state_bytes_per_seq``, reserved per sequence in flight
+    (engine/placement.device_state_bytes), and ``state_bytes(n)`` is a snapshot's size. The
+    pool's pages (one 1 x 1 K / V layer beside the regions) are the token ledger admission and
+    preemption run on: a V4 sequence holds a page per ``page_size`` tokens as any other."""
 
     own_state = True  # SeqState.v4
 
@@ -294,10 +297,29 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
     def new_v4_state(self, device: torch.device | None = None) -> V4SeqState:
         return self.new_state(device)
 
-    def state_bytes_per_token(self) -> int:
-        """What a sequence's state grows by per token, rounded up: the compressed entries (and
-        the indexer's), one per ``rate`` tokens per layer."""
-        return math.ceil(sum(la.self_attn.state_growth() for la in self._layers))
+    def _compressor_slots(self) -> list[tuple[int, int, Compressor]]:
+        """(layer, 0 its own / 1 its indexer's, the compressor) in page-region order."""
+        return [
+            (i, j, c)
+            for i, la in enumerate(self._layers)
+            for j, c in enumerate(la.self_attn.compressors())
+        ]
+
+    def pool_regions(self, page_size: int) -> list[tuple[int, int]]:
+        """(rows, width) of a page region per compressor (`_compressor_slots`' order): the
+        entries whose window closes in the page, at most ``ceil(page_size / rate)``."""
+        return [(-(-page_size // c.rate), c.dim) for _, _, c in self._compressor_slots()]
+
+    def state_bytes_per_token(self, page_size: int = PAGE_SIZE) -> int:
+        """The page regions' bytes per token, rounded up: the compressed entries (and the
+        indexer's), one per ``rate`` tokens per layer, in rows of ``page_size``-token pages."""
+        page = sum(4 * rows * width for rows, width in self.pool_regions(page_size))
+        return -(-page // page_size)
+
+    def state_bytes(self, tokens: int) -> int:
+        """Bytes of a sequence's ``SeqState.v4`` after ``tokens`` tokens (its ``nbytes``, a
+        snapshot's size): the windows' keys and the compressors' states, not their entries."""
+        return sum(la.self_attn.state_bytes(tokens, entries=False) for la in self._layers)
 
     def state_bytes_per_seq(self) -> int:
         """The most a sequence's state holds beside its entries: every layer's full window of
@@ -328,6 +350,7 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
         w = self.embed_tokens.weight
         streams = expand_streams(w.index_select(0, ids).float(), self.v4.hc_mult)
         new: list[list[V4AttentionState]] = [[] for _ in chunks]
+        regions = self._regions(batch.kv)
         moe_index = self.cfg.moe_layer_index
         for i, layer in enumerate(self._layers):  # hash layers: their experts are known now
             table = layer.mlp.router.tid2eid
@@ -340,9 +363,10 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
             parts = []
             for c, (ch, st) in enumerate(zip(chunks, states, strict=True)):
                 r = slice(ch.start, ch.start + ch.length)
-                out, ls = layer.self_attn(x[r], ch.context_len, st.layers[i], rope, cos[r], sin[r])
+                ls = self._attached(st.layers[i], regions[i], ch)
+                out, ls = layer.self_attn(x[r], ch.context_len, ls, rope, cos[r], sin[r])
                 parts.append(out)
-                new[c].append(ls)
+                new[c].append(self._detached(ls, st.layers[i], regions[i], ch))
             streams = merge_streams(streams, torch.cat(parts), post, comb)
             x, post, comb = layer.ffn_hc(streams)
             x = layer.post_attention_layernorm(x)
@@ -355,6 +379,85 @@ class DeepseekV4CausalLM(CausalLM, _V4Body):
             ch.state.v4 = V4SeqState(layers, ch.context_len + ch.length)
         h = self.norm(self.hc_head(streams[batch.logits_rows]))
         return self.lm_head(h)
+
+    def _regions(self, kv: KVPool) -> list[list[_Region]]:
+        """Per layer, its compressors' page regions in ``kv`` (`pool_regions`)."""
+        slots = self._compressor_slots()
+        if len(kv.regions) != len(slots):
+            raise ValueError(
+                f"a KV pool with {len(kv.regions)} page regions for DeepSeek-V4's {len(slots)} "
+                "compressors (ModelRunner makes it with `pool_regions`)"
+            )
+        out: list[list[_Region]] = [[] for _ in self._layers]
+        for (i, _, c), t in zip(slots, kv.regions, strict=True):
+            out[i].append(_Region(t, c.rate, kv.page_size))
+        return out
+
+    @staticmethod
+    def _attached(st: V4AttentionState, regions: list[_Region], ch: SeqChunk) -> V4AttentionState:
+        """The layer's state with its entries read from the chunk's pages."""
+        if not regions:
+            return st
+        states = [st.compressor, st.indexer][: len(regions)]
+        assert ch.table is not None and all(s is not None for s in states)
+        full = [
+            s.attached(reg.read(ch.table, s.num_entries))
+            for s, reg in zip(states, regions, strict=True)
+            if s is not None
+        ]
+        return V4AttentionState(st.window, *full)
+
+    @staticmethod
+    def _detached(
+        new: V4AttentionState, old: V4AttentionState, regions: list[_Region], ch: SeqChunk
+    ) -> V4AttentionState:
+        """The layer's new state without its entries, those it closed written to the chunk's
+        pages (``old``: the state before, detached)."""
+        pairs = [(new.compressor, old.compressor), (new.indexer, old.indexer)][: len(regions)]
+        assert ch.table is not None
+        for (s, before), reg in zip(pairs, regions, strict=True):
+            assert s is not None and before is not None
+            done = before.num_entries
+            if s.num_entries > done:
+                reg.write(ch.table, done, s.entries[done:])
+        return new.detached()
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A compressor's page region of the KV pool: [pages, rows, width], entry w in the page of
+    its closing token (`entry_slots`)."""
+
+    rows: torch.Tensor
+    rate: int
+    page_size: int
+
+    def _flat(self, table: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        pages, rows = entry_slots(first, last, self.rate, self.page_size, table.device)
+        return table[pages].long() * self.rows.shape[1] + rows
+
+    def read(self, table: torch.Tensor, n: int) -> torch.Tensor:
+        """Entries [0, n) of the sequence with page table ``table`` -> [n, width]."""
+        flat = self.rows.view(-1, self.rows.shape[-1])
+        return flat.index_select(0, self._flat(table, 0, n))
+
+    def write(self, table: torch.Tensor, first: int, entries: torch.Tensor) -> None:
+        """Stores ``entries`` [m, width] as entries [first, first + m) of the sequence."""
+        flat = self.rows.view(-1, self.rows.shape[-1])
+        idx = self._flat(table, first, first + entries.shape[0])
+        flat.index_copy_(0, idx, entries.to(flat.dtype))
+
+
+def entry_slots(
+    first: int, last: int, rate: int, page_size: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where entries [first, last) of a compressor at ``rate`` live in a sequence's pages:
+    (page index in its table, row in that page's region), each [last - first]. Entry w is in
+    the page of its closing token c = (w + 1) * rate - 1, at row w - (page * page_size) // rate
+    (the page's first entry is the first to close in it), below ``ceil(page_size / rate)``."""
+    w = torch.arange(first, last, device=device)
+    page = torch.div((w + 1) * rate - 1, page_size, rounding_mode="floor")
+    return page, w - torch.div(page * page_size, rate, rounding_mode="floor")
 
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")

@@ -25,6 +25,8 @@ from .layers.moe import SparseMoE
 from .layers.rope import Rope
 from .registry import family_spec
 
+PAGE_SIZE = 16  # tokens a KV page holds unless the engine says otherwise (EngineConfig)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, mixer_index: int, dtype: torch.dtype) -> None:
@@ -113,8 +115,14 @@ class CausalLM(nn.Module):
         self.rope = Rope(cfg.rope)
         self._decode_head: cpu_decode.HeadPlan | None = None
 
-    def state_bytes_per_token(self) -> int:
-        """Bytes per token the model's own per-sequence state grows by (0: none; rounded up)."""
+    def pool_regions(self, page_size: int) -> list[tuple[int, int]]:
+        """(rows, width) of each page region the KV pool holds for the model (kv/pool.py): state
+        kept by page beside K and V (DeepSeek-V4's compressed entries); none by default."""
+        return []
+
+    def state_bytes_per_token(self, page_size: int = PAGE_SIZE) -> int:
+        """Bytes per token of the model's state beyond K and V that grows with the sequence
+        (its page regions, in pages of ``page_size`` tokens; 0: none; rounded up)."""
         return 0
 
     def state_bytes_per_seq(self) -> int:
@@ -188,9 +196,9 @@ def model_tables(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers() if not b.is_floating_point()}
 
 
-def kv_bytes_per_token(model: CausalLM) -> int:
+def kv_bytes_per_token(model: CausalLM, page_size: int = PAGE_SIZE) -> int:
     """Bytes one cached token takes: K and V in the KV pool over all attention layers, plus
-    what the model's own per-sequence state grows by per token (DeepSeek-V4's compressed
+    the pool's page regions per token in pages of ``page_size`` (DeepSeek-V4's compressed
     entries; its fixed part per sequence: `CausalLM.state_bytes_per_seq`)."""
     itemsize = model.dtype.itemsize
     if model.kv_layer_shapes:
@@ -198,7 +206,7 @@ def kv_bytes_per_token(model: CausalLM) -> int:
     else:
         heads, head_dim = model.kv_geometry
         pool = 2 * model.num_attention_layers * heads * head_dim * itemsize
-    return pool + model.state_bytes_per_token()
+    return pool + model.state_bytes_per_token(page_size)
 
 
 def decode_attention_bytes(model: CausalLM, rows: int, keys: int, page_size: int) -> int:

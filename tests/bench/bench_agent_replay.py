@@ -89,7 +89,8 @@ MODELS = {"tiny-hybrid": "qwen3_5_moe", "tiny-attn": "qwen3_moe", "tiny-v4": "de
 def model_dir(kind: str, root: Path) -> Path:
     """builtin: the built-in model; tiny-hybrid / tiny-attn / tiny-v4: random Qwen3.5-MoE
     (Gated DeltaNet + attention) / Qwen3-MoE (attention only) / DeepSeek-V4 (sliding window,
-    CSA and HCA: its attention state is held per sequence and snapshotted whole) of
+    CSA and HCA: its compressed entries in the KV pages, the windows' keys and open
+    compressor windows per sequence, snapshotted at anchors) of
     tests/tiny_models.py sharing its tokenizer."""
     builtin = ensure_builtin_model(root / "state")
     if kind == "builtin":
@@ -176,10 +177,8 @@ def replay(
     state = probe.runner.new_state()
     if state.recurrent is not None:
         snap_bytes = state.recurrent.nbytes
-    else:  # a state that grows with the sequence (DeepSeek-V4): its size at the mean prompt
-        mean = sum(map(len, (p for h in ids.values() for p in h))) / sum(map(len, ids.values()))
-        model = probe.runner.model
-        snap_bytes = model.state_bytes_per_seq() + int(mean) * model.state_bytes_per_token()
+    else:  # a model's own state (DeepSeek-V4): the most a snapshot of it holds, any position
+        snap_bytes = probe.runner.model.state_bytes_per_seq()
     snap_mb = snap_bytes / 2**20
     del probe
     with chatml_anchors(args.template == "qwen3"):

@@ -18,7 +18,9 @@ a query at position p sees entries [0, (p + 1) // rate).
 `CompressorState` is what one sequence carries between forwards: the entries so far, the open
 window's projected kv / gate rows (fewer than ``rate``) and, overlapping only, the last closed
 window's Ca kv / gate (with the position bias added). A forward over any number of new tokens
-from a state equals the forward over all tokens at once.
+from a state equals the forward over all tokens at once. The engine keeps the entries in the
+paged KV pool instead (``stored`` of them: `CompressorState.detached`), the state then the
+open window and the overlap alone, a size that does not grow with the sequence.
 
 The Lightning Indexer has its own (overlapping) compressor at ``index_head_dim`` and scores each
 query against the visible entries:
@@ -73,11 +75,33 @@ class CompressorState:
     gate: torch.Tensor  # [r, width] and its gate logits (without the position bias)
     prev_kv: torch.Tensor | None = None  # overlapping: [rate, dim] Ca of the last closed window
     prev_gate: torch.Tensor | None = None  # [rate, dim] its gate logits + position bias
+    stored: int = 0  # entries before ``entries``, kept elsewhere (the engine's paged pool)
+
+    @property
+    def num_entries(self) -> int:
+        """Entries so far: those kept elsewhere and those held here."""
+        return self.stored + int(self.entries.shape[0])
 
     @property
     def num_tokens(self) -> int:
         """Tokens compressed or pending: E * rate + r (the next token's position)."""
-        return int(self.entries.shape[0]) * self.rate + int(self.kv.shape[0])
+        return self.num_entries * self.rate + int(self.kv.shape[0])
+
+    def detached(self) -> CompressorState:
+        """This state without its entries (``stored`` counts them): what is left once they are
+        kept elsewhere."""
+        empty = self.entries.new_zeros(0, self.entries.shape[1])  # not a view: frees them
+        return replace(self, entries=empty, stored=self.num_entries)
+
+    def attached(self, entries: torch.Tensor) -> CompressorState:
+        """This state with all its entries held (``entries`` [num_entries, dim], read back from
+        where they are kept)."""
+        if entries.shape[0] != self.num_entries or self.entries.shape[0]:
+            raise ValueError(
+                f"{entries.shape[0]} entries given for a state of {self.num_entries} "
+                f"({self.entries.shape[0]} held)"
+            )
+        return replace(self, entries=entries, stored=0)
 
     @property
     def nbytes(self) -> int:
@@ -114,13 +138,13 @@ class Compressor(nn.Module):
         z = torch.zeros(0, self.width, device=device)
         return CompressorState(self.rate, torch.zeros(0, self.dim, device=device), z, z.clone())
 
-    def state_bytes(self, tokens: int) -> int:
+    def state_bytes(self, tokens: int, entries: bool = True) -> int:
         """Bytes of a `CompressorState` after ``tokens`` tokens (fp32, `CompressorState.nbytes`):
-        one entry per closed window, the open window's kv and gate rows, and (overlapping) the
-        last closed window's Ca kv and gate."""
+        one entry per closed window (unless ``entries`` is False: a detached state), the open
+        window's kv and gate rows, and (overlapping) the last closed window's Ca kv and gate."""
         closed, rows = divmod(tokens, self.rate)
         prev = 2 * self.rate * self.dim if self.overlap and closed else 0
-        return 4 * (closed * self.dim + 2 * rows * self.width + prev)
+        return 4 * (closed * self.dim * entries + 2 * rows * self.width + prev)
 
     def max_open_bytes(self) -> int:
         """The most `state_bytes` holds beside its entries (rate - 1 open rows, the overlap)."""
@@ -133,7 +157,7 @@ class Compressor(nn.Module):
         kv, gate = project(x, (self.kv_proj, self.gate_proj))
         kv = torch.cat((state.kv, kv.float()))
         gate = torch.cat((state.gate, gate.float()))
-        first = int(state.entries.shape[0]) * self.rate  # position of the first row of kv
+        first = state.num_entries * self.rate  # position of the first row of kv
         m = kv.shape[0] // self.rate
         used = m * self.rate
         if m == 0:

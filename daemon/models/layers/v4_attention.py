@@ -30,13 +30,14 @@ the top-512 of 4096 entries, 1/8 of the rows), on sliding and HCA layers every k
 masked to those seen (`_attend_masked`, also CSA's reference with ``masked_prefill``).
 
 `V4AttentionState` is one sequence's state in one layer: the last window - 1 keys and the
-compressor / indexer states (`compressed.CompressorState`).
+compressor / indexer states (`compressed.CompressorState`). The engine keeps the compressed
+entries in the paged pool (models/deepseek_v4_model.py): its states are ``detached``, their size
+bounded whatever the sequence's length (``state_bytes(n, entries=False)``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 from torch import nn
@@ -99,6 +100,14 @@ class V4AttentionState:
     window: torch.Tensor  # [w, head_dim] fp32 keys (= values) of the last w <= window - 1 tokens
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+
+    def detached(self) -> V4AttentionState:
+        """The state without the compressors' entries (kept elsewhere: `CompressorState.detached`)."""
+        return V4AttentionState(
+            self.window,
+            None if self.compressor is None else self.compressor.detached(),
+            None if self.indexer is None else self.indexer.detached(),
+        )
 
     def clone(self) -> V4AttentionState:
         return V4AttentionState(
@@ -178,27 +187,23 @@ class V4Attention(nn.Module):
             None if self.indexer is None else self.indexer.compressor.empty_state(device),
         )
 
-    def _compressors(self) -> list[Compressor]:
+    def compressors(self) -> list[Compressor]:
+        """The layer's compressors: its own (CSA, HCA), then its indexer's (CSA)."""
         out = [] if self.compressor is None else [self.compressor]
         return out + ([] if self.indexer is None else [self.indexer.compressor])
 
-    def state_bytes(self, tokens: int) -> int:
+    def state_bytes(self, tokens: int, entries: bool = True) -> int:
         """Bytes of the layer's `V4AttentionState` after ``tokens`` tokens (its ``nbytes``):
-        the window's keys and the compressors' states."""
+        the window's keys and the compressors' states (without their entries: ``detached``)."""
         window = 4 * min(tokens, self.window - 1) * self.head_dim
-        return window + sum(c.state_bytes(tokens) for c in self._compressors())
-
-    def state_growth(self) -> Fraction:
-        """Bytes per token the state grows by without bound: one entry per ``rate`` tokens in
-        each compressor (the compressor's and, CSA, the indexer's)."""
-        return sum((Fraction(4 * c.dim, c.rate) for c in self._compressors()), Fraction(0))
+        return window + sum(c.state_bytes(tokens, entries) for c in self.compressors())
 
     def max_fixed_bytes(self) -> int:
         """The most the state holds beside its entries, whatever the length: a full window of
-        keys and each compressor's open window and overlap. ``state_bytes(L)`` is at most this
-        plus ``L * state_growth()``."""
+        keys and each compressor's open window and overlap: ``state_bytes(L, entries=False)``
+        at any L (the entries add one row of ``dim`` per ``rate`` tokens per compressor)."""
         window = 4 * (self.window - 1) * self.head_dim
-        return window + sum(c.max_open_bytes() for c in self._compressors())
+        return window + sum(c.max_open_bytes() for c in self.compressors())
 
     def forward(
         self,
