@@ -29,6 +29,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from profile_decode import _instrument  # beside this script
+
 _wall: dict[str, float] = defaultdict(float)
 _cpu: dict[str, float] = defaultdict(float)
 _depth = [0]
@@ -57,25 +59,6 @@ def _timed(label: Callable[..., str] | str, fn: Callable[..., Any]) -> Callable[
     return wrapper
 
 
-def _instrument(vocab: int) -> None:
-    from freetokend.experts import backend
-    from freetokend.models.layers import attention, common, moe, rope
-
-    def linear_label(self: Any, x: Any) -> str:
-        rows = self.qweight.rows if self.qweight is not None else self.weight.shape[0]
-        return "lm_head" if rows == vocab else "dense projections"
-
-    common.Linear.forward = _timed(linear_label, common.Linear.forward)  # type: ignore[method-assign]
-    proj = _timed("dense projections", common.project)
-    attention.project = proj  # type: ignore[attr-defined]
-    common.project = proj
-    attention.paged_attention = _timed("attention", attention.paged_attention)  # type: ignore[attr-defined]
-    common.RMSNorm.forward = _timed("norms", common.RMSNorm.forward)  # type: ignore[method-assign]
-    moe.route = _timed("router top-k", moe.route)  # type: ignore[attr-defined]
-    backend.CpuBackend.forward = _timed("routed experts", backend.CpuBackend.forward)  # type: ignore[method-assign]
-    rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
-
-
 def _ops(cfg: Any, n: int) -> dict[str, float]:
     """Operations (2 a multiply-add) of each compute part for a prompt of n tokens."""
     h, layers = cfg.hidden_size, cfg.num_layers
@@ -102,6 +85,7 @@ def main() -> None:
     import torch
 
     from freetokend import LLM
+    from freetokend.models.layers import rope
 
     torch.set_num_threads(a.threads)
     if a.isa:
@@ -116,7 +100,8 @@ def main() -> None:
         kv_tokens=a.tokens + 128,
     )
     cfg = llm.config
-    _instrument(cfg.vocab_size)
+    _instrument(cfg.vocab_size, _timed, "attention")  # profile_decode's parts, these timers
+    rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
     rng = random.Random(1)
     ids = (300, min(50000, cfg.vocab_size - 1))  # no special or byte-fallback ids (bench_server)
     llm.generate([rng.randrange(*ids) for _ in range(64)], max_tokens=1)  # warm-up
