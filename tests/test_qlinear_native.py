@@ -410,3 +410,31 @@ def test_q4_k_groups_at_the_largest_sums(isa: str, t: int) -> None:
     got = ql.qlinear(x, w, isa=isa)
     torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
     assert got[-1].abs().max().item() > 900  # 256 * 15 * 63 / 256: not cancelled out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("t", [4, 9])
+def test_scale_min_groups_largest_sums_any_pass(isa: str, fmt: str, t: int) -> None:
+    """Every value at its top (Q4_K 15, Q5_K 31), every 6-bit scale 63 and every token's
+    activations at +127 in the first super-block: the largest sums the interleaved kernels form.
+    The AVX2 passes of several tokens add maddubs pair sums in int16 for 8 steps (Q5_K: 4) before
+    scaling: at these values they sit just below 2^15, so a longer run would saturate. Each row
+    of the many-token call must equal the same token alone (another pass form: the int32
+    accumulators) bit for bit, and the reference within the usual tolerance."""
+    _need(isa)
+    k, n = 512, 16
+    nbytes = gb.row_bytes(fmt, 256)
+    block = torch.full((nbytes,), 0xFF, dtype=torch.uint8)  # scales, mins and values all ones
+    block[0:4] = torch.tensor([0x00, 0x1C, 0x00, 0x00], dtype=torch.uint8)  # d 2^-8, dmin 0
+    w = ql.QuantWeight.from_raw(block.repeat(n, k // 256), fmt, k)
+    assert w.interleaved
+    x = torch.ones(t, k)
+    x[:, 257::2] = -1.0  # the second super-block mixed, the first all +127
+    x[1::2, 256:] *= 0.5
+    got = ql.qlinear(x, w, isa=isa)
+    for i in range(t):
+        assert torch.equal(got[i : i + 1], ql.qlinear(x[i : i + 1], w, isa=isa)), i
+    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    top = 15 if fmt == "q4_k" else 31
+    assert got[0, 0].item() > 256 * top * 63 / 256 * 0.99  # the first super-block not cancelled

@@ -79,6 +79,11 @@ struct ScaleMinX8 {
     request_unit<kBlockBytes>(pf);
     __m256i sumi[NT];
     for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+    if constexpr (!kDotFused) {
+      wide_pairs16<NT>(blk, K, q, sb, sumi);
+      finish<NT>(blk, K, d, s, sb, sumi, res);
+      return;
+    }
     for (int c = 0; c < 4; ++c) {
       __m256i acc[NT][2];
       for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
@@ -102,6 +107,44 @@ struct ScaleMinX8 {
   }
 
  private:
+  // block_wide's sums with maddubs (AVX2): each step's int16 pair sums are added in int16 for
+  // kRun steps, then multiplied by the sub-block's scale in one madd (the scale in both int16 of
+  // its row's lane), instead of a madd by ones and an add in int32 every step and a multiply of
+  // the int32 sum. A pair sum is at most 2 * 15 * 127 = 3810 in magnitude (Q5_K: 2 * 31 * 127 =
+  // 7874), so 8 steps (Q5_K: 4) stay below 2^15: the same exact integers as dot_acc's, so the
+  // same results bit for bit, with one multiply-port instruction per token and weight word
+  // instead of two (Zen 3, one core, Q4_K 1536 x 2048 in cache, 128 tokens: see the commit).
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void wide_pairs16(
+      const uint8_t* blk, int K, const int8_t* q, int sb, __m256i* sumi) {
+    constexpr int kRun = kFive ? 4 : 8;
+    for (int c = 0; c < 4; ++c)
+      for (int i0 = 0; i0 < 8; i0 += kRun) {
+        __m256i acc[NT][2];
+        for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
+        for (int i4 = i0; i4 < i0 + kRun; ++i4) {
+          __m256i lo, hi;
+          values(blk, fifth_bits(blk, i4), i4, c, lo, hi);
+          for (int u = 0; u < NT; ++u) {
+            const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
+            acc[u][0] = _mm256_add_epi16(acc[u][0], _mm256_maddubs_epi16(lo, bcast32(xs)));
+            acc[u][1] = _mm256_add_epi16(acc[u][1], _mm256_maddubs_epi16(hi, bcast32(xs + 32)));
+          }
+        }
+        const __m256i word = scale_bytes(blk, c >= 2);  // scales 2c and 2c + 1 of each row
+        const __m256i sc0 = scale16(word, 2 * c), sc1 = scale16(word, 2 * c + 1);
+        for (int u = 0; u < NT; ++u)
+          sumi[u] = _mm256_add_epi32(sumi[u], _mm256_add_epi32(_mm256_madd_epi16(acc[u][0], sc0),
+                                                               _mm256_madd_epi16(acc[u][1], sc1)));
+      }
+  }
+
+  // Scale j of each row (from scale_bytes(j >= 4)) in both int16 of its lane.
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline __m256i scale16(__m256i bytes,
+                                                                                   int j) {
+    return _mm256_srli_epi16(_mm256_shuffle_epi8(bytes, load_ctl(kLaneControls.high[j & 3])), 8);
+  }
+
   // block's step i4: inputs 64c + 4 * i4 + (0..3) and the same + 32 of each chunk c, against
   // the NT tokens, into the sub-blocks' accumulators.
   template <int NT>

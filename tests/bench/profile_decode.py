@@ -40,8 +40,13 @@ def _timed(label: Callable[..., str] | str, fn: Callable[..., Any]) -> Callable[
     return wrapper
 
 
-def _instrument(vocab: int) -> None:
-    """Timers around the parts, patched where the forward looks them up."""
+def _instrument(
+    vocab: int,
+    _timed: Callable[[Any, Callable[..., Any]], Callable[..., Any]] = _timed,
+    attention_part: str = "decode attention",
+) -> None:
+    """Timers around the parts, patched where the forward looks them up (``_timed``: the timer
+    to wrap them in; profile_prefill.py passes its own)."""
     from freetokend.experts import backend
     from freetokend.models.layers import attention, common, cpu_decode, decode_lane, moe
 
@@ -53,7 +58,7 @@ def _instrument(vocab: int) -> None:
     proj = _timed("dense projections", common.project)
     attention.project = proj  # type: ignore[attr-defined]
     common.project = proj
-    attention.paged_attention = _timed("decode attention", attention.paged_attention)  # type: ignore[attr-defined]
+    attention.paged_attention = _timed(attention_part, attention.paged_attention)  # type: ignore[attr-defined]
     common.RMSNorm.forward = _timed("norms", common.RMSNorm.forward)  # type: ignore[method-assign]
     moe.route = _timed("router top-k", moe.route)  # type: ignore[attr-defined]
     backend.CpuBackend.forward = _timed("routed experts", backend.CpuBackend.forward)  # type: ignore[method-assign]
