@@ -356,7 +356,7 @@ def dequantized_reference(family: str, hf: Any, path: Path) -> None:
         vals = raw if qt == Q.I32 else dequantize(raw, qt)
         back[name] = torch.from_numpy(vals.astype(np.float32)).reshape(t.shape)
         scale = stored.get(name.removesuffix(".weight") + ".scale")  # NVFP4's global scales
-        if name.endswith(".weight") and scale is not None:  # one an expert, or one in all
+        if qt == Q.NVFP4 and scale is not None:  # one an expert, or one for a dense weight
             glob = torch.from_numpy(scale[1].astype(np.float32))
             back[name] *= glob.view(-1, 1, 1) if name.endswith("_exps.weight") else glob[0]
     _load_back(family, hf, back)

@@ -225,7 +225,7 @@ class GgufCheckpoint:
             key = m.group(2) if m else ""
             if m is not None and mtp and int(m.group(1)) >= cfg.num_layers:
                 continue  # a multi-token-prediction layer after the decoder layers: not loaded
-            if m is not None and (_EXPS.match(key) or _EXPS_SCALE.match(key)):
+            if m is not None and (_EXPS.match(key) or self._nvfp4_experts_scale(name)):
                 yield name, f"experts:{m.group(1)}:{key}", _Source(f, t)
                 continue
             if m is not None and key == _FUSED_EXPS:  # [E, 2I, H]: gate rows, then up rows
@@ -253,6 +253,15 @@ class GgufCheckpoint:
                 first = key == lead or f"blk.{layer}.{lead}" not in self.tensors
                 if key in join.parts and first and f"blk.{layer}.{join.unless}" not in self.tensors:
                     yield name, f"layers.{layer}.{join.target}", self._joined(cfg, layer, join)
+
+    def _nvfp4_experts_scale(self, name: str) -> bool:
+        """Whether ``name`` is the ``.scale`` / ``.input_scale`` of NVFP4 stacked experts (other
+        families have tensors of that name: Gemma-4's per-expert down scale)."""
+        m = _BLK.match(name)
+        if m is None or not _EXPS_SCALE.match(m.group(2)):
+            return False
+        weight = name.rsplit(".", 1)[0] + ".weight"
+        return weight in self.tensors and self.tensors[weight][1].type_name == "NVFP4"
 
     def _nvfp4_scale_of(self, name: str) -> str | None:
         """The dense NVFP4 weight whose global scale (``.scale``) or activation scale
@@ -625,8 +634,8 @@ def _nvfp4_scale(
     proj = proj.removeprefix("ffn_")
     if not nv:
         raise CheckpointError(
-            f"{src.t.path}: unexpected tensor '{name}' (a per-expert scale: only NVFP4 experts "
-            "have one, and these experts are not NVFP4)"
+            f"{src.t.path}: tensor '{name}': NVFP4 experts load only where every MoE layer's "
+            "gate, up and down experts are NVFP4 (into nvfp4 banks; not mixed with other types)"
         )
     if kind == "input_scale":
         return
