@@ -225,14 +225,15 @@ class GgufCheckpoint:
             key = m.group(2) if m else ""
             if m is not None and mtp and int(m.group(1)) >= cfg.num_layers:
                 continue  # a multi-token-prediction layer after the decoder layers: not loaded
-            if m is not None and (_EXPS.match(key) or self._nvfp4_experts_scale(name)):
+            nv_scale = m is not None and self._nvfp4_scale_of(name) is not None
+            if m is not None and (_EXPS.match(key) or (nv_scale and _EXPS_SCALE.match(key))):
                 yield name, f"experts:{m.group(1)}:{key}", _Source(f, t)
                 continue
             if m is not None and key == _FUSED_EXPS:  # [E, 2I, H]: gate rows, then up rows
                 for proj, rows in split_gate_up(cfg).items():
                     yield name, f"experts:{m.group(1)}:ffn_{proj}_exps.weight", _Source(f, t, rows)
                 continue
-            if m is not None and self._nvfp4_scale_of(name) is not None:
+            if nv_scale:
                 continue  # a dense NVFP4 weight's scale: applied where the weight is read
             try:
                 targets = block_targets(self.arch, cfg, key, _BLOCK) if m else None
@@ -254,19 +255,11 @@ class GgufCheckpoint:
                 if key in join.parts and first and f"blk.{layer}.{join.unless}" not in self.tensors:
                     yield name, f"layers.{layer}.{join.target}", self._joined(cfg, layer, join)
 
-    def _nvfp4_experts_scale(self, name: str) -> bool:
-        """Whether ``name`` is the ``.scale`` / ``.input_scale`` of NVFP4 stacked experts (other
-        families have tensors of that name: Gemma-4's per-expert down scale)."""
-        m = _BLK.match(name)
-        if m is None or not _EXPS_SCALE.match(m.group(2)):
-            return False
-        weight = name.rsplit(".", 1)[0] + ".weight"
-        return weight in self.tensors and self.tensors[weight][1].type_name == "NVFP4"
-
     def _nvfp4_scale_of(self, name: str) -> str | None:
-        """The dense NVFP4 weight whose global scale (``.scale``) or activation scale
-        (``.input_scale``, unused: activations stay unquantized) ``name`` is; None if it is not
-        one."""
+        """The NVFP4 weight (stacked experts or dense) whose global scale (``.scale``) or
+        activation scale (``.input_scale``, unused: activations stay unquantized) ``name`` is;
+        None if it is not one (other families have tensors of such names: Gemma-4's per-expert
+        down scale ``ffn_down_exps.scale``)."""
         for suffix in (".scale", ".input_scale"):
             if name.endswith(suffix):
                 weight = name.removesuffix(suffix) + ".weight"
