@@ -221,12 +221,12 @@ class Filler:
         """One projection of all experts of a layer, stacked: ``proj`` gate | up | down, ``kind``
         weight [E, rows, cols] | bias [E, rows] (GGUF's ``ffn_<proj>_exps``)."""
         base, e, i, h = (
-            self._moe_base(layer, name, path),
+            self.moe_base(layer, name, path),
             self.cfg.num_experts,
             self.cfg.moe_intermediate_size,
             self.cfg.hidden_size,
         )
-        rows = slice(0, h) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
+        rows = proj_rows(self.cfg, proj)
         if kind == "weight":
             self._check(src, (e, h, i) if proj == "down" else (e, i, h), name, path)
             # the layer's rows: of its type's bank where the format keeps types per layer
@@ -245,7 +245,8 @@ class Filler:
         if done <= self.expert_filled:  # both halves of the fused gate/up bias are in
             self.expert_filled.update((layer, "gate_up_proj_bias", x) for x in range(e))
 
-    def _moe_base(self, layer: int, name: str, path: Path) -> int:
+    def moe_base(self, layer: int, name: str, path: Path) -> int:
+        """The flat id of ``layer``'s first expert (refused where the layer has none)."""
         if layer >= self.cfg.num_layers or self.cfg.moe_layer_index[layer] < 0:
             raise CheckpointError(
                 f"{path}: unexpected tensor '{name}' (layer {layer} has no experts)"
@@ -263,7 +264,7 @@ class Filler:
             self._fused_mxfp4(layer, part, src, name, path)
             return
         base, e, i, h = (
-            self._moe_base(layer, name, path),
+            self.moe_base(layer, name, path),
             self.cfg.num_experts,
             self.cfg.moe_intermediate_size,
             self.cfg.hidden_size,
@@ -298,7 +299,7 @@ class Filler:
         (gate/up interleaved), cols = inputs: our mxfp4 banks' layout once the 16-byte blocks of
         a row are joined and the gate/up rows are de-interleaved."""
         base, e, i, h = (
-            self._moe_base(layer, name, path),
+            self.moe_base(layer, name, path),
             self.cfg.num_experts,
             self.cfg.moe_intermediate_size,
             self.cfg.hidden_size,
@@ -334,7 +335,7 @@ class Filler:
         self, layer: int, x: int, proj: str, kind: str, t: Source, name: str, path: Path
     ) -> None:
         base, i, h = (
-            self._moe_base(layer, name, path),
+            self.moe_base(layer, name, path),
             self.cfg.moe_intermediate_size,
             self.cfg.hidden_size,
         )
@@ -425,6 +426,13 @@ class Filler:
                         raise CheckpointError(
                             f"missing tensor for layer {layer} expert {x} ({part})"
                         )
+
+
+def proj_rows(cfg: ModelConfig, proj: str) -> slice:
+    """A projection's rows of its bank: gate the first half of gate_up, up the second, down
+    all of down."""
+    i = cfg.moe_intermediate_size
+    return slice(None) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
 
 
 def allocate_banks(cfg: ModelConfig, resident: bool = True) -> ExpertBanks:

@@ -42,7 +42,7 @@ from ..formats.gguf_file import (
     split_files,
 )
 from ..native.qlinear_native import QuantWeight
-from . import gguf_experts
+from . import gguf_experts, gguf_nvfp4
 from .config import ModelConfig
 from .families.spec import GgufJoin
 from .fill import Filler, allocate_banks
@@ -84,7 +84,6 @@ _BLOCK = {
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPS = re.compile(r"^ffn_(gate|up|down)_exps\.(weight|bias)$")
-_EXPS_SCALE = re.compile(r"^ffn_(gate|up|down)_exps\.(scale|input_scale)$")  # NVFP4's
 _FUSED_EXPS = "ffn_gate_up_exps.weight"  # llama.cpp's converter with --fuse-gate-up-exps
 _IGNORED = ("rope_freqs.weight",)  # llama.cpp's precomputed rope factors: we compute our own
 
@@ -225,8 +224,10 @@ class GgufCheckpoint:
             key = m.group(2) if m else ""
             if m is not None and mtp and int(m.group(1)) >= cfg.num_layers:
                 continue  # a multi-token-prediction layer after the decoder layers: not loaded
-            nv_scale = m is not None and self._nvfp4_scale_of(name) is not None
-            if m is not None and (_EXPS.match(key) or (nv_scale and _EXPS_SCALE.match(key))):
+            nv_scale = m is not None and gguf_nvfp4.scale_of(self.tensors, name) is not None
+            if m is not None and (
+                _EXPS.match(key) or (nv_scale and gguf_nvfp4.EXPS_SCALE.match(key))
+            ):
                 yield name, f"experts:{m.group(1)}:{key}", _Source(f, t)
                 continue
             if m is not None and key == _FUSED_EXPS:  # [E, 2I, H]: gate rows, then up rows
@@ -242,10 +243,10 @@ class GgufCheckpoint:
             if targets is None:
                 raise CheckpointError(f"{t.path}: unexpected tensor '{name}' for {self.arch}")
             layer = int(m.group(1)) if m else 0
-            scale = self._nvfp4_global(name, t)
+            scale = gguf_nvfp4.dense_global(self.tensors, name, t)
             for canon, fix in targets:
                 if scale is not None:
-                    fix = _scaled(fix, scale)
+                    fix = gguf_nvfp4.scaled(fix, scale)
                 yield name, f"layers.{layer}.{canon}", _Source(f, t, fix)
             # tensors read together (DeepSeek's split kv_b), joined once per layer (from
             # whichever part the file has), unless the file holds the parameter whole
@@ -254,32 +255,6 @@ class GgufCheckpoint:
                 first = key == lead or f"blk.{layer}.{lead}" not in self.tensors
                 if key in join.parts and first and f"blk.{layer}.{join.unless}" not in self.tensors:
                     yield name, f"layers.{layer}.{join.target}", self._joined(cfg, layer, join)
-
-    def _nvfp4_scale_of(self, name: str) -> str | None:
-        """The NVFP4 weight (stacked experts or dense) whose global scale (``.scale``) or
-        activation scale (``.input_scale``, unused: activations stay unquantized) ``name`` is;
-        None if it is not one (other families have tensors of such names: Gemma-4's per-expert
-        down scale ``ffn_down_exps.scale``)."""
-        for suffix in (".scale", ".input_scale"):
-            if name.endswith(suffix):
-                weight = name.removesuffix(suffix) + ".weight"
-                if weight in self.tensors and self.tensors[weight][1].type_name == "NVFP4":
-                    return weight
-        return None
-
-    def _nvfp4_global(self, name: str, t: GgufTensor) -> float | None:
-        """A dense NVFP4 weight's global scale (llama.cpp's converter writes it as ``.scale``,
-        the multiplier; none where it is 1): the weight dequantizes at load, times it."""
-        scale = name.removesuffix(".weight") + ".scale"
-        if t.type_name != "NVFP4" or scale not in self.tensors:
-            return None
-        f, st = self.tensors[scale]
-        v = f.read_float(st).double().reshape(-1)
-        if v.numel() != 1 or not (torch.isfinite(v).all() and v[0] > 0):
-            raise CheckpointError(
-                f"{st.path}: tensor '{scale}' must hold one finite positive scale"
-            )
-        return float(v[0])
 
     def _joined(self, cfg: ModelConfig, layer: int, join: GgufJoin) -> _Joined:
         names = [f"blk.{layer}.{k}" for k in join.parts]
@@ -543,24 +518,21 @@ def _fill(
             _keep_joined(joined[canon], canon, src)
             filler.filled.add(canon)
             continue
-        if canon.startswith("experts:") and _EXPS_SCALE.match(canon.split(":")[2]):
+        if canon.startswith("experts:") and gguf_nvfp4.EXPS_SCALE.match(canon.split(":")[2]):
             assert isinstance(src, _Source)
-            _nvfp4_scale(cfg, banks, canon, src, name, nv)
+            _, layer, key = canon.split(":")
+            gguf_nvfp4.experts_global(
+                cfg, banks, filler, int(layer), key, src.read(), name, src.t.path, nv
+            )
             continue
         if canon.startswith("experts:"):
             _, layer, key = canon.split(":")
             m = _EXPS.match(key)
             assert m is not None and isinstance(src, _Source)
             if nv and m.group(2) == "weight":  # NVFP4 codes and scales into the nvfp4 banks
-                base = _moe_base(cfg, int(layer))  # (a layer without experts: refused below)
-                rows = _expert_rows(cfg, m.group(1))
-                bank = "down" if m.group(1) == "down" else "gate_up"
-                scales = banks.extra[bank + "_scale"][base : base + cfg.num_experts, rows]
-                try:
-                    nvs = gguf_experts.NvStack(src.f, src.t, scales, pool)
-                except ValueError as e:
-                    raise CheckpointError(f"{src.t.path}: {e}") from None
-                filler.expert_stack(int(layer), m.group(1), "weight", nvs, name, src.t.path)
+                gguf_nvfp4.experts_stack(
+                    cfg, banks, filler, int(layer), m.group(1), src.f, src.t, name, pool
+                )
                 continue
             if block and m.group(2) == "weight":  # the raw blocks, as the file has them
                 if src.fix is not None:
@@ -590,63 +562,6 @@ def _fill(
             )
         else:
             filler.dense(canon, src, name, src.t.path)
-
-
-def _scaled(fix: Fix | None, scale: float) -> Fix:
-    """``fix`` after multiplying by ``scale`` (a dense NVFP4 weight's global scale)."""
-
-    def apply(w: torch.Tensor) -> torch.Tensor:
-        w = w * scale
-        return w if fix is None else fix(w)
-
-    return apply
-
-
-def _moe_base(cfg: ModelConfig, layer: int) -> int:
-    """The flat id of ``layer``'s first expert; -1 where the layer has none."""
-    moe = cfg.moe_layer_index[layer] if layer < cfg.num_layers else -1
-    return moe * cfg.num_experts if moe >= 0 else -1
-
-
-def _expert_rows(cfg: ModelConfig, proj: str) -> slice:
-    """A projection's rows of its bank: gate the first half of gate_up, up the second."""
-    i = cfg.moe_intermediate_size
-    return slice(None) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
-
-
-def _nvfp4_scale(
-    cfg: ModelConfig, banks: ExpertBanks, canon: str, src: _Source, name: str, nv: bool
-) -> None:
-    """An NVFP4 stacked expert weight's per-expert global scale (``.scale``, [E]: the
-    multiplier, ModelOpt's ``weight_scale_2``; llama.cpp's converter takes the reciprocal of
-    compressed-tensors' divisor) into the banks' globals. ``.input_scale`` (the activations'
-    scale for 4-bit activations) is not used: activations stay unquantized here, as for the
-    checkpoints' own NVFP4 experts (release_experts.py)."""
-    _, layer, key = canon.split(":")
-    proj, kind = key.split("_exps.")
-    proj = proj.removeprefix("ffn_")
-    if not nv:
-        raise CheckpointError(
-            f"{src.t.path}: tensor '{name}': NVFP4 experts load only where every MoE layer's "
-            "gate, up and down experts are NVFP4 (into nvfp4 banks; not mixed with other types)"
-        )
-    if kind == "input_scale":
-        return
-    e = cfg.num_experts
-    vals = src.read().double().reshape(-1)
-    if vals.numel() != e or not (torch.isfinite(vals).all() and (vals > 0).all()):
-        raise CheckpointError(
-            f"{src.t.path}: tensor '{name}' must hold {e} finite positive scales (one an expert)"
-        )
-    base = _moe_base(cfg, int(layer))
-    if base < 0:
-        raise CheckpointError(
-            f"{src.t.path}: unexpected tensor '{name}' (layer {layer} has no experts)"
-        )
-    if proj == "down":
-        banks.extra["down_global"][base : base + e, 0] = vals.float()
-    else:
-        banks.extra["gate_up_global"][base : base + e, int(proj == "up")] = vals.float()
 
 
 def load_gguf(
