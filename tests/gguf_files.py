@@ -5,6 +5,7 @@ K-quant mix (Q4_K / Q6_K blocks made by ``kquants``; other rows Q8_0/Q5_0/Q4_0).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -710,3 +711,36 @@ def against_transformers_gguf_loader(
     with torch.no_grad():
         want = ref.eval()(torch.tensor([ids])).logits[0].float()
     return float((llm.logits(ids) - want).abs().max())
+
+
+def write_skeleton_gguf(family: str, config: Any, path: Path, expert_type: Q = Q.Q4_K) -> Path:
+    """A GGUF file of ``config``'s geometry whose tensor data is a hole: the header as
+    ``write_gguf`` writes it (experts in ``expert_type``, routers and vectors F32, every other
+    matrix Q8_0), then the file extended to its full size without writing the blocks (a sparse
+    file: a real model's size, no disk). For what reads only a header and a size (ftctl plan)."""
+    import transformers
+
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    w = gguf.GGUFWriter(path, ARCH[family])
+    _metadata(w, family, config)
+    align = 32  # GGUF's default alignment, as the writer pads
+    data = 0
+    for name, t in gguf_tensors(family, hf).items():
+        if name.endswith("_exps.weight"):
+            qt = expert_type
+        elif t.dim() == 1 or name.endswith("ffn_gate_inp.weight"):
+            qt = Q.F32
+        else:
+            qt = Q.Q8_0
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        nbytes = t.numel() // block * size
+        w.add_tensor_info(name, list(t.shape), np.dtype(np.float32), nbytes, raw_dtype=qt)
+        data += -(-nbytes // align) * align
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    start = -(-path.stat().st_size // align) * align
+    os.truncate(path, start + data)
+    return path

@@ -21,6 +21,13 @@ backend computes mxfp4, nvfp4 and fp8_block packed, without it). When host RAM f
 reason lists these parts and says what would drop one: the cpu backend (no bf16 copy), or, when
 the packed pool alone exceeds the RAM, the disk tier, which exists for GGUF block experts only.
 
+``model_dir`` may be a GGUF file: its header gives the config, as the daemon reads it. Under the
+cpu backend, a GGUF of block experts whose files exceed the host budget (three quarters of the
+RAM) is planned as the daemon's ``disk_tier`` "auto" runs it (``disk_tier``): the experts stay in
+the file, a RAM cache holds what the budget leaves of them, and the plan gives the share of a
+token's experts the cache holds at uniform routing, the bytes a token then reads and the decode
+rate the disk's read rate bounds (given, or measured on the file: formats/disk_rate.py).
+
 ``expert_format`` (``ftctl plan --expert-format``) plans the routed experts in that format of
 experts/formats.py whatever config.json's ``quantization_config`` says (which is then not
 read): a checkpoint planned in another format than its own. config.json's own NVFP4 / INT4
@@ -57,10 +64,14 @@ from ..experts.banks import ActivationSpec, activation_of
 from ..experts.device_backends import FusedBackend, OffloadBackend
 from ..experts.fakecuda import FakeCudaAccelerator
 from ..experts.formats import allocate, get_format
+from ..formats.disk_rate import measure_disk_rate
+from ..formats.gguf_file import split_files
 from ..kv.pool import KVPool
 from ..models.config import ModelConfig
 from ..models.config_hf import from_dict, read_config, read_config_json
+from ..models.loader import model_config, model_kind
 from ..models.model import build_model, decode_attention_bytes, kv_bytes_per_token
+from ..runtime.memlimit import TIER_WORK_RESERVE_BYTES
 from .graphs import width_for
 from .placement import (
     dense_device_bytes,
@@ -75,6 +86,10 @@ MIB = 1 << 20
 PROMPT_TOKENS = 512  # the engine's default step budget: one prefill chunk
 DEFAULT_KV_TOKENS = 131072  # LLM's default pool on the host (on a card: its share, placement.py)
 SNAPSHOT_MIB = 256  # LLM's default snapshot budget
+# the daemon's own resident memory beside its weights and KV (a disk tier's plan): its imports
+# hold 165 MiB (RssAnon, measured on the 2-core EPYC), and the tokenizer, the HTTP server and
+# the step's buffers take some more
+RUNTIME_RESIDENT_MIB = 256
 # MoE layers run per simulated step: every MoE layer has the same shapes, so the device peak of
 # a step is reached within its first layers (the prefill stream holds two at a time); host
 # syncs are counted per layer and scaled to all layers. Fake ops cost ~1 ms each on a CPU.
@@ -104,6 +119,7 @@ class Plan:
     host_syncs_by_kind: dict[str, float] = field(default_factory=dict)  # per decode step
     placement: dict[str, str] = field(default_factory=dict)
     parts_mib: dict[str, float] = field(default_factory=dict)
+    disk_tier: dict[str, Any] = field(default_factory=dict)  # empty: every expert in RAM
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,6 +143,12 @@ def plan_config(model_dir: str | Path, expert_format: str | None = None) -> Mode
     """The ModelConfig a plan uses: ``config.json`` as the daemon reads it; with
     ``expert_format``, read without its quantization keys and with the routed experts in that
     format (ValueError for a format experts/formats.py does not know)."""
+    if model_kind(model_dir) == "gguf":  # the file's header: what the daemon reads
+        cfg = model_config(model_dir)
+        if expert_format is None:
+            return cfg
+        get_format(expert_format)  # ValueError naming the known formats
+        return dataclasses.replace(cfg, expert_format=expert_format)
     if expert_format is None:
         return read_config(Path(model_dir))
     get_format(expert_format)  # ValueError naming the known formats
@@ -145,12 +167,14 @@ def plan_model(
     kv_tokens: int | None = None,
     decode_steps: int = 2,
     expert_format: str | None = None,
+    disk_rate: float | None = None,
 ) -> Plan:
     """Plans ``model_dir`` (a folder with ``config.json``) on a ``vram_mib`` card and a host of
     ``ram_mib`` (default: this machine's RAM); ``kv_tokens`` None: the engine's default for the
     placement; ``expert_format``: the routed experts' format, in place of config.json's (see the
-    module docstring). Raises ``ConfigError`` for a bad config, ValueError for an unknown
-    format or one the model's sizes do not suit."""
+    module docstring); ``disk_rate``: the disk's read rate (bytes/s) for a disk tier's plan
+    (None: measured on the file). Raises ``ConfigError`` for a bad config, ValueError for an
+    unknown format or one the model's sizes do not suit."""
 
     cfg = plan_config(model_dir, expert_format)
     ram_mib = ram_mib if ram_mib is not None else total_ram() // MIB
@@ -178,10 +202,82 @@ def plan_model(
         kv = int((plan.parts_mib.get("kv_cache", 0) + plan.parts_mib.get("model_state", 0)) * MIB)
         host += dense + kv + SNAPSHOT_MIB * MIB
     plan.ram_peak_mib = host / MIB
-    if plan.fits and plan.ram_peak_mib > ram_mib:
+    if plan.fits and _tiered(plan, cfg, model_dir, ram_mib):
+        _plan_disk_tier(plan, cfg, model_dir, ram_mib, disk_rate)
+    elif plan.fits and plan.ram_peak_mib > ram_mib:
         plan.fits = False
         plan.reason = _host_ram_reason(plan, ram_mib)
     return plan
+
+
+def _tiered(plan: Plan, cfg: Any, model_dir: str | Path, ram_mib: int) -> bool:
+    """Whether the daemon would leave experts in the file (``disk_tier`` "auto"): a GGUF file of
+    block experts under the cpu backend whose files exceed the host budget, three quarters of
+    the RAM (manager/models.expert_cache_mb, runtime/memlimit.host_pool_budget)."""
+    if plan.backend != "cpu" or model_kind(model_dir) != "gguf":
+        return False
+    if not get_format(cfg.expert_format).in_blocks:
+        return False
+    files = sum(p.stat().st_size for p in split_files(Path(model_dir)))
+    return files > ram_mib * MIB * 3 // 4
+
+
+def _plan_disk_tier(
+    plan: Plan, cfg: Any, model_dir: str | Path, ram_mib: int, rate: float | None
+) -> None:
+    """The disk tier's plan: its RAM cache (the budget, three quarters of the RAM, less the
+    dense weights, one full-length sequence's KV, the snapshots, the runtime's own memory and
+    the tier's work buffers: what ``memory_left`` leaves it at load, engine/build.py), the share of a token's experts it holds under uniform
+    routing (an LRU over uniformly random experts hits about its share of the pool; a real
+    model's routing has locality and hits more), the bytes a token then reads and the decode
+    rate the disk bounds: ``rate`` (bytes/s) or, None, the file's measured read rate."""
+    per = get_format(cfg.expert_format).nbytes_per_expert(
+        cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16
+    )
+    p = plan.parts_mib
+    files = sum(f.stat().st_size for f in split_files(Path(model_dir)))
+    dense = max(files - int(p["expert_pool"] * MIB), 0)  # kept in the file's blocks
+    p["dense_weights"] = dense / MIB
+    seq = min(plan.kv_tokens, cfg.max_position_embeddings) / max(plan.kv_tokens, 1)
+    rest = dense + int((p["kv_cache"] * seq + p.get("model_state", 0) + SNAPSHOT_MIB) * MIB)
+    rest += RUNTIME_RESIDENT_MIB * MIB + TIER_WORK_RESERVE_BYTES
+    budget = ram_mib * MIB * 3 // 4
+    cache = budget - rest
+    pool_experts = cfg.num_moe_layers * cfg.num_experts
+    slots = min(max(cache, 0) // per, pool_experts)
+    tier: dict[str, Any] = {"cache_mib": slots * per / MIB, "cache_experts": slots,
+                            "pool_experts": pool_experts}  # fmt: skip
+    plan.disk_tier = tier
+    plan.placement["expert_pool"] = "disk"
+    plan.placement["expert_slots"] = "cpu (RAM cache)"
+    plan.parts_mib["expert_ram_cache"] = slots * per / MIB
+    plan.ram_peak_mib = (rest + slots * per) / MIB
+    if slots < cfg.top_k:
+        plan.fits = False
+        plan.reason = (
+            f"the disk tier's RAM cache: {max(cache, 0) / MIB:.0f} MiB left of {budget / MIB:.0f} "
+            f"MiB (three quarters of {ram_mib} MiB) after the dense weights, one sequence's KV, "
+            f"the snapshots, the runtime and the tier's buffers ({rest / MIB:.0f} MiB), "
+            f"fewer than one token's {cfg.top_k} experts of {per / MIB:.1f} MiB"
+        )
+        return
+    if rate is None:
+        first = split_files(Path(model_dir))[0]
+        measured = measure_disk_rate(first)
+        rate = measured.bytes_per_s
+        tier["disk_rate_source"] = f"measured on {first.name}" + (
+            "" if measured.direct else " (through the page cache)"
+        )
+    else:
+        tier["disk_rate_source"] = "given"
+    hit = slots / pool_experts
+    missed = cfg.top_k * cfg.num_moe_layers * per * (1 - hit)
+    tier.update(
+        hit_fraction=hit,
+        missed_mib_per_token=missed / MIB,
+        disk_read_mb_s=rate / 1e6,
+        decode_tok_s_disk_bound=rate / missed if missed > 0 else None,
+    )
 
 
 def pool_bytes(cfg: Any, fmt: str | None = None) -> int:
