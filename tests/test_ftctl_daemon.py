@@ -189,10 +189,16 @@ def test_switch_a_b_a_reads_no_weights(daemon: Any, models: dict[str, Path]) -> 
     assert [m["name"] for m in ftjson(daemon, "models")["models"]] == ["model-a"]
 
 
-def test_bench_bw_and_launch(daemon: Any) -> None:
+def test_bench_bw_and_launch(daemon: Any, models: dict[str, Path]) -> None:
     prof = ftjson(daemon, "bench", "bw")
     assert prof["b_p"] > 0 and prof["b_h"] > 0 and prof["accelerator"] == "standin"
     assert prof["expert_bytes"] == ftjson(daemon, "cache")["expert_bytes"]
+    # B_D of a model folder: the reads of its largest safetensors file (this one has one)
+    assert prof["b_d"] > 0 and isinstance(prof["disk_direct"], bool)
+    assert prof["disk_path"] == str(models["a"] / "model.safetensors")
+    assert prof["disk_note"] == "the folder's safetensors file"
+    table = ftctl(daemon, "bench", "bw").stdout
+    assert "B_D (disk reads for the disk tier)" in table and "model.safetensors" in table
     plan = ftjson(daemon, "launch", "claude", "--dry-run")
     ((path, text),) = plan["files"].items()
     assert json.loads(text)["env"]["ANTHROPIC_BASE_URL"] == daemon.url

@@ -23,6 +23,7 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.engine.tokenizer import Tokenizer
+from freetokend.formats.direct_read import open_direct
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,9 +66,24 @@ def test_daemon_serves_a_gguf_and_ftctl_loads_another(files):
         assert proc.returncode == 0, proc.stderr
         loaded = json.loads(proc.stdout)
         assert loaded["name"] == "qb-F32" and loaded["state"] == "resident"
+        # ftctl bench bw reads the active model's GGUF file for B_D, the disk tier's way
+        proc = _ftctl("bench", "bw", "--json", socket=sock)
+        assert proc.returncode == 0, proc.stderr
+        prof = json.loads(proc.stdout)
+        assert prof["b_d"] > 0 and prof["b_p"] > 0 and prof["b_h"] > 0
+        assert prof["disk_path"] == str(files["qa"]) and prof["disk_note"] == "the GGUF file"
+        assert prof["disk_direct"] == _direct(files["qa"])
     finally:
         d.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _direct(path: Path) -> bool:
+    """Whether the file system takes O_DIRECT reads of ``path`` (not tmpfs)."""
+    fd = open_direct(path)
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
 
 
 def test_ftw_from_gguf_gives_the_same_logits_and_tokenizer(files, tmp_path):

@@ -53,6 +53,15 @@ def test_bandwidth_latest_profile_per_host_gpu_and_format(tmp_path):
             11.8e9, 47.5e9, "fp8", "cuda:A", 3 << 20
         )
         assert s.bandwidth("fp8", "standin") is None
+        # with the disk's read rate (B_D), O_DIRECT or not, the file and its note
+        disk = BandwidthProfile(
+            11.9e9, 47.0e9, "fp8", "cuda:A", 3 << 20, 6.8e9, True, "/m/x.gguf", "the GGUF file"
+        )
+        s.save_bandwidth(disk)
+        assert s.bandwidth("fp8", "cuda:A") == disk
+        paged = BandwidthProfile(1.0, 2.0, "fp8", "cuda:A", 3, 9e9, False, "/tmp/x.gguf", "")
+        s.save_bandwidth(paged)
+        assert s.bandwidth("fp8", "cuda:A") == paged
 
 
 def test_model_registry_fingerprints_and_recency(tmp_path):
@@ -161,7 +170,12 @@ def test_migrates_an_older_store_keeping_its_data(tmp_path):
         assert old.version == 1
         tables = old._db.table_names()
         assert "anchors" not in tables and "request_log" not in tables
-        old.save_bandwidth_row(BandwidthRow(old.host, "cuda:A", "bf16", 1.0, 2.0, 3.0))
+        old._db.execute(  # the v1 table's columns (BandwidthRow now has more)
+            "INSERT INTO bandwidth_profiles (host, gpu, format, b_p, b_h, measured_at)"
+            " VALUES (?, 'cuda:A', 'bf16', 1.0, 2.0, 3.0)",
+            (old.host,),
+        )
+        old._db.conn.commit()
         old.register_model("m", str(tmp_path))
     with Store(tmp_path) as s:
         assert s.version == LATEST
@@ -171,6 +185,29 @@ def test_migrates_an_older_store_keeping_its_data(tmp_path):
         assert s.registered_models() == {"m": str(tmp_path)}
         s.put_anchor(AnchorRecord("fp", "00", 1, "end_of_turn", 1, 1.0))  # the new tables work
         s.log_request(_entry(0))
+
+
+def test_a_v2_store_reads_its_profiles_with_the_disk_rate_not_measured(tmp_path):
+    """v3 adds B_D (and how it was read) to the bandwidth profiles: a store written before it
+    opens, its profiles read with b_d 0 (not measured), and new ones keep the disk rate."""
+    with Store(tmp_path, _upto=2) as old:
+        assert old.version == 2
+        columns = {c.name for c in old._db.table("bandwidth_profiles").columns}
+        assert "b_d" not in columns and "disk_direct" not in columns
+        old._db.execute(
+            "INSERT INTO bandwidth_profiles (host, gpu, format, b_p, b_h, measured_at, expert_bytes)"
+            " VALUES (?, 'standin', 'q4_k', 5e9, 7e9, 3.0, 4096)",
+            (old.host,),
+        )
+        old._db.conn.commit()
+    with Store(tmp_path) as s:
+        assert s.version == LATEST >= 3
+        assert s.bandwidth("q4_k", "standin") == BandwidthProfile(5e9, 7e9, "q4_k", "standin", 4096)
+        got = s.bandwidth("q4_k", "standin")
+        assert got is not None and got.b_d == 0.0 and not got.disk_direct and got.disk_path == ""
+        new = BandwidthProfile(5e9, 7e9, "q4_k", "standin", 4096, 7e8, True, "/m/a.gguf", "")
+        s.save_bandwidth(new)
+        assert s.bandwidth("q4_k", "standin") == new
 
 
 def test_store_of_a_newer_freetoken_is_refused(tmp_path):

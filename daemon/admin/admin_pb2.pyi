@@ -239,15 +239,23 @@ class BenchBandwidthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BandwidthProfile(_message.Message):
-    __slots__ = ("b_p", "b_h", "expert_format", "accelerator", "expert_bytes")
+    __slots__ = ("b_p", "b_h", "expert_format", "accelerator", "expert_bytes", "b_d", "disk_direct", "disk_path", "disk_note")
     B_P_FIELD_NUMBER: _ClassVar[int]
     B_H_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    B_D_FIELD_NUMBER: _ClassVar[int]
+    DISK_DIRECT_FIELD_NUMBER: _ClassVar[int]
+    DISK_PATH_FIELD_NUMBER: _ClassVar[int]
+    DISK_NOTE_FIELD_NUMBER: _ClassVar[int]
     b_p: float
     b_h: float
     expert_format: str
     accelerator: str
     expert_bytes: int
-    def __init__(self, b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., expert_format: _Optional[str] = ..., accelerator: _Optional[str] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
+    b_d: float
+    disk_direct: bool
+    disk_path: str
+    disk_note: str
+    def __init__(self, b_p: _Optional[float] = ..., b_h: _Optional[float] = ..., expert_format: _Optional[str] = ..., accelerator: _Optional[str] = ..., expert_bytes: _Optional[int] = ..., b_d: _Optional[float] = ..., disk_direct: _Optional[bool] = ..., disk_path: _Optional[str] = ..., disk_note: _Optional[str] = ...) -> None: ...

@@ -2,6 +2,8 @@
 
 v1  bandwidth profiles (ARCHITECTURE §4.3) and the model registry
 v2  prefix-reuse anchors (ARCHITECTURE §5.4: snapshot metadata and spill files) and the request log
+v3  the disk's read rate in the bandwidth profiles (``ftctl bench bw``: B_D for the disk tier);
+    rows stored before it read as not measured (b_d 0)
 """
 
 from __future__ import annotations
@@ -65,7 +67,18 @@ def _v2(db: sqlite_utils.Database) -> None:
     )
 
 
+def _v3(db: sqlite_utils.Database) -> None:
+    for column in (
+        "b_d REAL NOT NULL DEFAULT 0",  # bytes/s, the weights file's reads as the disk tier reads
+        "disk_direct INTEGER NOT NULL DEFAULT 0",  # 1: O_DIRECT reads; 0: through the page cache
+        "disk_path TEXT NOT NULL DEFAULT ''",  # the file read
+        "disk_note TEXT NOT NULL DEFAULT ''",  # which file that is, or why nothing was measured
+    ):
+        db.execute(f"ALTER TABLE bandwidth_profiles ADD COLUMN {column}")
+
+
 MIGRATIONS: list[Migration] = [
     (1, "bandwidth profiles and model registry", _v1),
     (2, "prefix-reuse anchors and request log", _v2),
+    (3, "disk read rate in bandwidth profiles", _v3),
 ]

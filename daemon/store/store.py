@@ -86,6 +86,10 @@ class Store:
             profile.b_h,
             time.time(),
             profile.expert_bytes,
+            profile.b_d,
+            profile.disk_direct,
+            profile.disk_path,
+            profile.disk_note,
         )
         self.save_bandwidth_row(row)
 
@@ -94,7 +98,17 @@ class Store:
         row = self.latest_bandwidth(accelerator, expert_format)
         if row is None:
             return None
-        return BandwidthProfile(row.b_p, row.b_h, row.format, row.gpu, row.expert_bytes)
+        return BandwidthProfile(
+            row.b_p,
+            row.b_h,
+            row.format,
+            row.gpu,
+            row.expert_bytes,
+            row.b_d,
+            row.disk_direct,
+            row.disk_path,
+            row.disk_note,
+        )
 
     # ---- model registry ----------------------------------------------------------------------
     def register(self, rec: ModelRecord) -> None:
