@@ -435,12 +435,14 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                 f"{m['during_max_ms']:.1f} ms over {m['during_tokens']:.0f} tokens; that prompt's "
                 f"first token after {m['long_ttft_s']:.1f} s"
             )
+    if args.only == "itl":
+        return
     for n in args.prompts:
         counts = {
             e: {r.get(f"prompt_tokens_{n}") for r in rows} - {None} for e, rows in results.items()
         }
         print(f"prompt tokens as each engine counted the {n}-token prompt: {counts}")
-    if not ll or args.only == "itl":
+    if not ll:
         return
     a, b = ft[0].get("greedy", []), ll[0].get("greedy", [])
     shared = next(
