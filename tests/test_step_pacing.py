@@ -61,7 +61,7 @@ def test_decode_time_is_measured_first_then_chunks_fit_the_budget() -> None:
     # no prompt token's cost yet: the smallest chunk
     assert pacer.prefill_tokens(1, 511) == 1
     assert pacer.prefill_tokens(2, 510) == 0  # two rows: not measured yet
-    pos, sizes = 0, []
+    pos, sizes = 0, list[int]()
     for _ in range(200):
         n = pacer.prefill_tokens(1, 511)
         if n == 0:  # a refresh of the decode time
@@ -86,7 +86,7 @@ def test_decode_time_is_measured_again_after_refresh_steps() -> None:
     pacer = StepPacer(BUDGET)
     pacer.observe(1, 0, 0.010)
     pacer.observe(1, 1, 0.013)
-    zeros, sizes = [], []
+    zeros, sizes = list[int](), list[int]()
     for i in range(8 * (REFRESH_STEPS + 1)):
         n = pacer.prefill_tokens(1, 512)
         if n == 0:
