@@ -121,6 +121,16 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_queue: Annotated[
         int, about("requests waiting beyond the batch before 429/529", metavar="N")
     ] = 64
+    mixed_step_budget: Annotated[
+        float,
+        about(
+            "while streams decode, a long prompt's prefill chunk beside them is sized so the "
+            "step takes at most about this many times a decode-only step (measured as it "
+            "runs), bounding their inter-token latency; a prompt alone keeps full chunks. "
+            "0 = chunks of a fixed 512 tokens (the fastest prefill, streams stall meanwhile)",
+            metavar="X",
+        ),
+    ] = 2.0
     # the cap: engine/build.context_limit
     max_model_len: Annotated[
         int | None,
@@ -340,6 +350,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.mixed_step_budget != 0 and not self.mixed_step_budget >= 1:
+            raise ConfigError(
+                f"mixed_step_budget: must be 0 (off) or at least 1, got {self.mixed_step_budget}"
+            )
         if self.drain_timeout < 0:
             raise ConfigError(f"drain_timeout: must be >= 0, got {self.drain_timeout}")
         if any(not k or not v for k, v in self.model_aliases.items()):

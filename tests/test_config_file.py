@@ -75,6 +75,7 @@ def test_unknown_key_and_bad_values_are_named(tmp_path: Path) -> None:
         ({"accelerator": "tpu"}, "accelerator"),
         ({"moe_slots": 0}, "moe_slots"),
         ({"host_pool_budget_gb": -1.0}, "host_pool_budget_gb"),
+        ({"mixed_step_budget": 0.5}, "mixed_step_budget"),
     ):
         with pytest.raises(ConfigError, match=key):
             resolve(cli, None, env={"FREETOKEN_STATE_DIR": "/s"})

@@ -14,6 +14,7 @@ from freetokend.engine.engine_config import EngineConfig
 # DaemonConfig fields that reach the engine under the same name
 FROM_DAEMON = {
     "max_batch": 7,
+    "mixed_step_budget": 3.0,
     "max_model_len": 4096,
     "kv_tokens": 1234,
     "moe_slots": 40,
@@ -66,9 +67,12 @@ def test_from_daemon_spills_only_with_a_spill_budget() -> None:
 
 
 def test_defaults_are_llms_and_daemons() -> None:
-    """Unset, the daemon builds the engine LLM builds with no arguments (but spilling)."""
+    """Unset, the daemon builds the engine LLM builds with no arguments (but spilling, and
+    with time-sized prompt chunks beside decoding streams: the offline default keeps fixed
+    chunks, the same step plans on every run)."""
     ec = EngineConfig.from_daemon(DaemonConfig(), name=None, state_dir=None)
-    assert ec == EngineConfig()
+    assert ec == EngineConfig(mixed_step_budget=2.0)
+    assert EngineConfig().mixed_step_budget == 0
 
 
 def test_from_kwargs() -> None:

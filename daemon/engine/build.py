@@ -398,6 +398,7 @@ def engine_core(
         config.max_step_tokens,
         prefix=prefix,
         spill_idle_s=config.spill_idle_s,
+        mixed_step_budget=config.mixed_step_budget,
     )
     engine.device_scope = device_scope
     return engine

@@ -4,7 +4,8 @@ Requests share forward steps: each `step()` asks the scheduler (`scheduler.Sched
 step plan (one token of every decoding request plus chunks of waiting prompts, up to a token
 budget, their KV pages reserved; when the pool runs dry the most recently admitted request is
 preempted), runs it through the runner, samples where a sequence reached its end, and reports
-one StepOutput per sampled token.
+one StepOutput per sampled token. With ``mixed_step_budget`` set, each step's time (``clock``)
+feeds the scheduler's ``StepPacer``, which sizes the prompt chunks beside decode rows by time.
 
 Thread model: `step()` runs in one engine thread. `add_request` and `abort` may be called from
 any thread; they validate at once and hand the request over through a locked inbox.
@@ -27,11 +28,12 @@ import torch
 from ..kv.pool import KVPoolFull
 from ..native import dense_native
 from ..runtime.staging import to_device
+from .pacing import StepPacer
 from .prefix import PrefixReuse
 from .row_guard import fill_masks, sample_rows
 from .runner import ModelRunner, Work
 from .sampler import SamplingParams, logprobs_of
-from .scheduler import Constraint, Request, Scheduler
+from .scheduler import Constraint, Request, Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,17 @@ class EngineCore:
         max_step_tokens: int = 512,
         prefix: PrefixReuse | None = None,
         spill_idle_s: float = 2.0,
+        mixed_step_budget: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``mixed_step_budget``: a step with decode rows takes about this many times a
+        decode-only step (its prompt chunk sized by the measured step times; 0: prompt chunks
+        fill ``max_step_tokens`` whatever decodes beside them). ``clock``: seconds, the step
+        times' source (tests inject one)."""
         self.runner = runner
-        self.scheduler = Scheduler(runner, max_batch, max_step_tokens, prefix)
+        pacer = StepPacer(mixed_step_budget) if mixed_step_budget else None
+        self.scheduler = Scheduler(runner, max_batch, max_step_tokens, prefix, pacer)
+        self.clock = clock
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
@@ -221,6 +231,7 @@ class EngineCore:
         if not sched.running:
             return []
         self._busy_at = time.monotonic()
+        started = self.clock()
         try:
             plan = sched.schedule()
         except KVPoolFull:
@@ -232,6 +243,8 @@ class EngineCore:
             for s in plan:
                 sched.prefix.after_forward(s.req.tokens, s.state, len(s.req.prompt))
         outs = self._sample([s.req for s in plan if s.sample], logits)
+        if sched.pacer is not None:
+            sched.pacer.observe(*_shares(plan), self.clock() - started)
         self._busy_at = time.monotonic()
         return outs
 
@@ -375,6 +388,12 @@ class EngineCore:
         if len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
             return "length"
         return None
+
+
+def _shares(plan: StepPlan) -> tuple[int, int]:
+    """(decode rows, prompt tokens) of a step plan."""
+    rows = sum(1 for s in plan if s.decode)
+    return rows, sum(len(s.tokens) for s in plan if not s.decode)
 
 
 def _greedy_ids(reqs: list[Request], logits: torch.Tensor) -> list[int] | None:

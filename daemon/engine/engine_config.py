@@ -31,6 +31,11 @@ class EngineConfig:
     """Requests decoded together (the continuous batch)."""
     max_step_tokens: int = 512
     """Tokens one engine step runs at most (prefill chunks and decode rows)."""
+    mixed_step_budget: float = 0.0
+    """Beside decode rows, a prompt chunk sized so the step takes about this many times a
+    decode-only step (engine/pacing.py; measured step times, so the chunks depend on timing).
+    0: chunks fill ``max_step_tokens``, the same plan on every run (the offline default; the
+    daemon's is 2.0, for its streams' inter-token latency)."""
     threads: int | None = None
     """CPU threads of the expert and dense kernels (default: theirs)."""
     moe_slots: int | None = None
@@ -115,6 +120,7 @@ class EngineConfig:
         ``state_dir`` is used only where ``spill_budget_mb`` allows spilling."""
         return cls(
             max_batch=cfg.max_batch,
+            mixed_step_budget=cfg.mixed_step_budget,
             max_model_len=cfg.max_model_len,
             kv_tokens=cfg.kv_tokens,
             moe_slots=cfg.moe_slots,

@@ -32,6 +32,14 @@ if TYPE_CHECKING:
     from .graphs import DecodeGraphs
 
 
+# A step of at most this many tokens (decode rows, or a paced prompt chunk beside them,
+# engine/pacing.py) runs torch's ops on one thread, as decode steps do: measured on a busy
+# 2-core Zen 3 (4-layer Qwen3-30B-A3B geometry, Q4_K_M, a decode row beside a chunk at 2k
+# context, steps interleaved, medians of 12): 2 / 4 / 8 / 16-token chunks 291 / 360 / 438 /
+# 892 ms on torch's 2 threads, 197 / 262 / 384 / 561 ms on one (a decode step: 69 / 61 ms).
+SMALL_STEP_TOKENS = 32
+
+
 @contextmanager
 def _torch_threads(n: int | None) -> Iterator[None]:
     """Runs the block with `n` torch intra-op threads (None: unchanged).
@@ -233,7 +241,8 @@ class ModelRunner:
         prefill = any(len(w.tokens) > 1 for w in work)
         self.moe.begin_step(len(ids), prefill=prefill)
         try:
-            with _torch_threads(None if prefill else 1), self.placement.scope():
+            small = len(ids) <= SMALL_STEP_TOKENS
+            with _torch_threads(None if prefill and not small else 1), self.placement.scope():
                 logits = self.model(batch)
         finally:
             self.moe.end_step()

@@ -8,8 +8,10 @@ request that takes part: the tokens it feeds after what its ``SeqState`` already
 whether the step samples its next token. A decoding request feeds its last token and samples;
 a prefilling one feeds a chunk of its prompt (or of its recomputed tokens after a preemption)
 and samples only when the chunk reaches its end. Decode rows come first, then prompt chunks,
-shortest remaining first, within ``max_step_tokens`` tokens in all. Every item's KV pages are
-reserved before the plan is returned.
+shortest remaining first, within ``max_step_tokens`` tokens in all; beside decode rows the
+prompt tokens are further held to what the ``StepPacer`` (engine/pacing.py) allows, so the step
+stays within its time budget (a decoding stream's inter-token latency stays bounded while a
+long prompt prefills). Every item's KV pages are reserved before the plan is returned.
 
 State it keeps: the waiting queue (admitted oldest first, up to ``max_batch`` running), the
 running list (in admission order; the newest is preempted first when the KV pool runs short:
@@ -30,6 +32,7 @@ import torch
 
 from ..kv.pool import KVPoolFull
 from ..kv.seq_state import SeqState
+from .pacing import StepPacer
 from .prefix import PrefixReuse
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -74,6 +77,7 @@ class Scheduled:
     state: SeqState  # req.state, the state the step feeds
     tokens: list[int]
     sample: bool
+    decode: bool = False  # a decode row (the request's last token), not a prompt chunk
 
 
 StepPlan: TypeAlias = list[Scheduled]
@@ -86,11 +90,13 @@ class Scheduler:
         max_batch: int,
         max_step_tokens: int,
         prefix: PrefixReuse | None = None,
+        pacer: StepPacer | None = None,
     ) -> None:
         self.runner = runner
         self.max_batch = max_batch  # 0 pauses admission; running requests go on
         self.max_step_tokens = max_step_tokens
         self.prefix = prefix
+        self.pacer = pacer  # sizes prompt chunks beside decode rows by time (None: by tokens)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -156,7 +162,8 @@ class Scheduler:
     def _plan(self) -> StepPlan:
         """Decode rows first (one token each), then prompt chunks within the token budget,
         shortest remaining prompt first: a short request (an agent's title or a quick tool
-        turn) is not held behind another's long prefill, which only loses its short share."""
+        turn) is not held behind another's long prefill, which only loses its short share.
+        Beside decode rows, the pacer may hold the prompt tokens to fewer (its time budget)."""
         plan: StepPlan = []
         budget = self.max_step_tokens
         prefills: list[tuple[int, Request, SeqState]] = []
@@ -166,10 +173,12 @@ class Scheduler:
             toks = req.tokens
             left = len(toks) - state.num_tokens
             if left == 1:
-                plan.append(Scheduled(req, state, toks[-1:], True))
+                plan.append(Scheduled(req, state, toks[-1:], True, decode=True))
                 budget -= 1
             elif left > 1:
                 prefills.append((left, req, state))
+        if self.pacer is not None and plan and prefills:
+            budget = self.pacer.prefill_tokens(len(plan), budget)
         prefills.sort(key=lambda p: p[0])  # stable: equal lengths keep their arrival order
         for _, req, state in prefills:
             toks, fed = req.tokens, state.num_tokens

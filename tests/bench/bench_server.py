@@ -3,7 +3,7 @@ HTTP, as agents use them (issue 44's figures).
 
     PYTHONPATH=... .venv/bin/python tests/bench/bench_server.py [--threads 2] [--rounds 1]
         [--prompts 2048,8192,32768] [--streams 1,2,4,8] [--itl-prompt 16384] [--quick]
-        [--only load] [--drop-caches]
+        [--only load|itl] [--drop-caches] [--ft-budgets 2,0] [--no-llama]
 
 What it builds (cached under /tmp/ftbench-server):
 - the decode benchmark's random Qwen3-30B-A3B-geometry checkpoint (decode_ckpt.py; 4 layers,
@@ -28,7 +28,7 @@ What it measures, per engine, in rounds whose engine order alternates (medians o
 - a decoding stream's inter-token latency while another request brings a ``--itl-prompt``-token
   prompt: its median alone, then its p50, p99 and max from the long request's arrival to that
   request's first token, with p99 as a multiple of each median (the issue asks p99 <= 3x the
-  stream's median);
+  stream's median), and that long prompt's time to first token;
 - greedy agreement on one prompt (16 tokens): how many leading tokens both engines share. Both
   run Q4_K_M, but their kernels round differently, and this random model's logits are flat, so
   a short shared prefix is expected; it shows the engines run the same model.
@@ -36,7 +36,10 @@ What it measures, per engine, in rounds whose engine order alternates (medians o
 Both servers get the same threads, one shared KV pool big enough for the longest prompt
 (llama-server: ``--parallel 8 --kv-unified -c``; freetokend: ``--kv-tokens``, ``--max-model-len``),
 and their default batching (llama-server: continuous batching, -b 2048 / -ub 512; freetokend: its
-scheduler's token budget). Streamed events are counted as tokens: both send one event per token
+scheduler's token budget, prompt chunks beside decoding streams sized by ``--mixed-step-budget``).
+``--ft-budgets 2,0`` runs freetokend once per value of that setting (0: fixed 512-token chunks),
+each an engine of its own in the interleaved rounds; ``--no-llama`` leaves llama-server out;
+``--only itl`` measures the inter-token latency figure alone. Streamed events are counted as tokens: both send one event per token
 (a byte-level token completing no UTF-8 character may ride with the next; rare here).
 The machine is shared in our sandbox: figures move between runs; ratios within a round are the
 ones to read. Name the CPU model beside any figure you quote.
@@ -168,10 +171,11 @@ def compile_daemon() -> None:
 
 
 def start(engine: str, path: Path, threads: int, llama_server: Path, state: Path) -> Server:
+    """``engine``: llama.cpp, freetoken, or freetoken@X (freetokend with --mixed-step-budget X)."""
     port = _free_port()
     log = state / f"{engine}.log"
     env = dict(os.environ)
-    if engine == "freetoken":
+    if engine.startswith("freetoken"):
         cmd = [
             sys.executable,
             "-c",
@@ -182,6 +186,8 @@ def start(engine: str, path: Path, threads: int, llama_server: Path, state: Path
         cmd += ["--port", str(port), "--state-dir", str(state / "ft"), "--admin-socket", "off"]
         cmd += ["--moe-backend", "cpu", "--max-model-len", str(CONTEXT)]
         cmd += ["--kv-tokens", str(CONTEXT + 4096), "--max-batch", "16"]
+        if "@" in engine:
+            cmd += ["--mixed-step-budget", engine.split("@", 1)[1]]
         env["OMP_NUM_THREADS"] = str(threads)
     else:
         cmd = [str(llama_server), "-m", str(path), "--port", str(port), "-t", str(threads)]
@@ -333,10 +339,11 @@ def session(
     state = Path(tempfile.mkdtemp(prefix=f"ftbench-{engine}-"))
     out: dict = {}
     try:
-        evict(path, args.drop_caches)
-        srv = start(engine, path, args.threads, server_bin, state)
-        out["load_cold_s"] = srv.load_s
-        srv.stop()
+        if args.only != "itl":
+            evict(path, args.drop_caches)
+            srv = start(engine, path, args.threads, server_bin, state)
+            out["load_cold_s"] = srv.load_s
+            srv.stop()
         warm(path)
         srv = start(engine, path, args.threads, server_bin, state)
         out["load_warm_s"] = srv.load_s
@@ -344,6 +351,10 @@ def session(
             srv.stop()
             return out
         try:
+            if args.only == "itl":
+                print(f"  {engine}: inter-token latency during a {args.itl_prompt}-token prompt")
+                out["itl"] = itl_during_prefill(srv.url, 3000, args.itl_prompt)
+                return out
             out["greedy"] = greedy(srv.url)
             prompts = args.prompts if first else [p for p in args.prompts if p < max(args.prompts)]
             for i, n in enumerate(prompts):
@@ -370,7 +381,8 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 
 def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
-    ft, ll = results["freetoken"], results["llama.cpp"]
+    ft = next(rows for e, rows in results.items() if e.startswith("freetoken"))
+    ll = results.get("llama.cpp", [])
     cpu = platform.processor() or "?"
     try:
         cpu = next(
@@ -423,11 +435,15 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                 f"{m['during_max_ms']:.1f} ms over {m['during_tokens']:.0f} tokens; that prompt's "
                 f"first token after {m['long_ttft_s']:.1f} s"
             )
+    if args.only == "itl":
+        return
     for n in args.prompts:
         counts = {
             e: {r.get(f"prompt_tokens_{n}") for r in rows} - {None} for e, rows in results.items()
         }
         print(f"prompt tokens as each engine counted the {n}-token prompt: {counts}")
+    if not ll:
+        return
     a, b = ft[0].get("greedy", []), ll[0].get("greedy", [])
     shared = next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
@@ -447,8 +463,16 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true", help="cold loads drop the page cache")
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the bench runs")
     ap.add_argument(
-        "--only", choices=("load",), help="load: only the cold and warm loads, each round"
+        "--only",
+        choices=("load", "itl"),
+        help="load: only the cold and warm loads, each round; itl: only the ITL figure",
     )
+    ap.add_argument(
+        "--ft-budgets",
+        default="",
+        help="freetokend once per --mixed-step-budget value (e.g. 2,0); default: its default",
+    )
+    ap.add_argument("--no-llama", action="store_true", help="freetokend only")
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
@@ -462,12 +486,16 @@ def main() -> None:
         )
     args.cache.mkdir(parents=True, exist_ok=True)
     path = build_file(args.cache)
-    server_bin = args.llama_server or build_llama_server(args.cache, args.threads)
+    server_bin = args.llama_server or (
+        Path("-") if args.no_llama else build_llama_server(args.cache, args.threads)
+    )
     print(f"file: {path} ({path.stat().st_size / 1e9:.2f} GB); llama-server: {server_bin}")
     compile_daemon()
-    results: dict[str, list[dict]] = {"freetoken": [], "llama.cpp": []}
+    engines = [f"freetoken@{b}" for b in args.ft_budgets.split(",") if b] or ["freetoken"]
+    engines += [] if args.no_llama else ["llama.cpp"]
+    results: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(args.rounds):
-        order = ["freetoken", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "freetoken"]
+        order = engines if r % 2 == 0 else engines[::-1]
         for engine in order:
             print(f"round {r + 1}: {engine} ...", flush=True)
             results[engine].append(session(engine, path, args, server_bin, first=r == 0))

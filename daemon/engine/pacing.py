@@ -1,0 +1,145 @@
+"""Time-sized prefill chunks beside decode rows (``StepPacer``, used by the scheduler).
+
+A step that carries decode rows delays every decoding stream by its whole length, so a long
+prompt's chunk beside them sets the streams' inter-token latency. With a fixed chunk of
+``max_step_tokens`` prompt tokens that is one 512-token chunk per token (seconds at a long
+context on a CPU). The pacer sizes that chunk by time instead, from running estimates
+(exponential moving averages of measured step times) of
+
+- a decode-only step's seconds, for each number of decode rows, and
+- the seconds a chunk of n prompt tokens adds to such a step, for each n it ran recently: the
+  cost is not linear in n (a step with a chunk of 2 or more tokens takes the prefill path, with
+  its own fixed cost, where a 1-token chunk does not; kernels change tiles with the rows), and
+  it follows the prompt as its attention grows. A size not run recently is predicted from the
+  nearest run sizes: linearly between two, in proportion to the one below it otherwise.
+
+It gives the prompt chunks the largest n, from 1 up, whose step is predicted to take at most
+``budget`` times a decode-only one, clamped to [``min_tokens``, the step's token budget]. Without
+decode rows the chunk stays the whole token budget (``max_step_tokens``): a prompt alone
+prefills as fast as before.
+
+Where the decode time of this many rows is unknown, or was last measured ``refresh_steps``
+steps ago (the streams' context grows meanwhile), the step runs the decode rows alone (a prefill
+share of 0) and measures it; that measurement weighs more than one of a run of decode-only
+steps (the estimate it updates is old). A chunk size's estimate not updated for
+``FORGET_REFRESHES`` refresh periods is dropped, so a size once measured too dear (a hiccup of
+the machine, or a shorter context) is tried again now and then. Until a chunk's cost is
+known, the share is ``min_tokens``.
+
+The clock is the core's (``EngineCore(clock=...)``); tests feed ``observe`` modelled times.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+EMA_WEIGHT = 0.25  # weight of the newest measurement in each running estimate
+STALE_WEIGHT = 0.5  # ... of a decode time measured again after REFRESH_STEPS (the old is stale)
+REFRESH_STEPS = 64  # steps after which a decode-only step measures the decode time again
+FORGET_REFRESHES = 4  # a chunk size's estimate unused for this many refresh periods is dropped
+
+
+class StepPacer:
+    def __init__(
+        self, budget: float, min_tokens: int = 1, refresh_steps: int = REFRESH_STEPS
+    ) -> None:
+        if budget != 0 and budget < 1:
+            raise ValueError(f"mixed_step_budget must be 0 (off) or at least 1, got {budget}")
+        if min_tokens < 1:
+            raise ValueError(f"min_tokens must be at least 1, got {min_tokens}")
+        self.budget = budget  # a step with decode rows: at most this many decode-only steps
+        self.min_tokens = min_tokens
+        self.refresh_steps = refresh_steps
+        self._decode: dict[int, tuple[float, int]] = {}  # rows -> (seconds, step measured at)
+        # chunk tokens -> (seconds they add to a step, step measured at); _sizes: its keys sorted
+        self._chunk: dict[int, tuple[float, int]] = {}
+        self._sizes: list[int] = []
+        self._steps = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def decode_seconds(self, rows: int) -> float | None:
+        """The running estimate of a decode-only step of ``rows`` rows (None: not measured)."""
+        known = self._decode.get(rows)
+        return None if known is None else known[0]
+
+    def chunk_seconds(self, n: int) -> float | None:
+        """The predicted seconds a chunk of ``n`` prompt tokens adds to a step (None: no chunk
+        measured recently)."""
+        self._forget()
+        return self._predict(n)
+
+    def _predict(self, n: int) -> float | None:
+        sizes = self._sizes
+        if not sizes:
+            return None
+        if n in self._chunk:
+            return self._chunk[n][0]
+        i = bisect.bisect_left(sizes, n)
+        if i == 0:  # below every measured size: in proportion to the smallest
+            return self._chunk[sizes[0]][0] * n / sizes[0]
+        lo, e_lo = sizes[i - 1], self._chunk[sizes[i - 1]][0]
+        if i == len(sizes):  # above every measured size: in proportion to the largest
+            return e_lo * n / lo
+        hi, e_hi = sizes[i], self._chunk[sizes[i]][0]
+        return e_lo + (e_hi - e_lo) * (n - lo) / (hi - lo)
+
+    def prefill_tokens(self, decode_rows: int, limit: int) -> int:
+        """How many prompt tokens, at most ``limit``, a step with ``decode_rows`` decode rows
+        may take: 0 for a decode-only step that measures the decode time; ``limit`` without
+        decode rows or with the pacer off."""
+        if not self.enabled or decode_rows == 0 or limit <= 0:
+            return max(limit, 0)
+        known = self._decode.get(decode_rows)
+        if known is None or self._steps - known[1] >= self.refresh_steps:
+            return 0
+        floor = min(self.min_tokens, limit)
+        spare = (self.budget - 1.0) * known[0]
+        self._forget()
+        n = 0
+        while n < limit:
+            secs = self._predict(n + 1)
+            if secs is None or secs > spare:
+                break
+            n += 1
+        return max(floor, n)
+
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        """A step with ``decode_rows`` decode rows and ``prefill_tokens`` prompt tokens took
+        ``seconds``."""
+        self._steps += 1
+        if prefill_tokens == 0:
+            if decode_rows > 0:
+                old = self._decode.get(decode_rows)
+                if old is None:
+                    est = seconds
+                else:
+                    stale = self._steps - old[1] > self.refresh_steps
+                    est = _ema(old[0], seconds, STALE_WEIGHT if stale else EMA_WEIGHT)
+                self._decode[decode_rows] = (est, self._steps)
+            return
+        base = 0.0
+        if decode_rows > 0:
+            known = self._decode.get(decode_rows)
+            if known is None:
+                return  # the decode rows' share of this step is unknown
+            base = known[0]
+        extra = max(seconds - base, 0.0)
+        old = self._chunk.get(prefill_tokens)
+        if old is None:
+            bisect.insort(self._sizes, prefill_tokens)
+        est = extra if old is None else _ema(old[0], extra, EMA_WEIGHT)
+        self._chunk[prefill_tokens] = (est, self._steps)
+
+    def _forget(self) -> None:
+        horizon = self._steps - FORGET_REFRESHES * self.refresh_steps
+        old = [n for n, (_, at) in self._chunk.items() if at < horizon]
+        for n in old:
+            del self._chunk[n]
+            self._sizes.remove(n)
+
+
+def _ema(old: float, new: float, weight: float) -> float:
+    return old + weight * (new - old)
