@@ -67,12 +67,12 @@ def test_from_daemon_spills_only_with_a_spill_budget() -> None:
 
 
 def test_defaults_are_llms_and_daemons() -> None:
-    """Unset, the daemon builds the engine LLM builds with no arguments (but spilling, and
-    with time-sized prompt chunks beside decoding streams: the offline default keeps fixed
-    chunks, the same step plans on every run)."""
+    """Unset, the daemon builds the engine LLM builds with no arguments (but spilling); both
+    keep fixed prompt chunks beside decoding streams (time-sized chunks are opt-in)."""
     ec = EngineConfig.from_daemon(DaemonConfig(), name=None, state_dir=None)
-    assert ec == EngineConfig(mixed_step_budget=2.0)
+    assert ec == EngineConfig()
     assert EngineConfig().mixed_step_budget == 0
+    assert DaemonConfig(mixed_step_budget=2.0).mixed_step_budget == 2.0
 
 
 def test_from_kwargs() -> None:
