@@ -181,7 +181,9 @@ def load(
                          "no quantize or quantize_experts")  # fmt: skip
     cache = None if cache_mb is None else int(cache_mb * 2**20)
     as_loaded = quantize is None and quantize_experts is None and cache is None
-    model, banks = load_model(model_dir, cfg, gguf_headers, cache, cpu_only and as_loaded)
+    model, banks = load_model(
+        model_dir, cfg, gguf_headers, cache, cpu_only and as_loaded, host_only=cpu_only
+    )
     if quantize is not None:  # a preset: dense layers and experts (models/dense_quant.py)
         if quantize not in PRESETS:
             raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(PRESETS)}")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...formats.gguf_dequant import dequantize
 from ...native import dense_native, qlinear_native
 
 
@@ -26,6 +27,38 @@ class Weight(nn.Module):
     def __init__(self, *shape: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = param(*shape, dtype=dtype)
+
+
+class Embedding(Weight):
+    """The token embedding ``weight`` [vocab, hidden], or the rows of a GGUF file's embedding
+    kept in their blocks (``keep_blocks``): ``blocks`` [vocab, row bytes] uint8 of a type
+    ``gguf_dequant`` dequantizes, ``weight`` then empty (its dtype kept: the one the rows are
+    rounded to). ``rows`` dequantizes only the rows looked up, as llama.cpp's get_rows does on
+    the quantized tensor, instead of the whole table at load (a second of CPU and 200 MB for a
+    50k vocabulary of hidden 2048): each row dequantized, then rounded to ``weight``'s dtype,
+    is bit for bit the row of the table dequantized whole and cast (blocks dequantize
+    independently)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__(vocab, hidden, dtype=dtype)
+        self.hidden = hidden
+        self.blocks: torch.Tensor | None = None
+        self.block_type = ""
+
+    def keep_blocks(self, raw: torch.Tensor, type_name: str) -> None:
+        """Holds the file's rows ``raw`` [vocab, row bytes] (uint8, contiguous) of ``type_name``
+        in place of the float table."""
+        assert raw.dtype == torch.uint8 and raw.dim() == 2 and raw.is_contiguous()
+        dtype = self.weight.dtype
+        self.blocks, self.block_type = raw, type_name
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (int64) as fp32 [n, hidden]."""
+        if self.blocks is None:
+            return self.weight.index_select(0, ids).float()
+        vals = dequantize(self.blocks.index_select(0, ids), self.block_type)
+        return vals.to(self.weight.dtype).float()
 
 
 class Linear(nn.Module):
