@@ -301,29 +301,27 @@ class HeadPlan:
     def __init__(
         self, embed: Tensor, norm: RMSNorm, lm_head: Linear, in_blocks: Embedding | None = None
     ) -> None:
-        """``in_blocks``: the embedding module where it holds GGUF blocks (``embed`` empty): each
-        step's rows are dequantized by it (``Embedding.rows``) and the native call gathers
-        them in order."""
+        """``in_blocks``: the embedding module where it holds GGUF blocks (``embed`` empty): the
+        native gather reads its ``table``, each step's rows written first (``Embedding.fill``)."""
         self.embed_w, self.norm_w = embed, getattr(norm, "weight", None)
         self.in_blocks = in_blocks
-        self._held: tuple[Tensor, Tensor] | None = None  # a step's rows, alive through its call
+        if in_blocks is not None:
+            assert in_blocks.blocks is not None and in_blocks.weight is embed
+            embed = in_blocks.table
         self.lm_w = _weight_of(lm_head)
         # lm_head as decode_layers projects it: GGUF blocks or bf16 rows on the CPU, no bias
         self.lm: Proj | None = None
         if lm_head.qweight is None or lm_head.qweight.raw.device.type == "cpu":
             self.lm = _project([lm_head])
         self.lm_rows = sum(self.lm[3]) if self.lm is not None else 0
-        self.embed_ok = in_blocks is not None or (
+        self.embed_ok = (
             embed.device.type == "cpu"
             and embed.dim() == 2
             and embed.dtype in (torch.bfloat16, torch.float32)
             and embed.is_contiguous()
         )
         self.vocab, self.dim = int(embed.shape[0]), int(embed.shape[-1])
-        if in_blocks is not None:
-            assert in_blocks.blocks is not None and in_blocks.weight is embed
-            self.vocab, self.dim = int(in_blocks.blocks.shape[0]), in_blocks.hidden
-        self.embed_ptr = embed.data_ptr() if self.embed_ok and in_blocks is None else 0
+        self.embed_ptr = embed.data_ptr() if self.embed_ok else 0
         self.bf16 = embed.dtype == torch.bfloat16
         scale = norm._fp32_scale() if type(norm) is RMSNorm else None
         self.scale = scale if scale is not None and scale.device.type == "cpu" else None
@@ -353,19 +351,12 @@ class HeadPlan:
     def ends(self, token_ids: Tensor, logits: Tensor) -> tuple[Any, ...]:
         """decode_layers' ``ends`` (DecodeEnds): the rows of ``token_ids`` (int64, contiguous)
         gathered first, lm_head's output written to ``logits`` (fp32 [t, lm_rows]) last."""
+        if self.in_blocks is not None:
+            self.in_blocks.fill(token_ids)
         return (
-            *self._gather(token_ids), self.scale_ptr, self.eps, self.lm, logits.data_ptr(),
+            self.embed_ptr, self.bf16, self.vocab, token_ids.data_ptr(), self.scale_ptr,
+            self.eps, self.lm, logits.data_ptr(),
         )  # fmt: skip
-
-    def _gather(self, token_ids: Tensor) -> tuple[int, bool, int, int]:
-        """(table address, bf16, rows, ids address) the native call gathers the step's rows by:
-        the embedding's, or, where it is in blocks, this step's rows dequantized, in order."""
-        if self.in_blocks is None:
-            return self.embed_ptr, self.bf16, self.vocab, token_ids.data_ptr()
-        rows = self.in_blocks.rows(token_ids)
-        order = torch.arange(rows.shape[0], dtype=torch.int64)
-        self._held = rows, order
-        return rows.data_ptr(), False, rows.shape[0], order.data_ptr()
 
     @property
     def whole_ok(self) -> bool:
@@ -388,7 +379,7 @@ class HeadPlan:
         if not self._ids_usable(step, token_ids):
             return None
         if self.in_blocks is not None:
-            return self.in_blocks.rows(token_ids)  # this forward's own tensor
+            self.in_blocks.fill(token_ids)
         h = step.tensor("h", self.dim)
         dense_native._native.embed_rows(
             self.embed_ptr, self.bf16, self.vocab, self.dim, token_ids.data_ptr(), step.t,
