@@ -366,6 +366,14 @@ def test_token_embedding_kept_in_blocks_computes_as_the_table(llm, gguf_path):
         emb.blocks, emb.weight = blocks, weight
 
 
+def test_auto_backend_without_a_device_loads_as_the_cpu_backend(gguf_path):
+    """moe_backend auto where there is no device (the daemon's default on a CPU-only machine) is
+    the cpu backend from the load on: experts interleaved as read, the embedding in its blocks."""
+    llm = LLM(gguf_path, "auto", accelerator="standin", max_model_len=64, kv_tokens=256)
+    assert llm.moe.__class__.__name__ == "CpuBackend" and llm.banks.interleaved
+    assert llm.model.embed_tokens.blocks is not None
+
+
 def test_anchor_ids_are_the_reference_tokenizers(llm, builtin_model_dir):
     ref = Tokenizer.from_dir(builtin_model_dir)
     want = {}
