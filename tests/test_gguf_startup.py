@@ -26,8 +26,10 @@ from freetokend.engine.gguf_pretokenizers import PRE_TOKENIZER_SPLITS, TRANSFORM
 from freetokend.engine.tokenizer import Tokenizer
 from freetokend.experts.formats import expert_rows, interleave_banks, interleaves
 from freetokend.formats import gguf_file, gguf_interleave
+from freetokend.formats.gguf_dequant import DEQUANTIZERS
 from freetokend.formats.gguf_file import GgufFile, GgufFormatError, read_header
 from freetokend.models.gguf_loader import GgufCheckpoint
+from freetokend.models.layers.common import Embedding
 from freetokend.models.loader import load_model
 from freetokend.models.registry import family_spec
 
@@ -326,12 +328,50 @@ def test_dense_weights_equal_a_whole_tensor_read(llm, gguf_path):
                 raw = src.f.read_raw(src.t)
                 assert torch.equal(qw.gguf_raw(), raw), name
                 kept += 1
+            elif getattr(mod, "blocks", None) is not None:  # the token embedding in its blocks
+                assert torch.equal(mod.blocks, src.f.read_raw(src.t)), name
+                kept += 1
             elif canon in params:
                 ref = src.read() if not src.t.quantized else _gguf_dequantized(src.f, src.t)
                 assert torch.equal(params[canon], ref.to(params[canon].dtype)), name
                 checked += 1
     assert kept and checked
     assert llm.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_token_embedding_kept_in_blocks_computes_as_the_table(llm, gguf_path):
+    """Under the cpu backend the file's token embedding stays in its blocks (the file's rows, no
+    table) and the rows a step looks up are dequantized then: teacher-forced logits, and greedy
+    tokens of a batch of two decoding on the native path (``HeadPlan.whole``, the rows handed
+    in), equal those of the same model holding the table dequantized whole as before."""
+    emb = llm.model.embed_tokens
+    with GgufFile(gguf_path) as f:
+        t = f.tensors["token_embd.weight"]
+        assert emb.blocks is not None and emb.block_type == t.type_name
+        assert emb.weight.numel() == 0 and torch.equal(emb.blocks, f.read_raw(t))
+        table = torch.empty(t.shape, dtype=emb.weight.dtype)
+        f.read_float_into(t, table)
+    head = llm.model.decode_head()
+    assert head.in_blocks is emb and head.whole_ok
+    prompt, prompts = [5, 6, 7, 8, 9, 10], [[5, 6, 7, 8], [11, 12, 13]]
+    logits = llm.logits(prompt)
+    tokens = llm.generate(prompts, 8, ignore_eos=True)
+    blocks, weight = emb.blocks, emb.weight
+    try:
+        emb.blocks, emb.weight = None, torch.nn.Parameter(table, requires_grad=False)
+        assert llm.model.decode_head().in_blocks is None
+        assert torch.equal(llm.logits(prompt), logits)
+        assert llm.generate(prompts, 8, ignore_eos=True) == tokens
+    finally:
+        emb.blocks, emb.weight = blocks, weight
+
+
+def test_auto_backend_without_a_device_loads_as_the_cpu_backend(gguf_path):
+    """moe_backend auto where there is no device (the daemon's default on a CPU-only machine) is
+    the cpu backend from the load on: experts interleaved as read, the embedding in its blocks."""
+    llm = LLM(gguf_path, "auto", accelerator="standin", max_model_len=64, kv_tokens=256)
+    assert llm.moe.__class__.__name__ == "CpuBackend" and llm.banks.interleaved
+    assert llm.model.embed_tokens.blocks is not None
 
 
 def test_anchor_ids_are_the_reference_tokenizers(llm, builtin_model_dir):
@@ -402,3 +442,10 @@ def test_embedding_dequantized_as_the_gguf_package_does(tmp_path, type_name):
                 dest.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                 want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
             )
+            if type_name in DEQUANTIZERS:  # kept in its blocks: the rows looked up, dequantized
+                emb = Embedding(rows, cols, dtype)
+                emb.keep_blocks(f.read_raw(t), type_name)
+                ids = torch.tensor([rows - 1, 0, 5, 5, *range(1, rows, 3)], dtype=torch.int64)
+                got = emb.rows(ids)
+                assert emb.weight.numel() == 0 and got.dtype == torch.float32
+                assert torch.equal(got.view(torch.int32), want.float()[ids].view(torch.int32))

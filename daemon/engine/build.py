@@ -170,7 +170,8 @@ def load(
     """The model's config, its dense model and its expert banks, in ``dtype`` and quantized by
     ``quantize`` (a preset) or ``quantize_experts`` (``gguf_headers``: a GGUF's headers, parsed
     once by the caller). ``cpu_only``: the banks will be the cpu backend's alone (real, not the
-    fake device's), so block banks loaded as they are may be filled interleaved."""
+    fake device's; ``moe_backend`` auto too where it resolves to cpu), so block banks loaded as
+    they are may be filled interleaved and the dense part stays on the host."""
     dtype, quantize, quantize_experts = config.dtype, config.quantize, config.quantize_experts
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -181,7 +182,9 @@ def load(
                          "no quantize or quantize_experts")  # fmt: skip
     cache = None if cache_mb is None else int(cache_mb * 2**20)
     as_loaded = quantize is None and quantize_experts is None and cache is None
-    model, banks = load_model(model_dir, cfg, gguf_headers, cache, cpu_only and as_loaded)
+    model, banks = load_model(
+        model_dir, cfg, gguf_headers, cache, cpu_only and as_loaded, host_only=cpu_only
+    )
     if quantize is not None:  # a preset: dense layers and experts (models/dense_quant.py)
         if quantize not in PRESETS:
             raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(PRESETS)}")

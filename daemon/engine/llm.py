@@ -15,6 +15,7 @@ from typing import Any, overload
 
 import torch
 
+from ..experts.backend import resolve_backend
 from ..formats.gguf_file import GgufHeader
 from ..models.registry import family_spec
 from . import build
@@ -107,7 +108,8 @@ class LLM:
             self.model_dir,
             config,
             self._gguf_headers or None,
-            cpu_only=moe_backend == "cpu" and config.accelerator != "fake-cuda",
+            cpu_only=config.accelerator != "fake-cuda"
+            and resolve_backend(moe_backend, config.accelerator, config.bandwidth) == "cpu",
         )
         # the fake device: entered after the host weights are loaded (they stay real tensors)
         self.fake_device = build.enter_fake_device(config.accelerator, config.vram_mib)

@@ -4,7 +4,9 @@ package's numpy dequantizers (``gguf.quants``): the same fp32 operations in the 
 as numpy rounds it, so the results are equal bit for bit (tests/test_gguf_startup.py checks it).
 Torch runs them vectorised over many blocks at once and on its intra-op threads, where the
 numpy reference loops over groups of 16 rows in Python: about 10x faster on a token embedding
-of 100M values, the largest tensor a GGUF load dequantizes (llama.cpp keeps it quantized).
+of 100M values, the largest tensor a GGUF load dequantizes where it does (under the cpu backend
+the embedding stays in its blocks and ``dequantize`` takes the rows looked up, as llama.cpp's
+get_rows does: models/layers/common.Embedding).
 
 ``DEQUANTIZERS``: ggml type name -> fn(raw [n, row_bytes] uint8, out [n, cols] fp32); types
 without one go through the ``gguf`` package (gguf_file.GgufFile.read_float_into).

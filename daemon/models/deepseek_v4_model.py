@@ -62,7 +62,7 @@ from ..kv.pool import KVPool
 from .batch import ForwardBatch, SeqChunk
 from .config import ModelConfig
 from .families.deepseek_v4 import CSA, HCA, LAYER_NAMES, SLIDING, TOP_NAMES, V4Config, v4_config
-from .layers.common import Linear, RMSNorm, Weight, dtype_of, param
+from .layers.common import Embedding, Linear, RMSNorm, dtype_of, param
 from .layers.compressed import Compressor
 from .layers.hyper import HyperConnection, HyperHead, expand_streams, merge_streams
 from .layers.rope import Rope
@@ -199,7 +199,7 @@ class _V4Body(nn.Module):
         self.v4 = cfg
         dtype = dtype_of(cfg.torch_dtype)
         hid = cfg.hidden_size
-        self.embed_tokens = Weight(cfg.vocab_size, hid, dtype=dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, hid, dtype)
         self.layers = nn.ModuleList(
             V4DecoderLayer(cfg, i, dtype, banked) for i in range(cfg.num_layers)
         )

@@ -14,7 +14,7 @@ from torch import nn
 
 from .batch import ForwardBatch
 from .config import ModelConfig
-from .layers.common import Linear, RMSNorm, Weight, dtype_of
+from .layers.common import Embedding, Linear, RMSNorm, Weight, dtype_of
 from .layers.gemma4 import Gemma4DecoderLayer
 from .layers.rope import Rope
 from .model import CausalLM
@@ -35,7 +35,7 @@ class Gemma4CausalLM(CausalLM):
         dtype = dtype_of(cfg.torch_dtype)
         self.dtype = dtype
         hid, n = cfg.hidden_size, cfg.num_layers
-        self.embed_tokens = Weight(cfg.vocab_size, hid, dtype=dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, hid, dtype)
         source = cfg.kv_source_layers
         kv_index: dict[int, int] = {}  # KV-owning layer -> its pool layer
         for i in range(n):

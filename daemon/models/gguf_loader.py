@@ -8,8 +8,10 @@ then up rows).
 F32/F16/BF16 are read as they are. Quantized tensors of a type the CPU's integer-dot kernels
 compute (``gguf_blocks.BLOCK_BYTES``) stay in their blocks, read raw: routed experts
 (``gguf_experts``) and dense projections (attention, dense MLP, shared expert, lm_head) whose
-converter transform at most reorders rows (a row's blocks move together); every other quantized
-tensor is dequantized at load (one log line says which, and what it costs in memory).
+converter transform at most reorders rows (a row's blocks move together); so does the token
+embedding when the dense part stays on the host (``layers.common.Embedding``: the rows a step
+looks up are dequantized then, as llama.cpp's get_rows does); every other quantized tensor is
+dequantized at load (one log line says which, and what it costs in memory).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..experts.formats import interleaves
 from ..formats import gguf_interleave
 from ..formats.errors import CheckpointError
 from ..formats.gguf_blocks import BLOCK_BYTES, supports
+from ..formats.gguf_dequant import DEQUANTIZERS
 from ..formats.gguf_file import (
     NATIVE,
     GgufFile,
@@ -388,6 +391,24 @@ def _keep_blocks(kept: _Kept, src: _Source) -> None:
     setattr(mod, kept.attr, torch.nn.Parameter(torch.empty(0, dtype=dt), requires_grad=False))
 
 
+def _embedding_blocks(ck: GgufCheckpoint, cfg: ModelConfig, model: CausalLM) -> _Source | None:
+    """The token embedding's tensor where the model can keep it in its blocks (``Embedding``:
+    the rows a step looks up dequantized then, the table never whole): the base ``CausalLM``
+    (a family's own model reads its embedding's weight itself), not tied to lm_head, a 2-D
+    tensor of a type ``gguf_dequant`` dequantizes, as the file has it (no converter transform),
+    of the model's shape. None: it loads dequantized."""
+    entry = ck.tensors.get("token_embd.weight")
+    if entry is None or type(model) is not CausalLM or cfg.tie_word_embeddings:
+        return None
+    src = _Source(*entry, top_fix(ck.arch, "token_embd.weight"))
+    t = src.t
+    if src.fix is not None or t.type_name not in DEQUANTIZERS or len(t.shape) != 2:
+        return None
+    if t.shape != (cfg.vocab_size, cfg.hidden_size):
+        return None
+    return src
+
+
 def _joined_blocks(model: CausalLM, canon: str, src: object) -> torch.nn.Module | None:
     """The module that takes the parts of a joined parameter in their GGUF blocks
     (``keep_joined_blocks``: MLA's attn_k_b / attn_v_b, computed from the blocks as llama.cpp
@@ -505,11 +526,14 @@ def _fill(
     interleave: bool,
     pool: gguf_experts.FillPool | None,
     nv: bool = False,
+    done: frozenset[str] = frozenset(),
 ) -> None:
     """Every tensor of ``ck`` into the model and the banks (``pool``: the block experts' reads
     run on its threads and may still be in flight when this returns; ``nv``: NVFP4 experts into
-    ``nvfp4`` banks)."""
+    ``nvfp4`` banks; ``done``: GGUF names loaded before, skipped)."""
     for name, canon, src in ck.sources(cfg):
+        if name in done:
+            continue
         if canon in in_blocks and isinstance(src, _Source):
             _keep_blocks(in_blocks[canon][1], src)
             filler.filled.add(canon)
@@ -570,11 +594,14 @@ def load_gguf(
     headers: list[GgufHeader] | None = None,
     expert_cache_bytes: int | None = None,
     interleave_experts: bool = False,
+    host_only: bool = False,
 ) -> tuple[CausalLM, ExpertBanks]:
     """Loads a GGUF file (or split set) into a model and its expert banks (``headers``: the
     files' headers, parsed before). ``expert_cache_bytes``: the disk tier (load_model).
     ``interleave_experts``: block banks that only the cpu backend will read are filled in the
-    interleaved layout ``formats.interleave_banks`` would give them (``banks.interleaved``)."""
+    interleaved layout ``formats.interleave_banks`` would give them (``banks.interleaved``).
+    ``host_only``: the dense part stays on the host: a token embedding in a block type our
+    dequantizers take stays in its blocks (``_embedding_blocks``)."""
     with GgufCheckpoint(path, headers) as ck:
         cfg = cfg or ck.config()
         infos = {n: t for n, (_, t) in ck.tensors.items()}
@@ -611,7 +638,9 @@ def load_gguf(
             for _, canon, src in ck.sources(cfg)
             if (owner := _joined_blocks(model, canon, src)) is not None
         }
+        embedding = _embedding_blocks(ck, cfg, model) if host_only else None
         kept_names = frozenset(name for name, _ in in_blocks.values())
+        kept_names |= {embedding.t.name} if embedding is not None else set()
         kept_names |= {
             f"blk.{canon.split('.')[1]}.{part}"
             for canon in joined
@@ -626,7 +655,16 @@ def load_gguf(
         threaded = (block or nv) and not tiered
         pool = gguf_experts.FillPool(os.cpu_count() or 1) if threaded else None
         try:
-            _fill(ck, cfg, filler, banks, in_blocks, joined, block, tiered, interleave, pool, nv)
+            done: frozenset[str] = frozenset()
+            if embedding is not None:  # the file's rows as they are
+                t = embedding.t
+                model.embed_tokens.keep_blocks(embedding.f.read_raw(t), t.type_name)
+                filler.filled.add("embed_tokens.weight")
+                done = frozenset({t.name})
+            _fill(
+                ck, cfg, filler, banks, in_blocks, joined, block, tiered, interleave, pool, nv,
+                done,
+            )  # fmt: skip
             if pool is not None:
                 pool.wait()
         finally:

@@ -138,17 +138,22 @@ def load_model(
     gguf_headers: list[GgufHeader] | None = None,
     expert_cache_bytes: int | None = None,
     interleave_experts: bool = False,
+    host_only: bool = False,
 ) -> tuple[CausalLM, ExpertBanks]:
     """(model, expert banks) from an HF folder, an FTW folder or a GGUF file / split set
     (``gguf_headers``: its headers parsed before, gguf_file.read_headers). ``expert_cache_bytes``
     (the disk tier, GGUF only for now): the routed experts stay in the file, the banks hold no
     weights and carry the tier (``ExpertBanks.disk``) with a RAM cache of about that size.
     ``interleave_experts``: the banks are the cpu backend's alone; block banks may then be
-    filled interleaved (GGUF: ``load_gguf``; elsewhere the backend interleaves them after)."""
+    filled interleaved (GGUF: ``load_gguf``; elsewhere the backend interleaves them after).
+    ``host_only``: the dense part stays on the host (the cpu backend): a GGUF's token embedding
+    may then stay in its blocks (``load_gguf``)."""
     model_dir = Path(model_dir)
     kind = model_kind(model_dir)
     if kind == "gguf":
-        return load_gguf(model_dir, cfg, gguf_headers, expert_cache_bytes, interleave_experts)
+        return load_gguf(
+            model_dir, cfg, gguf_headers, expert_cache_bytes, interleave_experts, host_only
+        )
     if expert_cache_bytes is not None:
         raise CheckpointError(
             f"{model_dir}: the disk tier (experts read from the file on demand) reads GGUF "

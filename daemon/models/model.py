@@ -17,7 +17,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import cpu_decode
 from .layers.attention import Attention, decode_workspace_bytes
-from .layers.common import DenseMLP, Linear, RMSNorm, Weight, dtype_of
+from .layers.common import DenseMLP, Embedding, Linear, RMSNorm, dtype_of
 from .layers.deltanet import GatedDeltaNet
 from .layers.dsa import SparseMLAttention, pool_row_widths
 from .layers.mla import MLAttention
@@ -86,7 +86,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         dtype = dtype_of(cfg.torch_dtype)
         self.dtype = dtype
-        self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         counters = {"linear": 0, "attn": 0}
         layers: list[DecoderLayer] = []
         for i, kind in enumerate(cfg.layer_types):
@@ -135,8 +135,9 @@ class CausalLM(nn.Module):
         decode step and again when either module's weight was replaced."""
         head = self._decode_head
         if head is None or not head.matches(self.embed_tokens.weight, self.norm, self.lm_head):
+            emb = self.embed_tokens
             head = self._decode_head = cpu_decode.HeadPlan(
-                self.embed_tokens.weight, self.norm, self.lm_head
+                emb.weight, self.norm, self.lm_head, emb if emb.blocks is not None else None
             )
         return head
 
@@ -156,7 +157,7 @@ class CausalLM(nn.Module):
                     return logits
         h = head.embed(step, batch.token_ids) if head is not None and step is not None else None
         if h is None:
-            h = embed.index_select(0, batch.token_ids).float()
+            h = self.embed_tokens.rows(batch.token_ids)
         plans: list[cpu_decode.LayerPlan] = []  # a run of layers the native call decodes
         for layer in self._decoder_layers:
             plan = layer.decode_plan() if step is not None else None

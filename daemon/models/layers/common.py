@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...formats.gguf_dequant import dequantize
 from ...native import dense_native, qlinear_native
 
 
@@ -26,6 +27,58 @@ class Weight(nn.Module):
     def __init__(self, *shape: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = param(*shape, dtype=dtype)
+
+
+class Embedding(Weight):
+    """The token embedding ``weight`` [vocab, hidden], or a GGUF file's embedding kept in its
+    blocks (``keep_blocks``): ``blocks`` [vocab, row bytes] uint8 of a type ``gguf_dequant``
+    dequantizes, ``weight`` then empty (its dtype kept: the one rows are rounded to), and rows
+    dequantized when first looked up (``fill``, as llama.cpp's get_rows reads the quantized
+    tensor) into ``table`` [vocab, hidden], whose pages only the rows written take: the load
+    dequantizes nothing (a second of CPU and 200 MB for a 50k vocabulary of hidden 2048), and a
+    step whose tokens were all seen before reads ``table`` as it would the whole table (the
+    native decode path's gather included: ``cpu_decode.HeadPlan``). Each row is bit for bit the
+    row of the table dequantized whole and cast (blocks dequantize independently)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__(vocab, hidden, dtype=dtype)
+        self.hidden = hidden
+        self.blocks: torch.Tensor | None = None
+        self.block_type = ""
+        self.table = torch.empty(0, dtype=dtype)  # blocks only
+        self._filled: set[int] = set()  # rows of ``table`` written (blocks only)
+
+    def keep_blocks(self, raw: torch.Tensor, type_name: str) -> None:
+        """Holds the file's rows ``raw`` [vocab, row bytes] (uint8, contiguous) of ``type_name``
+        in place of the float table."""
+        assert raw.dtype == torch.uint8 and raw.dim() == 2 and raw.is_contiguous()
+        dtype = self.weight.dtype
+        self.blocks, self.block_type = raw, type_name
+        self.table = torch.empty(raw.shape[0], self.hidden, dtype=dtype)  # never read unwritten
+        self._filled = set()
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def fill(self, ids: torch.Tensor) -> None:
+        """Writes the rows ``ids`` (int64) not written before into ``table`` (blocks only; an id
+        outside the vocabulary raises as indexing raises)."""
+        if self.blocks is None:
+            return
+        seen = self._filled
+        look = ids.tolist() if ids.numel() <= 64 else ids.unique().tolist()
+        new = sorted({i for i in look if i not in seen})
+        if not new:
+            return
+        idx = torch.tensor(new, dtype=torch.int64)
+        vals = dequantize(self.blocks.index_select(0, idx), self.block_type)
+        self.table.index_copy_(0, idx, vals.to(self.table.dtype))
+        seen.update(new)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (int64) as fp32 [n, hidden]."""
+        if self.blocks is None:
+            return self.weight.index_select(0, ids).float()
+        self.fill(ids)
+        return self.table.index_select(0, ids).float()
 
 
 class Linear(nn.Module):

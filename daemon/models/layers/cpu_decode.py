@@ -37,7 +37,7 @@ from ...native import dense_native, qlinear_native
 from ..batch import ForwardBatch
 from ..config import RopeConfig
 from .attention import Attention
-from .common import Linear, RMSNorm
+from .common import Embedding, Linear, RMSNorm
 from .moe import SparseMoE
 
 if TYPE_CHECKING:
@@ -298,8 +298,16 @@ class HeadPlan:
     holds the tensors behind its addresses; `matches` says whether the model still has them (a
     module moved between devices gets new ones)."""
 
-    def __init__(self, embed: Tensor, norm: RMSNorm, lm_head: Linear) -> None:
+    def __init__(
+        self, embed: Tensor, norm: RMSNorm, lm_head: Linear, in_blocks: Embedding | None = None
+    ) -> None:
+        """``in_blocks``: the embedding module where it holds GGUF blocks (``embed`` empty): the
+        native gather reads its ``table``, each step's rows written first (``Embedding.fill``)."""
         self.embed_w, self.norm_w = embed, getattr(norm, "weight", None)
+        self.in_blocks = in_blocks
+        if in_blocks is not None:
+            assert in_blocks.blocks is not None and in_blocks.weight is embed
+            embed = in_blocks.table
         self.lm_w = _weight_of(lm_head)
         # lm_head as decode_layers projects it: GGUF blocks or bf16 rows on the CPU, no bias
         self.lm: Proj | None = None
@@ -343,6 +351,8 @@ class HeadPlan:
     def ends(self, token_ids: Tensor, logits: Tensor) -> tuple[Any, ...]:
         """decode_layers' ``ends`` (DecodeEnds): the rows of ``token_ids`` (int64, contiguous)
         gathered first, lm_head's output written to ``logits`` (fp32 [t, lm_rows]) last."""
+        if self.in_blocks is not None:
+            self.in_blocks.fill(token_ids)
         return (
             self.embed_ptr, self.bf16, self.vocab, token_ids.data_ptr(), self.scale_ptr,
             self.eps, self.lm, logits.data_ptr(),
@@ -368,6 +378,8 @@ class HeadPlan:
         (the caller indexes the weight)."""
         if not self._ids_usable(step, token_ids):
             return None
+        if self.in_blocks is not None:
+            self.in_blocks.fill(token_ids)
         h = step.tensor("h", self.dim)
         dense_native._native.embed_rows(
             self.embed_ptr, self.bf16, self.vocab, self.dim, token_ids.data_ptr(), step.t,
