@@ -304,9 +304,11 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
     kmix: Path, monkeypatch
 ) -> None:
     """A decode call (one token) computes its resident experts while the others are read and
-    each missing one as its read lands, term by term: the output equals the resident pool's
-    call bit for bit whichever read lands last (the first expert in the kernel's order held
-    back: the others' terms wait for it), with hits before, between and after the misses."""
+    the missing ones as their reads land, one kernel call for what is ready (route terms as rows
+    of their own): the output equals the resident pool's call bit for bit whichever read lands
+    last (the first expert in the kernel's order held back: the others' terms wait for it),
+    with hits before, between and after the misses, and a call of three term rows (past the
+    kernel's decode sizes) among them."""
     resident, tiered = _pair(kmix, experts=8)
     tier = tiered.moe.tier
     assert tier is not None and tier.cache.slots == 8
@@ -335,11 +337,20 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
         return collect(self, fid, evicted)
 
     monkeypatch.setattr(TieredExecutor, "_collect", counted)
+    rows: list[int] = []  # the rows of each kernel call
+    inner_call = tier.inner.forward_addresses
+
+    def kernel(*a):  # type: ignore[no-untyped-def]
+        rows.append(a[4])
+        return inner_call(*a)
+
+    monkeypatch.setattr(tier.inner, "forward_addresses", kernel)
     g = torch.Generator().manual_seed(3)
     h = tier.hidden_size
     # layer 1's experts 8..15; routes out of id order; (resident first, held back)
     cases = [([13, 9, 11, 15], [], {9}), ([10, 12, 14, 8], [12], {8}),
-             ([9, 15, 8, 11], [8, 15], {9}), ([14, 8, 13, 10], [8, 10, 13, 14], set())]  # fmt: skip
+             ([9, 15, 8, 11], [8, 15], {9}), ([14, 8, 13, 10], [8, 10, 13, 14], set()),
+             ([12, 8, 14, 10], [10, 12, 14], {8})]  # fmt: skip
     for route, hits, held in cases:
         for f in list(tier.cache.slot_of):  # a cold cache, then the hits read in
             tier.cache.forget(f)
@@ -354,8 +365,11 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
         x = torch.randn(1, h, generator=g)
         ids = torch.tensor([route], dtype=torch.int32)
         w = torch.rand(1, len(route), generator=g)
+        rows.clear()
         got = tier.forward(x, ids, w)
         assert torch.equal(got, pool.forward(x, ids, w))
+        if len(hits) == 3:  # 8 missing, first: 10, 12 and 14 are three rows of one call
+            assert rows[0] == 3
         misses = [f for f in route if f not in hits]
         assert sorted(landed) == sorted(misses)
         if held:
