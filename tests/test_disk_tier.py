@@ -38,6 +38,7 @@ from freetokend.experts.formats import allocate, expert_rows, layered_format
 from freetokend.formats import direct_read
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.layers import cpu_decode
+from freetokend.native import dense_native
 
 LOAD = dict(max_model_len=128, kv_tokens=1024, prefix_cache=False)
 TINY_CACHE_MB = 0.01  # below one expert: the tier keeps top-k (2 of 24), a quarter of a layer
@@ -270,7 +271,20 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
 
 @needs_native
 def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    _check_equal(*_pair(kmix), monkeypatch)
+    """Equal tokens; and the dense pool's workers spin briefly under the tier (its reader
+    threads and its Python share the cores between the pool's jobs), long under the resident
+    pool (dense_native.SPIN_US_*), each backend setting its own at every step."""
+    import ftdense  # (needs_native)
+
+    resident, tiered = _pair(kmix)
+    _check_equal(resident, tiered, monkeypatch)
+    try:
+        for llm, spin in [(tiered, dense_native.SPIN_US_SHARED), (resident, dense_native.SPIN_US_OWN),
+                          (tiered, dense_native.SPIN_US_SHARED)]:  # fmt: skip
+            llm.moe.begin_step(1)
+            assert ftdense.spin_us() == spin
+    finally:
+        dense_native.configure()
 
 
 @needs_native
