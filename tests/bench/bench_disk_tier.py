@@ -411,8 +411,9 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--cache-mb", type=float, default=0, help="freetoken's expert cache (0: the memory left)"
-    )
+        "--cache-mb", default="0",
+        help="freetoken's expert cache, MiB (0: the memory left), or one per limit (comma-separated)",
+    )  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument(
         "--engines", default=",".join(ENGINES),
@@ -443,8 +444,14 @@ def main() -> int:
     except OSError as e:
         print(f"skipped: cannot make a memory cgroup ({e})")
         return 0
+    shares = [float(x) for x in a.limits.split(",")]
+    caches = [float(x) for x in str(a.cache_mb).split(",")]
+    if len(caches) not in (1, len(shares)):
+        ap.error(f"--cache-mb takes one size or one per limit ({len(shares)})")
+    caches = caches * len(shares) if len(caches) == 1 else caches
     if a.daemon:
-        daemon_check(path, int(size * float(a.limits.split(",")[0])), a)
+        a.cache_mb = caches[0]
+        daemon_check(path, int(size * shares[0]), a)
         return 0
     engines = a.engines.split(",")
     if "llama.cpp" in engines:
@@ -456,20 +463,31 @@ def main() -> int:
     rate = disk_rate(path)
     print(f"disk read rate (cold, 8 MiB reads, 4 in flight): {rate / 1e6:.0f} MB/s")
     results: dict[tuple[float, str], list[dict[str, Any]]] = {}
-    for share in (float(s) for s in a.limits.split(",")):
+    for share, cache_mb in zip(shares, caches, strict=True):
         limit = int(size * share)
+        a.cache_mb = cache_mb
         for i in range(a.repeats):
             for engine in engines if i % 2 == 0 else engines[::-1]:  # interleaved
                 r = run(engine, path, limit, a)
                 results.setdefault((share, engine), []).append(r)
                 print(f"  {share:.0%} {engine} #{i}: " + json.dumps(r), flush=True)
     print(f"\nmedians over {a.repeats} runs; disk {rate / 1e6:.0f} MB/s; file {size / 1e9:.2f} GB")
-    head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} "
-    print(head + f"{'ceiling':>8} {'of ceil':>8} {'killed':>7} {'peak MB':>8}")
+    print(
+        "ceiling: the disk's rate over the MB a token misses; bound: the resident decode's tok/s "
+        "(the compute bound); of min: tok/s over min(ceiling, bound)"
+    )
+    head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} {'slots':>6} "
+    print(
+        head
+        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'killed':>7} {'peak MB':>8}"
+    )
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
         per = _median(rows, "miss_bytes_per_token")
         ceil = rate / per if per else None
+        bound = _median(results.get((share, "resident"), []), "decode_tps")
+        least = min(ceil, bound) if ceil and bound else None
+        slots = _median(rows, "slots")
         killed = sum(bool(r.get("oom_killed")) for r in rows)
         peak = _median(rows, "peak")
         cells = [
@@ -478,29 +496,32 @@ def main() -> int:
             f"{tps:.2f}" if tps else "-",
             f"{ttft:.2f}" if ttft else "-",
             f"{per / 1e6:.0f}" if per else "-",
+            f"{slots:.0f}" if slots else "-",
             f"{ceil:.2f}" if ceil else "-",
             f"{tps / ceil:.0%}" if tps and ceil else "-",
+            f"{bound:.2f}" if bound and engine != "resident" else "-",
+            f"{tps / least:.0%}" if tps and least else "-",
             f"{killed}/{len(rows)}",
             f"{peak / 2**20:.0f}" if peak else "-",
         ]
-        widths = (12, 10, 7, 7, 9, 8, 8, 7, 8)
+        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 8)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
-    for share in {s for s, _ in results}:
+    for share in sorted({s for s, _ in results}):
         ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
         if ft and lc:
             x, y = _median(ft, "decode_tps"), _median(lc, "decode_tps")
             if x and y:
                 print(f"{share:.0%}: freetoken / llama.cpp decode = {x / y:.2f}x")
         res = results.get((share, "resident"))
-        if ft and res:  # the decode with no reads at all, run beside: the compute bound
-            x, y = _median(ft, "decode_tps"), _median(res, "decode_tps")
-            per = _median(ft, "miss_bytes_per_token")
-            if x and y and per:
-                bound = min(y, rate / per)
-                print(
-                    f"{share:.0%}: freetoken / resident decode = {x / y:.0%}; of min(disk "
-                    f"ceiling, resident) {bound:.2f} tok/s: {x / bound:.0%}"
-                )
+        if ft and res:  # each run against the resident run of its round (run beside it)
+            cells = []
+            for r, b in zip(ft, res, strict=False):
+                x, y, per = r.get("decode_tps"), b.get("decode_tps"), r.get("miss_bytes_per_token")
+                if x and y and per:
+                    least = min(y, rate / per)
+                    cells.append(f"{x:.2f} tok/s: {x * per / rate:.0%} of ceiling, "
+                                 f"{x / least:.0%} of min(ceiling, {y:.2f})")  # fmt: skip
+            print(f"{share:.0%} freetoken by round: " + "; ".join(cells))
     return 0
 
 
