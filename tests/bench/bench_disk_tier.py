@@ -77,6 +77,34 @@ Earlier (before the overlap and the one-pass reads; load ~11, disk 585 MB/s, med
 1.26 tok/s (44 % of ceiling), 50 % 3.63 (26 %); llama.cpp 0.09 and 0.26. ``--daemon`` at 50 %
 (cache sized at load): up in 18 s, answered, killed with a request in flight, up again in 31 s,
 the same answer, no OOM kill.
+
+2026-12-07 ~02:25 UTC (wt1; the same VM shared with 3 other jobs, load average 7.4-9.8; disk
+478 MB/s at the start, 349 at the end; 24 decode tokens; caches fixed per limit, 262 MiB / 96
+slots at 25 % and 1191 MiB / 432 slots at 50 %, because the memory-left sizing gives 64 or 96
+slots at 25 % from run to run, 196 or 34 MB missed a token): the tier before (d57c834) and
+after (one kernel call per batch of ready routes, the pool's workers spinning 50 us under the
+tier, predictions checked on one call in 8), the resident decode beside them, interleaved,
+medians of 3 (runs in brackets):
+
+    limit  engine     tok/s               MB/token  of ceiling  of min(ceiling, resident)
+    25 %   before     3.57 (2.95-4.14)          34         26%        78%
+    25 %   after      5.25 (4.46-5.52)          34         38%       115%
+    25 %   resident   4.58 (3.87-5.02)           -           -          -
+    50 %   before     4.10 (3.85-4.32)          22         19%       104%
+    50 %   after      5.36 (5.12-5.53)          22         24%       136%
+    50 %   resident   3.95 (3.88-4.04)           -           -          -
+
+Under that load the resident decode is no bound: its pool's workers spin 1 ms after each job,
+on two cores the other jobs want. Where a tiered token went (25 %, 96 slots, one token at
+~200 ms, load ~2.5; tests/bench has no script for it: TieredExecutor's methods timed): reads
+waited 43 ms (~1 expert missing in a third of the layers: ~12 ms to read its 3 MB, latency,
+not the disk's rate), expert kernels 74 ms (35 calls, ~11 of them the one per layer), the tier's
+Python ~29 ms (lookups, reads started, predictions 7 ms), the rest of the layer 54 ms. At 64
+slots (196 MB a token) reads waited 300-390 ms of 450-740, the reads' Python and GIL ~30-60
+ms, the reader threads' CPU 115-145 ms a token (their interleave moves ~2.2 GB/s). There
+(174 MiB, load 8-11, disk 469-1045 MB/s, medians of 2) before 1.36 tok/s (1.16, 1.56), after
+1.52 (1.45, 1.58): 52 % and 57 % of the ceiling, the reads' latency a layer at a time (random
+routers: nothing read ahead) the bound.
 """
 
 from __future__ import annotations
