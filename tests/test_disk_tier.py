@@ -38,6 +38,7 @@ from freetokend.experts.formats import allocate, expert_rows, layered_format
 from freetokend.formats import direct_read
 from freetokend.formats.errors import CheckpointError
 from freetokend.models.layers import cpu_decode
+from freetokend.native import dense_native
 
 LOAD = dict(max_model_len=128, kv_tokens=1024, prefix_cache=False)
 TINY_CACHE_MB = 0.01  # below one expert: the tier keeps top-k (2 of 24), a quarter of a layer
@@ -270,7 +271,20 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
 
 @needs_native
 def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    _check_equal(*_pair(kmix), monkeypatch)
+    """Equal tokens; and the dense pool's workers spin briefly under the tier (its reader
+    threads and its Python share the cores between the pool's jobs), long under the resident
+    pool (dense_native.SPIN_US_*), each backend setting its own at every step."""
+    import ftdense  # (needs_native)
+
+    resident, tiered = _pair(kmix)
+    _check_equal(resident, tiered, monkeypatch)
+    try:
+        for llm, spin in [(tiered, dense_native.SPIN_US_SHARED), (resident, dense_native.SPIN_US_OWN),
+                          (tiered, dense_native.SPIN_US_SHARED)]:  # fmt: skip
+            llm.moe.begin_step(1)
+            assert ftdense.spin_us() == spin
+    finally:
+        dense_native.configure()
 
 
 @needs_native
@@ -304,9 +318,11 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
     kmix: Path, monkeypatch
 ) -> None:
     """A decode call (one token) computes its resident experts while the others are read and
-    each missing one as its read lands, term by term: the output equals the resident pool's
-    call bit for bit whichever read lands last (the first expert in the kernel's order held
-    back: the others' terms wait for it), with hits before, between and after the misses."""
+    the missing ones as their reads land, one kernel call for what is ready (route terms as rows
+    of their own): the output equals the resident pool's call bit for bit whichever read lands
+    last (the first expert in the kernel's order held back: the others' terms wait for it),
+    with hits before, between and after the misses, and a call of three term rows (past the
+    kernel's decode sizes) among them."""
     resident, tiered = _pair(kmix, experts=8)
     tier = tiered.moe.tier
     assert tier is not None and tier.cache.slots == 8
@@ -335,11 +351,20 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
         return collect(self, fid, evicted)
 
     monkeypatch.setattr(TieredExecutor, "_collect", counted)
+    rows: list[int] = []  # the rows of each kernel call
+    inner_call = tier.inner.forward_addresses
+
+    def kernel(*a):  # type: ignore[no-untyped-def]
+        rows.append(a[4])
+        return inner_call(*a)
+
+    monkeypatch.setattr(tier.inner, "forward_addresses", kernel)
     g = torch.Generator().manual_seed(3)
     h = tier.hidden_size
     # layer 1's experts 8..15; routes out of id order; (resident first, held back)
     cases = [([13, 9, 11, 15], [], {9}), ([10, 12, 14, 8], [12], {8}),
-             ([9, 15, 8, 11], [8, 15], {9}), ([14, 8, 13, 10], [8, 10, 13, 14], set())]  # fmt: skip
+             ([9, 15, 8, 11], [8, 15], {9}), ([14, 8, 13, 10], [8, 10, 13, 14], set()),
+             ([12, 8, 14, 10], [10, 12, 14], {8})]  # fmt: skip
     for route, hits, held in cases:
         for f in list(tier.cache.slot_of):  # a cold cache, then the hits read in
             tier.cache.forget(f)
@@ -354,8 +379,11 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
         x = torch.randn(1, h, generator=g)
         ids = torch.tensor([route], dtype=torch.int32)
         w = torch.rand(1, len(route), generator=g)
+        rows.clear()
         got = tier.forward(x, ids, w)
         assert torch.equal(got, pool.forward(x, ids, w))
+        if len(hits) == 3:  # 8 missing, first: 10, 12 and 14 are three rows of one call
+            assert rows[0] == 3
         misses = [f for f in route if f not in hits]
         assert sorted(landed) == sorted(misses)
         if held:

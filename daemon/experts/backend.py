@@ -149,7 +149,11 @@ class CpuBackend:
             # deferred: optional native/store module (its ImportError is handled here)
             from ..native import dense_native
 
-            own = isinstance(self.executor, BlockExecutor)  # every decode job on ftdense's pool
+            # every decode job on ftdense's pool; with the disk tier the cores are shared with its
+            # reader threads and its Python between the jobs: a worker spinning 1 ms after each
+            # takes a core from them (25 % limit of bench_disk_tier, 2-core EPYC under load 8,
+            # alternated: 50 us 1.58x the decode tok/s of 1000 us, CPU a token 0.8x)
+            own = isinstance(self.executor, BlockExecutor) and pool.disk is None
             self._dense_spin = dense_native.SPIN_US_OWN if own else dense_native.SPIN_US_SHARED
             self._set_spin = dense_native.set_spin
             if pool.disk is not None:

@@ -13,8 +13,9 @@ from the read's bounce buffer straight into its slot in the cpu backend's row in
 executor with slot ids in place of flat ids (a remap, as the device slot cache does) and the
 flat ids as the order a token's route terms add up in (``BlockExecutor.forward``'s ``order``:
 the kernel sorts routes by it, not by slot). A decode call (one token) does not wait for all its
-reads: it computes the experts it has while the others are read, and each missing one as its
-read lands (``TieredExecutor._overlapped``: term by term, added up in the kernel's order). Once
+reads: it computes the experts it has while the others are read, and the missing ones as their
+reads land (``TieredExecutor._overlapped``: one kernel call for what is resident, one per batch
+of reads landed, route terms as rows of their own, added up in the kernel's order). Once
 a call's own experts are in, the next layer's predicted ones are read ahead while it computes
 (``TieredExecutor``). The same rows reach the same kernel and add up in the same order, so the
 results equal a resident pool's bit for bit (at any top-k).
@@ -75,6 +76,10 @@ READ_THREADS = 8  # reads in flight at once (a disk wants several: 8 measured fa
 # weights predict at chance, 8 of 128; a trained model's next-layer router far better)
 READ_AHEAD_MIN_PRECISION = 0.5
 PRECISION_WEIGHT = 0.1  # the running mean's weight of the newest call
+# Below that precision one call in this many still predicts (to see the predictions improve):
+# a prediction is the next layer's router on this layer's input, ~0.6 ms of Python and torch a
+# call on the 2-core EPYC, a tenth of a tiered decode token at random routing's hit rates
+CHECK_EVERY = 8
 
 
 class ExpertSource(Protocol):
@@ -290,7 +295,8 @@ class TieredExecutor:
     before eviction) and ``read_ahead_wasted`` (evicted unused). Every prediction is checked
     against the call it was for (``precision``, a running mean of the share used); below
     ``READ_AHEAD_MIN_PRECISION`` the reads are not made (``read_ahead_skipped`` calls), the
-    predictions go on, and reading resumes when they improve."""
+    predictions go on (on one call in ``CHECK_EVERY``), and reading resumes when they
+    improve."""
 
     overlap = True  # a decode call computes while its reads land (False: waits for them all)
 
@@ -322,10 +328,12 @@ class TieredExecutor:
         self.predict: Callable[[int, Tensor], Tensor | None] | None = None
         self.read_ahead = read_ahead
         self._reading: dict[int, tuple[int, Future[int]]] = {}  # fid -> (slot, its read)
-        self._term_rows: Tensor | None = None  # route terms of an overlapped call [K, H]
+        self._io: dict[int, tuple[dict[str, Tensor], Callable[[str, Tensor, Tensor], None]]] = {}
+        self._rows_buf: dict[str, Tensor] | None = None  # an overlapped call's rows (_Rows)
         self._unused: set[int] = set()  # read ahead, not used yet
         self._predicted: tuple[int, set[int]] = (-1, set())  # the next layer, its predicted
         self.precision = 1.0  # the predictions' running precision (starts trusting them)
+        self._doubted = 0  # calls made while the precision is below READ_AHEAD_MIN_PRECISION
         # the file's descriptors and the readers go with the executor (an unloaded model)
         self._finalizer = weakref.finalize(self, _release, self._reads, tier.source)
 
@@ -388,9 +396,11 @@ class TieredExecutor:
         experts), else as many tokens at a time as fit. Each token computes as it would in the
         whole call (the kernels' rows are per token), so the results are the same."""
         t = flat_ids.shape[0]
+        if t <= 1:  # a class holds at least top-k slots, one token's
+            return [(0, t)]
         cap = self._capacity
         fids = torch.unique(flat_ids).tolist()
-        if t <= 1 or len(fids) <= min(cap):
+        if len(fids) <= min(cap):
             return [(0, t)]
         per: dict[int, int] = {}
         for f in fids:
@@ -426,7 +436,10 @@ class TieredExecutor:
     def _begin(self, flat_ids: Tensor) -> tuple[list[int], list[tuple[int, int, int]]]:
         """A call's distinct experts and the fills its lookup made, their reads started (the
         predictions of the call before checked against them; reads ahead it uses counted)."""
-        fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
+        if flat_ids.numel() <= 64:  # a decode call's few ids: no tensor op
+            fids = sorted({f for f in flat_ids.reshape(-1).tolist() if f >= 0})
+        else:
+            fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
         if fids and (fids[-1] >= self.pool.num_flat):
             raise IndexError(f"expert id {fids[-1]} outside [-1, {self.pool.num_flat})")
         layer, predicted = self._predicted
@@ -471,12 +484,15 @@ class TieredExecutor:
         self, x: int, flat_ids: Tensor, w: int, out: int, k: int, xt: Tensor | None
     ) -> None:
         """One token's call (flat ids [1, k]) with its experts' reads overlapped with its compute:
-        the experts resident at the start, then each missing one as soon as its read lands (the
-        reads run all at once, in route order). The kernel adds a token's route terms up in
-        flat-id order from zero (``order``), so the leading routes that are resident run as one
-        call that leaves their partial sum in ``out``, each other route as a call of its own
-        (its term: zero plus it), and the terms are added to ``out`` in that order: the same
-        additions in the same order as one call over all of them, bit for bit."""
+        the experts resident at the start, then the missing ones as their reads land (the reads
+        run all at once, in route order). The kernel adds a token's route terms up in flat-id
+        order from zero (``order``), so the leading routes that are resident make one row of a
+        call (their partial sum) and every other route a row of its own (its term: zero plus
+        it), the token's x, gate weights and order repeated in each row (a row's results do not
+        depend on the call's other rows): one kernel call runs all the routes ready at the start,
+        one more each batch of reads that landed meanwhile, and the terms are added to the
+        partial sum in that order: the same additions in the same order as one call over all of
+        them, bit for bit."""
         fids, fills = self._begin(flat_ids)
         waiting = [f for f in fids if f in self._reading]
         if waiting and not self.overlap:
@@ -489,15 +505,14 @@ class TieredExecutor:
                 raise
             self.read_seconds += time.perf_counter() - started
             waiting = []
+        xt = xt if xt is not None else self._x_of(x, 1)
         if not waiting:  # all resident: one call
-            self._ahead(fids, xt if xt is not None else self._x_of(x, 1))
+            self._ahead(fids, xt)
             slot_ids = self._lut[flat_ids.long() + 1]
             self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, 1, k, flat_ids.data_ptr())
             return
-        order = flat_ids.data_ptr()
         row = flat_ids[0].tolist()
         routes = sorted((f, j) for j, f in enumerate(row) if f >= 0)  # the kernel's order
-        slot = self.cache.slot_of
         landed: SimpleQueue[int] = SimpleQueue()
         for f in waiting:
             self._reading[f][1].add_done_callback(functools.partial(_landed, landed, f))
@@ -505,23 +520,10 @@ class TieredExecutor:
         lead = 0
         while lead < len(routes) and routes[lead][0] in ready:
             lead += 1
-        terms = self._terms(k)
-        ids = torch.full((1, k), -1, dtype=torch.int32)
-
-        def run(js: list[int], dest: int) -> None:
-            ids.fill_(-1)
-            for j in js:
-                ids[0, j] = slot[row[j]]
-            self.inner.forward_addresses(x, ids.data_ptr(), w, dest, 1, k, order)
-
-        def run_terms(fs: set[int]) -> None:
-            for f, j in routes[lead:]:
-                if f in fs:
-                    run([j], terms[j].data_ptr())
-
-        if lead:
-            run([j for _, j in routes[:lead]], out)
-        run_terms(ready)
+        wt = torch.frombuffer((ctypes.c_float * k).from_address(w), dtype=torch.float32)
+        rows = _Rows(self._row_buffers(k), xt, wt, flat_ids, self.cache.slot_of, row)
+        rows.run(([[j for _, j in routes[:lead]]] if lead else [])
+                 + [[j] for f, j in routes[lead:] if f in ready], self.inner)  # fmt: skip
         left = len(waiting)
         try:
             while left:
@@ -537,23 +539,33 @@ class TieredExecutor:
                     self._collect(f, evicted=False)
                 left -= len(now)
                 if not left:  # the next layer's reads start behind this call's
-                    self._ahead(fids, xt if xt is not None else self._x_of(x, 1))
-                run_terms(now)
+                    self._ahead(fids, xt)
+                rows.run([[j] for f, j in routes[lead:] if f in now], self.inner)
         except BaseException:
             self._abandon(fills)
             raise
         acc = torch.frombuffer((ctypes.c_float * self.hidden_size).from_address(out),
                                dtype=torch.float32)  # fmt: skip
-        if not lead:
+        if lead:
+            acc.copy_(rows.of(routes[0][1]))
+        else:
             acc.zero_()
         for _, j in routes[lead:]:
-            acc.add_(terms[j])
+            acc.add_(rows.of(j))
 
-    def _terms(self, k: int) -> Tensor:
-        t = self._term_rows
-        if t is None or t.shape[0] < k:
-            t = self._term_rows = torch.empty(k, self.hidden_size, dtype=torch.float32)
-        return t
+    def _row_buffers(self, k: int) -> dict[str, Tensor]:
+        """An overlapped call's reused buffers of k + 1 rows (see ``_Rows``)."""
+        b = self._rows_buf
+        if b is None or b["ids"].shape[1] != k:
+            h, n = self.hidden_size, k + 1
+            b = self._rows_buf = {
+                "x": torch.empty(n, h, dtype=torch.float32),
+                "ids": torch.empty(n, k, dtype=torch.int32),
+                "w": torch.empty(n, k, dtype=torch.float32),
+                "order": torch.empty(n, k, dtype=torch.int32),
+                "out": torch.empty(n, h, dtype=torch.float32),
+            }
+        return b
 
     def _ahead(self, fids: list[int], x: Tensor) -> None:
         """Starts reading the next MoE layer's predicted experts (see the class)."""
@@ -562,6 +574,11 @@ class TieredExecutor:
         nxt = fids[0] // self.num_experts + 1
         if nxt >= self.num_layers:
             return
+        if self.precision < READ_AHEAD_MIN_PRECISION:  # predicted on a call in CHECK_EVERY
+            self._doubted += 1
+            if self._doubted % CHECK_EVERY:
+                self.counters["read_ahead_skipped"] += 1
+                return
         pred = self.predict(nxt, x)
         if pred is None:
             return
@@ -616,12 +633,22 @@ class TieredExecutor:
     def _start(self, fid: int, slot: int) -> Future[int]:
         """Starts expert ``fid``'s reads into ``slot`` -> a future of its bytes, set once all
         its pieces have landed (the first failure raised)."""
-        pieces = self.tier.source.pieces(fid, self._dest(slot), self._mover(slot))
+        pieces = self.tier.source.pieces(fid, *self._slot_io(slot))
         done: Future[int] = Future()
         landing = _Landing(len(pieces), done)
         for piece in pieces:
             self._reads.submit(landing.run, piece)
         return done
+
+    def _slot_io(
+        self, slot: int
+    ) -> tuple[dict[str, Tensor], Callable[[str, Tensor, Tensor], None]]:
+        """``slot``'s rows and how a piece goes into them (``_dest``, ``_mover``), made once a
+        slot (~0.15 ms of Python a fill otherwise)."""
+        io = self._io.get(slot)
+        if io is None:
+            io = self._io[slot] = (self._dest(slot), self._mover(slot))
+        return io
 
     def _dest(self, slot: int) -> dict[str, Tensor]:
         return {p: expert_rows(self.slots, p, slot, 1)[0] for p in ("gate_up", "down")}
@@ -669,7 +696,48 @@ class TieredExecutor:
 
     def _read_now(self, fid: int, slot: int) -> int:
         """Reads expert ``fid`` into ``slot`` here."""
-        return sum(p() for p in self.tier.source.pieces(fid, self._dest(slot), self._mover(slot)))
+        return sum(p() for p in self.tier.source.pieces(fid, *self._slot_io(slot)))
+
+
+class _Rows:
+    """An overlapped decode call's kernel calls (``TieredExecutor._overlapped``): each call's
+    rows are groups of the token's route positions (a group's routes summed in the kernel's
+    order), each row the token's x, gate weights and order with the ids of its group's slots
+    (-1 elsewhere); the results go to consecutive rows of ``buf["out"]`` (k + 1 rows: the
+    leading group and each other route once)."""
+
+    def __init__(
+        self, buf: dict[str, Tensor], x: Tensor, w: Tensor, order: Tensor,
+        slot_of: dict[int, int], row: list[int],
+    ) -> None:  # fmt: skip
+        self.buf, self.x, self.w, self.order = buf, x, w, order
+        self.slot_of, self.row = slot_of, row
+        self.at: dict[int, int] = {}  # route position -> the row holding its term (or sum)
+        self.used = 0
+
+    def run(self, groups: list[list[int]], inner: Any) -> None:
+        """One kernel call, a row per group (none: no call)."""
+        if not groups:
+            return
+        b, m, k = self.buf, len(groups), len(self.row)
+        ids = [[-1] * k for _ in groups]
+        for i, js in enumerate(groups):
+            for j in js:
+                ids[i][j] = self.slot_of[self.row[j]]
+                self.at[j] = self.used + i
+        b["x"][:m] = self.x
+        b["ids"][:m] = torch.tensor(ids, dtype=torch.int32)
+        b["w"][:m] = self.w
+        b["order"][:m] = self.order
+        inner.forward_addresses(
+            b["x"].data_ptr(), b["ids"].data_ptr(), b["w"].data_ptr(),
+            b["out"][self.used].data_ptr(), m, k, b["order"].data_ptr(),
+        )  # fmt: skip
+        self.used += m
+
+    def of(self, j: int) -> Tensor:
+        """The row of route position ``j``'s term (or of the leading sum it is in)."""
+        return self.buf["out"][self.at[j]]
 
 
 class _Landing:

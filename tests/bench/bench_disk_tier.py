@@ -77,6 +77,34 @@ Earlier (before the overlap and the one-pass reads; load ~11, disk 585 MB/s, med
 1.26 tok/s (44 % of ceiling), 50 % 3.63 (26 %); llama.cpp 0.09 and 0.26. ``--daemon`` at 50 %
 (cache sized at load): up in 18 s, answered, killed with a request in flight, up again in 31 s,
 the same answer, no OOM kill.
+
+2026-12-07 ~02:25 UTC (wt1; the same VM shared with 3 other jobs, load average 7.4-9.8; disk
+478 MB/s at the start, 349 at the end; 24 decode tokens; caches fixed per limit, 262 MiB / 96
+slots at 25 % and 1191 MiB / 432 slots at 50 %, because the memory-left sizing gives 64 or 96
+slots at 25 % from run to run, 196 or 34 MB missed a token): the tier before (d57c834) and
+after (one kernel call per batch of ready routes, the pool's workers spinning 50 us under the
+tier, predictions checked on one call in 8), the resident decode beside them, interleaved,
+medians of 3 (runs in brackets):
+
+    limit  engine     tok/s               MB/token  of ceiling  of min(ceiling, resident)
+    25 %   before     3.57 (2.95-4.14)          34         26%        78%
+    25 %   after      5.25 (4.46-5.52)          34         38%       115%
+    25 %   resident   4.58 (3.87-5.02)           -           -          -
+    50 %   before     4.10 (3.85-4.32)          22         19%       104%
+    50 %   after      5.36 (5.12-5.53)          22         24%       136%
+    50 %   resident   3.95 (3.88-4.04)           -           -          -
+
+Under that load the resident decode is no bound: its pool's workers spin 1 ms after each job,
+on two cores the other jobs want. Where a tiered token went (25 %, 96 slots, one token at
+~200 ms, load ~2.5; tests/bench has no script for it: TieredExecutor's methods timed): reads
+waited 43 ms (~1 expert missing in a third of the layers: ~12 ms to read its 3 MB, latency,
+not the disk's rate), expert kernels 74 ms (35 calls, ~11 of them the one per layer), the tier's
+Python ~29 ms (lookups, reads started, predictions 7 ms), the rest of the layer 54 ms. At 64
+slots (196 MB a token) reads waited 300-390 ms of 450-740, the reads' Python and GIL ~30-60
+ms, the reader threads' CPU 115-145 ms a token (their interleave moves ~2.2 GB/s). There
+(174 MiB, load 8-11, disk 469-1045 MB/s, medians of 2) before 1.36 tok/s (1.16, 1.56), after
+1.52 (1.45, 1.58): 52 % and 57 % of the ceiling, the reads' latency a layer at a time (random
+routers: nothing read ahead) the bound.
 """
 
 from __future__ import annotations
@@ -411,8 +439,9 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--cache-mb", type=float, default=0, help="freetoken's expert cache (0: the memory left)"
-    )
+        "--cache-mb", default="0",
+        help="freetoken's expert cache, MiB (0: the memory left), or one per limit (comma-separated)",
+    )  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument(
         "--engines", default=",".join(ENGINES),
@@ -443,8 +472,14 @@ def main() -> int:
     except OSError as e:
         print(f"skipped: cannot make a memory cgroup ({e})")
         return 0
+    shares = [float(x) for x in a.limits.split(",")]
+    caches = [float(x) for x in str(a.cache_mb).split(",")]
+    if len(caches) not in (1, len(shares)):
+        ap.error(f"--cache-mb takes one size or one per limit ({len(shares)})")
+    caches = caches * len(shares) if len(caches) == 1 else caches
     if a.daemon:
-        daemon_check(path, int(size * float(a.limits.split(",")[0])), a)
+        a.cache_mb = caches[0]
+        daemon_check(path, int(size * shares[0]), a)
         return 0
     engines = a.engines.split(",")
     if "llama.cpp" in engines:
@@ -456,20 +491,31 @@ def main() -> int:
     rate = disk_rate(path)
     print(f"disk read rate (cold, 8 MiB reads, 4 in flight): {rate / 1e6:.0f} MB/s")
     results: dict[tuple[float, str], list[dict[str, Any]]] = {}
-    for share in (float(s) for s in a.limits.split(",")):
+    for share, cache_mb in zip(shares, caches, strict=True):
         limit = int(size * share)
+        a.cache_mb = cache_mb
         for i in range(a.repeats):
             for engine in engines if i % 2 == 0 else engines[::-1]:  # interleaved
                 r = run(engine, path, limit, a)
                 results.setdefault((share, engine), []).append(r)
                 print(f"  {share:.0%} {engine} #{i}: " + json.dumps(r), flush=True)
     print(f"\nmedians over {a.repeats} runs; disk {rate / 1e6:.0f} MB/s; file {size / 1e9:.2f} GB")
-    head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} "
-    print(head + f"{'ceiling':>8} {'of ceil':>8} {'killed':>7} {'peak MB':>8}")
+    print(
+        "ceiling: the disk's rate over the MB a token misses; bound: the resident decode's tok/s "
+        "(the compute bound); of min: tok/s over min(ceiling, bound)"
+    )
+    head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} {'slots':>6} "
+    print(
+        head
+        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'killed':>7} {'peak MB':>8}"
+    )
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
         per = _median(rows, "miss_bytes_per_token")
         ceil = rate / per if per else None
+        bound = _median(results.get((share, "resident"), []), "decode_tps")
+        least = min(ceil, bound) if ceil and bound else None
+        slots = _median(rows, "slots")
         killed = sum(bool(r.get("oom_killed")) for r in rows)
         peak = _median(rows, "peak")
         cells = [
@@ -478,29 +524,32 @@ def main() -> int:
             f"{tps:.2f}" if tps else "-",
             f"{ttft:.2f}" if ttft else "-",
             f"{per / 1e6:.0f}" if per else "-",
+            f"{slots:.0f}" if slots else "-",
             f"{ceil:.2f}" if ceil else "-",
             f"{tps / ceil:.0%}" if tps and ceil else "-",
+            f"{bound:.2f}" if bound and engine != "resident" else "-",
+            f"{tps / least:.0%}" if tps and least else "-",
             f"{killed}/{len(rows)}",
             f"{peak / 2**20:.0f}" if peak else "-",
         ]
-        widths = (12, 10, 7, 7, 9, 8, 8, 7, 8)
+        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 8)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
-    for share in {s for s, _ in results}:
+    for share in sorted({s for s, _ in results}):
         ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
         if ft and lc:
             x, y = _median(ft, "decode_tps"), _median(lc, "decode_tps")
             if x and y:
                 print(f"{share:.0%}: freetoken / llama.cpp decode = {x / y:.2f}x")
         res = results.get((share, "resident"))
-        if ft and res:  # the decode with no reads at all, run beside: the compute bound
-            x, y = _median(ft, "decode_tps"), _median(res, "decode_tps")
-            per = _median(ft, "miss_bytes_per_token")
-            if x and y and per:
-                bound = min(y, rate / per)
-                print(
-                    f"{share:.0%}: freetoken / resident decode = {x / y:.0%}; of min(disk "
-                    f"ceiling, resident) {bound:.2f} tok/s: {x / bound:.0%}"
-                )
+        if ft and res:  # each run against the resident run of its round (run beside it)
+            cells = []
+            for r, b in zip(ft, res, strict=False):
+                x, y, per = r.get("decode_tps"), b.get("decode_tps"), r.get("miss_bytes_per_token")
+                if x and y and per:
+                    least = min(y, rate / per)
+                    cells.append(f"{x:.2f} tok/s: {x * per / rate:.0%} of ceiling, "
+                                 f"{x / least:.0%} of min(ceiling, {y:.2f})")  # fmt: skip
+            print(f"{share:.0%} freetoken by round: " + "; ".join(cells))
     return 0
 
 
