@@ -396,7 +396,10 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     print(f"{'figure':34} {'freetoken':>12} {'llama.cpp':>12} {'ratio':>8}")
 
     def line(name: str, a: float | None, b: float | None, better_low: bool) -> None:
-        if a is None or b is None:
+        if a is None:
+            return
+        if b is None:  # --no-llama: ours alone
+            print(f"{name:34} {a:12.3f} {'-':>12} {'-':>8}")
             return
         ratio = b / a if better_low else a / b
         print(f"{name:34} {a:12.3f} {b:12.3f} {ratio:7.2f}x")
