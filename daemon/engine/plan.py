@@ -202,28 +202,30 @@ def plan_model(
         kv = int((plan.parts_mib.get("kv_cache", 0) + plan.parts_mib.get("model_state", 0)) * MIB)
         host += dense + kv + SNAPSHOT_MIB * MIB
     plan.ram_peak_mib = host / MIB
-    if plan.fits and _tiered(plan, cfg, model_dir, ram_mib):
-        _plan_disk_tier(plan, cfg, model_dir, ram_mib, disk_rate)
+    files = _tiered_files(plan, cfg, model_dir, ram_mib) if plan.fits else 0
+    if files:
+        _plan_disk_tier(plan, cfg, model_dir, ram_mib, files, disk_rate)
     elif plan.fits and plan.ram_peak_mib > ram_mib:
         plan.fits = False
         plan.reason = _host_ram_reason(plan, ram_mib)
     return plan
 
 
-def _tiered(plan: Plan, cfg: Any, model_dir: str | Path, ram_mib: int) -> bool:
-    """Whether the daemon would leave experts in the file (``disk_tier`` "auto"): a GGUF file of
-    block experts under the cpu backend whose files exceed the host budget, three quarters of
-    the RAM (manager/models.expert_cache_mb, runtime/memlimit.host_pool_budget)."""
+def _tiered_files(plan: Plan, cfg: Any, model_dir: str | Path, ram_mib: int) -> int:
+    """The bytes of the model's files where the daemon would leave its experts in them
+    (``disk_tier`` "auto": a GGUF file of block experts under the cpu backend whose files exceed
+    the host budget, three quarters of the RAM: manager/models.expert_cache_mb,
+    runtime/memlimit.host_pool_budget); 0 where it would not."""
     if plan.backend != "cpu" or model_kind(model_dir) != "gguf":
-        return False
+        return 0
     if not get_format(cfg.expert_format).in_blocks:
-        return False
+        return 0
     files = sum(p.stat().st_size for p in split_files(Path(model_dir)))
-    return files > ram_mib * MIB * 3 // 4
+    return files if files > ram_mib * MIB * 3 // 4 else 0
 
 
 def _plan_disk_tier(
-    plan: Plan, cfg: Any, model_dir: str | Path, ram_mib: int, rate: float | None
+    plan: Plan, cfg: Any, model_dir: str | Path, ram_mib: int, files: int, rate: float | None
 ) -> None:
     """The disk tier's plan: its RAM cache (the budget, three quarters of the RAM, less the
     dense weights, one full-length sequence's KV, the snapshots, the runtime's own memory and
@@ -235,7 +237,6 @@ def _plan_disk_tier(
         cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16
     )
     p = plan.parts_mib
-    files = sum(f.stat().st_size for f in split_files(Path(model_dir)))
     dense = max(files - int(p["expert_pool"] * MIB), 0)  # kept in the file's blocks
     p["dense_weights"] = dense / MIB
     seq = min(plan.kv_tokens, cfg.max_position_embeddings) / max(plan.kv_tokens, 1)
