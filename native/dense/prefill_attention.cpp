@@ -81,6 +81,10 @@ struct Emu512 {
 // Query rows of a tile: about 128 query-head rows (G heads each), so a key block widened once
 // serves that many rows, while the tile's queries, logits and weighted values stay in L2.
 constexpr int kTileRows = 128;
+// Query-head rows a tile keeps at least while every thread has a task: each tile reads and widens
+// its KV head's keys, which for a few rows costs more than their arithmetic (a 2-row chunk at
+// 16k keys: tiles of one row each read the context twice).
+constexpr int kMinTileRows = 16;
 // Tasks wanted per pool thread: a long chunk's later tiles see more keys than its first.
 constexpr int kTasksPerThread = 4;
 
@@ -186,13 +190,17 @@ const char* prefill_kernel_name(PrefillFn fn) {
 void prefill_attention(Pool& pool, PrefillFn fn, const KvPages& kv, const PrefillChunks& c) {
   validate(kv, c);
   Job j{fn, &kv, &c, c.heads / kv.kv_heads, {}};
-  // Tiles of up to kTileRows / G queries, smaller when that leaves a thread without tasks; the
-  // results do not depend on the tiling (prefill_attention.h).
+  // Tiles of up to kTileRows / G queries, smaller down to kMinTileRows / G while that leaves a
+  // thread fewer than kTasksPerThread tasks (further while one has none); the results do not
+  // depend on the tiling (prefill_attention.h).
   int64_t total = 0;
   for (int i = 0; i < c.n; ++i) total += c.lens[i];
   const int64_t want = static_cast<int64_t>(pool.threads()) * kTasksPerThread;
+  const auto tasks = [&](int q) { return ((total + q - 1) / q) * kv.kv_heads; };
   int qt = std::max(1, kTileRows / j.G);
-  while (qt > 1 && ((total + qt - 1) / qt) * kv.kv_heads < want) qt /= 2;
+  while (qt > 1 && (tasks(qt) < pool.threads() ||
+                    (tasks(qt) < want && (qt / 2) * j.G >= kMinTileRows)))
+    qt /= 2;
   // later (longer) tiles first, so the short ones fill the gaps at the end
   for (int i = 0; i < c.n; ++i)
     for (int i0 = (c.lens[i] - 1) / qt * qt; i0 >= 0; i0 -= qt)

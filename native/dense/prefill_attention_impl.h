@@ -120,6 +120,23 @@ FT_INLINE void widen_row(const void* base, int64_t off, bool bf16, int n, float*
   }
 }
 
+// The pool offset (in elements) of position `row` of page `page`, KV head t.kv_head.
+inline int64_t row_offset(const KvPages& kv, const PrefillTile& t, int32_t page, int row) {
+  return (static_cast<int64_t>(page) * kv.page_size + row) * kv.kv_heads * kv.d +
+         int64_t{t.kv_head} * kv.d;
+}
+
+// Asks the caches (L2) for the K and V rows of pool offset `off` (a hint: no result changes).
+inline void prefetch_row(const KvPages& kv, int64_t off) {
+  const int elem = kv.bf16 ? 2 : 4;
+  const char* k = static_cast<const char*>(kv.k) + off * elem;
+  const char* v = static_cast<const char*>(kv.v) + off * elem;
+  for (int64_t c = 0; c < static_cast<int64_t>(kv.d) * elem; c += 64) {
+    __builtin_prefetch(k + c, 0, 2);
+    __builtin_prefetch(v + c, 0, 2);
+  }
+}
+
 // Layout: query rows r = query i * G + head g sit in the lanes (Rp = R rounded up to L), keys
 // in the rows of the logits st [KB, Rp]: a row's max and sum over a block's keys are lane-wise
 // sequences over the keys in order, so they do not depend on the vector width either.
@@ -127,7 +144,6 @@ template <class V>
 FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
   constexpr int L = V::kLanes;
   const int d = kv.d, G = t.G, R = t.nq * G, Rp = (R + L - 1) / L * L;
-  const int64_t rs = static_cast<int64_t>(kv.kv_heads) * d;  // elements from one pool row on
   thread_local std::vector<float> buf;
   const size_t need = static_cast<size_t>(Rp) * (d + KB + 3) + static_cast<size_t>(R) * d +
                       2 * static_cast<size_t>(d) * KB;
@@ -165,12 +181,18 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     if (qa >= qb) continue;
     const int ra = qa * G, rb = qb * G;             // the rows that see the block
     const int rA = ra / L * L, rB = (rb + L - 1) / L * L;  // their lanes' vectors
-    // the block's K and V, widened
-    int64_t pg = b0 / kv.page_size;
-    int row = static_cast<int>(b0 % kv.page_size);
+    // the block's K and V, widened; the next block's rows are fetched ahead one a key (its
+    // rows are spread over pages, which the widening's loads would wait for one after another)
+    const int64_t b1 = b0 + KB;
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(KB, last + 1 - b1)));
+    int64_t pg = b0 / kv.page_size, pg1 = b1 / kv.page_size;
+    int row = static_cast<int>(b0 % kv.page_size), row1 = static_cast<int>(b1 % kv.page_size);
     for (int k = 0; k < nk; ++k) {
-      const int64_t off =
-          (static_cast<int64_t>(t.table[pg]) * kv.page_size + row) * rs + int64_t{t.kv_head} * d;
+      if (k < nn) {
+        prefetch_row(kv, row_offset(kv, t, t.table[pg1], row1));
+        if (++row1 == kv.page_size) row1 = 0, ++pg1;
+      }
+      const int64_t off = row_offset(kv, t, t.table[pg], row);
       if (++row == kv.page_size) row = 0, ++pg;
       widen_row<V>(kv.k, off, kv.bf16, d, kb + k * d);
       widen_row<V>(kv.v, off, kv.bf16, d, vb + k * d);
