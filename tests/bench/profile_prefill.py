@@ -71,17 +71,9 @@ def _ops(cfg: Any, n: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("model")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--isa", default="", choices=("", "avx2", "avx512", "scalar"))
-    a = ap.parse_args()
-
+def load_instrumented(a: argparse.Namespace, **kwargs: Any) -> Any:
+    """An `LLM` of ``a.model`` on the cpu backend with ``a.threads`` threads (``a.isa`` forced
+    where set; ``kwargs``: more of its fields), with this script's timers around the parts."""
     import torch
 
     from freetokend import LLM
@@ -92,16 +84,24 @@ def main() -> None:
         from decode_workers import force_isa  # beside this script
 
         force_isa(a.isa)
-    llm = LLM(
-        a.model,
-        moe_backend="cpu",
-        threads=a.threads,
-        max_model_len=a.tokens + 64,
-        kv_tokens=a.tokens + 128,
-    )
-    cfg = llm.config
-    _instrument(cfg.vocab_size, _timed, "attention")  # profile_decode's parts, these timers
+    llm = LLM(a.model, moe_backend="cpu", threads=a.threads, **kwargs)
+    _instrument(llm.config.vocab_size, _timed, "attention")  # profile_decode's parts, these timers
     rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
+    return llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--isa", default="", choices=("", "avx2", "avx512", "scalar"))
+    a = ap.parse_args()
+    llm = load_instrumented(a, max_model_len=a.tokens + 64, kv_tokens=a.tokens + 128)
+    cfg = llm.config
     rng = random.Random(1)
     ids = (300, min(50000, cfg.vocab_size - 1))  # no special or byte-fallback ids (bench_server)
     llm.generate([rng.randrange(*ids) for _ in range(64)], max_tokens=1)  # warm-up
