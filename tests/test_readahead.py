@@ -33,7 +33,9 @@ def test_model_files_are_a_gguf_file_or_its_split_set(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
 def test_a_file_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
-    path = _file(tmp_path / "m.gguf", 5 * readahead.PIECE // 4)  # two pieces
+    """In pieces the kernel reads whole (one advice reads at most the device's window)."""
+    monkeypatch.setattr(readahead, "piece_bytes", lambda st_dev: 1 << 20)
+    path = _file(tmp_path / "m.gguf", (5 << 20) // 2)  # three pieces, the last one short
     advised = []
     fadvise = os.posix_fadvise
 
@@ -46,11 +48,29 @@ def test_a_file_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
     assert t is not None and t.daemon
     t.join(30)
     assert not t.is_alive()
-    size = path.stat().st_size
-    assert advised == [
-        (0, readahead.PIECE, os.POSIX_FADV_WILLNEED),
-        (readahead.PIECE, size - readahead.PIECE, os.POSIX_FADV_WILLNEED),
-    ]
+    will = os.POSIX_FADV_WILLNEED
+    assert advised == [(0, 1 << 20, will), (1 << 20, 1 << 20, will), (2 << 20, 1 << 19, will)]
+
+
+def test_a_piece_is_the_devices_read_ahead_window_or_largest_request(tmp_path):
+    """The kernel cuts one WILLNEED advice to max(read_ahead_kb, max_sectors_kb) of the file's
+    block device (a partition: its disk's queue); 128 KiB where sysfs does not say."""
+    disk = tmp_path / "devices/vda"
+    (disk / "queue").mkdir(parents=True)
+    (disk / "queue/read_ahead_kb").write_text("8192\n")
+    (disk / "queue/max_sectors_kb").write_text("4096\n")
+    (disk / "vda1").mkdir()
+    (tmp_path / "dev/block").mkdir(parents=True)
+    (tmp_path / "dev/block/254:0").symlink_to(disk)
+    (tmp_path / "dev/block/254:1").symlink_to(disk / "vda1")
+    assert readahead.piece_bytes(os.makedev(254, 0), tmp_path) == 8 << 20
+    assert readahead.piece_bytes(os.makedev(254, 1), tmp_path) == 8 << 20  # the partition's disk
+    (disk / "queue/read_ahead_kb").write_text("128\n")
+    assert readahead.piece_bytes(os.makedev(254, 0), tmp_path) == 4 << 20
+    (disk / "queue/max_sectors_kb").write_text("4\n")  # never under the kernel's default window
+    (disk / "queue/read_ahead_kb").write_text("0\n")
+    assert readahead.piece_bytes(os.makedev(254, 0), tmp_path) == readahead.MIN_PIECE
+    assert readahead.piece_bytes(os.makedev(0, 42), tmp_path) == readahead.MIN_PIECE  # tmpfs
 
 
 def test_a_file_over_half_the_available_memory_is_not_read_ahead(tmp_path, monkeypatch):
