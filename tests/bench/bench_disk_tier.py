@@ -155,6 +155,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     tier = llm.moe.tier
+    spent = _time_tier(tier) if tier is not None else [0.0, 0.0]
     loaded_rss = _status_mb()
     prompt = _prompt(a["prompt"], llm.tokenizer.vocab_size if llm.tokenizer else 50000)
     params = SamplingParams(max_tokens=a["decode"], temperature=0.0, ignore_eos=True)
@@ -163,6 +164,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     st: list[dict[str, int]] = []
     waits: list[float] = []
     faults: list[int] = []
+    times: list[tuple[float, float]] = []
     start = time.perf_counter()
     llm.engine.add_request("bench", prompt, params)
     while llm.engine.has_unfinished():
@@ -172,8 +174,17 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             st.append(tier.stats() if tier is not None else {})
             waits.append(tier.read_seconds if tier is not None else 0.0)
             faults.append(_major_faults())
+            times.append((spent[0], spent[1]))
     first, last = st[0], st[-1]
     n = len(stamps) - 1
+    span = stamps[-1] - stamps[0]
+    calls, kernels = (times[-1][i] - times[0][i] for i in (0, 1))
+    wait = waits[-1] - waits[0]
+    # where a decode token's time went (ms): the tier's calls (read waits, expert kernels, its
+    # Python and the native step's calls back into it) and the rest of the step
+    parts = {"read_wait": wait, "expert_kernels": kernels, "tier_python": calls - kernels - wait,
+             "rest": span - calls}  # fmt: skip
+    split = {k: 1e3 * v / n for k, v in parts.items()} if tier is not None else None
     return {
         "load_s": load_s,
         "ttft_s": stamps[0] - start,
@@ -184,12 +195,34 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": _rate(first, last),
         "read_ahead_used": _used(first, last),
         "slots": tier.cache.slots if tier is not None else 0,
-        "read_wait_s_per_token": (waits[-1] - waits[0]) / n,
+        "read_wait_s_per_token": wait / n,
+        "ms_per_token": split,
         "major_faults_per_token": (faults[-1] - faults[0]) / n,
         "cache_mb": sum(t.nbytes for t in tier.slots.all_tensors().values()) >> 20 if tier else 0,
         "rss_loaded_mb": loaded_rss,
         "rss_end_mb": _status_mb(),
     }
+
+
+def _time_tier(tier: Any) -> list[float]:
+    """[seconds in the tier's calls, seconds of those in its expert kernels], kept up to date
+    by wrappers around the tier's and its executor's address calls (a few microseconds a call
+    against milliseconds)."""
+    spent = [0.0, 0.0]
+    inner, tiered = tier.inner.forward_addresses, tier.forward_addresses
+
+    def kernel(*args: Any) -> None:
+        t = time.perf_counter()
+        inner(*args)
+        spent[1] += time.perf_counter() - t
+
+    def call(*args: Any) -> None:
+        t = time.perf_counter()
+        tiered(*args)
+        spent[0] += time.perf_counter() - t
+
+    tier.inner.forward_addresses, tier.forward_addresses = kernel, call
+    return spent
 
 
 def _major_faults() -> int:
@@ -502,12 +535,15 @@ def main() -> int:
     print(f"\nmedians over {a.repeats} runs; disk {rate / 1e6:.0f} MB/s; file {size / 1e9:.2f} GB")
     print(
         "ceiling: the disk's rate over the MB a token misses; bound: the resident decode's tok/s "
-        "(the compute bound); of min: tok/s over min(ceiling, bound)"
+        "(the compute bound); of min: tok/s over min(ceiling, bound); serial: 1 / (1 / bound + "
+        "1 / ceiling), the rate when no read overlaps compute (nothing read ahead: routing that "
+        "nothing predicts, as random routers'; a layer's reads still overlap its resident experts)"
     )
     head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} {'slots':>6} "
     print(
         head
-        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'killed':>7} {'peak MB':>8}"
+        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'serial':>7} {'of ser':>7} "
+        + f"{'killed':>7} {'peak MB':>8}"
     )
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
@@ -515,6 +551,7 @@ def main() -> int:
         ceil = rate / per if per else None
         bound = _median(results.get((share, "resident"), []), "decode_tps")
         least = min(ceil, bound) if ceil and bound else None
+        serial = 1 / (1 / bound + 1 / ceil) if ceil and bound else None
         slots = _median(rows, "slots")
         killed = sum(bool(r.get("oom_killed")) for r in rows)
         peak = _median(rows, "peak")
@@ -529,10 +566,12 @@ def main() -> int:
             f"{tps / ceil:.0%}" if tps and ceil else "-",
             f"{bound:.2f}" if bound and engine != "resident" else "-",
             f"{tps / least:.0%}" if tps and least else "-",
+            f"{serial:.2f}" if serial and engine != "resident" else "-",
+            f"{tps / serial:.0%}" if tps and serial and engine != "resident" else "-",
             f"{killed}/{len(rows)}",
             f"{peak / 2**20:.0f}" if peak else "-",
         ]
-        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 8)
+        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 7, 7, 8)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     for share in sorted({s for s, _ in results}):
         ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
@@ -540,6 +579,10 @@ def main() -> int:
             x, y = _median(ft, "decode_tps"), _median(lc, "decode_tps")
             if x and y:
                 print(f"{share:.0%}: freetoken / llama.cpp decode = {x / y:.2f}x")
+        parts = [r["ms_per_token"] for r in ft or [] if r.get("ms_per_token")]
+        if parts:  # medians of each part over the runs
+            print(f"{share:.0%} freetoken, where a decode token went (ms, medians): " + ", ".join(
+                f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]))  # fmt: skip
         res = results.get((share, "resident"))
         if ft and res:  # each run against the resident run of its round (run beside it)
             cells = []
