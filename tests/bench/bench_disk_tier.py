@@ -24,7 +24,16 @@ figures are medians over ``--repeats`` runs:
   which never binds), run beside the others: the decode's compute bound on the machine as it is
   loaded during the run. A tiered decode cannot beat it, so where it falls below 70 % of the
   disk-bound ceiling the cores bound the decode, not the disk (printed: freetoken's share of
-  min(disk ceiling, resident)).
+  min(disk ceiling, resident)). Serial: 1 / (1 / resident + 1 / ceiling), the rate when no
+  read overlaps compute (nothing to read ahead: random routers predict the next layer at
+  chance), printed beside it.
+
+freetoken's runs (both) start once the weights' huge-page collapse has ended (models/hugepages:
+a thread after the load, 6.4-6.7 s over the resident's 4.27 GB on the 2-core EPYC, ~0.05 s over
+the tier's cache): before 2026-12-07 ~06:00 it ran during the resident decode and held it to
+7-13 tok/s instead of 27-37, so the resident figures ("bound") recorded before then are low.
+Each freetoken run also prints where a decode token went: read wait, the expert kernels, the
+tier's Python (and the native step's calls back into it), the rest of the step.
 
 Per run: time to first token (the prompt's prefill, from the model loaded), decode tok/s ((n - 1)
 over the time from the first token to the last), the bytes a decode token misses (freetoken: the
@@ -105,6 +114,32 @@ ms, the reader threads' CPU 115-145 ms a token (their interleave moves ~2.2 GB/s
 (174 MiB, load 8-11, disk 469-1045 MB/s, medians of 2) before 1.36 tok/s (1.16, 1.56), after
 1.52 (1.45, 1.58): 52 % and 57 % of the ceiling, the reads' latency a layer at a time (random
 routers: nothing read ahead) the bound.
+
+2026-12-07 ~05:30-06:00 UTC (wt4; the VM shared, load average 3-4; 24 decode tokens, medians of
+2 interleaved runs; the cache sized at load from the memory left, now after the heap's freed
+pages are returned (runtime/memlimit.release_free_heap): 426 MiB / 152 slots at 25 %, 528 slots
+at 50 %, the same every load). Before the huge-page wait (disk 476 MB/s; resident 9.8-12.8
+tok/s, collapsing): 25 % 9.89 tok/s (6.43, 13.34), 50 % 17.92 (16.90, 18.95). With it (disk
+1561 MB/s: the host's cache, this VM's disk measures 476-831 MB/s cold otherwise):
+
+    limit  engine     tok/s               MB/token  of ceiling  of min(ceil, resident)  of serial
+    25 %   freetoken  11.77 (11.18, 12.36)       32         24%                     37%        61%
+    25 %   resident   32.00 (36.55, 27.45)        -           -                       -          -
+    50 %   freetoken  16.41 (18.90, 13.93)       14         15%                     53%        68%
+    50 %   resident   30.75 (31.94, 29.56)        -           -                       -          -
+
+Where a tiered token went (ms, medians): 25 %: read wait 32.5, expert kernels 20.2, the tier's
+Python 8.4, the rest of the step 24.0 (85 ms against the resident's 31); 50 %: 22.5, 17.9, 5.9,
+16.0. llama.cpp (5 decode tokens, 1 run each, disk 558 MB/s): 25 % freetoken 3.57 tok/s against
+0.24 (14.7x), 50 % 8.14 against 0.49 (16.6x), none killed (its first decode tokens miss most:
+156 and 52 MB a token). With random routers a layer's misses are known only once its router
+has run, so its reads wait in series with compute (the serial rate); the 70 % of the ceiling
+needs reads ahead of need, which random routing cannot predict (8 of 128: the next layer's
+router on this layer's input named 14 of 234 misses for 2812 wasted reads: 40 tokens, 96 slots).
+What remains at 25 %: the read wait (~6 experts a token in 2-3 layers, ~5-6 ms a 3 MB expert at
+this disk's latency), and the tier's compute path, 44 ms of kernels and rest against the
+resident's 31 ms a token: the native step's call back into Python per MoE layer, the extra
+kernel call per batch of landed reads, the dense pool's 50 us spin under the tier.
 """
 
 from __future__ import annotations
@@ -115,6 +150,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,6 +190,11 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         max_model_len=512, kv_tokens=512, prefix_cache=False,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for t in threading.enumerate():  # the weights' huge pages: their collapse ends first
+        if t.name == "ft-hugepages":
+            t.join()
+    huge_s = time.perf_counter() - t1
     tier = llm.moe.tier
     spent = _time_tier(tier) if tier is not None else [0.0, 0.0]
     loaded_rss = _status_mb()
@@ -187,6 +228,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     split = {k: 1e3 * v / n for k, v in parts.items()} if tier is not None else None
     return {
         "load_s": load_s,
+        "huge_pages_s": huge_s,
         "ttft_s": stamps[0] - start,
         "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
         "disk_bytes_per_token": (io[-1] - io[0]) / (len(stamps) - 1),
@@ -395,7 +437,6 @@ def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
     request the same."""
     import re
     import tempfile
-    import threading
     import urllib.request
 
     listen = re.compile(r"serving (\S+) on (http://\S+)")
