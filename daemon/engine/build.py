@@ -38,7 +38,12 @@ from ..models.layers.moe import router_predictor
 from ..models.loader import load_model, model_config, model_kind
 from ..models.model import PAGE_SIZE, decode_attention_bytes, kv_bytes_per_token
 from ..native import dense_native
-from ..runtime.memlimit import TIER_WORK_RESERVE_BYTES, memory_left, process_resident_bytes
+from ..runtime.memlimit import (
+    TIER_WORK_RESERVE_BYTES,
+    memory_left,
+    process_resident_bytes,
+    release_free_heap,
+)
 from ..store import Store
 from .core import EngineCore
 from .engine_config import EngineConfig
@@ -313,6 +318,7 @@ def on_device(
     disk = getattr(banks, "disk", None)
     if disk is not None and disk.cache_bytes == 0:  # the tier's cache: the memory left
         reserve = TIER_WORK_RESERVE_BYTES + kv_per_token * min(kv, max_len)
+        release_free_heap()  # the load's freed buffers are not held (glibc keeps ~80 MB)
         disk.cache_bytes = memory_left(reserve_bytes=reserve)
         log.info(
             "disk tier: %d MiB left for the expert cache (3/4 of RAM or the memory cgroup's "

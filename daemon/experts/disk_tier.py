@@ -314,7 +314,8 @@ class TieredExecutor:
     ) -> None:
         self.tier, self.pool, self.slots, self.inner = tier, pool, slots, inner
         self.num_experts = num_experts
-        self.num_layers = pool.num_flat // num_experts
+        self.num_flat = pool.num_flat  # (a property of the banks: computed each time)
+        self.num_layers = self.num_flat // num_experts
         per_token = [layer_class.count(c) * tier.top_k for c in range(len(classes))]
         self.cache = RamCache(classes, lambda f: layer_class[f // num_experts], per_token)
         self._capacity = [len(c) for c in classes]  # slots per class
@@ -440,8 +441,8 @@ class TieredExecutor:
             fids = sorted({f for f in flat_ids.reshape(-1).tolist() if f >= 0})
         else:
             fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
-        if fids and (fids[-1] >= self.pool.num_flat):
-            raise IndexError(f"expert id {fids[-1]} outside [-1, {self.pool.num_flat})")
+        if fids and (fids[-1] >= self.num_flat):
+            raise IndexError(f"expert id {fids[-1]} outside [-1, {self.num_flat})")
         layer, predicted = self._predicted
         if predicted and fids and fids[0] // self.num_experts == layer:  # how right it was
             right = len(predicted.intersection(fids)) / len(predicted)
@@ -505,12 +506,12 @@ class TieredExecutor:
                 raise
             self.read_seconds += time.perf_counter() - started
             waiting = []
-        xt = xt if xt is not None else self._x_of(x, 1)
         if not waiting:  # all resident: one call
-            self._ahead(fids, xt)
+            self._ahead(fids, xt if xt is not None else functools.partial(self._x_of, x, 1))
             slot_ids = self._lut[flat_ids.long() + 1]
             self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, 1, k, flat_ids.data_ptr())
             return
+        xt = xt if xt is not None else self._x_of(x, 1)
         row = flat_ids[0].tolist()
         routes = sorted((f, j) for j, f in enumerate(row) if f >= 0)  # the kernel's order
         landed: SimpleQueue[int] = SimpleQueue()
@@ -567,8 +568,10 @@ class TieredExecutor:
             }
         return b
 
-    def _ahead(self, fids: list[int], x: Tensor) -> None:
-        """Starts reading the next MoE layer's predicted experts (see the class)."""
+    def _ahead(self, fids: list[int], x: Tensor | Callable[[], Tensor]) -> None:
+        """Starts reading the next MoE layer's predicted experts (see the class); ``x``: the
+        call's input, or how to have it (made only for a prediction: one call in
+        ``CHECK_EVERY`` while they are not precise)."""
         if self.predict is None or not self.read_ahead or not fids:
             return
         nxt = fids[0] // self.num_experts + 1
@@ -579,7 +582,7 @@ class TieredExecutor:
             if self._doubted % CHECK_EVERY:
                 self.counters["read_ahead_skipped"] += 1
                 return
-        pred = self.predict(nxt, x)
+        pred = self.predict(nxt, x if isinstance(x, Tensor) else x())
         if pred is None:
             return
         want = [nxt * self.num_experts + e for e in torch.unique(pred).tolist() if e >= 0]

@@ -24,7 +24,16 @@ figures are medians over ``--repeats`` runs:
   which never binds), run beside the others: the decode's compute bound on the machine as it is
   loaded during the run. A tiered decode cannot beat it, so where it falls below 70 % of the
   disk-bound ceiling the cores bound the decode, not the disk (printed: freetoken's share of
-  min(disk ceiling, resident)).
+  min(disk ceiling, resident)). Serial: 1 / (1 / resident + 1 / ceiling), the rate when no
+  read overlaps compute (nothing to read ahead: random routers predict the next layer at
+  chance), printed beside it.
+
+freetoken's runs (both) start once the weights' huge-page collapse has ended (models/hugepages:
+a thread after the load, 6.4-6.7 s over the resident's 4.27 GB on the 2-core EPYC, ~0.05 s over
+the tier's cache): before 2026-12-07 ~06:00 it ran during the resident decode and held it to
+7-13 tok/s instead of 27-37, so the resident figures ("bound") recorded before then are low.
+Each freetoken run also prints where a decode token went: read wait, the expert kernels, the
+tier's Python (and the native step's calls back into it), the rest of the step.
 
 Per run: time to first token (the prompt's prefill, from the model loaded), decode tok/s ((n - 1)
 over the time from the first token to the last), the bytes a decode token misses (freetoken: the
@@ -105,6 +114,32 @@ ms, the reader threads' CPU 115-145 ms a token (their interleave moves ~2.2 GB/s
 (174 MiB, load 8-11, disk 469-1045 MB/s, medians of 2) before 1.36 tok/s (1.16, 1.56), after
 1.52 (1.45, 1.58): 52 % and 57 % of the ceiling, the reads' latency a layer at a time (random
 routers: nothing read ahead) the bound.
+
+2026-12-07 ~05:30-06:00 UTC (wt4; the VM shared, load average 3-4; 24 decode tokens, medians of
+2 interleaved runs; the cache sized at load from the memory left, now after the heap's freed
+pages are returned (runtime/memlimit.release_free_heap): 426 MiB / 152 slots at 25 %, 528 slots
+at 50 %, the same every load). Before the huge-page wait (disk 476 MB/s; resident 9.8-12.8
+tok/s, collapsing): 25 % 9.89 tok/s (6.43, 13.34), 50 % 17.92 (16.90, 18.95). With it (disk
+1561 MB/s: the host's cache, this VM's disk measures 476-831 MB/s cold otherwise):
+
+    limit  engine     tok/s               MB/token  of ceiling  of min(ceil, resident)  of serial
+    25 %   freetoken  11.77 (11.18, 12.36)       32         24%                     37%        61%
+    25 %   resident   32.00 (36.55, 27.45)        -           -                       -          -
+    50 %   freetoken  16.41 (18.90, 13.93)       14         15%                     53%        68%
+    50 %   resident   30.75 (31.94, 29.56)        -           -                       -          -
+
+Where a tiered token went (ms, medians): 25 %: read wait 32.5, expert kernels 20.2, the tier's
+Python 8.4, the rest of the step 24.0 (85 ms against the resident's 31); 50 %: 22.5, 17.9, 5.9,
+16.0. llama.cpp (5 decode tokens, 1 run each, disk 558 MB/s): 25 % freetoken 3.57 tok/s against
+0.24 (14.7x), 50 % 8.14 against 0.49 (16.6x), none killed (its first decode tokens miss most:
+156 and 52 MB a token). With random routers a layer's misses are known only once its router
+has run, so its reads wait in series with compute (the serial rate); the 70 % of the ceiling
+needs reads ahead of need, which random routing cannot predict (8 of 128: the next layer's
+router on this layer's input named 14 of 234 misses for 2812 wasted reads: 40 tokens, 96 slots).
+What remains at 25 %: the read wait (~6 experts a token in 2-3 layers, ~5-6 ms a 3 MB expert at
+this disk's latency), and the tier's compute path, 44 ms of kernels and rest against the
+resident's 31 ms a token: the native step's call back into Python per MoE layer, the extra
+kernel call per batch of landed reads, the dense pool's 50 us spin under the tier.
 """
 
 from __future__ import annotations
@@ -115,6 +150,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,7 +190,13 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         max_model_len=512, kv_tokens=512, prefix_cache=False,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for t in threading.enumerate():  # the weights' huge pages: their collapse ends first
+        if t.name == "ft-hugepages":
+            t.join()
+    huge_s = time.perf_counter() - t1
     tier = llm.moe.tier
+    spent = _time_tier(tier) if tier is not None else [0.0, 0.0]
     loaded_rss = _status_mb()
     prompt = _prompt(a["prompt"], llm.tokenizer.vocab_size if llm.tokenizer else 50000)
     params = SamplingParams(max_tokens=a["decode"], temperature=0.0, ignore_eos=True)
@@ -163,6 +205,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     st: list[dict[str, int]] = []
     waits: list[float] = []
     faults: list[int] = []
+    times: list[tuple[float, float]] = []
     start = time.perf_counter()
     llm.engine.add_request("bench", prompt, params)
     while llm.engine.has_unfinished():
@@ -172,10 +215,20 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             st.append(tier.stats() if tier is not None else {})
             waits.append(tier.read_seconds if tier is not None else 0.0)
             faults.append(_major_faults())
+            times.append((spent[0], spent[1]))
     first, last = st[0], st[-1]
     n = len(stamps) - 1
+    span = stamps[-1] - stamps[0]
+    calls, kernels = (times[-1][i] - times[0][i] for i in (0, 1))
+    wait = waits[-1] - waits[0]
+    # where a decode token's time went (ms): the tier's calls (read waits, expert kernels, its
+    # Python and the native step's calls back into it) and the rest of the step
+    parts = {"read_wait": wait, "expert_kernels": kernels, "tier_python": calls - kernels - wait,
+             "rest": span - calls}  # fmt: skip
+    split = {k: 1e3 * v / n for k, v in parts.items()} if tier is not None else None
     return {
         "load_s": load_s,
+        "huge_pages_s": huge_s,
         "ttft_s": stamps[0] - start,
         "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
         "disk_bytes_per_token": (io[-1] - io[0]) / (len(stamps) - 1),
@@ -184,12 +237,34 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": _rate(first, last),
         "read_ahead_used": _used(first, last),
         "slots": tier.cache.slots if tier is not None else 0,
-        "read_wait_s_per_token": (waits[-1] - waits[0]) / n,
+        "read_wait_s_per_token": wait / n,
+        "ms_per_token": split,
         "major_faults_per_token": (faults[-1] - faults[0]) / n,
         "cache_mb": sum(t.nbytes for t in tier.slots.all_tensors().values()) >> 20 if tier else 0,
         "rss_loaded_mb": loaded_rss,
         "rss_end_mb": _status_mb(),
     }
+
+
+def _time_tier(tier: Any) -> list[float]:
+    """[seconds in the tier's calls, seconds of those in its expert kernels], kept up to date
+    by wrappers around the tier's and its executor's address calls (a few microseconds a call
+    against milliseconds)."""
+    spent = [0.0, 0.0]
+    inner, tiered = tier.inner.forward_addresses, tier.forward_addresses
+
+    def kernel(*args: Any) -> None:
+        t = time.perf_counter()
+        inner(*args)
+        spent[1] += time.perf_counter() - t
+
+    def call(*args: Any) -> None:
+        t = time.perf_counter()
+        tiered(*args)
+        spent[0] += time.perf_counter() - t
+
+    tier.inner.forward_addresses, tier.forward_addresses = kernel, call
+    return spent
 
 
 def _major_faults() -> int:
@@ -362,7 +437,6 @@ def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
     request the same."""
     import re
     import tempfile
-    import threading
     import urllib.request
 
     listen = re.compile(r"serving (\S+) on (http://\S+)")
@@ -502,12 +576,15 @@ def main() -> int:
     print(f"\nmedians over {a.repeats} runs; disk {rate / 1e6:.0f} MB/s; file {size / 1e9:.2f} GB")
     print(
         "ceiling: the disk's rate over the MB a token misses; bound: the resident decode's tok/s "
-        "(the compute bound); of min: tok/s over min(ceiling, bound)"
+        "(the compute bound); of min: tok/s over min(ceiling, bound); serial: 1 / (1 / bound + "
+        "1 / ceiling), the rate when no read overlaps compute (nothing read ahead: routing that "
+        "nothing predicts, as random routers'; a layer's reads still overlap its resident experts)"
     )
     head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} {'slots':>6} "
     print(
         head
-        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'killed':>7} {'peak MB':>8}"
+        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'serial':>7} {'of ser':>7} "
+        + f"{'killed':>7} {'peak MB':>8}"
     )
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
@@ -515,6 +592,7 @@ def main() -> int:
         ceil = rate / per if per else None
         bound = _median(results.get((share, "resident"), []), "decode_tps")
         least = min(ceil, bound) if ceil and bound else None
+        serial = 1 / (1 / bound + 1 / ceil) if ceil and bound else None
         slots = _median(rows, "slots")
         killed = sum(bool(r.get("oom_killed")) for r in rows)
         peak = _median(rows, "peak")
@@ -529,10 +607,12 @@ def main() -> int:
             f"{tps / ceil:.0%}" if tps and ceil else "-",
             f"{bound:.2f}" if bound and engine != "resident" else "-",
             f"{tps / least:.0%}" if tps and least else "-",
+            f"{serial:.2f}" if serial and engine != "resident" else "-",
+            f"{tps / serial:.0%}" if tps and serial and engine != "resident" else "-",
             f"{killed}/{len(rows)}",
             f"{peak / 2**20:.0f}" if peak else "-",
         ]
-        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 8)
+        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 7, 7, 8)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     for share in sorted({s for s, _ in results}):
         ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
@@ -540,6 +620,10 @@ def main() -> int:
             x, y = _median(ft, "decode_tps"), _median(lc, "decode_tps")
             if x and y:
                 print(f"{share:.0%}: freetoken / llama.cpp decode = {x / y:.2f}x")
+        parts = [r["ms_per_token"] for r in ft or [] if r.get("ms_per_token")]
+        if parts:  # medians of each part over the runs
+            print(f"{share:.0%} freetoken, where a decode token went (ms, medians): " + ", ".join(
+                f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]))  # fmt: skip
         res = results.get((share, "resident"))
         if ft and res:  # each run against the resident run of its round (run beside it)
             cells = []
