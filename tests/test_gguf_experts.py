@@ -191,7 +191,17 @@ def test_the_dense_pool_spins_by_what_shares_its_cores() -> None:
             assert ftdense.spin_us() == want
         with pytest.raises(ValueError, match="spin_us"):
             ftdense.set_spin(-1)
+        # the HTTP daemon's cap (server/run.py): no backend's step spins longer
+        dense_native.cap_spin(dense_native.SPIN_US_SHARED)
+        block.begin_step(1)
+        assert ftdense.spin_us() == dense_native.SPIN_US_SHARED
+        dense_native.cap_spin(None)
+        block.begin_step(1)
+        assert ftdense.spin_us() == dense_native.SPIN_US_OWN
+        with pytest.raises(ValueError, match="spin_us"):
+            dense_native.cap_spin(-1)
     finally:
+        dense_native.cap_spin(None)
         dense_native.configure()
     assert ftdense.spin_us() == dense_native.SPIN_US_SHARED  # a new pool: the default
 

@@ -71,6 +71,14 @@ def available() -> bool:
 # MXFP4 1.002x; a bf16 model with 1000: 0.98x.
 SPIN_US_SHARED = 50
 SPIN_US_OWN = 1000
+# The HTTP daemon caps every model's spin at SPIN_US_SHARED (cap_spin): between two of its steps
+# the engine thread hands the step's tokens to the event loop's thread, which turns them into
+# SSE frames (Python, a few tenths of a ms a token), and on two cores a worker spinning through
+# that holds the core one of the two threads needs: the hand-off measured 0.6-1.0 ms a step
+# (1 / 4 streams) spinning 1000 us, 0.12-0.15 ms at 50 (freetokend, the server benchmark's Q4_K_M
+# file, 2-core AMD EPYC Zen 3 VM, servers interleaved, a shared machine: a decode step of 1 / 4 /
+# 8 streams 18.9 / 46.9 / 83.0 ms against 20.0 / 47.3 / 84.8 ms, medians over 3 rounds).
+_spin_cap: int | None = None
 
 
 def configure(threads: int | None = None, isa: str = "auto", spin_us: int = SPIN_US_SHARED) -> None:
@@ -85,10 +93,19 @@ def configure(threads: int | None = None, isa: str = "auto", spin_us: int = SPIN
 
 
 def set_spin(spin_us: int) -> None:
-    """Sets how long the configured pool's idle workers spin before sleeping; no-op when the
-    extension is not built or the pool not configured."""
+    """Sets how long the configured pool's idle workers spin before sleeping (at most the cap
+    of ``cap_spin``); no-op when the extension is not built or the pool not configured."""
     if _native is not None and _native.configured():
-        _native.set_spin(spin_us)
+        _native.set_spin(spin_us if _spin_cap is None else min(spin_us, _spin_cap))
+
+
+def cap_spin(spin_us: int | None) -> None:
+    """Caps what ``set_spin`` sets from now on (None: no cap), for a process whose other
+    threads need the cores between the pool's jobs (the HTTP daemon: SPIN_US_* says why)."""
+    global _spin_cap
+    if spin_us is not None and spin_us < 0:
+        raise ValueError("spin_us must be >= 0")
+    _spin_cap = spin_us
 
 
 def ensure_configured() -> None:

@@ -3,8 +3,8 @@
 ``EngineCore.step()`` is synchronous and CPU-heavy, so it never runs on the event loop. The
 loop side calls ``add_request``/``abort`` directly (the engine validates at once and hands
 them over through its own locked inbox), then wakes the engine thread, which runs ``step()``
-while anything is unfinished and hands each request's outputs back to the loop with
-``call_soon_threadsafe``.
+while anything is unfinished and hands each step's outputs back to the loop in one
+``call_soon_threadsafe`` (the loop then feeds each request's handle).
 
 Admission is bounded: the engine batches up to its ``max_batch`` requests and queues the
 rest; this bridge admits at most ``max_batch + max_queue`` requests in flight and answers
@@ -30,6 +30,10 @@ log = structlog.get_logger("freetokend.bridge")
 
 RETRY_AFTER_S = 1
 IDLE_WAIT_S = 1.0  # an idle engine thread wakes this often (and refreshes its heartbeat)
+# While stepping, the engine thread refreshes its stats snapshot (what /metrics shows) at most
+# this often: EngineCore.stats() walks the running requests' pages, Python the loop's thread
+# would otherwise wait for (the GIL) every step
+STATS_EVERY_S = 0.25
 
 
 @dataclass
@@ -83,6 +87,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats: Any = None  # last EngineStats snapshot, refreshed by the engine thread
+        self._stats_at = 0.0  # time.monotonic() of that refresh
         # time.monotonic() of the engine thread's last sign of life (around every step, every
         # IDLE_WAIT_S when idle): the systemd watchdog pings only while it is recent
         self._beat = time.monotonic()
@@ -189,10 +194,15 @@ class EngineBridge:
                 self.engine.abort(rid)
                 self._send(rid, RuntimeError(f"the engine failed: {e}"))
             return
-        for out in outputs:
-            self._send(out.request_id, out)
+        # the step's outputs in one hand-off: one wake-up of the loop (a write to its self-pipe
+        # and a pass of its selector) a step, not one per token
+        handles = self._handles
+        batch = [(h, out) for out in outputs if (h := handles.get(out.request_id)) is not None]
+        if batch and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver_all, batch)
         self.metrics.record_tokens(len(outputs))
-        self._refresh_stats()
+        if time.monotonic() - self._stats_at >= STATS_EVERY_S:
+            self._refresh_stats()
 
     def _send(self, request_id: str, item: Any) -> None:
         handle = self._handles.get(request_id)  # None once aborted: drop its outputs
@@ -200,7 +210,14 @@ class EngineBridge:
             self._loop.call_soon_threadsafe(handle._deliver, item)
 
     def _refresh_stats(self) -> None:
+        self._stats_at = time.monotonic()
         try:
             self.stats = self.engine.stats()
         except Exception:
             log.exception("engine stats failed")
+
+
+def _deliver_all(batch: list[tuple[RequestHandle, Any]]) -> None:
+    """On the loop: one step's outputs to their requests' handles."""
+    for handle, item in batch:
+        handle._deliver(item)

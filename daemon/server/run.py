@@ -19,6 +19,7 @@ import uvicorn
 
 from ..config import DaemonConfig
 from ..manager.control import ControlPlane
+from ..native import dense_native
 from .access import HttpAccess
 from .app import create_app
 from .state import ServerState
@@ -82,6 +83,9 @@ def _hook(state: ServerState, name: str, *args: Any) -> None:
 
 def serve(cfg: DaemonConfig) -> int:
 
+    # the loop's thread works between the engine's steps: the dense pool's workers do not spin
+    # through them (dense_native.SPIN_US_* says what that measured)
+    dense_native.cap_spin(dense_native.SPIN_US_SHARED)
     control: ControlPlane | None = None
     try:
         control = ControlPlane(cfg)

@@ -3,7 +3,7 @@ HTTP, as agents use them (issue 44's figures).
 
     PYTHONPATH=... .venv/bin/python tests/bench/bench_server.py [--threads 2] [--rounds 1]
         [--prompts 2048,8192,32768] [--streams 1,2,4,8] [--itl-prompt 16384] [--quick]
-        [--only load|itl] [--drop-caches] [--ft-budgets 2,0] [--no-llama]
+        [--only load|itl|decode] [--drop-caches] [--ft-budgets 2,0] [--no-llama]
 
 What it builds (cached under /tmp/ftbench-server):
 - the decode benchmark's random Qwen3-30B-A3B-geometry checkpoint (decode_ckpt.py; 4 layers,
@@ -39,7 +39,8 @@ and their default batching (llama-server: continuous batching, -b 2048 / -ub 512
 scheduler's token budget, prompt chunks beside decoding streams sized by ``--mixed-step-budget``).
 ``--ft-budgets 2,0`` runs freetokend once per value of that setting (0: fixed 512-token chunks),
 each an engine of its own in the interleaved rounds; ``--no-llama`` leaves llama-server out;
-``--only itl`` measures the inter-token latency figure alone. Streamed events are counted as tokens: both send one event per token
+``--only itl`` measures the inter-token latency figure alone, ``--only decode`` the aggregate decode
+figures. Streamed events are counted as tokens: both send one event per token
 (a byte-level token completing no UTF-8 character may ride with the next; rare here).
 The machine is shared in our sandbox: figures move between runs; ratios within a round are the
 ones to read. Name the CPU model beside any figure you quote.
@@ -330,6 +331,19 @@ def greedy(url: str) -> list[str]:
     return s.text
 
 
+def settle(srv: Server, limit_s: float = 60.0) -> None:
+    """Waits out what a freshly started freetokend still does beside its first requests (the
+    weights' huge-page collapse, hugepages.py: a second core busy for seconds), so that a
+    decode figure taken right after start is not measured against it; one short request
+    first warms both engines' first-request paths."""
+    greedy(srv.url)
+    if not srv.engine.startswith("freetoken"):
+        return
+    end = time.monotonic() + limit_s
+    while "huge pages:" not in srv.log.read_text(errors="replace") and time.monotonic() < end:
+        time.sleep(0.2)
+
+
 # ---- one engine's session ---------------------------------------------------------------------
 
 
@@ -339,7 +353,7 @@ def session(
     state = Path(tempfile.mkdtemp(prefix=f"ftbench-{engine}-"))
     out: dict = {}
     try:
-        if args.only != "itl":
+        if args.only not in ("itl", "decode"):
             evict(path, args.drop_caches)
             srv = start(engine, path, args.threads, server_bin, state)
             out["load_cold_s"] = srv.load_s
@@ -354,6 +368,12 @@ def session(
             if args.only == "itl":
                 print(f"  {engine}: inter-token latency during a {args.itl_prompt}-token prompt")
                 out["itl"] = itl_during_prefill(srv.url, 3000, args.itl_prompt)
+                return out
+            if args.only == "decode":
+                settle(srv)
+                for s in args.streams:
+                    print(f"  {engine}: {s} concurrent streams ...", flush=True)
+                    out[f"agg_{s}"] = aggregate(srv.url, 2000 + 100 * s, s, args.decode_tokens)
                 return out
             out["greedy"] = greedy(srv.url)
             prompts = args.prompts if first else [p for p in args.prompts if p < max(args.prompts)]
@@ -438,7 +458,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                 f"{m['during_max_ms']:.1f} ms over {m['during_tokens']:.0f} tokens; that prompt's "
                 f"first token after {m['long_ttft_s']:.1f} s"
             )
-    if args.only == "itl":
+    if args.only in ("itl", "decode"):
         return
     for n in args.prompts:
         counts = {
@@ -467,8 +487,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the bench runs")
     ap.add_argument(
         "--only",
-        choices=("load", "itl"),
-        help="load: only the cold and warm loads, each round; itl: only the ITL figure",
+        choices=("load", "itl", "decode"),
+        help="load: only the cold and warm loads, each round; itl: only the ITL figure; "
+        "decode: only the aggregate decode figures",
     )
     ap.add_argument(
         "--ft-budgets",
