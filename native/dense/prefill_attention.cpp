@@ -201,10 +201,11 @@ void prefill_attention(Pool& pool, PrefillFn fn, const KvPages& kv, const Prefil
   while (qt > 1 && (tasks(qt) < pool.threads() ||
                     (tasks(qt) < want && (qt / 2) * j.G >= kMinTileRows)))
     qt /= 2;
-  // later (longer) tiles first, so the short ones fill the gaps at the end
+  // a chunk's tiles of one KV head together, so the threads read that head's keys while the
+  // cache still holds them; later (longer) tiles first, so the short ones fill the gaps at the end
   for (int i = 0; i < c.n; ++i)
-    for (int i0 = (c.lens[i] - 1) / qt * qt; i0 >= 0; i0 -= qt)
-      for (int h = 0; h < kv.kv_heads; ++h)
+    for (int h = 0; h < kv.kv_heads; ++h)
+      for (int i0 = (c.lens[i] - 1) / qt * qt; i0 >= 0; i0 -= qt)
         j.tasks.push_back({i, h, i0, std::min(qt, c.lens[i] - i0)});
   pool.run(run_task, &j, static_cast<int64_t>(j.tasks.size()));
 }

@@ -47,6 +47,29 @@ struct AStride {
   int64_t i, k;
 };
 
+// The next key block's pool lines (K and V of one KV head), fetched towards the cache a few at a
+// time between the register tiles of the current block's GEMMs: the pool's pages are scattered,
+// so the hardware prefetchers do not follow them, and a burst of software prefetches would
+// overflow the miss buffers (most of it dropped). No effect on results.
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* offs = nullptr;  // the rows' offsets (elements)
+  int64_t esize = 0;
+  int row_lines = 0;  // 64-byte lines a row
+  int lines = 0;      // rows * row_lines
+  int per = 0;        // lines (of each of K and V) a step
+  int next = 0;
+
+  FT_INLINE void step() {
+    for (int e = std::min(lines, next + per); next < e; ++next) {
+      const int64_t at = offs[next / row_lines] * esize + (next % row_lines) * 64;
+      __builtin_prefetch(k + at);
+      __builtin_prefetch(v + at);
+    }
+  }
+};
+
 template <class V, int RB, int NV>
 FT_INLINE void gemm_block(const float* A, AStride as, const float* B, int64_t ldb, float* C,
                           int64_t ldc, int K, const float* rowscale) {
@@ -80,25 +103,40 @@ FT_INLINE void gemm_tail(int n, const float* A, AStride as, const float* B, int6
 // Rows [r0, r1) of C = (C * rowscale or 0) + A B on one slab of NV vectors of columns.
 template <class V, int NV>
 FT_INLINE void gemm_rows(const float* A, AStride as, const float* B, int64_t ldb, float* C,
-                         int64_t ldc, int K, int r0, int r1, const float* rowscale) {
+                         int64_t ldc, int K, int r0, int r1, const float* rowscale,
+                         Ahead& ahead) {
   int r = r0;
-  for (; r + V::kRB <= r1; r += V::kRB)
+  for (; r + V::kRB <= r1; r += V::kRB) {
+    ahead.step();
     gemm_block<V, V::kRB, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
                               rowscale ? rowscale + r : nullptr);
+  }
+  ahead.step();
   gemm_tail<V, NV, V::kRB - 1>(r1 - r, A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
                                rowscale ? rowscale + r : nullptr);
 }
 
 // Rows [r0, r1) of C = (C * rowscale or 0) + A B over `cols` columns (a multiple of L), column
 // slabs outside so a slab of B stays in L1 while every row tile passes over it.
+// Steps `ahead` before each register tile.
 template <class V>
 FT_INLINE void gemm(const float* A, AStride as, const float* B, int64_t ldb, float* C,
-                    int64_t ldc, int K, int cols, int r0, int r1, const float* rowscale) {
+                    int64_t ldc, int K, int cols, int r0, int r1, const float* rowscale,
+                    Ahead& ahead) {
   constexpr int L = V::kLanes, W = V::kNV * L;
   int c = 0;
   for (; c + W <= cols; c += W)
-    gemm_rows<V, V::kNV>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale);
-  for (; c < cols; c += L) gemm_rows<V, 1>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale);
+    gemm_rows<V, V::kNV>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale, ahead);
+  for (; c < cols; c += L)
+    gemm_rows<V, 1>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale, ahead);
+}
+
+// Register tiles of gemm over rows [r0, r1) and `cols` columns.
+template <class V>
+constexpr int gemm_tiles(int cols, int r0, int r1) {
+  constexpr int W = V::kNV * V::kLanes;
+  const int slabs = cols / W + (cols % W) / V::kLanes;
+  return slabs * ((r1 - r0) / V::kRB + 1);
 }
 
 inline float widen1(const void* base, int64_t i, bool bf16) {
@@ -120,23 +158,6 @@ FT_INLINE void widen_row(const void* base, int64_t off, bool bf16, int n, float*
   }
 }
 
-// The pool offset (in elements) of position `row` of page `page`, KV head t.kv_head.
-inline int64_t row_offset(const KvPages& kv, const PrefillTile& t, int32_t page, int row) {
-  return (static_cast<int64_t>(page) * kv.page_size + row) * kv.kv_heads * kv.d +
-         int64_t{t.kv_head} * kv.d;
-}
-
-// Asks the caches (L2) for the K and V rows of pool offset `off` (a hint: no result changes).
-inline void prefetch_row(const KvPages& kv, int64_t off) {
-  const int elem = kv.bf16 ? 2 : 4;
-  const char* k = static_cast<const char*>(kv.k) + off * elem;
-  const char* v = static_cast<const char*>(kv.v) + off * elem;
-  for (int64_t c = 0; c < static_cast<int64_t>(kv.d) * elem; c += 64) {
-    __builtin_prefetch(k + c, 0, 2);
-    __builtin_prefetch(v + c, 0, 2);
-  }
-}
-
 // Layout: query rows r = query i * G + head g sit in the lanes (Rp = R rounded up to L), keys
 // in the rows of the logits st [KB, Rp]: a row's max and sum over a block's keys are lane-wise
 // sequences over the keys in order, so they do not depend on the vector width either.
@@ -144,6 +165,7 @@ template <class V>
 FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
   constexpr int L = V::kLanes;
   const int d = kv.d, G = t.G, R = t.nq * G, Rp = (R + L - 1) / L * L;
+  const int64_t rs = static_cast<int64_t>(kv.kv_heads) * d;  // elements from one pool row on
   thread_local std::vector<float> buf;
   const size_t need = static_cast<size_t>(Rp) * (d + KB + 3) + static_cast<size_t>(R) * d +
                       2 * static_cast<size_t>(d) * KB;
@@ -171,6 +193,18 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     return t.window > 0 ? std::max<int64_t>(0, p - t.window + 1) : int64_t{0};
   };
   const typename V::T lowest = V::set1(std::numeric_limits<float>::lowest());
+  int64_t offs[KB];  // pool offsets (elements) of a block's rows
+  const int64_t esize = kv.bf16 ? 2 : 4;
+  const int row_lines = static_cast<int>((d * esize + 63) / 64);
+  const auto row_offsets = [&](int64_t b0, int nk, int64_t* o) {
+    int64_t pg = b0 / kv.page_size;
+    int row = static_cast<int>(b0 % kv.page_size);
+    for (int k = 0; k < nk; ++k) {
+      o[k] = (static_cast<int64_t>(t.table[pg]) * kv.page_size + row) * rs + int64_t{t.kv_head} * d;
+      if (++row == kv.page_size) row = 0, ++pg;
+    }
+  };
+  int64_t offs_at = -1;  // the block whose offsets `offs` holds
   for (int64_t b0 = lo_of(t.pos0) / KB * KB; b0 <= last; b0 += KB) {
     const int nk = static_cast<int>(std::min<int64_t>(KB, last + 1 - b0));
     // rows that see a key of the block: positions >= b0, and (window) lo <= the block's last
@@ -181,24 +215,22 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     if (qa >= qb) continue;
     const int ra = qa * G, rb = qb * G;             // the rows that see the block
     const int rA = ra / L * L, rB = (rb + L - 1) / L * L;  // their lanes' vectors
-    // the block's K and V, widened; the next block's rows are fetched ahead one a key (its
-    // rows are spread over pages, which the widening's loads would wait for one after another)
-    const int64_t b1 = b0 + KB;
-    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(KB, last + 1 - b1)));
-    int64_t pg = b0 / kv.page_size, pg1 = b1 / kv.page_size;
-    int row = static_cast<int>(b0 % kv.page_size), row1 = static_cast<int>(b1 % kv.page_size);
+    // the block's K and V, widened; and the next block's offsets
+    if (offs_at != b0) row_offsets(b0, nk, offs);
     for (int k = 0; k < nk; ++k) {
-      if (k < nn) {
-        prefetch_row(kv, row_offset(kv, t, t.table[pg1], row1));
-        if (++row1 == kv.page_size) row1 = 0, ++pg1;
-      }
-      const int64_t off = row_offset(kv, t, t.table[pg], row);
-      if (++row == kv.page_size) row = 0, ++pg;
-      widen_row<V>(kv.k, off, kv.bf16, d, kb + k * d);
-      widen_row<V>(kv.v, off, kv.bf16, d, vb + k * d);
+      widen_row<V>(kv.k, offs[k], kv.bf16, d, kb + k * d);
+      widen_row<V>(kv.v, offs[k], kv.bf16, d, vb + k * d);
+    }
+    const int nn = static_cast<int>(std::clamp<int64_t>(last + 1 - b0 - KB, 0, KB));
+    if (nn > 0) row_offsets(b0 + KB, nn, offs), offs_at = b0 + KB;
+    Ahead ahead{static_cast<const char*>(kv.k), static_cast<const char*>(kv.v), offs, esize,
+                row_lines, nn * row_lines, 0, 0};
+    {
+      const int tiles = gemm_tiles<V>(rB - rA, 0, nk) + gemm_tiles<V>(d, ra, rb);
+      ahead.per = (ahead.lines + tiles - 1) / tiles;
     }
     // logits st[k, rA:rB] of the block's keys
-    gemm<V>(kb, {d, 1}, qt + rA, Rp, st + rA, Rp, d, rB - rA, 0, nk, nullptr);
+    gemm<V>(kb, {d, 1}, qt + rA, Rp, st + rA, Rp, d, rB - rA, 0, nk, nullptr, ahead);
     // masks: a lane outside [ra, rb) or past R sees no key of the block; row r sees [ka, kb)
     const bool full = rA == ra && rB == rb && rb <= R && t.pos0 + qa >= b0 + nk - 1 &&
                       lo_of(t.pos0 + qb - 1) <= b0;
@@ -234,7 +266,9 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
       V::store(l + r, sum);
     }
     // acc = acc * corr + weights V, for the rows that see the block
-    gemm<V>(st, {1, Rp}, vb, d, acc, d, nk, d, ra, rb, corr);
+    gemm<V>(st, {1, Rp}, vb, d, acc, d, nk, d, ra, rb, corr, ahead);
+    ahead.per = ahead.lines;
+    ahead.step();  // what is left
   }
   // out = acc / (l, plus the sink's share)
   for (int r = 0; r < R; ++r) {
