@@ -154,6 +154,13 @@ class FillPool:
         self.futures.clear()
 
 
+def read_expert(f: GgufFile, t: GgufTensor, dest: torch.Tensor, offset: int) -> None:
+    """One expert's rows of a native-type (F32/F16/BF16) stacked tensor straight into its
+    contiguous part of the banks, its pages faulted in one call first (a ``FillPool`` task)."""
+    prefault(dest)
+    f.read_into(t, dest, offset)
+
+
 class RawStack:
     """A stacked expert weight [E, rows, cols] with the loader's source interface, whose raw GGUF
     blocks ``into`` copies into block banks' rows ([E, rows, row bytes] uint8). ``dtype`` is the

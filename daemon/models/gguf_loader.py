@@ -97,6 +97,9 @@ class _Source:
 
     def __init__(self, f: GgufFile, t: GgufTensor, fix: Fix | None = None) -> None:
         self.f, self.t, self.fix = f, t, fix
+        # set for a stacked expert weight read into the banks: each expert's read runs on the
+        # pool's threads (``into`` returns before they end; the loader waits on the pool)
+        self.pool: gguf_experts.FillPool | None = None
         self.shape = (
             t.shape if fix is None else tuple(fix(torch.empty(t.shape, device="meta")).shape)
         )
@@ -113,7 +116,8 @@ class _Source:
 
     def into(self, dest: torch.Tensor) -> None:
         direct = self.fix is None and not self.t.quantized and dest.dtype == self.dtype
-        if direct and dest.is_contiguous():
+        per_expert = direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest)
+        if direct and dest.is_contiguous() and not (per_expert and self.pool is not None):
             self.f.read_into(self.t, dest)
         elif self.fix is None and self.t.quantized and dest.is_contiguous():
             try:  # dequantized a slice of rows at a time, straight into dest
@@ -122,12 +126,15 @@ class _Source:
                 raise CheckpointError(
                     f"{self.t.path}: tensor '{self.t.name}' cannot be read ({e})"
                 ) from None
-        elif direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest):
+        elif per_expert:
             # a stacked expert tensor into its rows of the banks (gate rows, then up rows):
             # each expert's slice is contiguous, so read expert by expert with no temporary
             step = self.t.nbytes // dest.shape[0]
             for x in range(dest.shape[0]):
-                self.f.read_into(self.t, dest[x], offset=x * step)
+                if self.pool is None:
+                    self.f.read_into(self.t, dest[x], offset=x * step)
+                else:
+                    self.pool.submit(gguf_experts.read_expert, self.f, self.t, dest[x], x * step)
         else:
             dest.copy_(self.read())
 
@@ -573,6 +580,8 @@ def _fill(
                     banks.interleaved |= raw.interleave is not None
                 filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
                 continue
+            if m.group(2) == "weight":  # float experts: each expert's read on the pool too
+                src.pool = pool
             filler.expert_stack(int(layer), m.group(1), m.group(2), src, name, src.t.path)
         elif cfg.tie_word_embeddings and canon == "lm_head.weight":
             continue
@@ -651,8 +660,8 @@ def load_gguf(
         interleave = interleave_experts and block and not tiered
         interleave = interleave and gguf_interleave.native_moves_available()
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
-        # resident block experts are read on worker threads while this one loads the rest
-        threaded = (block or nv) and not tiered
+        # resident experts are read on worker threads while this one loads the rest
+        threaded = not tiered
         pool = gguf_experts.FillPool(os.cpu_count() or 1) if threaded else None
         try:
             done: frozenset[str] = frozenset()
