@@ -3,13 +3,15 @@ HTTP, as agents use them (issue 44's figures).
 
     PYTHONPATH=... .venv/bin/python tests/bench/bench_server.py [--threads 2] [--rounds 1]
         [--prompts 2048,8192,32768] [--streams 1,2,4,8] [--itl-prompt 16384] [--quick]
-        [--only load|itl|decode] [--drop-caches] [--ft-budgets 2,0] [--no-llama]
+        [--only load|itl|decode|ttft] [--drop-caches] [--ft-budgets 2,0] [--no-llama]
+        [--weights q4_k_m|bf16]
 
 What it builds (cached under /tmp/ftbench-server):
 - the decode benchmark's random Qwen3-30B-A3B-geometry checkpoint (decode_ckpt.py; 4 layers,
   hidden 2048, 128 experts of 768, top-8) declaring a 40960-token context, converted by the
   installed llama-cpp-python's own converter and quantized to Q4_K_M by its quantizer: both
-  engines load that one file;
+  engines load that one file (``--weights bf16``: the converter's BF16 file before quantizing,
+  5.4 GB, instead);
 - `llama-server` from the same llama-cpp-python version's vendored llama.cpp (the sdist, the
   `llama-server` target only, web UI off, CPU only, built for this machine), unless
   `--llama-server PATH` names one. About 6 minutes on 2 cores the first time.
@@ -30,8 +32,8 @@ What it measures, per engine, in rounds whose engine order alternates (medians o
   request's first token, with p99 as a multiple of each median (the issue asks p99 <= 3x the
   stream's median), and that long prompt's time to first token;
 - greedy agreement on one prompt (16 tokens): how many leading tokens both engines share. Both
-  run Q4_K_M, but their kernels round differently, and this random model's logits are flat, so
-  a short shared prefix is expected; it shows the engines run the same model.
+  run the same file, but their kernels round differently, and this random model's logits are
+  flat, so a short shared prefix is expected; it shows the engines run the same model.
 
 Both servers get the same threads, one shared KV pool big enough for the longest prompt
 (llama-server: ``--parallel 8 --kv-unified -c``; freetokend: ``--kv-tokens``, ``--max-model-len``),
@@ -40,8 +42,9 @@ scheduler's token budget, prompt chunks beside decoding streams sized by ``--mix
 ``--ft-budgets 2,0`` runs freetokend once per value of that setting (0: fixed 512-token chunks),
 each an engine of its own in the interleaved rounds; ``--no-llama`` leaves llama-server out;
 ``--only itl`` measures the inter-token latency figure alone, ``--only decode`` the aggregate decode
-figures. Streamed events are counted as tokens: both send one event per token
-(a byte-level token completing no UTF-8 character may ride with the next; rare here).
+figures, ``--only ttft`` the time to first token figures (with the greedy check). Streamed events
+are counted as tokens: both send one event per token (a byte-level token completing no UTF-8
+character may ride with the next; rare here).
 The machine is shared in our sandbox: figures move between runs; ratios within a round are the
 ones to read. Name the CPU model beside any figure you quote.
 """
@@ -86,12 +89,16 @@ SAFE_IDS = (300, 50000)  # prompt token ids drawn from here: no special or byte-
 # ---- what both engines load -------------------------------------------------------------------
 
 
-def build_file(cache: Path) -> Path:
+def build_file(cache: Path, weights: str = "q4_k_m") -> Path:
+    """The file both engines load: the converter's BF16 output (``weights="bf16"``) or its
+    Q4_K_M quantization (the default)."""
     src = llama_source(cache)
     if src is None:
         sys.exit("llama-cpp-python is not installed: it converts and quantizes the file")
     model = build_checkpoint(cache / "mid-40k", gpt2_vocab(src), Geometry(max_position=CONTEXT))
     bf16 = convert_to_gguf(model, src, cache / "mid-40k-bf16.gguf")
+    if weights == "bf16":
+        return bf16
     return quantize_gguf(bf16, cache / "mid-40k-q4_k_m.gguf", "q4_k_m")
 
 
@@ -312,7 +319,8 @@ def itl_during_prefill(url: str, seed: int, long_prompt: int) -> dict[str, float
     """A stream decodes alone for a while, then a long prompt arrives (see the module doc)."""
     stop = threading.Event()
     a = Stream()
-    ta = _thread(url, prompt_ids(seed, 32), 4096, a, stop)  # stopped below
+    # long enough to outlast the long prompt's prefill (minutes, paced); stopped below
+    ta = _thread(url, prompt_ids(seed, 32), CONTEXT - long_prompt - 256, a, stop)
     while len(a.events) < 24:
         if not ta.is_alive():
             raise RuntimeError(f"{url}: the decoding stream ended early: {a.error}")
@@ -322,6 +330,8 @@ def itl_during_prefill(url: str, seed: int, long_prompt: int) -> dict[str, float
     time.sleep(0.5)
     stop.set()
     ta.join()
+    if not a.events or a.events[-1] < b.events[0]:
+        raise RuntimeError(f"{url}: the decoding stream ended before the long prompt's first token")
     during = [t for t in a.events if b.sent <= t <= b.events[0]]
     gaps = np.diff([max(e for e in a.events if e < b.sent), *during, b.events[0]])
     return {
@@ -361,7 +371,7 @@ def session(
     state = Path(tempfile.mkdtemp(prefix=f"ftbench-{engine}-"))
     out: dict = {}
     try:
-        if args.only not in ("itl", "decode"):
+        if args.only not in ("itl", "decode", "ttft"):
             evict(path, args.drop_caches)
             srv = start(engine, path, args.threads, server_bin, state)
             out["load_cold_s"] = srv.load_s
@@ -388,6 +398,8 @@ def session(
             for i, n in enumerate(prompts):
                 print(f"  {engine}: {n}-token prompt ...", flush=True)
                 out[f"ttft_{n}"], out[f"prompt_tokens_{n}"] = ttft(srv.url, 1000 + 17 * i, n)
+            if args.only == "ttft":
+                return out
             for s in args.streams:
                 print(f"  {engine}: {s} concurrent streams ...", flush=True)
                 out[f"agg_{s}"] = aggregate(srv.url, 2000 + 100 * s, s, args.decode_tokens)
@@ -479,7 +491,9 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     shared = next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )
-    print(f"greedy: the first {shared} of 16 tokens equal (Q4_K_M in both; flat random logits)")
+    print(
+        f"greedy: the first {shared} of 16 tokens equal ({args.weights} in both; flat random logits)"
+    )
 
 
 def main() -> None:
@@ -495,9 +509,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the bench runs")
     ap.add_argument(
         "--only",
-        choices=("load", "itl", "decode"),
+        choices=("load", "itl", "decode", "ttft"),
         help="load: only the cold and warm loads, each round; itl: only the ITL figure; "
-        "decode: only the aggregate decode figures",
+        "decode: only the aggregate decode figures; ttft: only the time to first token figures",
     )
     ap.add_argument(
         "--ft-budgets",
@@ -505,6 +519,12 @@ def main() -> None:
         help="freetokend once per --mixed-step-budget value (e.g. 2,0); default: its default",
     )
     ap.add_argument("--no-llama", action="store_true", help="freetokend only")
+    ap.add_argument(
+        "--weights",
+        choices=("q4_k_m", "bf16"),
+        default="q4_k_m",
+        help="the file both engines load: the Q4_K_M file or the converter's BF16 output",
+    )
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
@@ -517,7 +537,7 @@ def main() -> None:
             1024,
         )
     args.cache.mkdir(parents=True, exist_ok=True)
-    path = build_file(args.cache)
+    path = build_file(args.cache, args.weights)
     server_bin = args.llama_server or (
         Path("-") if args.no_llama else build_llama_server(args.cache, args.threads)
     )
