@@ -20,7 +20,8 @@ from .accelerator import Accelerator, StandinAccelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .device_backends import FusedBackend, OffloadBackend
 from .devices import create_accelerator
-from .disk_tier import TieredExecutor, slot_banks
+from .disk_cache import slot_banks
+from .disk_tier import TieredExecutor
 from .fakecuda import FakeCpuExecutor, InlinePool
 from .formats import dequantize_banks, dequantize_banks_to, interleaved_layout
 
