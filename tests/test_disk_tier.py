@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.experts.block_executor import available
 from freetokend.experts.disk_cache import RamCache, slot_banks
-from freetokend.experts.disk_tier import READ_AHEAD_MIN_PRECISION, TieredExecutor
+from freetokend.experts.disk_tier import READ_AHEAD_MIN_PRECISION, SWITCH_S, TieredExecutor
 from freetokend.experts.formats import allocate, expert_rows, layered_format
 from freetokend.formats import direct_read
 from freetokend.formats.errors import CheckpointError
@@ -269,18 +270,23 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
 def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Equal tokens; and the dense pool's workers spin briefly under the tier (its reader
     threads and its Python share the cores between the pool's jobs), long under the resident
-    pool (dense_native.SPIN_US_*), each backend setting its own at every step."""
+    pool (dense_native.SPIN_US_*), each backend setting its own at every step; the interpreter's
+    thread switch likewise (disk_tier.SWITCH_S)."""
     import ftdense  # (needs_native)
 
     resident, tiered = _pair(kmix)
     _check_equal(resident, tiered, monkeypatch)
     try:
+        default = sys.getswitchinterval()
         for llm, spin in [(tiered, dense_native.SPIN_US_SHARED), (resident, dense_native.SPIN_US_OWN),
                           (tiered, dense_native.SPIN_US_SHARED)]:  # fmt: skip
             llm.moe.begin_step(1)
             assert ftdense.spin_us() == spin
+            # the interpreter's thread switch: short under the tier (its readers want the GIL)
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_S if llm is tiered else default)
     finally:
         dense_native.configure()
+        resident.moe.begin_step(1)
 
 
 @needs_native

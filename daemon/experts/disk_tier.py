@@ -87,6 +87,14 @@ CHECK_EVERY = 8
 # native_tier): ids of so many routes a step before it calls back (a step of 48 layers, 8
 # sequences and top-8 takes ~3.5k)
 NATIVE_LOG = 1 << 14
+# The interpreter's thread switch interval while a tiered model steps (CpuBackend.begin_step
+# sets it; 5 ms, Python's, otherwise): the reader threads take the GIL around each piece (its
+# read and move release it) while the step's thread runs the tier's Python, and a thread that
+# asks for the GIL waits up to this long; replayed Qwen3-30B-A3B routing at the 25 % limit of
+# bench_disk_tier (~32 reads a token), 2-core EPYC, one run each, interleaved: 200 us 6.68 and
+# 6.48 tok/s, 5 ms 5.34 and 5.26 (read wait 93-100 ms a token against 123-127); at 50 % (~10
+# reads) no difference (10.8-12.2 both)
+SWITCH_S = 200e-6
 
 
 class ExpertSource(Protocol):

@@ -199,6 +199,10 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             t.join()
     huge_s = time.perf_counter() - t1
     tier = llm.moe.tier
+    if a.get("switch_us"):
+        sys.setswitchinterval(a["switch_us"] / 1e6)
+    if tier is not None and a.get("piece_kb"):
+        tier.tier.source.piece_bytes = int(a["piece_kb"]) << 10
     if tier is not None and a.get("routes"):
         tier.set_replay(replay_routes(a["routes"], tier.num_layers))
     if tier is not None and a.get("predictor") == "history":
@@ -433,7 +437,8 @@ def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
 
 def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
     args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
-            "cache_mb": a.cache_mb, "routes": a.routes, "predictor": a.predictor}  # fmt: skip
+            "cache_mb": a.cache_mb, "routes": a.routes, "predictor": a.predictor,
+            "piece_kb": a.piece_kb, "switch_us": a.switch_us}  # fmt: skip
     if engine == "resident":  # the whole pool in RAM: no limit that binds, no disk tier
         args["cache_mb"], limit = None, 4 * path.stat().st_size
     cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
@@ -573,13 +578,25 @@ def main() -> int:
         "its layers spread over the model's); the resident engine keeps its own routes",
     )  # fmt: skip
     ap.add_argument(
-        "--predictor", choices=("router", "history", "none"), default="router",
+        "--predictor", choices=("router", "history", "none"), default=None,
         help="freetoken's read-ahead: router (the next layer's router on this layer's input, "
         "the default), history (experts/disk_predict: the next layer's experts that followed "
-        "this layer's in the tokens before; for --routes) or none",
+        "this layer's in the tokens before; for --routes) or none (the default with --routes)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--piece-kb", type=int, default=0,
+        help="the most bytes one of the tier's reads takes, KiB (0: the source's own)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--switch-us", type=int, default=0,
+        help="the child's sys.setswitchinterval, microseconds (0: Python's 5000)",
     )  # fmt: skip
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "ARGS"))
     a = ap.parse_args()
+    if a.predictor is None:
+        a.predictor = "none" if a.routes else "router"
+    if a.routes and a.predictor == "router":
+        ap.error("--routes replaces the routers' routes: their predictions name other experts")
     if a.child:
         engine, args = a.child[0], json.loads(a.child[1])
         res = child_freetoken(args) if engine == "freetoken" else child_llama(args)
