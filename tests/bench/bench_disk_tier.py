@@ -140,6 +140,32 @@ What remains at 25 %: the read wait (~6 experts a token in 2-3 layers, ~5-6 ms a
 this disk's latency), and the tier's compute path, 44 ms of kernels and rest against the
 resident's 31 ms a token: the native step's call back into Python per MoE layer, the extra
 kernel call per batch of landed reads, the dense pool's 50 us spin under the tier.
+
+2026-12-07 ~08:00-08:50 UTC (wt4; the VM shared, load 3-5; 24 decode tokens, medians of 2
+interleaved runs; the disk measured 528-1547 MB/s "cold" from run to run: the host's cache).
+Before: deeeded; after: a layer whose experts are all resident runs inside the native decode
+step (no call into Python), the interpreter's switch interval 200 us under the tier:
+
+    routes         limit  build   tok/s  MB/token  hits  ceiling  of ceil  bound  of min
+    random         50 %   before  16.05        14   -      53.96      30%  31.80    50%
+    random         50 %   after   19.15        14   96%    62.99      30%  30.70    62%
+    random         25 %   before  10.67        32   -      23.99      44%  28.59    44%
+    random         25 %   after   11.89        32   90%    28.00      42%  33.59    42%
+    Qwen3 replay   50 %   after    6.68        30   84%    25.42      26%  26.93    26%
+    Qwen3 replay   25 %   after    3.90        96   50%     8.02      49%  34.97    49%
+
+(--routes .../bigmoeonedge/qwen.route.csv: the trace's top-6 of its 48 layers, 11 of them
+spread over the depth; single replay runs elsewhere in the session: 50 % 5.4-12.8 tok/s, 25 %
+4.0-6.7, 100 % of the ceiling once at 475 MB/s.) A tiered token (ms): random 50 % read wait
+11.4, expert kernels 19.3, the tier's Python 4.2 (7.2 before), the rest 17.4; replay 25 %
+171.9, 38.6, 27.2, 34.2. Random routers are skewed (96 % hits at 528 slots); a real model's
+routing misses twice (50 %) to three times (25 %) the bytes. Read-ahead on real routing
+(offline over the same trace, 11 layers, 128 tokens, global LRU): the next layer's experts that
+followed this layer's (experts/disk_predict, ``--predictor history``) name 2 % of the misses at
+37 % of the experts cached (the 50 % limit's 528 slots) and 35 % at 11 % (152 slots) for 2 wasted
+reads each; the experts the previous token used at the layer are resident already, and the most
+frequent ones too: at these cache sizes a miss is an expert the text has not used for long.
+Only the next layer's router on this layer's input (needs the real weights) can name those.
 """
 
 from __future__ import annotations
