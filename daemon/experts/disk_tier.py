@@ -185,7 +185,9 @@ class TieredExecutor:
         # call here (native_tier): [0] entries used, then per call its ids and a -2
         self._log = torch.zeros(1 + NATIVE_LOG, dtype=torch.int32)
         self.replay: Tensor | None = None  # set_replay
-        self._replay_pos = torch.zeros(1, dtype=torch.int64)
+        # what the native step reads of it at each call: its address (0: none), steps, layers,
+        # k and the position (the session's tokens so far), one tensor for the executor's life
+        self._replay_head = torch.zeros(5, dtype=torch.int64)
         # the file's descriptors and the readers go with the executor (an unloaded model)
         self._finalizer = weakref.finalize(self, _release, self._reads, tier.source)
 
@@ -256,11 +258,9 @@ class TieredExecutor:
         spec = spec_of() if spec_of is not None else None
         if spec is None:
             return None
-        r = self.replay
-        steps, layers, k = r.shape if r is not None else (0, 0, 0)
         return spec, (
             self._lut.data_ptr(), self._log.data_ptr(), NATIVE_LOG, self.num_flat,
-            r.data_ptr() if r is not None else 0, steps, layers, k, self._replay_pos.data_ptr(),
+            self._replay_head.data_ptr(),
         )  # fmt: skip
 
     def set_replay(self, routes: Tensor | None) -> None:
@@ -268,7 +268,8 @@ class TieredExecutor:
         on random weights): ``routes`` [steps, layers, k] int32 per-layer expert ids (-1: a
         skipped route), token i of the session (prefill and decode, in order) taking row i %
         steps at each of the first ``layers`` MoE layers (the routes past k skipped; the
-        router's weights kept); None: the model's own routes."""
+        router's weights kept); None: the model's own routes. Between steps (decode steps made
+        before read it at their next call)."""
         with self._lock:
             self._drain()
             if routes is not None:
@@ -277,8 +278,11 @@ class TieredExecutor:
                 if routes.shape[1] > self.num_layers or int(routes.max()) >= self.num_experts:
                     raise ValueError("replay routes: more layers or experts than the model's")
                 routes = routes.contiguous()
+            self._replay_head.zero_()  # (between steps: the native step reads it)
             self.replay = routes
-            self._replay_pos.zero_()
+            if routes is not None:
+                steps, layers, k = routes.shape
+                self._replay_head[:4] = torch.tensor([routes.data_ptr(), steps, layers, k])
 
     def _replayed(self, flat_ids: Tensor) -> Tensor:
         """A call's flat ids [T, K] replaced by ``replay``'s (as the native step does)."""
@@ -290,13 +294,13 @@ class TieredExecutor:
         if not 0 <= layer < layers:
             return flat_ids
         t, kk = flat_ids.shape
-        pos = int(self._replay_pos[0])
+        pos = int(self._replay_head[4])
         rows = r[(torch.arange(t) + pos) % steps, layer]  # [t, k]
         out = torch.full((t, kk), -1, dtype=torch.int32)
         out[:, : min(k, kk)] = rows[:, :kk]
         out = torch.where(out >= 0, out + layer * self.num_experts, out)
         if layer == layers - 1:
-            self._replay_pos += t
+            self._replay_head[4] += t
         return out.to(torch.int32).contiguous()
 
     def _drain(self) -> None:

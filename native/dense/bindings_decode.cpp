@@ -96,40 +96,32 @@ ftdense::DecodeEnds decode_ends(const EndsArg& a) {
 // routed experts are all in the RAM cache runs on the slot banks here, no call into Python.
 // lut [num_flat + 1]: flat id + 1 -> its slot (-1: not resident, or still being read); log
 // [1 + cap]: log[0] entries used, then per call made here its ids ([t, k]) and a -2 (the tier
-// touches them in its LRU at its next call: no eviction happens between); replay (null, or
-// [steps, layers, k] per-layer expert ids, -1 a skipped route): the routes replaced by a
-// recorded model's (benchmarks), row (pos + token) % steps, pos [1] int64 advanced by t after
-// the last of `layers` MoE layers. Any other call (a miss, a full log) goes to `experts`.
+// touches them in its LRU at its next call: no eviction happens between); replay [5] int64,
+// read at each call (the tier may change it between steps): the address of [steps, layers, k]
+// per-layer expert ids (-1 a skipped route; 0: no replay), steps, layers, k and pos: the
+// routes replaced by a recorded model's (benchmarks), row (pos + token) % steps, pos advanced
+// by t after the last of `layers` MoE layers. Any other call (a miss, a full log) goes to
+// `experts`.
 struct TierPath {
   const int32_t* lut = nullptr;
   int32_t* log = nullptr;
   int64_t cap = 0, num_flat = 0;
-  const int32_t* replay = nullptr;
-  int64_t steps = 0, layers = 0;
-  int replay_k = 0;
-  int64_t* pos = nullptr;
+  int64_t* replay = nullptr;
 };
 
-// (lut, log, log capacity, num_flat, replay or 0, steps, layers, replay k, pos address)
-using TierArg = std::tuple<uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t, int64_t, int64_t,
-                           int, uintptr_t>;
+// (lut, log, log capacity, num_flat, replay header address)
+using TierArg = std::tuple<uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t>;
 
 TierPath tier_path(const TierArg& a) {
-  const auto& [lut, log, cap, num_flat, replay, steps, layers, k, pos] = a;
+  const auto& [lut, log, cap, num_flat, replay] = a;
   TierPath p;
   p.lut = reinterpret_cast<const int32_t*>(lut);
   p.log = reinterpret_cast<int32_t*>(log);
   p.cap = cap;
   p.num_flat = num_flat;
-  p.replay = reinterpret_cast<const int32_t*>(replay);
-  p.steps = steps;
-  p.layers = layers;
-  p.replay_k = k;
-  p.pos = reinterpret_cast<int64_t*>(pos);
-  if (!p.lut || !p.log || cap < 1 || num_flat < 1)
-    throw py::value_error("decode_layers: tier needs a lut, a log and num_flat");
-  if (p.replay && (steps < 1 || layers < 1 || k < 1 || !p.pos))
-    throw py::value_error("decode_layers: a tier replay needs steps, layers, k and pos");
+  p.replay = reinterpret_cast<int64_t*>(replay);
+  if (!p.lut || !p.log || !p.replay || cap < 1 || num_flat < 1)
+    throw py::value_error("decode_layers: tier needs a lut, a log, a replay header, num_flat");
   return p;
 }
 
@@ -139,20 +131,22 @@ bool tier_lookup(const TierPath& tp, int num_experts, const int32_t* ids, int T,
                  std::vector<int32_t>& flat, std::vector<int32_t>& slots) {
   const size_t n = size_t(T) * K;
   flat.assign(ids, ids + n);
-  if (tp.replay) {
+  const auto* routes = reinterpret_cast<const int32_t*>(tp.replay[0]);
+  const int64_t steps = tp.replay[1], layers = tp.replay[2], rk = tp.replay[3];
+  if (routes && steps > 0 && rk > 0) {
     int64_t layer = -1;
     for (size_t i = 0; i < n && layer < 0; ++i)
       if (ids[i] >= 0) layer = ids[i] / num_experts;
-    if (layer >= 0 && layer < tp.layers) {
+    if (layer >= 0 && layer < layers) {
+      int64_t& pos = tp.replay[4];
       for (int r = 0; r < T; ++r) {
-        const int32_t* rec = tp.replay + (((*tp.pos + r) % tp.steps) * tp.layers + layer) *
-                                             tp.replay_k;
+        const int32_t* rec = routes + (((pos + r) % steps) * layers + layer) * rk;
         for (int j = 0; j < K; ++j) {
-          const int32_t e = j < tp.replay_k ? rec[j] : -1;
+          const int32_t e = j < rk ? rec[j] : -1;
           flat[size_t(r) * K + j] = e < 0 ? -1 : int32_t(layer * num_experts + e);
         }
       }
-      if (layer == tp.layers - 1) *tp.pos += T;
+      if (layer == layers - 1) pos += T;
     }
   }
   slots.resize(n);
@@ -282,8 +276,8 @@ void bind_decode_layers(py::module_& m) {
         "(embedding address or 0, bf16, vocab, token ids address, final norm scale address, "
         "eps, lm_head projection, logits address or 0): the embedding rows gathered into h "
         "first, lm_head(norm(h)) written to the logits after the last layer; tier: None, or the "
-        "disk tier's fast path (lut, log, log capacity, num_flat, replay or 0, steps, layers, k, "
-        "pos address; bindings_decode.cpp TierPath): qmoe is then its slots' and experts its "
+        "disk tier's fast path (lut, log, log capacity, num_flat, replay header address; "
+        "bindings_decode.cpp TierPath): qmoe is then its slots' and experts its "
         "call for any layer with an expert not resident.");
   m.def(
       "decode_parts",
