@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,8 @@ from tiny_models import make_tiny
 
 from freetokend import LLM
 from freetokend.experts.block_executor import available
-from freetokend.experts.disk_tier import (
-    READ_AHEAD_MIN_PRECISION,
-    RamCache,
-    TieredExecutor,
-    slot_banks,
-)
+from freetokend.experts.disk_cache import RamCache, slot_banks
+from freetokend.experts.disk_tier import READ_AHEAD_MIN_PRECISION, SWITCH_S, TieredExecutor
 from freetokend.experts.formats import allocate, expert_rows, layered_format
 from freetokend.formats import direct_read
 from freetokend.formats.errors import CheckpointError
@@ -273,18 +270,23 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
 def test_disk_tier_equals_the_resident_pool_kmix(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Equal tokens; and the dense pool's workers spin briefly under the tier (its reader
     threads and its Python share the cores between the pool's jobs), long under the resident
-    pool (dense_native.SPIN_US_*), each backend setting its own at every step."""
+    pool (dense_native.SPIN_US_*), each backend setting its own at every step; the interpreter's
+    thread switch likewise (disk_tier.SWITCH_S)."""
     import ftdense  # (needs_native)
 
     resident, tiered = _pair(kmix)
     _check_equal(resident, tiered, monkeypatch)
     try:
+        default = sys.getswitchinterval()
         for llm, spin in [(tiered, dense_native.SPIN_US_SHARED), (resident, dense_native.SPIN_US_OWN),
                           (tiered, dense_native.SPIN_US_SHARED)]:  # fmt: skip
             llm.moe.begin_step(1)
             assert ftdense.spin_us() == spin
+            # the interpreter's thread switch: short under the tier (its readers want the GIL)
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_S if llm is tiered else default)
     finally:
         dense_native.configure()
+        resident.moe.begin_step(1)
 
 
 @needs_native
@@ -465,6 +467,81 @@ def test_disk_tier_equals_the_resident_pool_per_layer_types(  # type: ignore[no-
     assert torch.equal(tiered.logits(ids), resident.logits(ids))
     assert tiered.generate(ids, 12, ignore_eos=True) == resident.generate(ids, 12, ignore_eos=True)
     assert tier.cache.slots == 4 and tier.stats()["misses"] > 24
+
+
+@needs_native
+def test_resident_layers_run_inside_the_native_step(kmix: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cache of the whole pool: once read, every layer's experts are resident and the native
+    decode step runs them on the slots itself (native_tier), with no call back into the tier;
+    the tokens stay equal, and the calls it logged, applied at the tier's next call, leave the
+    LRU and the counters as the generic path's calls through the tier do."""
+    resident, tiered = _pair(kmix, experts=24)
+    _, generic = _pair(kmix, experts=24)
+    tier, other = tiered.moe.tier, generic.moe.tier
+    assert tier is not None and tier.cache.slots == 24 and tier.native_tier() is not None
+    assert other is not None
+    for llm in (tiered, generic):  # the same state: every expert read
+        llm.generate([_prompt(24, seed=4), _prompt(48, seed=5)], 4, ignore_eos=True)
+    assert len(tier.cache.slot_of) == 24 and tier.stats() == other.stats()
+    ids = _prompt(9, seed=3)
+    called: list[int] = []
+    inner = TieredExecutor.forward_addresses
+
+    def counted(self, *a):  # type: ignore[no-untyped-def]
+        called.append(a[-2])
+        return inner(self, *a)
+
+    monkeypatch.setattr(TieredExecutor, "forward_addresses", counted)
+    before = tier.stats()
+    want = resident.generate(ids, 12, ignore_eos=True)
+    assert tiered.generate(ids, 12, ignore_eos=True) == want
+    st = tier.stats()
+    assert not called  # every decode layer ran inside the native step
+    assert st["misses"] == before["misses"] and st["fills"] == before["fills"]
+    # 11 decode steps x 3 layers on the native path, the prefill's 3 calls through Python
+    assert st["hits"] - before["hits"] >= 11 * 3
+    old = cpu_decode.set_enabled(False)
+    try:
+        assert generic.generate(ids, 12, ignore_eos=True) == want
+    finally:
+        cpu_decode.set_enabled(old)
+    assert other.stats() == st
+    assert [list(c.items()) for c in tier.cache.lru] == [list(c.items()) for c in other.cache.lru]
+    # a miss goes back to the tier: the smallest cache calls back at every decode layer
+    _, small = _pair(kmix)
+    assert small.generate(ids, 12, ignore_eos=True) == want
+    assert called
+
+
+@needs_native
+def test_replayed_routes_on_both_paths(kmix: Path) -> None:  # type: ignore[no-untyped-def]
+    """A replay (set_replay, the benchmark's recorded routing) replaces every call's experts,
+    on the native step's fast path, its calls back and the generic path alike: the same
+    tokens on each path and at any cache size, only the replayed experts read."""
+    routes = torch.tensor([[[1, 5], [2, -1], [7, 0]], [[5, 3], [2, 6], [0, 7]],
+                           [[1, 4], [6, 2], [7, 0]]], dtype=torch.int32)  # fmt: skip
+    used = {layer * 8 + int(e) for layer in range(3) for e in routes[:, layer].flatten() if e >= 0}
+    ids = _prompt(9, seed=3)
+    runs = []
+    for experts in (0, 24):
+        _, tiered = _pair(kmix, experts=experts)
+        tier = tiered.moe.tier
+        assert tier is not None
+        for fast in (True, False):
+            tier.set_replay(routes)
+            old = cpu_decode.set_enabled(fast)
+            try:
+                runs.append(tiered.generate(ids, 10, ignore_eos=True))
+            finally:
+                cpu_decode.set_enabled(old)
+        assert set(tier.cache.slot_of) <= used
+        if experts:
+            assert tier.stats()["fills"] == len(used)
+        tier.set_replay(None)
+        own = tiered.generate(ids, 10, ignore_eos=True)
+    assert all(r == runs[0] for r in runs) and own != runs[0]
+    with pytest.raises(ValueError, match="experts"):
+        tier.set_replay(torch.full((2, 3, 2), 8, dtype=torch.int32))
 
 
 @needs_native

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -20,7 +21,8 @@ from .accelerator import Accelerator, StandinAccelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .device_backends import FusedBackend, OffloadBackend
 from .devices import create_accelerator
-from .disk_tier import TieredExecutor, slot_banks
+from .disk_cache import slot_banks
+from .disk_tier import SWITCH_S, TieredExecutor
 from .fakecuda import FakeCpuExecutor, InlinePool
 from .formats import dequantize_banks, dequantize_banks_to, interleaved_layout
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from .device_backends import FusedBackend
 
 log = logging.getLogger(__name__)
+_DEFAULT_SWITCH_S = sys.getswitchinterval()  # the interpreter's (5 ms)
 
 
 class MoEBackend(Protocol):
@@ -176,6 +179,10 @@ class CpuBackend:
         # the pool is the process's, and another resident model may have run in between
         if self._dense_spin is not None:
             self._set_spin(self._dense_spin)
+        # the interpreter's thread switch likewise (disk_tier.SWITCH_S under the tier)
+        switch = SWITCH_S if self.tier is not None else _DEFAULT_SWITCH_S
+        if abs(sys.getswitchinterval() - switch) > 1e-7:
+            sys.setswitchinterval(switch)
 
     def end_step(self) -> None:
         pass

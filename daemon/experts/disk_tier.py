@@ -20,6 +20,13 @@ a call's own experts are in, the next layer's predicted ones are read ahead whil
 (``TieredExecutor``). The same rows reach the same kernel and add up in the same order, so the
 results equal a resident pool's bit for bit (at any top-k).
 
+The native decode step (models/layers/cpu_decode.py) runs a layer whose experts are all
+resident itself: ``native_tier`` gives it the slots' kernel spec and the flat id -> slot table,
+it looks the routes up and computes them on the slots with no call into Python, and logs the
+call; a layer with an expert missing calls the tier back. The tier applies the logged calls to
+its LRU (and its counters, and its predictions' checks) at its next call, before anything else:
+nothing is evicted between a logged call and then, so the cache ends as if each had called.
+
 A call's experts are all resident at once: hits are touched before any victim is chosen, and a
 call whose experts outnumber a class's slots runs a few tokens at a time (each part's experts
 fit; a class holds at least top-k slots, one token's), so a victim is never an expert of the
@@ -41,8 +48,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from queue import Empty, SimpleQueue
@@ -52,15 +58,12 @@ import torch
 
 from ..formats import gguf_interleave
 from .banks import ExpertBanks
+from .disk_cache import RamCache
+from .disk_predict import CooccurrencePredictor
 from .formats import (
-    FORMATS,
-    allocate,
-    block_format,
     expert_rows,
-    get_format,
     interleaves,
     layer_pair,
-    layered_format,
 )
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,18 @@ PRECISION_WEIGHT = 0.1  # the running mean's weight of the newest call
 # a prediction is the next layer's router on this layer's input, ~0.6 ms of Python and torch a
 # call on the 2-core EPYC, a tenth of a tiered decode token at random routing's hit rates
 CHECK_EVERY = 8
+# The native decode step's log of the calls it ran on resident experts (TieredExecutor.
+# native_tier): ids of so many routes a step before it calls back (a step of 48 layers, 8
+# sequences and top-8 takes ~3.5k)
+NATIVE_LOG = 1 << 14
+# The interpreter's thread switch interval while a tiered model steps (CpuBackend.begin_step
+# sets it; 5 ms, Python's, otherwise): the reader threads take the GIL around each piece (its
+# read and move release it) while the step's thread runs the tier's Python, and a thread that
+# asks for the GIL waits up to this long; replayed Qwen3-30B-A3B routing at the 25 % limit of
+# bench_disk_tier (~32 reads a token), 2-core EPYC, one run each, interleaved: 200 us 6.68 and
+# 6.48 tok/s, 5 ms 5.34 and 5.26 (read wait 93-100 ms a token against 123-127); at 50 % (~10
+# reads) no difference (10.8-12.2 both)
+SWITCH_S = 200e-6
 
 
 class ExpertSource(Protocol):
@@ -105,178 +120,6 @@ class DiskTier:
     source: ExpertSource
     cache_bytes: int
     top_k: int
-
-
-class RamCache:
-    """The RAM cache's policy: which slot holds which expert, least recently used first out.
-
-    ``class_slots[c]``: the slot ids of class c; ``class_of(fid)``: the class expert ``fid`` goes
-    to. ``lookup`` takes one call's distinct experts and returns their slots and the (fid, slot)
-    fills to make; the counters count experts (a hit or a miss per distinct expert of a call).
-
-    ``per_token[c]``: the experts one token uses in class c's layers (its layers times top-k;
-    0: unknown). A class with fewer slots cannot hold a token's experts, and an LRU evicts each
-    before the next token comes back to it (0 hits: a cyclic scan). Such a class inserts
-    bimodally: a call's filled experts go back to the least recent end after the call, except
-    one fill in ``BIMODAL_EVERY`` (LIP/BIP): what is resident stays until it stops being used,
-    and often used experts work their way in (real routing is skewed; uniform routing then hits
-    in proportion to the cache)."""
-
-    BIMODAL_EVERY = 32
-
-    def __init__(
-        self,
-        class_slots: list[list[int]],
-        class_of: Callable[[int], int],
-        per_token: list[int] | None = None,
-    ) -> None:
-        self.class_of = class_of
-        self.bimodal = [
-            0 < len(slots) < n
-            for slots, n in zip(class_slots, per_token or [0] * len(class_slots), strict=True)
-        ]
-        self._fills = 0
-        self._free = [len(slots) for slots in class_slots]  # free slots (the first out) per class
-        # per class: slot -> fid (-1: free), the least recently used first
-        self.lru: list[OrderedDict[int, int]] = [
-            OrderedDict((s, -1) for s in slots) for slots in class_slots
-        ]
-        self.slot_of: dict[int, int] = {}
-        self.hits = 0
-        self.misses = 0
-
-    @property
-    def slots(self) -> int:
-        return sum(len(c) for c in self.lru)
-
-    def lookup(self, fids: Iterable[int]) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
-        """-> ({fid: slot} for every fid of ``fids``, [(fid, slot, evicted fid or -1) to read]);
-        evicted experts leave ``slot_of``. ``fids``: distinct, none negative."""
-        out: dict[int, int] = {}
-        missed = []
-        for f in fids:  # hits first: touched, so no miss of this call evicts them
-            s = self.slot_of.get(f)
-            if s is None:
-                missed.append(f)
-                continue
-            self.lru[self.class_of(f)].move_to_end(s)
-            out[f] = s
-        fills = []
-        for f in missed:
-            lru = self.lru[self.class_of(f)]
-            s, old = next(iter(lru.items()))
-            if old in out:
-                raise RuntimeError(
-                    f"the expert cache class of expert {f} holds fewer slots than one call needs"
-                )
-            lru.move_to_end(s)
-            if old >= 0:
-                del self.slot_of[old]
-            lru[s] = f
-            self.slot_of[f] = s
-            out[f] = s
-            fills.append((f, s, old))
-        for f, s, old in fills:  # a class too small for a token's experts: inserted bimodally
-            c = self.class_of(f)
-            self._free[c] -= old < 0
-            if self.bimodal[c] and not self._free[c]:  # (filling free slots first)
-                self._fills += 1
-                if self._fills % self.BIMODAL_EVERY:
-                    self.lru[c].move_to_end(s, last=False)
-        self.hits += len(out) - len(missed)
-        self.misses += len(missed)
-        return out, fills
-
-    def reserve(self, fids: Iterable[int], keep: set[int]) -> list[tuple[int, int, int]]:
-        """Slots for experts read ahead (``fids``, distinct): resident ones touched, missing ones
-        given the least recently used slots -> [(fid, slot, evicted fid or -1)] to read. Never
-        evicts an expert of ``keep`` (the running call's) nor of ``fids``: it stops there. Not
-        counted as hits or misses (the call that uses them counts)."""
-        fids = list(fids)
-        missed = []
-        for f in fids:
-            s = self.slot_of.get(f)
-            if s is None:
-                missed.append(f)
-            else:
-                self.lru[self.class_of(f)].move_to_end(s)
-        fills = []
-        wanted = set(fids)
-        for f in missed:
-            lru = self.lru[self.class_of(f)]
-            s, old = next(iter(lru.items()))
-            if old in keep or old in wanted:
-                continue  # this class is full of what runs and what is wanted
-            lru.move_to_end(s)
-            if old >= 0:
-                del self.slot_of[old]
-            else:
-                self._free[self.class_of(f)] -= 1
-            lru[s] = f
-            self.slot_of[f] = s
-            fills.append((f, s, old))
-        return fills
-
-    def forget(self, fid: int) -> None:
-        """Expert ``fid`` is no longer in its slot (a failed read): the slot is free, first out."""
-        s = self.slot_of.pop(fid, None)
-        if s is not None:
-            lru = self.lru[self.class_of(fid)]
-            lru[s] = -1
-            lru.move_to_end(s, last=False)
-            self._free[self.class_of(fid)] += 1
-
-
-def _float_dtype(pool: ExpertBanks) -> torch.dtype:
-    b = pool.gate_up_bias
-    return b.dtype if b is not None else torch.bfloat16
-
-
-def slot_banks(
-    pool: ExpertBanks, num_experts: int, cache_bytes: int, group: int
-) -> tuple[ExpertBanks, list[list[int]], list[int]]:
-    """The RAM cache's slot banks for ``pool`` (its format; weight banks need not hold data)
-    within about ``cache_bytes``, at least ``group`` slots per class (one token's experts of a
-    layer: the model's top-k) -> (banks, slot ids per class, class of each MoE layer).
-
-    A per-layer format's slot banks are virtual layers of ``group`` slots each (the format's
-    experts per layer), so a class grows by ``group`` experts at a time, not by a layer's."""
-    if group < 1:
-        raise ValueError(f"group must be >= 1, got {group}")
-    fmt = get_format(pool.format)
-    h, inter = pool.hidden_size, pool.intermediate_size
-    if fmt.in_blocks:
-        inter = pool.gate_up.shape[1] // 2
-        h = pool.down.shape[1]
-    dt = _float_dtype(pool)
-    bias = pool.gate_up_bias is not None
-    layers = pool.num_flat // num_experts
-    if fmt.layer_types is None:
-        per = fmt.nbytes_per_expert(h, inter, dt)
-        n = min(pool.num_flat, max(group, cache_bytes // max(per, 1)))
-        banks = allocate(pool.format, n, h, inter, dt, bias=bias)
-        return banks, [list(range(n))], [0] * layers
-    pairs = list(fmt.layer_types)
-    distinct = list(dict.fromkeys(pairs))
-    count = {p: pairs.count(p) for p in distinct}
-    size = {p: FORMATS[block_format(*p)].nbytes_per_expert(h, inter, dt) for p in distinct}
-    most = {p: -(-count[p] * num_experts // group) for p in distinct}  # the class's whole pool
-    total = sum(count[p] * size[p] for p in distinct)
-    virtual = {}
-    for p in distinct:  # a class's share of the cache = its share of the pool
-        share = cache_bytes * count[p] * size[p] / total
-        virtual[p] = min(most[p], max(1, int(share // (group * size[p]))))
-    left = cache_bytes - sum(virtual[p] * group * size[p] for p in distinct)
-    for p in sorted(distinct, key=lambda p: virtual[p] / most[p]):  # the rounding's leftover
-        if virtual[p] < most[p] and group * size[p] <= left:
-            virtual[p] += 1
-            left -= group * size[p]
-    vpairs = [p for p in distinct for _ in range(virtual[p])]
-    banks = allocate(layered_format(vpairs), len(vpairs) * group, h, inter, dt, bias=bias)
-    classes: list[list[int]] = [[] for _ in distinct]
-    for v, p in enumerate(vpairs):
-        classes[distinct.index(p)] += range(v * group, (v + 1) * group)
-    return banks, classes, [distinct.index(p) for p in pairs]
 
 
 class TieredExecutor:
@@ -327,6 +170,9 @@ class TieredExecutor:
         self.read_seconds = 0.0  # time calls waited for reads (their own and ones read ahead)
         self.hidden_size = getattr(inner, "hidden_size", pool.hidden_size)
         self.predict: Callable[[int, Tensor], Tensor | None] | None = None
+        # the read-ahead's predictions from the routing itself (disk_predict): used in place of
+        # ``predict`` where set (routes that do not come from the model's routers: a replay)
+        self.history: CooccurrencePredictor | None = None
         self.read_ahead = read_ahead
         self._reading: dict[int, tuple[int, Future[int]]] = {}  # fid -> (slot, its read)
         self._io: dict[int, tuple[dict[str, Tensor], Callable[[str, Tensor, Tensor], None]]] = {}
@@ -335,13 +181,23 @@ class TieredExecutor:
         self._predicted: tuple[int, set[int]] = (-1, set())  # the next layer, its predicted
         self.precision = 1.0  # the predictions' running precision (starts trusting them)
         self._doubted = 0  # calls made while the precision is below READ_AHEAD_MIN_PRECISION
+        # the native decode step's calls on resident experts, touched in the LRU at the next
+        # call here (native_tier): [0] entries used, then per call its ids and a -2
+        self._log = torch.zeros(1 + NATIVE_LOG, dtype=torch.int32)
+        self.replay: Tensor | None = None  # set_replay
+        # what the native step reads of it at each call: its address (0: none), steps, layers,
+        # k and the position (the session's tokens so far), one tensor for the executor's life
+        self._replay_head = torch.zeros(5, dtype=torch.int64)
         # the file's descriptors and the readers go with the executor (an unloaded model)
         self._finalizer = weakref.finalize(self, _release, self._reads, tier.source)
 
     # -- the executor interface ------------------------------------------------------------------
     def forward(self, x: Tensor, flat_ids: Tensor, weights: Tensor) -> Tensor:
         with self._lock:
+            self._drain()
             flat_ids = flat_ids.to(torch.int32).contiguous()
+            if self.replay is not None:
+                flat_ids = self._replayed(flat_ids)
             parts = self._parts(flat_ids)
             if len(parts) == 1 and flat_ids.shape[0] == 1:  # a decode step: reads overlapped
                 x, weights = x.float().contiguous(), weights.float().contiguous()
@@ -362,8 +218,10 @@ class TieredExecutor:
             return torch.cat(out_parts)
 
     def forward_addresses(self, x: int, ids: int, w: int, out: int, t: int, k: int) -> None:
-        """``forward`` on raw addresses (models/layers/cpu_decode.py): ids [t, k] int32."""
+        """``forward`` on raw addresses (models/layers/cpu_decode.py): ids [t, k] int32 (the
+        native step's: already replayed where ``replay`` is set)."""
         with self._lock:
+            self._drain()
             buf = (ctypes.c_int32 * (t * k)).from_address(ids)
             flat_ids = torch.frombuffer(buf, dtype=torch.int32).view(t, k)
             h = self.hidden_size
@@ -380,12 +238,91 @@ class TieredExecutor:
                 self._overlapped(x, flat_ids, w, out, k, None)
                 return
             slot_ids, fids = self._remap(flat_ids)
-            if self.predict is not None and self.read_ahead and fids:
-                self._ahead(fids, self._x_of(x, t))
+            if self.read_ahead and fids and (self.predict is not None or self.history is not None):
+                self._ahead(fids, functools.partial(self._x_of, x, t))
             self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, t, k, ids)
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters, "hits": self.cache.hits, "misses": self.cache.misses}
+        with self._lock:
+            self._drain()
+            return {**self.counters, "hits": self.cache.hits, "misses": self.cache.misses}
+
+    def native_tier(self) -> tuple[object, tuple[int, ...]] | None:
+        """The native decode step's fast path (native/dense/bindings_decode.cpp ``TierPath``):
+        (the slots' ``ftdense.QMoe``, decode_layers' ``tier`` argument), or None where the
+        executor has no native spec. A layer whose experts are all resident then runs on the
+        slots inside the step, with no call into Python; the step logs its ids and this
+        executor touches them in its LRU (and counts them) at its next call: nothing is
+        evicted in between, so the cache ends as if each had called here."""
+        spec_of = getattr(self.inner, "native_spec", None)
+        spec = spec_of() if spec_of is not None else None
+        if spec is None:
+            return None
+        return spec, (
+            self._lut.data_ptr(), self._log.data_ptr(), NATIVE_LOG, self.num_flat,
+            self._replay_head.data_ptr(),
+        )  # fmt: skip
+
+    def set_replay(self, routes: Tensor | None) -> None:
+        """Replaces every call's routes by recorded ones (benchmarks: a real model's routing
+        on random weights): ``routes`` [steps, layers, k] int32 per-layer expert ids (-1: a
+        skipped route), token i of the session (prefill and decode, in order) taking row i %
+        steps at each of the first ``layers`` MoE layers (the routes past k skipped; the
+        router's weights kept); None: the model's own routes. Between steps (decode steps made
+        before read it at their next call)."""
+        with self._lock:
+            self._drain()
+            if routes is not None:
+                if routes.dim() != 3 or routes.dtype != torch.int32:
+                    raise ValueError("replay routes: int32 [steps, layers, k]")
+                if routes.shape[1] > self.num_layers or int(routes.max()) >= self.num_experts:
+                    raise ValueError("replay routes: more layers or experts than the model's")
+                routes = routes.contiguous()
+            self._replay_head.zero_()  # (between steps: the native step reads it)
+            self.replay = routes
+            if routes is not None:
+                steps, layers, k = routes.shape
+                self._replay_head[:4] = torch.tensor([routes.data_ptr(), steps, layers, k])
+
+    def _replayed(self, flat_ids: Tensor) -> Tensor:
+        """A call's flat ids [T, K] replaced by ``replay``'s (as the native step does)."""
+        r = self.replay
+        assert r is not None
+        valid = flat_ids[flat_ids >= 0]
+        layer = int(valid[0]) // self.num_experts if valid.numel() else -1
+        steps, layers, k = r.shape
+        if not 0 <= layer < layers:
+            return flat_ids
+        t, kk = flat_ids.shape
+        pos = int(self._replay_head[4])
+        rows = r[(torch.arange(t) + pos) % steps, layer]  # [t, k]
+        out = torch.full((t, kk), -1, dtype=torch.int32)
+        out[:, : min(k, kk)] = rows[:, :kk]
+        out = torch.where(out >= 0, out + layer * self.num_experts, out)
+        if layer == layers - 1:
+            self._replay_head[4] += t
+        return out.to(torch.int32).contiguous()
+
+    def _drain(self) -> None:
+        """The native step's logged calls (``native_tier``), in order: touched in the LRU,
+        counted as hits, checked against the predictions."""
+        n = int(self._log[0])
+        if not n:
+            return
+        vals = self._log[1 : 1 + n].tolist()
+        self._log[0] = 0
+        call: list[int] = []
+        for v in vals:
+            if v != -2:
+                call.append(v)
+                continue
+            fids = sorted({f for f in call if f >= 0})
+            single = len(call) == self.tier.top_k
+            call = []
+            self._account(fids, single)
+            _, fills = self.cache.lookup(fids)
+            if fills:  # the step ran them on their slots: they were resident
+                raise RuntimeError(f"disk tier: logged experts {fills} were not resident")
 
     def close(self) -> None:
         self._finalizer()
@@ -443,19 +380,27 @@ class TieredExecutor:
             fids = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
         if fids and (fids[-1] >= self.num_flat):
             raise IndexError(f"expert id {fids[-1]} outside [-1, {self.num_flat})")
+        self._account(fids, flat_ids.shape[0] == 1)
+        _, fills = self.cache.lookup(fids)
+        if fills:
+            self._submit(fills, ahead=False)
+        return fids, fills
+
+    def _account(self, fids: list[int], single: bool) -> None:
+        """A call's experts (distinct, sorted) checked against the prediction for its layer;
+        reads ahead it uses counted; one token's (``single``) taught to ``history``."""
+        if self.history is not None and single and fids:
+            e = self.num_experts
+            self.history.observe(fids[0] // e, [f % e for f in fids])
         layer, predicted = self._predicted
         if predicted and fids and fids[0] // self.num_experts == layer:  # how right it was
             right = len(predicted.intersection(fids)) / len(predicted)
             self.precision += PRECISION_WEIGHT * (right - self.precision)
             self._predicted = (-1, set())
-        _, fills = self.cache.lookup(fids)
         for f in fids:
             if f in self._unused:  # read ahead for this call (or an earlier one)
                 self._unused.discard(f)
                 self.counters["read_ahead_hits"] += 1
-        if fills:
-            self._submit(fills, ahead=False)
-        return fids, fills
 
     def _abandon(self, fills: list[tuple[int, int, int]]) -> None:
         """A call failed: its fills' reads end (none still writing a slot) and their slots are
@@ -572,7 +517,7 @@ class TieredExecutor:
         """Starts reading the next MoE layer's predicted experts (see the class); ``x``: the
         call's input, or how to have it (made only for a prediction: one call in
         ``CHECK_EVERY`` while they are not precise)."""
-        if self.predict is None or not self.read_ahead or not fids:
+        if (self.predict is None and self.history is None) or not self.read_ahead or not fids:
             return
         nxt = fids[0] // self.num_experts + 1
         if nxt >= self.num_layers:
@@ -582,10 +527,18 @@ class TieredExecutor:
             if self._doubted % CHECK_EVERY:
                 self.counters["read_ahead_skipped"] += 1
                 return
-        pred = self.predict(nxt, x if isinstance(x, Tensor) else x())
-        if pred is None:
+        e = self.num_experts
+        if self.history is not None:
+            named = self.history.predict(nxt, [f % e for f in fids if f // e == nxt - 1])
+        else:
+            assert self.predict is not None
+            pred = self.predict(nxt, x if isinstance(x, Tensor) else x())
+            if pred is None:
+                return
+            named = torch.unique(pred).tolist()
+        want = [nxt * e + i for i in named if i >= 0]
+        if not want:
             return
-        want = [nxt * self.num_experts + e for e in torch.unique(pred).tolist() if e >= 0]
         self._predicted = (nxt, set(want))
         if self.precision < READ_AHEAD_MIN_PRECISION:  # predicted (and checked), not read
             self.counters["read_ahead_skipped"] += 1
@@ -604,6 +557,7 @@ class TieredExecutor:
         if not self.read_ahead:
             return
         with self._lock:
+            self._drain()
             want = [f for f in torch.unique(flat_ids).tolist() if f >= 0]
             fills = self.cache.reserve(want, keep=keep)
             keep.update(want)

@@ -15,7 +15,7 @@ Policies (`run_policies`):
     static_layers  llama.cpp-style (--n-cpu-moe): whole layers resident, the last layers first
     ours           the real SlotCache (`decode_step_reference`, every miss filled) with its
                    AGED_FREQ eviction; `lru_slotcache` is the same cache with LRU eviction
-    ram_lru        the disk tier's RAM cache (`disk_tier.RamCache`, one class of uniform slots):
+    ram_lru        the disk tier's RAM cache (`disk_cache.RamCache`, one class of uniform slots):
                    `replay_ram_cache`
 The SlotCache has uniform slots: a byte budget gives `budget // mean expert bytes` slots
 (`num_slots_for`); `lru_slotcache` against `lru` measures what that rounding costs.
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from freetokend.experts.disk_tier import RamCache
+from freetokend.experts.disk_cache import RamCache
 from freetokend.experts.slot_cache import EvictionPolicy, SlotCache
 
 MIB = 1 << 20

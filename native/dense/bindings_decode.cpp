@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -91,6 +92,76 @@ ftdense::DecodeEnds decode_ends(const EndsArg& a) {
   return e;
 }
 
+// The disk tier's fast path (experts/disk_tier.py TieredExecutor.native_tier): a layer whose
+// routed experts are all in the RAM cache runs on the slot banks here, no call into Python.
+// lut [num_flat + 1]: flat id + 1 -> its slot (-1: not resident, or still being read); log
+// [1 + cap]: log[0] entries used, then per call made here its ids ([t, k]) and a -2 (the tier
+// touches them in its LRU at its next call: no eviction happens between); replay [5] int64,
+// read at each call (the tier may change it between steps): the address of [steps, layers, k]
+// per-layer expert ids (-1 a skipped route; 0: no replay), steps, layers, k and pos: the
+// routes replaced by a recorded model's (benchmarks), row (pos + token) % steps, pos advanced
+// by t after the last of `layers` MoE layers. Any other call (a miss, a full log) goes to
+// `experts`.
+struct TierPath {
+  const int32_t* lut = nullptr;
+  int32_t* log = nullptr;
+  int64_t cap = 0, num_flat = 0;
+  int64_t* replay = nullptr;
+};
+
+// (lut, log, log capacity, num_flat, replay header address)
+using TierArg = std::tuple<uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t>;
+
+TierPath tier_path(const TierArg& a) {
+  const auto& [lut, log, cap, num_flat, replay] = a;
+  TierPath p;
+  p.lut = reinterpret_cast<const int32_t*>(lut);
+  p.log = reinterpret_cast<int32_t*>(log);
+  p.cap = cap;
+  p.num_flat = num_flat;
+  p.replay = reinterpret_cast<int64_t*>(replay);
+  if (!p.lut || !p.log || !p.replay || cap < 1 || num_flat < 1)
+    throw py::value_error("decode_layers: tier needs a lut, a log, a replay header, num_flat");
+  return p;
+}
+
+// ids [T, K] -> flat [T, K] (the replayed routes when `tp` replays) and slots [T, K]; true
+// when every route's expert is resident.
+bool tier_lookup(const TierPath& tp, int num_experts, const int32_t* ids, int T, int K,
+                 std::vector<int32_t>& flat, std::vector<int32_t>& slots) {
+  const size_t n = size_t(T) * K;
+  flat.assign(ids, ids + n);
+  const auto* routes = reinterpret_cast<const int32_t*>(tp.replay[0]);
+  const int64_t steps = tp.replay[1], layers = tp.replay[2], rk = tp.replay[3];
+  if (routes && steps > 0 && rk > 0) {
+    int64_t layer = -1;
+    for (size_t i = 0; i < n && layer < 0; ++i)
+      if (ids[i] >= 0) layer = ids[i] / num_experts;
+    if (layer >= 0 && layer < layers) {
+      int64_t& pos = tp.replay[4];
+      for (int r = 0; r < T; ++r) {
+        const int32_t* rec = routes + (((pos + r) % steps) * layers + layer) * rk;
+        for (int j = 0; j < K; ++j) {
+          const int32_t e = j < rk ? rec[j] : -1;
+          flat[size_t(r) * K + j] = e < 0 ? -1 : int32_t(layer * num_experts + e);
+        }
+      }
+      if (layer == layers - 1) pos += T;
+    }
+  }
+  slots.resize(n);
+  bool all = true;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t f = flat[i];
+    if (f < 0) {
+      slots[i] = -1;
+    } else if (f >= tp.num_flat || (slots[i] = tp.lut[f + 1]) < 0) {
+      all = false;
+    }
+  }
+  return all;
+}
+
 void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& layers, uintptr_t h,
                         int t, uintptr_t cos, uintptr_t sin, int rot, bool interleaved,
                         uintptr_t slots, uintptr_t tables, uintptr_t rows, uintptr_t lens,
@@ -98,9 +169,16 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
                         const ftdense::QMoeSpec* qmoe,
                         std::optional<std::tuple<uintptr_t, uintptr_t>> float_experts,
                         py::object experts, uintptr_t timings,
-                        const std::optional<EndsArg>& ends_arg) {
+                        const std::optional<EndsArg>& ends_arg,
+                        const std::optional<TierArg>& tier_arg) {
   if (!qmoe && !float_experts && experts.is_none())
     throw py::value_error("decode_layers: no experts given");
+  std::optional<TierPath> tier;
+  if (tier_arg) {
+    if (!qmoe || experts.is_none())
+      throw py::value_error("decode_layers: a tier needs qmoe (its slots) and experts");
+    tier = tier_path(*tier_arg);
+  }
   std::optional<ftdense::DecodeEnds> ends;
   if (ends_arg) ends = decode_ends(*ends_arg);
   ftdense::DecodeStepArgs step;
@@ -128,7 +206,28 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
         static_cast<ftdense::Pool*>(p)->run(task, ctx, tasks);
       },
       pool.get(), pool->threads()};
-  if (qmoe) {
+  std::vector<int32_t> flat, slot_ids;
+  if (tier) {
+    fn = [&ks, qmoe, &tier, &experts, &flat, &slot_ids, num_experts](
+             const float* x, const int32_t* ids, const float* w, float* out, int T, int K) {
+      const TierPath& tp = *tier;
+      const bool hit = tier_lookup(tp, num_experts, ids, T, K, flat, slot_ids);
+      const int64_t used = tp.log[0], need = int64_t(T) * K + 1;
+      if (hit && used + need <= tp.cap) {
+        // the slots' sums taken in flat-id order: the whole pool's bit for bit
+        ftdense::qmoe_forward(*ks.pool, *ks.qdot, *qmoe, x, slot_ids.data(), w, out, T, K,
+                              flat.data());
+        int32_t* at = tp.log + 1 + used;
+        std::copy(flat.begin(), flat.end(), at);
+        at[T * K] = -2;
+        tp.log[0] = int32_t(used + need);
+        return;
+      }
+      py::gil_scoped_acquire gil;
+      experts(reinterpret_cast<uintptr_t>(x), reinterpret_cast<uintptr_t>(flat.data()),
+              reinterpret_cast<uintptr_t>(w), reinterpret_cast<uintptr_t>(out), T, K);
+    };
+  } else if (qmoe) {
     fn = [&ks, qmoe](const float* x, const int32_t* ids, const float* w, float* out, int T,
                      int K) {
       ftdense::qmoe_forward(*ks.pool, *ks.qdot, *qmoe, x, ids, w, out, T, K);
@@ -168,7 +267,7 @@ void bind_decode_layers(py::module_& m) {
         py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("interleaved"), py::arg("slots"),
         py::arg("tables"), py::arg("rows"), py::arg("lens"), py::arg("width"), py::arg("kv"),
         py::arg("num_experts"), py::arg("qmoe"), py::arg("float_experts"), py::arg("experts"),
-        py::arg("timings") = 0, py::arg("ends") = py::none(),
+        py::arg("timings") = 0, py::arg("ends") = py::none(), py::arg("tier") = py::none(),
         "Decodes h [t, hidden] fp32 (address) through `layers` in place, in one call "
         "(decode_layers.h). kv: per KV layer (k, v, bf16, pages, page size); the experts: a QMoe "
         "(qmoe), an ftnative Executor's forward_on_entry (float_experts; both on this module's "
@@ -176,7 +275,10 @@ void bind_decode_layers(py::module_& m) {
         "len(decode_parts()) float64 seconds the call adds to; ends: None, or the model's ends "
         "(embedding address or 0, bf16, vocab, token ids address, final norm scale address, "
         "eps, lm_head projection, logits address or 0): the embedding rows gathered into h "
-        "first, lm_head(norm(h)) written to the logits after the last layer.");
+        "first, lm_head(norm(h)) written to the logits after the last layer; tier: None, or the "
+        "disk tier's fast path (lut, log, log capacity, num_flat, replay header address; "
+        "bindings_decode.cpp TierPath): qmoe is then its slots' and experts its "
+        "call for any layer with an expert not resident.");
   m.def(
       "decode_parts",
       [] {

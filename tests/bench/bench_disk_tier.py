@@ -140,6 +140,32 @@ What remains at 25 %: the read wait (~6 experts a token in 2-3 layers, ~5-6 ms a
 this disk's latency), and the tier's compute path, 44 ms of kernels and rest against the
 resident's 31 ms a token: the native step's call back into Python per MoE layer, the extra
 kernel call per batch of landed reads, the dense pool's 50 us spin under the tier.
+
+2026-12-07 ~08:00-08:50 UTC (wt4; the VM shared, load 3-5; 24 decode tokens, medians of 2
+interleaved runs; the disk measured 528-1547 MB/s "cold" from run to run: the host's cache).
+Before: deeeded; after: a layer whose experts are all resident runs inside the native decode
+step (no call into Python), the interpreter's switch interval 200 us under the tier:
+
+    routes         limit  build   tok/s  MB/token  hits  ceiling  of ceil  bound  of min
+    random         50 %   before  16.05        14   -      53.96      30%  31.80    50%
+    random         50 %   after   19.15        14   96%    62.99      30%  30.70    62%
+    random         25 %   before  10.67        32   -      23.99      44%  28.59    44%
+    random         25 %   after   11.89        32   90%    28.00      42%  33.59    42%
+    Qwen3 replay   50 %   after    6.68        30   84%    25.42      26%  26.93    26%
+    Qwen3 replay   25 %   after    3.90        96   50%     8.02      49%  34.97    49%
+
+(--routes .../bigmoeonedge/qwen.route.csv: the trace's top-6 of its 48 layers, 11 of them
+spread over the depth; single replay runs elsewhere in the session: 50 % 5.4-12.8 tok/s, 25 %
+4.0-6.7, 100 % of the ceiling once at 475 MB/s.) A tiered token (ms): random 50 % read wait
+11.4, expert kernels 19.3, the tier's Python 4.2 (7.2 before), the rest 17.4; replay 25 %
+171.9, 38.6, 27.2, 34.2. Random routers are skewed (96 % hits at 528 slots); a real model's
+routing misses twice (50 %) to three times (25 %) the bytes. Read-ahead on real routing
+(offline over the same trace, 11 layers, 128 tokens, global LRU): the next layer's experts that
+followed this layer's (experts/disk_predict, ``--predictor history``) name 2 % of the misses at
+37 % of the experts cached (the 50 % limit's 528 slots) and 35 % at 11 % (152 slots) for 2 wasted
+reads each; the experts the previous token used at the layer are resident already, and the most
+frequent ones too: at these cache sizes a miss is an expert the text has not used for long.
+Only the next layer's router on this layer's input (needs the real weights) can name those.
 """
 
 from __future__ import annotations
@@ -178,10 +204,13 @@ def _prompt(n: int, vocab: int) -> list[int]:
 
 
 def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
+    import ftdense
     import torch
 
     from freetokend import LLM
     from freetokend.engine.sampler import SamplingParams
+    from freetokend.experts.disk_predict import CooccurrencePredictor
+    from freetokend.models.layers import cpu_decode
 
     torch.set_num_threads(a["threads"])
     t0 = time.perf_counter()
@@ -196,7 +225,20 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             t.join()
     huge_s = time.perf_counter() - t1
     tier = llm.moe.tier
+    if a.get("switch_us"):
+        sys.setswitchinterval(a["switch_us"] / 1e6)
+    if tier is not None and a.get("piece_kb"):
+        tier.tier.source.piece_bytes = int(a["piece_kb"]) << 10
+    if tier is not None and a.get("routes"):
+        tier.set_replay(replay_routes(a["routes"], tier.num_layers))
+    if tier is not None and a.get("predictor") == "history":
+        tier.history = CooccurrencePredictor(tier.num_layers, tier.num_experts, tier.tier.top_k)
+    elif tier is not None and a.get("predictor") == "none":
+        tier.read_ahead = False
     spent = _time_tier(tier) if tier is not None else [0.0, 0.0]
+    parts_s = torch.zeros(len(ftdense.decode_parts()), dtype=torch.float64)
+    cpu_decode.set_timings(parts_s)  # the native step's experts: its fast path's kernels too
+    experts_part = ftdense.decode_parts().index("experts")
     loaded_rss = _status_mb()
     prompt = _prompt(a["prompt"], llm.tokenizer.vocab_size if llm.tokenizer else 50000)
     params = SamplingParams(max_tokens=a["decode"], temperature=0.0, ignore_eos=True)
@@ -205,7 +247,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     st: list[dict[str, int]] = []
     waits: list[float] = []
     faults: list[int] = []
-    times: list[tuple[float, float]] = []
+    times: list[tuple[float, float, float]] = []
     start = time.perf_counter()
     llm.engine.add_request("bench", prompt, params)
     while llm.engine.has_unfinished():
@@ -215,16 +257,19 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             st.append(tier.stats() if tier is not None else {})
             waits.append(tier.read_seconds if tier is not None else 0.0)
             faults.append(_major_faults())
-            times.append((spent[0], spent[1]))
+            times.append((spent[0], spent[1], float(parts_s[experts_part])))
+    cpu_decode.set_timings(None)
     first, last = st[0], st[-1]
     n = len(stamps) - 1
     span = stamps[-1] - stamps[0]
-    calls, kernels = (times[-1][i] - times[0][i] for i in (0, 1))
+    calls, kernels, experts = (times[-1][i] - times[0][i] for i in (0, 1, 2))
     wait = waits[-1] - waits[0]
     # where a decode token's time went (ms): the tier's calls (read waits, expert kernels, its
-    # Python and the native step's calls back into it) and the rest of the step
-    parts = {"read_wait": wait, "expert_kernels": kernels, "tier_python": calls - kernels - wait,
-             "rest": span - calls}  # fmt: skip
+    # Python and the native step's calls back into it), the native step's layers whose experts
+    # were all resident (their kernels: the step's experts part less its calls back), the rest
+    fast = max(experts - calls, 0.0)
+    parts = {"read_wait": wait, "expert_kernels": kernels + fast,
+             "tier_python": calls - kernels - wait, "rest": span - calls - fast}  # fmt: skip
     split = {k: 1e3 * v / n for k, v in parts.items()} if tier is not None else None
     return {
         "load_s": load_s,
@@ -236,6 +281,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         / (len(stamps) - 1),
         "hit_rate": _rate(first, last),
         "read_ahead_used": _used(first, last),
+        "read_ahead_per_token": (last.get("read_ahead", 0) - first.get("read_ahead", 0)) / n,
         "slots": tier.cache.slots if tier is not None else 0,
         "read_wait_s_per_token": wait / n,
         "ms_per_token": split,
@@ -265,6 +311,30 @@ def _time_tier(tier: Any) -> list[float]:
 
     tier.inner.forward_addresses, tier.forward_addresses = kernel, call
     return spent
+
+
+def replay_routes(path: str, layers: int) -> Any:
+    """A recorded routing trace's decode routes (experts/replay.read_trace) as a disk tier's
+    replay (TieredExecutor.set_replay): int32 [decode tokens, layers, the trace's top-k], the
+    model's layer i taking the trace's layer round(i * (trace layers - 1) / (layers - 1))
+    (spread over its depth)."""
+    import torch
+
+    from freetokend.experts.replay import read_trace
+
+    tr = read_trace(path)
+    pick = [round(i * (tr.num_layers - 1) / max(layers - 1, 1)) for i in range(layers)]
+    steps: list[dict[int, tuple[int, ...]]] = []
+    for b in tr.batches:
+        if not b.decode:
+            continue
+        if not steps or b.layer in steps[-1]:
+            steps.append({})
+        steps[-1][b.layer] = b.ids[0]
+    rows = [[list(s[lay]) for lay in pick] for s in steps if all(lay in s for lay in pick)]
+    if not rows:
+        raise ValueError(f"{path}: no decode token routes every layer")
+    return torch.tensor(rows, dtype=torch.int32)
 
 
 def _major_faults() -> int:
@@ -393,7 +463,8 @@ def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
 
 def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
     args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
-            "cache_mb": a.cache_mb}  # fmt: skip
+            "cache_mb": a.cache_mb, "routes": a.routes, "predictor": a.predictor,
+            "piece_kb": a.piece_kb, "switch_us": a.switch_us}  # fmt: skip
     if engine == "resident":  # the whole pool in RAM: no limit that binds, no disk tier
         args["cache_mb"], limit = None, 4 * path.stat().st_size
     cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
@@ -525,8 +596,33 @@ def main() -> int:
     ap.add_argument(
         "--daemon", action="store_true", help="only the daemon check, at the first limit"
     )
+    ap.add_argument(
+        "--routes", default=None,
+        help="a routing trace (shared/data/routing-traces: a bigmoeonedge .csv or a granite "
+        ".json) whose decode routes freetoken's disk tier replays in place of the random "
+        "routers' (TieredExecutor.set_replay: a real model's hit rates; the trace's top-k, "
+        "its layers spread over the model's); the resident engine keeps its own routes",
+    )  # fmt: skip
+    ap.add_argument(
+        "--predictor", choices=("router", "history", "none"), default=None,
+        help="freetoken's read-ahead: router (the next layer's router on this layer's input, "
+        "the default), history (experts/disk_predict: the next layer's experts that followed "
+        "this layer's in the tokens before; for --routes) or none (the default with --routes)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--piece-kb", type=int, default=0,
+        help="the most bytes one of the tier's reads takes, KiB (0: the source's own)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--switch-us", type=int, default=0,
+        help="the child's sys.setswitchinterval, microseconds (0: Python's 5000)",
+    )  # fmt: skip
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "ARGS"))
     a = ap.parse_args()
+    if a.predictor is None:
+        a.predictor = "none" if a.routes else "router"
+    if a.routes and a.predictor == "router":
+        ap.error("--routes replaces the routers' routes: their predictions name other experts")
     if a.child:
         engine, args = a.child[0], json.loads(a.child[1])
         res = child_freetoken(args) if engine == "freetoken" else child_llama(args)
@@ -580,11 +676,14 @@ def main() -> int:
         "1 / ceiling), the rate when no read overlaps compute (nothing read ahead: routing that "
         "nothing predicts, as random routers'; a layer's reads still overlap its resident experts)"
     )
+    if a.routes:
+        print(f"freetoken's routes replayed from {a.routes}")
+    print(f"freetoken's read-ahead predictor: {a.predictor}")
     head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} {'slots':>6} "
     print(
         head
         + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'serial':>7} {'of ser':>7} "
-        + f"{'killed':>7} {'peak MB':>8}"
+        + f"{'killed':>7} {'peak MB':>8} {'hits':>5}"
     )
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
@@ -611,8 +710,9 @@ def main() -> int:
             f"{tps / serial:.0%}" if tps and serial and engine != "resident" else "-",
             f"{killed}/{len(rows)}",
             f"{peak / 2**20:.0f}" if peak else "-",
+            f"{hits:.0%}" if (hits := _median(rows, "hit_rate")) is not None else "-",
         ]
-        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 7, 7, 8)
+        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 7, 7, 8, 5)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     for share in sorted({s for s, _ in results}):
         ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
@@ -624,6 +724,12 @@ def main() -> int:
         if parts:  # medians of each part over the runs
             print(f"{share:.0%} freetoken, where a decode token went (ms, medians): " + ", ".join(
                 f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]))  # fmt: skip
+        ahead = [r for r in ft or [] if r.get("read_ahead_per_token") is not None]
+        if ahead:
+            used = _median(ahead, "read_ahead_used")
+            print(f"{share:.0%} freetoken read ahead: "
+                  f"{_median(ahead, 'read_ahead_per_token'):.2f} experts a token, "
+                  + (f"{used:.0%} of them used" if used is not None else "none used"))  # fmt: skip
         res = results.get((share, "resident"))
         if ft and res:  # each run against the resident run of its round (run beside it)
             cells = []

@@ -151,7 +151,7 @@ class DecodeStep:
         self.t = len(chunks)
         self.num_experts = moe.num_experts
         self._executor = moe.executor  # what the addresses point into
-        self.qmoe, self.float_experts, self.experts = experts_of(moe.executor)
+        self.qmoe, self.float_experts, self.experts, self.tier = experts_of(moe.executor)
         ps = batch.kv.page_size
         pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
         self.width = width = max(pages)
@@ -187,6 +187,7 @@ class DecodeStep:
             [p.native for p in plans], h.data_ptr(), self.t, self.cos, self.sin, self.rot,
             self.interleaved, self.slots, self.tables, self.rows, self.lens, self.width, self.kv,
             self.num_experts, self.qmoe, self.float_experts, self.experts, timings(), ends,
+            tier=self.tier,
         )  # fmt: skip
 
     def tensor(self, name: str, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -199,17 +200,23 @@ class DecodeStep:
         return b
 
 
-def experts_of(executor: Any) -> tuple[Any, Any, Any]:
-    """decode_layers' (qmoe, float_experts, experts) for a MoE executor: the experts run inside
-    the call on ftdense's pool, a GGUF-block executor's native spec or ftnative's float executor
-    through its entry (native/src/executor_bridge.h); any other executor's (x, ids, w, out, t,
-    k) address call is made back through Python."""
+def experts_of(executor: Any) -> tuple[Any, Any, Any, Any]:
+    """decode_layers' (qmoe, float_experts, experts, tier) for a MoE executor: the experts run
+    inside the call on ftdense's pool, a GGUF-block executor's native spec or ftnative's float
+    executor through its entry (native/src/executor_bridge.h); any other executor's (x, ids, w,
+    out, t, k) address call is made back through Python. The disk tier's executor
+    (experts/disk_tier.py ``native_tier``): its slots' spec, its call back for a layer with an
+    expert not resident, and its fast path's ``tier``."""
+    native_tier = getattr(executor, "native_tier", None)
+    fast = native_tier() if native_tier is not None else None
+    if fast is not None:
+        return fast[0], None, executor.forward_addresses, fast[1]
     spec = getattr(executor, "native_spec", None)
     entry = getattr(executor, "native_entry", None)
     qmoe = spec() if spec is not None else None
     float_experts = entry() if entry is not None and qmoe is None else None
     experts = executor.forward_addresses if qmoe is None and float_experts is None else None
-    return qmoe, float_experts, experts
+    return qmoe, float_experts, experts, None
 
 
 # The KV pool's layers as decode_layers takes them, for the last pool seen: (k, v, bf16, pages,

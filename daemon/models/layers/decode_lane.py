@@ -51,7 +51,7 @@ class DecodeLane:
         self.states = list(states)
         self.plans = plans  # holds the addresses' tensors
         self.natives = [p.native for p in plans]
-        self.qmoe, self.float_experts, self.experts = cpu_decode.experts_of(moe.executor)
+        self.qmoe, self.float_experts, self.experts, self.tier = cpu_decode.experts_of(moe.executor)
         self.num_experts = moe.num_experts
         self.rope = rope
         self.rot = rope.cfg.rotary_dim
@@ -145,5 +145,6 @@ class DecodeLane:
             self.slots.data_ptr(), self.tables, self.rows, self.lens, width,
             cpu_decode.kv_layers(self.kv), self.num_experts, self.qmoe, self.float_experts,
             self.experts, cpu_decode.timings(), self.head.ends(self.ids, logits),
+            tier=self.tier,
         )  # fmt: skip
         return logits
