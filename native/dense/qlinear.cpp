@@ -231,9 +231,15 @@ void qlinear(Pool& pool, const QDotSet& ks, const float* x, int T, int K,
 void set_x8_streams(X8Streams mode) { g_x8_streams.store(static_cast<int>(mode)); }
 
 bool x8_single_stream() {
-  static const bool amd = amd_cpu();
+  // "auto": single on AMD CPUs with AVX-512 (Zen 4 and later, where it was measured faster);
+  // AMD CPUs without it (Zen 3) read faster with the requests (row_tasks.h)
+#ifndef FTNATIVE_NO_X86
+  static const bool single_auto = amd_cpu() && __builtin_cpu_supports("avx512f");
+#else
+  static const bool single_auto = false;
+#endif
   const auto mode = static_cast<X8Streams>(g_x8_streams.load(std::memory_order_relaxed));
-  return mode == X8Streams::kSingle || (mode == X8Streams::kAuto && amd);
+  return mode == X8Streams::kSingle || (mode == X8Streams::kAuto && single_auto);
 }
 
 namespace {

@@ -79,8 +79,12 @@ inline uintptr_t x8_request(const X8Stream& s, uintptr_t p) {
 // The AVX2 kernels (no pair kernels: the requests alone) on the same VM, 2 threads: Q4_K 1.05x,
 // Q6_K 1.08x without them.
 // Pairs were measured 1.13x over single groups (both with requests, 1 thread) on a Sapphire
-// Rapids VM, where one core read one stream at about 10 GB/s. So "auto" takes single on AMD
-// CPUs and pairs elsewhere; set_x8_streams chooses (ftdense.x8_streams).
+// Rapids VM, where one core read one stream at about 10 GB/s. On an AVX2-only AMD EPYC (Zen 3)
+// VM the requests won instead (the AVX2 kernels, 2 threads, modes alternated in one process over
+// the Q4_K_M benchmark file's real routes, medians of 16, machine shared): routed experts at 1
+// token 1.06x, at 4 tokens 1.12x, its Q6_K lm_head 1.12x / 1.05x. So "auto" takes single on AMD
+// CPUs with AVX-512 (Zen 4 and later) and the requests elsewhere; set_x8_streams chooses
+// (ftdense.x8_streams).
 enum class X8Streams { kAuto, kPair, kSingle };
 void set_x8_streams(X8Streams mode);
 bool x8_single_stream();  // the mode in force ("auto" resolved by the CPU's vendor)

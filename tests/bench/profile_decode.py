@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/profile_decode.py MODEL [--threads 2] [--tokens 64]
         [--quantize q4_k_m] [--quantize-experts q4_k] [--fp32-act] [--isa avx2] [--generic]
-        [--split-native]
+        [--split-native] [--streams 1]
 
 MODEL is a checkpoint folder or a GGUF file (the decode benchmark's are in
 /tmp/ftbench_decode: `mid/`, `mid-q4_k_m.gguf`, ...). After a warm-up, it decodes --tokens
@@ -14,7 +14,9 @@ take the native decode path (models/layers/cpu_decode.py) count as one part, "na
 layers" (with the embedding gather, the last norm and lm_head inside it when every layer takes
 that path: then a step is one native call, made by the runner's decode lane), unless --generic
 switches that path off. The timers cost a few microseconds a call, so
-the step is a little slower than in bench_decode.py.
+the step is a little slower than in bench_decode.py. With --streams N, each round decodes N
+requests (distinct prompts) side by side, every step a batch of N rows: the figures are per step
+(N tokens), timed from the first step after every request's prefill.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main() -> None:
         help="every kernel on this path, as bench_decode's --isa (avx2: a CPU without AVX-512)",
     )
     ap.add_argument("--generic", action="store_true", help="without the native decode path")
+    ap.add_argument("--streams", type=int, default=1, help="requests decoded side by side")
     ap.add_argument(
         "--split-native",
         action="store_true",
@@ -137,15 +140,20 @@ def main() -> None:
     native = _instrument_native() if a.split_native else None
     rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
     step = _timed("step", llm.engine.step)
-    prompt = [(7 * i + 3) % (vocab - 1) for i in range(16)]
     rounds: list[dict[str, float]] = []
     for r in range(a.rounds + 1):  # the first is the warm-up
-        llm.engine.add_request(
-            f"p{r}",
-            prompt,
-            SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True),
-        )
-        step()  # the prefill
+        reqs = []
+        for s in range(a.streams):
+            prompt = [(7 * i + 3 + 101 * s) % (vocab - 1) for i in range(16)]
+            reqs.append(f"p{r}.{s}")
+            llm.engine.add_request(
+                reqs[-1],
+                prompt,
+                SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True),
+            )
+        sched = llm.engine.scheduler
+        while any(not q.output for q in sched.waiting) or any(not q.output for q in sched.running):
+            step()  # the prefills
         _acc.clear()
         if native is not None:
             native[1].zero_()
@@ -159,8 +167,8 @@ def main() -> None:
     rounds = rounds[1:]
     mid = sorted(rounds, key=lambda t: t["step"])[len(rounds) // 2]
     parts = {k: v for k, v in mid.items() if k != "step" and not k.startswith(" ")}
-    print(f"{a.model}: {llm.config.num_layers} layers, {a.threads} threads")
-    print(f"{'part':<20} {'ms/token':>9}")
+    print(f"{a.model}: {llm.config.num_layers} layers, {a.threads} threads, {a.streams} streams")
+    print(f"{'part':<20} {'ms/step':>9}")
     for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"{k:<20} {v:9.3f}")
     print(f"{'glue':<20} {mid['step'] - sum(parts.values()):9.3f}")
@@ -172,9 +180,8 @@ def main() -> None:
         print(f"{'  calls, Python':<20} {mid['native decode layers'] - sum(inner.values()):9.3f}")
     steps = sorted(t["step"] for t in rounds)
     print(f"{'step':<20} {mid['step']:9.3f}   (rounds: {', '.join(f'{s:.2f}' for s in steps)})")
-    print(
-        f"median step {statistics.median(steps):.3f} ms = {1e3 / statistics.median(steps):.1f} tok/s"
-    )
+    tok_s = a.streams * 1e3 / statistics.median(steps)
+    print(f"median step {statistics.median(steps):.3f} ms = {tok_s:.1f} tok/s")
 
 
 if __name__ == "__main__":
