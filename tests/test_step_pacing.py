@@ -75,8 +75,9 @@ def test_decode_time_is_measured_first_then_chunks_fit_the_budget() -> None:
         pacer.observe(1, n, secs)
         sizes.append(n)
         pos += n
-    # three tokens of 3 ms at first, one once they cost over 5 ms
-    assert sizes[:4] == [1, 3, 3, 3] and sizes[-1] == 1, sizes
+    # 1, then 2 tried (never extrapolated from 1), then three tokens of 3 ms; one once they
+    # cost over 5 ms
+    assert sizes[:4] == [1, 2, 3, 3] and sizes[-1] == 1, sizes
     assert pacer.chunk_seconds(1) == pytest.approx(0.003 + 1e-5 * pos, rel=0.05)
 
 
@@ -112,6 +113,20 @@ def test_a_chunk_is_never_below_one_token_nor_above_the_limit() -> None:
     fast.observe(1, 0, 0.010)
     fast.observe(1, 4, 0.010)  # prompt tokens add nothing measurable
     assert fast.prefill_tokens(1, 37) == 37
+
+
+def test_a_one_token_chunk_that_costs_nothing_does_not_grant_the_whole_budget() -> None:
+    """A 1-token chunk runs with the decode rows, and beside a memory-bound decode step it may
+    add nothing measurable: larger sizes are not predicted from it (that would grant the whole
+    limit, seconds of prefill in one step), 2 is tried next, then sizes follow what 2 cost."""
+    pacer = StepPacer(BUDGET)
+    pacer.observe(1, 0, 0.010)
+    pacer.observe(1, 1, 0.010)
+    assert pacer.chunk_seconds(1) == 0.0
+    assert pacer.chunk_seconds(2) is None
+    assert pacer.prefill_tokens(1, 511) == 2
+    pacer.observe(1, 2, 0.010 + 0.004)  # the prefill path: 2 ms a token
+    assert pacer.prefill_tokens(1, 511) == 5  # 10 ms spare at 2 ms a token
 
 
 def test_a_dear_step_kind_is_not_tried_again_at_once() -> None:

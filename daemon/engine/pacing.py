@@ -11,7 +11,10 @@ context on a CPU). The pacer sizes that chunk by time instead, from running esti
   cost is not linear in n (a step with a chunk of 2 or more tokens takes the prefill path, with
   its own fixed cost, where a 1-token chunk does not; kernels change tiles with the rows), and
   it follows the prompt as its attention grows. A size not run recently is predicted from the
-  nearest run sizes: linearly between two, in proportion to the one below it otherwise.
+  nearest run sizes: linearly between two, in proportion to the one below it otherwise; a size
+  of 2 or more never from a 1-token chunk's cost (that chunk runs with the decode rows and may
+  add nothing measurable: predicting from it would grant the whole token budget at once), so
+  where 1 fits and no larger size is known, the next chunk tries 2.
 
 It gives the prompt chunks the largest n, from 1 up, whose step is predicted to take at most
 ``budget`` times a decode-only one, clamped to [``min_tokens``, the step's token budget]. Without
@@ -72,11 +75,13 @@ class StepPacer:
         return self._predict(n)
 
     def _predict(self, n: int) -> float | None:
-        sizes = self._sizes
-        if not sizes:
-            return None
         if n in self._chunk:
             return self._chunk[n][0]
+        # a 1-token chunk runs with the decode rows (no prefill path): its cost, often nothing
+        # measurable, says nothing of larger chunks'
+        sizes = self._sizes if n == 1 else [s for s in self._sizes if s >= 2]
+        if not sizes:
+            return None
         i = bisect.bisect_left(sizes, n)
         if i == 0:  # below every measured size: in proportion to the smallest
             return self._chunk[sizes[0]][0] * n / sizes[0]
@@ -101,6 +106,8 @@ class StepPacer:
         n = 0
         while n < limit:
             secs = self._predict(n + 1)
+            if secs is None and n == 1:  # 1 fits, nothing known of 2 or more: 2 is tried
+                n = 2
             if secs is None or secs > spare:
                 break
             n += 1
