@@ -30,6 +30,7 @@ from tiny_models import make_tiny
 from freetokend import LLM
 from freetokend.experts.block_executor import available
 from freetokend.experts.disk_cache import RamCache, slot_banks
+from freetokend.experts.disk_predict import CooccurrencePredictor
 from freetokend.experts.disk_tier import READ_AHEAD_MIN_PRECISION, SWITCH_S, TieredExecutor
 from freetokend.experts.formats import allocate, expert_rows, layered_format
 from freetokend.formats import direct_read
@@ -95,6 +96,33 @@ def test_ram_cache_reserve_never_evicts_the_running_call_nor_counts() -> None:
     assert c.reserve([22], keep=set()) == [(22, 2, 12)]  # 12 no longer runs
     slots, fills = c.lookup([21, 22])  # read ahead, then used: hits
     assert fills == [] and slots == {21: 0, 22: 2} and c.hits == 2
+
+
+def test_cooccurrence_predictor_names_what_followed_the_layer_before() -> None:
+    """The read-ahead learned from the routes alone (disk_predict): layer L + 1's experts that
+    followed this token's layer-L ones, the most often first, none never seen; a layer observed
+    after one that is not the layer before (a new token's first) is not counted."""
+    p = CooccurrencePredictor(num_layers=3, num_experts=8, width=2)
+    for _ in range(3):
+        p.observe(0, [1, 2])
+        p.observe(1, [5, 6])
+        p.observe(2, [7])
+    p.observe(0, [3])
+    p.observe(1, [4])
+    p.observe(1, [0])  # not after layer 0: counts nothing
+    assert sorted(p.predict(1, [1])) == [5, 6]
+    assert p.predict(1, [3]) == [4]
+    assert p.predict(2, [5, 6]) == [7]
+    assert p.predict(1, [0]) == []  # nothing ever followed expert 0 of layer 0
+    assert p.predict(2, [4]) == []  # layer 2 never came after [4] nor after [0]
+    assert p.predict(0, [1]) == [] and p.predict(3, [1]) == []  # no layer before / past the end
+    p.observe(0, [3])
+    p.observe(1, [4])
+    p.observe(0, [3])
+    p.observe(1, [2])
+    assert p.predict(1, [3]) == [4, 2]  # twice before once
+    with pytest.raises(ValueError, match="width"):
+        CooccurrencePredictor(3, 8, 0)
 
 
 def test_slot_banks_per_layer_classes_follow_the_pool_share() -> None:
