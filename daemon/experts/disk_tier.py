@@ -2,23 +2,23 @@
 fit the RAM budget stay in the checkpoint file and are read on demand into a RAM cache of expert
 slots.
 
-The slots are host banks of the model's own expert format (``slot_banks``), so the CPU
-executors compute over them unchanged: a MoE layer's call looks its distinct experts up in the
-cache (``RamCache``: an LRU at expert granularity), reads the missing ones from the file into
-their slots (``ExpertSource.pieces``: one read per projection of an expert, ~1 MB for
-Qwen3-30B-A3B's geometry, all of a call's in flight at once on a thread pool, ``O_DIRECT`` where
-the file system takes it: formats/direct_read.py; the reads release the GIL), each piece moved
-from the read's bounce buffer straight into its slot in the cpu backend's row interleave (as
-``formats.interleave_banks`` leaves a resident pool: one pass over the bytes), and calls the
-executor with slot ids in place of flat ids (a remap, as the device slot cache does) and the
-flat ids as the order a token's route terms add up in (``BlockExecutor.forward``'s ``order``:
-the kernel sorts routes by it, not by slot). A decode call (one token) does not wait for all its
-reads: it computes the experts it has while the others are read, and the missing ones as their
-reads land (``TieredExecutor._overlapped``: one kernel call for what is resident, one per batch
-of reads landed, route terms as rows of their own, added up in the kernel's order). Once
-a call's own experts are in, the next layer's predicted ones are read ahead while it computes
-(``TieredExecutor``). The same rows reach the same kernel and add up in the same order, so the
-results equal a resident pool's bit for bit (at any top-k).
+The slots are host banks of the model's own expert format (``slot_banks``), so the CPU executors
+compute over them unchanged: a MoE layer's call looks its distinct experts up in the cache
+(``RamCache``: an LRU at expert granularity), reads the missing ones from the file into their
+slots (disk_reads.py ``SlotReads``, ``ExpertSource.pieces``: one read per projection of an
+expert, ~1 MB for Qwen3-30B-A3B's geometry, all of a call's in flight at once on a thread pool,
+``O_DIRECT`` where the file system takes it: formats/direct_read.py; the reads release the GIL),
+each piece moved from the read's bounce buffer straight into its slot in the cpu backend's row
+interleave (as ``formats.interleave_banks`` leaves a resident pool: one pass over the bytes),
+and calls the executor with slot ids in place of flat ids (a remap, as the device slot cache
+does) and the flat ids as the order a token's route terms add up in (``BlockExecutor.forward``'s
+``order``: the kernel sorts routes by it, not by slot). A decode call (one token) does not wait
+for all its reads: it computes the experts it has while the others are read, and the missing
+ones as their reads land (``TieredExecutor._overlapped``: one kernel call for what is resident,
+one per batch of reads landed, route terms as rows of their own, added up in the kernel's order:
+disk_rows.py). Once a call's own experts are in, the next layer's predicted ones are read ahead
+while it computes (``TieredExecutor``). The same rows reach the same kernel and add up in the
+same order, so the results equal a resident pool's bit for bit (at any top-k).
 
 The native decode step (models/layers/cpu_decode.py) runs a layer whose experts are all
 resident itself: ``native_tier`` gives it the slots' kernel spec and the flat id -> slot table,
@@ -49,22 +49,18 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from queue import Empty, SimpleQueue
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from ..formats import gguf_interleave
 from .banks import ExpertBanks
 from .disk_cache import RamCache
 from .disk_predict import CooccurrencePredictor
-from .formats import (
-    expert_rows,
-    interleaves,
-    layer_pair,
-)
+from .disk_reads import READ_THREADS, ExpertSource, SlotReads
+from .disk_rows import Rows, row_buffers
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +69,6 @@ STAT_NAMES = (
     "hits", "misses", "fills", "bytes_read", "read_ahead", "read_ahead_hits", "read_ahead_wasted",
     "read_ahead_skipped",
 )  # fmt: skip
-READ_THREADS = 8  # reads in flight at once (a disk wants several: 8 measured faster than 4)
 # Read ahead only while the predictions are this precise (a share of the predicted experts the
 # call then used, a running mean): a wasted read costs the disk as much as a needed one (random
 # weights predict at chance, 8 of 128; a trained model's next-layer router far better)
@@ -95,21 +90,6 @@ NATIVE_LOG = 1 << 14
 # 6.48 tok/s, 5 ms 5.34 and 5.26 (read wait 93-100 ms a token against 123-127); at 50 % (~10
 # reads) no difference (10.8-12.2 both)
 SWITCH_S = 200e-6
-
-
-class ExpertSource(Protocol):
-    """Where experts not resident are read from (a checkpoint file)."""
-
-    def pieces(
-        self, fid: int, dest: dict[str, Tensor], put: Callable[[str, Tensor, Tensor], None]
-    ) -> list[Callable[[], int]]:
-        """Expert ``fid``'s weights as reads that may run at once (each returns its bytes): each
-        reads a piece of one projection's rows (gate, up or down: GGUF rows as the loader reads
-        them) and hands it to ``put(proj, src, dest)``, ``dest`` its rows of ``dest`` (bank name
-        -> that expert's row of the slot banks; gate rows then up rows in ``gate_up``)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -164,7 +144,7 @@ class TieredExecutor:
         self._capacity = [len(c) for c in classes]  # slots per class
         # flat id + 1 -> slot (-1: not resident or still being read); 0 is the skipped route's
         self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)
-        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="ft-disk-tier")
+        self._readers = SlotReads(tier.source, slots, read_threads)
         self._lock = threading.Lock()  # one call's lookup, fills and compute at a time
         self.counters = dict.fromkeys(STAT_NAMES, 0)
         self.read_seconds = 0.0  # time calls waited for reads (their own and ones read ahead)
@@ -175,8 +155,7 @@ class TieredExecutor:
         self.history: CooccurrencePredictor | None = None
         self.read_ahead = read_ahead
         self._reading: dict[int, tuple[int, Future[int]]] = {}  # fid -> (slot, its read)
-        self._io: dict[int, tuple[dict[str, Tensor], Callable[[str, Tensor, Tensor], None]]] = {}
-        self._rows_buf: dict[str, Tensor] | None = None  # an overlapped call's rows (_Rows)
+        self._rows_buf: dict[str, Tensor] | None = None  # an overlapped call's rows (disk_rows)
         self._unused: set[int] = set()  # read ahead, not used yet
         self._predicted: tuple[int, set[int]] = (-1, set())  # the next layer, its predicted
         self.precision = 1.0  # the predictions' running precision (starts trusting them)
@@ -189,7 +168,7 @@ class TieredExecutor:
         # k and the position (the session's tokens so far), one tensor for the executor's life
         self._replay_head = torch.zeros(5, dtype=torch.int64)
         # the file's descriptors and the readers go with the executor (an unloaded model)
-        self._finalizer = weakref.finalize(self, _release, self._reads, tier.source)
+        self._finalizer = weakref.finalize(self, self._readers.close)
 
     # -- the executor interface ------------------------------------------------------------------
     def forward(self, x: Tensor, flat_ids: Tensor, weights: Tensor) -> Tensor:
@@ -467,7 +446,8 @@ class TieredExecutor:
         while lead < len(routes) and routes[lead][0] in ready:
             lead += 1
         wt = torch.frombuffer((ctypes.c_float * k).from_address(w), dtype=torch.float32)
-        rows = _Rows(self._row_buffers(k), xt, wt, flat_ids, self.cache.slot_of, row)
+        self._rows_buf = row_buffers(self._rows_buf, k, self.hidden_size)
+        rows = Rows(self._rows_buf, xt, wt, flat_ids, self.cache.slot_of, row)
         rows.run(([[j for _, j in routes[:lead]]] if lead else [])
                  + [[j] for f, j in routes[lead:] if f in ready], self.inner)  # fmt: skip
         left = len(waiting)
@@ -498,20 +478,6 @@ class TieredExecutor:
             acc.zero_()
         for _, j in routes[lead:]:
             acc.add_(rows.of(j))
-
-    def _row_buffers(self, k: int) -> dict[str, Tensor]:
-        """An overlapped call's reused buffers of k + 1 rows (see ``_Rows``)."""
-        b = self._rows_buf
-        if b is None or b["ids"].shape[1] != k:
-            h, n = self.hidden_size, k + 1
-            b = self._rows_buf = {
-                "x": torch.empty(n, h, dtype=torch.float32),
-                "ids": torch.empty(n, k, dtype=torch.int32),
-                "w": torch.empty(n, k, dtype=torch.float32),
-                "order": torch.empty(n, k, dtype=torch.int32),
-                "out": torch.empty(n, h, dtype=torch.float32),
-            }
-        return b
 
     def _ahead(self, fids: list[int], x: Tensor | Callable[[], Tensor]) -> None:
         """Starts reading the next MoE layer's predicted experts (see the class); ``x``: the
@@ -583,46 +549,9 @@ class TieredExecutor:
         its experts up in), each expert's pieces all at once on the pool."""
         self._evict(fills)
         for f, s, _ in sorted(fills):
-            self._reading[f] = (s, self._start(f, s))
+            self._reading[f] = (s, self._readers.start(f, s))
             if ahead:
                 self._unused.add(f)
-
-    def _start(self, fid: int, slot: int) -> Future[int]:
-        """Starts expert ``fid``'s reads into ``slot`` -> a future of its bytes, set once all
-        its pieces have landed (the first failure raised)."""
-        pieces = self.tier.source.pieces(fid, *self._slot_io(slot))
-        done: Future[int] = Future()
-        landing = _Landing(len(pieces), done)
-        for piece in pieces:
-            self._reads.submit(landing.run, piece)
-        return done
-
-    def _slot_io(
-        self, slot: int
-    ) -> tuple[dict[str, Tensor], Callable[[str, Tensor, Tensor], None]]:
-        """``slot``'s rows and how a piece goes into them (``_dest``, ``_mover``), made once a
-        slot (~0.15 ms of Python a fill otherwise)."""
-        io = self._io.get(slot)
-        if io is None:
-            io = self._io[slot] = (self._dest(slot), self._mover(slot))
-        return io
-
-    def _dest(self, slot: int) -> dict[str, Tensor]:
-        return {p: expert_rows(self.slots, p, slot, 1)[0] for p in ("gate_up", "down")}
-
-    def _mover(self, slot: int) -> Callable[[str, Tensor, Tensor], None]:
-        """How a piece read for ``slot`` goes into it: interleaved as formats.interleave_banks
-        does to a resident pool (by rows of its projection's type where that interleaves), else
-        copied."""
-        qtypes: dict[str, str | None] = {"gate": None, "up": None, "down": None}
-        if self.slots.interleaved:
-            gate_up, down = layer_pair(self.slots, slot)
-            dest = self._dest(slot)
-            if interleaves("gate_up", gate_up, dest["gate_up"].shape[0]):
-                qtypes["gate"] = qtypes["up"] = gate_up
-            if interleaves("down", down, dest["down"].shape[0]):
-                qtypes["down"] = down
-        return functools.partial(_move, qtypes)
 
     def _collect(self, fid: int, evicted: bool) -> None:
         """Waits for ``fid``'s read; its slot then enters the table unless ``evicted``. A
@@ -636,7 +565,7 @@ class TieredExecutor:
                 return
             log.warning("disk tier: reading expert %d failed; reading it again", fid)
             try:
-                nbytes = self._read_now(fid, slot)
+                nbytes = self._readers.read_now(fid, slot)
             except BaseException:
                 self.cache.forget(fid)
                 raise
@@ -651,95 +580,6 @@ class TieredExecutor:
                 s[slot].copy_(b[fid])
         self._lut[fid + 1] = slot
 
-    def _read_now(self, fid: int, slot: int) -> int:
-        """Reads expert ``fid`` into ``slot`` here."""
-        return sum(p() for p in self.tier.source.pieces(fid, *self._slot_io(slot)))
-
-
-class _Rows:
-    """An overlapped decode call's kernel calls (``TieredExecutor._overlapped``): each call's
-    rows are groups of the token's route positions (a group's routes summed in the kernel's
-    order), each row the token's x, gate weights and order with the ids of its group's slots
-    (-1 elsewhere); the results go to consecutive rows of ``buf["out"]`` (k + 1 rows: the
-    leading group and each other route once)."""
-
-    def __init__(
-        self, buf: dict[str, Tensor], x: Tensor, w: Tensor, order: Tensor,
-        slot_of: dict[int, int], row: list[int],
-    ) -> None:  # fmt: skip
-        self.buf, self.x, self.w, self.order = buf, x, w, order
-        self.slot_of, self.row = slot_of, row
-        self.at: dict[int, int] = {}  # route position -> the row holding its term (or sum)
-        self.used = 0
-
-    def run(self, groups: list[list[int]], inner: Any) -> None:
-        """One kernel call, a row per group (none: no call)."""
-        if not groups:
-            return
-        b, m, k = self.buf, len(groups), len(self.row)
-        ids = [[-1] * k for _ in groups]
-        for i, js in enumerate(groups):
-            for j in js:
-                ids[i][j] = self.slot_of[self.row[j]]
-                self.at[j] = self.used + i
-        b["x"][:m] = self.x
-        b["ids"][:m] = torch.tensor(ids, dtype=torch.int32)
-        b["w"][:m] = self.w
-        b["order"][:m] = self.order
-        inner.forward_addresses(
-            b["x"].data_ptr(), b["ids"].data_ptr(), b["w"].data_ptr(),
-            b["out"][self.used].data_ptr(), m, k, b["order"].data_ptr(),
-        )  # fmt: skip
-        self.used += m
-
-    def of(self, j: int) -> Tensor:
-        """The row of route position ``j``'s term (or of the leading sum it is in)."""
-        return self.buf["out"][self.at[j]]
-
-
-class _Landing:
-    """One expert's pieces in flight: the future is set when the last one ends."""
-
-    def __init__(self, pieces: int, done: Future[int]) -> None:
-        self.left, self.nbytes = pieces, 0
-        self.error: BaseException | None = None
-        self.done = done
-        self.lock = threading.Lock()
-
-    def run(self, piece: Callable[[], int]) -> None:
-        n, err = 0, None
-        try:
-            n = piece()
-        except BaseException as e:  # handed to the future
-            err = e
-        with self.lock:
-            self.left -= 1
-            self.nbytes += n
-            if err is not None and self.error is None:
-                self.error = err
-            last = self.left == 0
-        if last:
-            if self.error is not None:
-                self.done.set_exception(self.error)
-            else:
-                self.done.set_result(self.nbytes)
-
 
 def _landed(queue: SimpleQueue[int], fid: int, _: Future[int]) -> None:
     queue.put(fid)
-
-
-def _move(qtypes: dict[str, str | None], proj: str, src: Tensor, dest: Tensor) -> None:
-    """A piece of a projection's rows (``src``, GGUF rows as the file has them) into ``dest``."""
-    qtype = qtypes[proj]
-    if qtype is None:
-        ctypes.memmove(dest.data_ptr(), src.data_ptr(), src.numel())
-    elif gguf_interleave.native_moves_available():
-        gguf_interleave.interleave_to(src, dest, qtype)
-    else:
-        dest.copy_(gguf_interleave.interleave(src, qtype))
-
-
-def _release(reads: ThreadPoolExecutor, source: ExpertSource) -> None:
-    reads.shutdown(wait=True)
-    source.close()
