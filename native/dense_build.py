@@ -47,6 +47,7 @@ def dense_extension() -> Extension:
             "qlinear.cpp",
             "qmoe.cpp",
             "qdot_scalar.cpp",
+            "tier_read.cpp",
         )
     ]
     if x86:

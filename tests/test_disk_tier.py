@@ -31,6 +31,7 @@ from freetokend import LLM
 from freetokend.experts.block_executor import available
 from freetokend.experts.disk_cache import RamCache, slot_banks
 from freetokend.experts.disk_predict import CooccurrencePredictor
+from freetokend.experts.disk_reads import _tier_read
 from freetokend.experts.disk_tier import READ_AHEAD_MIN_PRECISION, SWITCH_S, TieredExecutor
 from freetokend.experts.formats import allocate, expert_rows, layered_format
 from freetokend.formats import direct_read
@@ -179,6 +180,21 @@ def test_staged_reads_equal_the_files_bytes(tmp_path: Path) -> None:
             direct_read.read_staged(fd, data.numel() - 10, 11, True)
         with pytest.raises(ValueError, match="at most"):
             direct_read.read_staged(fd, 0, direct_read.PIECE + 1, True)
+        read = _tier_read()  # the native read-and-move's copy (disk_reads.SlotMove.native)
+        if read is not None:
+            out = torch.zeros(direct_read.PIECE, dtype=torch.uint8)
+            for offset, n in ((0, 4096), (33, 5107), (4095, direct_read.PIECE),
+                              (data.numel() - 9000, 9000), (77, 0)):  # fmt: skip
+                for f, direct in ((fd, True), (plain, False)):
+                    out.zero_()
+                    assert read(f, offset, n, direct, out.data_ptr(), -1, 0, 0, "f") == n
+                    assert torch.equal(out[:n], data[offset : offset + n])
+            with pytest.raises(EOFError, match="ends"):
+                read(fd, data.numel() - 10, 11, True, out.data_ptr(), -1, 0, 0, "f")
+            with pytest.raises(ValueError, match="fit"):
+                read(fd, 0, direct_read.PIECE + 1, True, out.data_ptr(), -1, 0, 0, "f")
+            with pytest.raises(OSError):
+                read(-1, 0, 10, False, out.data_ptr(), -1, 0, 0, "f")
     finally:
         os.close(fd)
         os.close(plain)
@@ -250,6 +266,17 @@ def _check_equal(resident: LLM, tiered: LLM, monkeypatch: pytest.MonkeyPatch) ->
             assert sum(p() for p in pieces) == tier.slots.nbytes_per_expert()
             got.append(dest)
         assert all(torch.equal(got[0][p], got[1][p]) for p in like)
+    if tier.slots.interleaved and _tier_read() is not None:  # one native call a piece
+        dest, move = tier._readers.slot_io(0)
+        ways = []
+        for put in (move, lambda *a: move(*a)):  # native, then Python's read and move
+            out = {p: torch.zeros_like(t) for p, t in dest.items()}
+            pieces = src.pieces(9, out, put)
+            assert all(type(p.func) is not type(_check_equal) for p in pieces) == (put is move)
+            assert sum(p() for p in pieces) == tier.slots.nbytes_per_expert()
+            ways.append(out)
+        assert all(torch.equal(ways[0][p], ways[1][p]) for p in dest)
+        assert any(move.qtypes.values())  # (interleaved: kmix's types interleave)
         assert all(bool(t.any()) for t in got[0].values())
     assert tier.cache.slots == 2 < tiered.banks.num_flat == 24  # top-k: a quarter of a layer
     # the slots are in the resident pool's interleaved layout, each interleaved as it is read

@@ -11,14 +11,16 @@ moves release the GIL."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from ..formats import gguf_interleave
+from ..formats.gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, QTYPE_CODES
 from .banks import ExpertBanks
 from .formats import expert_rows, interleaves, layer_pair
 
@@ -43,10 +45,28 @@ class ExpertSource(Protocol):
 class SlotMove:
     """How a piece read for a slot goes into it (``put``): interleaved as
     formats.interleave_banks does to a resident pool (``qtypes[proj]``: the GGUF type its rows
-    interleave by), else copied (None)."""
+    interleave by), else copied (None).
+
+    ``native`` says how ``ftdense.tier_read`` makes a piece's read and move in one call, the GIL
+    released throughout (a source's reader thread then runs no Python per piece but the call);
+    None where it cannot (the extension not built, too few rows to interleave): the read then
+    hands the piece to this object in Python."""
 
     def __init__(self, qtypes: dict[str, str | None]) -> None:
         self.qtypes = qtypes
+
+    def native(self, proj: str, rows: int, row_bytes: int) -> tuple[Any, int, int] | None:
+        """(ftdense.tier_read, its ``qtype``: the code to interleave by or -1 to copy, its
+        ``K``: the inputs of a row) for a piece of ``rows`` rows of ``proj``, or None."""
+        read = _tier_read()
+        if read is None:
+            return None
+        qtype = self.qtypes[proj]
+        if qtype is None:
+            return read, -1, 0
+        if not gguf_interleave.interleavable(qtype, rows) or row_bytes % BLOCK_BYTES[qtype]:
+            return None
+        return read, QTYPE_CODES[qtype], row_bytes // BLOCK_BYTES[qtype] * BLOCK_INPUTS[qtype]
 
     def __call__(self, proj: str, src: Tensor, dest: Tensor) -> None:
         """A piece of a projection's rows (``src``, GGUF rows as the file has them) into
@@ -67,6 +87,7 @@ class SlotReads:
         self.source, self.slots = source, slots
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ft-disk-tier")
         self._io: dict[int, tuple[dict[str, Tensor], SlotMove]] = {}
+        self._moves: dict[tuple[tuple[str, str] | None, int, int], SlotMove] = {}
 
     def start(self, fid: int, slot: int) -> Future[int]:
         """Starts expert ``fid``'s reads into ``slot`` -> a future of its bytes, set once all
@@ -83,31 +104,45 @@ class SlotReads:
         return sum(p() for p in self.source.pieces(fid, *self.slot_io(slot)))
 
     def slot_io(self, slot: int) -> tuple[dict[str, Tensor], SlotMove]:
-        """``slot``'s rows and how a piece goes into them (``_dest``, ``_mover``), made once a
-        slot (~0.15 ms of Python a fill otherwise)."""
+        """``slot``'s rows and how a piece goes into them (``_mover``), made once a slot (~0.15
+        ms of Python a fill otherwise)."""
         io = self._io.get(slot)
         if io is None:
-            io = self._io[slot] = (self._dest(slot), self._mover(slot))
+            dest = {p: expert_rows(self.slots, p, slot, 1)[0] for p in ("gate_up", "down")}
+            io = self._io[slot] = (dest, self._mover(slot, dest))
         return io
 
-    def _dest(self, slot: int) -> dict[str, Tensor]:
-        return {p: expert_rows(self.slots, p, slot, 1)[0] for p in ("gate_up", "down")}
-
-    def _mover(self, slot: int) -> SlotMove:
-        qtypes: dict[str, str | None] = {"gate": None, "up": None, "down": None}
-        if self.slots.interleaved:
-            gate_up, down = layer_pair(self.slots, slot)
-            dest = self._dest(slot)
-            if interleaves("gate_up", gate_up, dest["gate_up"].shape[0]):
-                qtypes["gate"] = qtypes["up"] = gate_up
-            if interleaves("down", down, dest["down"].shape[0]):
-                qtypes["down"] = down
-        return SlotMove(qtypes)
+    def _mover(self, slot: int, dest: dict[str, Tensor]) -> SlotMove:
+        """``slot``'s ``SlotMove``: one per pair of block types and the slot's row counts."""
+        pair = layer_pair(self.slots, slot) if self.slots.interleaved else None
+        key = (pair, dest["gate_up"].shape[0], dest["down"].shape[0])
+        move = self._moves.get(key)
+        if move is None:
+            qtypes: dict[str, str | None] = {"gate": None, "up": None, "down": None}
+            if pair is not None:
+                gate_up, down = pair
+                if interleaves("gate_up", gate_up, key[1]):
+                    qtypes["gate"] = qtypes["up"] = gate_up
+                if interleaves("down", down, key[2]):
+                    qtypes["down"] = down
+            move = self._moves[key] = SlotMove(qtypes)
+        return move
 
     def close(self) -> None:
         """The readers end (the reads in flight first), then the source's descriptors."""
         self.pool.shutdown(wait=True)
         self.source.close()
+
+
+@functools.cache
+def _tier_read() -> Any:
+    """The native read-and-move of a piece (native/dense/tier_read.cpp), None unbuilt."""
+    try:
+        # deferred: ftdense (native extension)
+        import ftdense  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return getattr(ftdense, "tier_read", None)
 
 
 class _Landing:

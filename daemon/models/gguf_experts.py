@@ -305,7 +305,9 @@ class GgufExpertSource:
         Qwen3-30B-A3B's Q4_K_M; larger ones in whole groups of 8 rows), each read into the
         thread's bounce buffer (``direct_read.read_staged``) and handed to ``put(proj, src,
         dest)`` (proj: gate | up | down; src and dest [rows, row bytes]), which moves it into
-        ``dest`` (its rows of the expert's slot) as the load would have left it."""
+        ``dest`` (its rows of the expert's slot) as the load would have left it. Where ``put``
+        says how (``disk_reads.SlotMove.native``), a piece is one native call that reads and
+        moves it with the GIL released (``ftdense.tier_read``), the same bytes."""
         layer, e = divmod(fid, self.num_experts)
         half = dest["gate_up"].shape[0] // 2
         out: list[Callable[[], int]] = []
@@ -323,8 +325,17 @@ class GgufExpertSource:
             direct = self.direct.get(str(f.path))
             fd, name = (direct if direct is not None else f.fd), str(f.path)
             at = t.offset + e * n
+            native = getattr(put, "native", None)
             for r0 in range(0, rows, step):
                 piece = part[r0 : r0 + step]
+                how = native(proj, piece.shape[0], rb) if native is not None else None
+                if how is not None:  # the read and the move in one native call (disk_reads)
+                    read, qtype, k = how
+                    out.append(functools.partial(
+                        read, fd, at + r0 * rb, piece.numel(), direct is not None,
+                        piece.data_ptr(), qtype, piece.shape[0], k, name,
+                    ))  # fmt: skip
+                    continue
                 out.append(functools.partial(
                     _staged, fd, direct is not None, at + r0 * rb, proj, piece, put, name
                 ))  # fmt: skip

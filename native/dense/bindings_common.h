@@ -39,4 +39,7 @@ void bind_decode_layers(pybind11::module_& m);
 // index_topk and sparse_attention (bindings_sparse.cpp).
 void bind_sparse(pybind11::module_& m);
 
+// tier_read, the disk tier's read of a piece into its slot (tier_read.cpp).
+void bind_tier_read(pybind11::module_& m);
+
 }  // namespace ftdense_py
