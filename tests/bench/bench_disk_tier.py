@@ -20,6 +20,8 @@ figures are medians over ``--repeats`` runs:
 - llama.cpp (llama-cpp-python): ``use_mmap=True`` and weight repacking off
   (``llama_model_params.use_extra_bufts = False``: repacking copies the weights into anonymous
   memory, which cannot fit under the limit); checked: its log names no CPU_REPACK buffer;
+- base (``--base PYTHONPATH``): freetoken from another tree, as ``freetoken`` runs (a change's
+  before and after in one run, interleaved);
 - resident: freetoken with the whole pool in RAM (no disk tier; its cgroup's limit 4x the file,
   which never binds), run beside the others: the decode's compute bound on the machine as it is
   loaded during the run. A tiered decode cannot beat it, so where it falls below 70 % of the
@@ -471,10 +473,11 @@ def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str,
     drop_caches()
     try:
         t0 = time.perf_counter()
+        env = dict(os.environ, PYTHONPATH=a.base) if engine == "base" else None
         p = subprocess.run(
-            [sys.executable, __file__, "--child", "freetoken" if engine == "resident" else engine,
-             json.dumps(args)],
-            capture_output=True, text=True, preexec_fn=cg.join, timeout=a.timeout,
+            [sys.executable, __file__, "--child",
+             "freetoken" if engine in ("resident", "base") else engine, json.dumps(args)],
+            capture_output=True, text=True, preexec_fn=cg.join, timeout=a.timeout, env=env,
         )  # fmt: skip
         wall = time.perf_counter() - t0
         kills = cg.oom_kills()
@@ -617,12 +620,19 @@ def main() -> int:
         "--switch-us", type=int, default=0,
         help="the child's sys.setswitchinterval, microseconds (0: Python's 5000)",
     )  # fmt: skip
+    ap.add_argument(
+        "--base", default=None,
+        help="a PYTHONPATH of another freetoken tree (before a change), run as engine 'base' "
+        "beside the others (--engines base,freetoken,...), interleaved",
+    )  # fmt: skip
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "ARGS"))
     a = ap.parse_args()
     if a.predictor is None:
         a.predictor = "none" if a.routes else "router"
     if a.routes and a.predictor == "router":
         ap.error("--routes replaces the routers' routes: their predictions name other experts")
+    if "base" in a.engines.split(",") and not a.base:
+        ap.error("engine base: --base names its tree's PYTHONPATH")
     if a.child:
         engine, args = a.child[0], json.loads(a.child[1])
         res = child_freetoken(args) if engine == "freetoken" else child_llama(args)
@@ -720,10 +730,12 @@ def main() -> int:
             x, y = _median(ft, "decode_tps"), _median(lc, "decode_tps")
             if x and y:
                 print(f"{share:.0%}: freetoken / llama.cpp decode = {x / y:.2f}x")
-        parts = [r["ms_per_token"] for r in ft or [] if r.get("ms_per_token")]
-        if parts:  # medians of each part over the runs
-            print(f"{share:.0%} freetoken, where a decode token went (ms, medians): " + ", ".join(
-                f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]))  # fmt: skip
+        for name in ("base", "freetoken"):
+            parts = [r["ms_per_token"] for r in results.get((share, name), [])
+                     if r.get("ms_per_token")]  # fmt: skip
+            if parts:  # medians of each part over the runs
+                print(f"{share:.0%} {name}, where a decode token went (ms, medians): " + ", ".join(
+                    f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]))  # fmt: skip
         ahead = [r for r in ft or [] if r.get("read_ahead_per_token") is not None]
         if ahead:
             used = _median(ahead, "read_ahead_used")
