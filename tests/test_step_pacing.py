@@ -129,6 +129,29 @@ def test_a_one_token_chunk_that_costs_nothing_does_not_grant_the_whole_budget() 
     assert pacer.prefill_tokens(1, 511) == 5  # 10 ms spare at 2 ms a token
 
 
+def test_chunks_with_a_fixed_part_fill_the_budget() -> None:
+    """A prefill chunk costs a fixed part plus each token: sizes above the largest measured
+    are predicted on at the marginal cost of a token, so the steps grow to the largest chunk
+    that fits the budget (in proportion to the largest, every larger size looks dearer than it
+    is by the fixed part over the size, and the chunks stop short of it)."""
+    budget, decode = 3.0, 0.010
+    pacer = StepPacer(budget)
+    pacer.observe(1, 0, decode)
+
+    def extra_s(n: int) -> float:
+        return 0.001 if n == 1 else 0.0055 + 0.002 * n
+
+    sizes = []
+    for _ in range(REFRESH_STEPS - 2):
+        n = pacer.prefill_tokens(1, 512)
+        secs = decode + extra_s(n)
+        assert secs <= budget * decode * 1.0001, (n, sizes)
+        pacer.observe(1, n, secs)
+        sizes.append(n)
+    # 0.020 s of room: 7 tokens (0.0055 + 7 x 0.002), reached within a few steps and kept
+    assert sizes[:3] == [1, 2, 4] and sizes[-20:] == [7] * 20, sizes
+
+
 def test_a_dear_step_kind_is_not_tried_again_at_once() -> None:
     """A chunk of 2 or more tokens takes the prefill path with a fixed cost of its own: the
     pacer learns that size 2 is over the budget where 1 is not, and stays at 1 (no steps over

@@ -11,10 +11,13 @@ context on a CPU). The pacer sizes that chunk by time instead, from running esti
   cost is not linear in n (a step with a chunk of 2 or more tokens takes the prefill path, with
   its own fixed cost, where a 1-token chunk does not; kernels change tiles with the rows), and
   it follows the prompt as its attention grows. A size not run recently is predicted from the
-  nearest run sizes: linearly between two, in proportion to the one below it otherwise; a size
-  of 2 or more never from a 1-token chunk's cost (that chunk runs with the decode rows and may
-  add nothing measurable: predicting from it would grant the whole token budget at once), so
-  where 1 fits and no larger size is known, the next chunk tries 2.
+  nearest run sizes: linearly between two; above them on from the largest at the marginal
+  cost of a token between the two largest (a chunk has a fixed part: in proportion alone would
+  never try a larger chunk that still fits, and steps would stay well under the budget), at
+  least half and at most all of the largest's cost a token; below them in proportion to the
+  smallest. A size of 2 or more is never predicted from a 1-token chunk's cost (that chunk runs
+  with the decode rows and may add nothing measurable: predicting from it would grant the whole
+  token budget at once), so where 1 fits and no larger size is known, the next chunk tries 2.
 
 It gives the prompt chunks the largest n, from 1 up, whose step is predicted to take at most
 ``budget`` times a decode-only one, clamped to [``min_tokens``, the step's token budget]. Without
@@ -40,6 +43,7 @@ EMA_WEIGHT = 0.25  # weight of the newest measurement in each running estimate
 STALE_WEIGHT = 0.5  # ... of a decode time measured again after REFRESH_STEPS (the old is stale)
 REFRESH_STEPS = 64  # steps after which a decode-only step measures the decode time again
 FORGET_REFRESHES = 4  # a chunk size's estimate unused for this many refresh periods is dropped
+MIN_SLOPE = 0.5  # a token past the largest measured chunk: at least this share of its mean cost
 
 
 class StepPacer:
@@ -86,10 +90,27 @@ class StepPacer:
         if i == 0:  # below every measured size: in proportion to the smallest
             return self._chunk[sizes[0]][0] * n / sizes[0]
         lo, e_lo = sizes[i - 1], self._chunk[sizes[i - 1]][0]
-        if i == len(sizes):  # above every measured size: in proportion to the largest
-            return e_lo * n / lo
+        if i == len(sizes):  # above every measured size: see _extrapolate
+            return self._extrapolate(sizes, n)
         hi, e_hi = sizes[i], self._chunk[sizes[i]][0]
         return e_lo + (e_hi - e_lo) * (n - lo) / (hi - lo)
+
+    def _extrapolate(self, sizes: list[int], n: int) -> float:
+        """A size above every measured one (``sizes``, ascending): on from the largest at the
+        marginal cost a token added between the two largest, held between ``MIN_SLOPE`` of
+        the largest's cost a token and that whole cost a token (in proportion, where only one
+        size is known). A prefill chunk has a fixed part, so in proportion alone overrates
+        every larger size (by the fixed part over the size) and never tries one whose step
+        would still fit; the floor keeps a noisy pair of estimates from granting many tokens
+        at once (a step then overruns by at most what the budget had left, and that size is
+        measured)."""
+        hi, e_hi = sizes[-1], self._chunk[sizes[-1]][0]
+        mean = e_hi / hi
+        slope = mean
+        if len(sizes) >= 2:
+            lo, e_lo = sizes[-2], self._chunk[sizes[-2]][0]
+            slope = min(max((e_hi - e_lo) / (hi - lo), MIN_SLOPE * mean), mean)
+        return e_hi + slope * (n - hi)
 
     def prefill_tokens(self, decode_rows: int, limit: int) -> int:
         """How many prompt tokens, at most ``limit``, a step with ``decode_rows`` decode rows
