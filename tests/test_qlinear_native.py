@@ -439,3 +439,22 @@ def test_scale_min_groups_largest_sums_any_pass(isa: str, fmt: str, t: int) -> N
     torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
     top = 15 if fmt == "q4_k" else 31
     assert got[0, 0].item() > 256 * top * 63 / 256 * 0.99  # the first super-block not cancelled
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("t", [4, 7, 9])
+def test_interleaved_k_quant_passes_equal_one_token_bit_for_bit(isa: str, fmt: str, t: int) -> None:
+    """The group kernels' passes of several tokens (AVX2: 4 a pass, Q4_K's and Q6_K's inner
+    loops as fixed instruction sequences, qdot_x8_avx2_runs.h; the rest of the tokens in a
+    shorter pass) give each row the same bits as that token alone (the one-token form), on
+    random rows and activations: 77 rows (9 groups and 5 plain rows after them) of 768 inputs
+    (3 super-blocks), against the reference within the usual tolerance."""
+    _need(isa)
+    x, w = _case(t, 77, 768, fmt, seed=13)
+    x[1] *= 40.0  # one token far larger: its own activation scales
+    assert w.interleaved
+    got = ql.qlinear(x, w, isa=isa)
+    for i in range(t):
+        assert torch.equal(got[i : i + 1], ql.qlinear(x[i : i + 1], w, isa=isa)), i
+    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL * 40)

@@ -70,6 +70,7 @@ __attribute__((target(QDOT_TARGET), always_inline)) inline void request_unit(con
     for (int i = 0; i < 8 * kRowBytes; i += 64) prefetch_ahead(pf + i);
 }
 
+#include "qdot_x8_avx2_runs.h"
 #include "qdot_simd_x8_kquant.h"
 #include "qdot_simd_x8_block32.h"
 

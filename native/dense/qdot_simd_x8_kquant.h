@@ -122,13 +122,17 @@ struct ScaleMinX8 {
       for (int i0 = 0; i0 < 8; i0 += kRun) {
         __m256i acc[NT][2];
         for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
-        for (int i4 = i0; i4 < i0 + kRun; ++i4) {
-          __m256i lo, hi;
-          values(blk, fifth_bits(blk, i4), i4, c, lo, hi);
-          for (int u = 0; u < NT; ++u) {
-            const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
-            acc[u][0] = _mm256_add_epi16(acc[u][0], _mm256_maddubs_epi16(lo, bcast32(xs)));
-            acc[u][1] = _mm256_add_epi16(acc[u][1], _mm256_maddubs_epi16(hi, bcast32(xs + 32)));
+        if constexpr (NT == 4 && !kFive) {  // (kRun 8) the chunk's steps as one loop
+          q4k_x8_chunk4(blk + 128 + 32 * c, q + sb * 256 + 64 * c, K, acc);
+        } else {
+          for (int i4 = i0; i4 < i0 + kRun; ++i4) {
+            __m256i lo, hi;
+            values(blk, fifth_bits(blk, i4), i4, c, lo, hi);
+            for (int u = 0; u < NT; ++u) {
+              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
+              acc[u][0] = _mm256_add_epi16(acc[u][0], _mm256_maddubs_epi16(lo, bcast32(xs)));
+              acc[u][1] = _mm256_add_epi16(acc[u][1], _mm256_maddubs_epi16(hi, bcast32(xs + 32)));
+            }
           }
         }
         const __m256i word = scale_bytes(blk, c >= 2);  // scales 2c and 2c + 1 of each row
@@ -364,6 +368,11 @@ struct Q6KX8 {
             const int g = 8 * h + 2 * k + half;
             sc[k] = _mm256_srai_epi16(
                 _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.high[g % 4])), 8);
+          }
+          if constexpr (NT == 4) {  // the quarter's steps as one loop (qdot_x8_avx2_runs.h)
+            q6k_x8_quarter4(blk + 144 + 96 * (8 * h + 4 * half), q + sb * 256 + 128 * h + 16 * half,
+                            K, sc, sumi);
+            continue;
           }
           for (int i4 = 4 * half; i4 < 4 * half + 4; i4 += 2) {
             __m256i v0[4], v1[4];
