@@ -105,15 +105,23 @@ template <class V, int NV>
 FT_INLINE void gemm_rows(const float* A, AStride as, const float* B, int64_t ldb, float* C,
                          int64_t ldc, int K, int r0, int r1, const float* rowscale,
                          Ahead& ahead) {
+  constexpr int RB = V::kRB;
+  // a short ragged end (half a tile's rows or fewer keep too few fma chains in flight) is taken
+  // with the last full tile as two tiles of about equal height
+  const int n = r1 - r0, full = n / RB - (n % RB && n % RB <= RB / 2 && n > RB ? 1 : 0);
   int r = r0;
-  for (; r + V::kRB <= r1; r += V::kRB) {
+  for (const int e = r0 + full * RB; r < e; r += RB) {
     ahead.step();
-    gemm_block<V, V::kRB, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
-                              rowscale ? rowscale + r : nullptr);
+    gemm_block<V, RB, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
+                          rowscale ? rowscale + r : nullptr);
   }
-  ahead.step();
-  gemm_tail<V, NV, V::kRB - 1>(r1 - r, A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
-                               rowscale ? rowscale + r : nullptr);
+  while (r < r1) {
+    const int h = r1 - r >= RB ? (r1 - r + 1) / 2 : r1 - r;
+    ahead.step();
+    gemm_tail<V, NV, RB - 1>(h, A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
+                             rowscale ? rowscale + r : nullptr);
+    r += h;
+  }
 }
 
 // Rows [r0, r1) of C = (C * rowscale or 0) + A B over `cols` columns (a multiple of L), column
@@ -263,16 +271,31 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
       const typename V::T mo = V::load(m + r), mn = V::max(mo, mx);
       const typename V::T sub = V::max(mn, lowest);  // not -inf: no inf - inf
       V::store(m + r, mn);
-      V::store(corr + r, exp_neg<V>(V::sub(mo, sub)));  // m = -inf: ~1e-38 times l = acc = 0
-      for (int k = 0; k < nk; ++k)
-        V::store(st + k * ldr + r, exp_neg<V>(V::sub(V::load(st + k * ldr + r), sub)));
+      const typename V::T c = exp_neg<V>(V::sub(mo, sub));  // m = -inf: ~1e-38 times 0
+      V::store(corr + r, c);
+      if (full) {  // the weights' sum as below, in the same order
+        typename V::T w = exp_neg<V>(V::sub(V::load(st + r), sub));
+        V::store(st + r, w);
+        typename V::T sum = V::fma(V::load(l + r), c, w);
+        for (int k = 1; k < nk; ++k) {
+          w = exp_neg<V>(V::sub(V::load(st + k * ldr + r), sub));
+          V::store(st + k * ldr + r, w);
+          sum = V::add(sum, w);
+        }
+        V::store(l + r, sum);
+      } else {
+        for (int k = 0; k < nk; ++k)
+          V::store(st + k * ldr + r, exp_neg<V>(V::sub(V::load(st + k * ldr + r), sub)));
+      }
     }
-    if (!full) masked([](float* x) { *x = 0.0f; });
-    for (int r = rA; r < rB; r += L) {
-      // an explicit fma: a compiler may fuse a separate multiply and add on one path only
-      typename V::T sum = V::fma(V::load(l + r), V::load(corr + r), V::load(st + r));
-      for (int k = 1; k < nk; ++k) sum = V::add(sum, V::load(st + k * ldr + r));
-      V::store(l + r, sum);
+    if (!full) {
+      masked([](float* x) { *x = 0.0f; });
+      for (int r = rA; r < rB; r += L) {
+        // an explicit fma: a compiler may fuse a separate multiply and add on one path only
+        typename V::T sum = V::fma(V::load(l + r), V::load(corr + r), V::load(st + r));
+        for (int k = 1; k < nk; ++k) sum = V::add(sum, V::load(st + k * ldr + r));
+        V::store(l + r, sum);
+      }
     }
     // acc = acc * corr + weights V, for the rows that see the block
     gemm<V>(st, {1, ldr}, vb, ldd, acc, ldd, nk, d, ra, rb, corr, ahead);
