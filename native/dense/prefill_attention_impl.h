@@ -105,15 +105,23 @@ template <class V, int NV>
 FT_INLINE void gemm_rows(const float* A, AStride as, const float* B, int64_t ldb, float* C,
                          int64_t ldc, int K, int r0, int r1, const float* rowscale,
                          Ahead& ahead) {
+  constexpr int RB = V::kRB;
+  // a short ragged end (half a tile's rows or fewer keep too few fma chains in flight) is taken
+  // with the last full tile as two tiles of about equal height
+  const int n = r1 - r0, full = n / RB - (n % RB && n % RB <= RB / 2 && n > RB ? 1 : 0);
   int r = r0;
-  for (; r + V::kRB <= r1; r += V::kRB) {
+  for (const int e = r0 + full * RB; r < e; r += RB) {
     ahead.step();
-    gemm_block<V, V::kRB, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
-                              rowscale ? rowscale + r : nullptr);
+    gemm_block<V, RB, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
+                          rowscale ? rowscale + r : nullptr);
   }
-  ahead.step();
-  gemm_tail<V, NV, V::kRB - 1>(r1 - r, A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
-                               rowscale ? rowscale + r : nullptr);
+  while (r < r1) {
+    const int h = r1 - r >= RB ? (r1 - r + 1) / 2 : r1 - r;
+    ahead.step();
+    gemm_tail<V, NV, RB - 1>(h, A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
+                             rowscale ? rowscale + r : nullptr);
+    r += h;
+  }
 }
 
 // Rows [r0, r1) of C = (C * rowscale or 0) + A B over `cols` columns (a multiple of L), column
@@ -137,6 +145,12 @@ constexpr int gemm_tiles(int cols, int r0, int r1) {
   constexpr int W = V::kNV * V::kLanes;
   const int slabs = cols / W + (cols % W) / V::kLanes;
   return slabs * ((r1 - r0) / V::kRB + 1);
+}
+
+// A row stride of at least n floats (n a multiple of 16) that is an odd number of 64-byte lines.
+constexpr int padded_stride(int n) {
+  n = (n + 15) / 16 * 16;
+  return (n / 16) % 2 ? n : n + 16;
 }
 
 inline float widen1(const void* base, int64_t i, bool bf16) {
@@ -166,25 +180,28 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
   constexpr int L = V::kLanes;
   const int d = kv.d, G = t.G, R = t.nq * G, Rp = (R + L - 1) / L * L;
   const int64_t rs = static_cast<int64_t>(kv.kv_heads) * d;  // elements from one pool row on
+  // row strides: an odd number of 64-byte lines, so a column slab of a GEMM operand (rows of
+  // 512 bytes apart otherwise) spreads over all the L1 sets instead of an eighth of them
+  const int ldr = padded_stride(Rp), ldd = padded_stride(d);
   thread_local std::vector<float> buf;
-  const size_t need = static_cast<size_t>(Rp) * (d + KB + 3) + static_cast<size_t>(R) * d +
-                      2 * static_cast<size_t>(d) * KB;
+  const size_t need = static_cast<size_t>(ldr) * (d + KB) + 3 * static_cast<size_t>(Rp) +
+                      static_cast<size_t>(R) * ldd + 2 * static_cast<size_t>(ldd) * KB;
   if (buf.size() < need) buf.resize(need);
-  float* qt = buf.data();     // [d, Rp] scaled queries, transposed (pad rows 0)
-  float* acc = qt + Rp * d;   // [R, d] weighted values
-  float* st = acc + R * d;    // [KB, Rp] logits, then weights
-  float* kb = st + KB * Rp;   // [KB, d] the block's keys
-  float* vb = kb + KB * d;    // [KB, d] the block's values
-  float* m = vb + KB * d;     // [Rp] running max
+  float* qt = buf.data();     // [d, ldr] scaled queries, transposed (pad rows 0)
+  float* acc = qt + ldr * d;  // [R, ldd] weighted values
+  float* st = acc + R * ldd;  // [KB, ldr] logits, then weights
+  float* kb = st + KB * ldr;  // [KB, ldd] the block's keys
+  float* vb = kb + KB * ldd;  // [KB, ldd] the block's values
+  float* m = vb + KB * ldd;   // [Rp] running max
   float* l = m + Rp;          // [Rp] running sum
   float* corr = l + Rp;       // [Rp] this block's rescale of acc
   for (int r = 0; r < Rp; ++r) {
     const float* src = r < R ? t.q + (r / G) * t.row_stride +
                                    static_cast<int64_t>(t.kv_head * G + r % G) * d
                              : nullptr;
-    for (int e = 0; e < d; ++e) qt[e * Rp + r] = src ? src[e] * t.scale : 0.0f;
+    for (int e = 0; e < d; ++e) qt[e * ldr + r] = src ? src[e] * t.scale : 0.0f;
   }
-  std::fill(acc, acc + static_cast<int64_t>(R) * d, 0.0f);
+  for (int r = 0; r < R; ++r) std::fill(acc + r * ldd, acc + r * ldd + d, 0.0f);
   std::fill(m, m + Rp, kNegInf);
   std::fill(l, l + Rp, 0.0f);
 
@@ -218,8 +235,8 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     // the block's K and V, widened; and the next block's offsets
     if (offs_at != b0) row_offsets(b0, nk, offs);
     for (int k = 0; k < nk; ++k) {
-      widen_row<V>(kv.k, offs[k], kv.bf16, d, kb + k * d);
-      widen_row<V>(kv.v, offs[k], kv.bf16, d, vb + k * d);
+      widen_row<V>(kv.k, offs[k], kv.bf16, d, kb + k * ldd);
+      widen_row<V>(kv.v, offs[k], kv.bf16, d, vb + k * ldd);
     }
     const int nn = static_cast<int>(std::clamp<int64_t>(last + 1 - b0 - KB, 0, KB));
     if (nn > 0) row_offsets(b0 + KB, nn, offs), offs_at = b0 + KB;
@@ -230,7 +247,7 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
       ahead.per = (ahead.lines + tiles - 1) / tiles;
     }
     // logits st[k, rA:rB] of the block's keys
-    gemm<V>(kb, {d, 1}, qt + rA, Rp, st + rA, Rp, d, rB - rA, 0, nk, nullptr, ahead);
+    gemm<V>(kb, {ldd, 1}, qt + rA, ldr, st + rA, ldr, d, rB - rA, 0, nk, nullptr, ahead);
     // masks: a lane outside [ra, rb) or past R sees no key of the block; row r sees [ka, kb)
     const bool full = rA == ra && rB == rb && rb <= R && t.pos0 + qa >= b0 + nk - 1 &&
                       lo_of(t.pos0 + qb - 1) <= b0;
@@ -242,31 +259,46 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
           ka = static_cast<int>(std::max<int64_t>(lo_of(p), b0) - b0);
           kbnd = static_cast<int>(std::min<int64_t>(p + 1, b0 + nk) - b0);
         }
-        for (int k = 0; k < ka; ++k) set(st + k * Rp + r);
-        for (int k = kbnd; k < nk; ++k) set(st + k * Rp + r);  // all of them when empty
+        for (int k = 0; k < ka; ++k) set(st + k * ldr + r);
+        for (int k = kbnd; k < nk; ++k) set(st + k * ldr + r);  // all of them when empty
       }
     };
     if (!full) masked([](float* x) { *x = kNegInf; });
     // online softmax, lanes = rows
     for (int r = rA; r < rB; r += L) {
       typename V::T mx = V::load(st + r);
-      for (int k = 1; k < nk; ++k) mx = V::max(mx, V::load(st + k * Rp + r));
+      for (int k = 1; k < nk; ++k) mx = V::max(mx, V::load(st + k * ldr + r));
       const typename V::T mo = V::load(m + r), mn = V::max(mo, mx);
       const typename V::T sub = V::max(mn, lowest);  // not -inf: no inf - inf
       V::store(m + r, mn);
-      V::store(corr + r, exp_neg<V>(V::sub(mo, sub)));  // m = -inf: ~1e-38 times l = acc = 0
-      for (int k = 0; k < nk; ++k)
-        V::store(st + k * Rp + r, exp_neg<V>(V::sub(V::load(st + k * Rp + r), sub)));
+      const typename V::T c = exp_neg<V>(V::sub(mo, sub));  // m = -inf: ~1e-38 times 0
+      V::store(corr + r, c);
+      if (full) {  // the weights' sum as below, in the same order
+        typename V::T w = exp_neg<V>(V::sub(V::load(st + r), sub));
+        V::store(st + r, w);
+        typename V::T sum = V::fma(V::load(l + r), c, w);
+        for (int k = 1; k < nk; ++k) {
+          w = exp_neg<V>(V::sub(V::load(st + k * ldr + r), sub));
+          V::store(st + k * ldr + r, w);
+          sum = V::add(sum, w);
+        }
+        V::store(l + r, sum);
+      } else {
+        for (int k = 0; k < nk; ++k)
+          V::store(st + k * ldr + r, exp_neg<V>(V::sub(V::load(st + k * ldr + r), sub)));
+      }
     }
-    if (!full) masked([](float* x) { *x = 0.0f; });
-    for (int r = rA; r < rB; r += L) {
-      // an explicit fma: a compiler may fuse a separate multiply and add on one path only
-      typename V::T sum = V::fma(V::load(l + r), V::load(corr + r), V::load(st + r));
-      for (int k = 1; k < nk; ++k) sum = V::add(sum, V::load(st + k * Rp + r));
-      V::store(l + r, sum);
+    if (!full) {
+      masked([](float* x) { *x = 0.0f; });
+      for (int r = rA; r < rB; r += L) {
+        // an explicit fma: a compiler may fuse a separate multiply and add on one path only
+        typename V::T sum = V::fma(V::load(l + r), V::load(corr + r), V::load(st + r));
+        for (int k = 1; k < nk; ++k) sum = V::add(sum, V::load(st + k * ldr + r));
+        V::store(l + r, sum);
+      }
     }
     // acc = acc * corr + weights V, for the rows that see the block
-    gemm<V>(st, {1, Rp}, vb, d, acc, d, nk, d, ra, rb, corr, ahead);
+    gemm<V>(st, {1, ldr}, vb, ldd, acc, ldd, nk, d, ra, rb, corr, ahead);
     ahead.per = ahead.lines;
     ahead.step();  // what is left
   }
@@ -282,7 +314,7 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
       f = 1.0f / l[r];
     }
     float* dst = t.out + i * t.row_stride + static_cast<int64_t>(t.kv_head * G + g) * d;
-    const float* a = acc + static_cast<int64_t>(r) * d;
+    const float* a = acc + static_cast<int64_t>(r) * ldd;
     for (int e = 0; e < d; e += L) V::store(dst + e, V::mul(V::load(a + e), V::set1(f)));
   }
 }
