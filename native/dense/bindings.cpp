@@ -423,6 +423,7 @@ PYBIND11_MODULE(ftdense, m) {
       "where the CPU has them; the same bytes).");
   ftdense_py::bind_decode_layers(m);
   ftdense_py::bind_sparse(m);
+  ftdense_py::bind_fill(m);
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "
                                 "the bank addresses.")

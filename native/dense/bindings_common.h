@@ -39,4 +39,7 @@ void bind_decode_layers(pybind11::module_& m);
 // index_topk and sparse_attention (bindings_sparse.cpp).
 void bind_sparse(pybind11::module_& m);
 
+// fill_rows (bindings_fill.cpp).
+void bind_fill(pybind11::module_& m);
+
 }  // namespace ftdense_py
