@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from .config import ConfigError, Setting, resolve, settings
+from .formats import gguf_early
 from .runtime import readahead
 
 DESCRIPTION = """\
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.model and cfg.disk_tier != "on":  # the disk reads the weights while the imports run
         readahead.start(cfg.model)
+    # and the experts go into their banks meanwhile, where the load is likely to take them
+    gguf_early.start(cfg)
     # The imports below create ~220k objects that live as long as the process, and the cyclic
     # collector would walk them again and again as they arrive (0.3-0.5 s of CPU, measured on
     # a 2-core EPYC) to free ~7k: off while they run, then frozen (never walked again, also

@@ -34,6 +34,8 @@ def dense_extension() -> Extension:
             "bindings.cpp",
             "bindings_decode.cpp",
             "bindings_sparse.cpp",
+            "bindings_fill.cpp",
+            "row_fill.cpp",
             "sparse_attention.cpp",
             "pool.cpp",
             "dense_linear.cpp",

@@ -25,7 +25,7 @@ from freetokend.engine import gguf_tokenizer
 from freetokend.engine.gguf_pretokenizers import PRE_TOKENIZER_SPLITS, TRANSFORMERS_SPLITS
 from freetokend.engine.tokenizer import Tokenizer
 from freetokend.experts.formats import expert_rows, interleave_banks, interleaves
-from freetokend.formats import gguf_file, gguf_interleave
+from freetokend.formats import gguf_file, gguf_header, gguf_interleave
 from freetokend.formats.gguf_dequant import DEQUANTIZERS
 from freetokend.formats.gguf_file import GgufFile, GgufFormatError, read_header
 from freetokend.models.gguf_loader import GgufCheckpoint
@@ -114,7 +114,7 @@ def test_the_header_parses_without_the_gguf_package(tmp_path, monkeypatch):
     """A start-up's header parse and type check never import the gguf package (~0.2 s)."""
     path = _every_type(tmp_path / "t.gguf", gguf.GGUFEndian.LITTLE)
     monkeypatch.setitem(sys.modules, "gguf", None)  # any import of it fails
-    h = gguf_file._parse_file(path)
+    h = gguf_header._parse_file(path)
     assert {n: t.type_name for n, t in h.tensors.items()} == {"a.weight": "F32", "b.weight": "F16"}
     assert all(gguf_file.can_dequantize(t) for t in ("F32", "BF16", "Q4_K", "Q6_K", "Q8_0"))
 
@@ -136,8 +136,8 @@ def test_a_header_is_parsed_once_while_the_file_is_unchanged(tmp_path, monkeypat
     parses again once the file changed."""
     path = _every_type(tmp_path / "t.gguf", gguf.GGUFEndian.LITTLE)
     parses = []
-    parse = gguf_file._parse_file
-    monkeypatch.setattr(gguf_file, "_parse_file", lambda p: parses.append(p) or parse(p))
+    parse = gguf_header._parse_file
+    monkeypatch.setattr(gguf_header, "_parse_file", lambda p: parses.append(p) or parse(p))
     h = read_header(path)
     assert read_header(str(path)) is h and read_header(path) is h and len(parses) == 1
     with GgufFile(path) as f:

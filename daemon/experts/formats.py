@@ -47,6 +47,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..formats import gguf_blocks, gguf_interleave
+from ..formats.block_layout import interleaves, layer_banks
 from .banks import ExpertBanks
 from .microscale import (
     cdiv,
@@ -367,12 +368,9 @@ def _layered(name: str) -> ExpertFormat:
         pairs.extend([fmt.block_types] * (int(count) if count else 1))
     if layered_format(pairs) != name:
         raise ValueError(f"expert format {name!r} is not in its canonical form")
-    banks: list[BankSpec] = []
-    for proj, col in (("gate_up", 0), ("down", 1)):
-        order = list(dict.fromkeys(p[col] for p in pairs))  # the first layer's type first
-        for i, t in enumerate(order):
-            layers = tuple(li for li, p in enumerate(pairs) if p[col] == t)
-            banks.append(BankSpec(proj if i == 0 else f"{proj}.{t}", _rows(proj, t), _U8, layers))
+    banks = [
+        BankSpec(name, _rows(proj, t), _U8, layers) for name, proj, t, layers in layer_banks(pairs)
+    ]
 
     def quantize(gate_up: Tensor, down: Tensor, float_dtype: torch.dtype) -> dict[str, Tensor]:
         raise ValueError(f"{name!r} is per layer: quantize_banks takes it, a layer at a time")
@@ -454,12 +452,19 @@ def layer_pair(banks: ExpertBanks, fid: int) -> tuple[str, str]:
 
 
 def allocate(
-    name: str, num_flat: int, hidden: int, inter: int, float_dtype: torch.dtype, bias: bool = False
+    name: str,
+    num_flat: int,
+    hidden: int,
+    inter: int,
+    float_dtype: torch.dtype,
+    bias: bool = False,
+    empty: Callable[[str, tuple[int, ...], torch.dtype], Tensor] | None = None,
 ) -> ExpertBanks:
-    """Exact-size, uninitialised banks of format ``name`` for ``num_flat`` experts."""
+    """Exact-size, uninitialised banks of format ``name`` for ``num_flat`` experts (``empty``:
+    gives each weight bank's memory, by name, shape and dtype, instead of ``torch.empty``)."""
     fmt = get_format(name)
     t = {
-        n: torch.empty(*s, dtype=dt)
+        n: torch.empty(*s, dtype=dt) if empty is None else empty(n, s, dt)
         for n, (s, dt) in fmt.shapes(num_flat, hidden, inter, float_dtype).items()
     }
     return ExpertBanks(
@@ -489,16 +494,6 @@ def expert_tensors(banks: ExpertBanks, fid: int) -> dict[str, Tensor]:
             if interleaves(proj, qtype, out[proj].shape[0]):
                 out[proj] = gguf_interleave.deinterleave(out[proj], qtype)
     return out
-
-
-def interleaves(proj: str, qtype: str, rows: int) -> bool:
-    """Whether ``interleave_banks`` interleaves an expert's ``rows`` rows of ``proj`` in
-    ``qtype``: gate_up's groups of 8 must not straddle its gate and up halves."""
-    per_half = rows // 2 if proj == "gate_up" else rows  # whole groups only (qmoe.h)
-    return (
-        gguf_interleave.interleavable(qtype, per_half)
-        and per_half % gguf_interleave.INTERLEAVE_ROWS == 0
-    )
 
 
 def interleaved_layout(banks: ExpertBanks) -> bool:

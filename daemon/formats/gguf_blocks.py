@@ -24,25 +24,16 @@ import torch
 
 from . import gguf_blocks32 as b32
 from . import gguf_kquants as kq
+
+# the block types' sizes and codes (re-exported: gguf_blocks is where callers look for them)
+from .block_layout import BLOCK_BYTES as BLOCK_BYTES
+from .block_layout import BLOCK_INPUTS
+from .block_layout import QTYPE_CODES as QTYPE_CODES
+from .block_layout import row_bytes as row_bytes
 from .gguf_blocks32 import IntForm
 
 Tensor = torch.Tensor
 
-BLOCK_INPUTS = {
-    "q8_0": 32, "q4_k": 256, "q6_k": 256, "q5_k": 256, "mxfp4": 32, "q5_0": 32, "q4_0": 32
-}  # fmt: skip
-BLOCK_BYTES = {
-    "q8_0": 34, "q4_k": 144, "q6_k": 210, "q5_k": 176, "mxfp4": 17, "q5_0": 22, "q4_0": 18
-}  # fmt: skip
-QTYPE_CODES = {
-    "q8_0": 0,
-    "q4_k": 1,
-    "q6_k": 2,
-    "q5_k": 3,
-    "mxfp4": 4,
-    "q5_0": 5,
-    "q4_0": 6,
-}  # fmt: skip  (ftdense's qtype codes: native/dense/qdot.h QType)
 ACT_BLOCK = 32
 
 _QUANTIZE: dict[str, Callable[[Tensor], Tensor]] = {
@@ -63,11 +54,6 @@ _INT_FORM: dict[str, Callable[[Tensor], IntForm]] = {
     "q5_0": b32.int_form_q5_0,
     "q4_0": b32.int_form_q4_0,
 }
-
-
-def row_bytes(fmt: str, cols: int) -> int:
-    """Bytes of one quantised row of ``cols`` inputs (a multiple of the block)."""
-    return cols // BLOCK_INPUTS[fmt] * BLOCK_BYTES[fmt]
 
 
 def supports(fmt: str, cols: int) -> bool:

@@ -13,18 +13,16 @@ from collections.abc import Callable
 
 import torch
 
-from .gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, QTYPE_CODES
+from .block_layout import (
+    BLOCK_BYTES,
+    BLOCK_INPUTS,
+    INTERLEAVE_ROWS,
+    INTERLEAVED_CODES,
+    QTYPE_CODES,
+)
+from .block_layout import interleavable as interleavable
 
 Tensor = torch.Tensor
-
-# The codes of the same formats with their rows interleaved by 8 (``interleave``).
-INTERLEAVED_CODES = {"q4_k": 7, "q6_k": 8, "mxfp4": 9, "q8_0": 10, "q5_k": 11}
-INTERLEAVE_ROWS = 8
-
-
-def interleavable(fmt: str, rows: int) -> bool:
-    """Whether a [rows, *] matrix of ``fmt`` has an interleaved layout (``interleave``)."""
-    return fmt in INTERLEAVED_CODES and rows >= INTERLEAVE_ROWS
 
 
 def _groups(raw: Tensor, fmt: str) -> tuple[int, int]:

@@ -12,6 +12,7 @@ output of a family converter).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -435,10 +436,14 @@ def proj_rows(cfg: ModelConfig, proj: str) -> slice:
     return slice(None) if proj == "down" else slice(0, i) if proj == "gate" else slice(i, 2 * i)
 
 
-def allocate_banks(cfg: ModelConfig, resident: bool = True) -> ExpertBanks:
+def allocate_banks(
+    cfg: ModelConfig,
+    resident: bool = True,
+    empty: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> ExpertBanks:
     """Exact-size, uninitialised banks for all routed experts (filled by the loader).
-    ``resident`` False (the
-    disk tier): the weight banks are meta tensors (shapes, no memory); biases stay real."""
+    ``resident`` False (the disk tier): the weight banks are meta tensors (shapes, no memory);
+    biases stay real. ``empty``: the block banks' memory (``experts.formats.allocate``)."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
     if not resident:
@@ -449,7 +454,7 @@ def allocate_banks(cfg: ModelConfig, resident: bool = True) -> ExpertBanks:
             banks.down_bias = torch.empty(n, h, dtype=dt)
         return banks
     if cfg.expert_format != "bf16":
-        banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias)
+        banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias, empty=empty)
     else:
         banks = ExpertBanks(
             gate_up=torch.empty(n, 2 * i, h, dtype=dt),

@@ -24,6 +24,7 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -35,8 +36,9 @@ from ..experts.formats import (
     is_known,
     layered_format,
 )
-from ..formats import direct_read, gguf_blocks, gguf_interleave
+from ..formats import direct_read, gguf_blocks, gguf_early, gguf_interleave
 from ..formats.gguf_file import GgufFile, GgufTensor
+from .config import ModelConfig
 from .hugepages import prefault
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,42 @@ def log_kept(path_name: str, tensors: dict[str, GgufTensor], expert_format: str)
             shown,
             sum(t.nbytes for t in raw) / 2**20,
         )
+
+
+Empty = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def early_banks(
+    path: str | Path, cfg: ModelConfig, interleave: bool, resident_blocks: bool
+) -> tuple[gguf_early.EarlyFill, Empty] | None:
+    """The fill started before torch for ``path`` (``formats.gguf_early``) and the memory of
+    its banks by name (``formats.allocate``'s ``empty``), where this load's banks are resident
+    block banks (``resident_blocks``) of its layout (``cfg``'s expert format, rows
+    ``interleave``d or not); None otherwise (a fill of another layout is cancelled)."""
+    fill = gguf_early.take(path)
+    if fill is None:
+        return None
+    if not resident_blocks:
+        fill.cancel()
+        return None
+    fmt = get_format(cfg.expert_format) if is_known(cfg.expert_format) else None
+    moe = sorted((m, b) for b, m in enumerate(cfg.moe_layer_index[: cfg.num_layers]) if m >= 0)
+    want = {}
+    if fmt is not None and fmt.in_blocks:
+        n, h, i = cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        want = {k: (tuple(s), dt) for k, (s, dt) in fmt.shapes(n, h, i, torch.uint8).items()}
+    have = {k: (s, torch.uint8) for k, s in fill.shapes.items()}
+    if want != have or not fill.matches(
+        Path(path), [b for _, b in moe], cfg.num_experts, interleave
+    ):
+        log.info("%s: the experts read before start-up do not fit this load: read again", path)
+        fill.cancel()
+        return None
+
+    def empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.frombuffer(fill.memory[name], dtype=torch.uint8).view(shape)
+
+    return fill, empty
 
 
 class FillPool:

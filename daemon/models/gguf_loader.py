@@ -534,10 +534,12 @@ def _fill(
     pool: gguf_experts.FillPool | None,
     nv: bool = False,
     done: frozenset[str] = frozenset(),
+    early: bool = False,
 ) -> None:
     """Every tensor of ``ck`` into the model and the banks (``pool``: the block experts' reads
     run on its threads and may still be in flight when this returns; ``nv``: NVFP4 experts into
-    ``nvfp4`` banks; ``done``: GGUF names loaded before, skipped)."""
+    ``nvfp4`` banks; ``done``: GGUF names loaded before, skipped; ``early``: the block experts
+    are being read already, by the fill started before torch: checked and counted only)."""
     for name, canon, src in ck.sources(cfg):
         if name in done:
             continue
@@ -571,8 +573,10 @@ def _fill(
                         f"{src.t.path}: tensor '{name}': fused gate/up experts in blocks "
                         "are not supported"
                     )
-                if tiered:
+                if tiered or early:
                     raw: gguf_experts.RawStack = gguf_experts.InFile(src.f, src.t)
+                    layout = _interleaved(src.t, m.group(1), interleave)
+                    banks.interleaved |= early and layout is not None
                 else:
                     raw = gguf_experts.RawStack(
                         src.f, src.t, _interleaved(src.t, m.group(1), interleave), pool
@@ -629,8 +633,12 @@ def load_gguf(
                 "kernels compute (Q4_K, Q8_0, ...); these experts load dequantized"
             )
         family_spec(cfg.family)
+        interleave = interleave_experts and block and not tiered
+        interleave = interleave and gguf_interleave.native_moves_available()
+        # the experts read into banks of this layout since before torch (formats.gguf_early)
+        early = gguf_experts.early_banks(path, cfg, interleave, block and not tiered)
         model = build_model(cfg)
-        banks = allocate_banks(cfg, resident=not tiered)
+        banks = allocate_banks(cfg, not tiered, None if early is None else early[1])
         if nv:  # the converter leaves out a global scale of 1
             banks.extra["gate_up_global"].fill_(1.0)
             banks.extra["down_global"].fill_(1.0)
@@ -657,8 +665,6 @@ def load_gguf(
             if canon.endswith(join.target)
             for part in join.parts
         }
-        interleave = interleave_experts and block and not tiered
-        interleave = interleave and gguf_interleave.native_moves_available()
         ck.log_dequantized(cfg.torch_dtype, cfg.expert_format, kept_names)
         # resident experts are read on worker threads while this one loads the rest
         threaded = not tiered
@@ -672,13 +678,20 @@ def load_gguf(
                 done = frozenset({t.name})
             _fill(
                 ck, cfg, filler, banks, in_blocks, joined, block, tiered, interleave, pool, nv,
-                done,
+                done, early is not None,
             )  # fmt: skip
             if pool is not None:
                 pool.wait()
+            if early is not None:
+                try:
+                    early[0].wait()
+                except GgufFormatError as e:
+                    raise CheckpointError(str(e)) from None
         finally:
             if pool is not None:
                 pool.close()
+            if early is not None:
+                early[0].stop()  # nothing writes into the banks once the load ends
         missing = [n for n in (*filler.params, *filler.tables) if n not in filler.filled]
         if cfg.tie_word_embeddings:
             missing = [n for n in missing if n != "lm_head.weight"]

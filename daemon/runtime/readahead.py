@@ -62,6 +62,16 @@ def available_bytes() -> int | None:
     return None
 
 
+def free_bytes() -> int | None:
+    """The memory available to this process: MemAvailable, within the memory cgroup's limit
+    (which counts the page cache); None where it is not known."""
+    free = available_bytes()
+    limit = cgroup_memory_limit()
+    if free is not None and limit is not None:
+        free = min(free, limit)
+    return free
+
+
 def start(model: str) -> threading.Thread | None:
     """Starts reading ``model``'s files ahead (see the module doc); the thread, or None when
     nothing is read ahead."""
@@ -72,10 +82,7 @@ def start(model: str) -> threading.Thread | None:
         total = sum(p.stat().st_size for p in files)
     except OSError:
         return None
-    free = available_bytes()
-    limit = cgroup_memory_limit()
-    if free is not None and limit is not None:
-        free = min(free, limit)
+    free = free_bytes()
     if not files or free is None or total > free // 2:
         return None
     t = threading.Thread(target=_advise, args=(files,), name="ft-readahead", daemon=True)

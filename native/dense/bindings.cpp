@@ -424,6 +424,7 @@ PYBIND11_MODULE(ftdense, m) {
   ftdense_py::bind_decode_layers(m);
   ftdense_py::bind_sparse(m);
   ftdense_py::bind_tier_read(m);
+  ftdense_py::bind_fill(m);
   py::class_<ftdense::QMoeSpec>(m, "QMoe",
                                 "Routed experts with GGUF block-quantised banks (qmoe.h); borrows "
                                 "the bank addresses.")

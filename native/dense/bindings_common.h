@@ -42,4 +42,7 @@ void bind_sparse(pybind11::module_& m);
 // tier_read, the disk tier's read of a piece into its slot (tier_read.cpp).
 void bind_tier_read(pybind11::module_& m);
 
+// fill_rows (bindings_fill.cpp).
+void bind_fill(pybind11::module_& m);
+
 }  // namespace ftdense_py

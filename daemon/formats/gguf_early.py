@@ -1,0 +1,260 @@
+"""A GGUF file's routed experts read into their host banks while the daemon imports torch.
+
+A start-up spends its first seconds importing torch, on one core, and then reads the experts
+(most of the file) into the banks. Neither needs the other: the banks of a GGUF file whose
+experts stay in their blocks are the file's expert rows regrouped (gate and up rows together per
+expert, the layers of a type in one bank, rows interleaved for the cpu backend), which the header
+alone lays out. ``start`` (called by the CLI before the torch imports) parses the header, lays the
+banks out in anonymous memory and fills them from the file on native threads that need neither
+torch nor the interpreter (``ftdense.fill_rows``, the GIL released for the whole call), so the
+read and the regrouping run on the cores the import leaves idle, or beside the disk on a cold
+start. The GGUF loader then ``take``s the fill: where its own banks would have the same layout
+(``EarlyFill.matches``: the same file, banks, experts and interleaving) it wraps this memory as
+the banks (``torch.frombuffer``, no copy) and waits for the fill where it would have waited for
+its own; otherwise it cancels the fill and loads as before.
+
+It is a guess made before the settings that decide the load are resolved, so ``start`` guesses
+only where the load is likely to take it: a single GGUF file whose experts are all in block types
+the integer-dot kernels compute, loaded as stored (no quantize settings) under the cpu backend
+(``moe_backend`` cpu, or auto with no NVIDIA device present), with the disk tier not forced and
+the experts fitting in half of the available memory (the disk tier's case is left to the
+loader). Banks laid out with ``block_layout`` (the same grouping ``experts.formats`` allocates).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..runtime import readahead
+from .block_layout import (
+    BLOCK_INPUTS,
+    QTYPE_CODES,
+    interleaves,
+    layer_banks,
+    row_bytes,
+)
+from .gguf_header import GgufFormatError, GgufHeader, GgufTensor, read_header
+
+log = logging.getLogger(__name__)
+
+_EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_NVIDIA = ("/dev/nvidiactl", "/dev/nvidia0")
+
+
+@dataclass
+class EarlyFill:
+    """The banks being filled (name -> anonymous memory and its shape [experts, rows, row
+    bytes], uint8) for ``header``'s file; ``blocks``: the decoder layer of each MoE layer in
+    order, ``pairs`` their (gate_up, down) block types, ``interleave``: rows interleaved where
+    ``block_layout.interleaves`` says (the cpu backend's layout)."""
+
+    header: GgufHeader
+    blocks: list[int]
+    pairs: list[tuple[str, str]]
+    experts: int
+    interleave: bool
+    memory: dict[str, mmap.mmap]
+    shapes: dict[str, tuple[int, int, int]]
+    error: BaseException | None = None
+    _thread: threading.Thread | None = None
+    _cancel: Any = field(default_factory=lambda: ctypes.c_uint8(0))
+
+    def wait(self) -> None:
+        """Returns once every row is in; raises what stopped the fill."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """Stops the fill: pieces not yet started are skipped, those in flight end."""
+        self._cancel.value = 1
+        if self._thread is not None:
+            self._thread.join()
+
+    def cancel(self) -> None:
+        """``stop``, and frees the memory (not wrapped as banks: ``matches`` was False)."""
+        self.stop()
+        for m in self.memory.values():
+            m.close()
+        self.memory.clear()
+
+    def matches(self, path: Path, blocks: list[int], experts: int, interleave: bool) -> bool:
+        """Whether the loader of ``path`` (its MoE layers' decoder layers ``blocks``, ``experts``
+        a layer, banks interleaved or not) would lay out the banks as these are."""
+        return (
+            _same(self.header.path, Path(path))
+            and self.header.current()
+            and self.blocks == blocks
+            and self.experts == experts
+            and self.interleave == interleave
+        )
+
+
+_pending: EarlyFill | None = None
+
+
+def take(path: str | Path) -> EarlyFill | None:
+    """The fill started for ``path`` (handed out once), None when there is none."""
+    global _pending
+    fill, _pending = _pending, None
+    if fill is not None and not _same(fill.header.path, Path(path)):
+        fill.cancel()
+        return None
+    return fill
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a == b or a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def likely(cfg: Any) -> bool:
+    """Whether a daemon with these settings (``config.DaemonConfig``) loads a GGUF file's block
+    experts as stored into interleaved host banks, as far as can be told without torch."""
+    if not cfg.model or cfg.disk_tier == "on" or cfg.quantize or cfg.quantize_experts:
+        return False
+    if cfg.accelerator in ("fake-cuda", "cuda") or cfg.moe_backend not in ("cpu", "auto"):
+        return False
+    return not (cfg.moe_backend == "auto" and any(os.path.exists(p) for p in _NVIDIA))
+
+
+def start(cfg: Any) -> EarlyFill | None:
+    """Starts filling the banks of ``cfg.model`` where ``likely`` (see the module doc); the
+    fill, or None (nothing started)."""
+    global _pending
+    if not likely(cfg):
+        return None
+    files = readahead.model_files(cfg.model)
+    if len(files) != 1:
+        return None
+    try:
+        import ftdense  # type: ignore[import-not-found]  # deferred: the native extension
+    except ImportError:
+        return None
+    if not hasattr(ftdense, "fill_rows"):
+        return None
+    try:
+        header = read_header(files[0])
+    except GgufFormatError:
+        return None  # the loader reports it
+    layout = _layout(header.tensors)
+    free = readahead.free_bytes()
+    if layout is None or free is None or _bytes(layout[3]) > free // 2:
+        return None
+    blocks, pairs, experts, shapes = layout
+    interleave = hasattr(ftdense, "qinterleave")
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    memory = {n: mmap.mmap(-1, max(1, _bytes({n: s})), flags=flags) for n, s in shapes.items()}
+    fill = EarlyFill(header, blocks, pairs, experts, interleave, memory, shapes)
+    jobs = _jobs(fill)
+    fill._thread = threading.Thread(
+        target=_run, args=(fill, ftdense, jobs), name="ft-early-fill", daemon=True
+    )
+    fill._thread.start()
+    _pending = fill
+    return fill
+
+
+def _bytes(shapes: dict[str, tuple[int, int, int]]) -> int:
+    return sum(e * r * b for e, r, b in shapes.values())
+
+
+def _layout(
+    tensors: dict[str, GgufTensor],
+) -> tuple[list[int], list[tuple[str, str]], int, dict[str, tuple[int, int, int]]] | None:
+    """(decoder layer of each MoE layer, their block types, experts a layer, bank shapes) of the
+    file's stacked expert weights, None where they cannot stay in blocks as one set of banks."""
+    types: dict[int, dict[str, GgufTensor]] = {}
+    for name, t in tensors.items():
+        m = _EXPS.match(name)
+        if m:
+            types.setdefault(int(m.group(1)), {})[m.group(2)] = t
+    blocks = sorted(types)
+    if not blocks:
+        return None
+    pairs, dims = [], set()
+    for b in blocks:
+        parts = types[b]
+        if set(parts) != {"gate", "up", "down"}:
+            return None
+        g, u, d = parts["gate"], parts["up"], parts["down"]
+        gu, dn = g.type_name.lower(), d.type_name.lower()
+        if u.type_name != g.type_name or gu not in QTYPE_CODES or dn not in QTYPE_CODES:
+            return None
+        if len(g.shape) != 3 or g.shape != u.shape or d.shape != (g.shape[0], *g.shape[:0:-1]):
+            return None
+        experts, inter, hidden = g.shape
+        if hidden % BLOCK_INPUTS[gu] or inter % BLOCK_INPUTS[dn]:
+            return None
+        pairs.append((gu, dn))
+        dims.add((experts, inter, hidden))
+    if len(dims) != 1:
+        return None
+    experts, inter, hidden = dims.pop()
+    shapes = {}
+    for name, proj, qtype, layers in layer_banks(pairs):
+        rows, cols = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
+        shapes[name] = (experts * len(layers), rows, row_bytes(qtype, cols))
+    return blocks, pairs, experts, shapes
+
+
+def _address(m: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def _jobs(fill: EarlyFill) -> list[tuple[int, int, int, int, int, int]]:
+    """``ftdense.fill_rows``'s jobs: each expert's gate, up and down rows into its bank rows,
+    in file order."""
+    tensors, e = fill.header.tensors, fill.experts
+    where = {}  # (MoE layer, projection) -> (bank, rank of the layer in it)
+    for name, proj, _, layers in layer_banks(fill.pairs):
+        for rank, layer in enumerate(layers):
+            where[layer, proj] = (name, rank)
+    jobs = []
+    for moe, (b, (gu, dn)) in enumerate(zip(fill.blocks, fill.pairs, strict=True)):
+        for proj, qtype in (("gate", gu), ("up", gu), ("down", dn)):
+            t = tensors[f"blk.{b}.ffn_{proj}_exps.weight"]
+            bank, rank = where[moe, "down" if proj == "down" else "gate_up"]
+            n, rows, rb = fill.shapes[bank]
+            base = _address(fill.memory[bank])
+            half = t.shape[1]  # gate or up: the first or second half of gate_up's rows
+            per = half * rb
+            cols = t.shape[2]
+            x8 = fill.interleave and interleaves(
+                "down" if proj == "down" else "gate_up", qtype, rows
+            )
+            code = QTYPE_CODES[qtype] if x8 else -1
+            for x in range(e):
+                dest = base + ((rank * e + x) * rows) * rb + (per if proj == "up" else 0)
+                jobs.append((t.offset + x * per, per, dest, code, half, cols))
+    return sorted(jobs)
+
+
+def _run(fill: EarlyFill, ftdense: Any, jobs: list[tuple[int, int, int, int, int, int]]) -> None:
+    try:
+        fd = os.open(fill.header.path, os.O_RDONLY)
+    except OSError as e:
+        fill.error = GgufFormatError(f"{fill.header.path}: cannot open ({e.strerror})")
+        return
+    try:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        ftdense.fill_rows(fd, jobs, max(1, threads), ctypes.addressof(fill._cancel))
+    except (RuntimeError, ValueError) as e:
+        fill.error = GgufFormatError(f"{fill.header.path}: the experts cannot be read ({e})")
+    finally:
+        os.close(fd)
