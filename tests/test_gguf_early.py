@@ -12,11 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
-from gguf_files import write_gguf
-from tiny_models import make_tiny
+from gguf_files import kmix_qwen3_moe
 
-from freetokend.engine.tokenizer import Tokenizer
 from freetokend.formats import gguf_early
 from freetokend.models.loader import load_model, model_config
 
@@ -27,14 +24,7 @@ if not hasattr(ftdense, "fill_rows"):
 
 @pytest.fixture(scope="module")
 def gguf_path(builtin_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("gguf-early")
-    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
-    over = dict(hidden_size=256, moe_intermediate_size=256, mlp_only_layers=[], vocab_size=vocab)
-    hf = make_tiny("qwen3_moe", d / "hf", seed=5, **over)[1]
-    return write_gguf(
-        "qwen3_moe", hf, d / "m.gguf", "kmix", tokenizer=builtin_model_dir,
-        expert_types=(Q.Q4_K, Q.Q6_K),
-    )  # fmt: skip
+    return kmix_qwen3_moe(tmp_path_factory.mktemp("gguf-early"), builtin_model_dir, seed=5)
 
 
 def _settings(path: Path, **over: object) -> SimpleNamespace:

@@ -17,8 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
-from gguf_files import write_gguf
-from tiny_models import make_tiny
+from gguf_files import kmix_qwen3_moe
 
 from freetokend import LLM
 from freetokend.engine import gguf_tokenizer
@@ -205,14 +204,7 @@ def test_the_copy_of_transformers_splits_matches_the_installed_table():
 
 @pytest.fixture(scope="module")
 def gguf_path(builtin_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("gguf-startup")
-    vocab = Tokenizer.from_dir(builtin_model_dir).vocab_size
-    over = dict(hidden_size=256, moe_intermediate_size=256, mlp_only_layers=[], vocab_size=vocab)
-    hf = make_tiny("qwen3_moe", d / "hf", seed=3, **over)[1]
-    return write_gguf(
-        "qwen3_moe", hf, d / "m.gguf", "kmix", tokenizer=builtin_model_dir,
-        expert_types=(Q.Q4_K, Q.Q6_K),
-    )  # fmt: skip
+    return kmix_qwen3_moe(tmp_path_factory.mktemp("gguf-startup"), builtin_model_dir, seed=3)
 
 
 def test_file_tokenizer_built_without_transformers(gguf_path, monkeypatch):
