@@ -139,7 +139,7 @@ def start(cfg: Any) -> EarlyFill | None:
     if len(files) != 1:
         return None
     try:
-        import ftdense  # type: ignore[import-not-found]  # deferred: the native extension
+        import ftdense  # type: ignore[import-not-found]  # deferred: ftdense (native extension)
     except ImportError:
         return None
     if not hasattr(ftdense, "fill_rows"):
