@@ -27,7 +27,6 @@ import ctypes
 import logging
 import mmap
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +40,10 @@ from .block_layout import (
     layer_banks,
     row_bytes,
 )
-from .gguf_header import GgufFormatError, GgufHeader, GgufTensor, read_header
+from .gguf_header import GgufFormatError, GgufHeader, GgufTensor, expert_stacks, read_header
 
 log = logging.getLogger(__name__)
 
-_EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _NVIDIA = ("/dev/nvidiactl", "/dev/nvidia0")
 
 
@@ -175,11 +173,7 @@ def _layout(
 ) -> tuple[list[int], list[tuple[str, str]], int, dict[str, tuple[int, int, int]]] | None:
     """(decoder layer of each MoE layer, their block types, experts a layer, bank shapes) of the
     file's stacked expert weights, None where they cannot stay in blocks as one set of banks."""
-    types: dict[int, dict[str, GgufTensor]] = {}
-    for name, t in tensors.items():
-        m = _EXPS.match(name)
-        if m:
-            types.setdefault(int(m.group(1)), {})[m.group(2)] = t
+    types = expert_stacks(tensors)
     blocks = sorted(types)
     if not blocks:
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,19 @@ def _identity(path: Path) -> tuple[int, ...]:
 # start-up reads a file's header in several places (the expert format, the bandwidth profile,
 # the config, the weights, the tokenizer), each a parse of its whole vocabulary otherwise.
 _PARSED: dict[Path, GgufHeader] = {}
+_EXPERT_STACK = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+
+
+def expert_stacks(tensors: dict[str, GgufTensor]) -> dict[int, dict[str, GgufTensor]]:
+    """{block number: {gate | up | down: tensor}} of a file's stacked expert weights."""
+    out: dict[int, dict[str, GgufTensor]] = {}
+    for name, t in tensors.items():
+        m = _EXPERT_STACK.match(name)
+        if m:
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = t
+    return out
+
+
 _PARSED_KEEP = 2  # files: a split set's first ones, or a swap's old and new model
 
 

@@ -36,7 +36,7 @@ from ..experts.formats import (
     is_known,
     layered_format,
 )
-from ..formats import direct_read, gguf_blocks, gguf_early, gguf_interleave
+from ..formats import direct_read, gguf_blocks, gguf_early, gguf_header, gguf_interleave
 from ..formats.gguf_file import GgufFile, GgufTensor
 from .config import ModelConfig
 from .hugepages import prefault
@@ -44,17 +44,12 @@ from .hugepages import prefault
 log = logging.getLogger(__name__)
 
 _WEIGHT = re.compile(r"\.ffn_(gate|up|down)_exps\.weight$")
-_LAYER_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
 def _layer_types(tensors: dict[str, GgufTensor]) -> dict[int, dict[str, str]]:
     """{block number: {gate | up | down: ggml type name}} of the expert weights."""
-    out: dict[int, dict[str, str]] = {}
-    for name, t in tensors.items():
-        m = _LAYER_WEIGHT.match(name)
-        if m:
-            out.setdefault(int(m.group(1)), {})[m.group(2)] = t.type_name
-    return out
+    stacks = gguf_header.expert_stacks(tensors)
+    return {b: {p: t.type_name for p, t in s.items()} for b, s in stacks.items()}
 
 
 def block_expert_format(tensors: dict[str, GgufTensor], hidden: int, inter: int) -> str | None:

@@ -29,18 +29,29 @@ void populate(uint8_t* p, int64_t n) {
 
 // "" or what went wrong.
 std::string read_fully(int fd, uint8_t* dest, int64_t nbytes, int64_t offset) {
-  int64_t done = 0;
-  while (done < nbytes) {
-    const ssize_t got = pread(fd, dest + done, static_cast<size_t>(nbytes - done), offset + done);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) return std::string("read failed: ") + std::strerror(errno);
-    if (got == 0) return "the file ends early (offset " + std::to_string(offset + done) + ")";
-    done += got;
-  }
+  int64_t at = 0;
+  const int err = pread_full(fd, dest, nbytes, nbytes, offset, &at);
+  if (err == -1) return "the file ends early (offset " + std::to_string(at) + ")";
+  if (err) return std::string("read failed: ") + std::strerror(err);
   return "";
 }
 
 }  // namespace
+
+int pread_full(int fd, uint8_t* dest, int64_t need, int64_t cap, int64_t offset, int64_t* at) {
+  int64_t got = 0;
+  while (got < need) {  // a short read before the end: read on
+    const ssize_t n = pread(fd, dest + got, static_cast<size_t>(cap - got), offset + got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    if (n == 0) {
+      *at = offset + got;
+      return -1;
+    }
+    got += n;
+  }
+  return 0;
+}
 
 std::string fill_rows(int fd, const std::vector<FillJob>& jobs, int threads,
                       const volatile uint8_t* cancel) {

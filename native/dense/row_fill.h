@@ -21,6 +21,10 @@ struct FillJob {
   int K;           //   (qinterleave)
 };
 
+// pread into dest until at least `need` bytes from `offset` are in, asking for up to `cap`
+// (>= need) each time: 0, an errno, or -1 where the file ends first (*at: where it ended).
+int pread_full(int fd, uint8_t* dest, int64_t need, int64_t cap, int64_t offset, int64_t* at);
+
 // Runs every job on `threads` threads (at least 1), each taking the next job not yet taken:
 // the destination's whole 4 KiB pages backed in one call first (MADV_POPULATE_WRITE, where the
 // kernel has it; the writes fault them in otherwise), then pread until the piece is in. Jobs

@@ -21,6 +21,7 @@
 
 #include "bindings_common.h"
 #include "qlinear.h"
+#include "row_fill.h"
 
 namespace py = pybind11;
 
@@ -55,22 +56,8 @@ const uint8_t* read_bytes(int fd, int64_t offset, int64_t nbytes, bool direct, R
   const int64_t start = direct ? offset / kAlign * kAlign : offset;
   const int64_t stop = direct ? (offset + nbytes + kAlign - 1) / kAlign * kAlign : offset + nbytes;
   uint8_t* buf = bounce();
-  int64_t got = 0;
-  while (start + got < offset + nbytes) {  // a short read before the end: read on
-    const ssize_t n = pread(fd, buf + got, static_cast<size_t>(stop - start - got), start + got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      end.err = errno;
-      return nullptr;
-    }
-    if (n == 0) {
-      end.err = -1;
-      end.at = start + got;
-      return nullptr;
-    }
-    got += n;
-  }
-  return buf + (offset - start);
+  end.err = ftdense::pread_full(fd, buf, offset + nbytes - start, stop - start, start, &end.at);
+  return end.err ? nullptr : buf + (offset - start);
 }
 
 int64_t tier_read(int fd, int64_t offset, int64_t nbytes, bool direct, uintptr_t dst, int qtype,
