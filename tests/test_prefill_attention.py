@@ -39,6 +39,7 @@ ISAS = {"avx512": "avx512", "avx2": "avx2", "scalar": "scalar", "emu512": "emu51
 def _restore_pool() -> Iterator[None]:
     yield
     dense_native.configure(2)
+    dense_native.prefill_small_rows(None)
 
 
 def _use(isa: str, threads: int = 2) -> None:
@@ -169,6 +170,63 @@ def test_any_chunking_gives_the_same_bits(isa: str, window: int | None, sinks: b
             for ch in case.chunks([cuts, *other]):
                 case.run([ch], window, sk, out=alone)
             assert torch.equal(alone, whole), (threads, cuts)
+
+
+def _reference64(
+    case: Case, n: int, window: int | None, sinks: torch.Tensor | None
+) -> torch.Tensor:  # fmt: skip
+    """Sequence 0's rows [0, n) in float64 from the same stored K/V (plain softmax)."""
+    heads, kv_heads = case.heads, case.k.shape[2]
+    kpos = torch.arange(n)
+    page = case.tables[0].long()[kpos // PAGE]
+    k = case.k[page, kpos % PAGE].double().repeat_interleave(heads // kv_heads, dim=1)
+    v = case.v[page, kpos % PAGE].double().repeat_interleave(heads // kv_heads, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", case.q[:n].double(), k) * case.q.shape[-1] ** -0.5
+    allowed = kpos.unsqueeze(0) <= kpos.unsqueeze(1)
+    if window is not None:
+        allowed &= kpos.unsqueeze(0) > kpos.unsqueeze(1) - window
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.double().view(heads, 1, 1).expand(heads, n, 1)], dim=2)
+    probs = torch.softmax(logits, dim=2)[..., :n]
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,dtype,window,sinks",
+    [
+        (4, 4, 32, torch.bfloat16, None, False),
+        (8, 2, 64, torch.float32, None, True),
+        (6, 2, 16, torch.bfloat16, 40, True),
+        (8, 1, 32, torch.float32, 100, False),
+    ],
+    ids=str,
+)
+def test_few_row_chunks_keep_the_bits(
+    isa: str, heads: int, kv_heads: int, d: int, dtype: torch.dtype, window: int | None,
+    sinks: bool,
+) -> None:  # fmt: skip
+    """Chunks of 1 to 5 rows, through the few-row kernel (forced for tiles of up to 5 rows, and
+    the automatic choice) at positions inside the first key block, on and across block boundaries
+    and a few hundred keys in, give the bits of the same rows inside one whole chunk (the tile
+    kernel); the whole agrees with a float64 reference."""
+    _use(isa)
+    n = 330
+    case = Case(heads, kv_heads, d, [n], dtype, seed=d + 7 * heads + kv_heads)
+    sk = torch.randn(heads) * 2 if sinks else None
+    dense_native.prefill_small_rows(0)  # the tile kernel only
+    whole = case.run([(0, 0, n)], window, sk)
+    torch.testing.assert_close(
+        whole, _reference64(case, n, window, sk).float(), rtol=RTOL, atol=ATOL
+    )
+    starts = [0, 2, 60, 62, 63, 64, 127, 128, 190, 250, 300, 325]
+    for small in (5, None):
+        dense_native.prefill_small_rows(small)
+        for length in range(1, 6):
+            for p in (p for p in starts if p + length <= n):
+                got = case.run([(0, p, length)], window, sk, out=torch.zeros(case.q.shape))
+                assert torch.equal(got[p : p + length], whole[p : p + length]), (small, p, length)
 
 
 def test_vector_paths_give_the_same_bits() -> None:

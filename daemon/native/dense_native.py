@@ -426,6 +426,14 @@ def prefill_isa() -> str:
     return str(_native.prefill_isa())
 
 
+def prefill_small_rows(n: int | None) -> None:
+    """Tiles of at most n query rows run the few-row prefill kernel (keys in its vector lanes),
+    the others the tile kernel; None: the automatic choice (a tile whose rows fill at most half a
+    vector). The results are the same bits either way (prefill_attention.h); for tests and
+    benchmarks."""
+    _native.prefill_small_rows(-1 if n is None else n)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,

@@ -291,6 +291,10 @@ PYBIND11_MODULE(ftdense, m) {
     return std::string(state().prefill ? ftdense::prefill_kernel_name(state().prefill) : "");
   });
   m.def(
+      "prefill_small_rows", [](int n) { ftdense::prefill_small_rows(n); }, py::arg("n"),
+      "Tiles of at most n query rows run the few-row prefill kernel, the others the tile kernel "
+      "(the same bits either way); n < 0: the automatic choice. For tests and benchmarks.");
+  m.def(
       "prefill_attention",
       [](uintptr_t q, int64_t q_rows, uintptr_t out, int heads, int n, uintptr_t rows,
          uintptr_t lens, uintptr_t pos, uintptr_t tables, int64_t table_stride, uintptr_t k,

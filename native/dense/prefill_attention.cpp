@@ -5,6 +5,7 @@
 #include "prefill_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -17,6 +18,7 @@
 
 #include "index_impl.h"
 #include "prefill_attention_impl.h"
+#include "prefill_small_impl.h"
 #include "sparse_attention.h"
 
 namespace ftdense {
@@ -44,6 +46,7 @@ struct Scalar {
     return f;
   }
   static T widen(const uint16_t* p) { return prefill_impl::widen1(p, 0, true); }
+  static void transpose(const float* src, int64_t, float* dst, int64_t) { *dst = *src; }
 };
 
 // 16 lanes as AVX-512 has them, fused multiply-adds.
@@ -75,6 +78,10 @@ struct Emu512 {
   static T pow2(const T& n) { return map([&](int i) { return Scalar::pow2(n.v[i]); }); }
   static T widen(const uint16_t* p) {
     return map([p](int i) { return prefill_impl::widen1(p, i, true); });
+  }
+  static void transpose(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) dst[j * ldd + i] = src[i * lds + j];
   }
 };
 
@@ -149,11 +156,13 @@ void validate(const KvPages& kv, const PrefillChunks& c) {
 }  // namespace
 
 void prefill_tile_scalar(const KvPages& kv, const PrefillTile& t) {
-  prefill_impl::prefill_tile<Scalar>(kv, t);
+  if (prefill_small_tile(t, Scalar::kLanes)) prefill_impl::prefill_tile_small<Scalar>(kv, t);
+  else prefill_impl::prefill_tile<Scalar>(kv, t);
 }
 
 void prefill_tile_emu512(const KvPages& kv, const PrefillTile& t) {
-  prefill_impl::prefill_tile<Emu512>(kv, t);
+  if (prefill_small_tile(t, Emu512::kLanes)) prefill_impl::prefill_tile_small<Emu512>(kv, t);
+  else prefill_impl::prefill_tile<Emu512>(kv, t);
 }
 
 void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
@@ -166,6 +175,17 @@ void index_emu512(const float* q, const float* w, int heads, int dim, float scal
                   const char* const* keys, bool bf16, int n, float* scores) {
   using V = index_impl::IndexVec<Emu512, 8, 2, index_impl::PackGeneric>;
   index_impl::index_keys<V>(q, w, heads, dim, scale, keys, bf16, n, scores);
+}
+
+namespace {
+std::atomic<int> small_rows{-1};
+}  // namespace
+
+void prefill_small_rows(int n) { small_rows.store(n, std::memory_order_relaxed); }
+
+bool prefill_small_tile(const PrefillTile& t, int lanes) {
+  const int n = small_rows.load(std::memory_order_relaxed);
+  return n >= 0 ? t.nq <= n : 2 * t.nq * t.G <= lanes;
 }
 
 PrefillFn prefill_kernel(const std::string& isa) {

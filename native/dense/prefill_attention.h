@@ -17,7 +17,9 @@
 // values run in one fixed order over the block's positions, so the keys a tile reads past a
 // row's own (for the tile's later rows) add exact zeros; a block that a row does not see at all
 // leaves its state unchanged (it is skipped for that row). Prefilling a prompt in any chunking
-// therefore gives the same bits as prefilling it whole. Query rows sit in the vector lanes and
+// therefore gives the same bits as prefilling it whole. A tile of few rows may run the few-row
+// kernel instead (keys in the lanes of its logits, prefill_small_impl.h), which keeps every one of
+// these operations and their order, so the same bits. Query rows sit in the vector lanes and
 // no operation mixes lanes, so the AVX2, AVX-512 and emu512 kernels (fused multiply-adds) give
 // the same bits as one another too; the scalar one (separate multiply and add) does not.
 #pragma once
@@ -58,6 +60,15 @@ void prefill_tile_emu512(const KvPages& kv, const PrefillTile& t);
 void prefill_tile_avx2(const KvPages& kv, const PrefillTile& t);
 void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t);
 #endif
+
+// Whether a tile runs the few-row kernel (prefill_small_impl.h: keys in the lanes of the logits)
+// rather than the tile kernel (query rows in them) on an ISA of `lanes` lanes; both give the same
+// bits. Automatic: when the tile's R = nq * G rows fill at most half a vector of the tile kernel
+// (measured on Zen 4: the few-row kernel wins there and loses from a full vector on, where it
+// does the same arithmetic plus K's transpose and the per-row sums). prefill_small_rows(n >= 0)
+// overrides it: tiles of at most n query rows (tests, benchmarks).
+void prefill_small_rows(int n);
+bool prefill_small_tile(const PrefillTile& t, int lanes);
 
 // The kernel of an ISA name ("avx512", "avx2", "emu512", anything else scalar), falling back to
 // the best the CPU runs below it; and its name.

@@ -13,6 +13,7 @@
 
 #include "index_pack_x86.h"
 #include "prefill_attention_impl.h"
+#include "prefill_small_impl.h"
 #include "sparse_attention.h"
 
 namespace ftdense {
@@ -41,12 +42,31 @@ struct Avx2 {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  // dst[j * ldd + i] = src[i * lds + j] for i, j < 8
+  FT_INLINE static void transpose(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    __m256 s[8];
+    for (int g = 0; g < 2; ++g) {
+      const float* p = src + 4 * g * lds;
+      const __m256 r0 = load(p), r1 = load(p + lds), r2 = load(p + 2 * lds), r3 = load(p + 3 * lds);
+      const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+      const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+      s[4 * g + 0] = _mm256_shuffle_ps(t0, t2, 0x44);  // columns 0 | 4 of rows 4g .. 4g+3
+      s[4 * g + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);  // 1 | 5
+      s[4 * g + 2] = _mm256_shuffle_ps(t1, t3, 0x44);  // 2 | 6
+      s[4 * g + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);  // 3 | 7
+    }
+    for (int c = 0; c < 4; ++c) {
+      store(dst + c * ldd, _mm256_permute2f128_ps(s[c], s[4 + c], 0x20));
+      store(dst + (4 + c) * ldd, _mm256_permute2f128_ps(s[c], s[4 + c], 0x31));
+    }
+  }
 };
 
 }  // namespace
 
 void prefill_tile_avx2(const KvPages& kv, const PrefillTile& t) {
-  prefill_impl::prefill_tile<Avx2>(kv, t);
+  if (prefill_small_tile(t, Avx2::kLanes)) prefill_impl::prefill_tile_small<Avx2>(kv, t);
+  else prefill_impl::prefill_tile<Avx2>(kv, t);
 }
 
 void index_avx2(const float* q, const float* w, int heads, int dim, float scale,

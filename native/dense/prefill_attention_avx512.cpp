@@ -15,6 +15,7 @@
 
 #include "index_pack_x86.h"
 #include "prefill_attention_impl.h"
+#include "prefill_small_impl.h"
 #include "sparse_attention.h"
 
 namespace ftdense {
@@ -43,12 +44,38 @@ struct Avx512 {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  // dst[j * ldd + i] = src[i * lds + j] for i, j < 16: pairs of rows interleaved, then groups of
+  // four, then 128-bit quarters gathered by two shuffle_f32x4 steps
+  FT_INLINE static void transpose(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    __m512 s[16], u[4][4];
+    for (int g = 0; g < 4; ++g) {
+      const float* p = src + 4 * g * lds;
+      const __m512 r0 = load(p), r1 = load(p + lds), r2 = load(p + 2 * lds), r3 = load(p + 3 * lds);
+      const __m512 t0 = _mm512_unpacklo_ps(r0, r1), t1 = _mm512_unpackhi_ps(r0, r1);
+      const __m512 t2 = _mm512_unpacklo_ps(r2, r3), t3 = _mm512_unpackhi_ps(r2, r3);
+      s[4 * g + 0] = _mm512_shuffle_ps(t0, t2, 0x44);  // column 4j: rows 4g .. 4g+3
+      s[4 * g + 1] = _mm512_shuffle_ps(t0, t2, 0xEE);  // 4j + 1
+      s[4 * g + 2] = _mm512_shuffle_ps(t1, t3, 0x44);  // 4j + 2
+      s[4 * g + 3] = _mm512_shuffle_ps(t1, t3, 0xEE);  // 4j + 3
+    }
+    for (int c = 0; c < 4; ++c) {
+      u[c][0] = _mm512_shuffle_f32x4(s[c], s[4 + c], 0x88);
+      u[c][1] = _mm512_shuffle_f32x4(s[c], s[4 + c], 0xDD);
+      u[c][2] = _mm512_shuffle_f32x4(s[8 + c], s[12 + c], 0x88);
+      u[c][3] = _mm512_shuffle_f32x4(s[8 + c], s[12 + c], 0xDD);
+      store(dst + c * ldd, _mm512_shuffle_f32x4(u[c][0], u[c][2], 0x88));
+      store(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(u[c][1], u[c][3], 0x88));
+      store(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(u[c][0], u[c][2], 0xDD));
+      store(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(u[c][1], u[c][3], 0xDD));
+    }
+  }
 };
 
 }  // namespace
 
 void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t) {
-  prefill_impl::prefill_tile<Avx512>(kv, t);
+  if (prefill_small_tile(t, Avx512::kLanes)) prefill_impl::prefill_tile_small<Avx512>(kv, t);
+  else prefill_impl::prefill_tile<Avx512>(kv, t);
 }
 
 void index_avx512(const float* q, const float* w, int heads, int dim, float scale,

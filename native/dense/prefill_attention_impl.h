@@ -3,7 +3,8 @@
 // providing:
 //   T, kLanes, kRB (rows of a register tile), kNV (vectors of columns of a register tile);
 //   zero, set1, load, store, fma (a * b + c), mul, add, sub, max, round (to nearest),
-//   pow2 (2^n for integral n in [-126, 127]), widen (L bf16 values -> fp32);
+//   pow2 (2^n for integral n in [-126, 127]), widen (L bf16 values -> fp32), transpose (an L x L
+//   block of floats, for the few-row kernel of prefill_small_impl.h);
 // then calls `prefill_tile<ThatStruct>`. Every lane is computed alone (no horizontal operation),
 // so the kernels whose fma is fused (AVX2, AVX-512, emu512) give the same bits.
 #pragma once
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "prefill_attention.h"
@@ -172,6 +174,72 @@ FT_INLINE void widen_row(const void* base, int64_t off, bool bf16, int n, float*
   }
 }
 
+// The key blocks of a tile (aligned to position 0, ascending) and which rows and keys see them.
+struct Blocks {
+  const KvPages& kv;
+  const PrefillTile& t;
+  int64_t last;  // the tile's last position: no key past it is read
+
+  Blocks(const KvPages& kv_, const PrefillTile& t_) : kv(kv_), t(t_), last(t_.pos0 + t_.nq - 1) {}
+  int64_t lo(int64_t p) const {
+    return t.window > 0 ? std::max<int64_t>(0, p - t.window + 1) : int64_t{0};
+  }
+  int64_t first() const { return lo(t.pos0) / KB * KB; }
+  int keys(int64_t b0) const { return static_cast<int>(std::min<int64_t>(KB, last + 1 - b0)); }
+  // queries [qa, qb) see a key of the block: positions >= b0, and (window) lo <= its last
+  int qa(int64_t b0) const { return static_cast<int>(std::max<int64_t>(0, b0 - t.pos0)); }
+  int qb(int64_t b0, int nk) const {
+    return t.window > 0
+               ? static_cast<int>(std::min<int64_t>(t.nq, b0 + nk - 1 + t.window - t.pos0))
+               : t.nq;
+  }
+  // the keys [ka, ke) of the block that position p sees (p among the rows that see it)
+  std::pair<int, int> visible(int64_t b0, int nk, int64_t p) const {
+    return {static_cast<int>(std::max<int64_t>(lo(p), b0) - b0),
+            static_cast<int>(std::min<int64_t>(p + 1, b0 + nk) - b0)};
+  }
+  // pool offsets (elements) of the block's rows of this KV head
+  void offsets(int64_t b0, int nk, int64_t* o) const {
+    const int64_t rs = static_cast<int64_t>(kv.kv_heads) * kv.d;
+    int64_t pg = b0 / kv.page_size;
+    int row = static_cast<int>(b0 % kv.page_size);
+    for (int k = 0; k < nk; ++k) {
+      o[k] = (static_cast<int64_t>(t.table[pg]) * kv.page_size + row) * rs +
+             int64_t{t.kv_head} * kv.d;
+      if (++row == kv.page_size) row = 0, ++pg;
+    }
+  }
+  // once block b0 is widened: the next block's offsets into offs, and its prefetcher
+  Ahead ahead(int64_t b0, int64_t* offs, int64_t& offs_at) const {
+    const int64_t esize = kv.bf16 ? 2 : 4;
+    const int row_lines = static_cast<int>((kv.d * esize + 63) / 64);
+    const int nn = static_cast<int>(std::clamp<int64_t>(last + 1 - b0 - KB, 0, KB));
+    if (nn > 0) offsets(b0 + KB, nn, offs), offs_at = b0 + KB;
+    return Ahead{static_cast<const char*>(kv.k), static_cast<const char*>(kv.v), offs, esize,
+                 row_lines, nn * row_lines, 0, 0};
+  }
+};
+
+// out = acc / (l, plus the sink's share), rows r = query i * G + head g of acc [R, ldd].
+template <class V>
+FT_INLINE void finish_rows(const PrefillTile& t, int d, int R, const float* m, const float* l,
+                           const float* acc, int ldd) {
+  for (int r = 0; r < R; ++r) {
+    const int i = r / t.G, g = r % t.G;
+    float f;
+    if (t.sinks) {
+      const float mx = std::max(m[r], t.sinks[g]);
+      const float w = std::exp(m[r] - mx);
+      f = w / std::fma(l[r], w, std::exp(t.sinks[g] - mx));  // fused on every path
+    } else {
+      f = 1.0f / l[r];
+    }
+    float* dst = t.out + i * t.row_stride + static_cast<int64_t>(t.kv_head * t.G + g) * d;
+    const float* a = acc + static_cast<int64_t>(r) * ldd;
+    for (int e = 0; e < d; e += V::kLanes) V::store(dst + e, V::mul(V::load(a + e), V::set1(f)));
+  }
+}
+
 // Layout: query rows r = query i * G + head g sit in the lanes (Rp = R rounded up to L), keys
 // in the rows of the logits st [KB, Rp]: a row's max and sum over a block's keys are lane-wise
 // sequences over the keys in order, so they do not depend on the vector width either.
@@ -179,7 +247,6 @@ template <class V>
 FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
   constexpr int L = V::kLanes;
   const int d = kv.d, G = t.G, R = t.nq * G, Rp = (R + L - 1) / L * L;
-  const int64_t rs = static_cast<int64_t>(kv.kv_heads) * d;  // elements from one pool row on
   // row strides: an odd number of 64-byte lines, so a column slab of a GEMM operand (rows of
   // 512 bytes apart otherwise) spreads over all the L1 sets instead of an eighth of them
   const int ldr = padded_stride(Rp), ldd = padded_stride(d);
@@ -205,43 +272,22 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
   std::fill(m, m + Rp, kNegInf);
   std::fill(l, l + Rp, 0.0f);
 
-  const int64_t last = t.pos0 + t.nq - 1;  // the tile's last position: no key past it is read
-  const auto lo_of = [&](int64_t p) {
-    return t.window > 0 ? std::max<int64_t>(0, p - t.window + 1) : int64_t{0};
-  };
+  const Blocks bl(kv, t);
   const typename V::T lowest = V::set1(std::numeric_limits<float>::lowest());
-  int64_t offs[KB];  // pool offsets (elements) of a block's rows
-  const int64_t esize = kv.bf16 ? 2 : 4;
-  const int row_lines = static_cast<int>((d * esize + 63) / 64);
-  const auto row_offsets = [&](int64_t b0, int nk, int64_t* o) {
-    int64_t pg = b0 / kv.page_size;
-    int row = static_cast<int>(b0 % kv.page_size);
-    for (int k = 0; k < nk; ++k) {
-      o[k] = (static_cast<int64_t>(t.table[pg]) * kv.page_size + row) * rs + int64_t{t.kv_head} * d;
-      if (++row == kv.page_size) row = 0, ++pg;
-    }
-  };
+  int64_t offs[KB];      // pool offsets (elements) of a block's rows
   int64_t offs_at = -1;  // the block whose offsets `offs` holds
-  for (int64_t b0 = lo_of(t.pos0) / KB * KB; b0 <= last; b0 += KB) {
-    const int nk = static_cast<int>(std::min<int64_t>(KB, last + 1 - b0));
-    // rows that see a key of the block: positions >= b0, and (window) lo <= the block's last
-    const int qa = static_cast<int>(std::max<int64_t>(0, b0 - t.pos0));
-    int qb = t.nq;
-    if (t.window > 0)
-      qb = static_cast<int>(std::min<int64_t>(t.nq, b0 + nk - 1 + t.window - t.pos0));
+  for (int64_t b0 = bl.first(); b0 <= bl.last; b0 += KB) {
+    const int nk = bl.keys(b0), qa = bl.qa(b0), qb = bl.qb(b0, nk);
     if (qa >= qb) continue;
     const int ra = qa * G, rb = qb * G;             // the rows that see the block
     const int rA = ra / L * L, rB = (rb + L - 1) / L * L;  // their lanes' vectors
     // the block's K and V, widened; and the next block's offsets
-    if (offs_at != b0) row_offsets(b0, nk, offs);
+    if (offs_at != b0) bl.offsets(b0, nk, offs);
     for (int k = 0; k < nk; ++k) {
       widen_row<V>(kv.k, offs[k], kv.bf16, d, kb + k * ldd);
       widen_row<V>(kv.v, offs[k], kv.bf16, d, vb + k * ldd);
     }
-    const int nn = static_cast<int>(std::clamp<int64_t>(last + 1 - b0 - KB, 0, KB));
-    if (nn > 0) row_offsets(b0 + KB, nn, offs), offs_at = b0 + KB;
-    Ahead ahead{static_cast<const char*>(kv.k), static_cast<const char*>(kv.v), offs, esize,
-                row_lines, nn * row_lines, 0, 0};
+    Ahead ahead = bl.ahead(b0, offs, offs_at);
     {
       const int tiles = gemm_tiles<V>(rB - rA, 0, nk) + gemm_tiles<V>(d, ra, rb);
       ahead.per = (ahead.lines + tiles - 1) / tiles;
@@ -250,15 +296,11 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     gemm<V>(kb, {ldd, 1}, qt + rA, ldr, st + rA, ldr, d, rB - rA, 0, nk, nullptr, ahead);
     // masks: a lane outside [ra, rb) or past R sees no key of the block; row r sees [ka, kb)
     const bool full = rA == ra && rB == rb && rb <= R && t.pos0 + qa >= b0 + nk - 1 &&
-                      lo_of(t.pos0 + qb - 1) <= b0;
+                      bl.lo(t.pos0 + qb - 1) <= b0;
     const auto masked = [&](auto&& set) {
       for (int r = rA; r < rB; ++r) {
-        int ka = 0, kbnd = 0;  // empty
-        if (r >= ra && r < rb) {
-          const int64_t p = t.pos0 + r / G;
-          ka = static_cast<int>(std::max<int64_t>(lo_of(p), b0) - b0);
-          kbnd = static_cast<int>(std::min<int64_t>(p + 1, b0 + nk) - b0);
-        }
+        const auto [ka, kbnd] = r >= ra && r < rb ? bl.visible(b0, nk, t.pos0 + r / G)
+                                                  : std::pair<int, int>{0, 0};  // empty
         for (int k = 0; k < ka; ++k) set(st + k * ldr + r);
         for (int k = kbnd; k < nk; ++k) set(st + k * ldr + r);  // all of them when empty
       }
@@ -302,21 +344,7 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     ahead.per = ahead.lines;
     ahead.step();  // what is left
   }
-  // out = acc / (l, plus the sink's share)
-  for (int r = 0; r < R; ++r) {
-    const int i = r / G, g = r % G;
-    float f;
-    if (t.sinks) {
-      const float mx = std::max(m[r], t.sinks[g]);
-      const float w = std::exp(m[r] - mx);
-      f = w / std::fma(l[r], w, std::exp(t.sinks[g] - mx));  // fused on every path
-    } else {
-      f = 1.0f / l[r];
-    }
-    float* dst = t.out + i * t.row_stride + static_cast<int64_t>(t.kv_head * G + g) * d;
-    const float* a = acc + static_cast<int64_t>(r) * ldd;
-    for (int e = 0; e < d; e += L) V::store(dst + e, V::mul(V::load(a + e), V::set1(f)));
-  }
+  finish_rows<V>(t, d, R, m, l, acc, ldd);
 }
 
 }  // namespace prefill_impl

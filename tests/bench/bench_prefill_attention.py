@@ -13,6 +13,13 @@ threads; on a shared machine the wall time includes the waits for a core). Conte
 8192) time a sample of --sample chunks spread over the prompt (the time of a chunk grows
 linearly with its position) and scale it to the whole prompt: the line says "est.". Each chunk's
 outputs of the two paths are checked to agree (max abs difference printed).
+
+--rows 1 2 4 8: the few-row mode instead (issue 44: a short prompt chunk beside decode streams):
+one chunk of n rows at the end of each context, straight through `dense_native.prefill_attention`
+(--repeats rounds of --calls calls each, per row count), the few-row kernel's automatic choice
+against the tile kernel for every tile (`prefill_small_rows(0)`), interleaved call by call, with
+their outputs checked to be the same bits; median milliseconds per call (one layer). A build
+without the few-row kernel times the tile kernel alone.
 """
 
 from __future__ import annotations
@@ -43,6 +50,37 @@ def _batch(pool: KVPool, st: SeqState, pos: int, n: int) -> ForwardBatch:
     )
 
 
+def few_rows(args: argparse.Namespace, g: torch.Generator) -> None:
+    h, kvh, d = args.heads, args.kv_heads, args.head_dim
+    small = getattr(dense_native, "prefill_small_rows", None)
+    kinds = ("tile", "auto") if small else ("tile",)
+    for ctx in args.contexts:
+        pages = -(-ctx // 16) + 1
+        k, v = (torch.randn(pages, 16, kvh, d, generator=g).bfloat16() for _ in range(2))
+        tables = torch.randperm(pages, generator=g).int()[None]
+        q = torch.randn(max(args.rows), h, d, generator=g)
+        line = []
+        for n in args.rows:
+            rows = (torch.tensor([x], dtype=torch.int32) for x in (0, n, ctx - n))
+            a = (q[:n], k, v, tables, *rows)
+            times: dict[str, list[float]] = {x: [] for x in kinds}
+            outs = {}
+            for _ in range(args.repeats * args.calls):
+                for kind in kinds:
+                    if small:
+                        small(0 if kind == "tile" else None)
+                    t0 = time.perf_counter()
+                    outs[kind] = dense_native.prefill_attention(*a, d**-0.5)
+                    times[kind].append(time.perf_counter() - t0)
+            if small:
+                small(None)
+                assert all(torch.equal(outs[x], outs["tile"]) for x in kinds), n
+            line.append(f"{n} rows " + " / ".join(
+                f"{x} {1e3 * statistics.median(times[x]):.2f}" for x in kinds
+            ))  # fmt: skip
+        print(f"context {ctx}: ms a call: " + ";  ".join(line), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
@@ -53,6 +91,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--full", type=int, default=8192, help="longest context timed in full")
     ap.add_argument("--sample", type=int, default=4, help="chunks timed above --full")
+    ap.add_argument("--rows", type=int, nargs="*", default=[], help="the few-row mode")
+    ap.add_argument("--calls", type=int, default=20, help="calls a round (--rows)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dense_native.configure(args.threads)
@@ -60,6 +100,9 @@ def main() -> None:
     print(f"threads {args.threads}, prefill kernel {dense_native.prefill_isa()}, "
           f"{h} heads / {kvh} KV heads, d {d}, chunks of {CHUNK}")  # fmt: skip
     g = torch.Generator().manual_seed(0)
+    if args.rows:
+        few_rows(args, g)
+        return
     for ctx in args.contexts:
         pool = KVPool(1, -(-ctx // 16) + 1, 16, kvh, d, torch.bfloat16)
         st = SeqState(pages=pool.alloc(pool.pages_for(ctx))[::-1])  # scattered (reversed)
