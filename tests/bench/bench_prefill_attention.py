@@ -16,10 +16,10 @@ outputs of the two paths are checked to agree (max abs difference printed).
 
 --rows 1 2 4 8: the few-row mode instead (issue 44: a short prompt chunk beside decode streams):
 one chunk of n rows at the end of each context, straight through `dense_native.prefill_attention`
-(--repeats rounds of --calls calls each, per row count), the few-row kernel's automatic choice
-against the tile kernel for every tile (`prefill_small_rows(0)`), interleaved call by call, with
+(--repeats x --calls calls per row count): the tile kernel for every tile (`prefill_small_rows(0)`),
+the few-row kernel for every tile ("few") and the automatic choice, interleaved call by call,
 their outputs checked to be the same bits; median milliseconds per call (one layer). A build
-without the few-row kernel times the tile kernel alone.
+without the few-row kernel times the tile kernel alone. --isa forces the kernels' ISA.
 """
 
 from __future__ import annotations
@@ -53,7 +53,12 @@ def _batch(pool: KVPool, st: SeqState, pos: int, n: int) -> ForwardBatch:
 def few_rows(args: argparse.Namespace, g: torch.Generator) -> None:
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
     small = getattr(dense_native, "prefill_small_rows", None)
-    kinds = ("tile", "auto") if small else ("tile",)
+    try:
+        small and small(None)
+    except AttributeError:  # an extension built before the few-row kernel
+        small = None
+    kinds = ("tile", "few", "auto") if small else ("tile",)
+    cut = {"tile": 0, "few": 1 << 20, "auto": None}
     for ctx in args.contexts:
         pages = -(-ctx // 16) + 1
         k, v = (torch.randn(pages, 16, kvh, d, generator=g).bfloat16() for _ in range(2))
@@ -68,7 +73,7 @@ def few_rows(args: argparse.Namespace, g: torch.Generator) -> None:
             for _ in range(args.repeats * args.calls):
                 for kind in kinds:
                     if small:
-                        small(0 if kind == "tile" else None)
+                        small(cut[kind])
                     t0 = time.perf_counter()
                     outs[kind] = dense_native.prefill_attention(*a, d**-0.5)
                     times[kind].append(time.perf_counter() - t0)
@@ -93,9 +98,10 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=4, help="chunks timed above --full")
     ap.add_argument("--rows", type=int, nargs="*", default=[], help="the few-row mode")
     ap.add_argument("--calls", type=int, default=20, help="calls a round (--rows)")
+    ap.add_argument("--isa", default=None, help="force the ISA (avx512, avx2, emu512, scalar)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dense_native.configure(args.threads)
+    dense_native.configure(args.threads, isa=args.isa)
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
     print(f"threads {args.threads}, prefill kernel {dense_native.prefill_isa()}, "
           f"{h} heads / {kvh} KV heads, d {d}, chunks of {CHUNK}")  # fmt: skip
