@@ -175,6 +175,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -185,6 +186,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("freetoken", "llama.cpp", "resident")
+SEQ_BYTES = 1 << 30  # the sequential rate's sample
 PROMPT_SEED = 7
 
 
@@ -196,8 +198,6 @@ def _io_read_bytes() -> int:
 
 
 def _prompt(n: int, vocab: int) -> list[int]:
-    import random
-
     rng = random.Random(PROMPT_SEED)
     return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
 
@@ -447,11 +447,18 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
-    """Bytes/s reading ``nbytes`` of ``path`` from its middle, caches dropped, 4 reads in flight."""
+def disk_rate(
+    path: Path, nbytes: int = SEQ_BYTES, chunk: int = 8 << 20, seed: int | None = None
+) -> float:
+    """Bytes/s reading ``nbytes`` of ``path`` in ``chunk``-byte reads, 4 in flight, through the
+    page cache (caches dropped first): from the file's middle, or (``seed``) from a start drawn
+    by it, so that repeats read other places (this VM's host caches what was read)."""
     drop_caches()
     size = path.stat().st_size
-    start = max(0, (size - nbytes) // 2) // chunk * chunk
+    start = max(0, (size - nbytes) // 2)
+    if seed is not None:
+        start = random.Random(seed).randrange(max(1, size - nbytes))
+    start = start // chunk * chunk
     fd = os.open(path, os.O_RDONLY)
     try:
         offsets = range(start, min(size, start + nbytes), chunk)
@@ -463,12 +470,111 @@ def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
         os.close(fd)
 
 
+def tier_pieces(path: str) -> list[int]:
+    """The bytes of each read the disk tier makes for an expert of the GGUF file ``path``, over
+    its layers (as models/gguf_experts.GgufExpertSource splits them: one per projection's rows,
+    larger slices in whole groups of 8 rows of at most ``piece_bytes``)."""
+    from freetokend.formats.gguf_header import expert_stacks, read_header
+    from freetokend.models.gguf_experts import GgufExpertSource
+
+    most = GgufExpertSource.piece_bytes
+    out = []
+    for stack in expert_stacks(read_header(path).tensors).values():
+        for t in stack.values():
+            n, rows = t.nbytes // t.shape[0], t.shape[-2]
+            rb = n // rows
+            step = most // rb // 8 * 8 or rows
+            out += [min(step, rows - r0) * rb for r0 in range(0, rows, step)]
+    return out
+
+
+def child_rate(a: dict[str, Any]) -> dict[str, Any]:
+    """The disk's read rate two ways, in this (the run's) cgroup: in the disk tier's pattern
+    (formats/disk_rate.measure_disk_rate: reads of the tier's mean piece, its reader threads'
+    count in flight, O_DIRECT as the tier reads; offsets drawn by ``seed``) and sequential (8
+    MiB reads, 4 in flight, through the page cache, caches dropped; ``disk_rate``)."""
+    from freetokend.experts.disk_reads import READ_THREADS
+    from freetokend.formats.direct_read import ALIGN
+    from freetokend.formats.disk_rate import measure_disk_rate
+
+    pieces = tier_pieces(a["path"])
+    piece = -(-sum(pieces) // len(pieces) // ALIGN) * ALIGN  # the mean, in whole blocks
+    t0 = time.perf_counter()
+    r = measure_disk_rate(a["path"], a["tier_bytes"], piece, READ_THREADS, a["seed"])
+    tier_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seq = disk_rate(Path(a["path"]), a["seq_bytes"], seed=a["seed"])
+    return {"tier": r.bytes_per_s, "direct": r.direct, "piece": piece, "depth": READ_THREADS,
+            "tier_s": tier_s, "seq": seq, "seq_s": time.perf_counter() - t0}  # fmt: skip
+
+
+_RATE_SEED = iter(range(1, 1 << 30))  # each measurement reads other places than the last
+
+
+def rates_near(path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
+    """``child_rate`` in a fresh cgroup limited as the engine's run is (caches dropped): the
+    disk's rates right before or after a run."""
+    args = {"path": str(path), "tier_bytes": a.rate_mb << 20, "seq_bytes": SEQ_BYTES,
+            "seed": next(_RATE_SEED)}  # fmt: skip
+    cg = Cgroup(f"ftbench-rate-{os.getpid()}", limit)
+    drop_caches()
+    try:
+        p = subprocess.run(
+            [sys.executable, __file__, "--child", "rate", json.dumps(args)],
+            capture_output=True, text=True, preexec_fn=cg.join, timeout=a.timeout,
+        )  # fmt: skip
+        if p.returncode != 0:
+            return {"error": f"rc {p.returncode}: {p.stderr[-300:]}"}
+        return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout {a.timeout} s"}
+    finally:
+        cg.remove()
+
+
+def ceiling_rate(before: dict[str, Any], after: dict[str, Any]) -> tuple[float | None, str]:
+    """The disk rate a run's ceiling uses, and why: the higher of the tier pattern's rates
+    measured right before and right after it (a miss is read as the tier reads it, ~1 MB
+    pieces at random offsets: an expert's projections lie apart in the file, so no run can
+    read its misses as 8 MiB sequential reads; the higher of the two because the rate drifts
+    during a run and a ceiling must bound it: the lower would let a run beat it). Where one
+    side failed, the other alone."""
+    sides = {k: r["tier"] for k, r in (("before", before), ("after", after)) if r.get("tier")}
+    if not sides:
+        return None, "no rate measured"
+    which = max(sides, key=lambda k: sides[k])
+    note = "the higher" if len(sides) == 2 else "the other side failed"
+    return sides[which], f"the tier pattern's, {which} the run ({note})"
+
+
 def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
     args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
             "cache_mb": a.cache_mb, "routes": a.routes, "predictor": a.predictor,
             "piece_kb": a.piece_kb, "switch_us": a.switch_us}  # fmt: skip
     if engine == "resident":  # the whole pool in RAM: no limit that binds, no disk tier
         args["cache_mb"], limit = None, 4 * path.stat().st_size
+    # the disk's rates right before and after the run (a resident run reads nothing a token)
+    before = rates_near(path, limit, a) if engine != "resident" else {}
+    out = _run_engine(engine, path, limit, args, a)
+    after = rates_near(path, limit, a) if engine != "resident" else {}
+    if engine != "resident":
+        out["rates"] = {"before": before, "after": after}
+        rate, why = ceiling_rate(before, after)
+        seq = [r["seq"] for r in (before, after) if r.get("seq")]
+        per, tps = out.get("miss_bytes_per_token"), out.get("decode_tps")
+        out["ceiling_rate"], out["ceiling_why"] = rate, why
+        out["ceiling"] = rate / per if rate and per else None
+        out["of_ceiling"] = tps / out["ceiling"] if tps and out["ceiling"] else None
+        # the same with the higher sequential rate (8 MiB reads): what larger reads would allow
+        out["seq_ceiling"] = max(seq) / per if seq and per else None
+        out["of_seq_ceiling"] = tps / out["seq_ceiling"] if tps and out["seq_ceiling"] else None
+    return out
+
+
+def _run_engine(
+    engine: str, path: Path, limit: int, args: dict[str, Any], a: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine's run: a fresh child process in a cgroup of ``limit`` bytes, caches dropped."""
     cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
     drop_caches()
     try:
@@ -572,6 +678,47 @@ def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
         cg.remove()
 
 
+def print_rates(results: dict[tuple[float, str], list[dict[str, Any]]]) -> None:
+    """Each run's disk rates (MB/s, before -> after), its ceiling's rate and why, then each
+    limit's spread: the rates' min, median and max, and the median of a run's before/after
+    difference (over their mean)."""
+    print("disk rates around each run, MB/s (before -> after): the tier's pattern, sequential")
+    by_share: dict[float, list[dict[str, Any]]] = {}
+    for (share, engine), rows in results.items():
+        for i, r in enumerate(rows):
+            got = r.get("rates")
+            if not got:
+                continue
+            by_share.setdefault(share, []).append(got)
+            b, f = got["before"], got["after"]
+            if "tier" not in b or "tier" not in f:
+                print(f"  {share:.0%} {engine} #{i}: {b.get('error') or f.get('error')}")
+                continue
+            rate = r.get("ceiling_rate")
+            print(
+                f"  {share:.0%} {engine} #{i}: tier {b['tier'] / 1e6:.0f} -> {f['tier'] / 1e6:.0f} "
+                f"({b['piece'] / 1e6:.2f} MB x {b['depth']}, "
+                f"{'O_DIRECT' if b['direct'] else 'page cache'}), "
+                f"seq {b['seq'] / 1e6:.0f} -> {f['seq'] / 1e6:.0f}; ceiling at "
+                + (f"{rate / 1e6:.0f}: {r.get('ceiling_why')}" if rate else "-")
+            )
+    for share, pairs in sorted(by_share.items()):
+        for key, name in (("tier", "tier pattern"), ("seq", "sequential")):
+            vals = [p[side][key] for p in pairs for side in ("before", "after")
+                    if p[side].get(key)]  # fmt: skip
+            drift = [abs(p["before"][key] - p["after"][key]) * 2
+                     / (p["before"][key] + p["after"][key])
+                     for p in pairs if p["before"].get(key) and p["after"].get(key)]  # fmt: skip
+            if vals:
+                med = statistics.median(vals)
+                print(
+                    f"{share:.0%} {name}: {min(vals) / 1e6:.0f} / {med / 1e6:.0f} / "
+                    f"{max(vals) / 1e6:.0f} MB/s (min / median / max of {len(vals)}), spread "
+                    f"{(max(vals) - min(vals)) / med:.0%} of the median; a run's before vs after "
+                    + (f"{statistics.median(drift):.0%} (median)" if drift else "-")
+                )
+
+
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None
@@ -591,6 +738,10 @@ def main() -> int:
         help="freetoken's expert cache, MiB (0: the memory left), or one per limit (comma-separated)",
     )  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument(
+        "--rate-mb", type=int, default=512,
+        help="MiB each measurement of the disk's rate in the tier's pattern reads",
+    )  # fmt: skip
     ap.add_argument(
         "--engines", default=",".join(ENGINES),
         help="resident: freetoken with the whole pool in RAM (no binding limit), the decode's "
@@ -635,7 +786,8 @@ def main() -> int:
         ap.error("engine base: --base names its tree's PYTHONPATH")
     if a.child:
         engine, args = a.child[0], json.loads(a.child[1])
-        res = child_freetoken(args) if engine == "freetoken" else child_llama(args)
+        child = {"freetoken": child_freetoken, "llama.cpp": child_llama, "rate": child_rate}
+        res = child[engine](args)
         print(json.dumps(res))
         return 0
     if os.geteuid() != 0:
@@ -668,8 +820,10 @@ def main() -> int:
         except ImportError:
             print("llama.cpp: llama-cpp-python not installed; freetoken alone")
             engines.remove("llama.cpp")
-    rate = disk_rate(path)
-    print(f"disk read rate (cold, 8 MiB reads, 4 in flight): {rate / 1e6:.0f} MB/s")
+    print(
+        "the disk's rates measured right before and after each run (not the resident's), in a "
+        "cgroup limited as the run, caches dropped: the tier's pattern and sequential"
+    )
     results: dict[tuple[float, str], list[dict[str, Any]]] = {}
     for share, cache_mb in zip(shares, caches, strict=True):
         limit = int(size * share)
@@ -679,9 +833,13 @@ def main() -> int:
                 r = run(engine, path, limit, a)
                 results.setdefault((share, engine), []).append(r)
                 print(f"  {share:.0%} {engine} #{i}: " + json.dumps(r), flush=True)
-    print(f"\nmedians over {a.repeats} runs; disk {rate / 1e6:.0f} MB/s; file {size / 1e9:.2f} GB")
+    print(f"\nmedians over {a.repeats} runs; file {size / 1e9:.2f} GB")
+    print_rates(results)
     print(
-        "ceiling: the disk's rate over the MB a token misses; bound: the resident decode's tok/s "
+        "ceiling: a run's disk rate (rate: the tier pattern's, the higher of before and after "
+        "the run) over the MB a token misses; of ceil: the median of the runs' tok/s over their "
+        "own ceilings; of seq: the same with the higher sequential rate; bound: the resident "
+        "decode's tok/s "
         "(the compute bound); of min: tok/s over min(ceiling, bound); serial: 1 / (1 / bound + "
         "1 / ceiling), the rate when no read overlaps compute (nothing read ahead: routing that "
         "nothing predicts, as random routers'; a layer's reads still overlap its resident experts)"
@@ -692,13 +850,15 @@ def main() -> int:
     head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} {'slots':>6} "
     print(
         head
-        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'serial':>7} {'of ser':>7} "
+        + f"{'rate':>5} {'ceiling':>8} {'of ceil':>8} {'of seq':>7} "
+        + f"{'bound':>7} {'of min':>7} {'serial':>7} {'of ser':>7} "
         + f"{'killed':>7} {'peak MB':>8} {'hits':>5}"
     )
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
         per = _median(rows, "miss_bytes_per_token")
-        ceil = rate / per if per else None
+        ceil, rate = _median(rows, "ceiling"), _median(rows, "ceiling_rate")
+        of_ceil, of_seq = _median(rows, "of_ceiling"), _median(rows, "of_seq_ceiling")
         bound = _median(results.get((share, "resident"), []), "decode_tps")
         least = min(ceil, bound) if ceil and bound else None
         serial = 1 / (1 / bound + 1 / ceil) if ceil and bound else None
@@ -712,8 +872,10 @@ def main() -> int:
             f"{ttft:.2f}" if ttft else "-",
             f"{per / 1e6:.0f}" if per else "-",
             f"{slots:.0f}" if slots else "-",
+            f"{rate / 1e6:.0f}" if rate else "-",
             f"{ceil:.2f}" if ceil else "-",
-            f"{tps / ceil:.0%}" if tps and ceil else "-",
+            f"{of_ceil:.0%}" if of_ceil else "-",
+            f"{of_seq:.0%}" if of_seq else "-",
             f"{bound:.2f}" if bound and engine != "resident" else "-",
             f"{tps / least:.0%}" if tps and least else "-",
             f"{serial:.2f}" if serial and engine != "resident" else "-",
@@ -722,7 +884,7 @@ def main() -> int:
             f"{peak / 2**20:.0f}" if peak else "-",
             f"{hits:.0%}" if (hits := _median(rows, "hit_rate")) is not None else "-",
         ]
-        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 7, 7, 8, 5)
+        widths = (12, 10, 7, 7, 9, 6, 5, 8, 8, 7, 7, 7, 7, 7, 7, 8, 5)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     for share in sorted({s for s, _ in results}):
         ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
@@ -746,11 +908,10 @@ def main() -> int:
         if ft and res:  # each run against the resident run of its round (run beside it)
             cells = []
             for r, b in zip(ft, res, strict=False):
-                x, y, per = r.get("decode_tps"), b.get("decode_tps"), r.get("miss_bytes_per_token")
-                if x and y and per:
-                    least = min(y, rate / per)
-                    cells.append(f"{x:.2f} tok/s: {x * per / rate:.0%} of ceiling, "
-                                 f"{x / least:.0%} of min(ceiling, {y:.2f})")  # fmt: skip
+                x, y, ceil = r.get("decode_tps"), b.get("decode_tps"), r.get("ceiling")
+                if x and y and ceil:
+                    cells.append(f"{x:.2f} tok/s: {x / ceil:.0%} of ceiling, "
+                                 f"{x / min(y, ceil):.0%} of min(ceiling, {y:.2f})")  # fmt: skip
             print(f"{share:.0%} freetoken by round: " + "; ".join(cells))
     return 0
 
