@@ -41,9 +41,23 @@ Per run: time to first token (the prompt's prefill, from the model loaded), deco
 over the time from the first token to the last), the bytes a decode token misses (freetoken: the
 tier's expert reads; llama.cpp: what its page faults read from the disk, ``/proc/self/io``
 read_bytes), whether it was killed (by the OOM killer: SIGKILL and the cgroup's oom_kill count)
-and its peak memory (the cgroup's max usage). The disk's read rate is measured once (caches
-dropped, 1 GiB of the file in 8 MiB reads, 4 in flight); the disk-bound ceiling of an engine is
-that rate over the bytes its decode token misses.
+and its peak memory (the cgroup's max usage).
+
+The disk-bound ceiling of a run is the disk's read rate over the bytes its decode token misses,
+the rate measured right before and right after that run (not the resident's), each time in a
+fresh child process in a cgroup limited as the run, caches dropped, two ways: in the disk
+tier's pattern (formats/disk_rate.measure_disk_rate: ``--rate-mb`` of reads of the tier's mean
+read for this file, ``tier_pieces``, ~0.95 MB here or ``--piece-kb``'s, at random 4 KiB-aligned
+offsets, its reader threads' count in flight, 8, O_DIRECT as the tier reads) and sequential (1
+GiB in 8 MiB reads, 4 in flight, through the page cache); each measurement reads other places
+of the file (a seed per measurement: this VM's host caches what was read). The ceiling uses the
+higher of the tier pattern's two rates (``ceiling_rate``): a miss is read as the tier reads it
+(an expert's projections lie apart in the file: no engine reads its misses as 8 MiB sequential
+reads), and the higher one because the rate drifts during a run and a ceiling must bound it.
+Printed: each run's rates (before -> after) and its share at the lower rate too (the band its
+share lies in), each limit's spread of the rates, and ``of seq``: the share at the higher
+sequential rate. Before 2026-12-07 ~14:30 the rate was measured once, at the start, sequential
+only: the ceilings recorded before then are from that one figure (hence "101 %" once).
 
 ``--daemon``: instead, the daemon serving the file in the first limit's cgroup answers, is
 killed (SIGKILL) with a request in flight, restarts there and answers the same.
@@ -470,14 +484,14 @@ def disk_rate(
         os.close(fd)
 
 
-def tier_pieces(path: str) -> list[int]:
+def tier_pieces(path: str, most: int = 0) -> list[int]:
     """The bytes of each read the disk tier makes for an expert of the GGUF file ``path``, over
     its layers (as models/gguf_experts.GgufExpertSource splits them: one per projection's rows,
-    larger slices in whole groups of 8 rows of at most ``piece_bytes``)."""
+    larger slices in whole groups of 8 rows of at most its ``piece_bytes``, or ``most``)."""
     from freetokend.formats.gguf_header import expert_stacks, read_header
     from freetokend.models.gguf_experts import GgufExpertSource
 
-    most = GgufExpertSource.piece_bytes
+    most = most or GgufExpertSource.piece_bytes
     out = []
     for stack in expert_stacks(read_header(path).tensors).values():
         for t in stack.values():
@@ -497,7 +511,7 @@ def child_rate(a: dict[str, Any]) -> dict[str, Any]:
     from freetokend.formats.direct_read import ALIGN
     from freetokend.formats.disk_rate import measure_disk_rate
 
-    pieces = tier_pieces(a["path"])
+    pieces = tier_pieces(a["path"], a["piece_kb"] << 10)  # --piece-kb: the runs' pieces
     piece = -(-sum(pieces) // len(pieces) // ALIGN) * ALIGN  # the mean, in whole blocks
     t0 = time.perf_counter()
     r = measure_disk_rate(a["path"], a["tier_bytes"], piece, READ_THREADS, a["seed"])
@@ -515,7 +529,7 @@ def rates_near(path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
     """``child_rate`` in a fresh cgroup limited as the engine's run is (caches dropped): the
     disk's rates right before or after a run."""
     args = {"path": str(path), "tier_bytes": a.rate_mb << 20, "seq_bytes": SEQ_BYTES,
-            "seed": next(_RATE_SEED)}  # fmt: skip
+            "seed": next(_RATE_SEED), "piece_kb": a.piece_kb}  # fmt: skip
     cg = Cgroup(f"ftbench-rate-{os.getpid()}", limit)
     drop_caches()
     try:
@@ -694,13 +708,15 @@ def print_rates(results: dict[tuple[float, str], list[dict[str, Any]]]) -> None:
             if "tier" not in b or "tier" not in f:
                 print(f"  {share:.0%} {engine} #{i}: {b.get('error') or f.get('error')}")
                 continue
-            rate = r.get("ceiling_rate")
+            rate, of = r.get("ceiling_rate"), r.get("of_ceiling")
+            low = min(b["tier"], f["tier"])  # the run's share at the lower rate: the band's top
             print(
                 f"  {share:.0%} {engine} #{i}: tier {b['tier'] / 1e6:.0f} -> {f['tier'] / 1e6:.0f} "
                 f"({b['piece'] / 1e6:.2f} MB x {b['depth']}, "
                 f"{'O_DIRECT' if b['direct'] else 'page cache'}), "
                 f"seq {b['seq'] / 1e6:.0f} -> {f['seq'] / 1e6:.0f}; ceiling at "
                 + (f"{rate / 1e6:.0f}: {r.get('ceiling_why')}" if rate else "-")
+                + (f"; {of:.0%} of it ({of * rate / low:.0%} at the lower rate)" if of else "")
             )
     for share, pairs in sorted(by_share.items()):
         for key, name in (("tier", "tier pattern"), ("seq", "sequential")):
