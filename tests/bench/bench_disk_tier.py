@@ -803,8 +803,8 @@ def main() -> int:
     if a.child:
         engine, args = a.child[0], json.loads(a.child[1])
         child = {"freetoken": child_freetoken, "llama.cpp": child_llama, "rate": child_rate}
-        res = child[engine](args)
-        print(json.dumps(res))
+        got = child[engine](args)
+        print(json.dumps(got))
         return 0
     if os.geteuid() != 0:
         print("skipped: not root (memory cgroups and drop_caches need it)")
