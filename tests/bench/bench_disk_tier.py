@@ -264,10 +264,13 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     waits: list[float] = []
     faults: list[int] = []
     times: list[tuple[float, float, float]] = []
+    readers: list[dict[int, int]] = []
     start = time.perf_counter()
     llm.engine.add_request("bench", prompt, params)
     while llm.engine.has_unfinished():
         for _ in llm.engine.step():
+            if not stamps:
+                readers.append(_readers_cpu())
             stamps.append(time.perf_counter())
             io.append(_io_read_bytes())
             st.append(tier.stats() if tier is not None else {})
@@ -275,6 +278,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             faults.append(_major_faults())
             times.append((spent[0], spent[1], float(parts_s[experts_part])))
     cpu_decode.set_timings(None)
+    readers.append(_readers_cpu())  # after the last token: the decode's reads' CPU time
     first, last = st[0], st[-1]
     n = len(stamps) - 1
     span = stamps[-1] - stamps[0]
@@ -300,6 +304,11 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         "read_ahead_per_token": (last.get("read_ahead", 0) - first.get("read_ahead", 0)) / n,
         "slots": tier.cache.slots if tier is not None else 0,
         "read_wait_s_per_token": wait / n,
+        # the reader threads' CPU a decode token (the reads' moves into their slots, on the
+        # cores the step computes on; not a part of the step's time: they run beside it)
+        "readers_cpu_ms_per_token": sum(v - readers[0].get(k, 0) for k, v in readers[1].items())
+        / 1e6
+        / n,
         "ms_per_token": split,
         "major_faults_per_token": (faults[-1] - faults[0]) / n,
         "cache_mb": sum(t.nbytes for t in tier.slots.all_tensors().values()) >> 20 if tier else 0,
@@ -351,6 +360,20 @@ def replay_routes(path: str, layers: int) -> Any:
     if not rows:
         raise ValueError(f"{path}: no decode token routes every layer")
     return torch.tensor(rows, dtype=torch.int32)
+
+
+def _readers_cpu() -> dict[int, int]:
+    """The disk tier's reader threads (disk_reads.SlotReads: ``ft-disk-tier``): their time on a
+    CPU, ns, by thread id (/proc schedstat)."""
+    out = {}
+    for t in threading.enumerate():
+        if t.name.startswith("ft-disk-tier") and t.native_id is not None:
+            try:
+                stat = Path(f"/proc/self/task/{t.native_id}/schedstat").read_text()
+            except OSError:
+                continue
+            out[t.native_id] = int(stat.split()[0])
+    return out
 
 
 def _major_faults() -> int:
@@ -912,8 +935,10 @@ def main() -> int:
             parts = [r["ms_per_token"] for r in results.get((share, name), [])
                      if r.get("ms_per_token")]  # fmt: skip
             if parts:  # medians of each part over the runs
+                cpu = _median(results[share, name], "readers_cpu_ms_per_token")
                 print(f"{share:.0%} {name}, where a decode token went (ms, medians): " + ", ".join(
-                    f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]))  # fmt: skip
+                    f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0])
+                    + (f"; beside it, the reader threads' CPU {cpu:.1f}" if cpu else ""))  # fmt: skip
         ahead = [r for r in ft or [] if r.get("read_ahead_per_token") is not None]
         if ahead:
             used = _median(ahead, "read_ahead_used")
