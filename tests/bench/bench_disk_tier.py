@@ -997,7 +997,7 @@ def main() -> int:
                 cpu = _median(results[share, name], "readers_cpu_ms_per_token")
                 print(f"{share:.0%} {name}, where a decode token went (ms, medians): " + ", ".join(
                     f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0])
-                    + (f"; beside it, the reader threads' CPU {cpu:.1f}" if cpu else ""))  # fmt: skip
+                    + (f"; readers' CPU beside it {cpu:.1f}" if cpu else ""))  # fmt: skip
         ahead = [r for r in ft or [] if r.get("read_ahead_per_token") is not None]
         if ahead:
             used = _median(ahead, "read_ahead_used")
