@@ -205,53 +205,52 @@ ceiling's, the median over the runs of the higher tier-pattern rate around each)
     B    50 %         resident    67.97    0.08         -          -        -        -     0/2
     C    25 % 1018M  freetoken    23.92    1.12        47       2029    43.35      55%     0/2
     C    25 %         resident    68.91    0.08         -          -        -        -     0/2
-(single runs: 25 % A freetoken 12.41 and 13.34 tok/s, B 17.79 and 18.19; llama.cpp A 0.25 and
-0.24, B 0.48 and 0.45; 50 % A freetoken 29.71 and 22.88, llama.cpp 1.03 and 1.02, B 37.42 and
-41.18, 4.12 both; C 25.00 and 22.84.) freetoken / llama.cpp decode: 52.5x (A) and 39.0x (B)
-at 25 %, 25.6x (A) and 9.5x (B) at 50 %; nothing killed; peaks at the limits (the page cache counted; the resident's 8.6 GB: its copy and the page cache
-under a 4x limit). The resident decode (the compute bound) ran 29.8 and 29.5 tok/s in A, 68-72
-in B and C: the other jobs' load, not the tier, moved it 2.4x between the runs.
+(single runs: 25 % A freetoken 12.41 and 13.34 tok/s, B 17.79 and 18.19; llama.cpp A 0.25 and 0.24,
+B 0.48 and 0.45; 50 % A freetoken 29.71 and 22.88, llama.cpp 1.03 and 1.02, B 37.42 and 41.18, 4.12
+both; C 25.00 and 22.84.) freetoken / llama.cpp decode: 52.5x (A) and 39.0x (B) at 25 %, 25.6x (A)
+and 9.5x (B) at 50 %; nothing killed; peaks at the limits (the page cache counted; the resident's
+8.6 GB: its copy and the page cache under a 4x limit). The resident decode (the compute bound) ran
+29.8 and 29.5 tok/s in A, 68-72 in B and C: the other jobs' load, not the tier, moved it 2.4x
+between the runs.
 
-The rates: the tier's pattern 689-1457 MB/s around the 25 % runs of A (median 1004), 1098-1617 in
-B, 987-1549 at 50 % in A, 1231-2041 in B, 1253-2193 at 25 % in C (it rose through the hour as
-the host cached more of the file); sequential (8 MiB x 4) 1042-2541. A run's before and after
-differ by a median of 14-36 % (the tier's pattern), two runs a minute apart by up to 2x: A's
-first freetoken run at 25 % had 689 and 691 MB/s around it (84 % of its ceiling), the next 1203
-and 1457 (43 %).
-Back to back (one process, other offsets each time, caches dropped) the tier's pattern measured
-713-1429 MB/s over 256 MiB and 789-1545 over 1 GiB: on this VM the disk's rate is a band that
-moves within seconds (the host's cache and other guests), so a share of the ceiling is only good
-to about +-25 %, and the medians of the runs' own shares are the figures to read.
+The rates: the tier's pattern 689-1457 MB/s around the 25 % runs of A (median 1004), 1098-1617 in B,
+987-1549 at 50 % in A, 1231-2041 in B, 1253-2193 at 25 % in C (it rose through the hour as the host
+cached more of the file); sequential (8 MiB x 4) 1042-2541. A run's before and after differ by a
+median of 14-36 % (the tier's pattern), two runs a minute apart by up to 2x: A's first freetoken run
+at 25 % had 689 and 691 MB/s around it (84 % of its ceiling), the next 1203 and 1457 (43 %). Back to
+back (one process, other offsets each time, caches dropped) the tier's pattern measured 713-1429
+MB/s over 256 MiB and 789-1545 over 1 GiB: on this VM the disk's rate is a band that moves within
+seconds (the host's cache and other guests), so a share of the ceiling is only good to about +-25 %,
+and the medians of the runs' own shares are the figures to read.
 
 Below 70 % of the ceiling:
-- 50 %: in A the cores bound it, not the disk: the resident decode beside it (29.5 tok/s) is 41 %
-  of the ceiling (71.6), so no disk tier could reach 70 % there; freetoken ran 89 % of the
-  resident rate (read wait 7.1 ms a token, expert kernels 15.0, the tier's Python 4.4, the rest
-  12.2). In B (quieter: resident 68.0, 81 % of the ceiling) 48 %, 104 % of the serial rate: read
-  wait 6.8, kernels 8.0, Python 2.6, the rest 8.2 (25.6 ms against the resident's 14.7), the
-  reader threads' CPU beside it 5.0 ms a token.
-- 25 %: 63 % (A), 69 % (B: 68 % and 70 %), 55 % (C). Random routers predict nothing (8 of
-  128), so a layer's reads wait in series with its compute: the serial rate (1 / (1 / bound + 1 / ceiling))
-  is 12.96 in A, 19.19 in B and 26.61 in C, freetoken 99 %, 94 % and 90 % of it. A token in B
-  (ms, medians): read wait 26.8, expert kernels 12.2, the tier's Python 6.4, the rest 10.2: 56
-  ms, against the resident's 14; in C 20.9, 8.7, 4.3, 8.0 (42 ms against 14.5), the reader
-  threads' CPU beside it 10.0 ms a token (their moves, ~4.7 GB/s). The reads run at the disk's
-  rate (with the overlap off, TieredExecutor.overlap False, a token waited 26-35 ms for its 32
-  MB at 24 decode tokens, about its bytes at ~1 GB/s;
-  the overlap within a layer hides ~10 ms of them: 13.6-16.1 tok/s against 12.3-15.3 off, 3
-  interleaved rounds, load 4-6); a lone expert's miss (its three ~0.9-1.3 MB reads in flight at
-  once, O_DIRECT, random offsets) takes 1.6-2.9 ms (medians of 60), about a layer's resident
-  experts' compute. The read size does not move it: ``--piece-kb`` 256 17.87 tok/s, 512 17.04,
-  the tier's ~0.95 MB 16.54 (medians of 3 interleaved rounds, 24 tokens), within the runs'
-  spread (14.2-20.6).
-What would close the gap at 25 %: the tier's compute, 21-29 ms a token against the resident's
-~14 (at the resident's compute the serial rate alone is 61-74 % of the ceiling): the tier's
-Python and its extra kernel calls (a call back into Python per layer with a miss, a kernel call
-per batch of landed reads), and the reader threads' moves into the slots' interleave (10 ms of
-CPU a token at 47 MB) on the two cores the step computes on; a tier file laid out as the slots
-are and aligned for O_DIRECT, read straight into a slot (issue 45's item 5), takes the moves off
-the cores. Beyond the serial rate only reads ahead of need help, which random routers cannot
-give (a real model's next-layer router on this layer's input can).
+- 50 %: in A the cores bound it, not the disk: the resident decode beside it (29.5 tok/s) is 41 % of
+  the ceiling (71.6), so no disk tier could reach 70 % there; freetoken ran 89 % of the resident
+  rate (read wait 7.1 ms a token, expert kernels 15.0, the tier's Python 4.4, the rest 12.2). In B
+  (quieter: resident 68.0, 81 % of the ceiling) 48 %, 104 % of the serial rate: read wait 6.8,
+  kernels 8.0, Python 2.6, the rest 8.2 (25.6 ms against the resident's 14.7), the reader threads'
+  CPU beside it 5.0 ms a token.
+- 25 %: 63 % (A), 69 % (B: 68 % and 70 %), 55 % (C). Random routers predict nothing (8 of 128), so a
+  layer's reads wait in series with its compute: the serial rate (1 / (1 / bound + 1 / ceiling)) is
+  12.96 in A, 19.19 in B and 26.61 in C, freetoken 99 %, 94 % and 90 % of it. A token in B (ms,
+  medians): read wait 26.8, expert kernels 12.2, the tier's Python 6.4, the rest 10.2: 56 ms,
+  against the resident's 14; in C 20.9, 8.7, 4.3, 8.0 (42 ms against 14.5), the reader threads' CPU
+  beside it 10.0 ms a token (their moves, ~4.7 GB/s). The reads run at the disk's rate (with the
+  overlap off, TieredExecutor.overlap False, a token waited 26-35 ms for its 32 MB at 24 decode
+  tokens, about its bytes at ~1 GB/s; the overlap within a layer hides ~10 ms of them: 13.6-16.1
+  tok/s against 12.3-15.3 off, 3 interleaved rounds, load 4-6); a lone expert's miss (its three
+  ~0.9-1.3 MB reads in flight at once, O_DIRECT, random offsets) takes 1.6-2.9 ms (medians of 60),
+  about a layer's resident experts' compute. The read size does not move it: ``--piece-kb`` 256
+  17.87 tok/s, 512 17.04, the tier's ~0.95 MB 16.54 (medians of 3 interleaved rounds, 24 tokens),
+  within the runs' spread (14.2-20.6).
+What would close the gap at 25 %: the tier's compute, 21-29 ms a token against the resident's ~14
+(at the resident's compute the serial rate alone is 61-74 % of the ceiling): the tier's Python and
+its extra kernel calls (a call back into Python per layer with a miss, a kernel call per batch of
+landed reads), and the reader threads' moves into the slots' interleave (10 ms of CPU a token at 47
+MB) on the two cores the step computes on; a tier file laid out as the slots are and aligned for
+O_DIRECT, read straight into a slot (issue 45's item 5), takes the moves off the cores. Beyond the
+serial rate only reads ahead of need help, which random routers cannot give (a real model's
+next-layer router on this layer's input can).
 """
 
 from __future__ import annotations
