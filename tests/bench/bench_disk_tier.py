@@ -41,9 +41,23 @@ Per run: time to first token (the prompt's prefill, from the model loaded), deco
 over the time from the first token to the last), the bytes a decode token misses (freetoken: the
 tier's expert reads; llama.cpp: what its page faults read from the disk, ``/proc/self/io``
 read_bytes), whether it was killed (by the OOM killer: SIGKILL and the cgroup's oom_kill count)
-and its peak memory (the cgroup's max usage). The disk's read rate is measured once (caches
-dropped, 1 GiB of the file in 8 MiB reads, 4 in flight); the disk-bound ceiling of an engine is
-that rate over the bytes its decode token misses.
+and its peak memory (the cgroup's max usage).
+
+The disk-bound ceiling of a run is the disk's read rate over the bytes its decode token misses,
+the rate measured right before and right after that run (not the resident's), each time in a
+fresh child process in a cgroup limited as the run, caches dropped, two ways: in the disk
+tier's pattern (formats/disk_rate.measure_disk_rate: ``--rate-mb`` of reads of the tier's mean
+read for this file, ``tier_pieces``, ~0.95 MB here or ``--piece-kb``'s, at random 4 KiB-aligned
+offsets, its reader threads' count in flight, 8, O_DIRECT as the tier reads) and sequential (1
+GiB in 8 MiB reads, 4 in flight, through the page cache); each measurement reads other places
+of the file (a seed per measurement: this VM's host caches what was read). The ceiling uses the
+higher of the tier pattern's two rates (``ceiling_rate``): a miss is read as the tier reads it
+(an expert's projections lie apart in the file: no engine reads its misses as 8 MiB sequential
+reads), and the higher one because the rate drifts during a run and a ceiling must bound it.
+Printed: each run's rates (before -> after) and its share at the lower rate too (the band its
+share lies in), each limit's spread of the rates, and ``of seq``: the share at the higher
+sequential rate. Before 2026-12-07 ~14:30 the rate was measured once, at the start, sequential
+only: the ceilings recorded before then are from that one figure (hence "101 %" once).
 
 ``--daemon``: instead, the daemon serving the file in the first limit's cgroup answers, is
 killed (SIGKILL) with a request in flight, restarts there and answers the same.
@@ -168,6 +182,75 @@ followed this layer's (experts/disk_predict, ``--predictor history``) name 2 % o
 reads each; the experts the previous token used at the layer are resident already, and the most
 frequent ones too: at these cache sizes a miss is an expert the text has not used for long.
 Only the next layer's router on this layer's input (needs the real weights) can name those.
+
+2026-12-07 ~14:30-15:15 UTC (wt2; AMD EPYC Zen 4 VM, 2 cores, AVX-512, cgroup v1; the VM shared
+with the lead and another helper, load average 2-5; 11 layers, 4.27 GB; 8-token prompt, 16
+decode tokens; medians of 2 interleaved runs; bench runs A, B (one limit per invocation) and C;
+freetoken's cache sized at load: 412 MiB / 152 slots at 25 %, 1429 MiB / 528 slots at 50 %; the
+rates measured around each run, the tier's pattern 0.95 MB x 8 in flight, O_DIRECT; rate: the
+ceiling's, the median over the runs of the higher tier-pattern rate around each):
+
+    run  limit        engine      tok/s  TTFT s  MB/token  rate MB/s  ceiling  of ceil  killed
+    A    25 % 1018M  freetoken    12.87    1.61        47       1074    22.95      63%     0/2
+    A    25 % 1018M  llama.cpp     0.25    7.29      2769       1232     0.44      56%     0/2
+    A    25 %         resident    29.80    0.20         -          -        -        -     0/2
+    B    25 % 1018M  freetoken    17.99    1.51        47       1222    26.11      69%     0/2
+    B    25 % 1018M  llama.cpp     0.46    2.72      2786       1529     0.55      84%     0/2
+    B    25 %         resident    72.33    0.09         -          -        -        -     0/2
+    A    50 % 2036M  freetoken    26.29    3.53        20       1424    71.61      37%     0/2
+    A    50 % 2036M  llama.cpp     1.03    8.35       389       1217     3.13      33%     0/2
+    A    50 %         resident    29.52    0.19         -          -        -        -     0/2
+    B    50 % 2036M  freetoken    39.30    1.13        20       1677    84.30      48%     0/2
+    B    50 % 2036M  llama.cpp     4.12    2.24       377       1918     5.09      81%     0/2
+    B    50 %         resident    67.97    0.08         -          -        -        -     0/2
+    C    25 % 1018M  freetoken    23.92    1.12        47       2029    43.35      55%     0/2
+    C    25 %         resident    68.91    0.08         -          -        -        -     0/2
+(single runs: 25 % A freetoken 12.41 and 13.34 tok/s, B 17.79 and 18.19; llama.cpp A 0.25 and 0.24,
+B 0.48 and 0.45; 50 % A freetoken 29.71 and 22.88, llama.cpp 1.03 and 1.02, B 37.42 and 41.18, 4.12
+both; C 25.00 and 22.84.) freetoken / llama.cpp decode: 52.5x (A) and 39.0x (B) at 25 %, 25.6x (A)
+and 9.5x (B) at 50 %; nothing killed; peaks at the limits (the page cache counted; the resident's
+8.6 GB: its copy and the page cache under a 4x limit). The resident decode (the compute bound) ran
+29.8 and 29.5 tok/s in A, 68-72 in B and C: the other jobs' load, not the tier, moved it 2.4x
+between the runs.
+
+The rates: the tier's pattern 689-1457 MB/s around the 25 % runs of A (median 1004), 1098-1617 in B,
+987-1549 at 50 % in A, 1231-2041 in B, 1253-2193 at 25 % in C (it rose through the hour as the host
+cached more of the file); sequential (8 MiB x 4) 1042-2541. A run's before and after differ by a
+median of 14-36 % (the tier's pattern), two runs a minute apart by up to 2x: A's first freetoken run
+at 25 % had 689 and 691 MB/s around it (84 % of its ceiling), the next 1203 and 1457 (43 %). Back to
+back (one process, other offsets each time, caches dropped) the tier's pattern measured 713-1429
+MB/s over 256 MiB and 789-1545 over 1 GiB: on this VM the disk's rate is a band that moves within
+seconds (the host's cache and other guests), so a share of the ceiling is only good to about +-25 %,
+and the medians of the runs' own shares are the figures to read.
+
+Below 70 % of the ceiling:
+- 50 %: in A the cores bound it, not the disk: the resident decode beside it (29.5 tok/s) is 41 % of
+  the ceiling (71.6), so no disk tier could reach 70 % there; freetoken ran 89 % of the resident
+  rate (read wait 7.1 ms a token, expert kernels 15.0, the tier's Python 4.4, the rest 12.2). In B
+  (quieter: resident 68.0, 81 % of the ceiling) 48 %, 104 % of the serial rate: read wait 6.8,
+  kernels 8.0, Python 2.6, the rest 8.2 (25.6 ms against the resident's 14.7), the reader threads'
+  CPU beside it 5.0 ms a token.
+- 25 %: 63 % (A), 69 % (B: 68 % and 70 %), 55 % (C). Random routers predict nothing (8 of 128), so a
+  layer's reads wait in series with its compute: the serial rate (1 / (1 / bound + 1 / ceiling)) is
+  12.96 in A, 19.19 in B and 26.61 in C, freetoken 99 %, 94 % and 90 % of it. A token in B (ms,
+  medians): read wait 26.8, expert kernels 12.2, the tier's Python 6.4, the rest 10.2: 56 ms,
+  against the resident's 14; in C 20.9, 8.7, 4.3, 8.0 (42 ms against 14.5), the reader threads' CPU
+  beside it 10.0 ms a token (their moves, ~4.7 GB/s). The reads run at the disk's rate (with the
+  overlap off, TieredExecutor.overlap False, a token waited 26-35 ms for its 32 MB at 24 decode
+  tokens, about its bytes at ~1 GB/s; the overlap within a layer hides ~10 ms of them: 13.6-16.1
+  tok/s against 12.3-15.3 off, 3 interleaved rounds, load 4-6); a lone expert's miss (its three
+  ~0.9-1.3 MB reads in flight at once, O_DIRECT, random offsets) takes 1.6-2.9 ms (medians of 60),
+  about a layer's resident experts' compute. The read size does not move it: ``--piece-kb`` 256
+  17.87 tok/s, 512 17.04, the tier's ~0.95 MB 16.54 (medians of 3 interleaved rounds, 24 tokens),
+  within the runs' spread (14.2-20.6).
+What would close the gap at 25 %: the tier's compute, 21-29 ms a token against the resident's ~14
+(at the resident's compute the serial rate alone is 61-74 % of the ceiling): the tier's Python and
+its extra kernel calls (a call back into Python per layer with a miss, a kernel call per batch of
+landed reads), and the reader threads' moves into the slots' interleave (10 ms of CPU a token at 47
+MB) on the two cores the step computes on; a tier file laid out as the slots are and aligned for
+O_DIRECT, read straight into a slot (issue 45's item 5), takes the moves off the cores. Beyond the
+serial rate only reads ahead of need help, which random routers cannot give (a real model's
+next-layer router on this layer's input can).
 """
 
 from __future__ import annotations
@@ -175,6 +258,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -185,6 +269,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("freetoken", "llama.cpp", "resident")
+SEQ_BYTES = 1 << 30  # the sequential rate's sample
 PROMPT_SEED = 7
 
 
@@ -196,8 +281,6 @@ def _io_read_bytes() -> int:
 
 
 def _prompt(n: int, vocab: int) -> list[int]:
-    import random
-
     rng = random.Random(PROMPT_SEED)
     return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
 
@@ -250,10 +333,13 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
     waits: list[float] = []
     faults: list[int] = []
     times: list[tuple[float, float, float]] = []
+    readers: list[dict[int, int]] = []
     start = time.perf_counter()
     llm.engine.add_request("bench", prompt, params)
     while llm.engine.has_unfinished():
         for _ in llm.engine.step():
+            if not stamps:
+                readers.append(_readers_cpu())
             stamps.append(time.perf_counter())
             io.append(_io_read_bytes())
             st.append(tier.stats() if tier is not None else {})
@@ -261,6 +347,7 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
             faults.append(_major_faults())
             times.append((spent[0], spent[1], float(parts_s[experts_part])))
     cpu_decode.set_timings(None)
+    readers.append(_readers_cpu())  # after the last token: the decode's reads' CPU time
     first, last = st[0], st[-1]
     n = len(stamps) - 1
     span = stamps[-1] - stamps[0]
@@ -286,6 +373,11 @@ def child_freetoken(a: dict[str, Any]) -> dict[str, Any]:
         "read_ahead_per_token": (last.get("read_ahead", 0) - first.get("read_ahead", 0)) / n,
         "slots": tier.cache.slots if tier is not None else 0,
         "read_wait_s_per_token": wait / n,
+        # the reader threads' CPU a decode token (the reads' moves into their slots, on the
+        # cores the step computes on; not a part of the step's time: they run beside it)
+        "readers_cpu_ms_per_token": sum(v - readers[0].get(k, 0) for k, v in readers[1].items())
+        / 1e6
+        / n,
         "ms_per_token": split,
         "major_faults_per_token": (faults[-1] - faults[0]) / n,
         "cache_mb": sum(t.nbytes for t in tier.slots.all_tensors().values()) >> 20 if tier else 0,
@@ -337,6 +429,20 @@ def replay_routes(path: str, layers: int) -> Any:
     if not rows:
         raise ValueError(f"{path}: no decode token routes every layer")
     return torch.tensor(rows, dtype=torch.int32)
+
+
+def _readers_cpu() -> dict[int, int]:
+    """The disk tier's reader threads (disk_reads.SlotReads: ``ft-disk-tier``): their time on a
+    CPU, ns, by thread id (/proc schedstat)."""
+    out = {}
+    for t in threading.enumerate():
+        if t.name.startswith("ft-disk-tier") and t.native_id is not None:
+            try:
+                stat = Path(f"/proc/self/task/{t.native_id}/schedstat").read_text()
+            except OSError:
+                continue
+            out[t.native_id] = int(stat.split()[0])
+    return out
 
 
 def _major_faults() -> int:
@@ -447,11 +553,18 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
-    """Bytes/s reading ``nbytes`` of ``path`` from its middle, caches dropped, 4 reads in flight."""
+def disk_rate(
+    path: Path, nbytes: int = SEQ_BYTES, chunk: int = 8 << 20, seed: int | None = None
+) -> float:
+    """Bytes/s reading ``nbytes`` of ``path`` in ``chunk``-byte reads, 4 in flight, through the
+    page cache (caches dropped first): from the file's middle, or (``seed``) from a start drawn
+    by it, so that repeats read other places (this VM's host caches what was read)."""
     drop_caches()
     size = path.stat().st_size
-    start = max(0, (size - nbytes) // 2) // chunk * chunk
+    start = max(0, (size - nbytes) // 2)
+    if seed is not None:
+        start = random.Random(seed).randrange(max(1, size - nbytes))
+    start = start // chunk * chunk
     fd = os.open(path, os.O_RDONLY)
     try:
         offsets = range(start, min(size, start + nbytes), chunk)
@@ -463,12 +576,111 @@ def disk_rate(path: Path, nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
         os.close(fd)
 
 
+def tier_pieces(path: str, most: int = 0) -> list[int]:
+    """The bytes of each read the disk tier makes for an expert of the GGUF file ``path``, over
+    its layers (as models/gguf_experts.GgufExpertSource splits them: one per projection's rows,
+    larger slices in whole groups of 8 rows of at most its ``piece_bytes``, or ``most``)."""
+    from freetokend.formats.gguf_header import expert_stacks, read_header
+    from freetokend.models.gguf_experts import GgufExpertSource
+
+    most = most or GgufExpertSource.piece_bytes
+    out = []
+    for stack in expert_stacks(read_header(path).tensors).values():
+        for t in stack.values():
+            n, rows = t.nbytes // t.shape[0], t.shape[-2]
+            rb = n // rows
+            step = most // rb // 8 * 8 or rows
+            out += [min(step, rows - r0) * rb for r0 in range(0, rows, step)]
+    return out
+
+
+def child_rate(a: dict[str, Any]) -> dict[str, Any]:
+    """The disk's read rate two ways, in this (the run's) cgroup: in the disk tier's pattern
+    (formats/disk_rate.measure_disk_rate: reads of the tier's mean piece, its reader threads'
+    count in flight, O_DIRECT as the tier reads; offsets drawn by ``seed``) and sequential (8
+    MiB reads, 4 in flight, through the page cache, caches dropped; ``disk_rate``)."""
+    from freetokend.experts.disk_reads import READ_THREADS
+    from freetokend.formats.direct_read import ALIGN
+    from freetokend.formats.disk_rate import measure_disk_rate
+
+    pieces = tier_pieces(a["path"], a["piece_kb"] << 10)  # --piece-kb: the runs' pieces
+    piece = -(-sum(pieces) // len(pieces) // ALIGN) * ALIGN  # the mean, in whole blocks
+    t0 = time.perf_counter()
+    r = measure_disk_rate(a["path"], a["tier_bytes"], piece, READ_THREADS, a["seed"])
+    tier_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seq = disk_rate(Path(a["path"]), a["seq_bytes"], seed=a["seed"])
+    return {"tier": r.bytes_per_s, "direct": r.direct, "piece": piece, "depth": READ_THREADS,
+            "tier_s": tier_s, "seq": seq, "seq_s": time.perf_counter() - t0}  # fmt: skip
+
+
+_RATE_SEED = iter(range(1, 1 << 30))  # each measurement reads other places than the last
+
+
+def rates_near(path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
+    """``child_rate`` in a fresh cgroup limited as the engine's run is (caches dropped): the
+    disk's rates right before or after a run."""
+    args = {"path": str(path), "tier_bytes": a.rate_mb << 20, "seq_bytes": SEQ_BYTES,
+            "seed": next(_RATE_SEED), "piece_kb": a.piece_kb}  # fmt: skip
+    cg = Cgroup(f"ftbench-rate-{os.getpid()}", limit)
+    drop_caches()
+    try:
+        p = subprocess.run(
+            [sys.executable, __file__, "--child", "rate", json.dumps(args)],
+            capture_output=True, text=True, preexec_fn=cg.join, timeout=a.timeout,
+        )  # fmt: skip
+        if p.returncode != 0:
+            return {"error": f"rc {p.returncode}: {p.stderr[-300:]}"}
+        return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout {a.timeout} s"}
+    finally:
+        cg.remove()
+
+
+def ceiling_rate(before: dict[str, Any], after: dict[str, Any]) -> tuple[float | None, str]:
+    """The disk rate a run's ceiling uses, and why: the higher of the tier pattern's rates
+    measured right before and right after it (a miss is read as the tier reads it, ~1 MB
+    pieces at random offsets: an expert's projections lie apart in the file, so no run can
+    read its misses as 8 MiB sequential reads; the higher of the two because the rate drifts
+    during a run and a ceiling must bound it: the lower would let a run beat it). Where one
+    side failed, the other alone."""
+    sides = {k: r["tier"] for k, r in (("before", before), ("after", after)) if r.get("tier")}
+    if not sides:
+        return None, "no rate measured"
+    which = max(sides, key=lambda k: sides[k])
+    note = "the higher" if len(sides) == 2 else "the other side failed"
+    return sides[which], f"the tier pattern's, {which} the run ({note})"
+
+
 def run(engine: str, path: Path, limit: int, a: argparse.Namespace) -> dict[str, Any]:
     args = {"path": str(path), "threads": a.threads, "prompt": a.prompt, "decode": a.decode,
             "cache_mb": a.cache_mb, "routes": a.routes, "predictor": a.predictor,
             "piece_kb": a.piece_kb, "switch_us": a.switch_us}  # fmt: skip
     if engine == "resident":  # the whole pool in RAM: no limit that binds, no disk tier
         args["cache_mb"], limit = None, 4 * path.stat().st_size
+    # the disk's rates right before and after the run (a resident run reads nothing a token)
+    before = rates_near(path, limit, a) if engine != "resident" else {}
+    out = _run_engine(engine, path, limit, args, a)
+    after = rates_near(path, limit, a) if engine != "resident" else {}
+    if engine != "resident":
+        out["rates"] = {"before": before, "after": after}
+        rate, why = ceiling_rate(before, after)
+        seq = [r["seq"] for r in (before, after) if r.get("seq")]
+        per, tps = out.get("miss_bytes_per_token"), out.get("decode_tps")
+        out["ceiling_rate"], out["ceiling_why"] = rate, why
+        out["ceiling"] = rate / per if rate and per else None
+        out["of_ceiling"] = tps / out["ceiling"] if tps and out["ceiling"] else None
+        # the same with the higher sequential rate (8 MiB reads): what larger reads would allow
+        out["seq_ceiling"] = max(seq) / per if seq and per else None
+        out["of_seq_ceiling"] = tps / out["seq_ceiling"] if tps and out["seq_ceiling"] else None
+    return out
+
+
+def _run_engine(
+    engine: str, path: Path, limit: int, args: dict[str, Any], a: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine's run: a fresh child process in a cgroup of ``limit`` bytes, caches dropped."""
     cg = Cgroup(f"ftbench-disk-{os.getpid()}", limit)
     drop_caches()
     try:
@@ -572,6 +784,49 @@ def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
         cg.remove()
 
 
+def print_rates(results: dict[tuple[float, str], list[dict[str, Any]]]) -> None:
+    """Each run's disk rates (MB/s, before -> after), its ceiling's rate and why, then each
+    limit's spread: the rates' min, median and max, and the median of a run's before/after
+    difference (over their mean)."""
+    print("disk rates around each run, MB/s (before -> after): the tier's pattern, sequential")
+    by_share: dict[float, list[dict[str, Any]]] = {}
+    for (share, engine), rows in results.items():
+        for i, r in enumerate(rows):
+            got = r.get("rates")
+            if not got:
+                continue
+            by_share.setdefault(share, []).append(got)
+            b, f = got["before"], got["after"]
+            if "tier" not in b or "tier" not in f:
+                print(f"  {share:.0%} {engine} #{i}: {b.get('error') or f.get('error')}")
+                continue
+            rate, of = r.get("ceiling_rate"), r.get("of_ceiling")
+            low = min(b["tier"], f["tier"])  # the run's share at the lower rate: the band's top
+            print(
+                f"  {share:.0%} {engine} #{i}: tier {b['tier'] / 1e6:.0f} -> {f['tier'] / 1e6:.0f} "
+                f"({b['piece'] / 1e6:.2f} MB x {b['depth']}, "
+                f"{'O_DIRECT' if b['direct'] else 'page cache'}), "
+                f"seq {b['seq'] / 1e6:.0f} -> {f['seq'] / 1e6:.0f}; ceiling at "
+                + (f"{rate / 1e6:.0f}: {r.get('ceiling_why')}" if rate else "-")
+                + (f"; {of:.0%} of it ({of * rate / low:.0%} at the lower rate)" if of else "")
+            )
+    for share, pairs in sorted(by_share.items()):
+        for key, name in (("tier", "tier pattern"), ("seq", "sequential")):
+            vals = [p[side][key] for p in pairs for side in ("before", "after")
+                    if p[side].get(key)]  # fmt: skip
+            drift = [abs(p["before"][key] - p["after"][key]) * 2
+                     / (p["before"][key] + p["after"][key])
+                     for p in pairs if p["before"].get(key) and p["after"].get(key)]  # fmt: skip
+            if vals:
+                med = statistics.median(vals)
+                print(
+                    f"{share:.0%} {name}: {min(vals) / 1e6:.0f} / {med / 1e6:.0f} / "
+                    f"{max(vals) / 1e6:.0f} MB/s (min / median / max of {len(vals)}), spread "
+                    f"{(max(vals) - min(vals)) / med:.0%} of the median; a run's before vs after "
+                    + (f"{statistics.median(drift):.0%} (median)" if drift else "-")
+                )
+
+
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None
@@ -591,6 +846,10 @@ def main() -> int:
         help="freetoken's expert cache, MiB (0: the memory left), or one per limit (comma-separated)",
     )  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument(
+        "--rate-mb", type=int, default=512,
+        help="MiB each measurement of the disk's rate in the tier's pattern reads",
+    )  # fmt: skip
     ap.add_argument(
         "--engines", default=",".join(ENGINES),
         help="resident: freetoken with the whole pool in RAM (no binding limit), the decode's "
@@ -635,8 +894,9 @@ def main() -> int:
         ap.error("engine base: --base names its tree's PYTHONPATH")
     if a.child:
         engine, args = a.child[0], json.loads(a.child[1])
-        res = child_freetoken(args) if engine == "freetoken" else child_llama(args)
-        print(json.dumps(res))
+        child = {"freetoken": child_freetoken, "llama.cpp": child_llama, "rate": child_rate}
+        got = child[engine](args)
+        print(json.dumps(got))
         return 0
     if os.geteuid() != 0:
         print("skipped: not root (memory cgroups and drop_caches need it)")
@@ -668,8 +928,10 @@ def main() -> int:
         except ImportError:
             print("llama.cpp: llama-cpp-python not installed; freetoken alone")
             engines.remove("llama.cpp")
-    rate = disk_rate(path)
-    print(f"disk read rate (cold, 8 MiB reads, 4 in flight): {rate / 1e6:.0f} MB/s")
+    print(
+        "the disk's rates measured right before and after each run (not the resident's), in a "
+        "cgroup limited as the run, caches dropped: the tier's pattern and sequential"
+    )
     results: dict[tuple[float, str], list[dict[str, Any]]] = {}
     for share, cache_mb in zip(shares, caches, strict=True):
         limit = int(size * share)
@@ -679,9 +941,13 @@ def main() -> int:
                 r = run(engine, path, limit, a)
                 results.setdefault((share, engine), []).append(r)
                 print(f"  {share:.0%} {engine} #{i}: " + json.dumps(r), flush=True)
-    print(f"\nmedians over {a.repeats} runs; disk {rate / 1e6:.0f} MB/s; file {size / 1e9:.2f} GB")
+    print(f"\nmedians over {a.repeats} runs; file {size / 1e9:.2f} GB")
+    print_rates(results)
     print(
-        "ceiling: the disk's rate over the MB a token misses; bound: the resident decode's tok/s "
+        "ceiling: a run's disk rate (rate: the tier pattern's, the higher of before and after "
+        "the run) over the MB a token misses; of ceil: the median of the runs' tok/s over their "
+        "own ceilings; of seq: the same with the higher sequential rate; bound: the resident "
+        "decode's tok/s "
         "(the compute bound); of min: tok/s over min(ceiling, bound); serial: 1 / (1 / bound + "
         "1 / ceiling), the rate when no read overlaps compute (nothing read ahead: routing that "
         "nothing predicts, as random routers'; a layer's reads still overlap its resident experts)"
@@ -692,13 +958,15 @@ def main() -> int:
     head = f"{'limit':>12} {'engine':>10} {'tok/s':>7} {'TTFT s':>7} {'MB/token':>9} {'slots':>6} "
     print(
         head
-        + f"{'ceiling':>8} {'of ceil':>8} {'bound':>7} {'of min':>7} {'serial':>7} {'of ser':>7} "
+        + f"{'rate':>5} {'ceiling':>8} {'of ceil':>8} {'of seq':>7} "
+        + f"{'bound':>7} {'of min':>7} {'serial':>7} {'of ser':>7} "
         + f"{'killed':>7} {'peak MB':>8} {'hits':>5}"
     )
     for (share, engine), rows in results.items():
         tps, ttft = _median(rows, "decode_tps"), _median(rows, "ttft_s")
         per = _median(rows, "miss_bytes_per_token")
-        ceil = rate / per if per else None
+        ceil, rate = _median(rows, "ceiling"), _median(rows, "ceiling_rate")
+        of_ceil, of_seq = _median(rows, "of_ceiling"), _median(rows, "of_seq_ceiling")
         bound = _median(results.get((share, "resident"), []), "decode_tps")
         least = min(ceil, bound) if ceil and bound else None
         serial = 1 / (1 / bound + 1 / ceil) if ceil and bound else None
@@ -712,8 +980,10 @@ def main() -> int:
             f"{ttft:.2f}" if ttft else "-",
             f"{per / 1e6:.0f}" if per else "-",
             f"{slots:.0f}" if slots else "-",
+            f"{rate / 1e6:.0f}" if rate else "-",
             f"{ceil:.2f}" if ceil else "-",
-            f"{tps / ceil:.0%}" if tps and ceil else "-",
+            f"{of_ceil:.0%}" if of_ceil else "-",
+            f"{of_seq:.0%}" if of_seq else "-",
             f"{bound:.2f}" if bound and engine != "resident" else "-",
             f"{tps / least:.0%}" if tps and least else "-",
             f"{serial:.2f}" if serial and engine != "resident" else "-",
@@ -722,7 +992,7 @@ def main() -> int:
             f"{peak / 2**20:.0f}" if peak else "-",
             f"{hits:.0%}" if (hits := _median(rows, "hit_rate")) is not None else "-",
         ]
-        widths = (12, 10, 7, 7, 9, 6, 8, 8, 7, 7, 7, 7, 7, 8, 5)
+        widths = (12, 10, 7, 7, 9, 6, 5, 8, 8, 7, 7, 7, 7, 7, 7, 8, 5)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     for share in sorted({s for s, _ in results}):
         ft, lc = results.get((share, "freetoken")), results.get((share, "llama.cpp"))
@@ -734,8 +1004,10 @@ def main() -> int:
             parts = [r["ms_per_token"] for r in results.get((share, name), [])
                      if r.get("ms_per_token")]  # fmt: skip
             if parts:  # medians of each part over the runs
+                cpu = _median(results[share, name], "readers_cpu_ms_per_token")
                 print(f"{share:.0%} {name}, where a decode token went (ms, medians): " + ", ".join(
-                    f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]))  # fmt: skip
+                    f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0])
+                    + (f"; readers' CPU beside it {cpu:.1f}" if cpu else ""))  # fmt: skip
         ahead = [r for r in ft or [] if r.get("read_ahead_per_token") is not None]
         if ahead:
             used = _median(ahead, "read_ahead_used")
@@ -746,11 +1018,10 @@ def main() -> int:
         if ft and res:  # each run against the resident run of its round (run beside it)
             cells = []
             for r, b in zip(ft, res, strict=False):
-                x, y, per = r.get("decode_tps"), b.get("decode_tps"), r.get("miss_bytes_per_token")
-                if x and y and per:
-                    least = min(y, rate / per)
-                    cells.append(f"{x:.2f} tok/s: {x * per / rate:.0%} of ceiling, "
-                                 f"{x / least:.0%} of min(ceiling, {y:.2f})")  # fmt: skip
+                x, y, ceil = r.get("decode_tps"), b.get("decode_tps"), r.get("ceiling")
+                if x and y and ceil:
+                    cells.append(f"{x:.2f} tok/s: {x / ceil:.0%} of ceiling, "
+                                 f"{x / min(y, ceil):.0%} of min(ceiling, {y:.2f})")  # fmt: skip
             print(f"{share:.0%} freetoken by round: " + "; ".join(cells))
     return 0
 
