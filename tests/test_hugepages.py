@@ -84,7 +84,7 @@ def test_collapse_in_background_keeps_the_data_and_skips_freed_tensors() -> None
     huge = _huge_kb_in(start, start + whole)
     assert huge in (0, whole >> 10) or huge >= (whole >> 10) // 2  # 0: THP off or refused
     if hugepages.back_with_huge_pages([torch.randn(6 << 20)]):  # this kernel collapses
-        assert huge >= (whole >> 10) // 2  # the thread collapsed (most of) w itself
+        assert huge >= (whole >> 10) // 2  # the thread itself collapsed at least half of w
         assert _huge_kb_in_after_collapse(w, start, whole) >= whole >> 10
     assert hugepages.collapse_in_background([torch.randn(10)]) is None  # nothing to collapse
 
