@@ -1,4 +1,4 @@
-"""The disk tier benchmark's disk-bound ceiling (tests/bench/bench_disk_tier.py, issue 45): the
+"""The disk tier benchmark's disk-bound ceiling (tests/bench/disk_tier_rates.py, issue 45): the
 read size its rate is measured at is the tier's own (oracle: the bytes each of the tier's reads
 returns, over every expert of a GGUF file, at the source's read limit and at one that splits a
 projection's rows), and a run's ceiling uses the higher of the rates measured around it."""
@@ -17,7 +17,7 @@ from freetokend import LLM
 from freetokend.models.gguf_experts import GgufExpertSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
-from bench_disk_tier import ceiling_rate, tier_pieces  # noqa: E402
+from disk_tier_rates import ceiling_rate, tier_pieces  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -352,9 +352,7 @@ class GgufExpertSource:
         ):
             assert part.numel() == n and part.dim() == 2
             rows, rb = part.shape
-            step = self.piece_bytes // rb // 8 * 8 or (rows if n <= self.piece_bytes else 0)
-            if not step:
-                raise ValueError(f"{f.path}: rows of {rb} bytes: eight exceed a read's buffer")
+            step = piece_rows(rows, rb, self.piece_bytes, f.path)
             direct = self.direct.get(str(f.path))
             fd, name = (direct if direct is not None else f.fd), str(f.path)
             at = t.offset + e * n
@@ -381,6 +379,17 @@ class GgufExpertSource:
             if fd is not None:
                 os.close(fd)
         self.direct.clear()
+
+
+def piece_rows(rows: int, row_bytes: int, most: int, path: object = "") -> int:
+    """The rows one disk-tier read takes of an expert's slice of ``rows`` rows of ``row_bytes``
+    (``GgufExpertSource.pieces``): whole groups of 8 rows of at most ``most`` bytes, or the whole
+    slice where it fits in one; raises where eight rows exceed ``most`` (``path`` names the
+    file)."""
+    step = most // row_bytes // 8 * 8 or (rows if rows * row_bytes <= most else 0)
+    if not step:
+        raise ValueError(f"{path}: rows of {row_bytes} bytes: eight exceed a read's buffer")
+    return step
 
 
 def _staged(
