@@ -1,12 +1,15 @@
 """The experts of a GGUF file read into their banks before torch is imported
 (formats/gguf_early.py): the banks the loader adopts are byte for byte those it fills itself, a
-fill of another layout is cancelled, and the fill needs no torch."""
+fill of another layout is cancelled, and the fill needs no torch. A fill still running when the
+load ends is handed to the cpu backend, which computes a layer once that layer's rows are in
+and a decode step once all are."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +17,8 @@ import pytest
 import torch
 from gguf_files import kmix_qwen3_moe
 
+from freetokend.experts.backend import CpuBackend
+from freetokend.experts.banks import ActivationSpec, activation_of
 from freetokend.formats import gguf_early
 from freetokend.models.loader import load_model, model_config
 
@@ -46,6 +51,8 @@ def test_banks_filled_before_torch_are_the_loaders(gguf_path):
     fill = gguf_early.start(_settings(gguf_path))
     assert fill is not None and fill.interleave
     _, got = load_model(gguf_path, cfg, interleave_experts=True, host_only=True)
+    got.wait_filled()  # a fill still running at the load's end is handed over, not waited for
+    assert got.filling is None
     assert got.interleaved and want.interleaved and got.format == want.format
     assert _equal(got, want)
     addresses = {gguf_early._address(m) for m in fill.memory.values()}
@@ -119,3 +126,92 @@ def test_a_read_past_the_end_is_an_error(tmp_path):
         assert bytes(dest) == bytes(64)
     finally:
         os.close(fd)
+
+
+class _Gated:
+    """ftdense whose ``fill_rows`` (one call a MoE layer) waits for a permit each call."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.qinterleave = ftdense.qinterleave
+
+    def fill_rows(self, *args):  # type: ignore[no-untyped-def]
+        assert self.permits.acquire(timeout=60), "never released"
+        return ftdense.fill_rows(*args)
+
+
+def _returns_within(fn, seconds: float) -> bool:  # type: ignore[no-untyped-def]
+    """Runs ``fn`` on a thread; whether it returned within ``seconds`` (it goes on if not)."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (fn(), done.set()), daemon=True).start()
+    return done.wait(seconds)
+
+
+def test_the_cpu_backend_computes_each_layer_once_its_rows_are_in(gguf_path, monkeypatch):
+    """The load returns with the fill still running (``banks.filling``); the backend's prompt
+    step computes a MoE layer once that layer's rows are in, not before; a decode step waits
+    for every layer; the results are those of banks loaded whole."""
+    cfg = model_config(gguf_path)
+    _, want = load_model(gguf_path, cfg, interleave_experts=True, host_only=True)
+    act = ActivationSpec(activation_of(cfg.activation), cfg.swiglu_alpha, cfg.swiglu_limit)
+    ref = CpuBackend(want, cfg.num_experts, act)
+    gate = _Gated()
+    monkeypatch.setitem(sys.modules, "ftdense", gate)
+    fill = gguf_early.start(_settings(gguf_path))
+    assert fill is not None
+    try:
+        _, got = load_model(gguf_path, cfg, interleave_experts=True, host_only=True)
+        assert got.filling is fill and not fill.done()  # served before the rows are read
+        be = CpuBackend(got, cfg.num_experts, act)
+        order = [moe for moe, _ in gguf_early._layer_jobs(fill)]  # the file's layer order
+        assert sorted(order) == list(range(cfg.num_moe_layers)) and len(order) >= 2
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(6, cfg.hidden_size, generator=g)
+        ids = torch.randint(0, cfg.num_experts, (6, cfg.top_k), generator=g)
+        w = torch.rand(6, cfg.top_k, generator=g)
+        out: dict[int, torch.Tensor] = {}
+
+        def layer(m: int):  # type: ignore[no-untyped-def]
+            return lambda: out.__setitem__(m, be.forward(m, x, ids, w))
+
+        be.begin_step(6, prefill=True)  # a prompt step does not wait
+        assert not _returns_within(layer(order[0]), 0.3)  # no layer is in
+        assert not _returns_within(lambda: fill.wait_layer(order[1]), 0.01)
+        gate.permits.release()  # the file's first layer
+        assert _returns_within(lambda: fill.wait_layer(order[0]), 30)
+        assert not _returns_within(layer(order[1]), 0.3)  # its rows are not in yet
+        decode = threading.Event()
+        threading.Thread(target=lambda: (be.begin_step(1), decode.set()), daemon=True).start()
+        for _ in order[1:-1]:
+            gate.permits.release()
+        assert not decode.wait(0.3)  # the last layer is not in: a decode step waits
+        gate.permits.release()
+        assert decode.wait(30) and fill.done() and got.filling is None
+        for m in order:
+            want_m = ref.forward(m, x, ids, w)
+            got_m = out.get(m) if m in order[:2] else be.forward(m, x, ids, w)
+            for _ in range(300):  # the two blocked calls end once their layer is in
+                if got_m is not None:
+                    break
+                threading.Event().wait(0.1)
+                got_m = out.get(m)
+            assert got_m is not None and torch.equal(got_m, want_m), m
+    finally:
+        for _ in range(64):
+            gate.permits.release()
+        fill.stop()
+
+
+def test_a_fill_that_fails_fails_the_layers_not_in(tmp_path, gguf_path, monkeypatch):
+    """A read error after the load handed the fill over reaches the layers still waiting."""
+
+    class _Failing(_Gated):
+        def fill_rows(self, *args):  # type: ignore[no-untyped-def]
+            raise RuntimeError("the file ends early")
+
+    monkeypatch.setitem(sys.modules, "ftdense", _Failing())
+    fill = gguf_early.start(_settings(gguf_path))
+    assert fill is not None
+    fill._thread.join(30)  # type: ignore[union-attr]
+    with pytest.raises(gguf_early.GgufFormatError, match="cannot be read"):
+        fill.wait_layer(0)

@@ -89,6 +89,33 @@ def test_collapse_in_background_keeps_the_data_and_skips_freed_tensors() -> None
     assert hugepages.collapse_in_background([torch.randn(10)]) is None  # nothing to collapse
 
 
+def test_collapse_in_background_waits_for_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``first`` (a fill still writing the banks) runs on the thread before any collapse; an
+    error it raises ends the thread with nothing collapsed."""
+    import threading
+
+    collapsed: list[int] = []
+    monkeypatch.setattr(hugepages, "_collapse", lambda m, t: (collapsed.append(1), (1, 0))[1])
+    monkeypatch.setattr(hugepages, "_madvise", lambda: object())
+    w = torch.randn(6 << 20)
+    go = threading.Event()
+    thread = hugepages.collapse_in_background([w], first=lambda: go.wait(60))
+    assert thread is not None
+    thread.join(0.3)
+    assert thread.is_alive() and not collapsed  # waits for first
+    go.set()
+    thread.join(60)
+    assert not thread.is_alive() and collapsed == [1]
+
+    def fails() -> None:
+        raise RuntimeError("the fill failed")
+
+    thread = hugepages.collapse_in_background([w], first=fails)
+    assert thread is not None
+    thread.join(60)
+    assert collapsed == [1]
+
+
 def test_the_cpu_engine_collapses_its_weights_off_the_load_path(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """With huge_pages the cpu engine hands its weights to collapse_in_background (not a
     synchronous pass); without, nothing."""
@@ -99,7 +126,9 @@ def test_the_cpu_engine_collapses_its_weights_off_the_load_path(monkeypatch, tmp
 
     handed: list[list[int]] = []
     monkeypatch.setattr(
-        build, "collapse_in_background", lambda ts: handed.append([t.data_ptr() for t in ts])
+        build,
+        "collapse_in_background",
+        lambda ts, first=None: handed.append([t.data_ptr() for t in ts]),
     )
     monkeypatch.setattr(
         hugepages, "back_with_huge_pages", lambda ts: pytest.fail("a synchronous pass")

@@ -272,7 +272,10 @@ def backend(
         moe.tier.predict = router_predictor(model)
         moe.tier.read_ahead = config.expert_read_ahead
     if config.huge_pages and isinstance(moe, CpuBackend):  # the CPU streams them
-        collapse_in_background(weight_tensors(model, moe.banks))  # beside the rest of the start
+        # beside the rest of the start, once the experts' rows are all in
+        filling = moe.banks.filling
+        first = filling.wait if filling is not None else None
+        collapse_in_background(weight_tensors(model, moe.banks), first=first)
     if config.record_routing is not None:
         moe = RoutingRecorder(moe, config.record_routing)
     return moe

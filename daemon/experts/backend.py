@@ -116,6 +116,11 @@ class CpuBackend:
         self._dense_spin: int | None = None
         self.tier: TieredExecutor | None = None
         self._known_fids: set[int] = set()  # this step's known_routes experts (disk tier)
+        # rows still being read (ExpertBanks.filling): a prompt step's layer waits for its own
+        # experts, a decode step (the native decode step reads every layer) for all of them
+        if fake or banks.disk is not None:
+            banks.wait_filled()
+        self._filling = banks.filling
         pool = banks
         if banks.disk is not None:  # experts in the file: the executor runs over RAM slots
             if fake:
@@ -170,10 +175,20 @@ class CpuBackend:
                     f"the disk tier needs the native CPU expert executor ({e})"
                 ) from e
             log.warning("native CPU expert executor unavailable (%s); using the torch reference", e)
+            self.wait_filled()
             if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight
                 self.banks = dequantize_banks(banks)
 
+    def wait_filled(self) -> None:
+        """Returns once every expert's rows are in (``ExpertBanks.filling``)."""
+        if self._filling is not None:
+            self.banks.wait_filled()
+            self._filling.wait()  # (the banks may be another object over the same memory)
+            self._filling = None
+
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
+        if self._filling is not None and not prefill:
+            self.wait_filled()
         self._known_fids.clear()  # known_routes' experts of the step before
         # the dense pool's spin for this model's steps (dense_native.SPIN_US_*), set every step:
         # the pool is the process's, and another resident model may have run in between
@@ -196,7 +211,9 @@ class CpuBackend:
     def forward(
         self, moe_layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        return self.forward_flat(
+        if self._filling is not None:
+            self._filling.wait_layer(moe_layer)
+        return self._forward_flat(
             x, expert_ids.to(torch.int32) + moe_layer * self.num_experts, weights
         )
 
@@ -204,6 +221,13 @@ class CpuBackend:
         self, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Routed-expert sum by flat ids [T, K] (-1 = skip the route)."""
+        if self._filling is not None:  # ids of any layer
+            self.wait_filled()
+        return self._forward_flat(x, flat_ids, weights)
+
+    def _forward_flat(
+        self, x: torch.Tensor, flat_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         if self.executor is not None:
             return self.executor.forward(  # type: ignore[attr-defined]
                 x.float().contiguous(),
@@ -310,6 +334,7 @@ def create_backend(
     fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
+    banks.wait_filled()  # copied or registered as a whole below
     if banks.disk is not None:
         raise ValueError(
             f"moe_backend {name}: the disk tier (experts read from the file) runs under the cpu "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -39,6 +39,19 @@ class ActivationSpec:
     kind: Activation = Activation.SILU
     alpha: float = 1.702  # GPT-OSS only
     limit: float = 7.0  # GPT-OSS and SWIGLU_CLAMP
+
+
+class Filling(Protocol):
+    """Rows still being written into the banks (formats/gguf_early.py ``EarlyFill``)."""
+
+    def wait(self) -> None:
+        """Returns once every row is in; raises what stopped the fill."""
+
+    def wait_layer(self, moe_layer: int) -> None:
+        """Returns once MoE layer ``moe_layer``'s rows are in; raises what stopped the fill."""
+
+    def done(self) -> bool:
+        """Whether the fill has ended."""
 
 
 @dataclass
@@ -63,6 +76,16 @@ class ExpertBanks:
     # the disk tier (experts/disk_tier.py): the weight banks hold no data (meta tensors; biases
     # stay resident) and the experts are read from this source into a RAM cache on demand
     disk: DiskTier | None = None
+    # the fill still writing the experts' rows where the load returned before it ended
+    # (formats/gguf_early.py: the daemon serves while the pool is read); None: every row is in
+    filling: Filling | None = None
+
+    def wait_filled(self) -> None:
+        """Returns once every expert's rows are in (``filling``); raises what stopped the
+        fill. A reader of the banks other than the cpu backend's layer by layer calls it first."""
+        if self.filling is not None:
+            self.filling.wait()
+            self.filling = None
 
     @property
     def num_flat(self) -> int:

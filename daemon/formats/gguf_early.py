@@ -13,6 +13,13 @@ start. The GGUF loader then ``take``s the fill: where its own banks would have t
 the banks (``torch.frombuffer``, no copy) and waits for the fill where it would have waited for
 its own; otherwise it cancels the fill and loads as before.
 
+The fill runs a MoE layer at a time, in the order the file holds them, and says which layers
+are in (``wait_layer``), so the daemon need not wait for the whole pool before it serves: the
+loader hands a fill still running to the cpu backend (``ExpertBanks.filling``), whose prompt
+steps wait in each MoE layer for that layer's experts alone (a first prompt computes its early
+layers while the later ones are read) and whose first decode step (the native decode step reads
+every layer's banks) waits for the whole fill (issue 45's "serves before the pool is read").
+
 It is a guess made before the settings that decide the load are resolved, so ``start`` guesses
 only where the load is likely to take it: a single GGUF file whose experts are all in block types
 the integer-dot kernels compute, loaded as stored (no quantize settings) under the cpu backend
@@ -64,6 +71,9 @@ class EarlyFill:
     error: BaseException | None = None
     _thread: threading.Thread | None = None
     _cancel: Any = field(default_factory=lambda: ctypes.c_uint8(0))
+    # the MoE layers whose rows are all in; notified as each one completes and when the fill ends
+    _in: set[int] = field(default_factory=set)
+    _changed: threading.Condition = field(default_factory=threading.Condition)
 
     def wait(self) -> None:
         """Returns once every row is in; raises what stopped the fill."""
@@ -71,6 +81,27 @@ class EarlyFill:
             self._thread.join()
         if self.error is not None:
             raise self.error
+
+    def done(self) -> bool:
+        """Whether the fill has ended (every row in, or stopped by an error or ``stop``)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait_layer(self, moe_layer: int) -> None:
+        """Returns once MoE layer ``moe_layer``'s rows are all in; raises what stopped the fill
+        before they were."""
+        with self._changed:
+            while moe_layer not in self._in and not self.done():
+                self._changed.wait(0.5)  # the timeout: a thread that died without notifying
+        if moe_layer not in self._in:
+            self.wait()  # raises the fill's error
+            raise GgufFormatError(
+                f"{self.header.path}: the early fill ended without MoE layer {moe_layer}"
+            )
+
+    def _layer_in(self, moe_layer: int) -> None:
+        with self._changed:
+            self._in.add(moe_layer)
+            self._changed.notify_all()
 
     def stop(self) -> None:
         """Stops the fill: pieces not yet started are skipped, those in flight end."""
@@ -155,7 +186,7 @@ def start(cfg: Any) -> EarlyFill | None:
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     memory = {n: mmap.mmap(-1, max(1, _bytes({n: s})), flags=flags) for n, s in shapes.items()}
     fill = EarlyFill(header, blocks, pairs, experts, interleave, memory, shapes)
-    jobs = _jobs(fill)
+    jobs = _layer_jobs(fill)
     fill._thread = threading.Thread(
         target=_run, args=(fill, ftdense, jobs), name="ft-early-fill", daemon=True
     )
@@ -211,16 +242,22 @@ def _address(m: mmap.mmap) -> int:
         del view
 
 
-def _jobs(fill: EarlyFill) -> list[tuple[int, int, int, int, int, int]]:
-    """``ftdense.fill_rows``'s jobs: each expert's gate, up and down rows into its bank rows,
-    in file order."""
+Job = tuple[int, int, int, int, int, int]
+
+
+def _layer_jobs(fill: EarlyFill) -> list[tuple[int, list[Job]]]:
+    """``ftdense.fill_rows``'s jobs by MoE layer: (MoE layer, each of its experts' gate, up and
+    down rows into their bank rows, in file order), the layers in the order of their first byte
+    in the file."""
     tensors, e = fill.header.tensors, fill.experts
     where = {}  # (MoE layer, projection) -> (bank, rank of the layer in it)
-    for name, proj, _, layers in layer_banks(fill.pairs):
-        for rank, layer in enumerate(layers):
+    for name, proj, _, ranked in layer_banks(fill.pairs):
+        for rank, layer in enumerate(ranked):
             where[layer, proj] = (name, rank)
-    jobs = []
+    layers: list[tuple[int, list[Job]]] = []
     for moe, (b, (gu, dn)) in enumerate(zip(fill.blocks, fill.pairs, strict=True)):
+        jobs: list[Job] = []
+        layers.append((moe, jobs))
         for proj, qtype in (("gate", gu), ("up", gu), ("down", dn)):
             t = tensors[f"blk.{b}.ffn_{proj}_exps.weight"]
             bank, rank = where[moe, "down" if proj == "down" else "gate_up"]
@@ -236,10 +273,11 @@ def _jobs(fill: EarlyFill) -> list[tuple[int, int, int, int, int, int]]:
             for x in range(e):
                 dest = base + ((rank * e + x) * rows) * rb + (per if proj == "up" else 0)
                 jobs.append((t.offset + x * per, per, dest, code, half, cols))
-    return sorted(jobs)
+        jobs.sort()
+    return sorted(layers, key=lambda lj: lj[1][0])
 
 
-def _run(fill: EarlyFill, ftdense: Any, jobs: list[tuple[int, int, int, int, int, int]]) -> None:
+def _run(fill: EarlyFill, ftdense: Any, layers: list[tuple[int, list[Job]]]) -> None:
     try:
         fd = os.open(fill.header.path, os.O_RDONLY)
     except OSError as e:
@@ -247,8 +285,15 @@ def _run(fill: EarlyFill, ftdense: Any, jobs: list[tuple[int, int, int, int, int
         return
     try:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        ftdense.fill_rows(fd, jobs, max(1, threads), ctypes.addressof(fill._cancel))
+        for moe, jobs in layers:  # a call a layer: its threads end with the layer (~0.1 ms)
+            if fill._cancel.value:
+                break
+            ftdense.fill_rows(fd, jobs, max(1, threads), ctypes.addressof(fill._cancel))
+            if not fill._cancel.value:  # (a stopped call skips the pieces not yet started)
+                fill._layer_in(moe)
     except (RuntimeError, ValueError) as e:
         fill.error = GgufFormatError(f"{fill.header.path}: the experts cannot be read ({e})")
     finally:
         os.close(fd)
+        with fill._changed:  # a waiter for a layer that will not come in learns it now
+            fill._changed.notify_all()

@@ -97,6 +97,7 @@ def bench_bandwidth(manager: ModelManager, store: ControlStore, accelerator: str
         llm = model.llm
         be = slot_backend(llm.moe)
         acc = be.acc if be is not None else create_accelerator(accelerator)
+        llm.banks.wait_filled()  # (a daemon serving while its experts are read)
         cpu = _cpu_backend(llm.moe, llm.banks, llm.config.num_experts)
         disk = disk_fields(model.path)  # first: the file's reads alone on the disk
         profile = replace(measure(llm.banks, acc, cpu, top_k=llm.config.top_k), **disk)

@@ -31,7 +31,7 @@ import torch
 from ..experts.banks import ExpertBanks
 from ..experts.disk_tier import DiskTier
 from ..experts.formats import interleaves
-from ..formats import gguf_interleave
+from ..formats import gguf_early, gguf_interleave
 from ..formats.errors import CheckpointError
 from ..formats.gguf_blocks import BLOCK_BYTES, supports
 from ..formats.gguf_dequant import DEQUANTIZERS
@@ -601,6 +601,14 @@ def _fill(
             filler.dense(canon, src, name, src.t.path)
 
 
+def _early_error(fill: gguf_early.EarlyFill) -> None:
+    """Raises what stopped the early fill as the load's error."""
+    try:
+        fill.wait()
+    except GgufFormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def load_gguf(
     path: str | Path,
     cfg: ModelConfig | None = None,
@@ -682,16 +690,18 @@ def load_gguf(
             )  # fmt: skip
             if pool is not None:
                 pool.wait()
+            if early is not None and early[0].done():
+                _early_error(early[0])
+            elif early is not None:  # the cpu backend waits for each layer's rows (gguf_early)
+                banks.filling = early[0]
+                log.info("%s: serving while the experts are read", Path(path).name)
+        except BaseException:
             if early is not None:
-                try:
-                    early[0].wait()
-                except GgufFormatError as e:
-                    raise CheckpointError(str(e)) from None
+                early[0].stop()  # nothing writes into banks the failed load frees
+            raise
         finally:
             if pool is not None:
                 pool.close()
-            if early is not None:
-                early[0].stop()  # nothing writes into the banks once the load ends
         missing = [n for n in (*filler.params, *filler.tables) if n not in filler.filled]
         if cfg.tie_word_embeddings:
             missing = [n for n in missing if n != "lm_head.weight"]

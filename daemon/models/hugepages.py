@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -127,11 +127,15 @@ def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     return done
 
 
-def collapse_in_background(tensors: Iterable[torch.Tensor]) -> threading.Thread | None:
+def collapse_in_background(
+    tensors: Iterable[torch.Tensor], first: Callable[[], object] | None = None
+) -> threading.Thread | None:
     """``back_with_huge_pages`` on a thread of its own (the madvise calls release the GIL),
     one tensor after another; returns the thread, None where unsupported. The thread holds
     weak references only: a tensor freed before its turn (a model closed or swapped) is
-    skipped, and the one being collapsed stays alive until its call returns."""
+    skipped, and the one being collapsed stays alive until its call returns. ``first``: called
+    on the thread before any collapse (waits for a fill still writing the tensors; an error it
+    raises ends the thread, collapsing nothing: the engine reports it)."""
     madvise = _madvise()
     if madvise is None:
         return None
@@ -140,6 +144,11 @@ def collapse_in_background(tensors: Iterable[torch.Tensor]) -> threading.Thread 
         return None
 
     def run() -> None:
+        if first is not None:
+            try:
+                first()
+            except Exception:  # noqa: BLE001  (the fill's error is the engine's to report)
+                return
         t0, done, refused = time.perf_counter(), 0, 0
         for ref in refs:
             t = ref()
