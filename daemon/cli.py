@@ -106,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"freetokend: {e}", file=sys.stderr)
         return 2
-    if cfg.model and cfg.disk_tier != "on":  # the disk reads the weights while the imports run
-        readahead.start(cfg.model)
-    # and the experts go into their banks meanwhile, where the load is likely to take them
-    gguf_early.start(cfg)
+    # the experts go into their banks while the imports run, where the load is likely to take
+    # them, and the disk reads the file ahead meanwhile: the loader's own tensors first, so a
+    # cold start can serve while the experts are still read (gguf_early)
+    fill = gguf_early.start(cfg)
+    if cfg.model and cfg.disk_tier != "on":
+        readahead.start(cfg.model, None if fill is None else gguf_early.dense_ranges(fill.header))
     # The imports below create ~220k objects that live as long as the process, and the cyclic
     # collector would walk them again and again as they arrive (0.3-0.5 s of CPU, measured on
     # a 2-core EPYC) to free ~7k: off while they run, then frozen (never walked again, also

@@ -215,3 +215,19 @@ def test_a_fill_that_fails_fails_the_layers_not_in(tmp_path, gguf_path, monkeypa
     fill._thread.join(30)  # type: ignore[union-attr]
     with pytest.raises(gguf_early.GgufFormatError, match="cannot be read"):
         fill.wait_layer(0)
+
+
+def test_the_loaders_own_tensors_are_read_ahead_first(gguf_path):
+    """``dense_ranges``: every tensor but the stacked experts, each inside one range, no range
+    touching an expert stack's bytes, in file order (what the CLI's read-ahead reads first)."""
+    from freetokend.formats.gguf_header import expert_stacks, read_header
+
+    header = read_header(gguf_path)
+    ranges = gguf_early.dense_ranges(header)
+    assert ranges == sorted(ranges) and ranges
+    stacks = {t.name for p in expert_stacks(header.tensors).values() for t in p.values()}
+    assert stacks
+    for t in header.tensors.values():
+        inside = [a <= t.offset and t.offset + t.nbytes <= a + n for a, n in ranges]
+        overlaps = [t.offset < a + n and a < t.offset + t.nbytes for a, n in ranges]
+        assert any(inside) if t.name not in stacks else not any(overlaps), t.name

@@ -50,6 +50,12 @@ def test_a_file_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
     assert not t.is_alive()
     will = os.POSIX_FADV_WILLNEED
     assert advised == [(0, 1 << 20, will), (1 << 20, 1 << 20, will), (2 << 20, 1 << 19, will)]
+    advised.clear()  # ranges first (the loader's tensors where an early fill reads the experts)
+    t = readahead.start(str(path), first=[(3 << 19, 1 << 21), (5 << 20, 4096)])
+    assert t is not None
+    t.join(30)
+    assert advised[:1] == [(3 << 19, 1 << 20, will)]  # cut at the file's end; past it: nothing
+    assert advised[1:] == [(0, 1 << 20, will), (1 << 20, 1 << 20, will), (2 << 20, 1 << 19, will)]
 
 
 def test_a_piece_is_the_devices_read_ahead_window_or_largest_request(tmp_path):
@@ -97,7 +103,7 @@ def test_the_daemon_reads_ahead_unless_the_disk_tier_is_on(tmp_path, monkeypatch
     """cli.main starts the read-ahead before its heavy imports, except where the experts stay
     in the file (disk_tier on)."""
     started = []
-    monkeypatch.setattr(readahead, "start", lambda model: started.append(model))
+    monkeypatch.setattr(readahead, "start", lambda model, first=None: started.append(model))
     import freetokend.server.logs as logs
     import freetokend.server.run as run
 

@@ -52,6 +52,9 @@ from .gguf_header import GgufFormatError, GgufHeader, GgufTensor, expert_stacks,
 log = logging.getLogger(__name__)
 
 _NVIDIA = ("/dev/nvidiactl", "/dev/nvidia0")
+# the loader's tensors this close together (no expert between them) are read ahead as one range
+# (the padding between tensors)
+DENSE_GAP = 1 << 20
 
 
 @dataclass
@@ -275,6 +278,24 @@ def _layer_jobs(fill: EarlyFill) -> list[tuple[int, list[Job]]]:
                 jobs.append((t.offset + x * per, per, dest, code, half, cols))
         jobs.sort()
     return sorted(layers, key=lambda lj: lj[1][0])
+
+
+def dense_ranges(header: GgufHeader) -> list[tuple[int, int]]:
+    """The file's byte ranges (offset, length) of every tensor but the stacked experts, adjacent
+    tensors merged, in file order: what the loader reads itself."""
+    experts = {t.name for parts in expert_stacks(header.tensors).values() for t in parts.values()}
+    out: list[tuple[int, int]] = []
+    joins = False  # whether the next tensor may extend the last range (no expert in between)
+    for t in sorted(header.tensors.values(), key=lambda t: t.offset):
+        if t.name in experts:
+            joins = False
+        elif t.nbytes > 0:
+            if joins and t.offset - (out[-1][0] + out[-1][1]) <= DENSE_GAP:
+                out[-1] = (out[-1][0], t.offset + t.nbytes - out[-1][0])
+            else:
+                out.append((t.offset, t.nbytes))
+            joins = True
+    return out
 
 
 def _run(fill: EarlyFill, ftdense: Any, layers: list[tuple[int, list[Job]]]) -> None:

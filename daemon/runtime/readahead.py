@@ -72,9 +72,11 @@ def free_bytes() -> int | None:
     return free
 
 
-def start(model: str) -> threading.Thread | None:
+def start(model: str, first: list[tuple[int, int]] | None = None) -> threading.Thread | None:
     """Starts reading ``model``'s files ahead (see the module doc); the thread, or None when
-    nothing is read ahead."""
+    nothing is read ahead. ``first``: byte ranges (offset, length) of the first file read ahead
+    before the whole (the loader's own tensors where the experts are read by an early fill:
+    formats/gguf_early.py, so a cold start's load finds them first)."""
     if not hasattr(os, "posix_fadvise"):
         return None
     files = model_files(model)
@@ -85,7 +87,9 @@ def start(model: str) -> threading.Thread | None:
     free = free_bytes()
     if not files or free is None or total > free // 2:
         return None
-    t = threading.Thread(target=_advise, args=(files,), name="ft-readahead", daemon=True)
+    t = threading.Thread(
+        target=_advise, args=(files, first or []), name="ft-readahead", daemon=True
+    )
     t.start()
     return t
 
@@ -109,8 +113,8 @@ def piece_bytes(st_dev: int, sys_root: str | Path = "/sys") -> int:
     return MIN_PIECE
 
 
-def _advise(files: list[Path]) -> None:
-    for path in files:
+def _advise(files: list[Path], first: list[tuple[int, int]]) -> None:
+    for i, path in enumerate(files):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -118,8 +122,11 @@ def _advise(files: list[Path]) -> None:
         try:
             st = os.fstat(fd)
             size, piece = st.st_size, piece_bytes(st.st_dev)
-            for at in range(0, size, piece):
-                os.posix_fadvise(fd, at, min(piece, size - at), os.POSIX_FADV_WILLNEED)
+            # (a range read ahead twice: the second advice walks pages already cached)
+            for start, length in [*(first if i == 0 else []), (0, size)]:
+                end = min(size, start + length)
+                for at in range(start, end, piece):
+                    os.posix_fadvise(fd, at, min(piece, end - at), os.POSIX_FADV_WILLNEED)
         except OSError:
             pass  # a hint: the loader reads the file anyway and reports what fails
         finally:
