@@ -101,7 +101,9 @@ and 0.95 in B; 50 % 2.59 / 1.88, 2.64 / 2.42.) freetoken / llama.cpp: 15.9x and 
 Earlier (before the overlap and the one-pass reads; load ~11, disk 585 MB/s, medians of 3): 25 %
 1.26 tok/s (44 % of ceiling), 50 % 3.63 (26 %); llama.cpp 0.09 and 0.26. ``--daemon`` at 50 %
 (cache sized at load): up in 18 s, answered, killed with a request in flight, up again in 31 s,
-the same answer, no OOM kill.
+the same answer, no OOM kill. 2026-12-07 ~17:00 UTC (AMD EPYC Zen 4 VM, shared): up in 2.6 s,
+answered, killed with a 960-token request in flight (64 tokens, as the check asked before, were
+done before the kill here), up again in 2.4 s, the same answer, no OOM kill.
 
 2026-12-07 ~02:25 UTC (wt1; the same VM shared with 3 other jobs, load average 7.4-9.8; disk
 478 MB/s at the start, 349 at the end; 24 decode tokens; caches fixed per limit, 262 MiB / 96
@@ -689,7 +691,8 @@ def daemon_check(path: Path, limit: int, a: argparse.Namespace) -> None:
 
         def doomed() -> None:
             try:
-                post(url, name, 64)
+                # long enough to be in flight at the kill on any CPU (within --kv-tokens 1024)
+                post(url, name, 960)
             except OSError:  # the connection dies with the daemon
                 pass
 
