@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from profile_decode import _instrument  # beside this script
+from profile_decode import _instrument, settle_huge_pages  # beside this script
 
 _wall: dict[str, float] = defaultdict(float)
 _cpu: dict[str, float] = defaultdict(float)
@@ -85,6 +85,7 @@ def load_instrumented(a: argparse.Namespace, **kwargs: Any) -> Any:
 
         force_isa(a.isa)
     llm = LLM(a.model, moe_backend="cpu", threads=a.threads, **kwargs)
+    settle_huge_pages()
     _instrument(llm.config.vocab_size, _timed, "attention")  # profile_decode's parts, these timers
     rope.Rope.apply = _timed("rope", rope.Rope.apply)  # type: ignore[method-assign]
     return llm
