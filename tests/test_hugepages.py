@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -99,13 +102,26 @@ def test_collapse_in_background_waits_for_first(monkeypatch) -> None:  # type: i
     monkeypatch.setattr(hugepages, "_madvise", lambda: object())
     w = torch.randn(6 << 20)
     go = threading.Event()
-    thread = hugepages.collapse_in_background([w], first=lambda: go.wait(60))
+    nice: list[int] = []
+    mine = (
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if sys.platform == "linux" else 0
+    )
+
+    def first() -> None:  # on the collapse thread
+        if hasattr(os, "getpriority"):
+            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        go.wait(60)
+
+    thread = hugepages.collapse_in_background([w], first=first)
     assert thread is not None
     thread.join(0.3)
     assert thread.is_alive() and not collapsed  # waits for first
     go.set()
     thread.join(60)
     assert not thread.is_alive() and collapsed == [1]
+    if sys.platform.startswith("linux"):  # the thread alone yields the cores to the engine
+        assert nice == [hugepages.COLLAPSE_NICE]
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
     def fails() -> None:
         raise RuntimeError("the fill failed")
