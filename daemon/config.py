@@ -17,6 +17,9 @@ from typing import Annotated, Any
 import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")  # experts/backend.create_backend
+# the backends the disk tier runs under (experts/disk_tier.py, device_tier.py): fused keeps every
+# expert in device memory
+DISK_TIER_BACKENDS = ("cpu", "offload", "hybrid")
 DISK_TIER = ("auto", "on", "off")  # manager/models.expert_cache_mb
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 ATTENTION_KERNELS = ("torch", "triton")  # models/layers/attention.DECODE_KERNELS (tested)

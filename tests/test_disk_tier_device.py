@@ -88,13 +88,13 @@ def test_device_disk_tier_equals_the_resident_pool(  # type: ignore[no-untyped-d
     assert all(t.is_meta for t in tiered.banks.tensors().values())
     ids, batch = _requests()
     compacted = []
-    compact = device_backends._compact
+    compact = device_backends.compact_copies
 
     def counted(*a):  # type: ignore[no-untyped-def]
         compacted.append(1)
         return compact(*a)
 
-    monkeypatch.setattr(device_backends, "_compact", counted)
+    monkeypatch.setattr(device_backends, "compact_copies", counted)
     got, want = tiered.logits(ids), ref.logits(ids)
     if cache_experts or backend == "offload":
         assert torch.equal(got, want)
@@ -216,3 +216,38 @@ def test_disk_tier_on_the_fake_card(kmix: Path, backend: str) -> None:
         assert got == [w + read for w in want[:2]] + want[2:], (got, want)
         assert be._counters["disk_tier_syncs"] == 2 * layers
         assert be.tier.stats()["fills"] > 0
+
+
+def test_the_daemons_auto_tier_takes_offload_and_hybrid(kmix: Path) -> None:
+    """``disk_tier`` "auto" (manager/models.expert_cache_mb): weights over the host budget go to
+    the tier under offload and hybrid too; fused loads them all (it has no tier)."""
+    from freetokend.manager.models import expert_cache_mb
+
+    for backend in ("cpu", "offload", "hybrid"):
+        assert expert_cache_mb(kmix, 1, "auto", 0.5, backend) == 512
+    assert expert_cache_mb(kmix, 1, "auto", 0.5, "fused") is None
+    assert expert_cache_mb(kmix, 1 << 40, "auto", 0.5, "offload") is None  # the file fits
+
+
+def test_resizing_the_device_slots_under_the_tier(kmix: Path) -> None:
+    """A resize carries the device's experts over from the RAM cache (the host's only copy
+    under the tier): those the cache still holds are copied from their RAM slots, the rest
+    dropped; offload computes every route on the device whatever its cache holds, so the
+    tokens stay the resident pool's through a shrink and a growth."""
+    from freetokend.engine.resize import resize_expert_slots
+
+    ids, batch = _requests()
+    runs = []
+    for cache in (None, 0):
+        llm = _llm(kmix, "offload", cache)
+        out = [llm.generate(ids, 6, ignore_eos=True)]
+        kept = []
+        for n in (3, 12):
+            kept.append(resize_expert_slots(llm.moe, n))  # type: ignore[arg-type]
+            out.append(llm.generate(batch, 6, ignore_eos=True))
+        assert llm.moe.cache.num_slots == 12  # type: ignore[attr-defined]
+        runs.append((out, kept))
+    (want, kept_resident), (got, kept_tier) = runs
+    assert got == want
+    assert kept_resident == [3, 3] and all(k <= 2 for k in kept_tier)  # the RAM cache: 2
+    assert max(kept_tier) > 0  # some copied from their RAM slots

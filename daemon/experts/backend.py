@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..config import MOE_BACKENDS
+from ..config import DISK_TIER_BACKENDS, MOE_BACKENDS
 from .accelerator import Accelerator, StandinAccelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .device_backends import FusedBackend, OffloadBackend
@@ -311,11 +311,11 @@ def create_backend(
     fake = given is not None and given.name == "fake-cuda"
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
-    if banks.disk is not None and name == "fused":
+    if banks.disk is not None and name not in DISK_TIER_BACKENDS:
         raise ValueError(
-            "moe_backend fused keeps every expert in device memory: the disk tier (experts read "
-            "from the file, expert_cache_mb) runs under cpu, offload or hybrid; choose one of "
-            "those, or drop expert_cache_mb to load the pool"
+            f"moe_backend {name} keeps every expert in device memory: the disk tier (experts "
+            f"read from the file, expert_cache_mb) runs under {', '.join(DISK_TIER_BACKENDS)}; "
+            "choose one of those, or drop expert_cache_mb to load the pool"
         )
 
     acc = given if given is not None else create_accelerator(str(accelerator))

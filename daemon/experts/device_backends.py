@@ -346,7 +346,7 @@ class OffloadBackend:
             src = torch.where(src >= 0, to_device(table, dev)[src.clamp(min=0)], -1).int()
             dst, count = plan.copy_dst_slot, plan.num_copies
             if len(parts) > 1:
-                dst, src, count = _compact(dst, src, count)
+                dst, src, count = compact_copies(dst, src, count)
             if cpu:  # submitted first: it runs while the fills and the device compute proceed
                 future = self._submit_cpu(x[a:b], weights[a:b], plan.cpu_ids[a:b])
             fill = self._fill_from_host(self.slots, dst, src, count)
@@ -487,7 +487,7 @@ class OffloadBackend:
         return moe_reference(x, cpu_ids.long(), weights, self.host, self.act)
 
 
-def _compact(
+def compact_copies(
     dst: torch.Tensor, src: torch.Tensor, count: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A device copy list (``dst``, ``src``, ``count``) without its entries whose source is
