@@ -251,3 +251,21 @@ def test_resizing_the_device_slots_under_the_tier(kmix: Path) -> None:
     assert got == want
     assert kept_resident == [3, 3] and all(k <= 2 for k in kept_tier)  # the RAM cache: 2
     assert max(kept_tier) > 0  # some copied from their RAM slots
+
+
+def test_cuda_graphs_stay_off_under_the_tier(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A decode graph cannot hold the host's read of the routes nor the disk reads: where the
+    device would capture (no other blocker), the tier keeps decode eager and says why."""
+    import logging
+    from types import SimpleNamespace
+
+    from freetokend.engine import build
+
+    monkeypatch.setattr(build, "graphs_blocker", lambda *a: None)
+    captured: list[object] = []
+    monkeypatch.setattr(build, "DecodeGraphs", lambda *a: captured.append(a))
+    runner = SimpleNamespace(moe=SimpleNamespace(tier=object()),
+                             placement=SimpleNamespace(device=torch.device("cpu")))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger=build.log.name):
+        build.capture_graphs(runner, None, "offload", 128, lambda: None)  # type: ignore[arg-type]
+    assert not captured and "the disk tier reads each MoE layer's routes" in caplog.text

@@ -43,6 +43,8 @@ Hazards on a real GPU, and what guards them:
 - Prompt steps run on demand (the decode path), not through the whole-layer prefill stream:
   the stream issues the next layer's fills ahead of its routes, which would need that layer's
   every expert in RAM while this one's stay held.
+- CUDA graphs: off under the tier (engine/build.capture_graphs says why): the routes' read and
+  the disk reads are host work in every MoE layer.
 - No host sync but the counted one: the translation table's upload is asynchronous from
   page-locked memory, the device plan is never read on the host (the zero-copy path; the copy
   lists of a split call are compacted on the device). A fill waited on before a slot's read
