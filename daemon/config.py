@@ -268,9 +268,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disk_tier: Annotated[
         str,
         about(
-            "routed experts left in the model file and read on demand into a RAM cache (cpu "
-            "backend, GGUF experts in a block format): auto when the file exceeds "
-            "host_pool_budget_gb, on always, off never",
+            "routed experts left in the model file and read on demand into a RAM cache (cpu, "
+            "offload or hybrid backend, GGUF experts in a block format): auto when the file "
+            "exceeds host_pool_budget_gb, on always, off never",
             choices=DISK_TIER,
         ),
     ] = "auto"
@@ -287,7 +287,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         about(
             "with the disk tier, each MoE layer starts reading the next layer's likely experts "
             "(its router on this layer's input) while it computes; it pauses itself while "
-            "fewer than half its guesses are used"
+            "fewer than half its guesses are used (cpu backend; offload and hybrid read on "
+            "demand)"
         ),
     ] = True
     vram_watch: Annotated[

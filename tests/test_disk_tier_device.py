@@ -132,7 +132,7 @@ def test_chaos_order_keeps_the_tokens(kmix: Path, monkeypatch) -> None:  # type:
     assert made and all(a.stats.copies > 0 for a in made)
 
 
-def test_a_ram_slot_is_not_overwritten_under_a_fill(kmix: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_ram_slot_is_not_overwritten_under_a_fill(kmix: Path) -> None:
     """A fill queued from RAM slots and not landed yet (a GPU's host runs ahead of its copy
     stream), then a read that evicts those slots: the fill lands first and copies the experts
     it was issued for; without the guard it copies the experts read over them."""
