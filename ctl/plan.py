@@ -10,7 +10,8 @@ every part lives, the expert slot count, the KV tokens, the predicted peak VRAM 
 and the host syncs per decode step. ``--expert-format`` plans the routed experts in a format of
 experts/formats.py in place of what config.json's quantization_config says (compressed-tensors
 and ModelOpt NVFP4 / INT4 releases are read from it: ``nvfp4`` / ``q4_0``). A GGUF file of
-block experts whose files exceed three quarters of ``--ram`` under ``--backend cpu`` is planned
+block experts whose files exceed three quarters of ``--ram`` under ``--backend`` cpu, offload or
+hybrid is planned
 as the daemon runs it, with the disk tier: its RAM cache, the bytes a token reads at uniform
 routing and the decode rate the disk's read rate (``--disk-rate``, or measured) bounds. Exit
 status: 0 it fits; 1 it does not (the reason on stderr); 2 bad input.

@@ -17,6 +17,9 @@ from typing import Annotated, Any
 import msgspec
 
 MOE_BACKENDS = ("cpu", "fused", "offload", "hybrid", "auto")  # experts/backend.create_backend
+# the backends the disk tier runs under (experts/disk_tier.py, device_tier.py): fused keeps every
+# expert in device memory
+DISK_TIER_BACKENDS = ("cpu", "offload", "hybrid")
 DISK_TIER = ("auto", "on", "off")  # manager/models.expert_cache_mb
 ACCELERATORS = ("auto", "cuda", "standin", "fake-cuda")
 ATTENTION_KERNELS = ("torch", "triton")  # models/layers/attention.DECODE_KERNELS (tested)
@@ -265,9 +268,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disk_tier: Annotated[
         str,
         about(
-            "routed experts left in the model file and read on demand into a RAM cache (cpu "
-            "backend, GGUF experts in a block format): auto when the file exceeds "
-            "host_pool_budget_gb, on always, off never",
+            "routed experts left in the model file and read on demand into a RAM cache (cpu, "
+            "offload or hybrid backend, GGUF experts in a block format): auto when the file "
+            "exceeds host_pool_budget_gb, on always, off never",
             choices=DISK_TIER,
         ),
     ] = "auto"
@@ -284,7 +287,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         about(
             "with the disk tier, each MoE layer starts reading the next layer's likely experts "
             "(its router on this layer's input) while it computes; it pauses itself while "
-            "fewer than half its guesses are used"
+            "fewer than half its guesses are used (cpu backend; offload and hybrid read on "
+            "demand)"
         ),
     ] = True
     vram_watch: Annotated[

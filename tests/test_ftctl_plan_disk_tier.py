@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from gguf_files import write_skeleton_gguf
 from test_ftctl_plan import QWEN3_30B_A3B, QWEN_KV_PER_TOKEN
@@ -92,10 +93,27 @@ def test_the_table_shows_the_tier(q30: Path, capsys) -> None:
         assert row in out
 
 
-def test_other_backends_say_the_tier_is_the_cpu_backends(q30: Path) -> None:
-    p = plan_model(q30, 8192, 12 * 1024, backend="offload")
+def test_offload_and_hybrid_plan_a_bf16_cache_fused_none(q30: Path) -> None:
+    """Under offload and hybrid the RAM cache's slots are bf16 (the device format: experts/
+    device_tier.py) and the dense weights, model state and snapshots are on the card; what a
+    token reads is still the file's Q4_K bytes. fused keeps every expert on the card: no tier."""
+    ram = 16 * 1024
+    bf16 = get_format("bf16").nbytes_per_expert(2048, 768, torch.bfloat16)
+    for backend in ("offload", "hybrid"):
+        p = plan_model(q30, 24576, ram, backend=backend, disk_rate=2e9)
+        assert p.fits, p.reason
+        t = p.disk_tier
+        assert p.placement["expert_pool"] == "disk" and "expert_ram_cache" in p.placement
+        assert "expert_pool_bf16" not in p.parts_mib  # no bf16 copy of the pool
+        assert p.parts_mib["expert_ram_cache"] * MIB == t["cache_experts"] * bf16
+        rest = int(p.parts_mib["kv_cache"] * min(p.kv_tokens, 40960) / p.kv_tokens * MIB)
+        rest += plan_mod.RUNTIME_RESIDENT_MIB * MIB + TIER_WORK_RESERVE_BYTES
+        assert t["cache_experts"] == (ram * MIB * 3 // 4 - rest) // bf16
+        hit = t["cache_experts"] / (48 * 128)
+        assert t["missed_mib_per_token"] * MIB == pytest.approx(8 * 48 * PER * (1 - hit))
+    p = plan_model(q30, 81920, 12 * 1024, backend="fused")  # the card holds the pool
     assert not p.fits and not p.disk_tier
-    assert "under the cpu backend only" in p.reason
+    assert "under the cpu, offload and hybrid backends only" in p.reason
 
 
 def test_parse_rate() -> None:

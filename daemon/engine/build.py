@@ -355,6 +355,8 @@ def capture_graphs(
     where they cannot be, one log line says why and decode runs eagerly."""
 
     blocker = graphs_blocker(backend, runner.placement.device, model)
+    if blocker is None and getattr(runner.moe, "tier", None) is not None:
+        blocker = "the disk tier reads each MoE layer's routes on the host (experts/device_tier)"
     if blocker is not None:
         log.info("cuda graphs: off (%s); decode runs without graphs", blocker)
         return

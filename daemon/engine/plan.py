@@ -22,11 +22,13 @@ reason lists these parts and says what would drop one: the cpu backend (no bf16 
 the packed pool alone exceeds the RAM, the disk tier, which exists for GGUF block experts only.
 
 ``model_dir`` may be a GGUF file: its header gives the config, as the daemon reads it. Under the
-cpu backend, a GGUF of block experts whose files exceed the host budget (three quarters of the
-RAM) is planned as the daemon's ``disk_tier`` "auto" runs it (``disk_tier``): the experts stay in
-the file, a RAM cache holds what the budget leaves of them, and the plan gives the share of a
-token's experts the cache holds at uniform routing, the bytes a token then reads and the decode
-rate the disk's read rate bounds (given, or measured on the file: formats/disk_rate.py).
+cpu, offload and hybrid backends, a GGUF of block experts whose files exceed the host budget
+(three quarters of the RAM) is planned as the daemon's ``disk_tier`` "auto" runs it
+(``disk_tier``): the experts stay in the file, a RAM cache holds what the budget leaves of them
+(under offload and hybrid in bf16, the device format: experts/device_tier.py; the dense weights
+and the KV pool on the card, the device slots as without the tier), and the plan gives the share
+of a token's experts the cache holds at uniform routing, the bytes a token then reads and the
+decode rate the disk's read rate bounds (given, or measured on the file: formats/disk_rate.py).
 
 ``expert_format`` (``ftctl plan --expert-format``) plans the routed experts in that format of
 experts/formats.py whatever config.json's ``quantization_config`` says (which is then not
@@ -59,6 +61,7 @@ from typing import Any
 
 import torch
 
+from ..config import DISK_TIER_BACKENDS
 from ..experts.backend import SlotBudget, create_backend, moe_activation_bytes, resolve_backend
 from ..experts.banks import ActivationSpec, activation_of
 from ..experts.device_backends import FusedBackend, OffloadBackend
@@ -213,10 +216,11 @@ def plan_model(
 
 def _tiered_files(plan: Plan, cfg: Any, model_dir: str | Path, ram_mib: int) -> int:
     """The bytes of the model's files where the daemon would leave its experts in them
-    (``disk_tier`` "auto": a GGUF file of block experts under the cpu backend whose files exceed
-    the host budget, three quarters of the RAM: manager/models.expert_cache_mb,
-    runtime/memlimit.host_pool_budget); 0 where it would not."""
-    if plan.backend != "cpu" or model_kind(model_dir) != "gguf":
+    (``disk_tier`` "auto": a GGUF file of block experts under a backend of
+    ``DISK_TIER_BACKENDS`` whose files exceed the host budget, three quarters of the RAM:
+    manager/models.expert_cache_mb, runtime/memlimit.host_pool_budget); 0 where it would
+    not."""
+    if plan.backend not in DISK_TIER_BACKENDS or model_kind(model_dir) != "gguf":
         return 0
     if not get_format(cfg.expert_format).in_blocks:
         return 0
@@ -232,15 +236,24 @@ def _plan_disk_tier(
     the tier's work buffers: what ``memory_left`` leaves it at load, engine/build.py), the share of a token's experts it holds under uniform
     routing (an LRU over uniformly random experts hits about its share of the pool; a real
     model's routing has locality and hits more), the bytes a token then reads and the decode
-    rate the disk bounds: ``rate`` (bytes/s) or, None, the file's measured read rate."""
-    per = get_format(cfg.expert_format).nbytes_per_expert(
-        cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16
-    )
+    rate the disk bounds: ``rate`` (bytes/s) or, None, the file's measured read rate. Under
+    offload and hybrid the cache's slots are bf16 (the device format: experts/device_tier.py),
+    the dense weights, model state and snapshots live on the card, and the host keeps one
+    sequence's KV in reserve as the load does (engine/build.py); the device part is the plan's
+    own (the device slots fill from the cache as from a resident pool)."""
+    device = plan.backend != "cpu"
+    shape = (cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16)
+    stored = get_format(cfg.expert_format).nbytes_per_expert(*shape)  # what a miss reads
+    per = get_format("bf16").nbytes_per_expert(*shape) if device else stored  # a cache slot
     p = plan.parts_mib
-    dense = max(files - int(p["expert_pool"] * MIB), 0)  # kept in the file's blocks
-    p["dense_weights"] = dense / MIB
     seq = min(plan.kv_tokens, cfg.max_position_embeddings) / max(plan.kv_tokens, 1)
-    rest = dense + int((p["kv_cache"] * seq + p.get("model_state", 0) + SNAPSHOT_MIB) * MIB)
+    if device:
+        p.pop("expert_pool_bf16", None)  # no bf16 copy of the pool: the cache is bf16
+        rest = int(p["kv_cache"] * seq * MIB)
+    else:
+        dense = max(files - int(p["expert_pool"] * MIB), 0)  # kept in the file's blocks
+        p["dense_weights"] = dense / MIB
+        rest = dense + int((p["kv_cache"] * seq + p.get("model_state", 0) + SNAPSHOT_MIB) * MIB)
     rest += RUNTIME_RESIDENT_MIB * MIB + TIER_WORK_RESERVE_BYTES
     budget = ram_mib * MIB * 3 // 4
     cache = budget - rest
@@ -250,15 +263,23 @@ def _plan_disk_tier(
                             "pool_experts": pool_experts}  # fmt: skip
     plan.disk_tier = tier
     plan.placement["expert_pool"] = "disk"
-    plan.placement["expert_slots"] = "cpu (RAM cache)"
+    if device:
+        plan.placement["expert_ram_cache"] = "cpu (bf16, pinned)"
+    else:
+        plan.placement["expert_slots"] = "cpu (RAM cache)"
     plan.parts_mib["expert_ram_cache"] = slots * per / MIB
     plan.ram_peak_mib = (rest + slots * per) / MIB
     if slots < cfg.top_k:
+        held = (
+            "one sequence's KV, the runtime and the tier's buffers"
+            if device
+            else "the dense weights, one sequence's KV, the snapshots, the runtime and the "
+            "tier's buffers"
+        )
         plan.fits = False
         plan.reason = (
             f"the disk tier's RAM cache: {max(cache, 0) / MIB:.0f} MiB left of {budget / MIB:.0f} "
-            f"MiB (three quarters of {ram_mib} MiB) after the dense weights, one sequence's KV, "
-            f"the snapshots, the runtime and the tier's buffers ({rest / MIB:.0f} MiB), "
+            f"MiB (three quarters of {ram_mib} MiB) after {held} ({rest / MIB:.0f} MiB), "
             f"fewer than one token's {cfg.top_k} experts of {per / MIB:.1f} MiB"
         )
         return
@@ -272,7 +293,7 @@ def _plan_disk_tier(
     else:
         tier["disk_rate_source"] = "given"
     hit = slots / pool_experts
-    missed = cfg.top_k * cfg.num_moe_layers * per * (1 - hit)
+    missed = cfg.top_k * cfg.num_moe_layers * stored * (1 - hit)
     tier.update(
         hit_fraction=hit,
         missed_mib_per_token=missed / MIB,
@@ -314,7 +335,7 @@ def _host_ram_reason(plan: Plan, ram_mib: int) -> str:
         return reason + (
             f"; the {plan.expert_format} expert pool alone exceeds it: only the disk tier "
             "(experts left in the file, read on demand) would hold it, and the disk tier takes "
-            "GGUF experts in a block format under the cpu backend only"
+            "GGUF experts in a block format under the cpu, offload and hybrid backends only"
         )
     if p.get("expert_pool_bf16"):
         reason += (

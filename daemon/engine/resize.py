@@ -28,9 +28,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..experts.banks import ExpertBanks
-from ..experts.device_backends import OffloadBackend
+from ..experts.device_backends import OffloadBackend, compact_copies
 from ..experts.slot_cache import SlotCache
 from ..kv.pool import KVPool
+from ..runtime.staging import to_device
 from .prefix import PrefixReuse
 
 log = logging.getLogger(__name__)
@@ -92,11 +93,13 @@ def resize_expert_slots(be: OffloadBackend, num_slots: int) -> int:
     Must run between steps. The old slot banks are released BEFORE the new ones are allocated,
     so device memory never holds both (a shrink asked for by VRAM pressure must not itself need
     old + new); the experts carried over are copied again from the host pool, their source of
-    truth. On CUDA the freed blocks go back to the driver.
+    truth (under the disk tier from the RAM cache: those it no longer holds are dropped). On
+    CUDA the freed blocks go back to the driver.
     """
-    if not 1 <= num_slots <= be.host.num_flat:
-        raise ResizeError(f"moe slots must be in [1, {be.host.num_flat}], got {num_slots}")
     old = be.cache
+    pool = old.num_layers * old.num_experts
+    if not 1 <= num_slots <= pool:
+        raise ResizeError(f"moe slots must be in [1, {pool}], got {num_slots}")
     new = SlotCache(
         old.num_layers,
         old.num_experts,
@@ -113,6 +116,12 @@ def resize_expert_slots(be: OffloadBackend, num_slots: int) -> int:
     rows = torch.arange(k, device=order.device)
     live = rows < count  # [k] rows that receive an expert
     flat = torch.where(live, src.id_of_slot[order], -1)  # [k] int32
+    ram = None
+    if be.tier is not None:  # the disk tier: the host holds only the RAM cache's experts
+        ram = to_device(be.tier.slots_of(torch.arange(-1, pool, dtype=torch.int32)), order.device)
+        ram = ram[flat.long() + 1]  # [k] their RAM slots, -1 where the cache lacks them
+        live = live & (ram >= 0)  # those are carried over; the rest are dropped (no sync)
+        flat = torch.where(live, flat, -1)
     dst.id_of_slot[:k] = flat
     dst.last_used[:k] = torch.where(live, src.last_used[order], 0)
     dst.last_visit[:k] = torch.where(live, src.last_visit[order], 0)
@@ -125,8 +134,14 @@ def resize_expert_slots(be: OffloadBackend, num_slots: int) -> int:
     be.slots = None  # type: ignore[assignment]  # the old banks go first ...
     _release_device_memory(be.acc.device)
     banks = _empty_banks(be, num_slots)  # ... then the new ones are allocated
-    idx = flat.clamp(min=0).int()
-    be._fill_from_host(banks, rows.int(), idx, count).wait()
+    if ram is None:
+        idx = flat.clamp(min=0).int()
+        be._fill_from_host(banks, rows.int(), idx, count).wait()
+    else:  # from their RAM slots, the rows carried over compacted first
+        dst_rows, idx, count = compact_copies(rows.int(), torch.where(live, ram, -1).int(), count)
+        fill = be._fill_from_host(banks, dst_rows, idx, count)
+        be._ram_fills.append((fill, set(range(be.host.num_flat))))  # (reads before they land)
+        fill.wait()
     be.cache, be.slots = new, banks
     return _kept_count(count)
 

@@ -50,6 +50,15 @@ class Transfer(ABC):
     def wait(self) -> None:
         """Make subsequent compute see the copied data."""
 
+    def landed(self) -> bool:
+        """Whether the copies have run (their host sources may be overwritten); no wait."""
+        return False
+
+    def host_wait(self) -> None:
+        """Block the calling thread until the copies have run (the disk tier waits so before
+        a read overwrites a RAM slot a fill may still read: device_tier)."""
+        raise NotImplementedError
+
 
 class HostCopy(ABC):
     """A handle on a device -> host copy in flight (``Accelerator.to_host_async``)."""
@@ -244,6 +253,12 @@ class _StreamTransfer(Transfer):
     def wait(self) -> None:
         self.acc._reach(self)
 
+    def landed(self) -> bool:
+        return self.done
+
+    def host_wait(self) -> None:
+        self.acc._reach(self)  # (the stand-in's stream is the host: landing it is the wait)
+
     def land(self) -> None:
         self.job()
         self.done, self.held = True, ()
@@ -395,6 +410,12 @@ class _CudaTransfer(Transfer):
 
     def wait(self) -> None:
         torch.cuda.current_stream().wait_event(self.event)
+
+    def landed(self) -> bool:
+        return bool(self.event.query())
+
+    def host_wait(self) -> None:
+        self.event.synchronize()
 
 
 class CudaAccelerator(Accelerator):

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..config import MOE_BACKENDS
+from ..config import DISK_TIER_BACKENDS, MOE_BACKENDS
 from .accelerator import Accelerator, StandinAccelerator
 from .banks import ActivationSpec, ExpertBanks, moe_reference
 from .device_backends import FusedBackend, OffloadBackend
+from .device_tier import device_tier
 from .devices import create_accelerator
 from .disk_cache import slot_banks
 from .disk_tier import SWITCH_S, TieredExecutor
@@ -335,21 +336,28 @@ def create_backend(
     if name == "cpu":
         return CpuBackend(banks, num_experts, act, threads=threads, fake=fake, isa=cpu_isa)
     banks.wait_filled()  # copied or registered as a whole below
-    if banks.disk is not None:
+    if banks.disk is not None and name not in DISK_TIER_BACKENDS:
         raise ValueError(
-            f"moe_backend {name}: the disk tier (experts read from the file) runs under the cpu "
-            "backend only for now"
+            f"moe_backend {name} keeps every expert in device memory: the disk tier (experts "
+            f"read from the file, expert_cache_mb) runs under {', '.join(DISK_TIER_BACKENDS)}; "
+            "choose one of those, or drop expert_cache_mb to load the pool"
         )
 
     acc = given if given is not None else create_accelerator(str(accelerator))
     if name == "fused":
         return fused_backend(banks, num_experts, act, acc)
     host_format = banks.format
-    banks = accelerator_banks(banks, name)
+    num_flat = banks.num_flat
+    tier = None
+    if banks.disk is not None:  # the RAM cache's float slots are the host banks
+        tier = device_tier(banks, num_experts)
+        banks = tier.slots
+    else:
+        banks = accelerator_banks(banks, name)
     for t in banks.tensors().values():  # host pool filled first, registered (pinned) after
-        acc.pin(t)
+        acc.pin(t)  # (the tier's slots: allocated once, never moved: registered once)
     if moe_slots is None:
-        slots = _default_slots(banks, acc, num_experts, slot_budget or SlotBudget())
+        slots = _default_slots(banks, acc, num_flat, slot_budget or SlotBudget())
     else:
         slots = moe_slots
     cpu = (
@@ -373,6 +381,7 @@ def create_backend(
         cpu=cpu,
         hybrid=name == "hybrid",
         bandwidth=bandwidth,
+        tier=tier,
     )
     be.host_format = host_format
     if fake:
@@ -406,22 +415,21 @@ def fused_backend(
     return FusedBackend(accelerator_banks(banks, "fused"), num_experts, act, acc)
 
 
-def _default_slots(
-    banks: ExpertBanks, acc: Accelerator, num_experts: int, budget: SlotBudget
-) -> int:
+def _default_slots(banks: ExpertBanks, acc: Accelerator, num_flat: int, budget: SlotBudget) -> int:
     """Slots that fit the device: ``memory_ratio`` of its free memory (what already lives there
     is not free), less the KV reserve and a step's work (``step_bytes``), over one slot's bytes
     (a slot holds one expert in the device format: every bank). Without a device memory limit
-    (the CPU stand-in): half of all experts. At least one slot, at most every expert.
+    (the CPU stand-in): half of all ``num_flat`` experts. At least one slot, at most every
+    expert.
 
     Raises ``torch.OutOfMemoryError`` when not even one slot fits."""
     info = acc.mem_get_info()
     if info is None:
-        return max(1, banks.num_flat // 2)
+        return max(1, num_flat // 2)
     free = info[0]
     slot = banks.nbytes_per_expert()
     # the slot cache's own state: slot_of/freq [N] int32, per-slot maps ~21 bytes each
-    state = 8 * banks.num_flat
+    state = 8 * num_flat
     reserve = budget.kv_reserve_tokens * budget.kv_bytes_per_token + budget.step_bytes
     room = int(free * budget.memory_ratio) - reserve - state
     n = room // (slot + 21)
@@ -430,7 +438,7 @@ def _default_slots(
             f"no expert slot fits the device: {free >> 20} MiB free, {reserve >> 20} MiB kept for "
             f"KV, activations and attention work buffers, {slot >> 20} MiB per slot"
         )
-    n = min(n, banks.num_flat)
+    n = min(n, num_flat)
     log.info(
         "moe slots: %d (%d MiB each) from %d MiB free on the device", n, slot >> 20, free >> 20
     )

@@ -12,6 +12,9 @@ Prefill (a prompt step of at least ``prefill_min_tokens`` tokens): each MoE laye
 streamed through the slot cache (``_PrefillStream``): only the experts not resident are copied,
 the next layer's while this one computes, and they stay cached for decode. With fewer than
 2 x num_experts slots the step runs on demand through the decode path instead (logged once).
+
+The disk tier (``tier``: experts left in the file, a RAM cache of float slots between it and
+the device slots) runs under ``offload`` and ``hybrid``: see experts/device_tier.py.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from ..runtime.staging import to_device
 from .accelerator import Accelerator, BankPairs, HostCopy, RowCopies, Transfer
 from .banks import ActivationSpec, ExpertBanks, moe_reference
+from .disk_tier import TieredExecutor
 from .grouped import moe_grouped
 from .hybrid_staging import STAGED_MAX_ROWS, HybridStaging, pack_cpu_inputs, unpack_cpu_inputs
 from .slot_cache import FILL_ALL_Q16, STAT_NAMES, DecodePlan, EvictionPolicy, SlotCache
@@ -125,10 +129,20 @@ class OffloadBackend:
         prefill_min_tokens: int = 32,
         prefill_overlap: bool = True,
         device_kernels: bool | None = None,
+        tier: TieredExecutor | None = None,
     ) -> None:
-        if not 1 <= num_slots <= banks.num_flat:
-            raise ValueError(f"moe_slots must be in [1, {banks.num_flat}], got {num_slots}")
+        """``tier``: the disk tier's RAM cache (device_tier.device_tier), whose float slots
+        ``banks`` are: the device fills from them, the CPU branch computes from them."""
+        num_flat = num_layers * num_experts if tier is not None else banks.num_flat
+        if not 1 <= num_slots <= num_flat:
+            raise ValueError(f"moe_slots must be in [1, {num_flat}], got {num_slots}")
         self.host, self.acc, self.act = banks, acc, act
+        self.tier = tier
+        # the fills issued under the tier, in order, with the RAM slots their layer's experts
+        # held: a read into one of those slots waits for the fill first (``_before_write``)
+        self._ram_fills: list[tuple[Transfer, set[int]]] = []
+        if tier is not None:
+            tier.before_write = self._before_write
         self.num_layers, self.num_experts = num_layers, num_experts
         self.cpu = cpu  # a CpuBackend-like object with .forward_flat(x, flat_ids, weights)
         self.hybrid = hybrid
@@ -156,6 +170,7 @@ class OffloadBackend:
             "gpu_routes": 0,
             "prefill_layers_streamed": 0,
             "prefill_on_demand": 0,
+            "disk_tier_syncs": 0,  # host reads of a layer's routes (the disk tier's, counted)
         }
         self._gpu_routes = torch.zeros((), dtype=torch.int64, device=acc.device)
         self._cpu_routes = torch.zeros((), dtype=torch.int64)  # host: summed without a read
@@ -164,6 +179,7 @@ class OffloadBackend:
         # known_routes: each prefetched layer's copies in flight and its reserved slots
         self._known: dict[int, tuple[Transfer, torch.Tensor]] = {}
         self._prefetch_stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=acc.device)
+        self._known_fids: set[int] = set()  # this step's known_routes experts (disk tier)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -189,11 +205,14 @@ class OffloadBackend:
 
     # ---- step hooks (called by the runner) ----------------------------------------------------
     def begin_step(self, num_tokens: int, prefill: bool = False) -> None:
+        self._known_fids.clear()
         for layer in list(self._known):  # left by a step that failed before its end
             self._take_known(layer)
         # only a step that feeds a prompt streams layers: a batch of 32+ decode sequences
         # routes to a few experts per layer, which the cache serves
         if not prefill or num_tokens < self.prefill_min_tokens:
+            return
+        if self.tier is not None:  # prompts on demand (device_tier's module docstring)
             return
         if self.cache.num_slots < 2 * self.num_experts:
             if not self._warned_fallback:
@@ -220,7 +239,13 @@ class OffloadBackend:
         layers in between) until the layer's own `forward`, which finds them resident; that
         lookup counts as the layer's (hits), the early plan's lookups, fills and unfilled
         misses count apart (``prefetch_*`` in `counters`). A prompt step that streams whole
-        layers, or a batch of prompt size, plans nothing early."""
+        layers, or a batch of prompt size, plans nothing early. Under the disk tier the
+        experts' reads into RAM start instead (ids on the host only: no sync for it)."""
+        if self.tier is not None:
+            if expert_ids.device.type == "cpu":
+                flat_ids = expert_ids.to(torch.int32) + moe_layer * self.num_experts
+                self.tier.read_known(flat_ids, self._known_fids)
+            return
         if self._prefill is not None or expert_ids.shape[0] >= self.prefill_min_tokens:
             return
         if moe_layer in self._known:
@@ -255,6 +280,8 @@ class OffloadBackend:
     ) -> torch.Tensor:
         self._take_known(moe_layer)
         flat = (expert_ids.long() + moe_layer * self.num_experts).to(torch.int32)
+        if self.tier is not None:
+            return self._tiered(moe_layer, x, flat, weights)
         if self._prefill is not None:
             self._counters["prefill_layers_streamed"] += 1
             dev = self.acc.device
@@ -268,20 +295,106 @@ class OffloadBackend:
             self._counters["prefill_on_demand"] += 1
         return self._decode(moe_layer, x, flat, weights)
 
-    def _decode(
+    def _tiered(
         self, layer: int, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """A layer under the disk tier: its routes read on the host (the one counted sync),
+        then the decode path, its fills and CPU routes read from RAM slots (``_tier_fills``)."""
+        assert self.tier is not None
+        if flat.device.type != "cpu":
+            self._counters["disk_tier_syncs"] += 1
+        host = self.acc.to_host(flat, _HOST)  # (the fake card's: zeros)
+        if x.shape[0] >= self.prefill_min_tokens:
+            self._counters["prefill_on_demand"] += 1
+        return self._decode(layer, x, flat, weights, (host, self.tier.parts(host)))
+
+    def _tier_fills(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        plan: DecodePlan,
+        host: torch.Tensor,
+        parts: list[tuple[int, int]],
+    ) -> Future[torch.Tensor] | torch.Tensor | None:
+        """The layer's fills from RAM slots, and its CPU routes (hybrid) submitted -> the CPU
+        branch's future, its result, or None. The device plan is the whole call's (the same
+        hits, fills and CPU routes as without the tier); its experts are made RAM-resident a
+        part at a time where they outnumber the RAM slots (``parts``: token ranges), each part
+        filling the experts it brings that no part before filled (its copy list compacted on
+        the device, no sync) and running its CPU rows before the next part's reads may evict
+        its slots. The fill sources: the layer's flat id -> RAM slot table, on the device."""
+        tier, e = self.tier, self.num_experts
+        assert tier is not None
+        first, dev = layer * e, self.acc.device
+        cpu = self._cpu_possible(host.numel())
+        future: Future[torch.Tensor] | None = None
+        rows: list[torch.Tensor] = []  # the CPU rows of the parts before (several parts)
+        done: set[int] = set()
+        for a, b in parts:
+            if future is not None:  # the part before's CPU routes end before its slots may go
+                rows.append(future.result().clone())  # (a staged output buffer: reused)
+            _, held = tier.resident(host[a:b])
+            table = tier.slot_table(first, e)
+            if len(parts) > 1:
+                mine = {f for f in host[a:b].reshape(-1).tolist() if f >= 0} - done
+                done |= mine
+                keep = torch.zeros(e, dtype=torch.bool)
+                keep[[f - first for f in mine]] = True
+                table = torch.where(keep, table, -1)
+            src = plan.copy_src_flat.long() - first
+            src = torch.where(src >= 0, to_device(table, dev)[src.clamp(min=0)], -1).int()
+            dst, count = plan.copy_dst_slot, plan.num_copies
+            if len(parts) > 1:
+                dst, src, count = compact_copies(dst, src, count)
+            if cpu:  # submitted first: it runs while the fills and the device compute proceed
+                future = self._submit_cpu(x[a:b], weights[a:b], plan.cpu_ids[a:b])
+            fill = self._fill_from_host(self.slots, dst, src, count)
+            self._ram_fills = [r for r in self._ram_fills if not r[0].landed()]
+            self._ram_fills.append((fill, held))
+            fill.wait()
+        if len(parts) == 1 or future is None:
+            return future
+        return torch.cat([*rows, future.result()])
+
+    def _before_write(self, slots: list[int]) -> None:
+        """A disk read is about to overwrite RAM ``slots``: the fills that may read them land
+        first (the last one recorded on them, and with it all before it: one stream); fills
+        that have run (an event's query: no wait) are dropped first."""
+        self._ram_fills = [r for r in self._ram_fills if not r[0].landed()]
+        want = set(slots)
+        last = -1
+        for i, (_, held) in enumerate(self._ram_fills):
+            if not want.isdisjoint(held):
+                last = i
+        if last >= 0:
+            self._ram_fills[last][0].host_wait()
+            del self._ram_fills[: last + 1]
+
+    def _decode(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        flat: torch.Tensor,
+        weights: torch.Tensor,
+        ram: tuple[torch.Tensor, list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
         """One MoE layer of a decode step. The host never reads the plan unless a route may go
         to the CPU (hybrid, or more routes than free slots): the fills run from the device-side
-        copy list and, with device kernels, the GEMVs read the slot ids on the device."""
+        copy list and, with device kernels, the GEMVs read the slot ids on the device.
+        ``ram`` (the disk tier): the call's flat ids on the host and its parts (``_tiered``)."""
         dev = self.acc.device
         plan = self.cache.decode_step(flat.to(dev), layer)
-        cpu_future: Future[torch.Tensor] | None = None
-        if self._cpu_possible(flat.numel()):
-            # submitted first: it runs while the fills and the device compute proceed; routes
-            # it does not own are -1 (skipped), so no host read decides whether to submit
-            cpu_future = self._submit_cpu(x, weights, plan.cpu_ids)
-        self._fill(plan).wait()
+        cpu_future: Future[torch.Tensor] | torch.Tensor | None = None
+        if ram is not None:
+            cpu_future = self._tier_fills(layer, x, weights, plan, *ram)
+        else:
+            if self._cpu_possible(flat.numel()):
+                # submitted first: it runs while the fills and the device compute proceed;
+                # routes it does not own are -1 (skipped), so no host read decides whether to
+                # submit
+                cpu_future = self._submit_cpu(x, weights, plan.cpu_ids)
+            self._fill(plan).wait()
         xd, wd = x.to(dev), weights.to(dev)
         if self.device_kernels and (self.static_step or flat.numel() <= DECODE_KERNEL_MAX_ROUTES):
             out = self._decode_kernel(xd, plan.slot_ids, wd)
@@ -294,7 +407,8 @@ class OffloadBackend:
         if cpu_future is not None:  # the CPU share joins where the layer's input lives
             # from page-locked memory: the copy is queued, the host does not wait for the
             # stream (a copy from the executor's pageable output may, as a blocking one does)
-            out = out + to_device(cpu_future.result(), out.device)
+            cpu = cpu_future if isinstance(cpu_future, torch.Tensor) else cpu_future.result()
+            out = out + to_device(cpu, out.device)
         return out
 
     def _submit_cpu(
@@ -366,9 +480,21 @@ class OffloadBackend:
     def _cpu_part(
         self, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.tier is not None:  # flat ids -> the RAM slots (resident: ``_tiered``)
+            cpu_ids = self.tier.slots_of(cpu_ids)
         if self.cpu is not None:
             return self.cpu.forward_flat(x, cpu_ids, weights)  # type: ignore[attr-defined]
         return moe_reference(x, cpu_ids.long(), weights, self.host, self.act)
+
+
+def compact_copies(
+    dst: torch.Tensor, src: torch.Tensor, count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A device copy list (``dst``, ``src``, ``count``) without its entries whose source is
+    -1, in order, on the device (a stable sort: no host sync)."""
+    keep = (src >= 0) & (torch.arange(src.shape[0], device=src.device) < count)
+    order = torch.argsort((~keep).to(torch.int8), stable=True)
+    return dst[order], src[order], keep.sum().to(torch.int32).reshape(1)
 
 
 class _PrefillStream:

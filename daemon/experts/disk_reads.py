@@ -87,6 +87,17 @@ class SlotMove:
             dest.copy_(gguf_interleave.interleave(src, qtype))
 
 
+class Readers(Protocol):
+    """How experts reach their slots: ``SlotReads`` (the slots in the file's format) or
+    device_tier.DequantReads (float slots)."""
+
+    def start(self, fid: int, slot: int) -> Future[int]: ...
+
+    def read_now(self, fid: int, slot: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class SlotReads:
     """Experts read from ``source`` into the slots of ``slots`` on ``threads`` reader threads."""
 

@@ -59,7 +59,7 @@ import torch
 from .banks import ExpertBanks
 from .disk_cache import RamCache
 from .disk_predict import CooccurrencePredictor
-from .disk_reads import READ_THREADS, ExpertSource, SlotReads
+from .disk_reads import READ_THREADS, ExpertSource, Readers, SlotReads
 from .disk_rows import Rows, row_buffers
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,10 @@ class TieredExecutor:
         inner: Any,
         read_threads: int = READ_THREADS,
         read_ahead: bool = True,
+        readers: Readers | None = None,
     ) -> None:
+        """``readers``: how experts reach their slots (default: ``SlotReads`` of the slots'
+        format; device_tier.DequantReads for float slots)."""
         self.tier, self.pool, self.slots, self.inner = tier, pool, slots, inner
         self.num_experts = num_experts
         self.num_flat = pool.num_flat  # (a property of the banks: computed each time)
@@ -144,7 +147,10 @@ class TieredExecutor:
         self._capacity = [len(c) for c in classes]  # slots per class
         # flat id + 1 -> slot (-1: not resident or still being read); 0 is the skipped route's
         self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)
-        self._readers = SlotReads(tier.source, slots, read_threads)
+        self._readers: Any = readers or SlotReads(tier.source, slots, read_threads)
+        # called with the slots about to be written, before their reads start (a device
+        # backend waits there for the fills still reading them: device_tier)
+        self.before_write: Callable[[list[int]], None] | None = None
         self._lock = threading.Lock()  # one call's lookup, fills and compute at a time
         self.counters = dict.fromkeys(STAT_NAMES, 0)
         self.read_seconds = 0.0  # time calls waited for reads (their own and ones read ahead)
@@ -220,6 +226,30 @@ class TieredExecutor:
             if self.read_ahead and fids and (self.predict is not None or self.history is not None):
                 self._ahead(fids, functools.partial(self._x_of, x, t))
             self.inner.forward_addresses(x, slot_ids.data_ptr(), w, out, t, k, ids)
+
+    def parts(self, flat_ids: Tensor) -> list[tuple[int, int]]:
+        """Token ranges of a call [T, K] whose experts fit the slots together (``_parts``)."""
+        with self._lock:
+            return self._parts(flat_ids.to(torch.int32))
+
+    def resident(self, flat_ids: Tensor) -> tuple[Tensor, set[int]]:
+        """A call's experts [T, K] (their ``parts`` one at a time) made resident, read where
+        missing (device_tier: the device fills from the slots) -> (slot ids [T, K], -1 where
+        skipped; the slots the call's experts hold). They stay until a later call's lookup."""
+        with self._lock:
+            self._drain()
+            ids, fids = self._remap(flat_ids.to(torch.int32).contiguous())
+            return ids, {self.cache.slot_of[f] for f in fids}
+
+    def slot_table(self, first: int, count: int) -> Tensor:
+        """The slots of flat ids [first, first + count) (-1: not resident), a copy."""
+        with self._lock:
+            return self._lut[first + 1 : first + 1 + count].clone()
+
+    def slots_of(self, flat_ids: Tensor) -> Tensor:
+        """The slots of flat ids (-1 where skipped or not resident), int32."""
+        with self._lock:
+            return self._lut[flat_ids.long() + 1]
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -547,6 +577,8 @@ class TieredExecutor:
     def _submit(self, fills: list[tuple[int, int, int]], ahead: bool) -> None:
         """Evicts, then starts the reads of ``fills`` in flat-id order (the order a call adds
         its experts up in), each expert's pieces all at once on the pool."""
+        if self.before_write is not None:
+            self.before_write([s for _, s, _ in fills])
         self._evict(fills)
         for f, s, _ in sorted(fills):
             self._reading[f] = (s, self._readers.start(f, s))

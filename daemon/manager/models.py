@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import DISK_TIER_BACKENDS
 from ..engine.placement import park_dense, unpark_dense
 from ..engine.resize import CacheSizes, current_sizes, resize_expert_slots, resize_kv_pages
 from ..engine.resize import slot_backend as _slot_backend
@@ -96,10 +97,12 @@ def expert_cache_mb(
         return None
     cfg = model_config(path)
     fmt = get_format(cfg.expert_format)
-    if mode == "auto" and (backend != "cpu" or model_kind(path) != "gguf" or not fmt.in_blocks):
+    tiered = backend in DISK_TIER_BACKENDS
+    if mode == "auto" and (not tiered or model_kind(path) != "gguf" or not fmt.in_blocks):
         log.warning(
             "%s: %d MiB of weights exceed the host-pool budget (%d MiB); the disk tier takes "
-            "GGUF experts in a block format under the cpu backend only, so all load into RAM",
+            "GGUF experts in a block format under the cpu, offload and hybrid backends only, "
+            "so all load into RAM",
             path, total >> 20, budget >> 20,
         )  # fmt: skip
         return None

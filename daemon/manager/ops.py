@@ -131,7 +131,9 @@ class AdminOps:
             share = cpu / (gpu + cpu) if gpu + cpu else 0.0
         elif m.moe_backend == "fused":
             share = 0.0
-        tier = getattr(m.llm.moe, "tier", None)  # the disk tier's RAM cache (cpu backend)
+        # the disk tier's RAM cache (cpu, offload, hybrid): under offload and hybrid its
+        # hits, misses and fills stand in for the device slots' in these rows
+        tier = getattr(m.llm.moe, "tier", None)
         disk_bytes, disk_s, ahead = 0, 0.0, (0, 0, 0)
         if tier is not None:
             ts = tier.stats()

@@ -469,13 +469,13 @@ def spy_slot_sizing(seen: dict[str, Any], mem: DeviceBytes) -> Iterator[None]:
 
     inner = backend_mod._default_slots
 
-    def sized(banks: Any, acc: Any, num_experts: int, budget: Any) -> int:
+    def sized(banks: Any, acc: Any, num_flat: int, budget: Any) -> int:
         if acc.name == "fake-cuda":
             mem.tracker = acc.tracker
         info = acc.mem_get_info()
         seen.update(info=info, budget=budget, slot=banks.nbytes_per_expert(),
-                    flat=banks.num_flat, before=mem.now())  # fmt: skip
-        seen["n"] = n = inner(banks, acc, num_experts, budget)
+                    flat=num_flat, before=mem.now())  # fmt: skip
+        seen["n"] = n = inner(banks, acc, num_flat, budget)
         return n
 
     backend_mod._default_slots = sized
