@@ -93,8 +93,8 @@ struct ScaleMinX8 {
         values(blk, fifth_bits(blk, i4), i4, c, lo, hi);
         for (int u = 0; u < NT; ++u) {
           const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
-          acc[u][0] = dot_acc(acc[u][0], lo, bcast32(xs));
-          acc[u][1] = dot_acc(acc[u][1], hi, bcast32(xs + 32));
+          acc[u][0] = dot_acc_b32(acc[u][0], lo, xs);
+          acc[u][1] = dot_acc_b32(acc[u][1], hi, xs + 32);
         }
       }
       const __m256i word = scale_bytes(blk, c >= 2);  // scales 2c and 2c + 1 of each row
@@ -161,8 +161,8 @@ struct ScaleMinX8 {
       values(blk, qh, i4, c, lo, hi);
       for (int u = 0; u < NT; ++u) {
         const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
-        acc[u][2 * c] = dot_acc(acc[u][2 * c], lo, bcast32(xs));
-        acc[u][2 * c + 1] = dot_acc(acc[u][2 * c + 1], hi, bcast32(xs + 32));
+        acc[u][2 * c] = dot_acc_b32(acc[u][2 * c], lo, xs);
+        acc[u][2 * c + 1] = dot_acc_b32(acc[u][2 * c + 1], hi, xs + 32);
       }
     }
   }
