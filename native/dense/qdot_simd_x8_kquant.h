@@ -333,7 +333,8 @@ QDOT_FN void q6k_x8_values(const uint8_t* blk, int h, int i4, __m256i low, __m25
 // (q in 0..63); with kDotFused (vpdpbusd) each 16-input group's sum is exact in int32 and
 // multiplied by its scale once, else maddubs pair sums are multiplied by the scale (madd) and
 // accumulated; 32 * sum_g sc_g * (the 16 inputs' activation sum) is taken off once per
-// super-block. Both give the same integers, so the same floats.
+// super-block (with kDotFused: each group's accumulator starts at -32 times that sum instead).
+// Both give the same integers, so the same floats.
 struct Q6KX8 {
   // 4 tokens a pass in both forms (kDotFused at 3 measured slower for 4 tokens: a 3 + 1 split)
   static constexpr int kMaxTokens = 4;
@@ -360,7 +361,7 @@ struct Q6KX8 {
       words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     __m256i sumi[NT];
-    {
+    {  // the AVX2 form (block_fused under kDotFused)
       // per token 4 accumulators, one per k; each weight word is unpacked once for the NT
       // tokens. Two i4 steps' maddubs pair sums are added in int16 before the scale's madd: each
       // is at most 2 * 63 * 128 = 16128 in magnitude, so the sum is exact and one multiply in
