@@ -377,6 +377,45 @@ def test_interleaved_q6_k_isas_agree_bit_for_bit(t: int) -> None:
     torch.testing.assert_close(got, ql.qlinear_reference(x, qw), rtol=RTOL, atol=ATOL * 100)
 
 
+def _first_block_at_top(w: ql.QuantWeight, t: int, isa: str) -> torch.Tensor:
+    """``w`` (two super-blocks) against t tokens whose activations are all +127 after their
+    quantisation in the first super-block, mixed in the second (odd tokens' halved): the call's
+    result, each row checked equal to the same token alone (bit for bit) and to the reference."""
+    x = torch.ones(t, 512)
+    x[:, 257::2] = -1.0
+    x[1::2, 256:] *= 0.5
+    got = ql.qlinear(x, w, isa=isa)
+    for i in range(t):
+        assert torch.equal(got[i : i + 1], ql.qlinear(x[i : i + 1], w, isa=isa)), i
+    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    return got
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", [1, 4, 5])
+def test_q6_k_groups_at_the_largest_sums(isa: str, t: int) -> None:
+    """Every 6-bit value 0 (q - 32 = -32), every scale -128 and the activations at +127 in the
+    first super-block: the largest int32 terms the Q6_K group kernels form. The VNNI kernel starts
+    each 16-input accumulator at -32 times its activation sum and multiplies the result by the
+    scale (16 * 32 * 127 * 128 a group, 16 groups a super-block: below 2^31, no room for a lost
+    bit); the AVX2 one subtracts the same offset at the end. Both must equal the reference, each
+    row of the several-token call the same token alone, and VNNI the AVX2 bits."""
+    _need(isa)
+    k, n = 512, 16
+    block = torch.zeros(210, dtype=torch.uint8)  # ql, qh zero: every value q = 0
+    block[192:208] = 0x80  # the 16 int8 scales -128
+    block[208:210] = torch.tensor([0x00, 0x1C], dtype=torch.uint8)  # d 2^-8
+    second = block.clone()
+    second[:192] = torch.arange(192, dtype=torch.uint8) * 37  # mixed values, scales as above
+    w = ql.QuantWeight.from_raw(torch.cat([block, second]).repeat(n, 1), "q6_k", k)
+    assert w.interleaved
+    got = _first_block_at_top(w, t, isa)
+    if isa == "vnni" and "avx2" in ql.isas():
+        assert torch.equal(got, _first_block_at_top(w, t, "avx2"))
+    # the first super-block alone: 256 inputs of weight 2^-8 * -128 * -32 = 16 against 1
+    assert got[0, 0].item() > 4096 * 0.9
+
+
 def test_fewer_than_8_rows_stay_plain() -> None:
     x, w = _case(2, 7, 256, "q4_k")
     assert not w.interleaved
@@ -430,13 +469,7 @@ def test_scale_min_groups_largest_sums_any_pass(isa: str, fmt: str, t: int) -> N
     block[0:4] = torch.tensor([0x00, 0x1C, 0x00, 0x00], dtype=torch.uint8)  # d 2^-8, dmin 0
     w = ql.QuantWeight.from_raw(block.repeat(n, k // 256), fmt, k)
     assert w.interleaved
-    x = torch.ones(t, k)
-    x[:, 257::2] = -1.0  # the second super-block mixed, the first all +127
-    x[1::2, 256:] *= 0.5
-    got = ql.qlinear(x, w, isa=isa)
-    for i in range(t):
-        assert torch.equal(got[i : i + 1], ql.qlinear(x[i : i + 1], w, isa=isa)), i
-    torch.testing.assert_close(got, ql.qlinear_reference(x, w), rtol=RTOL, atol=ATOL)
+    got = _first_block_at_top(w, t, isa)
     top = 15 if fmt == "q4_k" else 31
     assert got[0, 0].item() > 256 * top * 63 / 256 * 0.99  # the first super-block not cancelled
 

@@ -28,6 +28,21 @@ __attribute__((target(QDOT_TARGET))) inline __m256i dot_acc(__m256i acc, __m256i
 // dot_acc is one instruction (kernels may accumulate longer before scaling)
 constexpr bool kDotFused = false;
 
+// The dword at p in every lane (qdot_vnni.cpp's is a load GCC cannot forward from a store)
+__attribute__((target(QDOT_TARGET))) inline __m256i bcast32_load(const int32_t* p) {
+  return _mm256_set1_epi32(*p);
+}
+
+// dot_acc against the 4 activation bytes at p in every lane (qdot_vnni.cpp's one instruction)
+__attribute__((target(QDOT_TARGET))) inline __m256i dot_acc_b32(__m256i acc, __m256i u,
+                                                                const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return dot_acc(acc, u, _mm256_set1_epi32(v));
+}
+
+#define QDOT_HAS_512 0  // 256-bit AVX2 only
+
 #include "qdot_simd.h"
 #include "qdot_simd32.h"
 #include "qdot_simd_k.h"
@@ -35,6 +50,7 @@ constexpr bool kDotFused = false;
 
 #undef QDOT_FN
 #undef QDOT_TARGET
+#undef QDOT_HAS_512
 
 }  // namespace
 

@@ -9,6 +9,10 @@
 //   madd_acc(acc, a, b)  acc + the int32 pair sums of the int16 products a x b (madd + add on
 //                   AVX2, vpdpwssd on VNNI)
 //   dot_acc(acc, u, s)  acc + dot_u8s8(u, s)
+//   dot_acc_b32(acc, u, p)  dot_acc(acc, u, the 4 bytes at p in every lane) (one vpdpbusd with
+//                   a broadcast memory operand on VNNI)
+//   bcast32_load(p)  the int32 at p in every lane, read from memory (an asm load on VNNI)
+//   QDOT_HAS_512 1 where 512-bit AVX-512 instructions may be used (VNNI), else 0
 //   kDotFused    constexpr bool: dot_acc is one instruction (VNNI), so a kernel may sum longer
 //                in int32 before it scales (the Q6_K x8 kernel does)
 // and includes the three inside its own anonymous namespace (after <immintrin.h> and <cstring>).

@@ -93,11 +93,22 @@ __attribute__((target(QDOT_TARGET))) void x8_run(const uint8_t* w, int K, const 
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < NT; ++u) res[g][u] = _mm256_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
-    alignas(32) int16_t s16[NT][16];  // (Kernel::kSums16) once for the G groups
-    if constexpr (Kernel::kSums16)
-      for (int u = 0; u < NT; ++u) sums16(q + u * int64_t{K} + sb * 256, s16[u]);
-    const int16_t* sk = Kernel::kSums16 ? &s16[0][0] : s;
-    if constexpr (G == 2 && NT == 1 && Kernel::kPairBlock) {
+    constexpr bool kPair = G == 2 && NT == 1 && Kernel::kPairBlock;
+    // (Kernel::kSums16) once for the G groups: block_pair's int16 sums, or block's sums times
+    // -32 as int32 where Kernel::kSumsNeg32
+    alignas(64) int16_t s16[NT][16];
+    alignas(64) int32_t n32[NT][16];
+    const int16_t* sk = s;
+    if constexpr (Kernel::kSums16) {
+      if constexpr (!kPair && Kernel::kSumsNeg32) {
+        for (int u = 0; u < NT; ++u) neg32_sums16(q + u * int64_t{K} + sb * 256, n32[u]);
+        sk = reinterpret_cast<const int16_t*>(&n32[0][0]);  // (block reads int32)
+      } else {
+        for (int u = 0; u < NT; ++u) sums16(q + u * int64_t{K} + sb * 256, s16[u]);
+        sk = &s16[0][0];
+      }
+    }
+    if constexpr (kPair) {
       const uint8_t* blks[2] = {w + sb * kSbBytes, w + gstride + sb * kSbBytes};
       const uint8_t* pfs[2];
       __m256* outs[2] = {res[0], res[1]};

@@ -10,6 +10,7 @@
 // (Block32X8: what the kernels whose unit is one 32-input block share.)
 struct Block32X8 {
   static constexpr bool kSums16 = false;
+  static constexpr bool kSumsNeg32 = false;
   static constexpr bool kPairBlock = false;
   static constexpr int kSbInputs = 32;  // the unit is one block (sb counts blocks)
 

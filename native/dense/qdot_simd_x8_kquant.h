@@ -24,6 +24,7 @@ struct ScaleMinX8 {
   static constexpr int kBlockBytes = kFive ? kQ5KBytes : kQ4KBytes;  // per row and super-block
   static constexpr bool kSums16 = false;  // block's s: the quantiser's 32-input sums (qdot.h)
   static constexpr bool kPairBlock = false;  // (Q6KX8's block_pair)
+  static constexpr bool kSumsNeg32 = false;  // (Q6KX8's)
   static constexpr int kSbInputs = 256;  // inputs of one unit (block's sb)
   // Q4_K with vpdpbusd (no saturation): the high nibbles are read in place (v & 0xF0, 16 times
   // their values: 4 * 240 * 128 a dword a step, 8 steps a sum, fits int32 with a 6-bit scale)
@@ -92,8 +93,8 @@ struct ScaleMinX8 {
         values(blk, fifth_bits(blk, i4), i4, c, lo, hi);
         for (int u = 0; u < NT; ++u) {
           const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
-          acc[u][0] = dot_acc(acc[u][0], lo, bcast32(xs));
-          acc[u][1] = dot_acc(acc[u][1], hi, bcast32(xs + 32));
+          acc[u][0] = dot_acc_b32(acc[u][0], lo, xs);
+          acc[u][1] = dot_acc_b32(acc[u][1], hi, xs + 32);
         }
       }
       const __m256i word = scale_bytes(blk, c >= 2);  // scales 2c and 2c + 1 of each row
@@ -160,8 +161,8 @@ struct ScaleMinX8 {
       values(blk, qh, i4, c, lo, hi);
       for (int u = 0; u < NT; ++u) {
         const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 64 * c + 4 * i4;
-        acc[u][2 * c] = dot_acc(acc[u][2 * c], lo, bcast32(xs));
-        acc[u][2 * c + 1] = dot_acc(acc[u][2 * c + 1], hi, bcast32(xs + 32));
+        acc[u][2 * c] = dot_acc_b32(acc[u][2 * c], lo, xs);
+        acc[u][2 * c + 1] = dot_acc_b32(acc[u][2 * c + 1], hi, xs + 32);
       }
     }
   }
@@ -276,6 +277,39 @@ QDOT_FN void sums16(const int8_t* xs, int16_t* out) {
     }
 }
 
+// The 16 sums of 16 activations of a super-block's 256 (xs), each times -32, as int32 in order
+// (Q6KX8's accumulator start under kDotFused). VNNI: four 512-bit vpdpbusd against ones give
+// the 4-input sums (dword 4L + i of t[j]: inputs 64j + 16L + 4i .. + 3, L the 128-bit lane), two
+// rounds of unpack + add the 16-input ones (dword 4L + j of s: group 4j + L), one permute puts
+// them in order; AVX2: sums16's int16 widened.
+QDOT_FN void neg32_sums16(const int8_t* xs, int32_t* out) {
+#if QDOT_HAS_512
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i t[4];
+  for (int j = 0; j < 4; ++j)
+    t[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xs + 64 * j));
+  // (the zero-masked unpacks with every lane kept: GCC 12's plain ones warn of an undefined
+  // source, the same instruction)
+  constexpr __mmask16 kAll16 = 0xFFFF;
+  constexpr __mmask8 kAll8 = 0xFF;
+  const __m512i a = _mm512_add_epi32(_mm512_maskz_unpacklo_epi32(kAll16, t[0], t[1]),
+                                     _mm512_maskz_unpackhi_epi32(kAll16, t[0], t[1]));
+  const __m512i b = _mm512_add_epi32(_mm512_maskz_unpacklo_epi32(kAll16, t[2], t[3]),
+                                     _mm512_maskz_unpackhi_epi32(kAll16, t[2], t[3]));
+  const __m512i sum = _mm512_add_epi32(_mm512_maskz_unpacklo_epi64(kAll8, a, b),
+                                       _mm512_maskz_unpackhi_epi64(kAll8, a, b));
+  // group g is dword 4 * (g % 4) + g / 4
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i g16 = _mm512_maskz_permutexvar_epi32(kAll16, order, sum);
+  _mm512_storeu_si512(out, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                            _mm512_maskz_slli_epi32(kAll16, g16, 5)));
+#else
+  alignas(32) int16_t s16[16];
+  sums16(xs, s16);
+  for (int g = 0; g < 16; ++g) out[g] = -32 * s16[g];
+#endif
+}
+
 // Q6_K x8: the 4 unsigned 6-bit values (q in 0..63) of inputs 128h + 32k + 4 * i4 + (0..3),
 // k < 4, of each row (lane) of super-block ``blk`` (Q6KX8's layout), v[k].
 QDOT_FN void q6k_x8_values(const uint8_t* blk, int h, int i4, __m256i low, __m256i top,
@@ -299,56 +333,35 @@ QDOT_FN void q6k_x8_values(const uint8_t* blk, int h, int i4, __m256i low, __m25
 // (q in 0..63); with kDotFused (vpdpbusd) each 16-input group's sum is exact in int32 and
 // multiplied by its scale once, else maddubs pair sums are multiplied by the scale (madd) and
 // accumulated; 32 * sum_g sc_g * (the 16 inputs' activation sum) is taken off once per
-// super-block. Both give the same integers, so the same floats.
+// super-block (with kDotFused: each group's accumulator starts at -32 times that sum instead).
+// Both give the same integers, so the same floats.
 struct Q6KX8 {
   // 4 tokens a pass in both forms (kDotFused at 3 measured slower for 4 tokens: a 3 + 1 split)
   static constexpr int kMaxTokens = 4;
   static constexpr int kBlockBytes = kQ6KBytes;  // per row and super-block
   // block's s: the super-block's 16-input activation sums (sums16), 16 a token, which x8_run
-  // computes once for the groups it runs side by side
+  // computes once for the groups it runs side by side; under kDotFused (block, not block_pair)
+  // those sums times -32 as int32 instead (neg32_sums16: kSumsNeg32), passed as int16_t*
   static constexpr bool kSums16 = true;
+  static constexpr bool kSumsNeg32 = kDotFused;
   // Super-block sb of one group (its 8 rows' bytes at blk) added into res[u], u < NT.
   template <int NT>
   __attribute__((target(QDOT_TARGET), always_inline)) static inline void block(
       const uint8_t* blk, const uint8_t* pf, int K, const int8_t* q, const float* d,
       const int16_t* s16, int sb, __m256* res) {
     const int na = K / 32;
-    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     request_unit<kQ6KBytes>(pf);
+    if constexpr (kDotFused) {
+      block_fused<NT>(blk, K, q, d, reinterpret_cast<const int32_t*>(s16), sb, res);
+      return;
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     __m256i words[4];
     for (int v = 0; v < 4; ++v)
       words[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * v));
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     __m256i sumi[NT];
-    if constexpr (kDotFused) {
-      // vpdpbusd sums each 16-input group (4 i4 steps of 4 inputs) exactly in int32, times
-      // its scale once: one multiply per 4 inputs and lane instead of maddubs + madd
-      for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
-  #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h)
-  #pragma GCC unroll 2
-        for (int half = 0; half < 2; ++half) {
-          __m256i acc[NT][4];
-          for (int u = 0; u < NT; ++u)
-            for (int k = 0; k < 4; ++k) acc[u][k] = _mm256_setzero_si256();
-  #pragma GCC unroll 4
-          for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
-            __m256i v[4];
-            q6k_x8_values(blk, h, i4, low, top, v);
-            for (int u = 0; u < NT; ++u) {
-              const int8_t* xs = q + static_cast<int64_t>(u) * K + sb * 256 + 128 * h + 4 * i4;
-              for (int k = 0; k < 4; ++k) acc[u][k] = dot_acc(acc[u][k], v[k], bcast32(xs + 32 * k));
-            }
-          }
-          for (int k = 0; k < 4; ++k) {
-            const int g = 8 * h + 2 * k + half;  // scale g of each row as an int32
-            const __m256i sc = _mm256_srai_epi32(
-                _mm256_shuffle_epi8(words[g / 4], load_ctl(kLaneControls.top[g % 4])), 24);
-            for (int u = 0; u < NT; ++u)
-              sumi[u] = _mm256_add_epi32(sumi[u], _mm256_mullo_epi32(acc[u][k], sc));
-          }
-        }
-    } else {
+    {  // the AVX2 form (block_fused under kDotFused)
       // per token 4 accumulators, one per k; each weight word is unpacked once for the NT
       // tokens. Two i4 steps' maddubs pair sums are added in int16 before the scale's madd: each
       // is at most 2 * 63 * 128 = 16128 in magnitude, so the sum is exact and one multiply in
@@ -405,6 +418,86 @@ struct Q6KX8 {
     }
   }
 
+  // block under kDotFused: vpdpbusd sums each 16-input group (4 i4 steps of 4 inputs) exactly
+  // in int32, times its scale once. Each accumulator starts at -32 times its group's activation
+  // sum (n32: neg32_sums16, 16 a token), so it ends at sum (q - 32) * x and no correction is
+  // taken off afterwards: the same int32 total as the old form (sum_g sc_g * acc_g - 32 * sum_g
+  // sc_g * s_g), so the same floats. Each dot takes its activation dword as a broadcast memory
+  // operand (dot_acc_b32), the scales are taken from the words in memory as needed, and the
+  // values are built with vpternlogd (block_pair's), so the 4-token body holds its 16
+  // accumulators, 4 values and 4 sums in registers: the old form (a vpbroadcastd per dot, the
+  // scale words held) was compiled with some 350 stack moves a super-block, about 1700
+  // instructions in all.
+  template <int NT>
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void block_fused(
+      const uint8_t* blk, int K, const int8_t* q, const float* d, const int32_t* n32, int sb,
+      __m256* res) {
+    const int na = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i even = _mm256_set1_epi8(0x33), odd = _mm256_set1_epi8(static_cast<char>(0xCC));
+    const int8_t* xu[NT];  // each token's super-block: the dots' addresses are constant offsets
+    for (int u = 0; u < NT; ++u) xu[u] = q + static_cast<int64_t>(u) * K + sb * 256;
+    __m256i sumi[NT];
+    for (int u = 0; u < NT; ++u) sumi[u] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m256i acc[NT][4];
+        for (int u = 0; u < NT; ++u)
+          for (int k = 0; k < 4; ++k) acc[u][k] = bcast32_load(n32 + 16 * u + 8 * h + 2 * k + half);
+#pragma GCC unroll 4
+        for (int i4 = 4 * half; i4 < 4 * half + 4; ++i4) {
+          __m256i v[4];
+          q6k_x8_values_tern(blk + 144 + 96 * (8 * h + i4), low, even, odd, v);
+          for (int u = 0; u < NT; ++u)
+            for (int k = 0; k < 4; ++k)
+              acc[u][k] = dot_acc_b32(acc[u][k], v[k], xu[u] + 128 * h + 4 * i4 + 32 * k);
+        }
+        for (int k = 0; k < 4; ++k) {
+          const int g = 8 * h + 2 * k + half;  // scale g of each row (byte g % 4 of word g / 4)
+          const __m256i sc = scale32(blk, g);
+          for (int u = 0; u < NT; ++u)
+            sumi[u] = _mm256_add_epi32(sumi[u], _mm256_mullo_epi32(acc[u][k], sc));
+        }
+        // the quarter's sums complete here, before the next quarter's loads: GCC otherwise ran
+        // the next quarter's dots first, its 16 accumulators and these in registers at once,
+        // and spilled them to the stack
+        for (int u = 0; u < NT; ++u) __asm__ volatile("" : "+v"(sumi[u])::"memory");
+      }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    for (int u = 0; u < NT; ++u)
+      res[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[u]),
+                               _mm256_mul_ps(dw, _mm256_set1_ps(d[u * na + sb * 8])), res[u]);
+  }
+
+  // Scale g of each row as an int32: byte g % 4 of the row's scale word g / 4, moved to the
+  // top byte and sign extended (two shifts, the word read from memory).
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline __m256i scale32(
+      const uint8_t* blk, int g) {
+    const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (g / 4)));
+    const int up = 8 * (3 - g % 4);
+    return _mm256_srai_epi32(up ? _mm256_slli_epi32(word, up) : word, 24);
+  }
+
+  // The 4 values v[k] of q6k_x8_values from the three words at p (ql, ql + 32, qh) with
+  // vpternlogd (VNNI's AVX-512VL): qh bits (0, 1) and (4, 5) of each byte, and (2, 3) and
+  // (6, 7), each shifted so the value's two bits land on bits 4-5 with zeros above, the low
+  // four bits picked from the ql word.
+  __attribute__((target(QDOT_TARGET), always_inline)) static inline void q6k_x8_values_tern(
+      const uint8_t* p, __m256i low, __m256i even, __m256i odd, __m256i* v) {
+    constexpr int kPick = 0xE4;  // vpternlogd (a, b, c): c ? a : b, bit by bit
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+    const __m256i he = _mm256_and_si256(hb, even), ho = _mm256_and_si256(hb, odd);
+    v[0] = _mm256_ternarylogic_epi32(l0, _mm256_slli_epi16(he, 4), low, kPick);
+    v[1] = _mm256_ternarylogic_epi32(l1, _mm256_slli_epi16(ho, 2), low, kPick);
+    v[2] = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l0, 4), he, low, kPick);
+    v[3] = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(ho, 2), low,
+                                     kPick);
+  }
+
   // The pair kernel's super-block (x8_run with G = 2, NT = 1; VNNI only): super-block sb of
   // the two groups at b[0] and b[1] in one pass, added into res[0] and res[1]. The same
   // integers as block<1> on each: each activation dword is broadcast once for both groups,
@@ -421,7 +514,6 @@ struct Q6KX8 {
     static_assert(NT == 1, "one token a pass");
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i even = _mm256_set1_epi8(0x33), odd = _mm256_set1_epi8(static_cast<char>(0xCC));
-    constexpr int kPick = 0xE4;  // vpternlogd (a, b, c): c ? a : b, bit by bit
     for (int g = 0; g < 2; ++g) request_unit<kQ6KBytes>(pf[g]);
     const int8_t* xq = q + sb * 256;
     __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -435,22 +527,9 @@ struct Q6KX8 {
           __m256i x[4];
           for (int k = 0; k < 4; ++k) x[k] = bcast32(xq + 128 * h + 4 * i4 + 32 * k);
           for (int g = 0; g < 2; ++g) {
-            const uint8_t* p = b[g] + 144 + 96 * (8 * h + i4);
-            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
-            // qh bits (0, 1) and (4, 5) of each byte, and (2, 3) and (6, 7): each shifted so
-            // the value's two bits land on bits 4-5 with zeros above (q6k_x8_values' v[k])
-            const __m256i he = _mm256_and_si256(hb, even), ho = _mm256_and_si256(hb, odd);
-            const __m256i v0 = _mm256_ternarylogic_epi32(l0, _mm256_slli_epi16(he, 4), low, kPick);
-            const __m256i v1 = _mm256_ternarylogic_epi32(l1, _mm256_slli_epi16(ho, 2), low, kPick);
-            const __m256i v2 = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l0, 4), he, low, kPick);
-            const __m256i v3 = _mm256_ternarylogic_epi32(_mm256_srli_epi16(l1, 4),
-                                                         _mm256_srli_epi16(ho, 2), low, kPick);
-            acc[g][0] = dot_acc(acc[g][0], v0, x[0]);
-            acc[g][1] = dot_acc(acc[g][1], v1, x[1]);
-            acc[g][2] = dot_acc(acc[g][2], v2, x[2]);
-            acc[g][3] = dot_acc(acc[g][3], v3, x[3]);
+            __m256i v[4];
+            q6k_x8_values_tern(b[g] + 144 + 96 * (8 * h + i4), low, even, odd, v);
+            for (int k = 0; k < 4; ++k) acc[g][k] = dot_acc(acc[g][k], v[k], x[k]);
           }
         }
         for (int g = 0; g < 2; ++g)

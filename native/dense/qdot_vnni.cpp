@@ -30,6 +30,30 @@ __attribute__((target(QDOT_TARGET))) inline __m256i dot_acc(__m256i acc, __m256i
 // dot_acc is one instruction (kernels may accumulate longer before scaling)
 constexpr bool kDotFused = true;
 
+// dot_acc against the 4 activation bytes at p in every lane, the broadcast folded into the
+// vpdpbusd as its memory operand ({1to8}): GCC 12 emits a separate vpbroadcastd for
+// _mm256_set1_epi32 of a loaded dword, one more instruction and register per dot, which the
+// Q6_K x8 kernel at 4 tokens (256 dots a super-block) could not spare (qdot_simd_x8_kquant.h).
+__attribute__((target(QDOT_TARGET))) inline __m256i dot_acc_b32(__m256i acc, __m256i u,
+                                                                const void* p) {
+  __asm__("vpdpbusd %2%{1to8%}, %1, %0"
+          : "+v"(acc)
+          : "v"(u), "m"(*static_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// The dword at p in every lane, loaded by the broadcast itself: where the dword was stored just
+// before (Q6KX8's accumulator starts), GCC 12 kept the stored vector in registers and extracted
+// each lane (vpextrd, valignd), several instructions a broadcast.
+__attribute__((target(QDOT_TARGET))) inline __m256i bcast32_load(const int32_t* p) {
+  __m256i v;
+  __asm__("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
+  return v;
+}
+
+// 512-bit AVX-512 instructions may be used (the target has avx512f)
+#define QDOT_HAS_512 1
+
 #include "qdot_simd.h"
 #include "qdot_simd32.h"
 #include "qdot_simd_k.h"
@@ -37,6 +61,7 @@ constexpr bool kDotFused = true;
 
 #undef QDOT_FN
 #undef QDOT_TARGET
+#undef QDOT_HAS_512
 
 }  // namespace
 
