@@ -169,6 +169,34 @@ def test_the_fill_runs_without_torch(gguf_path):
     assert out.stdout.strip() == "True"
 
 
+def test_a_fill_of_a_file_in_the_page_cache_waits_to_be_taken(gguf_path, monkeypatch):
+    """Experts all in the page cache (a warm start): the fill is held back until the loader
+    takes it (or anything waits for it); a file not all cached is read at once."""
+    from freetokend.formats.gguf_header import read_header
+
+    gguf_path.read_bytes()  # in the page cache
+    assert gguf_early.cached(read_header(gguf_path))
+    fill = gguf_early.start(_settings(gguf_path))
+    assert fill is not None
+    try:
+        threading.Event().wait(0.3)
+        assert not fill._in and not fill.done()  # held back
+        assert gguf_early.take(gguf_path) is fill
+        fill.wait()  # taken: it runs
+        assert fill._in == set(range(len(fill.blocks)))
+    finally:
+        fill.cancel()
+    monkeypatch.setattr(gguf_early, "cached", lambda header: False)
+    fill = gguf_early.start(_settings(gguf_path))
+    assert fill is not None
+    try:
+        fill._thread.join(30)  # type: ignore[union-attr]  # not taken, not waited for: runs
+        assert fill.done() and fill._in == set(range(len(fill.blocks)))
+    finally:
+        gguf_early.take(gguf_path)
+        fill.cancel()
+
+
 def test_a_read_past_the_end_is_an_error(tmp_path):
     path = tmp_path / "short"
     path.write_bytes(b"x" * 100)
@@ -277,6 +305,7 @@ def test_a_fill_that_fails_fails_the_layers_not_in(tmp_path, gguf_path, monkeypa
     monkeypatch.setitem(sys.modules, "ftdense", _Failing())
     fill = gguf_early.start(_settings(gguf_path))
     assert fill is not None
+    fill.release()  # (a file in the page cache: held back until taken)
     fill._thread.join(30)  # type: ignore[union-attr]
     with pytest.raises(gguf_early.GgufFormatError, match="cannot be read"):
         fill.wait_layer(0)
