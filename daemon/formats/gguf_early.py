@@ -32,7 +32,7 @@ Where the experts are all in the page cache already (``cached``: a warm start), 
 back until the loader takes it: reading them is then copying memory, not waiting for a disk, and
 done beside torch's import it slowed the import more than it saved (BF16 file of bench_server,
 AMD EPYC Zen 4 VM, 2 cores: a warm start served after 3.36 s with the fill beside the import,
-2.87 s with main's loader copying every expert before it serves). The daemon still serves while
+2.87 s with no early fill, the loader copying every expert before it serves). The daemon serves while
 the experts are copied.
 """
 
