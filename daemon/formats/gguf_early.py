@@ -32,8 +32,8 @@ Where the experts are all in the page cache already (``cached``: a warm start), 
 back until the loader takes it: reading them is then copying memory, not waiting for a disk, and
 done beside torch's import it slowed the import more than it saved (BF16 file of bench_server,
 AMD EPYC Zen 4 VM, 2 cores: a warm start served after 3.36 s with the fill beside the import,
-2.87 s with no early fill, the loader copying every expert before it serves). The daemon serves while
-the experts are copied.
+2.87 s with no early fill, the loader copying every expert before it serves). The daemon serves
+while the experts are copied.
 """
 
 from __future__ import annotations
