@@ -746,9 +746,10 @@ def write_skeleton_gguf(family: str, config: Any, path: Path, expert_type: Q = Q
     return path
 
 
-def kmix_qwen3_moe(d: Path, tokenizer_dir: Path, seed: int) -> Path:
+def kmix_qwen3_moe(d: Path, tokenizer_dir: Path, seed: int, kind: str = "kmix") -> Path:
     """A tiny Qwen3-MoE GGUF file in ``d``: hidden 256, every layer MoE, Q4_K gate/up and Q6_K
-    down experts, the tokenizer (and vocabulary) of ``tokenizer_dir``'s model."""
+    down experts, the tokenizer (and vocabulary) of ``tokenizer_dir``'s model; ``kind`` "bf16":
+    every matrix BF16 instead (the converter's output before quantizing)."""
     from tiny_models import make_tiny
 
     from freetokend.engine.tokenizer import Tokenizer
@@ -757,6 +758,6 @@ def kmix_qwen3_moe(d: Path, tokenizer_dir: Path, seed: int) -> Path:
     over = dict(hidden_size=256, moe_intermediate_size=256, mlp_only_layers=[], vocab_size=vocab)
     hf = make_tiny("qwen3_moe", d / "hf", seed=seed, **over)[1]
     return write_gguf(
-        "qwen3_moe", hf, d / "m.gguf", "kmix", tokenizer=tokenizer_dir,
-        expert_types=(Q.Q4_K, Q.Q6_K),
+        "qwen3_moe", hf, d / "m.gguf", kind, tokenizer=tokenizer_dir,
+        expert_types=(Q.Q4_K, Q.Q6_K) if kind == "kmix" else None,
     )  # fmt: skip

@@ -32,6 +32,13 @@ def gguf_path(builtin_model_dir, tmp_path_factory):
     return kmix_qwen3_moe(tmp_path_factory.mktemp("gguf-early"), builtin_model_dir, seed=5)
 
 
+@pytest.fixture(scope="module")
+def bf16_path(builtin_model_dir, tmp_path_factory):
+    """The same model's file with every matrix BF16 (the converter's output): bf16 banks."""
+    d = tmp_path_factory.mktemp("gguf-early-bf16")
+    return kmix_qwen3_moe(d, builtin_model_dir, seed=6, kind="bf16")
+
+
 def _settings(path: Path, **over: object) -> SimpleNamespace:
     base = dict(model=str(path), disk_tier="auto", quantize=None, quantize_experts=None,
                 accelerator="auto", moe_backend="cpu")  # fmt: skip
@@ -58,6 +65,61 @@ def test_banks_filled_before_torch_are_the_loaders(gguf_path):
     addresses = {gguf_early._address(m) for m in fill.memory.values()}
     assert {t.data_ptr() for t in got.all_tensors().values()} == addresses
     assert gguf_early.take(gguf_path) is None  # handed out once
+
+
+def test_bf16_banks_filled_before_torch_are_the_loaders(bf16_path):
+    """A BF16 file's experts: the cpu backend's bf16 banks (gate_up [N, 2I, H], each expert's
+    gate rows then its up rows; down [N, H, I]) filled before torch hold what the loader's own
+    fill writes, which is the file's rows as they are (no interleave)."""
+    from freetokend.formats.gguf_header import read_header
+
+    cfg = model_config(bf16_path)
+    assert cfg.expert_format == "bf16" and cfg.torch_dtype == "bfloat16"
+    _, want = load_model(bf16_path, cfg, interleave_experts=True, host_only=True)
+    fill = gguf_early.start(_settings(bf16_path))
+    assert fill is not None and fill.floats and not fill.interleave
+    _, got = load_model(bf16_path, cfg, interleave_experts=True, host_only=True)
+    got.wait_filled()
+    assert got.filling is None and not got.interleaved
+    assert got.format == want.format == "bf16" and got.gate_up.dtype == torch.bfloat16
+    assert _equal(got, want)
+    addresses = {gguf_early._address(m) for m in fill.memory.values()}
+    assert {t.data_ptr() for t in got.all_tensors().values()} == addresses
+    e, i = cfg.num_experts, cfg.moe_intermediate_size
+    tensors = read_header(bf16_path).tensors
+    raw = bf16_path.read_bytes()
+    for moe, b in enumerate(fill.blocks):
+        for proj, bank in (
+            ("gate", got.gate_up[:, :i]), ("up", got.gate_up[:, i:]), ("down", got.down)
+        ):  # fmt: skip
+            t = tensors[f"blk.{b}.ffn_{proj}_exps.weight"]
+            stored = torch.frombuffer(
+                bytearray(raw[t.offset : t.offset + t.nbytes]), dtype=torch.int16
+            )
+            assert torch.equal(
+                bank[moe * e : (moe + 1) * e].view(torch.int16), stored.view(t.shape)
+            )
+
+
+def test_bf16_tokens_are_those_of_a_load_without_the_fill(bf16_path):
+    """Greedy tokens of the engine over banks the early fill read (still filling when the load
+    ends, or not) are those of an engine that read them itself."""
+    from freetokend.engine.llm import LLM
+
+    prompts = [[5, 17, 230, 41, 9, 77], [300, 2, 2, 81]]
+    llm = LLM(bf16_path, max_model_len=64, kv_tokens=256)
+    try:
+        want = llm.generate(prompts, 8, ignore_eos=True)
+    finally:
+        llm.close()
+    fill = gguf_early.start(_settings(bf16_path))
+    assert fill is not None
+    llm = LLM(bf16_path, max_model_len=64, kv_tokens=256)
+    try:
+        assert gguf_early.take(bf16_path) is None and fill.memory  # taken, not cancelled
+        assert llm.generate(prompts, 8, ignore_eos=True) == want
+    finally:
+        llm.close()
 
 
 def test_a_fill_the_load_does_not_take_is_cancelled(gguf_path):
@@ -107,6 +169,34 @@ def test_the_fill_runs_without_torch(gguf_path):
     assert out.stdout.strip() == "True"
 
 
+def test_a_fill_of_a_file_in_the_page_cache_waits_to_be_taken(gguf_path, monkeypatch):
+    """Experts all in the page cache (a warm start): the fill is held back until the loader
+    takes it (or anything waits for it); a file not all cached is read at once."""
+    from freetokend.formats.gguf_header import read_header
+
+    gguf_path.read_bytes()  # in the page cache
+    assert gguf_early.cached(read_header(gguf_path))
+    fill = gguf_early.start(_settings(gguf_path))
+    assert fill is not None
+    try:
+        threading.Event().wait(0.3)
+        assert not fill._in and not fill.done()  # held back
+        assert gguf_early.take(gguf_path) is fill
+        fill.wait()  # taken: it runs
+        assert fill._in == set(range(len(fill.blocks)))
+    finally:
+        fill.cancel()
+    monkeypatch.setattr(gguf_early, "cached", lambda header: False)
+    fill = gguf_early.start(_settings(gguf_path))
+    assert fill is not None
+    try:
+        fill._thread.join(30)  # type: ignore[union-attr]  # not taken, not waited for: runs
+        assert fill.done() and fill._in == set(range(len(fill.blocks)))
+    finally:
+        gguf_early.take(gguf_path)
+        fill.cancel()
+
+
 def test_a_read_past_the_end_is_an_error(tmp_path):
     path = tmp_path / "short"
     path.write_bytes(b"x" * 100)
@@ -147,10 +237,13 @@ def _returns_within(fn, seconds: float) -> bool:  # type: ignore[no-untyped-def]
     return done.wait(seconds)
 
 
-def test_the_cpu_backend_computes_each_layer_once_its_rows_are_in(gguf_path, monkeypatch):
+@pytest.mark.parametrize("file", ["gguf_path", "bf16_path"])
+def test_the_cpu_backend_computes_each_layer_once_its_rows_are_in(file, request, monkeypatch):
     """The load returns with the fill still running (``banks.filling``); the backend's prompt
     step computes a MoE layer once that layer's rows are in, not before; a decode step waits
-    for every layer; the results are those of banks loaded whole."""
+    for every layer; the results are those of banks loaded whole (block banks, and the bf16
+    banks of a BF16 file)."""
+    gguf_path = request.getfixturevalue(file)
     cfg = model_config(gguf_path)
     _, want = load_model(gguf_path, cfg, interleave_experts=True, host_only=True)
     act = ActivationSpec(activation_of(cfg.activation), cfg.swiglu_alpha, cfg.swiglu_limit)
@@ -212,6 +305,7 @@ def test_a_fill_that_fails_fails_the_layers_not_in(tmp_path, gguf_path, monkeypa
     monkeypatch.setitem(sys.modules, "ftdense", _Failing())
     fill = gguf_early.start(_settings(gguf_path))
     assert fill is not None
+    fill.release()  # (a file in the page cache: held back until taken)
     fill._thread.join(30)  # type: ignore[union-attr]
     with pytest.raises(gguf_early.GgufFormatError, match="cannot be read"):
         fill.wait_layer(0)

@@ -22,10 +22,18 @@ every layer's banks) waits for the whole fill (issue 45's "serves before the poo
 
 It is a guess made before the settings that decide the load are resolved, so ``start`` guesses
 only where the load is likely to take it: a single GGUF file whose experts are all in block types
-the integer-dot kernels compute, loaded as stored (no quantize settings) under the cpu backend
-(``moe_backend`` cpu, or auto with no NVIDIA device present), with the disk tier not forced and
-the experts fitting in half of the available memory (the disk tier's case is left to the
-loader). Banks laid out with ``block_layout`` (the same grouping ``experts.formats`` allocates).
+the integer-dot kernels compute, or all BF16, loaded as stored (no quantize settings) under the
+cpu backend (``moe_backend`` cpu, or auto with no NVIDIA device present), with the disk tier not
+forced and the experts fitting in half of the available memory (the disk tier's case is left to
+the loader). Banks laid out with ``block_layout`` (the same grouping ``experts.formats``
+allocates). The fill runs at a lower priority (``FILL_NICE``) than the start-up it overlaps.
+
+Where the experts are all in the page cache already (``cached``: a warm start), the fill is held
+back until the loader takes it: reading them is then copying memory, not waiting for a disk, and
+done beside torch's import it slowed the import more than it saved (BF16 file of bench_server,
+AMD EPYC Zen 4 VM, 2 cores: a warm start served after 3.36 s with the fill beside the import,
+2.87 s with no early fill, the loader copying every expert before it serves). The daemon serves
+while the experts are copied.
 """
 
 from __future__ import annotations
@@ -55,14 +63,23 @@ _NVIDIA = ("/dev/nvidiactl", "/dev/nvidia0")
 # the loader's tensors this close together (no expert between them) are read ahead as one range
 # (the padding between tensors)
 DENSE_GAP = 1 << 20
+# The fill threads' nice value: they yield the cores to the start-up's own thread (torch's
+# import, the dense weights' reads), which decides when the daemon serves; the fill, which it
+# does not wait for, takes what that thread leaves. BF16 file of bench_server (5.4 GB, 4.8 GB of
+# experts), warm, time to /health, 5 starts each alternated, AMD EPYC Zen 4 VM (2 cores, shared,
+# load ~3.7): nice 0 4.46 s, 10 3.77 s, 19 3.78 s (medians).
+FILL_NICE = 10
+# BF16 experts (every layer's) load as they are into the float banks (bf16) the cpu backend
+# computes from: this name in ``EarlyFill.pairs``, bank rows of 2 bytes an input
+FLOAT = "bf16"
 
 
 @dataclass
 class EarlyFill:
     """The banks being filled (name -> anonymous memory and its shape [experts, rows, row
     bytes], uint8) for ``header``'s file; ``blocks``: the decoder layer of each MoE layer in
-    order, ``pairs`` their (gate_up, down) block types, ``interleave``: rows interleaved where
-    ``block_layout.interleaves`` says (the cpu backend's layout)."""
+    order, ``pairs`` their (gate_up, down) block types (``FLOAT``: bf16), ``interleave``: rows
+    interleaved where ``block_layout.interleaves`` says (the cpu backend's layout)."""
 
     header: GgufHeader
     blocks: list[int]
@@ -77,9 +94,22 @@ class EarlyFill:
     # the MoE layers whose rows are all in; notified as each one completes and when the fill ends
     _in: set[int] = field(default_factory=set)
     _changed: threading.Condition = field(default_factory=threading.Condition)
+    # set: the fill may run (at once where the file is not all in the page cache, else once
+    # the loader takes it or anything waits for it: ``release``)
+    _go: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """Lets a fill held back (the file in the page cache, ``start``) run."""
+        self._go.set()
+
+    @property
+    def floats(self) -> bool:
+        """Whether the banks are the float (bf16) banks of a BF16 file's experts."""
+        return self.pairs[0][0] == FLOAT
 
     def wait(self) -> None:
         """Returns once every row is in; raises what stopped the fill."""
+        self.release()
         if self._thread is not None:
             self._thread.join()
         if self.error is not None:
@@ -92,6 +122,7 @@ class EarlyFill:
     def wait_layer(self, moe_layer: int) -> None:
         """Returns once MoE layer ``moe_layer``'s rows are all in; raises what stopped the fill
         before they were."""
+        self.release()
         with self._changed:
             while moe_layer not in self._in and not self.done():
                 self._changed.wait(0.5)  # the timeout: a thread that died without notifying
@@ -109,6 +140,7 @@ class EarlyFill:
     def stop(self) -> None:
         """Stops the fill: pieces not yet started are skipped, those in flight end."""
         self._cancel.value = 1
+        self.release()
         if self._thread is not None:
             self._thread.join()
 
@@ -141,6 +173,8 @@ def take(path: str | Path) -> EarlyFill | None:
     if fill is not None and not _same(fill.header.path, Path(path)):
         fill.cancel()
         return None
+    if fill is not None:
+        fill.release()
     return fill
 
 
@@ -185,10 +219,12 @@ def start(cfg: Any) -> EarlyFill | None:
     if layout is None or free is None or _bytes(layout[3]) > free // 2:
         return None
     blocks, pairs, experts, shapes = layout
-    interleave = hasattr(ftdense, "qinterleave")
+    interleave = hasattr(ftdense, "qinterleave") and pairs[0][0] != FLOAT
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     memory = {n: mmap.mmap(-1, max(1, _bytes({n: s})), flags=flags) for n, s in shapes.items()}
     fill = EarlyFill(header, blocks, pairs, experts, interleave, memory, shapes)
+    if not cached(header):
+        fill.release()
     jobs = _layer_jobs(fill)
     fill._thread = threading.Thread(
         target=_run, args=(fill, ftdense, jobs), name="ft-early-fill", daemon=True
@@ -198,15 +234,48 @@ def start(cfg: Any) -> EarlyFill | None:
     return fill
 
 
+def cached(header: GgufHeader, samples: int = 3) -> bool:
+    """Whether the file's expert stacks look all in the page cache: ``samples`` pages of each
+    (its first, last and between) read without waiting for the disk (RWF_NOWAIT). False where
+    the kernel cannot tell."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
+        return False
+    buf = bytearray(4096)
+    try:
+        fd = os.open(header.path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        for parts in expert_stacks(header.tensors).values():
+            for t in parts.values():
+                last = max(0, t.nbytes - len(buf))
+                for k in range(samples):
+                    at = t.offset + last * k // max(1, samples - 1)
+                    if os.preadv(fd, [buf], at, flag) <= 0:
+                        return False
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: the kernel cannot say
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 def _bytes(shapes: dict[str, tuple[int, int, int]]) -> int:
     return sum(e * r * b for e, r, b in shapes.values())
+
+
+def _row_bytes(qtype: str, cols: int) -> int:
+    return cols * 2 if qtype == FLOAT else row_bytes(qtype, cols)
 
 
 def _layout(
     tensors: dict[str, GgufTensor],
 ) -> tuple[list[int], list[tuple[str, str]], int, dict[str, tuple[int, int, int]]] | None:
     """(decoder layer of each MoE layer, their block types, experts a layer, bank shapes) of the
-    file's stacked expert weights, None where they cannot stay in blocks as one set of banks."""
+    file's stacked expert weights, None where they cannot stay as they are in one set of banks:
+    block types the integer-dot kernels compute, or BF16 in every layer (the float banks the
+    loader reads a BF16 file's experts into, ``FLOAT`` in the pairs: bytes as they are)."""
     types = expert_stacks(tensors)
     blocks = sorted(types)
     if not blocks:
@@ -218,22 +287,24 @@ def _layout(
             return None
         g, u, d = parts["gate"], parts["up"], parts["down"]
         gu, dn = g.type_name.lower(), d.type_name.lower()
-        if u.type_name != g.type_name or gu not in QTYPE_CODES or dn not in QTYPE_CODES:
+        if u.type_name != g.type_name or not (
+            (gu in QTYPE_CODES and dn in QTYPE_CODES) or gu == dn == FLOAT
+        ):
             return None
         if len(g.shape) != 3 or g.shape != u.shape or d.shape != (g.shape[0], *g.shape[:0:-1]):
             return None
         experts, inter, hidden = g.shape
-        if hidden % BLOCK_INPUTS[gu] or inter % BLOCK_INPUTS[dn]:
+        if gu != FLOAT and (hidden % BLOCK_INPUTS[gu] or inter % BLOCK_INPUTS[dn]):
             return None
         pairs.append((gu, dn))
         dims.add((experts, inter, hidden))
-    if len(dims) != 1:
-        return None
+    if len(dims) != 1 or (len(set(pairs)) > 1 and (FLOAT, FLOAT) in pairs):
+        return None  # (the float banks hold every layer: no blocks beside them)
     experts, inter, hidden = dims.pop()
     shapes = {}
     for name, proj, qtype, layers in layer_banks(pairs):
         rows, cols = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
-        shapes[name] = (experts * len(layers), rows, row_bytes(qtype, cols))
+        shapes[name] = (experts * len(layers), rows, _row_bytes(qtype, cols))
     return blocks, pairs, experts, shapes
 
 
@@ -299,6 +370,11 @@ def dense_ranges(header: GgufHeader) -> list[tuple[int, int]]:
 
 
 def _run(fill: EarlyFill, ftdense: Any, layers: list[tuple[int, list[Job]]]) -> None:
+    try:  # fill_rows' threads inherit this thread's nice value (Linux: per thread)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FILL_NICE)
+    except (AttributeError, OSError):
+        pass
+    fill._go.wait()
     try:
         fd = os.open(fill.header.path, os.O_RDONLY)
     except OSError as e:

@@ -443,7 +443,8 @@ def allocate_banks(
 ) -> ExpertBanks:
     """Exact-size, uninitialised banks for all routed experts (filled by the loader).
     ``resident`` False (the disk tier): the weight banks are meta tensors (shapes, no memory);
-    biases stay real. ``empty``: the block banks' memory (``experts.formats.allocate``)."""
+    biases stay real. ``empty``: the weight banks' memory (``experts.formats.allocate``'s, by
+    bank name; for float banks "gate_up" and "down")."""
     n, i, h = cfg.num_moe_layers * cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dt = dtype_of(cfg.torch_dtype)
     if not resident:
@@ -456,9 +457,10 @@ def allocate_banks(
     if cfg.expert_format != "bf16":
         banks = allocate(cfg.expert_format, n, h, i, dt, bias=cfg.expert_bias, empty=empty)
     else:
+        new = empty or (lambda _, shape, dtype: torch.empty(shape, dtype=dtype))
         banks = ExpertBanks(
-            gate_up=torch.empty(n, 2 * i, h, dtype=dt),
-            down=torch.empty(n, h, i, dtype=dt),
+            gate_up=new("gate_up", (n, 2 * i, h), dt),
+            down=new("down", (n, h, i), dt),
             gate_up_bias=torch.empty(n, 2 * i, dtype=dt) if cfg.expert_bias else None,
             down_bias=torch.empty(n, h, dtype=dt) if cfg.expert_bias else None,
         )

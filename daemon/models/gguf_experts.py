@@ -121,25 +121,30 @@ Empty = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def early_banks(
-    path: str | Path, cfg: ModelConfig, interleave: bool, resident_blocks: bool
+    path: str | Path, cfg: ModelConfig, interleave: bool, resident: bool
 ) -> tuple[gguf_early.EarlyFill, Empty] | None:
     """The fill started before torch for ``path`` (``formats.gguf_early``) and the memory of
     its banks by name (``formats.allocate``'s ``empty``), where this load's banks are resident
-    block banks (``resident_blocks``) of its layout (``cfg``'s expert format, rows
-    ``interleave``d or not); None otherwise (a fill of another layout is cancelled)."""
+    (``resident``) banks of its layout (``cfg``'s expert format: block banks, rows
+    ``interleave``d or not, or the bf16 banks of BF16 experts); None otherwise (a fill of
+    another layout is cancelled)."""
     fill = gguf_early.take(path)
     if fill is None:
         return None
-    if not resident_blocks:
+    if not resident:
         fill.cancel()
         return None
     fmt = get_format(cfg.expert_format) if is_known(cfg.expert_format) else None
     moe = sorted((m, b) for b, m in enumerate(cfg.moe_layer_index[: cfg.num_layers]) if m >= 0)
-    want = {}
-    if fmt is not None and fmt.in_blocks:
-        n, h, i = cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    n, h, i = cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    want: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    dtype = torch.uint8
+    if fill.floats and cfg.expert_format == "bf16" and cfg.torch_dtype == "bfloat16":
+        dtype = torch.bfloat16  # allocate_banks' float banks, as bytes: 2 a weight
+        want = {"gate_up": ((n, 2 * i, 2 * h), dtype), "down": ((n, h, 2 * i), dtype)}
+    elif not fill.floats and fmt is not None and fmt.in_blocks:
         want = {k: (tuple(s), dt) for k, (s, dt) in fmt.shapes(n, h, i, torch.uint8).items()}
-    have = {k: (s, torch.uint8) for k, s in fill.shapes.items()}
+    have = {k: (s, dtype) for k, s in fill.shapes.items()}
     if want != have or not fill.matches(
         Path(path), [b for _, b in moe], cfg.num_experts, interleave
     ):
@@ -148,7 +153,7 @@ def early_banks(
         return None
 
     def empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.frombuffer(fill.memory[name], dtype=torch.uint8).view(shape)
+        return torch.frombuffer(fill.memory[name], dtype=dtype).view(shape)
 
     return fill, empty
 
@@ -285,8 +290,9 @@ class NvStack(RawStack):
 
 
 class InFile(RawStack):
-    """A stacked expert weight left in the file (the disk tier): its shape is checked like any
-    other, nothing is read at load."""
+    """A stacked expert weight left in the file (the disk tier), or read into the banks by the
+    fill started before torch (``early_banks``): its shape is checked like any other, nothing
+    is read here."""
 
     def into(self, dest: torch.Tensor) -> None:
         pass

@@ -116,7 +116,13 @@ class _Source:
 
     def into(self, dest: torch.Tensor) -> None:
         direct = self.fix is None and not self.t.quantized and dest.dtype == self.dtype
-        per_expert = direct and dest.dim() > 1 and all(d.is_contiguous() for d in dest)
+        # (asked only where it decides: a check a row would take ~0.3 s over a 50k-row vocabulary)
+        per_expert = (
+            direct
+            and (self.pool is not None or not dest.is_contiguous())
+            and dest.dim() > 1
+            and all(d.is_contiguous() for d in dest)
+        )
         if direct and dest.is_contiguous() and not (per_expert and self.pool is not None):
             self.f.read_into(self.t, dest)
         elif self.fix is None and self.t.quantized and dest.is_contiguous():
@@ -538,8 +544,9 @@ def _fill(
 ) -> None:
     """Every tensor of ``ck`` into the model and the banks (``pool``: the block experts' reads
     run on its threads and may still be in flight when this returns; ``nv``: NVFP4 experts into
-    ``nvfp4`` banks; ``done``: GGUF names loaded before, skipped; ``early``: the block experts
-    are being read already, by the fill started before torch: checked and counted only)."""
+    ``nvfp4`` banks; ``done``: GGUF names loaded before, skipped; ``early``: the block or BF16
+    experts are being read already, by the fill started before torch: checked and counted
+    only)."""
     for name, canon, src in ck.sources(cfg):
         if name in done:
             continue
@@ -583,6 +590,11 @@ def _fill(
                     )
                     banks.interleaved |= raw.interleave is not None
                 filler.expert_stack(int(layer), m.group(1), "weight", raw, name, src.t.path)
+                continue
+            if early and m.group(2) == "weight":  # BF16 experts read by the early fill
+                kept = gguf_experts.InFile(src.f, src.t)
+                kept.dtype = src.dtype
+                filler.expert_stack(int(layer), m.group(1), "weight", kept, name, src.t.path)
                 continue
             if m.group(2) == "weight":  # float experts: each expert's read on the pool too
                 src.pool = pool
@@ -644,7 +656,7 @@ def load_gguf(
         interleave = interleave_experts and block and not tiered
         interleave = interleave and gguf_interleave.native_moves_available()
         # the experts read into banks of this layout since before torch (formats.gguf_early)
-        early = gguf_experts.early_banks(path, cfg, interleave, block and not tiered)
+        early = gguf_experts.early_banks(path, cfg, interleave, not tiered and not nv)
         model = build_model(cfg)
         banks = allocate_banks(cfg, not tiered, None if early is None else early[1])
         if nv:  # the converter leaves out a global scale of 1
