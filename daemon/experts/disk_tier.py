@@ -147,7 +147,7 @@ class TieredExecutor:
         self._capacity = [len(c) for c in classes]  # slots per class
         # flat id + 1 -> slot (-1: not resident or still being read); 0 is the skipped route's
         self._lut = torch.full((pool.num_flat + 1,), -1, dtype=torch.int32)
-        self._readers: Any = readers or SlotReads(tier.source, slots, read_threads)
+        self._readers: Readers = readers or SlotReads(tier.source, slots, read_threads)
         # called with the slots about to be written, before their reads start (a device
         # backend waits there for the fills still reading them: device_tier)
         self.before_write: Callable[[list[int]], None] | None = None
