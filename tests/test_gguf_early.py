@@ -169,6 +169,29 @@ def test_the_fill_runs_without_torch(gguf_path):
     assert out.stdout.strip() == "True"
 
 
+def test_a_fill_still_running_at_exit_is_stopped_first(gguf_path):
+    """An interpreter that exits with a fill running (a daemon stopped within seconds of its
+    start) stops the fill before finalization frees its banks: left running, its native
+    threads crashed the exit (SIGSEGV in their copy, or SIGABRT). Here the fill is held back
+    (a file in the page cache, never taken), so it is still running at exit for certain; the
+    check registered before the module's handler runs after it."""
+    code = (
+        "import atexit, types\n"
+        "held = {}\n"
+        "atexit.register(lambda: print(held['fill'].done(), held['fill']._cancel.value))\n"
+        "from freetokend.formats import gguf_early\n"
+        "gguf_early.cached = lambda header: True\n"
+        f"cfg = types.SimpleNamespace(model={str(gguf_path)!r}, disk_tier='off', quantize=None,"
+        " quantize_experts=None, accelerator='auto', moe_backend='cpu')\n"
+        "held['fill'] = gguf_early.start(cfg)\n"
+        "assert not held['fill'].done()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "1"]
+
+
 def test_a_fill_of_a_file_in_the_page_cache_waits_to_be_taken(gguf_path, monkeypatch):
     """Experts all in the page cache (a warm start): the fill is held back until the loader
     takes it (or anything waits for it); a file not all cached is read at once."""

@@ -38,11 +38,13 @@ while the experts are copied.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import mmap
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,7 @@ FILL_NICE = 10
 FLOAT = "bf16"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the fills started are kept in a WeakSet
 class EarlyFill:
     """The banks being filled (name -> anonymous memory and its shape [experts, rows, row
     bytes], uint8) for ``header``'s file; ``blocks``: the decoder layer of each MoE layer in
@@ -164,6 +166,21 @@ class EarlyFill:
 
 
 _pending: EarlyFill | None = None
+# every fill started, until it is freed: stopped at exit (``_stop_running``)
+_started: weakref.WeakSet[EarlyFill] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+    """Stops the fills still running when the interpreter exits (a daemon stopped within
+    seconds of its start, the experts still streaming in). Left running, a fill's native
+    threads write into banks that the interpreter's finalization frees (a segmentation
+    fault in the fill's copy), or the thread is ended by the finalization inside
+    ``fill_rows`` with its workers unjoined (``std::terminate``, SIGABRT): the daemon's
+    SIGTERM then ends in a crash and a core file instead of exit status 0."""
+    for fill in list(_started):
+        if not fill.done():
+            fill.stop()
 
 
 def take(path: str | Path) -> EarlyFill | None:
@@ -230,6 +247,7 @@ def start(cfg: Any) -> EarlyFill | None:
         target=_run, args=(fill, ftdense, jobs), name="ft-early-fill", daemon=True
     )
     fill._thread.start()
+    _started.add(fill)
     _pending = fill
     return fill
 
