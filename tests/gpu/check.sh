@@ -54,7 +54,10 @@
 #           bench 25      the fused / offload / hybrid / cpu table (bench_backends.py), on a
 #                         1-layer model of Qwen3-30B-A3B geometry (written once, shared with
 #                         graphs); rows print as they finish, so a cut table keeps its first rows
-#   broad   backends 10   tests/test_moe_backends.py on CUDA (every family, token-equal to cpu)
+#   broad   backends 10   tests/test_moe_backends.py on CUDA (every family, token-equal to cpu),
+#                         tests/test_disk_tier_device.py on CUDA (offload/hybrid with experts read
+#                         from the file into RAM slots and filled from there: tokens equal to the
+#                         pool resident, the fills' overwrite guard under a real copy stream)
 #           kernel_tests 5  test_slot_cache.py, test_moe_decode_kernels.py (Hypothesis: 8
 #                         examples a property that sets no count of its own, hypothesis_gpu.py)
 #           placement 5   test_dense_placement.py, test_device_resize.py (not the fake card)
@@ -110,7 +113,7 @@ plan park gpu 20 "(f) park/unpark of fused quantized experts with CUDA graphs"
 plan hybrid gpu 25 "(g) hybrid B_P/B_H = 1/4 vs fused, CPU/GPU overlap timeline"
 plan graphs after 35 "CUDA graphs on vs off (graphs_check.py)"
 plan bench after 25 "fused/offload/hybrid/cpu table (bench_backends.py)"
-plan backends broad 10 "test_moe_backends.py on CUDA"
+plan backends broad 10 "test_moe_backends.py, test_disk_tier_device.py on CUDA"
 plan kernel_tests broad 5 "test_slot_cache.py, test_moe_decode_kernels.py"
 plan placement broad 5 "test_dense_placement.py, test_device_resize.py"
 plan grammar broad 5 "test_server_parsers.py: grammar mask on CUDA logits"
@@ -348,7 +351,8 @@ EOF
                 --model "$bench_model" --out "$out/bench.txt"
             ;;
         backends)
-            step backends "$lim" "$class" "${pytest[@]}" tests/test_moe_backends.py
+            step backends "$lim" "$class" "${pytest[@]}" tests/test_moe_backends.py \
+                tests/test_disk_tier_device.py
             ;;
         kernel_tests)
             step kernel_tests "$lim" "$class" env PYTHONPATH="$root/tests/gpu:$PYTHONPATH" \
