@@ -27,6 +27,9 @@ from freetokend.native import dense_native, qlinear_native
 pytestmark = pytest.mark.skipif(not qlinear_native.available(), reason="ftdense not built")
 nat = dense_native._native
 TOL = 1e-4
+# prompt rows on the fast path against the generic prefill: bf16 steps of stored keys (see
+# test_short_prompt_chunks_run_as_rows_of_the_fast_path)
+CHUNK_TOL = 3e-2
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +109,111 @@ def test_fast_path_matches_generic_layers(ckpt, quantize, monkeypatch) -> None: 
     # every MoE layer (this model also has a dense-MLP layer, which keeps the generic path)
     moe_layers = sum(isinstance(layer.mlp, SparseMoE) for layer in llm.model.layers)
     assert 0 < moe_layers < llm.config.num_layers
-    assert runs[0] == 12 * moe_layers  # each decode step took the fast path in each of them
-    assert finals[0] == embeds[0] == 12  # and its embedding gather and last norm, once a step
+    # each decode step took the fast path in each of them, and each prompt of at most
+    # CHUNK_ROWS tokens (prefilled alone: a chunk that short runs as rows of the fast path)
+    short = sum(len(p) <= cpu_decode.CHUNK_ROWS for p in prompts)
+    assert short == 1 and runs[0] == (12 + short) * moe_layers
+    assert embeds[0] == 12 + short  # and its embedding gather, once a step
+    assert finals[0] == 12  # and its last norm where every row's logits are wanted
     # the experts ran inside the native call on ftdense's pool: the block executor's QMoe, or
     # ftnative's float executor through its entry (executor_bridge.h)
     assert experts == {"qmoe" if quantize else "float"}
     assert tokens == ref_tokens
     assert (got - ref).abs().max().item() < TOL
     assert ref.abs().max().item() > 0.5  # real logits, not zeros
+
+
+def _chunked(llm: LLM, plan: list[list[int]], prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt prefilled in the chunk sizes of its ``plan`` row, the chunks of all prompts
+    in the same steps (the k-th chunk of each, beside the decode rows of the prompts already
+    in), then 4 decode steps of all: every step's logits."""
+    runner = llm.runner
+    states = [runner.new_state() for _ in prompts]
+    at = [0] * len(prompts)
+    last: list[int | None] = [None] * len(prompts)
+    out = []
+    for k in range(max(len(c) for c in plan) + 4):
+        work, who = [], []
+        for i, (st, p) in enumerate(zip(states, prompts, strict=True)):
+            if k < len(plan[i]):
+                work.append(Work(st, p[at[i] : at[i] + plan[i][k]]))
+                at[i] += plan[i][k]
+            elif last[i] is not None:
+                work.append(Work(st, [last[i]]))  # type: ignore[list-item]
+            else:
+                continue
+            who.append(i)
+        lg = runner.forward(work)
+        out.append(lg.clone())
+        for i, w, row in zip(who, work, lg, strict=True):
+            if len(w.tokens) and (at[i] == len(prompts[i]) or k >= len(plan[i])):
+                last[i] = int(row.argmax())
+    for st in states:
+        runner.release(st)
+    return out
+
+
+@pytest.mark.parametrize("quantize", [None, "q4_k_m"])
+def test_short_prompt_chunks_run_as_rows_of_the_fast_path(ckpt, quantize, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A prompt chunk of up to CHUNK_ROWS tokens runs through the native step as that many
+    rows, beside other prompts' chunks and decode rows: each row attends to its own sequence's
+    keys up to its position (the chunk's earlier rows included, stored in the same layer call),
+    across page boundaries (pages of 16). A prompt row's arithmetic is a decode row's, not the
+    generic prefill's: its stored keys part from those in the last bits, and the KV pool keeps
+    bf16, so where one crosses a rounding boundary the later rows see a bf16 step (measured
+    up to 1.3e-2 in these logits, of order 1-5, with or without cpu_bf16_dot; the q4_k_m
+    preset ~1e-6): every step's logits within CHUNK_TOL of the generic layers', the same greedy
+    tokens but at a near-tie, and the prompt's logits as close to transformers' as the generic
+    path's (a row attending to a wrong key set would part by far more). A step with a longer
+    chunk keeps the generic path."""
+    llm = LLM(
+        str(ckpt), moe_backend="cpu", quantize=quantize, prefix_cache=False, max_model_len=256
+    )
+    assert cpu_decode.CHUNK_ROWS == 4  # the plan below
+    prompts = [list(range(3, 21)), [42] * 7, list(range(60, 63))]
+    # 18 / 7 / 3 tokens in chunks of at most 4 (pages of 16: the first prompt's 4th chunk
+    # crosses into its second page)
+    plan = [[4, 3, 4, 4, 3], [1, 2, 4], [3]]
+    old = cpu_decode.set_enabled(False)
+    try:
+        want = _chunked(llm, plan, prompts)
+    finally:
+        cpu_decode.set_enabled(old)
+    rows: list[int] = []
+    run = cpu_decode.DecodeStep.run
+
+    def counted(self, plans, h):  # type: ignore[no-untyped-def]
+        rows.append(self.t)
+        return run(self, plans, h)
+
+    monkeypatch.setattr(cpu_decode.DecodeStep, "run", counted)
+    got = _chunked(llm, plan, prompts)
+    moe_layers = sum(isinstance(layer.mlp, SparseMoE) for layer in llm.model.layers)
+    # steps of 4+1+3, 3+2+1, 4+4+1, 4+1+1, 3+1+1 rows (the third prompt decodes from its
+    # second step, the second from its fourth), then 4 decode steps of 3 (a native run a MoE
+    # layer each)
+    assert rows == [t for t in (8, 6, 9, 6, 5, 3, 3, 3, 3) for _ in range(moe_layers)]
+    assert len(got) == len(want) == 9
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max().item() < CHUNK_TOL
+        top2 = w.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * CHUNK_TOL  # not a near-tie
+        assert torch.equal(g.argmax(-1)[clear], w.argmax(-1)[clear])
+    assert want[-1].abs().max().item() > 0.5  # real logits
+    # the outside oracle: the first prompt's last logits, prefilled in chunks of at most 4
+    # rows on the fast path, are as close to transformers' forward as the generic path's
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]])).logits[0, -1]
+    err_fast = (got[4][0] - ref).abs().max().item()  # step 5's first logits row: prompt 0
+    err_generic = (want[4][0] - ref).abs().max().item()
+    assert err_fast < err_generic + CHUNK_TOL, (err_fast, err_generic)
+    # a chunk over CHUNK_ROWS keeps the generic path
+    rows.clear()
+    _chunked(llm, [[cpu_decode.CHUNK_ROWS + 1]], [list(range(cpu_decode.CHUNK_ROWS + 1))])
+    assert rows == [1] * (4 * moe_layers)  # its decode steps only
 
 
 @pytest.fixture(scope="module")

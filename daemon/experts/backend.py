@@ -180,6 +180,13 @@ class CpuBackend:
             if banks.format != "bf16":  # moe_reference reads float banks: 4 bytes per weight
                 self.banks = dequantize_banks(banks)
 
+    @property
+    def filling(self) -> bool:
+        """Whether the banks' rows may still be streaming in (``ExpertBanks.filling``): a step
+        that reads every layer's experts without ``forward`` (the native decode step) waits
+        first (``wait_filled``)."""
+        return self._filling is not None
+
     def wait_filled(self) -> None:
         """Returns once every expert's rows are in (``ExpertBanks.filling``)."""
         if self._filling is not None:

@@ -20,7 +20,8 @@ so the step computes the same numbers but for the routing weights:
 the native top-k's softmax rounds differently from torch's in the last bits
 (tests/test_cpu_decode.py bounds the logits' difference and checks the greedy tokens).
 ``plan_for`` says which layers qualify; any other layer, and every step that is not all decode
-rows on the CPU, takes the generic path. When every layer qualifies, the call also gathers the
+rows and short prompt chunks (``CHUNK_ROWS``: a chunk's tokens run as rows) on the CPU, takes
+the generic path. When every layer qualifies, the call also gathers the
 embedding rows first and runs the last norm and lm_head after (`HeadPlan.whole`); the engine's
 runner then decodes consecutive steps of the same rows through a lane (decode_lane.py).
 """
@@ -147,13 +148,15 @@ class DecodeStep:
         rot: int,
         interleaved: bool,
     ) -> None:
-        chunks = batch.chunks
-        self.t = len(chunks)
+        # one row a token: a chunk of n prompt tokens is n rows at consecutive positions of one
+        # sequence (its page table each), every row's key stored before any row attends
+        rows = [(ch, ch.context_len + i) for ch in batch.chunks for i in range(ch.length)]
+        self.t = len(rows)
         self.num_experts = moe.num_experts
         self._executor = moe.executor  # what the addresses point into
         self.qmoe, self.float_experts, self.experts, self.tier = experts_of(moe.executor)
         ps = batch.kv.page_size
-        pages = [batch.kv.pages_for(ch.context_len + 1) for ch in chunks]
+        pages = [batch.kv.pages_for(pos + 1) for _, pos in rows]
         self.width = width = max(pages)
         t = self.t
         # one int32 tensor: the page tables [t, width] (zero padded), each row's start, each
@@ -161,12 +164,12 @@ class DecodeStep:
         # built from lists a step, not a zeros and a tensor per row: each torch op costs tens of
         # microseconds here (caches cold after the weight streams)
         ints: list[int] = []
-        for ch, n in zip(chunks, pages, strict=True):
+        for (ch, _), n in zip(rows, pages, strict=True):
             ints += ch.state.pages[:n]
             ints += [0] * (width - n)
-        ints += [ch.start for ch in chunks]
-        ints += [ch.context_len + 1 for ch in chunks]
-        slots = [ch.state.pages[ch.context_len // ps] * ps + ch.context_len % ps for ch in chunks]
+        ints += [ch.start + pos - ch.context_len for ch, pos in rows]
+        ints += [pos + 1 for _, pos in rows]
+        slots = [ch.state.pages[pos // ps] * ps + pos % ps for ch, pos in rows]
         meta = torch.tensor(ints, dtype=torch.int32)
         self._keep = (meta, torch.tensor(slots, dtype=torch.int64), cos, sin)
         at, size = meta.data_ptr(), meta.element_size()
@@ -446,17 +449,35 @@ def on_cpu(embed: Tensor, kv: Any, moe: Any) -> bool:
     )
 
 
+# A prompt chunk of up to this many tokens runs through the native decode step as that many
+# rows (each at its position, attending to its sequence's keys through its own): the chunks a
+# paced prompt gets beside decoding streams (engine/pacing.py) are a few tokens, and the generic
+# layers cost a step a fixed few ms of Python and per-op dispatch. Past a few rows the generic
+# path wins: its prefill attention reads a block of keys once for all the chunk's rows where
+# the decode attention reads them once a row. One request of a prompt of 8192 tokens restored
+# plus n new ones, Q4_K_M bench file (4 layers, Qwen3-30B-A3B geometry), AMD EPYC Zen 4 VM, 2
+# threads, medians of 3 (tests/bench/profile_chunk.py): n = 2 / 4 / 8 / 16 rows 20.8 / 36.8 /
+# 68.4 / 123 ms here against 26.2 / 40.4 / 61.6 / ~108 on the generic layers. A row's
+# arithmetic is a decode row's: it parts from the generic path's in the last bits (the
+# router's softmax, the attention's order), as a decode row beside a prompt always has
+# (tests/test_cpu_batch_invariance.py).
+CHUNK_ROWS = 4
+
+
 def start(
     batch: ForwardBatch, embed: Tensor, cos: Tensor, sin: Tensor, rope_cfg: RopeConfig
 ) -> DecodeStep | None:
-    """A `DecodeStep` when this forward is a decode step the fast path can run: every chunk one
-    row, the residual stream (where the embedding ``embed`` is: the model's fp32 rows of it), KV
-    pool and MoE executor on the CPU with native kernels on."""
-    if batch.decode is not None or not all(ch.length == 1 for ch in batch.chunks):
+    """A `DecodeStep` when this forward is a step the fast path can run: every chunk one row, or
+    a few (at most ``CHUNK_ROWS``: a paced prompt's chunk beside decoding streams, a prompt's
+    short tail) run as that many rows; the residual stream (where the embedding ``embed`` is:
+    the model's fp32 rows of it), KV pool and MoE executor on the CPU with native kernels on."""
+    if batch.decode is not None or not all(ch.length <= CHUNK_ROWS for ch in batch.chunks):
         return None
     moe = batch.moe
     if not on_cpu(embed, batch.kv, moe):
         return None
+    if cast("CpuBackend", moe).filling and any(ch.length > 1 for ch in batch.chunks):
+        return None  # a prompt step computes each layer once its experts are in (``forward``)
     rot = rope_cfg.rotary_dim
     if rot == 0 or cos.shape[-1] != rot // 2:
         return None
