@@ -24,11 +24,14 @@ Checks:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from test_prefill_attention import PAGE, Case, _reference64
+from test_prefill_attention import (  # noqa: F401 (_restore_pool: autouse fixture)
+    PAGE,
+    Case,
+    _reference64,
+    _restore_pool,
+)
 
 from freetokend.native import dense_native
 
@@ -39,13 +42,6 @@ pytestmark = pytest.mark.skipif(
 TOL = 2e-3  # against the reference with the kernel's roundings (module docstring)
 PLAIN_TOL = 3e-2  # against the plain float64 reference
 BLOCK = 64  # kPrefillKeyBlock
-
-
-@pytest.fixture(autouse=True)
-def _restore_pool() -> Iterator[None]:
-    yield
-    dense_native.configure(2)
-    dense_native.prefill_small_rows(None)
 
 
 def _use(isa: str, threads: int = 2) -> None:

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -81,32 +82,69 @@ struct Ahead {
   }
 };
 
-template <class V, int RB, int NV>
-FT_INLINE void gemm_block(const float* A, AStride as, const float* B, int64_t ldb, float* C,
-                          int64_t ldc, int K, const float* rowscale) {
+// A of the fp32 gemm: A(i, k) at A[i * as.i + k * as.k].
+struct FloatA {
+  const float* A;
+  AStride as;
+  FT_INLINE float at(int i, int k) const { return A[i * as.i + k * as.k]; }
+  FT_INLINE FloatA at_row(int r) const { return {A + r * as.i, as}; }
+};
+
+// A 32-bit word of bf16 storage (a pair), read through a type that may alias it.
+typedef uint32_t __attribute__((may_alias)) PairWord;
+
+// A of the bf16-dot logits: row i is a key's pool row (pairs along the head dim), read in place.
+struct KeyRows {
+  const PairWord* const* rows;
+  FT_INLINE uint32_t at(int i, int k) const { return rows[i][k]; }
+  FT_INLINE KeyRows at_row(int r) const { return {rows + r}; }
+};
+
+// A of the bf16-dot weighted values: w2 [pairs, ld], row i's pair k at w2[k * ld + i].
+struct WeightPairs {
+  const uint32_t* w2;
+  int64_t ld;
+  FT_INLINE uint32_t at(int i, int k) const { return w2[k * ld + i]; }
+  FT_INLINE WeightPairs at_row(int r) const { return {w2 + r, ld}; }
+};
+
+// One register tile: C = (C * rowscale or 0) + A B. fp32 (B float): fma over k; bf16-dot (B
+// 32-bit pairs, A(i, k) a pair): dp over the K pairs. Either way every element is one chain over
+// k = 0 .. K-1 in order.
+template <class V, int RB, int NV, class A, class BT>
+FT_INLINE void gemm_block(const A& a, const BT* B, int64_t ldb, float* C, int64_t ldc, int K,
+                          const float* rowscale) {
   constexpr int L = V::kLanes;
   typename V::T c[RB][NV];
   for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NV; ++j)
       c[i][j] = rowscale ? V::mul(V::load(C + i * ldc + j * L), V::set1(rowscale[i])) : V::zero();
   for (int k = 0; k < K; ++k) {
-    typename V::T b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = V::load(B + k * ldb + j * L);
-    for (int i = 0; i < RB; ++i) {
-      const typename V::T a = V::set1(A[i * as.i + k * as.k]);
-      for (int j = 0; j < NV; ++j) c[i][j] = V::fma(a, b[j], c[i][j]);
+    if constexpr (std::is_same_v<BT, float>) {
+      typename V::T b[NV];
+      for (int j = 0; j < NV; ++j) b[j] = V::load(B + k * ldb + j * L);
+      for (int i = 0; i < RB; ++i) {
+        const typename V::T x = V::set1(a.at(i, k));
+        for (int j = 0; j < NV; ++j) c[i][j] = V::fma(x, b[j], c[i][j]);
+      }
+    } else {
+      typename V::I b[NV];
+      for (int j = 0; j < NV; ++j) b[j] = V::loadi(B + k * ldb + j * L);
+      for (int i = 0; i < RB; ++i) {
+        const uint32_t w = a.at(i, k);
+        for (int j = 0; j < NV; ++j) c[i][j] = V::dp(c[i][j], w, b[j]);
+      }
     }
   }
   for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NV; ++j) V::store(C + i * ldc + j * L, c[i][j]);
 }
 
-// One slab of the fp32 gemm: a register tile of N rows at row r.
-template <class V, int NV>
-struct F32Op {
-  const float* A;
-  AStride as;
-  const float* B;
+// One slab of NV vectors of columns of a gemm: a register tile of N rows at row r.
+template <class V, int NV, class A, class BT>
+struct SlabOp {
+  A a;
+  const BT* B;
   int64_t ldb;
   float* C;
   int64_t ldc;
@@ -114,7 +152,7 @@ struct F32Op {
   const float* rowscale;
   template <int N>
   FT_INLINE void run(int r) const {
-    gemm_block<V, N, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
+    gemm_block<V, N, NV>(a.at_row(r), B, ldb, C + r * ldc, ldc, K,
                          rowscale ? rowscale + r : nullptr);
   }
 };
@@ -128,7 +166,7 @@ FT_INLINE void gemm_tail(int n, const Op& op, int r) {
   }
 }
 
-// Rows [r0, r1) of one slab of columns (`op`: C = (C * rowscale or 0) + A B on NV vectors).
+// Rows [r0, r1) of one slab of columns.
 template <class V, class Op>
 FT_INLINE void gemm_rows(const Op& op, int r0, int r1, Ahead& ahead) {
   constexpr int RB = V::kRB;
@@ -151,82 +189,23 @@ FT_INLINE void gemm_rows(const Op& op, int r0, int r1, Ahead& ahead) {
 // Rows [r0, r1) of C = (C * rowscale or 0) + A B over `cols` columns (a multiple of L), column
 // slabs outside so a slab of B stays in L1 while every row tile passes over it.
 // Steps `ahead` before each register tile.
+template <class V, class A, class BT>
+FT_INLINE void gemm_any(const A& a, const BT* B, int64_t ldb, float* C, int64_t ldc, int K,
+                        int cols, int r0, int r1, const float* rowscale, Ahead& ahead) {
+  constexpr int L = V::kLanes, W = V::kNV * L;
+  int c = 0;
+  for (; c + W <= cols; c += W)
+    gemm_rows<V>(SlabOp<V, V::kNV, A, BT>{a, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
+  for (; c < cols; c += L)
+    gemm_rows<V>(SlabOp<V, 1, A, BT>{a, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
+}
+
+// The fp32 gemm: A(i, k) at A[i * as.i + k * as.k], B [K, ldb].
 template <class V>
 FT_INLINE void gemm(const float* A, AStride as, const float* B, int64_t ldb, float* C,
                     int64_t ldc, int K, int cols, int r0, int r1, const float* rowscale,
                     Ahead& ahead) {
-  constexpr int L = V::kLanes, W = V::kNV * L;
-  int c = 0;
-  for (; c + W <= cols; c += W)
-    gemm_rows<V>(F32Op<V, V::kNV>{A, as, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
-  for (; c < cols; c += L)
-    gemm_rows<V>(F32Op<V, 1>{A, as, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
-}
-
-// The bf16-dot gemm (kDot): C = (C * rowscale or 0) + A B over K pairs, A(i, k) the 32-bit pair
-// a.at(i, k), B [K, ldb] pairs; every element one chain of dp over k = 0 .. K-1 in order.
-template <class V, int RB, int NV, class A>
-FT_INLINE void dp_block(const A& a, const uint32_t* B, int64_t ldb, float* C, int64_t ldc, int K,
-                        const float* rowscale) {
-  constexpr int L = V::kLanes;
-  typename V::T c[RB][NV];
-  for (int i = 0; i < RB; ++i)
-    for (int j = 0; j < NV; ++j)
-      c[i][j] = rowscale ? V::mul(V::load(C + i * ldc + j * L), V::set1(rowscale[i])) : V::zero();
-  for (int k = 0; k < K; ++k) {
-    typename V::I b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = V::loadi(B + k * ldb + j * L);
-    for (int i = 0; i < RB; ++i) {
-      const uint32_t w = a.at(i, k);
-      for (int j = 0; j < NV; ++j) c[i][j] = V::dp(c[i][j], w, b[j]);
-    }
-  }
-  for (int i = 0; i < RB; ++i)
-    for (int j = 0; j < NV; ++j) V::store(C + i * ldc + j * L, c[i][j]);
-}
-
-// A 32-bit word of bf16 storage (a pair), read through a type that may alias it.
-typedef uint32_t __attribute__((may_alias)) PairWord;
-
-// A of the logits: row i is a key's pool row (pairs along the head dim), read in place.
-struct KeyRows {
-  const PairWord* const* rows;
-  FT_INLINE uint32_t at(int i, int k) const { return rows[i][k]; }
-  FT_INLINE KeyRows at_row(int r) const { return {rows + r}; }
-};
-
-// A of the weighted values: w2 [pairs, ld], row i's pair k at w2[k * ld + i].
-struct WeightPairs {
-  const uint32_t* w2;
-  int64_t ld;
-  FT_INLINE uint32_t at(int i, int k) const { return w2[k * ld + i]; }
-  FT_INLINE WeightPairs at_row(int r) const { return {w2 + r, ld}; }
-};
-
-template <class V, int NV, class A>
-struct DotOp {
-  A a;
-  const uint32_t* B;
-  int64_t ldb;
-  float* C;
-  int64_t ldc;
-  int K;
-  const float* rowscale;
-  template <int N>
-  FT_INLINE void run(int r) const {
-    dp_block<V, N, NV>(a.at_row(r), B, ldb, C + r * ldc, ldc, K, rowscale ? rowscale + r : nullptr);
-  }
-};
-
-template <class V, class A>
-FT_INLINE void dp_gemm(const A& a, const uint32_t* B, int64_t ldb, float* C, int64_t ldc, int K,
-                       int cols, int r0, int r1, const float* rowscale, Ahead& ahead) {
-  constexpr int L = V::kLanes, W = V::kNV * L;
-  int c = 0;
-  for (; c + W <= cols; c += W)
-    gemm_rows<V>(DotOp<V, V::kNV, A>{a, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
-  for (; c < cols; c += L)
-    gemm_rows<V>(DotOp<V, 1, A>{a, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
+  gemm_any<V>(FloatA{A, as}, B, ldb, C, ldc, K, cols, r0, r1, rowscale, ahead);
 }
 
 // Register tiles of gemm over rows [r0, r1) and `cols` columns.
@@ -437,7 +416,7 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     }
     // logits st[k, rA:rB] of the block's keys
     if constexpr (dot)
-      dp_gemm<V>(KeyRows{krows}, qt2 + rA, ldr, st + rA, ldr, d / 2, rB - rA, 0, nk, nullptr,
+      gemm_any<V>(KeyRows{krows}, qt2 + rA, ldr, st + rA, ldr, d / 2, rB - rA, 0, nk, nullptr,
                  ahead);
     else
       gemm<V>(kb, {ldd, 1}, qt + rA, ldr, st + rA, ldr, d, rB - rA, 0, nk, nullptr, ahead);
@@ -493,7 +472,7 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
           V::pack(V::load(st + 2 * p * ldr + r),
                   2 * p + 1 < nk ? V::load(st + (2 * p + 1) * ldr + r) : V::zero(),
                   w2 + p * ldr + r);
-      dp_gemm<V>(WeightPairs{w2, ldr}, vb2, ldd, acc, ldd, np, d, ra, rb, corr, ahead);
+      gemm_any<V>(WeightPairs{w2, ldr}, vb2, ldd, acc, ldd, np, d, ra, rb, corr, ahead);
     } else {
       gemm<V>(st, {1, ldr}, vb, ldd, acc, ldd, nk, d, ra, rb, corr, ahead);
     }
