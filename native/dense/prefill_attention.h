@@ -64,7 +64,10 @@ void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t);
 // on a bf16 pool both products on bf16 pairs (vdpbf16ps; emubf16 its plain-C++ emulation, the
 // same bits), queries and weights rounded to bf16 (prefill_attention_impl.h); every tile takes
 // the tile kernel (the few-row one has no bf16-dot form). On a fp32 pool: the avx512 (scalar)
-// kernel. Batch invariance as above, within each kernel.
+// kernel. Batch invariance as above, within each kernel. Not across to the decode attention: a
+// prompt row that runs as a chunk of one row (layers/attention.py sends those to the fp32 decode
+// kernel) parts from the same row in a longer chunk by the bf16 roundings (~5e-3 of an output),
+// not by fp32 ones as with the fp32 kernels.
 void prefill_tile_emubf16(const KvPages& kv, const PrefillTile& t);
 #ifndef FTNATIVE_NO_X86
 void prefill_tile_avx512bf16(const KvPages& kv, const PrefillTile& t);
