@@ -215,8 +215,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         bool,
         about(
             "bf16 weights on the CPU on vdpbf16ps where it has AVX512-BF16 (activations rounded "
-            "to bf16, as llama.cpp's BF16 path); elsewhere logged and off. Off: fp32-activation "
-            "kernels"
+            "to bf16, as llama.cpp's BF16 path), and the prefill attention over a bf16 KV pool "
+            "(queries and softmax weights rounded); elsewhere logged and off. Off: fp32 kernels"
         ),
     ] = True
     huge_pages: Annotated[

@@ -59,6 +59,7 @@ def dense_extension() -> Extension:
                 "decode_attention_avx2.cpp",
                 "prefill_attention_avx2.cpp",
                 "prefill_attention_avx512.cpp",
+                "prefill_attention_avx512bf16.cpp",
                 "qdot_avx2.cpp",
                 "qdot_vnni.cpp",
             )

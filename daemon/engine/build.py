@@ -121,7 +121,10 @@ def cpu_isa(bf16_dot: bool, threads: int | None) -> str:
         return "auto"
     if bf16_dot and "avx512bf16" in cpu_executor.supported_isas():
         dense_native.configure(threads, isa="avx512bf16")
-        log.info("cpu_bf16_dot: bf16 weights on vdpbf16ps (activations rounded to bf16)")
+        log.info(
+            "cpu_bf16_dot: bf16 weights and the prefill attention on vdpbf16ps "
+            "(activations, queries and attention weights rounded to bf16)"
+        )
         return "avx512bf16"
     if bf16_dot:
         log.info(

@@ -72,8 +72,10 @@ class LLM:
     cpu_bf16_dot bf16 weights on the CPU (dense projections and bf16 experts) on vdpbf16ps where
                  the CPU has AVX512-BF16 (default on): activations rounded to bf16 as llama.cpp's
                  BF16 path and HF's bf16 forward do (the dense projections round them anyway);
-                 prefill about 1.6x the fp32-activation kernels, decode about the same; those
-                 run where the CPU lacks it (logged) and with ``cpu_bf16_dot=False``
+                 prefill about 1.6x the fp32-activation kernels, decode about the same; the
+                 prefill attention over a bf16 KV pool too (queries and softmax weights rounded
+                 to bf16; about 1.8x at 8k keys); the fp32 kernels run where the CPU lacks it
+                 (logged) and with ``cpu_bf16_dot=False``
     huge_pages   with the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge
                  pages on a thread of its own once they are filled, beside the rest of the
                  start-up (models/hugepages.py: fewer TLB misses in the weight streams of every

@@ -64,7 +64,8 @@ void configure(int threads, int spin_us, const std::string& isa) {
   s.isa = bf16dot ? bf16dot->isa : bf16->isa;
   s.attention = ftdense::range_kernel(bf16->isa);
   s.qdot = qdot;
-  s.prefill = ftdense::prefill_kernel(bf16->isa);
+  // the prefill attention follows cpu_bf16_dot too (bf16-dot kernels on a bf16 KV pool)
+  s.prefill = ftdense::prefill_kernel(bf16dot ? std::string(bf16dot->isa) : bf16->isa);
 }
 
 // The pool and the qdot set of a call: `isa` empty for the configured one.

@@ -28,9 +28,12 @@ ftdense::RowSource row_source(const RowArg& a) {
 }
 
 // By the configured base ISA, which the prefill kernel's name is ("avx512", "avx2", "emu512",
-// "scalar").
+// "scalar"; the bf16-dot ones, "avx512bf16" and "emubf16", stand for "avx512" and "scalar").
 const ftdense::SparseKernels& kernels(const Configured& c) {
-  return ftdense::sparse_kernels(c.prefill ? ftdense::prefill_kernel_name(c.prefill) : "scalar");
+  const std::string name = c.prefill ? ftdense::prefill_kernel_name(c.prefill) : "scalar";
+  return ftdense::sparse_kernels(name == "avx512bf16" ? "avx512"
+                                 : name == "emubf16"  ? "scalar"
+                                                      : name);
 }
 
 // (rows, positions address or 0, first position, count): count rows, at the int32 positions

@@ -29,6 +29,7 @@ namespace {
 struct Scalar {
   using T = float;
   static constexpr int kLanes = 1, kRB = 4, kNV = 4;
+  static constexpr bool kDot = false;
   static T zero() { return 0.0f; }
   static T set1(float f) { return f; }
   static T load(const float* p) { return *p; }
@@ -55,6 +56,7 @@ struct Emu512 {
     float v[16];
   };
   static constexpr int kLanes = 16, kRB = 8, kNV = 2;
+  static constexpr bool kDot = false;
   template <typename F>
   static T map(F f) {
     T t;
@@ -82,6 +84,57 @@ struct Emu512 {
   static void transpose(const float* src, int64_t lds, float* dst, int64_t ldd) {
     for (int i = 0; i < 16; ++i)
       for (int j = 0; j < 16; ++j) dst[j * ldd + i] = src[i * lds + j];
+  }
+};
+
+// The bf16-dot kernel's arithmetic (prefill_attention_avx512bf16.cpp) on Emu512's lanes: dp as
+// vdpbf16ps (Intel's pseudo-code; Zen 4 gives the same bits): c with denormals flushed, plus the
+// odd pair's product, rounded, flushed, plus the even pair's, rounded, flushed. Products of two
+// bf16 values are exact in fp32, so each step is one rounding whether or not it is fused.
+struct EmuBf16 : Emu512 {
+  struct I {
+    uint32_t v[16];
+  };
+  static constexpr bool kDot = true;
+  static float daz(float f) {
+    return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f;
+  }
+  static float bf(uint32_t h) {  // the bf16 value in h's low half, denormals to zero
+    const uint32_t u = (h & 0xffffu) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return daz(f);
+  }
+  static I loadi(const uint32_t* p) {
+    I i;
+    std::memcpy(i.v, p, sizeof i.v);
+    return i;
+  }
+  static T dp(const T& c, uint32_t a, const I& b) {
+    return map([&](int i) {
+      float acc = daz(c.v[i]);
+      acc = daz(acc + bf(a >> 16) * bf(b.v[i] >> 16));
+      return daz(acc + bf(a) * bf(b.v[i]));
+    });
+  }
+  static T bf16r(const T& x) {
+    return map([&](int i) {
+      const uint32_t u = prefill_impl::bf16_bits(x.v[i]);
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      return f;
+    });
+  }
+  static void pack(const T& lo, const T& hi, uint32_t* dst) {
+    for (int i = 0; i < 16; ++i) {
+      uint32_t a, b;
+      std::memcpy(&a, &lo.v[i], sizeof a);
+      std::memcpy(&b, &hi.v[i], sizeof b);
+      dst[i] = a >> 16 | (b & 0xffff0000u);
+    }
+  }
+  static void interleave(const uint16_t* a, const uint16_t* b, uint32_t* dst) {
+    for (int i = 0; i < 16; ++i) dst[i] = a[i] | static_cast<uint32_t>(b[i]) << 16;
   }
 };
 
@@ -165,6 +218,11 @@ void prefill_tile_emu512(const KvPages& kv, const PrefillTile& t) {
   else prefill_impl::prefill_tile<Emu512>(kv, t);
 }
 
+void prefill_tile_emubf16(const KvPages& kv, const PrefillTile& t) {
+  if (!kv.bf16) prefill_tile_scalar(kv, t);
+  else prefill_impl::prefill_tile<EmuBf16>(kv, t);
+}
+
 void index_scalar(const float* q, const float* w, int heads, int dim, float scale,
                   const char* const* keys, bool bf16, int n, float* scores) {
   using V = index_impl::IndexVec<Scalar, 4, 4, index_impl::PackGeneric>;
@@ -190,20 +248,25 @@ bool prefill_small_tile(const PrefillTile& t, int lanes) {
 
 PrefillFn prefill_kernel(const std::string& isa) {
 #ifndef FTNATIVE_NO_X86
-  if (isa == "avx512" && ftnative::isa_supported("avx512")) return prefill_tile_avx512;
-  if ((isa == "avx512" || isa == "avx2") && ftnative::isa_supported("avx2"))
+  if (isa == "avx512bf16" && ftnative::isa_supported("avx512bf16")) return prefill_tile_avx512bf16;
+  if ((isa == "avx512" || isa == "avx512bf16") && ftnative::isa_supported("avx512"))
+    return prefill_tile_avx512;
+  if ((isa == "avx512" || isa == "avx512bf16" || isa == "avx2") && ftnative::isa_supported("avx2"))
     return prefill_tile_avx2;
 #endif
   if (isa == "emu512") return prefill_tile_emu512;
+  if (isa == "emubf16") return prefill_tile_emubf16;
   return prefill_tile_scalar;
 }
 
 const char* prefill_kernel_name(PrefillFn fn) {
 #ifndef FTNATIVE_NO_X86
+  if (fn == prefill_tile_avx512bf16) return "avx512bf16";
   if (fn == prefill_tile_avx512) return "avx512";
   if (fn == prefill_tile_avx2) return "avx2";
 #endif
   if (fn == prefill_tile_emu512) return "emu512";
+  if (fn == prefill_tile_emubf16) return "emubf16";
   return "scalar";
 }
 

@@ -60,6 +60,18 @@ void prefill_tile_emu512(const KvPages& kv, const PrefillTile& t);
 void prefill_tile_avx2(const KvPages& kv, const PrefillTile& t);
 void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t);
 #endif
+// The bf16-dot kernels (cpu_bf16_dot: the dense pool's ISA "avx512bf16", or "emubf16" in tests):
+// on a bf16 pool both products on bf16 pairs (vdpbf16ps; emubf16 its plain-C++ emulation, the
+// same bits), queries and weights rounded to bf16 (prefill_attention_impl.h); every tile takes
+// the tile kernel (the few-row one has no bf16-dot form). On a fp32 pool: the avx512 (scalar)
+// kernel. Batch invariance as above, within each kernel. Not across to the decode attention: a
+// prompt row that runs as a chunk of one row (layers/attention.py sends those to the fp32 decode
+// kernel) parts from the same row in a longer chunk by the bf16 roundings (~5e-3 of an output),
+// not by fp32 ones as with the fp32 kernels.
+void prefill_tile_emubf16(const KvPages& kv, const PrefillTile& t);
+#ifndef FTNATIVE_NO_X86
+void prefill_tile_avx512bf16(const KvPages& kv, const PrefillTile& t);
+#endif
 
 // Whether a tile runs the few-row kernel (prefill_small_impl.h: keys in the lanes of the logits)
 // rather than the tile kernel (query rows in them) on an ISA of `lanes` lanes; both give the same
@@ -70,8 +82,8 @@ void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t);
 void prefill_small_rows(int n);
 bool prefill_small_tile(const PrefillTile& t, int lanes);
 
-// The kernel of an ISA name ("avx512", "avx2", "emu512", anything else scalar), falling back to
-// the best the CPU runs below it; and its name.
+// The kernel of an ISA name ("avx512bf16", "avx512", "avx2", "emu512", "emubf16", anything else
+// scalar), falling back to the best the CPU runs below it; and its name.
 PrefillFn prefill_kernel(const std::string& isa);
 const char* prefill_kernel_name(PrefillFn fn);
 

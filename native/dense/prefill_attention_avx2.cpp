@@ -22,6 +22,7 @@ namespace {
 struct Avx2 {
   using T = __m256;
   static constexpr int kLanes = 8, kRB = 6, kNV = 2;
+  static constexpr bool kDot = false;
   FT_INLINE static T zero() { return _mm256_setzero_ps(); }
   FT_INLINE static T set1(float f) { return _mm256_set1_ps(f); }
   FT_INLINE static T load(const float* p) { return _mm256_loadu_ps(p); }

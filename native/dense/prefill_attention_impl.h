@@ -7,6 +7,15 @@
 //   block of floats, for the few-row kernel of prefill_small_impl.h);
 // then calls `prefill_tile<ThatStruct>`. Every lane is computed alone (no horizontal operation),
 // so the kernels whose fma is fused (AVX2, AVX-512, emu512) give the same bits.
+//
+// A struct with kDot = true (the bf16-dot kernels, "avx512bf16" on vdpbf16ps and its plain-C++
+// emulation "emubf16"; a bf16 KV pool only) also provides I (L 32-bit words), loadi, dp (c plus a
+// broadcast pair of bf16 times each lane's pair, as vdpbf16ps: the odd product added first, then
+// the even one, each sum rounded to nearest, denormal inputs and results flushed to zero), bf16r
+// (rounds to bf16, nearest even, denormals to zero; the value kept as fp32), pack (two vectors
+// of bf16 values -> L pairs, the first in the low half) and interleave (L bf16 of two rows -> L
+// pairs). Then both products run on bf16 pairs (prefill_tile below says how); the other structs
+// keep the fp32 kernel.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -72,41 +82,93 @@ struct Ahead {
   }
 };
 
-template <class V, int RB, int NV>
-FT_INLINE void gemm_block(const float* A, AStride as, const float* B, int64_t ldb, float* C,
-                          int64_t ldc, int K, const float* rowscale) {
+// A of the fp32 gemm: A(i, k) at A[i * as.i + k * as.k].
+struct FloatA {
+  const float* A;
+  AStride as;
+  FT_INLINE float at(int i, int k) const { return A[i * as.i + k * as.k]; }
+  FT_INLINE FloatA at_row(int r) const { return {A + r * as.i, as}; }
+};
+
+// A 32-bit word of bf16 storage (a pair), read through a type that may alias it.
+typedef uint32_t __attribute__((may_alias)) PairWord;
+
+// A of the bf16-dot logits: row i is a key's pool row (pairs along the head dim), read in place.
+struct KeyRows {
+  const PairWord* const* rows;
+  FT_INLINE uint32_t at(int i, int k) const { return rows[i][k]; }
+  FT_INLINE KeyRows at_row(int r) const { return {rows + r}; }
+};
+
+// A of the bf16-dot weighted values: w2 [pairs, ld], row i's pair k at w2[k * ld + i].
+struct WeightPairs {
+  const uint32_t* w2;
+  int64_t ld;
+  FT_INLINE uint32_t at(int i, int k) const { return w2[k * ld + i]; }
+  FT_INLINE WeightPairs at_row(int r) const { return {w2 + r, ld}; }
+};
+
+// One register tile: C = (C * rowscale or 0) + A B. fp32 (B float): fma over k; bf16-dot (B
+// 32-bit pairs, A(i, k) a pair): dp over the K pairs. Either way every element is one chain over
+// k = 0 .. K-1 in order.
+template <class V, int RB, int NV, class A, class BT>
+FT_INLINE void gemm_block(const A& a, const BT* B, int64_t ldb, float* C, int64_t ldc, int K,
+                          const float* rowscale) {
   constexpr int L = V::kLanes;
   typename V::T c[RB][NV];
   for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NV; ++j)
       c[i][j] = rowscale ? V::mul(V::load(C + i * ldc + j * L), V::set1(rowscale[i])) : V::zero();
   for (int k = 0; k < K; ++k) {
-    typename V::T b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = V::load(B + k * ldb + j * L);
-    for (int i = 0; i < RB; ++i) {
-      const typename V::T a = V::set1(A[i * as.i + k * as.k]);
-      for (int j = 0; j < NV; ++j) c[i][j] = V::fma(a, b[j], c[i][j]);
+    if constexpr (std::is_same_v<BT, float>) {
+      typename V::T b[NV];
+      for (int j = 0; j < NV; ++j) b[j] = V::load(B + k * ldb + j * L);
+      for (int i = 0; i < RB; ++i) {
+        const typename V::T x = V::set1(a.at(i, k));
+        for (int j = 0; j < NV; ++j) c[i][j] = V::fma(x, b[j], c[i][j]);
+      }
+    } else {
+      typename V::I b[NV];
+      for (int j = 0; j < NV; ++j) b[j] = V::loadi(B + k * ldb + j * L);
+      for (int i = 0; i < RB; ++i) {
+        const uint32_t w = a.at(i, k);
+        for (int j = 0; j < NV; ++j) c[i][j] = V::dp(c[i][j], w, b[j]);
+      }
     }
   }
   for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NV; ++j) V::store(C + i * ldc + j * L, c[i][j]);
 }
 
+// One slab of NV vectors of columns of a gemm: a register tile of N rows at row r.
+template <class V, int NV, class A, class BT>
+struct SlabOp {
+  A a;
+  const BT* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+  int K;
+  const float* rowscale;
+  template <int N>
+  FT_INLINE void run(int r) const {
+    gemm_block<V, N, NV>(a.at_row(r), B, ldb, C + r * ldc, ldc, K,
+                         rowscale ? rowscale + r : nullptr);
+  }
+};
+
 // The last n < RB rows (n == N, or fewer).
-template <class V, int NV, int N>
-FT_INLINE void gemm_tail(int n, const float* A, AStride as, const float* B, int64_t ldb,
-                         float* C, int64_t ldc, int K, const float* rowscale) {
+template <class Op, int N>
+FT_INLINE void gemm_tail(int n, const Op& op, int r) {
   if constexpr (N > 0) {
-    if (n == N) gemm_block<V, N, NV>(A, as, B, ldb, C, ldc, K, rowscale);
-    else gemm_tail<V, NV, N - 1>(n, A, as, B, ldb, C, ldc, K, rowscale);
+    if (n == N) op.template run<N>(r);
+    else gemm_tail<Op, N - 1>(n, op, r);
   }
 }
 
-// Rows [r0, r1) of C = (C * rowscale or 0) + A B on one slab of NV vectors of columns.
-template <class V, int NV>
-FT_INLINE void gemm_rows(const float* A, AStride as, const float* B, int64_t ldb, float* C,
-                         int64_t ldc, int K, int r0, int r1, const float* rowscale,
-                         Ahead& ahead) {
+// Rows [r0, r1) of one slab of columns.
+template <class V, class Op>
+FT_INLINE void gemm_rows(const Op& op, int r0, int r1, Ahead& ahead) {
   constexpr int RB = V::kRB;
   // a short ragged end (half a tile's rows or fewer keep too few fma chains in flight) is taken
   // with the last full tile as two tiles of about equal height
@@ -114,14 +176,12 @@ FT_INLINE void gemm_rows(const float* A, AStride as, const float* B, int64_t ldb
   int r = r0;
   for (const int e = r0 + full * RB; r < e; r += RB) {
     ahead.step();
-    gemm_block<V, RB, NV>(A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
-                          rowscale ? rowscale + r : nullptr);
+    op.template run<RB>(r);
   }
   while (r < r1) {
     const int h = r1 - r >= RB ? (r1 - r + 1) / 2 : r1 - r;
     ahead.step();
-    gemm_tail<V, NV, RB - 1>(h, A + r * as.i, as, B, ldb, C + r * ldc, ldc, K,
-                             rowscale ? rowscale + r : nullptr);
+    gemm_tail<Op, RB - 1>(h, op, r);
     r += h;
   }
 }
@@ -129,16 +189,23 @@ FT_INLINE void gemm_rows(const float* A, AStride as, const float* B, int64_t ldb
 // Rows [r0, r1) of C = (C * rowscale or 0) + A B over `cols` columns (a multiple of L), column
 // slabs outside so a slab of B stays in L1 while every row tile passes over it.
 // Steps `ahead` before each register tile.
+template <class V, class A, class BT>
+FT_INLINE void gemm_any(const A& a, const BT* B, int64_t ldb, float* C, int64_t ldc, int K,
+                        int cols, int r0, int r1, const float* rowscale, Ahead& ahead) {
+  constexpr int L = V::kLanes, W = V::kNV * L;
+  int c = 0;
+  for (; c + W <= cols; c += W)
+    gemm_rows<V>(SlabOp<V, V::kNV, A, BT>{a, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
+  for (; c < cols; c += L)
+    gemm_rows<V>(SlabOp<V, 1, A, BT>{a, B + c, ldb, C + c, ldc, K, rowscale}, r0, r1, ahead);
+}
+
+// The fp32 gemm: A(i, k) at A[i * as.i + k * as.k], B [K, ldb].
 template <class V>
 FT_INLINE void gemm(const float* A, AStride as, const float* B, int64_t ldb, float* C,
                     int64_t ldc, int K, int cols, int r0, int r1, const float* rowscale,
                     Ahead& ahead) {
-  constexpr int L = V::kLanes, W = V::kNV * L;
-  int c = 0;
-  for (; c + W <= cols; c += W)
-    gemm_rows<V, V::kNV>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale, ahead);
-  for (; c < cols; c += L)
-    gemm_rows<V, 1>(A, as, B + c, ldb, C + c, ldc, K, r0, r1, rowscale, ahead);
+  gemm_any<V>(FloatA{A, as}, B, ldb, C, ldc, K, cols, r0, r1, rowscale, ahead);
 }
 
 // Register tiles of gemm over rows [r0, r1) and `cols` columns.
@@ -220,6 +287,13 @@ struct Blocks {
   }
 };
 
+// A block's weight e^x (x <= 0); rounded to bf16 on the bf16-dot kernels (prefill_tile).
+template <class V>
+FT_INLINE typename V::T weight(typename V::T x) {
+  if constexpr (V::kDot) return V::bf16r(exp_neg<V>(x));
+  else return exp_neg<V>(x);
+}
+
 // out = acc / (l, plus the sink's share), rows r = query i * G + head g of acc [R, ldd].
 template <class V>
 FT_INLINE void finish_rows(const PrefillTile& t, int d, int R, const float* m, const float* l,
@@ -240,19 +314,41 @@ FT_INLINE void finish_rows(const PrefillTile& t, int d, int R, const float* m, c
   }
 }
 
+// bf16 of an fp32 value, rounded to nearest even, denormals (and values that round to one) to a
+// signed zero; the bits of the fp32 value with the low half cleared. Finite inputs.
+inline uint32_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (u & 0x7f800000u) ? (u & 0xffff0000u) : (u & 0x80000000u);
+}
+
 // Layout: query rows r = query i * G + head g sit in the lanes (Rp = R rounded up to L), keys
 // in the rows of the logits st [KB, Rp]: a row's max and sum over a block's keys are lane-wise
 // sequences over the keys in order, so they do not depend on the vector width either.
+//
+// The bf16-dot kernels (V::kDot, bf16 pool): the scaled queries are rounded to bf16 once and kept
+// as pairs along the head dim (qt2 [d / 2, ldr] words, lanes = rows), and a logit is one chain of
+// dp over the pairs in order, each key's pair read as a 32-bit word of its pool row. The weights
+// are rounded to bf16 as they are made, and the running sum l adds those rounded weights: the
+// output is then acc / l with acc and l sums of the same numbers, a convex combination of the
+// values (an unrounded l would scale every row by a bias of up to 2^-9 per weight). The weights
+// are packed in pairs of consecutive keys per row (w2 [nk / 2 rounded up, ldr]; an odd block's
+// last pair has weight 0 and a zero value row), the block's V rows interleaved in the same pairs
+// (vb2 [pairs, ldd]); acc's elements are then one chain of dp over the block's pairs in order.
+// Every chain stays a fixed sequence in key / head-dim order, so the batch invariance holds.
 template <class V>
 FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
   constexpr int L = V::kLanes;
+  constexpr bool dot = V::kDot;
   const int d = kv.d, G = t.G, R = t.nq * G, Rp = (R + L - 1) / L * L;
   // row strides: an odd number of 64-byte lines, so a column slab of a GEMM operand (rows of
   // 512 bytes apart otherwise) spreads over all the L1 sets instead of an eighth of them
   const int ldr = padded_stride(Rp), ldd = padded_stride(d);
   thread_local std::vector<float> buf;
   const size_t need = static_cast<size_t>(ldr) * (d + KB) + 3 * static_cast<size_t>(Rp) +
-                      static_cast<size_t>(R) * ldd + 2 * static_cast<size_t>(ldd) * KB;
+                      static_cast<size_t>(R) * ldd + 2 * static_cast<size_t>(ldd) * KB +
+                      (dot ? static_cast<size_t>(ldr) * (KB / 2) : 0);
   if (buf.size() < need) buf.resize(need);
   float* qt = buf.data();     // [d, ldr] scaled queries, transposed (pad rows 0)
   float* acc = qt + ldr * d;  // [R, ldd] weighted values
@@ -262,11 +358,22 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
   float* m = vb + KB * ldd;   // [Rp] running max
   float* l = m + Rp;          // [Rp] running sum
   float* corr = l + Rp;       // [Rp] this block's rescale of acc
+  // bf16-dot: qt's space holds qt2, vb's vb2; w2 follows corr
+  [[maybe_unused]] uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);
+  [[maybe_unused]] uint32_t* vb2 = reinterpret_cast<uint32_t*>(vb);
+  [[maybe_unused]] uint32_t* w2 = reinterpret_cast<uint32_t*>(corr + Rp);
   for (int r = 0; r < Rp; ++r) {
     const float* src = r < R ? t.q + (r / G) * t.row_stride +
                                    static_cast<int64_t>(t.kv_head * G + r % G) * d
                              : nullptr;
-    for (int e = 0; e < d; ++e) qt[e * ldr + r] = src ? src[e] * t.scale : 0.0f;
+    if constexpr (dot) {
+      for (int e = 0; e < d; e += 2)
+        qt2[e / 2 * ldr + r] = src ? bf16_bits(src[e] * t.scale) >> 16 |
+                                         (bf16_bits(src[e + 1] * t.scale) & 0xffff0000u)
+                                   : 0u;
+    } else {
+      for (int e = 0; e < d; ++e) qt[e * ldr + r] = src ? src[e] * t.scale : 0.0f;
+    }
   }
   for (int r = 0; r < R; ++r) std::fill(acc + r * ldd, acc + r * ldd + d, 0.0f);
   std::fill(m, m + Rp, kNegInf);
@@ -281,11 +388,26 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     if (qa >= qb) continue;
     const int ra = qa * G, rb = qb * G;             // the rows that see the block
     const int rA = ra / L * L, rB = (rb + L - 1) / L * L;  // their lanes' vectors
-    // the block's K and V, widened; and the next block's offsets
+    // the block's K and V, widened (bf16-dot: K read in place, V interleaved in pairs of keys);
+    // and the next block's offsets
     if (offs_at != b0) bl.offsets(b0, nk, offs);
-    for (int k = 0; k < nk; ++k) {
-      widen_row<V>(kv.k, offs[k], kv.bf16, d, kb + k * ldd);
-      widen_row<V>(kv.v, offs[k], kv.bf16, d, vb + k * ldd);
+    [[maybe_unused]] const int np = (nk + 1) / 2;  // bf16-dot: pairs of keys
+    [[maybe_unused]] const PairWord* krows[KB];
+    if constexpr (dot) {
+      static const uint16_t zeros[1024] = {};  // d <= 1024 (prefill_supported)
+      const uint16_t* kp = static_cast<const uint16_t*>(kv.k);
+      const uint16_t* vp = static_cast<const uint16_t*>(kv.v);
+      for (int k = 0; k < nk; ++k) krows[k] = reinterpret_cast<const PairWord*>(kp + offs[k]);
+      for (int p = 0; p < np; ++p) {
+        const uint16_t* v0 = vp + offs[2 * p];
+        const uint16_t* v1 = 2 * p + 1 < nk ? vp + offs[2 * p + 1] : zeros;
+        for (int e = 0; e < d; e += L) V::interleave(v0 + e, v1 + e, vb2 + p * ldd + e);
+      }
+    } else {
+      for (int k = 0; k < nk; ++k) {
+        widen_row<V>(kv.k, offs[k], kv.bf16, d, kb + k * ldd);
+        widen_row<V>(kv.v, offs[k], kv.bf16, d, vb + k * ldd);
+      }
     }
     Ahead ahead = bl.ahead(b0, offs, offs_at);
     {
@@ -293,7 +415,11 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
       ahead.per = (ahead.lines + tiles - 1) / tiles;
     }
     // logits st[k, rA:rB] of the block's keys
-    gemm<V>(kb, {ldd, 1}, qt + rA, ldr, st + rA, ldr, d, rB - rA, 0, nk, nullptr, ahead);
+    if constexpr (dot)
+      gemm_any<V>(KeyRows{krows}, qt2 + rA, ldr, st + rA, ldr, d / 2, rB - rA, 0, nk, nullptr,
+                 ahead);
+    else
+      gemm<V>(kb, {ldd, 1}, qt + rA, ldr, st + rA, ldr, d, rB - rA, 0, nk, nullptr, ahead);
     // masks: a lane outside [ra, rb) or past R sees no key of the block; row r sees [ka, kb)
     const bool full = rA == ra && rB == rb && rb <= R && t.pos0 + qa >= b0 + nk - 1 &&
                       bl.lo(t.pos0 + qb - 1) <= b0;
@@ -316,18 +442,18 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
       const typename V::T c = exp_neg<V>(V::sub(mo, sub));  // m = -inf: ~1e-38 times 0
       V::store(corr + r, c);
       if (full) {  // the weights' sum as below, in the same order
-        typename V::T w = exp_neg<V>(V::sub(V::load(st + r), sub));
+        typename V::T w = weight<V>(V::sub(V::load(st + r), sub));
         V::store(st + r, w);
         typename V::T sum = V::fma(V::load(l + r), c, w);
         for (int k = 1; k < nk; ++k) {
-          w = exp_neg<V>(V::sub(V::load(st + k * ldr + r), sub));
+          w = weight<V>(V::sub(V::load(st + k * ldr + r), sub));
           V::store(st + k * ldr + r, w);
           sum = V::add(sum, w);
         }
         V::store(l + r, sum);
       } else {
         for (int k = 0; k < nk; ++k)
-          V::store(st + k * ldr + r, exp_neg<V>(V::sub(V::load(st + k * ldr + r), sub)));
+          V::store(st + k * ldr + r, weight<V>(V::sub(V::load(st + k * ldr + r), sub)));
       }
     }
     if (!full) {
@@ -340,7 +466,16 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
       }
     }
     // acc = acc * corr + weights V, for the rows that see the block
-    gemm<V>(st, {1, ldr}, vb, ldd, acc, ldd, nk, d, ra, rb, corr, ahead);
+    if constexpr (dot) {
+      for (int p = 0; p < np; ++p)
+        for (int r = rA; r < rB; r += L)
+          V::pack(V::load(st + 2 * p * ldr + r),
+                  2 * p + 1 < nk ? V::load(st + (2 * p + 1) * ldr + r) : V::zero(),
+                  w2 + p * ldr + r);
+      gemm_any<V>(WeightPairs{w2, ldr}, vb2, ldd, acc, ldd, np, d, ra, rb, corr, ahead);
+    } else {
+      gemm<V>(st, {1, ldr}, vb, ldd, acc, ldd, nk, d, ra, rb, corr, ahead);
+    }
     ahead.per = ahead.lines;
     ahead.step();  // what is left
   }
