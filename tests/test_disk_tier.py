@@ -217,15 +217,12 @@ def kmix(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignor
     return write_gguf("qwen3_moe", hf, tmp_path_factory.mktemp("kmix") / "m.gguf", "kmix")
 
 
-def _pair(
-    path: Path, read_ahead: bool = False, experts: int = 0, bf16_dot: bool = True
-) -> tuple[LLM, LLM]:
+def _pair(path: Path, read_ahead: bool = False, experts: int = 0) -> tuple[LLM, LLM]:
     """The resident model and the tiered one, its cache ``experts`` experts' worth (0: the
     smallest)."""
-    load = dict(LOAD, cpu_bf16_dot=bf16_dot)
-    resident = LLM(path, "cpu", **load)  # type: ignore[arg-type]
+    resident = LLM(path, "cpu", **LOAD)
     mb = experts * resident.banks.nbytes_per_expert() / 2**20 if experts else TINY_CACHE_MB
-    tiered = LLM(path, "cpu", expert_cache_mb=mb, expert_read_ahead=read_ahead, **load)  # type: ignore[arg-type]
+    tiered = LLM(path, "cpu", expert_cache_mb=mb, expert_read_ahead=read_ahead, **LOAD)
     return resident, tiered
 
 
@@ -481,10 +478,7 @@ def test_decode_call_overlapping_reads_equals_the_pool_in_any_landing_order(  # 
 def test_disk_tier_reads_ahead_only_while_predictions_are_right(kmix: Path) -> None:
     """Predictions that name experts the next call mostly does not use (the ones the next
     router would not pick for this layer's input) drive the precision down and the reads stop; the tokens stay equal."""
-    # fp32 activations: the hit counts below were measured so; the bf16-dot kernels' roundings
-    # (where the CPU has AVX512-BF16) move this tiny random model's routes (4 hits of 12 reads
-    # ahead with the prefill attention on bf16, against a bound of a quarter)
-    resident, tiered = _pair(kmix, read_ahead=True, experts=8, bf16_dot=False)
+    resident, tiered = _pair(kmix, read_ahead=True, experts=8)
     tier = tiered.moe.tier
     assert tier is not None and tier.predict is not None
     right = tier.predict
