@@ -215,10 +215,19 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         bool,
         about(
             "bf16 weights on the CPU on vdpbf16ps where it has AVX512-BF16 (activations rounded "
-            "to bf16, as llama.cpp's BF16 path), and the prefill attention over a bf16 KV pool "
-            "(queries and softmax weights rounded); elsewhere logged and off. Off: fp32 kernels"
+            "to bf16, as llama.cpp's BF16 path); elsewhere logged and off. Off: fp32 kernels"
         ),
     ] = True
+    cpu_bf16_attention: Annotated[
+        bool,
+        about(
+            "with cpu_bf16_dot on such a CPU, the prefill attention over a bf16 KV pool on "
+            "vdpbf16ps too (queries and softmax weights rounded to bf16: about 1.8x the fp32 "
+            "kernel at 8k keys, long prompts' first token sooner); off by default: the decode "
+            "attention keeps fp32, so a prompt's results then depend on how it is chunked by "
+            "bf16 roundings (beside decoding streams, short chunks run as decode rows)"
+        ),
+    ] = False
     huge_pages: Annotated[
         bool,
         about(

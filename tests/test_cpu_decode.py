@@ -52,7 +52,7 @@ def _decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[torch.Tenso
     """Logits [steps, rows, vocab] of greedy decode steps of all prompts batched together; the
     prompts prefilled on the generic layers whatever the fast path's setting (the same keys
     for both paths' decode steps: a short prompt would run on the fast path as rows, whose
-    attention parts from the generic prefill's by bf16 roundings under cpu_bf16_dot)."""
+    attention parts from the generic prefill's by bf16 roundings under cpu_bf16_attention)."""
     runner = llm.runner
     states = [runner.new_state() for _ in prompts]
     old = cpu_decode.set_enabled(False)
@@ -169,7 +169,7 @@ def test_short_prompt_chunks_run_as_rows_of_the_fast_path(ckpt, quantize, monkey
     tokens but at a near-tie, and the prompt's logits as close to transformers' as the generic
     path's (a row attending to a wrong key set would part by far more). A step with a longer
     chunk keeps the generic path."""
-    # fp32 activations: under cpu_bf16_dot (where the CPU has AVX512-BF16) the generic prefill
+    # fp32 activations: under cpu_bf16_attention (opt-in, an AVX512-BF16 CPU) the generic prefill
     # attention rounds queries and weights to bf16 and the decode attention does not, which
     # parts the two paths by more than their order (0.076 in these logits with q4_k_m): the
     # path is what this test checks

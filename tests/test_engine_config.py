@@ -27,6 +27,7 @@ FROM_DAEMON = {
     "spill_idle_s": 7.5,
     "cuda_graphs": True,
     "cpu_bf16_dot": False,
+    "cpu_bf16_attention": True,
     "huge_pages": False,
     "expert_read_ahead": False,
 }

@@ -1,5 +1,5 @@
 """The prefill attention's bf16-dot kernels (`ftdense`, native/dense/prefill_attention_impl.h,
-kDot): under the dense pool's ISA "avx512bf16" (cpu_bf16_dot; vdpbf16ps) on a bf16 KV pool, both
+kDot): under the dense pool's ISA "avx512bf16" (cpu_bf16_attention; vdpbf16ps) on a bf16 KV pool, both
 products take bf16 pairs: the scaled queries and the softmax weights are rounded to bf16 (nearest
 even, denormals to zero), the running sum adds the rounded weights. "emubf16" runs the same
 arithmetic in plain C++ on any CPU (vdpbf16ps as Intel's pseudo-code has it: per lane the odd
@@ -176,3 +176,18 @@ def test_a_fp32_pool_keeps_the_fp32_kernel(isa: str, base: str) -> None:
     got = case.run(chunks, None, None)
     dense_native.configure(2, isa=base)
     assert torch.equal(case.run(chunks, None, None), got)
+
+
+def test_the_engine_takes_the_bf16_attention_only_when_asked() -> None:
+    """cpu_bf16_dot puts the dense pool on avx512bf16; the prefill attention follows it only
+    with cpu_bf16_attention (EngineConfig says why it is off by default)."""
+    from freetokend.engine.build import cpu_isa
+    from freetokend.experts import cpu_executor
+
+    if "avx512bf16" not in cpu_executor.supported_isas():
+        pytest.skip("this CPU lacks AVX512-BF16")
+    assert cpu_isa(True, 2) == "avx512bf16"
+    assert dense_native.configured_isa() == "avx512bf16"
+    assert dense_native.prefill_isa() == "avx512"  # the fp32 kernel on the base ISA
+    assert cpu_isa(True, 2, bf16_attention=True) == "avx512bf16"
+    assert dense_native.prefill_isa() == "avx512bf16"

@@ -112,18 +112,21 @@ def enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
     return acc
 
 
-def cpu_isa(bf16_dot: bool, threads: int | None) -> str:
+def cpu_isa(bf16_dot: bool, threads: int | None, bf16_attention: bool = False) -> str:
     """The CPU kernels' path for ``cpu_bf16_dot``: "avx512bf16" (the dense pool configured for
-    it too, process-wide) where the CPU has AVX512-BF16, else "auto" (logged when asked for); on
-    "auto" the dense pool leaves "avx512bf16" if an earlier model of this process put it there."""
+    it too, process-wide; the prefill attention on it with ``cpu_bf16_attention``) where the CPU
+    has AVX512-BF16, else "auto" (logged when asked for); on "auto" the dense pool leaves
+    "avx512bf16" if an earlier model of this process put it there."""
 
     if not dense_native.available():
         return "auto"
     if bf16_dot and "avx512bf16" in cpu_executor.supported_isas():
-        dense_native.configure(threads, isa="avx512bf16")
+        dense_native.configure(threads, isa="avx512bf16", bf16_attention=bf16_attention)
         log.info(
-            "cpu_bf16_dot: bf16 weights and the prefill attention on vdpbf16ps "
-            "(activations, queries and attention weights rounded to bf16)"
+            "cpu_bf16_dot: bf16 weights on vdpbf16ps (activations rounded to bf16)%s",
+            "; the prefill attention too (queries and attention weights rounded to bf16)"
+            if bf16_attention
+            else "",
         )
         return "avx512bf16"
     if bf16_dot:
@@ -331,7 +334,7 @@ def on_device(
             "limit, less %d MiB held and %d MiB for one full sequence's KV and work buffers)",
             disk.cache_bytes >> 20, process_resident_bytes() >> 20, reserve >> 20,
         )  # fmt: skip
-    isa = cpu_isa(config.cpu_bf16_dot, config.threads)
+    isa = cpu_isa(config.cpu_bf16_dot, config.threads, config.cpu_bf16_attention)
     moe = backend(name, model, banks, cfg, placement, fake_device, isa, slots, config)
     runner = ModelRunner(model, moe, kv, config.page_size, placement)
     _log_placement(model, runner, kv)

@@ -73,9 +73,11 @@ class LLM:
                  the CPU has AVX512-BF16 (default on): activations rounded to bf16 as llama.cpp's
                  BF16 path and HF's bf16 forward do (the dense projections round them anyway);
                  prefill about 1.6x the fp32-activation kernels, decode about the same; the
-                 prefill attention over a bf16 KV pool too (queries and softmax weights rounded
-                 to bf16; about 1.8x at 8k keys); the fp32 kernels run where the CPU lacks it
-                 (logged) and with ``cpu_bf16_dot=False``
+                 fp32 kernels run where the CPU lacks it (logged) and with
+                 ``cpu_bf16_dot=False``
+    cpu_bf16_attention  with cpu_bf16_dot on such a CPU, the prefill attention over a bf16 KV
+                 pool on vdpbf16ps too (queries and softmax weights rounded to bf16; about 1.8x
+                 at 8k keys); off by default (EngineConfig.cpu_bf16_attention says why)
     huge_pages   with the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge
                  pages on a thread of its own once they are filled, beside the rest of the
                  start-up (models/hugepages.py: fewer TLB misses in the weight streams of every

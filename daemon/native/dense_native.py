@@ -81,15 +81,24 @@ SPIN_US_OWN = 1000
 _spin_cap: int | None = None
 
 
-def configure(threads: int | None = None, isa: str = "auto", spin_us: int = SPIN_US_SHARED) -> None:
+def configure(
+    threads: int | None = None,
+    isa: str = "auto",
+    spin_us: int = SPIN_US_SHARED,
+    bf16_attention: bool | None = None,
+) -> None:
     """(Re)creates the pool: `threads` participants including the caller (default: torch's
     intra-op thread count at import), the kernels of `isa` ("auto", "avx512bf16", "avx512",
     "avx2", "scalar", or "emu512" / "emubf16" in tests). "avx512bf16" (opt-in: auto does not take
-    it) runs bf16 weights on vdpbf16ps: the same x.to(bf16) @ W^T in fp32."""
+    it) runs bf16 weights on vdpbf16ps: the same x.to(bf16) @ W^T in fp32. ``bf16_attention``:
+    with a bf16-dot `isa`, the prefill attention on its kernels too (queries and weights rounded
+    to bf16); None: so for a direct call naming that ISA (the kernel tests), the engine passes
+    its ``cpu_bf16_attention`` (engine/build.cpu_isa)."""
     if _native is None:
         raise ImportError("the native dense projection (extension module `ftdense`) is not built")
     isa = cpu_isa.resolve(isa)  # FREETOKEN_CPU_ISA forces "auto"
-    _native.configure(threads or _DEFAULT_THREADS, spin_us, isa)
+    on = isa in ("avx512bf16", "emubf16") if bf16_attention is None else bf16_attention
+    _native.configure(threads or _DEFAULT_THREADS, spin_us, isa, on)
 
 
 def set_spin(spin_us: int) -> None:

@@ -46,7 +46,7 @@ State& state() {
   return *s;
 }
 
-void configure(int threads, int spin_us, const std::string& isa) {
+void configure(int threads, int spin_us, const std::string& isa, bool bf16_attention) {
   if (threads < 1) throw py::value_error("threads must be >= 1");
   State& s = state();
   const auto* bf16 = &ftdense::kernel_set(isa, true);  // throws before anything changes
@@ -64,8 +64,10 @@ void configure(int threads, int spin_us, const std::string& isa) {
   s.isa = bf16dot ? bf16dot->isa : bf16->isa;
   s.attention = ftdense::range_kernel(bf16->isa);
   s.qdot = qdot;
-  // the prefill attention follows cpu_bf16_dot too (bf16-dot kernels on a bf16 KV pool)
-  s.prefill = ftdense::prefill_kernel(bf16dot ? std::string(bf16dot->isa) : bf16->isa);
+  // the prefill attention on the bf16-dot kernels (a bf16 KV pool) where asked
+  // (cpu_bf16_attention), else on the base ISA's fp32 ones
+  s.prefill = ftdense::prefill_kernel(bf16dot && bf16_attention ? std::string(bf16dot->isa)
+                                                                  : bf16->isa);
 }
 
 // The pool and the qdot set of a call: `isa` empty for the configured one.
@@ -146,7 +148,9 @@ PYBIND11_MODULE(ftdense, m) {
   m.doc() = "freetoken dense CPU projections y = x W^T (bf16/fp32 weights, fp32 in and out)";
   // spin_us has no default here: dense_native.configure passes its SPIN_US_SHARED
   m.def("configure", &configure, py::arg("threads"), py::arg("spin_us"), py::arg("isa") = "auto",
-        "(Re)creates the thread pool (the caller counts as one thread).");
+        py::arg("bf16_attention") = false,
+        "(Re)creates the thread pool (the caller counts as one thread); bf16_attention: the "
+        "prefill attention on the bf16-dot kernels too, where isa is one.");
   m.def(
       "set_spin",
       [](int spin_us) {

@@ -60,7 +60,8 @@ void prefill_tile_emu512(const KvPages& kv, const PrefillTile& t);
 void prefill_tile_avx2(const KvPages& kv, const PrefillTile& t);
 void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t);
 #endif
-// The bf16-dot kernels (cpu_bf16_dot: the dense pool's ISA "avx512bf16", or "emubf16" in tests):
+// The bf16-dot kernels (cpu_bf16_attention: the dense pool's ISA "avx512bf16" configured with
+// bf16_attention, or "emubf16" in tests):
 // on a bf16 pool both products on bf16 pairs (vdpbf16ps; emubf16 its plain-C++ emulation, the
 // same bits), queries and weights rounded to bf16 (prefill_attention_impl.h); every tile takes
 // the tile kernel (the few-row one has no bf16-dot form). On a fp32 pool: the avx512 (scalar)
