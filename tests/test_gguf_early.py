@@ -152,21 +152,33 @@ def test_no_fill_where_the_load_would_not_take_it(gguf_path, over):
     assert gguf_early.start(_settings(gguf_path, **over)) is None
 
 
-def test_the_fill_runs_without_torch(gguf_path):
+def _child(gguf_path: Path, before: str, after: str) -> str:
+    """Runs ``before``, a fill started for ``gguf_path`` as ``fill``, then ``after``, in a fresh
+    interpreter (asserting it exits 0); its output."""
     code = (
-        "import sys, types\n"
+        f"{before}"
+        "import types\n"
         "from freetokend.formats import gguf_early\n"
         f"cfg = types.SimpleNamespace(model={str(gguf_path)!r}, disk_tier='off', quantize=None,"
         " quantize_experts=None, accelerator='auto', moe_backend='cpu')\n"
-        "fill = gguf_early.start(cfg)\n"
-        "fill.wait()\n"
-        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'\n"
-        "print(sum(sum(m[:4096]) for m in fill.memory.values()) > 0)\n"
+        f"{after}"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "True"
+    return out.stdout
+
+
+def test_the_fill_runs_without_torch(gguf_path):
+    out = _child(
+        gguf_path,
+        "import sys\n",
+        "fill = gguf_early.start(cfg)\n"
+        "fill.wait()\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'\n"
+        "print(sum(sum(m[:4096]) for m in fill.memory.values()) > 0)\n",
+    )
+    assert out.strip() == "True"
 
 
 def test_a_fill_still_running_at_exit_is_stopped_first(gguf_path):
@@ -175,21 +187,16 @@ def test_a_fill_still_running_at_exit_is_stopped_first(gguf_path):
     threads crashed the exit (SIGSEGV in their copy, or SIGABRT). Here the fill is held back
     (a file in the page cache, never taken), so it is still running at exit for certain; the
     check registered before the module's handler runs after it."""
-    code = (
-        "import atexit, types\n"
+    out = _child(
+        gguf_path,
+        "import atexit\n"
         "held = {}\n"
-        "atexit.register(lambda: print(held['fill'].done(), held['fill']._cancel.value))\n"
-        "from freetokend.formats import gguf_early\n"
+        "atexit.register(lambda: print(held['fill'].done(), held['fill']._cancel.value))\n",
         "gguf_early.cached = lambda header: True\n"
-        f"cfg = types.SimpleNamespace(model={str(gguf_path)!r}, disk_tier='off', quantize=None,"
-        " quantize_experts=None, accelerator='auto', moe_backend='cpu')\n"
         "held['fill'] = gguf_early.start(cfg)\n"
-        "assert not held['fill'].done()\n"
+        "assert not held['fill'].done()\n",
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "1"]
+    assert out.split() == ["True", "1"]
 
 
 def test_a_fill_of_a_file_in_the_page_cache_waits_to_be_taken(gguf_path, monkeypatch):
