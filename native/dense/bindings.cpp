@@ -39,6 +39,7 @@ struct State {
   ftdense::RangeFn attention = nullptr;
   const ftdense::QDotSet* qdot = nullptr;
   ftdense::PrefillFn prefill = nullptr;
+  const ftdense::SparseKernels* sparse = nullptr;
 };
 
 State& state() {
@@ -68,6 +69,7 @@ void configure(int threads, int spin_us, const std::string& isa, bool bf16_atten
   // (cpu_bf16_attention), else on the base ISA's fp32 ones
   s.prefill = ftdense::prefill_kernel(bf16dot && bf16_attention ? std::string(bf16dot->isa)
                                                                   : bf16->isa);
+  s.sparse = &ftdense::sparse_kernels(bf16->isa);
 }
 
 // The pool and the qdot set of a call: `isa` empty for the configured one.
@@ -92,7 +94,7 @@ Configured configured() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   if (!s.pool) throw std::runtime_error("ftdense.configure() was not called");
-  return {s.pool, s.bf16, s.f32, s.bf16dot, s.attention, s.qdot, s.prefill};
+  return {s.pool, s.bf16, s.f32, s.bf16dot, s.attention, s.qdot, s.prefill, s.sparse};
 }
 
 ftdense::QType qtype_code(int code) {

@@ -12,6 +12,7 @@
 #include "prefill_attention.h"
 #include "pool.h"
 #include "qdot.h"
+#include "sparse_attention.h"
 
 namespace ftdense_py {
 
@@ -25,6 +26,7 @@ struct Configured {
   ftdense::RangeFn attention;
   const ftdense::QDotSet* qdot;
   ftdense::PrefillFn prefill;
+  const ftdense::SparseKernels* sparse;  // the base ISA's (bf16-dot ISAs take their base one)
 };
 
 // Throws std::runtime_error before ftdense.configure() ran.

@@ -27,14 +27,8 @@ ftdense::RowSource row_source(const RowArg& a) {
           reinterpret_cast<const int32_t*>(table), page_size, num_rows, table_len};
 }
 
-// By the configured base ISA, which the prefill kernel's name is ("avx512", "avx2", "emu512",
-// "scalar"; the bf16-dot ones, "avx512bf16" and "emubf16", stand for "avx512" and "scalar").
-const ftdense::SparseKernels& kernels(const Configured& c) {
-  const std::string name = c.prefill ? ftdense::prefill_kernel_name(c.prefill) : "scalar";
-  return ftdense::sparse_kernels(name == "avx512bf16" ? "avx512"
-                                 : name == "emubf16"  ? "scalar"
-                                                      : name);
-}
+// The configured base ISA's (ftdense.configure chose them).
+const ftdense::SparseKernels& kernels(const Configured& c) { return *c.sparse; }
 
 // (rows, positions address or 0, first position, count): count rows, at the int32 positions
 // given or at first .. first + count - 1.
