@@ -221,13 +221,12 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cpu_bf16_attention: Annotated[
         bool,
         about(
-            "with cpu_bf16_dot on such a CPU, the prefill attention over a bf16 KV pool on "
-            "vdpbf16ps too (queries and softmax weights rounded to bf16: about 1.8x the fp32 "
-            "kernel at 8k keys, long prompts' first token sooner); off by default: the decode "
-            "attention keeps fp32, so a prompt's results then depend on how it is chunked by "
-            "bf16 roundings (beside decoding streams, short chunks run as decode rows)"
+            "with cpu_bf16_dot on such a CPU, the attention over a bf16 KV pool on vdpbf16ps "
+            "too (queries and softmax weights rounded to bf16: the prefill about 1.8x the fp32 "
+            "kernel at 8k keys, long prompts' first token sooner; decode rows on the same "
+            "kernel, so results do not depend on how a prompt is chunked); off: fp32 kernels"
         ),
-    ] = False
+    ] = True
     huge_pages: Annotated[
         bool,
         about(

@@ -51,8 +51,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
 def _decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, list[list[int]]]:
     """Logits [steps, rows, vocab] of greedy decode steps of all prompts batched together; the
     prompts prefilled on the generic layers whatever the fast path's setting (the same keys
-    for both paths' decode steps: a short prompt would run on the fast path as rows, whose
-    attention parts from the generic prefill's by bf16 roundings under cpu_bf16_attention)."""
+    for both paths' decode steps: a short prompt would run on the fast path as rows)."""
     runner = llm.runner
     states = [runner.new_state() for _ in prompts]
     old = cpu_decode.set_enabled(False)
@@ -169,13 +168,10 @@ def test_short_prompt_chunks_run_as_rows_of_the_fast_path(ckpt, quantize, monkey
     tokens but at a near-tie, and the prompt's logits as close to transformers' as the generic
     path's (a row attending to a wrong key set would part by far more). A step with a longer
     chunk keeps the generic path."""
-    # fp32 activations: under cpu_bf16_attention (opt-in, an AVX512-BF16 CPU) the generic prefill
-    # attention rounds queries and weights to bf16 and the decode attention does not, which
-    # parts the two paths by more than their order (0.076 in these logits with q4_k_m): the
-    # path is what this test checks
+    # the engine's defaults: on an AVX512-BF16 CPU bf16 activations and the bf16 attention,
+    # whose decode rows take the generic prefill's kernel (the same bits)
     llm = LLM(
         str(ckpt), moe_backend="cpu", quantize=quantize, prefix_cache=False, max_model_len=256,
-        cpu_bf16_dot=False,
     )  # fmt: skip
     assert cpu_decode.CHUNK_ROWS == 4  # the plan below
     prompts = [list(range(3, 21)), [42] * 7, list(range(60, 63))]

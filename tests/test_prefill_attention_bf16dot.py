@@ -19,7 +19,10 @@ Checks:
   rounds;
 - batch invariance: rows do not depend on the chunking, the tile or the thread count (bit for
   bit), as the fp32 kernels' (test_prefill_attention.py runs its checks on these ISAs too);
-- a fp32 pool keeps the fp32 kernels' bits.
+- a fp32 pool keeps the fp32 kernels' bits;
+- the decode attention under these ISAs runs its queries as prompt chunks of one row on a bf16
+  pool, so a decode row has the bits of the same row in a prompt (on a fp32 pool the fp32 decode
+  kernel's).
 """
 
 from __future__ import annotations
@@ -178,16 +181,57 @@ def test_a_fp32_pool_keeps_the_fp32_kernel(isa: str, base: str) -> None:
     assert torch.equal(case.run(chunks, None, None), got)
 
 
-def test_the_engine_takes_the_bf16_attention_only_when_asked() -> None:
-    """cpu_bf16_dot puts the dense pool on avx512bf16; the prefill attention follows it only
-    with cpu_bf16_attention (EngineConfig says why it is off by default)."""
+@pytest.mark.parametrize("isa", ["emubf16", "avx512bf16"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_rows_keep_the_prompts_bits(isa: str, threads: int) -> None:
+    """Decode queries of three sequences at once (positions inside and at the ends of key
+    blocks, a window and sinks, GQA 8 and 1), and rows of a short prompt chunk: each has the bits
+    of its row of the whole prompt (decode_attention.h). On a fp32 pool the decode attention keeps the fp32 decode kernel's
+    bits (the base ISA's)."""
+    _use(isa, threads)
+    for heads, kv_heads, d in [(32, 4, 128), (4, 4, 64)]:
+        case = Case(heads, kv_heads, d, [300, 77, 140], torch.bfloat16, seed=heads + d)
+        sk = torch.randn(heads)
+        scale = d**-0.5
+        for window, sinks in [(None, None), (50, sk)]:
+            whole = case.run(case.chunks([[], [], []]), window, sinks)
+            for pos in ([0, 0, 0], [63, 64, 1], [299, 76, 139], [200, 30, 128]):
+                rows = torch.tensor([f + p for f, p in zip(case.first, pos, strict=True)]).int()
+                lens = torch.tensor(pos).int() + 1
+                got = dense_native.decode_attention(
+                    case.q, case.k, case.v, case.tables, lens, scale, window, sinks, rows=rows
+                )
+                assert torch.equal(got[rows.long()], whole[rows.long()]), (heads, window, pos)
+            # a short prompt chunk as decode rows (consecutive rows and positions of one
+            # sequence: one chunk of the prefill kernel), then a row of another sequence
+            seq = torch.tensor([0, 0, 0, 0, 2])
+            pos = torch.tensor([62, 63, 64, 65, 139]).int()
+            rows = torch.tensor([case.first[s] for s in seq.tolist()]).int() + pos
+            got = dense_native.decode_attention(
+                case.q, case.k, case.v, case.tables[seq], pos + 1, scale, window, sinks, rows=rows
+            )
+            assert torch.equal(got[rows.long()], whole[rows.long()]), (heads, window)
+    case = Case(8, 2, 64, [150, 60], torch.float32, seed=4)
+    lens, rows = torch.tensor([150, 31]).int(), torch.tensor([149, 180]).int()
+    args = (case.q, case.k, case.v, case.tables, lens, 0.125, None, None, rows)
+    got = dense_native.decode_attention(*args)[rows.long()]
+    dense_native.configure(threads, isa="avx512" if isa == "avx512bf16" else "scalar")
+    assert torch.equal(dense_native.decode_attention(*args)[rows.long()], got)
+
+
+def test_the_engine_takes_the_bf16_attention_unless_asked_not_to() -> None:
+    """cpu_bf16_dot puts the dense pool on avx512bf16 and, by default (EngineConfig's
+    cpu_bf16_attention), the prefill and decode attention with it; cpu_bf16_attention off
+    keeps them on the base ISA's fp32 kernels."""
     from freetokend.engine.build import cpu_isa
+    from freetokend.engine.engine_config import EngineConfig
     from freetokend.experts import cpu_executor
 
     if "avx512bf16" not in cpu_executor.supported_isas():
         pytest.skip("this CPU lacks AVX512-BF16")
-    assert cpu_isa(True, 2) == "avx512bf16"
-    assert dense_native.configured_isa() == "avx512bf16"
-    assert dense_native.prefill_isa() == "avx512"  # the fp32 kernel on the base ISA
+    assert EngineConfig().cpu_bf16_attention
     assert cpu_isa(True, 2, bf16_attention=True) == "avx512bf16"
     assert dense_native.prefill_isa() == "avx512bf16"
+    assert cpu_isa(True, 2, bf16_attention=False) == "avx512bf16"
+    assert dense_native.configured_isa() == "avx512bf16"
+    assert dense_native.prefill_isa() == "avx512"  # the fp32 kernel on the base ISA

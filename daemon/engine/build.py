@@ -114,7 +114,7 @@ def enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
 
 def cpu_isa(bf16_dot: bool, threads: int | None, bf16_attention: bool = False) -> str:
     """The CPU kernels' path for ``cpu_bf16_dot``: "avx512bf16" (the dense pool configured for
-    it too, process-wide; the prefill attention on it with ``cpu_bf16_attention``) where the CPU
+    it too, process-wide; the attention on it with ``cpu_bf16_attention``) where the CPU
     has AVX512-BF16, else "auto" (logged when asked for); on "auto" the dense pool leaves
     "avx512bf16" if an earlier model of this process put it there."""
 
@@ -124,7 +124,7 @@ def cpu_isa(bf16_dot: bool, threads: int | None, bf16_attention: bool = False) -
         dense_native.configure(threads, isa="avx512bf16", bf16_attention=bf16_attention)
         log.info(
             "cpu_bf16_dot: bf16 weights on vdpbf16ps (activations rounded to bf16)%s",
-            "; the prefill attention too (queries and attention weights rounded to bf16)"
+            "; the attention too (queries and attention weights rounded to bf16)"
             if bf16_attention
             else "",
         )

@@ -77,13 +77,13 @@ class EngineConfig:
     """Capture decode steps as CUDA graphs per batch bucket at load (engine/graphs.py)."""
     cpu_bf16_dot: bool = True
     """bf16 weights on the CPU on vdpbf16ps where the CPU has AVX512-BF16."""
-    cpu_bf16_attention: bool = False
-    """With ``cpu_bf16_dot`` on such a CPU, the prefill attention over a bf16 KV pool on
-    vdpbf16ps too (queries and softmax weights rounded to bf16; about 1.8x at 8k keys). Off by
-    default: the decode attention, which also runs a prompt's chunks of up to 4 tokens
-    (layers/cpu_decode.CHUNK_ROWS) and 1-token chunks, keeps fp32, so a prompt's logprobs would
-    depend on its chunking by bf16 roundings (measured 2.7e-2, beyond the 1e-2 of the batch
-    invariance, tests/test_cpu_batch_invariance.py)."""
+    cpu_bf16_attention: bool = True
+    """With ``cpu_bf16_dot`` on such a CPU, the attention over a bf16 KV pool on vdpbf16ps too
+    (queries and softmax weights rounded to bf16; the prefill about 1.8x the fp32 kernel at 8k
+    keys, decode about the same). The decode attention then runs its rows on the same kernel
+    (native/dense/decode_attention.h), so a token's attention has the same bits in a decode
+    step, a short chunk run as rows (layers/cpu_decode.CHUNK_ROWS) or a long prompt chunk: the
+    batch invariance holds (tests/test_cpu_batch_invariance.py). Off: the fp32 kernels."""
     huge_pages: bool = True
     """With the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge pages on a
     background thread once filled (models/hugepages.py: measured choices there)."""

@@ -75,9 +75,10 @@ class LLM:
                  prefill about 1.6x the fp32-activation kernels, decode about the same; the
                  fp32 kernels run where the CPU lacks it (logged) and with
                  ``cpu_bf16_dot=False``
-    cpu_bf16_attention  with cpu_bf16_dot on such a CPU, the prefill attention over a bf16 KV
-                 pool on vdpbf16ps too (queries and softmax weights rounded to bf16; about 1.8x
-                 at 8k keys); off by default (EngineConfig.cpu_bf16_attention says why)
+    cpu_bf16_attention  with cpu_bf16_dot on such a CPU, the attention over a bf16 KV pool on
+                 vdpbf16ps too (queries and softmax weights rounded to bf16; the prefill about
+                 1.8x at 8k keys; decode rows on the same kernel, the same bits as in a prompt
+                 chunk); default on, off for the fp32 kernels
     huge_pages   with the ``cpu`` backend, the weights collapsed into 2 MiB transparent huge
                  pages on a thread of its own once they are filled, beside the rest of the
                  start-up (models/hugepages.py: fewer TLB misses in the weight streams of every

@@ -92,7 +92,7 @@ def configure(
     "avx2", "scalar", or "emu512" / "emubf16" in tests). "avx512bf16" (opt-in: auto does not take
     it) runs bf16 weights on vdpbf16ps: the same x.to(bf16) @ W^T in fp32. ``bf16_attention``:
     with a bf16-dot `isa`, the prefill attention on its kernels too (queries and weights rounded
-    to bf16); None: so for a direct call naming that ISA (the kernel tests), the engine passes
+    to bf16), and the decode attention over a bf16 pool through them (`decode_attention`); None: so for a direct call naming that ISA (the kernel tests), the engine passes
     its ``cpu_bf16_attention`` (engine/build.cpu_isa)."""
     if _native is None:
         raise ImportError("the native dense projection (extension module `ftdense`) is not built")
@@ -320,6 +320,8 @@ def decode_attention(
     keys j with lens[i] - window <= j < lens[i]; sinks [heads] one extra softmax logit per head.
     ``rows`` [n] picks the rows of q (and of ``out``) that are the queries (default: all N, n = N).
     Returns ``out`` [N, heads, d] fp32 (new when not given; only the query rows are written).
+    With the pool configured for the bf16 attention (`configure`) and bf16 pages, the queries
+    run as prompt chunks of one row through the prefill kernel: the bits of `prefill_attention`.
     Check `attention_usable` first.
     """
     if rows is None:

@@ -284,7 +284,7 @@ PYBIND11_MODULE(ftdense, m) {
                                     window,
                                     reinterpret_cast<const float*>(sinks)};
         py::gil_scoped_release release;
-        ftdense::decode_attention(*c.pool, c.attention, kv, r);
+        ftdense::decode_attention(*c.pool, c.attention, kv, r, c.prefill);
       },
       py::arg("q"), py::arg("q_rows"), py::arg("out"), py::arg("heads"), py::arg("n"),
       py::arg("rows"), py::arg("lens"), py::arg("tables"), py::arg("table_stride"), py::arg("k"),

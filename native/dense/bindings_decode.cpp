@@ -198,7 +198,7 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
                        pages, page_size, 0, 0});
   const Configured c = configured();
   const std::shared_ptr<ftdense::Pool>& pool = c.pool;
-  const ftdense::DecodeKernels ks{pool.get(), c.qdot, c.bf16, c.bf16dot, c.attention};
+  const ftdense::DecodeKernels ks{pool.get(), c.qdot, c.bf16, c.bf16dot, c.attention, c.prefill};
   ftdense::ExpertsFn fn;
   // an ftnative executor's call on this module's pool (executor_bridge.h)
   const ftnative::ExternalPool ext{

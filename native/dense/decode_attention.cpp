@@ -8,6 +8,7 @@
 
 #include "cpu_features.h"
 #include "kernels_bf16dot.h"
+#include "prefill_attention.h"
 
 namespace ftdense {
 
@@ -148,6 +149,33 @@ void merge(const Job& j, int i, int h) {
   }
 }
 
+// The queries as prompt chunks through a prefill tile kernel (decode_attention.h): query i a row
+// at position lens[i] - 1; consecutive queries of one sequence (rows r, r + 1, .. at positions
+// p, p + 1, .. with the same page table: a short prompt chunk the decode step runs as rows) one
+// chunk, whose tiles read each key block once for all its rows. The bits are the same either way.
+void prefill_rows(Pool& pool, PrefillFn fn, const KvPages& kv, const DecodeRows& r) {
+  std::vector<int32_t> first, len, pos, tables;
+  const int64_t ts = r.table_stride;
+  for (int i = 0; i < r.n; ++i) {
+    const int32_t p = r.lens[i] - 1;
+    const int32_t* table = r.tables + i * ts;
+    if (!first.empty() && r.rows[i] == first.back() + len.back() && p == pos.back() + len.back() &&
+        std::equal(table, table + p / kv.page_size + 1, tables.end() - ts)) {
+      ++len.back();
+      continue;
+    }
+    first.push_back(r.rows[i]);
+    len.push_back(1);
+    pos.push_back(p);
+    tables.insert(tables.end(), table, table + ts);
+  }
+  const PrefillChunks c{r.q,          r.out,      r.q_rows,   static_cast<int>(first.size()),
+                        first.data(), len.data(), pos.data(), tables.data(),
+                        ts,           r.heads,    r.scale,    r.window,
+                        r.sinks};
+  prefill_attention(pool, fn, kv, c);
+}
+
 }  // namespace
 
 void range_scalar(const KvPages& kv, const KeyRange& r) {
@@ -198,9 +226,14 @@ const char* range_kernel_name(RangeFn fn) {
   return "scalar";
 }
 
-void decode_attention(Pool& pool, RangeFn fn, const KvPages& kv, const DecodeRows& rows) {
+void decode_attention(Pool& pool, RangeFn fn, const KvPages& kv, const DecodeRows& rows,
+                      PrefillFn prefill) {
   validate(kv, rows);
   if (rows.n == 0) return;
+  if (prefill && prefill_kernel_dot(prefill) && kv.bf16 && prefill_supported(kv.d)) {
+    prefill_rows(pool, prefill, kv, rows);
+    return;
+  }
   Job j;
   j.fn = fn == range_scalar || kv.d % 8 == 0 ? fn : range_scalar;  // AVX2 needs d % 8 == 0
   j.kv = &kv;

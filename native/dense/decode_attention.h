@@ -73,7 +73,20 @@ struct DecodeRows {
   const float* sinks;   // [heads] or null
 };
 
+// A prefill attention tile kernel (prefill_attention.h).
+struct PrefillTile;
+using PrefillFn = void (*)(const KvPages& kv, const PrefillTile& t);
+
 // Throws std::invalid_argument on a bad shape, length or page id (checked before any work).
-void decode_attention(Pool& pool, RangeFn fn, const KvPages& kv, const DecodeRows& rows);
+// `prefill`: the configured prefill tile kernel, or null. When it is a bf16-dot one
+// (prefill_kernel_dot: cpu_bf16_attention) and the pool is bf16, every query runs as a prompt
+// chunk of one row through it instead of `fn` (consecutive rows of one sequence as one chunk):
+// the row then gets the bits it gets in any prompt chunk (prefill_attention.h), so the bf16
+// roundings of that kernel do not depend on whether a token came in a prompt chunk or a decode
+// step, nor on the chunking. Its tasks are (chunk, KV head): a query's keys are not split over
+// threads, so one long sequence keeps at most kv_heads threads busy (on 2 threads, 4 KV heads,
+// measured as fast as `fn`: prefill_attention_impl.h, Ahead).
+void decode_attention(Pool& pool, RangeFn fn, const KvPages& kv, const DecodeRows& rows,
+                      PrefillFn prefill = nullptr);
 
 }  // namespace ftdense

@@ -190,7 +190,7 @@ void decode_layers(const DecodeKernels& ks, const std::vector<const DecodeLayerS
     clock.lap(kPartKvStore);
     const DecodeRows rows{qr,          att,        int64_t(t), t,           step.rows, step.lens,
                           step.tables, step.width, heads,      l.attn_scale, l.window, nullptr};
-    decode_attention(*ks.pool, ks.attention, kv, rows);
+    decode_attention(*ks.pool, ks.attention, kv, rows, ks.prefill);
     clock.lap(kPartAttention);
     project(ks, l.o, att, t, {o});
     clock.lap(kPartO);

@@ -91,6 +91,7 @@ struct DecodeKernels {
   const ftnative::KernelSet* bf16 = nullptr;
   const ftnative::Bf16DotSet* bf16dot = nullptr;  // null: bf16 weights on `bf16`'s FMA kernels
   RangeFn attention = nullptr;
+  PrefillFn prefill = nullptr;  // decode_attention's `prefill`
 };
 
 // The routed experts of a layer: x [t, H], ids [t, k] int32, w [t, k], out [t, H] (fp32).

@@ -270,6 +270,13 @@ const char* prefill_kernel_name(PrefillFn fn) {
   return "scalar";
 }
 
+bool prefill_kernel_dot(PrefillFn fn) {
+#ifndef FTNATIVE_NO_X86
+  if (fn == prefill_tile_avx512bf16) return true;
+#endif
+  return fn == prefill_tile_emubf16;
+}
+
 void prefill_attention(Pool& pool, PrefillFn fn, const KvPages& kv, const PrefillChunks& c) {
   validate(kv, c);
   Job j{fn, &kv, &c, c.heads / kv.kv_heads, {}};

@@ -49,7 +49,7 @@ struct PrefillTile {
   const int32_t* table;  // the sequence's page table
 };
 
-using PrefillFn = void (*)(const KvPages& kv, const PrefillTile& t);
+// PrefillFn, a tile kernel: decode_attention.h.
 
 // Tile kernels (one body, prefill_attention_impl.h, on each ISA's vectors): plain C++ ("scalar"),
 // AVX2+FMA, AVX-512F, and the AVX-512 geometry on emulated 16-lane vectors ("emu512", any CPU).
@@ -65,10 +65,11 @@ void prefill_tile_avx512(const KvPages& kv, const PrefillTile& t);
 // on a bf16 pool both products on bf16 pairs (vdpbf16ps; emubf16 its plain-C++ emulation, the
 // same bits), queries and weights rounded to bf16 (prefill_attention_impl.h); every tile takes
 // the tile kernel (the few-row one has no bf16-dot form). On a fp32 pool: the avx512 (scalar)
-// kernel. Batch invariance as above, within each kernel. Not across to the decode attention: a
-// prompt row that runs as a chunk of one row (layers/attention.py sends those to the fp32 decode
-// kernel) parts from the same row in a longer chunk by the bf16 roundings (~5e-3 of an output),
-// not by fp32 ones as with the fp32 kernels.
+// kernel. Batch invariance as above, and across to the decode attention: given one of these
+// kernels, decode_attention runs its rows as chunks of one row through it (decode_attention.h),
+// so a token's attention has the same bits in a decode step as in a prompt chunk of any length.
+// (The fp32 decode kernel parts from the fp32 prefill ones by fp32 roundings only, ~1e-6; from
+// these by the bf16 roundings, ~5e-3 of an output.)
 void prefill_tile_emubf16(const KvPages& kv, const PrefillTile& t);
 #ifndef FTNATIVE_NO_X86
 void prefill_tile_avx512bf16(const KvPages& kv, const PrefillTile& t);
@@ -87,6 +88,8 @@ bool prefill_small_tile(const PrefillTile& t, int lanes);
 // scalar), falling back to the best the CPU runs below it; and its name.
 PrefillFn prefill_kernel(const std::string& isa);
 const char* prefill_kernel_name(PrefillFn fn);
+// Whether fn is a bf16-dot kernel (avx512bf16, emubf16).
+bool prefill_kernel_dot(PrefillFn fn);
 
 // Head dims the kernels take.
 inline bool prefill_supported(int d) { return d > 0 && d % 16 == 0 && d <= 1024; }

@@ -459,9 +459,10 @@ def on_cpu(embed: Tensor, kv: Any, moe: Any) -> bool:
 # threads, medians of 3 (tests/bench/profile_chunk.py): n = 2 / 4 / 8 / 16 rows 20.8 / 36.8 /
 # 68.4 / 123 ms here against 26.2 / 40.4 / 61.6 / ~108 on the generic layers. A row's
 # arithmetic is a decode row's: it parts from the generic path's in the last bits (the
-# router's softmax, the attention's order) and, under cpu_bf16_attention, by the generic prefill
-# attention's bf16 roundings of queries and weights (the decode attention keeps fp32), as a
-# decode row beside a prompt always has (tests/test_cpu_batch_invariance.py's tolerances).
+# router's softmax; with the fp32 attention kernels, the attention's order; under
+# cpu_bf16_attention the decode attention runs the rows as the prefill kernel's chunk, the same
+# bits), as a decode row beside a prompt always has (tests/test_cpu_batch_invariance.py's
+# tolerances).
 CHUNK_ROWS = 4
 
 
