@@ -60,8 +60,8 @@ def kmix(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _llm(path: Path, backend: str, cache_experts: int | None = None) -> LLM:
-    """``backend`` on ``ACCEL`` (the stand-in here); ``cache_experts``: the disk tier's RAM cache in experts
-    (0: the smallest, top-k), None: the whole pool resident."""
+    """``backend`` on ``ACCEL`` (the stand-in here); ``cache_experts``: the disk tier's RAM
+    cache in experts (0: the smallest, top-k), None: the whole pool resident."""
     kw: dict[str, object] = dict(LOAD, accelerator=ACCEL, moe_slots=SLOTS)
     if backend == "hybrid":
         kw["bandwidth"] = BANDWIDTH

@@ -112,7 +112,7 @@ def enter_fake_device(accelerator: str, vram_mib: int | None) -> Any:
     return acc
 
 
-def cpu_isa(bf16_dot: bool, threads: int | None, bf16_attention: bool = False) -> str:
+def cpu_isa(bf16_dot: bool, threads: int | None, bf16_attention: bool) -> str:
     """The CPU kernels' path for ``cpu_bf16_dot``: "avx512bf16" (the dense pool configured for
     it too, process-wide; the attention on it with ``cpu_bf16_attention``) where the CPU
     has AVX512-BF16, else "auto" (logged when asked for); on "auto" the dense pool leaves

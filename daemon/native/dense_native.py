@@ -92,8 +92,9 @@ def configure(
     "avx2", "scalar", or "emu512" / "emubf16" in tests). "avx512bf16" (opt-in: auto does not take
     it) runs bf16 weights on vdpbf16ps: the same x.to(bf16) @ W^T in fp32. ``bf16_attention``:
     with a bf16-dot `isa`, the prefill attention on its kernels too (queries and weights rounded
-    to bf16), and the decode attention over a bf16 pool through them (`decode_attention`); None: so for a direct call naming that ISA (the kernel tests), the engine passes
-    its ``cpu_bf16_attention`` (engine/build.cpu_isa)."""
+    to bf16), and the decode attention over a bf16 pool through them (`decode_attention`);
+    None: so for a direct call naming that ISA (the kernel tests), the engine passes its
+    ``cpu_bf16_attention`` (engine/build.cpu_isa)."""
     if _native is None:
         raise ImportError("the native dense projection (extension module `ftdense`) is not built")
     isa = cpu_isa.resolve(isa)  # FREETOKEN_CPU_ISA forces "auto"

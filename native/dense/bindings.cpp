@@ -152,7 +152,7 @@ PYBIND11_MODULE(ftdense, m) {
   m.def("configure", &configure, py::arg("threads"), py::arg("spin_us"), py::arg("isa") = "auto",
         py::arg("bf16_attention") = false,
         "(Re)creates the thread pool (the caller counts as one thread); bf16_attention: the "
-        "prefill attention on the bf16-dot kernels too, where isa is one.");
+        "prefill and decode attention on the bf16-dot kernels too, where isa is one.");
   m.def(
       "set_spin",
       [](int spin_us) {

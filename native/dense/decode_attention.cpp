@@ -154,7 +154,8 @@ void merge(const Job& j, int i, int h) {
 // p, p + 1, .. with the same page table: a short prompt chunk the decode step runs as rows) one
 // chunk, whose tiles read each key block once for all its rows. The bits are the same either way.
 void prefill_rows(Pool& pool, PrefillFn fn, const KvPages& kv, const DecodeRows& r) {
-  std::vector<int32_t> first, len, pos, tables;
+  thread_local std::vector<int32_t> first, len, pos, tables;  // no allocation a layer and step
+  first.clear(), len.clear(), pos.clear(), tables.clear();
   const int64_t ts = r.table_stride;
   for (int i = 0; i < r.n; ++i) {
     const int32_t p = r.lens[i] - 1;

@@ -422,7 +422,7 @@ FT_TARGET void prefill_tile(const KvPages& kv, const PrefillTile& t) {
     // logits st[k, rA:rB] of the block's keys
     if constexpr (dot)
       gemm_any<V>(KeyRows{krows}, qt2 + rA, ldr, st + rA, ldr, d / 2, rB - rA, 0, nk, nullptr,
-                 ahead);
+                  ahead);
     else
       gemm<V>(kb, {ldd, 1}, qt + rA, ldr, st + rA, ldr, d, rB - rA, 0, nk, nullptr, ahead);
     // masks: a lane outside [ra, rb) or past R sees no key of the block; row r sees [ka, kb)

@@ -453,8 +453,9 @@ def on_cpu(embed: Tensor, kv: Any, moe: Any) -> bool:
 # rows (each at its position, attending to its sequence's keys through its own): the chunks a
 # paced prompt gets beside decoding streams (engine/pacing.py) are a few tokens, and the generic
 # layers cost a step a fixed few ms of Python and per-op dispatch. Past a few rows the generic
-# path wins: its prefill attention reads a block of keys once for all the chunk's rows where
-# the decode attention reads them once a row. One request of a prompt of 8192 tokens restored
+# path won (measured with the fp32 attention kernels): its prefill attention reads a block of
+# keys once for all the chunk's rows where the fp32 decode attention reads them once a row (the
+# bf16-dot one takes a chunk's rows together, native/dense/decode_attention.h). One request of a prompt of 8192 tokens restored
 # plus n new ones, Q4_K_M bench file (4 layers, Qwen3-30B-A3B geometry), AMD EPYC Zen 4 VM, 2
 # threads, medians of 3 (tests/bench/profile_chunk.py): n = 2 / 4 / 8 / 16 rows 20.8 / 36.8 /
 # 68.4 / 123 ms here against 26.2 / 40.4 / 61.6 / ~108 on the generic layers. A row's
