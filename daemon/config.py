@@ -130,11 +130,11 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "while streams decode, a long prompt's prefill chunk beside them is sized so the "
             "step takes at most about this many times a decode-only step (measured as it "
             "runs), bounding their inter-token latency; a prompt alone keeps full chunks. "
-            "0 (default) = chunks of a fixed 512 tokens (the fastest prefill, streams stall "
-            "meanwhile); 2 bounds them at a large cost to the prompt's time to first token",
+            "0 = chunks of a fixed 512 tokens (the prompt prefills faster, the streams stall "
+            "meanwhile, for minutes on a long prompt)",
             metavar="X",
         ),
-    ] = 0.0
+    ] = 3.0
     # the cap: engine/build.context_limit
     max_model_len: Annotated[
         int | None,

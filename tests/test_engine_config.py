@@ -68,12 +68,16 @@ def test_from_daemon_spills_only_with_a_spill_budget() -> None:
 
 
 def test_defaults_are_llms_and_daemons() -> None:
-    """Unset, the daemon builds the engine LLM builds with no arguments (but spilling); both
-    keep fixed prompt chunks beside decoding streams (time-sized chunks are opt-in)."""
+    """Unset, the daemon builds the engine LLM builds with no arguments (but spilling), except
+    that the daemon sizes prompt chunks beside decoding streams by time (its streams'
+    inter-token latency) where the offline LLM keeps fixed chunks (plans that do not depend on
+    timing, an offline batch's prefill at full speed)."""
     ec = EngineConfig.from_daemon(DaemonConfig(), name=None, state_dir=None)
-    assert ec == EngineConfig()
+    assert ec == dataclasses.replace(EngineConfig(), mixed_step_budget=3.0)
     assert EngineConfig().mixed_step_budget == 0
-    assert DaemonConfig(mixed_step_budget=2.0).mixed_step_budget == 2.0
+    assert DaemonConfig(mixed_step_budget=0).mixed_step_budget == 0
+    ec = EngineConfig.from_daemon(DaemonConfig(mixed_step_budget=0), name=None, state_dir=None)
+    assert ec == EngineConfig()
 
 
 def test_from_kwargs() -> None:

@@ -34,8 +34,9 @@ class EngineConfig:
     mixed_step_budget: float = 0.0
     """Beside decode rows, a prompt chunk sized so the step takes about this many times a
     decode-only step (engine/pacing.py; measured step times, so the chunks depend on timing).
-    0: chunks fill ``max_step_tokens``, the same plan on every run (the default here and in the
-    daemon, whose ``--mixed-step-budget`` turns pacing on)."""
+    0 (the default here): chunks fill ``max_step_tokens``, the same plan on every run, and an
+    offline batch prefills at full speed. The daemon paces by default (``--mixed-step-budget``,
+    3: its streams' inter-token latency matters more than one prompt's prefill)."""
     threads: int | None = None
     """CPU threads of the expert and dense kernels (default: theirs)."""
     moe_slots: int | None = None
