@@ -21,6 +21,7 @@ Oracles:
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -450,3 +451,34 @@ def test_ftw_conversion_of_a_gguf_keeps_the_blocks(tiny, tmp_path: Path) -> None
     assert torch.equal(ftw.banks.down, src.banks.down)
     ids = _prompt(16, seed=8)
     assert torch.equal(ftw.logits(ids), src.logits(ids))
+
+
+def test_a_decode_step_holds_the_workers_spinning_between_its_jobs() -> None:
+    """pool.h Pool::Hold (taken by the native decode step): with the daemon's short spin (here
+    none at all), workers sleep between any two jobs with work between them, so each next job
+    waits for a wake-up; inside a Hold they spin through such gaps (up to kHeldSpinUs), and once
+    it ends they go back to sleep (the Hold's end cuts their longer spin short; that it is
+    sooner than the 1 ms spin would end is not timed here)."""
+    import ftdense
+
+    from freetokend.native import dense_native
+
+    dense_native.configure(threads=2, spin_us=0)
+    try:
+        jobs, tasks_per_job = 20, 8  # 4 tasks a participant (pool_jobs)
+        ran, sleeps = ftdense.pool_jobs(jobs, 200, False)
+        assert ran == jobs * tasks_per_job
+        # a worker asleep when a job opens may find it done by the caller: at least most gaps
+        assert sleeps >= jobs // 2
+        start = ftdense.pool_sleeps()
+        ran, sleeps = ftdense.pool_jobs(jobs, 200, True)  # (its sleeps counted inside the Hold)
+        assert ran == jobs * tasks_per_job
+        # on a shared machine a worker descheduled for over 1 ms may sleep once or twice
+        assert sleeps <= 3
+        # the Hold is over: the worker, spinning after the last job, goes to sleep
+        deadline = time.monotonic() + 0.5
+        while ftdense.pool_sleeps() == start + sleeps and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ftdense.pool_sleeps() > start + sleeps
+    finally:
+        dense_native.configure()

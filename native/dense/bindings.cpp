@@ -3,9 +3,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -165,6 +168,32 @@ PYBIND11_MODULE(ftdense, m) {
   m.def("spin_us", [] {
     std::lock_guard<std::mutex> lock(state().mu);
     return state().pool ? state().pool->spin_us() : -1;
+  });
+  m.def(
+      "pool_jobs",
+      [](int jobs, int gap_us, bool hold) {
+        const Configured c = configured();
+        py::gil_scoped_release release;
+        const uint64_t before = c.pool->sleeps();
+        std::optional<ftdense::Pool::Hold> held;
+        if (hold) held.emplace(*c.pool);
+        std::atomic<int64_t> ran{0};
+        for (int j = 0; j < jobs; ++j) {
+          c.pool->run(
+              [](void* ctx, int64_t) { static_cast<std::atomic<int64_t>*>(ctx)->fetch_add(1); },
+              &ran, 4 * c.pool->threads());
+          const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(gap_us);
+          while (std::chrono::steady_clock::now() < end) {
+          }
+        }
+        return std::make_tuple(ran.load(), c.pool->sleeps() - before);
+      },
+      py::arg("jobs"), py::arg("gap_us"), py::arg("hold"),
+      "Tests: runs `jobs` small jobs on the pool, busy for gap_us on the caller between them, "
+      "inside a Pool::Hold (a decode step's) or not; returns (tasks run, worker sleeps).");
+  m.def("pool_sleeps", [] {
+    const Configured c = configured();
+    return c.pool->sleeps();
   });
   m.def("configured", [] {
     std::lock_guard<std::mutex> lock(state().mu);

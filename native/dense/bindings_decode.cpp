@@ -247,6 +247,7 @@ void decode_layers_call(const std::vector<const ftdense::DecodeLayerSpec*>& laye
     };
   }
   py::gil_scoped_release release;
+  const ftdense::Pool::Hold hold(*pool);  // the step's jobs without wake-ups (pool.h)
   ftdense::decode_layers(ks, layers, step, reinterpret_cast<float*>(h), fn,
                          reinterpret_cast<double*>(timings), ends ? &*ends : nullptr);
 }

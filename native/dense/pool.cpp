@@ -1,5 +1,6 @@
 #include "pool.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
@@ -75,18 +76,31 @@ void Pool::run(TaskFn fn, void* ctx, int64_t tasks) {
   while (active_.load() != 0) cpu_relax();
 }
 
+Pool::Hold::Hold(Pool& pool) : pool_(pool) { pool_.held_.fetch_add(1); }
+
+Pool::Hold::~Hold() {
+  if (pool_.held_.fetch_sub(1) == 1 && pool_.spin_us_.load() < kHeldSpinUs)
+    pool_.parks_.fetch_add(1);
+}
+
 void Pool::worker_main() {
   uint64_t seen = 0;
   for (;;) {
-    const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_.load());
+    // parks_ before held_: a Hold that ends after held_ was read bumps parks_ after this read
+    const uint64_t parks = parks_.load();
+    const int configured = spin_us_.load();
+    const int spin = held_.load() > 0 ? std::max(configured, kHeldSpinUs) : configured;
+    const auto spin_end = Clock::now() + std::chrono::microseconds(spin);
     uint64_t g = generation_.load();
-    while (g == seen && Clock::now() < spin_end) {
+    while (g == seen && Clock::now() < spin_end &&
+           (spin == configured || parks_.load(std::memory_order_relaxed) == parks)) {
       for (int i = 0; i < 64 && g == seen; ++i) {
         cpu_relax();
         g = generation_.load();
       }
     }
     if (g == seen) {
+      sleeps_.fetch_add(1, std::memory_order_relaxed);
       std::unique_lock<std::mutex> lock(mu_);
       wake_cv_.wait(lock, [&] { return generation_.load() != seen; });
       g = generation_.load();

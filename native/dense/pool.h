@@ -32,6 +32,28 @@ class Pool {
   void set_spin_us(int us) { spin_us_.store(us); }
   int spin_us() const { return spin_us_.load(); }
 
+  // While a Hold lives (a native decode step: one call from token ids to logits, dozens of
+  // jobs with short single-threaded parts between them), idle workers spin at least
+  // kHeldSpinUs between jobs, whatever set_spin_us says; when the last Hold ends, workers
+  // spinning longer than the configured spin stop and sleep. So a spin kept short for the
+  // threads that run between steps (the HTTP daemon's event loop: dense_native.SPIN_US_*)
+  // does not cost a wake-up before every job of a step.
+  class Hold {
+   public:
+    explicit Hold(Pool& pool);
+    ~Hold();
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    Pool& pool_;
+  };
+  static constexpr int kHeldSpinUs = 1000;
+
+  // How many times a worker went to sleep (stopped spinning) so far (the tests' view of the
+  // spin).
+  uint64_t sleeps() const { return sleeps_.load(); }
+
   // Blocks until every task ran. Safe from several threads: while one job holds the workers,
   // another caller runs its own tasks inline (the GIL is released during jobs, so two engine
   // threads may well call at once).
@@ -43,6 +65,9 @@ class Pool {
 
   std::vector<std::thread> workers_;
   std::atomic<int> spin_us_;
+  std::atomic<int> held_{0};         // live Holds
+  std::atomic<uint64_t> parks_{0};   // bumped when the last Hold ends: held spins stop
+  std::atomic<uint64_t> sleeps_{0};
   const long owner_pid_;
 
   // The current job; written before open_ is set, read by workers only while open_.
