@@ -69,15 +69,29 @@ def test_from_daemon_spills_only_with_a_spill_budget() -> None:
 
 def test_defaults_are_llms_and_daemons() -> None:
     """Unset, the daemon builds the engine LLM builds with no arguments (but spilling), except
-    that the daemon sizes prompt chunks beside decoding streams by time (its streams'
-    inter-token latency) where the offline LLM keeps fixed chunks (plans that do not depend on
-    timing, an offline batch's prefill at full speed)."""
+    that the daemon leaves the pacing of prompt chunks beside decoding streams to the backend
+    (build.step_budget: by time on the cpu backend, its streams' inter-token latency bounded)
+    where the offline LLM keeps fixed chunks (plans that do not depend on timing, an offline
+    batch's prefill at full speed)."""
     ec = EngineConfig.from_daemon(DaemonConfig(), name=None, state_dir=None)
-    assert ec == dataclasses.replace(EngineConfig(), mixed_step_budget=3.0)
+    assert ec == dataclasses.replace(EngineConfig(), mixed_step_budget=None)
     assert EngineConfig().mixed_step_budget == 0
-    assert DaemonConfig(mixed_step_budget=0).mixed_step_budget == 0
     ec = EngineConfig.from_daemon(DaemonConfig(mixed_step_budget=0), name=None, state_dir=None)
     assert ec == EngineConfig()
+    ec = EngineConfig.from_daemon(DaemonConfig(mixed_step_budget=2), name=None, state_dir=None)
+    assert ec.mixed_step_budget == 2
+
+
+def test_the_daemons_pacing_by_backend() -> None:
+    from freetokend.engine.build import CPU_STEP_BUDGET, step_budget
+
+    assert CPU_STEP_BUDGET == 3
+    assert step_budget(None, "cpu") == CPU_STEP_BUDGET
+    for device in ("offload", "hybrid", "fused"):
+        assert step_budget(None, device) == 0
+        assert step_budget(2.0, device) == 2.0
+    assert step_budget(0.0, "cpu") == 0
+    assert step_budget(1.5, "cpu") == 1.5
 
 
 def test_from_kwargs() -> None:
@@ -97,3 +111,15 @@ def test_llm_refuses_before_loading() -> None:
         LLM("nowhere", "offload", config=EngineConfig(), moe_slots=40)
     with pytest.raises(ValueError, match="unknown moe_backend"):
         LLM("nowhere", "gpu", config=EngineConfig())
+
+
+def test_an_unset_budget_paces_the_cpu_backend(builtin_model_dir: Path) -> None:
+    """The daemon's unset ``mixed_step_budget`` reaches the engine's pacer, resolved by the
+    backend the model was built for."""
+    from freetokend import LLM
+
+    llm = LLM(builtin_model_dir, max_model_len=64, kv_tokens=256, mixed_step_budget=None)
+    assert llm.engine.scheduler.pacer is not None
+    assert llm.engine.scheduler.pacer.budget == 3
+    fixed = LLM(builtin_model_dir, max_model_len=64, kv_tokens=256)
+    assert fixed.engine.scheduler.pacer is None

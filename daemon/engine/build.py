@@ -402,6 +402,20 @@ def prefix_reuse(
     )
 
 
+# The daemon's pacing where unset, by backend: 3 decode-only steps on the cpu backend (measured
+# there: README "Long prompts beside decoding streams"); fixed chunks on the device backends,
+# where a paced chunk's cost (its experts filled over PCIe, the whole-layer stream of long
+# chunks) has not been measured.
+CPU_STEP_BUDGET = 3.0
+
+
+def step_budget(budget: float | None, backend: str) -> float:
+    """``mixed_step_budget`` resolved: None (unset) by ``backend`` (CPU_STEP_BUDGET)."""
+    if budget is not None:
+        return budget
+    return CPU_STEP_BUDGET if backend == "cpu" else 0.0
+
+
 def engine_core(
     runner: ModelRunner,
     eos: set[int],
@@ -409,7 +423,9 @@ def engine_core(
     prefix: PrefixReuse | None,
     config: EngineConfig,
     device_scope: Callable[[], AbstractContextManager[Any]],
+    backend: str,
 ) -> EngineCore:
+    """``backend``: the MoE backend's name, ``auto`` resolved (the pacing's default)."""
     engine = EngineCore(
         runner,
         eos,
@@ -418,7 +434,7 @@ def engine_core(
         config.max_step_tokens,
         prefix=prefix,
         spill_idle_s=config.spill_idle_s,
-        mixed_step_budget=config.mixed_step_budget,
+        mixed_step_budget=step_budget(config.mixed_step_budget, backend),
     )
     engine.device_scope = device_scope
     return engine

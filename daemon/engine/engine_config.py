@@ -31,12 +31,13 @@ class EngineConfig:
     """Requests decoded together (the continuous batch)."""
     max_step_tokens: int = 512
     """Tokens one engine step runs at most (prefill chunks and decode rows)."""
-    mixed_step_budget: float = 0.0
+    mixed_step_budget: float | None = 0.0
     """Beside decode rows, a prompt chunk sized so the step takes about this many times a
     decode-only step (engine/pacing.py; measured step times, so the chunks depend on timing).
     0 (the default here): chunks fill ``max_step_tokens``, the same plan on every run, and an
-    offline batch prefills at full speed. The daemon paces by default (``--mixed-step-budget``,
-    3: its streams' inter-token latency matters more than one prompt's prefill)."""
+    offline batch prefills at full speed. None (the daemon's default, ``--mixed-step-budget``):
+    by the backend (``build.step_budget``): its streams' inter-token latency bounded on the
+    cpu backend, where it was measured."""
     threads: int | None = None
     """CPU threads of the expert and dense kernels (default: theirs)."""
     moe_slots: int | None = None

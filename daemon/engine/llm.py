@@ -139,8 +139,9 @@ class LLM:
             self.runner, self.model, config, self._anchor_ids, self._turn_header
         )
         self.engine = build.engine_core(
-            self.runner, self._eos_ids(), self.max_model_len, prefix, config, self._device_scope
-        )
+            self.runner, self._eos_ids(), self.max_model_len, prefix, config,
+            self._device_scope, parts.backend,
+        )  # fmt: skip
         self._ids = itertools.count()
         self._store: Any = None
         if config.state_dir is not None and prefix is not None and prefix.snapshots is not None:
