@@ -214,7 +214,7 @@ def child(path: str, engine: str, huge_pages: bool, profile: str | None) -> None
         prof.enable()
     llm = LLM(path, moe_backend="cpu", max_model_len=4096, kv_tokens=4096, huge_pages=huge_pages)
     t2 = time.perf_counter()
-    if prof is not None:
+    if prof is not None and profile:
         prof.disable()
         prof.dump_stats(profile)
     ids = llm.tokenizer.encode(SAMPLE)

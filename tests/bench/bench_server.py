@@ -4,7 +4,7 @@ HTTP, as agents use them (issue 44's figures).
     PYTHONPATH=... .venv/bin/python tests/bench/bench_server.py [--threads 2] [--rounds 1]
         [--prompts 2048,8192,32768] [--streams 1,2,4,8] [--itl-prompt 16384] [--quick]
         [--only load|itl|decode|ttft] [--drop-caches] [--ft-budgets 2,0] [--no-llama]
-        [--weights q4_k_m|bf16]
+        [--weights q4_k_m|bf16] [--itl-trace DIR]
 
 What it builds (cached under /tmp/ftbench-server):
 - the decode benchmark's random Qwen3-30B-A3B-geometry checkpoint (decode_ckpt.py; 4 layers,
@@ -317,8 +317,12 @@ def aggregate(url: str, seed: int, streams: int, decode: int) -> float:
     return tokens / (t1 - t0)
 
 
-def itl_during_prefill(url: str, seed: int, long_prompt: int) -> dict[str, float]:
-    """A stream decodes alone for a while, then a long prompt arrives (see the module doc)."""
+def itl_during_prefill(
+    url: str, seed: int, long_prompt: int, trace: Path | None = None
+) -> dict[str, float]:
+    """A stream decodes alone for a while, then a long prompt arrives (see the module doc).
+    ``trace``: a JSON file for the gaps meanwhile, each with its end's seconds after the long
+    prompt was sent (where in the prompt the slow steps fall)."""
     stop = threading.Event()
     a = Stream()
     # long enough to outlast the long prompt's prefill (minutes, paced); stopped below
@@ -344,7 +348,11 @@ def itl_during_prefill(url: str, seed: int, long_prompt: int) -> dict[str, float
     if len(after) < 2:
         raise RuntimeError(f"{url}: the decoding stream ended right after the long prompt")
     during = [t for t in a.events if b.sent <= t <= b.events[0]]
-    gaps = np.diff([max(e for e in a.events if e < b.sent), *during, b.events[0]])
+    ends = [*during, b.events[0]]
+    gaps = np.diff([max(e for e in a.events if e < b.sent), *ends])
+    if trace is not None:
+        rows = [[round(t - b.sent, 4), round(1e3 * g, 2)] for t, g in zip(ends, gaps, strict=True)]
+        trace.write_text(json.dumps({"at_s_gap_ms": rows}))
     return {
         "alone_p50_ms": 1e3 * float(np.median(alone)),
         "alone_after_p50_ms": 1e3 * float(np.median(np.diff(after))),
@@ -382,6 +390,10 @@ def session(
 ) -> dict:
     state = Path(tempfile.mkdtemp(prefix=f"ftbench-{engine}-"))
     out: dict = {}
+    itl_trace = None
+    if args.itl_trace is not None:
+        args.itl_trace.mkdir(parents=True, exist_ok=True)
+        itl_trace = args.itl_trace / f"{engine}-{int(time.time())}.json"
     try:
         if args.only not in ("itl", "decode", "ttft"):
             evict(path, args.drop_caches)
@@ -397,7 +409,7 @@ def session(
         try:
             if args.only == "itl":
                 print(f"  {engine}: inter-token latency during a {args.itl_prompt}-token prompt")
-                out["itl"] = itl_during_prefill(srv.url, 3000, args.itl_prompt)
+                out["itl"] = itl_during_prefill(srv.url, 3000, args.itl_prompt, itl_trace)
                 return out
             if args.only == "decode":
                 settle(srv)
@@ -419,7 +431,7 @@ def session(
                 print(
                     f"  {engine}: inter-token latency during a {args.itl_prompt}-token prompt ..."
                 )
-                out["itl"] = itl_during_prefill(srv.url, 3000, args.itl_prompt)
+                out["itl"] = itl_during_prefill(srv.url, 3000, args.itl_prompt, itl_trace)
         finally:
             srv.stop()
     finally:
@@ -533,6 +545,12 @@ def main() -> None:
         help="freetokend once per --mixed-step-budget value (e.g. 2,0); default: its default",
     )
     ap.add_argument("--no-llama", action="store_true", help="freetokend only")
+    ap.add_argument(
+        "--itl-trace",
+        type=Path,
+        help="a folder: each ITL run writes the decoding stream's gaps during the long prompt "
+        "there (ENGINE-TIME.json: [seconds after the prompt was sent, gap ms] per token)",
+    )
     ap.add_argument(
         "--weights",
         choices=("q4_k_m", "bf16"),
