@@ -1,8 +1,8 @@
 // The prefill attention tile kernel (prefill_attention_impl.h) on AVX512-BF16 ("avx512bf16", the
 // cpu_bf16_attention path): both products on vdpbf16ps, two multiply-adds per fp32 lane per
-// instruction, over bf16 queries and weights (rounded to nearest even) and the bf16 pool's keys and values;
-// the softmax state stays fp32 (prefill_tile says how). Its arithmetic is the "emubf16" kernel's
-// (prefill_attention.cpp), bit for bit. Tiles of a fp32 pool take the AVX-512 kernel.
+// instruction, over bf16 queries and weights (rounded to nearest even) and the bf16 pool's keys and
+// values; the softmax state stays fp32 (prefill_tile says how). Its arithmetic is the "emubf16"
+// kernel's (prefill_attention.cpp), bit for bit. Tiles of a fp32 pool take the AVX-512 kernel.
 #include <immintrin.h>
 
 #pragma GCC diagnostic ignored "-Wuninitialized"

@@ -449,21 +449,20 @@ def on_cpu(embed: Tensor, kv: Any, moe: Any) -> bool:
     )
 
 
-# A prompt chunk of up to this many tokens runs through the native decode step as that many
-# rows (each at its position, attending to its sequence's keys through its own): the chunks a
-# paced prompt gets beside decoding streams (engine/pacing.py) are a few tokens, and the generic
-# layers cost a step a fixed few ms of Python and per-op dispatch. Past a few rows the generic
-# path won (measured with the fp32 attention kernels): its prefill attention reads a block of
-# keys once for all the chunk's rows where the fp32 decode attention reads them once a row (the
-# bf16-dot one takes a chunk's rows together, native/dense/decode_attention.h). One request of a prompt of 8192 tokens restored
-# plus n new ones, Q4_K_M bench file (4 layers, Qwen3-30B-A3B geometry), AMD EPYC Zen 4 VM, 2
-# threads, medians of 3 (tests/bench/profile_chunk.py): n = 2 / 4 / 8 / 16 rows 20.8 / 36.8 /
-# 68.4 / 123 ms here against 26.2 / 40.4 / 61.6 / ~108 on the generic layers. A row's
-# arithmetic is a decode row's: it parts from the generic path's in the last bits (the
-# router's softmax; with the fp32 attention kernels, the attention's order; under
-# cpu_bf16_attention the decode attention runs the rows as the prefill kernel's chunk, the same
-# bits), as a decode row beside a prompt always has (tests/test_cpu_batch_invariance.py's
-# tolerances).
+# A prompt chunk of up to this many tokens runs through the native decode step as that many rows
+# (each at its position, attending to its sequence's keys through its own): the chunks a paced
+# prompt gets beside decoding streams (engine/pacing.py) are a few tokens, and the generic layers
+# cost a step a fixed few ms of Python and per-op dispatch. Past a few rows the generic path won
+# (measured with the fp32 attention kernels): its prefill attention reads a block of keys once for
+# all the chunk's rows where the fp32 decode attention reads them once a row (the bf16-dot one
+# takes a chunk's rows together, native/dense/decode_attention.h). One request of a prompt of 8192
+# tokens restored plus n new ones, Q4_K_M bench file (4 layers, Qwen3-30B-A3B geometry), AMD EPYC
+# Zen 4 VM, 2 threads, medians of 3 (tests/bench/profile_chunk.py): n = 2 / 4 / 8 / 16 rows 20.8 /
+# 36.8 / 68.4 / 123 ms here against 26.2 / 40.4 / 61.6 / ~108 on the generic layers. A row's
+# arithmetic is a decode row's: it parts from the generic path's in the last bits (the router's
+# softmax; with the fp32 attention kernels, the attention's order; under cpu_bf16_attention the
+# decode attention runs the rows as the prefill kernel's chunk, the same bits), as a decode row
+# beside a prompt always has (tests/test_cpu_batch_invariance.py's tolerances).
 CHUNK_ROWS = 4
 
 
